@@ -1,0 +1,63 @@
+// The description of a graph's tasks, shared by a graph, its runs and their traces.
+#pragma once
+
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "weave/runtime/types.hpp"
+
+namespace weave::rt {
+
+struct TaskInfo {
+  DeviceId device = 0;
+  StreamId stream = kComputeStream;
+  TaskKind kind = TaskKind::compute;
+  TaskTags tags;
+  CostHint cost;
+  GroupId group = kNoGroup;  // the rendezvous this task is a member of, if any
+  std::uint32_t name_offset = 0;
+  std::uint32_t name_size = 0;
+};
+
+// Tasks, stream names and rendezvous groups. Names live in one pool so that adding a task
+// allocates nothing per task.
+class TaskTable {
+ public:
+  TaskTable();
+
+  std::size_t size() const { return tasks_.size(); }
+  const TaskInfo& operator[](TaskId id) const { return tasks_[id]; }
+  std::string_view name(TaskId id) const {
+    const TaskInfo& t = tasks_[id];
+    return std::string_view(names_).substr(t.name_offset, t.name_size);
+  }
+  // One past the highest device any task is placed on.
+  DeviceId device_count() const { return device_count_; }
+
+  std::size_t stream_count() const { return stream_names_.size(); }
+  std::string_view stream_name(StreamId id) const { return stream_names_[id]; }
+  // The stream's id, adding the name if it is new.
+  StreamId stream(std::string_view name);
+
+  std::size_t group_count() const { return group_names_.size(); }
+  std::string_view group_name(GroupId g) const { return group_names_[g]; }
+  std::span<const TaskId> members(GroupId g) const {
+    return {group_members_.data() + group_begin_[g], group_begin_[g + 1] - group_begin_[g]};
+  }
+
+  TaskId add(const TaskInfo& info, std::string_view name);
+  GroupId add_group(std::string_view name, std::span<const TaskId> members);
+
+ private:
+  std::vector<TaskInfo> tasks_;
+  std::string names_;
+  std::vector<std::string> stream_names_;
+  std::vector<std::string> group_names_;
+  std::vector<std::uint32_t> group_begin_{0};
+  std::vector<TaskId> group_members_;
+  DeviceId device_count_ = 0;
+};
+
+}  // namespace weave::rt

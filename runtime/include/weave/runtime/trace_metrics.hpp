@@ -1,0 +1,34 @@
+// Figures derived from a trace: how busy each device and stream was and how much
+// communication was exposed (running while the device computed nothing).
+#pragma once
+
+#include <vector>
+
+#include "weave/runtime/trace.hpp"
+
+namespace weave::rt {
+
+struct DeviceMetrics {
+  std::vector<Nanos> stream_busy;  // indexed by StreamId
+  Nanos compute_busy = 0;          // union of compute tasks' spans
+  Nanos comm_busy = 0;             // union of comm and copy tasks' spans
+  Nanos exposed_comm = 0;          // comm_busy minus its overlap with compute_busy
+  Nanos busy = 0;                  // union of every span on the device
+  double idle_fraction = 0;        // 1 - busy / makespan
+};
+
+struct TraceMetrics {
+  Nanos start = 0;     // earliest span start
+  Nanos makespan = 0;  // latest end minus earliest start
+  std::vector<DeviceMetrics> devices;
+  Nanos total_compute() const;
+  Nanos total_comm() const;
+  Nanos total_exposed_comm() const;
+  // Exposed communication over the sum of device busy time: the share of the step that
+  // waits on data movement.
+  double exposed_comm_share() const;
+};
+
+TraceMetrics measure(const Trace& trace);
+
+}  // namespace weave::rt

@@ -1,0 +1,94 @@
+// One run of a graph on the executor: dependency counters, rendezvous counters, deferral
+// handshakes, cancellation and the spans of the trace.
+#pragma once
+
+#include <atomic>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "device_queues.hpp"
+#include "graph_data.hpp"
+#include "timer.hpp"
+#include "weave/runtime/executor.hpp"
+
+namespace weave::rt::detail {
+
+class RunState final : public CompletionSink {
+ public:
+  RunState(std::shared_ptr<const GraphData> graph, std::shared_ptr<DeviceQueues> queues,
+           Timer& timer, const RunOptions& options, std::uint64_t run_index);
+
+  // Pushes the sources; the run then proceeds on the queues' threads.
+  void start();
+  bool finished() const { return finished_.load(std::memory_order_seq_cst); }
+  // Called periodically by the waiting thread: detects a run stalled on deferred tasks.
+  void watch();
+  // Throws the TaskError of the first failure, if any.
+  void rethrow_if_failed() const;
+  Trace trace() const;
+
+  void begin_deferral(TaskId task) override;
+  void complete_deferred(TaskId task, std::exception_ptr error) override;
+
+ private:
+  static void run_item(void* self, std::uint32_t task);
+  void execute(TaskId task);
+  // The task's own work is over (its function returned or its deferral completed).
+  void work_done(TaskId task, TaskId* bypass);
+  void group_done(GroupId group);
+  // Completes a task: releases its successors. Ready ones go to their queues, or into
+  // *bypass (same device, to be run next by the calling thread) when that is free.
+  void finish(TaskId task, TaskId* bypass);
+  void finish_group(GroupId group);
+  // Completes one task; true if it was the last sink. Tasks skipped because the run was
+  // cancelled are appended to `skipped` for the caller to complete in turn.
+  bool complete_one(TaskId task, TaskId* bypass, std::vector<TaskId>& skipped);
+  void drain_skipped(std::vector<TaskId>& skipped, bool last);
+  void release(TaskId ready, TaskId* bypass, DeviceId here, std::vector<TaskId>& skipped);
+  void arrive(TaskId member, std::vector<TaskId>& skipped);
+  void push(TaskId task);
+  void fail(TaskId task, std::exception_ptr error);
+  void force_deferred();
+  bool try_force(TaskId task);
+  bool holds(const TaskInfo& info) const;
+  void end_run();
+
+  std::shared_ptr<const GraphData> graph_;
+  const TaskTable& table_;
+  std::shared_ptr<DeviceQueues> queues_;
+  Timer& timer_;
+  RunOptions options_;
+  std::uint64_t run_index_;
+
+  // Before a task starts: predecessors not yet completed. After: the deferral handshake bits.
+  std::unique_ptr<std::atomic<std::uint32_t>[]> pending_;
+  std::unique_ptr<std::atomic<std::uint32_t>[]> group_arrived_;
+  std::unique_ptr<std::atomic<std::uint32_t>[]> group_finished_;
+  std::vector<Nanos> group_last_arrival_;
+  std::vector<Nanos> hold_until_;  // per task, with a link model
+  std::atomic<std::uint32_t> sinks_left_;
+  std::atomic<bool> finished_{false};
+  std::atomic<bool> cancelled_{false};
+  std::atomic<std::int64_t> deferred_outstanding_{0};
+  std::atomic<std::uint64_t> deferred_completions_{0};
+
+  mutable std::mutex error_mutex_;
+  std::exception_ptr error_;
+  TaskId failed_task_ = kNoTask;
+  std::string failure_message_;
+  std::size_t other_failures_ = 0;
+
+  // Stall watchdog.
+  std::uint64_t last_progress_ = 0;
+  Nanos stalled_since_ = -1;
+
+  // Trace spans in clock ticks; 0 = not recorded.
+  std::unique_ptr<std::uint64_t[]> span_start_;
+  std::unique_ptr<std::uint64_t[]> span_end_;
+  std::uint64_t start_ticks_ = 0;
+};
+
+}  // namespace weave::rt::detail

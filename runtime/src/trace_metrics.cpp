@@ -1,0 +1,117 @@
+#include "weave/runtime/trace_metrics.hpp"
+
+#include <algorithm>
+#include <utility>
+
+namespace weave::rt {
+
+namespace {
+
+using Intervals = std::vector<std::pair<Nanos, Nanos>>;
+
+// Sorts and merges overlapping intervals in place.
+void merge(Intervals& v) {
+  std::sort(v.begin(), v.end());
+  std::size_t out = 0;
+  for (const auto& iv : v) {
+    if (out > 0 && iv.first <= v[out - 1].second) {
+      v[out - 1].second = std::max(v[out - 1].second, iv.second);
+    } else {
+      v[out++] = iv;
+    }
+  }
+  v.resize(out);
+}
+
+Nanos length(const Intervals& merged) {
+  Nanos n = 0;
+  for (const auto& [a, b] : merged)
+    n += b - a;
+  return n;
+}
+
+// Length of the intersection of two merged interval lists.
+Nanos overlap(const Intervals& x, const Intervals& y) {
+  Nanos n = 0;
+  for (std::size_t i = 0, j = 0; i < x.size() && j < y.size();) {
+    const Nanos lo = std::max(x[i].first, y[j].first);
+    const Nanos hi = std::min(x[i].second, y[j].second);
+    if (hi > lo) n += hi - lo;
+    (x[i].second < y[j].second) ? ++i : ++j;
+  }
+  return n;
+}
+
+}  // namespace
+
+TraceMetrics measure(const Trace& trace) {
+  TraceMetrics m;
+  if (trace.empty()) return m;
+  const TaskTable& tasks = trace.tasks();
+  Nanos first = trace.spans().front().start, last = trace.spans().front().end;
+  for (const Span& s : trace.spans()) {
+    first = std::min(first, s.start);
+    last = std::max(last, s.end);
+  }
+  m.start = first;
+  m.makespan = last - first;
+
+  const std::size_t devices = tasks.device_count();
+  std::vector<Intervals> compute(devices), comm(devices), all(devices);
+  std::vector<std::vector<Intervals>> streams(devices,
+                                              std::vector<Intervals>(tasks.stream_count()));
+  for (const Span& s : trace.spans()) {
+    const TaskInfo& info = tasks[s.task];
+    const std::pair<Nanos, Nanos> iv{s.start, s.end};
+    all[info.device].push_back(iv);
+    streams[info.device][info.stream].push_back(iv);
+    if (info.kind == TaskKind::compute) compute[info.device].push_back(iv);
+    if (info.kind == TaskKind::comm || info.kind == TaskKind::copy) comm[info.device].push_back(iv);
+  }
+  m.devices.resize(devices);
+  for (std::size_t d = 0; d < devices; ++d) {
+    DeviceMetrics& dm = m.devices[d];
+    merge(compute[d]);
+    merge(comm[d]);
+    merge(all[d]);
+    dm.compute_busy = length(compute[d]);
+    dm.comm_busy = length(comm[d]);
+    dm.exposed_comm = dm.comm_busy - overlap(comm[d], compute[d]);
+    dm.busy = length(all[d]);
+    dm.idle_fraction =
+        m.makespan > 0 ? 1.0 - static_cast<double>(dm.busy) / static_cast<double>(m.makespan) : 0;
+    dm.stream_busy.resize(tasks.stream_count());
+    for (std::size_t s = 0; s < tasks.stream_count(); ++s) {
+      merge(streams[d][s]);
+      dm.stream_busy[s] = length(streams[d][s]);
+    }
+  }
+  return m;
+}
+
+Nanos TraceMetrics::total_compute() const {
+  Nanos n = 0;
+  for (const auto& d : devices)
+    n += d.compute_busy;
+  return n;
+}
+Nanos TraceMetrics::total_comm() const {
+  Nanos n = 0;
+  for (const auto& d : devices)
+    n += d.comm_busy;
+  return n;
+}
+Nanos TraceMetrics::total_exposed_comm() const {
+  Nanos n = 0;
+  for (const auto& d : devices)
+    n += d.exposed_comm;
+  return n;
+}
+double TraceMetrics::exposed_comm_share() const {
+  Nanos busy = 0;
+  for (const auto& d : devices)
+    busy += d.busy;
+  return busy > 0 ? static_cast<double>(total_exposed_comm()) / static_cast<double>(busy) : 0;
+}
+
+}  // namespace weave::rt
