@@ -224,18 +224,21 @@ std::shared_ptr<detail::GraphData> GraphBuilder::Impl::compile() {
   g->succ_begin.assign(n + 1, 0);
   g->in_degree.assign(n, 0);
   for (const Edge& e : edges) {
-    ++g->succ_begin[e.from + 1];
+    ++g->succ_begin[e.from];
     ++g->in_degree[e.to];
   }
-  for (std::size_t t = 0; t < n; ++t)
-    g->succ_begin[t + 1] += g->succ_begin[t];
+  // Inclusive prefix sums make succ_begin[t] the end of row t; filling each row backwards
+  // (walking the edges from last to first) moves it to the row's start and keeps the edges of
+  // a row in the order they were added.
+  for (std::size_t t = 1; t < n; ++t)
+    g->succ_begin[t] += g->succ_begin[t - 1];
+  g->succ_begin[n] = static_cast<std::uint32_t>(edges.size());
   g->succ.resize(edges.size());
   g->succ_kind.resize(edges.size());
-  std::vector<std::uint32_t> fill(g->succ_begin.begin(), g->succ_begin.end() - 1);
-  for (const Edge& e : edges) {
-    const auto at = fill[e.from]++;
-    g->succ[at] = e.to;
-    g->succ_kind[at] = e.kind;
+  for (auto e = edges.rbegin(); e != edges.rend(); ++e) {
+    const auto at = --g->succ_begin[e->from];
+    g->succ[at] = e->to;
+    g->succ_kind[at] = e->kind;
   }
   for (TaskId t = 0; t < n; ++t) {
     if (g->in_degree[t] == 0) g->sources.push_back(t);
@@ -264,6 +267,19 @@ std::string GraphBuilder::Impl::describe_node(std::size_t node) const {
 // rendezvous start together, so an edge into any member gates all of them.
 void GraphBuilder::Impl::check_acyclic(const detail::GraphData& g) const {
   const std::size_t n = table->size();
+  if (table->group_count() == 0) {
+    // Common case, and the one that must be fast: plain Kahn over the compiled rows.
+    std::vector<std::uint32_t> indeg(g.in_degree);
+    std::vector<TaskId> ready(g.sources);
+    ready.reserve(n);
+    for (std::size_t head = 0; head < ready.size(); ++head) {
+      const TaskId t = ready[head];
+      for (auto i = g.succ_begin[t]; i < g.succ_begin[t + 1]; ++i) {
+        if (--indeg[g.succ[i]] == 0) ready.push_back(g.succ[i]);
+      }
+    }
+    if (ready.size() == n) return;
+  }
   const std::size_t nodes = n + table->group_count();
   auto node_of = [&](TaskId t) -> std::size_t {
     const GroupId grp = (*table)[t].group;

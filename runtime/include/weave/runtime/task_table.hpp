@@ -10,16 +10,18 @@
 
 namespace weave::rt {
 
+// Ordered to pack into 64 bytes: graphs of millions of tasks are built and replayed.
 struct TaskInfo {
-  DeviceId device = 0;
-  StreamId stream = kComputeStream;
-  TaskKind kind = TaskKind::compute;
-  TaskTags tags;
   CostHint cost;
+  DeviceId device = 0;
   GroupId group = kNoGroup;  // the rendezvous this task is a member of, if any
   std::uint32_t name_offset = 0;
   std::uint32_t name_size = 0;
+  TaskTags tags;
+  StreamId stream = kComputeStream;
+  TaskKind kind = TaskKind::compute;
 };
+static_assert(sizeof(TaskInfo) <= 64);
 
 // Tasks, stream names and rendezvous groups. Names live in one pool so that adding a task
 // allocates nothing per task.
