@@ -1,0 +1,31 @@
+// A cost model for a set of devices: compute at each device's modelled rate, transfers over
+// the link model's class between the devices involved.
+#pragma once
+
+#include <vector>
+
+#include "weave/devices/link_model.hpp"
+#include "weave/runtime/cost_model.hpp"
+
+namespace weave::devices {
+
+class MachineModel : public rt::CostModel {
+ public:
+  // numa_of_device[d] is device d's NUMA node; flops_per_second applies to every device.
+  MachineModel(std::vector<int> numa_of_device, double flops_per_second, LinkModel links);
+
+  // compute: flops / rate. comm and copy: the link model, over the link class between the
+  // task's device and the other members of its rendezvous (the slowest class present).
+  // host: 0. Throws std::out_of_range for a task on a device the model does not know.
+  rt::Nanos duration(const rt::TaskTable& tasks, rt::TaskId task) const override;
+
+  const LinkModel& links() const { return links_; }
+  double flops_per_second() const { return flops_per_second_; }
+
+ private:
+  std::vector<int> numa_of_device_;
+  double flops_per_second_;
+  LinkModel links_;
+};
+
+}  // namespace weave::devices

@@ -1,0 +1,57 @@
+#include "weave/devices/machine_model.hpp"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <stdexcept>
+
+namespace weave::devices {
+
+MachineModel::MachineModel(std::vector<int> numa_of_device, double flops_per_second,
+                           LinkModel links)
+    : numa_of_device_(std::move(numa_of_device)),
+      flops_per_second_(flops_per_second),
+      links_(std::move(links)) {
+  if (numa_of_device_.empty())
+    throw std::invalid_argument("a machine model needs at least one device");
+  if (!(flops_per_second > 0) || !std::isfinite(flops_per_second)) {
+    throw std::invalid_argument(
+        fmt::format("a device's modelled compute rate must be a positive FLOP/s figure (got {})",
+                    flops_per_second));
+  }
+}
+
+rt::Nanos MachineModel::duration(const rt::TaskTable& tasks, rt::TaskId task) const {
+  const rt::TaskInfo& t = tasks[task];
+  auto numa = [&](rt::DeviceId d) {
+    if (d >= numa_of_device_.size()) {
+      throw std::out_of_range(
+          fmt::format("task '{}' is on device {}, but the machine model knows {} device(s)",
+                      tasks.name(task), d, numa_of_device_.size()));
+    }
+    return numa_of_device_[d];
+  };
+  switch (t.kind) {
+    case rt::TaskKind::compute:
+      numa(t.device);
+      return static_cast<rt::Nanos>(std::llround(t.cost.flops / flops_per_second_ * 1e9));
+    case rt::TaskKind::comm:
+    case rt::TaskKind::copy: {
+      const int here = numa(t.device);
+      LinkClass link = links_.link_between(here, here);
+      if (t.group != rt::kNoGroup) {
+        for (rt::TaskId m : tasks.members(t.group)) {
+          if (links_.link_between(here, numa(tasks[m].device)) == LinkClass::cross_numa) {
+            link = LinkClass::cross_numa;  // the slowest link present sets the pace
+          }
+        }
+      }
+      return links_.duration(t.cost.bytes, t.cost.messages, link);
+    }
+    case rt::TaskKind::host:
+      return 0;
+  }
+  return 0;
+}
+
+}  // namespace weave::devices

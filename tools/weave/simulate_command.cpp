@@ -1,0 +1,184 @@
+// `weave simulate`: runs a synthetic workload on the wall clock, the virtual clock or both,
+// and reports busy, communication and exposed-communication time per device.
+#include <fmt/format.h>
+#include <CLI/CLI.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <optional>
+
+#include "commands.hpp"
+#include "synthetic_workload.hpp"
+#include "weave/devices/device_layout.hpp"
+#include "weave/devices/device_set.hpp"
+#include "weave/devices/link_model.hpp"
+#include "weave/devices/machine_model.hpp"
+#include "weave/runtime/chrome_trace.hpp"
+#include "weave/runtime/dot_writer.hpp"
+#include "weave/runtime/executor.hpp"
+#include "weave/runtime/trace_metrics.hpp"
+#include "weave/runtime/virtual_clock.hpp"
+
+namespace weave::cli {
+
+namespace {
+
+struct SimulateOptions {
+  WorkloadOptions workload;
+  std::string link = "none";
+  double device_flops = 1e11;
+  std::string timing = "both";
+  int iterations = 3;
+  std::string trace_path;
+  std::string dot_path;
+  bool json = false;
+};
+
+struct ClockReport {
+  std::string clock;
+  rt::TraceMetrics metrics;
+};
+
+nlohmann::json to_json(const ClockReport& r) {
+  nlohmann::json devices = nlohmann::json::array();
+  for (const auto& d : r.metrics.devices) {
+    devices.push_back({{"compute_ns", d.compute_busy},
+                       {"comm_ns", d.comm_busy},
+                       {"exposed_comm_ns", d.exposed_comm},
+                       {"busy_ns", d.busy},
+                       {"idle_fraction", d.idle_fraction}});
+  }
+  return {{"clock", r.clock},
+          {"makespan_ns", r.metrics.makespan},
+          {"exposed_comm_share", r.metrics.exposed_comm_share()},
+          {"devices", devices}};
+}
+
+void print(const ClockReport& r) {
+  const auto& m = r.metrics;
+  const double n = static_cast<double>(std::max<std::size_t>(1, m.devices.size()));
+  double idle = 0;
+  for (const auto& d : m.devices)
+    idle += d.idle_fraction;
+  fmt::print(
+      "{:<8} makespan {:>10.3f} ms | per device: compute {:>9.3f} ms, comm {:>9.3f} ms, "
+      "exposed comm {:>9.3f} ms ({:.1f}% of busy), idle {:.1f}%\n",
+      r.clock, m.makespan * 1e-6, m.total_compute() * 1e-6 / n, m.total_comm() * 1e-6 / n,
+      m.total_exposed_comm() * 1e-6 / n, 100 * m.exposed_comm_share(), 100 * idle / n);
+}
+
+std::string trace_path_for(const SimulateOptions& o, const std::string& clock) {
+  if (o.trace_path.empty() || o.timing != "both") return o.trace_path;
+  const std::filesystem::path p(o.trace_path);
+  return (p.parent_path() / (p.stem().string() + "." + clock + p.extension().string())).string();
+}
+
+int run_simulate(const SimulateOptions& o) {
+  const devices::LinkModel links = devices::LinkModel::preset(o.link);
+  std::vector<ClockReport> reports;
+
+  if (o.timing == "wall" || o.timing == "both") {
+    devices::DeviceSet set(o.workload.devices);
+    Workload w = build_workload(o.workload, &set);
+    std::vector<int> numa;
+    for (const auto& p : set.layout())
+      numa.push_back(p.numa_node);
+    const devices::MachineModel model(numa, o.device_flops, links);
+    rt::RunOptions run{.link_model = links.enabled() ? &model : nullptr};
+    for (int i = 1; i < o.iterations; ++i)
+      set.executor().run(w.graph, run);  // warm-up
+    run.record_trace = true;
+    const rt::RunResult result = set.executor().run(w.graph, run);
+    reports.push_back({"wall", rt::measure(result.trace)});
+    if (!o.trace_path.empty()) rt::write_chrome_trace(result.trace, trace_path_for(o, "wall"));
+    if (!o.dot_path.empty()) {
+      std::ofstream dot(o.dot_path);
+      rt::write_dot(w.graph, dot);
+    }
+  }
+  if (o.timing == "model" || o.timing == "both") {
+    const Workload w = build_workload(o.workload, nullptr);
+    const auto layout = devices::layout_devices(devices::Topology::detect(), o.workload.devices);
+    std::vector<int> numa;
+    for (const auto& p : layout)
+      numa.push_back(p.numa_node);
+    const devices::MachineModel model(numa, o.device_flops, links);
+    rt::VirtualClock clock(model);
+    const rt::VirtualRunResult result = clock.run(w.graph);
+    reports.push_back({"virtual", rt::measure(result.trace)});
+    if (!o.trace_path.empty()) rt::write_chrome_trace(result.trace, trace_path_for(o, "model"));
+    if (!o.dot_path.empty() && o.timing == "model") {
+      std::ofstream dot(o.dot_path);
+      rt::write_dot(w.graph, dot);
+    }
+  }
+
+  if (o.json) {
+    nlohmann::json out = {{"workload", o.workload.shape},
+                          {"devices", o.workload.devices},
+                          {"link", links.name()},
+                          {"clocks", nlohmann::json::array()}};
+    for (const auto& r : reports)
+      out["clocks"].push_back(to_json(r));
+    std::cout << out.dump(2) << "\n";
+  } else {
+    fmt::print("workload {} on {} devices, link {}\n", o.workload.shape, o.workload.devices,
+               links.describe());
+    for (const auto& r : reports)
+      print(r);
+    if (!o.trace_path.empty()) fmt::print("trace: {}\n", o.trace_path);
+  }
+  return 0;
+}
+
+}  // namespace
+
+void add_simulate_command(CLI::App& app) {
+  auto options = std::make_shared<SimulateOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "simulate", "Run a synthetic workload on the wall clock and/or the virtual clock");
+  auto& w = options->workload;
+  cmd->add_option("--workload", w.shape, "overlap | chain | fanout | wavefront")
+      ->check(CLI::IsMember(workload_shapes()))
+      ->capture_default_str();
+  cmd->add_option("--devices", w.devices, "Simulated devices")
+      ->check(at_least(1))
+      ->capture_default_str();
+  cmd->add_option("--layers", w.layers, "overlap: layers")
+      ->check(at_least(1))
+      ->capture_default_str();
+  cmd->add_option("--chunks", w.chunks, "overlap: chunks per layer")
+      ->check(at_least(1))
+      ->capture_default_str();
+  cmd->add_option("--flops", w.flops_per_task, "FLOPs per compute task")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--bytes", w.bytes_per_exchange, "overlap: bytes per device per layer exchanged")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--size", w.size, "chain/fanout: tasks; wavefront: side")
+      ->check(at_least(1))
+      ->capture_default_str();
+  cmd->add_option("--link", options->link, "Link model preset (see `weave topo --links`)")
+      ->capture_default_str();
+  cmd->add_option("--device-flops", options->device_flops,
+                  "Modelled compute rate of a device, FLOP/s (virtual clock)")
+      ->check(positive())
+      ->capture_default_str();
+  cmd->add_option("--timing", options->timing, "wall | model | both")
+      ->check(CLI::IsMember({"wall", "model", "both"}))
+      ->capture_default_str();
+  cmd->add_option("--iterations", options->iterations, "Wall clock: runs, the last one traced")
+      ->check(at_least(1))
+      ->capture_default_str();
+  cmd->add_option("--trace", options->trace_path,
+                  "Write the Chrome trace here (with --timing both: NAME.wall.json and "
+                  "NAME.model.json)");
+  cmd->add_option("--dump-graph", options->dot_path, "Write the graph as GraphViz DOT here");
+  cmd->add_flag("--json", options->json, "Print the report as JSON");
+  cmd->callback([options] { throw CommandExit{run_simulate(*options)}; });
+}
+
+}  // namespace weave::cli
