@@ -29,6 +29,16 @@ constexpr std::size_t kHelpBudget = 256;
 // How long a helper spins for new work before it sleeps: a sleeping thread takes tens of
 // microseconds to wake here.
 constexpr Nanos kHelperSpin = 30'000;
+// How long a drainer waits for more work on its own queue before it leaves the arena.
+constexpr Nanos kDrainerLinger = 20'000;
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
 }  // namespace
 
 bool inside_task() {
@@ -65,45 +75,74 @@ DeviceQueues::DeviceQueues(std::vector<tbb::task_arena*> arenas) {
   }
 }
 
-void DeviceQueues::push(DeviceId device, const WorkItem& item, bool urgent) {
+void DeviceQueues::push(DeviceId device, const WorkItem& item) {
+  push_batch(device, &item, 1);
+}
+
+void DeviceQueues::push_batch(DeviceId device, const WorkItem* items, std::size_t count) {
   DeviceQueue& q = *queues_[device];
   q.lock.lock();
-  if (urgent) {
-    q.urgent.push(item);
-    q.urgent_queued.fetch_add(1, std::memory_order_relaxed);
-  } else {
-    q.normal.push(item);
+  std::uint32_t urgent = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    if (items[i].urgent) {
+      q.urgent.push(items[i]);
+      ++urgent;
+    } else {
+      q.normal.push(items[i]);
+    }
   }
-  q.queued.fetch_add(1, std::memory_order_seq_cst);
+  if (urgent) q.urgent_queued.fetch_add(urgent, std::memory_order_relaxed);
+  q.queued.fetch_add(static_cast<std::uint32_t>(count), std::memory_order_seq_cst);
   q.lock.unlock();
   request_drainer(q);
   wake_helpers();
 }
 
-bool DeviceQueues::pop(DeviceQueue& q, WorkItem& item) {
-  if (q.queued.load(std::memory_order_acquire) == 0) return false;
+std::size_t DeviceQueues::pop_some(DeviceQueue& q, WorkItem* out, std::size_t most) {
+  if (q.queued.load(std::memory_order_acquire) == 0) return 0;
   q.lock.lock();
-  bool got = true;
-  if (!q.urgent.empty()) {
-    item = q.urgent.pop();
-    q.urgent_queued.fetch_sub(1, std::memory_order_relaxed);
-  } else if (!q.normal.empty()) {
-    item = q.normal.pop();
-  } else {
-    got = false;
-  }
-  if (got) {
-    q.queued.fetch_sub(1, std::memory_order_relaxed);
-    q.pops.fetch_add(1, std::memory_order_relaxed);
+  const std::size_t share =
+      q.queued.load(std::memory_order_relaxed) / static_cast<std::size_t>(q.max_drainers);
+  const std::size_t take = std::clamp<std::size_t>(share, 1, most);
+  std::size_t n = 0, urgent = 0;
+  for (; n < take && !q.urgent.empty(); ++n, ++urgent)
+    out[n] = q.urgent.pop();
+  for (; n < take && !q.normal.empty(); ++n)
+    out[n] = q.normal.pop();
+  if (n) {
+    if (urgent)
+      q.urgent_queued.fetch_sub(static_cast<std::uint32_t>(urgent), std::memory_order_relaxed);
+    q.queued.fetch_sub(static_cast<std::uint32_t>(n), std::memory_order_relaxed);
+    q.pops.fetch_add(n, std::memory_order_relaxed);
   }
   q.lock.unlock();
-  return got;
+  return n;
 }
 
 void DeviceQueues::drain(DeviceQueue& q, std::size_t budget) {
-  WorkItem item;
-  while (budget-- > 0 && pop(q, item))
-    item.run(item.target, item.arg);
+  constexpr std::size_t kBatch = 16;
+  WorkItem batch[kBatch];
+  while (budget > 0) {
+    const std::size_t n = pop_some(q, batch, std::min(budget, kBatch));
+    if (n == 0) return;
+    for (std::size_t i = 0; i < n; ++i)
+      batch[i].run(batch[i].target, batch[i].arg);
+    budget -= n;
+  }
+}
+
+bool DeviceQueues::linger(const DeviceQueue& q, const std::function<bool()>* stop) const {
+  const Nanos start = steady_now();
+  for (unsigned spin = 1;; ++spin) {
+    if (q.queued.load(std::memory_order_acquire) > 0) return true;
+    if (spin % 64 == 0) {
+      if (steady_now() - start > kDrainerLinger || (stop && (*stop)())) return false;
+      for (const auto& other : queues_) {
+        if (other.get() != &q && other->queued.load(std::memory_order_relaxed) > 0) return false;
+      }
+    }
+    cpu_relax();
+  }
 }
 
 void DeviceQueues::request_drainer(DeviceQueue& q) {
@@ -121,9 +160,12 @@ void DeviceQueues::request_drainer(DeviceQueue& q) {
 }
 
 void DeviceQueues::drainer(DeviceQueue& q) {
+  q.running.fetch_add(1, std::memory_order_seq_cst);
   for (;;) {
-    q.running.fetch_add(1, std::memory_order_seq_cst);
     drain(q, SIZE_MAX);
+    // Staying a moment costs far less than leaving and being enqueued again for the next
+    // piece of work, which is often a few hundred nanoseconds away (an event round trip).
+    if (linger(q)) continue;
     q.running.fetch_sub(1, std::memory_order_seq_cst);
     // Give the slot back, then look again: work pushed while this drainer still held the
     // slot did not start another one.
@@ -131,6 +173,7 @@ void DeviceQueues::drainer(DeviceQueue& q) {
     if (q.queued.load(std::memory_order_seq_cst) == 0) return;
     int d = q.drainers.load(std::memory_order_seq_cst);
     if (d >= q.max_drainers || !q.drainers.compare_exchange_strong(d, d + 1)) return;
+    q.running.fetch_add(1, std::memory_order_seq_cst);
   }
 }
 
@@ -167,9 +210,13 @@ void DeviceQueues::help_until(const std::function<bool()>& done, const std::func
       // When the arena is full, TBB hands this functor to a worker and waits.
       // When the arena is full, TBB hands this functor to a worker and waits. The token is
       // announced before the functor's captures are read.
-      auto help = [&q] {
+      auto help = [this, &q, &done] {
         WEAVE_HANDOFF_ACQUIRE(&g_delegation_token);
-        drain(q, kHelpBudget);
+        // Like a drainer, stay for work that is about to arrive rather than pay for entering
+        // the arena again.
+        do {
+          drain(q, kHelpBudget);
+        } while (!done() && linger(q, &done));
         WEAVE_HANDOFF_RELEASE(&g_delegation_token);
       };
       WEAVE_HANDOFF_RELEASE(&g_delegation_token);

@@ -22,11 +22,13 @@
 
 namespace weave::rt::detail {
 
-// A unit of ready work: run(target, arg). Must not throw.
+// A unit of ready work: run(target, arg). Must not throw. Urgent work (communication and host
+// bookkeeping: cheap, and it unblocks other devices) is taken before the rest.
 struct WorkItem {
   void (*run)(void* target, std::uint32_t arg);
   void* target;
   std::uint32_t arg;
+  bool urgent;
 };
 
 class SpinLock {
@@ -61,7 +63,7 @@ struct alignas(64) DeviceQueue {
   tbb::task_arena* arena = nullptr;
   int max_drainers = 1;
   SpinLock lock;
-  WorkRing urgent;  // communication and host work: cheap, and it unblocks other devices
+  WorkRing urgent;
   WorkRing normal;
   std::atomic<std::uint32_t> queued{0};
   std::atomic<std::uint32_t> urgent_queued{0};
@@ -77,7 +79,9 @@ class DeviceQueues : public std::enable_shared_from_this<DeviceQueues> {
   std::size_t size() const { return queues_.size(); }
   DeviceQueue& queue(DeviceId d) { return *queues_[d]; }
 
-  void push(DeviceId device, const WorkItem& item, bool urgent);
+  void push(DeviceId device, const WorkItem& item);
+  // Pushes several items of one device under one lock.
+  void push_batch(DeviceId device, const WorkItem* items, std::size_t count);
 
   // Runs queued work on the calling thread until done() holds. Calls tick() about every
   // `period` while idle (the stall watchdog lives there).
@@ -93,8 +97,13 @@ class DeviceQueues : public std::enable_shared_from_this<DeviceQueues> {
  private:
   void request_drainer(DeviceQueue& q);
   void drainer(DeviceQueue& q);
-  static bool pop(DeviceQueue& q, WorkItem& item);
+  // Takes up to `most` items, and no more than this thread's share of what is queued so that
+  // the arena's other threads get work too.
+  static std::size_t pop_some(DeviceQueue& q, WorkItem* out, std::size_t most);
   static void drain(DeviceQueue& q, std::size_t budget);
+  // Spins a little for more work on q before a thread leaves the arena; false when none came,
+  // another device's queue needs a thread, or *stop says so.
+  bool linger(const DeviceQueue& q, const std::function<bool()>* stop = nullptr) const;
   static bool helpable(const DeviceQueue& q);
   bool any_helpable() const;
 

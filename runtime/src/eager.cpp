@@ -104,13 +104,13 @@ void EagerStream::enqueue(Op op) {
 void EagerStream::schedule_locked() {
   scheduled_ = true;
   keep_alive_ = shared_from_this();
-  queues_->push(device_, WorkItem{&EagerStream::run_item, this, 0}, id_ != kComputeStream);
+  queues_->push(device_, WorkItem{&EagerStream::run_item, this, 0, id_ != kComputeStream});
 }
 
 void EagerStream::resume() {
   std::lock_guard lock(mutex_);
   keep_alive_ = shared_from_this();
-  queues_->push(device_, WorkItem{&EagerStream::run_item, this, 0}, id_ != kComputeStream);
+  queues_->push(device_, WorkItem{&EagerStream::run_item, this, 0, id_ != kComputeStream});
 }
 
 void EagerStream::run_item(void* self, std::uint32_t) {

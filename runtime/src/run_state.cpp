@@ -21,6 +21,17 @@ bool is_data_movement(TaskKind kind) {
 }
 }  // namespace
 
+void ReadyBatch::flush() {
+  for (std::size_t i = 0; i < size_;) {
+    std::size_t j = i + 1;
+    while (j < size_ && devices_[j] == devices_[i])
+      ++j;
+    queues_.push_batch(devices_[i], items_ + i, j - i);
+    i = j;
+  }
+  size_ = 0;
+}
+
 RunState::RunState(std::shared_ptr<const GraphData> graph, std::shared_ptr<DeviceQueues> queues,
                    Timer& timer, const RunOptions& options, std::uint64_t run_index)
     : graph_(std::move(graph)),
@@ -55,8 +66,11 @@ void RunState::start() {
     return;
   }
   std::vector<TaskId> skipped;
-  for (TaskId s : graph_->sources)
-    release(s, nullptr, 0, skipped);
+  {
+    ReadyBatch batch(*queues_);
+    for (TaskId s : graph_->sources)
+      release(s, nullptr, 0, skipped, batch);
+  }
   bool last = false;
   while (!skipped.empty()) {
     const TaskId s = skipped.back();
@@ -219,16 +233,20 @@ bool RunState::complete_one(TaskId task, TaskId* bypass, std::vector<TaskId>& sk
   const GraphData& g = *graph_;
   const DeviceId here = table_[task].device;
   const auto begin = g.succ_begin[task], end = g.succ_begin[task + 1];
-  for (auto i = begin; i < end; ++i) {
-    const TaskId s = g.succ[i];
-    if (pending_[s].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      release(s, bypass, here, skipped);
+  {
+    ReadyBatch batch(*queues_);
+    for (auto i = begin; i < end; ++i) {
+      const TaskId s = g.succ[i];
+      if (pending_[s].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+        release(s, bypass, here, skipped, batch);
+      }
     }
   }
   return begin == end && sinks_left_.fetch_sub(1, std::memory_order_acq_rel) == 1;
 }
 
-void RunState::release(TaskId ready, TaskId* bypass, DeviceId here, std::vector<TaskId>& skipped) {
+void RunState::release(TaskId ready, TaskId* bypass, DeviceId here, std::vector<TaskId>& skipped,
+                       ReadyBatch& batch) {
   const TaskInfo& info = table_[ready];
   if (info.group != kNoGroup) {
     arrive(ready, skipped);
@@ -245,7 +263,7 @@ void RunState::release(TaskId ready, TaskId* bypass, DeviceId here, std::vector<
     *bypass = ready;
     return;
   }
-  push(ready);
+  batch.add(info.device, item(ready));
 }
 
 void RunState::arrive(TaskId member, std::vector<TaskId>& skipped) {
@@ -259,13 +277,11 @@ void RunState::arrive(TaskId member, std::vector<TaskId>& skipped) {
     return;
   }
   for (TaskId m : members)
-    push(m);
+    queues_->push(table_[m].device, item(m));
 }
 
-void RunState::push(TaskId task) {
-  const TaskInfo& info = table_[task];
-  queues_->push(info.device, WorkItem{&RunState::run_item, this, task},
-                info.kind != TaskKind::compute);
+WorkItem RunState::item(TaskId task) {
+  return WorkItem{&RunState::run_item, this, task, table_[task].kind != TaskKind::compute};
 }
 
 void RunState::fail(TaskId task, std::exception_ptr error) {

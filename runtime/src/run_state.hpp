@@ -16,6 +16,27 @@
 
 namespace weave::rt::detail {
 
+// Ready tasks collected while a task's successors are released, pushed to their devices'
+// queues together: one lock per device instead of one per task.
+class ReadyBatch {
+ public:
+  explicit ReadyBatch(DeviceQueues& queues) : queues_(queues) {}
+  ~ReadyBatch() { flush(); }
+  void add(DeviceId device, const WorkItem& item) {
+    if (size_ == kCapacity) flush();
+    devices_[size_] = device;
+    items_[size_++] = item;
+  }
+  void flush();
+
+ private:
+  static constexpr std::size_t kCapacity = 32;
+  DeviceQueues& queues_;
+  DeviceId devices_[kCapacity];
+  WorkItem items_[kCapacity];
+  std::size_t size_ = 0;
+};
+
 class RunState final : public CompletionSink {
  public:
   RunState(std::shared_ptr<const GraphData> graph, std::shared_ptr<DeviceQueues> queues,
@@ -47,9 +68,10 @@ class RunState final : public CompletionSink {
   // cancelled are appended to `skipped` for the caller to complete in turn.
   bool complete_one(TaskId task, TaskId* bypass, std::vector<TaskId>& skipped);
   void drain_skipped(std::vector<TaskId>& skipped, bool last);
-  void release(TaskId ready, TaskId* bypass, DeviceId here, std::vector<TaskId>& skipped);
+  void release(TaskId ready, TaskId* bypass, DeviceId here, std::vector<TaskId>& skipped,
+               ReadyBatch& batch);
   void arrive(TaskId member, std::vector<TaskId>& skipped);
-  void push(TaskId task);
+  WorkItem item(TaskId task);
   void fail(TaskId task, std::exception_ptr error);
   void force_deferred();
   bool try_force(TaskId task);

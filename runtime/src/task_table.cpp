@@ -8,19 +8,21 @@
 
 namespace weave::rt {
 
-TaskTable::TaskTable() : stream_names_{"compute", "comm"} {}
+TaskTable::TaskTable()
+    : stream_names_{"compute", "comm"},
+      stream_ids_{{"compute", kComputeStream}, {"comm", kCommStream}} {}
 
 StreamId TaskTable::stream(std::string_view name) {
   if (name.empty()) throw std::invalid_argument("a stream needs a name");
-  for (std::size_t i = 0; i < stream_names_.size(); ++i) {
-    if (stream_names_[i] == name) return static_cast<StreamId>(i);
-  }
+  if (auto it = stream_ids_.find(name); it != stream_ids_.end()) return it->second;
   if (stream_names_.size() >= std::numeric_limits<StreamId>::max()) {
     throw std::length_error(fmt::format("too many streams: at most {} names per graph",
                                         std::numeric_limits<StreamId>::max()));
   }
+  const auto id = static_cast<StreamId>(stream_names_.size());
   stream_names_.emplace_back(name);
-  return static_cast<StreamId>(stream_names_.size() - 1);
+  stream_ids_.emplace(stream_names_.back(), id);
+  return id;
 }
 
 TaskId TaskTable::add(const TaskInfo& info, std::string_view name) {

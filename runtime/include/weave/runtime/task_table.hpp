@@ -4,6 +4,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "weave/runtime/types.hpp"
@@ -56,6 +57,11 @@ class TaskTable {
   std::vector<TaskInfo> tasks_;
   std::string names_;
   std::vector<std::string> stream_names_;
+  struct NameHash {
+    using is_transparent = void;
+    std::size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+  };
+  std::unordered_map<std::string, StreamId, NameHash, std::equal_to<>> stream_ids_;
   std::vector<std::string> group_names_;
   std::vector<std::uint32_t> group_begin_{0};
   std::vector<TaskId> group_members_;
