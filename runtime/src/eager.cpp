@@ -168,7 +168,13 @@ void EagerStream::step() {
         error_ = std::current_exception();
         failed_task_ = op.name;
       }
-      if (trace) registry_.record(*this, op, start, TickClock::ticks());
+      if (trace) {
+        try {
+          registry_.record(*this, op, start, TickClock::ticks());
+        } catch (...) {
+          // A trace that cannot grow loses a span; the stream's work is not affected.
+        }
+      }
     } else if (op.type == Op::Type::signal) {
       // Events are failed without this stream's lock held: failing wakes other streams.
       std::string task, why;
@@ -272,6 +278,10 @@ void EagerRegistry::record(const EagerStream& stream, const EagerStream::Op& op,
                            std::uint64_t start, std::uint64_t end) {
   std::lock_guard lock(mutex_);
   if (!trace_table_) return;
+  // Streams named after the trace began.
+  while (trace_table_->stream_count() < names_.stream_count()) {
+    trace_table_->stream(names_.stream_name(static_cast<StreamId>(trace_table_->stream_count())));
+  }
   TaskInfo info;
   info.device = stream.device();
   info.stream = stream.id();

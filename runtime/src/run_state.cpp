@@ -81,7 +81,14 @@ void RunState::start() {
 }
 
 void RunState::run_item(void* self, std::uint32_t task) {
-  static_cast<RunState*>(self)->execute(task);
+  auto* state = static_cast<RunState*>(self);
+  try {
+    state->execute(task);
+  } catch (...) {
+    // The runtime's own bookkeeping failed (out of memory, say): cancel the run with the
+    // error. If completions were lost on the way, watch() ends the run once it is idle.
+    state->fail(task, std::current_exception());
+  }
 }
 
 bool RunState::holds(const TaskInfo& info) const {
@@ -308,8 +315,9 @@ void RunState::watch() {
   const std::uint64_t progress =
       queues_->total_pops() + deferred_completions_.load(std::memory_order_relaxed);
   const Nanos now = steady_now();
-  if (progress != last_progress_ || timer_.pending() > 0 ||
-      deferred_outstanding_.load(std::memory_order_seq_cst) == 0 || !queues_->quiescent()) {
+  const bool cancelled = cancelled_.load(std::memory_order_seq_cst);
+  if (progress != last_progress_ || timer_.pending() > 0 || !queues_->quiescent() ||
+      (!cancelled && deferred_outstanding_.load(std::memory_order_seq_cst) == 0)) {
     last_progress_ = progress;
     stalled_since_ = -1;
     return;
@@ -319,6 +327,12 @@ void RunState::watch() {
     return;
   }
   if (now - stalled_since_ < options_.stall_timeout) return;
+  if (cancelled) {
+    // A failed run with nothing left running that still has not drained: its error is
+    // recorded, so end it rather than wait for completions that will not come.
+    end_run();
+    return;
+  }
 
   std::vector<TaskId> waiting;
   for (TaskId t = 0; t < table_.size(); ++t) {

@@ -1,0 +1,249 @@
+// Chrome trace JSON, trace metrics on hand-made spans, and the DOT writer.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <regex>
+#include <set>
+#include <sstream>
+
+#include "arenas.hpp"
+#include "weave/runtime/chrome_trace.hpp"
+#include "weave/runtime/dot_writer.hpp"
+#include "weave/runtime/executor.hpp"
+#include "weave/runtime/trace_metrics.hpp"
+#include "weave/runtime/virtual_clock.hpp"
+
+namespace weave::rt {
+namespace {
+
+Graph tagged_graph() {
+  GraphBuilder b;
+  const StreamId experts = b.stream("experts");
+  const TaskId f =
+      b.add({.device = 0,
+             .name = "layer3 \"attn\"\\fwd\nchunk",
+             .tags = {.layer = 3, .micro_batch = 1, .chunk = 0, .phase = Phase::forward},
+             .cost = {.flops = 2000}});
+  const TaskId a = b.add({.device = 1,
+                          .stream = kCommStream,
+                          .kind = TaskKind::comm,
+                          .name = "all_to_all",
+                          .tags = {.layer = 3, .virtual_stage = 1},
+                          .cost = {.bytes = 4096}});
+  const TaskId a0 = b.add({.device = 0,
+                           .stream = kCommStream,
+                           .kind = TaskKind::comm,
+                           .name = "all_to_all",
+                           .cost = {.bytes = 4096}});
+  const TaskId w =
+      b.add({.device = 2, .stream = experts, .name = "wgrad", .tags = {.phase = Phase::weight}});
+  const TaskId bwd = b.add({.device = 2, .name = "bwd", .tags = {.phase = Phase::backward}});
+  b.precede(f, a0);
+  const TaskId pair[] = {a0, a};
+  b.rendezvous("dispatch", pair);
+  b.precede(a, w);
+  b.precede(w, bwd);
+  return b.build();
+}
+
+void check_chrome_trace(const Trace& trace) {
+  std::ostringstream out;
+  write_chrome_trace(trace, out);
+  const auto j = nlohmann::json::parse(out.str());
+  ASSERT_TRUE(j["traceEvents"].is_array());
+  std::set<int> process_names;
+  std::set<std::pair<int, int>> thread_names;
+  std::map<std::string, nlohmann::json> slices;
+  for (const auto& e : j["traceEvents"]) {
+    if (e["ph"] == "M" && e["name"] == "process_name") {
+      process_names.insert(e["pid"].get<int>());
+      EXPECT_EQ(e["args"]["name"], fmt::format("device {}", e["pid"].get<int>()));
+    } else if (e["ph"] == "M" && e["name"] == "thread_name") {
+      thread_names.emplace(e["pid"].get<int>(), e["tid"].get<int>());
+    } else if (e["ph"] == "X") {
+      EXPECT_TRUE(e["ts"].is_number());
+      EXPECT_GE(e["dur"].get<double>(), 0.0);
+      slices[fmt::format("{}@{}", e["name"].get<std::string>(), e["pid"].get<int>())] = e;
+    }
+  }
+  EXPECT_EQ(process_names, (std::set<int>{0, 1, 2}));
+  EXPECT_TRUE(thread_names.count({2, 2}));  // the "experts" stream on device 2
+  ASSERT_EQ(slices.size(), 5u);
+  const auto& f = slices.at("layer3 \"attn\"\\fwd\nchunk@0");  // escaping survived
+  EXPECT_EQ(f["cat"], "compute");
+  EXPECT_EQ(f["tid"], 0);
+  EXPECT_EQ(f["args"]["layer"], 3);
+  EXPECT_EQ(f["args"]["micro_batch"], 1);
+  EXPECT_EQ(f["args"]["chunk"], 0);
+  EXPECT_EQ(f["args"]["phase"], "F");
+  EXPECT_EQ(f["args"]["flops"], 2000);
+  EXPECT_FALSE(f["args"].contains("virtual_stage"));  // unset tags are left out
+  const auto& a = slices.at("all_to_all@1");
+  EXPECT_EQ(a["cat"], "comm");
+  EXPECT_EQ(a["tid"], 1);
+  EXPECT_EQ(a["args"]["virtual_stage"], 1);
+  EXPECT_EQ(a["args"]["bytes"], 4096);
+  EXPECT_EQ(a["args"]["rendezvous"], "dispatch");
+  EXPECT_EQ(slices.at("wgrad@2")["args"]["phase"], "W");
+  EXPECT_EQ(slices.at("bwd@2")["args"]["phase"], "B");
+  EXPECT_EQ(j["otherData"]["tasks"], 5);
+}
+
+TEST(ChromeTrace, WallClockRunHasEveryFieldPerfettoNeeds) {
+  testing::Arenas arenas(3);
+  Executor executor(arenas.pointers());
+  check_chrome_trace(executor.run(tagged_graph(), {.record_trace = true}).trace);
+}
+
+TEST(ChromeTrace, VirtualClockRunWritesTheSameFormat) {
+  const UniformCostModel model(1e9, 10, 1e9);
+  const VirtualRunResult r = VirtualClock(model).run(tagged_graph());
+  check_chrome_trace(r.trace);
+  std::ostringstream out;
+  write_chrome_trace(r.trace, out);
+  const auto j = nlohmann::json::parse(out.str());
+  EXPECT_EQ(j["otherData"]["clock"], "virtual");
+  for (const auto& e : j["traceEvents"]) {
+    if (e["ph"] != "X") continue;
+    if (e["name"] == "bwd") {
+      EXPECT_DOUBLE_EQ(e["dur"].get<double>(), 0.0);
+    } else if (e["name"] == "layer3 \"attn\"\\fwd\nchunk") {
+      EXPECT_DOUBLE_EQ(e["dur"].get<double>(), 2.0);  // 2000 ns in microseconds
+    }
+  }
+}
+
+TEST(ChromeTrace, FileIsWrittenWholeOrNotAtAll) {
+  const UniformCostModel model(1e9, 10, 1e9);
+  const Trace trace = VirtualClock(model).run(tagged_graph()).trace;
+  const auto dir =
+      std::filesystem::temp_directory_path() / fmt::format("weave-trace-{}", ::getpid());
+  std::filesystem::create_directories(dir);
+  const std::string path = (dir / "step.json").string();
+  write_chrome_trace(trace, path);
+  std::ifstream in(path);
+  EXPECT_NO_THROW(nlohmann::json::parse(in));
+  EXPECT_FALSE(std::filesystem::exists(path + ".partial"));
+  const std::string bad = (dir / "missing" / "step.json").string();
+  try {
+    write_chrome_trace(trace, bad);
+    FAIL();
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find(bad), std::string::npos) << e.what();
+  }
+  std::filesystem::remove_all(dir);
+}
+
+TEST(ChromeTrace, EmptyTraceIsValidJson) {
+  std::ostringstream out;
+  write_chrome_trace(Trace(), out);
+  EXPECT_TRUE(nlohmann::json::parse(out.str())["traceEvents"].empty());
+}
+
+// Spans placed by hand: device 0 computes [0,100) and [150,250), communicates [50,200) on
+// comm and [220,300) on a copy stream; device 1 computes [0,40) only.
+TEST(TraceMetrics, ExactFiguresFromHandMadeSpans) {
+  auto table = std::make_shared<TaskTable>();
+  const StreamId copy_stream = table->stream("copy");
+  auto add = [&](DeviceId d, StreamId s, TaskKind k) {
+    TaskInfo info;
+    info.device = d;
+    info.stream = s;
+    info.kind = k;
+    return table->add(info, "t");
+  };
+  const TaskId c1 = add(0, kComputeStream, TaskKind::compute);
+  const TaskId c2 = add(0, kComputeStream, TaskKind::compute);
+  const TaskId m1 = add(0, kCommStream, TaskKind::comm);
+  const TaskId m2 = add(0, copy_stream, TaskKind::copy);
+  const TaskId e1 = add(1, kComputeStream, TaskKind::compute);
+  const Trace trace(table,
+                    {{c1, 0, 100}, {c2, 150, 250}, {m1, 50, 200}, {m2, 220, 300}, {e1, 0, 40}},
+                    ClockKind::virtual_time);
+  const TraceMetrics m = measure(trace);
+  EXPECT_EQ(m.start, 0);
+  EXPECT_EQ(m.makespan, 300);
+  ASSERT_EQ(m.devices.size(), 2u);
+  const DeviceMetrics& d0 = m.devices[0];
+  EXPECT_EQ(d0.compute_busy, 200);
+  EXPECT_EQ(d0.comm_busy, 150 + 80);
+  // Communication not covered by compute: [100,150) and [250,300).
+  EXPECT_EQ(d0.exposed_comm, 100);
+  EXPECT_EQ(d0.busy, 300);
+  EXPECT_EQ(d0.stream_busy[kComputeStream], 200);
+  EXPECT_EQ(d0.stream_busy[kCommStream], 150);
+  EXPECT_EQ(d0.stream_busy[copy_stream], 80);
+  EXPECT_DOUBLE_EQ(d0.idle_fraction, 0.0);
+  const DeviceMetrics& d1 = m.devices[1];
+  EXPECT_EQ(d1.busy, 40);
+  EXPECT_EQ(d1.exposed_comm, 0);
+  EXPECT_DOUBLE_EQ(d1.idle_fraction, 1.0 - 40.0 / 300.0);
+  EXPECT_EQ(m.total_compute(), 240);
+  EXPECT_EQ(m.total_comm(), 230);
+  EXPECT_EQ(m.total_exposed_comm(), 100);
+  EXPECT_DOUBLE_EQ(m.exposed_comm_share(), 100.0 / 340.0);
+}
+
+TEST(TraceMetrics, MakespanStartsAtTheEarliestSpan) {
+  auto table = std::make_shared<TaskTable>();
+  TaskInfo info;
+  const TaskId a = table->add(info, "a");
+  const Trace trace(table, {{a, 1000, 1500}}, ClockKind::wall);
+  const TraceMetrics m = measure(trace);
+  EXPECT_EQ(m.start, 1000);
+  EXPECT_EQ(m.makespan, 500);
+  EXPECT_DOUBLE_EQ(m.devices[0].idle_fraction, 0.0);
+}
+
+TEST(Dot, GraphIsWellFormedAndShowsKindsStreamsEventsAndRendezvous) {
+  GraphBuilder b;
+  const EventId e = b.event("ready");
+  const TaskId a = b.add({.device = 0, .name = "say \"hi\""});
+  const TaskId a2 = b.add({.device = 0, .name = "a2"});  // stream order after a
+  const TaskId s0 =
+      b.add({.device = 0, .stream = kCommStream, .kind = TaskKind::comm, .name = "s0"});
+  const TaskId s1 =
+      b.add({.device = 1, .stream = kCommStream, .kind = TaskKind::comm, .name = "s1"});
+  const TaskId h = b.add({.device = 1, .kind = TaskKind::host, .name = "h"});
+  b.precede(a, s0);
+  const TaskId pair[] = {s0, s1};
+  b.rendezvous("p2p", pair);
+  b.signal(s1, e, 1);
+  b.wait(h, e, 1);
+  (void)a2;
+  std::ostringstream out;
+  write_dot(b.build(), out);
+  const std::string dot = out.str();
+
+  EXPECT_EQ(dot.rfind("digraph", 0), 0u);
+  EXPECT_EQ(std::count(dot.begin(), dot.end(), '{'), std::count(dot.begin(), dot.end(), '}'));
+  std::set<std::string> declared;
+  const std::regex node(R"(^\s+(t\d+) \[label=)");
+  const std::regex edge(R"(^\s+(t\d+) -> (t\d+))");
+  std::istringstream lines(dot);
+  std::string line;
+  std::vector<std::pair<std::string, std::string>> edges;
+  std::smatch m;
+  while (std::getline(lines, line)) {
+    if (std::regex_search(line, m, node)) declared.insert(m[1]);
+    if (std::regex_search(line, m, edge)) edges.emplace_back(m[1], m[2]);
+  }
+  EXPECT_EQ(declared.size(), 5u);
+  for (const auto& [from, to] : edges) {
+    EXPECT_TRUE(declared.count(from)) << from;
+    EXPECT_TRUE(declared.count(to)) << to;
+  }
+  EXPECT_NE(dot.find("cluster_d0"), std::string::npos);
+  EXPECT_NE(dot.find("cluster_d1"), std::string::npos);
+  EXPECT_NE(dot.find(fmt::format("t{} -> t{} [style=dashed", a, a2)), std::string::npos);
+  EXPECT_NE(dot.find(fmt::format("t{} -> t{} [style=dotted", s1, h)), std::string::npos);
+  EXPECT_NE(dot.find("peripheries=2"), std::string::npos);
+  EXPECT_NE(dot.find("label=\"p2p\""), std::string::npos);
+  EXPECT_NE(dot.find("say \\\"hi\\\""), std::string::npos);  // quotes escaped
+}
+
+}  // namespace
+}  // namespace weave::rt
