@@ -1,5 +1,6 @@
 #include "device_queues.hpp"
 
+#include <tbb/global_control.h>
 #include <tbb/task_arena.h>
 
 #include <chrono>
@@ -147,6 +148,10 @@ bool DeviceQueues::linger(const DeviceQueue& q, const std::function<bool()>* sto
 
 void DeviceQueues::request_drainer(DeviceQueue& q) {
   int d = q.drainers.load(std::memory_order_seq_cst);
+  if (d >= q.max_drainers) return;
+  // With no worker threads at all an enqueued drainer would never run (and would hold these
+  // queues forever); the helping thread runs everything then.
+  if (tbb::global_control::active_value(tbb::global_control::max_allowed_parallelism) <= 1) return;
   while (d < q.max_drainers) {
     if (q.drainers.compare_exchange_weak(d, d + 1, std::memory_order_seq_cst)) {
       WEAVE_HANDOFF_RELEASE(&q);
@@ -252,6 +257,13 @@ bool DeviceQueues::quiescent() const {
     if (q->running.load(std::memory_order_seq_cst) != 0) return false;
   }
   return true;
+}
+
+bool DeviceQueues::drainers_pending() const {
+  for (const auto& q : queues_) {
+    if (q->drainers.load(std::memory_order_seq_cst) != 0) return true;
+  }
+  return false;
 }
 
 std::uint64_t DeviceQueues::total_pops() const {

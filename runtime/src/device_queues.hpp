@@ -93,6 +93,8 @@ class DeviceQueues : public std::enable_shared_from_this<DeviceQueues> {
   // True when no thread is inside any queue's drain loop and nothing is queued.
   bool quiescent() const;
   std::uint64_t total_pops() const;
+  // True while a drainer is enqueued in or running on some arena.
+  bool drainers_pending() const;
 
  private:
   void request_drainer(DeviceQueue& q);

@@ -46,6 +46,11 @@ Executor::~Executor() {
   }
   while (!queues_->quiescent())
     std::this_thread::yield();
+  // Drainers enqueued but not yet started hold the queues; let them run and leave, so nothing
+  // outlives the executor. Bounded: an arena no worker ever visits again must not hang us.
+  const Nanos deadline = detail::steady_now() + 1'000'000'000;
+  while (queues_->drainers_pending() && detail::steady_now() < deadline)
+    std::this_thread::yield();
   timer_.reset();
   retired_.reset();
 }
