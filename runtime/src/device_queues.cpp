@@ -139,7 +139,8 @@ bool DeviceQueues::linger(const DeviceQueue& q, const std::function<bool()>* sto
     if (spin % 64 == 0) {
       if (steady_now() - start > kDrainerLinger || (stop && (*stop)())) return false;
       for (const auto& other : queues_) {
-        if (other.get() != &q && other->queued.load(std::memory_order_relaxed) > 0) return false;
+        // Work another device's own thread will take is no reason to leave.
+        if (other.get() != &q && helpable(*other)) return false;
       }
     }
     cpu_relax();
@@ -211,8 +212,11 @@ void DeviceQueues::help_until(const std::function<bool()>& done, const std::func
       // Help only where the arena has a free slot: entering a full arena would park this
       // thread until a worker ran its share.
       if (!helpable(q)) continue;
+      // The helper counts as a drainer while it is here: work pushed meanwhile then enqueues
+      // no extra drainer, which would pull a worker into this arena's slot and make the next
+      // execute() wait for that worker.
       q.running.fetch_add(1, std::memory_order_seq_cst);
-      // When the arena is full, TBB hands this functor to a worker and waits.
+      q.drainers.fetch_add(1, std::memory_order_seq_cst);
       // When the arena is full, TBB hands this functor to a worker and waits. The token is
       // announced before the functor's captures are read.
       auto help = [this, &q, &done] {
@@ -228,6 +232,9 @@ void DeviceQueues::help_until(const std::function<bool()>& done, const std::func
       q.arena->execute(help);
       WEAVE_HANDOFF_ACQUIRE(&g_delegation_token);
       q.running.fetch_sub(1, std::memory_order_seq_cst);
+      q.drainers.fetch_sub(1, std::memory_order_seq_cst);
+      // Work pushed while this thread held the drainer slot started no drainer.
+      if (q.queued.load(std::memory_order_seq_cst) > 0) request_drainer(q);
       worked = true;
     }
     if (worked) continue;
