@@ -8,16 +8,7 @@
 #include <new>
 #include <stdexcept>
 
-// The observer is built by one thread and called on workers after a hand-off inside libtbb,
-// which ThreadSanitizer cannot see; announce it (as runtime/src/device_queues.cpp does).
-#if defined(__SANITIZE_THREAD__)
-#include <sanitizer/tsan_interface.h>
-#define WEAVE_HANDOFF_RELEASE(p) __tsan_release(p)
-#define WEAVE_HANDOFF_ACQUIRE(p) __tsan_acquire(p)
-#else
-#define WEAVE_HANDOFF_RELEASE(p) ((void)(p))
-#define WEAVE_HANDOFF_ACQUIRE(p) ((void)(p))
-#endif
+#include "weave/runtime/thread_handoff.hpp"
 
 namespace weave::devices {
 
@@ -52,6 +43,8 @@ struct Device::Pinning : tbb::task_scheduler_observer {
       : tbb::task_scheduler_observer(arena),
         topology_(topology),
         cpuset_(hwloc_bitmap_dup(cpuset)) {
+    // Workers call on_scheduler_entry after a hand-off inside libtbb.
+    rt::announce_handoff(this);
     observe(true);
   }
   ~Pinning() override {
@@ -60,7 +53,7 @@ struct Device::Pinning : tbb::task_scheduler_observer {
   }
   void on_scheduler_entry(bool is_worker) override {
     if (!is_worker) return;
-    WEAVE_HANDOFF_ACQUIRE(this);
+    rt::accept_handoff(this);
     if (t_binding.bound && hwloc_bitmap_isequal(t_binding.cpuset, cpuset_)) return;
     if (hwloc_set_cpubind(topology_, cpuset_, HWLOC_CPUBIND_THREAD) == 0) {
       hwloc_bitmap_copy(t_binding.cpuset, cpuset_);

@@ -6,24 +6,14 @@
 #include <chrono>
 
 #include "clock.hpp"
-
-// libtbb is not built with ThreadSanitizer, so the hand-off of an enqueued drainer to a worker
-// is invisible to it. Under TSan the hand-off is announced explicitly; the functor TBB copies
-// is covered by tests/tsan.supp.
-#if defined(__SANITIZE_THREAD__)
-#include <sanitizer/tsan_interface.h>
-#define WEAVE_HANDOFF_RELEASE(p) __tsan_release(p)
-#define WEAVE_HANDOFF_ACQUIRE(p) __tsan_acquire(p)
-#else
-#define WEAVE_HANDOFF_RELEASE(p) ((void)(p))
-#define WEAVE_HANDOFF_ACQUIRE(p) ((void)(p))
-#endif
+#include "weave/runtime/thread_handoff.hpp"
 
 namespace weave::rt::detail {
 
 namespace {
 thread_local bool t_inside_task = false;
-[[maybe_unused]] char g_delegation_token;  // an address for ThreadSanitizer hand-off notes
+// Drainers and delegated helpers reach workers through libtbb; see thread_handoff.hpp.
+char g_delegation_token;
 // A helper drains this many items from one queue before looking at the others, so that a
 // single thread serving many devices moves all of them forward.
 constexpr std::size_t kHelpBudget = 256;
@@ -155,9 +145,9 @@ void DeviceQueues::request_drainer(DeviceQueue& q) {
   if (tbb::global_control::active_value(tbb::global_control::max_allowed_parallelism) <= 1) return;
   while (d < q.max_drainers) {
     if (q.drainers.compare_exchange_weak(d, d + 1, std::memory_order_seq_cst)) {
-      WEAVE_HANDOFF_RELEASE(&q);
+      announce_handoff(&q);
       q.arena->enqueue([self = shared_from_this(), &q] {
-        WEAVE_HANDOFF_ACQUIRE(&q);
+        accept_handoff(&q);
         self->drainer(q);
       });
       return;
@@ -220,17 +210,17 @@ void DeviceQueues::help_until(const std::function<bool()>& done, const std::func
       // When the arena is full, TBB hands this functor to a worker and waits. The token is
       // announced before the functor's captures are read.
       auto help = [this, &q, &done] {
-        WEAVE_HANDOFF_ACQUIRE(&g_delegation_token);
+        accept_handoff(&g_delegation_token);
         // Like a drainer, stay for work that is about to arrive rather than pay for entering
         // the arena again.
         do {
           drain(q, kHelpBudget);
         } while (!done() && linger(q, &done));
-        WEAVE_HANDOFF_RELEASE(&g_delegation_token);
+        announce_handoff(&g_delegation_token);
       };
-      WEAVE_HANDOFF_RELEASE(&g_delegation_token);
+      announce_handoff(&g_delegation_token);
       q.arena->execute(help);
-      WEAVE_HANDOFF_ACQUIRE(&g_delegation_token);
+      accept_handoff(&g_delegation_token);
       q.running.fetch_sub(1, std::memory_order_seq_cst);
       q.drainers.fetch_sub(1, std::memory_order_seq_cst);
       // Work pushed while this thread held the drainer slot started no drainer.
