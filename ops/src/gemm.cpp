@@ -1,0 +1,112 @@
+#include "weave/ops/gemm.hpp"
+
+#include <fmt/format.h>
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <stdexcept>
+
+namespace weave::ops {
+namespace {
+
+template <typename T>
+using RowMajor = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+template <typename T>
+using ConstMap = Eigen::Map<const RowMajor<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
+template <typename T>
+using Map = Eigen::Map<RowMajor<T>, Eigen::Unaligned, Eigen::OuterStride<>>;
+
+// Below this many multiply-adds a product runs on the calling thread: splitting costs more.
+constexpr double kParallelMacs = 1 << 21;
+// Each parallel piece keeps at least this many rows or columns of C, so Eigen's kernels still
+// see panels wide enough to reach their speed.
+constexpr std::int64_t kMinPiece = 64;
+
+template <typename T>
+void serial_gemm(bool ta, bool tb, T alpha, MatrixView<const T> a, MatrixView<const T> b, T beta,
+                 MatrixView<T> c) {
+  if (c.rows == 0 || c.cols == 0) return;
+  Map<T> C(c.data, c.rows, c.cols, Eigen::OuterStride<>(c.stride));
+  const std::int64_t k = ta ? a.rows : a.cols;
+  if (k == 0) {
+    if (beta == T(0))
+      C.setZero();
+    else
+      C *= beta;
+    return;
+  }
+  ConstMap<T> A(a.data, a.rows, a.cols, Eigen::OuterStride<>(a.stride));
+  ConstMap<T> B(b.data, b.rows, b.cols, Eigen::OuterStride<>(b.stride));
+  if (beta == T(0)) {
+    if (!ta && !tb) C.noalias() = alpha * A * B;
+    if (!ta && tb) C.noalias() = alpha * A * B.transpose();
+    if (ta && !tb) C.noalias() = alpha * A.transpose() * B;
+    if (ta && tb) C.noalias() = alpha * A.transpose() * B.transpose();
+    return;
+  }
+  if (beta != T(1)) C *= beta;
+  if (!ta && !tb) C.noalias() += alpha * A * B;
+  if (!ta && tb) C.noalias() += alpha * A * B.transpose();
+  if (ta && !tb) C.noalias() += alpha * A.transpose() * B;
+  if (ta && tb) C.noalias() += alpha * A.transpose() * B.transpose();
+}
+
+// Rows [r0, r1) of op(A): a sub-view of A.
+template <typename T>
+MatrixView<const T> op_rows(MatrixView<const T> a, bool trans, std::int64_t r0, std::int64_t r1) {
+  if (!trans) return {a.data + r0 * a.stride, r1 - r0, a.cols, a.stride};
+  return {a.data + r0, a.rows, r1 - r0, a.stride};
+}
+// Columns [c0, c1) of op(B).
+template <typename T>
+MatrixView<const T> op_cols(MatrixView<const T> b, bool trans, std::int64_t c0, std::int64_t c1) {
+  if (!trans) return {b.data + c0, b.rows, c1 - c0, b.stride};
+  return {b.data + c0 * b.stride, c1 - c0, b.cols, b.stride};
+}
+
+}  // namespace
+
+template <typename T>
+void gemm(Transpose trans_a, Transpose trans_b, T alpha, MatrixView<const T> a,
+          MatrixView<const T> b, T beta, MatrixView<T> c) {
+  const bool ta = trans_a == Transpose::yes, tb = trans_b == Transpose::yes;
+  const std::int64_t m = ta ? a.cols : a.rows, k = ta ? a.rows : a.cols;
+  const std::int64_t kb = tb ? b.cols : b.rows, n = tb ? b.rows : b.cols;
+  if (k != kb || c.rows != m || c.cols != n)
+    throw std::invalid_argument(fmt::format(
+        "gemm: op(A) is [{}, {}], op(B) is [{}, {}] and C is [{}, {}]: need op(A) [m, k], "
+        "op(B) [k, n], C [m, n]",
+        m, k, kb, n, c.rows, c.cols));
+  const int threads = tbb::this_task_arena::max_concurrency();
+  const double macs = static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
+  const bool split_rows = m >= n;
+  const std::int64_t extent = split_rows ? m : n;
+  const std::int64_t pieces =
+      std::min<std::int64_t>(threads, std::max<std::int64_t>(1, extent / kMinPiece));
+  if (threads <= 1 || macs < kParallelMacs || pieces <= 1) {
+    serial_gemm<T>(ta, tb, alpha, a, b, beta, c);
+    return;
+  }
+  // Pieces of equal size, rounded to multiples of 16 so Eigen's register blocks line up.
+  const std::int64_t step = (extent / pieces + 15) / 16 * 16;
+  tbb::parallel_for(std::int64_t{0}, (extent + step - 1) / step, [&](std::int64_t p) {
+    const std::int64_t lo = p * step, hi = std::min(extent, lo + step);
+    if (split_rows) {
+      serial_gemm<T>(ta, tb, alpha, op_rows(a, ta, lo, hi), b, beta,
+                     {c.data + lo * c.stride, hi - lo, c.cols, c.stride});
+    } else {
+      serial_gemm<T>(ta, tb, alpha, a, op_cols(b, tb, lo, hi), beta,
+                     {c.data + lo, c.rows, hi - lo, c.stride});
+    }
+  });
+}
+
+template void gemm(Transpose, Transpose, float, MatrixView<const float>, MatrixView<const float>,
+                   float, MatrixView<float>);
+template void gemm(Transpose, Transpose, double, MatrixView<const double>,
+                   MatrixView<const double>, double, MatrixView<double>);
+
+}  // namespace weave::ops
