@@ -1,0 +1,46 @@
+// Scaled dot-product attention, computed blockwise with an online softmax (flash-attention
+// style): scores are never held for the whole sequence, only a block of queries against a
+// block of keys at a time.
+//
+// Layout: q [b, sq, h, d]; k, v [b, sk, h, d]; o [b, sq, h, d]; lse [b, h, sq]. Views are
+// fine (q may be a sequence slice of a larger tensor) as long as the last dimension is
+// contiguous.
+//
+// Offsets place the tensors in the full sequence: query row i is position q_offset + i and
+// key row j is position k_offset + j; with a causal mask a query sees the keys at positions
+// <= its own. A chunk of queries with q_offset set, against whole keys and values, therefore
+// gives exactly the rows of the full sequence's output — Ampipe's sequence chunks and
+// context parallelism's ring steps rely on this.
+#pragma once
+
+#include <cstdint>
+
+#include "weave/ops/tensor.hpp"
+
+namespace weave::ops {
+
+struct AttentionOptions {
+  bool causal = true;
+  std::int64_t q_offset = 0;
+  std::int64_t k_offset = 0;
+  double scale = 0;  // 0: 1 / sqrt(d)
+};
+
+// Writes o and lse (natural log-sum-exp of each query row's scaled, masked scores; -inf and a
+// zero output for a row that sees no key).
+template <typename T>
+void attention_forward(const AttentionOptions& options, const BasicTensor<T>& q,
+                       const BasicTensor<T>& k, const BasicTensor<T>& v, const BasicTensor<T>& o,
+                       const BasicTensor<T>& lse);
+
+// From the forward's o and lse and the output gradient do: writes dq; ACCUMULATES dk and dv
+// (+=), since every query chunk adds to the same keys' and values' gradients. Uses
+// D = rowsum(do * o) and recomputes the probabilities from lse.
+template <typename T>
+void attention_backward(const AttentionOptions& options, const BasicTensor<T>& q,
+                        const BasicTensor<T>& k, const BasicTensor<T>& v, const BasicTensor<T>& o,
+                        const BasicTensor<T>& lse, const BasicTensor<T>& d_o,
+                        const BasicTensor<T>& dq, const BasicTensor<T>& dk,
+                        const BasicTensor<T>& dv);
+
+}  // namespace weave::ops
