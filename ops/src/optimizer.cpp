@@ -1,0 +1,121 @@
+#include "weave/ops/optimizer.hpp"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <stdexcept>
+
+namespace weave::ops {
+
+namespace {
+
+template <typename T>
+void check_state(const char* what, const BasicTensor<T>& param, const BasicTensor<T>& other) {
+  if (!other.is_contiguous())
+    throw std::invalid_argument(fmt::format("{} must be contiguous", what));
+  check_shape(what, other.shape(), param.shape());
+}
+
+void check_step(std::int64_t step) {
+  if (step < 1)
+    throw std::invalid_argument(fmt::format("optimizer steps count from 1, got {}", step));
+}
+
+}  // namespace
+
+template <typename T>
+void adamw_step(const AdamWOptions& o, std::int64_t step, const BasicTensor<T>& param,
+                const BasicTensor<T>& grad, const BasicTensor<T>& exp_avg,
+                const BasicTensor<T>& exp_avg_sq) {
+  check_step(step);
+  if (!param.is_contiguous()) throw std::invalid_argument("AdamW parameter must be contiguous");
+  check_state("AdamW gradient", param, grad);
+  check_state("AdamW exp_avg", param, exp_avg);
+  check_state("AdamW exp_avg_sq", param, exp_avg_sq);
+  if (!(o.beta1 >= 0 && o.beta1 < 1 && o.beta2 >= 0 && o.beta2 < 1 && o.eps >= 0 && o.lr >= 0))
+    throw std::invalid_argument(fmt::format(
+        "AdamW needs 0 <= beta1, beta2 < 1 and lr, eps >= 0; got lr {}, betas ({}, {}), eps {}",
+        o.lr, o.beta1, o.beta2, o.eps));
+  const double bc1 = 1 - std::pow(o.beta1, static_cast<double>(step));
+  const double bc2 = 1 - std::pow(o.beta2, static_cast<double>(step));
+  const T decay = static_cast<T>(1 - o.lr * o.weight_decay);
+  const T b1 = static_cast<T>(o.beta1), b2 = static_cast<T>(o.beta2);
+  const T step_size = static_cast<T>(o.lr / bc1);
+  const T sqrt_bc2 = static_cast<T>(std::sqrt(bc2));
+  const T eps = static_cast<T>(o.eps);
+  T* p = param.data();
+  const T* g = grad.data();
+  T* m = exp_avg.data();
+  T* v = exp_avg_sq.data();
+  for (std::int64_t i = 0, n = param.numel(); i < n; ++i) {
+    p[i] *= decay;
+    m[i] = b1 * m[i] + (T(1) - b1) * g[i];
+    v[i] = b2 * v[i] + (T(1) - b2) * g[i] * g[i];
+    p[i] -= step_size * m[i] / (std::sqrt(v[i]) / sqrt_bc2 + eps);
+  }
+}
+
+template <typename T>
+void sgd_step(const SgdOptions& o, std::int64_t step, const BasicTensor<T>& param,
+              const BasicTensor<T>& grad, const BasicTensor<T>& buffer) {
+  check_step(step);
+  if (!param.is_contiguous()) throw std::invalid_argument("SGD parameter must be contiguous");
+  check_state("SGD gradient", param, grad);
+  if (o.momentum != 0) check_state("SGD momentum buffer", param, buffer);
+  if (o.nesterov && (o.momentum <= 0 || o.dampening != 0))
+    throw std::invalid_argument("SGD Nesterov momentum needs momentum > 0 and dampening 0");
+  const T lr = static_cast<T>(o.lr), wd = static_cast<T>(o.weight_decay),
+          mu = static_cast<T>(o.momentum), damp = static_cast<T>(1 - o.dampening);
+  T* p = param.data();
+  const T* g = grad.data();
+  T* b = o.momentum != 0 ? buffer.data() : nullptr;
+  for (std::int64_t i = 0, n = param.numel(); i < n; ++i) {
+    T d = g[i] + wd * p[i];
+    if (b) {
+      b[i] = step == 1 ? d : mu * b[i] + damp * d;
+      d = o.nesterov ? d + mu * b[i] : b[i];
+    }
+    p[i] -= lr * d;
+  }
+}
+
+template <typename T>
+double squared_norm(std::span<const BasicTensor<T>> grads) {
+  double sum = 0;
+  for (const BasicTensor<T>& g : grads)
+    for (T x : g.to_vector())
+      sum += static_cast<double>(x) * static_cast<double>(x);
+  return sum;
+}
+
+double clip_coefficient(double total_norm, double max_norm) {
+  if (!(max_norm > 0))
+    throw std::invalid_argument(fmt::format("gradient clipping max norm must be > 0, got {}", max_norm));
+  return std::min(1.0, max_norm / (total_norm + 1e-6));
+}
+
+template <typename T>
+double clip_grad_norm(std::span<const BasicTensor<T>> grads, double max_norm) {
+  const double norm = std::sqrt(squared_norm(grads));
+  const T coef = static_cast<T>(clip_coefficient(norm, max_norm));
+  if (coef < T(1))
+    for (const BasicTensor<T>& g : grads)
+      for (std::int64_t r = 0; r < g.rows(); ++r) {
+        T* row = g.row(r);
+        for (std::int64_t c = 0; c < g.dim(-1); ++c)
+          row[c] *= coef;
+      }
+  return norm;
+}
+
+#define WEAVE_INSTANTIATE(T)                                                                   \
+  template void adamw_step(const AdamWOptions&, std::int64_t, const BasicTensor<T>&,           \
+                           const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&); \
+  template void sgd_step(const SgdOptions&, std::int64_t, const BasicTensor<T>&,               \
+                         const BasicTensor<T>&, const BasicTensor<T>&);                        \
+  template double squared_norm(std::span<const BasicTensor<T>>);                               \
+  template double clip_grad_norm(std::span<const BasicTensor<T>>, double);
+WEAVE_INSTANTIATE(float)
+WEAVE_INSTANTIATE(double)
+
+}  // namespace weave::ops
