@@ -31,7 +31,8 @@ T gelu_derivative(GeluForm form, T x) {
     const T t = std::tanh(c * (x + T(0.044715) * x * x * x));
     return T(0.5) * (T(1) + t) + T(0.5) * x * (T(1) - t * t) * c * (T(1) + T(3 * 0.044715) * x * x);
   }
-  const T pdf = std::exp(T(-0.5) * x * x) * static_cast<T>(std::numbers::inv_sqrtpi / std::numbers::sqrt2);
+  const T pdf =
+      std::exp(T(-0.5) * x * x) * static_cast<T>(std::numbers::inv_sqrtpi / std::numbers::sqrt2);
   return T(0.5) * (T(1) + std::erf(x / static_cast<T>(std::numbers::sqrt2))) + x * pdf;
 }
 
@@ -102,8 +103,7 @@ void swiglu_forward(const BasicTensor<T>& x, const BasicTensor<T>& y) {
 }
 
 template <typename T>
-void swiglu_backward(const BasicTensor<T>& x, const BasicTensor<T>& dy,
-                     const BasicTensor<T>& dx) {
+void swiglu_backward(const BasicTensor<T>& x, const BasicTensor<T>& dy, const BasicTensor<T>& dx) {
   check_rows("swiglu input", x);
   check_same("swiglu input gradient", x, dx);
   const std::int64_t f = x.dim(-1) / 2;
@@ -128,12 +128,12 @@ void swiglu_backward(const BasicTensor<T>& x, const BasicTensor<T>& dy,
   });
 }
 
-#define WEAVE_INSTANTIATE(T)                                                                   \
-  template void gelu_forward(GeluForm, const BasicTensor<T>&, const BasicTensor<T>&);          \
-  template void gelu_backward(GeluForm, const BasicTensor<T>&, const BasicTensor<T>&,          \
-                              const BasicTensor<T>&);                                          \
-  template void swiglu_forward(const BasicTensor<T>&, const BasicTensor<T>&);                  \
-  template void swiglu_backward(const BasicTensor<T>&, const BasicTensor<T>&,                  \
+#define WEAVE_INSTANTIATE(T)                                                          \
+  template void gelu_forward(GeluForm, const BasicTensor<T>&, const BasicTensor<T>&); \
+  template void gelu_backward(GeluForm, const BasicTensor<T>&, const BasicTensor<T>&, \
+                              const BasicTensor<T>&);                                 \
+  template void swiglu_forward(const BasicTensor<T>&, const BasicTensor<T>&);         \
+  template void swiglu_backward(const BasicTensor<T>&, const BasicTensor<T>&,         \
                                 const BasicTensor<T>&);
 WEAVE_INSTANTIATE(float)
 WEAVE_INSTANTIATE(double)

@@ -26,8 +26,8 @@ using ConstRowsMap = Eigen::Map<const Matrix<T>, Eigen::Unaligned, Eigen::OuterS
 
 // Rows [first, first + count) of head h of batch entry b of a [b, s, h, d] tensor.
 template <typename T>
-ConstRowsMap<T> rows_of(const BasicTensor<T>& t, std::int64_t b, std::int64_t h,
-                        std::int64_t first, std::int64_t count) {
+ConstRowsMap<T> rows_of(const BasicTensor<T>& t, std::int64_t b, std::int64_t h, std::int64_t first,
+                        std::int64_t count) {
   return ConstRowsMap<T>(t.data() + b * t.stride(0) + first * t.stride(1) + h * t.stride(2), count,
                          t.dim(3), Eigen::OuterStride<>(t.stride(1)));
 }
@@ -94,7 +94,8 @@ void attention_forward(const AttentionOptions& opt, const BasicTensor<T>& q,
     const std::int64_t i0 = qb * kQueryBlock, rows = std::min(kQueryBlock, sq - i0);
     const auto Q = rows_of(q, b, h, i0, rows);
     Matrix<T> acc = Matrix<T>::Zero(rows, d);
-    Eigen::Array<T, Eigen::Dynamic, 1> m = Eigen::Array<T, Eigen::Dynamic, 1>::Constant(rows, kNegInf);
+    Eigen::Array<T, Eigen::Dynamic, 1> m =
+        Eigen::Array<T, Eigen::Dynamic, 1>::Constant(rows, kNegInf);
     Eigen::Array<T, Eigen::Dynamic, 1> l = Eigen::Array<T, Eigen::Dynamic, 1>::Zero(rows);
     const std::int64_t keys = visible_keys(opt, i0 + rows - 1, sk);
     Matrix<T> s;
@@ -182,8 +183,8 @@ void attention_backward(const AttentionOptions& opt, const BasicTensor<T>& q,
           const std::int64_t seen = visible_keys(opt, i0 + i, sk) - j0;
           const T l = lse_row[i0 + i];
           for (std::int64_t j = 0; j < cols; ++j)
-            s(i, j) = j < seen && l != -std::numeric_limits<T>::infinity() ? std::exp(s(i, j) - l)
-                                                                           : T(0);
+            s(i, j) =
+                j < seen && l != -std::numeric_limits<T>::infinity() ? std::exp(s(i, j) - l) : T(0);
         }
         dV.noalias() += s.transpose() * dO;
         dp.noalias() = dO * V.transpose();
@@ -200,15 +201,14 @@ void attention_backward(const AttentionOptions& opt, const BasicTensor<T>& q,
   tbb::parallel_for(std::int64_t{0}, B * H, head);
 }
 
-#define WEAVE_INSTANTIATE(T)                                                                   \
-  template void attention_forward(const AttentionOptions&, const BasicTensor<T>&,              \
-                                  const BasicTensor<T>&, const BasicTensor<T>&,                \
-                                  const BasicTensor<T>&, const BasicTensor<T>&);               \
-  template void attention_backward(const AttentionOptions&, const BasicTensor<T>&,             \
-                                   const BasicTensor<T>&, const BasicTensor<T>&,               \
-                                   const BasicTensor<T>&, const BasicTensor<T>&,               \
-                                   const BasicTensor<T>&, const BasicTensor<T>&,               \
-                                   const BasicTensor<T>&, const BasicTensor<T>&);
+#define WEAVE_INSTANTIATE(T)                                                                      \
+  template void attention_forward(const AttentionOptions&, const BasicTensor<T>&,                 \
+                                  const BasicTensor<T>&, const BasicTensor<T>&,                   \
+                                  const BasicTensor<T>&, const BasicTensor<T>&);                  \
+  template void attention_backward(                                                               \
+      const AttentionOptions&, const BasicTensor<T>&, const BasicTensor<T>&,                      \
+      const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&, \
+      const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&);
 WEAVE_INSTANTIATE(float)
 WEAVE_INSTANTIATE(double)
 

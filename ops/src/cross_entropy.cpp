@@ -17,8 +17,8 @@ template <typename T>
 void check_logits(const BasicTensor<T>& logits, std::span<const std::int32_t> targets) {
   check_rows("cross_entropy logits", logits);
   if (logits.rank() != 2)
-    throw std::invalid_argument(fmt::format(
-        "cross_entropy logits must be [tokens, vocab], got {}", logits.shape().str()));
+    throw std::invalid_argument(
+        fmt::format("cross_entropy logits must be [tokens, vocab], got {}", logits.shape().str()));
   if (static_cast<std::int64_t>(targets.size()) != logits.dim(0))
     throw std::invalid_argument(fmt::format("cross_entropy: {} targets for logits of shape {}",
                                             targets.size(), logits.shape().str()));
@@ -74,9 +74,9 @@ void cross_entropy_row_max(const BasicTensor<T>& logits, const BasicTensor<T>& r
 }
 
 template <typename T>
-void cross_entropy_partial_sums(const BasicTensor<T>& logits,
-                                std::span<const std::int32_t> targets, const VocabShard& shard,
-                                const BasicTensor<T>& global_max, const BasicTensor<T>& partials) {
+void cross_entropy_partial_sums(const BasicTensor<T>& logits, std::span<const std::int32_t> targets,
+                                const VocabShard& shard, const BasicTensor<T>& global_max,
+                                const BasicTensor<T>& partials) {
   check_logits(logits, targets);
   const std::int64_t n = logits.dim(0), v = logits.dim(1);
   whole_vocab(shard, v);
@@ -117,11 +117,13 @@ double cross_entropy_loss(const BasicTensor<T>& global_max, const BasicTensor<T>
     const std::int32_t t = targets[static_cast<std::size_t>(r)];
     check_target(t, static_cast<std::size_t>(r), vocab_size, options);
     const T* p = partials.row(r);
-    const double l = static_cast<double>(global_max.data()[r]) + std::log(static_cast<double>(p[0]));
+    const double l =
+        static_cast<double>(global_max.data()[r]) + std::log(static_cast<double>(p[0]));
     lse.data()[r] = static_cast<T>(l);
     double loss = 0;
     if (t != options.ignore_index)
-      loss = l - (1 - eps) * p[1] - eps * static_cast<double>(p[2]) / static_cast<double>(vocab_size);
+      loss =
+          l - (1 - eps) * p[1] - eps * static_cast<double>(p[2]) / static_cast<double>(vocab_size);
     if (losses.defined()) losses.data()[r] = static_cast<T>(loss);
     total += loss;
   }
@@ -176,20 +178,18 @@ double cross_entropy_forward(const BasicTensor<T>& logits, std::span<const std::
                             BasicTensor<T>{});
 }
 
-#define WEAVE_INSTANTIATE(T)                                                                   \
-  template void cross_entropy_row_max(const BasicTensor<T>&, const BasicTensor<T>&);           \
-  template void cross_entropy_partial_sums(const BasicTensor<T>&, std::span<const std::int32_t>, \
-                                           const VocabShard&, const BasicTensor<T>&,           \
-                                           const BasicTensor<T>&);                             \
-  template double cross_entropy_loss(const BasicTensor<T>&, const BasicTensor<T>&,             \
-                                     std::span<const std::int32_t>, std::int64_t,              \
-                                     const CrossEntropyOptions&, const BasicTensor<T>&,        \
-                                     const BasicTensor<T>&);                                   \
-  template void cross_entropy_backward(const BasicTensor<T>&, std::span<const std::int32_t>,   \
-                                       const VocabShard&, const BasicTensor<T>&,               \
-                                       const CrossEntropyOptions&, double,                     \
-                                       const BasicTensor<T>&);                                 \
-  template double cross_entropy_forward(const BasicTensor<T>&, std::span<const std::int32_t>,  \
+#define WEAVE_INSTANTIATE(T)                                                                       \
+  template void cross_entropy_row_max(const BasicTensor<T>&, const BasicTensor<T>&);               \
+  template void cross_entropy_partial_sums(const BasicTensor<T>&, std::span<const std::int32_t>,   \
+                                           const VocabShard&, const BasicTensor<T>&,               \
+                                           const BasicTensor<T>&);                                 \
+  template double cross_entropy_loss(                                                              \
+      const BasicTensor<T>&, const BasicTensor<T>&, std::span<const std::int32_t>, std::int64_t,   \
+      const CrossEntropyOptions&, const BasicTensor<T>&, const BasicTensor<T>&);                   \
+  template void cross_entropy_backward(const BasicTensor<T>&, std::span<const std::int32_t>,       \
+                                       const VocabShard&, const BasicTensor<T>&,                   \
+                                       const CrossEntropyOptions&, double, const BasicTensor<T>&); \
+  template double cross_entropy_forward(const BasicTensor<T>&, std::span<const std::int32_t>,      \
                                         const CrossEntropyOptions&, const BasicTensor<T>&);
 WEAVE_INSTANTIATE(float)
 WEAVE_INSTANTIATE(double)

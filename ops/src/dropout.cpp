@@ -24,9 +24,9 @@ void apply_mask(const char* op, const DropoutSpec& spec, const BasicTensor<T>& i
   const std::int64_t s = in.rank() >= 2 ? in.dim(-2) : 1;
   const std::int64_t length = spec.sequence_length > 0 ? spec.sequence_length : s;
   if (spec.sequence_offset < 0 || spec.sequence_offset + s > length)
-    throw std::invalid_argument(fmt::format(
-        "dropout: positions [{}, {}) do not fit in a sequence of length {}",
-        spec.sequence_offset, spec.sequence_offset + s, length));
+    throw std::invalid_argument(
+        fmt::format("dropout: positions [{}, {}) do not fit in a sequence of length {}",
+                    spec.sequence_offset, spec.sequence_offset + s, length));
   const float p = static_cast<float>(spec.probability);
   const T scale = T(1) / (T(1) - static_cast<T>(spec.probability));
   detail::for_row_blocks(in.rows(), 64, 8.0 * n, [&](std::int64_t r0, std::int64_t r1) {
@@ -57,8 +57,7 @@ void dropout_forward(const DropoutSpec& spec, const BasicTensor<T>& x, const Bas
 }
 
 template <typename T>
-void dropout_backward(const DropoutSpec& spec, const BasicTensor<T>& dy,
-                      const BasicTensor<T>& dx) {
+void dropout_backward(const DropoutSpec& spec, const BasicTensor<T>& dy, const BasicTensor<T>& dx) {
   apply_mask("dropout input gradient", spec, dy, dx);
 }
 

@@ -30,9 +30,9 @@ std::int64_t check_embedding(std::span<const std::int32_t> ids, const BasicTenso
                     shard.vocab_start, shard.vocab_start + table.dim(0), vocab));
   for (std::size_t i = 0; i < ids.size(); ++i)
     if (ids[i] < 0 || ids[i] >= vocab)
-      throw std::invalid_argument(fmt::format(
-          "embedding: token id {} at position {} is outside the vocabulary [0, {})", ids[i], i,
-          vocab));
+      throw std::invalid_argument(
+          fmt::format("embedding: token id {} at position {} is outside the vocabulary [0, {})",
+                      ids[i], i, vocab));
   return vocab;
 }
 

@@ -106,7 +106,7 @@ void gemm(Transpose trans_a, Transpose trans_b, T alpha, MatrixView<const T> a,
 
 template void gemm(Transpose, Transpose, float, MatrixView<const float>, MatrixView<const float>,
                    float, MatrixView<float>);
-template void gemm(Transpose, Transpose, double, MatrixView<const double>,
-                   MatrixView<const double>, double, MatrixView<double>);
+template void gemm(Transpose, Transpose, double, MatrixView<const double>, MatrixView<const double>,
+                   double, MatrixView<double>);
 
 }  // namespace weave::ops

@@ -25,10 +25,10 @@ void check_linear(const BasicTensor<T>& x, const BasicTensor<T>& w, const BasicT
     throw std::invalid_argument(
         fmt::format("linear weight must have shape [out, in], got {}", w.shape().str()));
   check_rows("linear weight", w);
-  check_shape(fmt::format("linear {} (for weight {})", x_name, w.shape().str()).c_str(),
-              x.shape(), x.shape().with(-1, w.dim(1)));
-  check_shape(fmt::format("linear {} (for {} {} and weight {})", y_name, x_name,
-                          x.shape().str(), w.shape().str())
+  check_shape(fmt::format("linear {} (for weight {})", x_name, w.shape().str()).c_str(), x.shape(),
+              x.shape().with(-1, w.dim(1)));
+  check_shape(fmt::format("linear {} (for {} {} and weight {})", y_name, x_name, x.shape().str(),
+                          w.shape().str())
                   .c_str(),
               y.shape(), x.shape().with(-1, w.dim(0)));
 }
@@ -80,12 +80,12 @@ void linear_backward_weight(const BasicTensor<T>& x, const BasicTensor<T>& dy,
   }
 }
 
-#define WEAVE_INSTANTIATE(T)                                                                 \
-  template void linear_forward(const BasicTensor<T>&, const BasicTensor<T>&,                 \
-                               const BasicTensor<T>&, const BasicTensor<T>&);                \
-  template void linear_backward_input(const BasicTensor<T>&, const BasicTensor<T>&,          \
-                                      const BasicTensor<T>&);                                \
-  template void linear_backward_weight(const BasicTensor<T>&, const BasicTensor<T>&,         \
+#define WEAVE_INSTANTIATE(T)                                                         \
+  template void linear_forward(const BasicTensor<T>&, const BasicTensor<T>&,         \
+                               const BasicTensor<T>&, const BasicTensor<T>&);        \
+  template void linear_backward_input(const BasicTensor<T>&, const BasicTensor<T>&,  \
+                                      const BasicTensor<T>&);                        \
+  template void linear_backward_weight(const BasicTensor<T>&, const BasicTensor<T>&, \
                                        const BasicTensor<T>&, const BasicTensor<T>&);
 WEAVE_INSTANTIATE(float)
 WEAVE_INSTANTIATE(double)

@@ -19,16 +19,16 @@ std::vector<std::int64_t> DispatchPlan::rows_per_rank(int ranks) const {
   return rows;
 }
 
-DispatchPlan plan_dispatch(std::span<const std::int32_t> topk_index, std::int64_t tokens,
-                           int top_k, std::int64_t experts, const CapacityOptions& options) {
+DispatchPlan plan_dispatch(std::span<const std::int32_t> topk_index, std::int64_t tokens, int top_k,
+                           std::int64_t experts, const CapacityOptions& options) {
   if (tokens < 0 || top_k < 1 || experts < 1 ||
       static_cast<std::int64_t>(topk_index.size()) != tokens * top_k)
-    throw std::invalid_argument(fmt::format(
-        "dispatch: {} expert picks for {} tokens x top-{} over {} experts", topk_index.size(),
-        tokens, top_k, experts));
+    throw std::invalid_argument(
+        fmt::format("dispatch: {} expert picks for {} tokens x top-{} over {} experts",
+                    topk_index.size(), tokens, top_k, experts));
   if (options.capacity_factor < 0)
-    throw std::invalid_argument(fmt::format("expert capacity factor must be >= 0 (0: dropless), got {}",
-                                            options.capacity_factor));
+    throw std::invalid_argument(fmt::format(
+        "expert capacity factor must be >= 0 (0: dropless), got {}", options.capacity_factor));
   DispatchPlan plan;
   plan.tokens = tokens;
   plan.top_k = top_k;
@@ -98,8 +98,7 @@ void permute_tokens(const DispatchPlan& plan, const BasicTensor<T>& x,
 template <typename T>
 void permute_tokens_backward(const DispatchPlan& plan, const BasicTensor<T>& d_grouped,
                              const BasicTensor<T>& dx) {
-  check_plan_tensors(plan, dx, d_grouped, "dispatch input gradient",
-                     "dispatched tokens gradient");
+  check_plan_tensors(plan, dx, d_grouped, "dispatch input gradient", "dispatched tokens gradient");
   const std::int64_t h = dx.dim(1);
   for (std::int64_t t = 0; t < plan.tokens; ++t) {
     T* out = dx.row(t);
@@ -164,15 +163,14 @@ void combine_tokens_backward(const DispatchPlan& plan, const BasicTensor<T>& gro
   }
 }
 
-#define WEAVE_INSTANTIATE(T)                                                                   \
-  template void permute_tokens(const DispatchPlan&, const BasicTensor<T>&,                     \
-                               const BasicTensor<T>&);                                         \
-  template void permute_tokens_backward(const DispatchPlan&, const BasicTensor<T>&,            \
-                                        const BasicTensor<T>&);                                \
-  template void combine_tokens(const DispatchPlan&, const BasicTensor<T>&,                     \
-                               const BasicTensor<T>&, const BasicTensor<T>&);                  \
-  template void combine_tokens_backward(const DispatchPlan&, const BasicTensor<T>&,            \
-                                        const BasicTensor<T>&, const BasicTensor<T>&,          \
+#define WEAVE_INSTANTIATE(T)                                                                       \
+  template void permute_tokens(const DispatchPlan&, const BasicTensor<T>&, const BasicTensor<T>&); \
+  template void permute_tokens_backward(const DispatchPlan&, const BasicTensor<T>&,                \
+                                        const BasicTensor<T>&);                                    \
+  template void combine_tokens(const DispatchPlan&, const BasicTensor<T>&, const BasicTensor<T>&,  \
+                               const BasicTensor<T>&);                                             \
+  template void combine_tokens_backward(const DispatchPlan&, const BasicTensor<T>&,                \
+                                        const BasicTensor<T>&, const BasicTensor<T>&,              \
                                         const BasicTensor<T>&, const BasicTensor<T>&);
 WEAVE_INSTANTIATE(float)
 WEAVE_INSTANTIATE(double)

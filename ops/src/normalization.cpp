@@ -155,18 +155,17 @@ void rms_norm_backward(const BasicTensor<T>& x, const BasicTensor<T>& gamma,
   if (dgamma.defined()) add_block_partials(pg, blocks, n, dgamma.data());
 }
 
-#define WEAVE_INSTANTIATE(T)                                                                    \
-  template void layer_norm_forward(const BasicTensor<T>&, const BasicTensor<T>&,                \
-                                   const BasicTensor<T>&, double, const BasicTensor<T>&,        \
-                                   const BasicTensor<T>&, const BasicTensor<T>&);               \
-  template void layer_norm_backward(const BasicTensor<T>&, const BasicTensor<T>&,               \
-                                    const BasicTensor<T>&, const BasicTensor<T>&,               \
-                                    const BasicTensor<T>&, const BasicTensor<T>&,               \
-                                    const BasicTensor<T>&, const BasicTensor<T>&);              \
-  template void rms_norm_forward(const BasicTensor<T>&, const BasicTensor<T>&, double,          \
-                                 const BasicTensor<T>&, const BasicTensor<T>&);                 \
-  template void rms_norm_backward(const BasicTensor<T>&, const BasicTensor<T>&,                 \
-                                  const BasicTensor<T>&, const BasicTensor<T>&,                 \
+#define WEAVE_INSTANTIATE(T)                                                                       \
+  template void layer_norm_forward(const BasicTensor<T>&, const BasicTensor<T>&,                   \
+                                   const BasicTensor<T>&, double, const BasicTensor<T>&,           \
+                                   const BasicTensor<T>&, const BasicTensor<T>&);                  \
+  template void layer_norm_backward(                                                               \
+      const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&,  \
+      const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&); \
+  template void rms_norm_forward(const BasicTensor<T>&, const BasicTensor<T>&, double,             \
+                                 const BasicTensor<T>&, const BasicTensor<T>&);                    \
+  template void rms_norm_backward(const BasicTensor<T>&, const BasicTensor<T>&,                    \
+                                  const BasicTensor<T>&, const BasicTensor<T>&,                    \
                                   const BasicTensor<T>&, const BasicTensor<T>&);
 WEAVE_INSTANTIATE(float)
 WEAVE_INSTANTIATE(double)

@@ -90,7 +90,8 @@ double squared_norm(std::span<const BasicTensor<T>> grads) {
 
 double clip_coefficient(double total_norm, double max_norm) {
   if (!(max_norm > 0))
-    throw std::invalid_argument(fmt::format("gradient clipping max norm must be > 0, got {}", max_norm));
+    throw std::invalid_argument(
+        fmt::format("gradient clipping max norm must be > 0, got {}", max_norm));
   return std::min(1.0, max_norm / (total_norm + 1e-6));
 }
 
@@ -108,12 +109,12 @@ double clip_grad_norm(std::span<const BasicTensor<T>> grads, double max_norm) {
   return norm;
 }
 
-#define WEAVE_INSTANTIATE(T)                                                                   \
-  template void adamw_step(const AdamWOptions&, std::int64_t, const BasicTensor<T>&,           \
+#define WEAVE_INSTANTIATE(T)                                                                     \
+  template void adamw_step(const AdamWOptions&, std::int64_t, const BasicTensor<T>&,             \
                            const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&); \
-  template void sgd_step(const SgdOptions&, std::int64_t, const BasicTensor<T>&,               \
-                         const BasicTensor<T>&, const BasicTensor<T>&);                        \
-  template double squared_norm(std::span<const BasicTensor<T>>);                               \
+  template void sgd_step(const SgdOptions&, std::int64_t, const BasicTensor<T>&,                 \
+                         const BasicTensor<T>&, const BasicTensor<T>&);                          \
+  template double squared_norm(std::span<const BasicTensor<T>>);                                 \
   template double clip_grad_norm(std::span<const BasicTensor<T>>, double);
 WEAVE_INSTANTIATE(float)
 WEAVE_INSTANTIATE(double)

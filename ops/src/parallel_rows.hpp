@@ -21,9 +21,8 @@ void for_row_blocks(std::int64_t rows, std::int64_t block, double work_per_row, 
       fn(b * block, std::min(rows, (b + 1) * block));
     return;
   }
-  tbb::parallel_for(std::int64_t{0}, blocks, [&](std::int64_t b) {
-    fn(b * block, std::min(rows, (b + 1) * block));
-  });
+  tbb::parallel_for(std::int64_t{0}, blocks,
+                    [&](std::int64_t b) { fn(b * block, std::min(rows, (b + 1) * block)); });
 }
 
 // Column sums of per-block partials: partials holds `blocks` rows of `cols`; adds them in

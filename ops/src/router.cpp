@@ -28,8 +28,8 @@ void check_router(const RouterOptions& o, const BasicTensor<T>& logits, const Ba
   check_rows("router top-k weights", weight);
   check_shape("router top-k weights", weight.shape(), Shape{t, o.top_k});
   if (index_size != static_cast<std::size_t>(t * o.top_k))
-    throw std::invalid_argument(fmt::format("router: top-k index holds {} entries, need {} x {}",
-                                            index_size, t, o.top_k));
+    throw std::invalid_argument(
+        fmt::format("router: top-k index holds {} entries, need {} x {}", index_size, t, o.top_k));
 }
 
 void check_total(const RouterStatistics& total, std::int64_t experts) {
@@ -81,8 +81,9 @@ RouterStatistics router_forward(const RouterOptions& o, const BasicTensor<T>& lo
       stats.probability[j] += p[j];
     }
     std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + k, order.end(),
-                      [p](std::int32_t a, std::int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+    std::partial_sort(
+        order.begin(), order.begin() + k, order.end(),
+        [p](std::int32_t a, std::int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
     T* w = topk_weight.row(i);
     T chosen = 0;
     for (std::int64_t s = 0; s < k; ++s) {

@@ -33,8 +33,8 @@ std::vector<RowBlock> row_blocks(std::initializer_list<const BasicTensor<T>*> te
     while (merge_from > 0) {
       bool uniform = true;
       for (const BasicTensor<T>* t : tensors)
-        uniform = uniform && t->stride(merge_from - 1) ==
-                                 t->stride(merge_from) * t->dim(merge_from);
+        uniform =
+            uniform && t->stride(merge_from - 1) == t->stride(merge_from) * t->dim(merge_from);
       if (!uniform) break;
       --merge_from;
     }

@@ -9,9 +9,8 @@ namespace weave::ops {
 
 Shape::Shape(std::initializer_list<std::int64_t> dims) {
   if (dims.size() > kMaxRank)
-    throw std::invalid_argument(
-        fmt::format("a tensor has at most {} dimensions, got {}: {}", kMaxRank, dims.size(),
-                    fmt::join(dims, ", ")));
+    throw std::invalid_argument(fmt::format("a tensor has at most {} dimensions, got {}: {}",
+                                            kMaxRank, dims.size(), fmt::join(dims, ", ")));
   for (std::int64_t d : dims) {
     if (d < 0)
       throw std::invalid_argument(
@@ -23,11 +22,14 @@ Shape::Shape(std::initializer_list<std::int64_t> dims) {
 int Shape::axis(int i) const {
   const int a = i < 0 ? i + rank_ : i;
   if (a < 0 || a >= rank_)
-    throw std::out_of_range(fmt::format("dimension {} of a shape of rank {} ({})", i, rank_, str()));
+    throw std::out_of_range(
+        fmt::format("dimension {} of a shape of rank {} ({})", i, rank_, str()));
   return a;
 }
 
-std::int64_t Shape::operator[](int i) const { return dims_[axis(i)]; }
+std::int64_t Shape::operator[](int i) const {
+  return dims_[axis(i)];
+}
 
 std::int64_t Shape::numel() const {
   std::int64_t n = 1;
@@ -51,6 +53,8 @@ bool Shape::operator==(const Shape& other) const {
   return true;
 }
 
-std::string Shape::str() const { return fmt::format("[{}]", fmt::join(begin(), end(), ", ")); }
+std::string Shape::str() const {
+  return fmt::format("[{}]", fmt::join(begin(), end(), ", "));
+}
 
 }  // namespace weave::ops

@@ -32,8 +32,7 @@ void softmax_forward(const BasicTensor<T>& x, const BasicTensor<T>& y) {
 }
 
 template <typename T>
-void softmax_backward(const BasicTensor<T>& y, const BasicTensor<T>& dy,
-                      const BasicTensor<T>& dx) {
+void softmax_backward(const BasicTensor<T>& y, const BasicTensor<T>& dy, const BasicTensor<T>& dx) {
   check_rows("softmax output", y);
   check_rows("softmax output gradient", dy);
   check_rows("softmax input gradient", dx);

@@ -42,12 +42,12 @@ void check_shape(std::string_view what, const Shape& got, const Shape& want) {
 template <typename T>
 void check_rows(std::string_view what, const BasicTensor<T>& t) {
   if (!t.defined() || t.rank() < 1)
-    throw std::invalid_argument(fmt::format("{} must be a tensor of rank >= 1, got shape {}", what,
-                                            t.shape().str()));
+    throw std::invalid_argument(
+        fmt::format("{} must be a tensor of rank >= 1, got shape {}", what, t.shape().str()));
   if (t.dim(-1) > 1 && t.stride(-1) != 1)
-    throw std::invalid_argument(fmt::format(
-        "{} (shape {}) must be contiguous in its last dimension; copy it with clone()", what,
-        t.shape().str()));
+    throw std::invalid_argument(
+        fmt::format("{} (shape {}) must be contiguous in its last dimension; copy it with clone()",
+                    what, t.shape().str()));
 }
 
 template <typename T>
@@ -106,8 +106,7 @@ template <typename T>
 std::int64_t BasicTensor<T>::stride(int i) const {
   const int a = i < 0 ? i + rank() : i;
   if (a < 0 || a >= rank())
-    throw std::out_of_range(
-        fmt::format("dimension {} of a tensor of shape {}", i, shape_.str()));
+    throw std::out_of_range(fmt::format("dimension {} of a tensor of shape {}", i, shape_.str()));
   return strides_[a];
 }
 
@@ -125,8 +124,8 @@ template <typename T>
 BasicTensor<T> BasicTensor<T>::slice(int dim, std::int64_t start, std::int64_t length) const {
   const int a = dim < 0 ? dim + rank() : dim;
   if (a < 0 || a >= rank())
-    throw std::out_of_range(fmt::format("cannot slice dimension {} of a tensor of shape {}", dim,
-                                        shape_.str()));
+    throw std::out_of_range(
+        fmt::format("cannot slice dimension {} of a tensor of shape {}", dim, shape_.str()));
   if (start < 0 || length < 0 || start + length > shape_[a])
     throw std::out_of_range(
         fmt::format("slice [{}, {}) of dimension {} is outside the tensor's shape {}", start,

@@ -90,7 +90,8 @@ TEST(LayerNorm, GradientsMatchFiniteDifferences) {
   std::mt19937 gen(4);
   const TensorD x = random_tensor({3, 7}, gen), g = random_tensor({7}, gen),
                 b = random_tensor({7}, gen), r = random_tensor({3, 7}, gen);
-  const TensorD y = TensorD::empty(x.shape()), mean = TensorD::empty({3}), rstd = TensorD::empty({3});
+  const TensorD y = TensorD::empty(x.shape()), mean = TensorD::empty({3}),
+                rstd = TensorD::empty({3});
   auto loss = [&] {
     layer_norm_forward(x, g, b, 1e-5, y, mean, rstd);
     return dot(y, r);
@@ -297,8 +298,8 @@ TEST(CrossEntropy, VocabParallelStepsEqualTheWholeVocabulary) {
     accumulate(part, sums);
   }
   const TensorD lse2 = TensorD::empty({n});
-  const double parallel = cross_entropy_loss<double>(gmax, sums, targets, ranks * local, options,
-                                                     lse2, TensorD{});
+  const double parallel =
+      cross_entropy_loss<double>(gmax, sums, targets, ranks * local, options, lse2, TensorD{});
   EXPECT_NEAR(parallel, whole, 1e-12);
   for (int r = 0; r < ranks; ++r) {
     const TensorD d = TensorD::empty({n, local});

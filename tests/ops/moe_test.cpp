@@ -25,8 +25,8 @@ TEST_P(RouterGradient, MatchesFiniteDifferences) {
   const bool renormalize = GetParam();
   std::mt19937 gen(1);
   const std::int64_t T = 6, E = 5;
-  const RouterOptions opt{.top_k = 2, .renormalize = renormalize, .aux_loss_coeff = 0.3,
-                          .z_loss_coeff = 0.05};
+  const RouterOptions opt{
+      .top_k = 2, .renormalize = renormalize, .aux_loss_coeff = 0.3, .z_loss_coeff = 0.05};
   const TensorD logits = random_tensor({T, E}, gen, -2, 2), r = random_tensor({T, 2}, gen);
   const TensorD probs = TensorD::empty({T, E}), w = TensorD::empty({T, 2});
   std::vector<std::int32_t> index(T * 2);
@@ -174,8 +174,7 @@ TEST_P(ExpertsGradient, MatchesFiniteDifferences) {
   loss();
   const TensorD dx = TensorD::empty(x.shape()), dw1 = TensorD::zeros(w1.shape()),
                 dw2 = TensorD::zeros(w2.shape());
-  experts_backward(act, x, std::span<const std::int64_t>(begin), w1, w2, pre, hid, r, dx, dw1,
-                   dw2);
+  experts_backward(act, x, std::span<const std::int64_t>(begin), w1, w2, pre, hid, r, dx, dw1, dw2);
   expect_gradient("dx", x, loss, dx);
   expect_gradient("dw1", w1, loss, dw1);
   expect_gradient("dw2", w2, loss, dw2);

@@ -24,10 +24,11 @@ struct DispatchPlan {
   std::int64_t tokens = 0;
   std::int64_t top_k = 0;
   std::int64_t experts = 0;
-  std::int64_t capacity = 0;               // picks an expert may take; 0 when dropless
-  std::vector<std::int64_t> expert_begin;  // [experts + 1]: expert e's rows are [begin[e], begin[e+1])
-  std::vector<std::int32_t> row_token;     // [rows]: the token each grouped row came from
-  std::vector<std::int32_t> pick_row;      // [tokens * k]: the row of pick (t, s), or -1 if dropped
+  std::int64_t capacity = 0;  // picks an expert may take; 0 when dropless
+  std::vector<std::int64_t>
+      expert_begin;                     // [experts + 1]: expert e's rows are [begin[e], begin[e+1])
+  std::vector<std::int32_t> row_token;  // [rows]: the token each grouped row came from
+  std::vector<std::int32_t> pick_row;   // [tokens * k]: the row of pick (t, s), or -1 if dropped
   std::int64_t dropped = 0;
 
   std::int64_t rows() const { return expert_begin.empty() ? 0 : expert_begin.back(); }
@@ -37,12 +38,13 @@ struct DispatchPlan {
 };
 
 // Throws std::invalid_argument for an expert index outside [0, experts) (naming the token).
-DispatchPlan plan_dispatch(std::span<const std::int32_t> topk_index, std::int64_t tokens,
-                           int top_k, std::int64_t experts, const CapacityOptions& options);
+DispatchPlan plan_dispatch(std::span<const std::int32_t> topk_index, std::int64_t tokens, int top_k,
+                           std::int64_t experts, const CapacityOptions& options);
 
 // grouped [rows, h] row r = x[row_token[r]].
 template <typename T>
-void permute_tokens(const DispatchPlan& plan, const BasicTensor<T>& x, const BasicTensor<T>& grouped);
+void permute_tokens(const DispatchPlan& plan, const BasicTensor<T>& x,
+                    const BasicTensor<T>& grouped);
 // dx [tokens, h] (written) = the sum over each token's kept picks of d_grouped's rows, in pick
 // order.
 template <typename T>

@@ -18,9 +18,9 @@ namespace weave::ops {
 
 struct RouterOptions {
   int top_k = 2;
-  bool renormalize = true;      // divide the top-k probabilities by their sum (Mixtral, DeepSeek)
-  double aux_loss_coeff = 0;    // Megatron's --moe-aux-loss-coeff
-  double z_loss_coeff = 0;      // Megatron's --moe-z-loss-coeff
+  bool renormalize = true;    // divide the top-k probabilities by their sum (Mixtral, DeepSeek)
+  double aux_loss_coeff = 0;  // Megatron's --moe-aux-loss-coeff
+  double z_loss_coeff = 0;    // Megatron's --moe-z-loss-coeff
 };
 
 struct RouterStatistics {
