@@ -1,0 +1,164 @@
+// The float kernels against PyTorch's values (tests/data/reference.json, written by
+// tools/reference/generate_reference.py in float64 from the same float32 inputs).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "weave/ops/attention.hpp"
+#include "weave/ops/cross_entropy.hpp"
+#include "weave/ops/normalization.hpp"
+#include "weave/ops/optimizer.hpp"
+#include "weave/ops/router.hpp"
+
+namespace weave::ops {
+namespace {
+
+using nlohmann::json;
+
+const json& reference() {
+  static const json data = [] {
+    std::ifstream in(WEAVE_TEST_DATA_DIR "/reference.json");
+    if (!in) throw std::runtime_error("cannot open tests/data/reference.json");
+    return json::parse(in);
+  }();
+  return data;
+}
+
+Shape shape_of(const json& t) {
+  const auto dims = t.at("shape").get<std::vector<std::int64_t>>();
+  switch (dims.size()) {
+    case 0:
+      return Shape{};
+    case 1:
+      return Shape{dims[0]};
+    case 2:
+      return Shape{dims[0], dims[1]};
+    case 3:
+      return Shape{dims[0], dims[1], dims[2]};
+    default:
+      return Shape{dims[0], dims[1], dims[2], dims[3]};
+  }
+}
+
+Tensor load(const json& t) {
+  const auto values = t.at("data").get<std::vector<double>>();
+  std::vector<float> f(values.begin(), values.end());
+  return Tensor::from(f, shape_of(t));
+}
+
+// float32 kernels against float64 references: a few float ulps of the larger magnitudes.
+void expect_matches(const Tensor& got, const json& want, const char* what, double tol = 2e-5) {
+  ASSERT_EQ(got.shape(), shape_of(want)) << what;
+  const auto g = got.to_vector();
+  const auto w = want.at("data").get<std::vector<double>>();
+  for (std::size_t i = 0; i < w.size(); ++i)
+    ASSERT_NEAR(g[i], w[i], tol * std::max(1.0, std::abs(w[i]))) << what << " element " << i;
+}
+
+TEST(Reference, LayerNorm) {
+  const json& c = reference().at("layer_norm");
+  const Tensor x = load(c["x"]), w = load(c["weight"]), b = load(c["bias"]), dy = load(c["dy"]);
+  const Tensor y = Tensor::empty(x.shape()), mean = Tensor::empty({4}), rstd = Tensor::empty({4});
+  layer_norm_forward(x, w, b, c["eps"].get<double>(), y, mean, rstd);
+  expect_matches(y, c["y"], "y");
+  const Tensor dx = Tensor::empty(x.shape()), dw = Tensor::zeros(w.shape()),
+               db = Tensor::zeros(b.shape());
+  layer_norm_backward(x, w, mean, rstd, dy, dx, dw, db);
+  expect_matches(dx, c["dx"], "dx");
+  expect_matches(dw, c["dweight"], "dweight");
+  expect_matches(db, c["dbias"], "dbias");
+}
+
+TEST(Reference, CausalAttentionWholeAndChunk) {
+  const json& c = reference().at("attention");
+  const Tensor q = load(c["q"]), k = load(c["k"]), v = load(c["v"]), d_o = load(c["do"]);
+  const Tensor o = Tensor::empty(q.shape()), lse = Tensor::empty({2, 2, 12});
+  attention_forward({}, q, k, v, o, lse);
+  expect_matches(o, c["o"], "o");
+  expect_matches(lse, c["lse"], "lse");
+  const Tensor dq = Tensor::empty(q.shape()), dk = Tensor::zeros(k.shape()),
+               dv = Tensor::zeros(v.shape());
+  attention_backward({}, q, k, v, o, lse, d_o, dq, dk, dv);
+  expect_matches(dq, c["dq"], "dq");
+  expect_matches(dk, c["dk"], "dk");
+  expect_matches(dv, c["dv"], "dv");
+
+  const json& ch = reference().at("attention_chunk");
+  const AttentionOptions opt{.q_offset = ch["q_offset"].get<std::int64_t>()};
+  const Tensor qc = load(ch["q"]), doc = load(ch["do"]);
+  const Tensor oc = Tensor::empty(qc.shape()), lsec = Tensor::empty({2, 2, qc.dim(1)});
+  attention_forward(opt, qc, k, v, oc, lsec);
+  expect_matches(oc, ch["o"], "chunk o");
+  expect_matches(lsec, ch["lse"], "chunk lse");
+  const Tensor dqc = Tensor::empty(qc.shape()), dkc = Tensor::zeros(k.shape()),
+               dvc = Tensor::zeros(v.shape());
+  attention_backward(opt, qc, k, v, oc, lsec, doc, dqc, dkc, dvc);
+  expect_matches(dqc, ch["dq"], "chunk dq");
+  expect_matches(dkc, ch["dk"], "chunk dk");
+  expect_matches(dvc, ch["dv"], "chunk dv");
+}
+
+TEST(Reference, CrossEntropyPlainAndSmoothed) {
+  const json& c = reference().at("cross_entropy");
+  const Tensor logits = load(c["logits"]);
+  const auto targets = c["targets"].get<std::vector<std::int32_t>>();
+  for (const char* key : {"plain", "smoothed"}) {
+    const json& k = c[key];
+    const CrossEntropyOptions opt{.ignore_index = c["ignore_index"].get<std::int32_t>(),
+                                  .label_smoothing = k["label_smoothing"].get<double>()};
+    const Tensor lse = Tensor::empty({logits.dim(0)});
+    const double loss = cross_entropy_forward<float>(logits, targets, opt, lse);
+    EXPECT_NEAR(loss, k["loss"].get<double>(), 2e-6 * std::abs(k["loss"].get<double>())) << key;
+    const Tensor d = Tensor::empty(logits.shape());
+    cross_entropy_backward<float>(logits, targets, {}, lse, opt, 1.0, d);
+    expect_matches(d, k["dlogits"], key);
+  }
+}
+
+TEST(Reference, RouterTopKAuxAndZLoss) {
+  const json& c = reference().at("router");
+  const Tensor logits = load(c["logits"]), g = load(c["g"]);
+  const std::int64_t T = logits.dim(0), E = logits.dim(1);
+  for (const char* key : {"renormalized", "raw"}) {
+    const json& k = c[key];
+    const RouterOptions opt{.top_k = c["top_k"].get<int>(),
+                            .renormalize = std::string(key) == "renormalized",
+                            .aux_loss_coeff = c["aux_coeff"].get<double>(),
+                            .z_loss_coeff = c["z_coeff"].get<double>()};
+    const Tensor probs = Tensor::empty({T, E}), w = Tensor::empty({T, opt.top_k});
+    std::vector<std::int32_t> index(static_cast<std::size_t>(T * opt.top_k));
+    const RouterStatistics stats = router_forward(opt, logits, probs, std::span(index), w);
+    EXPECT_EQ(index, k["index"].get<std::vector<std::int32_t>>()) << key;
+    expect_matches(probs, k["probs"], "probs");
+    expect_matches(w, k["weights"], "weights");
+    EXPECT_NEAR(aux_loss(opt, stats), k["aux_loss"].get<double>(), 1e-8) << key;
+    EXPECT_NEAR(z_loss(opt, stats), k["z_loss"].get<double>(), 1e-8) << key;
+    const Tensor d = Tensor::empty({T, E});
+    router_backward<float>(opt, logits, probs, index, w, g, stats, 1.0, d);
+    expect_matches(d, k["dlogits"], key);
+  }
+}
+
+TEST(Reference, AdamWTwoSteps) {
+  const json& c = reference().at("adamw");
+  const AdamWOptions opt{.lr = c["lr"].get<double>(),
+                         .beta1 = c["betas"][0].get<double>(),
+                         .beta2 = c["betas"][1].get<double>(),
+                         .eps = c["eps"].get<double>(),
+                         .weight_decay = c["weight_decay"].get<double>()};
+  for (std::size_t p = 0; p < 2; ++p) {
+    const Tensor param = load(c["params"][p]);
+    const Tensor m = Tensor::zeros(param.shape()), v = Tensor::zeros(param.shape());
+    for (int step = 1; step <= 2; ++step) {
+      adamw_step(opt, step, param, load(c["grads"][step - 1][p]), m, v);
+      expect_matches(param, c["after"][step - 1][p], "param", 1e-6);
+    }
+    expect_matches(m, c["exp_avg"][p], "exp_avg", 1e-6);
+    expect_matches(v, c["exp_avg_sq"][p], "exp_avg_sq", 1e-6);
+  }
+}
+
+}  // namespace
+}  // namespace weave::ops
