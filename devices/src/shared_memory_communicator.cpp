@@ -105,6 +105,15 @@ MemberTasks add_members(rt::GraphBuilder& graph, const ProcessGroup& group, cons
   return ids;
 }
 
+// The buffers' addresses by rank, captured by the member tasks.
+template <typename T>
+std::vector<T*> data_of(std::span<const std::span<T>> buffers) {
+  std::vector<T*> pointers;
+  for (const auto& b : buffers)
+    pointers.push_back(b.data());
+  return pointers;
+}
+
 double ring_fraction(int n) {
   return n > 1 ? static_cast<double>(n - 1) / n : 0.0;
 }
@@ -118,10 +127,8 @@ MemberTasks SharedMemoryCommunicator::all_reduce(rt::GraphBuilder& graph, const 
   const std::size_t count = buffers[0].size();
   check_equal_sizes<std::span<float>>("all_reduce", group, buffers, count, "input/output buffer");
   const int n = group.size();
-  std::vector<float*> data;
-  for (const auto& b : buffers)
-    data.push_back(b.data());
-  std::vector<const float*> sources(data.begin(), data.end());
+  const auto data = data_of(buffers);
+  const std::vector<const float*> sources(data.begin(), data.end());
   return add_members(graph, group, "all_reduce", options,
                      2.0 * ring_fraction(n) * static_cast<double>(bytes_of(count)), [=](int r) {
                        const auto [first, last] = share(count, n, r);
@@ -139,12 +146,8 @@ MemberTasks SharedMemoryCommunicator::all_gather(rt::GraphBuilder& graph, const 
   const std::size_t m = inputs[0].size();
   check_equal_sizes<std::span<const float>>("all_gather", group, inputs, m, "input");
   check_equal_sizes<std::span<float>>("all_gather", group, outputs, m * n, "output");
-  std::vector<const float*> in;
-  std::vector<float*> out;
-  for (int r = 0; r < n; ++r) {
-    in.push_back(inputs[r].data());
-    out.push_back(outputs[r].data());
-  }
+  const auto in = data_of(inputs);
+  const auto out = data_of(outputs);
   // Each member pushes its shard to every output.
   return add_members(graph, group, "all_gather", options,
                      ring_fraction(n) * static_cast<double>(bytes_of(m * n)), [=](int r) {
@@ -165,12 +168,8 @@ MemberTasks SharedMemoryCommunicator::reduce_scatter(rt::GraphBuilder& graph,
   const std::size_t m = outputs[0].size();
   check_equal_sizes<std::span<float>>("reduce_scatter", group, outputs, m, "output");
   check_equal_sizes<std::span<const float>>("reduce_scatter", group, inputs, m * n, "input");
-  std::vector<const float*> in;
-  std::vector<float*> out;
-  for (int r = 0; r < n; ++r) {
-    in.push_back(inputs[r].data());
-    out.push_back(outputs[r].data());
-  }
+  const auto in = data_of(inputs);
+  const auto out = data_of(outputs);
   return add_members(graph, group, "reduce_scatter", options,
                      ring_fraction(n) * static_cast<double>(bytes_of(m * n)), [=](int r) {
                        const std::size_t first = static_cast<std::size_t>(r) * m;
@@ -194,12 +193,8 @@ MemberTasks SharedMemoryCommunicator::all_to_all(rt::GraphBuilder& graph, const 
   check_equal_sizes<std::span<const float>>("all_to_all", group, inputs, total, "input");
   check_equal_sizes<std::span<float>>("all_to_all", group, outputs, total, "output");
   const std::size_t m = total / static_cast<std::size_t>(n);
-  std::vector<const float*> in;
-  std::vector<float*> out;
-  for (int r = 0; r < n; ++r) {
-    in.push_back(inputs[r].data());
-    out.push_back(outputs[r].data());
-  }
+  const auto in = data_of(inputs);
+  const auto out = data_of(outputs);
   // Each member pulls its blocks from every input.
   return add_members(graph, group, "all_to_all", options,
                      ring_fraction(n) * static_cast<double>(bytes_of(total)), [=](int r) {
@@ -291,9 +286,7 @@ MemberTasks SharedMemoryCommunicator::broadcast(rt::GraphBuilder& graph, const P
                     root, group.size()));
   const std::size_t count = buffers[root].size();
   check_equal_sizes<std::span<float>>("broadcast", group, buffers, count, "input/output buffer");
-  std::vector<float*> data;
-  for (const auto& x : buffers)
-    data.push_back(x.data());
+  const auto data = data_of(buffers);
   return add_members(graph, group, "broadcast", options, static_cast<double>(bytes_of(count)),
                      [=](int r) {
                        if (r != root) copy(data[r], data[root], count);
