@@ -1,0 +1,46 @@
+// The shape of a GPT-style decoder with optional Mixture-of-Experts layers, named as
+// Megatron-LM's arguments are.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace weave::graphs {
+
+enum class Activation { gelu, swiglu };
+
+struct ModelConfig {
+  int num_layers = 2;                      // --num-layers
+  int hidden_size = 64;                    // --hidden-size
+  int num_attention_heads = 4;             // --num-attention-heads
+  int ffn_hidden_size = 256;               // --ffn-hidden-size (per expert for MoE layers)
+  int seq_length = 64;                     // --seq-length
+  int max_position_embeddings = 0;         // --max-position-embeddings; 0: seq_length
+  int vocab_size = 256;                    // the tokenizer's (byte-level: 256)
+  int make_vocab_size_divisible_by = 128;  // padded so every tensor-parallel shard is equal
+  Activation activation = Activation::gelu;
+  double layernorm_epsilon = 1e-5;
+  double hidden_dropout = 0.0;    // --hidden-dropout
+  double init_method_std = 0.02;  // --init-method-std
+
+  // Mixture of Experts
+  int num_experts = 0;              // --num-experts; 0: dense MLPs everywhere
+  int moe_layer_freq = 1;           // --moe-layer-freq: every k-th layer is MoE (from layer 0)
+  int moe_router_topk = 2;          // --moe-router-topk
+  double moe_aux_loss_coeff = 0.0;  // --moe-aux-loss-coeff
+  double moe_z_loss_coeff = 0.0;    // --moe-z-loss-coeff
+  double moe_expert_capacity_factor = 0.0;  // --moe-expert-capacity-factor; 0: dropless
+  bool moe_router_renormalize = true;
+
+  std::uint64_t seed = 1234;  // --seed
+
+  int positions() const {
+    return max_position_embeddings > 0 ? max_position_embeddings : seq_length;
+  }
+  int head_dim() const { return hidden_size / num_attention_heads; }
+  // The vocabulary padded to a multiple of make_vocab_size_divisible_by x tp, as Megatron does.
+  int padded_vocab_size(int tensor_parallel) const;
+  bool is_moe_layer(int layer) const { return num_experts > 0 && layer % moe_layer_freq == 0; }
+};
+
+}  // namespace weave::graphs

@@ -1,0 +1,42 @@
+// How a model is split over devices: Megatron's parallel sizes, checked against the model.
+#pragma once
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "weave/graphs/model_config.hpp"
+
+namespace weave::graphs {
+
+struct ParallelPlan {
+  int tensor_parallel = 1;             // --tensor-model-parallel-size
+  bool sequence_parallel = false;      // --sequence-parallel
+  int context_parallel = 1;            // --context-parallel-size
+  int expert_parallel = 1;             // --expert-model-parallel-size
+  int data_parallel = 1;               // devices / (tp * cp * pp)
+  int pipeline_parallel = 1;           // --pipeline-model-parallel-size
+  int micro_batch_size = 1;            // --micro-batch-size
+  int global_batch_size = 1;           // --global-batch-size
+  bool distributed_optimizer = false;  // --use-distributed-optimizer: shard optimizer state over dp
+
+  int devices() const {
+    return tensor_parallel * context_parallel * data_parallel * pipeline_parallel;
+  }
+  // Micro-batches each data-parallel rank runs per step.
+  int micro_batches() const { return global_batch_size / (micro_batch_size * data_parallel); }
+};
+
+// A configuration that breaks one of the size rules. The message names the rule, the values and
+// the flag to change.
+class ConfigError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+// Checks every size rule and returns the warnings (e.g. sequence parallelism switched off at
+// tp = 1, as Megatron does, which also clears plan.sequence_parallel). Throws ConfigError for
+// the first rule broken.
+std::vector<std::string> validate(const ModelConfig& model, ParallelPlan& plan);
+
+}  // namespace weave::graphs

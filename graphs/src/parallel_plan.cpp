@@ -1,0 +1,112 @@
+#include "weave/graphs/parallel_plan.hpp"
+
+#include <fmt/format.h>
+
+namespace weave::graphs {
+
+int ModelConfig::padded_vocab_size(int tensor_parallel) const {
+  const int multiple = make_vocab_size_divisible_by * tensor_parallel;
+  return (vocab_size + multiple - 1) / multiple * multiple;
+}
+
+namespace {
+
+template <typename... Args>
+[[noreturn]] void refuse(fmt::format_string<Args...> format, Args&&... args) {
+  throw ConfigError(fmt::format(format, std::forward<Args>(args)...));
+}
+
+void require_positive(const char* flag, long long value) {
+  if (value < 1) refuse("{} must be >= 1, got {}", flag, value);
+}
+
+}  // namespace
+
+std::vector<std::string> validate(const ModelConfig& m, ParallelPlan& p) {
+  std::vector<std::string> warnings;
+  require_positive("--num-layers", m.num_layers);
+  require_positive("--hidden-size", m.hidden_size);
+  require_positive("--num-attention-heads", m.num_attention_heads);
+  require_positive("--ffn-hidden-size", m.ffn_hidden_size);
+  require_positive("--seq-length", m.seq_length);
+  require_positive("--tensor-model-parallel-size", p.tensor_parallel);
+  require_positive("--context-parallel-size", p.context_parallel);
+  require_positive("--expert-model-parallel-size", p.expert_parallel);
+  require_positive("--pipeline-model-parallel-size", p.pipeline_parallel);
+  require_positive("the data-parallel size", p.data_parallel);
+  require_positive("--micro-batch-size", p.micro_batch_size);
+  require_positive("--global-batch-size", p.global_batch_size);
+  require_positive("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by);
+  const int tp = p.tensor_parallel, cp = p.context_parallel, dp = p.data_parallel;
+  if (m.hidden_size % m.num_attention_heads != 0)
+    refuse(
+        "--hidden-size ({}) must be divisible by --num-attention-heads ({}): every head has "
+        "hidden / heads dimensions",
+        m.hidden_size, m.num_attention_heads);
+  if (m.num_attention_heads % tp != 0)
+    refuse(
+        "--num-attention-heads ({}) must be divisible by --tensor-model-parallel-size ({}): "
+        "each tensor-parallel rank holds whole heads",
+        m.num_attention_heads, tp);
+  if (m.ffn_hidden_size % tp != 0)
+    refuse(
+        "--ffn-hidden-size ({}) must be divisible by --tensor-model-parallel-size ({}): the "
+        "MLP's first linear is split by columns",
+        m.ffn_hidden_size, tp);
+  if (m.positions() < m.seq_length)
+    refuse("--max-position-embeddings ({}) must be >= --seq-length ({})", m.positions(),
+           m.seq_length);
+  if (p.sequence_parallel && tp == 1) {
+    p.sequence_parallel = false;
+    warnings.push_back(
+        "--sequence-parallel has no effect with --tensor-model-parallel-size 1 and is switched "
+        "off (as Megatron-LM does)");
+  }
+  if (p.sequence_parallel && m.seq_length % tp != 0)
+    refuse(
+        "--seq-length ({}) must be divisible by --tensor-model-parallel-size ({}) under "
+        "--sequence-parallel: each rank holds seq/tp positions",
+        m.seq_length, tp);
+  const int sp = p.sequence_parallel ? tp : 1;
+  if (cp > 1 && m.seq_length % (2 * cp * sp) != 0)
+    refuse(
+        "--seq-length ({}) must be divisible by 2 x --context-parallel-size{} ({}): the "
+        "sequence is cut into 2 x cp load-balanced chunks{}",
+        m.seq_length, sp > 1 ? " x --tensor-model-parallel-size" : "", 2 * cp * sp,
+        sp > 1 ? ", each split again over the sequence-parallel ranks" : "");
+  if (m.num_experts < 0) refuse("--num-experts must be >= 0, got {}", m.num_experts);
+  if (m.num_experts > 0) {
+    require_positive("--moe-layer-freq", m.moe_layer_freq);
+    if (m.moe_router_topk < 1 || m.moe_router_topk > m.num_experts)
+      refuse("--moe-router-topk ({}) must be between 1 and --num-experts ({})", m.moe_router_topk,
+             m.num_experts);
+    if (m.num_experts % p.expert_parallel != 0)
+      refuse(
+          "--num-experts ({}) must be divisible by --expert-model-parallel-size ({}): each "
+          "expert-parallel rank holds the same number of experts",
+          m.num_experts, p.expert_parallel);
+    if (m.moe_expert_capacity_factor < 0)
+      refuse("--moe-expert-capacity-factor must be >= 0 (0: dropless), got {}",
+             m.moe_expert_capacity_factor);
+  } else if (p.expert_parallel > 1) {
+    refuse("--expert-model-parallel-size ({}) needs --num-experts > 0", p.expert_parallel);
+  }
+  if ((tp * cp * dp) % p.expert_parallel != 0)
+    refuse(
+        "--expert-model-parallel-size ({}) must divide tensor x context x data parallel "
+        "({} x {} x {} = {}): expert-parallel groups are carved out of those ranks",
+        p.expert_parallel, tp, cp, dp, tp * cp * dp);
+  if (m.num_layers % p.pipeline_parallel != 0)
+    refuse("--num-layers ({}) must be divisible by --pipeline-model-parallel-size ({})",
+           m.num_layers, p.pipeline_parallel);
+  if (p.global_batch_size % (p.micro_batch_size * dp) != 0)
+    refuse(
+        "--global-batch-size ({}) must be divisible by --micro-batch-size x data-parallel size "
+        "({} x {} = {})",
+        p.global_batch_size, p.micro_batch_size, dp, p.micro_batch_size * dp);
+  if (m.hidden_dropout < 0 || m.hidden_dropout >= 1)
+    refuse("--hidden-dropout must be in [0, 1), got {}", m.hidden_dropout);
+  return warnings;
+}
+
+}  // namespace weave::graphs

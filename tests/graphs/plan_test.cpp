@@ -1,0 +1,136 @@
+// Parallel plans: every size rule refused with its numbers; the mesh's rank order and groups
+// as Megatron-LM builds them.
+#include <gtest/gtest.h>
+
+#include <set>
+
+#include "weave/graphs/mesh.hpp"
+#include "weave/graphs/parallel_plan.hpp"
+
+namespace weave::graphs {
+namespace {
+
+std::string refusal(ModelConfig m, ParallelPlan p) {
+  try {
+    validate(m, p);
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "accepted";
+}
+
+bool mentions(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+TEST(ParallelPlan, EverySizeRuleIsRefusedWithItsNumbers) {
+  const ModelConfig m{.num_layers = 4,
+                      .hidden_size = 64,
+                      .num_attention_heads = 4,
+                      .ffn_hidden_size = 192,
+                      .seq_length = 48,
+                      .num_experts = 4};
+  EXPECT_EQ(refusal(m, {}), "accepted");
+  EXPECT_TRUE(mentions(refusal(m, {.tensor_parallel = 8, .data_parallel = 1}),
+                       "--num-attention-heads (4) must be divisible by "
+                       "--tensor-model-parallel-size (8)"));
+  ModelConfig odd_hidden = m;
+  odd_hidden.hidden_size = 66;
+  EXPECT_TRUE(mentions(refusal(odd_hidden, {}), "--hidden-size (66)"));
+  ModelConfig ffn = m;
+  ffn.ffn_hidden_size = 190;
+  EXPECT_TRUE(mentions(refusal(ffn, {.tensor_parallel = 4}), "--ffn-hidden-size (190)"));
+  ModelConfig seq = m;
+  seq.seq_length = 50;
+  EXPECT_TRUE(mentions(refusal(seq, {.tensor_parallel = 4, .sequence_parallel = true}),
+                       "--seq-length (50) must be divisible by --tensor-model-parallel-size (4)"));
+  EXPECT_TRUE(mentions(refusal(m, {.context_parallel = 5}), "2 x --context-parallel-size (10)"));
+  // 48 positions split into 2 x cp chunks, each over 2 sequence-parallel ranks: 48 % 8 == 0.
+  EXPECT_EQ(refusal(m, {.tensor_parallel = 2, .sequence_parallel = true, .context_parallel = 2}),
+            "accepted");
+  EXPECT_TRUE(
+      mentions(refusal(m, {.expert_parallel = 3, .data_parallel = 3, .global_batch_size = 3}),
+               "--num-experts (4) must be divisible by --expert-model-parallel-size (3)"));
+  EXPECT_TRUE(
+      mentions(refusal(m, {.expert_parallel = 4, .data_parallel = 2, .global_batch_size = 2}),
+               "must divide tensor x context x data parallel"));
+  ModelConfig dense = m;
+  dense.num_experts = 0;
+  EXPECT_TRUE(
+      mentions(refusal(dense, {.expert_parallel = 2, .data_parallel = 2, .global_batch_size = 2}),
+               "needs --num-experts > 0"));
+  ModelConfig topk = m;
+  topk.moe_router_topk = 5;
+  EXPECT_TRUE(mentions(refusal(topk, {}), "--moe-router-topk (5)"));
+  EXPECT_TRUE(
+      mentions(refusal(m, {.data_parallel = 2, .micro_batch_size = 2, .global_batch_size = 6}),
+               "--global-batch-size (6) must be divisible by --micro-batch-size x "
+               "data-parallel size (2 x 2 = 4)"));
+  EXPECT_TRUE(mentions(refusal(m, {.pipeline_parallel = 3}), "--num-layers (4)"));
+  EXPECT_TRUE(
+      mentions(refusal(m, {.tensor_parallel = 0}), "--tensor-model-parallel-size must be >= 1"));
+}
+
+TEST(ParallelPlan, SequenceParallelIsSwitchedOffAtTensorParallelOne) {
+  ParallelPlan p{.sequence_parallel = true};
+  const auto warnings = validate(ModelConfig{}, p);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_TRUE(mentions(warnings[0], "switched off"));
+  EXPECT_FALSE(p.sequence_parallel);
+}
+
+TEST(ParallelPlan, VocabularyIsPaddedForTensorParallelShards) {
+  const ModelConfig m{.vocab_size = 256, .make_vocab_size_divisible_by = 128};
+  EXPECT_EQ(m.padded_vocab_size(1), 256);
+  EXPECT_EQ(m.padded_vocab_size(4), 512);
+  const ModelConfig odd{.vocab_size = 300, .make_vocab_size_divisible_by = 8};
+  EXPECT_EQ(odd.padded_vocab_size(2), 304);
+}
+
+TEST(Mesh, RankOrderIsTensorThenContextThenDataThenPipeline) {
+  const Mesh mesh(
+      {.tensor_parallel = 2, .context_parallel = 2, .data_parallel = 2, .pipeline_parallel = 2});
+  EXPECT_EQ(mesh.size(), 16);
+  const MeshCoordinates c = mesh.coordinates(13);  // 13 = 1 + 2 (0 + 2 (1 + 2 * 1))
+  EXPECT_EQ(c.tp, 1);
+  EXPECT_EQ(c.cp, 0);
+  EXPECT_EQ(c.dp, 1);
+  EXPECT_EQ(c.pp, 1);
+  EXPECT_EQ(mesh.rank_of(1, 0, 1, 1), 13);
+  const auto tp = mesh.group(GroupKind::tensor, 13).devices();
+  EXPECT_EQ(std::vector<rt::DeviceId>(tp.begin(), tp.end()), (std::vector<rt::DeviceId>{12, 13}));
+  const auto cp = mesh.group(GroupKind::context, 13).devices();
+  EXPECT_EQ(std::vector<rt::DeviceId>(cp.begin(), cp.end()), (std::vector<rt::DeviceId>{13, 15}));
+  const auto dp = mesh.group(GroupKind::data, 13).devices();
+  EXPECT_EQ(std::vector<rt::DeviceId>(dp.begin(), dp.end()), (std::vector<rt::DeviceId>{9, 13}));
+  const auto dpcp = mesh.group(GroupKind::data_context, 13).devices();
+  EXPECT_EQ(std::vector<rt::DeviceId>(dpcp.begin(), dpcp.end()),
+            (std::vector<rt::DeviceId>{9, 11, 13, 15}));
+  const auto pp = mesh.group(GroupKind::pipeline, 13).devices();
+  EXPECT_EQ(std::vector<rt::DeviceId>(pp.begin(), pp.end()), (std::vector<rt::DeviceId>{5, 13}));
+  EXPECT_EQ(mesh.group(GroupKind::tensor, 0).name(), "tp0");
+}
+
+TEST(Mesh, GroupsOfEachKindPartitionTheDevices) {
+  const Mesh mesh({.tensor_parallel = 2, .expert_parallel = 4, .data_parallel = 4});
+  for (int k = 0; k <= static_cast<int>(GroupKind::pipeline); ++k) {
+    std::multiset<rt::DeviceId> seen;
+    for (const auto& g : mesh.groups(static_cast<GroupKind>(k)))
+      for (rt::DeviceId d : g.devices())
+        seen.insert(d);
+    EXPECT_EQ(seen.size(), 8u) << "kind " << k;
+    for (rt::DeviceId d = 0; d < 8; ++d)
+      EXPECT_EQ(seen.count(d), 1u) << "kind " << k << " device " << d;
+  }
+  // Expert parallelism folds over tp x dp: groups of 4 consecutive ranks, replicas 4 apart.
+  const auto ep = mesh.group(GroupKind::expert, 5).devices();
+  EXPECT_EQ(std::vector<rt::DeviceId>(ep.begin(), ep.end()),
+            (std::vector<rt::DeviceId>{4, 5, 6, 7}));
+  const auto edp = mesh.group(GroupKind::expert_data, 5).devices();
+  EXPECT_EQ(std::vector<rt::DeviceId>(edp.begin(), edp.end()), (std::vector<rt::DeviceId>{1, 5}));
+  EXPECT_EQ(mesh.coordinates(6).ep, 2);
+  EXPECT_EQ(mesh.coordinates(6).edp, 1);
+}
+
+}  // namespace
+}  // namespace weave::graphs
