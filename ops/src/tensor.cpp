@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <new>
 #include <stdexcept>
+#include <utility>
 
 #include "weave/devices/device.hpp"
 
@@ -133,6 +134,18 @@ BasicTensor<T> BasicTensor<T>::slice(int dim, std::int64_t start, std::int64_t l
   BasicTensor v = *this;
   v.data_ = data_ + start * strides_[a];
   v.shape_ = shape_.with(a, length);
+  return v;
+}
+
+template <typename T>
+BasicTensor<T> BasicTensor<T>::transpose(int a, int b) const {
+  const int x = a < 0 ? a + rank() : a, y = b < 0 ? b + rank() : b;
+  if (x < 0 || x >= rank() || y < 0 || y >= rank())
+    throw std::out_of_range(fmt::format("cannot swap dimensions {} and {} of a tensor of shape {}",
+                                        a, b, shape_.str()));
+  BasicTensor v = *this;
+  std::swap(v.strides_[x], v.strides_[y]);
+  v.shape_ = shape_.with(x, shape_[y]).with(y, shape_[x]);
   return v;
 }
 

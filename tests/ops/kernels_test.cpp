@@ -9,6 +9,7 @@
 
 #include "gradient_check.hpp"
 #include "weave/ops/activation.hpp"
+#include "weave/ops/attention.hpp"
 #include "weave/ops/cross_entropy.hpp"
 #include "weave/ops/dropout.hpp"
 #include "weave/ops/elementwise.hpp"
@@ -370,6 +371,24 @@ TEST(Dropout, BackwardAppliesTheSameMask) {
   const TensorD dx = TensorD::empty(x.shape());
   dropout_backward(spec, r, dx);
   expect_gradient("dx", x, loss, dx);
+}
+
+TEST(Tensor, TransposedViewFeedsAttentionAsTheCopyWould) {
+  // A Megatron-layout [s, b, h, d] tensor seen as [b, s, h, d] without copying.
+  std::mt19937 gen(15);
+  const TensorD sbhd = random_tensor({6, 2, 3, 4}, gen);
+  const TensorD bshd = sbhd.transpose(0, 1);
+  EXPECT_EQ(bshd.shape(), (Shape{2, 6, 3, 4}));
+  EXPECT_EQ(bshd(1, 4, 2, 3), sbhd(4, 1, 2, 3));
+  EXPECT_FALSE(bshd.is_contiguous());
+  const TensorD o1 = TensorD::empty({2, 6, 3, 4}), o2 = TensorD::empty({2, 6, 3, 4});
+  const TensorD l1 = TensorD::empty({2, 3, 6}), l2 = TensorD::empty({2, 3, 6});
+  attention_forward({}, bshd, bshd, bshd, o1, l1);
+  const TensorD copy = bshd.clone();
+  attention_forward({}, copy, copy, copy, o2, l2);
+  const auto a = o1.to_vector(), b = o2.to_vector();
+  for (std::size_t i = 0; i < a.size(); ++i)
+    EXPECT_NEAR(a[i], b[i], 1e-14);
 }
 
 TEST(Tensor, ViewsShareStorageAndReshapeNeedsContiguity) {

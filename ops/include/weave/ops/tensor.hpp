@@ -67,6 +67,8 @@ class BasicTensor {
 
   // A view of `length` entries from `start` along dimension `dim`, sharing storage.
   BasicTensor slice(int dim, std::int64_t start, std::int64_t length) const;
+  // A view with dimensions a and b swapped (a [s, b, ...] activation seen as [b, s, ...]).
+  BasicTensor transpose(int a, int b) const;
   // A view with another shape of the same element count. Requires a contiguous tensor.
   BasicTensor reshape(const Shape& shape) const;
   // A contiguous heap copy.
