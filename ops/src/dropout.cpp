@@ -31,8 +31,8 @@ void apply_mask(const char* op, const DropoutSpec& spec, const BasicTensor<T>& i
   const T scale = T(1) / (T(1) - static_cast<T>(spec.probability));
   detail::for_row_blocks(in.rows(), 64, 8.0 * n, [&](std::int64_t r0, std::int64_t r1) {
     for (std::int64_t r = r0; r < r1; ++r) {
-      const auto token =
-          static_cast<std::uint64_t>((r / s) * length + spec.sequence_offset + r % s);
+      const auto token = static_cast<std::uint64_t>((spec.batch_offset + r / s) * length +
+                                                    spec.sequence_offset + r % s);
       const T* ir = in.row(r);
       T* orow = out.row(r);
       float u[4];

@@ -1,7 +1,8 @@
 // Dropout with masks drawn from the counter-based generator, never stored.
 //
 // x [..., s, n] is read as rows of tokens: with s = dim(-2) (1 for a rank-1 x), row r is token
-// (r / s) * sequence_length + sequence_offset + r % s of the whole batch, and column j is
+// (batch_offset + r / s) * sequence_length + sequence_offset + r % s of the whole batch, and
+// column j is
 // feature feature_offset + j. A chunk or shard of the sequence therefore draws the same mask
 // as the whole sequence when it passes its offsets. The backward recomputes the mask.
 #pragma once
@@ -19,6 +20,7 @@ struct DropoutSpec {
   std::int64_t sequence_offset = 0;  // of this tensor's first position in the full sequence
   std::int64_t sequence_length = 0;  // of the full sequence; 0: this tensor's dim(-2)
   std::int64_t feature_offset = 0;   // of this tensor's first feature (tensor-parallel shards)
+  std::int64_t batch_offset = 0;     // of this tensor's first sequence in the global batch
 };
 
 // y = x * keep / (1 - p), keep = uniform >= p. y may be x.

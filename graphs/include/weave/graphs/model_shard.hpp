@@ -1,0 +1,107 @@
+// One device's share of the model's parameters, their gradients and optimizer state.
+//
+// Every parameter has a logical (unsharded, framework-independent) layout: 2-D [rows, cols]
+// with Megatron's conventions (QKV rows are all queries, then keys, then values; SwiGLU's
+// first linear is all gates, then all values; experts stack along rows). A device holds a
+// shard in its own storage order, and each local element knows its logical coordinates.
+// Initial values are a pure function of (seed, parameter, logical row, logical column), so a
+// model split any way starts from exactly the slices of the one-device model — the basis of
+// "parallel equals serial".
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "weave/devices/device.hpp"
+#include "weave/graphs/mesh.hpp"
+#include "weave/graphs/model_config.hpp"
+#include "weave/ops/tensor.hpp"
+
+namespace weave::graphs {
+
+// How a shard's gradients combine across devices before the optimizer step.
+enum class GradientReduction {
+  none,            // unique to this device (a tensor-parallel shard, summed over dp only)
+  tensor_partial,  // replicated over tp but each rank saw other tokens (SP): sum over tp too
+};
+
+struct Parameter {
+  std::string name;         // "layers.0.attention.qkv.weight"
+  ops::Tensor value, grad;  // local shapes
+  ops::Tensor exp_avg, exp_avg_sq;
+  std::int64_t logical_rows = 0, logical_cols = 0;
+  std::vector<std::int64_t> row_map;  // local row -> logical row
+  std::int64_t col_offset = 0;        // local column c is logical column col_offset + c
+  bool expert = false;                // reduced over the expert-data-parallel group, not dp
+  bool tensor_replicated = false;     // the same on every tensor-parallel rank
+  GradientReduction reduction = GradientReduction::none;
+};
+
+struct LayerShard {
+  Parameter* ln1_weight = nullptr;
+  Parameter* ln1_bias = nullptr;
+  Parameter* qkv_weight = nullptr;  // local [heads/tp x 3 x head_dim, h], per head: q, k, v
+  Parameter* qkv_bias = nullptr;
+  Parameter* proj_weight = nullptr;  // local [h, h/tp]
+  Parameter* proj_bias = nullptr;
+  Parameter* ln2_weight = nullptr;
+  Parameter* ln2_bias = nullptr;
+  // Dense MLP
+  Parameter* fc1_weight = nullptr;  // local [f1/tp, h]; SwiGLU: this rank's gates, then values
+  Parameter* fc1_bias = nullptr;
+  Parameter* fc2_weight = nullptr;  // local [h, f/tp]
+  Parameter* fc2_bias = nullptr;
+  // MoE MLP
+  Parameter* router_weight = nullptr;  // [experts, h], replicated
+  Parameter* expert_fc1 = nullptr;     // local [local experts, f1, h]
+  Parameter* expert_fc2 = nullptr;     // local [local experts, h, f]
+  bool moe = false;
+};
+
+class ModelShard {
+ public:
+  // The shard that device `rank` of `mesh` holds, allocated on `device` (tracked as parameters,
+  // gradients and optimizer state) and initialised.
+  ModelShard(const ModelConfig& config, const Mesh& mesh, int rank, devices::Device& device);
+  ModelShard(const ModelShard&) = delete;
+  ModelShard& operator=(const ModelShard&) = delete;
+
+  // In the same order on every device; addresses are stable.
+  std::deque<Parameter>& parameters() { return parameters_; }
+  const std::deque<Parameter>& parameters() const { return parameters_; }
+  Parameter& embedding() { return parameters_[0]; }
+  Parameter& positions() { return parameters_[1]; }
+  Parameter& final_ln_weight() { return *final_ln_weight_; }
+  Parameter& final_ln_bias() { return *final_ln_bias_; }
+  const LayerShard& layer(int l) const { return layers_.at(static_cast<std::size_t>(l)); }
+  int vocab_start() const { return vocab_start_; }
+  int first_expert() const { return first_expert_; }
+  int local_experts() const { return local_experts_; }
+
+  void zero_grads();
+
+ private:
+  // std > 0: normal(0, std) draws; otherwise every element is `constant`.
+  Parameter& add(std::string name, const ops::Shape& local, std::int64_t logical_rows,
+                 std::int64_t logical_cols, std::vector<std::int64_t> row_map,
+                 std::int64_t col_offset, double std, double constant);
+  const ModelConfig& config_;
+  devices::Device& device_;
+  std::deque<Parameter> parameters_;
+  std::vector<LayerShard> layers_;
+  Parameter* final_ln_weight_ = nullptr;
+  Parameter* final_ln_bias_ = nullptr;
+  int vocab_start_ = 0;
+  int first_expert_ = 0;
+  int local_experts_ = 0;
+};
+
+// The local rows and columns a parameter's storage is read as: [numel / last, last] for rank
+// >= 2, [n, 1] for a vector.
+std::int64_t local_rows(const Parameter& p);
+std::int64_t local_cols(const Parameter& p);
+
+}  // namespace weave::graphs

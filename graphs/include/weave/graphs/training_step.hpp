@@ -1,0 +1,71 @@
+// One training step of the GPT-MoE model as a single task graph over the mesh's devices:
+// forward and backward of every micro-batch, gradient reductions, clipping and the optimizer
+// step. Communication sits on each device's comm stream, ordered against compute by explicit
+// edges only where the data requires it, so the executor overlaps the rest (a layer's gradient
+// all-reduce runs while the backward of the layers below it computes; a column-parallel
+// linear's weight-gradient GEMM runs while its input gradient is being reduce-scattered).
+//
+// The graph is built once and run every iteration; the host fills the micro-batches' tokens
+// and sets the learning rate between runs.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "weave/devices/communicator.hpp"
+#include "weave/devices/device_set.hpp"
+#include "weave/graphs/mesh.hpp"
+#include "weave/graphs/model_config.hpp"
+#include "weave/graphs/model_shard.hpp"
+#include "weave/ops/optimizer.hpp"
+#include "weave/runtime/graph.hpp"
+
+namespace weave::graphs {
+
+struct OptimizerConfig {
+  ops::AdamWOptions adamw;  // lr is set per iteration with set_learning_rate
+  double clip_grad = 1.0;   // --clip-grad; 0: no clipping
+};
+
+// One micro-batch of one data-parallel rank, in Megatron's [sequence, batch] order: entry
+// s * micro_batch_size + b.
+struct MicroBatch {
+  std::vector<std::int32_t> tokens;
+  std::vector<std::int32_t> targets;
+};
+
+struct StepResult {
+  double loss = 0;       // language-model loss, mean over the global batch's tokens
+  double aux_loss = 0;   // MoE load-balancing plus z-loss, mean over micro-batches
+  double grad_norm = 0;  // before clipping
+};
+
+class TrainingStep {
+ public:
+  // plan must have passed validate(); devices.size() == plan.devices().
+  TrainingStep(const ModelConfig& model, const ParallelPlan& plan, const OptimizerConfig& optimizer,
+               devices::DeviceSet& devices, devices::Communicator& comm);
+  ~TrainingStep();
+  TrainingStep(const TrainingStep&) = delete;
+  TrainingStep& operator=(const TrainingStep&) = delete;
+
+  const rt::Graph& graph() const;
+  const Mesh& mesh() const;
+  // The batch of data-parallel rank `dp`, micro-batch `m`: fill before running the graph.
+  MicroBatch& micro_batch(int dp, int m);
+  // Iteration number (from 1; keys dropout masks and AdamW's bias correction) and learning rate
+  // for the next run.
+  void prepare(std::int64_t iteration, double learning_rate);
+  // What the last run computed.
+  StepResult result() const;
+  ModelShard& shard(int rank);
+  // When false, the graph skips the optimizer step (for gradient checks).
+  void set_update_parameters(bool update);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace weave::graphs

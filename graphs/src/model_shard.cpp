@@ -1,0 +1,162 @@
+#include "weave/graphs/model_shard.hpp"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <numbers>
+#include <numeric>
+
+#include "weave/ops/random.hpp"
+
+namespace weave::graphs {
+
+std::int64_t local_cols(const Parameter& p) {
+  return p.value.rank() == 1 ? 1 : p.value.dim(-1);
+}
+std::int64_t local_rows(const Parameter& p) {
+  return p.value.numel() / local_cols(p);
+}
+
+namespace {
+
+std::vector<std::int64_t> iota_from(std::int64_t first, std::int64_t count) {
+  std::vector<std::int64_t> v(static_cast<std::size_t>(count));
+  std::iota(v.begin(), v.end(), first);
+  return v;
+}
+
+// Standard normal for (key, row, col) by Box-Muller over two counter-based uniforms.
+double normal(const ops::RandomKey& key, std::int64_t row, std::int64_t col) {
+  float u[4];
+  ops::uniform4(key, static_cast<std::uint64_t>(row), static_cast<std::uint64_t>(col), u);
+  const double u1 = 1.0 - u[0], u2 = u[1];  // u1 in (0, 1]
+  return std::sqrt(-2.0 * std::log(u1)) * std::cos(2 * std::numbers::pi * u2);
+}
+
+}  // namespace
+
+Parameter& ModelShard::add(std::string name, const ops::Shape& local, std::int64_t logical_rows,
+                           std::int64_t logical_cols, std::vector<std::int64_t> row_map,
+                           std::int64_t col_offset, double std, double constant) {
+  Parameter& p = parameters_.emplace_back();
+  const auto index = static_cast<std::uint32_t>(parameters_.size() - 1);
+  p.name = std::move(name);
+  p.value = ops::Tensor::empty(local, device_, rt::MemoryCategory::parameters);
+  p.grad = ops::Tensor::zeros(local, device_, rt::MemoryCategory::gradients);
+  p.exp_avg = ops::Tensor::zeros(local, device_, rt::MemoryCategory::optimizer_state);
+  p.exp_avg_sq = ops::Tensor::zeros(local, device_, rt::MemoryCategory::optimizer_state);
+  p.logical_rows = logical_rows;
+  p.logical_cols = logical_cols;
+  p.row_map = std::move(row_map);
+  p.col_offset = col_offset;
+  const std::int64_t rows = local_rows(p), cols = local_cols(p);
+  if (static_cast<std::int64_t>(p.row_map.size()) != rows)
+    throw std::logic_error(fmt::format("parameter {}: {} row mappings for {} local rows", p.name,
+                                       p.row_map.size(), rows));
+  // The parameter's index in the model is its random stream: the same on every device.
+  const ops::RandomKey key{.seed = config_.seed, .layer = index, .site = 0};
+  float* v = p.value.data();
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c)
+      v[r * cols + c] = std > 0
+                            ? static_cast<float>(std * normal(key, p.row_map[r], col_offset + c))
+                            : static_cast<float>(constant);
+  return p;
+}
+
+ModelShard::ModelShard(const ModelConfig& m, const Mesh& mesh, int rank, devices::Device& device)
+    : config_(m), device_(device) {
+  const MeshCoordinates at = mesh.coordinates(rank);
+  const ParallelPlan& plan = mesh.plan();
+  const int tp = plan.tensor_parallel, t = at.tp;
+  const std::int64_t h = m.hidden_size, d = m.head_dim(), heads = m.num_attention_heads;
+  const std::int64_t vocab = m.padded_vocab_size(tp), v_local = vocab / tp;
+  const std::int64_t heads_local = heads / tp, f = m.ffn_hidden_size, f_local = f / tp;
+  const bool swiglu = m.activation == Activation::swiglu;
+  const double std = m.init_method_std;
+  // Output layers of each block start smaller (Megatron's scaled init): 1/sqrt(2 layers).
+  const double out_std = std / std::sqrt(2.0 * m.num_layers);
+  vocab_start_ = static_cast<int>(t * v_local);
+  const bool partial_over_tp = plan.sequence_parallel;
+
+  auto replicated = [&](Parameter& p, bool sees_split_tokens) -> Parameter& {
+    p.tensor_replicated = true;
+    if (tp > 1 && sees_split_tokens) p.reduction = GradientReduction::tensor_partial;
+    return p;
+  };
+  add("embedding.word", {v_local, h}, vocab, h, iota_from(vocab_start_, v_local), 0, std, 0);
+  replicated(add("embedding.position", {m.positions(), h}, m.positions(), h,
+                 iota_from(0, m.positions()), 0, std, 0),
+             partial_over_tp);
+  layers_.resize(static_cast<std::size_t>(m.num_layers));
+  for (int l = 0; l < m.num_layers; ++l) {
+    LayerShard& L = layers_[l];
+    const std::string prefix = fmt::format("layers.{}.", l);
+    auto norm = [&](const char* name, double value) -> Parameter* {
+      return &replicated(add(prefix + name, {h}, h, 1, iota_from(0, h), 0, 0, value),
+                         partial_over_tp);
+    };
+    L.ln1_weight = norm("input_norm.weight", 1);
+    L.ln1_bias = norm("input_norm.bias", 0);
+    // QKV: local rows (head, which, dim) for this rank's heads; logical rows which * h +
+    // head * d + dim.
+    std::vector<std::int64_t> qkv_rows;
+    for (std::int64_t hl = 0; hl < heads_local; ++hl)
+      for (std::int64_t which = 0; which < 3; ++which)
+        for (std::int64_t i = 0; i < d; ++i)
+          qkv_rows.push_back(which * h + (t * heads_local + hl) * d + i);
+    L.qkv_weight = &add(prefix + "attention.qkv.weight", {3 * heads_local * d, h}, 3 * h, h,
+                        qkv_rows, 0, std, 0);
+    L.qkv_bias =
+        &add(prefix + "attention.qkv.bias", {3 * heads_local * d}, 3 * h, 1, qkv_rows, 0, 0, 0);
+    L.proj_weight = &add(prefix + "attention.proj.weight", {h, heads_local * d}, h, h,
+                         iota_from(0, h), t * heads_local * d, out_std, 0);
+    L.proj_bias = &replicated(
+        add(prefix + "attention.proj.bias", {h}, h, 1, iota_from(0, h), 0, 0, 0), partial_over_tp);
+    L.ln2_weight = norm("mlp_norm.weight", 1);
+    L.ln2_bias = norm("mlp_norm.bias", 0);
+    const std::int64_t f1 = swiglu ? 2 * f : f;
+    if (m.is_moe_layer(l)) {
+      L.moe = true;
+      const int ep = plan.expert_parallel;
+      local_experts_ = m.num_experts / ep;
+      first_expert_ = at.ep * local_experts_;
+      // The MoE layer routes this rank's share of the tokens: with tp > 1 the router's
+      // gradient is a partial sum over the tensor-parallel ranks.
+      L.router_weight = &replicated(add(prefix + "moe.router.weight", {m.num_experts, h},
+                                        m.num_experts, h, iota_from(0, m.num_experts), 0, std, 0),
+                                    true);
+      L.expert_fc1 =
+          &add(prefix + "moe.experts.fc1.weight", {local_experts_, f1, h}, m.num_experts * f1, h,
+               iota_from(first_expert_ * f1, local_experts_ * f1), 0, std, 0);
+      L.expert_fc2 =
+          &add(prefix + "moe.experts.fc2.weight", {local_experts_, h, f}, m.num_experts * h, f,
+               iota_from(first_expert_ * h, local_experts_ * h), 0, out_std, 0);
+      L.expert_fc1->expert = L.expert_fc2->expert = true;
+    } else {
+      std::vector<std::int64_t> fc1_rows = iota_from(t * f_local, f_local);
+      if (swiglu) {
+        const auto values = iota_from(f + t * f_local, f_local);
+        fc1_rows.insert(fc1_rows.end(), values.begin(), values.end());
+      }
+      const std::int64_t f1_local = swiglu ? 2 * f_local : f_local;
+      L.fc1_weight = &add(prefix + "mlp.fc1.weight", {f1_local, h}, f1, h, fc1_rows, 0, std, 0);
+      L.fc1_bias = &add(prefix + "mlp.fc1.bias", {f1_local}, f1, 1, fc1_rows, 0, 0, 0);
+      L.fc2_weight = &add(prefix + "mlp.fc2.weight", {h, f_local}, h, f, iota_from(0, h),
+                          t * f_local, out_std, 0);
+      L.fc2_bias = &replicated(add(prefix + "mlp.fc2.bias", {h}, h, 1, iota_from(0, h), 0, 0, 0),
+                               partial_over_tp);
+    }
+  }
+  final_ln_weight_ =
+      &replicated(add("final_norm.weight", {h}, h, 1, iota_from(0, h), 0, 0, 1), partial_over_tp);
+  final_ln_bias_ =
+      &replicated(add("final_norm.bias", {h}, h, 1, iota_from(0, h), 0, 0, 0), partial_over_tp);
+}
+
+void ModelShard::zero_grads() {
+  for (Parameter& p : parameters_)
+    p.grad.fill(0.f);
+}
+
+}  // namespace weave::graphs

@@ -1,0 +1,1031 @@
+#include "weave/graphs/training_step.hpp"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <functional>
+#include <numeric>
+#include <span>
+
+#include "weave/ops/activation.hpp"
+#include "weave/ops/attention.hpp"
+#include "weave/ops/cross_entropy.hpp"
+#include "weave/ops/dropout.hpp"
+#include "weave/ops/elementwise.hpp"
+#include "weave/ops/embedding.hpp"
+#include "weave/ops/experts.hpp"
+#include "weave/ops/linear.hpp"
+#include "weave/ops/moe_dispatch.hpp"
+#include "weave/ops/normalization.hpp"
+#include "weave/ops/router.hpp"
+
+namespace weave::graphs {
+
+using ops::Tensor;
+using rt::TaskId;
+
+namespace {
+
+// Everything a layer's forward keeps for its backward, on one device. Reused by every
+// micro-batch: a micro-batch's backward finishes on a device before the next forward starts.
+struct LayerActivations {
+  Tensor x_in;  // [Sl, B, h]: the previous layer's output
+  Tensor ln1, ln1_mean, ln1_rstd, ln1_full;
+  Tensor qkv, attn, lse, proj_partial, proj_out, x_mid;
+  Tensor ln2, ln2_mean, ln2_rstd, ln2_full;
+  Tensor fc1, act, fc2_partial;  // dense
+  Tensor mlp_out;                // [Sl, B, h]: the MLP's output, before bias and dropout
+  Tensor x_out;
+  // MoE: the tokens this rank routes, [T, h] (T = S B / tp), and what routing decided.
+  Tensor moe_in, router_logits, probs, topk_weight, grouped, hidden_pre, hidden, expert_out,
+      moe_out, stats;
+  std::vector<std::int32_t> topk_index;
+  ops::DispatchPlan dispatch;
+};
+
+// Gradient workspace shared by all layers of a device: the backward runs layer after layer.
+struct BackwardWorkspace {
+  Tensor d_x, d_x_mid, d_tmp;        // [Sl, B, h]
+  Tensor d_mlp, d_mlp_full;          // [Sl, B, h], [S, B, h]
+  Tensor d_act, d_fc1, d_norm_full;  // [S, B, f], [S, B, f1], [S, B, h]
+  Tensor d_norm;                     // [Sl, B, h]
+  Tensor d_attn, d_qkv;              // [S, B, Hl d], [S, B, Hl, 3d]
+  Tensor d_logits, d_final_full;     // [S B, Vl], [S, B, h]
+  Tensor d_moe, d_grouped, d_expert_out, d_topk, d_router_logits, d_moe_in;
+};
+
+struct RankState {
+  std::unique_ptr<ModelShard> shard;
+  std::vector<LayerActivations> layers;
+  BackwardWorkspace ws;
+  Tensor emb_partial, emb_out;  // [S, B, h], [Sl, B, h]
+  Tensor final_ln, final_mean, final_rstd, final_full, logits;
+  Tensor row_max, partials, lse;  // cross-entropy
+  Tensor norm_sq;                 // [1]: this rank's share of the squared grad norm
+  std::vector<double> loss, aux;  // per micro-batch
+};
+
+std::span<float> all_of(const Tensor& t) {
+  return {t.data(), static_cast<std::size_t>(t.numel())};
+}
+
+}  // namespace
+
+struct TrainingStep::Impl {
+  ModelConfig m;
+  ParallelPlan plan;
+  OptimizerConfig opt;
+  devices::DeviceSet& devices;
+  devices::Communicator& comm;
+  Mesh mesh;
+  rt::GraphBuilder b;
+  rt::Graph graph;
+  rt::StreamId compute_stream = rt::kComputeStream;
+  std::vector<RankState> ranks;
+  std::vector<std::vector<MicroBatch>> batches;  // [dp][micro-batch]
+  std::vector<TaskId> last_comm;                 // per rank: the comm stream's latest task
+  std::vector<TaskId> last_grad;                 // per rank: the gradient stream's latest task
+  std::int64_t iteration = 1;
+  double learning_rate = 0;
+  bool update = true;
+
+  // Sizes.
+  int tp, t_sp, M;
+  std::int64_t S, B, Sl, h, d, Hl, f, fl, f1l, Vl, T;
+
+  Impl(const ModelConfig& model, const ParallelPlan& p, const OptimizerConfig& o,
+       devices::DeviceSet& set, devices::Communicator& c)
+      : m(model), plan(p), opt(o), devices(set), comm(c), mesh(p) {
+    if (static_cast<int>(set.size()) != plan.devices())
+      throw ConfigError(
+          fmt::format("the plan needs {} devices (tp {} x cp {} x dp {} x pp {}), "
+                      "the device set has {}",
+                      plan.devices(), plan.tensor_parallel, plan.context_parallel,
+                      plan.data_parallel, plan.pipeline_parallel, set.size()));
+    if (plan.context_parallel > 1 || plan.expert_parallel > 1 || plan.pipeline_parallel > 1)
+      throw ConfigError(
+          "this build of the training step runs tensor, sequence and data parallelism; context, "
+          "expert and pipeline parallelism need --context-parallel-size, "
+          "--expert-model-parallel-size and --pipeline-model-parallel-size 1");
+    tp = plan.tensor_parallel;
+    t_sp = plan.sequence_parallel ? tp : 1;
+    M = plan.micro_batches();
+    S = m.seq_length;
+    B = plan.micro_batch_size;
+    Sl = S / t_sp;
+    h = m.hidden_size;
+    d = m.head_dim();
+    Hl = m.num_attention_heads / tp;
+    f = m.ffn_hidden_size;
+    fl = f / tp;
+    f1l = m.activation == Activation::swiglu ? 2 * fl : fl;
+    Vl = m.padded_vocab_size(tp) / tp;
+    T = S / tp * B;
+    if (m.num_experts > 0 && tp > 1 && S % tp != 0)
+      throw ConfigError(fmt::format(
+          "--seq-length ({}) must be divisible by --tensor-model-parallel-size ({}) in a MoE "
+          "model: each tensor-parallel rank routes seq/tp positions",
+          S, tp));
+    batches.assign(static_cast<std::size_t>(plan.data_parallel), std::vector<MicroBatch>(M));
+    for (auto& per_dp : batches)
+      for (auto& mb : per_dp) {
+        mb.tokens.assign(static_cast<std::size_t>(S * B), 0);
+        mb.targets.assign(static_cast<std::size_t>(S * B), 0);
+      }
+    ranks.resize(static_cast<std::size_t>(mesh.size()));
+    last_comm.assign(ranks.size(), rt::kNoTask);
+    last_grad.assign(ranks.size(), rt::kNoTask);
+    for (int r = 0; r < mesh.size(); ++r)
+      allocate(r);
+    build();
+  }
+
+  devices::Device& dev(int r) { return devices[static_cast<rt::DeviceId>(r)]; }
+  Tensor act(int r, const ops::Shape& s) {
+    return Tensor::empty(s, dev(r), rt::MemoryCategory::activations);
+  }
+
+  void allocate(int r) {
+    RankState& R = ranks[r];
+    R.shard = std::make_unique<ModelShard>(m, mesh, r, dev(r));
+    const bool sp = t_sp > 1;
+    R.emb_partial = act(r, {S, B, h});
+    R.emb_out = sp ? act(r, {Sl, B, h}) : R.emb_partial;
+    R.layers.resize(static_cast<std::size_t>(m.num_layers));
+    Tensor x = R.emb_out;
+    for (int l = 0; l < m.num_layers; ++l) {
+      LayerActivations& A = R.layers[l];
+      A.x_in = x;
+      A.ln1 = act(r, {Sl, B, h});
+      A.ln1_mean = act(r, {Sl * B});
+      A.ln1_rstd = act(r, {Sl * B});
+      A.ln1_full = sp ? act(r, {S, B, h}) : A.ln1;
+      A.qkv = act(r, {S, B, Hl, 3 * d});
+      A.attn = act(r, {S, B, Hl, d});
+      A.lse = act(r, {B, Hl, S});
+      A.proj_partial = act(r, {S, B, h});
+      A.proj_out = sp ? act(r, {Sl, B, h}) : A.proj_partial;
+      A.x_mid = act(r, {Sl, B, h});
+      A.ln2 = act(r, {Sl, B, h});
+      A.ln2_mean = act(r, {Sl * B});
+      A.ln2_rstd = act(r, {Sl * B});
+      if (R.shard->layer(l).moe) {
+        const std::int64_t E = m.num_experts, k = m.moe_router_topk;
+        const std::int64_t f1 = m.activation == Activation::swiglu ? 2 * f : f;
+        A.moe_in = act(r, {T, h});
+        A.router_logits = act(r, {T, E});
+        A.probs = act(r, {T, E});
+        A.topk_weight = act(r, {T, k});
+        A.topk_index.assign(static_cast<std::size_t>(T * k), 0);
+        A.grouped = act(r, {T * k, h});
+        A.hidden_pre = act(r, {T * k, f1});
+        A.hidden = act(r, {T * k, f});
+        A.expert_out = act(r, {T * k, h});
+        A.moe_out = act(r, {T, h});
+        A.stats = act(r, {2 * E + 2});
+        A.mlp_out = sp || tp == 1 ? A.moe_out.reshape({Sl, B, h}) : act(r, {S, B, h});
+      } else {
+        A.ln2_full = sp ? act(r, {S, B, h}) : A.ln2;
+        A.fc1 = act(r, {S, B, f1l});
+        A.act = act(r, {S, B, fl});
+        A.fc2_partial = act(r, {S, B, h});
+        A.mlp_out = sp ? act(r, {Sl, B, h}) : A.fc2_partial;
+      }
+      A.x_out = act(r, {Sl, B, h});
+      x = A.x_out;
+    }
+    R.final_ln = act(r, {Sl, B, h});
+    R.final_mean = act(r, {Sl * B});
+    R.final_rstd = act(r, {Sl * B});
+    R.final_full = sp ? act(r, {S, B, h}) : R.final_ln;
+    R.logits = act(r, {S * B, Vl});
+    R.row_max = act(r, {S * B});
+    R.partials = act(r, {S * B, ops::kCrossEntropyPartials});
+    R.lse = act(r, {S * B});
+    R.norm_sq = act(r, {1});
+    R.loss.assign(static_cast<std::size_t>(M), 0.0);
+    R.aux.assign(static_cast<std::size_t>(M), 0.0);
+    BackwardWorkspace& W = R.ws;
+    W.d_x = act(r, {Sl, B, h});
+    W.d_x_mid = act(r, {Sl, B, h});
+    W.d_tmp = act(r, {Sl, B, h});
+    W.d_mlp = act(r, {Sl, B, h});
+    W.d_mlp_full = sp ? act(r, {S, B, h}) : W.d_mlp;
+    W.d_act = act(r, {S, B, fl});
+    W.d_fc1 = act(r, {S, B, f1l});
+    W.d_norm_full = act(r, {S, B, h});
+    W.d_norm = sp ? act(r, {Sl, B, h}) : W.d_norm_full;
+    W.d_attn = act(r, {S, B, Hl * d});
+    W.d_qkv = act(r, {S, B, Hl, 3 * d});
+    W.d_logits = act(r, {S * B, Vl});
+    W.d_final_full = act(r, {S, B, h});
+    if (m.num_experts > 0) {
+      const std::int64_t E = m.num_experts, k = m.moe_router_topk;
+      W.d_moe = act(r, {T, h});
+      W.d_grouped = act(r, {T * k, h});
+      W.d_expert_out = act(r, {T * k, h});
+      W.d_topk = act(r, {T, k});
+      W.d_router_logits = act(r, {T, E});
+      W.d_moe_in = act(r, {T, h});
+    }
+  }
+
+  // ---------------------------------------------------------------------------- graph helpers
+
+  // Adds one compute task per rank; fn(rank) is the work.
+  std::vector<TaskId> each(const std::string& name, rt::TaskTags tags,
+                           std::function<void(int)> fn) {
+    auto shared = std::make_shared<std::function<void(int)>>(std::move(fn));
+    std::vector<TaskId> ids;
+    for (int r = 0; r < mesh.size(); ++r)
+      ids.push_back(b.add({.device = static_cast<rt::DeviceId>(r),
+                           .stream = compute_stream,
+                           .kind = rt::TaskKind::compute,
+                           .name = name,
+                           .tags = tags},
+                          [shared, r](rt::TaskContext&) { (*shared)(r); }));
+    return ids;
+  }
+
+  void link(const std::vector<TaskId>& before, const std::vector<TaskId>& after) {
+    for (std::size_t r = 0; r < before.size(); ++r)
+      if (before[r] != rt::kNoTask && after[r] != rt::kNoTask) b.precede(before[r], after[r]);
+  }
+
+  // Runs `collective` once per group of `kind` (skipped for groups of one), after `producers`,
+  // and returns the member task of each rank (kNoTask where skipped).
+  using GroupCall = std::function<std::vector<TaskId>(const devices::ProcessGroup&)>;
+  std::vector<TaskId> per_group(GroupKind kind, const std::vector<TaskId>& producers,
+                                const GroupCall& call, bool gradient_stream = false) {
+    std::vector<TaskId> members(ranks.size(), rt::kNoTask);
+    for (const auto& g : mesh.groups(kind)) {
+      if (g.size() == 1) continue;
+      const auto ids = call(g);
+      for (int i = 0; i < g.size(); ++i) {
+        const int r = static_cast<int>(g.device(i));
+        members[r] = ids[i];
+        if (producers[r] != rt::kNoTask) b.precede(producers[r], ids[i]);
+        (gradient_stream ? last_grad : last_comm)[r] = ids[i];
+      }
+    }
+    return members;
+  }
+
+  // Sum (or max) in place over each tensor-parallel group.
+  std::vector<TaskId> tp_all_reduce(const std::vector<TaskId>& producers,
+                                    std::function<Tensor(int)> buffer, devices::ReduceOp op,
+                                    const std::string& name, rt::TaskTags tags) {
+    return per_group(GroupKind::tensor, producers, [&](const devices::ProcessGroup& g) {
+      std::vector<std::span<float>> bufs;
+      for (rt::DeviceId dv : g.devices())
+        bufs.push_back(all_of(buffer(static_cast<int>(dv))));
+      return comm.all_reduce(b, g, bufs, op, {.name = name, .tags = tags});
+    });
+  }
+
+  // Sequence parallelism's g: all-gather [Sl, B, ...] shards into [S, B, ...].
+  std::vector<TaskId> tp_all_gather(const std::vector<TaskId>& producers,
+                                    std::function<Tensor(int)> shard,
+                                    std::function<Tensor(int)> full, const std::string& name,
+                                    rt::TaskTags tags) {
+    return per_group(GroupKind::tensor, producers, [&](const devices::ProcessGroup& g) {
+      std::vector<std::span<const float>> in;
+      std::vector<std::span<float>> out;
+      for (rt::DeviceId dv : g.devices()) {
+        const Tensor s = shard(static_cast<int>(dv));
+        in.emplace_back(s.data(), static_cast<std::size_t>(s.numel()));
+        out.push_back(all_of(full(static_cast<int>(dv))));
+      }
+      return comm.all_gather(b, g, in, out, {.name = name, .tags = tags});
+    });
+  }
+
+  // Sequence parallelism's g-bar: reduce-scatter [S, B, ...] partial sums into [Sl, B, ...].
+  std::vector<TaskId> tp_reduce_scatter(const std::vector<TaskId>& producers,
+                                        std::function<Tensor(int)> full,
+                                        std::function<Tensor(int)> shard, const std::string& name,
+                                        rt::TaskTags tags) {
+    return per_group(GroupKind::tensor, producers, [&](const devices::ProcessGroup& g) {
+      std::vector<std::span<const float>> in;
+      std::vector<std::span<float>> out;
+      for (rt::DeviceId dv : g.devices()) {
+        const Tensor s = full(static_cast<int>(dv));
+        in.emplace_back(s.data(), static_cast<std::size_t>(s.numel()));
+        out.push_back(all_of(shard(static_cast<int>(dv))));
+      }
+      return comm.reduce_scatter(b, g, in, out, devices::ReduceOp::sum,
+                                 {.name = name, .tags = tags});
+    });
+  }
+
+  // g-bar in forward: reduce-scatter under SP, all-reduce otherwise (the shard is the buffer).
+  std::vector<TaskId> reduce_partial(const std::vector<TaskId>& producers,
+                                     std::function<Tensor(int)> full,
+                                     std::function<Tensor(int)> shard, const std::string& name,
+                                     rt::TaskTags tags) {
+    if (t_sp > 1) return tp_reduce_scatter(producers, full, shard, name, tags);
+    return tp_all_reduce(producers, full, devices::ReduceOp::sum, name, tags);
+  }
+
+  // ------------------------------------------------------------------------------ the model
+
+  ops::DropoutSpec dropout(int r, int m_index, int layer, int site) const {
+    const MeshCoordinates c = mesh.coordinates(r);
+    return {
+        .probability = m.hidden_dropout,
+        .key = {.seed = m.seed ^ (0x9E3779B97F4A7C15ull * static_cast<std::uint64_t>(iteration)),
+                .layer = static_cast<std::uint32_t>(layer),
+                .site = static_cast<std::uint32_t>(site)},
+        .sequence_offset = c.tp * Sl * (t_sp > 1 ? 1 : 0),
+        .sequence_length = S,
+        .batch_offset = (static_cast<std::int64_t>(c.dp) * M + m_index) * B};
+  }
+
+  // x_out = x_in + dropout(y + bias): the residual branch's end, on [Sl, B, h].
+  void bias_dropout_add(int r, int mb, int layer, int site, const Tensor& y, const Tensor& bias,
+                        const Tensor& x_in, const Tensor& x_out) {
+    const std::int64_t rows = y.rows();
+    for (std::int64_t i = 0; i < rows; ++i) {
+      float* row = y.row(i);
+      for (std::int64_t c = 0; c < h; ++c)
+        row[c] += bias.data()[c];
+    }
+    if (m.hidden_dropout > 0)
+      ops::dropout_forward(dropout(r, mb, layer, site), y.transpose(0, 1), y.transpose(0, 1));
+    ops::add(x_in, y, x_out);
+  }
+
+  // The backward of bias_dropout_add: d_y = dropout'(d_out); d_bias += rows of d_y.
+  void bias_dropout_add_backward(int r, int mb, int layer, int site, const Tensor& d_out,
+                                 const Tensor& d_y, const Tensor& d_bias) {
+    if (m.hidden_dropout > 0)
+      ops::dropout_backward(dropout(r, mb, layer, site), d_out.transpose(0, 1),
+                            d_y.transpose(0, 1));
+    else
+      d_y.copy_from(d_out);
+    for (std::int64_t i = 0; i < d_y.rows(); ++i) {
+      const float* row = d_y.row(i);
+      for (std::int64_t c = 0; c < h; ++c)
+        d_bias.data()[c] += row[c];
+    }
+  }
+
+  void build_forward(int mb) {
+    const rt::TaskTags tags{.micro_batch = static_cast<std::uint16_t>(mb),
+                            .phase = rt::Phase::forward};
+    // Embedding: each rank looks up its vocabulary shard; the group sums (or reduce-scatters).
+    auto emb = each("embedding", tags, [this, mb](int r) {
+      RankState& R = ranks[r];
+      const MicroBatch& data = batches[mesh.coordinates(r).dp][mb];
+      ops::embedding_forward<float>(data.tokens, R.shard->embedding().value,
+                                    {R.shard->vocab_start(), m.padded_vocab_size(tp)},
+                                    R.emb_partial);
+    });
+    auto emb_comm = reduce_partial(
+        emb, [this](int r) { return ranks[r].emb_partial; },
+        [this](int r) { return ranks[r].emb_out; }, "embedding_reduce", tags);
+    auto pos = each("positions", tags, [this, mb](int r) {
+      RankState& R = ranks[r];
+      const std::int64_t first = t_sp > 1 ? mesh.coordinates(r).tp * Sl : 0;
+      for (std::int64_t s = 0; s < Sl; ++s)
+        for (std::int64_t bi = 0; bi < B; ++bi) {
+          float* row = R.emb_out.data() + (s * B + bi) * h;
+          const float* p = R.shard->positions().value.row(first + s);
+          for (std::int64_t c = 0; c < h; ++c)
+            row[c] += p[c];
+        }
+      if (m.hidden_dropout > 0)
+        ops::dropout_forward(dropout(r, mb, m.num_layers, 2), R.emb_out.transpose(0, 1),
+                             R.emb_out.transpose(0, 1));
+    });
+    link(emb_comm, pos);
+    std::vector<TaskId> prev = pos;
+    for (int l = 0; l < m.num_layers; ++l)
+      prev = build_layer_forward(l, mb, prev);
+    build_loss(mb, prev);
+  }
+
+  std::vector<TaskId> build_layer_forward(int l, int mb, std::vector<TaskId> prev) {
+    rt::TaskTags tags{.layer = static_cast<std::uint16_t>(l),
+                      .micro_batch = static_cast<std::uint16_t>(mb),
+                      .phase = rt::Phase::forward};
+    auto L = [this, l](int r) -> LayerActivations& { return ranks[r].layers[l]; };
+    auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
+    const std::string at = fmt::format("L{}.", l);
+    auto ln1 = each(at + "input_norm", tags, [=, this](int r) {
+      LayerActivations& A = L(r);
+      ops::layer_norm_forward(A.x_in, P(r).ln1_weight->value, P(r).ln1_bias->value,
+                              m.layernorm_epsilon, A.ln1, A.ln1_mean, A.ln1_rstd);
+    });
+    std::vector<TaskId> g1(ranks.size(), rt::kNoTask);
+    if (t_sp > 1)
+      g1 = tp_all_gather(
+          ln1, [=](int r) { return L(r).ln1; }, [=](int r) { return L(r).ln1_full; },
+          at + "sp_gather", tags);
+    auto attn = each(at + "attention", tags, [=, this](int r) {
+      LayerActivations& A = L(r);
+      const Tensor qkv = A.qkv.reshape({S, B, 3 * Hl * d});
+      ops::linear_forward(A.ln1_full, P(r).qkv_weight->value, P(r).qkv_bias->value, qkv);
+      const Tensor q = A.qkv.slice(3, 0, d).transpose(0, 1),
+                   k = A.qkv.slice(3, d, d).transpose(0, 1),
+                   v = A.qkv.slice(3, 2 * d, d).transpose(0, 1);
+      ops::attention_forward({}, q, k, v, A.attn.transpose(0, 1), A.lse);
+      ops::linear_forward(A.attn.reshape({S, B, Hl * d}), P(r).proj_weight->value, Tensor{},
+                          A.proj_partial);
+    });
+    link(g1, attn);
+    auto gbar1 = reduce_partial(
+        attn, [=](int r) { return L(r).proj_partial; }, [=](int r) { return L(r).proj_out; },
+        at + "attention_reduce", tags);
+    auto res1 = each(at + "attention_residual", tags, [=, this](int r) {
+      LayerActivations& A = L(r);
+      bias_dropout_add(r, mb, l, 0, A.proj_out, P(r).proj_bias->value, A.x_in, A.x_mid);
+      ops::layer_norm_forward(A.x_mid, P(r).ln2_weight->value, P(r).ln2_bias->value,
+                              m.layernorm_epsilon, A.ln2, A.ln2_mean, A.ln2_rstd);
+    });
+    link(gbar1, res1);
+    std::vector<TaskId> mlp_done;
+    if (ranks[0].shard->layer(l).moe) {
+      mlp_done = build_moe_forward(l, mb, res1, tags);
+    } else {
+      std::vector<TaskId> g2(ranks.size(), rt::kNoTask);
+      if (t_sp > 1)
+        g2 = tp_all_gather(
+            res1, [=](int r) { return L(r).ln2; }, [=](int r) { return L(r).ln2_full; },
+            at + "sp_gather_mlp", tags);
+      auto mlp = each(at + "mlp", tags, [=, this](int r) {
+        LayerActivations& A = L(r);
+        ops::linear_forward(A.ln2_full, P(r).fc1_weight->value, P(r).fc1_bias->value, A.fc1);
+        activation_forward(A.fc1, A.act);
+        ops::linear_forward(A.act, P(r).fc2_weight->value, Tensor{}, A.fc2_partial);
+      });
+      link(g2, mlp);
+      mlp_done = reduce_partial(
+          mlp, [=](int r) { return L(r).fc2_partial; }, [=](int r) { return L(r).mlp_out; },
+          at + "mlp_reduce", tags);
+      for (std::size_t r = 0; r < mlp_done.size(); ++r)
+        if (mlp_done[r] == rt::kNoTask) mlp_done[r] = mlp[r];
+    }
+    auto res2 = each(at + "mlp_residual", tags, [=, this](int r) {
+      LayerActivations& A = L(r);
+      const Tensor bias = P(r).moe ? Tensor{} : P(r).fc2_bias->value;
+      if (bias.defined()) {
+        bias_dropout_add(r, mb, l, 1, A.mlp_out, bias, A.x_mid, A.x_out);
+      } else {
+        if (m.hidden_dropout > 0)
+          ops::dropout_forward(dropout(r, mb, l, 1), A.mlp_out.transpose(0, 1),
+                               A.mlp_out.transpose(0, 1));
+        ops::add(A.x_mid, A.mlp_out, A.x_out);
+      }
+    });
+    link(mlp_done, res2);
+    return res2;
+  }
+
+  void activation_forward(const Tensor& pre, const Tensor& out) {
+    if (m.activation == Activation::swiglu)
+      swiglu_local(pre, out);
+    else
+      ops::gelu_forward(ops::GeluForm::tanh, pre, out);
+  }
+  void activation_backward(const Tensor& pre, const Tensor& d_out, const Tensor& d_pre) {
+    if (m.activation == Activation::swiglu)
+      ops::swiglu_backward(pre, d_out, d_pre);
+    else
+      ops::gelu_backward(ops::GeluForm::tanh, pre, d_out, d_pre);
+  }
+  static void swiglu_local(const Tensor& pre, const Tensor& out) { ops::swiglu_forward(pre, out); }
+
+  ops::ExpertActivation expert_activation() const {
+    return m.activation == Activation::swiglu ? ops::ExpertActivation::swiglu
+                                              : ops::ExpertActivation::gelu_tanh;
+  }
+
+  ops::RouterOptions router_options() const {
+    return {.top_k = m.moe_router_topk,
+            .renormalize = m.moe_router_renormalize,
+            .aux_loss_coeff = m.moe_aux_loss_coeff,
+            .z_loss_coeff = m.moe_z_loss_coeff};
+  }
+
+  // This rank's tokens for the MoE layer: [T, h] (under SP its shard; otherwise its 1/tp of the
+  // replicated sequence).
+  Tensor moe_tokens(int r, const Tensor& sbh) const {
+    if (t_sp > 1 || tp == 1) return sbh.reshape({T, h});
+    return sbh.slice(0, mesh.coordinates(r).tp * (S / tp), S / tp).reshape({T, h});
+  }
+
+  static ops::RouterStatistics unpack_stats(const Tensor& stats, std::int64_t E) {
+    ops::RouterStatistics s;
+    const float* p = stats.data();
+    s.assignments.assign(p, p + E);
+    s.probability.assign(p + E, p + 2 * E);
+    s.squared_lse = p[2 * E];
+    s.tokens = static_cast<std::int64_t>(std::llround(p[2 * E + 1]));
+    return s;
+  }
+
+  std::vector<TaskId> build_moe_forward(int l, int mb, const std::vector<TaskId>& prev,
+                                        rt::TaskTags tags) {
+    auto L = [this, l](int r) -> LayerActivations& { return ranks[r].layers[l]; };
+    auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
+    const std::string at = fmt::format("L{}.", l);
+    const std::int64_t E = m.num_experts;
+    auto route = each(at + "router", tags, [=, this](int r) {
+      LayerActivations& A = L(r);
+      A.moe_in.copy_from(moe_tokens(r, A.ln2));
+      ops::linear_forward(A.moe_in, P(r).router_weight->value, Tensor{}, A.router_logits);
+      const ops::RouterStatistics s = ops::router_forward(
+          router_options(), A.router_logits, A.probs, std::span(A.topk_index), A.topk_weight);
+      float* p = A.stats.data();
+      for (std::int64_t e = 0; e < E; ++e) {
+        p[e] = static_cast<float>(s.assignments[e]);
+        p[E + e] = static_cast<float>(s.probability[e]);
+      }
+      p[2 * E] = static_cast<float>(s.squared_lse);
+      p[2 * E + 1] = static_cast<float>(s.tokens);
+    });
+    link(prev, route);
+    // The load-balancing statistics cover the whole micro-batch: sum them over the group.
+    auto stats = tp_all_reduce(
+        route, [=](int r) { return L(r).stats; }, devices::ReduceOp::sum, at + "router_stats",
+        tags);
+    auto experts = each(at + "experts", tags, [=, this](int r) {
+      LayerActivations& A = L(r);
+      RankState& R = ranks[r];
+      const ops::RouterStatistics s = unpack_stats(A.stats, E);
+      R.aux[mb] += ops::aux_loss(router_options(), s) + ops::z_loss(router_options(), s);
+      A.dispatch = ops::plan_dispatch(A.topk_index, T, m.moe_router_topk, E,
+                                      {.capacity_factor = m.moe_expert_capacity_factor});
+      const std::int64_t rows = A.dispatch.rows();
+      const Tensor grouped = A.grouped.slice(0, 0, rows), out = A.expert_out.slice(0, 0, rows);
+      ops::permute_tokens(A.dispatch, A.moe_in, grouped);
+      ops::experts_forward(expert_activation(), grouped, A.dispatch.expert_begin,
+                           P(r).expert_fc1->value, P(r).expert_fc2->value,
+                           A.hidden_pre.slice(0, 0, rows), A.hidden.slice(0, 0, rows), out);
+      ops::combine_tokens(A.dispatch, out, A.topk_weight, A.moe_out);
+    });
+    link(stats, experts);
+    if (t_sp > 1 || tp == 1) return experts;
+    // Without SP the layer's output is replicated: gather the ranks' slices.
+    auto gathered = tp_all_gather(
+        experts, [=](int r) { return L(r).moe_out; }, [=](int r) { return L(r).mlp_out; },
+        at + "moe_gather", tags);
+    return gathered;
+  }
+
+  void build_loss(int mb, const std::vector<TaskId>& prev) {
+    const rt::TaskTags tags{.micro_batch = static_cast<std::uint16_t>(mb),
+                            .phase = rt::Phase::forward};
+    auto fn = each("final_norm", tags, [this](int r) {
+      RankState& R = ranks[r];
+      ops::layer_norm_forward(R.layers.back().x_out, R.shard->final_ln_weight().value,
+                              R.shard->final_ln_bias().value, m.layernorm_epsilon, R.final_ln,
+                              R.final_mean, R.final_rstd);
+    });
+    link(prev, fn);
+    std::vector<TaskId> g(ranks.size(), rt::kNoTask);
+    if (t_sp > 1)
+      g = tp_all_gather(
+          fn, [this](int r) { return ranks[r].final_ln; },
+          [this](int r) { return ranks[r].final_full; }, "final_gather", tags);
+    auto logits = each("logits", tags, [this](int r) {
+      RankState& R = ranks[r];
+      ops::linear_forward(R.final_full.reshape({S * B, h}), R.shard->embedding().value, Tensor{},
+                          R.logits);
+      ops::cross_entropy_row_max(R.logits, R.row_max);
+    });
+    link(g, logits);
+    auto maxima = tp_all_reduce(
+        logits, [this](int r) { return ranks[r].row_max; }, devices::ReduceOp::max, "loss_max",
+        tags);
+    auto sums = each("loss_partials", tags, [this, mb](int r) {
+      RankState& R = ranks[r];
+      const MicroBatch& data = batches[mesh.coordinates(r).dp][mb];
+      ops::cross_entropy_partial_sums<float>(R.logits, data.targets,
+                                             {R.shard->vocab_start(), m.padded_vocab_size(tp)},
+                                             R.row_max, R.partials);
+    });
+    link(maxima, sums);
+    auto reduced = tp_all_reduce(
+        sums, [this](int r) { return ranks[r].partials; }, devices::ReduceOp::sum, "loss_sum",
+        tags);
+    auto loss = each("loss", tags, [this, mb](int r) {
+      RankState& R = ranks[r];
+      const MicroBatch& data = batches[mesh.coordinates(r).dp][mb];
+      R.loss[mb] =
+          ops::cross_entropy_loss<float>(R.row_max, R.partials, data.targets,
+                                         m.padded_vocab_size(tp), ce_options(), R.lse, Tensor{});
+    });
+    link(reduced, loss);
+  }
+
+  ops::CrossEntropyOptions ce_options() const {
+    // The mean over the global batch: micro-batches and data-parallel ranks add up to it.
+    return {.ignore_index = -100,
+            .denominator = static_cast<double>(S * B * M * plan.data_parallel)};
+  }
+
+  // ----------------------------------------------------------------------------- backward
+
+  void build_backward(int mb) {
+    const rt::TaskTags tags{.micro_batch = static_cast<std::uint16_t>(mb),
+                            .phase = rt::Phase::backward};
+    const bool last = mb == M - 1;
+    // Loss -> final norm input gradient.
+    auto dlogits = each("loss_backward", tags, [this, mb](int r) {
+      RankState& R = ranks[r];
+      const MicroBatch& data = batches[mesh.coordinates(r).dp][mb];
+      ops::cross_entropy_backward<float>(R.logits, data.targets,
+                                         {R.shard->vocab_start(), m.padded_vocab_size(tp)}, R.lse,
+                                         ce_options(), 1.0, R.ws.d_logits);
+      ops::linear_backward_input(R.ws.d_logits, R.shard->embedding().value,
+                                 R.ws.d_final_full.reshape({S * B, h}));
+    });
+    auto reduce = reduce_partial(
+        dlogits, [this](int r) { return ranks[r].ws.d_final_full; },
+        [this](int r) { return t_sp > 1 ? ranks[r].ws.d_norm : ranks[r].ws.d_final_full; },
+        "final_grad_reduce", tags);
+    // The output layer's weight gradient overlaps the reduction above.
+    each("logits_weight_grad", tags, [this](int r) {
+      RankState& R = ranks[r];
+      ops::linear_backward_weight(R.final_full.reshape({S * B, h}), R.ws.d_logits,
+                                  R.shard->embedding().grad, Tensor{});
+    });
+    auto fn = each("final_norm_backward", tags, [this](int r) {
+      RankState& R = ranks[r];
+      const Tensor d_in = t_sp > 1 ? R.ws.d_norm : R.ws.d_final_full;
+      ops::layer_norm_backward(R.layers.back().x_out, R.shard->final_ln_weight().value,
+                               R.final_mean, R.final_rstd, d_in, R.ws.d_x,
+                               R.shard->final_ln_weight().grad, R.shard->final_ln_bias().grad);
+    });
+    link(reduce, fn);
+    std::vector<TaskId> prev = fn;
+    if (last)
+      reduce_gradients(
+          {ranks[0].shard->final_ln_weight().name, ranks[0].shard->final_ln_bias().name}, prev);
+    for (int l = m.num_layers - 1; l >= 0; --l)
+      prev = build_layer_backward(l, mb, prev, last);
+    // Embedding.
+    auto pos = each("positions_backward", tags, [this, mb](int r) {
+      RankState& R = ranks[r];
+      if (m.hidden_dropout > 0)
+        ops::dropout_backward(dropout(r, mb, m.num_layers, 2), R.ws.d_x.transpose(0, 1),
+                              R.ws.d_x.transpose(0, 1));
+      const std::int64_t first = t_sp > 1 ? mesh.coordinates(r).tp * Sl : 0;
+      for (std::int64_t s = 0; s < Sl; ++s)
+        for (std::int64_t bi = 0; bi < B; ++bi) {
+          const float* g = R.ws.d_x.data() + (s * B + bi) * h;
+          float* p = R.shard->positions().grad.row(first + s);
+          for (std::int64_t c = 0; c < h; ++c)
+            p[c] += g[c];
+        }
+    });
+    link(prev, pos);
+    std::vector<TaskId> g(ranks.size(), rt::kNoTask);
+    if (t_sp > 1)
+      g = tp_all_gather(
+          pos, [this](int r) { return ranks[r].ws.d_x; },
+          [this](int r) { return ranks[r].ws.d_norm_full; }, "embedding_grad_gather", tags);
+    auto emb = each("embedding_backward", tags, [this, mb](int r) {
+      RankState& R = ranks[r];
+      const MicroBatch& data = batches[mesh.coordinates(r).dp][mb];
+      const Tensor d = t_sp > 1 ? R.ws.d_norm_full : R.ws.d_x;
+      ops::embedding_backward<float>(data.tokens, d,
+                                     {R.shard->vocab_start(), m.padded_vocab_size(tp)},
+                                     R.shard->embedding().grad);
+    });
+    link(g, emb);
+    if (last)
+      reduce_gradients({ranks[0].shard->embedding().name, ranks[0].shard->positions().name}, emb);
+  }
+
+  std::vector<TaskId> build_layer_backward(int l, int mb, std::vector<TaskId> prev, bool last) {
+    rt::TaskTags tags{.layer = static_cast<std::uint16_t>(l),
+                      .micro_batch = static_cast<std::uint16_t>(mb),
+                      .phase = rt::Phase::backward};
+    auto L = [this, l](int r) -> LayerActivations& { return ranks[r].layers[l]; };
+    auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
+    auto W = [this](int r) -> BackwardWorkspace& { return ranks[r].ws; };
+    const std::string at = fmt::format("L{}.", l);
+    const bool moe = ranks[0].shard->layer(l).moe;
+    // d_x (the layer output's gradient) -> d_mlp; d_x_mid starts as d_x (the residual).
+    auto res2 = each(at + "mlp_residual_backward", tags, [=, this](int r) {
+      BackwardWorkspace& w = W(r);
+      w.d_x_mid.copy_from(w.d_x);
+      if (moe) {
+        if (m.hidden_dropout > 0)
+          ops::dropout_backward(dropout(r, mb, l, 1), w.d_x.transpose(0, 1),
+                                w.d_mlp.transpose(0, 1));
+        else
+          w.d_mlp.copy_from(w.d_x);
+      } else {
+        bias_dropout_add_backward(r, mb, l, 1, w.d_x, w.d_mlp, P(r).fc2_bias->grad);
+      }
+    });
+    link(prev, res2);
+    std::vector<TaskId> norm_grad_ready;
+    if (moe) {
+      norm_grad_ready = build_moe_backward(l, mb, res2, tags);
+    } else {
+      std::vector<TaskId> g(ranks.size(), rt::kNoTask);
+      if (t_sp > 1)
+        g = tp_all_gather(
+            res2, [=](int r) { return W(r).d_mlp; }, [=](int r) { return W(r).d_mlp_full; },
+            at + "mlp_grad_gather", tags);
+      auto mlp = each(at + "mlp_backward", tags, [=, this](int r) {
+        LayerActivations& A = L(r);
+        BackwardWorkspace& w = W(r);
+        ops::linear_backward_input(w.d_mlp_full, P(r).fc2_weight->value, w.d_act);
+        ops::linear_backward_weight(A.act, w.d_mlp_full, P(r).fc2_weight->grad, Tensor{});
+        activation_backward(A.fc1, w.d_act, w.d_fc1);
+        ops::linear_backward_input(w.d_fc1, P(r).fc1_weight->value, w.d_norm_full);
+      });
+      link(g, mlp);
+      auto red = reduce_partial(
+          mlp, [=](int r) { return W(r).d_norm_full; }, [=](int r) { return W(r).d_norm; },
+          at + "mlp_grad_reduce", tags);
+      // fc1's weight gradient overlaps the reduction of its input gradient.
+      auto wg = each(at + "mlp_weight_grad", tags, [=, this](int r) {
+        ops::linear_backward_weight(L(r).ln2_full, W(r).d_fc1, P(r).fc1_weight->grad,
+                                    P(r).fc1_bias->grad);
+      });
+      norm_grad_ready = red;
+      for (std::size_t r = 0; r < red.size(); ++r)
+        if (red[r] == rt::kNoTask) norm_grad_ready[r] = wg[r];
+    }
+    auto ln2 = each(at + "mlp_norm_backward", tags, [=, this](int r) {
+      LayerActivations& A = L(r);
+      BackwardWorkspace& w = W(r);
+      ops::layer_norm_backward(A.x_mid, P(r).ln2_weight->value, A.ln2_mean, A.ln2_rstd, w.d_norm,
+                               w.d_tmp, P(r).ln2_weight->grad, P(r).ln2_bias->grad);
+      ops::accumulate(w.d_tmp, w.d_x_mid);
+      // Attention half: d_x_mid -> d_proj_out (in d_mlp), and the residual's d_x.
+      w.d_x.copy_from(w.d_x_mid);
+      bias_dropout_add_backward(r, mb, l, 0, w.d_x_mid, w.d_mlp, P(r).proj_bias->grad);
+    });
+    link(norm_grad_ready, ln2);
+    if (last) {
+      const LayerShard& s = ranks[0].shard->layer(l);
+      std::vector<std::string> names{s.ln2_weight->name, s.ln2_bias->name};
+      if (moe) {
+        names.insert(names.end(), {s.router_weight->name, s.expert_fc1->name, s.expert_fc2->name});
+      } else {
+        names.insert(names.end(),
+                     {s.fc1_weight->name, s.fc1_bias->name, s.fc2_weight->name, s.fc2_bias->name});
+      }
+      reduce_gradients(names, ln2);
+    }
+    std::vector<TaskId> g(ranks.size(), rt::kNoTask);
+    if (t_sp > 1)
+      g = tp_all_gather(
+          ln2, [=](int r) { return W(r).d_mlp; }, [=](int r) { return W(r).d_mlp_full; },
+          at + "attention_grad_gather", tags);
+    auto attn = each(at + "attention_backward", tags, [=, this](int r) {
+      LayerActivations& A = L(r);
+      BackwardWorkspace& w = W(r);
+      const Tensor d_proj = t_sp > 1 ? w.d_mlp_full : w.d_mlp;
+      ops::linear_backward_input(d_proj, P(r).proj_weight->value, w.d_attn);
+      ops::linear_backward_weight(A.attn.reshape({S, B, Hl * d}), d_proj, P(r).proj_weight->grad,
+                                  Tensor{});
+      w.d_qkv.fill(0.f);  // attention accumulates dk and dv
+      const auto view = [&](const Tensor& t, std::int64_t part) {
+        return t.slice(3, part * d, d).transpose(0, 1);
+      };
+      ops::attention_backward({}, view(A.qkv, 0), view(A.qkv, 1), view(A.qkv, 2),
+                              A.attn.transpose(0, 1), A.lse,
+                              w.d_attn.reshape({S, B, Hl, d}).transpose(0, 1), view(w.d_qkv, 0),
+                              view(w.d_qkv, 1), view(w.d_qkv, 2));
+      ops::linear_backward_input(w.d_qkv.reshape({S, B, 3 * Hl * d}), P(r).qkv_weight->value,
+                                 w.d_norm_full);
+    });
+    link(g, attn);
+    auto red = reduce_partial(
+        attn, [=](int r) { return W(r).d_norm_full; }, [=](int r) { return W(r).d_norm; },
+        at + "attention_grad_reduce", tags);
+    auto wg = each(at + "qkv_weight_grad", tags, [=, this](int r) {
+      ops::linear_backward_weight(L(r).ln1_full, W(r).d_qkv.reshape({S, B, 3 * Hl * d}),
+                                  P(r).qkv_weight->grad, P(r).qkv_bias->grad);
+    });
+    std::vector<TaskId> ready = red;
+    for (std::size_t r = 0; r < red.size(); ++r)
+      if (red[r] == rt::kNoTask) ready[r] = wg[r];
+    auto ln1 = each(at + "input_norm_backward", tags, [=, this](int r) {
+      LayerActivations& A = L(r);
+      BackwardWorkspace& w = W(r);
+      ops::layer_norm_backward(A.x_in, P(r).ln1_weight->value, A.ln1_mean, A.ln1_rstd, w.d_norm,
+                               w.d_tmp, P(r).ln1_weight->grad, P(r).ln1_bias->grad);
+      ops::accumulate(w.d_tmp, w.d_x);
+    });
+    link(ready, ln1);
+    if (last) {
+      const LayerShard& s = ranks[0].shard->layer(l);
+      reduce_gradients({s.ln1_weight->name, s.ln1_bias->name, s.qkv_weight->name, s.qkv_bias->name,
+                        s.proj_weight->name, s.proj_bias->name},
+                       ln1);
+    }
+    return ln1;
+  }
+
+  std::vector<TaskId> build_moe_backward(int l, int mb, const std::vector<TaskId>& prev,
+                                         rt::TaskTags tags) {
+    auto L = [this, l](int r) -> LayerActivations& { return ranks[r].layers[l]; };
+    auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
+    auto W = [this](int r) -> BackwardWorkspace& { return ranks[r].ws; };
+    const std::string at = fmt::format("L{}.", l);
+    const std::int64_t E = m.num_experts;
+    auto moe = each(at + "moe_backward", tags, [=, this](int r) {
+      LayerActivations& A = L(r);
+      BackwardWorkspace& w = W(r);
+      // This rank's tokens' output gradient: all of d_mlp under SP, its slice otherwise.
+      w.d_moe.copy_from(moe_tokens(r, w.d_mlp));
+      const std::int64_t rows = A.dispatch.rows();
+      const Tensor out = A.expert_out.slice(0, 0, rows), d_out = w.d_expert_out.slice(0, 0, rows),
+                   d_grouped = w.d_grouped.slice(0, 0, rows);
+      ops::combine_tokens_backward(A.dispatch, out, A.topk_weight, w.d_moe, d_out, w.d_topk);
+      ops::experts_backward(expert_activation(), A.grouped.slice(0, 0, rows),
+                            A.dispatch.expert_begin, P(r).expert_fc1->value, P(r).expert_fc2->value,
+                            A.hidden_pre.slice(0, 0, rows), A.hidden.slice(0, 0, rows), d_out,
+                            d_grouped, P(r).expert_fc1->grad, P(r).expert_fc2->grad);
+      ops::permute_tokens_backward(A.dispatch, d_grouped, w.d_moe_in);
+      const ops::RouterStatistics s = unpack_stats(A.stats, E);
+      const double scale = 1.0 / (M * plan.data_parallel);
+      ops::router_backward<float>(router_options(), A.router_logits, A.probs, A.topk_index,
+                                  A.topk_weight, w.d_topk, s, scale, w.d_router_logits);
+      ops::linear_backward_weight(A.moe_in, w.d_router_logits, P(r).router_weight->grad, Tensor{});
+      // d_moe_in += d_logits W_router
+      const Tensor from_router = w.d_moe;  // reuse: d_moe is no longer needed
+      ops::linear_backward_input(w.d_router_logits, P(r).router_weight->value, from_router);
+      ops::accumulate(from_router, w.d_moe_in);
+      if (t_sp > 1 || tp == 1) w.d_norm.reshape({T, h}).copy_from(w.d_moe_in);
+    });
+    link(prev, moe);
+    if (t_sp > 1 || tp == 1) return moe;
+    // Replicated layout: every rank needs the whole sequence's input gradient.
+    return tp_all_gather(
+        moe, [=](int r) { return W(r).d_moe_in; }, [=](int r) { return W(r).d_norm; },
+        at + "moe_grad_gather", tags);
+  }
+
+  // ------------------------------------------------------------- gradients and the optimizer
+
+  Parameter& param(int r, const std::string& name) {
+    for (Parameter& p : ranks[r].shard->parameters())
+      if (p.name == name) return p;
+    throw std::logic_error("no parameter " + name);
+  }
+
+  // After the last micro-batch's backward has produced these gradients: sum the SP partials
+  // over tp, then over the data-parallel replicas. Runs on its own "grad_comm" stream, so the
+  // tensor-parallel collectives of the layers below never queue behind it.
+  void reduce_gradients(const std::vector<std::string>& names, const std::vector<TaskId>& after) {
+    const rt::TaskTags tags{.phase = rt::Phase::backward};
+    for (const std::string& name : names) {
+      const Parameter& p0 = param(0, name);
+      std::vector<TaskId> ready = after;
+      if (p0.reduction == GradientReduction::tensor_partial) {
+        auto ids = per_group(
+            GroupKind::tensor, ready,
+            [&, name](const devices::ProcessGroup& g) {
+              std::vector<std::span<float>> bufs;
+              for (rt::DeviceId dv : g.devices())
+                bufs.push_back(all_of(param(static_cast<int>(dv), name).grad));
+              return comm.all_reduce(
+                  b, g, bufs, devices::ReduceOp::sum,
+                  {.name = name + ".grad_tp", .tags = tags, .stream = "grad_comm"});
+            },
+            true);
+        for (std::size_t r = 0; r < ids.size(); ++r)
+          if (ids[r] != rt::kNoTask) ready[r] = ids[r];
+      }
+      const GroupKind replicas = p0.expert ? GroupKind::expert_data : GroupKind::data_context;
+      per_group(
+          replicas, ready,
+          [&, name](const devices::ProcessGroup& g) {
+            std::vector<std::span<float>> bufs;
+            for (rt::DeviceId dv : g.devices())
+              bufs.push_back(all_of(param(static_cast<int>(dv), name).grad));
+            return comm.all_reduce(
+                b, g, bufs, devices::ReduceOp::sum,
+                {.name = name + ".grad_dp", .tags = tags, .stream = "grad_comm"});
+          },
+          true);
+    }
+  }
+
+  // Whether rank r counts parameter p in the global gradient norm: each distinct value once.
+  bool counts_in_norm(int r, const Parameter& p) const {
+    const MeshCoordinates c = mesh.coordinates(r);
+    if (p.tensor_replicated && c.tp != 0) return false;
+    return p.expert ? c.edp == 0 : (c.dp == 0 && c.cp == 0);
+  }
+
+  void build_optimizer() {
+    const rt::TaskTags tags{.phase = rt::Phase::weight};
+    auto norm = each("grad_norm", tags, [this](int r) {
+      double sum = 0;
+      for (const Parameter& p : ranks[r].shard->parameters()) {
+        if (!counts_in_norm(r, p)) continue;
+        const float* g = p.grad.data();
+        for (std::int64_t i = 0; i < p.grad.numel(); ++i)
+          sum += static_cast<double>(g[i]) * g[i];
+      }
+      ranks[r].norm_sq.data()[0] = static_cast<float>(sum);
+    });
+    // Everything the comm streams reduced must be in before the norm is taken.
+    for (std::size_t r = 0; r < ranks.size(); ++r) {
+      if (last_comm[r] != rt::kNoTask) b.precede(last_comm[r], norm[r]);
+      if (last_grad[r] != rt::kNoTask) b.precede(last_grad[r], norm[r]);
+    }
+    std::vector<TaskId> summed(ranks.size(), rt::kNoTask);
+    if (ranks.size() > 1) {
+      std::vector<rt::DeviceId> all(ranks.size());
+      std::iota(all.begin(), all.end(), 0u);
+      const devices::ProcessGroup world("world", all);
+      std::vector<std::span<float>> bufs;
+      for (auto& R : ranks)
+        bufs.push_back(all_of(R.norm_sq));
+      summed = comm.all_reduce(b, world, bufs, devices::ReduceOp::sum,
+                               {.name = "grad_norm_sum", .tags = tags});
+      link(norm, summed);
+    }
+    auto step = each("optimizer", tags, [this](int r) {
+      if (!update) return;
+      const double norm = std::sqrt(static_cast<double>(ranks[r].norm_sq.data()[0]));
+      const double coef = opt.clip_grad > 0 ? ops::clip_coefficient(norm, opt.clip_grad) : 1.0;
+      ops::AdamWOptions o = opt.adamw;
+      o.lr = learning_rate;
+      for (Parameter& p : ranks[r].shard->parameters()) {
+        if (coef < 1.0) {
+          float* g = p.grad.data();
+          for (std::int64_t i = 0; i < p.grad.numel(); ++i)
+            g[i] *= static_cast<float>(coef);
+        }
+        ops::adamw_step(o, iteration, p.value, p.grad, p.exp_avg, p.exp_avg_sq);
+      }
+    });
+    link(summed, step);
+  }
+
+  void build() {
+    const rt::TaskTags tags{};
+    each("zero_grads", tags, [this](int r) {
+      ranks[r].shard->zero_grads();
+      std::fill(ranks[r].loss.begin(), ranks[r].loss.end(), 0.0);
+      std::fill(ranks[r].aux.begin(), ranks[r].aux.end(), 0.0);
+    });
+    for (int mb = 0; mb < M; ++mb) {
+      build_forward(mb);
+      build_backward(mb);
+    }
+    build_optimizer();
+    graph = b.build();
+  }
+
+  StepResult result() const {
+    StepResult out;
+    double norm_sq = 0;
+    for (int r = 0; r < mesh.size(); ++r) {
+      const MeshCoordinates c = mesh.coordinates(r);
+      if (c.tp != 0 || c.cp != 0) continue;
+      for (int mb = 0; mb < M; ++mb) {
+        out.loss += ranks[r].loss[mb];
+        out.aux_loss += ranks[r].aux[mb] / (M * plan.data_parallel);
+      }
+      norm_sq = ranks[r].norm_sq.data()[0];
+    }
+    out.grad_norm = std::sqrt(norm_sq);
+    return out;
+  }
+};
+
+TrainingStep::TrainingStep(const ModelConfig& model, const ParallelPlan& plan,
+                           const OptimizerConfig& optimizer, devices::DeviceSet& devices,
+                           devices::Communicator& comm)
+    : impl_(std::make_unique<Impl>(model, plan, optimizer, devices, comm)) {}
+TrainingStep::~TrainingStep() = default;
+const rt::Graph& TrainingStep::graph() const {
+  return impl_->graph;
+}
+const Mesh& TrainingStep::mesh() const {
+  return impl_->mesh;
+}
+MicroBatch& TrainingStep::micro_batch(int dp, int m) {
+  return impl_->batches.at(static_cast<std::size_t>(dp)).at(static_cast<std::size_t>(m));
+}
+void TrainingStep::prepare(std::int64_t iteration, double learning_rate) {
+  if (iteration < 1) throw std::invalid_argument("iterations count from 1");
+  impl_->iteration = iteration;
+  impl_->learning_rate = learning_rate;
+}
+StepResult TrainingStep::result() const {
+  return impl_->result();
+}
+ModelShard& TrainingStep::shard(int rank) {
+  return *impl_->ranks.at(static_cast<std::size_t>(rank)).shard;
+}
+void TrainingStep::set_update_parameters(bool update) {
+  impl_->update = update;
+}
+
+}  // namespace weave::graphs
