@@ -1,0 +1,30 @@
+// Checkpoints of a training step's model shards: parameters and optimizer state of every
+// device, with the configuration they belong to.
+//
+// One file, written atomically (to "<path>.partial", then renamed), so an interrupted save
+// never leaves a damaged checkpoint where a good one was. Loading checks the format, the
+// model and parallel configuration, every parameter's name and shape and a checksum, and
+// changes nothing unless all of it matches.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "weave/graphs/training_step.hpp"
+
+namespace weave::graphs {
+
+struct CheckpointState {
+  std::int64_t iteration = 0;  // iterations completed
+  std::uint64_t consumed_samples = 0;
+};
+
+void save_checkpoint(const std::string& path, const ModelConfig& model, const ParallelPlan& plan,
+                     TrainingStep& step, const CheckpointState& state);
+
+// Throws std::runtime_error naming what does not match (and the fix) for a missing, damaged or
+// mismatched file; the step's state is untouched then.
+CheckpointState load_checkpoint(const std::string& path, const ModelConfig& model,
+                                const ParallelPlan& plan, TrainingStep& step);
+
+}  // namespace weave::graphs

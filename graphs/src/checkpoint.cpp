@@ -1,0 +1,192 @@
+#include "weave/graphs/checkpoint.hpp"
+
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+#include <vector>
+
+namespace weave::graphs {
+
+namespace {
+
+using nlohmann::json;
+
+constexpr char kMagic[] = "WEAVE-CHECKPOINT-1\n";
+constexpr std::size_t kMagicSize = sizeof(kMagic) - 1;
+
+json describe(const ModelConfig& m) {
+  return {{"num_layers", m.num_layers},
+          {"hidden_size", m.hidden_size},
+          {"num_attention_heads", m.num_attention_heads},
+          {"ffn_hidden_size", m.ffn_hidden_size},
+          {"seq_length", m.seq_length},
+          {"max_position_embeddings", m.positions()},
+          {"vocab_size", m.vocab_size},
+          {"make_vocab_size_divisible_by", m.make_vocab_size_divisible_by},
+          {"swiglu", m.activation == Activation::swiglu},
+          {"num_experts", m.num_experts},
+          {"moe_layer_freq", m.moe_layer_freq}};
+}
+
+json describe(const ParallelPlan& p) {
+  return {{"tensor_model_parallel_size", p.tensor_parallel},
+          {"sequence_parallel", p.sequence_parallel},
+          {"context_parallel_size", p.context_parallel},
+          {"expert_model_parallel_size", p.expert_parallel},
+          {"data_parallel_size", p.data_parallel},
+          {"pipeline_model_parallel_size", p.pipeline_parallel}};
+}
+
+std::uint64_t fnv1a(const char* data, std::size_t n, std::uint64_t h = 1469598103934665603ull) {
+  for (std::size_t i = 0; i < n; ++i) {
+    h ^= static_cast<unsigned char>(data[i]);
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+// Each saved tensor: which rank, which parameter, which of its tensors.
+struct Entry {
+  int rank;
+  std::string name;
+  std::string part;  // value, exp_avg, exp_avg_sq
+  ops::Tensor tensor;
+};
+
+std::vector<Entry> entries_of(TrainingStep& step) {
+  std::vector<Entry> out;
+  for (int r = 0; r < step.mesh().size(); ++r)
+    for (Parameter& p : step.shard(r).parameters()) {
+      out.push_back({r, p.name, "value", p.value});
+      out.push_back({r, p.name, "exp_avg", p.exp_avg});
+      out.push_back({r, p.name, "exp_avg_sq", p.exp_avg_sq});
+    }
+  return out;
+}
+
+std::string differences(const json& saved, const json& now) {
+  std::string out;
+  for (const auto& [key, value] : now.items()) {
+    if (!saved.contains(key) || saved[key] != value)
+      out += fmt::format("{}{} is {} in the checkpoint but {} now", out.empty() ? "" : "; ", key,
+                         saved.contains(key) ? saved[key].dump() : "absent", value.dump());
+  }
+  return out;
+}
+
+}  // namespace
+
+void save_checkpoint(const std::string& path, const ModelConfig& model, const ParallelPlan& plan,
+                     TrainingStep& step, const CheckpointState& state) {
+  const std::vector<Entry> entries = entries_of(step);
+  json header{{"model", describe(model)},
+              {"plan", describe(plan)},
+              {"iteration", state.iteration},
+              {"consumed_samples", state.consumed_samples}};
+  json tensors = json::array();
+  std::uint64_t checksum = 1469598103934665603ull;
+  for (const Entry& e : entries) {
+    tensors.push_back(
+        {{"rank", e.rank}, {"name", e.name}, {"part", e.part}, {"numel", e.tensor.numel()}});
+    checksum = fnv1a(reinterpret_cast<const char*>(e.tensor.data()),
+                     static_cast<std::size_t>(e.tensor.numel()) * sizeof(float), checksum);
+  }
+  header["tensors"] = tensors;
+  header["checksum"] = checksum;
+  const std::string text = header.dump();
+  const std::string partial = path + ".partial";
+  {
+    std::ofstream out(partial, std::ios::binary | std::ios::trunc);
+    if (!out)
+      throw std::runtime_error(
+          fmt::format("cannot write checkpoint '{}': check that the directory "
+                      "exists and is writable",
+                      partial));
+    out.write(kMagic, kMagicSize);
+    const std::uint64_t size = text.size();
+    out.write(reinterpret_cast<const char*>(&size), sizeof size);
+    out.write(text.data(), static_cast<std::streamsize>(text.size()));
+    for (const Entry& e : entries)
+      out.write(reinterpret_cast<const char*>(e.tensor.data()),
+                static_cast<std::streamsize>(e.tensor.numel() * sizeof(float)));
+    out.flush();
+    if (!out)
+      throw std::runtime_error(fmt::format("writing checkpoint '{}' failed (disk full?)", partial));
+  }
+  std::filesystem::rename(partial, path);
+}
+
+CheckpointState load_checkpoint(const std::string& path, const ModelConfig& model,
+                                const ParallelPlan& plan, TrainingStep& step) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw std::runtime_error(fmt::format("cannot open checkpoint '{}'", path));
+  char magic[kMagicSize];
+  in.read(magic, kMagicSize);
+  if (!in || std::memcmp(magic, kMagic, kMagicSize) != 0)
+    throw std::runtime_error(
+        fmt::format("'{}' is not a weave checkpoint (its first bytes differ)", path));
+  std::uint64_t size = 0;
+  in.read(reinterpret_cast<char*>(&size), sizeof size);
+  if (!in || size > (std::uint64_t{1} << 30))
+    throw std::runtime_error(fmt::format("checkpoint '{}' is damaged: bad header size", path));
+  std::string text(size, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(size));
+  json header;
+  try {
+    header = json::parse(text);
+  } catch (const json::exception& e) {
+    throw std::runtime_error(fmt::format("checkpoint '{}' is damaged: {}", path, e.what()));
+  }
+  if (const std::string diff = differences(header.value("model", json::object()), describe(model));
+      !diff.empty())
+    throw std::runtime_error(fmt::format(
+        "checkpoint '{}' holds another model: {}. Load it with the model flags it was saved with",
+        path, diff));
+  if (const std::string diff = differences(header.value("plan", json::object()), describe(plan));
+      !diff.empty())
+    throw std::runtime_error(fmt::format(
+        "checkpoint '{}' was saved with another parallel layout: {}. Resume with the layout it was "
+        "saved with",
+        path, diff));
+  const std::vector<Entry> entries = entries_of(step);
+  const json& tensors = header.at("tensors");
+  if (tensors.size() != entries.size())
+    throw std::runtime_error(fmt::format("checkpoint '{}' holds {} tensors, the model has {}", path,
+                                         tensors.size(), entries.size()));
+  // Read everything and verify before touching the model.
+  std::vector<std::vector<float>> data(entries.size());
+  std::uint64_t checksum = 1469598103934665603ull;
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    const json& t = tensors[i];
+    const Entry& e = entries[i];
+    if (t.at("rank").get<int>() != e.rank || t.at("name").get<std::string>() != e.name ||
+        t.at("part").get<std::string>() != e.part ||
+        t.at("numel").get<std::int64_t>() != e.tensor.numel())
+      throw std::runtime_error(
+          fmt::format("checkpoint '{}': tensor {} is {} {} of rank {} ({} elements), the model "
+                      "expects {} {} of "
+                      "rank {} ({} elements)",
+                      path, i, t.value("name", "?"), t.value("part", "?"), t.value("rank", -1),
+                      t.value("numel", -1), e.name, e.part, e.rank, e.tensor.numel()));
+    data[i].resize(static_cast<std::size_t>(e.tensor.numel()));
+    in.read(reinterpret_cast<char*>(data[i].data()),
+            static_cast<std::streamsize>(data[i].size() * sizeof(float)));
+    if (!in) throw std::runtime_error(fmt::format("checkpoint '{}' is truncated", path));
+    checksum = fnv1a(reinterpret_cast<const char*>(data[i].data()), data[i].size() * sizeof(float),
+                     checksum);
+  }
+  if (checksum != header.at("checksum").get<std::uint64_t>())
+    throw std::runtime_error(
+        fmt::format("checkpoint '{}' is damaged: its checksum does not match", path));
+  for (std::size_t i = 0; i < entries.size(); ++i)
+    std::copy(data[i].begin(), data[i].end(), entries[i].tensor.data());
+  return {header.at("iteration").get<std::int64_t>(),
+          header.at("consumed_samples").get<std::uint64_t>()};
+}
+
+}  // namespace weave::graphs

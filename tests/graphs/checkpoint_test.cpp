@@ -1,0 +1,126 @@
+// Checkpoints: a resumed run continues with bitwise the same losses; damaged or mismatched
+// files are refused and change nothing.
+#include <gtest/gtest.h>
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "tiny_model.hpp"
+#include "weave/devices/device_set.hpp"
+#include "weave/devices/shared_memory_communicator.hpp"
+#include "weave/graphs/checkpoint.hpp"
+#include "weave/graphs/learning_rate.hpp"
+
+namespace weave::graphs {
+namespace {
+
+class Trainer {
+ public:
+  Trainer(const ModelConfig& m, ParallelPlan p)
+      : m_(m),
+        plan_((validate(m, p), p)),
+        set_(plan_.devices(), {.pin = false}),
+        step_(m_, plan_, {}, set_, comm_) {}
+  double train(std::int64_t iteration) {
+    fill_batches(step_, m_, plan_, iteration * plan_.global_batch_size);
+    step_.prepare(
+        iteration,
+        LearningRateSchedule{.lr = 1e-2, .warmup_iters = 2, .decay_iters = 10}.at(iteration));
+    set_.executor().run(step_.graph());
+    return step_.result().loss;
+  }
+  TrainingStep& step() { return step_; }
+  const ModelConfig& model() const { return m_; }
+  const ParallelPlan& plan() const { return plan_; }
+
+ private:
+  ModelConfig m_;
+  ParallelPlan plan_;
+  devices::DeviceSet set_;
+  devices::SharedMemoryCommunicator comm_;
+  TrainingStep step_;
+};
+
+std::string temp_path(const char* name) {
+  return (std::filesystem::temp_directory_path() / fmt::format("weave-{}-{}", ::getpid(), name))
+      .string();
+}
+
+TEST(Checkpoint, ResumedRunContinuesWithIdenticalLosses) {
+  const ParallelPlan plan{.tensor_parallel = 2,
+                          .sequence_parallel = true,
+                          .micro_batch_size = 2,
+                          .global_batch_size = 4};
+  const std::string path = temp_path("resume.ckpt");
+  Trainer a(tiny(4), plan);
+  for (int it = 1; it <= 3; ++it)
+    a.train(it);
+  save_checkpoint(path, a.model(), a.plan(), a.step(), {.iteration = 3, .consumed_samples = 12});
+  const double a4 = a.train(4), a5 = a.train(5);
+
+  Trainer b(tiny(4), plan);
+  const CheckpointState state = load_checkpoint(path, b.model(), b.plan(), b.step());
+  EXPECT_EQ(state.iteration, 3);
+  EXPECT_EQ(state.consumed_samples, 12u);
+  EXPECT_EQ(b.train(4), a4);
+  EXPECT_EQ(b.train(5), a5);
+  std::filesystem::remove(path);
+}
+
+TEST(Checkpoint, DamagedOrMismatchedFilesAreRefusedAndChangeNothing) {
+  const ParallelPlan plan{.micro_batch_size = 2, .global_batch_size = 4};
+  const std::string path = temp_path("damaged.ckpt");
+  Trainer a(tiny(0), plan);
+  a.train(1);
+  save_checkpoint(path, a.model(), a.plan(), a.step(), {.iteration = 1});
+  EXPECT_FALSE(std::filesystem::exists(path + ".partial"));
+
+  Trainer b(tiny(0), plan);
+  const std::vector<float> before = b.step().shard(0).embedding().value.to_vector();
+  {
+    std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(-100, std::ios::end);
+    f.put('\x7f');
+  }
+  try {
+    load_checkpoint(path, b.model(), b.plan(), b.step());
+    FAIL() << "a damaged checkpoint was accepted";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("checksum"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(b.step().shard(0).embedding().value.to_vector(), before);
+
+  save_checkpoint(path, a.model(), a.plan(), a.step(), {.iteration = 1});
+  ModelConfig wider = tiny(0);
+  wider.hidden_size = 64;
+  Trainer c(wider, plan);
+  try {
+    load_checkpoint(path, c.model(), c.plan(), c.step());
+    FAIL() << "a checkpoint of another model was accepted";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("hidden_size is 32 in the checkpoint but 64 now"),
+              std::string::npos)
+        << e.what();
+  }
+  std::ofstream(path) << "not a checkpoint";
+  EXPECT_THROW(load_checkpoint(path, b.model(), b.plan(), b.step()), std::runtime_error);
+  EXPECT_THROW(load_checkpoint(path + ".missing", b.model(), b.plan(), b.step()),
+               std::runtime_error);
+  std::filesystem::remove(path);
+}
+
+TEST(LearningRate, WarmupThenCosineToTheMinimum) {
+  const LearningRateSchedule s{.lr = 1.0, .min_lr = 0.1, .warmup_iters = 4, .decay_iters = 14};
+  EXPECT_DOUBLE_EQ(s.at(1), 0.25);
+  EXPECT_DOUBLE_EQ(s.at(4), 1.0);
+  EXPECT_NEAR(s.at(9), 0.55, 1e-12);  // halfway through the decay
+  EXPECT_DOUBLE_EQ(s.at(14), 0.1);
+  EXPECT_DOUBLE_EQ(s.at(100), 0.1);
+  EXPECT_THROW((LearningRateSchedule{.style = "step"}.at(5)), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace weave::graphs
