@@ -3,6 +3,9 @@
 
 #include <CLI/CLI.hpp>
 
+#include <string>
+#include <vector>
+
 namespace weave::cli {
 
 // Thrown by a subcommand's callback to end the program with this exit code.
@@ -17,5 +20,11 @@ CLI::Validator positive();
 
 void add_topo_command(CLI::App& app);
 void add_simulate_command(CLI::App& app);
+void add_train_command(CLI::App& app);
+
+// Checks the flags given to a subcommand before parsing, suggesting the closest known flag for
+// an unknown one, and expands `--config FILE` (a JSON object of flag names, with - or _, and
+// values) into flags placed before the ones given. Throws std::invalid_argument.
+std::vector<std::string> prepare_arguments(CLI::App& app, std::vector<std::string> args);
 
 }  // namespace weave::cli

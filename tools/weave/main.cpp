@@ -2,6 +2,7 @@
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <exception>
@@ -42,8 +43,12 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   weave::cli::add_topo_command(app);
   weave::cli::add_simulate_command(app);
+  weave::cli::add_train_command(app);
   try {
-    app.parse(argc, argv);
+    std::vector<std::string> args =
+        weave::cli::prepare_arguments(app, std::vector<std::string>(argv + 1, argv + argc));
+    std::reverse(args.begin(), args.end());  // CLI11 takes them last first
+    app.parse(args);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const weave::cli::CommandExit& e) {

@@ -1,0 +1,38 @@
+// Training text as byte tokens: a file or a folder of text files, split into training and
+// validation parts; or synthetic tokens (--mock-data).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace weave::cli {
+
+enum class Split { train, valid };
+
+class TokenDataset {
+ public:
+  // Every regular file under `path` (a file or a folder, read in name order; files ending in
+  // .dat or .u8, the fortune indexes, are skipped), one byte a token (vocabulary 256). The last
+  // `valid_fraction` of the bytes is the validation split. Throws std::runtime_error naming the
+  // path when nothing can be read or the text is shorter than two sequences.
+  static TokenDataset from_text(const std::string& path, int seq_length, double valid_fraction);
+  // Synthetic tokens with a learnable pattern: token t+1 follows from token t.
+  static TokenDataset mock(int seq_length, std::uint64_t seed);
+
+  // Sample `index` of a split: seq_length + 1 tokens (inputs, then targets shifted by one).
+  // Deterministic: the same index gives the same window, so a resumed run sees the data it
+  // would have seen.
+  void sample(Split split, std::uint64_t index, std::vector<std::int32_t>& out) const;
+  std::size_t tokens(Split split) const;
+  const std::string& description() const { return description_; }
+
+ private:
+  std::vector<std::uint8_t> train_, valid_;
+  int seq_length_ = 0;
+  std::uint64_t seed_ = 0;
+  bool mock_ = false;
+  std::string description_;
+};
+
+}  // namespace weave::cli

@@ -1,0 +1,319 @@
+// `weave train`: trains the GPT-MoE model over simulated devices with Megatron-LM's flags.
+#include <fmt/format.h>
+#include <CLI/CLI.hpp>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "commands.hpp"
+#include "progress_reporter.hpp"
+#include "token_dataset.hpp"
+#include "weave/devices/device_set.hpp"
+#include "weave/devices/link_model.hpp"
+#include "weave/devices/machine_model.hpp"
+#include "weave/devices/shared_memory_communicator.hpp"
+#include "weave/graphs/checkpoint.hpp"
+#include "weave/graphs/learning_rate.hpp"
+#include "weave/graphs/training_step.hpp"
+#include "weave/runtime/chrome_trace.hpp"
+#include "weave/runtime/dot_writer.hpp"
+#include "weave/runtime/trace_metrics.hpp"
+#include "weave/runtime/virtual_clock.hpp"
+
+namespace weave::cli {
+
+namespace {
+
+// The Debian package `fortunes` (installed by tools/dev) puts its text here.
+constexpr const char* kDefaultCorpus = "/usr/share/games/fortunes";
+
+struct TrainOptions {
+  graphs::ModelConfig model;
+  graphs::ParallelPlan plan{.global_batch_size = 0};  // 0: micro-batch x data-parallel size
+  graphs::LearningRateSchedule lr{.lr = 3e-3, .min_lr = 3e-4, .warmup_iters = 10};
+  graphs::OptimizerConfig optimizer{
+      .adamw = {.beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1}};
+  bool swiglu = false;
+  int devices = 0;  // 0: tp x cp x pp (one data-parallel replica)
+  std::int64_t train_iters = 100;
+  std::string data_path = kDefaultCorpus;
+  bool mock_data = false;
+  double valid_fraction = 0.05;
+  std::string save, load;
+  int save_interval = 0, eval_interval = 0, eval_iters = 2, log_interval = 10;
+  std::string log_json, trace, dump_graph;
+  std::int64_t trace_iteration = 2;
+  std::string timing = "wall";
+  std::string link = "none";
+  double device_flops = 1e11;
+  std::string config;  // read before parsing (see expand_train_config)
+};
+
+double step_flops(const graphs::ModelConfig& m, const graphs::ParallelPlan& p) {
+  // 6 x parameters x tokens for the dense parts, plus attention's 12 s^2 h per layer (forward
+  // and backward), per global batch.
+  const double h = m.hidden_size, s = m.seq_length, l = m.num_layers;
+  const double f = m.ffn_hidden_size * (m.activation == graphs::Activation::swiglu ? 3.0 : 2.0);
+  const double mlp = m.num_experts > 0 ? f * h * m.moe_router_topk : f * h;
+  const double per_token = 6.0 * l * (4 * h * h + mlp) + 6.0 * h * m.padded_vocab_size(1);
+  const double tokens = s * p.global_batch_size;
+  return per_token * tokens + 12.0 * l * s * s * h * p.global_batch_size / 2;
+}
+
+int run_train(TrainOptions o) {
+  o.model.activation = o.swiglu ? graphs::Activation::swiglu : graphs::Activation::gelu;
+  graphs::ParallelPlan& plan = o.plan;
+  const int model_parallel = plan.tensor_parallel * plan.context_parallel * plan.pipeline_parallel;
+  if (o.devices == 0) o.devices = model_parallel;
+  if (o.devices % model_parallel != 0)
+    throw graphs::ConfigError(fmt::format(
+        "--devices ({}) must be a multiple of tensor x context x pipeline parallel ({}): the rest "
+        "is data parallelism",
+        o.devices, model_parallel));
+  plan.data_parallel = o.devices / model_parallel;
+  if (plan.global_batch_size == 0)
+    plan.global_batch_size = plan.micro_batch_size * plan.data_parallel;
+  if (o.lr.decay_iters == 0) o.lr.decay_iters = o.train_iters;
+  o.lr.at(1);  // checks the schedule's settings
+  ProgressReporter progress(o.train_iters, o.log_interval, o.log_json);
+  for (const std::string& w : graphs::validate(o.model, plan))
+    progress.note("warning: " + w);
+
+  const TokenDataset data =
+      o.mock_data ? TokenDataset::mock(o.model.seq_length, o.model.seed)
+                  : TokenDataset::from_text(o.data_path, o.model.seq_length, o.valid_fraction);
+  devices::DeviceSet set(o.devices);
+  devices::SharedMemoryCommunicator comm;
+  graphs::TrainingStep step(o.model, plan, o.optimizer, set, comm);
+  const devices::LinkModel links = devices::LinkModel::preset(o.link);
+  std::vector<int> numa;
+  for (const auto& p : set.layout())
+    numa.push_back(p.numa_node);
+  const devices::MachineModel machine(numa, o.device_flops, links);
+
+  progress.note(fmt::format(
+      "weave train: {} layers, hidden {}, {} heads, {}{} | {} devices: tp {}{}, cp {}, ep {}, dp "
+      "{} "
+      "| micro-batch {}, global batch {} ({} micro-batches) | data: {}",
+      o.model.num_layers, o.model.hidden_size, o.model.num_attention_heads,
+      o.model.num_experts > 0
+          ? fmt::format("{} experts top-{}", o.model.num_experts, o.model.moe_router_topk)
+          : "dense",
+      o.swiglu ? ", SwiGLU" : "", o.devices, plan.tensor_parallel,
+      plan.sequence_parallel ? " + sp" : "", plan.context_parallel, plan.expert_parallel,
+      plan.data_parallel, plan.micro_batch_size, plan.global_batch_size, plan.micro_batches(),
+      data.description()));
+  if (!o.dump_graph.empty()) {
+    std::ofstream dot(o.dump_graph);
+    rt::write_dot(step.graph(), dot);
+    progress.note(fmt::format("graph: {} tasks, written to {}", step.graph().size(), o.dump_graph));
+  }
+
+  graphs::CheckpointState state;
+  if (!o.load.empty()) {
+    state = graphs::load_checkpoint(o.load, o.model, plan, step);
+    progress.note(fmt::format("resumed from {} at iteration {}", o.load, state.iteration));
+  }
+  auto save = [&] {
+    if (o.save.empty()) return;
+    graphs::save_checkpoint(o.save, o.model, plan, step, state);
+    progress.note(fmt::format("saved {} (iteration {})", o.save, state.iteration));
+  };
+
+  const int M = plan.micro_batches(), B = plan.micro_batch_size;
+  const std::int64_t S = o.model.seq_length;
+  std::vector<std::int32_t> window;
+  auto fill = [&](Split split, std::uint64_t first_sample) {
+    for (int dp = 0; dp < plan.data_parallel; ++dp)
+      for (int mb = 0; mb < M; ++mb) {
+        graphs::MicroBatch& batch = step.micro_batch(dp, mb);
+        for (int b = 0; b < B; ++b) {
+          data.sample(split, first_sample + static_cast<std::uint64_t>((dp * M + mb) * B + b),
+                      window);
+          for (std::int64_t s = 0; s < S; ++s) {
+            batch.tokens[s * B + b] = window[s];
+            batch.targets[s * B + b] = window[s + 1];
+          }
+        }
+      }
+  };
+  rt::VirtualClock clock(machine, {.execute = true, .record_trace = true});
+  // Runs the step once; returns seconds (wall or modelled) and, when traced, the exposed share.
+  auto run_once = [&](bool traced,
+                      std::int64_t iteration) -> std::pair<double, std::optional<double>> {
+    if (o.timing == "model") {
+      const rt::VirtualRunResult r = clock.run(step.graph());
+      if (!o.trace.empty() && iteration == o.trace_iteration)
+        rt::write_chrome_trace(r.trace, o.trace);
+      return {static_cast<double>(r.makespan) * 1e-9, rt::measure(r.trace).exposed_comm_share()};
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    const rt::RunResult r = set.executor().run(
+        step.graph(), {.record_trace = traced, .link_model = links.enabled() ? &machine : nullptr});
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (!traced) return {seconds, std::nullopt};
+    if (!o.trace.empty() && iteration == o.trace_iteration)
+      rt::write_chrome_trace(r.trace, o.trace);
+    return {seconds, rt::measure(r.trace).exposed_comm_share()};
+  };
+
+  double first_loss = 0, last_loss = 0, total_seconds = 0;
+  std::int64_t iterations_run = 0;
+  const double tokens_per_step = static_cast<double>(S * plan.global_batch_size);
+  for (std::int64_t it = state.iteration + 1; it <= o.train_iters; ++it) {
+    fill(Split::train, state.consumed_samples);
+    const double lr = o.lr.at(it);
+    step.prepare(it, lr);
+    step.set_update_parameters(true);
+    const bool traced = it == o.trace_iteration || it % o.log_interval == 0;
+    const auto [seconds, exposed] = run_once(traced, it);
+    const graphs::StepResult r = step.result();
+    state.iteration = it;
+    state.consumed_samples += static_cast<std::uint64_t>(plan.global_batch_size);
+    if (iterations_run++ == 0) first_loss = r.loss;
+    last_loss = r.loss;
+    total_seconds += seconds;
+    progress.iteration(
+        {it, r.loss, r.aux_loss, r.grad_norm, lr, seconds, tokens_per_step, exposed});
+    if (!std::isfinite(r.loss))
+      throw std::runtime_error(
+          fmt::format("the loss is {} at iteration {}: lower --lr or raise "
+                      "--clip-grad's strictness",
+                      r.loss, it));
+    if (o.eval_interval > 0 && it % o.eval_interval == 0) {
+      double sum = 0;
+      step.set_update_parameters(false);
+      for (int e = 0; e < o.eval_iters; ++e) {
+        fill(Split::valid, static_cast<std::uint64_t>(e * plan.global_batch_size));
+        run_once(false, 0);
+        sum += step.result().loss;
+      }
+      progress.validation(it, sum / std::max(1, o.eval_iters));
+    }
+    if (o.save_interval > 0 && it % o.save_interval == 0) save();
+  }
+  progress.finish();
+  save();
+  if (total_seconds > 0)
+    progress.note(fmt::format(
+        "done: loss {:.4f} -> {:.4f} | {:.0f} tokens/s {} | {:.1f} GFLOP/s of model math{}",
+        first_loss, last_loss,
+        tokens_per_step * static_cast<double>(iterations_run) / total_seconds,
+        o.timing == "model" ? "(modelled)" : "(wall)",
+        step_flops(o.model, plan) * static_cast<double>(iterations_run) / total_seconds * 1e-9,
+        o.trace.empty() ? ""
+                        : fmt::format(" | trace of iteration {}: {}", o.trace_iteration, o.trace)));
+  return 0;
+}
+
+}  // namespace
+
+void add_train_command(CLI::App& app) {
+  auto o = std::make_shared<TrainOptions>();
+  CLI::App* cmd = app.add_subcommand("train", "Train the GPT-MoE model over simulated devices");
+  // --config's values come first on the command line; a flag given again overrides them.
+  cmd->option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  auto& m = o->model;
+  auto& p = o->plan;
+  cmd->add_option("--config", o->config,
+                  "JSON file of flag names and values (flags given here win)");
+  cmd->add_option("--num-layers", m.num_layers)->check(at_least(1))->capture_default_str();
+  cmd->add_option("--hidden-size", m.hidden_size)->check(at_least(1))->capture_default_str();
+  cmd->add_option("--num-attention-heads", m.num_attention_heads)
+      ->check(at_least(1))
+      ->capture_default_str();
+  cmd->add_option("--ffn-hidden-size", m.ffn_hidden_size)
+      ->check(at_least(1))
+      ->capture_default_str();
+  cmd->add_option("--seq-length", m.seq_length)->check(at_least(1))->capture_default_str();
+  cmd->add_option("--max-position-embeddings", m.max_position_embeddings)->capture_default_str();
+  cmd->add_option("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by)
+      ->check(at_least(1))
+      ->capture_default_str();
+  cmd->add_flag("--swiglu", o->swiglu, "SwiGLU MLPs instead of GELU");
+  cmd->add_option("--hidden-dropout", m.hidden_dropout)->capture_default_str();
+  cmd->add_option("--init-method-std", m.init_method_std)->check(positive())->capture_default_str();
+  cmd->add_option("--num-experts", m.num_experts, "0: dense model")
+      ->check(at_least(0))
+      ->capture_default_str();
+  cmd->add_option("--moe-layer-freq", m.moe_layer_freq)->check(at_least(1))->capture_default_str();
+  cmd->add_option("--moe-router-topk", m.moe_router_topk)
+      ->check(at_least(1))
+      ->capture_default_str();
+  cmd->add_option("--moe-aux-loss-coeff", m.moe_aux_loss_coeff)->capture_default_str();
+  cmd->add_option("--moe-z-loss-coeff", m.moe_z_loss_coeff)->capture_default_str();
+  cmd->add_option("--moe-expert-capacity-factor", m.moe_expert_capacity_factor, "0: dropless")
+      ->capture_default_str();
+  cmd->add_option("--seed", m.seed)->capture_default_str();
+  cmd->add_option("--devices", o->devices, "Simulated devices (default: tp x cp x pp)")
+      ->check(at_least(1));
+  cmd->add_option("--tensor-model-parallel-size", p.tensor_parallel)
+      ->check(at_least(1))
+      ->capture_default_str();
+  cmd->add_flag("--sequence-parallel", p.sequence_parallel);
+  cmd->add_option("--context-parallel-size", p.context_parallel)
+      ->check(at_least(1))
+      ->capture_default_str();
+  cmd->add_option("--expert-model-parallel-size", p.expert_parallel)
+      ->check(at_least(1))
+      ->capture_default_str();
+  cmd->add_option("--pipeline-model-parallel-size", p.pipeline_parallel)
+      ->check(at_least(1))
+      ->capture_default_str();
+  cmd->add_option("--micro-batch-size", p.micro_batch_size)
+      ->check(at_least(1))
+      ->capture_default_str();
+  cmd->add_option("--global-batch-size", p.global_batch_size,
+                  "Default: micro-batch x data-parallel size")
+      ->check(at_least(1));
+  cmd->add_option("--train-iters", o->train_iters)->check(at_least(1))->capture_default_str();
+  cmd->add_option("--lr", o->lr.lr)->check(CLI::NonNegativeNumber)->capture_default_str();
+  cmd->add_option("--min-lr", o->lr.min_lr)->check(CLI::NonNegativeNumber)->capture_default_str();
+  cmd->add_option("--lr-warmup-iters", o->lr.warmup_iters)
+      ->check(at_least(0))
+      ->capture_default_str();
+  cmd->add_option("--lr-decay-iters", o->lr.decay_iters, "Default: --train-iters")
+      ->check(at_least(0));
+  cmd->add_option("--lr-decay-style", o->lr.style)
+      ->check(CLI::IsMember({"cosine", "linear", "constant"}))
+      ->capture_default_str();
+  cmd->add_option("--weight-decay", o->optimizer.adamw.weight_decay)
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--adam-beta1", o->optimizer.adamw.beta1)->capture_default_str();
+  cmd->add_option("--adam-beta2", o->optimizer.adamw.beta2)->capture_default_str();
+  cmd->add_option("--adam-eps", o->optimizer.adamw.eps)->capture_default_str();
+  cmd->add_option("--clip-grad", o->optimizer.clip_grad, "0: no clipping")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--data-path", o->data_path, "A text file or a folder of them (byte tokens)")
+      ->capture_default_str();
+  cmd->add_flag("--mock-data", o->mock_data, "Synthetic tokens instead of --data-path");
+  cmd->add_option("--save", o->save, "Checkpoint file to write");
+  cmd->add_option("--load", o->load, "Checkpoint file to resume from");
+  cmd->add_option("--save-interval", o->save_interval)->check(at_least(0));
+  cmd->add_option("--eval-interval", o->eval_interval)->check(at_least(0));
+  cmd->add_option("--eval-iters", o->eval_iters)->check(at_least(1))->capture_default_str();
+  cmd->add_option("--log-interval", o->log_interval)->check(at_least(1))->capture_default_str();
+  cmd->add_option("--log-json", o->log_json, "Write metrics as JSON lines to this file");
+  cmd->add_option("--trace", o->trace, "Write the Chrome trace of one iteration here");
+  cmd->add_option("--trace-iteration", o->trace_iteration, "Which iteration --trace records")
+      ->check(at_least(1))
+      ->capture_default_str();
+  cmd->add_option("--dump-graph", o->dump_graph,
+                  "Write the step's task graph as GraphViz DOT here");
+  cmd->add_option("--timing", o->timing, "wall: real threads; model: the virtual clock")
+      ->check(CLI::IsMember({"wall", "model"}))
+      ->capture_default_str();
+  cmd->add_option("--link", o->link, "Link model preset (see `weave topo --links`)")
+      ->capture_default_str();
+  cmd->add_option("--device-flops", o->device_flops, "Modelled FLOP/s of a device (--timing model)")
+      ->check(positive())
+      ->capture_default_str();
+  cmd->callback([o] { throw CommandExit{run_train(*o)}; });
+}
+
+}  // namespace weave::cli
