@@ -1,6 +1,8 @@
 // The devices of one host, their memory tracker and the executor that runs graphs on them.
 #pragma once
 
+#include <tbb/global_control.h>
+
 #include <memory>
 #include <vector>
 
@@ -36,6 +38,7 @@ class DeviceSet {
   rt::MemoryTracker memory_;
   std::vector<std::unique_ptr<Device>> devices_;
   std::unique_ptr<rt::Executor> executor_;
+  std::unique_ptr<tbb::global_control> workers_;  // enough TBB workers for every device slot
 };
 
 }  // namespace weave::devices
