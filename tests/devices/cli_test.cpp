@@ -2,12 +2,15 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
 #include <array>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -87,6 +90,111 @@ TEST(Cli, SimulateWritesTracesAndAGraph) {
   std::getline(dot, first);
   EXPECT_EQ(first.rfind("digraph", 0), 0u);
   std::filesystem::remove_all(dir);
+}
+
+// ------------------------------------------------------------------------------ weave train
+
+std::filesystem::path scratch(const std::string& name) {
+  const auto dir = std::filesystem::temp_directory_path() / fmt::format("weave-cli-{}", ::getpid());
+  std::filesystem::create_directories(dir);
+  return dir / name;
+}
+
+const char* kTinyModel =
+    "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --ffn-hidden-size 64 --seq-length 32 "
+    "--micro-batch-size 2 --log-interval 5 --lr-warmup-iters 2";
+
+TEST(CliTrain, MockDataTrainsAndWritesMetricsAndTrace) {
+  const auto metrics = scratch("metrics.jsonl"), trace = scratch("trace.json");
+  const Result r = weave(
+      fmt::format("train {} --mock-data --train-iters 30 --lr 1e-2 --num-experts 4 --devices 4 "
+                  "--tensor-model-parallel-size 2 --sequence-parallel --log-json {} --trace {}",
+                  kTinyModel, metrics.string(), trace.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  std::ifstream in(metrics);
+  std::string line;
+  std::vector<double> losses;
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("loss")) losses.push_back(j["loss"]);
+  }
+  ASSERT_EQ(losses.size(), 30u);
+  EXPECT_LT(losses.back(), 0.7 * losses.front()) << r.out;  // the mock pattern is learnable
+  const auto t = nlohmann::json::parse(std::ifstream(trace));
+  EXPECT_GT(t["traceEvents"].size(), 100u);
+}
+
+TEST(CliTrain, UnknownFlagsAndKeysGetASuggestion) {
+  Result r = weave(fmt::format("train {} --mock-data --num-layer 3", kTinyModel));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("unknown flag '--num-layer'"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("did you mean '--num-layers'?"), std::string::npos) << r.out;
+  const auto config = scratch("bad-key.json");
+  std::ofstream(config) << R"({"hiden_size": 64})";
+  r = weave(fmt::format("train --mock-data --config {}", config.string()));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("did you mean '--hidden-size'?"), std::string::npos) << r.out;
+  std::ofstream(config) << "{not json";
+  r = weave(fmt::format("train --mock-data --config {}", config.string()));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("is not valid JSON"), std::string::npos) << r.out;
+}
+
+TEST(CliTrain, ConfigFileValuesAreUsedAndFlagsOverrideThem) {
+  const auto config = scratch("config.json");
+  std::ofstream(config) << R"({"num_layers": 3, "hidden-size": 48, "num-attention-heads": 4,
+                              "ffn_hidden_size": 96, "seq_length": 16, "train_iters": 2,
+                              "sequence_parallel": true, "tensor_model_parallel_size": 2})";
+  const Result r =
+      weave(fmt::format("train --mock-data --config {} --num-layers 1", config.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("1 layers, hidden 48"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("tp 2 + sp"), std::string::npos) << r.out;
+}
+
+TEST(CliTrain, SizeRulesAreRefusedBeforeAnythingRuns) {
+  Result r = weave(fmt::format("train {} --mock-data --tensor-model-parallel-size 3", kTinyModel));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("--num-attention-heads (4) must be divisible by "
+                       "--tensor-model-parallel-size (3)"),
+            std::string::npos)
+      << r.out;
+  r = weave(
+      fmt::format("train {} --mock-data --devices 3 --tensor-model-parallel-size 2", kTinyModel));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("--devices (3) must be a multiple"), std::string::npos) << r.out;
+}
+
+TEST(CliTrain, SaveThenLoadResumesWithTheSameLosses) {
+  const auto ckpt = scratch("model.ckpt");
+  const auto full = scratch("full.jsonl"), resumed = scratch("resumed.jsonl");
+  auto losses = [](const std::filesystem::path& p) {
+    std::map<int, double> out;
+    std::ifstream in(p);
+    std::string line;
+    while (std::getline(in, line)) {
+      const auto j = nlohmann::json::parse(line);
+      if (j.contains("loss")) out[j["iteration"]] = j["loss"];
+    }
+    return out;
+  };
+  Result r = weave(
+      fmt::format("train {} --mock-data --train-iters 6 --log-json {}", kTinyModel, full.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  r = weave(fmt::format("train {} --mock-data --train-iters 3 --lr-decay-iters 6 --save {}",
+                        kTinyModel, ckpt.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  r = weave(fmt::format("train {} --mock-data --train-iters 6 --load {} --log-json {}", kTinyModel,
+                        ckpt.string(), resumed.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  const auto a = losses(full), b = losses(resumed);
+  ASSERT_EQ(b.size(), 3u);
+  for (const auto& [it, loss] : b)
+    EXPECT_EQ(loss, a.at(it)) << "iteration " << it;
+  r = weave(fmt::format("train {} --mock-data --hidden-size 64 --train-iters 6 --load {}",
+                        kTinyModel, ckpt.string()));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("holds another model"), std::string::npos) << r.out;
 }
 
 }  // namespace

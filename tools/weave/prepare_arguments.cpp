@@ -67,7 +67,7 @@ std::vector<std::string> prepare_arguments(CLI::App& app, std::vector<std::strin
     std::string flag = "--" + key;
     std::replace(flag.begin(), flag.end(), '_', '-');
     if (flag == "--config" || std::find(known.begin(), known.end(), flag) == known.end())
-      throw std::invalid_argument(unknown("key", key, cmd->get_name(), known) +
+      throw std::invalid_argument(unknown("key", flag, cmd->get_name(), known) +
                                   fmt::format(" (in --config '{}')", config));
     if (value.is_boolean()) {
       if (value.get<bool>()) expanded.push_back(flag);

@@ -17,7 +17,7 @@ class TokenDataset {
   // `valid_fraction` of the bytes is the validation split. Throws std::runtime_error naming the
   // path when nothing can be read or the text is shorter than two sequences.
   static TokenDataset from_text(const std::string& path, int seq_length, double valid_fraction);
-  // Synthetic tokens with a learnable pattern: token t+1 follows from token t.
+  // Synthetic tokens with a learnable pattern: a fixed cycle through 32 tokens.
   static TokenDataset mock(int seq_length, std::uint64_t seed);
 
   // Sample `index` of a split: seq_length + 1 tokens (inputs, then targets shifted by one).
@@ -32,6 +32,7 @@ class TokenDataset {
   int seq_length_ = 0;
   std::uint64_t seed_ = 0;
   bool mock_ = false;
+  std::vector<std::int32_t> successor_, cycle_start_;  // mock data
   std::string description_;
 };
 
