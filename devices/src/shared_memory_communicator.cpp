@@ -3,11 +3,13 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cstring>
+#include <bit>
 #include <functional>
 #include <memory>
-#include <numeric>
 #include <stdexcept>
+#include <string>
+
+#include "collective_kernels.hpp"
 
 namespace weave::devices {
 
@@ -15,51 +17,40 @@ namespace {
 
 using MemberTasks = Communicator::MemberTasks;
 
-// Elements reduced at a time: the block and its partial result stay in L1 while every rank's
-// contribution is added, so each element is read once from each rank and written once to each.
-constexpr std::size_t kReduceBlock = 4096;
-
-std::size_t bytes_of(std::size_t elements) {
+constexpr std::size_t bytes_of(std::size_t elements) {
   return elements * sizeof(float);
 }
 
-// [first, last) of `count` elements that rank r of n handles: even shares, the remainder
-// spread over the first ranks.
+// Shares are whole cache lines (of 64-byte aligned buffers), so two members never write the
+// same line.
+constexpr std::size_t kLineElements = 64 / sizeof(float);
+
+// [first, last) of `count` elements that rank r of n reduces: an even split of the lines, the
+// remainder spread over the first ranks, the last line clipped to count.
 std::pair<std::size_t, std::size_t> share(std::size_t count, int n, int r) {
-  const std::size_t base = count / static_cast<std::size_t>(n),
-                    extra = count % static_cast<std::size_t>(n);
-  const auto ur = static_cast<std::size_t>(r);
-  const std::size_t first = ur * base + std::min(ur, extra);
-  return {first, first + base + (ur < extra ? 1 : 0)};
+  const std::size_t lines = (count + kLineElements - 1) / kLineElements;
+  const auto un = static_cast<std::size_t>(n), ur = static_cast<std::size_t>(r);
+  const std::size_t base = lines / un, extra = lines % un;
+  const std::size_t first = (ur * base + std::min(ur, extra)) * kLineElements;
+  const std::size_t last = first + (base + (ur < extra ? 1 : 0)) * kLineElements;
+  return {std::min(first, count), std::min(last, count)};
 }
 
-void combine(ReduceOp op, float* acc, const float* x, std::size_t n) {
-  if (op == ReduceOp::sum) {
-    for (std::size_t i = 0; i < n; ++i)
-      acc[i] += x[i];
-  } else {
-    for (std::size_t i = 0; i < n; ++i)
-      acc[i] = std::max(acc[i], x[i]);
-  }
+// Whether a collective touching this many bytes in all (read and written) should write past
+// the caches.
+bool streams(std::size_t footprint) {
+  return footprint >= detail::kStreamingBytes;
 }
 
-// Reduces elements [first, last) of every source, in rank order, into every destination.
-void reduce_range(ReduceOp op, const std::vector<const float*>& sources,
-                  const std::vector<float*>& destinations, std::size_t first, std::size_t last,
-                  std::size_t destination_offset) {
-  alignas(64) float block[kReduceBlock];
-  for (std::size_t at = first; at < last; at += kReduceBlock) {
-    const std::size_t n = std::min(kReduceBlock, last - at);
-    std::memcpy(block, sources[0] + at, bytes_of(n));
-    for (std::size_t s = 1; s < sources.size(); ++s)
-      combine(op, block, sources[s] + at, n);
-    for (float* d : destinations)
-      std::memcpy(d + (at - first) + destination_offset, block, bytes_of(n));
-  }
+// The ring algorithm's per-member volume: (n-1)/n of `bytes`.
+double ring_share(int n, std::size_t bytes) {
+  return static_cast<double>(n - 1) / n * static_cast<double>(bytes);
 }
 
-void copy(float* to, const float* from, std::size_t n) {
-  if (n > 0 && to != from) std::memcpy(to, from, bytes_of(n));
+std::vector<rt::CostHint> same_cost(int n, double bytes, int messages) {
+  return std::vector<rt::CostHint>(
+      static_cast<std::size_t>(n),
+      {.bytes = n > 1 ? bytes : 0.0, .messages = static_cast<std::uint32_t>(n > 1 ? messages : 0)});
 }
 
 void check_count(const char* op, const ProcessGroup& g, std::size_t given, const char* what) {
@@ -69,25 +60,36 @@ void check_count(const char* op, const ProcessGroup& g, std::size_t given, const
                     op, g.name(), g.size(), given, what));
 }
 
+// Every rank's `what` must hold `expected` elements, for the reason `rule`.
 template <typename Span>
-void check_equal_sizes(const char* op, const ProcessGroup& g, std::span<const Span> buffers,
-                       std::size_t expected, const char* what) {
+void check_sizes(const char* op, const ProcessGroup& g, std::span<const Span> buffers,
+                 std::size_t expected, const char* what, const std::string& rule) {
   for (int r = 0; r < g.size(); ++r)
     if (buffers[r].size() != expected)
-      throw std::invalid_argument(fmt::format(
-          "{} over group '{}': rank {} (device {}) has an {} of {} elements where {} are needed; "
-          "every rank's sizes must agree",
-          op, g.name(), r, g.device(r), what, buffers[r].size(), expected));
+      throw std::invalid_argument(
+          fmt::format("{} over group '{}': rank {} (device {}) has an {} of {} elements where {} "
+                      "are needed ({}); size every rank's buffers alike",
+                      op, g.name(), r, g.device(r), what, buffers[r].size(), expected, rule));
 }
 
-// Adds the member tasks: `work(rank)` is that member's share, run once all have arrived.
+template <typename Span>
+auto pointers(std::span<const Span> buffers) {
+  std::vector<typename Span::pointer> p;
+  p.reserve(buffers.size());
+  for (const auto& b : buffers)
+    p.push_back(b.data());
+  return p;
+}
+
+// Adds one task per rank joined in a rendezvous; `work(rank)` is that member's share of the
+// transfer, run once every member has arrived. An empty `work` adds tasks that only meet.
 MemberTasks add_members(rt::GraphBuilder& graph, const ProcessGroup& group, const char* op,
-                        const CollectiveOptions& options, double bytes_per_member,
+                        const CollectiveOptions& options, const std::vector<rt::CostHint>& costs,
                         std::function<void(int)> work) {
   const rt::StreamId stream = graph.stream(options.stream);
   const std::string prefix =
       options.name.empty() ? fmt::format("{}:{}", op, group.name()) : std::string(options.name);
-  auto shared = std::make_shared<std::function<void(int)>>(std::move(work));
+  auto shared = std::make_shared<const std::function<void(int)>>(std::move(work));
   MemberTasks ids;
   ids.reserve(static_cast<std::size_t>(group.size()));
   for (int r = 0; r < group.size(); ++r) {
@@ -98,24 +100,11 @@ MemberTasks add_members(rt::GraphBuilder& graph, const ProcessGroup& group, cons
                              .kind = rt::TaskKind::comm,
                              .name = fmt::format("{}[{}]", prefix, r),
                              .tags = options.tags,
-                             .cost = {.bytes = bytes_per_member, .messages = 1}},
+                             .cost = costs[static_cast<std::size_t>(r)]},
                             std::move(fn)));
   }
   graph.rendezvous(prefix, ids);
   return ids;
-}
-
-// The buffers' addresses by rank, captured by the member tasks.
-template <typename T>
-std::vector<T*> data_of(std::span<const std::span<T>> buffers) {
-  std::vector<T*> pointers;
-  for (const auto& b : buffers)
-    pointers.push_back(b.data());
-  return pointers;
-}
-
-double ring_fraction(int n) {
-  return n > 1 ? static_cast<double>(n - 1) / n : 0.0;
 }
 
 }  // namespace
@@ -125,15 +114,24 @@ MemberTasks SharedMemoryCommunicator::all_reduce(rt::GraphBuilder& graph, const 
                                                  ReduceOp op, const CollectiveOptions& options) {
   check_count("all_reduce", group, buffers.size(), "buffers");
   const std::size_t count = buffers[0].size();
-  check_equal_sizes<std::span<float>>("all_reduce", group, buffers, count, "input/output buffer");
+  check_sizes("all_reduce", group, buffers, count, "input/output buffer",
+              fmt::format("every rank reduces a buffer of rank 0's size, {} elements", count));
   const int n = group.size();
-  const auto data = data_of(buffers);
+  const std::vector<float*> data = pointers(buffers);
   const std::vector<const float*> sources(data.begin(), data.end());
+  // Member r reduces its share of every rank's buffer and writes the result to every rank's
+  // buffer. In place and still race-free: only member r touches its share, and the kernel
+  // reads each element from every rank before writing it. Regular stores beat streaming ones
+  // here: the lines written were just read, so they are already cached.
+  std::function<void(int)> work;
+  if (n > 1)
+    work = [=](int r) {
+      const auto [first, last] = share(count, n, r);
+      detail::reduce_to_all(op, sources, first, data, first, last - first, false);
+    };
   return add_members(graph, group, "all_reduce", options,
-                     2.0 * ring_fraction(n) * static_cast<double>(bytes_of(count)), [=](int r) {
-                       const auto [first, last] = share(count, n, r);
-                       reduce_range(op, sources, data, first, last, first);
-                     });
+                     same_cost(n, 2 * ring_share(n, bytes_of(count)), 2 * (n - 1)),
+                     std::move(work));
 }
 
 MemberTasks SharedMemoryCommunicator::all_gather(rt::GraphBuilder& graph, const ProcessGroup& group,
@@ -144,15 +142,19 @@ MemberTasks SharedMemoryCommunicator::all_gather(rt::GraphBuilder& graph, const 
   check_count("all_gather", group, outputs.size(), "outputs");
   const int n = group.size();
   const std::size_t m = inputs[0].size();
-  check_equal_sizes<std::span<const float>>("all_gather", group, inputs, m, "input");
-  check_equal_sizes<std::span<float>>("all_gather", group, outputs, m * n, "output");
-  const auto in = data_of(inputs);
-  const auto out = data_of(outputs);
-  // Each member pushes its shard to every output.
+  check_sizes("all_gather", group, inputs, m, "input",
+              fmt::format("every rank contributes rank 0's {} elements", m));
+  check_sizes("all_gather", group, outputs, m * n, "output",
+              fmt::format("each output holds group size x input = {} x {}", n, m));
+  const std::vector<const float*> in = pointers(inputs);
+  const std::vector<float*> out = pointers(outputs);
+  const bool streaming = streams(bytes_of(m * n * (n + 1)));
+  // Member r pushes its shard into every output: it reads the shard once, whatever n is.
   return add_members(graph, group, "all_gather", options,
-                     ring_fraction(n) * static_cast<double>(bytes_of(m * n)), [=](int r) {
-                       for (int j = 0; j < n; ++j)
-                         copy(out[j] + static_cast<std::size_t>(r) * m, in[r], m);
+                     same_cost(n, ring_share(n, bytes_of(m * n)), n - 1), [=](int r) {
+                       const std::span<const float* const> shard(&in[r], 1);
+                       detail::reduce_to_all(ReduceOp::sum, shard, 0, out,
+                                             static_cast<std::size_t>(r) * m, m, streaming);
                      });
 }
 
@@ -166,14 +168,19 @@ MemberTasks SharedMemoryCommunicator::reduce_scatter(rt::GraphBuilder& graph,
   check_count("reduce_scatter", group, outputs.size(), "outputs");
   const int n = group.size();
   const std::size_t m = outputs[0].size();
-  check_equal_sizes<std::span<float>>("reduce_scatter", group, outputs, m, "output");
-  check_equal_sizes<std::span<const float>>("reduce_scatter", group, inputs, m * n, "input");
-  const auto in = data_of(inputs);
-  const auto out = data_of(outputs);
+  check_sizes("reduce_scatter", group, outputs, m, "output",
+              fmt::format("every rank receives rank 0's {} elements", m));
+  check_sizes("reduce_scatter", group, inputs, m * n, "input",
+              fmt::format("each input holds group size x output = {} x {}", n, m));
+  const std::vector<const float*> in = pointers(inputs);
+  const std::vector<float*> out = pointers(outputs);
+  const bool streaming = streams(bytes_of(m * n * (n + 1)));
+  // Member r reduces block r of every input into its own output.
   return add_members(graph, group, "reduce_scatter", options,
-                     ring_fraction(n) * static_cast<double>(bytes_of(m * n)), [=](int r) {
-                       const std::size_t first = static_cast<std::size_t>(r) * m;
-                       reduce_range(op, in, {out[r]}, first, first + m, 0);
+                     same_cost(n, ring_share(n, bytes_of(m * n)), n - 1), [=](int r) {
+                       const std::span<float* const> mine(&out[r], 1);
+                       detail::reduce_to_all(op, in, static_cast<std::size_t>(r) * m, mine, 0, m,
+                                             streaming);
                      });
 }
 
@@ -186,21 +193,24 @@ MemberTasks SharedMemoryCommunicator::all_to_all(rt::GraphBuilder& graph, const 
   const int n = group.size();
   const std::size_t total = inputs[0].size();
   if (total % static_cast<std::size_t>(n) != 0)
-    throw std::invalid_argument(fmt::format(
-        "all_to_all over group '{}': {} elements cannot be split into {} equal blocks; use "
-        "all_to_all_v for uneven splits",
-        group.name(), total, n));
-  check_equal_sizes<std::span<const float>>("all_to_all", group, inputs, total, "input");
-  check_equal_sizes<std::span<float>>("all_to_all", group, outputs, total, "output");
+    throw std::invalid_argument(
+        fmt::format("all_to_all over group '{}': rank 0's {} elements cannot be split into {} "
+                    "equal blocks, one per rank; pad them to a multiple of {} or use all_to_all_v",
+                    group.name(), total, n, n));
+  const std::string rule = fmt::format("every rank sends and receives {} blocks of {} elements", n,
+                                       total / static_cast<std::size_t>(n));
+  check_sizes("all_to_all", group, inputs, total, "input", rule);
+  check_sizes("all_to_all", group, outputs, total, "output", rule);
   const std::size_t m = total / static_cast<std::size_t>(n);
-  const auto in = data_of(inputs);
-  const auto out = data_of(outputs);
-  // Each member pulls its blocks from every input.
+  const std::vector<const float*> in = pointers(inputs);
+  const std::vector<float*> out = pointers(outputs);
+  const bool streaming = streams(2 * bytes_of(total * n));
+  // Member r pulls its block from every input.
   return add_members(graph, group, "all_to_all", options,
-                     ring_fraction(n) * static_cast<double>(bytes_of(total)), [=](int r) {
+                     same_cost(n, ring_share(n, bytes_of(total)), n - 1), [=](int r) {
                        for (int j = 0; j < n; ++j)
-                         copy(out[r] + static_cast<std::size_t>(j) * m,
-                              in[j] + static_cast<std::size_t>(r) * m, m);
+                         detail::copy_floats(out[r] + static_cast<std::size_t>(j) * m,
+                                             in[j] + static_cast<std::size_t>(r) * m, m, streaming);
                      });
 }
 
@@ -210,113 +220,136 @@ MemberTasks SharedMemoryCommunicator::all_to_all_v(rt::GraphBuilder& graph,
                                                    std::int64_t row_elements,
                                                    const CollectiveOptions& options) {
   check_count("all_to_all_v", group, buffers.size(), "buffers");
-  if (row_elements < 1)
-    throw std::invalid_argument(
-        fmt::format("all_to_all_v: rows must hold >= 1 element, got {}", row_elements));
   const int n = group.size();
-  for (int r = 0; r < n; ++r)
-    if (!buffers[r].send_counts || !buffers[r].recv_counts)
-      throw std::invalid_argument(fmt::format(
-          "all_to_all_v over group '{}': rank {} needs both send_counts and recv_counts",
-          group.name(), r));
-  std::vector<VariableAllToAllBuffers> b(buffers.begin(), buffers.end());
+  if (row_elements < 1)
+    throw std::invalid_argument(fmt::format(
+        "all_to_all_v over group '{}': a row must hold at least 1 element, got {}; pass the "
+        "number of floats per token row",
+        group.name(), row_elements));
+  for (int r = 0; r < n; ++r) {
+    if (!buffers[r].send_counts)
+      throw std::invalid_argument(
+          fmt::format("all_to_all_v over group '{}': rank {} (device {}) has no send_counts; "
+                      "point it at the vector an earlier task fills",
+                      group.name(), r, group.device(r)));
+    if (buffers[r].recv_counts.size() != static_cast<std::size_t>(n))
+      throw std::invalid_argument(
+          fmt::format("all_to_all_v over group '{}': rank {} (device {}) has room for {} receive "
+                      "counts; give it one per rank, {}",
+                      group.name(), r, group.device(r), buffers[r].recv_counts.size(), n));
+  }
+  const std::vector<VariableAllToAllBuffers> b(buffers.begin(), buffers.end());
   const auto row = static_cast<std::size_t>(row_elements);
   const std::string group_name = group.name();
-  double capacity = 0;
-  for (const auto& x : b)
-    capacity = std::max(capacity, static_cast<double>(bytes_of(x.send.size())));
-  return add_members(
-      graph, group, "all_to_all_v", options, ring_fraction(n) * capacity, [=](int r) {
-        // Every member's counts are final here: the rendezvous started no member's transfer
-        // before all had arrived, so the tasks that filled them have completed.
-        for (int j = 0; j < n; ++j) {
-          const auto& counts = *b[j].send_counts;
-          if (counts.size() != static_cast<std::size_t>(n))
-            throw std::runtime_error(fmt::format(
-                "all_to_all_v over group '{}': rank {} has {} send counts, needs one per rank "
-                "({})",
-                group_name, j, counts.size(), n));
-          std::int64_t rows = 0;
-          for (std::int64_t c : counts) {
-            if (c < 0)
-              throw std::runtime_error(
-                  fmt::format("all_to_all_v over group '{}': rank {} sends a negative count {}",
-                              group_name, j, c));
-            rows += c;
-          }
-          if (static_cast<std::size_t>(rows) * row > b[j].send.size())
-            throw std::runtime_error(fmt::format(
-                "all_to_all_v over group '{}': rank {} sends {} rows of {} elements but its send "
-                "buffer holds {} elements",
-                group_name, j, rows, row, b[j].send.size()));
-        }
-        std::vector<std::int64_t>& received = *b[r].recv_counts;
-        received.assign(static_cast<std::size_t>(n), 0);
-        std::size_t total = 0;
-        for (int j = 0; j < n; ++j) {
-          received[j] = (*b[j].send_counts)[r];
-          total += static_cast<std::size_t>(received[j]) * row;
-        }
-        if (total > b[r].recv.size())
+  // The split is unknown until run time: cost each member as if it sent its whole send buffer,
+  // spread evenly over the ranks.
+  std::vector<rt::CostHint> costs;
+  for (int r = 0; r < n; ++r)
+    costs.push_back({.bytes = n > 1 ? ring_share(n, bytes_of(b[r].send.size())) : 0.0,
+                     .messages = static_cast<std::uint32_t>(n - 1)});
+  return add_members(graph, group, "all_to_all_v", options, costs, [=](int r) {
+    // Every member's counts are final here: the rendezvous started no member's transfer before
+    // all had arrived, so the tasks that filled them have completed. Each member checks every
+    // sender it reads from, so a bad count fails the run before anything is copied from it.
+    for (int j = 0; j < n; ++j) {
+      const std::vector<std::int64_t>& counts = *b[j].send_counts;
+      if (counts.size() != static_cast<std::size_t>(n))
+        throw std::runtime_error(fmt::format(
+            "all_to_all_v over group '{}': rank {} has {} send counts, needs one per rank ({})",
+            group_name, j, counts.size(), n));
+      std::size_t rows = 0;
+      for (std::int64_t c : counts) {
+        if (c < 0)
           throw std::runtime_error(fmt::format(
-              "all_to_all_v over group '{}': rank {} receives {} elements but its receive buffer "
-              "holds {}; size it for the largest possible split (dropless MoE: tokens x top-k "
-              "rows)",
-              group_name, r, total, b[r].recv.size()));
-        std::size_t at = 0;
-        for (int j = 0; j < n; ++j) {
-          const auto& counts = *b[j].send_counts;
-          std::size_t from = 0;
-          for (int k = 0; k < r; ++k)
-            from += static_cast<std::size_t>(counts[k]) * row;
-          const std::size_t len = static_cast<std::size_t>(counts[r]) * row;
-          copy(b[r].recv.data() + at, b[j].send.data() + from, len);
-          at += len;
-        }
-      });
+              "all_to_all_v over group '{}': rank {} sends a negative count {}", group_name, j, c));
+        rows += static_cast<std::size_t>(c);
+      }
+      if (rows * row > b[j].send.size())
+        throw std::runtime_error(fmt::format(
+            "all_to_all_v over group '{}': rank {} sends {} rows of {} elements but its send "
+            "buffer holds {} elements",
+            group_name, j, rows, row, b[j].send.size()));
+    }
+    std::size_t total = 0;
+    for (int j = 0; j < n; ++j)
+      total += static_cast<std::size_t>((*b[j].send_counts)[r]) * row;
+    if (total > b[r].recv.size())
+      throw std::runtime_error(fmt::format(
+          "all_to_all_v over group '{}': rank {} receives {} elements but its receive buffer "
+          "holds {}; size it for the largest possible split (dropless MoE: tokens x top-k rows)",
+          group_name, r, total, b[r].recv.size()));
+    const bool streaming = streams(2 * bytes_of(total) * static_cast<std::size_t>(n));
+    std::size_t at = 0;
+    for (int j = 0; j < n; ++j) {
+      const std::vector<std::int64_t>& counts = *b[j].send_counts;
+      std::size_t from = 0;
+      for (int k = 0; k < r; ++k)
+        from += static_cast<std::size_t>(counts[k]) * row;
+      const std::size_t len = static_cast<std::size_t>(counts[r]) * row;
+      detail::copy_floats(b[r].recv.data() + at, b[j].send.data() + from, len, streaming);
+      b[r].recv_counts[j] = counts[r];
+      at += len;
+    }
+  });
 }
 
 MemberTasks SharedMemoryCommunicator::broadcast(rt::GraphBuilder& graph, const ProcessGroup& group,
                                                 std::span<const std::span<float>> buffers, int root,
                                                 const CollectiveOptions& options) {
   check_count("broadcast", group, buffers.size(), "buffers");
-  if (root < 0 || root >= group.size())
+  const int n = group.size();
+  if (root < 0 || root >= n)
     throw std::invalid_argument(
-        fmt::format("broadcast over group '{}': root rank {} is outside [0, {})", group.name(),
-                    root, group.size()));
+        fmt::format("broadcast over group '{}': root rank {} is outside [0, {}); name the root "
+                    "by its rank in the group, not its device",
+                    group.name(), root, n));
   const std::size_t count = buffers[root].size();
-  check_equal_sizes<std::span<float>>("broadcast", group, buffers, count, "input/output buffer");
-  const auto data = data_of(buffers);
-  return add_members(graph, group, "broadcast", options, static_cast<double>(bytes_of(count)),
-                     [=](int r) {
-                       if (r != root) copy(data[r], data[root], count);
-                     });
+  check_sizes("broadcast", group, buffers, count, "input/output buffer",
+              fmt::format("every rank receives the root's {} elements", count));
+  const std::vector<float*> data = pointers(buffers);
+  const bool streaming = streams(bytes_of(count * n));
+  // A pipelined chain from the root: every member but the last forwards the whole buffer.
+  std::vector<rt::CostHint> costs(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r)
+    if ((r - root + n) % n < n - 1)
+      costs[r] = {.bytes = static_cast<double>(bytes_of(count)),
+                  .messages = static_cast<std::uint32_t>(n - 1)};
+  return add_members(graph, group, "broadcast", options, costs, [=](int r) {
+    if (r != root) detail::copy_floats(data[r], data[root], count, streaming);
+  });
 }
 
 std::pair<rt::TaskId, rt::TaskId> SharedMemoryCommunicator::send_recv(
     rt::GraphBuilder& graph, rt::DeviceId from, std::span<const float> data, rt::DeviceId to,
     std::span<float> into, const CollectiveOptions& options) {
   if (from == to)
-    throw std::invalid_argument(
-        fmt::format("send_recv from device {} to itself: copy within the device instead", from));
-  if (data.size() != into.size())
     throw std::invalid_argument(fmt::format(
-        "send_recv from device {} to device {}: sending {} elements into a buffer of {}", from, to,
-        data.size(), into.size()));
+        "send_recv from device {} to itself: a transfer needs two devices; copy within the "
+        "device instead",
+        from));
+  if (data.size() != into.size())
+    throw std::invalid_argument(
+        fmt::format("send_recv from device {} to device {}: sending {} elements into a buffer of "
+                    "{}; both sides must have the same size",
+                    from, to, data.size(), into.size()));
   const ProcessGroup pair(fmt::format("{}->{}", from, to), {from, to});
   const float* source = data.data();
   float* target = into.data();
   const std::size_t count = data.size();
-  const MemberTasks ids = add_members(graph, pair, "send_recv", options,
-                                      static_cast<double>(bytes_of(count)), [=](int r) {
-                                        if (r == 1) copy(target, source, count);
-                                      });
+  const bool streaming = streams(2 * bytes_of(count));
+  const std::vector<rt::CostHint> costs{
+      {.bytes = static_cast<double>(bytes_of(count)), .messages = 1}, {}};
+  const MemberTasks ids = add_members(graph, pair, "send_recv", options, costs, [=](int r) {
+    if (r == 1) detail::copy_floats(target, source, count, streaming);
+  });
   return {ids[0], ids[1]};
 }
 
 MemberTasks SharedMemoryCommunicator::barrier(rt::GraphBuilder& graph, const ProcessGroup& group,
                                               const CollectiveOptions& options) {
-  return add_members(graph, group, "barrier", options, 0.0, {});
+  // A dissemination barrier: ceil(log2 n) rounds of messages.
+  const int rounds = std::bit_width(static_cast<unsigned>(group.size() - 1));
+  return add_members(graph, group, "barrier", options, same_cost(group.size(), 0.0, rounds), {});
 }
 
 }  // namespace weave::devices

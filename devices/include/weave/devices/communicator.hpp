@@ -4,13 +4,18 @@
 // (kind comm), and returns their ids by rank so callers order them against compute with
 // precede() or events. The tasks rendezvous: their transfer runs once every member is ready,
 // and every member completes when the whole transfer is done (held further by the link model
-// when the executor has one). Nothing blocks a worker thread while members are missing.
+// when the executor has one). Nothing blocks a worker thread while members are missing. Each
+// member task carries the bytes that rank would send in a ring (NCCL-style) algorithm as its
+// cost hint, so the link model and the virtual clock cost it like an accelerator collective.
 //
-// Buffers are given per rank. The in-process backend receives every rank's buffers; a
-// multi-process backend receives those of the ranks its process holds and leaves the others
-// empty, so callers are written once for both. Buffers must stay valid while the graph may
-// run. Sizes known when the graph is built are checked then; run-time sizes (the variable
-// all-to-all's counts) are checked by the tasks, whose error cancels the run.
+// Buffers are given per rank, in rank order. The in-process backend runs every rank and needs
+// every rank's buffers; a multi-process backend (MPI) runs only the ranks its process holds and
+// reads only their entries, the others may be empty, so callers are written once for both.
+// Buffers must stay valid while the graph may run; inputs and outputs of one call must not
+// overlap, except where an operation says so. Sizes known when the graph is built are checked
+// then (std::invalid_argument naming the rule, the ranks and the sizes); run-time sizes (the
+// variable all-to-all's counts) are checked by the tasks, whose error cancels the run and
+// reaches the caller as rt::TaskError naming the task.
 #pragma once
 
 #include <cstdint>
@@ -27,21 +32,22 @@ namespace weave::devices {
 enum class ReduceOp { sum, max };
 
 struct CollectiveOptions {
-  std::string_view name;             // task name prefix; empty: "<op>:<group>"
+  std::string_view name;             // tasks are "<name>[rank]"; empty: "<op>:<group>"
   rt::TaskTags tags;                 // copied to every member task
   std::string_view stream = "comm";  // the member devices' stream the tasks run on
 };
 
 // One rank's side of an all-to-all whose split sizes are known only at run time (MoE dispatch).
-// Counts are in rows of `row_elements` floats. Earlier tasks of the graph fill send_counts
-// ([group size] entries: rows for each destination rank, stored in `send` grouped by
-// destination in rank order); the collective writes recv_counts ([group size]: rows received
-// from each source rank, stored in `recv` in rank order).
+// Counts are in rows of `row_elements` floats. An earlier task of the graph fills *send_counts
+// with one entry per rank: the rows for each destination, stored in `send` grouped by
+// destination in rank order. The collective writes recv_counts (one entry per rank, checked
+// when the graph is built): the rows received from each source, stored in `recv` in rank order.
+// send and recv are capacities; the task fails if the counts need more.
 struct VariableAllToAllBuffers {
-  std::span<const float> send;  // capacity
+  std::span<const float> send;
   const std::vector<std::int64_t>* send_counts = nullptr;
-  std::span<float> recv;  // capacity
-  std::vector<std::int64_t>* recv_counts = nullptr;
+  std::span<float> recv;
+  std::span<std::int64_t> recv_counts;
 };
 
 class Communicator {
@@ -55,12 +61,14 @@ class Communicator {
   virtual MemberTasks all_reduce(rt::GraphBuilder& graph, const ProcessGroup& group,
                                  std::span<const std::span<float>> buffers, ReduceOp op,
                                  const CollectiveOptions& options = {}) = 0;
-  // outputs[r] (size n * m) = inputs[0] ++ inputs[1] ++ ... (each of size m).
+  // outputs[r] (size n * m) = inputs[0] ++ inputs[1] ++ ... (each of size m). inputs[r] may be
+  // block r of outputs[r] (in place).
   virtual MemberTasks all_gather(rt::GraphBuilder& graph, const ProcessGroup& group,
                                  std::span<const std::span<const float>> inputs,
                                  std::span<const std::span<float>> outputs,
                                  const CollectiveOptions& options = {}) = 0;
-  // outputs[r] (size m) = the reduction over ranks of block r of inputs (size n * m).
+  // outputs[r] (size m) = the reduction over ranks, in rank order, of block r of inputs (size
+  // n * m). outputs[r] may be block r of inputs[r] (in place).
   virtual MemberTasks reduce_scatter(rt::GraphBuilder& graph, const ProcessGroup& group,
                                      std::span<const std::span<const float>> inputs,
                                      std::span<const std::span<float>> outputs, ReduceOp op,
@@ -79,7 +87,8 @@ class Communicator {
   virtual MemberTasks broadcast(rt::GraphBuilder& graph, const ProcessGroup& group,
                                 std::span<const std::span<float>> buffers, int root,
                                 const CollectiveOptions& options = {}) = 0;
-  // Point to point: `to` receives `from`'s data (equal sizes). Returns {send task, receive task}.
+  // Point to point, a two-member rendezvous: `to` receives `from`'s data (equal sizes).
+  // Returns {send task, receive task}.
   virtual std::pair<rt::TaskId, rt::TaskId> send_recv(rt::GraphBuilder& graph, rt::DeviceId from,
                                                       std::span<const float> data, rt::DeviceId to,
                                                       std::span<float> into,
