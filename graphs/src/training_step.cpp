@@ -41,6 +41,13 @@ struct LayerActivations {
       moe_out, stats;
   std::vector<std::int32_t> topk_index;
   ops::DispatchPlan dispatch;
+  // Expert parallelism: rows leave grouped by destination rank, arrive grouped by source rank
+  // (each source's rows in local-expert order), and are regrouped by local expert to run.
+  Tensor counts_send, counts_recv;                    // [ep x local experts]: rows per expert
+  std::vector<std::int64_t> send_rows, recv_rows;     // [ep]: rows per destination / source
+  Tensor arrived, expert_in, expert_result, leaving;  // [ep T k, h]
+  std::vector<std::int64_t> local_begin;              // [local experts + 1] rows of expert_in
+  std::vector<std::int64_t> source_row;               // expert_in row -> arrived row
 };
 
 // Gradient workspace shared by all layers of a device: the backward runs layer after layer.
@@ -52,6 +59,7 @@ struct BackwardWorkspace {
   Tensor d_attn, d_qkv;              // [S, B, Hl d], [S, B, Hl, 3d]
   Tensor d_logits, d_final_full;     // [S B, Vl], [S, B, h]
   Tensor d_moe, d_grouped, d_expert_out, d_topk, d_router_logits, d_moe_in;
+  Tensor d_arrived, d_expert_in, d_expert_result, d_leaving;  // expert parallelism
 };
 
 struct RankState {
@@ -102,11 +110,11 @@ struct TrainingStep::Impl {
                       "the device set has {}",
                       plan.devices(), plan.tensor_parallel, plan.context_parallel,
                       plan.data_parallel, plan.pipeline_parallel, set.size()));
-    if (plan.context_parallel > 1 || plan.expert_parallel > 1 || plan.pipeline_parallel > 1)
+    if (plan.context_parallel > 1 || plan.pipeline_parallel > 1)
       throw ConfigError(
-          "this build of the training step runs tensor, sequence and data parallelism; context, "
-          "expert and pipeline parallelism need --context-parallel-size, "
-          "--expert-model-parallel-size and --pipeline-model-parallel-size 1");
+          "this build of the training step runs tensor, sequence, expert and data parallelism; "
+          "context and pipeline parallelism need --context-parallel-size and "
+          "--pipeline-model-parallel-size 1");
     tp = plan.tensor_parallel;
     t_sp = plan.sequence_parallel ? tp : 1;
     M = plan.micro_batches();
@@ -141,6 +149,7 @@ struct TrainingStep::Impl {
   }
 
   devices::Device& dev(int r) { return devices[static_cast<rt::DeviceId>(r)]; }
+  int ep() const { return plan.expert_parallel; }
   Tensor act(int r, const ops::Shape& s) {
     return Tensor::empty(s, dev(r), rt::MemoryCategory::activations);
   }
@@ -183,6 +192,19 @@ struct TrainingStep::Impl {
         A.expert_out = act(r, {T * k, h});
         A.moe_out = act(r, {T, h});
         A.stats = act(r, {2 * E + 2});
+        if (ep() > 1) {
+          const std::int64_t local = E / ep(), capacity = ep() * T * k;
+          A.counts_send = act(r, {ep() * local});
+          A.counts_recv = act(r, {ep() * local});
+          A.send_rows.assign(static_cast<std::size_t>(ep()), 0);
+          A.recv_rows.assign(static_cast<std::size_t>(ep()), 0);
+          A.arrived = act(r, {capacity, h});
+          A.expert_in = act(r, {capacity, h});
+          A.expert_result = act(r, {capacity, h});
+          A.leaving = act(r, {capacity, h});
+          A.hidden_pre = act(r, {capacity, f1});
+          A.hidden = act(r, {capacity, f});
+        }
         A.mlp_out = sp || tp == 1 ? A.moe_out.reshape({Sl, B, h}) : act(r, {S, B, h});
       } else {
         A.ln2_full = sp ? act(r, {S, B, h}) : A.ln2;
@@ -227,6 +249,13 @@ struct TrainingStep::Impl {
       W.d_topk = act(r, {T, k});
       W.d_router_logits = act(r, {T, E});
       W.d_moe_in = act(r, {T, h});
+      if (ep() > 1) {
+        const std::int64_t capacity = ep() * T * k;
+        W.d_arrived = act(r, {capacity, h});
+        W.d_expert_in = act(r, {capacity, h});
+        W.d_expert_result = act(r, {capacity, h});
+        W.d_leaving = act(r, {capacity, h});
+      }
     }
   }
 
@@ -525,6 +554,54 @@ struct TrainingStep::Impl {
     return s;
   }
 
+  // Expert-parallel all-to-all of rows over each expert-parallel group.
+  std::vector<TaskId> ep_exchange(const std::vector<TaskId>& producers,
+                                  std::function<Tensor(int)> send,
+                                  std::function<std::vector<std::int64_t>*(int)> send_rows,
+                                  std::function<Tensor(int)> recv,
+                                  std::function<std::vector<std::int64_t>*(int)> recv_rows,
+                                  const std::string& name, rt::TaskTags tags) {
+    return per_group(GroupKind::expert, producers, [&](const devices::ProcessGroup& g) {
+      std::vector<devices::VariableAllToAllBuffers> bufs;
+      for (rt::DeviceId dv : g.devices()) {
+        const int r = static_cast<int>(dv);
+        const Tensor in = send(r), out = recv(r);
+        bufs.push_back({{in.data(), static_cast<std::size_t>(in.numel())},
+                        send_rows(r),
+                        {out.data(), static_cast<std::size_t>(out.numel())},
+                        std::span<std::int64_t>(*recv_rows(r))});
+      }
+      return comm.all_to_all_v(b, g, bufs, h, {.name = name, .tags = tags});
+    });
+  }
+
+  // Regroups rows that arrived grouped by source (each source's rows by local expert) into rows
+  // grouped by local expert, recording where each came from.
+  void regroup_by_expert(LayerActivations& A) {
+    const std::int64_t local = m.num_experts / ep();
+    const float* counts = A.counts_recv.data();  // [source][local expert]
+    std::vector<std::int64_t> source_begin(static_cast<std::size_t>(ep()) + 1, 0);
+    for (int j = 0; j < ep(); ++j)
+      source_begin[j + 1] = source_begin[j] + A.recv_rows[j];
+    A.local_begin.assign(static_cast<std::size_t>(local) + 1, 0);
+    A.source_row.clear();
+    for (std::int64_t e = 0; e < local; ++e) {
+      for (int j = 0; j < ep(); ++j) {
+        std::int64_t offset = source_begin[j];
+        for (std::int64_t x = 0; x < e; ++x)
+          offset += static_cast<std::int64_t>(counts[j * local + x]);
+        const auto n = static_cast<std::int64_t>(counts[j * local + e]);
+        for (std::int64_t i = 0; i < n; ++i)
+          A.source_row.push_back(offset + i);
+      }
+      A.local_begin[e + 1] = static_cast<std::int64_t>(A.source_row.size());
+    }
+    if (A.local_begin.back() != source_begin.back())
+      throw std::logic_error(
+          fmt::format("expert-parallel regrouping: {} rows arrived, counts say {}",
+                      source_begin.back(), A.local_begin.back()));
+  }
+
   std::vector<TaskId> build_moe_forward(int l, int mb, const std::vector<TaskId>& prev,
                                         rt::TaskTags tags) {
     auto L = [this, l](int r) -> LayerActivations& { return ranks[r].layers[l]; };
@@ -544,34 +621,83 @@ struct TrainingStep::Impl {
       }
       p[2 * E] = static_cast<float>(s.squared_lse);
       p[2 * E + 1] = static_cast<float>(s.tokens);
+      A.dispatch = ops::plan_dispatch(A.topk_index, T, m.moe_router_topk, E,
+                                      {.capacity_factor = m.moe_expert_capacity_factor});
+      const std::int64_t rows = A.dispatch.rows();
+      ops::permute_tokens(A.dispatch, A.moe_in, A.grouped.slice(0, 0, rows));
+      if (ep() > 1) {
+        // In place: the collectives hold spans of these vectors from when the graph was built.
+        const std::vector<std::int64_t> rows_out = A.dispatch.rows_per_rank(ep());
+        std::copy(rows_out.begin(), rows_out.end(), A.send_rows.begin());
+        for (std::int64_t e = 0; e < E; ++e)
+          A.counts_send.data()[e] =
+              static_cast<float>(A.dispatch.expert_begin[e + 1] - A.dispatch.expert_begin[e]);
+      }
     });
     link(prev, route);
     // The load-balancing statistics cover the whole micro-batch: sum them over the group.
     auto stats = tp_all_reduce(
         route, [=](int r) { return L(r).stats; }, devices::ReduceOp::sum, at + "router_stats",
         tags);
+    std::vector<TaskId> experts_ready = route;
+    if (ep() > 1) {
+      // Tell each expert's rank how many rows of each of its experts are coming, then send them.
+      auto counts = per_group(GroupKind::expert, route, [&](const devices::ProcessGroup& g) {
+        std::vector<std::span<const float>> in;
+        std::vector<std::span<float>> out;
+        for (rt::DeviceId dv : g.devices()) {
+          in.emplace_back(L(static_cast<int>(dv)).counts_send.data(), static_cast<std::size_t>(E));
+          out.push_back(all_of(L(static_cast<int>(dv)).counts_recv));
+        }
+        return comm.all_to_all(b, g, in, out, {.name = at + "dispatch_counts", .tags = tags});
+      });
+      experts_ready = ep_exchange(
+          counts, [=](int r) { return L(r).grouped; }, [=](int r) { return &L(r).send_rows; },
+          [=](int r) { return L(r).arrived; }, [=](int r) { return &L(r).recv_rows; },
+          at + "dispatch", tags);
+    }
     auto experts = each(at + "experts", tags, [=, this](int r) {
       LayerActivations& A = L(r);
-      RankState& R = ranks[r];
-      const ops::RouterStatistics s = unpack_stats(A.stats, E);
-      R.aux[mb] += ops::aux_loss(router_options(), s) + ops::z_loss(router_options(), s);
-      A.dispatch = ops::plan_dispatch(A.topk_index, T, m.moe_router_topk, E,
-                                      {.capacity_factor = m.moe_expert_capacity_factor});
-      const std::int64_t rows = A.dispatch.rows();
-      const Tensor grouped = A.grouped.slice(0, 0, rows), out = A.expert_out.slice(0, 0, rows);
-      ops::permute_tokens(A.dispatch, A.moe_in, grouped);
-      ops::experts_forward(expert_activation(), grouped, A.dispatch.expert_begin,
+      if (ep() == 1) {
+        const std::int64_t rows = A.dispatch.rows();
+        ops::experts_forward(expert_activation(), A.grouped.slice(0, 0, rows),
+                             A.dispatch.expert_begin, P(r).expert_fc1->value,
+                             P(r).expert_fc2->value, A.hidden_pre.slice(0, 0, rows),
+                             A.hidden.slice(0, 0, rows), A.expert_out.slice(0, 0, rows));
+        return;
+      }
+      regroup_by_expert(A);
+      const auto rows = static_cast<std::int64_t>(A.source_row.size());
+      for (std::int64_t i = 0; i < rows; ++i)
+        std::copy_n(A.arrived.row(A.source_row[i]), h, A.expert_in.row(i));
+      ops::experts_forward(expert_activation(), A.expert_in.slice(0, 0, rows), A.local_begin,
                            P(r).expert_fc1->value, P(r).expert_fc2->value,
-                           A.hidden_pre.slice(0, 0, rows), A.hidden.slice(0, 0, rows), out);
-      ops::combine_tokens(A.dispatch, out, A.topk_weight, A.moe_out);
+                           A.hidden_pre.slice(0, 0, rows), A.hidden.slice(0, 0, rows),
+                           A.expert_result.slice(0, 0, rows));
+      for (std::int64_t i = 0; i < rows; ++i)
+        std::copy_n(A.expert_result.row(i), h, A.leaving.row(A.source_row[i]));
     });
-    link(stats, experts);
-    if (t_sp > 1 || tp == 1) return experts;
+    link(experts_ready, experts);
+    std::vector<TaskId> returned = experts;
+    if (ep() > 1)
+      returned = ep_exchange(
+          experts, [=](int r) { return L(r).leaving; }, [=](int r) { return &L(r).recv_rows; },
+          [=](int r) { return L(r).expert_out; }, [=](int r) { return &L(r).send_rows; },
+          at + "combine", tags);
+    auto combine = each(at + "combine", tags, [=, this](int r) {
+      LayerActivations& A = L(r);
+      const ops::RouterStatistics s = unpack_stats(A.stats, E);
+      ranks[r].aux[mb] += ops::aux_loss(router_options(), s) + ops::z_loss(router_options(), s);
+      ops::combine_tokens(A.dispatch, A.expert_out.slice(0, 0, A.dispatch.rows()), A.topk_weight,
+                          A.moe_out);
+    });
+    link(returned, combine);
+    link(stats, combine);
+    if (t_sp > 1 || tp == 1) return combine;
     // Without SP the layer's output is replicated: gather the ranks' slices.
-    auto gathered = tp_all_gather(
-        experts, [=](int r) { return L(r).moe_out; }, [=](int r) { return L(r).mlp_out; },
+    return tp_all_gather(
+        combine, [=](int r) { return L(r).moe_out; }, [=](int r) { return L(r).mlp_out; },
         at + "moe_gather", tags);
-    return gathered;
   }
 
   void build_loss(int mb, const std::vector<TaskId>& prev) {
@@ -834,20 +960,58 @@ struct TrainingStep::Impl {
     auto W = [this](int r) -> BackwardWorkspace& { return ranks[r].ws; };
     const std::string at = fmt::format("L{}.", l);
     const std::int64_t E = m.num_experts;
-    auto moe = each(at + "moe_backward", tags, [=, this](int r) {
+    (void)mb;
+    auto combine = each(at + "combine_backward", tags, [=, this](int r) {
       LayerActivations& A = L(r);
       BackwardWorkspace& w = W(r);
       // This rank's tokens' output gradient: all of d_mlp under SP, its slice otherwise.
       w.d_moe.copy_from(moe_tokens(r, w.d_mlp));
       const std::int64_t rows = A.dispatch.rows();
-      const Tensor out = A.expert_out.slice(0, 0, rows), d_out = w.d_expert_out.slice(0, 0, rows),
-                   d_grouped = w.d_grouped.slice(0, 0, rows);
-      ops::combine_tokens_backward(A.dispatch, out, A.topk_weight, w.d_moe, d_out, w.d_topk);
-      ops::experts_backward(expert_activation(), A.grouped.slice(0, 0, rows),
-                            A.dispatch.expert_begin, P(r).expert_fc1->value, P(r).expert_fc2->value,
-                            A.hidden_pre.slice(0, 0, rows), A.hidden.slice(0, 0, rows), d_out,
-                            d_grouped, P(r).expert_fc1->grad, P(r).expert_fc2->grad);
-      ops::permute_tokens_backward(A.dispatch, d_grouped, w.d_moe_in);
+      ops::combine_tokens_backward(A.dispatch, A.expert_out.slice(0, 0, rows), A.topk_weight,
+                                   w.d_moe, w.d_expert_out.slice(0, 0, rows), w.d_topk);
+    });
+    link(prev, combine);
+    std::vector<TaskId> ready = combine;
+    if (ep() > 1)
+      ready = ep_exchange(
+          combine, [=](int r) { return W(r).d_expert_out; }, [=](int r) { return &L(r).send_rows; },
+          [=](int r) { return W(r).d_arrived; }, [=](int r) { return &L(r).recv_rows; },
+          at + "combine_backward", tags);
+    auto experts = each(at + "experts_backward", tags, [=, this](int r) {
+      LayerActivations& A = L(r);
+      BackwardWorkspace& w = W(r);
+      if (ep() == 1) {
+        const std::int64_t rows = A.dispatch.rows();
+        ops::experts_backward(
+            expert_activation(), A.grouped.slice(0, 0, rows), A.dispatch.expert_begin,
+            P(r).expert_fc1->value, P(r).expert_fc2->value, A.hidden_pre.slice(0, 0, rows),
+            A.hidden.slice(0, 0, rows), w.d_expert_out.slice(0, 0, rows),
+            w.d_grouped.slice(0, 0, rows), P(r).expert_fc1->grad, P(r).expert_fc2->grad);
+        return;
+      }
+      const auto rows = static_cast<std::int64_t>(A.source_row.size());
+      for (std::int64_t i = 0; i < rows; ++i)
+        std::copy_n(w.d_arrived.row(A.source_row[i]), h, w.d_expert_result.row(i));
+      ops::experts_backward(expert_activation(), A.expert_in.slice(0, 0, rows), A.local_begin,
+                            P(r).expert_fc1->value, P(r).expert_fc2->value,
+                            A.hidden_pre.slice(0, 0, rows), A.hidden.slice(0, 0, rows),
+                            w.d_expert_result.slice(0, 0, rows), w.d_expert_in.slice(0, 0, rows),
+                            P(r).expert_fc1->grad, P(r).expert_fc2->grad);
+      for (std::int64_t i = 0; i < rows; ++i)
+        std::copy_n(w.d_expert_in.row(i), h, w.d_leaving.row(A.source_row[i]));
+    });
+    link(ready, experts);
+    std::vector<TaskId> back = experts;
+    if (ep() > 1)
+      back = ep_exchange(
+          experts, [=](int r) { return W(r).d_leaving; }, [=](int r) { return &L(r).recv_rows; },
+          [=](int r) { return W(r).d_grouped; }, [=](int r) { return &L(r).send_rows; },
+          at + "dispatch_backward", tags);
+    auto router = each(at + "router_backward", tags, [=, this](int r) {
+      LayerActivations& A = L(r);
+      BackwardWorkspace& w = W(r);
+      ops::permute_tokens_backward(A.dispatch, w.d_grouped.slice(0, 0, A.dispatch.rows()),
+                                   w.d_moe_in);
       const ops::RouterStatistics s = unpack_stats(A.stats, E);
       const double scale = 1.0 / (M * plan.data_parallel);
       ops::router_backward<float>(router_options(), A.router_logits, A.probs, A.topk_index,
@@ -859,11 +1023,11 @@ struct TrainingStep::Impl {
       ops::accumulate(from_router, w.d_moe_in);
       if (t_sp > 1 || tp == 1) w.d_norm.reshape({T, h}).copy_from(w.d_moe_in);
     });
-    link(prev, moe);
-    if (t_sp > 1 || tp == 1) return moe;
+    link(back, router);
+    if (t_sp > 1 || tp == 1) return router;
     // Replicated layout: every rank needs the whole sequence's input gradient.
     return tp_all_gather(
-        moe, [=](int r) { return W(r).d_moe_in; }, [=](int r) { return W(r).d_norm; },
+        router, [=](int r) { return W(r).d_moe_in; }, [=](int r) { return W(r).d_norm; },
         at + "moe_grad_gather", tags);
   }
 
