@@ -9,7 +9,7 @@
 namespace weave::graphs {
 
 namespace {
-constexpr int kKinds = 7;
+constexpr int kKinds = 8;
 
 const char* prefix(GroupKind kind) {
   switch (kind) {
@@ -27,6 +27,8 @@ const char* prefix(GroupKind kind) {
       return "edp";
     case GroupKind::pipeline:
       return "pp";
+    case GroupKind::tensor_context:
+      return "tp_cp";
   }
   return "?";
 }
@@ -71,6 +73,9 @@ Mesh::Mesh(const ParallelPlan& plan) : plan_(plan), size_(plan.devices()) {
           break;
         case GroupKind::pipeline:
           key = {c.tp, c.cp, c.dp};
+          break;
+        case GroupKind::tensor_context:
+          key = {c.dp, c.pp};
           break;
       }
       members[key].push_back(static_cast<rt::DeviceId>(r));

@@ -32,6 +32,7 @@ struct LayerActivations {
   Tensor x_in;  // [Sl, B, h]: the previous layer's output
   Tensor ln1, ln1_mean, ln1_rstd, ln1_full;
   Tensor qkv, attn, lse, proj_partial, proj_out, x_mid;
+  Tensor kv_local, kv_gathered, kv_full;  // context parallelism: [Sc | cp Sc | S, B, Hl, 2d]
   Tensor ln2, ln2_mean, ln2_rstd, ln2_full;
   Tensor fc1, act, fc2_partial;  // dense
   Tensor mlp_out;                // [Sl, B, h]: the MLP's output, before bias and dropout
@@ -52,12 +53,13 @@ struct LayerActivations {
 
 // Gradient workspace shared by all layers of a device: the backward runs layer after layer.
 struct BackwardWorkspace {
-  Tensor d_x, d_x_mid, d_tmp;        // [Sl, B, h]
-  Tensor d_mlp, d_mlp_full;          // [Sl, B, h], [S, B, h]
-  Tensor d_act, d_fc1, d_norm_full;  // [S, B, f], [S, B, f1], [S, B, h]
-  Tensor d_norm;                     // [Sl, B, h]
-  Tensor d_attn, d_qkv;              // [S, B, Hl d], [S, B, Hl, 3d]
-  Tensor d_logits, d_final_full;     // [S B, Vl], [S, B, h]
+  Tensor d_x, d_x_mid, d_tmp;                // [Sl, B, h]
+  Tensor d_mlp, d_mlp_full;                  // [Sl, B, h], [S, B, h]
+  Tensor d_act, d_fc1, d_norm_full;          // [S, B, f], [S, B, f1], [S, B, h]
+  Tensor d_norm;                             // [Sl, B, h]
+  Tensor d_attn, d_qkv;                      // [S, B, Hl d], [S, B, Hl, 3d]
+  Tensor dkv_full, dkv_gathered, dkv_local;  // context parallelism
+  Tensor d_logits, d_final_full;             // [S B, Vl], [S, B, h]
   Tensor d_moe, d_grouped, d_expert_out, d_topk, d_router_logits, d_moe_in;
   Tensor d_arrived, d_expert_in, d_expert_result, d_leaving;  // expert parallelism
 };
@@ -68,9 +70,10 @@ struct RankState {
   BackwardWorkspace ws;
   Tensor emb_partial, emb_out;  // [S, B, h], [Sl, B, h]
   Tensor final_ln, final_mean, final_rstd, final_full, logits;
-  Tensor row_max, partials, lse;  // cross-entropy
-  Tensor norm_sq;                 // [1]: this rank's share of the squared grad norm
-  std::vector<double> loss, aux;  // per micro-batch
+  Tensor row_max, partials, lse;              // cross-entropy
+  Tensor norm_sq;                             // [1]: this rank's share of the squared grad norm
+  std::vector<double> loss, aux;              // per micro-batch
+  std::vector<std::int32_t> tokens, targets;  // [Sc B]: this rank's positions of the micro-batch
 };
 
 std::span<float> all_of(const Tensor& t) {
@@ -98,8 +101,10 @@ struct TrainingStep::Impl {
   bool update = true;
 
   // Sizes.
-  int tp, t_sp, M;
-  std::int64_t S, B, Sl, h, d, Hl, f, fl, f1l, Vl, T;
+  int tp, t_sp, cp, M;
+  // S: the sequence; Sc: this rank's part under context parallelism (two chunks of c
+  // positions); Sl: its part under sequence parallelism too; T: the tokens a rank routes.
+  std::int64_t S, Sc, chunk, B, Sl, h, d, Hl, f, fl, f1l, Vl, T;
 
   Impl(const ModelConfig& model, const ParallelPlan& p, const OptimizerConfig& o,
        devices::DeviceSet& set, devices::Communicator& c)
@@ -110,17 +115,19 @@ struct TrainingStep::Impl {
                       "the device set has {}",
                       plan.devices(), plan.tensor_parallel, plan.context_parallel,
                       plan.data_parallel, plan.pipeline_parallel, set.size()));
-    if (plan.context_parallel > 1 || plan.pipeline_parallel > 1)
+    if (plan.pipeline_parallel > 1)
       throw ConfigError(
-          "this build of the training step runs tensor, sequence, expert and data parallelism; "
-          "context and pipeline parallelism need --context-parallel-size and "
-          "--pipeline-model-parallel-size 1");
+          "this build of the training step runs tensor, sequence, context, expert and data "
+          "parallelism; pipeline parallelism needs --pipeline-model-parallel-size 1");
     tp = plan.tensor_parallel;
     t_sp = plan.sequence_parallel ? tp : 1;
     M = plan.micro_batches();
+    cp = plan.context_parallel;
     S = m.seq_length;
+    Sc = S / cp;
+    chunk = cp > 1 ? Sc / 2 : Sc;
     B = plan.micro_batch_size;
-    Sl = S / t_sp;
+    Sl = Sc / t_sp;
     h = m.hidden_size;
     d = m.head_dim();
     Hl = m.num_attention_heads / tp;
@@ -128,12 +135,13 @@ struct TrainingStep::Impl {
     fl = f / tp;
     f1l = m.activation == Activation::swiglu ? 2 * fl : fl;
     Vl = m.padded_vocab_size(tp) / tp;
-    T = S / tp * B;
-    if (m.num_experts > 0 && tp > 1 && S % tp != 0)
+    T = Sc / tp * B;
+    if (m.num_experts > 0 && tp > 1 && Sc % tp != 0)
       throw ConfigError(fmt::format(
-          "--seq-length ({}) must be divisible by --tensor-model-parallel-size ({}) in a MoE "
-          "model: each tensor-parallel rank routes seq/tp positions",
-          S, tp));
+          "--seq-length ({}) must be divisible by --tensor-model-parallel-size x "
+          "--context-parallel-size ({}) in a MoE model: each tensor-parallel rank routes its "
+          "share of the positions",
+          S, tp * cp));
     batches.assign(static_cast<std::size_t>(plan.data_parallel), std::vector<MicroBatch>(M));
     for (auto& per_dp : batches)
       for (auto& mb : per_dp) {
@@ -158,7 +166,7 @@ struct TrainingStep::Impl {
     RankState& R = ranks[r];
     R.shard = std::make_unique<ModelShard>(m, mesh, r, dev(r));
     const bool sp = t_sp > 1;
-    R.emb_partial = act(r, {S, B, h});
+    R.emb_partial = act(r, {Sc, B, h});
     R.emb_out = sp ? act(r, {Sl, B, h}) : R.emb_partial;
     R.layers.resize(static_cast<std::size_t>(m.num_layers));
     Tensor x = R.emb_out;
@@ -168,11 +176,16 @@ struct TrainingStep::Impl {
       A.ln1 = act(r, {Sl, B, h});
       A.ln1_mean = act(r, {Sl * B});
       A.ln1_rstd = act(r, {Sl * B});
-      A.ln1_full = sp ? act(r, {S, B, h}) : A.ln1;
-      A.qkv = act(r, {S, B, Hl, 3 * d});
-      A.attn = act(r, {S, B, Hl, d});
-      A.lse = act(r, {B, Hl, S});
-      A.proj_partial = act(r, {S, B, h});
+      A.ln1_full = sp ? act(r, {Sc, B, h}) : A.ln1;
+      A.qkv = act(r, {Sc, B, Hl, 3 * d});
+      A.attn = act(r, {Sc, B, Hl, d});
+      A.lse = act(r, {cp > 1 ? 2 : 1, B, Hl, chunk});
+      A.proj_partial = act(r, {Sc, B, h});
+      if (cp > 1) {
+        A.kv_local = act(r, {Sc, B, Hl, 2 * d});
+        A.kv_gathered = act(r, {cp * Sc, B, Hl, 2 * d});
+        A.kv_full = act(r, {S, B, Hl, 2 * d});
+      }
       A.proj_out = sp ? act(r, {Sl, B, h}) : A.proj_partial;
       A.x_mid = act(r, {Sl, B, h});
       A.ln2 = act(r, {Sl, B, h});
@@ -205,12 +218,12 @@ struct TrainingStep::Impl {
           A.hidden_pre = act(r, {capacity, f1});
           A.hidden = act(r, {capacity, f});
         }
-        A.mlp_out = sp || tp == 1 ? A.moe_out.reshape({Sl, B, h}) : act(r, {S, B, h});
+        A.mlp_out = sp || tp == 1 ? A.moe_out.reshape({Sl, B, h}) : act(r, {Sc, B, h});
       } else {
-        A.ln2_full = sp ? act(r, {S, B, h}) : A.ln2;
-        A.fc1 = act(r, {S, B, f1l});
-        A.act = act(r, {S, B, fl});
-        A.fc2_partial = act(r, {S, B, h});
+        A.ln2_full = sp ? act(r, {Sc, B, h}) : A.ln2;
+        A.fc1 = act(r, {Sc, B, f1l});
+        A.act = act(r, {Sc, B, fl});
+        A.fc2_partial = act(r, {Sc, B, h});
         A.mlp_out = sp ? act(r, {Sl, B, h}) : A.fc2_partial;
       }
       A.x_out = act(r, {Sl, B, h});
@@ -219,11 +232,11 @@ struct TrainingStep::Impl {
     R.final_ln = act(r, {Sl, B, h});
     R.final_mean = act(r, {Sl * B});
     R.final_rstd = act(r, {Sl * B});
-    R.final_full = sp ? act(r, {S, B, h}) : R.final_ln;
-    R.logits = act(r, {S * B, Vl});
-    R.row_max = act(r, {S * B});
-    R.partials = act(r, {S * B, ops::kCrossEntropyPartials});
-    R.lse = act(r, {S * B});
+    R.final_full = sp ? act(r, {Sc, B, h}) : R.final_ln;
+    R.logits = act(r, {Sc * B, Vl});
+    R.row_max = act(r, {Sc * B});
+    R.partials = act(r, {Sc * B, ops::kCrossEntropyPartials});
+    R.lse = act(r, {Sc * B});
     R.norm_sq = act(r, {1});
     R.loss.assign(static_cast<std::size_t>(M), 0.0);
     R.aux.assign(static_cast<std::size_t>(M), 0.0);
@@ -232,15 +245,20 @@ struct TrainingStep::Impl {
     W.d_x_mid = act(r, {Sl, B, h});
     W.d_tmp = act(r, {Sl, B, h});
     W.d_mlp = act(r, {Sl, B, h});
-    W.d_mlp_full = sp ? act(r, {S, B, h}) : W.d_mlp;
-    W.d_act = act(r, {S, B, fl});
-    W.d_fc1 = act(r, {S, B, f1l});
-    W.d_norm_full = act(r, {S, B, h});
+    W.d_mlp_full = sp ? act(r, {Sc, B, h}) : W.d_mlp;
+    W.d_act = act(r, {Sc, B, fl});
+    W.d_fc1 = act(r, {Sc, B, f1l});
+    W.d_norm_full = act(r, {Sc, B, h});
     W.d_norm = sp ? act(r, {Sl, B, h}) : W.d_norm_full;
-    W.d_attn = act(r, {S, B, Hl * d});
-    W.d_qkv = act(r, {S, B, Hl, 3 * d});
-    W.d_logits = act(r, {S * B, Vl});
-    W.d_final_full = act(r, {S, B, h});
+    W.d_attn = act(r, {Sc, B, Hl * d});
+    W.d_qkv = act(r, {Sc, B, Hl, 3 * d});
+    if (cp > 1) {
+      W.dkv_full = act(r, {S, B, Hl, 2 * d});
+      W.dkv_gathered = act(r, {cp * Sc, B, Hl, 2 * d});
+      W.dkv_local = act(r, {Sc, B, Hl, 2 * d});
+    }
+    W.d_logits = act(r, {Sc * B, Vl});
+    W.d_final_full = act(r, {Sc, B, h});
     if (m.num_experts > 0) {
       const std::int64_t E = m.num_experts, k = m.moe_router_topk;
       W.d_moe = act(r, {T, h});
@@ -358,16 +376,65 @@ struct TrainingStep::Impl {
 
   // ------------------------------------------------------------------------------ the model
 
-  ops::DropoutSpec dropout(int r, int m_index, int layer, int site) const {
-    const MeshCoordinates c = mesh.coordinates(r);
-    return {
+  // The global position of a context-parallel rank's local position s in [0, Sc): it holds
+  // chunks cp_rank and 2 cp - 1 - cp_rank of the 2 cp chunks, so causal work is even.
+  std::int64_t context_position(int cp_rank, std::int64_t s) const {
+    if (cp == 1) return s;
+    const std::int64_t which = s / chunk == 0 ? cp_rank : 2 * cp - 1 - cp_rank;
+    return which * chunk + s % chunk;
+  }
+  // The global position of row s of rank r's [Sl, B, ...] activations.
+  std::int64_t position(int r, std::int64_t s) const {
+    const MeshCoordinates at = mesh.coordinates(r);
+    return context_position(at.cp, (t_sp > 1 ? at.tp * Sl : 0) + s);
+  }
+
+  // This rank's positions of the micro-batch's tokens and targets.
+  void load_tokens(int r, int mb) {
+    RankState& R = ranks[r];
+    const MicroBatch& data = batches[mesh.coordinates(r).dp][mb];
+    R.tokens.resize(static_cast<std::size_t>(Sc * B));
+    R.targets.resize(static_cast<std::size_t>(Sc * B));
+    const int at_cp = mesh.coordinates(r).cp;
+    for (std::int64_t s = 0; s < Sc; ++s) {
+      const std::int64_t g = context_position(at_cp, s);
+      for (std::int64_t bi = 0; bi < B; ++bi) {
+        R.tokens[s * B + bi] = data.tokens[g * B + bi];
+        R.targets[s * B + bi] = data.targets[g * B + bi];
+      }
+    }
+  }
+
+  // Dropout on rank r's [Sl, B, h] activations (out may be in): masks keyed by global token, so
+  // any split of the sequence draws the one-device masks. Runs of contiguous positions go to the
+  // kernel one at a time. Without dropout, a copy.
+  void apply_dropout(bool backward, int r, int mb, int layer, int site, const Tensor& in,
+                     const Tensor& out) {
+    if (m.hidden_dropout <= 0) {
+      if (out.data() != in.data()) out.copy_from(in);
+      return;
+    }
+    const MeshCoordinates at = mesh.coordinates(r);
+    ops::DropoutSpec spec{
         .probability = m.hidden_dropout,
         .key = {.seed = m.seed ^ (0x9E3779B97F4A7C15ull * static_cast<std::uint64_t>(iteration)),
                 .layer = static_cast<std::uint32_t>(layer),
                 .site = static_cast<std::uint32_t>(site)},
-        .sequence_offset = c.tp * Sl * (t_sp > 1 ? 1 : 0),
         .sequence_length = S,
-        .batch_offset = (static_cast<std::int64_t>(c.dp) * M + m_index) * B};
+        .batch_offset = (static_cast<std::int64_t>(at.dp) * M + mb) * B};
+    for (std::int64_t s0 = 0; s0 < Sl;) {
+      std::int64_t s1 = s0 + 1;
+      while (s1 < Sl && position(r, s1) == position(r, s0) + (s1 - s0))
+        ++s1;
+      spec.sequence_offset = position(r, s0);
+      const Tensor x = in.slice(0, s0, s1 - s0).transpose(0, 1);
+      const Tensor y = out.slice(0, s0, s1 - s0).transpose(0, 1);
+      if (backward)
+        ops::dropout_backward(spec, x, y);
+      else
+        ops::dropout_forward(spec, x, y);
+      s0 = s1;
+    }
   }
 
   // x_out = x_in + dropout(y + bias): the residual branch's end, on [Sl, B, h].
@@ -379,19 +446,14 @@ struct TrainingStep::Impl {
       for (std::int64_t c = 0; c < h; ++c)
         row[c] += bias.data()[c];
     }
-    if (m.hidden_dropout > 0)
-      ops::dropout_forward(dropout(r, mb, layer, site), y.transpose(0, 1), y.transpose(0, 1));
+    apply_dropout(false, r, mb, layer, site, y, y);
     ops::add(x_in, y, x_out);
   }
 
   // The backward of bias_dropout_add: d_y = dropout'(d_out); d_bias += rows of d_y.
   void bias_dropout_add_backward(int r, int mb, int layer, int site, const Tensor& d_out,
                                  const Tensor& d_y, const Tensor& d_bias) {
-    if (m.hidden_dropout > 0)
-      ops::dropout_backward(dropout(r, mb, layer, site), d_out.transpose(0, 1),
-                            d_y.transpose(0, 1));
-    else
-      d_y.copy_from(d_out);
+    apply_dropout(true, r, mb, layer, site, d_out, d_y);
     for (std::int64_t i = 0; i < d_y.rows(); ++i) {
       const float* row = d_y.row(i);
       for (std::int64_t c = 0; c < h; ++c)
@@ -405,8 +467,8 @@ struct TrainingStep::Impl {
     // Embedding: each rank looks up its vocabulary shard; the group sums (or reduce-scatters).
     auto emb = each("embedding", tags, [this, mb](int r) {
       RankState& R = ranks[r];
-      const MicroBatch& data = batches[mesh.coordinates(r).dp][mb];
-      ops::embedding_forward<float>(data.tokens, R.shard->embedding().value,
+      load_tokens(r, mb);
+      ops::embedding_forward<float>(R.tokens, R.shard->embedding().value,
                                     {R.shard->vocab_start(), m.padded_vocab_size(tp)},
                                     R.emb_partial);
     });
@@ -415,17 +477,14 @@ struct TrainingStep::Impl {
         [this](int r) { return ranks[r].emb_out; }, "embedding_reduce", tags);
     auto pos = each("positions", tags, [this, mb](int r) {
       RankState& R = ranks[r];
-      const std::int64_t first = t_sp > 1 ? mesh.coordinates(r).tp * Sl : 0;
       for (std::int64_t s = 0; s < Sl; ++s)
         for (std::int64_t bi = 0; bi < B; ++bi) {
           float* row = R.emb_out.data() + (s * B + bi) * h;
-          const float* p = R.shard->positions().value.row(first + s);
+          const float* p = R.shard->positions().value.row(position(r, s));
           for (std::int64_t c = 0; c < h; ++c)
             row[c] += p[c];
         }
-      if (m.hidden_dropout > 0)
-        ops::dropout_forward(dropout(r, mb, m.num_layers, 2), R.emb_out.transpose(0, 1),
-                             R.emb_out.transpose(0, 1));
+      apply_dropout(false, r, mb, m.num_layers, 2, R.emb_out, R.emb_out);
     });
     link(emb_comm, pos);
     std::vector<TaskId> prev = pos;
@@ -446,23 +505,60 @@ struct TrainingStep::Impl {
       ops::layer_norm_forward(A.x_in, P(r).ln1_weight->value, P(r).ln1_bias->value,
                               m.layernorm_epsilon, A.ln1, A.ln1_mean, A.ln1_rstd);
     });
+    link(prev, ln1);
     std::vector<TaskId> g1(ranks.size(), rt::kNoTask);
     if (t_sp > 1)
       g1 = tp_all_gather(
           ln1, [=](int r) { return L(r).ln1; }, [=](int r) { return L(r).ln1_full; },
           at + "sp_gather", tags);
+    auto qkv = each(at + "qkv", tags, [=, this](int r) {
+      LayerActivations& A = L(r);
+      ops::linear_forward(A.ln1_full, P(r).qkv_weight->value, P(r).qkv_bias->value,
+                          A.qkv.reshape({Sc, B, 3 * Hl * d}));
+      if (cp > 1) {  // keys and values, contiguous, for the context-parallel all-gather
+        A.kv_local.slice(3, 0, d).copy_from(A.qkv.slice(3, d, d));
+        A.kv_local.slice(3, d, d).copy_from(A.qkv.slice(3, 2 * d, d));
+      }
+    });
+    link(g1, qkv);
+    std::vector<TaskId> kv_ready = qkv;
+    if (cp > 1)
+      kv_ready = per_group(GroupKind::context, qkv, [&](const devices::ProcessGroup& g) {
+        std::vector<std::span<const float>> in;
+        std::vector<std::span<float>> out;
+        for (rt::DeviceId dv : g.devices()) {
+          const LayerActivations& A = L(static_cast<int>(dv));
+          in.emplace_back(A.kv_local.data(), static_cast<std::size_t>(A.kv_local.numel()));
+          out.push_back(all_of(A.kv_gathered));
+        }
+        return comm.all_gather(b, g, in, out, {.name = at + "cp_gather_kv", .tags = tags});
+      });
     auto attn = each(at + "attention", tags, [=, this](int r) {
       LayerActivations& A = L(r);
-      const Tensor qkv = A.qkv.reshape({S, B, 3 * Hl * d});
-      ops::linear_forward(A.ln1_full, P(r).qkv_weight->value, P(r).qkv_bias->value, qkv);
-      const Tensor q = A.qkv.slice(3, 0, d).transpose(0, 1),
-                   k = A.qkv.slice(3, d, d).transpose(0, 1),
-                   v = A.qkv.slice(3, 2 * d, d).transpose(0, 1);
-      ops::attention_forward({}, q, k, v, A.attn.transpose(0, 1), A.lse);
-      ops::linear_forward(A.attn.reshape({S, B, Hl * d}), P(r).proj_weight->value, Tensor{},
+      const auto view = [&](const Tensor& t, std::int64_t part) {
+        return t.slice(3, part * d, d).transpose(0, 1);
+      };
+      if (cp == 1) {
+        ops::attention_forward({}, view(A.qkv, 0), view(A.qkv, 1), view(A.qkv, 2),
+                               A.attn.transpose(0, 1), A.lse.reshape({B, Hl, Sc}));
+      } else {
+        // The gathered blocks in rank order, put back in sequence order; then each held chunk
+        // of queries against every key it may see.
+        for (int j = 0; j < cp; ++j)
+          for (std::int64_t s = 0; s < Sc; ++s)
+            std::copy_n(A.kv_gathered.data() + (j * Sc + s) * B * Hl * 2 * d, B * Hl * 2 * d,
+                        A.kv_full.data() + context_position(j, s) * B * Hl * 2 * d);
+        for (std::int64_t ch = 0; ch < 2; ++ch)
+          ops::attention_forward({.q_offset = context_position(mesh.coordinates(r).cp, ch * chunk)},
+                                 view(A.qkv.slice(0, ch * chunk, chunk), 0), view(A.kv_full, 0),
+                                 view(A.kv_full, 1),
+                                 A.attn.slice(0, ch * chunk, chunk).transpose(0, 1),
+                                 A.lse.slice(0, ch, 1).reshape({B, Hl, chunk}));
+      }
+      ops::linear_forward(A.attn.reshape({Sc, B, Hl * d}), P(r).proj_weight->value, Tensor{},
                           A.proj_partial);
     });
-    link(g1, attn);
+    link(kv_ready, attn);
     auto gbar1 = reduce_partial(
         attn, [=](int r) { return L(r).proj_partial; }, [=](int r) { return L(r).proj_out; },
         at + "attention_reduce", tags);
@@ -501,9 +597,7 @@ struct TrainingStep::Impl {
       if (bias.defined()) {
         bias_dropout_add(r, mb, l, 1, A.mlp_out, bias, A.x_mid, A.x_out);
       } else {
-        if (m.hidden_dropout > 0)
-          ops::dropout_forward(dropout(r, mb, l, 1), A.mlp_out.transpose(0, 1),
-                               A.mlp_out.transpose(0, 1));
+        apply_dropout(false, r, mb, l, 1, A.mlp_out, A.mlp_out);
         ops::add(A.x_mid, A.mlp_out, A.x_out);
       }
     });
@@ -541,7 +635,7 @@ struct TrainingStep::Impl {
   // replicated sequence).
   Tensor moe_tokens(int r, const Tensor& sbh) const {
     if (t_sp > 1 || tp == 1) return sbh.reshape({T, h});
-    return sbh.slice(0, mesh.coordinates(r).tp * (S / tp), S / tp).reshape({T, h});
+    return sbh.slice(0, mesh.coordinates(r).tp * (Sc / tp), Sc / tp).reshape({T, h});
   }
 
   static ops::RouterStatistics unpack_stats(const Tensor& stats, std::int64_t E) {
@@ -636,9 +730,14 @@ struct TrainingStep::Impl {
     });
     link(prev, route);
     // The load-balancing statistics cover the whole micro-batch: sum them over the group.
-    auto stats = tp_all_reduce(
-        route, [=](int r) { return L(r).stats; }, devices::ReduceOp::sum, at + "router_stats",
-        tags);
+    // (tensor- and context-parallel ranks hold parts of the same sequences).
+    auto stats = per_group(GroupKind::tensor_context, route, [&](const devices::ProcessGroup& g) {
+      std::vector<std::span<float>> bufs;
+      for (rt::DeviceId dv : g.devices())
+        bufs.push_back(all_of(L(static_cast<int>(dv)).stats));
+      return comm.all_reduce(b, g, bufs, devices::ReduceOp::sum,
+                             {.name = at + "router_stats", .tags = tags});
+    });
     std::vector<TaskId> experts_ready = route;
     if (ep() > 1) {
       // Tell each expert's rank how many rows of each of its experts are coming, then send them.
@@ -717,7 +816,7 @@ struct TrainingStep::Impl {
           [this](int r) { return ranks[r].final_full; }, "final_gather", tags);
     auto logits = each("logits", tags, [this](int r) {
       RankState& R = ranks[r];
-      ops::linear_forward(R.final_full.reshape({S * B, h}), R.shard->embedding().value, Tensor{},
+      ops::linear_forward(R.final_full.reshape({Sc * B, h}), R.shard->embedding().value, Tensor{},
                           R.logits);
       ops::cross_entropy_row_max(R.logits, R.row_max);
     });
@@ -727,8 +826,7 @@ struct TrainingStep::Impl {
         tags);
     auto sums = each("loss_partials", tags, [this, mb](int r) {
       RankState& R = ranks[r];
-      const MicroBatch& data = batches[mesh.coordinates(r).dp][mb];
-      ops::cross_entropy_partial_sums<float>(R.logits, data.targets,
+      ops::cross_entropy_partial_sums<float>(R.logits, R.targets,
                                              {R.shard->vocab_start(), m.padded_vocab_size(tp)},
                                              R.row_max, R.partials);
     });
@@ -738,10 +836,8 @@ struct TrainingStep::Impl {
         tags);
     auto loss = each("loss", tags, [this, mb](int r) {
       RankState& R = ranks[r];
-      const MicroBatch& data = batches[mesh.coordinates(r).dp][mb];
-      R.loss[mb] =
-          ops::cross_entropy_loss<float>(R.row_max, R.partials, data.targets,
-                                         m.padded_vocab_size(tp), ce_options(), R.lse, Tensor{});
+      R.loss[mb] = ops::cross_entropy_loss<float>(
+          R.row_max, R.partials, R.targets, m.padded_vocab_size(tp), ce_options(), R.lse, Tensor{});
     });
     link(reduced, loss);
   }
@@ -761,12 +857,11 @@ struct TrainingStep::Impl {
     // Loss -> final norm input gradient.
     auto dlogits = each("loss_backward", tags, [this, mb](int r) {
       RankState& R = ranks[r];
-      const MicroBatch& data = batches[mesh.coordinates(r).dp][mb];
-      ops::cross_entropy_backward<float>(R.logits, data.targets,
+      ops::cross_entropy_backward<float>(R.logits, R.targets,
                                          {R.shard->vocab_start(), m.padded_vocab_size(tp)}, R.lse,
                                          ce_options(), 1.0, R.ws.d_logits);
       ops::linear_backward_input(R.ws.d_logits, R.shard->embedding().value,
-                                 R.ws.d_final_full.reshape({S * B, h}));
+                                 R.ws.d_final_full.reshape({Sc * B, h}));
     });
     auto reduce = reduce_partial(
         dlogits, [this](int r) { return ranks[r].ws.d_final_full; },
@@ -775,7 +870,7 @@ struct TrainingStep::Impl {
     // The output layer's weight gradient overlaps the reduction above.
     each("logits_weight_grad", tags, [this](int r) {
       RankState& R = ranks[r];
-      ops::linear_backward_weight(R.final_full.reshape({S * B, h}), R.ws.d_logits,
+      ops::linear_backward_weight(R.final_full.reshape({Sc * B, h}), R.ws.d_logits,
                                   R.shard->embedding().grad, Tensor{});
     });
     auto fn = each("final_norm_backward", tags, [this](int r) {
@@ -795,14 +890,11 @@ struct TrainingStep::Impl {
     // Embedding.
     auto pos = each("positions_backward", tags, [this, mb](int r) {
       RankState& R = ranks[r];
-      if (m.hidden_dropout > 0)
-        ops::dropout_backward(dropout(r, mb, m.num_layers, 2), R.ws.d_x.transpose(0, 1),
-                              R.ws.d_x.transpose(0, 1));
-      const std::int64_t first = t_sp > 1 ? mesh.coordinates(r).tp * Sl : 0;
+      apply_dropout(true, r, mb, m.num_layers, 2, R.ws.d_x, R.ws.d_x);
       for (std::int64_t s = 0; s < Sl; ++s)
         for (std::int64_t bi = 0; bi < B; ++bi) {
           const float* g = R.ws.d_x.data() + (s * B + bi) * h;
-          float* p = R.shard->positions().grad.row(first + s);
+          float* p = R.shard->positions().grad.row(position(r, s));
           for (std::int64_t c = 0; c < h; ++c)
             p[c] += g[c];
         }
@@ -815,10 +907,8 @@ struct TrainingStep::Impl {
           [this](int r) { return ranks[r].ws.d_norm_full; }, "embedding_grad_gather", tags);
     auto emb = each("embedding_backward", tags, [this, mb](int r) {
       RankState& R = ranks[r];
-      const MicroBatch& data = batches[mesh.coordinates(r).dp][mb];
       const Tensor d = t_sp > 1 ? R.ws.d_norm_full : R.ws.d_x;
-      ops::embedding_backward<float>(data.tokens, d,
-                                     {R.shard->vocab_start(), m.padded_vocab_size(tp)},
+      ops::embedding_backward<float>(R.tokens, d, {R.shard->vocab_start(), m.padded_vocab_size(tp)},
                                      R.shard->embedding().grad);
     });
     link(g, emb);
@@ -840,11 +930,7 @@ struct TrainingStep::Impl {
       BackwardWorkspace& w = W(r);
       w.d_x_mid.copy_from(w.d_x);
       if (moe) {
-        if (m.hidden_dropout > 0)
-          ops::dropout_backward(dropout(r, mb, l, 1), w.d_x.transpose(0, 1),
-                                w.d_mlp.transpose(0, 1));
-        else
-          w.d_mlp.copy_from(w.d_x);
+        apply_dropout(true, r, mb, l, 1, w.d_x, w.d_mlp);
       } else {
         bias_dropout_add_backward(r, mb, l, 1, w.d_x, w.d_mlp, P(r).fc2_bias->grad);
       }
@@ -912,25 +998,65 @@ struct TrainingStep::Impl {
       BackwardWorkspace& w = W(r);
       const Tensor d_proj = t_sp > 1 ? w.d_mlp_full : w.d_mlp;
       ops::linear_backward_input(d_proj, P(r).proj_weight->value, w.d_attn);
-      ops::linear_backward_weight(A.attn.reshape({S, B, Hl * d}), d_proj, P(r).proj_weight->grad,
+      ops::linear_backward_weight(A.attn.reshape({Sc, B, Hl * d}), d_proj, P(r).proj_weight->grad,
                                   Tensor{});
       w.d_qkv.fill(0.f);  // attention accumulates dk and dv
       const auto view = [&](const Tensor& t, std::int64_t part) {
         return t.slice(3, part * d, d).transpose(0, 1);
       };
-      ops::attention_backward({}, view(A.qkv, 0), view(A.qkv, 1), view(A.qkv, 2),
-                              A.attn.transpose(0, 1), A.lse,
-                              w.d_attn.reshape({S, B, Hl, d}).transpose(0, 1), view(w.d_qkv, 0),
-                              view(w.d_qkv, 1), view(w.d_qkv, 2));
-      ops::linear_backward_input(w.d_qkv.reshape({S, B, 3 * Hl * d}), P(r).qkv_weight->value,
-                                 w.d_norm_full);
+      const Tensor d_attn = w.d_attn.reshape({Sc, B, Hl, d});
+      if (cp == 1) {
+        ops::attention_backward({}, view(A.qkv, 0), view(A.qkv, 1), view(A.qkv, 2),
+                                A.attn.transpose(0, 1), A.lse.reshape({B, Hl, Sc}),
+                                d_attn.transpose(0, 1), view(w.d_qkv, 0), view(w.d_qkv, 1),
+                                view(w.d_qkv, 2));
+        return;
+      }
+      // Gradients of every key and value this rank's queries saw, in sequence order; then in
+      // rank order for the reduce-scatter that returns each rank its own.
+      w.dkv_full.fill(0.f);
+      for (std::int64_t ch = 0; ch < 2; ++ch)
+        ops::attention_backward(
+            {.q_offset = context_position(mesh.coordinates(r).cp, ch * chunk)},
+            view(A.qkv.slice(0, ch * chunk, chunk), 0), view(A.kv_full, 0), view(A.kv_full, 1),
+            A.attn.slice(0, ch * chunk, chunk).transpose(0, 1),
+            A.lse.slice(0, ch, 1).reshape({B, Hl, chunk}),
+            d_attn.slice(0, ch * chunk, chunk).transpose(0, 1),
+            view(w.d_qkv.slice(0, ch * chunk, chunk), 0), view(w.dkv_full, 0), view(w.dkv_full, 1));
+      for (int j = 0; j < cp; ++j)
+        for (std::int64_t s = 0; s < Sc; ++s)
+          std::copy_n(w.dkv_full.data() + context_position(j, s) * B * Hl * 2 * d, B * Hl * 2 * d,
+                      w.dkv_gathered.data() + (j * Sc + s) * B * Hl * 2 * d);
     });
     link(g, attn);
+    std::vector<TaskId> dkv_ready = attn;
+    if (cp > 1)
+      dkv_ready = per_group(GroupKind::context, attn, [&](const devices::ProcessGroup& g) {
+        std::vector<std::span<const float>> in;
+        std::vector<std::span<float>> out;
+        for (rt::DeviceId dv : g.devices()) {
+          const BackwardWorkspace& w = W(static_cast<int>(dv));
+          in.emplace_back(w.dkv_gathered.data(), static_cast<std::size_t>(w.dkv_gathered.numel()));
+          out.push_back(all_of(w.dkv_local));
+        }
+        return comm.reduce_scatter(b, g, in, out, devices::ReduceOp::sum,
+                                   {.name = at + "cp_reduce_dkv", .tags = tags});
+      });
+    auto qkv_in = each(at + "qkv_backward", tags, [=, this](int r) {
+      BackwardWorkspace& w = W(r);
+      if (cp > 1) {
+        w.d_qkv.slice(3, d, d).copy_from(w.dkv_local.slice(3, 0, d));
+        w.d_qkv.slice(3, 2 * d, d).copy_from(w.dkv_local.slice(3, d, d));
+      }
+      ops::linear_backward_input(w.d_qkv.reshape({Sc, B, 3 * Hl * d}), P(r).qkv_weight->value,
+                                 w.d_norm_full);
+    });
+    link(dkv_ready, qkv_in);
     auto red = reduce_partial(
-        attn, [=](int r) { return W(r).d_norm_full; }, [=](int r) { return W(r).d_norm; },
+        qkv_in, [=](int r) { return W(r).d_norm_full; }, [=](int r) { return W(r).d_norm; },
         at + "attention_grad_reduce", tags);
     auto wg = each(at + "qkv_weight_grad", tags, [=, this](int r) {
-      ops::linear_backward_weight(L(r).ln1_full, W(r).d_qkv.reshape({S, B, 3 * Hl * d}),
+      ops::linear_backward_weight(L(r).ln1_full, W(r).d_qkv.reshape({Sc, B, 3 * Hl * d}),
                                   P(r).qkv_weight->grad, P(r).qkv_bias->grad);
     });
     std::vector<TaskId> ready = red;
@@ -1148,17 +1274,16 @@ struct TrainingStep::Impl {
 
   StepResult result() const {
     StepResult out;
-    double norm_sq = 0;
     for (int r = 0; r < mesh.size(); ++r) {
-      const MeshCoordinates c = mesh.coordinates(r);
-      if (c.tp != 0 || c.cp != 0) continue;
+      const MeshCoordinates at = mesh.coordinates(r);
+      if (at.tp != 0) continue;  // tensor-parallel ranks hold the same losses
       for (int mb = 0; mb < M; ++mb) {
-        out.loss += ranks[r].loss[mb];
-        out.aux_loss += ranks[r].aux[mb] / (M * plan.data_parallel);
+        out.loss += ranks[r].loss[mb];  // context-parallel ranks hold different tokens' losses
+        // The MoE losses are statistics of whole micro-batches, the same on every cp rank.
+        if (at.cp == 0) out.aux_loss += ranks[r].aux[mb] / (M * plan.data_parallel);
       }
-      norm_sq = ranks[r].norm_sq.data()[0];
     }
-    out.grad_norm = std::sqrt(norm_sq);
+    out.grad_norm = std::sqrt(static_cast<double>(ranks[0].norm_sq.data()[0]));
     return out;
   }
 };

@@ -113,7 +113,7 @@ TEST(Mesh, RankOrderIsTensorThenContextThenDataThenPipeline) {
 
 TEST(Mesh, GroupsOfEachKindPartitionTheDevices) {
   const Mesh mesh({.tensor_parallel = 2, .expert_parallel = 4, .data_parallel = 4});
-  for (int k = 0; k <= static_cast<int>(GroupKind::pipeline); ++k) {
+  for (int k = 0; k <= static_cast<int>(GroupKind::tensor_context); ++k) {
     std::multiset<rt::DeviceId> seen;
     for (const auto& g : mesh.groups(static_cast<GroupKind>(k)))
       for (rt::DeviceId d : g.devices())

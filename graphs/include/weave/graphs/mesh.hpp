@@ -22,13 +22,14 @@ struct MeshCoordinates {
 };
 
 enum class GroupKind {
-  tensor,        // same cp, dp, pp
-  context,       // same tp, dp, pp
-  data,          // same tp, cp, pp
-  data_context,  // same tp, pp: dense gradients are reduced over dp x cp
-  expert,        // an expert-parallel group
-  expert_data,   // replicas of the same experts: their gradients are reduced here
-  pipeline,      // same tp, cp, dp
+  tensor,          // same cp, dp, pp
+  context,         // same tp, dp, pp
+  data,            // same tp, cp, pp
+  data_context,    // same tp, pp: dense gradients are reduced over dp x cp
+  expert,          // an expert-parallel group
+  expert_data,     // replicas of the same experts: their gradients are reduced here
+  pipeline,        // same tp, cp, dp
+  tensor_context,  // same dp, pp: the ranks that share one micro-batch's sequences
 };
 
 class Mesh {
