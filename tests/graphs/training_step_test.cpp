@@ -85,7 +85,7 @@ TEST_P(ParallelEqualsSerial, LossCurve) {
   const ModelConfig m = tiny(c.experts);
   const ParallelPlan serial{.micro_batch_size = c.plan.micro_batch_size,
                             .global_batch_size = c.plan.global_batch_size};
-  const Outcome a = run(m, serial, 4, true), b = run(m, c.plan, 4, true);
+  const Outcome a = run(m, serial, 10, true), b = run(m, c.plan, 10, true);
   for (std::size_t i = 0; i < a.losses.size(); ++i)
     EXPECT_NEAR(b.losses[i], a.losses[i], 1e-4 * a.losses[i]) << "step " << i + 1;
   EXPECT_LT(a.losses.back(), a.losses.front());  // it learns
