@@ -42,7 +42,8 @@ Parameter& ModelShard::add(std::string name, const ops::Shape& local, std::int64
   const auto index = static_cast<std::uint32_t>(parameters_.size() - 1);
   p.name = std::move(name);
   p.value = ops::Tensor::empty(local, device_, rt::MemoryCategory::parameters);
-  p.grad = ops::Tensor::zeros(local, device_, rt::MemoryCategory::gradients);
+  p.grad = ops::Tensor::zeros(local);  // a placeholder: the bucket's storage replaces it
+  p.bucket = current_bucket_;
   p.exp_avg = ops::Tensor::zeros(local, device_, rt::MemoryCategory::optimizer_state);
   p.exp_avg_sq = ops::Tensor::zeros(local, device_, rt::MemoryCategory::optimizer_state);
   p.logical_rows = logical_rows;
@@ -84,6 +85,7 @@ ModelShard::ModelShard(const ModelConfig& m, const Mesh& mesh, int rank, devices
     if (tp > 1 && sees_split_tokens) p.reduction = GradientReduction::tensor_partial;
     return p;
   };
+  current_bucket_ = "embedding";
   add("embedding.word", {v_local, h}, vocab, h, iota_from(vocab_start_, v_local), 0, std, 0);
   replicated(add("embedding.position", {m.positions(), h}, m.positions(), h,
                  iota_from(0, m.positions()), 0, std, 0),
@@ -96,6 +98,7 @@ ModelShard::ModelShard(const ModelConfig& m, const Mesh& mesh, int rank, devices
       return &replicated(add(prefix + name, {h}, h, 1, iota_from(0, h), 0, 0, value),
                          partial_over_tp);
     };
+    current_bucket_ = prefix + "attention";
     L.ln1_weight = norm("input_norm.weight", 1);
     L.ln1_bias = norm("input_norm.bias", 0);
     // QKV: local rows (head, which, dim) for this rank's heads; logical rows which * h +
@@ -113,6 +116,7 @@ ModelShard::ModelShard(const ModelConfig& m, const Mesh& mesh, int rank, devices
                          iota_from(0, h), t * heads_local * d, out_std, 0);
     L.proj_bias = &replicated(
         add(prefix + "attention.proj.bias", {h}, h, 1, iota_from(0, h), 0, 0, 0), partial_over_tp);
+    current_bucket_ = prefix + "mlp";
     L.ln2_weight = norm("mlp_norm.weight", 1);
     L.ln2_bias = norm("mlp_norm.bias", 0);
     const std::int64_t f1 = swiglu ? 2 * f : f;
@@ -148,15 +152,54 @@ ModelShard::ModelShard(const ModelConfig& m, const Mesh& mesh, int rank, devices
                                partial_over_tp);
     }
   }
+  current_bucket_ = "final_norm";
   final_ln_weight_ =
       &replicated(add("final_norm.weight", {h}, h, 1, iota_from(0, h), 0, 0, 1), partial_over_tp);
   final_ln_bias_ =
       &replicated(add("final_norm.bias", {h}, h, 1, iota_from(0, h), 0, 0, 0), partial_over_tp);
+  // Buckets in backward order: the final norm, then each layer from the last (MLP half, then
+  // attention half), then the embeddings.
+  std::vector<std::string> order{"final_norm"};
+  for (int l = m.num_layers - 1; l >= 0; --l) {
+    order.push_back(fmt::format("layers.{}.mlp", l));
+    order.push_back(fmt::format("layers.{}.attention", l));
+  }
+  order.push_back("embedding");
+  for (const std::string& point : order)
+    for (int kind = 0; kind < 3; ++kind) {
+      GradientBucket bucket;
+      for (Parameter& p : parameters_) {
+        const int k = p.expert ? 2 : (p.reduction == GradientReduction::tensor_partial ? 1 : 0);
+        if (p.bucket == point && k == kind) bucket.params.push_back(&p);
+      }
+      if (bucket.params.empty()) continue;
+      static constexpr const char* kKind[] = {"dense", "tp_partial", "expert"};
+      bucket.name = point + "/" + kKind[kind];
+      bucket.expert = kind == 2;
+      bucket.reduction = bucket.params.front()->reduction;
+      std::int64_t total = 0;
+      for (const Parameter* p : bucket.params)
+        total += p->value.numel();
+      bucket.grads = ops::Tensor::zeros({total}, device_, rt::MemoryCategory::gradients);
+      std::int64_t at = 0;
+      for (Parameter* p : bucket.params) {
+        p->grad = bucket.grads.slice(0, at, p->value.numel()).reshape(p->value.shape());
+        p->bucket = bucket.name;
+        at += p->value.numel();
+      }
+      buckets_.push_back(std::move(bucket));
+    }
 }
 
 void ModelShard::zero_grads() {
-  for (Parameter& p : parameters_)
-    p.grad.fill(0.f);
+  for (GradientBucket& b : buckets_)
+    b.grads.fill(0.f);
+}
+
+const GradientBucket& ModelShard::bucket_of(const Parameter& p) const {
+  for (const GradientBucket& b : buckets_)
+    if (b.name == p.bucket) return b;
+  throw std::logic_error("parameter " + p.name + " has no gradient bucket");
 }
 
 }  // namespace weave::graphs

@@ -882,9 +882,7 @@ struct TrainingStep::Impl {
     });
     link(reduce, fn);
     std::vector<TaskId> prev = fn;
-    if (last)
-      reduce_gradients(
-          {ranks[0].shard->final_ln_weight().name, ranks[0].shard->final_ln_bias().name}, prev);
+    if (last) reduce_buckets("final_norm", prev);
     for (int l = m.num_layers - 1; l >= 0; --l)
       prev = build_layer_backward(l, mb, prev, last);
     // Embedding.
@@ -912,8 +910,7 @@ struct TrainingStep::Impl {
                                      R.shard->embedding().grad);
     });
     link(g, emb);
-    if (last)
-      reduce_gradients({ranks[0].shard->embedding().name, ranks[0].shard->positions().name}, emb);
+    if (last) reduce_buckets("embedding", emb);
   }
 
   std::vector<TaskId> build_layer_backward(int l, int mb, std::vector<TaskId> prev, bool last) {
@@ -977,17 +974,7 @@ struct TrainingStep::Impl {
       bias_dropout_add_backward(r, mb, l, 0, w.d_x_mid, w.d_mlp, P(r).proj_bias->grad);
     });
     link(norm_grad_ready, ln2);
-    if (last) {
-      const LayerShard& s = ranks[0].shard->layer(l);
-      std::vector<std::string> names{s.ln2_weight->name, s.ln2_bias->name};
-      if (moe) {
-        names.insert(names.end(), {s.router_weight->name, s.expert_fc1->name, s.expert_fc2->name});
-      } else {
-        names.insert(names.end(),
-                     {s.fc1_weight->name, s.fc1_bias->name, s.fc2_weight->name, s.fc2_bias->name});
-      }
-      reduce_gradients(names, ln2);
-    }
+    if (last) reduce_buckets(fmt::format("layers.{}.mlp", l), ln2);
     std::vector<TaskId> g(ranks.size(), rt::kNoTask);
     if (t_sp > 1)
       g = tp_all_gather(
@@ -1070,12 +1057,7 @@ struct TrainingStep::Impl {
       ops::accumulate(w.d_tmp, w.d_x);
     });
     link(ready, ln1);
-    if (last) {
-      const LayerShard& s = ranks[0].shard->layer(l);
-      reduce_gradients({s.ln1_weight->name, s.ln1_bias->name, s.qkv_weight->name, s.qkv_bias->name,
-                        s.proj_weight->name, s.proj_bias->name},
-                       ln1);
-    }
+    if (last) reduce_buckets(fmt::format("layers.{}.attention", l), ln1);
     return ln1;
   }
 
@@ -1159,47 +1141,36 @@ struct TrainingStep::Impl {
 
   // ------------------------------------------------------------- gradients and the optimizer
 
-  Parameter& param(int r, const std::string& name) {
-    for (Parameter& p : ranks[r].shard->parameters())
-      if (p.name == name) return p;
-    throw std::logic_error("no parameter " + name);
-  }
-
-  // After the last micro-batch's backward has produced these gradients: sum the SP partials
-  // over tp, then over the data-parallel replicas. Runs on its own "grad_comm" stream, so the
-  // tensor-parallel collectives of the layers below never queue behind it.
-  void reduce_gradients(const std::vector<std::string>& names, const std::vector<TaskId>& after) {
+  // After the last micro-batch's backward has filled the buckets of `point` (a layer half, the
+  // final norm, the embeddings): one all-reduce per bucket — SP partials over tp first, then
+  // over the data-parallel replicas (experts: over their expert-data-parallel replicas). Runs on
+  // its own "grad_comm" stream, so the tensor-parallel collectives of the layers below never
+  // queue behind it.
+  void reduce_buckets(const std::string& point, const std::vector<TaskId>& after) {
     const rt::TaskTags tags{.phase = rt::Phase::backward};
-    for (const std::string& name : names) {
-      const Parameter& p0 = param(0, name);
+    const auto& buckets = ranks[0].shard->buckets();
+    for (std::size_t i = 0; i < buckets.size(); ++i) {
+      const GradientBucket& b0 = buckets[i];
+      if (b0.name.rfind(point + "/", 0) != 0) continue;
+      auto grads = [this, i](int r) { return ranks[r].shard->buckets()[i].grads; };
       std::vector<TaskId> ready = after;
-      if (p0.reduction == GradientReduction::tensor_partial) {
+      auto reduce = [&](GroupKind kind, const std::string& suffix) {
         auto ids = per_group(
-            GroupKind::tensor, ready,
-            [&, name](const devices::ProcessGroup& g) {
+            kind, ready,
+            [&](const devices::ProcessGroup& g) {
               std::vector<std::span<float>> bufs;
               for (rt::DeviceId dv : g.devices())
-                bufs.push_back(all_of(param(static_cast<int>(dv), name).grad));
+                bufs.push_back(all_of(grads(static_cast<int>(dv))));
               return comm.all_reduce(
                   b, g, bufs, devices::ReduceOp::sum,
-                  {.name = name + ".grad_tp", .tags = tags, .stream = "grad_comm"});
+                  {.name = b0.name + suffix, .tags = tags, .stream = "grad_comm"});
             },
             true);
         for (std::size_t r = 0; r < ids.size(); ++r)
           if (ids[r] != rt::kNoTask) ready[r] = ids[r];
-      }
-      const GroupKind replicas = p0.expert ? GroupKind::expert_data : GroupKind::data_context;
-      per_group(
-          replicas, ready,
-          [&, name](const devices::ProcessGroup& g) {
-            std::vector<std::span<float>> bufs;
-            for (rt::DeviceId dv : g.devices())
-              bufs.push_back(all_of(param(static_cast<int>(dv), name).grad));
-            return comm.all_reduce(
-                b, g, bufs, devices::ReduceOp::sum,
-                {.name = name + ".grad_dp", .tags = tags, .stream = "grad_comm"});
-          },
-          true);
+      };
+      if (b0.reduction == GradientReduction::tensor_partial) reduce(GroupKind::tensor, ".tp");
+      reduce(b0.expert ? GroupKind::expert_data : GroupKind::data_context, ".dp");
     }
   }
 

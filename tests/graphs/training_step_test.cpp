@@ -249,6 +249,39 @@ TEST_P(WholeModelGradient, MatchesADirectionalDifference) {
 
 INSTANTIATE_TEST_SUITE_P(DenseAndMoe, WholeModelGradient, ::testing::Values(0, 4));
 
+TEST(TrainingStep, GradientsAreReducedInOneCollectivePerBucket) {
+  const ModelConfig m = tiny(4);
+  ParallelPlan plan{.tensor_parallel = 2,
+                    .sequence_parallel = true,
+                    .data_parallel = 2,
+                    .micro_batch_size = 1,
+                    .global_batch_size = 4};
+  validate(m, plan);
+  devices::DeviceSet set(plan.devices(), {.pin = false});
+  devices::SharedMemoryCommunicator comm;
+  TrainingStep step(m, plan, {}, set, comm);
+  const rt::Graph& g = step.graph();
+  int dp_reductions = 0, tp_reductions = 0;
+  for (rt::TaskId t = 0; t < g.size(); ++t) {
+    if (g.tasks()[t].device != 0) continue;
+    const std::string_view name = g.tasks().name(t);
+    dp_reductions += name.ends_with(".dp[0]") || name.ends_with(".dp[1]");
+    tp_reductions += name.ends_with(".tp[0]") || name.ends_with(".tp[1]");
+  }
+  const auto& buckets = step.shard(0).buckets();
+  int partial = 0;
+  for (const auto& b : buckets)
+    partial += b.reduction == GradientReduction::tensor_partial;
+  EXPECT_EQ(dp_reductions, static_cast<int>(buckets.size()));
+  EXPECT_EQ(tp_reductions, partial);
+  // Every parameter's gradient lives inside its bucket.
+  for (const Parameter& p : step.shard(0).parameters()) {
+    const GradientBucket& b = step.shard(0).bucket_of(p);
+    EXPECT_GE(p.grad.data(), b.grads.data());
+    EXPECT_LE(p.grad.data() + p.grad.numel(), b.grads.data() + b.grads.numel());
+  }
+}
+
 TEST(TrainingStep, TwoRunsAreBitwiseIdentical) {
   const ModelConfig m = tiny(4);
   const ParallelPlan p{.tensor_parallel = 2,

@@ -38,6 +38,18 @@ struct Parameter {
   bool expert = false;                // reduced over the expert-data-parallel group, not dp
   bool tensor_replicated = false;     // the same on every tensor-parallel rank
   GradientReduction reduction = GradientReduction::none;
+  std::string bucket;  // the gradient bucket it is reduced with
+};
+
+// Gradients that become ready together and are reduced the same way, stored contiguously so
+// one collective reduces them all: a layer's MLP half, its attention half, the final norm, the
+// embeddings — each split by how it is reduced (dense, partial over tp, expert).
+struct GradientBucket {
+  std::string name;  // "layers.3.mlp/dense"
+  std::vector<Parameter*> params;
+  ops::Tensor grads;  // flat; every parameter's grad is a view into it
+  bool expert = false;
+  GradientReduction reduction = GradientReduction::none;
 };
 
 struct LayerShard {
@@ -82,6 +94,10 @@ class ModelShard {
   int local_experts() const { return local_experts_; }
 
   void zero_grads();
+  // In the order the backward pass makes them ready.
+  std::vector<GradientBucket>& buckets() { return buckets_; }
+  // The bucket that holds parameter `p`'s gradient.
+  const GradientBucket& bucket_of(const Parameter& p) const;
 
  private:
   // std > 0: normal(0, std) draws; otherwise every element is `constant`.
@@ -91,6 +107,8 @@ class ModelShard {
   const ModelConfig& config_;
   devices::Device& device_;
   std::deque<Parameter> parameters_;
+  std::vector<GradientBucket> buckets_;
+  std::string current_bucket_;
   std::vector<LayerShard> layers_;
   Parameter* final_ln_weight_ = nullptr;
   Parameter* final_ln_bias_ = nullptr;
