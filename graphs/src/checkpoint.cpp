@@ -39,7 +39,8 @@ json describe(const ParallelPlan& p) {
           {"context_parallel_size", p.context_parallel},
           {"expert_model_parallel_size", p.expert_parallel},
           {"data_parallel_size", p.data_parallel},
-          {"pipeline_model_parallel_size", p.pipeline_parallel}};
+          {"pipeline_model_parallel_size", p.pipeline_parallel},
+          {"use_distributed_optimizer", p.distributed_optimizer}};
 }
 
 std::uint64_t fnv1a(const char* data, std::size_t n, std::uint64_t h = 1469598103934665603ull) {
@@ -60,12 +61,14 @@ struct Entry {
 
 std::vector<Entry> entries_of(TrainingStep& step) {
   std::vector<Entry> out;
-  for (int r = 0; r < step.mesh().size(); ++r)
-    for (Parameter& p : step.shard(r).parameters()) {
+  for (int r = 0; r < step.mesh().size(); ++r) {
+    for (Parameter& p : step.shard(r).parameters())
       out.push_back({r, p.name, "value", p.value});
-      out.push_back({r, p.name, "exp_avg", p.exp_avg});
-      out.push_back({r, p.name, "exp_avg_sq", p.exp_avg_sq});
+    for (GradientBucket& b : step.shard(r).buckets()) {
+      out.push_back({r, b.name, "exp_avg", b.exp_avg});
+      out.push_back({r, b.name, "exp_avg_sq", b.exp_avg_sq});
     }
+  }
   return out;
 }
 

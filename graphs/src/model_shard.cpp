@@ -41,11 +41,9 @@ Parameter& ModelShard::add(std::string name, const ops::Shape& local, std::int64
   Parameter& p = parameters_.emplace_back();
   const auto index = static_cast<std::uint32_t>(parameters_.size() - 1);
   p.name = std::move(name);
-  p.value = ops::Tensor::empty(local, device_, rt::MemoryCategory::parameters);
-  p.grad = ops::Tensor::zeros(local);  // a placeholder: the bucket's storage replaces it
+  p.value = ops::Tensor::empty(local);  // initialised here, then moved into its bucket
+  p.grad = ops::Tensor::zeros(local);   // a placeholder: the bucket's storage replaces it
   p.bucket = current_bucket_;
-  p.exp_avg = ops::Tensor::zeros(local, device_, rt::MemoryCategory::optimizer_state);
-  p.exp_avg_sq = ops::Tensor::zeros(local, device_, rt::MemoryCategory::optimizer_state);
   p.logical_rows = logical_rows;
   p.logical_cols = logical_cols;
   p.row_map = std::move(row_map);
@@ -177,16 +175,35 @@ ModelShard::ModelShard(const ModelConfig& m, const Mesh& mesh, int rank, devices
       bucket.name = point + "/" + kKind[kind];
       bucket.expert = kind == 2;
       bucket.reduction = bucket.params.front()->reduction;
+      const GroupKind replicas = bucket.expert ? GroupKind::expert_data : GroupKind::data_context;
+      const devices::ProcessGroup& group = mesh.group(replicas, rank);
+      bucket.replicas = group.size();
+      bucket.replica = group.rank_of(static_cast<rt::DeviceId>(rank));
       std::int64_t total = 0;
       for (const Parameter* p : bucket.params)
         total += p->value.numel();
-      bucket.grads = ops::Tensor::zeros({total}, device_, rt::MemoryCategory::gradients);
+      // Padded so that every replica's shard is equal (and a whole number of cache lines).
+      const std::int64_t quantum = 16 * bucket.replicas;
+      const std::int64_t padded = (total + quantum - 1) / quantum * quantum;
+      bucket.values = ops::Tensor::zeros({padded}, device_, rt::MemoryCategory::parameters);
+      bucket.grads = ops::Tensor::zeros({padded}, device_, rt::MemoryCategory::gradients);
       std::int64_t at = 0;
       for (Parameter* p : bucket.params) {
+        const ops::Tensor value =
+            bucket.values.slice(0, at, p->value.numel()).reshape(p->value.shape());
+        value.copy_from(p->value);
+        p->value = value;
         p->grad = bucket.grads.slice(0, at, p->value.numel()).reshape(p->value.shape());
         p->bucket = bucket.name;
         at += p->value.numel();
       }
+      bucket.sharded = mesh.plan().distributed_optimizer && bucket.replicas > 1;
+      bucket.shard_size = bucket.sharded ? padded / bucket.replicas : padded;
+      bucket.shard_begin = bucket.sharded ? bucket.replica * bucket.shard_size : 0;
+      bucket.exp_avg =
+          ops::Tensor::zeros({bucket.shard_size}, device_, rt::MemoryCategory::optimizer_state);
+      bucket.exp_avg_sq =
+          ops::Tensor::zeros({bucket.shard_size}, device_, rt::MemoryCategory::optimizer_state);
       buckets_.push_back(std::move(bucket));
     }
 }

@@ -1170,26 +1170,52 @@ struct TrainingStep::Impl {
           if (ids[r] != rt::kNoTask) ready[r] = ids[r];
       };
       if (b0.reduction == GradientReduction::tensor_partial) reduce(GroupKind::tensor, ".tp");
-      reduce(b0.expert ? GroupKind::expert_data : GroupKind::data_context, ".dp");
+      const GroupKind replicas = b0.expert ? GroupKind::expert_data : GroupKind::data_context;
+      if (!b0.sharded) {
+        reduce(replicas, ".dp");
+        continue;
+      }
+      // Distributed optimizer: each replica receives only its shard, reduced.
+      per_group(
+          replicas, ready,
+          [&](const devices::ProcessGroup& g) {
+            std::vector<std::span<const float>> in;
+            std::vector<std::span<float>> out;
+            for (rt::DeviceId dv : g.devices()) {
+              const GradientBucket& bk = ranks[dv].shard->buckets()[i];
+              in.emplace_back(bk.grads.data(), static_cast<std::size_t>(bk.grads.numel()));
+              out.emplace_back(bk.grads.data() + bk.shard_begin,
+                               static_cast<std::size_t>(bk.shard_size));
+            }
+            return comm.reduce_scatter(
+                b, g, in, out, devices::ReduceOp::sum,
+                {.name = b0.name + ".dp", .tags = tags, .stream = "grad_comm"});
+          },
+          true);
     }
-  }
-
-  // Whether rank r counts parameter p in the global gradient norm: each distinct value once.
-  bool counts_in_norm(int r, const Parameter& p) const {
-    const MeshCoordinates c = mesh.coordinates(r);
-    if (p.tensor_replicated && c.tp != 0) return false;
-    return p.expert ? c.edp == 0 : (c.dp == 0 && c.cp == 0);
   }
 
   void build_optimizer() {
     const rt::TaskTags tags{.phase = rt::Phase::weight};
     auto norm = each("grad_norm", tags, [this](int r) {
+      // Each distinct gradient element once: tensor-parallel copies on tp rank 0 only, data-
+      // parallel copies on the replica that owns the element (its shard, or replica 0).
+      const bool tp_first = mesh.coordinates(r).tp == 0;
       double sum = 0;
-      for (const Parameter& p : ranks[r].shard->parameters()) {
-        if (!counts_in_norm(r, p)) continue;
-        const float* g = p.grad.data();
-        for (std::int64_t i = 0; i < p.grad.numel(); ++i)
-          sum += static_cast<double>(g[i]) * g[i];
+      for (const GradientBucket& bucket : ranks[r].shard->buckets()) {
+        if (!bucket.sharded && bucket.replica != 0) continue;
+        const std::int64_t lo = bucket.shard_begin, hi = lo + bucket.shard_size;
+        std::int64_t at = 0;
+        for (const Parameter* p : bucket.params) {
+          const std::int64_t n = p->grad.numel();
+          const std::int64_t from = std::max(at, lo), to = std::min(at + n, hi);
+          if (from < to && (!p->tensor_replicated || tp_first)) {
+            const float* g = bucket.grads.data();
+            for (std::int64_t e = from; e < to; ++e)
+              sum += static_cast<double>(g[e]) * g[e];
+          }
+          at += n;
+        }
       }
       ranks[r].norm_sq.data()[0] = static_cast<float>(sum);
     });
@@ -1216,16 +1242,38 @@ struct TrainingStep::Impl {
       const double coef = opt.clip_grad > 0 ? ops::clip_coefficient(norm, opt.clip_grad) : 1.0;
       ops::AdamWOptions o = opt.adamw;
       o.lr = learning_rate;
-      for (Parameter& p : ranks[r].shard->parameters()) {
+      for (GradientBucket& bucket : ranks[r].shard->buckets()) {
+        // The elements this device updates: its shard, or the whole bucket.
+        const Tensor grads = bucket.grads.slice(0, bucket.shard_begin, bucket.shard_size);
         if (coef < 1.0) {
-          float* g = p.grad.data();
-          for (std::int64_t i = 0; i < p.grad.numel(); ++i)
+          float* g = grads.data();
+          for (std::int64_t i = 0; i < grads.numel(); ++i)
             g[i] *= static_cast<float>(coef);
         }
-        ops::adamw_step(o, iteration, p.value, p.grad, p.exp_avg, p.exp_avg_sq);
+        ops::adamw_step(o, iteration, bucket.values.slice(0, bucket.shard_begin, bucket.shard_size),
+                        grads, bucket.exp_avg, bucket.exp_avg_sq);
       }
     });
     link(summed, step);
+    // Distributed optimizer: each replica updated its shard; gather the whole values back.
+    if (!plan.distributed_optimizer) return;
+    const auto& buckets = ranks[0].shard->buckets();
+    for (std::size_t i = 0; i < buckets.size(); ++i) {
+      if (!buckets[i].sharded) continue;
+      per_group(buckets[i].expert ? GroupKind::expert_data : GroupKind::data_context, step,
+                [&](const devices::ProcessGroup& g) {
+                  std::vector<std::span<const float>> in;
+                  std::vector<std::span<float>> out;
+                  for (rt::DeviceId dv : g.devices()) {
+                    const GradientBucket& bk = ranks[dv].shard->buckets()[i];
+                    in.emplace_back(bk.values.data() + bk.shard_begin,
+                                    static_cast<std::size_t>(bk.shard_size));
+                    out.push_back(all_of(bk.values));
+                  }
+                  return comm.all_gather(b, g, in, out,
+                                         {.name = buckets[i].name + ".gather", .tags = tags});
+                });
+    }
   }
 
   void build() {

@@ -249,6 +249,76 @@ TEST_P(WholeModelGradient, MatchesADirectionalDifference) {
 
 INSTANTIATE_TEST_SUITE_P(DenseAndMoe, WholeModelGradient, ::testing::Values(0, 4));
 
+class DistributedOptimizer : public ::testing::TestWithParam<Case> {};
+
+TEST_P(DistributedOptimizer, LossCurveEqualsSerial) {
+  const Case c = GetParam();
+  const ModelConfig m = tiny(c.experts);
+  const ParallelPlan serial{.micro_batch_size = c.plan.micro_batch_size,
+                            .global_batch_size = c.plan.global_batch_size};
+  const Outcome a = run(m, serial, 10, true), b = run(m, c.plan, 10, true);
+  for (std::size_t i = 0; i < a.losses.size(); ++i)
+    EXPECT_NEAR(b.losses[i], a.losses[i], 1e-4 * a.losses[i]) << "step " << i + 1;
+}
+
+const Case kShardedCases[] = {
+    {"dp2",
+     0,
+     {.data_parallel = 2,
+      .micro_batch_size = 2,
+      .global_batch_size = 4,
+      .distributed_optimizer = true}},
+    {"tp2_sp_dp2",
+     0,
+     {.tensor_parallel = 2,
+      .sequence_parallel = true,
+      .data_parallel = 2,
+      .micro_batch_size = 1,
+      .global_batch_size = 4,
+      .distributed_optimizer = true}},
+    {"cp2_dp2",
+     0,
+     {.context_parallel = 2,
+      .data_parallel = 2,
+      .micro_batch_size = 2,
+      .global_batch_size = 4,
+      .distributed_optimizer = true}},
+    {"moe_dp2",
+     4,
+     {.data_parallel = 2,
+      .micro_batch_size = 2,
+      .global_batch_size = 4,
+      .distributed_optimizer = true}},
+    {"moe_dp4_ep2",
+     4,
+     {.expert_parallel = 2,
+      .data_parallel = 4,
+      .micro_batch_size = 1,
+      .global_batch_size = 4,
+      .distributed_optimizer = true}},
+};
+
+INSTANTIATE_TEST_SUITE_P(Plans, DistributedOptimizer, ::testing::ValuesIn(kShardedCases),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+TEST(DistributedOptimizer, EachReplicaKeepsItsShareOfTheOptimizerState) {
+  const ModelConfig m = tiny(0);
+  auto state_bytes = [&](bool sharded) {
+    ParallelPlan plan{.data_parallel = 4,
+                      .micro_batch_size = 1,
+                      .global_batch_size = 4,
+                      .distributed_optimizer = sharded};
+    validate(m, plan);
+    devices::DeviceSet set(plan.devices(), {.pin = false});
+    devices::SharedMemoryCommunicator comm;
+    TrainingStep step(m, plan, {}, set, comm);
+    return set.memory().current(0, rt::MemoryCategory::optimizer_state);
+  };
+  const std::int64_t whole = state_bytes(false), sharded = state_bytes(true);
+  EXPECT_GT(whole, 0);
+  EXPECT_EQ(sharded * 4, whole);
+}
+
 TEST(TrainingStep, GradientsAreReducedInOneCollectivePerBucket) {
   const ModelConfig m = tiny(4);
   ParallelPlan plan{.tensor_parallel = 2,

@@ -254,6 +254,8 @@ void add_train_command(CLI::App& app) {
       ->check(at_least(1))
       ->capture_default_str();
   cmd->add_flag("--sequence-parallel", p.sequence_parallel);
+  cmd->add_flag("--use-distributed-optimizer", p.distributed_optimizer,
+                "Shard optimizer state over data-parallel replicas (reduce-scatter + all-gather)");
   cmd->add_option("--context-parallel-size", p.context_parallel)
       ->check(at_least(1))
       ->capture_default_str();

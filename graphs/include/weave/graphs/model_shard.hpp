@@ -44,12 +44,24 @@ struct Parameter {
 // Gradients that become ready together and are reduced the same way, stored contiguously so
 // one collective reduces them all: a layer's MLP half, its attention half, the final norm, the
 // embeddings — each split by how it is reduced (dense, partial over tp, expert).
+//
+// Values and gradients are flat, padded to a multiple of the replica count (data x context
+// parallel, or expert-data parallel for experts). With the distributed optimizer each replica
+// owns one contiguous shard of the bucket: it receives that shard's reduced gradients
+// (reduce-scatter), keeps AdamW state for it alone, updates it, and the replicas all-gather
+// the values.
 struct GradientBucket {
   std::string name;  // "layers.3.mlp/dense"
   std::vector<Parameter*> params;
-  ops::Tensor grads;  // flat; every parameter's grad is a view into it
+  ops::Tensor values, grads;  // flat; every parameter's value and grad is a view into them
   bool expert = false;
   GradientReduction reduction = GradientReduction::none;
+  int replicas = 1;              // data-parallel copies of these values
+  int replica = 0;               // this device's index among them
+  bool sharded = false;          // distributed optimizer with more than one replica
+  std::int64_t shard_begin = 0;  // the elements this device updates
+  std::int64_t shard_size = 0;
+  ops::Tensor exp_avg, exp_avg_sq;  // AdamW state of [shard_begin, shard_begin + shard_size)
 };
 
 struct LayerShard {
