@@ -289,9 +289,41 @@ struct TrainingStep::Impl {
                            .stream = compute_stream,
                            .kind = rt::TaskKind::compute,
                            .name = name,
-                           .tags = tags},
+                           .tags = tags,
+                           .cost = {.flops = flops_of(name)}},
                           [shared, r](rt::TaskContext&) { (*shared)(r); }));
     return ids;
+  }
+
+  // The multiply-adds (x2) of a task, by its kind, for the virtual clock: the matrix products
+  // and attention; the element-wise work is small beside them.
+  double flops_of(const std::string& name) const {
+    const std::string kind =
+        name.substr(name.find('.') == std::string::npos || name[0] != 'L' ? 0 : name.find('.') + 1);
+    const double rows = static_cast<double>(Sc * B), hd = static_cast<double>(h);
+    const double qkv = 2 * rows * hd * 3 * Hl * d, proj = 2 * rows * Hl * d * hd;
+    // Causal attention: half of the (local queries x all keys) scores, two products.
+    const double attention =
+        2 * 2 * static_cast<double>(B * Hl * Sc) * static_cast<double>(S / cp * cp) * d * 0.5;
+    const double mlp = 2 * rows * hd * (f1l + fl);
+    const double logits = 2 * rows * hd * Vl;
+    const double k = m.moe_router_topk;
+    const double f1 = m.activation == Activation::swiglu ? 2.0 * f : f;
+    const double experts = 2 * static_cast<double>(T) * k * hd * (f1 + f);
+    if (kind == "qkv") return qkv;
+    if (kind == "attention") return attention + proj;
+    if (kind == "mlp") return mlp;
+    if (kind == "logits") return logits;
+    if (kind == "experts") return experts;
+    if (kind == "router") return 2 * static_cast<double>(T) * hd * m.num_experts;
+    if (kind == "attention_backward") return 2 * proj + 2.5 * attention;
+    if (kind == "qkv_backward" || kind == "qkv_weight_grad") return qkv;
+    if (kind == "mlp_backward") return 2 * rows * hd * fl * 2 + 2 * rows * hd * f1l;
+    if (kind == "mlp_weight_grad") return 2 * rows * hd * f1l;
+    if (kind == "loss_backward" || kind == "logits_weight_grad") return logits;
+    if (kind == "experts_backward") return 2 * experts;
+    if (kind == "router_backward") return 4 * static_cast<double>(T) * hd * m.num_experts;
+    return 0;
   }
 
   void link(const std::vector<TaskId>& before, const std::vector<TaskId>& after) {

@@ -152,6 +152,31 @@ TEST(CliTrain, ConfigFileValuesAreUsedAndFlagsOverrideThem) {
   EXPECT_NE(r.out.find("tp 2 + sp"), std::string::npos) << r.out;
 }
 
+TEST(CliTrain, ModelTimingReplaysTheStepOnTheVirtualClock) {
+  // The same iterations on the virtual clock: the same losses, modelled times.
+  const auto wall = scratch("wall.jsonl"), model = scratch("model.jsonl");
+  const std::string common = fmt::format(
+      "train {} --mock-data --train-iters 3 --devices 2 --tensor-model-parallel-size 2 "
+      "--sequence-parallel",
+      kTinyModel);
+  Result r = weave(fmt::format("{} --log-json {}", common, wall.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  r = weave(fmt::format("{} --timing model --link nvlink4 --device-flops 1e12 --log-json {}",
+                        common, model.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("(modelled)"), std::string::npos) << r.out;
+  std::ifstream a(wall), b(model);
+  std::string la, lb;
+  int lines = 0;
+  while (std::getline(a, la) && std::getline(b, lb)) {
+    const auto ja = nlohmann::json::parse(la), jb = nlohmann::json::parse(lb);
+    EXPECT_EQ(ja["loss"], jb["loss"]);
+    EXPECT_GT(jb["seconds"].get<double>(), 0.0);
+    ++lines;
+  }
+  EXPECT_EQ(lines, 3);
+}
+
 TEST(CliTrain, SizeRulesAreRefusedBeforeAnythingRuns) {
   Result r = weave(fmt::format("train {} --mock-data --tensor-model-parallel-size 3", kTinyModel));
   EXPECT_NE(r.status, 0);
