@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <functional>
+#include <limits>
 #include <numeric>
 #include <span>
 
@@ -32,7 +33,7 @@ struct LayerActivations {
   Tensor x_in;  // [Sl, B, h]: the previous layer's output
   Tensor ln1, ln1_mean, ln1_rstd, ln1_full;
   Tensor qkv, attn, lse, proj_partial, proj_out, x_mid;
-  Tensor kv_local, kv_gathered, kv_full;  // context parallelism: [Sc | cp Sc | S, B, Hl, 2d]
+  Tensor kv_local;  // context parallelism: this rank's keys and values [Sc, B, Hl, 2d]
   Tensor ln2, ln2_mean, ln2_rstd, ln2_full;
   Tensor fc1, act, fc2_partial;  // dense
   Tensor mlp_out;                // [Sl, B, h]: the MLP's output, before bias and dropout
@@ -53,13 +54,18 @@ struct LayerActivations {
 
 // Gradient workspace shared by all layers of a device: the backward runs layer after layer.
 struct BackwardWorkspace {
-  Tensor d_x, d_x_mid, d_tmp;                // [Sl, B, h]
-  Tensor d_mlp, d_mlp_full;                  // [Sl, B, h], [S, B, h]
-  Tensor d_act, d_fc1, d_norm_full;          // [S, B, f], [S, B, f1], [S, B, h]
-  Tensor d_norm;                             // [Sl, B, h]
-  Tensor d_attn, d_qkv;                      // [S, B, Hl d], [S, B, Hl, 3d]
-  Tensor dkv_full, dkv_gathered, dkv_local;  // context parallelism
-  Tensor d_logits, d_final_full;             // [S B, Vl], [S, B, h]
+  Tensor d_x, d_x_mid, d_tmp;        // [Sl, B, h]
+  Tensor d_mlp, d_mlp_full;          // [Sl, B, h], [S, B, h]
+  Tensor d_act, d_fc1, d_norm_full;  // [S, B, f], [S, B, f1], [S, B, h]
+  Tensor d_norm;                     // [Sl, B, h]
+  Tensor d_attn, d_qkv;              // [S, B, Hl d], [S, B, Hl, 3d]
+  // Context parallelism: key/value blocks and their gradients travelling round the ring
+  // (double-buffered), and one block's partial attention.
+  Tensor ring[2], dring[2];                        // [Sc, B, Hl, 2d]
+  Tensor o_part, dq_part;                          // [chunk, B, Hl, d]
+  Tensor lse_part;                                 // [B, Hl, chunk]
+  std::vector<std::int64_t> ring_send, ring_recv;  // rows to each cp rank: all to the next
+  Tensor d_logits, d_final_full;                   // [S B, Vl], [S, B, h]
   Tensor d_moe, d_grouped, d_expert_out, d_topk, d_router_logits, d_moe_in;
   Tensor d_arrived, d_expert_in, d_expert_result, d_leaving;  // expert parallelism
 };
@@ -183,8 +189,6 @@ struct TrainingStep::Impl {
       A.proj_partial = act(r, {Sc, B, h});
       if (cp > 1) {
         A.kv_local = act(r, {Sc, B, Hl, 2 * d});
-        A.kv_gathered = act(r, {cp * Sc, B, Hl, 2 * d});
-        A.kv_full = act(r, {S, B, Hl, 2 * d});
       }
       A.proj_out = sp ? act(r, {Sl, B, h}) : A.proj_partial;
       A.x_mid = act(r, {Sl, B, h});
@@ -253,9 +257,17 @@ struct TrainingStep::Impl {
     W.d_attn = act(r, {Sc, B, Hl * d});
     W.d_qkv = act(r, {Sc, B, Hl, 3 * d});
     if (cp > 1) {
-      W.dkv_full = act(r, {S, B, Hl, 2 * d});
-      W.dkv_gathered = act(r, {cp * Sc, B, Hl, 2 * d});
-      W.dkv_local = act(r, {Sc, B, Hl, 2 * d});
+      for (int i = 0; i < 2; ++i) {
+        W.ring[i] = act(r, {Sc, B, Hl, 2 * d});
+        W.dring[i] = act(r, {Sc, B, Hl, 2 * d});
+      }
+      W.o_part = act(r, {chunk, B, Hl, d});
+      W.dq_part = act(r, {chunk, B, Hl, d});
+      W.lse_part = act(r, {B, Hl, chunk});
+      const int me = mesh.coordinates(r).cp;
+      W.ring_send.assign(static_cast<std::size_t>(cp), 0);
+      W.ring_send[(me + 1) % cp] = Sc;
+      W.ring_recv.assign(static_cast<std::size_t>(cp), 0);
     }
     W.d_logits = act(r, {Sc * B, Vl});
     W.d_final_full = act(r, {Sc, B, h});
@@ -311,12 +323,14 @@ struct TrainingStep::Impl {
     const double f1 = m.activation == Activation::swiglu ? 2.0 * f : f;
     const double experts = 2 * static_cast<double>(T) * k * hd * (f1 + f);
     if (kind == "qkv") return qkv;
-    if (kind == "attention") return attention + proj;
+    if (kind == "attention") return attention / cp + proj;
+    if (kind == "attention_step") return attention / cp;
+    if (kind == "attention_backward_step") return 2.5 * attention / cp;
     if (kind == "mlp") return mlp;
     if (kind == "logits") return logits;
     if (kind == "experts") return experts;
     if (kind == "router") return 2 * static_cast<double>(T) * hd * m.num_experts;
-    if (kind == "attention_backward") return 2 * proj + 2.5 * attention;
+    if (kind == "attention_backward") return 2 * proj + (cp == 1 ? 2.5 * attention : 0);
     if (kind == "qkv_backward" || kind == "qkv_weight_grad") return qkv;
     if (kind == "mlp_backward") return 2 * rows * hd * fl * 2 + 2 * rows * hd * f1l;
     if (kind == "mlp_weight_grad") return 2 * rows * hd * f1l;
@@ -547,50 +561,25 @@ struct TrainingStep::Impl {
       LayerActivations& A = L(r);
       ops::linear_forward(A.ln1_full, P(r).qkv_weight->value, P(r).qkv_bias->value,
                           A.qkv.reshape({Sc, B, 3 * Hl * d}));
-      if (cp > 1) {  // keys and values, contiguous, for the context-parallel all-gather
+      if (cp > 1) {  // keys and values, contiguous: the block this rank sends round the ring
         A.kv_local.slice(3, 0, d).copy_from(A.qkv.slice(3, d, d));
         A.kv_local.slice(3, d, d).copy_from(A.qkv.slice(3, 2 * d, d));
       }
     });
     link(g1, qkv);
-    std::vector<TaskId> kv_ready = qkv;
-    if (cp > 1)
-      kv_ready = per_group(GroupKind::context, qkv, [&](const devices::ProcessGroup& g) {
-        std::vector<std::span<const float>> in;
-        std::vector<std::span<float>> out;
-        for (rt::DeviceId dv : g.devices()) {
-          const LayerActivations& A = L(static_cast<int>(dv));
-          in.emplace_back(A.kv_local.data(), static_cast<std::size_t>(A.kv_local.numel()));
-          out.push_back(all_of(A.kv_gathered));
-        }
-        return comm.all_gather(b, g, in, out, {.name = at + "cp_gather_kv", .tags = tags});
-      });
-    auto attn = each(at + "attention", tags, [=, this](int r) {
-      LayerActivations& A = L(r);
-      const auto view = [&](const Tensor& t, std::int64_t part) {
-        return t.slice(3, part * d, d).transpose(0, 1);
-      };
-      if (cp == 1) {
-        ops::attention_forward({}, view(A.qkv, 0), view(A.qkv, 1), view(A.qkv, 2),
+    std::vector<TaskId> attn;
+    if (cp == 1) {
+      attn = each(at + "attention", tags, [=, this](int r) {
+        LayerActivations& A = L(r);
+        ops::attention_forward({}, head_view(A.qkv, 0), head_view(A.qkv, 1), head_view(A.qkv, 2),
                                A.attn.transpose(0, 1), A.lse.reshape({B, Hl, Sc}));
-      } else {
-        // The gathered blocks in rank order, put back in sequence order; then each held chunk
-        // of queries against every key it may see.
-        for (int j = 0; j < cp; ++j)
-          for (std::int64_t s = 0; s < Sc; ++s)
-            std::copy_n(A.kv_gathered.data() + (j * Sc + s) * B * Hl * 2 * d, B * Hl * 2 * d,
-                        A.kv_full.data() + context_position(j, s) * B * Hl * 2 * d);
-        for (std::int64_t ch = 0; ch < 2; ++ch)
-          ops::attention_forward({.q_offset = context_position(mesh.coordinates(r).cp, ch * chunk)},
-                                 view(A.qkv.slice(0, ch * chunk, chunk), 0), view(A.kv_full, 0),
-                                 view(A.kv_full, 1),
-                                 A.attn.slice(0, ch * chunk, chunk).transpose(0, 1),
-                                 A.lse.slice(0, ch, 1).reshape({B, Hl, chunk}));
-      }
-      ops::linear_forward(A.attn.reshape({Sc, B, Hl * d}), P(r).proj_weight->value, Tensor{},
-                          A.proj_partial);
-    });
-    link(kv_ready, attn);
+        ops::linear_forward(A.attn.reshape({Sc, B, Hl * d}), P(r).proj_weight->value, Tensor{},
+                            A.proj_partial);
+      });
+      link(qkv, attn);
+    } else {
+      attn = build_ring_attention_forward(l, qkv, tags);
+    }
     auto gbar1 = reduce_partial(
         attn, [=](int r) { return L(r).proj_partial; }, [=](int r) { return L(r).proj_out; },
         at + "attention_reduce", tags);
@@ -678,6 +667,175 @@ struct TrainingStep::Impl {
     s.squared_lse = p[2 * E];
     s.tokens = static_cast<std::int64_t>(std::llround(p[2 * E + 1]));
     return s;
+  }
+
+  // Heads' part `part` (0 q, 1 k, 2 v; or 0 k, 1 v of a key/value block) of a [s, B, Hl, n d]
+  // tensor, seen as [B, s, Hl, d] for the attention kernel.
+  Tensor head_view(const Tensor& t, std::int64_t part) const {
+    return t.slice(3, part * d, d).transpose(0, 1);
+  }
+
+  // One turn of the context-parallel ring: every rank passes `from(r)` to the next rank's
+  // `into(next)`, as a single collective over each cp group (a shift is an all-to-all in which
+  // each rank sends to one neighbour).
+  std::vector<TaskId> ring_shift(const std::vector<TaskId>& producers,
+                                 std::function<Tensor(int)> from, std::function<Tensor(int)> into,
+                                 const std::string& name, rt::TaskTags tags) {
+    return per_group(GroupKind::context, producers, [&](const devices::ProcessGroup& g) {
+      std::vector<devices::VariableAllToAllBuffers> bufs;
+      for (rt::DeviceId dv : g.devices()) {
+        const int r = static_cast<int>(dv);
+        BackwardWorkspace& w = ranks[r].ws;
+        const Tensor in = from(r), out = into(r);
+        bufs.push_back({{in.data(), static_cast<std::size_t>(in.numel())},
+                        &w.ring_send,
+                        {out.data(), static_cast<std::size_t>(out.numel())},
+                        std::span<std::int64_t>(w.ring_recv)});
+      }
+      return comm.all_to_all_v(b, g, bufs, B * Hl * 2 * d, {.name = name, .tags = tags});
+    });
+  }
+
+  // Folds one key block's partial attention (o_part, lse_part) into the running result of a
+  // chunk of queries: L = log(e^L1 + e^L2), O = e^(L1 - L) O1 + e^(L2 - L) O2.
+  void merge_partial(const Tensor& o, const Tensor& lse, const Tensor& o_part,
+                     const Tensor& lse_part) const {
+    constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+    for (std::int64_t bi = 0; bi < B; ++bi)
+      for (std::int64_t hh = 0; hh < Hl; ++hh)
+        for (std::int64_t i = 0; i < chunk; ++i) {
+          float& l1 = lse(bi, hh, i);
+          const float l2 = lse_part(bi, hh, i);
+          if (l2 == kNegInf) continue;
+          const float top = std::max(l1, l2);
+          const float merged = top + std::log(std::exp(l1 - top) + std::exp(l2 - top));
+          const float w1 = l1 == kNegInf ? 0.f : std::exp(l1 - merged), w2 = std::exp(l2 - merged);
+          float* acc = &o(i, bi, hh, 0);
+          const float* part = &o_part(i, bi, hh, 0);
+          for (std::int64_t x = 0; x < d; ++x)
+            acc[x] = w1 * acc[x] + w2 * part[x];
+          l1 = merged;
+        }
+  }
+
+  // The block held at ring step t: where it lives and whose positions it has.
+  Tensor ring_block(int r, int layer, int t) {
+    return t == 0 ? ranks[r].layers[layer].kv_local : ranks[r].ws.ring[t % 2];
+  }
+  int ring_owner(int r, int t) const {
+    const int me = mesh.coordinates(r).cp;
+    return ((me - t) % cp + cp) % cp;
+  }
+
+  // Ring attention forward: cp steps; at step t each rank attends its two query chunks to the
+  // key/value block of rank (me - t), while the comm stream already passes that block on.
+  std::vector<TaskId> build_ring_attention_forward(int l, const std::vector<TaskId>& qkv,
+                                                   rt::TaskTags tags) {
+    const std::string at = fmt::format("L{}.", l);
+    std::vector<TaskId> compute_prev, compute_prev2;
+    std::vector<TaskId> arrived = qkv;
+    for (int t = 0; t < cp; ++t) {
+      if (t > 0) {
+        // Pass the block on while step t - 1 computes with it; the receiver's buffer is free
+        // once its step t - 2 is done.
+        auto shift = ring_shift(
+            arrived, [=, this](int r) { return ring_block(r, l, t - 1); },
+            [=, this](int r) { return ranks[r].ws.ring[t % 2]; }, at + fmt::format("cp_ring{}", t),
+            tags);
+        if (t >= 2) link(compute_prev2, shift);
+        link(qkv, shift);
+        arrived = shift;
+      }
+      const bool last = t == cp - 1;
+      auto step = each(at + (last ? "attention" : "attention_step"), tags, [=, this](int r) {
+        LayerActivations& A = ranks[r].layers[l];
+        BackwardWorkspace& w = ranks[r].ws;
+        const LayerShard& P = ranks[r].shard->layer(l);
+        if (t == 0) {
+          A.attn.fill(0.f);
+          A.lse.fill(-std::numeric_limits<float>::infinity());
+        }
+        const Tensor block = ring_block(r, l, t);
+        const int me = mesh.coordinates(r).cp, owner = ring_owner(r, t);
+        for (std::int64_t qc = 0; qc < 2; ++qc)
+          for (std::int64_t kc = 0; kc < 2; ++kc) {
+            const Tensor keys = block.slice(0, kc * chunk, chunk);
+            ops::attention_forward({.q_offset = context_position(me, qc * chunk),
+                                    .k_offset = context_position(owner, kc * chunk)},
+                                   head_view(A.qkv.slice(0, qc * chunk, chunk), 0),
+                                   head_view(keys, 0), head_view(keys, 1), w.o_part.transpose(0, 1),
+                                   w.lse_part);
+            merge_partial(A.attn.slice(0, qc * chunk, chunk),
+                          A.lse.slice(0, qc, 1).reshape({B, Hl, chunk}), w.o_part, w.lse_part);
+          }
+        if (last)
+          ops::linear_forward(A.attn.reshape({Sc, B, Hl * d}), P.proj_weight->value, Tensor{},
+                              A.proj_partial);
+      });
+      link(arrived, step);
+      compute_prev2 = compute_prev;
+      compute_prev = step;
+    }
+    return compute_prev;
+  }
+
+  // Ring attention backward: the key/value blocks go round again; each rank adds its queries'
+  // contribution to the travelling gradient of the block in hand and passes it on, so after cp
+  // steps and one more turn every block's gradient is home (in dring[cp % 2]).
+  std::vector<TaskId> build_ring_attention_backward(int l, const std::vector<TaskId>& start,
+                                                    rt::TaskTags tags) {
+    const std::string at = fmt::format("L{}.", l);
+    std::vector<TaskId> compute_prev = start, compute_prev2;
+    std::vector<TaskId> kv_arrived = start, grad_arrived = start;
+    for (int t = 0; t <= cp; ++t) {
+      if (t > 0) {
+        // The gradient of the block computed at step t - 1 moves on.
+        auto dshift = ring_shift(
+            compute_prev, [=, this](int r) { return ranks[r].ws.dring[(t - 1) % 2]; },
+            [=, this](int r) { return ranks[r].ws.dring[t % 2]; },
+            at + fmt::format("cp_ring_grad{}", t), tags);
+        if (t >= 2) link(compute_prev2, dshift);
+        grad_arrived = dshift;
+      }
+      if (t == cp) break;
+      if (t > 0) {
+        auto shift = ring_shift(
+            kv_arrived, [=, this](int r) { return ring_block(r, l, t - 1); },
+            [=, this](int r) { return ranks[r].ws.ring[t % 2]; },
+            at + fmt::format("cp_ring_kv{}", t), tags);
+        if (t >= 2) link(compute_prev2, shift);
+        kv_arrived = shift;
+      }
+      auto step = each(at + "attention_backward_step", tags, [=, this](int r) {
+        LayerActivations& A = ranks[r].layers[l];
+        BackwardWorkspace& w = ranks[r].ws;
+        if (t == 0) w.dring[0].fill(0.f);
+        const Tensor block = ring_block(r, l, t), grads = w.dring[t % 2];
+        const int me = mesh.coordinates(r).cp, owner = ring_owner(r, t);
+        const Tensor d_attn = w.d_attn.reshape({Sc, B, Hl, d});
+        for (std::int64_t qc = 0; qc < 2; ++qc)
+          for (std::int64_t kc = 0; kc < 2; ++kc) {
+            const Tensor keys = block.slice(0, kc * chunk, chunk);
+            const Tensor key_grads = grads.slice(0, kc * chunk, chunk);
+            // With the full (merged) output and log-sum-exp, each block's probabilities are the
+            // final ones, so its gradients are exact parts of the whole.
+            ops::attention_backward(
+                {.q_offset = context_position(me, qc * chunk),
+                 .k_offset = context_position(owner, kc * chunk)},
+                head_view(A.qkv.slice(0, qc * chunk, chunk), 0), head_view(keys, 0),
+                head_view(keys, 1), A.attn.slice(0, qc * chunk, chunk).transpose(0, 1),
+                A.lse.slice(0, qc, 1).reshape({B, Hl, chunk}),
+                d_attn.slice(0, qc * chunk, chunk).transpose(0, 1), w.dq_part.transpose(0, 1),
+                head_view(key_grads, 0), head_view(key_grads, 1));
+            ops::accumulate(w.dq_part, w.d_qkv.slice(0, qc * chunk, chunk).slice(3, 0, d));
+          }
+      });
+      link(kv_arrived, step);
+      link(grad_arrived, step);
+      compute_prev2 = compute_prev;
+      compute_prev = step;
+    }
+    return grad_arrived;
   }
 
   // Expert-parallel all-to-all of rows over each expert-parallel group.
@@ -1020,52 +1178,22 @@ struct TrainingStep::Impl {
       ops::linear_backward_weight(A.attn.reshape({Sc, B, Hl * d}), d_proj, P(r).proj_weight->grad,
                                   Tensor{});
       w.d_qkv.fill(0.f);  // attention accumulates dk and dv
-      const auto view = [&](const Tensor& t, std::int64_t part) {
-        return t.slice(3, part * d, d).transpose(0, 1);
-      };
-      const Tensor d_attn = w.d_attn.reshape({Sc, B, Hl, d});
-      if (cp == 1) {
-        ops::attention_backward({}, view(A.qkv, 0), view(A.qkv, 1), view(A.qkv, 2),
+      if (cp == 1)
+        ops::attention_backward({}, head_view(A.qkv, 0), head_view(A.qkv, 1), head_view(A.qkv, 2),
                                 A.attn.transpose(0, 1), A.lse.reshape({B, Hl, Sc}),
-                                d_attn.transpose(0, 1), view(w.d_qkv, 0), view(w.d_qkv, 1),
-                                view(w.d_qkv, 2));
-        return;
-      }
-      // Gradients of every key and value this rank's queries saw, in sequence order; then in
-      // rank order for the reduce-scatter that returns each rank its own.
-      w.dkv_full.fill(0.f);
-      for (std::int64_t ch = 0; ch < 2; ++ch)
-        ops::attention_backward(
-            {.q_offset = context_position(mesh.coordinates(r).cp, ch * chunk)},
-            view(A.qkv.slice(0, ch * chunk, chunk), 0), view(A.kv_full, 0), view(A.kv_full, 1),
-            A.attn.slice(0, ch * chunk, chunk).transpose(0, 1),
-            A.lse.slice(0, ch, 1).reshape({B, Hl, chunk}),
-            d_attn.slice(0, ch * chunk, chunk).transpose(0, 1),
-            view(w.d_qkv.slice(0, ch * chunk, chunk), 0), view(w.dkv_full, 0), view(w.dkv_full, 1));
-      for (int j = 0; j < cp; ++j)
-        for (std::int64_t s = 0; s < Sc; ++s)
-          std::copy_n(w.dkv_full.data() + context_position(j, s) * B * Hl * 2 * d, B * Hl * 2 * d,
-                      w.dkv_gathered.data() + (j * Sc + s) * B * Hl * 2 * d);
+                                w.d_attn.reshape({Sc, B, Hl, d}).transpose(0, 1),
+                                head_view(w.d_qkv, 0), head_view(w.d_qkv, 1),
+                                head_view(w.d_qkv, 2));
     });
     link(g, attn);
     std::vector<TaskId> dkv_ready = attn;
-    if (cp > 1)
-      dkv_ready = per_group(GroupKind::context, attn, [&](const devices::ProcessGroup& g) {
-        std::vector<std::span<const float>> in;
-        std::vector<std::span<float>> out;
-        for (rt::DeviceId dv : g.devices()) {
-          const BackwardWorkspace& w = W(static_cast<int>(dv));
-          in.emplace_back(w.dkv_gathered.data(), static_cast<std::size_t>(w.dkv_gathered.numel()));
-          out.push_back(all_of(w.dkv_local));
-        }
-        return comm.reduce_scatter(b, g, in, out, devices::ReduceOp::sum,
-                                   {.name = at + "cp_reduce_dkv", .tags = tags});
-      });
+    if (cp > 1) dkv_ready = build_ring_attention_backward(l, attn, tags);
     auto qkv_in = each(at + "qkv_backward", tags, [=, this](int r) {
       BackwardWorkspace& w = W(r);
-      if (cp > 1) {
-        w.d_qkv.slice(3, d, d).copy_from(w.dkv_local.slice(3, 0, d));
-        w.d_qkv.slice(3, 2 * d, d).copy_from(w.dkv_local.slice(3, d, d));
+      if (cp > 1) {  // the block's gradients came home with the last turn of the ring
+        const Tensor& home = w.dring[cp % 2];
+        w.d_qkv.slice(3, d, d).copy_from(home.slice(3, 0, d));
+        w.d_qkv.slice(3, 2 * d, d).copy_from(home.slice(3, d, d));
       }
       ops::linear_backward_input(w.d_qkv.reshape({Sc, B, 3 * Hl * d}), P(r).qkv_weight->value,
                                  w.d_norm_full);
