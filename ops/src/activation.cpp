@@ -2,6 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <Eigen/Core>
+#include <unsupported/Eigen/SpecialFunctions>  // the array form of erf
+
 #include <cmath>
 #include <numbers>
 
@@ -56,10 +59,16 @@ void gelu_forward(GeluForm form, const BasicTensor<T>& x, const BasicTensor<T>& 
   const std::int64_t n = x.dim(-1);
   for_row_blocks(x.rows(), kBlock, 20.0 * n, [&](std::int64_t r0, std::int64_t r1) {
     for (std::int64_t r = r0; r < r1; ++r) {
-      const T* xr = x.row(r);
-      T* yr = y.row(r);
-      for (std::int64_t i = 0; i < n; ++i)
-        yr[i] = gelu(form, xr[i]);
+      // Eigen's array functions vectorise tanh and erf (to within an ulp or two of the scalar
+      // ones); the scalar loop spent most of an MLP's time here.
+      const Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>> xa(x.row(r), n);
+      Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>> ya(y.row(r), n);
+      if (form == GeluForm::tanh) {
+        const T c = static_cast<T>(std::numbers::sqrt2 * std::numbers::inv_sqrtpi);
+        ya = T(0.5) * xa * (T(1) + (c * (xa + T(0.044715) * xa.cube())).tanh());
+      } else {
+        ya = T(0.5) * xa * (T(1) + (xa * static_cast<T>(1 / std::numbers::sqrt2)).erf());
+      }
     }
   });
 }
@@ -72,11 +81,18 @@ void gelu_backward(GeluForm form, const BasicTensor<T>& x, const BasicTensor<T>&
   const std::int64_t n = x.dim(-1);
   for_row_blocks(x.rows(), kBlock, 30.0 * n, [&](std::int64_t r0, std::int64_t r1) {
     for (std::int64_t r = r0; r < r1; ++r) {
-      const T* xr = x.row(r);
-      const T* dyr = dy.row(r);
-      T* dxr = dx.row(r);
-      for (std::int64_t i = 0; i < n; ++i)
-        dxr[i] = dyr[i] * gelu_derivative(form, xr[i]);
+      const Eigen::Map<const Eigen::Array<T, Eigen::Dynamic, 1>> xa(x.row(r), n), g(dy.row(r), n);
+      Eigen::Map<Eigen::Array<T, Eigen::Dynamic, 1>> out(dx.row(r), n);
+      if (form == GeluForm::tanh) {
+        const T c = static_cast<T>(std::numbers::sqrt2 * std::numbers::inv_sqrtpi);
+        const Eigen::Array<T, Eigen::Dynamic, 1> t = (c * (xa + T(0.044715) * xa.cube())).tanh();
+        out = g * (T(0.5) * (T(1) + t) +
+                   T(0.5) * xa * (T(1) - t.square()) * c * (T(1) + T(3 * 0.044715) * xa.square()));
+      } else {
+        const T inv_sqrt2pi = static_cast<T>(std::numbers::inv_sqrtpi / std::numbers::sqrt2);
+        out = g * (T(0.5) * (T(1) + (xa * static_cast<T>(1 / std::numbers::sqrt2)).erf()) +
+                   xa * (T(-0.5) * xa.square()).exp() * inv_sqrt2pi);
+      }
     }
   });
 }
