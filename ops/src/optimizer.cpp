@@ -1,6 +1,10 @@
 #include "weave/ops/optimizer.hpp"
 
 #include <fmt/format.h>
+#include <tbb/parallel_for.h>
+
+#include <Eigen/Core>
+#include <algorithm>
 
 #include <cmath>
 #include <stdexcept>
@@ -43,15 +47,26 @@ void adamw_step(const AdamWOptions& o, std::int64_t step, const BasicTensor<T>& 
   const T step_size = static_cast<T>(o.lr / bc1);
   const T sqrt_bc2 = static_cast<T>(std::sqrt(bc2));
   const T eps = static_cast<T>(o.eps);
-  T* p = param.data();
-  const T* g = grad.data();
-  T* m = exp_avg.data();
-  T* v = exp_avg_sq.data();
-  for (std::int64_t i = 0, n = param.numel(); i < n; ++i) {
-    p[i] *= decay;
-    m[i] = b1 * m[i] + (T(1) - b1) * g[i];
-    v[i] = b2 * v[i] + (T(1) - b2) * g[i] * g[i];
-    p[i] -= step_size * m[i] / (std::sqrt(v[i]) / sqrt_bc2 + eps);
+  // Element-wise and memory-bound: blocks of elements over the arena's threads, each block
+  // one vectorised pass.
+  const std::int64_t n = param.numel();
+  constexpr std::int64_t kBlock = 1 << 14;
+  auto block = [&](std::int64_t first, std::int64_t last) {
+    using Array = Eigen::Array<T, Eigen::Dynamic, 1>;
+    Eigen::Map<Array> p(param.data() + first, last - first),
+        m(exp_avg.data() + first, last - first), v(exp_avg_sq.data() + first, last - first);
+    const Eigen::Map<const Array> g(grad.data() + first, last - first);
+    p *= decay;
+    m = b1 * m + (T(1) - b1) * g;
+    v = b2 * v + (T(1) - b2) * g * g;
+    p -= step_size * m / (v.sqrt() / sqrt_bc2 + eps);
+  };
+  const std::int64_t blocks = (n + kBlock - 1) / kBlock;
+  if (blocks <= 1) {
+    block(0, n);
+  } else {
+    tbb::parallel_for(std::int64_t{0}, blocks,
+                      [&](std::int64_t i) { block(i * kBlock, std::min(n, (i + 1) * kBlock)); });
   }
 }
 
