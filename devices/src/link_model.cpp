@@ -1,5 +1,7 @@
 #include "weave/devices/link_model.hpp"
 
+#include "weave/runtime/closest_match.hpp"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -42,22 +44,6 @@ const PresetEntry kPresets[] = {
     {"nvlink3", "NVLink 3 (A100): 300 GB/s per direction, ~3 us", false, {3'000, 300e9}},
     {"nvlink4", "NVLink 4 (H100): 450 GB/s per direction, ~3 us", false, {3'000, 450e9}},
 };
-
-std::size_t edit_distance(std::string_view a, std::string_view b) {
-  std::vector<std::size_t> row(b.size() + 1);
-  for (std::size_t j = 0; j <= b.size(); ++j)
-    row[j] = j;
-  for (std::size_t i = 1; i <= a.size(); ++i) {
-    std::size_t diagonal = row[0];
-    row[0] = i;
-    for (std::size_t j = 1; j <= b.size(); ++j) {
-      const std::size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diagonal = up;
-    }
-  }
-  return row[b.size()];
-}
 
 void check(const LinkParams& p, const char* which) {
   if (!(p.bytes_per_second > 0) || !std::isfinite(p.bytes_per_second) || p.latency < 0) {
@@ -115,18 +101,13 @@ LinkModel LinkModel::preset(std::string_view name) {
     return m;
   }
   std::vector<std::string> names;
-  std::string closest;
-  std::size_t best = SIZE_MAX;
-  for (const PresetEntry& p : kPresets) {
+  for (const PresetEntry& p : kPresets)
     names.emplace_back(p.name);
-    if (const auto d = edit_distance(name, p.name); d < best) {
-      best = d;
-      closest = p.name;
-    }
-  }
-  throw std::invalid_argument(fmt::format(
-      "unknown link preset '{}'{}; the presets are: {}", name,
-      best <= 3 ? fmt::format(" (did you mean '{}'?)", closest) : "", fmt::join(names, ", ")));
+  const std::string closest = rt::closest_match(name, names);
+  throw std::invalid_argument(
+      fmt::format("unknown link preset '{}'{}; the presets are: {}", name,
+                  closest.empty() ? "" : fmt::format(" (did you mean '{}'?)", closest),
+                  fmt::join(names, ", ")));
 }
 
 std::vector<LinkPreset> LinkModel::presets() {

@@ -5,7 +5,7 @@
 #include <stdexcept>
 
 #include "commands.hpp"
-#include "flag_suggestion.hpp"
+#include "weave/runtime/closest_match.hpp"
 
 namespace weave::cli {
 
@@ -21,7 +21,7 @@ std::vector<std::string> flag_names(const CLI::App& cmd) {
 
 std::string unknown(const std::string& what, const std::string& flag, const std::string& command,
                     const std::vector<std::string>& known) {
-  const std::string guess = closest_match(flag, known);
+  const std::string guess = rt::closest_match(flag, known);
   return fmt::format("unknown {} '{}' for `weave {}`{}; `weave {} --help` lists them", what, flag,
                      command, guess.empty() ? "" : fmt::format(" (did you mean '{}'?)", guess),
                      command);

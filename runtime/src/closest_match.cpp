@@ -1,8 +1,9 @@
-#include "flag_suggestion.hpp"
+#include "weave/runtime/closest_match.hpp"
 
 #include <algorithm>
+#include <vector>
 
-namespace weave::cli {
+namespace weave::rt {
 
 namespace {
 std::size_t edit_distance(std::string_view a, std::string_view b) {
@@ -36,4 +37,4 @@ std::string closest_match(std::string_view word, const std::vector<std::string>&
   return best_distance <= std::max<std::size_t>(2, word.size() / 3) ? best : "";
 }
 
-}  // namespace weave::cli
+}  // namespace weave::rt
