@@ -38,7 +38,16 @@ struct LayerActivations {
   Tensor fc1, act, fc2_partial;  // dense
   Tensor mlp_out;                // [Sl, B, h]: the MLP's output, before bias and dropout
   Tensor x_out;
-  // MoE: the tokens this rank routes, [T, h] (T = S B / tp), and what routing decided.
+  // MoE: one slot per Ampipe chunk (one slot without Ampipe), and the statistics of the whole
+  // micro-batch the router's losses use.
+  std::vector<struct MoeSlot> moe;
+  Tensor stats_total;  // [2 E + 2]
+};
+
+// The routing and expert buffers of one MoE slot: the tokens a rank routes at once (all of its
+// T tokens, or one Ampipe chunk of them), forward and backward.
+struct MoeSlot {
+  std::int64_t tokens = 0;
   Tensor moe_in, router_logits, probs, topk_weight, grouped, hidden_pre, hidden, expert_out,
       moe_out, stats;
   std::vector<std::int32_t> topk_index;
@@ -47,9 +56,12 @@ struct LayerActivations {
   // (each source's rows in local-expert order), and are regrouped by local expert to run.
   Tensor counts_send, counts_recv;                    // [ep x local experts]: rows per expert
   std::vector<std::int64_t> send_rows, recv_rows;     // [ep]: rows per destination / source
-  Tensor arrived, expert_in, expert_result, leaving;  // [ep T k, h]
+  Tensor arrived, expert_in, expert_result, leaving;  // [ep tokens k, h]
   std::vector<std::int64_t> local_begin;              // [local experts + 1] rows of expert_in
   std::vector<std::int64_t> source_row;               // expert_in row -> arrived row
+  // Backward.
+  Tensor d_moe, d_grouped, d_expert_out, d_topk, d_router_logits, d_moe_in;
+  Tensor d_arrived, d_expert_in, d_expert_result, d_leaving;
 };
 
 // Gradient workspace shared by all layers of a device: the backward runs layer after layer.
@@ -66,8 +78,6 @@ struct BackwardWorkspace {
   Tensor lse_part;                                 // [B, Hl, chunk]
   std::vector<std::int64_t> ring_send, ring_recv;  // rows to each cp rank: all to the next
   Tensor d_logits, d_final_full;                   // [S B, Vl], [S, B, h]
-  Tensor d_moe, d_grouped, d_expert_out, d_topk, d_router_logits, d_moe_in;
-  Tensor d_arrived, d_expert_in, d_expert_result, d_leaving;  // expert parallelism
 };
 
 struct RankState {
@@ -168,6 +178,52 @@ struct TrainingStep::Impl {
     return Tensor::empty(s, dev(r), rt::MemoryCategory::activations);
   }
 
+  int ampipe() const { return plan.ampipe_degree; }
+
+  void allocate_slot(int r, LayerActivations& A, int c) {
+    MoeSlot& S = A.moe[c];
+    const std::int64_t E = m.num_experts, k = m.moe_router_topk;
+    const std::int64_t f1 = m.activation == Activation::swiglu ? 2 * f : f;
+    const std::int64_t n = T / ampipe();
+    S.tokens = n;
+    S.moe_in = act(r, {n, h});
+    S.router_logits = act(r, {n, E});
+    S.probs = act(r, {n, E});
+    S.topk_weight = act(r, {n, k});
+    S.topk_index.assign(static_cast<std::size_t>(n * k), 0);
+    S.grouped = act(r, {n * k, h});
+    S.expert_out = act(r, {n * k, h});
+    S.stats = ampipe() == 1 ? A.stats_total : act(r, {2 * E + 2});
+    // The slot's output: its rows of the layer's MLP output, or (tensor parallelism without
+    // SP) this rank's tokens before the all-gather.
+    S.moe_out =
+        (t_sp > 1 || tp == 1) ? A.mlp_out.reshape({T, h}).slice(0, c * n, n) : act(r, {n, h});
+    const std::int64_t capacity = ep() * n * k;
+    S.hidden_pre = act(r, {capacity, f1});
+    S.hidden = act(r, {capacity, f});
+    if (ep() > 1) {
+      const std::int64_t local = E / ep();
+      S.counts_send = act(r, {ep() * local});
+      S.counts_recv = act(r, {ep() * local});
+      S.send_rows.assign(static_cast<std::size_t>(ep()), 0);
+      S.recv_rows.assign(static_cast<std::size_t>(ep()), 0);
+      S.arrived = act(r, {capacity, h});
+      S.expert_in = act(r, {capacity, h});
+      S.expert_result = act(r, {capacity, h});
+      S.leaving = act(r, {capacity, h});
+      S.d_arrived = act(r, {capacity, h});
+      S.d_expert_in = act(r, {capacity, h});
+      S.d_expert_result = act(r, {capacity, h});
+      S.d_leaving = act(r, {capacity, h});
+    }
+    S.d_moe = act(r, {n, h});
+    S.d_grouped = act(r, {n * k, h});
+    S.d_expert_out = act(r, {n * k, h});
+    S.d_topk = act(r, {n, k});
+    S.d_router_logits = act(r, {n, E});
+    S.d_moe_in = act(r, {n, h});
+  }
+
   void allocate(int r) {
     RankState& R = ranks[r];
     R.shard = std::make_unique<ModelShard>(m, mesh, r, dev(r));
@@ -196,33 +252,13 @@ struct TrainingStep::Impl {
       A.ln2_mean = act(r, {Sl * B});
       A.ln2_rstd = act(r, {Sl * B});
       if (R.shard->layer(l).moe) {
-        const std::int64_t E = m.num_experts, k = m.moe_router_topk;
-        const std::int64_t f1 = m.activation == Activation::swiglu ? 2 * f : f;
-        A.moe_in = act(r, {T, h});
-        A.router_logits = act(r, {T, E});
-        A.probs = act(r, {T, E});
-        A.topk_weight = act(r, {T, k});
-        A.topk_index.assign(static_cast<std::size_t>(T * k), 0);
-        A.grouped = act(r, {T * k, h});
-        A.hidden_pre = act(r, {T * k, f1});
-        A.hidden = act(r, {T * k, f});
-        A.expert_out = act(r, {T * k, h});
-        A.moe_out = act(r, {T, h});
-        A.stats = act(r, {2 * E + 2});
-        if (ep() > 1) {
-          const std::int64_t local = E / ep(), capacity = ep() * T * k;
-          A.counts_send = act(r, {ep() * local});
-          A.counts_recv = act(r, {ep() * local});
-          A.send_rows.assign(static_cast<std::size_t>(ep()), 0);
-          A.recv_rows.assign(static_cast<std::size_t>(ep()), 0);
-          A.arrived = act(r, {capacity, h});
-          A.expert_in = act(r, {capacity, h});
-          A.expert_result = act(r, {capacity, h});
-          A.leaving = act(r, {capacity, h});
-          A.hidden_pre = act(r, {capacity, f1});
-          A.hidden = act(r, {capacity, f});
-        }
-        A.mlp_out = sp || tp == 1 ? A.moe_out.reshape({Sl, B, h}) : act(r, {Sc, B, h});
+        const std::int64_t E = m.num_experts;
+        A.stats_total = act(r, {2 * E + 2});
+        A.mlp_out = sp || tp == 1 ? act(r, {Sl, B, h}) : act(r, {Sc, B, h});
+        const int slots = ampipe();
+        A.moe.resize(static_cast<std::size_t>(slots));
+        for (int c = 0; c < slots; ++c)
+          allocate_slot(r, A, c);
       } else {
         A.ln2_full = sp ? act(r, {Sc, B, h}) : A.ln2;
         A.fc1 = act(r, {Sc, B, f1l});
@@ -271,22 +307,6 @@ struct TrainingStep::Impl {
     }
     W.d_logits = act(r, {Sc * B, Vl});
     W.d_final_full = act(r, {Sc, B, h});
-    if (m.num_experts > 0) {
-      const std::int64_t E = m.num_experts, k = m.moe_router_topk;
-      W.d_moe = act(r, {T, h});
-      W.d_grouped = act(r, {T * k, h});
-      W.d_expert_out = act(r, {T * k, h});
-      W.d_topk = act(r, {T, k});
-      W.d_router_logits = act(r, {T, E});
-      W.d_moe_in = act(r, {T, h});
-      if (ep() > 1) {
-        const std::int64_t capacity = ep() * T * k;
-        W.d_arrived = act(r, {capacity, h});
-        W.d_expert_in = act(r, {capacity, h});
-        W.d_expert_result = act(r, {capacity, h});
-        W.d_leaving = act(r, {capacity, h});
-      }
-    }
   }
 
   // ---------------------------------------------------------------------------- graph helpers
@@ -861,7 +881,7 @@ struct TrainingStep::Impl {
 
   // Regroups rows that arrived grouped by source (each source's rows by local expert) into rows
   // grouped by local expert, recording where each came from.
-  void regroup_by_expert(LayerActivations& A) {
+  void regroup_by_expert(MoeSlot& A) {
     const std::int64_t local = m.num_experts / ep();
     const float* counts = A.counts_recv.data();  // [source][local expert]
     std::vector<std::int64_t> source_begin(static_cast<std::size_t>(ep()) + 1, 0);
@@ -886,29 +906,40 @@ struct TrainingStep::Impl {
                       source_begin.back(), A.local_begin.back()));
   }
 
-  std::vector<TaskId> build_moe_forward(int l, int mb, const std::vector<TaskId>& prev,
-                                        rt::TaskTags tags) {
-    auto L = [this, l](int r) -> LayerActivations& { return ranks[r].layers[l]; };
-    auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
-    const std::string at = fmt::format("L{}.", l);
+  MoeSlot& slot(int r, int l, int c) { return ranks[r].layers[l].moe[c]; }
+
+  // This rank's tokens of MoE slot c: [n, h] rows of the layer's [S, B, h] activations (its
+  // SP shard, its 1/tp slice of a replicated sequence, and within that the Ampipe chunk).
+  Tensor slot_tokens(int r, int c, const Tensor& sbh) const {
+    const std::int64_t n = T / ampipe();
+    return moe_tokens(r, sbh).slice(0, c * n, n);
+  }
+
+  // MoE forward in three phases per slot, so Ampipe can interleave slots:
+  //   route:   router, dispatch plan, permutation; per-expert counts and the dispatch all-to-all
+  //   experts: the local experts; the combine all-to-all
+  //   combine: the weighted combine into the slot's output rows
+  std::vector<TaskId> moe_route(int l, int c, const std::vector<TaskId>& prev, rt::TaskTags tags) {
+    const std::string at = fmt::format("L{}.", l) + (ampipe() > 1 ? fmt::format("c{}.", c) : "");
     const std::int64_t E = m.num_experts;
     auto route = each(at + "router", tags, [=, this](int r) {
-      LayerActivations& A = L(r);
-      A.moe_in.copy_from(moe_tokens(r, A.ln2));
-      ops::linear_forward(A.moe_in, P(r).router_weight->value, Tensor{}, A.router_logits);
-      const ops::RouterStatistics s = ops::router_forward(
+      MoeSlot& A = slot(r, l, c);
+      A.moe_in.copy_from(slot_tokens(r, c, ranks[r].layers[l].ln2));
+      const LayerShard& P = ranks[r].shard->layer(l);
+      ops::linear_forward(A.moe_in, P.router_weight->value, Tensor{}, A.router_logits);
+      const ops::RouterStatistics st = ops::router_forward(
           router_options(), A.router_logits, A.probs, std::span(A.topk_index), A.topk_weight);
       float* p = A.stats.data();
       for (std::int64_t e = 0; e < E; ++e) {
-        p[e] = static_cast<float>(s.assignments[e]);
-        p[E + e] = static_cast<float>(s.probability[e]);
+        p[e] = static_cast<float>(st.assignments[e]);
+        p[E + e] = static_cast<float>(st.probability[e]);
       }
-      p[2 * E] = static_cast<float>(s.squared_lse);
-      p[2 * E + 1] = static_cast<float>(s.tokens);
-      A.dispatch = ops::plan_dispatch(A.topk_index, T, m.moe_router_topk, E,
+      p[2 * E] = static_cast<float>(st.squared_lse);
+      p[2 * E + 1] = static_cast<float>(st.tokens);
+      // Capacity applies per slot (per Ampipe chunk, as MindSpeed does).
+      A.dispatch = ops::plan_dispatch(A.topk_index, A.tokens, m.moe_router_topk, E,
                                       {.capacity_factor = m.moe_expert_capacity_factor});
-      const std::int64_t rows = A.dispatch.rows();
-      ops::permute_tokens(A.dispatch, A.moe_in, A.grouped.slice(0, 0, rows));
+      ops::permute_tokens(A.dispatch, A.moe_in, A.grouped.slice(0, 0, A.dispatch.rows()));
       if (ep() > 1) {
         // In place: the collectives hold spans of these vectors from when the graph was built.
         const std::vector<std::int64_t> rows_out = A.dispatch.rows_per_rank(ep());
@@ -919,40 +950,37 @@ struct TrainingStep::Impl {
       }
     });
     link(prev, route);
-    // The load-balancing statistics cover the whole micro-batch: sum them over the group.
-    // (tensor- and context-parallel ranks hold parts of the same sequences).
-    auto stats = per_group(GroupKind::tensor_context, route, [&](const devices::ProcessGroup& g) {
-      std::vector<std::span<float>> bufs;
-      for (rt::DeviceId dv : g.devices())
-        bufs.push_back(all_of(L(static_cast<int>(dv)).stats));
-      return comm.all_reduce(b, g, bufs, devices::ReduceOp::sum,
-                             {.name = at + "router_stats", .tags = tags});
+    if (ep() == 1) return route;
+    // Tell each expert's rank how many rows of each of its experts are coming, then send them.
+    auto counts = per_group(GroupKind::expert, route, [&](const devices::ProcessGroup& g) {
+      std::vector<std::span<const float>> in;
+      std::vector<std::span<float>> out;
+      for (rt::DeviceId dv : g.devices()) {
+        MoeSlot& A = slot(static_cast<int>(dv), l, c);
+        in.emplace_back(A.counts_send.data(), static_cast<std::size_t>(E));
+        out.push_back(all_of(A.counts_recv));
+      }
+      return comm.all_to_all(b, g, in, out, {.name = at + "dispatch_counts", .tags = tags});
     });
-    std::vector<TaskId> experts_ready = route;
-    if (ep() > 1) {
-      // Tell each expert's rank how many rows of each of its experts are coming, then send them.
-      auto counts = per_group(GroupKind::expert, route, [&](const devices::ProcessGroup& g) {
-        std::vector<std::span<const float>> in;
-        std::vector<std::span<float>> out;
-        for (rt::DeviceId dv : g.devices()) {
-          in.emplace_back(L(static_cast<int>(dv)).counts_send.data(), static_cast<std::size_t>(E));
-          out.push_back(all_of(L(static_cast<int>(dv)).counts_recv));
-        }
-        return comm.all_to_all(b, g, in, out, {.name = at + "dispatch_counts", .tags = tags});
-      });
-      experts_ready = ep_exchange(
-          counts, [=](int r) { return L(r).grouped; }, [=](int r) { return &L(r).send_rows; },
-          [=](int r) { return L(r).arrived; }, [=](int r) { return &L(r).recv_rows; },
-          at + "dispatch", tags);
-    }
+    return ep_exchange(
+        counts, [=, this](int r) { return slot(r, l, c).grouped; },
+        [=, this](int r) { return &slot(r, l, c).send_rows; },
+        [=, this](int r) { return slot(r, l, c).arrived; },
+        [=, this](int r) { return &slot(r, l, c).recv_rows; }, at + "dispatch", tags);
+  }
+
+  std::vector<TaskId> moe_experts(int l, int c, const std::vector<TaskId>& ready,
+                                  rt::TaskTags tags) {
+    const std::string at = fmt::format("L{}.", l) + (ampipe() > 1 ? fmt::format("c{}.", c) : "");
     auto experts = each(at + "experts", tags, [=, this](int r) {
-      LayerActivations& A = L(r);
+      MoeSlot& A = slot(r, l, c);
+      const LayerShard& P = ranks[r].shard->layer(l);
       if (ep() == 1) {
         const std::int64_t rows = A.dispatch.rows();
         ops::experts_forward(expert_activation(), A.grouped.slice(0, 0, rows),
-                             A.dispatch.expert_begin, P(r).expert_fc1->value,
-                             P(r).expert_fc2->value, A.hidden_pre.slice(0, 0, rows),
-                             A.hidden.slice(0, 0, rows), A.expert_out.slice(0, 0, rows));
+                             A.dispatch.expert_begin, P.expert_fc1->value, P.expert_fc2->value,
+                             A.hidden_pre.slice(0, 0, rows), A.hidden.slice(0, 0, rows),
+                             A.expert_out.slice(0, 0, rows));
         return;
       }
       regroup_by_expert(A);
@@ -960,33 +988,77 @@ struct TrainingStep::Impl {
       for (std::int64_t i = 0; i < rows; ++i)
         std::copy_n(A.arrived.row(A.source_row[i]), h, A.expert_in.row(i));
       ops::experts_forward(expert_activation(), A.expert_in.slice(0, 0, rows), A.local_begin,
-                           P(r).expert_fc1->value, P(r).expert_fc2->value,
-                           A.hidden_pre.slice(0, 0, rows), A.hidden.slice(0, 0, rows),
-                           A.expert_result.slice(0, 0, rows));
+                           P.expert_fc1->value, P.expert_fc2->value, A.hidden_pre.slice(0, 0, rows),
+                           A.hidden.slice(0, 0, rows), A.expert_result.slice(0, 0, rows));
       for (std::int64_t i = 0; i < rows; ++i)
         std::copy_n(A.expert_result.row(i), h, A.leaving.row(A.source_row[i]));
     });
-    link(experts_ready, experts);
-    std::vector<TaskId> returned = experts;
-    if (ep() > 1)
-      returned = ep_exchange(
-          experts, [=](int r) { return L(r).leaving; }, [=](int r) { return &L(r).recv_rows; },
-          [=](int r) { return L(r).expert_out; }, [=](int r) { return &L(r).send_rows; },
-          at + "combine", tags);
+    link(ready, experts);
+    if (ep() == 1) return experts;
+    return ep_exchange(
+        experts, [=, this](int r) { return slot(r, l, c).leaving; },
+        [=, this](int r) { return &slot(r, l, c).recv_rows; },
+        [=, this](int r) { return slot(r, l, c).expert_out; },
+        [=, this](int r) { return &slot(r, l, c).send_rows; }, at + "combine", tags);
+  }
+
+  std::vector<TaskId> moe_combine(int l, int c, const std::vector<TaskId>& ready,
+                                  rt::TaskTags tags) {
+    const std::string at = fmt::format("L{}.", l) + (ampipe() > 1 ? fmt::format("c{}.", c) : "");
     auto combine = each(at + "combine", tags, [=, this](int r) {
-      LayerActivations& A = L(r);
-      const ops::RouterStatistics s = unpack_stats(A.stats, E);
-      ranks[r].aux[mb] += ops::aux_loss(router_options(), s) + ops::z_loss(router_options(), s);
+      MoeSlot& A = slot(r, l, c);
       ops::combine_tokens(A.dispatch, A.expert_out.slice(0, 0, A.dispatch.rows()), A.topk_weight,
                           A.moe_out);
     });
-    link(returned, combine);
+    link(ready, combine);
+    return combine;
+  }
+
+  // The router's losses from the whole micro-batch's statistics: the slots' summed (Ampipe), and
+  // over the tensor- and context-parallel ranks that hold parts of the same sequences.
+  std::vector<TaskId> moe_statistics(int l, int mb, const std::vector<TaskId>& ready,
+                                     rt::TaskTags tags) {
+    const std::string at = fmt::format("L{}.", l);
+    std::vector<TaskId> summed = ready;
+    if (ampipe() > 1) {
+      summed = each(at + "router_statistics", tags, [=, this](int r) {
+        LayerActivations& A = ranks[r].layers[l];
+        A.stats_total.fill(0.f);
+        for (const MoeSlot& S : A.moe)
+          ops::accumulate(S.stats, A.stats_total);
+      });
+      link(ready, summed);
+    }
+    auto reduced =
+        per_group(GroupKind::tensor_context, summed, [&](const devices::ProcessGroup& g) {
+          std::vector<std::span<float>> bufs;
+          for (rt::DeviceId dv : g.devices())
+            bufs.push_back(all_of(ranks[dv].layers[l].stats_total));
+          return comm.all_reduce(b, g, bufs, devices::ReduceOp::sum,
+                                 {.name = at + "router_stats", .tags = tags});
+        });
+    auto aux = each(at + "router_losses", tags, [=, this](int r) {
+      const ops::RouterStatistics st = unpack_stats(ranks[r].layers[l].stats_total, m.num_experts);
+      ranks[r].aux[mb] += ops::aux_loss(router_options(), st) + ops::z_loss(router_options(), st);
+    });
+    link(reduced, aux);
+    link(summed, aux);
+    return aux;
+  }
+
+  std::vector<TaskId> build_moe_forward(int l, int mb, const std::vector<TaskId>& prev,
+                                        rt::TaskTags tags) {
+    auto routed = moe_route(l, 0, prev, tags);
+    auto stats = moe_statistics(l, mb, routed, tags);
+    auto experts = moe_experts(l, 0, routed, tags);
+    auto combine = moe_combine(l, 0, experts, tags);
     link(stats, combine);
     if (t_sp > 1 || tp == 1) return combine;
     // Without SP the layer's output is replicated: gather the ranks' slices.
     return tp_all_gather(
-        combine, [=](int r) { return L(r).moe_out; }, [=](int r) { return L(r).mlp_out; },
-        at + "moe_gather", tags);
+        combine, [=, this](int r) { return slot(r, l, 0).moe_out; },
+        [=, this](int r) { return ranks[r].layers[l].mlp_out; }, fmt::format("L{}.moe_gather", l),
+        tags);
   }
 
   void build_loss(int mb, const std::vector<TaskId>& prev) {
@@ -1221,82 +1293,103 @@ struct TrainingStep::Impl {
     return ln1;
   }
 
-  std::vector<TaskId> build_moe_backward(int l, int mb, const std::vector<TaskId>& prev,
-                                         rt::TaskTags tags) {
-    auto L = [this, l](int r) -> LayerActivations& { return ranks[r].layers[l]; };
-    auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
-    auto W = [this](int r) -> BackwardWorkspace& { return ranks[r].ws; };
-    const std::string at = fmt::format("L{}.", l);
-    const std::int64_t E = m.num_experts;
-    (void)mb;
+  // MoE backward in three phases per slot, mirroring the forward (Ampipe runs them for the
+  // slots in reverse):
+  //   combine:  the combine's backward; the gradient rows go back to the experts' ranks
+  //   experts:  the experts' backward; the input gradient rows come home
+  //   router:   un-permutation, the router's backward; the slot's input gradient rows
+  std::vector<TaskId> moe_combine_backward(int l, int c, const std::vector<TaskId>& prev,
+                                           rt::TaskTags tags) {
+    const std::string at = fmt::format("L{}.", l) + (ampipe() > 1 ? fmt::format("c{}.", c) : "");
     auto combine = each(at + "combine_backward", tags, [=, this](int r) {
-      LayerActivations& A = L(r);
-      BackwardWorkspace& w = W(r);
-      // This rank's tokens' output gradient: all of d_mlp under SP, its slice otherwise.
-      w.d_moe.copy_from(moe_tokens(r, w.d_mlp));
+      MoeSlot& A = slot(r, l, c);
+      // This slot's tokens' output gradient.
+      A.d_moe.copy_from(slot_tokens(r, c, ranks[r].ws.d_mlp));
       const std::int64_t rows = A.dispatch.rows();
       ops::combine_tokens_backward(A.dispatch, A.expert_out.slice(0, 0, rows), A.topk_weight,
-                                   w.d_moe, w.d_expert_out.slice(0, 0, rows), w.d_topk);
+                                   A.d_moe, A.d_expert_out.slice(0, 0, rows), A.d_topk);
     });
     link(prev, combine);
-    std::vector<TaskId> ready = combine;
-    if (ep() > 1)
-      ready = ep_exchange(
-          combine, [=](int r) { return W(r).d_expert_out; }, [=](int r) { return &L(r).send_rows; },
-          [=](int r) { return W(r).d_arrived; }, [=](int r) { return &L(r).recv_rows; },
-          at + "combine_backward", tags);
+    if (ep() == 1) return combine;
+    return ep_exchange(
+        combine, [=, this](int r) { return slot(r, l, c).d_expert_out; },
+        [=, this](int r) { return &slot(r, l, c).send_rows; },
+        [=, this](int r) { return slot(r, l, c).d_arrived; },
+        [=, this](int r) { return &slot(r, l, c).recv_rows; }, at + "combine_backward", tags);
+  }
+
+  std::vector<TaskId> moe_experts_backward(int l, int c, const std::vector<TaskId>& ready,
+                                           rt::TaskTags tags) {
+    const std::string at = fmt::format("L{}.", l) + (ampipe() > 1 ? fmt::format("c{}.", c) : "");
     auto experts = each(at + "experts_backward", tags, [=, this](int r) {
-      LayerActivations& A = L(r);
-      BackwardWorkspace& w = W(r);
+      MoeSlot& A = slot(r, l, c);
+      const LayerShard& P = ranks[r].shard->layer(l);
       if (ep() == 1) {
         const std::int64_t rows = A.dispatch.rows();
-        ops::experts_backward(
-            expert_activation(), A.grouped.slice(0, 0, rows), A.dispatch.expert_begin,
-            P(r).expert_fc1->value, P(r).expert_fc2->value, A.hidden_pre.slice(0, 0, rows),
-            A.hidden.slice(0, 0, rows), w.d_expert_out.slice(0, 0, rows),
-            w.d_grouped.slice(0, 0, rows), P(r).expert_fc1->grad, P(r).expert_fc2->grad);
+        ops::experts_backward(expert_activation(), A.grouped.slice(0, 0, rows),
+                              A.dispatch.expert_begin, P.expert_fc1->value, P.expert_fc2->value,
+                              A.hidden_pre.slice(0, 0, rows), A.hidden.slice(0, 0, rows),
+                              A.d_expert_out.slice(0, 0, rows), A.d_grouped.slice(0, 0, rows),
+                              P.expert_fc1->grad, P.expert_fc2->grad);
         return;
       }
       const auto rows = static_cast<std::int64_t>(A.source_row.size());
       for (std::int64_t i = 0; i < rows; ++i)
-        std::copy_n(w.d_arrived.row(A.source_row[i]), h, w.d_expert_result.row(i));
+        std::copy_n(A.d_arrived.row(A.source_row[i]), h, A.d_expert_result.row(i));
       ops::experts_backward(expert_activation(), A.expert_in.slice(0, 0, rows), A.local_begin,
-                            P(r).expert_fc1->value, P(r).expert_fc2->value,
+                            P.expert_fc1->value, P.expert_fc2->value,
                             A.hidden_pre.slice(0, 0, rows), A.hidden.slice(0, 0, rows),
-                            w.d_expert_result.slice(0, 0, rows), w.d_expert_in.slice(0, 0, rows),
-                            P(r).expert_fc1->grad, P(r).expert_fc2->grad);
+                            A.d_expert_result.slice(0, 0, rows), A.d_expert_in.slice(0, 0, rows),
+                            P.expert_fc1->grad, P.expert_fc2->grad);
       for (std::int64_t i = 0; i < rows; ++i)
-        std::copy_n(w.d_expert_in.row(i), h, w.d_leaving.row(A.source_row[i]));
+        std::copy_n(A.d_expert_in.row(i), h, A.d_leaving.row(A.source_row[i]));
     });
     link(ready, experts);
-    std::vector<TaskId> back = experts;
-    if (ep() > 1)
-      back = ep_exchange(
-          experts, [=](int r) { return W(r).d_leaving; }, [=](int r) { return &L(r).recv_rows; },
-          [=](int r) { return W(r).d_grouped; }, [=](int r) { return &L(r).send_rows; },
-          at + "dispatch_backward", tags);
+    if (ep() == 1) return experts;
+    return ep_exchange(
+        experts, [=, this](int r) { return slot(r, l, c).d_leaving; },
+        [=, this](int r) { return &slot(r, l, c).recv_rows; },
+        [=, this](int r) { return slot(r, l, c).d_grouped; },
+        [=, this](int r) { return &slot(r, l, c).send_rows; }, at + "dispatch_backward", tags);
+  }
+
+  // Leaves the slot's input gradient in its d_moe_in.
+  std::vector<TaskId> moe_router_backward(int l, int c, const std::vector<TaskId>& ready,
+                                          rt::TaskTags tags) {
+    const std::string at = fmt::format("L{}.", l) + (ampipe() > 1 ? fmt::format("c{}.", c) : "");
     auto router = each(at + "router_backward", tags, [=, this](int r) {
-      LayerActivations& A = L(r);
-      BackwardWorkspace& w = W(r);
-      ops::permute_tokens_backward(A.dispatch, w.d_grouped.slice(0, 0, A.dispatch.rows()),
-                                   w.d_moe_in);
-      const ops::RouterStatistics s = unpack_stats(A.stats, E);
+      MoeSlot& A = slot(r, l, c);
+      const LayerShard& P = ranks[r].shard->layer(l);
+      ops::permute_tokens_backward(A.dispatch, A.d_grouped.slice(0, 0, A.dispatch.rows()),
+                                   A.d_moe_in);
+      const ops::RouterStatistics st = unpack_stats(ranks[r].layers[l].stats_total, m.num_experts);
       const double scale = 1.0 / (M * plan.data_parallel);
       ops::router_backward<float>(router_options(), A.router_logits, A.probs, A.topk_index,
-                                  A.topk_weight, w.d_topk, s, scale, w.d_router_logits);
-      ops::linear_backward_weight(A.moe_in, w.d_router_logits, P(r).router_weight->grad, Tensor{});
-      // d_moe_in += d_logits W_router
-      const Tensor from_router = w.d_moe;  // reuse: d_moe is no longer needed
-      ops::linear_backward_input(w.d_router_logits, P(r).router_weight->value, from_router);
-      ops::accumulate(from_router, w.d_moe_in);
-      if (t_sp > 1 || tp == 1) w.d_norm.reshape({T, h}).copy_from(w.d_moe_in);
+                                  A.topk_weight, A.d_topk, st, scale, A.d_router_logits);
+      ops::linear_backward_weight(A.moe_in, A.d_router_logits, P.router_weight->grad, Tensor{});
+      // d_moe_in += d_logits W_router (d_moe is free again and holds the product).
+      ops::linear_backward_input(A.d_router_logits, P.router_weight->value, A.d_moe);
+      ops::accumulate(A.d_moe, A.d_moe_in);
     });
-    link(back, router);
-    if (t_sp > 1 || tp == 1) return router;
+    link(ready, router);
+    return router;
+  }
+
+  std::vector<TaskId> build_moe_backward(int l, int mb, const std::vector<TaskId>& prev,
+                                         rt::TaskTags tags) {
+    (void)mb;
+    auto back = moe_experts_backward(l, 0, moe_combine_backward(l, 0, prev, tags), tags);
+    auto router = moe_router_backward(l, 0, back, tags);
+    auto W = [this](int r) -> BackwardWorkspace& { return ranks[r].ws; };
+    auto place = each(fmt::format("L{}.moe_input_grad", l), tags, [=, this](int r) {
+      if (t_sp > 1 || tp == 1) W(r).d_norm.reshape({T, h}).copy_from(slot(r, l, 0).d_moe_in);
+    });
+    link(router, place);
+    if (t_sp > 1 || tp == 1) return place;
     // Replicated layout: every rank needs the whole sequence's input gradient.
     return tp_all_gather(
-        router, [=](int r) { return W(r).d_moe_in; }, [=](int r) { return W(r).d_norm; },
-        at + "moe_grad_gather", tags);
+        router, [=, this](int r) { return slot(r, l, 0).d_moe_in; },
+        [=](int r) { return W(r).d_norm; }, fmt::format("L{}.moe_grad_gather", l), tags);
   }
 
   // ------------------------------------------------------------- gradients and the optimizer

@@ -19,6 +19,7 @@ struct ParallelPlan {
   int micro_batch_size = 1;            // --micro-batch-size
   int global_batch_size = 1;           // --global-batch-size
   bool distributed_optimizer = false;  // --use-distributed-optimizer: shard optimizer state over dp
+  int ampipe_degree = 1;  // --ampipe-degree: sequence chunks of the attention-to-MoE region
 
   int devices() const {
     return tensor_parallel * context_parallel * data_parallel * pipeline_parallel;
