@@ -6,11 +6,13 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "weave/ops/activation.hpp"
 #include "weave/ops/attention.hpp"
 #include "weave/ops/cross_entropy.hpp"
 #include "weave/ops/normalization.hpp"
 #include "weave/ops/optimizer.hpp"
 #include "weave/ops/router.hpp"
+#include "weave/ops/softmax.hpp"
 
 namespace weave::ops {
 namespace {
@@ -158,6 +160,63 @@ TEST(Reference, AdamWTwoSteps) {
     expect_matches(m, c["exp_avg"][p], "exp_avg", 1e-6);
     expect_matches(v, c["exp_avg_sq"][p], "exp_avg_sq", 1e-6);
   }
+}
+
+TEST(Reference, RmsNormSoftmaxAndGelu) {
+  const json& rn = reference().at("rms_norm");
+  const Tensor x = load(rn["x"]), w = load(rn["weight"]), dy = load(rn["dy"]);
+  const Tensor y = Tensor::empty(x.shape()), rstd = Tensor::empty({x.dim(0)});
+  rms_norm_forward(x, w, rn["eps"].get<double>(), y, rstd);
+  expect_matches(y, rn["y"], "rms y");
+  const Tensor dx = Tensor::empty(x.shape()), dw = Tensor::zeros(w.shape());
+  rms_norm_backward(x, w, rstd, dy, dx, dw);
+  expect_matches(dx, rn["dx"], "rms dx");
+  expect_matches(dw, rn["dweight"], "rms dweight");
+
+  const json& sm = reference().at("softmax");
+  const Tensor sx = load(sm["x"]), sdy = load(sm["dy"]);
+  const Tensor sy = Tensor::empty(sx.shape()), sdx = Tensor::empty(sx.shape());
+  softmax_forward(sx, sy);
+  softmax_backward(sy, sdy, sdx);
+  expect_matches(sy, sm["y"], "softmax y");
+  expect_matches(sdx, sm["dx"], "softmax dx");
+
+  const json& g = reference().at("gelu");
+  const Tensor gx = load(g["x"]);
+  for (const auto& [key, form] :
+       {std::pair{"tanh", GeluForm::tanh}, std::pair{"none", GeluForm::erf}}) {
+    const Tensor gy = Tensor::empty(gx.shape()), ones = Tensor::empty(gx.shape()),
+                 slope = Tensor::empty(gx.shape());
+    ones.fill(1.f);
+    gelu_forward(form, gx, gy);
+    gelu_backward(form, gx, ones, slope);
+    expect_matches(gy, g[key]["y"], key);
+    expect_matches(slope, g[key]["dydx"], key);
+  }
+}
+
+TEST(Reference, SgdMomentumAndGradientClipping) {
+  const json& c = reference().at("sgd_momentum");
+  const SgdOptions opt{.lr = c["lr"].get<double>(),
+                       .momentum = c["momentum"].get<double>(),
+                       .dampening = c["dampening"].get<double>(),
+                       .weight_decay = c["weight_decay"].get<double>(),
+                       .nesterov = c["nesterov"].get<bool>()};
+  for (std::size_t p = 0; p < 2; ++p) {
+    const Tensor param = load(c["params"][p]);
+    const Tensor buffer = Tensor::zeros(param.shape());
+    for (int step = 1; step <= 2; ++step) {
+      sgd_step(opt, step, param, load(c["grads"][step - 1][p]), buffer);
+      expect_matches(param, c["after"][step - 1][p], "sgd param", 1e-6);
+    }
+    expect_matches(buffer, c["momentum_buffer"][p], "momentum buffer", 1e-6);
+  }
+  const json& k = reference().at("clip_grad_norm");
+  std::vector<Tensor> grads{load(k["grads"][0]), load(k["grads"][1])};
+  const double norm = clip_grad_norm<float>(grads, k["max_norm"].get<double>());
+  EXPECT_NEAR(norm, k["total_norm"].get<double>(), 1e-6 * norm);
+  expect_matches(grads[0], k["clipped"][0], "clipped 0", 1e-6);
+  expect_matches(grads[1], k["clipped"][1], "clipped 1", 1e-6);
 }
 
 }  // namespace
