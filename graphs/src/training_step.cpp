@@ -131,6 +131,11 @@ struct TrainingStep::Impl {
                       "the device set has {}",
                       plan.devices(), plan.tensor_parallel, plan.context_parallel,
                       plan.data_parallel, plan.pipeline_parallel, set.size()));
+    if (plan.ampipe_degree > 1 && (plan.tensor_parallel > 1 || plan.context_parallel > 1))
+      throw ConfigError(fmt::format(
+          "this build runs --ampipe-degree {} with expert and data parallelism only; it needs "
+          "--tensor-model-parallel-size 1 and --context-parallel-size 1 (got {} and {})",
+          plan.ampipe_degree, plan.tensor_parallel, plan.context_parallel));
     if (plan.pipeline_parallel > 1)
       throw ConfigError(
           "this build of the training step runs tensor, sequence, context, expert and data "
@@ -241,7 +246,8 @@ struct TrainingStep::Impl {
       A.ln1_full = sp ? act(r, {Sc, B, h}) : A.ln1;
       A.qkv = act(r, {Sc, B, Hl, 3 * d});
       A.attn = act(r, {Sc, B, Hl, d});
-      A.lse = act(r, {cp > 1 ? 2 : 1, B, Hl, chunk});
+      A.lse = ampipe() > 1 && R.shard->layer(l).moe ? act(r, {ampipe(), B, Hl, Sc / ampipe()})
+                                                    : act(r, {cp > 1 ? 2 : 1, B, Hl, chunk});
       A.proj_partial = act(r, {Sc, B, h});
       if (cp > 1) {
         A.kv_local = act(r, {Sc, B, Hl, 2 * d});
@@ -475,7 +481,7 @@ struct TrainingStep::Impl {
   // any split of the sequence draws the one-device masks. Runs of contiguous positions go to the
   // kernel one at a time. Without dropout, a copy.
   void apply_dropout(bool backward, int r, int mb, int layer, int site, const Tensor& in,
-                     const Tensor& out) {
+                     const Tensor& out, std::int64_t first_row = 0) {
     if (m.hidden_dropout <= 0) {
       if (out.data() != in.data()) out.copy_from(in);
       return;
@@ -488,11 +494,13 @@ struct TrainingStep::Impl {
                 .site = static_cast<std::uint32_t>(site)},
         .sequence_length = S,
         .batch_offset = (static_cast<std::int64_t>(at.dp) * M + mb) * B};
-    for (std::int64_t s0 = 0; s0 < Sl;) {
+    // in and out hold rows [first_row, first_row + rows) of the rank's [Sl, B, h] layout.
+    const std::int64_t rows = in.dim(0);
+    for (std::int64_t s0 = 0; s0 < rows;) {
       std::int64_t s1 = s0 + 1;
-      while (s1 < Sl && position(r, s1) == position(r, s0) + (s1 - s0))
+      while (s1 < rows && position(r, first_row + s1) == position(r, first_row + s0) + (s1 - s0))
         ++s1;
-      spec.sequence_offset = position(r, s0);
+      spec.sequence_offset = position(r, first_row + s0);
       const Tensor x = in.slice(0, s0, s1 - s0).transpose(0, 1);
       const Tensor y = out.slice(0, s0, s1 - s0).transpose(0, 1);
       if (backward)
@@ -505,21 +513,22 @@ struct TrainingStep::Impl {
 
   // x_out = x_in + dropout(y + bias): the residual branch's end, on [Sl, B, h].
   void bias_dropout_add(int r, int mb, int layer, int site, const Tensor& y, const Tensor& bias,
-                        const Tensor& x_in, const Tensor& x_out) {
+                        const Tensor& x_in, const Tensor& x_out, std::int64_t first_row = 0) {
     const std::int64_t rows = y.rows();
     for (std::int64_t i = 0; i < rows; ++i) {
       float* row = y.row(i);
       for (std::int64_t c = 0; c < h; ++c)
         row[c] += bias.data()[c];
     }
-    apply_dropout(false, r, mb, layer, site, y, y);
+    apply_dropout(false, r, mb, layer, site, y, y, first_row);
     ops::add(x_in, y, x_out);
   }
 
   // The backward of bias_dropout_add: d_y = dropout'(d_out); d_bias += rows of d_y.
   void bias_dropout_add_backward(int r, int mb, int layer, int site, const Tensor& d_out,
-                                 const Tensor& d_y, const Tensor& d_bias) {
-    apply_dropout(true, r, mb, layer, site, d_out, d_y);
+                                 const Tensor& d_y, const Tensor& d_bias,
+                                 std::int64_t first_row = 0) {
+    apply_dropout(true, r, mb, layer, site, d_out, d_y, first_row);
     for (std::int64_t i = 0; i < d_y.rows(); ++i) {
       const float* row = d_y.row(i);
       for (std::int64_t c = 0; c < h; ++c)
@@ -560,6 +569,8 @@ struct TrainingStep::Impl {
   }
 
   std::vector<TaskId> build_layer_forward(int l, int mb, std::vector<TaskId> prev) {
+    if (ampipe() > 1 && ranks[0].shard->layer(l).moe)
+      return build_ampipe_layer_forward(l, mb, prev);
     rt::TaskTags tags{.layer = static_cast<std::uint16_t>(l),
                       .micro_batch = static_cast<std::uint16_t>(mb),
                       .phase = rt::Phase::forward};
@@ -644,6 +655,153 @@ struct TrainingStep::Impl {
     });
     link(mlp_done, res2);
     return res2;
+  }
+
+  // ------------------------------------------------------------------------------- Ampipe
+  //
+  // A MoE layer with --ampipe-degree N: input norm and QKV run on the whole sequence; from the
+  // attention to the MoE combine the sequence is cut into N chunks of queries (keys and values
+  // whole, the causal diagonal offset by the chunk's start), and the chunks' work is ordered so
+  // that a chunk's all-to-all runs on the comm stream while another chunk computes:
+  //   forward:  attention side of every chunk (attention, out-projection, residual, norm,
+  //             router; dispatch launched), then every chunk's experts (combine launched), then
+  //             every chunk's combine and residual;
+  //   backward: the same passes over the chunks in reverse, with the mirrored all-to-alls.
+
+  std::int64_t chunk_rows() const { return Sc / ampipe(); }
+
+  std::vector<TaskId> build_ampipe_layer_forward(int l, int mb, std::vector<TaskId> prev) {
+    const rt::TaskTags tags{.layer = static_cast<std::uint16_t>(l),
+                            .micro_batch = static_cast<std::uint16_t>(mb),
+                            .phase = rt::Phase::forward};
+    auto L = [this, l](int r) -> LayerActivations& { return ranks[r].layers[l]; };
+    auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
+    const std::string at = fmt::format("L{}.", l);
+    const std::int64_t n = chunk_rows();
+    auto qkv = each(at + "qkv", tags, [=, this](int r) {
+      LayerActivations& A = L(r);
+      ops::layer_norm_forward(A.x_in, P(r).ln1_weight->value, P(r).ln1_bias->value,
+                              m.layernorm_epsilon, A.ln1, A.ln1_mean, A.ln1_rstd);
+      ops::linear_forward(A.ln1_full, P(r).qkv_weight->value, P(r).qkv_bias->value,
+                          A.qkv.reshape({Sc, B, 3 * Hl * d}));
+    });
+    link(prev, qkv);
+    std::vector<std::vector<TaskId>> routed(static_cast<std::size_t>(ampipe()));
+    for (int c = 0; c < ampipe(); ++c) {
+      const std::string chunk = at + fmt::format("c{}.", c);
+      auto side = each(chunk + "attention", tags, [=, this](int r) {
+        LayerActivations& A = L(r);
+        const std::int64_t first = c * n;
+        ops::attention_forward({.q_offset = first}, head_view(A.qkv.slice(0, first, n), 0),
+                               head_view(A.qkv, 1), head_view(A.qkv, 2),
+                               A.attn.slice(0, first, n).transpose(0, 1),
+                               A.lse.slice(0, c, 1).reshape({B, Hl, n}));
+        const Tensor proj = A.proj_partial.slice(0, first, n);
+        ops::linear_forward(A.attn.slice(0, first, n).reshape({n, B, Hl * d}),
+                            P(r).proj_weight->value, Tensor{}, proj);
+        bias_dropout_add(r, mb, l, 0, proj, P(r).proj_bias->value, A.x_in.slice(0, first, n),
+                         A.x_mid.slice(0, first, n), first);
+        ops::layer_norm_forward(A.x_mid.slice(0, first, n), P(r).ln2_weight->value,
+                                P(r).ln2_bias->value, m.layernorm_epsilon, A.ln2.slice(0, first, n),
+                                A.ln2_mean.slice(0, first * B, n * B),
+                                A.ln2_rstd.slice(0, first * B, n * B));
+      });
+      // After the previous chunk's router by the compute stream's order only: its dispatch may
+      // still be running, and that is the overlap.
+      link(qkv, side);
+      routed[c] = moe_route(l, c, side, tags);
+    }
+    std::vector<std::vector<TaskId>> computed(static_cast<std::size_t>(ampipe()));
+    for (int c = 0; c < ampipe(); ++c)
+      computed[c] = moe_experts(l, c, routed[c], tags);
+    // The chunks' routers ran earlier on this compute stream; the statistics need nothing else.
+    auto stats = moe_statistics(l, mb, std::vector<TaskId>(ranks.size(), rt::kNoTask), tags);
+    std::vector<TaskId> last;
+    for (int c = 0; c < ampipe(); ++c) {
+      auto combine = moe_combine(l, c, computed[c], tags);
+      auto residual = each(at + fmt::format("c{}.mlp_residual", c), tags, [=, this](int r) {
+        LayerActivations& A = L(r);
+        const std::int64_t first = c * n;
+        const Tensor y = A.mlp_out.slice(0, first, n);
+        apply_dropout(false, r, mb, l, 1, y, y, first);
+        ops::add(A.x_mid.slice(0, first, n), y, A.x_out.slice(0, first, n));
+      });
+      link(combine, residual);
+      link(stats, residual);
+      last = residual;
+    }
+    return last;
+  }
+
+  std::vector<TaskId> build_ampipe_layer_backward(int l, int mb, std::vector<TaskId> prev,
+                                                  bool last_micro_batch) {
+    const rt::TaskTags tags{.layer = static_cast<std::uint16_t>(l),
+                            .micro_batch = static_cast<std::uint16_t>(mb),
+                            .phase = rt::Phase::backward};
+    auto L = [this, l](int r) -> LayerActivations& { return ranks[r].layers[l]; };
+    auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
+    auto W = [this](int r) -> BackwardWorkspace& { return ranks[r].ws; };
+    const std::string at = fmt::format("L{}.", l);
+    const std::int64_t n = chunk_rows();
+    auto start = each(at + "mlp_residual_backward", tags, [=, this](int r) {
+      BackwardWorkspace& w = W(r);
+      w.d_x_mid.copy_from(w.d_x);
+      apply_dropout(true, r, mb, l, 1, w.d_x, w.d_mlp);
+      w.d_qkv.fill(0.f);  // the chunks' attention accumulates dk and dv
+    });
+    link(prev, start);
+    const int N = ampipe();
+    std::vector<std::vector<TaskId>> combined(static_cast<std::size_t>(N)),
+        experts(static_cast<std::size_t>(N));
+    for (int c = N - 1; c >= 0; --c)
+      combined[c] = moe_combine_backward(l, c, start, tags);
+    for (int c = N - 1; c >= 0; --c)
+      experts[c] = moe_experts_backward(l, c, combined[c], tags);
+    std::vector<TaskId> side;
+    for (int c = N - 1; c >= 0; --c) {
+      auto router = moe_router_backward(l, c, experts[c], tags);
+      auto attn = each(at + fmt::format("c{}.attention_backward", c), tags, [=, this](int r) {
+        LayerActivations& A = L(r);
+        BackwardWorkspace& w = W(r);
+        const std::int64_t first = c * n;
+        const Tensor d_norm = w.d_norm.slice(0, first, n), d_tmp = w.d_tmp.slice(0, first, n);
+        const Tensor d_mid = w.d_x_mid.slice(0, first, n), d_proj = w.d_mlp.slice(0, first, n);
+        d_norm.reshape({n * B, h}).copy_from(slot(r, l, c).d_moe_in);
+        ops::layer_norm_backward(A.x_mid.slice(0, first, n), P(r).ln2_weight->value,
+                                 A.ln2_mean.slice(0, first * B, n * B),
+                                 A.ln2_rstd.slice(0, first * B, n * B), d_norm, d_tmp,
+                                 P(r).ln2_weight->grad, P(r).ln2_bias->grad);
+        ops::accumulate(d_tmp, d_mid);
+        w.d_x.slice(0, first, n).copy_from(d_mid);  // the residual path to the layer input
+        bias_dropout_add_backward(r, mb, l, 0, d_mid, d_proj, P(r).proj_bias->grad, first);
+        const Tensor d_attn = w.d_attn.reshape({Sc, B, Hl * d}).slice(0, first, n);
+        ops::linear_backward_input(d_proj, P(r).proj_weight->value, d_attn);
+        ops::linear_backward_weight(A.attn.slice(0, first, n).reshape({n, B, Hl * d}), d_proj,
+                                    P(r).proj_weight->grad, Tensor{});
+        ops::attention_backward(
+            {.q_offset = first}, head_view(A.qkv.slice(0, first, n), 0), head_view(A.qkv, 1),
+            head_view(A.qkv, 2), A.attn.slice(0, first, n).transpose(0, 1),
+            A.lse.slice(0, c, 1).reshape({B, Hl, n}), d_attn.reshape({n, B, Hl, d}).transpose(0, 1),
+            head_view(w.d_qkv.slice(0, first, n), 0), head_view(w.d_qkv, 1), head_view(w.d_qkv, 2));
+      });
+      link(router, attn);
+      side = attn;
+    }
+    if (last_micro_batch) reduce_buckets(fmt::format("layers.{}.mlp", l), side);
+    auto qkv_in = each(at + "qkv_backward", tags, [=, this](int r) {
+      BackwardWorkspace& w = W(r);
+      ops::linear_backward_input(w.d_qkv.reshape({Sc, B, 3 * Hl * d}), P(r).qkv_weight->value,
+                                 w.d_norm_full);
+      ops::linear_backward_weight(L(r).ln1_full, w.d_qkv.reshape({Sc, B, 3 * Hl * d}),
+                                  P(r).qkv_weight->grad, P(r).qkv_bias->grad);
+      LayerActivations& A = L(r);
+      ops::layer_norm_backward(A.x_in, P(r).ln1_weight->value, A.ln1_mean, A.ln1_rstd,
+                               w.d_norm_full, w.d_tmp, P(r).ln1_weight->grad, P(r).ln1_bias->grad);
+      ops::accumulate(w.d_tmp, w.d_x);
+    });
+    link(side, qkv_in);
+    if (last_micro_batch) reduce_buckets(fmt::format("layers.{}.attention", l), qkv_in);
+    return qkv_in;
   }
 
   void activation_forward(const Tensor& pre, const Tensor& out) {
@@ -1176,6 +1334,8 @@ struct TrainingStep::Impl {
   }
 
   std::vector<TaskId> build_layer_backward(int l, int mb, std::vector<TaskId> prev, bool last) {
+    if (ampipe() > 1 && ranks[0].shard->layer(l).moe)
+      return build_ampipe_layer_backward(l, mb, prev, last);
     rt::TaskTags tags{.layer = static_cast<std::uint16_t>(l),
                       .micro_batch = static_cast<std::uint16_t>(mb),
                       .phase = rt::Phase::backward};

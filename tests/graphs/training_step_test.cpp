@@ -319,6 +319,48 @@ TEST(DistributedOptimizer, EachReplicaKeepsItsShareOfTheOptimizerState) {
   EXPECT_EQ(sharded * 4, whole);
 }
 
+// Ampipe: degree N equals degree 1 (dropless routing), which is the one-device model.
+class Ampipe : public ::testing::TestWithParam<Case> {};
+
+TEST_P(Ampipe, LossGradientsAndCurveEqualSerial) {
+  const Case c = GetParam();
+  const ModelConfig m = tiny(4);
+  const ParallelPlan serial{.micro_batch_size = c.plan.micro_batch_size,
+                            .global_batch_size = c.plan.global_batch_size};
+  const Outcome a = run(m, serial, 1, false), b = run(m, c.plan, 1, false);
+  EXPECT_NEAR(b.losses[0], a.losses[0], 1e-5 * a.losses[0]);
+  EXPECT_NEAR(b.aux[0], a.aux[0], 1e-5 * std::max(a.aux[0], 1e-3));
+  expect_same_gradients(a, b);
+  const Outcome a10 = run(m, serial, 10, true), b10 = run(m, c.plan, 10, true);
+  for (std::size_t i = 0; i < a10.losses.size(); ++i)
+    EXPECT_NEAR(b10.losses[i], a10.losses[i], 1e-4 * a10.losses[i]) << "step " << i + 1;
+}
+
+const Case kAmpipeCases[] = {
+    {"degree2", 4, {.micro_batch_size = 2, .global_batch_size = 4, .ampipe_degree = 2}},
+    {"degree4", 4, {.micro_batch_size = 2, .global_batch_size = 4, .ampipe_degree = 4}},
+    {"degree2_ep2",
+     4,
+     {.expert_parallel = 2,
+      .data_parallel = 2,
+      .micro_batch_size = 2,
+      .global_batch_size = 4,
+      .ampipe_degree = 2}},
+    {"degree4_ep4",
+     4,
+     {.expert_parallel = 4,
+      .data_parallel = 4,
+      .micro_batch_size = 1,
+      .global_batch_size = 4,
+      .ampipe_degree = 4}},
+    {"degree2_dp2",
+     4,
+     {.data_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4, .ampipe_degree = 2}},
+};
+
+INSTANTIATE_TEST_SUITE_P(Plans, Ampipe, ::testing::ValuesIn(kAmpipeCases),
+                         [](const auto& info) { return std::string(info.param.name); });
+
 TEST(TrainingStep, GradientsAreReducedInOneCollectivePerBucket) {
   const ModelConfig m = tiny(4);
   ParallelPlan plan{.tensor_parallel = 2,
