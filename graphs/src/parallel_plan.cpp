@@ -104,6 +104,27 @@ std::vector<std::string> validate(const ModelConfig& m, ParallelPlan& p) {
         "--global-batch-size ({}) must be divisible by --micro-batch-size x data-parallel size "
         "({} x {} = {})",
         p.global_batch_size, p.micro_batch_size, dp, p.micro_batch_size * dp);
+  require_positive("--ampipe-degree", p.ampipe_degree);
+  if (p.ampipe_degree > 1) {
+    const int degree = p.ampipe_degree;
+    if (m.num_experts == 0)
+      refuse(
+          "--ampipe-degree ({}) pipelines attention with MoE all-to-alls and needs MoE "
+          "layers: set --num-experts",
+          degree);
+    if (cp > 1 && degree != 2)
+      refuse(
+          "--ampipe-degree must be 2 with --context-parallel-size {} (got {}): the two "
+          "chunks are the two load-balanced halves each rank holds",
+          cp, degree);
+    const int unit = (cp > 1 ? 2 * cp : degree) * sp;
+    if (m.seq_length % unit != 0)
+      refuse(
+          "--seq-length ({}) must be divisible by {} under --ampipe-degree {}: every "
+          "sequence chunk{} needs whole positions",
+          m.seq_length, unit, degree,
+          sp > 1 ? " is split again over the sequence-parallel ranks and" : "");
+  }
   if (m.hidden_dropout < 0 || m.hidden_dropout >= 1)
     refuse("--hidden-dropout must be in [0, 1), got {}", m.hidden_dropout);
   return warnings;

@@ -71,6 +71,24 @@ TEST(ParallelPlan, EverySizeRuleIsRefusedWithItsNumbers) {
       mentions(refusal(m, {.tensor_parallel = 0}), "--tensor-model-parallel-size must be >= 1"));
 }
 
+TEST(ParallelPlan, AmpipeRules) {
+  const ModelConfig moe{.num_layers = 2,
+                        .hidden_size = 64,
+                        .num_attention_heads = 4,
+                        .ffn_hidden_size = 128,
+                        .seq_length = 48,
+                        .num_experts = 4};
+  EXPECT_EQ(refusal(moe, {.ampipe_degree = 4}), "accepted");
+  ModelConfig dense = moe;
+  dense.num_experts = 0;
+  EXPECT_TRUE(mentions(refusal(dense, {.ampipe_degree = 2}), "needs MoE layers"));
+  EXPECT_TRUE(
+      mentions(refusal(moe, {.ampipe_degree = 5}), "--seq-length (48) must be divisible by 5"));
+  EXPECT_TRUE(mentions(refusal(moe, {.context_parallel = 2, .ampipe_degree = 4}),
+                       "--ampipe-degree must be 2 with --context-parallel-size 2"));
+  EXPECT_TRUE(mentions(refusal(moe, {.ampipe_degree = 0}), "--ampipe-degree must be >= 1"));
+}
+
 TEST(ParallelPlan, SequenceParallelIsSwitchedOffAtTensorParallelOne) {
   ParallelPlan p{.sequence_parallel = true};
   const auto warnings = validate(ModelConfig{}, p);

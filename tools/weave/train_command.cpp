@@ -103,8 +103,9 @@ int run_train(TrainOptions o) {
           : "dense",
       o.swiglu ? ", SwiGLU" : "", o.devices, plan.tensor_parallel,
       plan.sequence_parallel ? " + sp" : "", plan.context_parallel, plan.expert_parallel,
-      plan.data_parallel, plan.micro_batch_size, plan.global_batch_size, plan.micro_batches(),
-      data.description()));
+      plan.data_parallel,
+      plan.ampipe_degree > 1 ? fmt::format(", ampipe {}", plan.ampipe_degree) : "",
+      plan.micro_batch_size, plan.global_batch_size, plan.micro_batches(), data.description()));
   if (!o.dump_graph.empty()) {
     std::ofstream dot(o.dump_graph);
     rt::write_dot(step.graph(), dot);
@@ -254,6 +255,10 @@ void add_train_command(CLI::App& app) {
       ->check(at_least(1))
       ->capture_default_str();
   cmd->add_flag("--sequence-parallel", p.sequence_parallel);
+  cmd->add_option("--ampipe-degree", p.ampipe_degree,
+                  "Sequence chunks pipelining attention with the MoE all-to-alls (Ampipe)")
+      ->check(at_least(1))
+      ->capture_default_str();
   cmd->add_flag("--use-distributed-optimizer", p.distributed_optimizer,
                 "Shard optimizer state over data-parallel replicas (reduce-scatter + all-gather)");
   cmd->add_option("--context-parallel-size", p.context_parallel)
