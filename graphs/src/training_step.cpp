@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <cctype>
 #include <cmath>
 #include <functional>
 #include <limits>
@@ -336,8 +337,37 @@ struct TrainingStep::Impl {
   // The multiply-adds (x2) of a task, by its kind, for the virtual clock: the matrix products
   // and attention; the element-wise work is small beside them.
   double flops_of(const std::string& name) const {
-    const std::string kind =
-        name.substr(name.find('.') == std::string::npos || name[0] != 'L' ? 0 : name.find('.') + 1);
+    // Names are "kind", "L<layer>.kind" or, for an Ampipe chunk, "L<layer>.c<chunk>.kind".
+    std::string kind = name;
+    int chunk_index = -1;
+    if (kind.size() > 1 && kind[0] == 'L' && kind.find('.') != std::string::npos)
+      kind = kind.substr(kind.find('.') + 1);
+    if (kind.size() > 1 && kind[0] == 'c' && std::isdigit(static_cast<unsigned char>(kind[1])) &&
+        kind.find('.') != std::string::npos) {
+      chunk_index = std::stoi(kind.substr(1, kind.find('.') - 1));
+      kind = kind.substr(kind.find('.') + 1);
+    }
+    if (chunk_index >= 0) {
+      // One Ampipe chunk: 1/N of the per-token work; chunk c's queries see (2c+1)/N^2 of the
+      // causal attention's keys.
+      const double N = ampipe();
+      const double share = 1.0 / N, causal = (2.0 * chunk_index + 1) / (N * N);
+      const double rows = static_cast<double>(Sc * B), hd = static_cast<double>(h);
+      const double proj = 2 * rows * Hl * d * hd;
+      const double attention =
+          2 * 2 * static_cast<double>(B * Hl * Sc) * static_cast<double>(Sc) * d * 0.5;
+      const double k = m.moe_router_topk;
+      const double f1 = m.activation == Activation::swiglu ? 2.0 * f : f;
+      const double experts = 2 * static_cast<double>(T) * k * hd * (f1 + f);
+      const double router = 2 * static_cast<double>(T) * hd * m.num_experts;
+      if (kind == "attention") return causal * attention + share * proj;
+      if (kind == "router") return share * router;
+      if (kind == "experts") return share * experts;
+      if (kind == "attention_backward") return 2.5 * causal * attention + 2 * share * proj;
+      if (kind == "experts_backward") return 2 * share * experts;
+      if (kind == "router_backward") return 2 * share * router;
+      return 0;
+    }
     const double rows = static_cast<double>(Sc * B), hd = static_cast<double>(h);
     const double qkv = 2 * rows * hd * 3 * Hl * d, proj = 2 * rows * Hl * d * hd;
     // Causal attention: half of the (local queries x all keys) scores, two products.

@@ -2,14 +2,17 @@
 // and MoE) gives the one-device loss and gradients, and the same loss curve.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <random>
 
 #include "tiny_model.hpp"
 #include "weave/devices/device_set.hpp"
+#include "weave/devices/machine_model.hpp"
 #include "weave/devices/shared_memory_communicator.hpp"
 #include "weave/graphs/training_step.hpp"
+#include "weave/runtime/virtual_clock.hpp"
 
 namespace weave::graphs {
 namespace {
@@ -360,6 +363,78 @@ const Case kAmpipeCases[] = {
 
 INSTANTIATE_TEST_SUITE_P(Plans, Ampipe, ::testing::ValuesIn(kAmpipeCases),
                          [](const auto& info) { return std::string(info.param.name); });
+
+// All-to-all time on device 0 during which it computes nothing, in a virtual-clock trace.
+rt::Nanos exposed_all_to_all(const rt::Trace& trace) {
+  std::vector<std::pair<rt::Nanos, rt::Nanos>> compute, a2a;
+  for (const rt::Span& s : trace.spans()) {
+    const rt::TaskInfo& info = trace.tasks()[s.task];
+    if (info.device != 0) continue;
+    const std::string_view name = trace.tasks().name(s.task);
+    if (info.kind == rt::TaskKind::compute)
+      compute.emplace_back(s.start, s.end);
+    else if (name.find("dispatch") != std::string_view::npos ||
+             name.find("combine") != std::string_view::npos)
+      a2a.emplace_back(s.start, s.end);
+  }
+  std::sort(compute.begin(), compute.end());
+  rt::Nanos exposed = 0;
+  for (const auto& [start, end] : a2a) {
+    rt::Nanos covered = 0, at = start;
+    for (const auto& [cs, ce] : compute) {
+      const rt::Nanos from = std::max(cs, at), to = std::min(ce, end);
+      if (to > from) {
+        covered += to - from;
+        at = to;
+      }
+    }
+    exposed += (end - start) - covered;
+  }
+  return exposed;
+}
+
+TEST(Ampipe, VirtualClockHidesEachChunksAllToAllBehindAnotherChunk) {
+  // Accelerators of 10 TFLOP/s on a 20 GB/s link: an all-to-all costs about what a chunk's
+  // attention does, the regime Ampipe is for.
+  ModelConfig m = tiny(4);
+  m.num_layers = 1;
+  m.moe_layer_freq = 1;
+  m.hidden_size = 256;
+  m.num_attention_heads = 8;
+  m.ffn_hidden_size = 512;
+  m.seq_length = 512;
+  m.hidden_dropout = 0;
+  const devices::MachineModel model({0, 0}, 1e13, devices::LinkModel::preset("ampipe-20gbps"));
+  std::map<int, rt::Nanos> exposed;
+  std::map<int, rt::Trace> traces;
+  for (int degree : {1, 2}) {
+    ParallelPlan plan{.expert_parallel = 2,
+                      .data_parallel = 2,
+                      .micro_batch_size = 1,
+                      .global_batch_size = 2,
+                      .ampipe_degree = degree};
+    validate(m, plan);
+    devices::DeviceSet set(plan.devices(), {.pin = false});
+    devices::SharedMemoryCommunicator comm;
+    TrainingStep step(m, plan, {}, set, comm);
+    fill_batches(step, m, plan);
+    step.prepare(1, 1e-3);
+    rt::VirtualClock clock(model, {.execute = true});
+    traces[degree] = clock.run(step.graph()).trace;
+    exposed[degree] = exposed_all_to_all(traces[degree]);
+  }
+  ASSERT_GT(exposed[1], 0);
+  EXPECT_LE(exposed[2], exposed[1] / 2)
+      << "degree 1: " << exposed[1] << " ns, degree 2: " << exposed[2] << " ns exposed";
+  // Chunk 0's dispatch (its per-expert counts, then its rows) runs while chunk 1's attention
+  // computes.
+  const rt::Span* counts = traces[2].find("L0.c0.dispatch_counts[0]");
+  const rt::Span* rows = traces[2].find("L0.c0.dispatch[0]");
+  const rt::Span* attention = traces[2].find("L0.c1.attention");
+  ASSERT_TRUE(counts && rows && attention);
+  EXPECT_LT(counts->start, attention->end);
+  EXPECT_GT(rows->end, attention->start);
+}
 
 TEST(TrainingStep, GradientsAreReducedInOneCollectivePerBucket) {
   const ModelConfig m = tiny(4);
