@@ -177,6 +177,17 @@ TEST(CliTrain, ModelTimingReplaysTheStepOnTheVirtualClock) {
   EXPECT_EQ(lines, 3);
 }
 
+TEST(CliTrain, AmpipeAdviceComparesDegreesOnTheVirtualClock) {
+  const Result r = weave(
+      fmt::format("train {} --mock-data --num-experts 4 --devices 2 --expert-model-parallel-size 2 "
+                  "--link ampipe-20gbps --device-flops 1e13 --ampipe-advise",
+                  kTinyModel));
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("best: --ampipe-degree"), std::string::npos) << r.out;
+  // 32 positions: degrees 1 to 16 are possible; 16 x 2 chunks of 2 positions is the last.
+  EXPECT_NE(r.out.find("     16 "), std::string::npos) << r.out;
+}
+
 TEST(CliTrain, SizeRulesAreRefusedBeforeAnythingRuns) {
   Result r = weave(fmt::format("train {} --mock-data --tensor-model-parallel-size 3", kTinyModel));
   EXPECT_NE(r.status, 0);

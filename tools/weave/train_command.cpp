@@ -49,6 +49,7 @@ struct TrainOptions {
   std::string link = "none";
   double device_flops = 1e11;
   std::string config;  // read before parsing (see expand_train_config)
+  bool ampipe_advise = false;
 };
 
 double step_flops(const graphs::ModelConfig& m, const graphs::ParallelPlan& p) {
@@ -60,6 +61,74 @@ double step_flops(const graphs::ModelConfig& m, const graphs::ParallelPlan& p) {
   const double per_token = 6.0 * l * (4 * h * h + mlp) + 6.0 * h * m.padded_vocab_size(1);
   const double tokens = s * p.global_batch_size;
   return per_token * tokens + 12.0 * l * s * s * h * p.global_batch_size / 2;
+}
+
+// Fills every micro-batch of `step` with samples from `first_sample` on.
+void fill_batches(graphs::TrainingStep& step, const graphs::ModelConfig& m,
+                  const graphs::ParallelPlan& plan, const TokenDataset& data, Split split,
+                  std::uint64_t first_sample) {
+  const int M = plan.micro_batches(), B = plan.micro_batch_size;
+  const std::int64_t S = m.seq_length;
+  std::vector<std::int32_t> window;
+  for (int dp = 0; dp < plan.data_parallel; ++dp)
+    for (int mb = 0; mb < M; ++mb) {
+      graphs::MicroBatch& batch = step.micro_batch(dp, mb);
+      for (int b = 0; b < B; ++b) {
+        data.sample(split, first_sample + static_cast<std::uint64_t>((dp * M + mb) * B + b),
+                    window);
+        for (std::int64_t s = 0; s < S; ++s) {
+          batch.tokens[s * B + b] = window[s];
+          batch.targets[s * B + b] = window[s + 1];
+        }
+      }
+    }
+}
+
+// --ampipe-advise: one step of the configuration at every Ampipe degree the rules allow,
+// replayed on the virtual clock with the link and device models given, and the fastest named.
+int advise_ampipe(TrainOptions o, const TokenDataset& data) {
+  const devices::LinkModel links = devices::LinkModel::preset(o.link);
+  fmt::print(
+      "Ampipe degrees for this configuration on the virtual clock ({} devices of {:.3g} "
+      "FLOP/s, link {}):\n",
+      o.devices, o.device_flops, links.describe());
+  fmt::print("{:>7} {:>14} {:>22} {:>9}\n", "degree", "step (ms)", "exposed comm (ms/dev)",
+             "speed-up");
+  double baseline = 0, best_time = 0;
+  int best = 1;
+  for (int degree = 1; degree <= 16; degree *= 2) {
+    graphs::ParallelPlan plan = o.plan;
+    plan.ampipe_degree = degree;
+    try {
+      graphs::validate(o.model, plan);
+      devices::DeviceSet set(o.devices, {.pin = false});
+      devices::SharedMemoryCommunicator comm;
+      graphs::TrainingStep step(o.model, plan, o.optimizer, set, comm);
+      fill_batches(step, o.model, plan, data, Split::train, 0);
+      step.prepare(1, o.lr.at(1));
+      std::vector<int> numa;
+      for (const auto& p : set.layout())
+        numa.push_back(p.numa_node);
+      const devices::MachineModel machine(numa, o.device_flops, links);
+      rt::VirtualClock clock(machine, {.execute = true, .record_trace = true});
+      const rt::VirtualRunResult r = clock.run(step.graph());
+      const rt::TraceMetrics metrics = rt::measure(r.trace);
+      const double ms = static_cast<double>(r.makespan) * 1e-6;
+      if (degree == 1) baseline = ms;
+      if (best_time == 0 || ms < best_time) {
+        best_time = ms;
+        best = degree;
+      }
+      fmt::print("{:>7} {:>14.3f} {:>22.3f} {:>8.2f}x\n", degree, ms,
+                 metrics.total_exposed_comm() * 1e-6 / static_cast<double>(o.devices),
+                 baseline > 0 ? baseline / ms : 1.0);
+    } catch (const graphs::ConfigError& e) {
+      if (degree == 1) throw;
+      fmt::print("{:>7} not possible: {}\n", degree, e.what());
+    }
+  }
+  fmt::print("best: --ampipe-degree {}\n", best);
+  return 0;
 }
 
 int run_train(TrainOptions o) {
@@ -84,6 +153,7 @@ int run_train(TrainOptions o) {
   const TokenDataset data =
       o.mock_data ? TokenDataset::mock(o.model.seq_length, o.model.seed)
                   : TokenDataset::from_text(o.data_path, o.model.seq_length, o.valid_fraction);
+  if (o.ampipe_advise) return advise_ampipe(o, data);
   devices::DeviceSet set(o.devices);
   devices::SharedMemoryCommunicator comm;
   graphs::TrainingStep step(o.model, plan, o.optimizer, set, comm);
@@ -123,23 +193,10 @@ int run_train(TrainOptions o) {
     progress.note(fmt::format("saved {} (iteration {})", o.save, state.iteration));
   };
 
-  const int M = plan.micro_batches(), B = plan.micro_batch_size;
-  const std::int64_t S = o.model.seq_length;
-  std::vector<std::int32_t> window;
   auto fill = [&](Split split, std::uint64_t first_sample) {
-    for (int dp = 0; dp < plan.data_parallel; ++dp)
-      for (int mb = 0; mb < M; ++mb) {
-        graphs::MicroBatch& batch = step.micro_batch(dp, mb);
-        for (int b = 0; b < B; ++b) {
-          data.sample(split, first_sample + static_cast<std::uint64_t>((dp * M + mb) * B + b),
-                      window);
-          for (std::int64_t s = 0; s < S; ++s) {
-            batch.tokens[s * B + b] = window[s];
-            batch.targets[s * B + b] = window[s + 1];
-          }
-        }
-      }
+    fill_batches(step, o.model, plan, data, split, first_sample);
   };
+  const std::int64_t S = o.model.seq_length;
   rt::VirtualClock clock(machine, {.execute = true, .record_trace = true});
   // Runs the step once; returns seconds (wall or modelled) and, when traced, the exposed share.
   auto run_once = [&](bool traced,
@@ -259,6 +316,9 @@ void add_train_command(CLI::App& app) {
                   "Sequence chunks pipelining attention with the MoE all-to-alls (Ampipe)")
       ->check(at_least(1))
       ->capture_default_str();
+  cmd->add_flag("--ampipe-advise", o->ampipe_advise,
+                "Instead of training: replay one step at each Ampipe degree on the virtual clock "
+                "(--link, --device-flops) and name the fastest");
   cmd->add_flag("--use-distributed-optimizer", p.distributed_optimizer,
                 "Shard optimizer state over data-parallel replicas (reduce-scatter + all-gather)");
   cmd->add_option("--context-parallel-size", p.context_parallel)
