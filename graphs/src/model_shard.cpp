@@ -42,7 +42,6 @@ Parameter& ModelShard::add(std::string name, const ops::Shape& local, std::int64
   const auto index = static_cast<std::uint32_t>(parameters_.size() - 1);
   p.name = std::move(name);
   p.value = ops::Tensor::empty(local);  // initialised here, then moved into its bucket
-  p.grad = ops::Tensor::zeros(local);   // a placeholder: the bucket's storage replaces it
   p.bucket = current_bucket_;
   p.logical_rows = logical_rows;
   p.logical_cols = logical_cols;

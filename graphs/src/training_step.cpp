@@ -420,16 +420,29 @@ struct TrainingStep::Impl {
     return members;
   }
 
-  // Sum (or max) in place over each tensor-parallel group.
+  // Sum (or max) `buffer(rank)` in place over each group of `kind`; on the "grad_comm" stream
+  // when `gradient_stream`.
+  std::vector<TaskId> all_reduce_over(GroupKind kind, const std::vector<TaskId>& producers,
+                                      std::function<Tensor(int)> buffer, devices::ReduceOp op,
+                                      const std::string& name, rt::TaskTags tags,
+                                      bool gradient_stream = false) {
+    return per_group(
+        kind, producers,
+        [&](const devices::ProcessGroup& g) {
+          std::vector<std::span<float>> bufs;
+          for (rt::DeviceId dv : g.devices())
+            bufs.push_back(all_of(buffer(static_cast<int>(dv))));
+          return comm.all_reduce(
+              b, g, bufs, op,
+              {.name = name, .tags = tags, .stream = gradient_stream ? "grad_comm" : "comm"});
+        },
+        gradient_stream);
+  }
+
   std::vector<TaskId> tp_all_reduce(const std::vector<TaskId>& producers,
                                     std::function<Tensor(int)> buffer, devices::ReduceOp op,
                                     const std::string& name, rt::TaskTags tags) {
-    return per_group(GroupKind::tensor, producers, [&](const devices::ProcessGroup& g) {
-      std::vector<std::span<float>> bufs;
-      for (rt::DeviceId dv : g.devices())
-        bufs.push_back(all_of(buffer(static_cast<int>(dv))));
-      return comm.all_reduce(b, g, bufs, op, {.name = name, .tags = tags});
-    });
+    return all_reduce_over(GroupKind::tensor, producers, std::move(buffer), op, name, tags);
   }
 
   // Sequence parallelism's g: all-gather [Sl, B, ...] shards into [S, B, ...].
@@ -607,27 +620,7 @@ struct TrainingStep::Impl {
     auto L = [this, l](int r) -> LayerActivations& { return ranks[r].layers[l]; };
     auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
     const std::string at = fmt::format("L{}.", l);
-    auto ln1 = each(at + "input_norm", tags, [=, this](int r) {
-      LayerActivations& A = L(r);
-      ops::layer_norm_forward(A.x_in, P(r).ln1_weight->value, P(r).ln1_bias->value,
-                              m.layernorm_epsilon, A.ln1, A.ln1_mean, A.ln1_rstd);
-    });
-    link(prev, ln1);
-    std::vector<TaskId> g1(ranks.size(), rt::kNoTask);
-    if (t_sp > 1)
-      g1 = tp_all_gather(
-          ln1, [=](int r) { return L(r).ln1; }, [=](int r) { return L(r).ln1_full; },
-          at + "sp_gather", tags);
-    auto qkv = each(at + "qkv", tags, [=, this](int r) {
-      LayerActivations& A = L(r);
-      ops::linear_forward(A.ln1_full, P(r).qkv_weight->value, P(r).qkv_bias->value,
-                          A.qkv.reshape({Sc, B, 3 * Hl * d}));
-      if (cp > 1) {  // keys and values, contiguous: the block this rank sends round the ring
-        A.kv_local.slice(3, 0, d).copy_from(A.qkv.slice(3, d, d));
-        A.kv_local.slice(3, d, d).copy_from(A.qkv.slice(3, 2 * d, d));
-      }
-    });
-    link(g1, qkv);
+    auto qkv = build_attention_input(l, prev, tags);
     std::vector<TaskId> attn;
     if (cp == 1) {
       attn = each(at + "attention", tags, [=, this](int r) {
@@ -687,6 +680,79 @@ struct TrainingStep::Impl {
     return res2;
   }
 
+  // The input norm, sequence parallelism's gather and the QKV projection, on the whole local
+  // sequence (also under Ampipe, whose chunks split only the queries).
+  std::vector<TaskId> build_attention_input(int l, const std::vector<TaskId>& prev,
+                                            rt::TaskTags tags) {
+    auto L = [this, l](int r) -> LayerActivations& { return ranks[r].layers[l]; };
+    auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
+    const std::string at = fmt::format("L{}.", l);
+    auto ln1 = each(at + "input_norm", tags, [=, this](int r) {
+      LayerActivations& A = L(r);
+      ops::layer_norm_forward(A.x_in, P(r).ln1_weight->value, P(r).ln1_bias->value,
+                              m.layernorm_epsilon, A.ln1, A.ln1_mean, A.ln1_rstd);
+    });
+    link(prev, ln1);
+    std::vector<TaskId> g1(ranks.size(), rt::kNoTask);
+    if (t_sp > 1)
+      g1 = tp_all_gather(
+          ln1, [=](int r) { return L(r).ln1; }, [=](int r) { return L(r).ln1_full; },
+          at + "sp_gather", tags);
+    auto qkv = each(at + "qkv", tags, [=, this](int r) {
+      LayerActivations& A = L(r);
+      ops::linear_forward(A.ln1_full, P(r).qkv_weight->value, P(r).qkv_bias->value,
+                          A.qkv.reshape({Sc, B, 3 * Hl * d}));
+      if (cp > 1) {  // keys and values, contiguous: the block this rank sends round the ring
+        A.kv_local.slice(3, 0, d).copy_from(A.qkv.slice(3, d, d));
+        A.kv_local.slice(3, d, d).copy_from(A.qkv.slice(3, 2 * d, d));
+      }
+    });
+    link(g1, qkv);
+    return qkv;
+  }
+
+  // The backward of build_attention_input: QKV input gradient (with the ring's key/value
+  // gradients under CP), its reduction over tp, the weight gradient overlapping that reduction,
+  // and the input norm; then the attention half's gradient buckets.
+  std::vector<TaskId> build_attention_input_backward(int l, const std::vector<TaskId>& ready_in,
+                                                     bool last, rt::TaskTags tags) {
+    auto L = [this, l](int r) -> LayerActivations& { return ranks[r].layers[l]; };
+    auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
+    auto W = [this](int r) -> BackwardWorkspace& { return ranks[r].ws; };
+    const std::string at = fmt::format("L{}.", l);
+    auto qkv_in = each(at + "qkv_backward", tags, [=, this](int r) {
+      BackwardWorkspace& w = W(r);
+      if (cp > 1) {  // the block's gradients came home with the last turn of the ring
+        const Tensor& home = w.dring[cp % 2];
+        w.d_qkv.slice(3, d, d).copy_from(home.slice(3, 0, d));
+        w.d_qkv.slice(3, 2 * d, d).copy_from(home.slice(3, d, d));
+      }
+      ops::linear_backward_input(w.d_qkv.reshape({Sc, B, 3 * Hl * d}), P(r).qkv_weight->value,
+                                 w.d_norm_full);
+    });
+    link(ready_in, qkv_in);
+    auto red = reduce_partial(
+        qkv_in, [=](int r) { return W(r).d_norm_full; }, [=](int r) { return W(r).d_norm; },
+        at + "attention_grad_reduce", tags);
+    auto wg = each(at + "qkv_weight_grad", tags, [=, this](int r) {
+      ops::linear_backward_weight(L(r).ln1_full, W(r).d_qkv.reshape({Sc, B, 3 * Hl * d}),
+                                  P(r).qkv_weight->grad, P(r).qkv_bias->grad);
+    });
+    std::vector<TaskId> ready = red;
+    for (std::size_t r = 0; r < red.size(); ++r)
+      if (red[r] == rt::kNoTask) ready[r] = wg[r];
+    auto ln1 = each(at + "input_norm_backward", tags, [=, this](int r) {
+      LayerActivations& A = L(r);
+      BackwardWorkspace& w = W(r);
+      ops::layer_norm_backward(A.x_in, P(r).ln1_weight->value, A.ln1_mean, A.ln1_rstd, w.d_norm,
+                               w.d_tmp, P(r).ln1_weight->grad, P(r).ln1_bias->grad);
+      ops::accumulate(w.d_tmp, w.d_x);
+    });
+    link(ready, ln1);
+    if (last) reduce_buckets(fmt::format("layers.{}.attention", l), ln1);
+    return ln1;
+  }
+
   // ------------------------------------------------------------------------------- Ampipe
   //
   // A MoE layer with --ampipe-degree N: input norm and QKV run on the whole sequence; from the
@@ -708,14 +774,7 @@ struct TrainingStep::Impl {
     auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
     const std::string at = fmt::format("L{}.", l);
     const std::int64_t n = chunk_rows();
-    auto qkv = each(at + "qkv", tags, [=, this](int r) {
-      LayerActivations& A = L(r);
-      ops::layer_norm_forward(A.x_in, P(r).ln1_weight->value, P(r).ln1_bias->value,
-                              m.layernorm_epsilon, A.ln1, A.ln1_mean, A.ln1_rstd);
-      ops::linear_forward(A.ln1_full, P(r).qkv_weight->value, P(r).qkv_bias->value,
-                          A.qkv.reshape({Sc, B, 3 * Hl * d}));
-    });
-    link(prev, qkv);
+    auto qkv = build_attention_input(l, prev, tags);
     std::vector<std::vector<TaskId>> routed(static_cast<std::size_t>(ampipe()));
     for (int c = 0; c < ampipe(); ++c) {
       const std::string chunk = at + fmt::format("c{}.", c);
@@ -818,20 +877,7 @@ struct TrainingStep::Impl {
       side = attn;
     }
     if (last_micro_batch) reduce_buckets(fmt::format("layers.{}.mlp", l), side);
-    auto qkv_in = each(at + "qkv_backward", tags, [=, this](int r) {
-      BackwardWorkspace& w = W(r);
-      ops::linear_backward_input(w.d_qkv.reshape({Sc, B, 3 * Hl * d}), P(r).qkv_weight->value,
-                                 w.d_norm_full);
-      ops::linear_backward_weight(L(r).ln1_full, w.d_qkv.reshape({Sc, B, 3 * Hl * d}),
-                                  P(r).qkv_weight->grad, P(r).qkv_bias->grad);
-      LayerActivations& A = L(r);
-      ops::layer_norm_backward(A.x_in, P(r).ln1_weight->value, A.ln1_mean, A.ln1_rstd,
-                               w.d_norm_full, w.d_tmp, P(r).ln1_weight->grad, P(r).ln1_bias->grad);
-      ops::accumulate(w.d_tmp, w.d_x);
-    });
-    link(side, qkv_in);
-    if (last_micro_batch) reduce_buckets(fmt::format("layers.{}.attention", l), qkv_in);
-    return qkv_in;
+    return build_attention_input_backward(l, side, last_micro_batch, tags);
   }
 
   void activation_forward(const Tensor& pre, const Tensor& out) {
@@ -1096,6 +1142,26 @@ struct TrainingStep::Impl {
 
   MoeSlot& slot(int r, int l, int c) { return ranks[r].layers[l].moe[c]; }
 
+  // Task names of MoE slot c of layer l: "L<l>." or, for an Ampipe chunk, "L<l>.c<c>.".
+  std::string slot_prefix(int l, int c) const {
+    return fmt::format("L{}.", l) + (ampipe() > 1 ? fmt::format("c{}.", c) : "");
+  }
+
+  // The expert-parallel all-to-all of a slot's rows: outbound (to the experts' ranks: the
+  // slot's send_rows leave `from`, recv_rows arrive in `into`) or back (the counts reversed).
+  std::vector<TaskId> slot_exchange(int l, int c, const std::vector<TaskId>& ready,
+                                    Tensor MoeSlot::*from, Tensor MoeSlot::*into, bool outbound,
+                                    const std::string& name, rt::TaskTags tags) {
+    auto rows = [this, l, c](int r, bool sent) {
+      MoeSlot& S = slot(r, l, c);
+      return sent ? &S.send_rows : &S.recv_rows;
+    };
+    return ep_exchange(
+        ready, [=, this](int r) { return slot(r, l, c).*from; },
+        [=](int r) { return rows(r, outbound); }, [=, this](int r) { return slot(r, l, c).*into; },
+        [=](int r) { return rows(r, !outbound); }, slot_prefix(l, c) + name, tags);
+  }
+
   // This rank's tokens of MoE slot c: [n, h] rows of the layer's [S, B, h] activations (its
   // SP shard, its 1/tp slice of a replicated sequence, and within that the Ampipe chunk).
   Tensor slot_tokens(int r, int c, const Tensor& sbh) const {
@@ -1108,7 +1174,7 @@ struct TrainingStep::Impl {
   //   experts: the local experts; the combine all-to-all
   //   combine: the weighted combine into the slot's output rows
   std::vector<TaskId> moe_route(int l, int c, const std::vector<TaskId>& prev, rt::TaskTags tags) {
-    const std::string at = fmt::format("L{}.", l) + (ampipe() > 1 ? fmt::format("c{}.", c) : "");
+    const std::string at = slot_prefix(l, c);
     const std::int64_t E = m.num_experts;
     auto route = each(at + "router", tags, [=, this](int r) {
       MoeSlot& A = slot(r, l, c);
@@ -1150,16 +1216,13 @@ struct TrainingStep::Impl {
       }
       return comm.all_to_all(b, g, in, out, {.name = at + "dispatch_counts", .tags = tags});
     });
-    return ep_exchange(
-        counts, [=, this](int r) { return slot(r, l, c).grouped; },
-        [=, this](int r) { return &slot(r, l, c).send_rows; },
-        [=, this](int r) { return slot(r, l, c).arrived; },
-        [=, this](int r) { return &slot(r, l, c).recv_rows; }, at + "dispatch", tags);
+    return slot_exchange(l, c, counts, &MoeSlot::grouped, &MoeSlot::arrived, true, "dispatch",
+                         tags);
   }
 
   std::vector<TaskId> moe_experts(int l, int c, const std::vector<TaskId>& ready,
                                   rt::TaskTags tags) {
-    const std::string at = fmt::format("L{}.", l) + (ampipe() > 1 ? fmt::format("c{}.", c) : "");
+    const std::string at = slot_prefix(l, c);
     auto experts = each(at + "experts", tags, [=, this](int r) {
       MoeSlot& A = slot(r, l, c);
       const LayerShard& P = ranks[r].shard->layer(l);
@@ -1183,16 +1246,13 @@ struct TrainingStep::Impl {
     });
     link(ready, experts);
     if (ep() == 1) return experts;
-    return ep_exchange(
-        experts, [=, this](int r) { return slot(r, l, c).leaving; },
-        [=, this](int r) { return &slot(r, l, c).recv_rows; },
-        [=, this](int r) { return slot(r, l, c).expert_out; },
-        [=, this](int r) { return &slot(r, l, c).send_rows; }, at + "combine", tags);
+    return slot_exchange(l, c, experts, &MoeSlot::leaving, &MoeSlot::expert_out, false, "combine",
+                         tags);
   }
 
   std::vector<TaskId> moe_combine(int l, int c, const std::vector<TaskId>& ready,
                                   rt::TaskTags tags) {
-    const std::string at = fmt::format("L{}.", l) + (ampipe() > 1 ? fmt::format("c{}.", c) : "");
+    const std::string at = slot_prefix(l, c);
     auto combine = each(at + "combine", tags, [=, this](int r) {
       MoeSlot& A = slot(r, l, c);
       ops::combine_tokens(A.dispatch, A.expert_out.slice(0, 0, A.dispatch.rows()), A.topk_weight,
@@ -1217,14 +1277,10 @@ struct TrainingStep::Impl {
       });
       link(ready, summed);
     }
-    auto reduced =
-        per_group(GroupKind::tensor_context, summed, [&](const devices::ProcessGroup& g) {
-          std::vector<std::span<float>> bufs;
-          for (rt::DeviceId dv : g.devices())
-            bufs.push_back(all_of(ranks[dv].layers[l].stats_total));
-          return comm.all_reduce(b, g, bufs, devices::ReduceOp::sum,
-                                 {.name = at + "router_stats", .tags = tags});
-        });
+    auto reduced = all_reduce_over(
+        GroupKind::tensor_context, summed,
+        [this, l](int r) { return ranks[r].layers[l].stats_total; }, devices::ReduceOp::sum,
+        at + "router_stats", tags);
     auto aux = each(at + "router_losses", tags, [=, this](int r) {
       const ops::RouterStatistics st = unpack_stats(ranks[r].layers[l].stats_total, m.num_experts);
       ranks[r].aux[mb] += ops::aux_loss(router_options(), st) + ops::z_loss(router_options(), st);
@@ -1450,37 +1506,7 @@ struct TrainingStep::Impl {
     link(g, attn);
     std::vector<TaskId> dkv_ready = attn;
     if (cp > 1) dkv_ready = build_ring_attention_backward(l, attn, tags);
-    auto qkv_in = each(at + "qkv_backward", tags, [=, this](int r) {
-      BackwardWorkspace& w = W(r);
-      if (cp > 1) {  // the block's gradients came home with the last turn of the ring
-        const Tensor& home = w.dring[cp % 2];
-        w.d_qkv.slice(3, d, d).copy_from(home.slice(3, 0, d));
-        w.d_qkv.slice(3, 2 * d, d).copy_from(home.slice(3, d, d));
-      }
-      ops::linear_backward_input(w.d_qkv.reshape({Sc, B, 3 * Hl * d}), P(r).qkv_weight->value,
-                                 w.d_norm_full);
-    });
-    link(dkv_ready, qkv_in);
-    auto red = reduce_partial(
-        qkv_in, [=](int r) { return W(r).d_norm_full; }, [=](int r) { return W(r).d_norm; },
-        at + "attention_grad_reduce", tags);
-    auto wg = each(at + "qkv_weight_grad", tags, [=, this](int r) {
-      ops::linear_backward_weight(L(r).ln1_full, W(r).d_qkv.reshape({Sc, B, 3 * Hl * d}),
-                                  P(r).qkv_weight->grad, P(r).qkv_bias->grad);
-    });
-    std::vector<TaskId> ready = red;
-    for (std::size_t r = 0; r < red.size(); ++r)
-      if (red[r] == rt::kNoTask) ready[r] = wg[r];
-    auto ln1 = each(at + "input_norm_backward", tags, [=, this](int r) {
-      LayerActivations& A = L(r);
-      BackwardWorkspace& w = W(r);
-      ops::layer_norm_backward(A.x_in, P(r).ln1_weight->value, A.ln1_mean, A.ln1_rstd, w.d_norm,
-                               w.d_tmp, P(r).ln1_weight->grad, P(r).ln1_bias->grad);
-      ops::accumulate(w.d_tmp, w.d_x);
-    });
-    link(ready, ln1);
-    if (last) reduce_buckets(fmt::format("layers.{}.attention", l), ln1);
-    return ln1;
+    return build_attention_input_backward(l, dkv_ready, last, tags);
   }
 
   // MoE backward in three phases per slot, mirroring the forward (Ampipe runs them for the
@@ -1490,7 +1516,7 @@ struct TrainingStep::Impl {
   //   router:   un-permutation, the router's backward; the slot's input gradient rows
   std::vector<TaskId> moe_combine_backward(int l, int c, const std::vector<TaskId>& prev,
                                            rt::TaskTags tags) {
-    const std::string at = fmt::format("L{}.", l) + (ampipe() > 1 ? fmt::format("c{}.", c) : "");
+    const std::string at = slot_prefix(l, c);
     auto combine = each(at + "combine_backward", tags, [=, this](int r) {
       MoeSlot& A = slot(r, l, c);
       // This slot's tokens' output gradient.
@@ -1501,16 +1527,13 @@ struct TrainingStep::Impl {
     });
     link(prev, combine);
     if (ep() == 1) return combine;
-    return ep_exchange(
-        combine, [=, this](int r) { return slot(r, l, c).d_expert_out; },
-        [=, this](int r) { return &slot(r, l, c).send_rows; },
-        [=, this](int r) { return slot(r, l, c).d_arrived; },
-        [=, this](int r) { return &slot(r, l, c).recv_rows; }, at + "combine_backward", tags);
+    return slot_exchange(l, c, combine, &MoeSlot::d_expert_out, &MoeSlot::d_arrived, true,
+                         "combine_backward", tags);
   }
 
   std::vector<TaskId> moe_experts_backward(int l, int c, const std::vector<TaskId>& ready,
                                            rt::TaskTags tags) {
-    const std::string at = fmt::format("L{}.", l) + (ampipe() > 1 ? fmt::format("c{}.", c) : "");
+    const std::string at = slot_prefix(l, c);
     auto experts = each(at + "experts_backward", tags, [=, this](int r) {
       MoeSlot& A = slot(r, l, c);
       const LayerShard& P = ranks[r].shard->layer(l);
@@ -1536,17 +1559,14 @@ struct TrainingStep::Impl {
     });
     link(ready, experts);
     if (ep() == 1) return experts;
-    return ep_exchange(
-        experts, [=, this](int r) { return slot(r, l, c).d_leaving; },
-        [=, this](int r) { return &slot(r, l, c).recv_rows; },
-        [=, this](int r) { return slot(r, l, c).d_grouped; },
-        [=, this](int r) { return &slot(r, l, c).send_rows; }, at + "dispatch_backward", tags);
+    return slot_exchange(l, c, experts, &MoeSlot::d_leaving, &MoeSlot::d_grouped, false,
+                         "dispatch_backward", tags);
   }
 
   // Leaves the slot's input gradient in its d_moe_in.
   std::vector<TaskId> moe_router_backward(int l, int c, const std::vector<TaskId>& ready,
                                           rt::TaskTags tags) {
-    const std::string at = fmt::format("L{}.", l) + (ampipe() > 1 ? fmt::format("c{}.", c) : "");
+    const std::string at = slot_prefix(l, c);
     auto router = each(at + "router_backward", tags, [=, this](int r) {
       MoeSlot& A = slot(r, l, c);
       const LayerShard& P = ranks[r].shard->layer(l);
@@ -1598,17 +1618,8 @@ struct TrainingStep::Impl {
       auto grads = [this, i](int r) { return ranks[r].shard->buckets()[i].grads; };
       std::vector<TaskId> ready = after;
       auto reduce = [&](GroupKind kind, const std::string& suffix) {
-        auto ids = per_group(
-            kind, ready,
-            [&](const devices::ProcessGroup& g) {
-              std::vector<std::span<float>> bufs;
-              for (rt::DeviceId dv : g.devices())
-                bufs.push_back(all_of(grads(static_cast<int>(dv))));
-              return comm.all_reduce(
-                  b, g, bufs, devices::ReduceOp::sum,
-                  {.name = b0.name + suffix, .tags = tags, .stream = "grad_comm"});
-            },
-            true);
+        auto ids = all_reduce_over(kind, ready, grads, devices::ReduceOp::sum, b0.name + suffix,
+                                   tags, true);
         for (std::size_t r = 0; r < ids.size(); ++r)
           if (ids[r] != rt::kNoTask) ready[r] = ids[r];
       };

@@ -98,8 +98,11 @@ template <typename T>
 double squared_norm(std::span<const BasicTensor<T>> grads) {
   double sum = 0;
   for (const BasicTensor<T>& g : grads)
-    for (T x : g.to_vector())
-      sum += static_cast<double>(x) * static_cast<double>(x);
+    for (std::int64_t r = 0; r < g.rows(); ++r) {
+      const T* row = g.row(r);
+      for (std::int64_t c = 0; c < g.dim(-1); ++c)
+        sum += static_cast<double>(row[c]) * static_cast<double>(row[c]);
+    }
   return sum;
 }
 

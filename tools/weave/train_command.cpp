@@ -52,15 +52,13 @@ struct TrainOptions {
   bool ampipe_advise = false;
 };
 
-double step_flops(const graphs::ModelConfig& m, const graphs::ParallelPlan& p) {
-  // 6 x parameters x tokens for the dense parts, plus attention's 12 s^2 h per layer (forward
-  // and backward), per global batch.
-  const double h = m.hidden_size, s = m.seq_length, l = m.num_layers;
-  const double f = m.ffn_hidden_size * (m.activation == graphs::Activation::swiglu ? 3.0 : 2.0);
-  const double mlp = m.num_experts > 0 ? f * h * m.moe_router_topk : f * h;
-  const double per_token = 6.0 * l * (4 * h * h + mlp) + 6.0 * h * m.padded_vocab_size(1);
-  const double tokens = s * p.global_batch_size;
-  return per_token * tokens + 12.0 * l * s * s * h * p.global_batch_size / 2;
+// The FLOPs of one step: the sum of its compute tasks' cost hints (what the virtual clock
+// charges), so the reported rate and --timing model agree.
+double step_flops(const rt::Graph& graph) {
+  double flops = 0;
+  for (rt::TaskId t = 0; t < graph.size(); ++t)
+    flops += graph.tasks()[t].cost.flops;
+  return flops;
 }
 
 // Fills every micro-batch of `step` with samples from `first_sample` on.
@@ -261,7 +259,7 @@ int run_train(TrainOptions o) {
         first_loss, last_loss,
         tokens_per_step * static_cast<double>(iterations_run) / total_seconds,
         o.timing == "model" ? "(modelled)" : "(wall)",
-        step_flops(o.model, plan) * static_cast<double>(iterations_run) / total_seconds * 1e-9,
+        step_flops(step.graph()) * static_cast<double>(iterations_run) / total_seconds * 1e-9,
         o.trace.empty() ? ""
                         : fmt::format(" | trace of iteration {}: {}", o.trace_iteration, o.trace)));
   return 0;
