@@ -97,13 +97,19 @@ void check_params(ScheduleKind kind, const ScheduleParams& p) {
             "(got p = {}, N = {}, m = {}): set --microbatch-group-size-per-virtual-pipeline-stage "
             "between p and m, or run at least p micro-batches",
             p.ranks, n, p.micro_batches);
-      const int remainder = p.micro_batches % n;
-      if (remainder != 0 && remainder < p.ranks)
+      const auto fits = [&](int size) {
+        return p.micro_batches % size == 0 || p.micro_batches % size >= p.ranks;
+      };
+      if (!fits(n)) {
+        int suggestion = n;
+        while (!fits(suggestion))
+          ++suggestion;  // ends at m at the latest
         refuse(
             "the interleaved schedule needs m mod N = 0 or >= p, else the last group is too "
-            "small to fill the pipeline (got m = {}, N = {}, m mod N = {}, p = {}); choose N "
-            "dividing m (e.g. N = m) or a multiple of N for m",
-            p.micro_batches, n, remainder, p.ranks);
+            "small to fill the pipeline (got m = {}, N = {}, m mod N = {}, p = {}); set "
+            "--microbatch-group-size-per-virtual-pipeline-stage to {}, or m to a multiple of {}",
+            p.micro_batches, n, p.micro_batches % n, p.ranks, suggestion, n);
+      }
       return;
     }
     case ScheduleKind::InterleavedMem:

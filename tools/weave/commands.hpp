@@ -21,6 +21,7 @@ CLI::Validator positive();
 void add_topo_command(CLI::App& app);
 void add_simulate_command(CLI::App& app);
 void add_train_command(CLI::App& app);
+void add_schedule_command(CLI::App& app);
 
 // Checks the flags given to a subcommand before parsing, suggesting the closest known flag for
 // an unknown one, and expands `--config FILE` (a JSON object of flag names, with - or _, and
