@@ -374,6 +374,12 @@ ScheduleTheory schedule_theory(ScheduleKind kind, const ScheduleParams& params, 
           std::max(0.0, (p - 1) * (forward_time + backward_input_time - backward_weight_time)) /
           (m * per_mb);
       peaks([&](int) { return p; });
+      // A longer W than F or I no longer fits the gaps it is deferred into.
+      if (backward_weight_time > std::min(forward_time, backward_input_time))
+        t.caveat = fmt::format(
+            "the ZB-H1 formula assumes t_W <= t_F and t_W <= t_I (got t_F = {:g}, t_I = {:g}, "
+            "t_W = {:g})",
+            forward_time, backward_input_time, backward_weight_time);
       break;
     }
     case ScheduleKind::ZeroBubbleV: {

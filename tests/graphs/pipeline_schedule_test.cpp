@@ -204,6 +204,17 @@ TEST(PipelineSchedule, ZeroBubbleH1BubbleIsPMinusOneTimesFPlusIMinusW) {
       }
 }
 
+TEST(PipelineSchedule, ZeroBubbleH1TheoryWarnsWhenWeightGradientsOutgrowTheGaps) {
+  EXPECT_TRUE(schedule_theory(ScheduleKind::ZeroBubbleH1, {4, 8}, 1, 1, 1).caveat.empty());
+  const auto long_w = schedule_theory(ScheduleKind::ZeroBubbleH1, {4, 8}, 1, 0.5, 1);
+  EXPECT_TRUE(mentions(long_w.caveat, "t_W <= t_F and t_W <= t_I")) << long_w.caveat;
+  // The dry run shows why: the bubble is larger than the formula's.
+  const auto report =
+      simulate_schedule(make_schedule(ScheduleKind::ZeroBubbleH1, {4, 8}),
+                        {.forward = 1, .backward_input = 0.5, .backward_weight = 1});
+  EXPECT_GT(report.bubble_over_ideal, long_w.bubble_over_ideal + 1e-9);
+}
+
 TEST(PipelineSchedule, ZeroBubbleH1BeatsOneFOneB) {
   for (int p : {2, 4, 8})
     for (int m : {p, 2 * p, 3 * p}) {
