@@ -149,13 +149,34 @@ PipelineSchedule read_schedule_csv(std::string_view text, std::string name, int 
   PipelineSchedule s;
   s.name = std::move(name);
   s.ranks = static_cast<int>(rows.size());
-  int highest_stage = s.ranks - 1, highest_mb = -1;
+  int highest_stage = s.ranks - 1, highest_mb = -1, actions = 0;
+  const Cell* highest_stage_cell = nullptr;
+  const Cell* highest_mb_cell = nullptr;
   for (const auto& row : rows)
     for (const Cell& cell : row) {
-      if (cell.stage) highest_stage = std::max(highest_stage, *cell.stage);
-      if (cell.action.type != ActionType::Idle)
-        highest_mb = std::max(highest_mb, cell.action.micro_batch);
+      if (cell.action.type == ActionType::Idle) continue;
+      ++actions;
+      if (cell.stage && *cell.stage > highest_stage) {
+        highest_stage = *cell.stage;
+        highest_stage_cell = &cell;
+      }
+      if (cell.action.micro_batch > highest_mb) {
+        highest_mb = cell.action.micro_batch;
+        highest_mb_cell = &cell;
+      }
     }
+  // Every stage and every micro-batch needs actions of its own, so numbers beyond the count of
+  // actions are typos; refusing them also keeps a typo from sizing the checker's tables.
+  if (highest_stage_cell && highest_stage >= actions)
+    refuse_cell(*highest_stage_cell,
+                fmt::format("stage {} cannot exist in a schedule of {} actions: number the "
+                            "stages from 0 without gaps",
+                            highest_stage, actions));
+  if (micro_batches <= 0 && highest_mb_cell && highest_mb >= actions)
+    refuse_cell(*highest_mb_cell,
+                fmt::format("micro-batch {} cannot exist in a schedule of {} actions: number "
+                            "the micro-batches from 0 without gaps",
+                            highest_mb, actions));
   s.chunks = highest_stage / s.ranks + 1;
   s.micro_batches = micro_batches > 0 ? micro_batches : std::max(highest_mb + 1, 1);
   const Cell* not_interleaved = misplaced(s, StageLayout::Interleaved, rows);

@@ -31,19 +31,23 @@ struct Position {
   int step = 0;
 };
 
-// Where each (type, stage, micro-batch) appears in the schedule.
+// Where each compute action (type, stage, micro-batch) appears in the schedule.
 class ActionIndex {
  public:
+  static constexpr int kComputeTypes = 4;  // F, B, I, W
+
   ActionIndex(int stages, int micro_batches)
-      : micro_batches_(micro_batches), at_(static_cast<std::size_t>(4 * stages * micro_batches)) {}
+      : stages_(stages),
+        micro_batches_(micro_batches),
+        at_(static_cast<std::size_t>(kComputeTypes * stages * micro_batches)) {}
 
   std::vector<Position>& at(ActionType type, int stage, int mb) {
     return at_[static_cast<std::size_t>(
-        (static_cast<int>(type) * stages() + stage) * micro_batches_ + mb)];
+        (static_cast<int>(type) * stages_ + stage) * micro_batches_ + mb)];
   }
 
  private:
-  int stages() const { return static_cast<int>(at_.size()) / (4 * micro_batches_); }
+  int stages_;
   int micro_batches_;
   std::vector<std::vector<Position>> at_;
 };

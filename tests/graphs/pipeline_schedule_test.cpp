@@ -474,6 +474,10 @@ TEST(PipelineSchedule, CsvErrorsNameTheLineTheCellAndTheForm) {
                        "interleaved layout puts stages 0, 2 on rank 0 (the V layout: 0, 3; line "
                        "1, cell 3 ('2F0') rules it out)"));
   EXPECT_TRUE(mentions(error("# nothing\n"), "no rows"));
+  EXPECT_TRUE(mentions(error("0F0,0B0,0F123456789\n"),
+                       "cell 3 ('0F123456789'): micro-batch 123456789 cannot exist in a schedule "
+                       "of 3 actions"));
+  EXPECT_TRUE(mentions(error("0F0,0B0,999999F0\n"), "stage 999999 cannot exist"));
 }
 
 // ---------------------------------------------------------------------------------------- SVG
