@@ -21,7 +21,8 @@ MachineModel::MachineModel(std::vector<int> numa_of_device, double flops_per_sec
   }
 }
 
-rt::Nanos MachineModel::duration(const rt::TaskTable& tasks, rt::TaskId task) const {
+rt::Nanos MachineModel::duration(const rt::TaskTable& tasks, rt::TaskId task,
+                                 const rt::CostHint& cost) const {
   const rt::TaskInfo& t = tasks[task];
   auto numa = [&](rt::DeviceId d) {
     if (d >= numa_of_device_.size()) {
@@ -34,7 +35,7 @@ rt::Nanos MachineModel::duration(const rt::TaskTable& tasks, rt::TaskId task) co
   switch (t.kind) {
     case rt::TaskKind::compute:
       numa(t.device);
-      return static_cast<rt::Nanos>(std::llround(t.cost.flops / flops_per_second_ * 1e9));
+      return static_cast<rt::Nanos>(std::llround(cost.flops / flops_per_second_ * 1e9));
     case rt::TaskKind::comm:
     case rt::TaskKind::copy: {
       const int here = numa(t.device);
@@ -46,7 +47,7 @@ rt::Nanos MachineModel::duration(const rt::TaskTable& tasks, rt::TaskId task) co
           }
         }
       }
-      return links_.duration(t.cost.bytes, t.cost.messages, link);
+      return links_.duration(cost.bytes, cost.messages, link);
     }
     case rt::TaskKind::host:
       return 0;

@@ -83,18 +83,19 @@ auto pointers(std::span<const Span> buffers) {
 
 // Adds one task per rank joined in a rendezvous; `work(rank)` is that member's share of the
 // transfer, run once every member has arrived. An empty `work` adds tasks that only meet.
+// `work(r, context)` is member r's share.
 MemberTasks add_members(rt::GraphBuilder& graph, const ProcessGroup& group, const char* op,
                         const CollectiveOptions& options, const std::vector<rt::CostHint>& costs,
-                        std::function<void(int)> work) {
+                        std::function<void(int, rt::TaskContext&)> work) {
   const rt::StreamId stream = graph.stream(options.stream);
   const std::string prefix =
       options.name.empty() ? fmt::format("{}:{}", op, group.name()) : std::string(options.name);
-  auto shared = std::make_shared<const std::function<void(int)>>(std::move(work));
+  auto shared = std::make_shared<const std::function<void(int, rt::TaskContext&)>>(std::move(work));
   MemberTasks ids;
   ids.reserve(static_cast<std::size_t>(group.size()));
   for (int r = 0; r < group.size(); ++r) {
     rt::TaskFn fn;
-    if (*shared) fn = [shared, r](rt::TaskContext&) { (*shared)(r); };
+    if (*shared) fn = [shared, r](rt::TaskContext& context) { (*shared)(r, context); };
     ids.push_back(graph.add({.device = group.device(r),
                              .stream = stream,
                              .kind = rt::TaskKind::comm,
@@ -105,6 +106,14 @@ MemberTasks add_members(rt::GraphBuilder& graph, const ProcessGroup& group, cons
   }
   graph.rendezvous(prefix, ids);
   return ids;
+}
+
+MemberTasks add_members(rt::GraphBuilder& graph, const ProcessGroup& group, const char* op,
+                        const CollectiveOptions& options, const std::vector<rt::CostHint>& costs,
+                        std::function<void(int)> work) {
+  std::function<void(int, rt::TaskContext&)> with_context;
+  if (work) with_context = [work = std::move(work)](int r, rt::TaskContext&) { work(r); };
+  return add_members(graph, group, op, options, costs, std::move(with_context));
 }
 
 }  // namespace
@@ -247,50 +256,63 @@ MemberTasks SharedMemoryCommunicator::all_to_all_v(rt::GraphBuilder& graph,
   for (int r = 0; r < n; ++r)
     costs.push_back({.bytes = n > 1 ? ring_share(n, bytes_of(b[r].send.size())) : 0.0,
                      .messages = static_cast<std::uint32_t>(n - 1)});
-  return add_members(graph, group, "all_to_all_v", options, costs, [=](int r) {
-    // Every member's counts are final here: the rendezvous started no member's transfer before
-    // all had arrived, so the tasks that filled them have completed. Each member checks every
-    // sender it reads from, so a bad count fails the run before anything is copied from it.
-    for (int j = 0; j < n; ++j) {
-      const std::vector<std::int64_t>& counts = *b[j].send_counts;
-      if (counts.size() != static_cast<std::size_t>(n))
-        throw std::runtime_error(fmt::format(
-            "all_to_all_v over group '{}': rank {} has {} send counts, needs one per rank ({})",
-            group_name, j, counts.size(), n));
-      std::size_t rows = 0;
-      for (std::int64_t c : counts) {
-        if (c < 0)
+  return add_members(
+      graph, group, "all_to_all_v", options, costs, [=](int r, rt::TaskContext& context) {
+        // Every member's counts are final here: the rendezvous started no member's transfer before
+        // all had arrived, so the tasks that filled them have completed. Each member checks every
+        // sender it reads from, so a bad count fails the run before anything is copied from it.
+        for (int j = 0; j < n; ++j) {
+          const std::vector<std::int64_t>& counts = *b[j].send_counts;
+          if (counts.size() != static_cast<std::size_t>(n))
+            throw std::runtime_error(fmt::format(
+                "all_to_all_v over group '{}': rank {} has {} send counts, needs one per rank ({})",
+                group_name, j, counts.size(), n));
+          std::size_t rows = 0;
+          for (std::int64_t c : counts) {
+            if (c < 0)
+              throw std::runtime_error(
+                  fmt::format("all_to_all_v over group '{}': rank {} sends a negative count {}",
+                              group_name, j, c));
+            rows += static_cast<std::size_t>(c);
+          }
+          if (rows * row > b[j].send.size())
+            throw std::runtime_error(fmt::format(
+                "all_to_all_v over group '{}': rank {} sends {} rows of {} elements but its send "
+                "buffer holds {} elements",
+                group_name, j, rows, row, b[j].send.size()));
+        }
+        std::size_t total = 0;
+        for (int j = 0; j < n; ++j)
+          total += static_cast<std::size_t>((*b[j].send_counts)[r]) * row;
+        if (total > b[r].recv.size())
           throw std::runtime_error(fmt::format(
-              "all_to_all_v over group '{}': rank {} sends a negative count {}", group_name, j, c));
-        rows += static_cast<std::size_t>(c);
-      }
-      if (rows * row > b[j].send.size())
-        throw std::runtime_error(fmt::format(
-            "all_to_all_v over group '{}': rank {} sends {} rows of {} elements but its send "
-            "buffer holds {} elements",
-            group_name, j, rows, row, b[j].send.size()));
-    }
-    std::size_t total = 0;
-    for (int j = 0; j < n; ++j)
-      total += static_cast<std::size_t>((*b[j].send_counts)[r]) * row;
-    if (total > b[r].recv.size())
-      throw std::runtime_error(fmt::format(
-          "all_to_all_v over group '{}': rank {} receives {} elements but its receive buffer "
-          "holds {}; size it for the largest possible split (dropless MoE: tokens x top-k rows)",
-          group_name, r, total, b[r].recv.size()));
-    const bool streaming = streams(2 * bytes_of(total) * static_cast<std::size_t>(n));
-    std::size_t at = 0;
-    for (int j = 0; j < n; ++j) {
-      const std::vector<std::int64_t>& counts = *b[j].send_counts;
-      std::size_t from = 0;
-      for (int k = 0; k < r; ++k)
-        from += static_cast<std::size_t>(counts[k]) * row;
-      const std::size_t len = static_cast<std::size_t>(counts[r]) * row;
-      detail::copy_floats(b[r].recv.data() + at, b[j].send.data() + from, len, streaming);
-      b[r].recv_counts[j] = counts[r];
-      at += len;
-    }
-  });
+              "all_to_all_v over group '{}': rank {} receives {} elements but its receive buffer "
+              "holds {}; size it for the largest possible split (dropless MoE: tokens x top-k "
+              "rows)",
+              group_name, r, total, b[r].recv.size()));
+        const bool streaming = streams(2 * bytes_of(total) * static_cast<std::size_t>(n));
+        std::size_t at = 0;
+        for (int j = 0; j < n; ++j) {
+          const std::vector<std::int64_t>& counts = *b[j].send_counts;
+          std::size_t from = 0;
+          for (int k = 0; k < r; ++k)
+            from += static_cast<std::size_t>(counts[k]) * row;
+          const std::size_t len = static_cast<std::size_t>(counts[r]) * row;
+          detail::copy_floats(b[r].recv.data() + at, b[j].send.data() + from, len, streaming);
+          b[r].recv_counts[j] = counts[r];
+          at += len;
+        }
+        // Timed by the real split: the larger of what this member sends to and receives from the
+        // other ranks (the hint assumed its whole send buffer).
+        std::size_t sent = 0, received = 0;
+        for (int j = 0; j < n; ++j) {
+          if (j == r) continue;
+          sent += static_cast<std::size_t>((*b[r].send_counts)[j]) * row;
+          received += static_cast<std::size_t>((*b[j].send_counts)[r]) * row;
+        }
+        context.report_cost({.bytes = static_cast<double>(bytes_of(std::max(sent, received))),
+                             .messages = static_cast<std::uint32_t>(n - 1)});
+      });
 }
 
 MemberTasks SharedMemoryCommunicator::broadcast(rt::GraphBuilder& graph, const ProcessGroup& group,
@@ -349,7 +371,8 @@ MemberTasks SharedMemoryCommunicator::barrier(rt::GraphBuilder& graph, const Pro
                                               const CollectiveOptions& options) {
   // A dissemination barrier: ceil(log2 n) rounds of messages.
   const int rounds = std::bit_width(static_cast<unsigned>(group.size() - 1));
-  return add_members(graph, group, "barrier", options, same_cost(group.size(), 0.0, rounds), {});
+  return add_members(graph, group, "barrier", options, same_cost(group.size(), 0.0, rounds),
+                     std::function<void(int)>{});
 }
 
 }  // namespace weave::devices

@@ -54,12 +54,17 @@ struct MoeSlot {
   std::vector<std::int32_t> topk_index;
   ops::DispatchPlan dispatch;
   // Expert parallelism: rows leave grouped by destination rank, arrive grouped by source rank
-  // (each source's rows in local-expert order), and are regrouped by local expert to run.
-  Tensor counts_send, counts_recv;                    // [ep x local experts]: rows per expert
-  std::vector<std::int64_t> send_rows, recv_rows;     // [ep]: rows per destination / source
-  Tensor arrived, expert_in, expert_result, leaving;  // [ep tokens k, h]
-  std::vector<std::int64_t> local_begin;              // [local experts + 1] rows of expert_in
-  std::vector<std::int64_t> source_row;               // expert_in row -> arrived row
+  // (each source's rows in local-expert order), and are regrouped by local expert to run. The
+  // dispatch frames each destination's rows with header rows holding their per-expert counts,
+  // so one all-to-all carries both (no separate count exchange ahead of it); every later
+  // exchange moves unframed rows.
+  Tensor counts_recv;                              // [ep x local experts]: rows per expert
+  std::vector<std::int64_t> send_rows, recv_rows;  // [ep]: rows per destination / source
+  std::vector<std::int64_t> framed_send_rows, framed_recv_rows;  // the same plus headers
+  Tensor arrived, expert_in, expert_result, leaving;             // [ep tokens k (+ headers), h]
+  std::vector<std::int64_t> local_begin;  // [local experts + 1] rows of expert_in
+  std::vector<std::int64_t> source_row;   // expert_in row -> unframed arrival row
+  std::vector<std::int64_t> arrived_row;  // expert_in row -> row of `arrived`
   // Backward.
   Tensor d_moe, d_grouped, d_expert_out, d_topk, d_router_logits, d_moe_in;
   Tensor d_arrived, d_expert_in, d_expert_result, d_leaving;
@@ -87,9 +92,10 @@ struct RankState {
   BackwardWorkspace ws;
   Tensor emb_partial, emb_out;  // [S, B, h], [Sl, B, h]
   Tensor final_ln, final_mean, final_rstd, final_full, logits;
-  Tensor row_max, partials, lse;              // cross-entropy
-  Tensor norm_sq;                             // [1]: this rank's share of the squared grad norm
-  std::vector<double> loss, aux;              // per micro-batch
+  Tensor row_max, partials, lse;  // cross-entropy
+  Tensor norm_sq;                 // [1]: this rank's share of the squared grad norm
+  std::vector<double> loss, aux;  // per micro-batch
+  std::int64_t routed_picks = 0, dropped_picks = 0;  // this rank's tokens, the whole step
   std::vector<std::int32_t> tokens, targets;  // [Sc B]: this rank's positions of the micro-batch
 };
 
@@ -185,6 +191,8 @@ struct TrainingStep::Impl {
   }
 
   int ampipe() const { return plan.ampipe_degree; }
+  // Rows of h floats that hold one destination's per-local-expert counts in the dispatch.
+  std::int64_t header_rows() const { return (m.num_experts / ep() + h - 1) / h; }
 
   void allocate_slot(int r, LayerActivations& A, int c) {
     MoeSlot& S = A.moe[c];
@@ -197,7 +205,8 @@ struct TrainingStep::Impl {
     S.probs = act(r, {n, E});
     S.topk_weight = act(r, {n, k});
     S.topk_index.assign(static_cast<std::size_t>(n * k), 0);
-    S.grouped = act(r, {n * k, h});
+    // Under EP the dispatch sends `grouped` framed by header rows.
+    S.grouped = act(r, {n * k + (ep() > 1 ? ep() * header_rows() : 0), h});
     S.expert_out = act(r, {n * k, h});
     S.stats = ampipe() == 1 ? A.stats_total : act(r, {2 * E + 2});
     // The slot's output: its rows of the layer's MLP output, or (tensor parallelism without
@@ -209,11 +218,12 @@ struct TrainingStep::Impl {
     S.hidden = act(r, {capacity, f});
     if (ep() > 1) {
       const std::int64_t local = E / ep();
-      S.counts_send = act(r, {ep() * local});
       S.counts_recv = act(r, {ep() * local});
       S.send_rows.assign(static_cast<std::size_t>(ep()), 0);
       S.recv_rows.assign(static_cast<std::size_t>(ep()), 0);
-      S.arrived = act(r, {capacity, h});
+      S.framed_send_rows.assign(static_cast<std::size_t>(ep()), 0);
+      S.framed_recv_rows.assign(static_cast<std::size_t>(ep()), 0);
+      S.arrived = act(r, {capacity + ep() * header_rows(), h});
       S.expert_in = act(r, {capacity, h});
       S.expert_result = act(r, {capacity, h});
       S.leaving = act(r, {capacity, h});
@@ -1115,22 +1125,31 @@ struct TrainingStep::Impl {
 
   // Regroups rows that arrived grouped by source (each source's rows by local expert) into rows
   // grouped by local expert, recording where each came from.
+  // Reads the per-expert counts from each source's header rows first.
   void regroup_by_expert(MoeSlot& A) {
-    const std::int64_t local = m.num_experts / ep();
-    const float* counts = A.counts_recv.data();  // [source][local expert]
+    const std::int64_t local = m.num_experts / ep(), H = header_rows();
+    float* counts = A.counts_recv.data();  // [source][local expert]
     std::vector<std::int64_t> source_begin(static_cast<std::size_t>(ep()) + 1, 0);
-    for (int j = 0; j < ep(); ++j)
+    std::int64_t framed_begin = 0;
+    for (int j = 0; j < ep(); ++j) {
+      std::copy_n(A.arrived.row(framed_begin), local, counts + j * local);
+      A.recv_rows[j] = A.framed_recv_rows[j] - H;
       source_begin[j + 1] = source_begin[j] + A.recv_rows[j];
+      framed_begin += A.framed_recv_rows[j];
+    }
     A.local_begin.assign(static_cast<std::size_t>(local) + 1, 0);
     A.source_row.clear();
+    A.arrived_row.clear();
     for (std::int64_t e = 0; e < local; ++e) {
       for (int j = 0; j < ep(); ++j) {
         std::int64_t offset = source_begin[j];
         for (std::int64_t x = 0; x < e; ++x)
           offset += static_cast<std::int64_t>(counts[j * local + x]);
         const auto n = static_cast<std::int64_t>(counts[j * local + e]);
-        for (std::int64_t i = 0; i < n; ++i)
+        for (std::int64_t i = 0; i < n; ++i) {
           A.source_row.push_back(offset + i);
+          A.arrived_row.push_back(offset + i + (j + 1) * H);
+        }
       }
       A.local_begin[e + 1] = static_cast<std::int64_t>(A.source_row.size());
     }
@@ -1151,9 +1170,11 @@ struct TrainingStep::Impl {
   // slot's send_rows leave `from`, recv_rows arrive in `into`) or back (the counts reversed).
   std::vector<TaskId> slot_exchange(int l, int c, const std::vector<TaskId>& ready,
                                     Tensor MoeSlot::*from, Tensor MoeSlot::*into, bool outbound,
-                                    const std::string& name, rt::TaskTags tags) {
-    auto rows = [this, l, c](int r, bool sent) {
+                                    const std::string& name, rt::TaskTags tags,
+                                    bool framed = false) {
+    auto rows = [this, l, c, framed](int r, bool sent) {
       MoeSlot& S = slot(r, l, c);
+      if (framed) return sent ? &S.framed_send_rows : &S.framed_recv_rows;
       return sent ? &S.send_rows : &S.recv_rows;
     };
     return ep_exchange(
@@ -1193,31 +1214,41 @@ struct TrainingStep::Impl {
       // Capacity applies per slot (per Ampipe chunk, as MindSpeed does).
       A.dispatch = ops::plan_dispatch(A.topk_index, A.tokens, m.moe_router_topk, E,
                                       {.capacity_factor = m.moe_expert_capacity_factor});
-      ops::permute_tokens(A.dispatch, A.moe_in, A.grouped.slice(0, 0, A.dispatch.rows()));
-      if (ep() > 1) {
-        // In place: the collectives hold spans of these vectors from when the graph was built.
-        const std::vector<std::int64_t> rows_out = A.dispatch.rows_per_rank(ep());
-        std::copy(rows_out.begin(), rows_out.end(), A.send_rows.begin());
-        for (std::int64_t e = 0; e < E; ++e)
-          A.counts_send.data()[e] =
-              static_cast<float>(A.dispatch.expert_begin[e + 1] - A.dispatch.expert_begin[e]);
+      // Every rank routes different tokens (its SP shard, tp slice, cp chunks, dp batch).
+      ranks[r].routed_picks += A.tokens * m.moe_router_topk;
+      ranks[r].dropped_picks += A.dispatch.dropped;
+      if (ep() == 1) {
+        ops::permute_tokens(A.dispatch, A.moe_in, A.grouped.slice(0, 0, A.dispatch.rows()));
+        return;
       }
+      frame_dispatch(A);
     });
     link(prev, route);
     if (ep() == 1) return route;
-    // Tell each expert's rank how many rows of each of its experts are coming, then send them.
-    auto counts = per_group(GroupKind::expert, route, [&](const devices::ProcessGroup& g) {
-      std::vector<std::span<const float>> in;
-      std::vector<std::span<float>> out;
-      for (rt::DeviceId dv : g.devices()) {
-        MoeSlot& A = slot(static_cast<int>(dv), l, c);
-        in.emplace_back(A.counts_send.data(), static_cast<std::size_t>(E));
-        out.push_back(all_of(A.counts_recv));
-      }
-      return comm.all_to_all(b, g, in, out, {.name = at + "dispatch_counts", .tags = tags});
-    });
-    return slot_exchange(l, c, counts, &MoeSlot::grouped, &MoeSlot::arrived, true, "dispatch",
-                         tags);
+    return slot_exchange(l, c, route, &MoeSlot::grouped, &MoeSlot::arrived, true, "dispatch", tags,
+                         /*framed=*/true);
+  }
+
+  // Lays out a slot's rows for the dispatch all-to-all: for each destination rank, header rows
+  // with the row counts of its local experts, then the rows themselves in expert order.
+  void frame_dispatch(MoeSlot& A) {
+    const std::int64_t local = m.num_experts / ep(), H = header_rows();
+    const ops::DispatchPlan& D = A.dispatch;
+    std::int64_t at = 0;
+    for (int j = 0; j < ep(); ++j) {
+      std::fill_n(A.grouped.row(at), H * h, 0.f);
+      float* header = A.grouped.row(at);
+      for (std::int64_t e = 0; e < local; ++e)
+        header[e] =
+            static_cast<float>(D.expert_begin[j * local + e + 1] - D.expert_begin[j * local + e]);
+      at += H;
+      const std::int64_t first = D.expert_begin[j * local], last = D.expert_begin[(j + 1) * local];
+      for (std::int64_t row = first; row < last; ++row, ++at)
+        std::copy_n(A.moe_in.row(D.row_token[row]), h, A.grouped.row(at));
+      // In place: the collectives hold spans of these vectors from when the graph was built.
+      A.send_rows[j] = last - first;
+      A.framed_send_rows[j] = H + last - first;
+    }
   }
 
   std::vector<TaskId> moe_experts(int l, int c, const std::vector<TaskId>& ready,
@@ -1237,7 +1268,7 @@ struct TrainingStep::Impl {
       regroup_by_expert(A);
       const auto rows = static_cast<std::int64_t>(A.source_row.size());
       for (std::int64_t i = 0; i < rows; ++i)
-        std::copy_n(A.arrived.row(A.source_row[i]), h, A.expert_in.row(i));
+        std::copy_n(A.arrived.row(A.arrived_row[i]), h, A.expert_in.row(i));
       ops::experts_forward(expert_activation(), A.expert_in.slice(0, 0, rows), A.local_begin,
                            P.expert_fc1->value, P.expert_fc2->value, A.hidden_pre.slice(0, 0, rows),
                            A.hidden.slice(0, 0, rows), A.expert_result.slice(0, 0, rows));
@@ -1736,6 +1767,7 @@ struct TrainingStep::Impl {
       ranks[r].shard->zero_grads();
       std::fill(ranks[r].loss.begin(), ranks[r].loss.end(), 0.0);
       std::fill(ranks[r].aux.begin(), ranks[r].aux.end(), 0.0);
+      ranks[r].routed_picks = ranks[r].dropped_picks = 0;
     });
     for (int mb = 0; mb < M; ++mb) {
       build_forward(mb);
@@ -1748,6 +1780,8 @@ struct TrainingStep::Impl {
   StepResult result() const {
     StepResult out;
     for (int r = 0; r < mesh.size(); ++r) {
+      out.routed_picks += ranks[r].routed_picks;
+      out.dropped_picks += ranks[r].dropped_picks;
       const MeshCoordinates at = mesh.coordinates(r);
       if (at.tp != 0) continue;  // tensor-parallel ranks hold the same losses
       for (int mb = 0; mb < M; ++mb) {

@@ -17,16 +17,16 @@ UniformCostModel::UniformCostModel(double flops_per_second, Nanos latency, doubl
   }
 }
 
-Nanos UniformCostModel::duration(const TaskTable& tasks, TaskId task) const {
+Nanos UniformCostModel::duration(const TaskTable& tasks, TaskId task, const CostHint& cost) const {
   const TaskInfo& t = tasks[task];
   switch (t.kind) {
     case TaskKind::compute:
-      return static_cast<Nanos>(std::llround(t.cost.flops / flops_per_second_ * 1e9));
+      return static_cast<Nanos>(std::llround(cost.flops / flops_per_second_ * 1e9));
     case TaskKind::comm:
     case TaskKind::copy: {
-      const auto messages = t.cost.messages > 0 ? t.cost.messages : (t.cost.bytes > 0 ? 1u : 0u);
+      const auto messages = cost.messages > 0 ? cost.messages : (cost.bytes > 0 ? 1u : 0u);
       return static_cast<Nanos>(messages) * latency_ +
-             static_cast<Nanos>(std::llround(t.cost.bytes / bytes_per_second_ * 1e9));
+             static_cast<Nanos>(std::llround(cost.bytes / bytes_per_second_ * 1e9));
     }
     case TaskKind::host:
       return 0;

@@ -52,6 +52,7 @@ RunState::RunState(std::shared_ptr<const GraphData> graph, std::shared_ptr<Devic
   if (options_.link_model) {
     group_last_arrival_.assign(groups, 0);
     hold_until_.assign(n, 0);
+    cost_.resize(n);
   }
   if (options_.record_trace) {
     span_start_ = std::make_unique<std::uint64_t[]>(n);
@@ -107,9 +108,7 @@ void RunState::execute(TaskId task) {
       return;
     }
     if (span_start_ && info.group == kNoGroup) span_start_[cur] = TickClock::ticks();
-    if (info.group == kNoGroup && holds(info)) {
-      hold_until_[cur] = steady_now() + options_.link_model->duration(table_, cur);
-    }
+    const Nanos began = options_.link_model ? steady_now() : 0;
     bool deferred = false;
     {
       InsideTaskScope inside;
@@ -121,6 +120,11 @@ void RunState::execute(TaskId task) {
         fail(cur, std::current_exception());
       }
       deferred = context.deferred();
+      if (options_.link_model) cost_[cur] = context.reported_cost().value_or(info.cost);
+    }
+    if (info.group == kNoGroup && holds(info)) {
+      // The link is busy from the task's start for what the transfer costs.
+      hold_until_[cur] = began + options_.link_model->duration(table_, cur, cost_[cur]);
     }
     if (deferred) {
       const std::uint32_t before = pending_[cur].fetch_or(kFnReturned, std::memory_order_acq_rel);
@@ -196,7 +200,8 @@ void RunState::group_done(GroupId group) {
   const auto members = table_.members(group);
   Nanos longest = -1;
   for (TaskId m : members) {
-    if (holds(table_[m])) longest = std::max(longest, options_.link_model->duration(table_, m));
+    if (holds(table_[m]))
+      longest = std::max(longest, options_.link_model->duration(table_, m, cost_[m]));
   }
   if (longest >= 0) {
     // The transfer began when the last member arrived: a DMA engine starts then.

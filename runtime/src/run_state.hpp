@@ -91,6 +91,9 @@ class RunState final : public CompletionSink {
   std::unique_ptr<std::atomic<std::uint32_t>[]> group_finished_;
   std::vector<Nanos> group_last_arrival_;
   std::vector<Nanos> hold_until_;  // per task, with a link model
+  // Per task, with a link model: the cost it reported when it ran (TaskContext::report_cost),
+  // or its hint.
+  std::vector<CostHint> cost_;
   std::atomic<std::uint32_t> sinks_left_;
   std::atomic<bool> finished_{false};
   std::atomic<bool> cancelled_{false};

@@ -144,18 +144,16 @@ class Replay {
     const auto members = table_.members(g);
     if (++group_arrived_[g] < members.size()) return;
     Nanos longest = 0;
-    for (TaskId m : members) {
-      longest = std::max(longest, model_.duration(table_, m));
-      execute(m);
-    }
+    for (TaskId m : members)
+      longest = std::max(longest, model_.duration(table_, m, execute(m)));
     events_.push(Finish{group_last_arrival_[g] + longest, seq_++, g, true});
   }
 
   void begin(TaskId t, Nanos now) {
     start_[t] = now;
     if (uses_engine(table_[t])) engine_busy_[table_[t].device] = true;
-    execute(t);
-    events_.push(Finish{now + model_.duration(table_, t), seq_++, t, false});
+    const CostHint cost = execute(t);
+    events_.push(Finish{now + model_.duration(table_, t, cost), seq_++, t, false});
   }
 
   void start_waiting(Nanos now) {
@@ -182,10 +180,11 @@ class Replay {
     }
   }
 
-  void execute(TaskId t) {
-    if (!options_.execute) return;
+  // Runs the task's work (in execute mode) and returns its cost: what it reported, or its hint.
+  CostHint execute(TaskId t) {
+    if (!options_.execute) return table_[t].cost;
     const TaskFn& work = g_.work[t];
-    if (!work) return;
+    if (!work) return table_[t].cost;
     std::exception_ptr error;
     TaskContext context(table_, t, run_index_, true, sink_.get());
     try {
@@ -206,6 +205,7 @@ class Replay {
                                   table_.name(t), info.device, table_.stream_name(info.stream),
                                   describe(error)));
     }
+    return context.reported_cost().value_or(table_[t].cost);
   }
 
   const detail::GraphData& g_;

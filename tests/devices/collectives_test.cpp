@@ -556,6 +556,31 @@ TEST(Collectives, LinkModelHoldsCompletionAndTheVirtualClockReplaysIt) {
   EXPECT_EQ(bufs[0][0], 16.f);
 }
 
+TEST(Collectives, VariableAllToAllIsTimedByItsRealSplit) {
+  // The hint assumes a member sends its whole send buffer; once run, each member reports what
+  // it really moved: the larger of its off-rank sends and receives. Rank 0 sends 100 rows of
+  // 4 floats to rank 1 and rank 1 sends 10 rows back, out of buffers of 1000 rows.
+  const LinkModel links = LinkModel::accelerator({.latency = 1'000, .bytes_per_second = 1e9});
+  const MachineModel model({0, 0}, 1e12, links);
+  SharedMemoryCommunicator comm;
+  const ProcessGroup g = first_devices(2);
+  constexpr std::int64_t row = 4;
+  Buffers send(2, std::vector<float>(1000 * row, 1.f)), recv(2, std::vector<float>(1000 * row));
+  std::vector<std::int64_t> counts0{0, 100}, counts1{10, 0}, got0(2), got1(2);
+  const std::vector<VariableAllToAllBuffers> bufs{{send[0], &counts0, recv[0], got0},
+                                                  {send[1], &counts1, recv[1], got1}};
+  rt::GraphBuilder b;
+  const auto members = comm.all_to_all_v(b, g, bufs, row);
+  const rt::Graph graph = b.build();
+  EXPECT_EQ(model.duration(graph.tasks(), members[0]), 1'000 + 8'000);  // half of 1000 rows
+  rt::VirtualClock clock(model, {.execute = true});
+  EXPECT_EQ(clock.run(graph).makespan, 1'000 + 100 * row * 4);
+  EXPECT_EQ(got1, (std::vector<std::int64_t>{100, 0}));
+  // The executor's link model holds completion for the real split too (never less).
+  Machine machine(2);
+  EXPECT_GE(machine.run(graph, {.link_model = &model}).wall_time, 1'000 + 100 * row * 4);
+}
+
 template <typename Fn>
 std::string error_of(Fn&& fn) {
   try {

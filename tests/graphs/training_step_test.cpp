@@ -364,6 +364,47 @@ const Case kAmpipeCases[] = {
 INSTANTIATE_TEST_SUITE_P(Plans, Ampipe, ::testing::ValuesIn(kAmpipeCases),
                          [](const auto& info) { return std::string(info.param.name); });
 
+// The step reports the MoE picks it routed and those full experts dropped: none when dropless;
+// with a capacity, at least what the experts' summed capacity cannot take, per Ampipe chunk.
+TEST(Ampipe, ReportsDroppedPicksWithCapacityPerChunk) {
+  ModelConfig m = tiny(4);
+  m.moe_layer_freq = 1;
+  ParallelPlan plan{.expert_parallel = 2,
+                    .data_parallel = 2,
+                    .micro_batch_size = 2,
+                    .global_batch_size = 8,
+                    .ampipe_degree = 2};
+  auto picks = [&](double factor) {
+    ModelConfig mc = m;
+    mc.moe_expert_capacity_factor = factor;
+    validate(mc, plan);
+    devices::DeviceSet set(plan.devices(), {.pin = false});
+    devices::SharedMemoryCommunicator comm;
+    TrainingStep step(mc, plan, {}, set, comm);
+    fill_batches(step, mc, plan);
+    step.prepare(1, 1e-3);
+    set.executor().run(step.graph());
+    return std::pair{step.result().routed_picks, step.result().dropped_picks};
+  };
+  // Every token of the global batch picks topk experts in every MoE layer.
+  const std::int64_t all =
+      std::int64_t{m.seq_length} * plan.global_batch_size * m.num_layers * m.moe_router_topk;
+  EXPECT_EQ(picks(0).first, all);
+  EXPECT_EQ(picks(0).second, 0);
+  EXPECT_EQ(picks(4.0).second, 0);  // capacity above any expert's load
+  // Capacity 0.5: a chunk routes n = S B / 2 tokens (per rank: its micro-batch), each of the E
+  // experts takes ceil(0.5 n k / E) picks; every chunk drops at least the rest.
+  const auto [routed, dropped] = picks(0.5);
+  EXPECT_EQ(routed, all);
+  const std::int64_t n = std::int64_t{m.seq_length} * plan.micro_batch_size / 2;
+  const std::int64_t kept_per_chunk =
+      m.num_experts * ((n * m.moe_router_topk + 2 * m.num_experts - 1) / (2 * m.num_experts));
+  const std::int64_t chunks =
+      std::int64_t{plan.global_batch_size / plan.micro_batch_size} * 2 * m.num_layers;
+  EXPECT_GE(dropped, chunks * (n * m.moe_router_topk - kept_per_chunk));
+  EXPECT_LT(dropped, all);
+}
+
 // All-to-all time on device 0 during which it computes nothing, in a virtual-clock trace.
 rt::Nanos exposed_all_to_all(const rt::Trace& trace) {
   std::vector<std::pair<rt::Nanos, rt::Nanos>> compute, a2a;
@@ -426,14 +467,12 @@ TEST(Ampipe, VirtualClockHidesEachChunksAllToAllBehindAnotherChunk) {
   ASSERT_GT(exposed[1], 0);
   EXPECT_LE(exposed[2], exposed[1] / 2)
       << "degree 1: " << exposed[1] << " ns, degree 2: " << exposed[2] << " ns exposed";
-  // Chunk 0's dispatch (its per-expert counts, then its rows) runs while chunk 1's attention
-  // computes.
-  const rt::Span* counts = traces[2].find("L0.c0.dispatch_counts[0]");
-  const rt::Span* rows = traces[2].find("L0.c0.dispatch[0]");
+  // Chunk 0's dispatch runs while chunk 1's attention computes.
+  const rt::Span* dispatch = traces[2].find("L0.c0.dispatch[0]");
   const rt::Span* attention = traces[2].find("L0.c1.attention");
-  ASSERT_TRUE(counts && rows && attention);
-  EXPECT_LT(counts->start, attention->end);
-  EXPECT_GT(rows->end, attention->start);
+  ASSERT_TRUE(dispatch && attention);
+  EXPECT_LT(dispatch->start, attention->end);
+  EXPECT_GT(dispatch->end, attention->start);
 }
 
 TEST(TrainingStep, GradientsAreReducedInOneCollectivePerBucket) {

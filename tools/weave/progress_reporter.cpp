@@ -40,8 +40,10 @@ void ProgressReporter::iteration(const IterationReport& r) {
   const double rate = seconds_ > 0 ? tokens_ / seconds_ : 0;
   const double eta =
       rate > 0 ? static_cast<double>(total_ - r.iteration) * (tokens_ / r.iteration) / rate : 0;
-  const std::string exposed =
-      exposed_ ? fmt::format(" | exposed comm {:.0f}%", 100 * *exposed_) : "";
+  std::string exposed = exposed_ ? fmt::format(" | exposed comm {:.0f}%", 100 * *exposed_) : "";
+  if (r.dropped_picks && r.routed_picks > 0)
+    exposed += fmt::format(" | dropped {:.1f}%", 100.0 * static_cast<double>(*r.dropped_picks) /
+                                                     static_cast<double>(r.routed_picks));
   if (json_) {
     nlohmann::json j{{"iteration", r.iteration},
                      {"loss", r.loss},
@@ -51,6 +53,10 @@ void ProgressReporter::iteration(const IterationReport& r) {
                      {"seconds", r.seconds},
                      {"tokens_per_second", r.seconds > 0 ? r.tokens / r.seconds : 0.0}};
     if (r.exposed_comm_share) j["exposed_comm_share"] = *r.exposed_comm_share;
+    if (r.dropped_picks) {
+      j["dropped_picks"] = *r.dropped_picks;
+      j["routed_picks"] = r.routed_picks;
+    }
     json_ << j.dump() << "\n" << std::flush;
   }
   if (terminal_) {

@@ -19,6 +19,9 @@ struct IterationReport {
   double seconds = 0;  // this iteration's time (wall, or modelled with --timing model)
   double tokens = 0;   // tokens it trained on
   std::optional<double> exposed_comm_share;  // when the iteration was traced
+  // MoE picks dropped by full experts, and all picks; shown when routing has a capacity.
+  std::optional<std::int64_t> dropped_picks;
+  std::int64_t routed_picks = 0;
 };
 
 class ProgressReporter {

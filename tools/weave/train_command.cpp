@@ -232,8 +232,11 @@ int run_train(TrainOptions o) {
     if (iterations_run++ == 0) first_loss = r.loss;
     last_loss = r.loss;
     total_seconds += seconds;
-    progress.iteration(
-        {it, r.loss, r.aux_loss, r.grad_norm, lr, seconds, tokens_per_step, exposed});
+    std::optional<std::int64_t> dropped;
+    if (o.model.num_experts > 0 && o.model.moe_expert_capacity_factor > 0)
+      dropped = r.dropped_picks;
+    progress.iteration({it, r.loss, r.aux_loss, r.grad_norm, lr, seconds, tokens_per_step, exposed,
+                        dropped, r.routed_picks});
     if (!std::isfinite(r.loss))
       throw std::runtime_error(
           fmt::format("the loss is {} at iteration {}: lower --lr or raise "

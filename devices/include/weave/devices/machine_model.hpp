@@ -17,7 +17,9 @@ class MachineModel : public rt::CostModel {
   // compute: flops / rate. comm and copy: the link model, over the link class between the
   // task's device and the other members of its rendezvous (the slowest class present).
   // host: 0. Throws std::out_of_range for a task on a device the model does not know.
-  rt::Nanos duration(const rt::TaskTable& tasks, rt::TaskId task) const override;
+  using rt::CostModel::duration;
+  rt::Nanos duration(const rt::TaskTable& tasks, rt::TaskId task,
+                     const rt::CostHint& cost) const override;
 
   const LinkModel& links() const { return links_; }
   double flops_per_second() const { return flops_per_second_; }

@@ -39,6 +39,11 @@ struct StepResult {
   double loss = 0;       // language-model loss, mean over the global batch's tokens
   double aux_loss = 0;   // MoE load-balancing plus z-loss, mean over micro-batches
   double grad_norm = 0;  // before clipping
+  // MoE routing over the step (all layers and micro-batches): the token-to-expert picks the
+  // routers made and those a full expert dropped (--moe-expert-capacity-factor; capacity is
+  // per Ampipe chunk). Zero for dense models and dropless routing.
+  std::int64_t routed_picks = 0;
+  std::int64_t dropped_picks = 0;
 };
 
 class TrainingStep {

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string_view>
 
 #include "weave/runtime/completion.hpp"
@@ -35,12 +36,18 @@ class TaskContext {
   Completion defer();
   bool deferred() const { return deferred_; }
 
+  // The task's cost as it turned out (a variable all-to-all's real split, known only now): the
+  // virtual clock and the executor's link model time the task by it instead of its hint.
+  void report_cost(const CostHint& cost) { reported_cost_ = cost; }
+  const std::optional<CostHint>& reported_cost() const { return reported_cost_; }
+
  private:
   const TaskTable& table_;
   TaskId task_;
   std::uint64_t run_index_;
   bool virtual_;
   bool deferred_ = false;
+  std::optional<CostHint> reported_cost_;
   detail::CompletionSink* sink_;
 };
 
