@@ -165,10 +165,14 @@ std::string render_schedule_svg(const PipelineSchedule& s, const ScheduleReport&
           "<rect class=\"chunk-mark\" x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" height=\"{}\" "
           "fill=\"url(#chunk{})\"/>",
           cx, cy, cw, kRowHeight, c.action.chunk);
-    svg += fmt::format(
-        "<text x=\"{:.2f}\" y=\"{:.1f}\" font-size=\"10\" text-anchor=\"middle\" "
-        "dominant-baseline=\"middle\" fill=\"{}\">{}</text></g>\n",
-        cx + cw / 2, cy + kRowHeight / 2, l > 60 ? "#000" : "#fff", escape(to_string(c.action)));
+    // A label wider than its cell would spill over the neighbours: the tooltip still names it.
+    const std::string label = to_string(c.action);
+    if (cw >= 6.0 * static_cast<double>(label.size()) + 2)
+      svg += fmt::format(
+          "<text x=\"{:.2f}\" y=\"{:.1f}\" font-size=\"10\" text-anchor=\"middle\" "
+          "dominant-baseline=\"middle\" fill=\"{}\">{}</text>",
+          cx + cw / 2, cy + kRowHeight / 2, l > 60 ? "#000" : "#fff", escape(label));
+    svg += "</g>\n";
   }
 
   // Time axis.
