@@ -112,6 +112,11 @@ std::vector<std::string> validate(const ModelConfig& m, ParallelPlan& p) {
           "--ampipe-degree ({}) pipelines attention with MoE all-to-alls and needs MoE "
           "layers: set --num-experts",
           degree);
+    if (p.tensor_parallel > 1 && sp == 1)
+      refuse(
+          "--ampipe-degree ({}) with --tensor-model-parallel-size {} needs --sequence-parallel: "
+          "each tensor-parallel rank routes its own piece of every chunk",
+          degree, p.tensor_parallel);
     if (cp > 1 && degree != 2)
       refuse(
           "--ampipe-degree must be 2 with --context-parallel-size {} (got {}): the two "

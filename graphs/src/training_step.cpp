@@ -138,11 +138,11 @@ struct TrainingStep::Impl {
                       "the device set has {}",
                       plan.devices(), plan.tensor_parallel, plan.context_parallel,
                       plan.data_parallel, plan.pipeline_parallel, set.size()));
-    if (plan.ampipe_degree > 1 && (plan.tensor_parallel > 1 || plan.context_parallel > 1))
+    if (plan.ampipe_degree > 1 && plan.context_parallel > 1)
       throw ConfigError(fmt::format(
-          "this build runs --ampipe-degree {} with expert and data parallelism only; it needs "
-          "--tensor-model-parallel-size 1 and --context-parallel-size 1 (got {} and {})",
-          plan.ampipe_degree, plan.tensor_parallel, plan.context_parallel));
+          "this build runs --ampipe-degree {} with tensor, sequence, expert and data parallelism; "
+          "it needs --context-parallel-size 1 (got {})",
+          plan.ampipe_degree, plan.context_parallel));
     if (plan.pipeline_parallel > 1)
       throw ConfigError(
           "this build of the training step runs tensor, sequence, context, expert and data "
@@ -257,7 +257,8 @@ struct TrainingStep::Impl {
       A.ln1_full = sp ? act(r, {Sc, B, h}) : A.ln1;
       A.qkv = act(r, {Sc, B, Hl, 3 * d});
       A.attn = act(r, {Sc, B, Hl, d});
-      A.lse = ampipe() > 1 && R.shard->layer(l).moe ? act(r, {ampipe(), B, Hl, Sc / ampipe()})
+      // Ampipe: one [B, Hl, q] block per (chunk, piece).
+      A.lse = ampipe() > 1 && R.shard->layer(l).moe ? act(r, {ampipe() * t_sp, B, Hl, piece_rows()})
                                                     : act(r, {cp > 1 ? 2 : 1, B, Hl, chunk});
       A.proj_partial = act(r, {Sc, B, h});
       if (cp > 1) {
@@ -358,10 +359,17 @@ struct TrainingStep::Impl {
       kind = kind.substr(kind.find('.') + 1);
     }
     if (chunk_index >= 0) {
-      // One Ampipe chunk: 1/N of the per-token work; chunk c's queries see (2c+1)/N^2 of the
-      // causal attention's keys.
+      // One Ampipe chunk: 1/N of the per-token work; a piece of q queries from row `first`
+      // sees q (2 first + q) / Sc^2 of the causal attention's keys ((2c+1)/N^2 of them for a
+      // chunk in one piece).
       const double N = ampipe();
-      const double share = 1.0 / N, causal = (2.0 * chunk_index + 1) / (N * N);
+      double causal = 0;
+      for (int j = 0; j < t_sp; ++j) {
+        const double q = static_cast<double>(piece_rows());
+        const double first = static_cast<double>(piece_start(chunk_index, j));
+        causal += q * (2 * first + q) / (static_cast<double>(Sc) * static_cast<double>(Sc));
+      }
+      const double share = 1.0 / N;
       const double rows = static_cast<double>(Sc * B), hd = static_cast<double>(h);
       const double proj = 2 * rows * Hl * d * hd;
       const double attention =
@@ -774,7 +782,11 @@ struct TrainingStep::Impl {
   //             every chunk's combine and residual;
   //   backward: the same passes over the chunks in reverse, with the mirrored all-to-alls.
 
-  std::int64_t chunk_rows() const { return Sc / ampipe(); }
+  // Under SP a chunk is one piece of q = Sl / N rows in every tp rank's shard (the layout
+  // MindSpeed gets by permuting the sequence): local rows [c q, (c+1) q) on rank j are the
+  // sequence's rows [j Sl + c q, j Sl + (c+1) q). Without SP there is one piece, the chunk.
+  std::int64_t piece_rows() const { return Sl / ampipe(); }
+  std::int64_t piece_start(int c, int j) const { return j * Sl + c * piece_rows(); }
 
   std::vector<TaskId> build_ampipe_layer_forward(int l, int mb, std::vector<TaskId> prev) {
     const rt::TaskTags tags{.layer = static_cast<std::uint16_t>(l),
@@ -783,31 +795,49 @@ struct TrainingStep::Impl {
     auto L = [this, l](int r) -> LayerActivations& { return ranks[r].layers[l]; };
     auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
     const std::string at = fmt::format("L{}.", l);
-    const std::int64_t n = chunk_rows();
+    const std::int64_t q = piece_rows(), n = t_sp * q;  // n: the chunk's rows of the sequence
     auto qkv = build_attention_input(l, prev, tags);
+    // Residual and norm of this rank's rows of chunk c, from the out-projection's sum `proj`.
+    auto residual_norm = [=, this](int r, int c, const Tensor& proj) {
+      LayerActivations& A = L(r);
+      const std::int64_t first = c * q;
+      bias_dropout_add(r, mb, l, 0, proj, P(r).proj_bias->value, A.x_in.slice(0, first, q),
+                       A.x_mid.slice(0, first, q), first);
+      ops::layer_norm_forward(A.x_mid.slice(0, first, q), P(r).ln2_weight->value,
+                              P(r).ln2_bias->value, m.layernorm_epsilon, A.ln2.slice(0, first, q),
+                              A.ln2_mean.slice(0, first * B, q * B),
+                              A.ln2_rstd.slice(0, first * B, q * B));
+    };
     std::vector<std::vector<TaskId>> routed(static_cast<std::size_t>(ampipe()));
     for (int c = 0; c < ampipe(); ++c) {
       const std::string chunk = at + fmt::format("c{}.", c);
+      // The out-projection's partial sums of the chunk's rows, piece after piece.
+      auto partial = [=](int r) { return L(r).proj_partial.slice(0, c * n, n); };
       auto side = each(chunk + "attention", tags, [=, this](int r) {
         LayerActivations& A = L(r);
-        const std::int64_t first = c * n;
-        ops::attention_forward({.q_offset = first}, head_view(A.qkv.slice(0, first, n), 0),
-                               head_view(A.qkv, 1), head_view(A.qkv, 2),
-                               A.attn.slice(0, first, n).transpose(0, 1),
-                               A.lse.slice(0, c, 1).reshape({B, Hl, n}));
-        const Tensor proj = A.proj_partial.slice(0, first, n);
-        ops::linear_forward(A.attn.slice(0, first, n).reshape({n, B, Hl * d}),
-                            P(r).proj_weight->value, Tensor{}, proj);
-        bias_dropout_add(r, mb, l, 0, proj, P(r).proj_bias->value, A.x_in.slice(0, first, n),
-                         A.x_mid.slice(0, first, n), first);
-        ops::layer_norm_forward(A.x_mid.slice(0, first, n), P(r).ln2_weight->value,
-                                P(r).ln2_bias->value, m.layernorm_epsilon, A.ln2.slice(0, first, n),
-                                A.ln2_mean.slice(0, first * B, n * B),
-                                A.ln2_rstd.slice(0, first * B, n * B));
+        for (int j = 0; j < t_sp; ++j) {
+          const std::int64_t first = piece_start(c, j);
+          ops::attention_forward({.q_offset = first}, head_view(A.qkv.slice(0, first, q), 0),
+                                 head_view(A.qkv, 1), head_view(A.qkv, 2),
+                                 A.attn.slice(0, first, q).transpose(0, 1),
+                                 A.lse.slice(0, c * t_sp + j, 1).reshape({B, Hl, q}));
+          ops::linear_forward(A.attn.slice(0, first, q).reshape({q, B, Hl * d}),
+                              P(r).proj_weight->value, Tensor{}, partial(r).slice(0, j * q, q));
+        }
+        if (t_sp == 1) residual_norm(r, c, partial(r));
       });
       // After the previous chunk's router by the compute stream's order only: its dispatch may
       // still be running, and that is the overlap.
       link(qkv, side);
+      if (t_sp > 1) {
+        // Each rank's piece of the summed projection comes home, on the comm stream.
+        auto reduced = tp_reduce_scatter(
+            side, partial, [=](int r) { return L(r).proj_out.slice(0, c * q, q); },
+            chunk + "attention_reduce", tags);
+        side = each(chunk + "attention_residual", tags,
+                    [=, this](int r) { residual_norm(r, c, L(r).proj_out.slice(0, c * q, q)); });
+        link(reduced, side);
+      }
       routed[c] = moe_route(l, c, side, tags);
     }
     std::vector<std::vector<TaskId>> computed(static_cast<std::size_t>(ampipe()));
@@ -820,10 +850,10 @@ struct TrainingStep::Impl {
       auto combine = moe_combine(l, c, computed[c], tags);
       auto residual = each(at + fmt::format("c{}.mlp_residual", c), tags, [=, this](int r) {
         LayerActivations& A = L(r);
-        const std::int64_t first = c * n;
-        const Tensor y = A.mlp_out.slice(0, first, n);
+        const std::int64_t first = c * q;
+        const Tensor y = A.mlp_out.slice(0, first, q);
         apply_dropout(false, r, mb, l, 1, y, y, first);
-        ops::add(A.x_mid.slice(0, first, n), y, A.x_out.slice(0, first, n));
+        ops::add(A.x_mid.slice(0, first, q), y, A.x_out.slice(0, first, q));
       });
       link(combine, residual);
       link(stats, residual);
@@ -841,7 +871,7 @@ struct TrainingStep::Impl {
     auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
     auto W = [this](int r) -> BackwardWorkspace& { return ranks[r].ws; };
     const std::string at = fmt::format("L{}.", l);
-    const std::int64_t n = chunk_rows();
+    const std::int64_t q = piece_rows(), n = t_sp * q;
     auto start = each(at + "mlp_residual_backward", tags, [=, this](int r) {
       BackwardWorkspace& w = W(r);
       w.d_x_mid.copy_from(w.d_x);
@@ -858,32 +888,58 @@ struct TrainingStep::Impl {
       experts[c] = moe_experts_backward(l, c, combined[c], tags);
     std::vector<TaskId> side;
     for (int c = N - 1; c >= 0; --c) {
+      const std::string chunk = at + fmt::format("c{}.", c);
       auto router = moe_router_backward(l, c, experts[c], tags);
-      auto attn = each(at + fmt::format("c{}.attention_backward", c), tags, [=, this](int r) {
+      // The norm, residual and bias of this rank's rows of the chunk: d_proj in d_mlp's rows.
+      auto residual_backward = [=, this](int r) {
         LayerActivations& A = L(r);
         BackwardWorkspace& w = W(r);
-        const std::int64_t first = c * n;
-        const Tensor d_norm = w.d_norm.slice(0, first, n), d_tmp = w.d_tmp.slice(0, first, n);
-        const Tensor d_mid = w.d_x_mid.slice(0, first, n), d_proj = w.d_mlp.slice(0, first, n);
-        d_norm.reshape({n * B, h}).copy_from(slot(r, l, c).d_moe_in);
-        ops::layer_norm_backward(A.x_mid.slice(0, first, n), P(r).ln2_weight->value,
-                                 A.ln2_mean.slice(0, first * B, n * B),
-                                 A.ln2_rstd.slice(0, first * B, n * B), d_norm, d_tmp,
+        const std::int64_t first = c * q;
+        const Tensor d_norm = w.d_norm.slice(0, first, q), d_tmp = w.d_tmp.slice(0, first, q);
+        const Tensor d_mid = w.d_x_mid.slice(0, first, q), d_proj = w.d_mlp.slice(0, first, q);
+        d_norm.reshape({q * B, h}).copy_from(slot(r, l, c).d_moe_in);
+        ops::layer_norm_backward(A.x_mid.slice(0, first, q), P(r).ln2_weight->value,
+                                 A.ln2_mean.slice(0, first * B, q * B),
+                                 A.ln2_rstd.slice(0, first * B, q * B), d_norm, d_tmp,
                                  P(r).ln2_weight->grad, P(r).ln2_bias->grad);
         ops::accumulate(d_tmp, d_mid);
-        w.d_x.slice(0, first, n).copy_from(d_mid);  // the residual path to the layer input
+        w.d_x.slice(0, first, q).copy_from(d_mid);  // the residual path to the layer input
         bias_dropout_add_backward(r, mb, l, 0, d_mid, d_proj, P(r).proj_bias->grad, first);
-        const Tensor d_attn = w.d_attn.reshape({Sc, B, Hl * d}).slice(0, first, n);
-        ops::linear_backward_input(d_proj, P(r).proj_weight->value, d_attn);
-        ops::linear_backward_weight(A.attn.slice(0, first, n).reshape({n, B, Hl * d}), d_proj,
-                                    P(r).proj_weight->grad, Tensor{});
-        ops::attention_backward(
-            {.q_offset = first}, head_view(A.qkv.slice(0, first, n), 0), head_view(A.qkv, 1),
-            head_view(A.qkv, 2), A.attn.slice(0, first, n).transpose(0, 1),
-            A.lse.slice(0, c, 1).reshape({B, Hl, n}), d_attn.reshape({n, B, Hl, d}).transpose(0, 1),
-            head_view(w.d_qkv.slice(0, first, n), 0), head_view(w.d_qkv, 1), head_view(w.d_qkv, 2));
+      };
+      // The projection's gradient of the chunk's rows of the sequence, piece after piece (under
+      // SP gathered from every rank's piece).
+      auto d_proj_rows = [=, this](int r) {
+        return t_sp > 1 ? W(r).d_mlp_full.slice(0, c * n, n) : W(r).d_mlp.slice(0, c * q, q);
+      };
+      std::vector<TaskId> ready = router;
+      if (t_sp > 1) {
+        auto res = each(chunk + "attention_residual_backward", tags, residual_backward);
+        link(router, res);
+        ready = tp_all_gather(
+            res, [=, this](int r) { return W(r).d_mlp.slice(0, c * q, q); }, d_proj_rows,
+            chunk + "attention_grad_gather", tags);
+      }
+      auto attn = each(chunk + "attention_backward", tags, [=, this](int r) {
+        LayerActivations& A = L(r);
+        BackwardWorkspace& w = W(r);
+        if (t_sp == 1) residual_backward(r);
+        for (int j = 0; j < t_sp; ++j) {
+          const std::int64_t first = piece_start(c, j);
+          const Tensor d_proj = d_proj_rows(r).slice(0, j * q, q);
+          const Tensor d_attn = w.d_attn.reshape({Sc, B, Hl * d}).slice(0, first, q);
+          ops::linear_backward_input(d_proj, P(r).proj_weight->value, d_attn);
+          ops::linear_backward_weight(A.attn.slice(0, first, q).reshape({q, B, Hl * d}), d_proj,
+                                      P(r).proj_weight->grad, Tensor{});
+          ops::attention_backward({.q_offset = first}, head_view(A.qkv.slice(0, first, q), 0),
+                                  head_view(A.qkv, 1), head_view(A.qkv, 2),
+                                  A.attn.slice(0, first, q).transpose(0, 1),
+                                  A.lse.slice(0, c * t_sp + j, 1).reshape({B, Hl, q}),
+                                  d_attn.reshape({q, B, Hl, d}).transpose(0, 1),
+                                  head_view(w.d_qkv.slice(0, first, q), 0), head_view(w.d_qkv, 1),
+                                  head_view(w.d_qkv, 2));
+        }
       });
-      link(router, attn);
+      link(ready, attn);
       side = attn;
     }
     if (last_micro_batch) reduce_buckets(fmt::format("layers.{}.mlp", l), side);

@@ -87,6 +87,13 @@ TEST(ParallelPlan, AmpipeRules) {
   EXPECT_TRUE(mentions(refusal(moe, {.context_parallel = 2, .ampipe_degree = 4}),
                        "--ampipe-degree must be 2 with --context-parallel-size 2"));
   EXPECT_TRUE(mentions(refusal(moe, {.ampipe_degree = 0}), "--ampipe-degree must be >= 1"));
+  EXPECT_TRUE(mentions(refusal(moe, {.tensor_parallel = 2, .ampipe_degree = 2}),
+                       "with --tensor-model-parallel-size 2 needs --sequence-parallel"));
+  EXPECT_EQ(refusal(moe, {.tensor_parallel = 2, .sequence_parallel = true, .ampipe_degree = 4}),
+            "accepted");
+  EXPECT_TRUE(
+      mentions(refusal(moe, {.tensor_parallel = 4, .sequence_parallel = true, .ampipe_degree = 8}),
+               "--seq-length (48) must be divisible by 32"));
 }
 
 TEST(ParallelPlan, SequenceParallelIsSwitchedOffAtTensorParallelOne) {
