@@ -6,7 +6,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <optional>
 #include <stdexcept>
+#include <string>
 
 namespace weave::devices {
 
@@ -92,7 +95,36 @@ LinkModel LinkModel::host(LinkParams same_numa, LinkParams cross_numa) {
   return m;
 }
 
+namespace {
+
+// "GBPS:MICROSECONDS" -> link parameters, or nothing when `spec` is not of that form.
+std::optional<LinkParams> parse_custom_link(std::string_view spec) {
+  const std::size_t colon = spec.find(':');
+  if (colon == std::string_view::npos) return std::nullopt;
+  const std::string gbps(spec.substr(0, colon)), micros(spec.substr(colon + 1));
+  char* end = nullptr;
+  const double bandwidth = std::strtod(gbps.c_str(), &end);
+  const bool bandwidth_ok =
+      !gbps.empty() && *end == '\0' && std::isfinite(bandwidth) && bandwidth > 0;
+  const double latency = std::strtod(micros.c_str(), &end);
+  const bool latency_ok = !micros.empty() && *end == '\0' && std::isfinite(latency) && latency >= 0;
+  if (!bandwidth_ok || !latency_ok)
+    throw std::invalid_argument(fmt::format(
+        "link '{}': a custom link is GBPS:MICROSECONDS, a bandwidth in GB/s greater than 0 and "
+        "a per-message latency in microseconds of at least 0 (say 20:10)",
+        spec));
+  return LinkParams{.latency = static_cast<rt::Nanos>(std::llround(latency * 1e3)),
+                    .bytes_per_second = bandwidth * 1e9};
+}
+
+}  // namespace
+
 LinkModel LinkModel::preset(std::string_view name) {
+  if (const std::optional<LinkParams> custom = parse_custom_link(name)) {
+    LinkModel m = accelerator(*custom);
+    m.name_ = std::string(name);
+    return m;
+  }
   for (const PresetEntry& p : kPresets) {
     if (name != p.name) continue;
     LinkModel m = p.host ? host(kHostSameNuma, kHostCrossNuma) : accelerator(p.link);

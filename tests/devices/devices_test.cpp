@@ -205,6 +205,19 @@ TEST(LinkModel, PresetsHaveExactDurations) {
   for (const auto& p : LinkModel::presets())
     EXPECT_NO_THROW(LinkModel::preset(p.name)) << p.name;
   EXPECT_EQ(LinkModel::presets().size(), 7u);
+  // A custom accelerator link, GB/s:us.
+  const LinkModel slow = LinkModel::preset("0.5:200");
+  EXPECT_TRUE(slow.enabled());
+  EXPECT_EQ(slow.link_between(0, 1), LinkClass::accelerator);
+  EXPECT_EQ(slow.duration(1e6, 2, LinkClass::accelerator), 400'000 + 2'000'000);
+  for (const char* bad : {"0:10", "-1:10", "fast:10", "20:", "20:-3", ":5"}) {
+    try {
+      LinkModel::preset(bad);
+      ADD_FAILURE() << bad;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find("GBPS:MICROSECONDS"), std::string::npos) << e.what();
+    }
+  }
 }
 
 TEST(LinkModel, UnknownPresetNamesTheValidOnes) {

@@ -161,7 +161,8 @@ void add_simulate_command(CLI::App& app) {
   cmd->add_option("--size", w.size, "chain/fanout: tasks; wavefront: side")
       ->check(at_least(1))
       ->capture_default_str();
-  cmd->add_option("--link", options->link, "Link model preset (see `weave topo --links`)")
+  cmd->add_option("--link", options->link,
+                  "Link model: a preset (see `weave topo --links`) or GBPS:MICROSECONDS")
       ->capture_default_str();
   cmd->add_option("--device-flops", options->device_flops,
                   "Modelled compute rate of a device, FLOP/s (virtual clock)")

@@ -376,7 +376,8 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--timing", o->timing, "wall: real threads; model: the virtual clock")
       ->check(CLI::IsMember({"wall", "model"}))
       ->capture_default_str();
-  cmd->add_option("--link", o->link, "Link model preset (see `weave topo --links`)")
+  cmd->add_option("--link", o->link,
+                  "Link model: a preset (see `weave topo --links`) or GBPS:MICROSECONDS")
       ->capture_default_str();
   cmd->add_option("--device-flops", o->device_flops, "Modelled FLOP/s of a device (--timing model)")
       ->check(positive())

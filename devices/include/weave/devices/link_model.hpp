@@ -31,7 +31,9 @@ class LinkModel {
   static LinkModel accelerator(LinkParams accelerator);
   // Host shared memory, with separate figures for one NUMA node and across nodes.
   static LinkModel host(LinkParams same_numa, LinkParams cross_numa);
-  // A named preset; throws std::invalid_argument listing the names for an unknown one.
+  // A named preset, or "GBPS:MICROSECONDS" for an accelerator link of that bandwidth and
+  // per-message latency (say "0.2:500", to slow a link as far as host compute is from an
+  // accelerator's); throws std::invalid_argument listing the names for an unknown one.
   static LinkModel preset(std::string_view name);
   static std::vector<LinkPreset> presets();
 
