@@ -35,6 +35,7 @@ struct LayerActivations {
   Tensor ln1, ln1_mean, ln1_rstd, ln1_full;
   Tensor qkv, attn, lse, proj_partial, proj_out, x_mid;
   Tensor kv_local;  // context parallelism: this rank's keys and values [Sc, B, Hl, 2d]
+  Tensor kv_store;  // Ampipe under CP: every cp rank's block, by owner [cp Sc, B, Hl, 2d]
   Tensor ln2, ln2_mean, ln2_rstd, ln2_full;
   Tensor fc1, act, fc2_partial;  // dense
   Tensor mlp_out;                // [Sl, B, h]: the MLP's output, before bias and dropout
@@ -79,9 +80,10 @@ struct BackwardWorkspace {
   Tensor d_attn, d_qkv;              // [S, B, Hl d], [S, B, Hl, 3d]
   // Context parallelism: key/value blocks and their gradients travelling round the ring
   // (double-buffered), and one block's partial attention.
-  Tensor ring[2], dring[2];                        // [Sc, B, Hl, 2d]
-  Tensor o_part, dq_part;                          // [chunk, B, Hl, d]
-  Tensor lse_part;                                 // [B, Hl, chunk]
+  Tensor ring[2], dring[2];   // [Sc, B, Hl, 2d]
+  Tensor dkv_send, dkv_recv;  // Ampipe under CP: block gradients by owner / by source [cp Sc, ...]
+  Tensor o_part, dq_part;     // [chunk, B, Hl, d]
+  Tensor lse_part;            // [B, Hl, chunk]
   std::vector<std::int64_t> ring_send, ring_recv;  // rows to each cp rank: all to the next
   Tensor d_logits, d_final_full;                   // [S B, Vl], [S, B, h]
 };
@@ -138,11 +140,6 @@ struct TrainingStep::Impl {
                       "the device set has {}",
                       plan.devices(), plan.tensor_parallel, plan.context_parallel,
                       plan.data_parallel, plan.pipeline_parallel, set.size()));
-    if (plan.ampipe_degree > 1 && plan.context_parallel > 1)
-      throw ConfigError(fmt::format(
-          "this build runs --ampipe-degree {} with tensor, sequence, expert and data parallelism; "
-          "it needs --context-parallel-size 1 (got {})",
-          plan.ampipe_degree, plan.context_parallel));
     if (plan.pipeline_parallel > 1)
       throw ConfigError(
           "this build of the training step runs tensor, sequence, context, expert and data "
@@ -261,7 +258,10 @@ struct TrainingStep::Impl {
       A.lse = ampipe() > 1 && R.shard->layer(l).moe ? act(r, {ampipe() * t_sp, B, Hl, piece_rows()})
                                                     : act(r, {cp > 1 ? 2 : 1, B, Hl, chunk});
       A.proj_partial = act(r, {Sc, B, h});
-      if (cp > 1) {
+      if (cp > 1 && ampipe() > 1 && R.shard->layer(l).moe) {
+        A.kv_store = act(r, {cp * Sc, B, Hl, 2 * d});
+        A.kv_local = A.kv_store.slice(0, mesh.coordinates(r).cp * Sc, Sc);
+      } else if (cp > 1) {
         A.kv_local = act(r, {Sc, B, Hl, 2 * d});
       }
       A.proj_out = sp ? act(r, {Sl, B, h}) : A.proj_partial;
@@ -314,6 +314,10 @@ struct TrainingStep::Impl {
       for (int i = 0; i < 2; ++i) {
         W.ring[i] = act(r, {Sc, B, Hl, 2 * d});
         W.dring[i] = act(r, {Sc, B, Hl, 2 * d});
+      }
+      if (ampipe() > 1) {
+        W.dkv_send = act(r, {cp * Sc, B, Hl, 2 * d});
+        W.dkv_recv = act(r, {cp * Sc, B, Hl, 2 * d});
       }
       W.o_part = act(r, {chunk, B, Hl, d});
       W.dq_part = act(r, {chunk, B, Hl, d});
@@ -372,8 +376,18 @@ struct TrainingStep::Impl {
       const double share = 1.0 / N;
       const double rows = static_cast<double>(Sc * B), hd = static_cast<double>(h);
       const double proj = 2 * rows * Hl * d * hd;
+      // This rank's causal attention: its Sc queries against half of the S keys on average.
       const double attention =
-          2 * 2 * static_cast<double>(B * Hl * Sc) * static_cast<double>(Sc) * d * 0.5;
+          2 * 2 * static_cast<double>(B * Hl * Sc) * static_cast<double>(S) * d * 0.5;
+      if (cp > 1) {
+        // Under CP a chunk is one of the two balanced halves: a half against one block is
+        // 1/(2 cp) of the attention; chunk 1 attends to all cp blocks in one task.
+        const double per_block = attention / (2.0 * cp);
+        const double blocks = chunk_index == 1 ? cp : 1;
+        if (kind == "attention_step") return per_block;
+        if (kind == "attention") return blocks * per_block + proj / 2;
+        if (kind == "attention_backward") return 2.5 * attention / 2 + proj;
+      }
       const double k = m.moe_router_topk;
       const double f1 = m.activation == Activation::swiglu ? 2.0 * f : f;
       const double experts = 2 * static_cast<double>(T) * k * hd * (f1 + f);
@@ -813,6 +827,19 @@ struct TrainingStep::Impl {
       const std::string chunk = at + fmt::format("c{}.", c);
       // The out-projection's partial sums of the chunk's rows, piece after piece.
       auto partial = [=](int r) { return L(r).proj_partial.slice(0, c * n, n); };
+      if (cp > 1) {
+        routed[c] = moe_route(
+            l, c,
+            ampipe_ring_attention(l, c, qkv, tags,
+                                  [=, this](int r) {
+                                    ops::linear_forward(
+                                        L(r).attn.slice(0, c * q, q).reshape({q, B, Hl * d}),
+                                        P(r).proj_weight->value, Tensor{}, partial(r));
+                                    residual_norm(r, c, partial(r));
+                                  }),
+            tags);
+        continue;
+      }
       auto side = each(chunk + "attention", tags, [=, this](int r) {
         LayerActivations& A = L(r);
         for (int j = 0; j < t_sp; ++j) {
@@ -876,7 +903,8 @@ struct TrainingStep::Impl {
       BackwardWorkspace& w = W(r);
       w.d_x_mid.copy_from(w.d_x);
       apply_dropout(true, r, mb, l, 1, w.d_x, w.d_mlp);
-      w.d_qkv.fill(0.f);  // the chunks' attention accumulates dk and dv
+      w.d_qkv.fill(0.f);                 // the chunks' attention accumulates dk and dv
+      if (cp > 1) w.dkv_send.fill(0.f);  // ... or, under CP, every block's
     });
     link(prev, start);
     const int N = ampipe();
@@ -923,6 +951,10 @@ struct TrainingStep::Impl {
         LayerActivations& A = L(r);
         BackwardWorkspace& w = W(r);
         if (t_sp == 1) residual_backward(r);
+        if (cp > 1) {
+          ampipe_ring_attention_backward(r, l, c);
+          return;
+        }
         for (int j = 0; j < t_sp; ++j) {
           const std::int64_t first = piece_start(c, j);
           const Tensor d_proj = d_proj_rows(r).slice(0, j * q, q);
@@ -942,8 +974,132 @@ struct TrainingStep::Impl {
       link(ready, attn);
       side = attn;
     }
+    if (cp > 1) side = send_block_gradients_home(l, side, tags);
     if (last_micro_batch) reduce_buckets(fmt::format("layers.{}.mlp", l), side);
     return build_attention_input_backward(l, side, last_micro_batch, tags);
+  }
+
+  // Ampipe under context parallelism (degree 2): the chunks are the two load-balanced halves a
+  // rank holds. Chunk 0's attention runs the ring and keeps every key/value block it brings in
+  // kv_store (by owner), so chunk 1 attends to them all without communication, while chunk 0's
+  // dispatch runs. In backward both chunks add their key/value gradients to per-owner blocks,
+  // which one all-to-all sends home.
+  Tensor kv_block(int r, int l, int owner) {
+    return ranks[r].layers[l].kv_store.slice(0, owner * Sc, Sc);
+  }
+
+  // Attends half c of this rank's queries to `owner`'s block, folding it into the half's output.
+  void attend_block(int r, int l, int c, int owner) {
+    LayerActivations& A = ranks[r].layers[l];
+    BackwardWorkspace& w = ranks[r].ws;
+    const int me = mesh.coordinates(r).cp;
+    const Tensor block = kv_block(r, l, owner);
+    for (std::int64_t kc = 0; kc < 2; ++kc) {
+      const Tensor keys = block.slice(0, kc * chunk, chunk);
+      ops::attention_forward({.q_offset = context_position(me, c * chunk),
+                              .k_offset = context_position(owner, kc * chunk)},
+                             head_view(A.qkv.slice(0, c * chunk, chunk), 0), head_view(keys, 0),
+                             head_view(keys, 1), w.o_part.transpose(0, 1), w.lse_part);
+      merge_partial(A.attn.slice(0, c * chunk, chunk), A.lse.slice(0, c, 1).reshape({B, Hl, chunk}),
+                    w.o_part, w.lse_part);
+    }
+  }
+
+  // Chunk c's attention; `finish(r)` (its projection, residual and norm) ends the last task.
+  std::vector<TaskId> ampipe_ring_attention(int l, int c, const std::vector<TaskId>& qkv,
+                                            rt::TaskTags tags, std::function<void(int)> finish) {
+    const std::string at = fmt::format("L{}.c{}.", l, c);
+    auto begin_half = [=, this](int r) {
+      LayerActivations& A = ranks[r].layers[l];
+      A.attn.slice(0, c * chunk, chunk).fill(0.f);
+      A.lse.slice(0, c, 1).fill(-std::numeric_limits<float>::infinity());
+    };
+    if (c == 1) {  // every block is here: chunk 0's ring brought them
+      auto task = each(at + "attention", tags, [=, this](int r) {
+        begin_half(r);
+        for (int owner = 0; owner < cp; ++owner)
+          attend_block(r, l, 1, owner);
+        finish(r);
+      });
+      link(qkv, task);
+      return task;
+    }
+    std::vector<TaskId> arrived = qkv, step;
+    for (int t = 0; t < cp; ++t) {
+      if (t > 0) {
+        // Each block lands in its owner's slot of kv_store: nothing is overwritten.
+        auto shift = ring_shift(
+            arrived, [=, this](int r) { return kv_block(r, l, ring_owner(r, t - 1)); },
+            [=, this](int r) { return kv_block(r, l, ring_owner(r, t)); },
+            at + fmt::format("cp_ring{}", t), tags);
+        link(qkv, shift);
+        arrived = shift;
+      }
+      const bool last = t == cp - 1;
+      step = each(at + (last ? "attention" : "attention_step"), tags, [=, this](int r) {
+        if (t == 0) begin_half(r);
+        attend_block(r, l, 0, ring_owner(r, t));
+        if (last) finish(r);
+      });
+      link(arrived, step);
+    }
+    return step;
+  }
+
+  // Chunk c's attention backward against every stored block (after its projection's backward
+  // into d_attn): dq into d_qkv, each block's dk and dv into dkv_send at its owner.
+  void ampipe_ring_attention_backward(int r, int l, int c) {
+    LayerActivations& A = ranks[r].layers[l];
+    BackwardWorkspace& w = ranks[r].ws;
+    const LayerShard& P = ranks[r].shard->layer(l);
+    const int me = mesh.coordinates(r).cp;
+    const Tensor d_proj = w.d_mlp.slice(0, c * chunk, chunk);
+    const Tensor d_attn = w.d_attn.reshape({Sc, B, Hl * d}).slice(0, c * chunk, chunk);
+    const Tensor attn = A.attn.slice(0, c * chunk, chunk);
+    ops::linear_backward_input(d_proj, P.proj_weight->value, d_attn);
+    ops::linear_backward_weight(attn.reshape({chunk, B, Hl * d}), d_proj, P.proj_weight->grad,
+                                Tensor{});
+    for (int owner = 0; owner < cp; ++owner) {
+      const Tensor block = kv_block(r, l, owner), grads = w.dkv_send.slice(0, owner * Sc, Sc);
+      for (std::int64_t kc = 0; kc < 2; ++kc) {
+        const Tensor keys = block.slice(0, kc * chunk, chunk);
+        const Tensor key_grads = grads.slice(0, kc * chunk, chunk);
+        ops::attention_backward(
+            {.q_offset = context_position(me, c * chunk),
+             .k_offset = context_position(owner, kc * chunk)},
+            head_view(A.qkv.slice(0, c * chunk, chunk), 0), head_view(keys, 0), head_view(keys, 1),
+            attn.transpose(0, 1), A.lse.slice(0, c, 1).reshape({B, Hl, chunk}),
+            d_attn.reshape({chunk, B, Hl, d}).transpose(0, 1), w.dq_part.transpose(0, 1),
+            head_view(key_grads, 0), head_view(key_grads, 1));
+        ops::accumulate(w.dq_part, w.d_qkv.slice(0, c * chunk, chunk).slice(3, 0, d));
+      }
+    }
+  }
+
+  // Every rank's gradient of block o goes to rank o in one all-to-all over the cp group; each
+  // rank sums what came into dring[cp % 2], where the QKV backward takes its block's gradient.
+  std::vector<TaskId> send_block_gradients_home(int l, const std::vector<TaskId>& ready,
+                                                rt::TaskTags tags) {
+    const std::string at = fmt::format("L{}.", l);
+    auto sent = per_group(GroupKind::context, ready, [&](const devices::ProcessGroup& g) {
+      std::vector<std::span<const float>> in;
+      std::vector<std::span<float>> out;
+      for (rt::DeviceId dv : g.devices()) {
+        const BackwardWorkspace& w = ranks[static_cast<int>(dv)].ws;
+        in.emplace_back(w.dkv_send.data(), static_cast<std::size_t>(w.dkv_send.numel()));
+        out.push_back(all_of(w.dkv_recv));
+      }
+      return comm.all_to_all(b, g, in, out, {.name = at + "cp_kv_grad", .tags = tags});
+    });
+    auto home = each(at + "cp_kv_grad_sum", tags, [=, this](int r) {
+      BackwardWorkspace& w = ranks[r].ws;
+      const Tensor& sum = w.dring[cp % 2];
+      sum.copy_from(w.dkv_recv.slice(0, 0, Sc));
+      for (int source = 1; source < cp; ++source)
+        ops::accumulate(w.dkv_recv.slice(0, source * Sc, Sc), sum);
+    });
+    link(sent, home);
+    return home;
   }
 
   void activation_forward(const Tensor& pre, const Tensor& out) {

@@ -91,6 +91,12 @@ TEST(ParallelPlan, AmpipeRules) {
                        "with --tensor-model-parallel-size 2 needs --sequence-parallel"));
   EXPECT_EQ(refusal(moe, {.tensor_parallel = 2, .sequence_parallel = true, .ampipe_degree = 4}),
             "accepted");
+  EXPECT_EQ(refusal(moe, {.context_parallel = 2, .ampipe_degree = 2}), "accepted");
+  EXPECT_TRUE(mentions(refusal(moe, {.tensor_parallel = 2,
+                                     .sequence_parallel = true,
+                                     .context_parallel = 2,
+                                     .ampipe_degree = 2}),
+                       "runs with --tensor-model-parallel-size 1 (got 2)"));
   EXPECT_TRUE(
       mentions(refusal(moe, {.tensor_parallel = 4, .sequence_parallel = true, .ampipe_degree = 8}),
                "--seq-length (48) must be divisible by 32"));
