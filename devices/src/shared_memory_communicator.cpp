@@ -250,12 +250,16 @@ MemberTasks SharedMemoryCommunicator::all_to_all_v(rt::GraphBuilder& graph,
   const std::vector<VariableAllToAllBuffers> b(buffers.begin(), buffers.end());
   const auto row = static_cast<std::size_t>(row_elements);
   const std::string group_name = group.name();
-  // The split is unknown until run time: cost each member as if it sent its whole send buffer,
-  // spread evenly over the ranks.
+  // The split is unknown until run time: the hint costs each member's expected rows (or its
+  // whole send buffer) spread evenly over the ranks; the member reports the real split.
   std::vector<rt::CostHint> costs;
-  for (int r = 0; r < n; ++r)
-    costs.push_back({.bytes = n > 1 ? ring_share(n, bytes_of(b[r].send.size())) : 0.0,
+  for (int r = 0; r < n; ++r) {
+    const std::size_t elements = b[r].expected_rows > 0
+                                     ? static_cast<std::size_t>(b[r].expected_rows) * row
+                                     : b[r].send.size();
+    costs.push_back({.bytes = n > 1 ? ring_share(n, bytes_of(elements)) : 0.0,
                      .messages = static_cast<std::uint32_t>(n - 1)});
+  }
   return add_members(
       graph, group, "all_to_all_v", options, costs, [=](int r, rt::TaskContext& context) {
         // Every member's counts are final here: the rendezvous started no member's transfer before

@@ -191,6 +191,20 @@ struct TrainingStep::Impl {
   // Rows of h floats that hold one destination's per-local-expert counts in the dispatch.
   std::int64_t header_rows() const { return (m.num_experts / ep() + h - 1) / h; }
 
+  // Rows a rank's MoE slot may receive: dropless, every pick of every source's n tokens; with a
+  // capacity factor, at most each local expert's capacity from each source (plan_dispatch's
+  // ceil(f n k / E) per expert).
+  std::int64_t slot_capacity() const {
+    const std::int64_t n = T / ampipe(), k = m.moe_router_topk, E = m.num_experts;
+    std::int64_t rows = ep() * n * k;
+    if (m.moe_expert_capacity_factor > 0) {
+      const auto per_expert = static_cast<std::int64_t>(std::ceil(
+          m.moe_expert_capacity_factor * static_cast<double>(n * k) / static_cast<double>(E)));
+      rows = std::min(rows, E * per_expert);
+    }
+    return rows;
+  }
+
   void allocate_slot(int r, LayerActivations& A, int c) {
     MoeSlot& S = A.moe[c];
     const std::int64_t E = m.num_experts, k = m.moe_router_topk;
@@ -210,7 +224,7 @@ struct TrainingStep::Impl {
     // SP) this rank's tokens before the all-gather.
     S.moe_out =
         (t_sp > 1 || tp == 1) ? A.mlp_out.reshape({T, h}).slice(0, c * n, n) : act(r, {n, h});
-    const std::int64_t capacity = ep() * n * k;
+    const std::int64_t capacity = slot_capacity();
     S.hidden_pre = act(r, {capacity, f1});
     S.hidden = act(r, {capacity, f});
     if (ep() > 1) {
@@ -1320,7 +1334,8 @@ struct TrainingStep::Impl {
                                   std::function<std::vector<std::int64_t>*(int)> send_rows,
                                   std::function<Tensor(int)> recv,
                                   std::function<std::vector<std::int64_t>*(int)> recv_rows,
-                                  const std::string& name, rt::TaskTags tags) {
+                                  std::int64_t expected_rows, const std::string& name,
+                                  rt::TaskTags tags) {
     return per_group(GroupKind::expert, producers, [&](const devices::ProcessGroup& g) {
       std::vector<devices::VariableAllToAllBuffers> bufs;
       for (rt::DeviceId dv : g.devices()) {
@@ -1329,7 +1344,8 @@ struct TrainingStep::Impl {
         bufs.push_back({{in.data(), static_cast<std::size_t>(in.numel())},
                         send_rows(r),
                         {out.data(), static_cast<std::size_t>(out.numel())},
-                        std::span<std::int64_t>(*recv_rows(r))});
+                        std::span<std::int64_t>(*recv_rows(r)),
+                        expected_rows});
       }
       return comm.all_to_all_v(b, g, bufs, h, {.name = name, .tags = tags});
     });
@@ -1389,10 +1405,13 @@ struct TrainingStep::Impl {
       if (framed) return sent ? &S.framed_send_rows : &S.framed_recv_rows;
       return sent ? &S.send_rows : &S.recv_rows;
     };
+    // Balanced routing, for the cost hint: every kept pick of the slot's tokens, plus headers.
+    const std::int64_t expected_rows = std::min(T / ampipe() * m.moe_router_topk, slot_capacity()) +
+                                       (framed ? ep() * header_rows() : 0);
     return ep_exchange(
         ready, [=, this](int r) { return slot(r, l, c).*from; },
         [=](int r) { return rows(r, outbound); }, [=, this](int r) { return slot(r, l, c).*into; },
-        [=](int r) { return rows(r, !outbound); }, slot_prefix(l, c) + name, tags);
+        [=](int r) { return rows(r, !outbound); }, expected_rows, slot_prefix(l, c) + name, tags);
   }
 
   // This rank's tokens of MoE slot c: [n, h] rows of the layer's [S, B, h] activations (its

@@ -44,6 +44,30 @@ Nanos overlap(const Intervals& x, const Intervals& y) {
 
 }  // namespace
 
+Nanos exposed_comm_named(const Trace& trace, std::span<const std::string_view> name_parts) {
+  const TaskTable& tasks = trace.tasks();
+  std::vector<Intervals> compute(tasks.device_count()), named(tasks.device_count());
+  for (const Span& s : trace.spans()) {
+    const TaskInfo& info = tasks[s.task];
+    if (info.kind == TaskKind::compute) {
+      compute[info.device].emplace_back(s.start, s.end);
+    } else if (info.kind == TaskKind::comm || info.kind == TaskKind::copy) {
+      const std::string_view name = tasks.name(s.task);
+      if (std::any_of(name_parts.begin(), name_parts.end(), [&](std::string_view part) {
+            return name.find(part) != std::string_view::npos;
+          }))
+        named[info.device].emplace_back(s.start, s.end);
+    }
+  }
+  Nanos exposed = 0;
+  for (std::size_t d = 0; d < named.size(); ++d) {
+    merge(compute[d]);
+    merge(named[d]);
+    exposed += length(named[d]) - overlap(named[d], compute[d]);
+  }
+  return exposed;
+}
+
 TraceMetrics measure(const Trace& trace) {
   TraceMetrics m;
   if (trace.empty()) return m;

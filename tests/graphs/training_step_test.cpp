@@ -12,6 +12,7 @@
 #include "weave/devices/machine_model.hpp"
 #include "weave/devices/shared_memory_communicator.hpp"
 #include "weave/graphs/training_step.hpp"
+#include "weave/runtime/trace_metrics.hpp"
 #include "weave/runtime/virtual_clock.hpp"
 
 namespace weave::graphs {
@@ -457,33 +458,10 @@ TEST(Ampipe, ReportsDroppedPicksWithCapacityPerChunk) {
   EXPECT_LT(dropped, all);
 }
 
-// All-to-all time on device 0 during which it computes nothing, in a virtual-clock trace.
+// MoE all-to-all time during which the device computes nothing, in a virtual-clock trace.
 rt::Nanos exposed_all_to_all(const rt::Trace& trace) {
-  std::vector<std::pair<rt::Nanos, rt::Nanos>> compute, a2a;
-  for (const rt::Span& s : trace.spans()) {
-    const rt::TaskInfo& info = trace.tasks()[s.task];
-    if (info.device != 0) continue;
-    const std::string_view name = trace.tasks().name(s.task);
-    if (info.kind == rt::TaskKind::compute)
-      compute.emplace_back(s.start, s.end);
-    else if (name.find("dispatch") != std::string_view::npos ||
-             name.find("combine") != std::string_view::npos)
-      a2a.emplace_back(s.start, s.end);
-  }
-  std::sort(compute.begin(), compute.end());
-  rt::Nanos exposed = 0;
-  for (const auto& [start, end] : a2a) {
-    rt::Nanos covered = 0, at = start;
-    for (const auto& [cs, ce] : compute) {
-      const rt::Nanos from = std::max(cs, at), to = std::min(ce, end);
-      if (to > from) {
-        covered += to - from;
-        at = to;
-      }
-    }
-    exposed += (end - start) - covered;
-  }
-  return exposed;
+  constexpr std::string_view kAllToAll[] = {"dispatch", "combine"};
+  return rt::exposed_comm_named(trace, kAllToAll);
 }
 
 TEST(Ampipe, VirtualClockHidesEachChunksAllToAllBehindAnotherChunk) {

@@ -187,6 +187,31 @@ TEST(TraceMetrics, ExactFiguresFromHandMadeSpans) {
   EXPECT_DOUBLE_EQ(m.exposed_comm_share(), 100.0 / 340.0);
 }
 
+TEST(TraceMetrics, ExposedTimeOfNamedCommunication) {
+  // Device 0 computes [0,100); its dispatch runs [50,150), a gradient all-reduce [120,200) and a
+  // compute task named like an all-to-all [160,170). Device 1's combine [0,30) is all exposed.
+  auto table = std::make_shared<TaskTable>();
+  auto add = [&](DeviceId d, StreamId s, TaskKind k, const char* name) {
+    TaskInfo info;
+    info.device = d;
+    info.stream = s;
+    info.kind = k;
+    return table->add(info, name);
+  };
+  const TaskId c = add(0, kComputeStream, TaskKind::compute, "attention");
+  const TaskId a2a = add(0, kCommStream, TaskKind::comm, "L0.c0.dispatch[0]");
+  const TaskId grad = add(0, kCommStream, TaskKind::comm, "layers.0.attention/dense.dp[0]");
+  const TaskId local = add(0, kComputeStream, TaskKind::compute, "L0.c0.combine");
+  const TaskId back = add(1, kCommStream, TaskKind::comm, "L0.c0.combine[1]");
+  const Trace trace(table, {{c, 0, 100}, {a2a, 50, 150}, {grad, 120, 200}, {local, 160, 170},
+                            {back, 0, 30}},
+                    ClockKind::virtual_time);
+  constexpr std::string_view kAllToAll[] = {"dispatch", "combine"};
+  EXPECT_EQ(exposed_comm_named(trace, kAllToAll), 50 + 30);
+  constexpr std::string_view kGradients[] = {"dense.dp"};
+  EXPECT_EQ(exposed_comm_named(trace, kGradients), 80 - 10);
+}
+
 TEST(TraceMetrics, MakespanStartsAtTheEarliestSpan) {
   auto table = std::make_shared<TaskTable>();
   TaskInfo info;

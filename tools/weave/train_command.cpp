@@ -50,6 +50,7 @@ struct TrainOptions {
   double device_flops = 1e11;
   std::string config;  // read before parsing (see expand_train_config)
   bool ampipe_advise = false;
+  bool ampipe_advise_fast = false;  // replay without running the kernels
 };
 
 // The FLOPs of one step: the sum of its compute tasks' cost hints (what the virtual clock
@@ -88,10 +89,11 @@ int advise_ampipe(TrainOptions o, const TokenDataset& data) {
   const devices::LinkModel links = devices::LinkModel::preset(o.link);
   fmt::print(
       "Ampipe degrees for this configuration on the virtual clock ({} devices of {:.3g} "
-      "FLOP/s, link {}):\n",
-      o.devices, o.device_flops, links.describe());
-  fmt::print("{:>7} {:>14} {:>22} {:>9}\n", "degree", "step (ms)", "exposed comm (ms/dev)",
-             "speed-up");
+      "FLOP/s, link {}{}):\n",
+      o.devices, o.device_flops, links.describe(),
+      o.ampipe_advise_fast ? "; kernels not run, all-to-alls timed for balanced routing" : "");
+  fmt::print("{:>7} {:>11} {:>20} {:>19} {:>9}\n", "degree", "step (ms)", "exposed comm (ms/dev)",
+             "exposed a2a (ms/dev)", "speed-up");
   double baseline = 0, best_time = 0;
   int best = 1;
   for (int degree = 1; degree <= 16; degree *= 2) {
@@ -108,17 +110,20 @@ int advise_ampipe(TrainOptions o, const TokenDataset& data) {
       for (const auto& p : set.layout())
         numa.push_back(p.numa_node);
       const devices::MachineModel machine(numa, o.device_flops, links);
-      rt::VirtualClock clock(machine, {.execute = true, .record_trace = true});
+      rt::VirtualClock clock(machine, {.execute = !o.ampipe_advise_fast, .record_trace = true});
       const rt::VirtualRunResult r = clock.run(step.graph());
       const rt::TraceMetrics metrics = rt::measure(r.trace);
+      constexpr std::string_view kAllToAll[] = {"dispatch", "combine"};
+      const double per_device = 1e-6 / static_cast<double>(o.devices);
       const double ms = static_cast<double>(r.makespan) * 1e-6;
       if (degree == 1) baseline = ms;
       if (best_time == 0 || ms < best_time) {
         best_time = ms;
         best = degree;
       }
-      fmt::print("{:>7} {:>14.3f} {:>22.3f} {:>8.2f}x\n", degree, ms,
-                 metrics.total_exposed_comm() * 1e-6 / static_cast<double>(o.devices),
+      fmt::print("{:>7} {:>11.3f} {:>20.3f} {:>19.3f} {:>8.2f}x\n", degree, ms,
+                 static_cast<double>(metrics.total_exposed_comm()) * per_device,
+                 static_cast<double>(rt::exposed_comm_named(r.trace, kAllToAll)) * per_device,
                  baseline > 0 ? baseline / ms : 1.0);
     } catch (const graphs::ConfigError& e) {
       if (degree == 1) throw;
@@ -151,6 +156,9 @@ int run_train(TrainOptions o) {
   const TokenDataset data =
       o.mock_data ? TokenDataset::mock(o.model.seq_length, o.model.seed)
                   : TokenDataset::from_text(o.data_path, o.model.seq_length, o.valid_fraction);
+  if (o.ampipe_advise_fast && !o.ampipe_advise)
+    throw std::invalid_argument(
+        "--ampipe-advise-fast changes how --ampipe-advise replays: add --ampipe-advise");
   if (o.ampipe_advise) return advise_ampipe(o, data);
   devices::DeviceSet set(o.devices);
   devices::SharedMemoryCommunicator comm;
@@ -320,6 +328,9 @@ void add_train_command(CLI::App& app) {
   cmd->add_flag("--ampipe-advise", o->ampipe_advise,
                 "Instead of training: replay one step at each Ampipe degree on the virtual clock "
                 "(--link, --device-flops) and name the fastest");
+  cmd->add_flag("--ampipe-advise-fast", o->ampipe_advise_fast,
+                "With --ampipe-advise: replay without running the kernels, all-to-alls timed as "
+                "for balanced routing (for many devices)");
   cmd->add_flag("--use-distributed-optimizer", p.distributed_optimizer,
                 "Shard optimizer state over data-parallel replicas (reduce-scatter + all-gather)");
   cmd->add_option("--context-parallel-size", p.context_parallel)

@@ -48,6 +48,9 @@ struct VariableAllToAllBuffers {
   const std::vector<std::int64_t>* send_counts = nullptr;
   std::span<float> recv;
   std::span<std::int64_t> recv_counts;
+  // The rows this member expects to send in all, for the cost hint a replay without kernels
+  // uses (0: its whole send buffer). Once run, a member is timed by its real split.
+  std::int64_t expected_rows = 0;
 };
 
 class Communicator {

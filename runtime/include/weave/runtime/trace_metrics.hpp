@@ -2,6 +2,8 @@
 // communication was exposed (running while the device computed nothing).
 #pragma once
 
+#include <span>
+#include <string_view>
 #include <vector>
 
 #include "weave/runtime/trace.hpp"
@@ -30,5 +32,10 @@ struct TraceMetrics {
 };
 
 TraceMetrics measure(const Trace& trace);
+
+// The exposed time, summed over devices, of the comm and copy tasks whose names contain one of
+// `name_parts` (say "dispatch" and "combine" for MoE all-to-alls): their union on each device
+// minus its overlap with the device's compute.
+Nanos exposed_comm_named(const Trace& trace, std::span<const std::string_view> name_parts);
 
 }  // namespace weave::rt
