@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
+
 namespace weave::graphs {
 
 int ModelConfig::padded_vocab_size(int tensor_parallel) const {
@@ -135,6 +137,60 @@ std::vector<std::string> validate(const ModelConfig& m, ParallelPlan& p) {
           "sequence chunk{} needs whole positions",
           m.seq_length, unit, degree,
           sp > 1 ? " is split again over the sequence-parallel ranks and" : "");
+  }
+  if (p.ampipe_tp_sp_comm_overlap) {
+    p.ampipe_tp_sp_comm_overlap = false;
+    warnings.push_back(
+        "--ampipe-tp-sp-comm-overlap is switched off: it pipelines the experts' tensor-parallel "
+        "all-gathers and reduce-scatters, and weave's experts are not tensor-parallel (expert "
+        "parallelism spans the tensor-parallel ranks, so there are none)");
+  }
+  require_positive("--pipe-experts-multi-data", p.pipe_experts_multi_data);
+  if (p.pipe_experts) {
+    const int degree = p.ampipe_degree, slices = p.pipe_experts_multi_data;
+    auto switch_off = [&](const std::string& why) {
+      p.pipe_experts = p.pipe_experts_multi_stream = false;
+      p.pipe_experts_multi_data = 1;
+      warnings.push_back("--use-pipe-experts is switched off: " + why);
+    };
+    if (m.num_experts == 0) refuse("--use-pipe-experts pipelines MoE experts: set --num-experts");
+    const int local = p.expert_parallel > 0 ? m.num_experts / p.expert_parallel : 1;
+    if (p.expert_parallel == 1) {
+      switch_off("with --expert-model-parallel-size 1 there is no all-to-all to overlap");
+    } else if (slices % degree != 0) {
+      switch_off(fmt::format(
+          "--pipe-experts-multi-data ({}) must be divisible by --ampipe-degree ({}) (MindSpeed's "
+          "rule)",
+          slices, degree));
+    } else if (degree > 1 &&
+               !(slices > degree || (slices == degree && p.pipe_experts_multi_stream))) {
+      switch_off(fmt::format(
+          "with --ampipe-degree {} it needs --pipe-experts-multi-data > {} (or = {} with "
+          "--pipe-experts-multi-stream), got {} (MindSpeed's rule)",
+          degree, degree, degree, slices));
+    } else if (m.moe_expert_capacity_factor > 0) {
+      // Each slot routes S / (cp tp) x B / degree tokens; an expert takes ceil(f n k / E).
+      const double n = static_cast<double>(m.seq_length) / (cp * tp) * p.micro_batch_size / degree;
+      const auto capacity = static_cast<long long>(
+          std::ceil(m.moe_expert_capacity_factor * n * m.moe_router_topk / m.num_experts));
+      if (slices / degree > capacity)
+        refuse(
+            "--pipe-experts-multi-data ({}) / --ampipe-degree ({}) slices must not exceed an "
+            "expert's capacity ({} picks per chunk at --moe-expert-capacity-factor {})",
+            slices, degree, capacity, m.moe_expert_capacity_factor);
+    }
+    if (p.pipe_experts && local == 1 && slices / degree == 1) {
+      switch_off(fmt::format(
+          "one local expert ({} experts over {} expert-parallel ranks) and one capacity slice "
+          "leave a single item: raise --pipe-experts-multi-data",
+          m.num_experts, p.expert_parallel));
+    }
+  } else if (p.pipe_experts_multi_stream || p.pipe_experts_multi_data > 1) {
+    warnings.push_back(
+        "--pipe-experts-multi-stream and --pipe-experts-multi-data apply with --use-pipe-experts "
+        "and are ignored without it");
+    p.pipe_experts_multi_stream = false;
+    p.pipe_experts_multi_data = 1;
   }
   if (m.hidden_dropout < 0 || m.hidden_dropout >= 1)
     refuse("--hidden-dropout must be in [0, 1), got {}", m.hidden_dropout);

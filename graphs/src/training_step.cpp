@@ -2,10 +2,12 @@
 
 #include <fmt/format.h>
 
+#include <array>
 #include <cctype>
 #include <cmath>
 #include <functional>
 #include <limits>
+#include <map>
 #include <numeric>
 #include <span>
 
@@ -46,6 +48,18 @@ struct LayerActivations {
   Tensor stats_total;  // [2 E + 2]
 };
 
+// --use-pipe-experts: one item of a MoE slot, the picks bound for local expert `expert` of every
+// expert-parallel rank (capacity slice `slice` of them), with its own all-to-alls.
+struct ExpertItem {
+  int expert = 0, slice = 0;
+  std::vector<std::int64_t> rows;  // the slot's grouped rows it carries, by destination rank
+  std::vector<std::int64_t> send_rows, recv_rows, framed_send_rows, framed_recv_rows;  // [ep]
+  Tensor send, arrived;  // framed: one header row (the count) per destination / source
+  Tensor expert_in, hidden_pre, hidden, expert_result;  // by source
+  Tensor back;                                          // results home, by destination
+  Tensor d_back, d_arrived, d_expert_in, d_home;        // backward
+};
+
 // The routing and expert buffers of one MoE slot: the tokens a rank routes at once (all of its
 // T tokens, or one Ampipe chunk of them), forward and backward.
 struct MoeSlot {
@@ -69,6 +83,7 @@ struct MoeSlot {
   // Backward.
   Tensor d_moe, d_grouped, d_expert_out, d_topk, d_router_logits, d_moe_in;
   Tensor d_arrived, d_expert_in, d_expert_result, d_leaving;
+  std::vector<ExpertItem> items;  // --use-pipe-experts
 };
 
 // Gradient workspace shared by all layers of a device: the backward runs layer after layer.
@@ -205,6 +220,40 @@ struct TrainingStep::Impl {
     return rows;
   }
 
+  bool pipe_experts() const { return plan.pipe_experts && ep() > 1; }
+
+  void allocate_items(int r, MoeSlot& S) {
+    const std::int64_t n = T / ampipe(), k = m.moe_router_topk, E = m.num_experts;
+    const std::int64_t f1 = m.activation == Activation::swiglu ? 2 * f : f;
+    // A source sends an expert at most one pick per token (and at most its capacity).
+    std::int64_t per_source = n;
+    if (m.moe_expert_capacity_factor > 0)
+      per_source = std::min(per_source, static_cast<std::int64_t>(std::ceil(
+                                            m.moe_expert_capacity_factor *
+                                            static_cast<double>(n * k) / static_cast<double>(E))));
+    const std::int64_t in = ep() * per_source;
+    const int slices = plan.pipe_experts_slices();
+    for (int e = 0; e < E / ep(); ++e)
+      for (int j = 0; j < slices; ++j) {
+        ExpertItem& I = S.items.emplace_back();
+        I.expert = e;
+        I.slice = j;
+        for (auto* v : {&I.send_rows, &I.recv_rows, &I.framed_send_rows, &I.framed_recv_rows})
+          v->assign(static_cast<std::size_t>(ep()), 0);
+        I.send = act(r, {n * k + ep(), h});
+        I.arrived = act(r, {in + ep(), h});
+        I.expert_in = act(r, {in, h});
+        I.hidden_pre = act(r, {in, f1});
+        I.hidden = act(r, {in, f});
+        I.expert_result = act(r, {in, h});
+        I.back = act(r, {n * k, h});
+        I.d_back = act(r, {n * k, h});
+        I.d_arrived = act(r, {in, h});
+        I.d_expert_in = act(r, {in, h});
+        I.d_home = act(r, {n * k, h});
+      }
+  }
+
   void allocate_slot(int r, LayerActivations& A, int c) {
     MoeSlot& S = A.moe[c];
     const std::int64_t E = m.num_experts, k = m.moe_router_topk;
@@ -243,6 +292,7 @@ struct TrainingStep::Impl {
       S.d_expert_result = act(r, {capacity, h});
       S.d_leaving = act(r, {capacity, h});
     }
+    if (pipe_experts()) allocate_items(r, S);
     S.d_moe = act(r, {n, h});
     S.d_grouped = act(r, {n * k, h});
     S.d_expert_out = act(r, {n * k, h});
@@ -366,15 +416,30 @@ struct TrainingStep::Impl {
   // The multiply-adds (x2) of a task, by its kind, for the virtual clock: the matrix products
   // and attention; the element-wise work is small beside them.
   double flops_of(const std::string& name) const {
-    // Names are "kind", "L<layer>.kind" or, for an Ampipe chunk, "L<layer>.c<chunk>.kind".
+    // Names are "kind", "L<layer>.kind", for an Ampipe chunk "L<layer>.c<chunk>.kind", and for a
+    // pipe-experts item "L<layer>[.c<chunk>].i<item>.kind".
     std::string kind = name;
-    int chunk_index = -1;
     if (kind.size() > 1 && kind[0] == 'L' && kind.find('.') != std::string::npos)
       kind = kind.substr(kind.find('.') + 1);
-    if (kind.size() > 1 && kind[0] == 'c' && std::isdigit(static_cast<unsigned char>(kind[1])) &&
-        kind.find('.') != std::string::npos) {
-      chunk_index = std::stoi(kind.substr(1, kind.find('.') - 1));
+    // Strips a "<letter><number>." prefix, returning the number (or -1).
+    auto strip = [&kind](char letter) {
+      if (kind.size() < 2 || kind[0] != letter ||
+          !std::isdigit(static_cast<unsigned char>(kind[1])) || kind.find('.') == std::string::npos)
+        return -1;
+      const int index = std::stoi(kind.substr(1, kind.find('.') - 1));
       kind = kind.substr(kind.find('.') + 1);
+      return index;
+    };
+    const int chunk_index = strip('c');
+    if (strip('i') >= 0) {
+      // One item: its share of its slot's expert work (balanced routing).
+      const double items = static_cast<double>(m.num_experts / ep() * plan.pipe_experts_slices());
+      const double k = m.moe_router_topk, hd = static_cast<double>(h);
+      const double f1 = m.activation == Activation::swiglu ? 2.0 * f : f;
+      const double experts = 2 * static_cast<double>(T) * k * hd * (f1 + f) / ampipe() / items;
+      if (kind == "experts") return experts;
+      if (kind == "experts_backward") return 2 * experts;
+      return 0;
     }
     if (chunk_index >= 0) {
       // One Ampipe chunk: 1/N of the per-token work; a piece of q queries from row `first`
@@ -1452,12 +1517,87 @@ struct TrainingStep::Impl {
         ops::permute_tokens(A.dispatch, A.moe_in, A.grouped.slice(0, 0, A.dispatch.rows()));
         return;
       }
-      frame_dispatch(A);
+      if (pipe_experts())
+        frame_items(A);
+      else
+        frame_dispatch(A);
     });
     link(prev, route);
     if (ep() == 1) return route;
+    if (pipe_experts()) {
+      // Every item's dispatch is launched now; the routes are what the statistics wait for.
+      auto& dispatched = item_tasks[{l, c}];
+      dispatched.clear();
+      for (std::size_t i = 0; i < slot(0, l, c).items.size(); ++i)
+        dispatched.push_back(item_exchange(l, c, static_cast<int>(i), route, &ExpertItem::send,
+                                           &ExpertItem::arrived, true, true, "dispatch", tags));
+      return route;
+    }
     return slot_exchange(l, c, route, &MoeSlot::grouped, &MoeSlot::arrived, true, "dispatch", tags,
                          /*framed=*/true);
+  }
+
+  // --use-pipe-experts: the per-item exchanges of each (layer, slot) between the phases that
+  // build them.
+  std::map<std::pair<int, int>, std::vector<std::vector<TaskId>>> item_tasks;
+
+  // Lays out each item's rows for its dispatch: for each destination rank, a header row with
+  // the count, then the item's slice of the rows for that rank's local expert.
+  void frame_items(MoeSlot& A) {
+    const std::int64_t local = m.num_experts / ep();
+    const std::int64_t slices = plan.pipe_experts_slices();
+    const ops::DispatchPlan& D = A.dispatch;
+    for (ExpertItem& I : A.items) {
+      I.rows.clear();
+      std::int64_t at = 0;
+      for (int p = 0; p < ep(); ++p) {
+        const std::int64_t e = p * local + I.expert;
+        const std::int64_t begin = D.expert_begin[e], count = D.expert_begin[e + 1] - begin;
+        const std::int64_t lo = begin + count * I.slice / slices,
+                           hi = begin + count * (I.slice + 1) / slices;
+        std::fill_n(I.send.row(at), h, 0.f);
+        I.send.row(at)[0] = static_cast<float>(hi - lo);
+        ++at;
+        for (std::int64_t row = lo; row < hi; ++row, ++at) {
+          std::copy_n(A.moe_in.row(D.row_token[row]), h, I.send.row(at));
+          I.rows.push_back(row);
+        }
+        // In place: the collectives hold spans of these vectors from when the graph was built.
+        I.send_rows[p] = hi - lo;
+        I.framed_send_rows[p] = 1 + hi - lo;
+      }
+    }
+  }
+
+  // Item i's all-to-all over each expert-parallel group: outbound (to the experts' ranks) or
+  // back, framed or not; on its own stream per direction with --pipe-experts-multi-stream.
+  std::vector<TaskId> item_exchange(int l, int c, int i, const std::vector<TaskId>& ready,
+                                    Tensor ExpertItem::*from, Tensor ExpertItem::*into,
+                                    bool outbound, bool framed, const std::string& name,
+                                    rt::TaskTags tags) {
+    const std::string stream = !plan.pipe_experts_multi_stream ? "comm"
+                               : outbound                      ? "ep_dispatch"
+                                                               : "ep_combine";
+    // Balanced routing, for the cost hint: an item carries 1/(local experts x slices) of the picks.
+    const std::int64_t expected_rows =
+        T / ampipe() * m.moe_router_topk / (m.num_experts / ep() * plan.pipe_experts_slices()) +
+        (framed ? ep() : 0);
+    const std::string task = slot_prefix(l, c) + fmt::format("i{}.", i) + name;
+    return per_group(GroupKind::expert, ready, [&](const devices::ProcessGroup& g) {
+      std::vector<devices::VariableAllToAllBuffers> bufs;
+      for (rt::DeviceId dv : g.devices()) {
+        ExpertItem& I = slot(static_cast<int>(dv), l, c).items[static_cast<std::size_t>(i)];
+        const Tensor in = I.*from, out = I.*into;
+        auto* sent = framed ? &I.framed_send_rows : outbound ? &I.send_rows : &I.recv_rows;
+        auto* received = framed ? &I.framed_recv_rows : outbound ? &I.recv_rows : &I.send_rows;
+        bufs.push_back({{in.data(), static_cast<std::size_t>(in.numel())},
+                        sent,
+                        {out.data(), static_cast<std::size_t>(out.numel())},
+                        std::span<std::int64_t>(*received),
+                        expected_rows});
+      }
+      return comm.all_to_all_v(b, g, bufs, h, {.name = task, .tags = tags, .stream = stream});
+    });
   }
 
   // Lays out a slot's rows for the dispatch all-to-all: for each destination rank, header rows
@@ -1484,6 +1624,7 @@ struct TrainingStep::Impl {
 
   std::vector<TaskId> moe_experts(int l, int c, const std::vector<TaskId>& ready,
                                   rt::TaskTags tags) {
+    if (pipe_experts()) return moe_experts_items(l, c, ready, tags);
     const std::string at = slot_prefix(l, c);
     auto experts = each(at + "experts", tags, [=, this](int r) {
       MoeSlot& A = slot(r, l, c);
@@ -1517,11 +1658,61 @@ struct TrainingStep::Impl {
     const std::string at = slot_prefix(l, c);
     auto combine = each(at + "combine", tags, [=, this](int r) {
       MoeSlot& A = slot(r, l, c);
+      for (const ExpertItem& I : A.items)  // the items' results back into the slot's rows
+        for (std::size_t x = 0; x < I.rows.size(); ++x)
+          std::copy_n(I.back.row(static_cast<std::int64_t>(x)), h, A.expert_out.row(I.rows[x]));
       ops::combine_tokens(A.dispatch, A.expert_out.slice(0, 0, A.dispatch.rows()), A.topk_weight,
                           A.moe_out);
     });
     link(ready, combine);
+    if (pipe_experts()) {
+      for (const auto& returned : item_tasks[{l, c}])
+        link(returned, combine);
+      item_tasks.erase({l, c});
+    }
     return combine;
+  }
+
+  // --use-pipe-experts: item by item, the rows of one local expert (slice) run as soon as its
+  // dispatch is in, and its combine all-to-all is launched while the next item computes.
+  std::vector<TaskId> moe_experts_items(int l, int c, const std::vector<TaskId>& ready,
+                                        rt::TaskTags tags) {
+    const std::vector<std::vector<TaskId>> dispatched = std::move(item_tasks[{l, c}]);
+    auto& returned = item_tasks[{l, c}];
+    returned.clear();
+    for (std::size_t i = 0; i < dispatched.size(); ++i) {
+      auto experts =
+          each(slot_prefix(l, c) + fmt::format("i{}.experts", i), tags, [=, this](int r) {
+            ExpertItem& I = slot(r, l, c).items[i];
+            const LayerShard& P = ranks[r].shard->layer(l);
+            std::int64_t at = 0, rows = 0;
+            for (int p = 0; p < ep(); ++p) {
+              const std::int64_t count = I.framed_recv_rows[p] - 1;
+              const auto announced = static_cast<std::int64_t>(I.arrived.row(at)[0]);
+              if (announced != count)
+                throw std::logic_error(fmt::format(
+                    "pipe experts: expert-parallel rank {} announced {} rows and sent {}", p,
+                    announced, count));
+              I.recv_rows[p] = count;
+              for (std::int64_t x = 0; x < count; ++x)
+                std::copy_n(I.arrived.row(at + 1 + x), h, I.expert_in.row(rows + x));
+              at += 1 + count;
+              rows += count;
+            }
+            const std::array<std::int64_t, 2> begin{0, rows};
+            ops::experts_forward(expert_activation(), I.expert_in.slice(0, 0, rows), begin,
+                                 P.expert_fc1->value.slice(0, I.expert, 1),
+                                 P.expert_fc2->value.slice(0, I.expert, 1),
+                                 I.hidden_pre.slice(0, 0, rows), I.hidden.slice(0, 0, rows),
+                                 I.expert_result.slice(0, 0, rows));
+          });
+      link(ready, experts);
+      link(dispatched[i], experts);
+      returned.push_back(item_exchange(l, c, static_cast<int>(i), experts,
+                                       &ExpertItem::expert_result, &ExpertItem::back, false, false,
+                                       "combine", tags));
+    }
+    return ready;
   }
 
   // The router's losses from the whole micro-batch's statistics: the slots' summed (Ampipe), and
@@ -1786,15 +1977,28 @@ struct TrainingStep::Impl {
       const std::int64_t rows = A.dispatch.rows();
       ops::combine_tokens_backward(A.dispatch, A.expert_out.slice(0, 0, rows), A.topk_weight,
                                    A.d_moe, A.d_expert_out.slice(0, 0, rows), A.d_topk);
+      for (ExpertItem& I : A.items)  // each item's rows, by destination
+        for (std::size_t x = 0; x < I.rows.size(); ++x)
+          std::copy_n(A.d_expert_out.row(I.rows[x]), h, I.d_back.row(static_cast<std::int64_t>(x)));
     });
     link(prev, combine);
     if (ep() == 1) return combine;
+    if (pipe_experts()) {
+      auto& sent = item_tasks[{l, c}];
+      sent.clear();
+      for (std::size_t i = 0; i < slot(0, l, c).items.size(); ++i)
+        sent.push_back(item_exchange(l, c, static_cast<int>(i), combine, &ExpertItem::d_back,
+                                     &ExpertItem::d_arrived, true, false, "combine_backward",
+                                     tags));
+      return combine;
+    }
     return slot_exchange(l, c, combine, &MoeSlot::d_expert_out, &MoeSlot::d_arrived, true,
                          "combine_backward", tags);
   }
 
   std::vector<TaskId> moe_experts_backward(int l, int c, const std::vector<TaskId>& ready,
                                            rt::TaskTags tags) {
+    if (pipe_experts()) return moe_experts_backward_items(l, c, ready, tags);
     const std::string at = slot_prefix(l, c);
     auto experts = each(at + "experts_backward", tags, [=, this](int r) {
       MoeSlot& A = slot(r, l, c);
@@ -1825,6 +2029,36 @@ struct TrainingStep::Impl {
                          "dispatch_backward", tags);
   }
 
+  std::vector<TaskId> moe_experts_backward_items(int l, int c, const std::vector<TaskId>& ready,
+                                                 rt::TaskTags tags) {
+    const std::vector<std::vector<TaskId>> arrived = std::move(item_tasks[{l, c}]);
+    auto& home = item_tasks[{l, c}];
+    home.clear();
+    for (std::size_t i = 0; i < arrived.size(); ++i) {
+      auto experts =
+          each(slot_prefix(l, c) + fmt::format("i{}.experts_backward", i), tags, [=, this](int r) {
+            ExpertItem& I = slot(r, l, c).items[i];
+            const LayerShard& P = ranks[r].shard->layer(l);
+            std::int64_t rows = 0;
+            for (int p = 0; p < ep(); ++p)
+              rows += I.recv_rows[p];
+            const std::array<std::int64_t, 2> begin{0, rows};
+            ops::experts_backward(expert_activation(), I.expert_in.slice(0, 0, rows), begin,
+                                  P.expert_fc1->value.slice(0, I.expert, 1),
+                                  P.expert_fc2->value.slice(0, I.expert, 1),
+                                  I.hidden_pre.slice(0, 0, rows), I.hidden.slice(0, 0, rows),
+                                  I.d_arrived.slice(0, 0, rows), I.d_expert_in.slice(0, 0, rows),
+                                  P.expert_fc1->grad.slice(0, I.expert, 1),
+                                  P.expert_fc2->grad.slice(0, I.expert, 1));
+          });
+      link(ready, experts);
+      link(arrived[i], experts);
+      home.push_back(item_exchange(l, c, static_cast<int>(i), experts, &ExpertItem::d_expert_in,
+                                   &ExpertItem::d_home, false, false, "dispatch_backward", tags));
+    }
+    return ready;
+  }
+
   // Leaves the slot's input gradient in its d_moe_in.
   std::vector<TaskId> moe_router_backward(int l, int c, const std::vector<TaskId>& ready,
                                           rt::TaskTags tags) {
@@ -1832,6 +2066,9 @@ struct TrainingStep::Impl {
     auto router = each(at + "router_backward", tags, [=, this](int r) {
       MoeSlot& A = slot(r, l, c);
       const LayerShard& P = ranks[r].shard->layer(l);
+      for (const ExpertItem& I : A.items)  // each item's input gradients into the slot's rows
+        for (std::size_t x = 0; x < I.rows.size(); ++x)
+          std::copy_n(I.d_home.row(static_cast<std::int64_t>(x)), h, A.d_grouped.row(I.rows[x]));
       ops::permute_tokens_backward(A.dispatch, A.d_grouped.slice(0, 0, A.dispatch.rows()),
                                    A.d_moe_in);
       const ops::RouterStatistics st = unpack_stats(ranks[r].layers[l].stats_total, m.num_experts);
@@ -1844,6 +2081,11 @@ struct TrainingStep::Impl {
       ops::accumulate(A.d_moe, A.d_moe_in);
     });
     link(ready, router);
+    if (pipe_experts()) {
+      for (const auto& home : item_tasks[{l, c}])
+        link(home, router);
+      item_tasks.erase({l, c});
+    }
     return router;
   }
 

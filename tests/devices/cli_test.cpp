@@ -188,6 +188,31 @@ TEST(CliTrain, AmpipeAdviceComparesDegreesOnTheVirtualClock) {
   EXPECT_NE(r.out.find("     16 "), std::string::npos) << r.out;
 }
 
+TEST(CliTrain, PipeExpertsTrainAndAreSwitchedOffByTheRulesWithAWarning) {
+  const std::string moe = fmt::format(
+      "train {} --mock-data --train-iters 3 --num-experts 4 --devices 2 "
+      "--expert-model-parallel-size 2 --moe-layer-freq 1",
+      kTinyModel);
+  Result r = weave(moe +
+                   " --ampipe-degree 2 --use-pipe-experts --pipe-experts-multi-data 4 "
+                   "--pipe-experts-multi-stream");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(r.out.find("warning"), std::string::npos) << r.out;
+  r = weave(moe +
+            " --ampipe-degree 2 --use-pipe-experts --pipe-experts-multi-data 3 "
+            "--ampipe-tp-sp-comm-overlap");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("warning: --use-pipe-experts is switched off: --pipe-experts-multi-data "
+                       "(3) must be divisible by --ampipe-degree (2)"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("warning: --ampipe-tp-sp-comm-overlap is switched off"), std::string::npos)
+      << r.out;
+  r = weave(moe + " --use-pipe-experts --pipe-experts-multi-data 0");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("--pipe-experts-multi-data"), std::string::npos) << r.out;
+}
+
 TEST(CliTrain, SizeRulesAreRefusedBeforeAnythingRuns) {
   Result r = weave(fmt::format("train {} --mock-data --tensor-model-parallel-size 3", kTinyModel));
   EXPECT_NE(r.status, 0);

@@ -19,6 +19,16 @@ std::string refusal(ModelConfig m, ParallelPlan p) {
   return "accepted";
 }
 
+// A MoE model with 48 positions, for the Ampipe and pipe-experts rules.
+ModelConfig small_moe() {
+  return {.num_layers = 2,
+          .hidden_size = 64,
+          .num_attention_heads = 4,
+          .ffn_hidden_size = 128,
+          .seq_length = 48,
+          .num_experts = 4};
+}
+
 bool mentions(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }
@@ -72,12 +82,7 @@ TEST(ParallelPlan, EverySizeRuleIsRefusedWithItsNumbers) {
 }
 
 TEST(ParallelPlan, AmpipeRules) {
-  const ModelConfig moe{.num_layers = 2,
-                        .hidden_size = 64,
-                        .num_attention_heads = 4,
-                        .ffn_hidden_size = 128,
-                        .seq_length = 48,
-                        .num_experts = 4};
+  const ModelConfig moe = small_moe();
   EXPECT_EQ(refusal(moe, {.ampipe_degree = 4}), "accepted");
   ModelConfig dense = moe;
   dense.num_experts = 0;
@@ -100,6 +105,63 @@ TEST(ParallelPlan, AmpipeRules) {
   EXPECT_TRUE(
       mentions(refusal(moe, {.tensor_parallel = 4, .sequence_parallel = true, .ampipe_degree = 8}),
                "--seq-length (48) must be divisible by 32"));
+}
+
+TEST(ParallelPlan, PipeExpertsFollowMindSpeedsRules) {
+  const ModelConfig moe = small_moe();
+  auto check = [&](ParallelPlan p) {
+    p.data_parallel = p.expert_parallel;
+    p.global_batch_size = p.data_parallel;
+    const auto warnings = validate(moe, p);
+    return std::pair{p, warnings.empty() ? std::string("on") : warnings.front()};
+  };
+  // Multi-data divisible by the degree and above it (or equal with multi-stream) stays on.
+  EXPECT_EQ(check({.expert_parallel = 2,
+                   .ampipe_degree = 2,
+                   .pipe_experts = true,
+                   .pipe_experts_multi_data = 4})
+                .second,
+            "on");
+  EXPECT_EQ(check({.expert_parallel = 2,
+                   .ampipe_degree = 2,
+                   .pipe_experts = true,
+                   .pipe_experts_multi_stream = true,
+                   .pipe_experts_multi_data = 2})
+                .second,
+            "on");
+  // Otherwise it is switched off, every pipe-experts setting reset, the rule named.
+  auto [off, why] = check({.expert_parallel = 2,
+                           .ampipe_degree = 2,
+                           .pipe_experts = true,
+                           .pipe_experts_multi_stream = true,
+                           .pipe_experts_multi_data = 3});
+  EXPECT_FALSE(off.pipe_experts || off.pipe_experts_multi_stream);
+  EXPECT_EQ(off.pipe_experts_multi_data, 1);
+  EXPECT_TRUE(
+      mentions(why, "--pipe-experts-multi-data (3) must be divisible by --ampipe-degree (2)"));
+  EXPECT_TRUE(mentions(check({.expert_parallel = 2,
+                              .ampipe_degree = 2,
+                              .pipe_experts = true,
+                              .pipe_experts_multi_data = 2})
+                           .second,
+                       "needs --pipe-experts-multi-data > 2 (or = 2 with"));
+  EXPECT_TRUE(mentions(check({.expert_parallel = 4, .pipe_experts = true}).second,
+                       "one local expert (4 experts over 4 expert-parallel ranks)"));
+  EXPECT_TRUE(mentions(check({.pipe_experts = true}).second, "no all-to-all to overlap"));
+  EXPECT_TRUE(mentions(check({.expert_parallel = 2, .pipe_experts_multi_data = 2}).second,
+                       "ignored without it"));
+  EXPECT_TRUE(mentions(check({.expert_parallel = 2, .ampipe_tp_sp_comm_overlap = true}).second,
+                       "weave's experts are not tensor-parallel"));
+  ModelConfig capped = moe;
+  capped.moe_expert_capacity_factor = 0.1;  // ceil(0.1 x 48 x 2 / 4) = 3 picks per expert
+  ParallelPlan too_many{.expert_parallel = 2,
+                        .data_parallel = 2,
+                        .global_batch_size = 2,
+                        .pipe_experts = true,
+                        .pipe_experts_multi_data = 4};
+  EXPECT_TRUE(mentions(refusal(capped, too_many), "must not exceed an expert's capacity (3"));
+  EXPECT_TRUE(mentions(refusal(moe, {.pipe_experts_multi_data = 0}),
+                       "--pipe-experts-multi-data must be >= 1"));
 }
 
 TEST(ParallelPlan, SequenceParallelIsSwitchedOffAtTensorParallelOne) {

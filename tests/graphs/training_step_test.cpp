@@ -403,6 +403,45 @@ const Case kAmpipeCases[] = {
       .micro_batch_size = 1,
       .global_batch_size = 4,
       .ampipe_degree = 2}},
+    // --use-pipe-experts: items of one local expert (and capacity slice) each.
+    {"pipe_experts_ep2",
+     4,
+     {.expert_parallel = 2,
+      .data_parallel = 2,
+      .micro_batch_size = 2,
+      .global_batch_size = 4,
+      .pipe_experts = true}},
+    {"degree2_pipe_experts_multi_data4_multi_stream_ep2",
+     4,
+     {.expert_parallel = 2,
+      .data_parallel = 2,
+      .micro_batch_size = 2,
+      .global_batch_size = 4,
+      .ampipe_degree = 2,
+      .pipe_experts = true,
+      .pipe_experts_multi_stream = true,
+      .pipe_experts_multi_data = 4}},
+    {"degree2_pipe_experts_tp2sp_ep4",
+     4,
+     {.tensor_parallel = 2,
+      .sequence_parallel = true,
+      .expert_parallel = 4,
+      .data_parallel = 2,
+      .micro_batch_size = 1,
+      .global_batch_size = 4,
+      .ampipe_degree = 2,
+      .pipe_experts = true,
+      .pipe_experts_multi_data = 4}},
+    {"degree2_pipe_experts_cp2_ep2",
+     4,
+     {.context_parallel = 2,
+      .expert_parallel = 2,
+      .micro_batch_size = 1,
+      .global_batch_size = 2,
+      .ampipe_degree = 2,
+      .pipe_experts = true,
+      .pipe_experts_multi_stream = true,
+      .pipe_experts_multi_data = 2}},
     {"degree2_tp2sp_dp2_ep4",
      4,
      {.tensor_parallel = 2,
@@ -503,6 +542,43 @@ TEST(Ampipe, VirtualClockHidesEachChunksAllToAllBehindAnotherChunk) {
   ASSERT_TRUE(dispatch && attention);
   EXPECT_LT(dispatch->start, attention->end);
   EXPECT_GT(dispatch->end, attention->start);
+}
+
+TEST(Ampipe, PipeExpertsComputeOneItemWhileTheNextOnesRowsMove) {
+  ModelConfig m = tiny(4);
+  m.num_layers = 1;
+  m.moe_layer_freq = 1;
+  m.hidden_size = 256;
+  m.num_attention_heads = 8;
+  m.ffn_hidden_size = 512;
+  m.seq_length = 512;
+  m.hidden_dropout = 0;
+  const devices::MachineModel model({0, 0}, 1e13, devices::LinkModel::preset("ampipe-20gbps"));
+  ParallelPlan plan{.expert_parallel = 2,
+                    .data_parallel = 2,
+                    .micro_batch_size = 1,
+                    .global_batch_size = 2,
+                    .pipe_experts = true,
+                    .pipe_experts_multi_stream = true};
+  ASSERT_TRUE(validate(m, plan).empty());
+  devices::DeviceSet set(plan.devices(), {.pin = false});
+  devices::SharedMemoryCommunicator comm;
+  TrainingStep step(m, plan, {}, set, comm);
+  fill_batches(step, m, plan);
+  step.prepare(1, 1e-3);
+  rt::VirtualClock clock(model, {.execute = true});
+  const rt::Trace trace = clock.run(step.graph()).trace;
+  // Two local experts, two items: item 0's experts run while item 1's rows are in flight, and
+  // item 0's combine leaves on its own stream while item 1 computes.
+  const rt::Span* experts0 = trace.find("L0.i0.experts");
+  const rt::Span* dispatch1 = trace.find("L0.i1.dispatch[0]");
+  const rt::Span* combine0 = trace.find("L0.i0.combine[0]");
+  const rt::Span* experts1 = trace.find("L0.i1.experts");
+  ASSERT_TRUE(experts0 && dispatch1 && combine0 && experts1);
+  EXPECT_LT(experts0->start, dispatch1->end);
+  EXPECT_GT(experts0->end, dispatch1->start);
+  EXPECT_LT(combine0->start, experts1->end);
+  EXPECT_EQ(trace.tasks().stream_name(trace.tasks()[combine0->task].stream), "ep_combine");
 }
 
 TEST(TrainingStep, GradientsAreReducedInOneCollectivePerBucket) {

@@ -100,7 +100,7 @@ int advise_ampipe(TrainOptions o, const TokenDataset& data) {
     graphs::ParallelPlan plan = o.plan;
     plan.ampipe_degree = degree;
     try {
-      graphs::validate(o.model, plan);
+      const std::vector<std::string> warnings = graphs::validate(o.model, plan);
       devices::DeviceSet set(o.devices, {.pin = false});
       devices::SharedMemoryCommunicator comm;
       graphs::TrainingStep step(o.model, plan, o.optimizer, set, comm);
@@ -125,6 +125,8 @@ int advise_ampipe(TrainOptions o, const TokenDataset& data) {
                  static_cast<double>(metrics.total_exposed_comm()) * per_device,
                  static_cast<double>(rt::exposed_comm_named(r.trace, kAllToAll)) * per_device,
                  baseline > 0 ? baseline / ms : 1.0);
+      for (const std::string& w : warnings)
+        fmt::print("        ({})\n", w);
     } catch (const graphs::ConfigError& e) {
       if (degree == 1) throw;
       fmt::print("{:>7} not possible: {}\n", degree, e.what());
@@ -323,6 +325,19 @@ void add_train_command(CLI::App& app) {
   cmd->add_flag("--sequence-parallel", p.sequence_parallel);
   cmd->add_option("--ampipe-degree", p.ampipe_degree,
                   "Sequence chunks pipelining attention with the MoE all-to-alls (Ampipe)")
+      ->check(at_least(1))
+      ->capture_default_str();
+  cmd->add_flag("--ampipe-tp-sp-comm-overlap", p.ampipe_tp_sp_comm_overlap,
+                "Pipeline the experts' tensor-parallel collectives (MindSpeed; switched off with a "
+                "warning: weave's experts are not tensor-parallel)");
+  cmd->add_flag("--use-pipe-experts", p.pipe_experts,
+                "Run each MoE slot as items (local expert x capacity slice), each with its own "
+                "dispatch and combine all-to-all");
+  cmd->add_flag("--pipe-experts-multi-stream", p.pipe_experts_multi_stream,
+                "With --use-pipe-experts: dispatches and combines on streams of their own");
+  cmd->add_option("--pipe-experts-multi-data", p.pipe_experts_multi_data,
+                  "With --use-pipe-experts: capacity slices per expert (divided among Ampipe "
+                  "chunks)")
       ->check(at_least(1))
       ->capture_default_str();
   cmd->add_flag("--ampipe-advise", o->ampipe_advise,

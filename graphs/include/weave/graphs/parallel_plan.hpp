@@ -20,12 +20,22 @@ struct ParallelPlan {
   int global_batch_size = 1;           // --global-batch-size
   bool distributed_optimizer = false;  // --use-distributed-optimizer: shard optimizer state over dp
   int ampipe_degree = 1;  // --ampipe-degree: sequence chunks of the attention-to-MoE region
+  // --ampipe-tp-sp-comm-overlap: pipeline the experts' tensor-parallel collectives (validate()
+  // switches it off with a warning: weave's experts are not tensor-parallel).
+  bool ampipe_tp_sp_comm_overlap = false;
+  // --use-pipe-experts: each MoE slot's work as items (local expert x capacity slice), each with
+  // its own dispatch and combine all-to-all, so one item's experts run while another's rows move.
+  bool pipe_experts = false;
+  bool pipe_experts_multi_stream = false;  // --pipe-experts-multi-stream: dispatch, combine apart
+  int pipe_experts_multi_data = 1;  // --pipe-experts-multi-data N: capacity slices (N / degree)
 
   int devices() const {
     return tensor_parallel * context_parallel * data_parallel * pipeline_parallel;
   }
   // Micro-batches each data-parallel rank runs per step.
   int micro_batches() const { return global_batch_size / (micro_batch_size * data_parallel); }
+  // Capacity slices per local expert in each MoE slot under --use-pipe-experts.
+  int pipe_experts_slices() const { return pipe_experts_multi_data / ampipe_degree; }
 };
 
 // A configuration that breaks one of the size rules. The message names the rule, the values and
