@@ -326,18 +326,39 @@ TEST(DistributedOptimizer, EachReplicaKeepsItsShareOfTheOptimizerState) {
 // Ampipe: degree N equals degree 1 (dropless routing), which is the one-device model.
 class Ampipe : public ::testing::TestWithParam<Case> {};
 
-TEST_P(Ampipe, LossGradientsAndCurveEqualSerial) {
-  const Case c = GetParam();
-  const ModelConfig m = tiny(4);
-  const ParallelPlan serial{.micro_batch_size = c.plan.micro_batch_size,
-                            .global_batch_size = c.plan.global_batch_size};
-  const Outcome a = run(m, serial, 1, false), b = run(m, c.plan, 1, false);
+// Loss, aux loss and gradients of one step, and a 10-step loss curve, against one device.
+void expect_equals_serial(const ModelConfig& m, const ParallelPlan& plan) {
+  const ParallelPlan serial{.micro_batch_size = plan.micro_batch_size,
+                            .global_batch_size = plan.global_batch_size};
+  const Outcome a = run(m, serial, 1, false), b = run(m, plan, 1, false);
   EXPECT_NEAR(b.losses[0], a.losses[0], 1e-5 * a.losses[0]);
   EXPECT_NEAR(b.aux[0], a.aux[0], 1e-5 * std::max(a.aux[0], 1e-3));
   expect_same_gradients(a, b);
-  const Outcome a10 = run(m, serial, 10, true), b10 = run(m, c.plan, 10, true);
+  const Outcome a10 = run(m, serial, 10, true), b10 = run(m, plan, 10, true);
   for (std::size_t i = 0; i < a10.losses.size(); ++i)
     EXPECT_NEAR(b10.losses[i], a10.losses[i], 1e-4 * a10.losses[i]) << "step " << i + 1;
+}
+
+TEST_P(Ampipe, LossGradientsAndCurveEqualSerial) {
+  expect_equals_serial(tiny(4), GetParam().plan);
+}
+
+TEST(Ampipe, DegreeThreeEqualsSerial) {
+  ModelConfig m = tiny(4);
+  m.seq_length = 24;  // 3 chunks, and 3 x 2 pieces under SP
+  expect_equals_serial(m, {.expert_parallel = 2,
+                           .data_parallel = 2,
+                           .micro_batch_size = 2,
+                           .global_batch_size = 4,
+                           .ampipe_degree = 3});
+  expect_equals_serial(m, {.tensor_parallel = 2,
+                           .sequence_parallel = true,
+                           .expert_parallel = 2,
+                           .micro_batch_size = 1,
+                           .global_batch_size = 2,
+                           .ampipe_degree = 3,
+                           .pipe_experts = true,
+                           .pipe_experts_multi_data = 6});
 }
 
 const Case kAmpipeCases[] = {
