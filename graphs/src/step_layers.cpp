@@ -1,0 +1,472 @@
+// The layers: embedding, the pre-norm transformer layers (dense or MoE MLP), the loss, and their
+// backward.
+#include "training_step_impl.hpp"
+
+namespace weave::graphs {
+
+std::int64_t TrainingStep::Impl::context_position(int cp_rank, std::int64_t s) const {
+  if (cp == 1) return s;
+  const std::int64_t which = s / chunk == 0 ? cp_rank : 2 * cp - 1 - cp_rank;
+  return which * chunk + s % chunk;
+}
+
+std::int64_t TrainingStep::Impl::position(int r, std::int64_t s) const {
+  const MeshCoordinates at = mesh.coordinates(r);
+  return context_position(at.cp, (t_sp > 1 ? at.tp * Sl : 0) + s);
+}
+
+void TrainingStep::Impl::load_tokens(int r, int mb) {
+  RankState& R = ranks[r];
+  const MicroBatch& data = batches[mesh.coordinates(r).dp][mb];
+  R.tokens.resize(static_cast<std::size_t>(Sc * B));
+  R.targets.resize(static_cast<std::size_t>(Sc * B));
+  const int at_cp = mesh.coordinates(r).cp;
+  for (std::int64_t s = 0; s < Sc; ++s) {
+    const std::int64_t g = context_position(at_cp, s);
+    for (std::int64_t bi = 0; bi < B; ++bi) {
+      R.tokens[s * B + bi] = data.tokens[g * B + bi];
+      R.targets[s * B + bi] = data.targets[g * B + bi];
+    }
+  }
+}
+
+void TrainingStep::Impl::apply_dropout(bool backward, int r, int mb, int layer, int site,
+                                       const Tensor& in, const Tensor& out,
+                                       std::int64_t first_row) {
+  if (m.hidden_dropout <= 0) {
+    if (out.data() != in.data()) out.copy_from(in);
+    return;
+  }
+  const MeshCoordinates at = mesh.coordinates(r);
+  ops::DropoutSpec spec{
+      .probability = m.hidden_dropout,
+      .key = {.seed = m.seed ^ (0x9E3779B97F4A7C15ull * static_cast<std::uint64_t>(iteration)),
+              .layer = static_cast<std::uint32_t>(layer),
+              .site = static_cast<std::uint32_t>(site)},
+      .sequence_length = S,
+      .batch_offset = (static_cast<std::int64_t>(at.dp) * M + mb) * B};
+  // in and out hold rows [first_row, first_row + rows) of the rank's [Sl, B, h] layout.
+  const std::int64_t rows = in.dim(0);
+  for (std::int64_t s0 = 0; s0 < rows;) {
+    std::int64_t s1 = s0 + 1;
+    while (s1 < rows && position(r, first_row + s1) == position(r, first_row + s0) + (s1 - s0))
+      ++s1;
+    spec.sequence_offset = position(r, first_row + s0);
+    const Tensor x = in.slice(0, s0, s1 - s0).transpose(0, 1);
+    const Tensor y = out.slice(0, s0, s1 - s0).transpose(0, 1);
+    if (backward)
+      ops::dropout_backward(spec, x, y);
+    else
+      ops::dropout_forward(spec, x, y);
+    s0 = s1;
+  }
+}
+
+void TrainingStep::Impl::bias_dropout_add(int r, int mb, int layer, int site, const Tensor& y,
+                                          const Tensor& bias, const Tensor& x_in,
+                                          const Tensor& x_out, std::int64_t first_row) {
+  const std::int64_t rows = y.rows();
+  for (std::int64_t i = 0; i < rows; ++i) {
+    float* row = y.row(i);
+    for (std::int64_t c = 0; c < h; ++c)
+      row[c] += bias.data()[c];
+  }
+  apply_dropout(false, r, mb, layer, site, y, y, first_row);
+  ops::add(x_in, y, x_out);
+}
+
+void TrainingStep::Impl::bias_dropout_add_backward(int r, int mb, int layer, int site,
+                                                   const Tensor& d_out, const Tensor& d_y,
+                                                   const Tensor& d_bias, std::int64_t first_row) {
+  apply_dropout(true, r, mb, layer, site, d_out, d_y, first_row);
+  for (std::int64_t i = 0; i < d_y.rows(); ++i) {
+    const float* row = d_y.row(i);
+    for (std::int64_t c = 0; c < h; ++c)
+      d_bias.data()[c] += row[c];
+  }
+}
+
+void TrainingStep::Impl::build_forward(int mb) {
+  const rt::TaskTags tags{.micro_batch = static_cast<std::uint16_t>(mb),
+                          .phase = rt::Phase::forward};
+  // Embedding: each rank looks up its vocabulary shard; the group sums (or reduce-scatters).
+  auto emb = each("embedding", tags, [this, mb](int r) {
+    RankState& R = ranks[r];
+    load_tokens(r, mb);
+    ops::embedding_forward<float>(R.tokens, R.shard->embedding().value,
+                                  {R.shard->vocab_start(), m.padded_vocab_size(tp)}, R.emb_partial);
+  });
+  auto emb_comm = reduce_partial(
+      emb, [this](int r) { return ranks[r].emb_partial; },
+      [this](int r) { return ranks[r].emb_out; }, "embedding_reduce", tags);
+  auto pos = each("positions", tags, [this, mb](int r) {
+    RankState& R = ranks[r];
+    for (std::int64_t s = 0; s < Sl; ++s)
+      for (std::int64_t bi = 0; bi < B; ++bi) {
+        float* row = R.emb_out.data() + (s * B + bi) * h;
+        const float* p = R.shard->positions().value.row(position(r, s));
+        for (std::int64_t c = 0; c < h; ++c)
+          row[c] += p[c];
+      }
+    apply_dropout(false, r, mb, m.num_layers, 2, R.emb_out, R.emb_out);
+  });
+  link(emb_comm, pos);
+  std::vector<TaskId> prev = pos;
+  for (int l = 0; l < m.num_layers; ++l)
+    prev = build_layer_forward(l, mb, prev);
+  build_loss(mb, prev);
+}
+
+std::vector<TaskId> TrainingStep::Impl::build_layer_forward(int l, int mb,
+                                                            std::vector<TaskId> prev) {
+  if (ampipe() > 1 && ranks[0].shard->layer(l).moe) return build_ampipe_layer_forward(l, mb, prev);
+  rt::TaskTags tags{.layer = static_cast<std::uint16_t>(l),
+                    .micro_batch = static_cast<std::uint16_t>(mb),
+                    .phase = rt::Phase::forward};
+  auto L = [this, l](int r) -> LayerActivations& { return ranks[r].layers[l]; };
+  auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
+  const std::string at = fmt::format("L{}.", l);
+  auto qkv = build_attention_input(l, prev, tags);
+  std::vector<TaskId> attn;
+  if (cp == 1) {
+    attn = each(at + "attention", tags, [=, this](int r) {
+      LayerActivations& A = L(r);
+      ops::attention_forward({}, head_view(A.qkv, 0), head_view(A.qkv, 1), head_view(A.qkv, 2),
+                             A.attn.transpose(0, 1), A.lse.reshape({B, Hl, Sc}));
+      ops::linear_forward(A.attn.reshape({Sc, B, Hl * d}), P(r).proj_weight->value, Tensor{},
+                          A.proj_partial);
+    });
+    link(qkv, attn);
+  } else {
+    attn = build_ring_attention_forward(l, qkv, tags);
+  }
+  auto gbar1 = reduce_partial(
+      attn, [=](int r) { return L(r).proj_partial; }, [=](int r) { return L(r).proj_out; },
+      at + "attention_reduce", tags);
+  auto res1 = each(at + "attention_residual", tags, [=, this](int r) {
+    LayerActivations& A = L(r);
+    bias_dropout_add(r, mb, l, 0, A.proj_out, P(r).proj_bias->value, A.x_in, A.x_mid);
+    ops::layer_norm_forward(A.x_mid, P(r).ln2_weight->value, P(r).ln2_bias->value,
+                            m.layernorm_epsilon, A.ln2, A.ln2_mean, A.ln2_rstd);
+  });
+  link(gbar1, res1);
+  std::vector<TaskId> mlp_done;
+  if (ranks[0].shard->layer(l).moe) {
+    mlp_done = build_moe_forward(l, mb, res1, tags);
+  } else {
+    std::vector<TaskId> g2(ranks.size(), rt::kNoTask);
+    if (t_sp > 1)
+      g2 = tp_all_gather(
+          res1, [=](int r) { return L(r).ln2; }, [=](int r) { return L(r).ln2_full; },
+          at + "sp_gather_mlp", tags);
+    auto mlp = each(at + "mlp", tags, [=, this](int r) {
+      LayerActivations& A = L(r);
+      ops::linear_forward(A.ln2_full, P(r).fc1_weight->value, P(r).fc1_bias->value, A.fc1);
+      activation_forward(A.fc1, A.act);
+      ops::linear_forward(A.act, P(r).fc2_weight->value, Tensor{}, A.fc2_partial);
+    });
+    link(g2, mlp);
+    mlp_done = reduce_partial(
+        mlp, [=](int r) { return L(r).fc2_partial; }, [=](int r) { return L(r).mlp_out; },
+        at + "mlp_reduce", tags);
+    for (std::size_t r = 0; r < mlp_done.size(); ++r)
+      if (mlp_done[r] == rt::kNoTask) mlp_done[r] = mlp[r];
+  }
+  auto res2 = each(at + "mlp_residual", tags, [=, this](int r) {
+    LayerActivations& A = L(r);
+    const Tensor bias = P(r).moe ? Tensor{} : P(r).fc2_bias->value;
+    if (bias.defined()) {
+      bias_dropout_add(r, mb, l, 1, A.mlp_out, bias, A.x_mid, A.x_out);
+    } else {
+      apply_dropout(false, r, mb, l, 1, A.mlp_out, A.mlp_out);
+      ops::add(A.x_mid, A.mlp_out, A.x_out);
+    }
+  });
+  link(mlp_done, res2);
+  return res2;
+}
+
+std::vector<TaskId> TrainingStep::Impl::build_attention_input(int l,
+                                                              const std::vector<TaskId>& prev,
+                                                              rt::TaskTags tags) {
+  auto L = [this, l](int r) -> LayerActivations& { return ranks[r].layers[l]; };
+  auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
+  const std::string at = fmt::format("L{}.", l);
+  auto ln1 = each(at + "input_norm", tags, [=, this](int r) {
+    LayerActivations& A = L(r);
+    ops::layer_norm_forward(A.x_in, P(r).ln1_weight->value, P(r).ln1_bias->value,
+                            m.layernorm_epsilon, A.ln1, A.ln1_mean, A.ln1_rstd);
+  });
+  link(prev, ln1);
+  std::vector<TaskId> g1(ranks.size(), rt::kNoTask);
+  if (t_sp > 1)
+    g1 = tp_all_gather(
+        ln1, [=](int r) { return L(r).ln1; }, [=](int r) { return L(r).ln1_full; },
+        at + "sp_gather", tags);
+  auto qkv = each(at + "qkv", tags, [=, this](int r) {
+    LayerActivations& A = L(r);
+    ops::linear_forward(A.ln1_full, P(r).qkv_weight->value, P(r).qkv_bias->value,
+                        A.qkv.reshape({Sc, B, 3 * Hl * d}));
+    if (cp > 1) {  // keys and values, contiguous: the block this rank sends round the ring
+      A.kv_local.slice(3, 0, d).copy_from(A.qkv.slice(3, d, d));
+      A.kv_local.slice(3, d, d).copy_from(A.qkv.slice(3, 2 * d, d));
+    }
+  });
+  link(g1, qkv);
+  return qkv;
+}
+
+std::vector<TaskId> TrainingStep::Impl::build_attention_input_backward(
+    int l, const std::vector<TaskId>& ready_in, bool last, rt::TaskTags tags) {
+  auto L = [this, l](int r) -> LayerActivations& { return ranks[r].layers[l]; };
+  auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
+  auto W = [this](int r) -> BackwardWorkspace& { return ranks[r].ws; };
+  const std::string at = fmt::format("L{}.", l);
+  auto qkv_in = each(at + "qkv_backward", tags, [=, this](int r) {
+    BackwardWorkspace& w = W(r);
+    if (cp > 1) {  // the block's gradients came home with the last turn of the ring
+      const Tensor& home = w.dring[cp % 2];
+      w.d_qkv.slice(3, d, d).copy_from(home.slice(3, 0, d));
+      w.d_qkv.slice(3, 2 * d, d).copy_from(home.slice(3, d, d));
+    }
+    ops::linear_backward_input(w.d_qkv.reshape({Sc, B, 3 * Hl * d}), P(r).qkv_weight->value,
+                               w.d_norm_full);
+  });
+  link(ready_in, qkv_in);
+  auto red = reduce_partial(
+      qkv_in, [=](int r) { return W(r).d_norm_full; }, [=](int r) { return W(r).d_norm; },
+      at + "attention_grad_reduce", tags);
+  auto wg = each(at + "qkv_weight_grad", tags, [=, this](int r) {
+    ops::linear_backward_weight(L(r).ln1_full, W(r).d_qkv.reshape({Sc, B, 3 * Hl * d}),
+                                P(r).qkv_weight->grad, P(r).qkv_bias->grad);
+  });
+  std::vector<TaskId> ready = red;
+  for (std::size_t r = 0; r < red.size(); ++r)
+    if (red[r] == rt::kNoTask) ready[r] = wg[r];
+  auto ln1 = each(at + "input_norm_backward", tags, [=, this](int r) {
+    LayerActivations& A = L(r);
+    BackwardWorkspace& w = W(r);
+    ops::layer_norm_backward(A.x_in, P(r).ln1_weight->value, A.ln1_mean, A.ln1_rstd, w.d_norm,
+                             w.d_tmp, P(r).ln1_weight->grad, P(r).ln1_bias->grad);
+    ops::accumulate(w.d_tmp, w.d_x);
+  });
+  link(ready, ln1);
+  if (last) reduce_buckets(fmt::format("layers.{}.attention", l), ln1);
+  return ln1;
+}
+
+void TrainingStep::Impl::activation_forward(const Tensor& pre, const Tensor& out) {
+  if (m.activation == Activation::swiglu)
+    swiglu_local(pre, out);
+  else
+    ops::gelu_forward(ops::GeluForm::tanh, pre, out);
+}
+
+void TrainingStep::Impl::activation_backward(const Tensor& pre, const Tensor& d_out,
+                                             const Tensor& d_pre) {
+  if (m.activation == Activation::swiglu)
+    ops::swiglu_backward(pre, d_out, d_pre);
+  else
+    ops::gelu_backward(ops::GeluForm::tanh, pre, d_out, d_pre);
+}
+
+void TrainingStep::Impl::build_loss(int mb, const std::vector<TaskId>& prev) {
+  const rt::TaskTags tags{.micro_batch = static_cast<std::uint16_t>(mb),
+                          .phase = rt::Phase::forward};
+  auto fn = each("final_norm", tags, [this](int r) {
+    RankState& R = ranks[r];
+    ops::layer_norm_forward(R.layers.back().x_out, R.shard->final_ln_weight().value,
+                            R.shard->final_ln_bias().value, m.layernorm_epsilon, R.final_ln,
+                            R.final_mean, R.final_rstd);
+  });
+  link(prev, fn);
+  std::vector<TaskId> g(ranks.size(), rt::kNoTask);
+  if (t_sp > 1)
+    g = tp_all_gather(
+        fn, [this](int r) { return ranks[r].final_ln; },
+        [this](int r) { return ranks[r].final_full; }, "final_gather", tags);
+  auto logits = each("logits", tags, [this](int r) {
+    RankState& R = ranks[r];
+    ops::linear_forward(R.final_full.reshape({Sc * B, h}), R.shard->embedding().value, Tensor{},
+                        R.logits);
+    ops::cross_entropy_row_max(R.logits, R.row_max);
+  });
+  link(g, logits);
+  auto maxima = tp_all_reduce(
+      logits, [this](int r) { return ranks[r].row_max; }, devices::ReduceOp::max, "loss_max", tags);
+  auto sums = each("loss_partials", tags, [this, mb](int r) {
+    RankState& R = ranks[r];
+    ops::cross_entropy_partial_sums<float>(R.logits, R.targets,
+                                           {R.shard->vocab_start(), m.padded_vocab_size(tp)},
+                                           R.row_max, R.partials);
+  });
+  link(maxima, sums);
+  auto reduced = tp_all_reduce(
+      sums, [this](int r) { return ranks[r].partials; }, devices::ReduceOp::sum, "loss_sum", tags);
+  auto loss = each("loss", tags, [this, mb](int r) {
+    RankState& R = ranks[r];
+    R.loss[mb] = ops::cross_entropy_loss<float>(
+        R.row_max, R.partials, R.targets, m.padded_vocab_size(tp), ce_options(), R.lse, Tensor{});
+  });
+  link(reduced, loss);
+}
+
+ops::CrossEntropyOptions TrainingStep::Impl::ce_options() const {
+  // The mean over the global batch: micro-batches and data-parallel ranks add up to it.
+  return {.ignore_index = -100, .denominator = static_cast<double>(S * B * M * plan.data_parallel)};
+}
+
+void TrainingStep::Impl::build_backward(int mb) {
+  const rt::TaskTags tags{.micro_batch = static_cast<std::uint16_t>(mb),
+                          .phase = rt::Phase::backward};
+  const bool last = mb == M - 1;
+  // Loss -> final norm input gradient.
+  auto dlogits = each("loss_backward", tags, [this, mb](int r) {
+    RankState& R = ranks[r];
+    ops::cross_entropy_backward<float>(R.logits, R.targets,
+                                       {R.shard->vocab_start(), m.padded_vocab_size(tp)}, R.lse,
+                                       ce_options(), 1.0, R.ws.d_logits);
+    ops::linear_backward_input(R.ws.d_logits, R.shard->embedding().value,
+                               R.ws.d_final_full.reshape({Sc * B, h}));
+  });
+  auto reduce = reduce_partial(
+      dlogits, [this](int r) { return ranks[r].ws.d_final_full; },
+      [this](int r) { return t_sp > 1 ? ranks[r].ws.d_norm : ranks[r].ws.d_final_full; },
+      "final_grad_reduce", tags);
+  // The output layer's weight gradient overlaps the reduction above.
+  each("logits_weight_grad", tags, [this](int r) {
+    RankState& R = ranks[r];
+    ops::linear_backward_weight(R.final_full.reshape({Sc * B, h}), R.ws.d_logits,
+                                R.shard->embedding().grad, Tensor{});
+  });
+  auto fn = each("final_norm_backward", tags, [this](int r) {
+    RankState& R = ranks[r];
+    const Tensor d_in = t_sp > 1 ? R.ws.d_norm : R.ws.d_final_full;
+    ops::layer_norm_backward(R.layers.back().x_out, R.shard->final_ln_weight().value, R.final_mean,
+                             R.final_rstd, d_in, R.ws.d_x, R.shard->final_ln_weight().grad,
+                             R.shard->final_ln_bias().grad);
+  });
+  link(reduce, fn);
+  std::vector<TaskId> prev = fn;
+  if (last) reduce_buckets("final_norm", prev);
+  for (int l = m.num_layers - 1; l >= 0; --l)
+    prev = build_layer_backward(l, mb, prev, last);
+  // Embedding.
+  auto pos = each("positions_backward", tags, [this, mb](int r) {
+    RankState& R = ranks[r];
+    apply_dropout(true, r, mb, m.num_layers, 2, R.ws.d_x, R.ws.d_x);
+    for (std::int64_t s = 0; s < Sl; ++s)
+      for (std::int64_t bi = 0; bi < B; ++bi) {
+        const float* g = R.ws.d_x.data() + (s * B + bi) * h;
+        float* p = R.shard->positions().grad.row(position(r, s));
+        for (std::int64_t c = 0; c < h; ++c)
+          p[c] += g[c];
+      }
+  });
+  link(prev, pos);
+  std::vector<TaskId> g(ranks.size(), rt::kNoTask);
+  if (t_sp > 1)
+    g = tp_all_gather(
+        pos, [this](int r) { return ranks[r].ws.d_x; },
+        [this](int r) { return ranks[r].ws.d_norm_full; }, "embedding_grad_gather", tags);
+  auto emb = each("embedding_backward", tags, [this, mb](int r) {
+    RankState& R = ranks[r];
+    const Tensor d = t_sp > 1 ? R.ws.d_norm_full : R.ws.d_x;
+    ops::embedding_backward<float>(R.tokens, d, {R.shard->vocab_start(), m.padded_vocab_size(tp)},
+                                   R.shard->embedding().grad);
+  });
+  link(g, emb);
+  if (last) reduce_buckets("embedding", emb);
+}
+
+std::vector<TaskId> TrainingStep::Impl::build_layer_backward(int l, int mb,
+                                                             std::vector<TaskId> prev, bool last) {
+  if (ampipe() > 1 && ranks[0].shard->layer(l).moe)
+    return build_ampipe_layer_backward(l, mb, prev, last);
+  rt::TaskTags tags{.layer = static_cast<std::uint16_t>(l),
+                    .micro_batch = static_cast<std::uint16_t>(mb),
+                    .phase = rt::Phase::backward};
+  auto L = [this, l](int r) -> LayerActivations& { return ranks[r].layers[l]; };
+  auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
+  auto W = [this](int r) -> BackwardWorkspace& { return ranks[r].ws; };
+  const std::string at = fmt::format("L{}.", l);
+  const bool moe = ranks[0].shard->layer(l).moe;
+  // d_x (the layer output's gradient) -> d_mlp; d_x_mid starts as d_x (the residual).
+  auto res2 = each(at + "mlp_residual_backward", tags, [=, this](int r) {
+    BackwardWorkspace& w = W(r);
+    w.d_x_mid.copy_from(w.d_x);
+    if (moe) {
+      apply_dropout(true, r, mb, l, 1, w.d_x, w.d_mlp);
+    } else {
+      bias_dropout_add_backward(r, mb, l, 1, w.d_x, w.d_mlp, P(r).fc2_bias->grad);
+    }
+  });
+  link(prev, res2);
+  std::vector<TaskId> norm_grad_ready;
+  if (moe) {
+    norm_grad_ready = build_moe_backward(l, mb, res2, tags);
+  } else {
+    std::vector<TaskId> g(ranks.size(), rt::kNoTask);
+    if (t_sp > 1)
+      g = tp_all_gather(
+          res2, [=](int r) { return W(r).d_mlp; }, [=](int r) { return W(r).d_mlp_full; },
+          at + "mlp_grad_gather", tags);
+    auto mlp = each(at + "mlp_backward", tags, [=, this](int r) {
+      LayerActivations& A = L(r);
+      BackwardWorkspace& w = W(r);
+      ops::linear_backward_input(w.d_mlp_full, P(r).fc2_weight->value, w.d_act);
+      ops::linear_backward_weight(A.act, w.d_mlp_full, P(r).fc2_weight->grad, Tensor{});
+      activation_backward(A.fc1, w.d_act, w.d_fc1);
+      ops::linear_backward_input(w.d_fc1, P(r).fc1_weight->value, w.d_norm_full);
+    });
+    link(g, mlp);
+    auto red = reduce_partial(
+        mlp, [=](int r) { return W(r).d_norm_full; }, [=](int r) { return W(r).d_norm; },
+        at + "mlp_grad_reduce", tags);
+    // fc1's weight gradient overlaps the reduction of its input gradient.
+    auto wg = each(at + "mlp_weight_grad", tags, [=, this](int r) {
+      ops::linear_backward_weight(L(r).ln2_full, W(r).d_fc1, P(r).fc1_weight->grad,
+                                  P(r).fc1_bias->grad);
+    });
+    norm_grad_ready = red;
+    for (std::size_t r = 0; r < red.size(); ++r)
+      if (red[r] == rt::kNoTask) norm_grad_ready[r] = wg[r];
+  }
+  auto ln2 = each(at + "mlp_norm_backward", tags, [=, this](int r) {
+    LayerActivations& A = L(r);
+    BackwardWorkspace& w = W(r);
+    ops::layer_norm_backward(A.x_mid, P(r).ln2_weight->value, A.ln2_mean, A.ln2_rstd, w.d_norm,
+                             w.d_tmp, P(r).ln2_weight->grad, P(r).ln2_bias->grad);
+    ops::accumulate(w.d_tmp, w.d_x_mid);
+    // Attention half: d_x_mid -> d_proj_out (in d_mlp), and the residual's d_x.
+    w.d_x.copy_from(w.d_x_mid);
+    bias_dropout_add_backward(r, mb, l, 0, w.d_x_mid, w.d_mlp, P(r).proj_bias->grad);
+  });
+  link(norm_grad_ready, ln2);
+  if (last) reduce_buckets(fmt::format("layers.{}.mlp", l), ln2);
+  std::vector<TaskId> g(ranks.size(), rt::kNoTask);
+  if (t_sp > 1)
+    g = tp_all_gather(
+        ln2, [=](int r) { return W(r).d_mlp; }, [=](int r) { return W(r).d_mlp_full; },
+        at + "attention_grad_gather", tags);
+  auto attn = each(at + "attention_backward", tags, [=, this](int r) {
+    LayerActivations& A = L(r);
+    BackwardWorkspace& w = W(r);
+    const Tensor d_proj = t_sp > 1 ? w.d_mlp_full : w.d_mlp;
+    ops::linear_backward_input(d_proj, P(r).proj_weight->value, w.d_attn);
+    ops::linear_backward_weight(A.attn.reshape({Sc, B, Hl * d}), d_proj, P(r).proj_weight->grad,
+                                Tensor{});
+    w.d_qkv.fill(0.f);  // attention accumulates dk and dv
+    if (cp == 1)
+      ops::attention_backward({}, head_view(A.qkv, 0), head_view(A.qkv, 1), head_view(A.qkv, 2),
+                              A.attn.transpose(0, 1), A.lse.reshape({B, Hl, Sc}),
+                              w.d_attn.reshape({Sc, B, Hl, d}).transpose(0, 1),
+                              head_view(w.d_qkv, 0), head_view(w.d_qkv, 1), head_view(w.d_qkv, 2));
+  });
+  link(g, attn);
+  std::vector<TaskId> dkv_ready = attn;
+  if (cp > 1) dkv_ready = build_ring_attention_backward(l, attn, tags);
+  return build_attention_input_backward(l, dkv_ready, last, tags);
+}
+
+}  // namespace weave::graphs
