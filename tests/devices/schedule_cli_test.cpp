@@ -101,6 +101,30 @@ TEST(CliSchedule, TimesChangeTheZeroBubbleFigures) {
   EXPECT_TRUE(mentions(r.out, "bubble / ideal: 0.208 simulated, 0.208 in theory")) << r.out;
 }
 
+TEST(CliSchedule, ReplaysTheTaskGraphOnTheVirtualClockAndWritesItsTrace) {
+  const auto trace = scratch("replay.json");
+  Result r = weave(fmt::format("schedule {} --pipeline-scheduler 1f1b --trace {}", kFourByEight,
+                               trace.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_TRUE(
+      mentions(r.out, "task graph on the virtual clock: makespan 33, bubble 0.375 (theory 0.375)"))
+      << r.out;
+  EXPECT_TRUE(mentions(r.out, "memory tracker peak activations per rank: 4 3 2 1\n")) << r.out;
+  const std::string json = slurp(trace);
+  EXPECT_TRUE(mentions(json, "\"r3.B7.c0\"")) << json.substr(0, 400);
+  EXPECT_TRUE(mentions(json, "p2p-send"));
+  // GPipe with p = 2, m = 1 is one chain of F, F, B, B and two transfers: 6 + 2 * 0.5.
+  r = weave(
+      "schedule --pipeline-model-parallel-size 2 --num-micro-batches 1 --pipeline-scheduler "
+      "gpipe --transfer-time 0.5");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_TRUE(mentions(r.out,
+                       "task graph on the virtual clock (transfers 0.5): makespan 7, "
+                       "bubble 1.333 (theory 1.000)"))
+      << r.out;
+  std::filesystem::remove_all(trace.parent_path());
+}
+
 TEST(CliSchedule, UnknownSchedulerGetsADidYouMean) {
   const Result r = weave(fmt::format("schedule {} --pipeline-scheduler zb-h2", kFourByEight));
   EXPECT_NE(r.status, 0);

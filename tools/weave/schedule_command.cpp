@@ -1,6 +1,7 @@
 // `weave schedule`: builds or loads a pipeline schedule, checks and dry-runs it, and prints its
-// order, its bubble (simulated and in theory) and its peak activations per rank; optionally
-// writes it as SVG and CSV.
+// order, its bubble (simulated and in theory) and its peak activations per rank, then lowers it
+// to a task graph and replays that on the virtual clock; optionally writes it as SVG and CSV and
+// the replay as a Chrome trace.
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
@@ -9,11 +10,14 @@
 #include <sstream>
 
 #include "commands.hpp"
+#include "weave/graphs/pipeline_lowering.hpp"
 #include "weave/graphs/pipeline_schedule.hpp"
 #include "weave/graphs/pipeline_schedule_csv.hpp"
 #include "weave/graphs/pipeline_schedule_generators.hpp"
 #include "weave/graphs/pipeline_schedule_simulation.hpp"
 #include "weave/graphs/pipeline_schedule_svg.hpp"
+#include "weave/runtime/chrome_trace.hpp"
+#include "weave/runtime/cost_model.hpp"
 
 namespace weave::cli {
 
@@ -28,6 +32,8 @@ struct ScheduleOptions {
   std::string svg_path;
   std::string csv_path;
   std::string load_path;
+  std::string trace_path;
+  double transfer_time = 0;  // of one point-to-point transfer, in the time model's units
   graphs::TimeModel time;
   bool backward_given = false;
   bool split_given = false;
@@ -128,6 +134,36 @@ void print_report(const graphs::PipelineSchedule& s, const graphs::ScheduleRepor
   }
 }
 
+// The replay's clock runs at one time unit per microsecond: one FLOP and one byte per
+// nanosecond, so a unit of the time model is 1000 FLOPs or 1000 bytes.
+constexpr double kUnit = 1000;
+
+// Lowers the schedule to a task graph, replays it on the virtual clock and prints what the
+// runtime measured: the makespan, the bubble and the MemoryTracker's activation peaks.
+void print_replay(const graphs::PipelineSchedule& s, const ScheduleOptions& o,
+                  const std::optional<graphs::ScheduleTheory>& theory) {
+  const graphs::LoweringOptions lowering{.forward_flops = o.time.forward * kUnit,
+                                         .backward_flops = o.time.backward * kUnit,
+                                         .backward_input_flops = o.time.backward_input * kUnit,
+                                         .backward_weight_flops = o.time.backward_weight * kUnit,
+                                         .transfer_bytes = o.transfer_time * kUnit};
+  const rt::UniformCostModel model(1e9, 0, 1e9);
+  const graphs::PipelineReplay replay = graphs::replay_schedule(s, lowering, model);
+  const double makespan = static_cast<double>(replay.makespan) / kUnit;
+  fmt::print("task graph on the virtual clock{}: makespan {:g}, bubble {:.3f}{}\n",
+             o.transfer_time > 0 ? fmt::format(" (transfers {:g})", o.transfer_time) : "", makespan,
+             replay.bubble_over_ideal,
+             theory ? fmt::format(" (theory {:.3f})", theory->bubble_over_ideal) : "");
+  std::vector<std::string> peaks;
+  for (double peak : replay.peak_activations)
+    peaks.push_back(fmt::format("{:g}", peak));
+  fmt::print("memory tracker peak activations per rank: {}\n", fmt::join(peaks, " "));
+  if (!o.trace_path.empty()) {
+    rt::write_chrome_trace(replay.trace, o.trace_path);
+    fmt::print("wrote {}\n", o.trace_path);
+  }
+}
+
 int run_schedule(ScheduleOptions o) {
   // A backward time given alone splits evenly into its halves; halves given alone add up.
   if (o.backward_given && !o.split_given) {
@@ -156,6 +192,7 @@ int run_schedule(ScheduleOptions o) {
   }
   const graphs::ScheduleReport report = graphs::simulate_schedule(schedule, o.time);
   print_report(schedule, report, theory, o.time);
+  if (report.simulated) print_replay(schedule, o, theory);
   if (!o.svg_path.empty())
     write_file(o.svg_path, graphs::render_schedule_svg(schedule, report), "--svg");
   if (!o.csv_path.empty()) write_file(o.csv_path, graphs::write_schedule_csv(schedule), "--csv");
@@ -191,6 +228,12 @@ void add_schedule_command(CLI::App& app) {
       ->capture_default_str();
   cmd->add_option("--svg", o->svg_path, "Write the schedule's picture here");
   cmd->add_option("--csv", o->csv_path, "Write the schedule as CSV here, one row per rank");
+  cmd->add_option("--trace", o->trace_path,
+                  "Write the task graph's replay on the virtual clock here (Chrome trace JSON)");
+  cmd->add_option("--transfer-time", o->transfer_time,
+                  "Time of one point-to-point transfer between ranks in the task-graph replay")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
   cmd->add_option("--load-csv", o->load_path,
                   "Check and show the schedule in this CSV instead of generating one");
   cmd->add_option("--forward-time", o->time.forward, "Time of one chunk's forward")
