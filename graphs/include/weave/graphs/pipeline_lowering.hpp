@@ -3,9 +3,9 @@
 // Each rank is a device. Every compute action becomes one compute task on the rank's "compute"
 // stream, in the rank's list order; every dependency that crosses ranks becomes a send on the
 // producer's device ("p2p-send" stream) and a receive on the consumer's ("p2p-recv"), both comm
-// tasks. The
-// graph then shows the schedule's bubble and, through a MemoryTracker, its activation memory in
-// the runtime's own terms, and is the frame a training step fills with a model's stages.
+// tasks. The graph then shows the schedule's bubble and, through a MemoryTracker, its activation
+// memory in the runtime's own terms, and is the frame a training step fills with a model's
+// stages.
 #pragma once
 
 #include <cstdint>
