@@ -107,8 +107,7 @@ std::vector<TaskId> TrainingStep::Impl::build_ampipe_layer_backward(int l, int m
     BackwardWorkspace& w = W(r);
     w.d_x_mid.copy_from(w.d_x);
     apply_dropout(true, r, mb, l, 1, w.d_x, w.d_mlp);
-    w.d_qkv.fill(0.f);                 // the chunks' attention accumulates dk and dv
-    if (cp > 1) w.dkv_send.fill(0.f);  // ... or, under CP, every block's
+    if (cp > 1) w.dkv_send.fill(0.f);  // the chunks' attention accumulates every block's dk, dv
   });
   link(prev, start);
   const int N = ampipe();
@@ -116,6 +115,7 @@ std::vector<TaskId> TrainingStep::Impl::build_ampipe_layer_backward(int l, int m
       experts(static_cast<std::size_t>(N));
   for (int c = N - 1; c >= 0; --c)
     combined[c] = moe_combine_backward(l, c, start, tags);
+  flush_weight_grads();  // the layer above's, while the combines' gradients are in flight
   for (int c = N - 1; c >= 0; --c)
     experts[c] = moe_experts_backward(l, c, combined[c], tags);
   std::vector<TaskId> side;
@@ -154,6 +154,9 @@ std::vector<TaskId> TrainingStep::Impl::build_ampipe_layer_backward(int l, int m
     auto attn = each(chunk + "attention_backward", tags, [=, this](int r) {
       LayerActivations& A = L(r);
       BackwardWorkspace& w = W(r);
+      // The chunks' attention accumulates dk and dv; zeroed here, not earlier, as the layer
+      // above's deferred weight gradient reads d_qkv until this layer's combines are launched.
+      if (c == N - 1) w.d_qkv.fill(0.f);
       if (t_sp == 1) residual_backward(r);
       if (cp > 1) {
         ampipe_ring_attention_backward(r, l, c);

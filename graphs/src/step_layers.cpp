@@ -236,13 +236,24 @@ std::vector<TaskId> TrainingStep::Impl::build_attention_input_backward(
   auto red = reduce_partial(
       qkv_in, [=](int r) { return W(r).d_norm_full; }, [=](int r) { return W(r).d_norm; },
       at + "attention_grad_reduce", tags);
-  auto wg = each(at + "qkv_weight_grad", tags, [=, this](int r) {
-    ops::linear_backward_weight(L(r).ln1_full, W(r).d_qkv.reshape({Sc, B, 3 * Hl * d}),
-                                P(r).qkv_weight->grad, P(r).qkv_bias->grad);
-  });
+  auto weight_grad = [=, this] {
+    return each(at + "qkv_weight_grad", tags, [=, this](int r) {
+      ops::linear_backward_weight(L(r).ln1_full, W(r).d_qkv.reshape({Sc, B, 3 * Hl * d}),
+                                  P(r).qkv_weight->grad, P(r).qkv_bias->grad);
+    });
+  };
+  // With tp > 1 the weight gradient overlaps the input gradient's reduction; with neither tp
+  // nor cp it waits for the layer below to launch its first all-to-all (see
+  // flush_weight_grads), and the layer's input gradient goes on at once.
+  const bool defer = tp == 1 && cp == 1;
   std::vector<TaskId> ready = red;
-  for (std::size_t r = 0; r < red.size(); ++r)
-    if (red[r] == rt::kNoTask) ready[r] = wg[r];
+  if (!defer) {
+    auto wg = weight_grad();
+    for (std::size_t r = 0; r < red.size(); ++r)
+      if (red[r] == rt::kNoTask) ready[r] = wg[r];
+  } else {
+    ready = qkv_in;
+  }
   auto ln1 = each(at + "input_norm_backward", tags, [=, this](int r) {
     LayerActivations& A = L(r);
     BackwardWorkspace& w = W(r);
@@ -251,8 +262,22 @@ std::vector<TaskId> TrainingStep::Impl::build_attention_input_backward(
     ops::accumulate(w.d_tmp, w.d_x);
   });
   link(ready, ln1);
-  if (last) reduce_buckets(fmt::format("layers.{}.attention", l), ln1);
+  if (!defer) {
+    if (last) reduce_buckets(fmt::format("layers.{}.attention", l), ln1);
+    return ln1;
+  }
+  deferred_weight_grads.push_back([=, this] {
+    // After ln1 on the compute stream, so the bucket's every gradient is in once wg is done.
+    auto wg = weight_grad();
+    if (last) reduce_buckets(fmt::format("layers.{}.attention", l), wg);
+  });
   return ln1;
+}
+
+void TrainingStep::Impl::flush_weight_grads() {
+  for (const auto& emit : deferred_weight_grads)
+    emit();
+  deferred_weight_grads.clear();
 }
 
 void TrainingStep::Impl::activation_forward(const Tensor& pre, const Tensor& out) {
@@ -351,6 +376,7 @@ void TrainingStep::Impl::build_backward(int mb) {
   if (last) reduce_buckets("final_norm", prev);
   for (int l = m.num_layers - 1; l >= 0; --l)
     prev = build_layer_backward(l, mb, prev, last);
+  flush_weight_grads();
   // Embedding.
   auto pos = each("positions_backward", tags, [this, mb](int r) {
     RankState& R = ranks[r];
@@ -406,6 +432,7 @@ std::vector<TaskId> TrainingStep::Impl::build_layer_backward(int l, int mb,
   if (moe) {
     norm_grad_ready = build_moe_backward(l, mb, res2, tags);
   } else {
+    flush_weight_grads();
     std::vector<TaskId> g(ranks.size(), rt::kNoTask);
     if (t_sp > 1)
       g = tp_all_gather(

@@ -581,7 +581,9 @@ std::vector<TaskId> TrainingStep::Impl::build_moe_backward(int l, int mb,
                                                            const std::vector<TaskId>& prev,
                                                            rt::TaskTags tags) {
   (void)mb;
-  auto back = moe_experts_backward(l, 0, moe_combine_backward(l, 0, prev, tags), tags);
+  auto combined = moe_combine_backward(l, 0, prev, tags);
+  flush_weight_grads();  // the layer above's, while the combine's gradient is in flight
+  auto back = moe_experts_backward(l, 0, combined, tags);
   auto router = moe_router_backward(l, 0, back, tags);
   auto W = [this](int r) -> BackwardWorkspace& { return ranks[r].ws; };
   auto place = each(fmt::format("L{}.moe_input_grad", l), tags, [=, this](int r) {

@@ -147,6 +147,8 @@ struct TrainingStep::Impl {
   std::int64_t iteration = 1;
   double learning_rate = 0;
   bool update = true;
+  // Weight-gradient GEMMs a layer's backward left to be emitted later (see flush_weight_grads).
+  std::vector<std::function<void()>> deferred_weight_grads;
 
   // Sizes.
   int tp, t_sp, cp, M;
@@ -267,6 +269,10 @@ struct TrainingStep::Impl {
   // sequence (also under Ampipe, whose chunks split only the queries).
   std::vector<TaskId> build_attention_input(int l, const std::vector<TaskId>& prev,
                                             rt::TaskTags tags);
+
+  // Emits the deferred weight gradients: after the next layer's first all-to-all is launched,
+  // so they fill the compute stream while it is in flight.
+  void flush_weight_grads();
 
   // The backward of build_attention_input: QKV input gradient (with the ring's key/value
   // gradients under CP), its reduction over tp, the weight gradient overlapping that reduction,

@@ -565,6 +565,40 @@ TEST(Ampipe, VirtualClockHidesEachChunksAllToAllBehindAnotherChunk) {
   EXPECT_GT(dispatch->end, attention->start);
 }
 
+TEST(Ampipe, TheLayerAbovesWeightGradientRunsWhileTheFirstCombineGradientMoves) {
+  // Without tp and cp the QKV weight gradient of layer 1 waits for layer 0's backward to launch
+  // its first all-to-all, so the compute engine has work while it is in flight.
+  ModelConfig m = tiny(4);
+  m.moe_layer_freq = 1;
+  m.hidden_size = 256;
+  m.num_attention_heads = 8;
+  m.ffn_hidden_size = 512;
+  m.seq_length = 512;
+  m.hidden_dropout = 0;
+  const devices::MachineModel model({0, 0}, 1e13, devices::LinkModel::preset("ampipe-20gbps"));
+  for (int degree : {1, 2}) {
+    ParallelPlan plan{.expert_parallel = 2,
+                      .data_parallel = 2,
+                      .micro_batch_size = 1,
+                      .global_batch_size = 2,
+                      .ampipe_degree = degree};
+    validate(m, plan);
+    devices::DeviceSet set(plan.devices(), {.pin = false});
+    devices::SharedMemoryCommunicator comm;
+    TrainingStep step(m, plan, {}, set, comm);
+    fill_batches(step, m, plan);
+    step.prepare(1, 1e-3);
+    rt::VirtualClock clock(model, {.execute = true});
+    const rt::Trace trace = clock.run(step.graph()).trace;
+    const rt::Span* wg = trace.find("L1.qkv_weight_grad");
+    const rt::Span* a2a =
+        trace.find(degree == 1 ? "L0.combine_backward[0]" : "L0.c1.combine_backward[0]");
+    ASSERT_TRUE(wg && a2a) << "degree " << degree;
+    EXPECT_LT(wg->start, a2a->end) << "degree " << degree;
+    EXPECT_GT(wg->end, a2a->start) << "degree " << degree;
+  }
+}
+
 TEST(Ampipe, PipeExpertsComputeOneItemWhileTheNextOnesRowsMove) {
   ModelConfig m = tiny(4);
   m.num_layers = 1;
