@@ -189,22 +189,6 @@ Tensor TrainingStep::Impl::kv_block(int r, int l, int owner) {
   return ranks[r].layers[l].kv_store.slice(0, owner * Sc, Sc);
 }
 
-void TrainingStep::Impl::attend_block(int r, int l, int c, int owner) {
-  LayerActivations& A = ranks[r].layers[l];
-  BackwardWorkspace& w = ranks[r].ws;
-  const int me = mesh.coordinates(r).cp;
-  const Tensor block = kv_block(r, l, owner);
-  for (std::int64_t kc = 0; kc < 2; ++kc) {
-    const Tensor keys = block.slice(0, kc * chunk, chunk);
-    ops::attention_forward({.q_offset = context_position(me, c * chunk),
-                            .k_offset = context_position(owner, kc * chunk)},
-                           head_view(A.qkv.slice(0, c * chunk, chunk), 0), head_view(keys, 0),
-                           head_view(keys, 1), w.o_part.transpose(0, 1), w.lse_part);
-    merge_partial(A.attn.slice(0, c * chunk, chunk), A.lse.slice(0, c, 1).reshape({B, Hl, chunk}),
-                  w.o_part, w.lse_part);
-  }
-}
-
 std::vector<TaskId> TrainingStep::Impl::ampipe_ring_attention(int l, int c,
                                                               const std::vector<TaskId>& qkv,
                                                               rt::TaskTags tags,
@@ -219,7 +203,7 @@ std::vector<TaskId> TrainingStep::Impl::ampipe_ring_attention(int l, int c,
     auto task = each(at + "attention", tags, [=, this](int r) {
       begin_half(r);
       for (int owner = 0; owner < cp; ++owner)
-        attend_block(r, l, 1, owner);
+        attend_half(r, l, 1, kv_block(r, l, owner), owner);
       finish(r);
     });
     link(qkv, task);
@@ -239,7 +223,7 @@ std::vector<TaskId> TrainingStep::Impl::ampipe_ring_attention(int l, int c,
     const bool last = t == cp - 1;
     step = each(at + (last ? "attention" : "attention_step"), tags, [=, this](int r) {
       if (t == 0) begin_half(r);
-      attend_block(r, l, 0, ring_owner(r, t));
+      attend_half(r, l, 0, kv_block(r, l, ring_owner(r, t)), ring_owner(r, t));
       if (last) finish(r);
     });
     link(arrived, step);
@@ -251,28 +235,15 @@ void TrainingStep::Impl::ampipe_ring_attention_backward(int r, int l, int c) {
   LayerActivations& A = ranks[r].layers[l];
   BackwardWorkspace& w = ranks[r].ws;
   const LayerShard& P = ranks[r].shard->layer(l);
-  const int me = mesh.coordinates(r).cp;
   const Tensor d_proj = w.d_mlp.slice(0, c * chunk, chunk);
   const Tensor d_attn = w.d_attn.reshape({Sc, B, Hl * d}).slice(0, c * chunk, chunk);
   const Tensor attn = A.attn.slice(0, c * chunk, chunk);
   ops::linear_backward_input(d_proj, P.proj_weight->value, d_attn);
   ops::linear_backward_weight(attn.reshape({chunk, B, Hl * d}), d_proj, P.proj_weight->grad,
                               Tensor{});
-  for (int owner = 0; owner < cp; ++owner) {
-    const Tensor block = kv_block(r, l, owner), grads = w.dkv_send.slice(0, owner * Sc, Sc);
-    for (std::int64_t kc = 0; kc < 2; ++kc) {
-      const Tensor keys = block.slice(0, kc * chunk, chunk);
-      const Tensor key_grads = grads.slice(0, kc * chunk, chunk);
-      ops::attention_backward(
-          {.q_offset = context_position(me, c * chunk),
-           .k_offset = context_position(owner, kc * chunk)},
-          head_view(A.qkv.slice(0, c * chunk, chunk), 0), head_view(keys, 0), head_view(keys, 1),
-          attn.transpose(0, 1), A.lse.slice(0, c, 1).reshape({B, Hl, chunk}),
-          d_attn.reshape({chunk, B, Hl, d}).transpose(0, 1), w.dq_part.transpose(0, 1),
-          head_view(key_grads, 0), head_view(key_grads, 1));
-      ops::accumulate(w.dq_part, w.d_qkv.slice(0, c * chunk, chunk).slice(3, 0, d));
-    }
-  }
+  for (int owner = 0; owner < cp; ++owner)
+    attend_half_backward(r, l, c, kv_block(r, l, owner), w.dkv_send.slice(0, owner * Sc, Sc),
+                         owner);
 }
 
 std::vector<TaskId> TrainingStep::Impl::send_block_gradients_home(int l,

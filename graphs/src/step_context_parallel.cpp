@@ -46,6 +46,44 @@ Tensor TrainingStep::Impl::ring_block(int r, int layer, int t) {
   return t == 0 ? ranks[r].layers[layer].kv_local : ranks[r].ws.ring[t % 2];
 }
 
+void TrainingStep::Impl::attend_half(int r, int l, std::int64_t half, const Tensor& block,
+                                     int owner) {
+  LayerActivations& A = ranks[r].layers[l];
+  BackwardWorkspace& w = ranks[r].ws;
+  const int me = mesh.coordinates(r).cp;
+  for (std::int64_t kc = 0; kc < 2; ++kc) {
+    const Tensor keys = block.slice(0, kc * chunk, chunk);
+    ops::attention_forward({.q_offset = context_position(me, half * chunk),
+                            .k_offset = context_position(owner, kc * chunk)},
+                           head_view(A.qkv.slice(0, half * chunk, chunk), 0), head_view(keys, 0),
+                           head_view(keys, 1), w.o_part.transpose(0, 1), w.lse_part);
+    merge_partial(A.attn.slice(0, half * chunk, chunk),
+                  A.lse.slice(0, half, 1).reshape({B, Hl, chunk}), w.o_part, w.lse_part);
+  }
+}
+
+void TrainingStep::Impl::attend_half_backward(int r, int l, std::int64_t half, const Tensor& block,
+                                              const Tensor& grads, int owner) {
+  LayerActivations& A = ranks[r].layers[l];
+  BackwardWorkspace& w = ranks[r].ws;
+  const int me = mesh.coordinates(r).cp;
+  const Tensor d_attn = w.d_attn.reshape({Sc, B, Hl, d}).slice(0, half * chunk, chunk);
+  for (std::int64_t kc = 0; kc < 2; ++kc) {
+    const Tensor keys = block.slice(0, kc * chunk, chunk);
+    const Tensor key_grads = grads.slice(0, kc * chunk, chunk);
+    // With the full (merged) output and log-sum-exp, each block's probabilities are the final
+    // ones, so its gradients are exact parts of the whole.
+    ops::attention_backward(
+        {.q_offset = context_position(me, half * chunk),
+         .k_offset = context_position(owner, kc * chunk)},
+        head_view(A.qkv.slice(0, half * chunk, chunk), 0), head_view(keys, 0), head_view(keys, 1),
+        A.attn.slice(0, half * chunk, chunk).transpose(0, 1),
+        A.lse.slice(0, half, 1).reshape({B, Hl, chunk}), d_attn.transpose(0, 1),
+        w.dq_part.transpose(0, 1), head_view(key_grads, 0), head_view(key_grads, 1));
+    ops::accumulate(w.dq_part, w.d_qkv.slice(0, half * chunk, chunk).slice(3, 0, d));
+  }
+}
+
 int TrainingStep::Impl::ring_owner(int r, int t) const {
   const int me = mesh.coordinates(r).cp;
   return ((me - t) % cp + cp) % cp;
@@ -72,25 +110,13 @@ std::vector<TaskId> TrainingStep::Impl::build_ring_attention_forward(int l,
     const bool last = t == cp - 1;
     auto step = each(at + (last ? "attention" : "attention_step"), tags, [=, this](int r) {
       LayerActivations& A = ranks[r].layers[l];
-      BackwardWorkspace& w = ranks[r].ws;
       const LayerShard& P = ranks[r].shard->layer(l);
       if (t == 0) {
         A.attn.fill(0.f);
         A.lse.fill(-std::numeric_limits<float>::infinity());
       }
-      const Tensor block = ring_block(r, l, t);
-      const int me = mesh.coordinates(r).cp, owner = ring_owner(r, t);
-      for (std::int64_t qc = 0; qc < 2; ++qc)
-        for (std::int64_t kc = 0; kc < 2; ++kc) {
-          const Tensor keys = block.slice(0, kc * chunk, chunk);
-          ops::attention_forward({.q_offset = context_position(me, qc * chunk),
-                                  .k_offset = context_position(owner, kc * chunk)},
-                                 head_view(A.qkv.slice(0, qc * chunk, chunk), 0),
-                                 head_view(keys, 0), head_view(keys, 1), w.o_part.transpose(0, 1),
-                                 w.lse_part);
-          merge_partial(A.attn.slice(0, qc * chunk, chunk),
-                        A.lse.slice(0, qc, 1).reshape({B, Hl, chunk}), w.o_part, w.lse_part);
-        }
+      for (std::int64_t half = 0; half < 2; ++half)
+        attend_half(r, l, half, ring_block(r, l, t), ring_owner(r, t));
       if (last)
         ops::linear_forward(A.attn.reshape({Sc, B, Hl * d}), P.proj_weight->value, Tensor{},
                             A.proj_partial);
@@ -127,28 +153,10 @@ std::vector<TaskId> TrainingStep::Impl::build_ring_attention_backward(
       kv_arrived = shift;
     }
     auto step = each(at + "attention_backward_step", tags, [=, this](int r) {
-      LayerActivations& A = ranks[r].layers[l];
       BackwardWorkspace& w = ranks[r].ws;
       if (t == 0) w.dring[0].fill(0.f);
-      const Tensor block = ring_block(r, l, t), grads = w.dring[t % 2];
-      const int me = mesh.coordinates(r).cp, owner = ring_owner(r, t);
-      const Tensor d_attn = w.d_attn.reshape({Sc, B, Hl, d});
-      for (std::int64_t qc = 0; qc < 2; ++qc)
-        for (std::int64_t kc = 0; kc < 2; ++kc) {
-          const Tensor keys = block.slice(0, kc * chunk, chunk);
-          const Tensor key_grads = grads.slice(0, kc * chunk, chunk);
-          // With the full (merged) output and log-sum-exp, each block's probabilities are the
-          // final ones, so its gradients are exact parts of the whole.
-          ops::attention_backward(
-              {.q_offset = context_position(me, qc * chunk),
-               .k_offset = context_position(owner, kc * chunk)},
-              head_view(A.qkv.slice(0, qc * chunk, chunk), 0), head_view(keys, 0),
-              head_view(keys, 1), A.attn.slice(0, qc * chunk, chunk).transpose(0, 1),
-              A.lse.slice(0, qc, 1).reshape({B, Hl, chunk}),
-              d_attn.slice(0, qc * chunk, chunk).transpose(0, 1), w.dq_part.transpose(0, 1),
-              head_view(key_grads, 0), head_view(key_grads, 1));
-          ops::accumulate(w.dq_part, w.d_qkv.slice(0, qc * chunk, chunk).slice(3, 0, d));
-        }
+      for (std::int64_t half = 0; half < 2; ++half)
+        attend_half_backward(r, l, half, ring_block(r, l, t), w.dring[t % 2], ring_owner(r, t));
     });
     link(kv_arrived, step);
     link(grad_arrived, step);

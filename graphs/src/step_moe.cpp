@@ -4,28 +4,24 @@
 
 namespace weave::graphs {
 
+std::int64_t TrainingStep::Impl::expert_capacity() const {
+  if (m.moe_expert_capacity_factor <= 0) return 0;
+  const std::int64_t n = T / ampipe(), k = m.moe_router_topk;
+  return static_cast<std::int64_t>(
+      std::ceil(m.moe_expert_capacity_factor * static_cast<double>(n * k) /
+                static_cast<double>(m.num_experts)));
+}
+
 std::int64_t TrainingStep::Impl::slot_capacity() const {
-  const std::int64_t n = T / ampipe(), k = m.moe_router_topk, E = m.num_experts;
-  std::int64_t rows = ep() * n * k;
-  if (m.moe_expert_capacity_factor > 0) {
-    const auto per_expert = static_cast<std::int64_t>(std::ceil(
-        m.moe_expert_capacity_factor * static_cast<double>(n * k) / static_cast<double>(E)));
-    rows = std::min(rows, E * per_expert);
-  }
-  return rows;
+  const std::int64_t rows = ep() * (T / ampipe()) * m.moe_router_topk;
+  return expert_capacity() > 0 ? std::min(rows, m.num_experts * expert_capacity()) : rows;
 }
 
 void TrainingStep::Impl::allocate_items(int r, MoeSlot& S) {
   const std::int64_t n = T / ampipe(), k = m.moe_router_topk, E = m.num_experts;
   const std::int64_t f1 = m.activation == Activation::swiglu ? 2 * f : f;
   // A source sends an expert at most one pick per token (and at most its capacity).
-  std::int64_t per_source = n;
-  if (m.moe_expert_capacity_factor > 0)
-    per_source = std::min(
-        per_source,
-        static_cast<std::int64_t>(std::ceil(m.moe_expert_capacity_factor *
-                                            static_cast<double>(n * k) / static_cast<double>(E))));
-  const std::int64_t in = ep() * per_source;
+  const std::int64_t in = ep() * (expert_capacity() > 0 ? std::min(n, expert_capacity()) : n);
   const int slices = plan.pipe_experts_slices();
   for (int e = 0; e < E / ep(); ++e)
     for (int j = 0; j < slices; ++j) {

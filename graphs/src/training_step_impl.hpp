@@ -177,6 +177,9 @@ struct TrainingStep::Impl {
   // capacity factor, at most each local expert's capacity from each source (plan_dispatch's
   // ceil(f n k / E) per expert).
   std::int64_t slot_capacity() const;
+  // The picks an expert takes from one source's MoE slot (plan_dispatch's ceil(f n k / E)), or 0
+  // when dropless.
+  std::int64_t expert_capacity() const;
 
   bool pipe_experts() const { return plan.pipe_experts && ep() > 1; }
 
@@ -309,9 +312,6 @@ struct TrainingStep::Impl {
   // which one all-to-all sends home.
   Tensor kv_block(int r, int l, int owner);
 
-  // Attends half c of this rank's queries to `owner`'s block, folding it into the half's output.
-  void attend_block(int r, int l, int c, int owner);
-
   // Chunk c's attention; `finish(r)` (its projection, residual and norm) ends the last task.
   std::vector<TaskId> ampipe_ring_attention(int l, int c, const std::vector<TaskId>& qkv,
                                             rt::TaskTags tags, std::function<void(int)> finish);
@@ -363,6 +363,13 @@ struct TrainingStep::Impl {
   Tensor ring_block(int r, int layer, int t);
 
   int ring_owner(int r, int t) const;
+
+  // Attends half `half` of this rank's queries to `block` (`owner`'s keys and values), folding
+  // it into the half's output and log-sum-exp.
+  void attend_half(int r, int l, std::int64_t half, const Tensor& block, int owner);
+  // Its backward: dq added to d_qkv, the block's dk and dv added to `grads`.
+  void attend_half_backward(int r, int l, std::int64_t half, const Tensor& block,
+                            const Tensor& grads, int owner);
 
   // Ring attention forward: cp steps; at step t each rank attends its two query chunks to the
   // key/value block of rank (me - t), while the comm stream already passes that block on.

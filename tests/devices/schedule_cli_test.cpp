@@ -11,25 +11,12 @@
 #include <sstream>
 #include <string>
 
+#include "run_weave.hpp"
+
 namespace {
 
-struct Result {
-  int status;
-  std::string out;  // stdout and stderr
-};
-
-Result weave(const std::string& args) {
-  const std::string command = fmt::format("{} {} 2>&1", WEAVE_BINARY, args);
-  FILE* pipe = popen(command.c_str(), "r");
-  Result r{-1, {}};
-  if (!pipe) return r;
-  std::array<char, 4096> buffer{};
-  while (std::size_t n = std::fread(buffer.data(), 1, buffer.size(), pipe))
-    r.out.append(buffer.data(), n);
-  const int status = pclose(pipe);
-  r.status = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
+using weave::cli_test::Result;
+using weave::cli_test::weave;
 
 std::filesystem::path scratch(const std::string& name) {
   const auto dir =

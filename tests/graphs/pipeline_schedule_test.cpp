@@ -45,6 +45,14 @@ void expect_orders(const PipelineSchedule& s, const std::vector<std::string>& ra
 
 // ----------------------------------------------------------------- the reference orders, p=4 m=8
 
+// Chunks per rank each schedule is drawn with: 2 for the interleaved and V layouts.
+int chunks_of(ScheduleKind kind) {
+  return kind == ScheduleKind::Interleaved || kind == ScheduleKind::InterleavedMem ||
+                 kind == ScheduleKind::ZeroBubbleV
+             ? 2
+             : 1;
+}
+
 TEST(PipelineSchedule, GPipeRunsAllForwardsThenAllBackwards) {
   const auto s = make_schedule(ScheduleKind::GPipe, {.ranks = 4, .micro_batches = 8});
   for (int r = 0; r < 4; ++r)
@@ -415,10 +423,7 @@ TEST(PipelineSchedule, DeliberateIdleSlotsDelayTheRank) {
 TEST(PipelineSchedule, CsvRoundTripsEverySchedule) {
   for (const auto& name : schedule_names()) {
     const ScheduleKind kind = schedule_kind(name);
-    const int v = kind == ScheduleKind::Interleaved || kind == ScheduleKind::InterleavedMem ||
-                          kind == ScheduleKind::ZeroBubbleV
-                      ? 2
-                      : 1;
+    const int v = chunks_of(kind);
     const auto s = make_schedule(kind, {.ranks = 4, .micro_batches = 8, .chunks = v});
     const std::string csv = write_schedule_csv(s);
     const auto back = read_schedule_csv(csv, s.name);
@@ -578,10 +583,7 @@ TEST(PipelineSchedule, XmlCheckerCatchesBrokenDocuments) {
 TEST(PipelineSchedule, SvgIsWellFormedWithOneCellPerAction) {
   for (const auto& name : schedule_names()) {
     const ScheduleKind kind = schedule_kind(name);
-    const int v = kind == ScheduleKind::Interleaved || kind == ScheduleKind::InterleavedMem ||
-                          kind == ScheduleKind::ZeroBubbleV
-                      ? 2
-                      : 1;
+    const int v = chunks_of(kind);
     const auto s = make_schedule(kind, {.ranks = 4, .micro_batches = 8, .chunks = v});
     const auto report = simulate_schedule(s);
     const std::string svg = render_schedule_svg(s, report);

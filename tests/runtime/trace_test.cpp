@@ -203,9 +203,9 @@ TEST(TraceMetrics, ExposedTimeOfNamedCommunication) {
   const TaskId grad = add(0, kCommStream, TaskKind::comm, "layers.0.attention/dense.dp[0]");
   const TaskId local = add(0, kComputeStream, TaskKind::compute, "L0.c0.combine");
   const TaskId back = add(1, kCommStream, TaskKind::comm, "L0.c0.combine[1]");
-  const Trace trace(table, {{c, 0, 100}, {a2a, 50, 150}, {grad, 120, 200}, {local, 160, 170},
-                            {back, 0, 30}},
-                    ClockKind::virtual_time);
+  const Trace trace(
+      table, {{c, 0, 100}, {a2a, 50, 150}, {grad, 120, 200}, {local, 160, 170}, {back, 0, 30}},
+      ClockKind::virtual_time);
   constexpr std::string_view kAllToAll[] = {"dispatch", "combine"};
   EXPECT_EQ(exposed_comm_named(trace, kAllToAll), 50 + 30);
   constexpr std::string_view kGradients[] = {"dense.dp"};

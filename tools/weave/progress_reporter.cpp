@@ -40,10 +40,10 @@ void ProgressReporter::iteration(const IterationReport& r) {
   const double rate = seconds_ > 0 ? tokens_ / seconds_ : 0;
   const double eta =
       rate > 0 ? static_cast<double>(total_ - r.iteration) * (tokens_ / r.iteration) / rate : 0;
-  std::string exposed = exposed_ ? fmt::format(" | exposed comm {:.0f}%", 100 * *exposed_) : "";
+  std::string extras = exposed_ ? fmt::format(" | exposed comm {:.0f}%", 100 * *exposed_) : "";
   if (r.dropped_picks && r.routed_picks > 0)
-    exposed += fmt::format(" | dropped {:.1f}%", 100.0 * static_cast<double>(*r.dropped_picks) /
-                                                     static_cast<double>(r.routed_picks));
+    extras += fmt::format(" | dropped {:.1f}%", 100.0 * static_cast<double>(*r.dropped_picks) /
+                                                    static_cast<double>(r.routed_picks));
   if (json_) {
     nlohmann::json j{{"iteration", r.iteration},
                      {"loss", r.loss},
@@ -66,7 +66,7 @@ void ProgressReporter::iteration(const IterationReport& r) {
     fmt::print("\riter {}/{} [{}{}] loss {:.4f} | {:.0f} tok/s | ETA {}{}", r.iteration, total_,
                std::string(static_cast<std::size_t>(filled), '='),
                std::string(static_cast<std::size_t>(kWidth - filled), ' '), r.loss, rate,
-               clock_text(eta), exposed);
+               clock_text(eta), extras);
     std::fflush(stdout);
     line_open_ = true;
     if (r.iteration % interval_ == 0 || r.iteration == total_) {
@@ -77,7 +77,7 @@ void ProgressReporter::iteration(const IterationReport& r) {
     fmt::print(
         "iteration {:>6}/{} | loss {:.4f} | aux {:.4f} | grad norm {:.3f} | lr {:.3g} | "
         "{:.0f} tokens/s{}\n",
-        r.iteration, total_, r.loss, r.aux_loss, r.grad_norm, r.learning_rate, rate, exposed);
+        r.iteration, total_, r.loss, r.aux_loss, r.grad_norm, r.learning_rate, rate, extras);
     std::fflush(stdout);
   }
 }
