@@ -38,8 +38,12 @@ double normal(const ops::RandomKey& key, std::int64_t row, std::int64_t col) {
 Parameter& ModelShard::add(std::string name, const ops::Shape& local, std::int64_t logical_rows,
                            std::int64_t logical_cols, std::vector<std::int64_t> row_map,
                            std::int64_t col_offset, double std, double constant) {
+  const std::uint32_t index = next_index_++;
+  if (!holding_) {
+    skipped_ = Parameter{};
+    return skipped_;
+  }
   Parameter& p = parameters_.emplace_back();
-  const auto index = static_cast<std::uint32_t>(parameters_.size() - 1);
   p.name = std::move(name);
   p.value = ops::Tensor::empty(local);  // initialised here, then moved into its bucket
   p.bucket = current_bucket_;
@@ -62,8 +66,13 @@ Parameter& ModelShard::add(std::string name, const ops::Shape& local, std::int64
   return p;
 }
 
-ModelShard::ModelShard(const ModelConfig& m, const Mesh& mesh, int rank, devices::Device& device)
-    : config_(m), device_(device) {
+ModelShard::ModelShard(const ModelConfig& m, const Mesh& mesh, int rank, devices::Device& device,
+                       StageContents contents)
+    : config_(m), device_(device), contents_(std::move(contents)) {
+  if (!contents_.layers.empty() &&
+      static_cast<int>(contents_.layers.size()) != m.num_layers)
+    throw std::logic_error(fmt::format("stage contents list {} layers of a {}-layer model",
+                                       contents_.layers.size(), m.num_layers));
   const MeshCoordinates at = mesh.coordinates(rank);
   const ParallelPlan& plan = mesh.plan();
   const int tp = plan.tensor_parallel, t = at.tp;
@@ -83,13 +92,18 @@ ModelShard::ModelShard(const ModelConfig& m, const Mesh& mesh, int rank, devices
     return p;
   };
   current_bucket_ = "embedding";
-  add("embedding.word", {v_local, h}, vocab, h, iota_from(vocab_start_, v_local), 0, std, 0);
-  replicated(add("embedding.position", {m.positions(), h}, m.positions(), h,
-                 iota_from(0, m.positions()), 0, std, 0),
-             partial_over_tp);
+  holding_ = contents_.input_embedding || contents_.output_layer;
+  word_ = &add("embedding.word", {v_local, h}, vocab, h, iota_from(vocab_start_, v_local), 0, std, 0);
+  holding_ = contents_.input_embedding;
+  positions_ = &replicated(add("embedding.position", {m.positions(), h}, m.positions(), h,
+                               iota_from(0, m.positions()), 0, std, 0),
+                           partial_over_tp);
+  if (!contents_.input_embedding) positions_ = nullptr;
+  if (!holding_ && !contents_.output_layer) word_ = nullptr;
   layers_.resize(static_cast<std::size_t>(m.num_layers));
   for (int l = 0; l < m.num_layers; ++l) {
     LayerShard& L = layers_[l];
+    holding_ = holds_layer(l);
     const std::string prefix = fmt::format("layers.{}.", l);
     auto norm = [&](const char* name, double value) -> Parameter* {
       return &replicated(add(prefix + name, {h}, h, 1, iota_from(0, h), 0, 0, value),
@@ -148,12 +162,16 @@ ModelShard::ModelShard(const ModelConfig& m, const Mesh& mesh, int rank, devices
       L.fc2_bias = &replicated(add(prefix + "mlp.fc2.bias", {h}, h, 1, iota_from(0, h), 0, 0, 0),
                                partial_over_tp);
     }
+    if (!holding_) L = LayerShard{.moe = L.moe};  // counted only: another stage holds it
   }
   current_bucket_ = "final_norm";
+  holding_ = contents_.output_layer;
   final_ln_weight_ =
       &replicated(add("final_norm.weight", {h}, h, 1, iota_from(0, h), 0, 0, 1), partial_over_tp);
   final_ln_bias_ =
       &replicated(add("final_norm.bias", {h}, h, 1, iota_from(0, h), 0, 0, 0), partial_over_tp);
+  if (!holding_) final_ln_weight_ = final_ln_bias_ = nullptr;
+  holding_ = true;
   // Buckets in backward order: the final norm, then each layer from the last (MLP half, then
   // attention half), then the embeddings.
   std::vector<std::string> order{"final_norm"};

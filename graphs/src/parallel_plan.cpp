@@ -1,5 +1,7 @@
 #include "weave/graphs/parallel_plan.hpp"
 
+#include "weave/graphs/pipeline_layout.hpp"
+
 #include <fmt/format.h>
 
 #include <cmath>
@@ -98,14 +100,45 @@ std::vector<std::string> validate(const ModelConfig& m, ParallelPlan& p) {
         "--expert-model-parallel-size ({}) must divide tensor x context x data parallel "
         "({} x {} x {} = {}): expert-parallel groups are carved out of those ranks",
         p.expert_parallel, tp, cp, dp, tp * cp * dp);
-  if (m.num_layers % p.pipeline_parallel != 0)
-    refuse("--num-layers ({}) must be divisible by --pipeline-model-parallel-size ({})",
-           m.num_layers, p.pipeline_parallel);
   if (p.global_batch_size % (p.micro_batch_size * dp) != 0)
     refuse(
         "--global-batch-size ({}) must be divisible by --micro-batch-size x data-parallel size "
         "({} x {} = {})",
         p.global_batch_size, p.micro_batch_size, dp, p.micro_batch_size * dp);
+  require_positive("--virtual-pipeline-model-parallel-size", p.virtual_pipeline);
+  if (p.layers_per_virtual_stage < 0)
+    refuse("--num-layers-per-virtual-pipeline-stage must be >= 1, got {}",
+           p.layers_per_virtual_stage);
+  if (p.layers_per_virtual_stage > 0) {
+    const int per_rank = m.num_layers / p.pipeline_parallel;
+    if (m.num_layers % p.pipeline_parallel != 0 || per_rank % p.layers_per_virtual_stage != 0)
+      refuse(
+          "--num-layers-per-virtual-pipeline-stage ({}) must divide the layers of each "
+          "pipeline rank (--num-layers {} / --pipeline-model-parallel-size {})",
+          p.layers_per_virtual_stage, m.num_layers, p.pipeline_parallel);
+    const int v = per_rank / p.layers_per_virtual_stage;
+    if (p.virtual_pipeline > 1 && p.virtual_pipeline != v)
+      refuse(
+          "--num-layers-per-virtual-pipeline-stage ({}) gives {} virtual stages per rank but "
+          "--virtual-pipeline-model-parallel-size is {}; give one of them",
+          p.layers_per_virtual_stage, v, p.virtual_pipeline);
+    p.virtual_pipeline = v;
+  }
+  const bool v_shape = !p.pipeline_scheduler.empty() &&
+                       pipeline_schedule_kind(p) == ScheduleKind::ZeroBubbleV;
+  if (v_shape && p.virtual_pipeline == 1 && p.pipeline_parallel > 1) p.virtual_pipeline = 2;  // zb-v's two chunks per rank
+  if (p.pipeline_parallel == 1 && (p.virtual_pipeline > 1 || !p.pipeline_scheduler.empty() ||
+                                   p.first_stage_layers > 0 || p.last_stage_layers > 0)) {
+    if (p.virtual_pipeline > 1 || p.first_stage_layers > 0 || p.last_stage_layers > 0)
+      refuse(
+          "virtual pipeline stages and uneven stage splits need --pipeline-model-parallel-size "
+          "> 1");
+    warnings.push_back(fmt::format(
+        "--pipeline-scheduler {} has no effect with --pipeline-model-parallel-size 1",
+        p.pipeline_scheduler));
+    p.pipeline_scheduler.clear();
+  }
+  make_pipeline_layout(m, p);  // refuses splits and schedules it cannot make
   require_positive("--ampipe-degree", p.ampipe_degree);
   if (p.ampipe_degree > 1) {
     const int degree = p.ampipe_degree;

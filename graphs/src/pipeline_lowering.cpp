@@ -74,31 +74,16 @@ class Lowering {
     if (o_.work) shared_work_ = std::make_shared<const PipelineActionWork>(o_.work);
   }
 
-  // Emits the ranks' actions in an order that respects every dependency, as the dry run walks
-  // them: the order the tasks are added in is then a topological order of the graph, so the
-  // order of the per-device send and receive streams never adds a cycle, and a send sits right
-  // after its producer and a receive right before its consumer, so it never delays anything either.
+  // Emits the actions in emission_order: a send sits right after its producer and a receive
+  // right before its consumer, so they never delay anything.
   LoweredSchedule run() {
     LoweredSchedule out;
     out_ = &out;
     out.tasks.resize(static_cast<std::size_t>(s_.ranks));
-    std::vector<std::size_t> next(static_cast<std::size_t>(s_.ranks), 0);
-    for (bool progress = true; progress;) {
-      progress = false;
-      for (int r = 0; r < s_.ranks; ++r) {
-        const auto& list = s_.actions[static_cast<std::size_t>(r)];
-        while (next[r] < list.size() && emit(r, list[next[r]])) {
-          ++next[r];
-          progress = true;
-        }
-      }
-    }
-    for (int r = 0; r < s_.ranks; ++r)
-      if (next[r] != s_.actions[static_cast<std::size_t>(r)].size())
-        throw ScheduleError(fmt::format(
-            "cannot lower schedule '{}': rank {} cannot get past step {}; check it with "
-            "simulate_schedule (weave schedule --load-csv) first",
-            s_.name, r, next[r]));
+    for (const ScheduledAction& at : emission_order(s_))
+      if (!emit(at.rank, s_.actions[static_cast<std::size_t>(at.rank)]
+                             [static_cast<std::size_t>(at.index)]))
+        throw std::logic_error("emission_order placed an action before its input");
     return out;
   }
 
@@ -235,6 +220,50 @@ class Lowering {
 };
 
 }  // namespace
+
+std::vector<ScheduledAction> emission_order(const PipelineSchedule& s) {
+  const auto cells = static_cast<std::size_t>(s.stages() * s.micro_batches);
+  auto cell = [&](int stage, int mb) { return static_cast<std::size_t>(stage * s.micro_batches + mb); };
+  std::vector<bool> forward_done(cells, false), gradient_done(cells, false);
+  // Whether the input `a` waits for from another stage is there: the previous stage's forward
+  // for a forward, the next stage's input gradient for a full or input-gradient backward.
+  auto ready = [&](const Action& a, int stage) {
+    if (a.type == ActionType::Forward && stage > 0)
+      return static_cast<bool>(forward_done[cell(stage - 1, a.micro_batch)]);
+    if ((a.type == ActionType::Backward || a.type == ActionType::BackwardInput) &&
+        stage + 1 < s.stages())
+      return static_cast<bool>(gradient_done[cell(stage + 1, a.micro_batch)]);
+    return true;
+  };
+  std::vector<ScheduledAction> order;
+  std::vector<std::size_t> next(static_cast<std::size_t>(s.ranks), 0);
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int r = 0; r < s.ranks; ++r) {
+      const auto& list = s.actions[static_cast<std::size_t>(r)];
+      while (next[r] < list.size()) {
+        const Action& a = list[next[r]];
+        if (a.type != ActionType::Idle) {
+          const int stage = s.stage(r, a.chunk);
+          if (!ready(a, stage)) break;
+          if (a.type == ActionType::Forward) forward_done[cell(stage, a.micro_batch)] = true;
+          if (a.type == ActionType::Backward || a.type == ActionType::BackwardInput)
+            gradient_done[cell(stage, a.micro_batch)] = true;
+        }
+        order.push_back({r, static_cast<int>(next[r])});
+        ++next[r];
+        progress = true;
+      }
+    }
+  }
+  for (int r = 0; r < s.ranks; ++r)
+    if (next[r] != s.actions[static_cast<std::size_t>(r)].size())
+      throw ScheduleError(fmt::format(
+          "cannot order schedule '{}': rank {} cannot get past step {}; check it with "
+          "simulate_schedule (weave schedule --load-csv) first",
+          s.name, r, next[r]));
+  return order;
+}
 
 LoweredSchedule lower_schedule(const PipelineSchedule& schedule, const LoweringOptions& options,
                                rt::GraphBuilder& builder) {

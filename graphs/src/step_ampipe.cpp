@@ -6,10 +6,11 @@ namespace weave::graphs {
 
 std::vector<TaskId> TrainingStep::Impl::build_ampipe_layer_forward(int l, int mb,
                                                                    std::vector<TaskId> prev) {
+  const int set = set_;
   const rt::TaskTags tags{.layer = static_cast<std::uint16_t>(l),
                           .micro_batch = static_cast<std::uint16_t>(mb),
                           .phase = rt::Phase::forward};
-  auto L = [this, l](int r) -> LayerActivations& { return ranks[r].layers[l]; };
+  auto L = [this, l, set](int r) -> LayerActivations& { return acts(r, set, l); };
   auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
   const std::string at = fmt::format("L{}.", l);
   const std::int64_t q = piece_rows(), n = t_sp * q;  // n: the chunk's rows of the sequence
@@ -95,10 +96,11 @@ std::vector<TaskId> TrainingStep::Impl::build_ampipe_layer_forward(int l, int mb
 std::vector<TaskId> TrainingStep::Impl::build_ampipe_layer_backward(int l, int mb,
                                                                     std::vector<TaskId> prev,
                                                                     bool last_micro_batch) {
+  const int set = set_;
   const rt::TaskTags tags{.layer = static_cast<std::uint16_t>(l),
                           .micro_batch = static_cast<std::uint16_t>(mb),
                           .phase = rt::Phase::backward};
-  auto L = [this, l](int r) -> LayerActivations& { return ranks[r].layers[l]; };
+  auto L = [this, l, set](int r) -> LayerActivations& { return acts(r, set, l); };
   auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
   auto W = [this](int r) -> BackwardWorkspace& { return ranks[r].ws; };
   const std::string at = fmt::format("L{}.", l);
@@ -129,7 +131,7 @@ std::vector<TaskId> TrainingStep::Impl::build_ampipe_layer_backward(int l, int m
       const std::int64_t first = c * q;
       const Tensor d_norm = w.d_norm.slice(0, first, q), d_tmp = w.d_tmp.slice(0, first, q);
       const Tensor d_mid = w.d_x_mid.slice(0, first, q), d_proj = w.d_mlp.slice(0, first, q);
-      d_norm.reshape({q * B, h}).copy_from(slot(r, l, c).d_moe_in);
+      d_norm.reshape({q * B, h}).copy_from(slot(r, set, l, c).d_moe_in);
       ops::layer_norm_backward(A.x_mid.slice(0, first, q), P(r).ln2_weight->value,
                                A.ln2_mean.slice(0, first * B, q * B),
                                A.ln2_rstd.slice(0, first * B, q * B), d_norm, d_tmp,
@@ -159,7 +161,7 @@ std::vector<TaskId> TrainingStep::Impl::build_ampipe_layer_backward(int l, int m
       if (c == N - 1) w.d_qkv.fill(0.f);
       if (t_sp == 1) residual_backward(r);
       if (cp > 1) {
-        ampipe_ring_attention_backward(r, l, c);
+        ampipe_ring_attention_backward(r, set, l, c);
         return;
       }
       for (int j = 0; j < t_sp; ++j) {
@@ -185,17 +187,18 @@ std::vector<TaskId> TrainingStep::Impl::build_ampipe_layer_backward(int l, int m
   return build_attention_input_backward(l, side, last_micro_batch, tags);
 }
 
-Tensor TrainingStep::Impl::kv_block(int r, int l, int owner) {
-  return ranks[r].layers[l].kv_store.slice(0, owner * Sc, Sc);
+Tensor TrainingStep::Impl::kv_block(int r, int set, int l, int owner) {
+  return acts(r, set, l).kv_store.slice(0, owner * Sc, Sc);
 }
 
 std::vector<TaskId> TrainingStep::Impl::ampipe_ring_attention(int l, int c,
                                                               const std::vector<TaskId>& qkv,
                                                               rt::TaskTags tags,
                                                               std::function<void(int)> finish) {
+  const int set = set_;
   const std::string at = fmt::format("L{}.c{}.", l, c);
   auto begin_half = [=, this](int r) {
-    LayerActivations& A = ranks[r].layers[l];
+    LayerActivations& A = acts(r, set, l);
     A.attn.slice(0, c * chunk, chunk).fill(0.f);
     A.lse.slice(0, c, 1).fill(-std::numeric_limits<float>::infinity());
   };
@@ -203,7 +206,7 @@ std::vector<TaskId> TrainingStep::Impl::ampipe_ring_attention(int l, int c,
     auto task = each(at + "attention", tags, [=, this](int r) {
       begin_half(r);
       for (int owner = 0; owner < cp; ++owner)
-        attend_half(r, l, 1, kv_block(r, l, owner), owner);
+        attend_half(r, set, l, 1, kv_block(r, set, l, owner), owner);
       finish(r);
     });
     link(qkv, task);
@@ -214,8 +217,8 @@ std::vector<TaskId> TrainingStep::Impl::ampipe_ring_attention(int l, int c,
     if (t > 0) {
       // Each block lands in its owner's slot of kv_store: nothing is overwritten.
       auto shift = ring_shift(
-          arrived, [=, this](int r) { return kv_block(r, l, ring_owner(r, t - 1)); },
-          [=, this](int r) { return kv_block(r, l, ring_owner(r, t)); },
+          arrived, [=, this](int r) { return kv_block(r, set, l, ring_owner(r, t - 1)); },
+          [=, this](int r) { return kv_block(r, set, l, ring_owner(r, t)); },
           at + fmt::format("cp_ring{}", t), tags);
       link(qkv, shift);
       arrived = shift;
@@ -223,7 +226,7 @@ std::vector<TaskId> TrainingStep::Impl::ampipe_ring_attention(int l, int c,
     const bool last = t == cp - 1;
     step = each(at + (last ? "attention" : "attention_step"), tags, [=, this](int r) {
       if (t == 0) begin_half(r);
-      attend_half(r, l, 0, kv_block(r, l, ring_owner(r, t)), ring_owner(r, t));
+      attend_half(r, set, l, 0, kv_block(r, set, l, ring_owner(r, t)), ring_owner(r, t));
       if (last) finish(r);
     });
     link(arrived, step);
@@ -231,8 +234,8 @@ std::vector<TaskId> TrainingStep::Impl::ampipe_ring_attention(int l, int c,
   return step;
 }
 
-void TrainingStep::Impl::ampipe_ring_attention_backward(int r, int l, int c) {
-  LayerActivations& A = ranks[r].layers[l];
+void TrainingStep::Impl::ampipe_ring_attention_backward(int r, int set, int l, int c) {
+  LayerActivations& A = acts(r, set, l);
   BackwardWorkspace& w = ranks[r].ws;
   const LayerShard& P = ranks[r].shard->layer(l);
   const Tensor d_proj = w.d_mlp.slice(0, c * chunk, chunk);
@@ -242,7 +245,7 @@ void TrainingStep::Impl::ampipe_ring_attention_backward(int r, int l, int c) {
   ops::linear_backward_weight(attn.reshape({chunk, B, Hl * d}), d_proj, P.proj_weight->grad,
                               Tensor{});
   for (int owner = 0; owner < cp; ++owner)
-    attend_half_backward(r, l, c, kv_block(r, l, owner), w.dkv_send.slice(0, owner * Sc, Sc),
+    attend_half_backward(r, set, l, c, kv_block(r, set, l, owner), w.dkv_send.slice(0, owner * Sc, Sc),
                          owner);
 }
 

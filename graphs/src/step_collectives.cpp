@@ -9,7 +9,7 @@ std::vector<TaskId> TrainingStep::Impl::per_group(GroupKind kind,
                                                   const GroupCall& call, bool gradient_stream) {
   std::vector<TaskId> members(ranks.size(), rt::kNoTask);
   for (const auto& g : mesh.groups(kind)) {
-    if (g.size() == 1) continue;
+    if (g.size() == 1 || !in_stage(static_cast<int>(g.device(0)))) continue;
     const auto ids = call(g);
     for (int i = 0; i < g.size(); ++i) {
       const int r = static_cast<int>(g.device(i));

@@ -42,13 +42,13 @@ void TrainingStep::Impl::merge_partial(const Tensor& o, const Tensor& lse, const
       }
 }
 
-Tensor TrainingStep::Impl::ring_block(int r, int layer, int t) {
-  return t == 0 ? ranks[r].layers[layer].kv_local : ranks[r].ws.ring[t % 2];
+Tensor TrainingStep::Impl::ring_block(int r, int set, int layer, int t) {
+  return t == 0 ? acts(r, set, layer).kv_local : ranks[r].ws.ring[t % 2];
 }
 
-void TrainingStep::Impl::attend_half(int r, int l, std::int64_t half, const Tensor& block,
+void TrainingStep::Impl::attend_half(int r, int set, int l, std::int64_t half, const Tensor& block,
                                      int owner) {
-  LayerActivations& A = ranks[r].layers[l];
+  LayerActivations& A = acts(r, set, l);
   BackwardWorkspace& w = ranks[r].ws;
   const int me = mesh.coordinates(r).cp;
   for (std::int64_t kc = 0; kc < 2; ++kc) {
@@ -62,9 +62,9 @@ void TrainingStep::Impl::attend_half(int r, int l, std::int64_t half, const Tens
   }
 }
 
-void TrainingStep::Impl::attend_half_backward(int r, int l, std::int64_t half, const Tensor& block,
+void TrainingStep::Impl::attend_half_backward(int r, int set, int l, std::int64_t half, const Tensor& block,
                                               const Tensor& grads, int owner) {
-  LayerActivations& A = ranks[r].layers[l];
+  LayerActivations& A = acts(r, set, l);
   BackwardWorkspace& w = ranks[r].ws;
   const int me = mesh.coordinates(r).cp;
   const Tensor d_attn = w.d_attn.reshape({Sc, B, Hl, d}).slice(0, half * chunk, chunk);
@@ -92,6 +92,7 @@ int TrainingStep::Impl::ring_owner(int r, int t) const {
 std::vector<TaskId> TrainingStep::Impl::build_ring_attention_forward(int l,
                                                                      const std::vector<TaskId>& qkv,
                                                                      rt::TaskTags tags) {
+  const int set = set_;
   const std::string at = fmt::format("L{}.", l);
   std::vector<TaskId> compute_prev, compute_prev2;
   std::vector<TaskId> arrived = qkv;
@@ -100,7 +101,7 @@ std::vector<TaskId> TrainingStep::Impl::build_ring_attention_forward(int l,
       // Pass the block on while step t - 1 computes with it; the receiver's buffer is free
       // once its step t - 2 is done.
       auto shift = ring_shift(
-          arrived, [=, this](int r) { return ring_block(r, l, t - 1); },
+          arrived, [=, this](int r) { return ring_block(r, set, l, t - 1); },
           [=, this](int r) { return ranks[r].ws.ring[t % 2]; }, at + fmt::format("cp_ring{}", t),
           tags);
       if (t >= 2) link(compute_prev2, shift);
@@ -109,14 +110,14 @@ std::vector<TaskId> TrainingStep::Impl::build_ring_attention_forward(int l,
     }
     const bool last = t == cp - 1;
     auto step = each(at + (last ? "attention" : "attention_step"), tags, [=, this](int r) {
-      LayerActivations& A = ranks[r].layers[l];
+      LayerActivations& A = acts(r, set, l);
       const LayerShard& P = ranks[r].shard->layer(l);
       if (t == 0) {
         A.attn.fill(0.f);
         A.lse.fill(-std::numeric_limits<float>::infinity());
       }
       for (std::int64_t half = 0; half < 2; ++half)
-        attend_half(r, l, half, ring_block(r, l, t), ring_owner(r, t));
+        attend_half(r, set, l, half, ring_block(r, set, l, t), ring_owner(r, t));
       if (last)
         ops::linear_forward(A.attn.reshape({Sc, B, Hl * d}), P.proj_weight->value, Tensor{},
                             A.proj_partial);
@@ -130,6 +131,7 @@ std::vector<TaskId> TrainingStep::Impl::build_ring_attention_forward(int l,
 
 std::vector<TaskId> TrainingStep::Impl::build_ring_attention_backward(
     int l, const std::vector<TaskId>& start, rt::TaskTags tags) {
+  const int set = set_;
   const std::string at = fmt::format("L{}.", l);
   std::vector<TaskId> compute_prev = start, compute_prev2;
   std::vector<TaskId> kv_arrived = start, grad_arrived = start;
@@ -146,7 +148,7 @@ std::vector<TaskId> TrainingStep::Impl::build_ring_attention_backward(
     if (t == cp) break;
     if (t > 0) {
       auto shift = ring_shift(
-          kv_arrived, [=, this](int r) { return ring_block(r, l, t - 1); },
+          kv_arrived, [=, this](int r) { return ring_block(r, set, l, t - 1); },
           [=, this](int r) { return ranks[r].ws.ring[t % 2]; }, at + fmt::format("cp_ring_kv{}", t),
           tags);
       if (t >= 2) link(compute_prev2, shift);
@@ -156,7 +158,7 @@ std::vector<TaskId> TrainingStep::Impl::build_ring_attention_backward(
       BackwardWorkspace& w = ranks[r].ws;
       if (t == 0) w.dring[0].fill(0.f);
       for (std::int64_t half = 0; half < 2; ++half)
-        attend_half_backward(r, l, half, ring_block(r, l, t), w.dring[t % 2], ring_owner(r, t));
+        attend_half_backward(r, set, l, half, ring_block(r, set, l, t), w.dring[t % 2], ring_owner(r, t));
     });
     link(kv_arrived, step);
     link(grad_arrived, step);

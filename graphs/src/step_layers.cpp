@@ -15,17 +15,16 @@ std::int64_t TrainingStep::Impl::position(int r, std::int64_t s) const {
   return context_position(at.cp, (t_sp > 1 ? at.tp * Sl : 0) + s);
 }
 
-void TrainingStep::Impl::load_tokens(int r, int mb) {
-  RankState& R = ranks[r];
+void TrainingStep::Impl::load_tokens(int r, int mb, ActivationSet& X) {
   const MicroBatch& data = batches[mesh.coordinates(r).dp][mb];
-  R.tokens.resize(static_cast<std::size_t>(Sc * B));
-  R.targets.resize(static_cast<std::size_t>(Sc * B));
+  X.tokens.resize(static_cast<std::size_t>(Sc * B));
+  X.targets.resize(static_cast<std::size_t>(Sc * B));
   const int at_cp = mesh.coordinates(r).cp;
   for (std::int64_t s = 0; s < Sc; ++s) {
     const std::int64_t g = context_position(at_cp, s);
     for (std::int64_t bi = 0; bi < B; ++bi) {
-      R.tokens[s * B + bi] = data.tokens[g * B + bi];
-      R.targets[s * B + bi] = data.targets[g * B + bi];
+      X.tokens[s * B + bi] = data.tokens[g * B + bi];
+      X.targets[s * B + bi] = data.targets[g * B + bi];
     }
   }
 }
@@ -86,44 +85,52 @@ void TrainingStep::Impl::bias_dropout_add_backward(int r, int mb, int layer, int
   }
 }
 
-void TrainingStep::Impl::build_forward(int mb) {
-  const rt::TaskTags tags{.micro_batch = static_cast<std::uint16_t>(mb),
-                          .phase = rt::Phase::forward};
-  // Embedding: each rank looks up its vocabulary shard; the group sums (or reduce-scatters).
-  auto emb = each("embedding", tags, [this, mb](int r) {
-    RankState& R = ranks[r];
-    load_tokens(r, mb);
-    ops::embedding_forward<float>(R.tokens, R.shard->embedding().value,
-                                  {R.shard->vocab_start(), m.padded_vocab_size(tp)}, R.emb_partial);
-  });
-  auto emb_comm = reduce_partial(
-      emb, [this](int r) { return ranks[r].emb_partial; },
-      [this](int r) { return ranks[r].emb_out; }, "embedding_reduce", tags);
-  auto pos = each("positions", tags, [this, mb](int r) {
-    RankState& R = ranks[r];
-    for (std::int64_t s = 0; s < Sl; ++s)
-      for (std::int64_t bi = 0; bi < B; ++bi) {
-        float* row = R.emb_out.data() + (s * B + bi) * h;
-        const float* p = R.shard->positions().value.row(position(r, s));
-        for (std::int64_t c = 0; c < h; ++c)
-          row[c] += p[c];
-      }
-    apply_dropout(false, r, mb, m.num_layers, 2, R.emb_out, R.emb_out);
-  });
-  link(emb_comm, pos);
-  std::vector<TaskId> prev = pos;
-  for (int l = 0; l < m.num_layers; ++l)
+std::vector<TaskId> TrainingStep::Impl::build_forward(int k, int mb,
+                                                      const std::vector<TaskId>& ready) {
+  const rt::TaskTags tags{.micro_batch = mb, .phase = rt::Phase::forward};
+  const int set = set_;
+  std::vector<TaskId> prev = ready;
+  if (k == 0) {
+    // Embedding: each rank looks up its vocabulary shard; the group sums (or reduce-scatters).
+    auto emb = each("embedding", tags, [this, mb, set](int r) {
+      ActivationSet& X = aset(r, set);
+      load_tokens(r, mb, X);
+      ops::embedding_forward<float>(X.tokens, ranks[r].shard->embedding().value,
+                                    {ranks[r].shard->vocab_start(), m.padded_vocab_size(tp)},
+                                    X.emb_partial);
+    });
+    link(ready, emb);
+    auto emb_comm = reduce_partial(
+        emb, [this, set](int r) { return aset(r, set).emb_partial; },
+        [this, set](int r) { return aset(r, set).emb_out; }, "embedding_reduce", tags);
+    auto pos = each("positions", tags, [this, mb, set](int r) {
+      ActivationSet& X = aset(r, set);
+      for (std::int64_t s = 0; s < Sl; ++s)
+        for (std::int64_t bi = 0; bi < B; ++bi) {
+          float* row = X.emb_out.data() + (s * B + bi) * h;
+          const float* p = ranks[r].shard->positions().value.row(position(r, s));
+          for (std::int64_t c = 0; c < h; ++c)
+            row[c] += p[c];
+        }
+      apply_dropout(false, r, mb, m.num_layers, 2, X.emb_out, X.emb_out);
+    });
+    link(emb_comm, pos);
+    prev = pos;
+  }
+  for (int l = layout.first_layer(k); l < layout.end_layer(k); ++l)
     prev = build_layer_forward(l, mb, prev);
-  build_loss(mb, prev);
+  if (k + 1 == layout.chunks()) return build_loss(mb, prev);
+  return prev;
 }
 
 std::vector<TaskId> TrainingStep::Impl::build_layer_forward(int l, int mb,
                                                             std::vector<TaskId> prev) {
-  if (ampipe() > 1 && ranks[0].shard->layer(l).moe) return build_ampipe_layer_forward(l, mb, prev);
+  const int set = set_;
+  if (ampipe() > 1 && m.is_moe_layer(l)) return build_ampipe_layer_forward(l, mb, prev);
   rt::TaskTags tags{.layer = static_cast<std::uint16_t>(l),
                     .micro_batch = static_cast<std::uint16_t>(mb),
                     .phase = rt::Phase::forward};
-  auto L = [this, l](int r) -> LayerActivations& { return ranks[r].layers[l]; };
+  auto L = [this, l, set](int r) -> LayerActivations& { return acts(r, set, l); };
   auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
   const std::string at = fmt::format("L{}.", l);
   auto qkv = build_attention_input(l, prev, tags);
@@ -151,7 +158,7 @@ std::vector<TaskId> TrainingStep::Impl::build_layer_forward(int l, int mb,
   });
   link(gbar1, res1);
   std::vector<TaskId> mlp_done;
-  if (ranks[0].shard->layer(l).moe) {
+  if (m.is_moe_layer(l)) {
     mlp_done = build_moe_forward(l, mb, res1, tags);
   } else {
     std::vector<TaskId> g2(ranks.size(), rt::kNoTask);
@@ -189,7 +196,8 @@ std::vector<TaskId> TrainingStep::Impl::build_layer_forward(int l, int mb,
 std::vector<TaskId> TrainingStep::Impl::build_attention_input(int l,
                                                               const std::vector<TaskId>& prev,
                                                               rt::TaskTags tags) {
-  auto L = [this, l](int r) -> LayerActivations& { return ranks[r].layers[l]; };
+  const int set = set_;
+  auto L = [this, l, set](int r) -> LayerActivations& { return acts(r, set, l); };
   auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
   const std::string at = fmt::format("L{}.", l);
   auto ln1 = each(at + "input_norm", tags, [=, this](int r) {
@@ -218,7 +226,8 @@ std::vector<TaskId> TrainingStep::Impl::build_attention_input(int l,
 
 std::vector<TaskId> TrainingStep::Impl::build_attention_input_backward(
     int l, const std::vector<TaskId>& ready_in, bool last, rt::TaskTags tags) {
-  auto L = [this, l](int r) -> LayerActivations& { return ranks[r].layers[l]; };
+  const int set = set_;
+  auto L = [this, l, set](int r) -> LayerActivations& { return acts(r, set, l); };
   auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
   auto W = [this](int r) -> BackwardWorkspace& { return ranks[r].ws; };
   const std::string at = fmt::format("L{}.", l);
@@ -295,45 +304,50 @@ void TrainingStep::Impl::activation_backward(const Tensor& pre, const Tensor& d_
     ops::gelu_backward(ops::GeluForm::tanh, pre, d_out, d_pre);
 }
 
-void TrainingStep::Impl::build_loss(int mb, const std::vector<TaskId>& prev) {
-  const rt::TaskTags tags{.micro_batch = static_cast<std::uint16_t>(mb),
-                          .phase = rt::Phase::forward};
-  auto fn = each("final_norm", tags, [this](int r) {
-    RankState& R = ranks[r];
-    ops::layer_norm_forward(R.layers.back().x_out, R.shard->final_ln_weight().value,
-                            R.shard->final_ln_bias().value, m.layernorm_epsilon, R.final_ln,
-                            R.final_mean, R.final_rstd);
+std::vector<TaskId> TrainingStep::Impl::build_loss(int mb, const std::vector<TaskId>& prev) {
+  const rt::TaskTags tags{.micro_batch = mb, .phase = rt::Phase::forward};
+  const int set = set_, last_layer = m.num_layers - 1;
+  auto fn = each("final_norm", tags, [this, mb, set, last_layer](int r) {
+    ActivationSet& X = aset(r, set);
+    ModelShard& P = *ranks[r].shard;
+    load_tokens(r, mb, X);  // the targets, on a last stage without the embedding
+    ops::layer_norm_forward(X.layers[last_layer].x_out, P.final_ln_weight().value,
+                            P.final_ln_bias().value, m.layernorm_epsilon, X.final_ln, X.final_mean,
+                            X.final_rstd);
   });
   link(prev, fn);
   std::vector<TaskId> g(ranks.size(), rt::kNoTask);
   if (t_sp > 1)
     g = tp_all_gather(
-        fn, [this](int r) { return ranks[r].final_ln; },
-        [this](int r) { return ranks[r].final_full; }, "final_gather", tags);
-  auto logits = each("logits", tags, [this](int r) {
-    RankState& R = ranks[r];
-    ops::linear_forward(R.final_full.reshape({Sc * B, h}), R.shard->embedding().value, Tensor{},
-                        R.logits);
-    ops::cross_entropy_row_max(R.logits, R.row_max);
+        fn, [this, set](int r) { return aset(r, set).final_ln; },
+        [this, set](int r) { return aset(r, set).final_full; }, "final_gather", tags);
+  auto logits = each("logits", tags, [this, set](int r) {
+    ActivationSet& X = aset(r, set);
+    ops::linear_forward(X.final_full.reshape({Sc * B, h}), ranks[r].shard->embedding().value,
+                        Tensor{}, X.logits);
+    ops::cross_entropy_row_max(X.logits, X.row_max);
   });
   link(g, logits);
   auto maxima = tp_all_reduce(
-      logits, [this](int r) { return ranks[r].row_max; }, devices::ReduceOp::max, "loss_max", tags);
-  auto sums = each("loss_partials", tags, [this, mb](int r) {
-    RankState& R = ranks[r];
-    ops::cross_entropy_partial_sums<float>(R.logits, R.targets,
-                                           {R.shard->vocab_start(), m.padded_vocab_size(tp)},
-                                           R.row_max, R.partials);
+      logits, [this, set](int r) { return aset(r, set).row_max; }, devices::ReduceOp::max,
+      "loss_max", tags);
+  auto sums = each("loss_partials", tags, [this, set](int r) {
+    ActivationSet& X = aset(r, set);
+    ops::cross_entropy_partial_sums<float>(
+        X.logits, X.targets, {ranks[r].shard->vocab_start(), m.padded_vocab_size(tp)}, X.row_max,
+        X.partials);
   });
   link(maxima, sums);
   auto reduced = tp_all_reduce(
-      sums, [this](int r) { return ranks[r].partials; }, devices::ReduceOp::sum, "loss_sum", tags);
-  auto loss = each("loss", tags, [this, mb](int r) {
-    RankState& R = ranks[r];
-    R.loss[mb] = ops::cross_entropy_loss<float>(
-        R.row_max, R.partials, R.targets, m.padded_vocab_size(tp), ce_options(), R.lse, Tensor{});
+      sums, [this, set](int r) { return aset(r, set).partials; }, devices::ReduceOp::sum,
+      "loss_sum", tags);
+  auto loss = each("loss", tags, [this, mb, set](int r) {
+    ActivationSet& X = aset(r, set);
+    ranks[r].loss[mb] = ops::cross_entropy_loss<float>(
+        X.row_max, X.partials, X.targets, m.padded_vocab_size(tp), ce_options(), X.lse, Tensor{});
   });
   link(reduced, loss);
+  return loss;
 }
 
 ops::CrossEntropyOptions TrainingStep::Impl::ce_options() const {
@@ -341,42 +355,69 @@ ops::CrossEntropyOptions TrainingStep::Impl::ce_options() const {
   return {.ignore_index = -100, .denominator = static_cast<double>(S * B * M * plan.data_parallel)};
 }
 
-void TrainingStep::Impl::build_backward(int mb) {
-  const rt::TaskTags tags{.micro_batch = static_cast<std::uint16_t>(mb),
-                          .phase = rt::Phase::backward};
-  const bool last = mb == M - 1;
-  // Loss -> final norm input gradient.
-  auto dlogits = each("loss_backward", tags, [this, mb](int r) {
-    RankState& R = ranks[r];
-    ops::cross_entropy_backward<float>(R.logits, R.targets,
-                                       {R.shard->vocab_start(), m.padded_vocab_size(tp)}, R.lse,
-                                       ce_options(), 1.0, R.ws.d_logits);
-    ops::linear_backward_input(R.ws.d_logits, R.shard->embedding().value,
-                               R.ws.d_final_full.reshape({Sc * B, h}));
-  });
-  auto reduce = reduce_partial(
-      dlogits, [this](int r) { return ranks[r].ws.d_final_full; },
-      [this](int r) { return t_sp > 1 ? ranks[r].ws.d_norm : ranks[r].ws.d_final_full; },
-      "final_grad_reduce", tags);
-  // The output layer's weight gradient overlaps the reduction above.
-  each("logits_weight_grad", tags, [this](int r) {
-    RankState& R = ranks[r];
-    ops::linear_backward_weight(R.final_full.reshape({Sc * B, h}), R.ws.d_logits,
-                                R.shard->embedding().grad, Tensor{});
-  });
-  auto fn = each("final_norm_backward", tags, [this](int r) {
-    RankState& R = ranks[r];
-    const Tensor d_in = t_sp > 1 ? R.ws.d_norm : R.ws.d_final_full;
-    ops::layer_norm_backward(R.layers.back().x_out, R.shard->final_ln_weight().value, R.final_mean,
-                             R.final_rstd, d_in, R.ws.d_x, R.shard->final_ln_weight().grad,
-                             R.shard->final_ln_bias().grad);
-  });
-  link(reduce, fn);
-  std::vector<TaskId> prev = fn;
-  if (last) reduce_buckets("final_norm", prev);
-  for (int l = m.num_layers - 1; l >= 0; --l)
+std::vector<TaskId> TrainingStep::Impl::build_backward(int k, int mb,
+                                                       const std::vector<TaskId>& ready,
+                                                       bool last) {
+  const rt::TaskTags tags{.micro_batch = mb, .phase = rt::Phase::backward};
+  const int set = set_;
+  std::vector<TaskId> prev;
+  if (k + 1 == layout.chunks()) {
+    // Loss -> final norm input gradient.
+    auto dlogits = each("loss_backward", tags, [this, set](int r) {
+      ActivationSet& X = aset(r, set);
+      BackwardWorkspace& w = ranks[r].ws;
+      ModelShard& P = *ranks[r].shard;
+      ops::cross_entropy_backward<float>(X.logits, X.targets,
+                                         {P.vocab_start(), m.padded_vocab_size(tp)}, X.lse,
+                                         ce_options(), 1.0, w.d_logits);
+      ops::linear_backward_input(w.d_logits, P.embedding().value,
+                                 w.d_final_full.reshape({Sc * B, h}));
+    });
+    link(ready, dlogits);
+    auto reduce = reduce_partial(
+        dlogits, [this](int r) { return ranks[r].ws.d_final_full; },
+        [this](int r) { return t_sp > 1 ? ranks[r].ws.d_norm : ranks[r].ws.d_final_full; },
+        "final_grad_reduce", tags);
+    // The output layer's weight gradient overlaps the reduction above.
+    each("logits_weight_grad", tags, [this, set](int r) {
+      ActivationSet& X = aset(r, set);
+      ops::linear_backward_weight(X.final_full.reshape({Sc * B, h}), ranks[r].ws.d_logits,
+                                  ranks[r].shard->embedding().grad, Tensor{});
+    });
+    const int last_layer = m.num_layers - 1;
+    auto fn = each("final_norm_backward", tags, [this, set, last_layer](int r) {
+      ActivationSet& X = aset(r, set);
+      BackwardWorkspace& w = ranks[r].ws;
+      ModelShard& P = *ranks[r].shard;
+      const Tensor d_in = t_sp > 1 ? w.d_norm : w.d_final_full;
+      ops::layer_norm_backward(X.layers[last_layer].x_out, P.final_ln_weight().value,
+                               X.final_mean, X.final_rstd, d_in, w.d_x, P.final_ln_weight().grad,
+                               P.final_ln_bias().grad);
+    });
+    link(reduce, fn);
+    prev = fn;
+    if (last) {
+      reduce_buckets("final_norm", prev);
+      word_grad_ready(prev);
+    }
+  } else {
+    // The gradient of the chunk's output, from the next stage.
+    prev = each("stage_grad_in", tags, [this, set](int r) {
+      ranks[r].ws.d_x.copy_from(aset(r, set).d_recv);
+    });
+    link(ready, prev);
+  }
+  for (int l = layout.end_layer(k) - 1; l >= layout.first_layer(k); --l)
     prev = build_layer_backward(l, mb, prev, last);
   flush_weight_grads();
+  if (k > 0) {
+    // The gradient of the chunk's input, for the previous stage.
+    auto out = each("stage_grad_out", tags, [this, set](int r) {
+      aset(r, set).d_send.copy_from(ranks[r].ws.d_x);
+    });
+    link(prev, out);
+    return out;
+  }
   // Embedding.
   auto pos = each("positions_backward", tags, [this, mb](int r) {
     RankState& R = ranks[r];
@@ -395,28 +436,31 @@ void TrainingStep::Impl::build_backward(int mb) {
     g = tp_all_gather(
         pos, [this](int r) { return ranks[r].ws.d_x; },
         [this](int r) { return ranks[r].ws.d_norm_full; }, "embedding_grad_gather", tags);
-  auto emb = each("embedding_backward", tags, [this, mb](int r) {
+  auto emb = each("embedding_backward", tags, [this, set](int r) {
     RankState& R = ranks[r];
     const Tensor d = t_sp > 1 ? R.ws.d_norm_full : R.ws.d_x;
-    ops::embedding_backward<float>(R.tokens, d, {R.shard->vocab_start(), m.padded_vocab_size(tp)},
+    ops::embedding_backward<float>(aset(r, set).tokens, d,
+                                   {R.shard->vocab_start(), m.padded_vocab_size(tp)},
                                    R.shard->embedding().grad);
   });
   link(g, emb);
-  if (last) reduce_buckets("embedding", emb);
+  if (last) word_grad_ready(emb);
+  return emb;
 }
 
 std::vector<TaskId> TrainingStep::Impl::build_layer_backward(int l, int mb,
                                                              std::vector<TaskId> prev, bool last) {
-  if (ampipe() > 1 && ranks[0].shard->layer(l).moe)
+  const int set = set_;
+  if (ampipe() > 1 && m.is_moe_layer(l))
     return build_ampipe_layer_backward(l, mb, prev, last);
   rt::TaskTags tags{.layer = static_cast<std::uint16_t>(l),
                     .micro_batch = static_cast<std::uint16_t>(mb),
                     .phase = rt::Phase::backward};
-  auto L = [this, l](int r) -> LayerActivations& { return ranks[r].layers[l]; };
+  auto L = [this, l, set](int r) -> LayerActivations& { return acts(r, set, l); };
   auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
   auto W = [this](int r) -> BackwardWorkspace& { return ranks[r].ws; };
   const std::string at = fmt::format("L{}.", l);
-  const bool moe = ranks[0].shard->layer(l).moe;
+  const bool moe = m.is_moe_layer(l);
   // d_x (the layer output's gradient) -> d_mlp; d_x_mid starts as d_x (the residual).
   auto res2 = each(at + "mlp_residual_backward", tags, [=, this](int r) {
     BackwardWorkspace& w = W(r);

@@ -174,8 +174,9 @@ std::vector<TaskId> TrainingStep::Impl::slot_exchange(int l, int c,
                                                       Tensor MoeSlot::*from, Tensor MoeSlot::*into,
                                                       bool outbound, const std::string& name,
                                                       rt::TaskTags tags, bool framed) {
-  auto rows = [this, l, c, framed](int r, bool sent) {
-    MoeSlot& S = slot(r, l, c);
+  const int set = set_;
+  auto rows = [this, set, l, c, framed](int r, bool sent) {
+    MoeSlot& S = slot(r, set, l, c);
     if (framed) return sent ? &S.framed_send_rows : &S.framed_recv_rows;
     return sent ? &S.send_rows : &S.recv_rows;
   };
@@ -183,8 +184,8 @@ std::vector<TaskId> TrainingStep::Impl::slot_exchange(int l, int c,
   const std::int64_t expected_rows = std::min(T / ampipe() * m.moe_router_topk, slot_capacity()) +
                                      (framed ? ep() * header_rows() : 0);
   return ep_exchange(
-      ready, [=, this](int r) { return slot(r, l, c).*from; },
-      [=](int r) { return rows(r, outbound); }, [=, this](int r) { return slot(r, l, c).*into; },
+      ready, [=, this](int r) { return slot(r, set, l, c).*from; },
+      [=](int r) { return rows(r, outbound); }, [=, this](int r) { return slot(r, set, l, c).*into; },
       [=](int r) { return rows(r, !outbound); }, expected_rows, slot_prefix(l, c) + name, tags);
 }
 
@@ -195,11 +196,12 @@ Tensor TrainingStep::Impl::slot_tokens(int r, int c, const Tensor& sbh) const {
 
 std::vector<TaskId> TrainingStep::Impl::moe_route(int l, int c, const std::vector<TaskId>& prev,
                                                   rt::TaskTags tags) {
+  const int set = set_;
   const std::string at = slot_prefix(l, c);
   const std::int64_t E = m.num_experts;
   auto route = each(at + "router", tags, [=, this](int r) {
-    MoeSlot& A = slot(r, l, c);
-    A.moe_in.copy_from(slot_tokens(r, c, ranks[r].layers[l].ln2));
+    MoeSlot& A = slot(r, set, l, c);
+    A.moe_in.copy_from(slot_tokens(r, c, acts(r, set, l).ln2));
     const LayerShard& P = ranks[r].shard->layer(l);
     ops::linear_forward(A.moe_in, P.router_weight->value, Tensor{}, A.router_logits);
     const ops::RouterStatistics st = ops::router_forward(router_options(), A.router_logits, A.probs,
@@ -232,7 +234,7 @@ std::vector<TaskId> TrainingStep::Impl::moe_route(int l, int c, const std::vecto
     // Every item's dispatch is launched now; the routes are what the statistics wait for.
     auto& dispatched = item_tasks[{l, c}];
     dispatched.clear();
-    for (std::size_t i = 0; i < slot(0, l, c).items.size(); ++i)
+    for (std::size_t i = 0; i < slot(stage_rank(), set, l, c).items.size(); ++i)
       dispatched.push_back(item_exchange(l, c, static_cast<int>(i), route, &ExpertItem::send,
                                          &ExpertItem::arrived, true, true, "dispatch", tags));
     return route;
@@ -273,6 +275,7 @@ std::vector<TaskId> TrainingStep::Impl::item_exchange(int l, int c, int i,
                                                       Tensor ExpertItem::*into, bool outbound,
                                                       bool framed, const std::string& name,
                                                       rt::TaskTags tags) {
+  const int set = set_;
   const std::string stream = !plan.pipe_experts_multi_stream ? "comm"
                              : outbound                      ? "ep_dispatch"
                                                              : "ep_combine";
@@ -284,7 +287,7 @@ std::vector<TaskId> TrainingStep::Impl::item_exchange(int l, int c, int i,
   return per_group(GroupKind::expert, ready, [&](const devices::ProcessGroup& g) {
     std::vector<devices::VariableAllToAllBuffers> bufs;
     for (rt::DeviceId dv : g.devices()) {
-      ExpertItem& I = slot(static_cast<int>(dv), l, c).items[static_cast<std::size_t>(i)];
+      ExpertItem& I = slot(static_cast<int>(dv), set, l, c).items[static_cast<std::size_t>(i)];
       const Tensor in = I.*from, out = I.*into;
       auto* sent = framed ? &I.framed_send_rows : outbound ? &I.send_rows : &I.recv_rows;
       auto* received = framed ? &I.framed_recv_rows : outbound ? &I.recv_rows : &I.send_rows;
@@ -320,10 +323,11 @@ void TrainingStep::Impl::frame_dispatch(MoeSlot& A) {
 
 std::vector<TaskId> TrainingStep::Impl::moe_experts(int l, int c, const std::vector<TaskId>& ready,
                                                     rt::TaskTags tags) {
+  const int set = set_;
   if (pipe_experts()) return moe_experts_items(l, c, ready, tags);
   const std::string at = slot_prefix(l, c);
   auto experts = each(at + "experts", tags, [=, this](int r) {
-    MoeSlot& A = slot(r, l, c);
+    MoeSlot& A = slot(r, set, l, c);
     const LayerShard& P = ranks[r].shard->layer(l);
     if (ep() == 1) {
       const std::int64_t rows = A.dispatch.rows();
@@ -351,9 +355,10 @@ std::vector<TaskId> TrainingStep::Impl::moe_experts(int l, int c, const std::vec
 
 std::vector<TaskId> TrainingStep::Impl::moe_combine(int l, int c, const std::vector<TaskId>& ready,
                                                     rt::TaskTags tags) {
+  const int set = set_;
   const std::string at = slot_prefix(l, c);
   auto combine = each(at + "combine", tags, [=, this](int r) {
-    MoeSlot& A = slot(r, l, c);
+    MoeSlot& A = slot(r, set, l, c);
     for (const ExpertItem& I : A.items)  // the items' results back into the slot's rows
       for (std::size_t x = 0; x < I.rows.size(); ++x)
         std::copy_n(I.back.row(static_cast<std::int64_t>(x)), h, A.expert_out.row(I.rows[x]));
@@ -372,12 +377,13 @@ std::vector<TaskId> TrainingStep::Impl::moe_combine(int l, int c, const std::vec
 std::vector<TaskId> TrainingStep::Impl::moe_experts_items(int l, int c,
                                                           const std::vector<TaskId>& ready,
                                                           rt::TaskTags tags) {
+  const int set = set_;
   const std::vector<std::vector<TaskId>> dispatched = std::move(item_tasks[{l, c}]);
   auto& returned = item_tasks[{l, c}];
   returned.clear();
   for (std::size_t i = 0; i < dispatched.size(); ++i) {
     auto experts = each(slot_prefix(l, c) + fmt::format("i{}.experts", i), tags, [=, this](int r) {
-      ExpertItem& I = slot(r, l, c).items[i];
+      ExpertItem& I = slot(r, set, l, c).items[i];
       const LayerShard& P = ranks[r].shard->layer(l);
       std::int64_t at = 0, rows = 0;
       for (int p = 0; p < ep(); ++p) {
@@ -411,11 +417,12 @@ std::vector<TaskId> TrainingStep::Impl::moe_experts_items(int l, int c,
 std::vector<TaskId> TrainingStep::Impl::moe_statistics(int l, int mb,
                                                        const std::vector<TaskId>& ready,
                                                        rt::TaskTags tags) {
+  const int set = set_;
   const std::string at = fmt::format("L{}.", l);
   std::vector<TaskId> summed = ready;
   if (ampipe() > 1) {
     summed = each(at + "router_statistics", tags, [=, this](int r) {
-      LayerActivations& A = ranks[r].layers[l];
+      LayerActivations& A = acts(r, set, l);
       A.stats_total.fill(0.f);
       for (const MoeSlot& S : A.moe)
         ops::accumulate(S.stats, A.stats_total);
@@ -424,10 +431,10 @@ std::vector<TaskId> TrainingStep::Impl::moe_statistics(int l, int mb,
   }
   auto reduced = all_reduce_over(
       GroupKind::tensor_context, summed,
-      [this, l](int r) { return ranks[r].layers[l].stats_total; }, devices::ReduceOp::sum,
+      [this, l, set](int r) { return acts(r, set, l).stats_total; }, devices::ReduceOp::sum,
       at + "router_stats", tags);
   auto aux = each(at + "router_losses", tags, [=, this](int r) {
-    const ops::RouterStatistics st = unpack_stats(ranks[r].layers[l].stats_total, m.num_experts);
+    const ops::RouterStatistics st = unpack_stats(acts(r, set, l).stats_total, m.num_experts);
     ranks[r].aux[mb] += ops::aux_loss(router_options(), st) + ops::z_loss(router_options(), st);
   });
   link(reduced, aux);
@@ -438,6 +445,7 @@ std::vector<TaskId> TrainingStep::Impl::moe_statistics(int l, int mb,
 std::vector<TaskId> TrainingStep::Impl::build_moe_forward(int l, int mb,
                                                           const std::vector<TaskId>& prev,
                                                           rt::TaskTags tags) {
+  const int set = set_;
   auto routed = moe_route(l, 0, prev, tags);
   auto stats = moe_statistics(l, mb, routed, tags);
   auto experts = moe_experts(l, 0, routed, tags);
@@ -446,17 +454,18 @@ std::vector<TaskId> TrainingStep::Impl::build_moe_forward(int l, int mb,
   if (t_sp > 1 || tp == 1) return combine;
   // Without SP the layer's output is replicated: gather the ranks' slices.
   return tp_all_gather(
-      combine, [=, this](int r) { return slot(r, l, 0).moe_out; },
-      [=, this](int r) { return ranks[r].layers[l].mlp_out; }, fmt::format("L{}.moe_gather", l),
+      combine, [=, this](int r) { return slot(r, set, l, 0).moe_out; },
+      [=, this](int r) { return acts(r, set, l).mlp_out; }, fmt::format("L{}.moe_gather", l),
       tags);
 }
 
 std::vector<TaskId> TrainingStep::Impl::moe_combine_backward(int l, int c,
                                                              const std::vector<TaskId>& prev,
                                                              rt::TaskTags tags) {
+  const int set = set_;
   const std::string at = slot_prefix(l, c);
   auto combine = each(at + "combine_backward", tags, [=, this](int r) {
-    MoeSlot& A = slot(r, l, c);
+    MoeSlot& A = slot(r, set, l, c);
     // This slot's tokens' output gradient.
     A.d_moe.copy_from(slot_tokens(r, c, ranks[r].ws.d_mlp));
     const std::int64_t rows = A.dispatch.rows();
@@ -471,7 +480,7 @@ std::vector<TaskId> TrainingStep::Impl::moe_combine_backward(int l, int c,
   if (pipe_experts()) {
     auto& sent = item_tasks[{l, c}];
     sent.clear();
-    for (std::size_t i = 0; i < slot(0, l, c).items.size(); ++i)
+    for (std::size_t i = 0; i < slot(stage_rank(), set, l, c).items.size(); ++i)
       sent.push_back(item_exchange(l, c, static_cast<int>(i), combine, &ExpertItem::d_back,
                                    &ExpertItem::d_arrived, true, false, "combine_backward", tags));
     return combine;
@@ -483,10 +492,11 @@ std::vector<TaskId> TrainingStep::Impl::moe_combine_backward(int l, int c,
 std::vector<TaskId> TrainingStep::Impl::moe_experts_backward(int l, int c,
                                                              const std::vector<TaskId>& ready,
                                                              rt::TaskTags tags) {
+  const int set = set_;
   if (pipe_experts()) return moe_experts_backward_items(l, c, ready, tags);
   const std::string at = slot_prefix(l, c);
   auto experts = each(at + "experts_backward", tags, [=, this](int r) {
-    MoeSlot& A = slot(r, l, c);
+    MoeSlot& A = slot(r, set, l, c);
     const LayerShard& P = ranks[r].shard->layer(l);
     if (ep() == 1) {
       const std::int64_t rows = A.dispatch.rows();
@@ -516,13 +526,14 @@ std::vector<TaskId> TrainingStep::Impl::moe_experts_backward(int l, int c,
 std::vector<TaskId> TrainingStep::Impl::moe_experts_backward_items(int l, int c,
                                                                    const std::vector<TaskId>& ready,
                                                                    rt::TaskTags tags) {
+  const int set = set_;
   const std::vector<std::vector<TaskId>> arrived = std::move(item_tasks[{l, c}]);
   auto& home = item_tasks[{l, c}];
   home.clear();
   for (std::size_t i = 0; i < arrived.size(); ++i) {
     auto experts =
         each(slot_prefix(l, c) + fmt::format("i{}.experts_backward", i), tags, [=, this](int r) {
-          ExpertItem& I = slot(r, l, c).items[i];
+          ExpertItem& I = slot(r, set, l, c).items[i];
           const LayerShard& P = ranks[r].shard->layer(l);
           std::int64_t rows = 0;
           for (int p = 0; p < ep(); ++p)
@@ -546,16 +557,17 @@ std::vector<TaskId> TrainingStep::Impl::moe_experts_backward_items(int l, int c,
 std::vector<TaskId> TrainingStep::Impl::moe_router_backward(int l, int c,
                                                             const std::vector<TaskId>& ready,
                                                             rt::TaskTags tags) {
+  const int set = set_;
   const std::string at = slot_prefix(l, c);
   auto router = each(at + "router_backward", tags, [=, this](int r) {
-    MoeSlot& A = slot(r, l, c);
+    MoeSlot& A = slot(r, set, l, c);
     const LayerShard& P = ranks[r].shard->layer(l);
     for (const ExpertItem& I : A.items)  // each item's input gradients into the slot's rows
       for (std::size_t x = 0; x < I.rows.size(); ++x)
         std::copy_n(I.d_home.row(static_cast<std::int64_t>(x)), h, A.d_grouped.row(I.rows[x]));
     ops::permute_tokens_backward(A.dispatch, A.d_grouped.slice(0, 0, A.dispatch.rows()),
                                  A.d_moe_in);
-    const ops::RouterStatistics st = unpack_stats(ranks[r].layers[l].stats_total, m.num_experts);
+    const ops::RouterStatistics st = unpack_stats(acts(r, set, l).stats_total, m.num_experts);
     const double scale = 1.0 / (M * plan.data_parallel);
     ops::router_backward<float>(router_options(), A.router_logits, A.probs, A.topk_index,
                                 A.topk_weight, A.d_topk, st, scale, A.d_router_logits);
@@ -576,6 +588,7 @@ std::vector<TaskId> TrainingStep::Impl::moe_router_backward(int l, int c,
 std::vector<TaskId> TrainingStep::Impl::build_moe_backward(int l, int mb,
                                                            const std::vector<TaskId>& prev,
                                                            rt::TaskTags tags) {
+  const int set = set_;
   (void)mb;
   auto combined = moe_combine_backward(l, 0, prev, tags);
   flush_weight_grads();  // the layer above's, while the combine's gradient is in flight
@@ -583,13 +596,13 @@ std::vector<TaskId> TrainingStep::Impl::build_moe_backward(int l, int mb,
   auto router = moe_router_backward(l, 0, back, tags);
   auto W = [this](int r) -> BackwardWorkspace& { return ranks[r].ws; };
   auto place = each(fmt::format("L{}.moe_input_grad", l), tags, [=, this](int r) {
-    if (t_sp > 1 || tp == 1) W(r).d_norm.reshape({T, h}).copy_from(slot(r, l, 0).d_moe_in);
+    if (t_sp > 1 || tp == 1) W(r).d_norm.reshape({T, h}).copy_from(slot(r, set, l, 0).d_moe_in);
   });
   link(router, place);
   if (t_sp > 1 || tp == 1) return place;
   // Replicated layout: every rank needs the whole sequence's input gradient.
   return tp_all_gather(
-      router, [=, this](int r) { return slot(r, l, 0).d_moe_in; },
+      router, [=, this](int r) { return slot(r, set, l, 0).d_moe_in; },
       [=](int r) { return W(r).d_norm; }, fmt::format("L{}.moe_grad_gather", l), tags);
 }
 

@@ -6,7 +6,7 @@ namespace weave::graphs {
 void TrainingStep::Impl::reduce_buckets(const std::string& point,
                                         const std::vector<TaskId>& after) {
   const rt::TaskTags tags{.phase = rt::Phase::backward};
-  const auto& buckets = ranks[0].shard->buckets();
+  const auto& buckets = ranks[stage_rank()].shard->buckets();
   for (std::size_t i = 0; i < buckets.size(); ++i) {
     const GradientBucket& b0 = buckets[i];
     if (b0.name.rfind(point + "/", 0) != 0) continue;
@@ -50,6 +50,9 @@ void TrainingStep::Impl::build_optimizer() {
     // Each distinct gradient element once: tensor-parallel copies on tp rank 0 only, data-
     // parallel copies on the replica that owns the element (its shard, or replica 0).
     const bool tp_first = mesh.coordinates(r).tp == 0;
+    // The output layer's copy of the word embedding counts on the first stage only.
+    const Parameter* copy =
+        ranks[r].shard->holds_embedding_copy() ? &ranks[r].shard->embedding() : nullptr;
     double sum = 0;
     for (const GradientBucket& bucket : ranks[r].shard->buckets()) {
       if (!bucket.sharded && bucket.replica != 0) continue;
@@ -58,7 +61,7 @@ void TrainingStep::Impl::build_optimizer() {
       for (const Parameter* p : bucket.params) {
         const std::int64_t n = p->grad.numel();
         const std::int64_t from = std::max(at, lo), to = std::min(at + n, hi);
-        if (from < to && (!p->tensor_replicated || tp_first)) {
+        if (from < to && p != copy && (!p->tensor_replicated || tp_first)) {
           const float* g = bucket.grads.data();
           for (std::int64_t e = from; e < to; ++e)
             sum += static_cast<double>(g[e]) * g[e];
@@ -106,10 +109,11 @@ void TrainingStep::Impl::build_optimizer() {
   link(summed, step);
   // Distributed optimizer: each replica updated its shard; gather the whole values back.
   if (!plan.distributed_optimizer) return;
-  const auto& buckets = ranks[0].shard->buckets();
-  for (std::size_t i = 0; i < buckets.size(); ++i) {
-    if (!buckets[i].sharded) continue;
-    per_group(buckets[i].expert ? GroupKind::expert_data : GroupKind::data_context, step,
+  for (stage_ = 0; stage_ < plan.pipeline_parallel; ++stage_) {
+    const auto& buckets = ranks[stage_rank()].shard->buckets();
+    for (std::size_t i = 0; i < buckets.size(); ++i) {
+      if (!buckets[i].sharded) continue;
+      per_group(buckets[i].expert ? GroupKind::expert_data : GroupKind::data_context, step,
               [&](const devices::ProcessGroup& g) {
                 std::vector<std::span<const float>> in;
                 std::vector<std::span<float>> out;
@@ -122,7 +126,9 @@ void TrainingStep::Impl::build_optimizer() {
                 return comm.all_gather(b, g, in, out,
                                        {.name = buckets[i].name + ".gather", .tags = tags});
               });
+    }
   }
+  stage_ = -1;
 }
 
 }  // namespace weave::graphs

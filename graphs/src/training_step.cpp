@@ -2,6 +2,8 @@
 // graph's outline and the public interface.
 #include "training_step_impl.hpp"
 
+#include <set>
+
 namespace weave::graphs {
 
 TrainingStep::Impl::Impl(const ModelConfig& model, const ParallelPlan& p, const OptimizerConfig& o,
@@ -13,10 +15,7 @@ TrainingStep::Impl::Impl(const ModelConfig& model, const ParallelPlan& p, const 
                     "the device set has {}",
                     plan.devices(), plan.tensor_parallel, plan.context_parallel, plan.data_parallel,
                     plan.pipeline_parallel, set.size()));
-  if (plan.pipeline_parallel > 1)
-    throw ConfigError(
-        "this build of the training step runs tensor, sequence, context, expert and data "
-        "parallelism; pipeline parallelism needs --pipeline-model-parallel-size 1");
+  layout = make_pipeline_layout(m, plan);
   tp = plan.tensor_parallel;
   t_sp = plan.sequence_parallel ? tp : 1;
   M = plan.micro_batches();
@@ -46,6 +45,7 @@ TrainingStep::Impl::Impl(const ModelConfig& model, const ParallelPlan& p, const 
       mb.tokens.assign(static_cast<std::size_t>(S * B), 0);
       mb.targets.assign(static_cast<std::size_t>(S * B), 0);
     }
+  assign_sets();
   ranks.resize(static_cast<std::size_t>(mesh.size()));
   last_comm.assign(ranks.size(), rt::kNoTask);
   last_grad.assign(ranks.size(), rt::kNoTask);
@@ -54,64 +54,43 @@ TrainingStep::Impl::Impl(const ModelConfig& model, const ParallelPlan& p, const 
   build();
 }
 
+void TrainingStep::Impl::assign_sets() {
+  const PipelineSchedule& schedule = layout.schedule;
+  set_chunks.assign(static_cast<std::size_t>(schedule.ranks), {});
+  for (int pp = 0; pp < schedule.ranks; ++pp) {
+    // A set frees up after the micro-batch's last backward action on the chunk: its W when the
+    // backward is split (the weight gradients read the activations), its B otherwise.
+    std::map<int, std::set<int>> free;  // by chunk: the free sets, lowest first
+    for (const Action& a : schedule.actions[static_cast<std::size_t>(pp)]) {
+      if (a.type == ActionType::Idle) continue;
+      const int k = schedule.stage(pp, a.chunk);
+      const auto key = std::make_tuple(pp, k, a.micro_batch);
+      if (a.type == ActionType::Forward) {
+        std::set<int>& pool = free[k];
+        if (pool.empty()) {
+          pool.insert(static_cast<int>(set_chunks[pp].size()));
+          set_chunks[pp].push_back(k);
+        }
+        set_index[key] = *pool.begin();
+        pool.erase(pool.begin());
+      } else if (a.type == ActionType::Backward || a.type == ActionType::BackwardWeight) {
+        free[k].insert(set_index.at(key));
+      }
+    }
+  }
+}
+
 void TrainingStep::Impl::allocate(int r) {
   RankState& R = ranks[r];
-  R.shard = std::make_unique<ModelShard>(m, mesh, r, dev(r));
+  const int pp = mesh.coordinates(r).pp;
+  const StageContents contents = layout.contents(pp);
+  R.shard = std::make_unique<ModelShard>(m, mesh, r, dev(r), contents);
   const bool sp = t_sp > 1;
-  R.emb_partial = act(r, {Sc, B, h});
-  R.emb_out = sp ? act(r, {Sl, B, h}) : R.emb_partial;
-  R.layers.resize(static_cast<std::size_t>(m.num_layers));
-  Tensor x = R.emb_out;
-  for (int l = 0; l < m.num_layers; ++l) {
-    LayerActivations& A = R.layers[l];
-    A.x_in = x;
-    A.ln1 = act(r, {Sl, B, h});
-    A.ln1_mean = act(r, {Sl * B});
-    A.ln1_rstd = act(r, {Sl * B});
-    A.ln1_full = sp ? act(r, {Sc, B, h}) : A.ln1;
-    A.qkv = act(r, {Sc, B, Hl, 3 * d});
-    A.attn = act(r, {Sc, B, Hl, d});
-    // Ampipe: one [B, Hl, q] block per (chunk, piece).
-    A.lse = ampipe() > 1 && R.shard->layer(l).moe ? act(r, {ampipe() * t_sp, B, Hl, piece_rows()})
-                                                  : act(r, {cp > 1 ? 2 : 1, B, Hl, chunk});
-    A.proj_partial = act(r, {Sc, B, h});
-    if (cp > 1 && ampipe() > 1 && R.shard->layer(l).moe) {
-      A.kv_store = act(r, {cp * Sc, B, Hl, 2 * d});
-      A.kv_local = A.kv_store.slice(0, mesh.coordinates(r).cp * Sc, Sc);
-    } else if (cp > 1) {
-      A.kv_local = act(r, {Sc, B, Hl, 2 * d});
-    }
-    A.proj_out = sp ? act(r, {Sl, B, h}) : A.proj_partial;
-    A.x_mid = act(r, {Sl, B, h});
-    A.ln2 = act(r, {Sl, B, h});
-    A.ln2_mean = act(r, {Sl * B});
-    A.ln2_rstd = act(r, {Sl * B});
-    if (R.shard->layer(l).moe) {
-      const std::int64_t E = m.num_experts;
-      A.stats_total = act(r, {2 * E + 2});
-      A.mlp_out = sp || tp == 1 ? act(r, {Sl, B, h}) : act(r, {Sc, B, h});
-      const int slots = ampipe();
-      A.moe.resize(static_cast<std::size_t>(slots));
-      for (int c = 0; c < slots; ++c)
-        allocate_slot(r, A, c);
-    } else {
-      A.ln2_full = sp ? act(r, {Sc, B, h}) : A.ln2;
-      A.fc1 = act(r, {Sc, B, f1l});
-      A.act = act(r, {Sc, B, fl});
-      A.fc2_partial = act(r, {Sc, B, h});
-      A.mlp_out = sp ? act(r, {Sl, B, h}) : A.fc2_partial;
-    }
-    A.x_out = act(r, {Sl, B, h});
-    x = A.x_out;
+  R.sets.resize(set_chunks[pp].size());
+  for (std::size_t i = 0; i < R.sets.size(); ++i) {
+    R.sets[i].chunk = set_chunks[pp][i];
+    allocate_set(r, R.sets[i]);
   }
-  R.final_ln = act(r, {Sl, B, h});
-  R.final_mean = act(r, {Sl * B});
-  R.final_rstd = act(r, {Sl * B});
-  R.final_full = sp ? act(r, {Sc, B, h}) : R.final_ln;
-  R.logits = act(r, {Sc * B, Vl});
-  R.row_max = act(r, {Sc * B});
-  R.partials = act(r, {Sc * B, ops::kCrossEntropyPartials});
-  R.lse = act(r, {Sc * B});
   R.norm_sq = act(r, {1});
   R.loss.assign(static_cast<std::size_t>(M), 0.0);
   R.aux.assign(static_cast<std::size_t>(M), 0.0);
@@ -144,15 +123,92 @@ void TrainingStep::Impl::allocate(int r) {
     W.ring_send[(me + 1) % cp] = Sc;
     W.ring_recv.assign(static_cast<std::size_t>(cp), 0);
   }
-  W.d_logits = act(r, {Sc * B, Vl});
-  W.d_final_full = act(r, {Sc, B, h});
+  if (contents.output_layer) {
+    W.d_logits = act(r, {Sc * B, Vl});
+    W.d_final_full = act(r, {Sc, B, h});
+  }
+}
+
+
+void TrainingStep::Impl::allocate_set(int r, ActivationSet& X) {
+  const bool sp = t_sp > 1;
+  const int k = X.chunk;
+  Tensor x;
+  if (k == 0) {
+    X.emb_partial = act(r, {Sc, B, h});
+    X.emb_out = sp ? act(r, {Sl, B, h}) : X.emb_partial;
+    x = X.emb_out;
+  } else {
+    X.x_recv = act(r, {Sl, B, h});
+    X.d_send = act(r, {Sl, B, h});
+    x = X.x_recv;
+  }
+  X.layers.resize(static_cast<std::size_t>(m.num_layers));
+  for (int l = layout.first_layer(k); l < layout.end_layer(k); ++l) {
+    LayerActivations& A = X.layers[l];
+    A.x_in = x;
+    A.ln1 = act(r, {Sl, B, h});
+    A.ln1_mean = act(r, {Sl * B});
+    A.ln1_rstd = act(r, {Sl * B});
+    A.ln1_full = sp ? act(r, {Sc, B, h}) : A.ln1;
+    A.qkv = act(r, {Sc, B, Hl, 3 * d});
+    A.attn = act(r, {Sc, B, Hl, d});
+    // Ampipe: one [B, Hl, q] block per (chunk, piece).
+    A.lse = ampipe() > 1 && ranks[r].shard->layer(l).moe ? act(r, {ampipe() * t_sp, B, Hl, piece_rows()})
+                                                  : act(r, {cp > 1 ? 2 : 1, B, Hl, chunk});
+    A.proj_partial = act(r, {Sc, B, h});
+    if (cp > 1 && ampipe() > 1 && ranks[r].shard->layer(l).moe) {
+      A.kv_store = act(r, {cp * Sc, B, Hl, 2 * d});
+      A.kv_local = A.kv_store.slice(0, mesh.coordinates(r).cp * Sc, Sc);
+    } else if (cp > 1) {
+      A.kv_local = act(r, {Sc, B, Hl, 2 * d});
+    }
+    A.proj_out = sp ? act(r, {Sl, B, h}) : A.proj_partial;
+    A.x_mid = act(r, {Sl, B, h});
+    A.ln2 = act(r, {Sl, B, h});
+    A.ln2_mean = act(r, {Sl * B});
+    A.ln2_rstd = act(r, {Sl * B});
+    if (ranks[r].shard->layer(l).moe) {
+      const std::int64_t E = m.num_experts;
+      A.stats_total = act(r, {2 * E + 2});
+      A.mlp_out = sp || tp == 1 ? act(r, {Sl, B, h}) : act(r, {Sc, B, h});
+      const int slots = ampipe();
+      A.moe.resize(static_cast<std::size_t>(slots));
+      for (int c = 0; c < slots; ++c)
+        allocate_slot(r, A, c);
+    } else {
+      A.ln2_full = sp ? act(r, {Sc, B, h}) : A.ln2;
+      A.fc1 = act(r, {Sc, B, f1l});
+      A.act = act(r, {Sc, B, fl});
+      A.fc2_partial = act(r, {Sc, B, h});
+      A.mlp_out = sp ? act(r, {Sl, B, h}) : A.fc2_partial;
+    }
+    A.x_out = act(r, {Sl, B, h});
+    x = A.x_out;
+  }
+  if (k + 1 < layout.chunks()) {
+    X.d_recv = act(r, {Sl, B, h});
+    return;
+  }
+  X.final_ln = act(r, {Sl, B, h});
+  X.final_mean = act(r, {Sl * B});
+  X.final_rstd = act(r, {Sl * B});
+  X.final_full = sp ? act(r, {Sc, B, h}) : X.final_ln;
+  X.logits = act(r, {Sc * B, Vl});
+  X.row_max = act(r, {Sc * B});
+  X.partials = act(r, {Sc * B, ops::kCrossEntropyPartials});
+  X.lse = act(r, {Sc * B});
 }
 
 std::vector<TaskId> TrainingStep::Impl::each(const std::string& name, rt::TaskTags tags,
                                              std::function<void(int)> fn) {
   auto shared = std::make_shared<std::function<void(int)>>(std::move(fn));
   std::vector<TaskId> ids;
-  for (int r = 0; r < mesh.size(); ++r)
+  for (int r = 0; r < mesh.size(); ++r) {
+    if (!in_stage(r)) {
+      ids.push_back(rt::kNoTask);
+      continue;
+    }
     ids.push_back(b.add({.device = static_cast<rt::DeviceId>(r),
                          .stream = compute_stream,
                          .kind = rt::TaskKind::compute,
@@ -160,6 +216,7 @@ std::vector<TaskId> TrainingStep::Impl::each(const std::string& name, rt::TaskTa
                          .tags = tags,
                          .cost = {.flops = flops_of(name)}},
                         [shared, r](rt::TaskContext&) { (*shared)(r); }));
+  }
   return ids;
 }
 
@@ -171,10 +228,7 @@ void TrainingStep::Impl::build() {
     std::fill(ranks[r].aux.begin(), ranks[r].aux.end(), 0.0);
     ranks[r].routed_picks = ranks[r].dropped_picks = 0;
   });
-  for (int mb = 0; mb < M; ++mb) {
-    build_forward(mb);
-    build_backward(mb);
-  }
+  build_pipeline();
   build_optimizer();
   graph = b.build();
 }

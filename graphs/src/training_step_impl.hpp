@@ -5,6 +5,8 @@
 
 #include "weave/graphs/training_step.hpp"
 
+#include "weave/graphs/pipeline_layout.hpp"
+
 #include <fmt/format.h>
 
 #include <array>
@@ -15,6 +17,7 @@
 #include <map>
 #include <numeric>
 #include <span>
+#include <tuple>
 
 #include "weave/ops/activation.hpp"
 #include "weave/ops/attention.hpp"
@@ -36,8 +39,8 @@ using rt::TaskId;
 // The step's per-device state, shared by the files that build the graph.
 namespace step_detail {
 
-// Everything a layer's forward keeps for its backward, on one device. Reused by every
-// micro-batch: a micro-batch's backward finishes on a device before the next forward starts.
+// Everything a layer's forward keeps for its backward, on one device, for one micro-batch in
+// flight (see ActivationSet).
 struct LayerActivations {
   Tensor x_in;  // [Sl, B, h]: the previous layer's output
   Tensor ln1, ln1_mean, ln1_rstd, ln1_full;
@@ -109,17 +112,31 @@ struct BackwardWorkspace {
   Tensor d_logits, d_final_full;                   // [S B, Vl], [S, B, h]
 };
 
+// The activations one model chunk keeps for one micro-batch, from its forward until its
+// backward has used them. A rank holds as many sets per chunk as its schedule has micro-batches
+// of that chunk in flight at once (one without pipelining; p - r on 1F1B's stage r), so the
+// device's activation memory is the schedule's.
+struct ActivationSet {
+  int chunk = 0;                         // the model chunk (global pipeline stage)
+  std::vector<LayerActivations> layers;  // by model layer; the chunk's layers are allocated
+  // Pipelining: the chunk's input from the previous stage, the gradient of its output from the
+  // next, and the gradient of its input leaving for the previous (all [Sl, B, h]).
+  Tensor x_recv, d_recv, d_send;
+  // The first chunk: embedding.
+  Tensor emb_partial, emb_out;                // [S, B, h], [Sl, B, h]
+  std::vector<std::int32_t> tokens, targets;  // [Sc B]: this rank's positions of the micro-batch
+  // The last chunk: final norm, output layer and cross-entropy.
+  Tensor final_ln, final_mean, final_rstd, final_full, logits;
+  Tensor row_max, partials, lse;
+};
+
 struct RankState {
   std::unique_ptr<ModelShard> shard;
-  std::vector<LayerActivations> layers;
+  std::vector<ActivationSet> sets;
   BackwardWorkspace ws;
-  Tensor emb_partial, emb_out;  // [S, B, h], [Sl, B, h]
-  Tensor final_ln, final_mean, final_rstd, final_full, logits;
-  Tensor row_max, partials, lse;  // cross-entropy
   Tensor norm_sq;                 // [1]: this rank's share of the squared grad norm
   std::vector<double> loss, aux;  // per micro-batch
   std::int64_t routed_picks = 0, dropped_picks = 0;  // this rank's tokens, the whole step
-  std::vector<std::int32_t> tokens, targets;  // [Sc B]: this rank's positions of the micro-batch
 };
 
 inline std::span<float> all_of(const Tensor& t) {
@@ -141,6 +158,15 @@ struct TrainingStep::Impl {
   rt::Graph graph;
   rt::StreamId compute_stream = rt::kComputeStream;
   std::vector<RankState> ranks;
+  // The pipeline: its schedule, the layers of each model chunk, and per pipeline rank which
+  // activation set each (chunk, micro-batch) uses.
+  PipelineLayout layout;
+  std::vector<std::vector<int>> set_chunks;            // [pp][set]: the set's model chunk
+  std::map<std::tuple<int, int, int>, int> set_index;  // (pp, chunk, micro-batch) -> set
+  // While building: the pipeline stage whose ranks get tasks (-1: every rank) and the activation
+  // set the tasks use. Builders copy set_ into a local `set` their tasks capture.
+  int stage_ = -1;
+  int set_ = 0;
   std::vector<std::vector<MicroBatch>> batches;  // [dp][micro-batch]
   std::vector<TaskId> last_comm;                 // per rank: the comm stream's latest task
   std::vector<TaskId> last_grad;                 // per rank: the gradient stream's latest task
@@ -188,6 +214,20 @@ struct TrainingStep::Impl {
   void allocate_slot(int r, LayerActivations& A, int c);
 
   void allocate(int r);
+  // Activation set `set` of rank r (its chunk's layers, and the embedding or loss buffers).
+  void allocate_set(int r, ActivationSet& X);
+  // Which activation set each forward takes, from the schedule: a set is free again after the
+  // backward that used it (the weight-gradient half, when the backward is split).
+  void assign_sets();
+
+  ActivationSet& aset(int r, int set) { return ranks[r].sets[static_cast<std::size_t>(set)]; }
+  LayerActivations& acts(int r, int set, int l) {
+    return aset(r, set).layers[static_cast<std::size_t>(l)];
+  }
+  bool in_stage(int r) const { return stage_ < 0 || mesh.coordinates(r).pp == stage_; }
+  // A rank of the stage being built (rank 0 when every rank is): its shard stands for the
+  // stage's in what the builder asks of the stage's parameters.
+  int stage_rank() const { return stage_ < 0 ? 0 : mesh.rank_of(0, 0, 0, stage_); }
 
   // ---------------------------------------------------------------------------- graph helpers
   // Adds one compute task per rank; fn(rank) is the work.
@@ -247,7 +287,7 @@ struct TrainingStep::Impl {
   std::int64_t position(int r, std::int64_t s) const;
 
   // This rank's positions of the micro-batch's tokens and targets.
-  void load_tokens(int r, int mb);
+  void load_tokens(int r, int mb, ActivationSet& X);
 
   // Dropout on rank r's [Sl, B, h] activations (out may be in): masks keyed by global token, so
   // any split of the sequence draws the one-device masks. Runs of contiguous positions go to the
@@ -264,7 +304,39 @@ struct TrainingStep::Impl {
                                  const Tensor& d_y, const Tensor& d_bias,
                                  std::int64_t first_row = 0);
 
-  void build_forward(int mb);
+  // ------------------------------------------------------------------------------ pipeline
+  // The schedule's actions, each on its stage's ranks, in an order that respects every
+  // dependency between stages; activations and gradients move between stages by send/recv on
+  // the "pipeline" stream (a copy when consecutive chunks share a rank). Then the tied word
+  // embedding's gradient is summed over the first and last stage.
+  void build_pipeline();
+
+  // Moves from(r) on the ranks of pipeline rank `from_pp` into into(r') on the ranks of `to_pp`
+  // with the same tp, cp and dp coordinates, after `produced` (per rank) and `free` (per
+  // receiving rank: what must be done before `into` is overwritten). Returns the receiving
+  // ranks' tasks.
+  std::vector<TaskId> stage_transfer(int from_pp, int to_pp, const std::vector<TaskId>& produced,
+                                     const std::vector<std::vector<TaskId>>& free,
+                                     const std::function<Tensor(int)>& from,
+                                     const std::function<Tensor(int)>& into,
+                                     const std::string& name, rt::TaskTags tags);
+
+  // Per rank, the task after which the word embedding's gradient of the step is complete on it
+  // (the first stage's embedding backward, the last stage's output layer).
+  std::vector<TaskId> word_grad_done;
+  void word_grad_ready(const std::vector<TaskId>& tasks) {
+    for (std::size_t r = 0; r < tasks.size(); ++r)
+      if (tasks[r] != rt::kNoTask) word_grad_done[r] = tasks[r];
+  }
+
+  // Sums the word embedding's gradient over the first and last stage when they are different
+  // ranks (Megatron's embedding group), then reduces the embedding buckets over the replicas.
+  void reduce_embedding();
+
+  // The forward of model chunk k for micro-batch mb on the current stage, into set_: the
+  // embedding first (chunk 0), the layers, the loss (the last chunk). `ready`: its input is
+  // there. Returns the tasks after which its output (or loss) is.
+  std::vector<TaskId> build_forward(int k, int mb, const std::vector<TaskId>& ready);
 
   std::vector<TaskId> build_layer_forward(int l, int mb, std::vector<TaskId> prev);
 
@@ -310,7 +382,7 @@ struct TrainingStep::Impl {
   // kv_store (by owner), so chunk 1 attends to them all without communication, while chunk 0's
   // dispatch runs. In backward both chunks add their key/value gradients to per-owner blocks,
   // which one all-to-all sends home.
-  Tensor kv_block(int r, int l, int owner);
+  Tensor kv_block(int r, int set, int l, int owner);
 
   // Chunk c's attention; `finish(r)` (its projection, residual and norm) ends the last task.
   std::vector<TaskId> ampipe_ring_attention(int l, int c, const std::vector<TaskId>& qkv,
@@ -318,7 +390,7 @@ struct TrainingStep::Impl {
 
   // Chunk c's attention backward against every stored block (after its projection's backward
   // into d_attn): dq into d_qkv, each block's dk and dv into dkv_send at its owner.
-  void ampipe_ring_attention_backward(int r, int l, int c);
+  void ampipe_ring_attention_backward(int r, int set, int l, int c);
 
   // Every rank's gradient of block o goes to rank o in one all-to-all over the cp group; each
   // rank sums what came into dring[cp % 2], where the QKV backward takes its block's gradient.
@@ -360,15 +432,15 @@ struct TrainingStep::Impl {
                      const Tensor& lse_part) const;
 
   // The block held at ring step t: where it lives and whose positions it has.
-  Tensor ring_block(int r, int layer, int t);
+  Tensor ring_block(int r, int set, int layer, int t);
 
   int ring_owner(int r, int t) const;
 
   // Attends half `half` of this rank's queries to `block` (`owner`'s keys and values), folding
   // it into the half's output and log-sum-exp.
-  void attend_half(int r, int l, std::int64_t half, const Tensor& block, int owner);
+  void attend_half(int r, int set, int l, std::int64_t half, const Tensor& block, int owner);
   // Its backward: dq added to d_qkv, the block's dk and dv added to `grads`.
-  void attend_half_backward(int r, int l, std::int64_t half, const Tensor& block,
+  void attend_half_backward(int r, int set, int l, std::int64_t half, const Tensor& block,
                             const Tensor& grads, int owner);
 
   // Ring attention forward: cp steps; at step t each rank attends its two query chunks to the
@@ -396,7 +468,7 @@ struct TrainingStep::Impl {
   // Reads the per-expert counts from each source's header rows first.
   void regroup_by_expert(MoeSlot& A);
 
-  MoeSlot& slot(int r, int l, int c) { return ranks[r].layers[l].moe[c]; }
+  MoeSlot& slot(int r, int set, int l, int c) { return acts(r, set, l).moe[c]; }
 
   // Task names of MoE slot c of layer l: "L<l>." or, for an Ampipe chunk, "L<l>.c<c>.".
   std::string slot_prefix(int l, int c) const {
@@ -458,12 +530,16 @@ struct TrainingStep::Impl {
   std::vector<TaskId> build_moe_forward(int l, int mb, const std::vector<TaskId>& prev,
                                         rt::TaskTags tags);
 
-  void build_loss(int mb, const std::vector<TaskId>& prev);
+  std::vector<TaskId> build_loss(int mb, const std::vector<TaskId>& prev);
 
   ops::CrossEntropyOptions ce_options() const;
 
   // ----------------------------------------------------------------------------- backward
-  void build_backward(int mb);
+  // The backward of model chunk k for micro-batch mb, from the loss (the last chunk) or from the
+  // gradient of its output in the set's d_recv (after `ready`); leaves the gradient of its input
+  // in d_send, or ends with the embedding (chunk 0). `last`: the chunk's last backward of the
+  // step, after which its gradient buckets are reduced.
+  std::vector<TaskId> build_backward(int k, int mb, const std::vector<TaskId>& ready, bool last);
 
   std::vector<TaskId> build_layer_backward(int l, int mb, std::vector<TaskId> prev, bool last);
 

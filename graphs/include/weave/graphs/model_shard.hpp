@@ -85,19 +85,39 @@ struct LayerShard {
   bool moe = false;
 };
 
+// The parts of the model one pipeline stage holds; by default all of it.
+struct StageContents {
+  std::vector<bool> layers;     // by model layer; empty: every layer
+  bool input_embedding = true;  // the word and position embeddings: the first stage
+  // The final norm and the word embedding as the output layer (tied weights): the last stage. A
+  // last stage that is not also the first holds its own copy of the word embedding, started
+  // equal and kept equal by summing both copies' gradients (the embedding group's all-reduce).
+  bool output_layer = true;
+};
+
 class ModelShard {
  public:
   // The shard that device `rank` of `mesh` holds, allocated on `device` (tracked as parameters,
-  // gradients and optimizer state) and initialised.
-  ModelShard(const ModelConfig& config, const Mesh& mesh, int rank, devices::Device& device);
+  // gradients and optimizer state) and initialised. Every parameter draws its initial values
+  // from its index in the whole model, so a stage's shard starts as the whole model's slice.
+  ModelShard(const ModelConfig& config, const Mesh& mesh, int rank, devices::Device& device,
+             StageContents contents = {});
   ModelShard(const ModelShard&) = delete;
   ModelShard& operator=(const ModelShard&) = delete;
 
   // In the same order on every device; addresses are stable.
   std::deque<Parameter>& parameters() { return parameters_; }
   const std::deque<Parameter>& parameters() const { return parameters_; }
-  Parameter& embedding() { return parameters_[0]; }
-  Parameter& positions() { return parameters_[1]; }
+  // The word embedding (input, and tied output); held by the first and the last stage.
+  Parameter& embedding() { return *word_; }
+  Parameter& positions() { return *positions_; }
+  const StageContents& contents() const { return contents_; }
+  bool holds_layer(int l) const {
+    return contents_.layers.empty() || contents_.layers.at(static_cast<std::size_t>(l));
+  }
+  // The output layer's copy of the word embedding on a last stage that is not the first: its
+  // gradient is summed with the first stage's, and counted once in the gradient norm.
+  bool holds_embedding_copy() const { return contents_.output_layer && !contents_.input_embedding; }
   Parameter& final_ln_weight() { return *final_ln_weight_; }
   Parameter& final_ln_bias() { return *final_ln_bias_; }
   const LayerShard& layer(int l) const { return layers_.at(static_cast<std::size_t>(l)); }
@@ -112,12 +132,21 @@ class ModelShard {
   const GradientBucket& bucket_of(const Parameter& p) const;
 
  private:
-  // std > 0: normal(0, std) draws; otherwise every element is `constant`.
+  // std > 0: normal(0, std) draws; otherwise every element is `constant`. While !holding_, only
+  // counts the parameter and returns a placeholder.
   Parameter& add(std::string name, const ops::Shape& local, std::int64_t logical_rows,
                  std::int64_t logical_cols, std::vector<std::int64_t> row_map,
                  std::int64_t col_offset, double std, double constant);
   const ModelConfig& config_;
   devices::Device& device_;
+  StageContents contents_;
+  // The parameters' indices in the whole model (their random streams), counted over the
+  // parameters this stage skips too; false while adding a part the stage does not hold.
+  std::uint32_t next_index_ = 0;
+  bool holding_ = true;
+  Parameter skipped_;
+  Parameter* word_ = nullptr;
+  Parameter* positions_ = nullptr;
   std::deque<Parameter> parameters_;
   std::vector<GradientBucket> buckets_;
   std::string current_bucket_;

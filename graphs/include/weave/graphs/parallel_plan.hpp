@@ -16,6 +16,19 @@ struct ParallelPlan {
   int expert_parallel = 1;             // --expert-model-parallel-size
   int data_parallel = 1;               // devices / (tp * cp * pp)
   int pipeline_parallel = 1;           // --pipeline-model-parallel-size
+  // Model chunks (virtual stages) per pipeline rank: --virtual-pipeline-model-parallel-size, or
+  // derived by validate() from --num-layers-per-virtual-pipeline-stage (layers_per_virtual_stage).
+  int virtual_pipeline = 1;
+  int layers_per_virtual_stage = 0;
+  // --pipeline-scheduler: gpipe, 1f1b, interleaved, interleaved-mem, zb-h1, zb-v; empty: 1f1b,
+  // or interleaved with virtual stages.
+  std::string pipeline_scheduler;
+  int microbatch_group_size = 0;  // --microbatch-group-size-per-virtual-pipeline-stage (0: pp)
+  // --decoder-first-pipeline-num-layers / --decoder-last-pipeline-num-layers: the layers of the
+  // first and last model chunk (0: an even split), so the stages holding the embedding and the
+  // loss can take fewer.
+  int first_stage_layers = 0;
+  int last_stage_layers = 0;
   int micro_batch_size = 1;            // --micro-batch-size
   int global_batch_size = 1;           // --global-batch-size
   bool distributed_optimizer = false;  // --use-distributed-optimizer: shard optimizer state over dp

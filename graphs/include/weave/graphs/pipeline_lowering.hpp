@@ -56,6 +56,20 @@ struct LoweredSchedule {
   std::vector<PipelineTransfer> transfers;
 };
 
+// One action of a schedule: the rank and the action's index in the rank's list.
+struct ScheduledAction {
+  int rank = 0;
+  int index = 0;
+};
+
+// Every action of the schedule (idle slots included) in an order that respects every
+// dependency between ranks, each rank's in its list order: a forward after the previous stage's
+// forward, a full or input-gradient backward after the next stage's. A graph built in this order
+// has each stream's order consistent with its data flow, so stream order never adds a cycle,
+// and a transfer built next to its producer never waits behind a later one. Throws ScheduleError
+// if the schedule cannot get past a step (check it with simulate_schedule first).
+std::vector<ScheduledAction> emission_order(const PipelineSchedule& schedule);
+
 // Adds the schedule's tasks to `builder` (device = rank). Compute tasks are named like
 // "r1.F3.c0" (rank, action, micro-batch, chunk) and tagged with the micro-batch, the global
 // stage (virtual_stage), the chunk and the phase (B and I backward, W weight). Edges: F of
