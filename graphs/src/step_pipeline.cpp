@@ -55,8 +55,9 @@ void TrainingStep::Impl::build_pipeline() {
       if (list[i].type == ActionType::Backward || list[i].type == ActionType::BackwardInput)
         last_backward[static_cast<std::size_t>(schedule.stage(pp, list[i].chunk))] = {pp, i};
   }
-  // Per (chunk, micro-batch): the tasks after which its output, or its input gradient, is.
-  std::map<std::pair<int, int>, std::vector<TaskId>> forward_out, gradient_out;
+  // Per (chunk, micro-batch): the tasks after which its output is, and those after which the
+  // gradient of its output has arrived.
+  std::map<std::pair<int, int>, std::vector<TaskId>> forward_out, gradient_in;
   // Per rank and activation set: what must be done before a transfer may overwrite the set (the
   // backward of the micro-batch that held it before).
   std::vector<std::vector<std::vector<TaskId>>> free_after(ranks.size());
@@ -92,21 +93,25 @@ void TrainingStep::Impl::build_pipeline() {
       case ActionType::Backward:
       case ActionType::BackwardInput: {
         std::vector<TaskId> ready(ranks.size(), rt::kNoTask);
-        if (k + 1 < K) {
-          const int from_set = set_index.at({layout.rank_of(k + 1), k + 1, mb});
-          ready = stage_transfer(
-              layout.rank_of(k + 1), at.rank, gradient_out.at({k + 1, mb}), free,
-              [this, from_set](int r) { return aset(r, from_set).d_send; },
-              [this, set](int r) { return aset(r, set).d_recv; },
-              fmt::format("stage{}_to_{}.gradients", k + 1, k),
-              {.micro_batch = mb, .virtual_stage = k, .phase = rt::Phase::backward});
-        }
+        if (k + 1 < K) ready = gradient_in.at({k, mb});
         const bool last = last_backward[static_cast<std::size_t>(k)] ==
                           std::pair<int, int>{at.rank, at.index};
         auto done = build_backward(k, mb, ready, last);
-        gradient_out[{k, mb}] = done;
         for (std::size_t r = 0; r < ranks.size(); ++r)
           if (done[r] != rt::kNoTask) free_after[r][static_cast<std::size_t>(set)] = {done[r]};
+        if (k > 0) {
+          // The input gradient leaves at once: the previous stage's set still holds this
+          // micro-batch, so nothing there must finish first, and the send is ordered before the
+          // next use of this set's d_send (whose forward waits for a later receive).
+          const int to_pp = layout.rank_of(k - 1);
+          const int to_set = set_index.at({to_pp, k - 1, mb});
+          gradient_in[{k - 1, mb}] = stage_transfer(
+              at.rank, to_pp, done, std::vector<std::vector<TaskId>>(ranks.size()),
+              [this, set](int r) { return aset(r, set).d_send; },
+              [this, to_set](int r) { return aset(r, to_set).d_recv; },
+              fmt::format("stage{}_to_{}.gradients", k, k - 1),
+              {.micro_batch = mb, .virtual_stage = k - 1, .phase = rt::Phase::backward});
+        }
         break;
       }
       case ActionType::BackwardWeight:  // the weight gradients ran with the input gradients

@@ -357,6 +357,26 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--pipeline-model-parallel-size", p.pipeline_parallel)
       ->check(at_least(1))
       ->capture_default_str();
+  cmd->add_option("--pipeline-scheduler", p.pipeline_scheduler,
+                  "gpipe, 1f1b, interleaved, interleaved-mem, zb-h1 or zb-v (default: 1f1b, "
+                  "interleaved with virtual stages); `weave schedule` draws them");
+  cmd->add_option("--num-layers-per-virtual-pipeline-stage", p.layers_per_virtual_stage,
+                  "Layers per model chunk: chunks per pipeline rank = layers / (pp x this)")
+      ->check(at_least(1));
+  cmd->add_option("--virtual-pipeline-model-parallel-size", p.virtual_pipeline,
+                  "Model chunks per pipeline rank (instead of "
+                  "--num-layers-per-virtual-pipeline-stage)")
+      ->check(at_least(1));
+  cmd->add_option("--microbatch-group-size-per-virtual-pipeline-stage", p.microbatch_group_size,
+                  "Interleaved schedule: micro-batches run on one chunk before the next (default: "
+                  "pp)")
+      ->check(at_least(1));
+  cmd->add_option("--decoder-first-pipeline-num-layers", p.first_stage_layers,
+                  "Layers of the first model chunk (the rest split evenly)")
+      ->check(at_least(1));
+  cmd->add_option("--decoder-last-pipeline-num-layers", p.last_stage_layers,
+                  "Layers of the last model chunk (the rest split evenly)")
+      ->check(at_least(1));
   cmd->add_option("--micro-batch-size", p.micro_batch_size)
       ->check(at_least(1))
       ->capture_default_str();
