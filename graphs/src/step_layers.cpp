@@ -15,17 +15,17 @@ std::int64_t TrainingStep::Impl::position(int r, std::int64_t s) const {
   return context_position(at.cp, (t_sp > 1 ? at.tp * Sl : 0) + s);
 }
 
-void TrainingStep::Impl::load_tokens(int r, int mb, ActivationSet& X) {
+void TrainingStep::Impl::load_tokens(int r, int mb, std::vector<std::int32_t>* tokens,
+                                     std::vector<std::int32_t>* targets) {
   const MicroBatch& data = batches[mesh.coordinates(r).dp][mb];
-  X.tokens.resize(static_cast<std::size_t>(Sc * B));
-  X.targets.resize(static_cast<std::size_t>(Sc * B));
+  const std::vector<std::int32_t>& from = tokens ? data.tokens : data.targets;
+  std::vector<std::int32_t>& into = tokens ? *tokens : *targets;
+  into.resize(static_cast<std::size_t>(Sc * B));
   const int at_cp = mesh.coordinates(r).cp;
   for (std::int64_t s = 0; s < Sc; ++s) {
     const std::int64_t g = context_position(at_cp, s);
-    for (std::int64_t bi = 0; bi < B; ++bi) {
-      X.tokens[s * B + bi] = data.tokens[g * B + bi];
-      X.targets[s * B + bi] = data.targets[g * B + bi];
-    }
+    for (std::int64_t bi = 0; bi < B; ++bi)
+      into[s * B + bi] = from[g * B + bi];
   }
 }
 
@@ -94,7 +94,7 @@ std::vector<TaskId> TrainingStep::Impl::build_forward(int k, int mb,
     // Embedding: each rank looks up its vocabulary shard; the group sums (or reduce-scatters).
     auto emb = each("embedding", tags, [this, mb, set](int r) {
       ActivationSet& X = aset(r, set);
-      load_tokens(r, mb, X);
+      load_tokens(r, mb, &X.tokens, nullptr);
       ops::embedding_forward<float>(X.tokens, ranks[r].shard->embedding().value,
                                     {ranks[r].shard->vocab_start(), m.padded_vocab_size(tp)},
                                     X.emb_partial);
@@ -102,17 +102,17 @@ std::vector<TaskId> TrainingStep::Impl::build_forward(int k, int mb,
     link(ready, emb);
     auto emb_comm = reduce_partial(
         emb, [this, set](int r) { return aset(r, set).emb_partial; },
-        [this, set](int r) { return aset(r, set).emb_out; }, "embedding_reduce", tags);
+        [this, set](int r) { return aset(r, set).x_in; }, "embedding_reduce", tags);
     auto pos = each("positions", tags, [this, mb, set](int r) {
       ActivationSet& X = aset(r, set);
       for (std::int64_t s = 0; s < Sl; ++s)
         for (std::int64_t bi = 0; bi < B; ++bi) {
-          float* row = X.emb_out.data() + (s * B + bi) * h;
+          float* row = X.x_in.data() + (s * B + bi) * h;
           const float* p = ranks[r].shard->positions().value.row(position(r, s));
           for (std::int64_t c = 0; c < h; ++c)
             row[c] += p[c];
         }
-      apply_dropout(false, r, mb, m.num_layers, 2, X.emb_out, X.emb_out);
+      apply_dropout(false, r, mb, m.num_layers, 2, X.x_in, X.x_in);
     });
     link(emb_comm, pos);
     prev = pos;
@@ -306,12 +306,12 @@ void TrainingStep::Impl::activation_backward(const Tensor& pre, const Tensor& d_
 
 std::vector<TaskId> TrainingStep::Impl::build_loss(int mb, const std::vector<TaskId>& prev) {
   const rt::TaskTags tags{.micro_batch = mb, .phase = rt::Phase::forward};
-  const int set = set_, last_layer = m.num_layers - 1;
-  auto fn = each("final_norm", tags, [this, mb, set, last_layer](int r) {
-    ActivationSet& X = aset(r, set);
+  const int set = set_, out = output_, last_layer = m.num_layers - 1;
+  auto fn = each("final_norm", tags, [this, mb, set, out, last_layer](int r) {
+    OutputSet& X = oset(r, out);
     ModelShard& P = *ranks[r].shard;
-    load_tokens(r, mb, X);  // the targets, on a last stage without the embedding
-    ops::layer_norm_forward(X.layers[last_layer].x_out, P.final_ln_weight().value,
+    load_tokens(r, mb, nullptr, &X.targets);
+    ops::layer_norm_forward(acts(r, set, last_layer).x_out, P.final_ln_weight().value,
                             P.final_ln_bias().value, m.layernorm_epsilon, X.final_ln, X.final_mean,
                             X.final_rstd);
   });
@@ -319,30 +319,30 @@ std::vector<TaskId> TrainingStep::Impl::build_loss(int mb, const std::vector<Tas
   std::vector<TaskId> g(ranks.size(), rt::kNoTask);
   if (t_sp > 1)
     g = tp_all_gather(
-        fn, [this, set](int r) { return aset(r, set).final_ln; },
-        [this, set](int r) { return aset(r, set).final_full; }, "final_gather", tags);
-  auto logits = each("logits", tags, [this, set](int r) {
-    ActivationSet& X = aset(r, set);
+        fn, [this, out](int r) { return oset(r, out).final_ln; },
+        [this, out](int r) { return oset(r, out).final_full; }, "final_gather", tags);
+  auto logits = each("logits", tags, [this, out](int r) {
+    OutputSet& X = oset(r, out);
     ops::linear_forward(X.final_full.reshape({Sc * B, h}), ranks[r].shard->embedding().value,
                         Tensor{}, X.logits);
     ops::cross_entropy_row_max(X.logits, X.row_max);
   });
   link(g, logits);
   auto maxima = tp_all_reduce(
-      logits, [this, set](int r) { return aset(r, set).row_max; }, devices::ReduceOp::max,
+      logits, [this, out](int r) { return oset(r, out).row_max; }, devices::ReduceOp::max,
       "loss_max", tags);
-  auto sums = each("loss_partials", tags, [this, set](int r) {
-    ActivationSet& X = aset(r, set);
+  auto sums = each("loss_partials", tags, [this, out](int r) {
+    OutputSet& X = oset(r, out);
     ops::cross_entropy_partial_sums<float>(
         X.logits, X.targets, {ranks[r].shard->vocab_start(), m.padded_vocab_size(tp)}, X.row_max,
         X.partials);
   });
   link(maxima, sums);
   auto reduced = tp_all_reduce(
-      sums, [this, set](int r) { return aset(r, set).partials; }, devices::ReduceOp::sum,
+      sums, [this, out](int r) { return oset(r, out).partials; }, devices::ReduceOp::sum,
       "loss_sum", tags);
-  auto loss = each("loss", tags, [this, mb, set](int r) {
-    ActivationSet& X = aset(r, set);
+  auto loss = each("loss", tags, [this, mb, out](int r) {
+    OutputSet& X = oset(r, out);
     ranks[r].loss[mb] = ops::cross_entropy_loss<float>(
         X.row_max, X.partials, X.targets, m.padded_vocab_size(tp), ce_options(), X.lse, Tensor{});
   });
@@ -359,12 +359,12 @@ std::vector<TaskId> TrainingStep::Impl::build_backward(int k, int mb,
                                                        const std::vector<TaskId>& ready,
                                                        bool last) {
   const rt::TaskTags tags{.micro_batch = mb, .phase = rt::Phase::backward};
-  const int set = set_;
+  const int set = set_, out = output_;
   std::vector<TaskId> prev;
   if (k + 1 == layout.chunks()) {
     // Loss -> final norm input gradient.
-    auto dlogits = each("loss_backward", tags, [this, set](int r) {
-      ActivationSet& X = aset(r, set);
+    auto dlogits = each("loss_backward", tags, [this, out](int r) {
+      OutputSet& X = oset(r, out);
       BackwardWorkspace& w = ranks[r].ws;
       ModelShard& P = *ranks[r].shard;
       ops::cross_entropy_backward<float>(X.logits, X.targets,
@@ -379,18 +379,18 @@ std::vector<TaskId> TrainingStep::Impl::build_backward(int k, int mb,
         [this](int r) { return t_sp > 1 ? ranks[r].ws.d_norm : ranks[r].ws.d_final_full; },
         "final_grad_reduce", tags);
     // The output layer's weight gradient overlaps the reduction above.
-    each("logits_weight_grad", tags, [this, set](int r) {
-      ActivationSet& X = aset(r, set);
+    each("logits_weight_grad", tags, [this, out](int r) {
+      OutputSet& X = oset(r, out);
       ops::linear_backward_weight(X.final_full.reshape({Sc * B, h}), ranks[r].ws.d_logits,
                                   ranks[r].shard->embedding().grad, Tensor{});
     });
     const int last_layer = m.num_layers - 1;
-    auto fn = each("final_norm_backward", tags, [this, set, last_layer](int r) {
-      ActivationSet& X = aset(r, set);
+    auto fn = each("final_norm_backward", tags, [this, set, out, last_layer](int r) {
+      OutputSet& X = oset(r, out);
       BackwardWorkspace& w = ranks[r].ws;
       ModelShard& P = *ranks[r].shard;
       const Tensor d_in = t_sp > 1 ? w.d_norm : w.d_final_full;
-      ops::layer_norm_backward(X.layers[last_layer].x_out, P.final_ln_weight().value,
+      ops::layer_norm_backward(acts(r, set, last_layer).x_out, P.final_ln_weight().value,
                                X.final_mean, X.final_rstd, d_in, w.d_x, P.final_ln_weight().grad,
                                P.final_ln_bias().grad);
     });

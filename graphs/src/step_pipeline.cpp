@@ -70,6 +70,7 @@ void TrainingStep::Impl::build_pipeline() {
     const int k = schedule.stage(at.rank, a.chunk), mb = a.micro_batch;
     stage_ = at.rank;
     set_ = set_index.at({at.rank, k, mb});
+    if (k == K - 1) output_ = output_index.at(mb);
     const int set = set_;
     std::vector<std::vector<TaskId>> free(ranks.size());
     for (std::size_t r = 0; r < ranks.size(); ++r)
@@ -83,7 +84,7 @@ void TrainingStep::Impl::build_pipeline() {
           ready = stage_transfer(
               layout.rank_of(k - 1), at.rank, forward_out.at({k - 1, mb}), free,
               [this, from_set, last_layer](int r) { return acts(r, from_set, last_layer).x_out; },
-              [this, set](int r) { return aset(r, set).x_recv; },
+              [this, set](int r) { return aset(r, set).x_in; },
               fmt::format("stage{}_to_{}.activations", k - 1, k),
               {.micro_batch = mb, .virtual_stage = k, .phase = rt::Phase::forward});
         }

@@ -56,25 +56,52 @@ TrainingStep::Impl::Impl(const ModelConfig& model, const ParallelPlan& p, const 
 
 void TrainingStep::Impl::assign_sets() {
   const PipelineSchedule& schedule = layout.schedule;
+  const int K = layout.chunks();
+  for (int k = 0; k < K; ++k)
+    for (int l = layout.first_layer(k); l < layout.end_layer(k); ++l)
+      chunk_of_layer.push_back(k);
+  // Chunks with the same layers, position by position, can share sets.
+  auto same_layers = [&](int a, int b) {
+    if (layout.end_layer(a) - layout.first_layer(a) != layout.end_layer(b) - layout.first_layer(b))
+      return false;
+    for (int i = 0; i < layout.end_layer(a) - layout.first_layer(a); ++i)
+      if (m.is_moe_layer(layout.first_layer(a) + i) != m.is_moe_layer(layout.first_layer(b) + i))
+        return false;
+    return true;
+  };
   set_chunks.assign(static_cast<std::size_t>(schedule.ranks), {});
+  output_sets.assign(static_cast<std::size_t>(schedule.ranks), 0);
   for (int pp = 0; pp < schedule.ranks; ++pp) {
+    std::vector<int> held;
+    for (int k = 0; k < K; ++k)
+      if (layout.rank_of(k) == pp) held.push_back(k);
+    bool shared = true;
+    for (int k : held)
+      shared = shared && same_layers(held.front(), k);
     // A set frees up after the micro-batch's last backward action on the chunk: its W when the
     // backward is split (the weight gradients read the activations), its B otherwise.
-    std::map<int, std::set<int>> free;  // by chunk: the free sets, lowest first
+    std::map<int, std::set<int>> free;  // by pool (one, or one per chunk): free sets, lowest first
+    std::set<int> free_outputs;
     for (const Action& a : schedule.actions[static_cast<std::size_t>(pp)]) {
       if (a.type == ActionType::Idle) continue;
       const int k = schedule.stage(pp, a.chunk);
       const auto key = std::make_tuple(pp, k, a.micro_batch);
+      std::set<int>& pool = free[shared ? 0 : k];
       if (a.type == ActionType::Forward) {
-        std::set<int>& pool = free[k];
         if (pool.empty()) {
           pool.insert(static_cast<int>(set_chunks[pp].size()));
           set_chunks[pp].push_back(k);
         }
         set_index[key] = *pool.begin();
         pool.erase(pool.begin());
+        if (k == K - 1) {
+          if (free_outputs.empty()) free_outputs.insert(output_sets[pp]++);
+          output_index[a.micro_batch] = *free_outputs.begin();
+          free_outputs.erase(free_outputs.begin());
+        }
       } else if (a.type == ActionType::Backward || a.type == ActionType::BackwardWeight) {
-        free[k].insert(set_index.at(key));
+        pool.insert(set_index.at(key));
+        if (k == K - 1) free_outputs.insert(output_index.at(a.micro_batch));
       }
     }
   }
@@ -87,10 +114,11 @@ void TrainingStep::Impl::allocate(int r) {
   R.shard = std::make_unique<ModelShard>(m, mesh, r, dev(r), contents);
   const bool sp = t_sp > 1;
   R.sets.resize(set_chunks[pp].size());
-  for (std::size_t i = 0; i < R.sets.size(); ++i) {
-    R.sets[i].chunk = set_chunks[pp][i];
-    allocate_set(r, R.sets[i]);
-  }
+  for (std::size_t i = 0; i < R.sets.size(); ++i)
+    allocate_set(r, R.sets[i], set_chunks[pp][i]);
+  R.outputs.resize(static_cast<std::size_t>(output_sets[pp]));
+  for (OutputSet& O : R.outputs)
+    allocate_output(r, O);
   R.norm_sq = act(r, {1});
   R.loss.assign(static_cast<std::size_t>(M), 0.0);
   R.aux.assign(static_cast<std::size_t>(M), 0.0);
@@ -130,22 +158,21 @@ void TrainingStep::Impl::allocate(int r) {
 }
 
 
-void TrainingStep::Impl::allocate_set(int r, ActivationSet& X) {
+void TrainingStep::Impl::allocate_set(int r, ActivationSet& X, int k) {
   const bool sp = t_sp > 1;
-  const int k = X.chunk;
-  Tensor x;
-  if (k == 0) {
-    X.emb_partial = act(r, {Sc, B, h});
-    X.emb_out = sp ? act(r, {Sl, B, h}) : X.emb_partial;
-    x = X.emb_out;
-  } else {
-    X.x_recv = act(r, {Sl, B, h});
+  const StageContents& holds = ranks[r].shard->contents();
+  // Sets shared by chunks serve every one of them: the first chunk's embedding, a later
+  // chunk's transfers.
+  X.x_in = act(r, {Sl, B, h});
+  if (holds.input_embedding) X.emb_partial = sp ? act(r, {Sc, B, h}) : X.x_in;
+  if (layout.chunks() > 1) {
     X.d_send = act(r, {Sl, B, h});
-    x = X.x_recv;
+    X.d_recv = act(r, {Sl, B, h});
   }
-  X.layers.resize(static_cast<std::size_t>(m.num_layers));
+  Tensor x = X.x_in;
+  X.layers.resize(static_cast<std::size_t>(layout.end_layer(k) - layout.first_layer(k)));
   for (int l = layout.first_layer(k); l < layout.end_layer(k); ++l) {
-    LayerActivations& A = X.layers[l];
+    LayerActivations& A = X.layers[static_cast<std::size_t>(l - layout.first_layer(k))];
     A.x_in = x;
     A.ln1 = act(r, {Sl, B, h});
     A.ln1_mean = act(r, {Sl * B});
@@ -186,18 +213,17 @@ void TrainingStep::Impl::allocate_set(int r, ActivationSet& X) {
     A.x_out = act(r, {Sl, B, h});
     x = A.x_out;
   }
-  if (k + 1 < layout.chunks()) {
-    X.d_recv = act(r, {Sl, B, h});
-    return;
-  }
-  X.final_ln = act(r, {Sl, B, h});
-  X.final_mean = act(r, {Sl * B});
-  X.final_rstd = act(r, {Sl * B});
-  X.final_full = sp ? act(r, {Sc, B, h}) : X.final_ln;
-  X.logits = act(r, {Sc * B, Vl});
-  X.row_max = act(r, {Sc * B});
-  X.partials = act(r, {Sc * B, ops::kCrossEntropyPartials});
-  X.lse = act(r, {Sc * B});
+}
+
+void TrainingStep::Impl::allocate_output(int r, OutputSet& O) {
+  O.final_ln = act(r, {Sl, B, h});
+  O.final_mean = act(r, {Sl * B});
+  O.final_rstd = act(r, {Sl * B});
+  O.final_full = t_sp > 1 ? act(r, {Sc, B, h}) : O.final_ln;
+  O.logits = act(r, {Sc * B, Vl});
+  O.row_max = act(r, {Sc * B});
+  O.partials = act(r, {Sc * B, ops::kCrossEntropyPartials});
+  O.lse = act(r, {Sc * B});
 }
 
 std::vector<TaskId> TrainingStep::Impl::each(const std::string& name, rt::TaskTags tags,
@@ -274,6 +300,9 @@ StepResult TrainingStep::result() const {
 }
 ModelShard& TrainingStep::shard(int rank) {
   return *impl_->ranks.at(static_cast<std::size_t>(rank)).shard;
+}
+int TrainingStep::activation_sets(int rank) const {
+  return static_cast<int>(impl_->ranks.at(static_cast<std::size_t>(rank)).sets.size());
 }
 void TrainingStep::set_update_parameters(bool update) {
   impl_->update = update;

@@ -113,26 +113,33 @@ struct BackwardWorkspace {
 };
 
 // The activations one model chunk keeps for one micro-batch, from its forward until its
-// backward has used them. A rank holds as many sets per chunk as its schedule has micro-batches
-// of that chunk in flight at once (one without pipelining; p - r on 1F1B's stage r), so the
-// device's activation memory is the schedule's.
+// backward has used them. A rank holds as many sets as its schedule has (chunk, micro-batch)
+// forwards in flight at once (one without pipelining; p - r on 1F1B's stage r), so the device's
+// activation memory is the schedule's. When the rank's chunks have the same layers (count and
+// kinds) the sets are shared by all of them, as a caching allocator would reuse the memory;
+// otherwise each chunk has its own.
 struct ActivationSet {
-  int chunk = 0;                         // the model chunk (global pipeline stage)
-  std::vector<LayerActivations> layers;  // by model layer; the chunk's layers are allocated
-  // Pipelining: the chunk's input from the previous stage, the gradient of its output from the
-  // next, and the gradient of its input leaving for the previous (all [Sl, B, h]).
-  Tensor x_recv, d_recv, d_send;
-  // The first chunk: embedding.
-  Tensor emb_partial, emb_out;                // [S, B, h], [Sl, B, h]
-  std::vector<std::int32_t> tokens, targets;  // [Sc B]: this rank's positions of the micro-batch
-  // The last chunk: final norm, output layer and cross-entropy.
+  std::vector<LayerActivations> layers;  // by position in the chunk
+  // The chunk's input [Sl, B, h]: the previous stage's output, or the embedding's. Under SP the
+  // first chunk's embedding sums [Sc, B, h] partials first.
+  Tensor x_in, emb_partial;
+  // Pipelining: the gradient of the chunk's output from the next stage, and of its input for the
+  // previous (both [Sl, B, h]).
+  Tensor d_recv, d_send;
+  std::vector<std::int32_t> tokens;  // [Sc B]: this rank's positions of the micro-batch
+};
+
+// The last chunk's final norm, output layer and cross-entropy for one micro-batch in flight.
+struct OutputSet {
   Tensor final_ln, final_mean, final_rstd, final_full, logits;
   Tensor row_max, partials, lse;
+  std::vector<std::int32_t> targets;  // [Sc B]
 };
 
 struct RankState {
   std::unique_ptr<ModelShard> shard;
   std::vector<ActivationSet> sets;
+  std::vector<OutputSet> outputs;
   BackwardWorkspace ws;
   Tensor norm_sq;                 // [1]: this rank's share of the squared grad norm
   std::vector<double> loss, aux;  // per micro-batch
@@ -161,12 +168,16 @@ struct TrainingStep::Impl {
   // The pipeline: its schedule, the layers of each model chunk, and per pipeline rank which
   // activation set each (chunk, micro-batch) uses.
   PipelineLayout layout;
-  std::vector<std::vector<int>> set_chunks;            // [pp][set]: the set's model chunk
+  std::vector<std::vector<int>> set_chunks;            // [pp][set]: the chunk it is laid out for
   std::map<std::tuple<int, int, int>, int> set_index;  // (pp, chunk, micro-batch) -> set
+  std::vector<int> output_sets;                        // [pp]: output sets (last chunk's rank)
+  std::map<int, int> output_index;                     // micro-batch -> output set
+  std::vector<int> chunk_of_layer;
   // While building: the pipeline stage whose ranks get tasks (-1: every rank) and the activation
-  // set the tasks use. Builders copy set_ into a local `set` their tasks capture.
+  // and output sets the tasks use. Builders copy set_ into a local `set` their tasks capture.
   int stage_ = -1;
   int set_ = 0;
+  int output_ = 0;
   std::vector<std::vector<MicroBatch>> batches;  // [dp][micro-batch]
   std::vector<TaskId> last_comm;                 // per rank: the comm stream's latest task
   std::vector<TaskId> last_grad;                 // per rank: the gradient stream's latest task
@@ -214,16 +225,19 @@ struct TrainingStep::Impl {
   void allocate_slot(int r, LayerActivations& A, int c);
 
   void allocate(int r);
-  // Activation set `set` of rank r (its chunk's layers, and the embedding or loss buffers).
-  void allocate_set(int r, ActivationSet& X);
+  // An activation set of rank r laid out for model chunk k's layers.
+  void allocate_set(int r, ActivationSet& X, int k);
+  void allocate_output(int r, OutputSet& O);
   // Which activation set each forward takes, from the schedule: a set is free again after the
   // backward that used it (the weight-gradient half, when the backward is split).
   void assign_sets();
 
   ActivationSet& aset(int r, int set) { return ranks[r].sets[static_cast<std::size_t>(set)]; }
   LayerActivations& acts(int r, int set, int l) {
-    return aset(r, set).layers[static_cast<std::size_t>(l)];
+    const int k = chunk_of_layer[static_cast<std::size_t>(l)];
+    return aset(r, set).layers[static_cast<std::size_t>(l - layout.first_layer(k))];
   }
+  OutputSet& oset(int r, int out) { return ranks[r].outputs[static_cast<std::size_t>(out)]; }
   bool in_stage(int r) const { return stage_ < 0 || mesh.coordinates(r).pp == stage_; }
   // A rank of the stage being built (rank 0 when every rank is): its shard stands for the
   // stage's in what the builder asks of the stage's parameters.
@@ -287,7 +301,8 @@ struct TrainingStep::Impl {
   std::int64_t position(int r, std::int64_t s) const;
 
   // This rank's positions of the micro-batch's tokens and targets.
-  void load_tokens(int r, int mb, ActivationSet& X);
+  void load_tokens(int r, int mb, std::vector<std::int32_t>* tokens,
+                   std::vector<std::int32_t>* targets);
 
   // Dropout on rank r's [Sl, B, h] activations (out may be in): masks keyed by global token, so
   // any split of the sequence draws the one-device masks. Runs of contiguous positions go to the

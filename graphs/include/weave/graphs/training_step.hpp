@@ -65,6 +65,10 @@ class TrainingStep {
   // What the last run computed.
   StepResult result() const;
   ModelShard& shard(int rank);
+  // The activation sets rank `rank` holds: one chunk's activations for one micro-batch each, as
+  // many per model chunk as the pipeline schedule has micro-batches of that chunk in flight at
+  // once (1F1B: p - r on stage r; GPipe: every micro-batch; 1 without pipelining).
+  int activation_sets(int rank) const;
   // When false, the graph skips the optimizer step (for gradient checks).
   void set_update_parameters(bool update);
 
