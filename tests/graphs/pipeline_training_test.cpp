@@ -4,12 +4,14 @@
 // the schedule's memory.
 #include <gtest/gtest.h>
 
+#include <map>
 #include <string>
 #include <vector>
 
 #include "step_outcome.hpp"
 #include "tiny_model.hpp"
 #include "weave/graphs/pipeline_layout.hpp"
+#include "weave/graphs/pipeline_schedule_simulation.hpp"
 
 namespace weave::graphs {
 namespace {
@@ -78,6 +80,143 @@ TEST_P(PipelineEqualsSerial, LossAndGradients) {
 
 INSTANTIATE_TEST_SUITE_P(Schedules, PipelineEqualsSerial, ::testing::ValuesIn(schedule_cases()),
                          [](const auto& info) { return info.param.name; });
+
+struct ComposedCase {
+  const char* name;
+  int experts;
+  ParallelPlan plan;
+};
+
+// The distributed optimizer leaves each replica only its shard of the reduced gradients.
+bool gradients_complete(const ParallelPlan& plan) {
+  return !plan.distributed_optimizer;
+}
+
+class PipelineComposes : public ::testing::TestWithParam<ComposedCase> {};
+
+// Loss, aux loss and gradients of one step, and a 10-step loss curve (dropout on, the tied
+// embedding updated on two stages), against one device.
+TEST_P(PipelineComposes, WithOtherParallelismEqualsSerial) {
+  const ComposedCase c = GetParam();
+  const ModelConfig m = eight_layers(c.experts);
+  const ParallelPlan serial{.micro_batch_size = c.plan.micro_batch_size,
+                            .global_batch_size = c.plan.global_batch_size};
+  const Outcome a = run(m, serial, 1, false), b = run(m, c.plan, 1, false);
+  EXPECT_NEAR(b.losses[0], a.losses[0], 1e-5 * a.losses[0]);
+  EXPECT_NEAR(b.aux[0], a.aux[0], 1e-5 * std::max(a.aux[0], 1e-3));
+  if (gradients_complete(c.plan)) expect_same_gradients(a, b);
+  const Outcome curve_a = run(m, serial, 10, true), curve_b = run(m, c.plan, 10, true);
+  for (std::size_t i = 0; i < curve_a.losses.size(); ++i)
+    EXPECT_NEAR(curve_b.losses[i], curve_a.losses[i], 1e-4 * curve_a.losses[i])
+        << "step " << i + 1;
+  EXPECT_LT(curve_a.losses.back(), curve_a.losses.front());
+}
+
+const ComposedCase kComposed[] = {
+    {"pp2_1f1b", 0, {.pipeline_parallel = 2, .micro_batch_size = 1, .global_batch_size = 4}},
+    {"pp2_v2_interleaved_moe",
+     4,
+     {.pipeline_parallel = 2, .virtual_pipeline = 2, .micro_batch_size = 1,
+      .global_batch_size = 4}},
+    {"pp2_zb_v_moe",
+     4,
+     {.pipeline_parallel = 2, .pipeline_scheduler = "zb-v", .micro_batch_size = 1,
+      .global_batch_size = 4}},
+    {"pp2_tp2_sp",
+     0,
+     {.tensor_parallel = 2, .sequence_parallel = true, .pipeline_parallel = 2,
+      .micro_batch_size = 2, .global_batch_size = 4}},
+    {"pp2_dp2_ep2_moe",
+     4,
+     {.expert_parallel = 2, .data_parallel = 2, .pipeline_parallel = 2, .micro_batch_size = 1,
+      .global_batch_size = 4}},
+    {"pp2_cp2_moe",
+     4,
+     {.context_parallel = 2, .pipeline_parallel = 2, .micro_batch_size = 1,
+      .global_batch_size = 2}},
+    {"pp2_tp2_sp_ep2_moe_interleaved",
+     4,
+     {.tensor_parallel = 2, .sequence_parallel = true, .expert_parallel = 2,
+      .pipeline_parallel = 2, .virtual_pipeline = 2, .micro_batch_size = 1,
+      .global_batch_size = 2}},
+    {"pp2_ampipe2_ep2_dp2",
+     4,
+     {.expert_parallel = 2, .data_parallel = 2, .pipeline_parallel = 2, .micro_batch_size = 1,
+      .global_batch_size = 4, .ampipe_degree = 2}},
+    {"pp2_dp2_distributed_optimizer",
+     0,
+     {.data_parallel = 2, .pipeline_parallel = 2, .micro_batch_size = 1, .global_batch_size = 4,
+      .distributed_optimizer = true}},
+    {"pp4_uneven_first1_last1",
+     4,
+     {.pipeline_parallel = 4, .first_stage_layers = 1, .last_stage_layers = 1,
+      .micro_batch_size = 1, .global_batch_size = 4}},
+};
+
+INSTANTIATE_TEST_SUITE_P(Plans, PipelineComposes, ::testing::ValuesIn(kComposed),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// The first and the last stage hold copies of the word embedding (input and tied output); the
+// summed gradient keeps them equal, step after step.
+TEST(PipelineTraining, TiedEmbeddingCopiesStayEqual) {
+  const ModelConfig m = eight_layers(0);
+  ParallelPlan plan{.data_parallel = 2, .pipeline_parallel = 4, .micro_batch_size = 1,
+                    .global_batch_size = 8};
+  validate(m, plan);
+  devices::DeviceSet set(plan.devices(), {.pin = false});
+  devices::SharedMemoryCommunicator comm;
+  TrainingStep step(m, plan, {.adamw = {.weight_decay = 0.1}}, set, comm);
+  const Mesh& mesh = step.mesh();
+  for (int it = 1; it <= 3; ++it) {
+    fill_batches(step, m, plan);
+    step.prepare(it, 1e-2);
+    set.executor().run(step.graph());
+  }
+  for (int dp = 0; dp < 2; ++dp) {
+    ModelShard& first = step.shard(mesh.rank_of(0, 0, dp, 0));
+    ModelShard& last = step.shard(mesh.rank_of(0, 0, dp, 3));
+    ASSERT_TRUE(last.holds_embedding_copy());
+    EXPECT_FALSE(first.holds_embedding_copy());
+    EXPECT_EQ(first.embedding().value.to_vector(), last.embedding().value.to_vector());
+    // Only the first stage has position embeddings; middle stages hold no embedding at all.
+    EXPECT_EQ(step.shard(mesh.rank_of(0, 0, dp, 1)).parameters().front().name,
+              "layers.2.input_norm.weight");
+  }
+}
+
+// Each rank allocates one activation set per (chunk, micro-batch) its schedule has in flight at
+// the peak: the dry run's figure. 1F1B holds p - r on stage r; MindSpore's interleaving holds p
+// micro-batches on every stage where Megatron's holds more on the first.
+TEST(PipelineTraining, ActivationSetsAreTheSchedulesPeak) {
+  const ModelConfig m = eight_layers(0);
+  const int p = 4, M = 8;
+  std::map<std::string, std::vector<int>> sets;
+  for (const std::string kind :
+       {"gpipe", "1f1b", "interleaved", "interleaved-mem", "zb-h1", "zb-v"}) {
+    ParallelPlan plan{.pipeline_parallel = p,
+                      .virtual_pipeline = kind.rfind("interleaved", 0) == 0 ? 2 : 1,
+                      .pipeline_scheduler = kind,
+                      .micro_batch_size = 1,
+                      .global_batch_size = M};
+    validate(m, plan);
+    devices::DeviceSet set(plan.devices(), {.pin = false});
+    devices::SharedMemoryCommunicator comm;
+    TrainingStep step(m, plan, {}, set, comm);
+    const ScheduleReport report = simulate_schedule(make_pipeline_layout(m, plan).schedule);
+    for (int r = 0; r < p; ++r) {
+      sets[kind].push_back(step.activation_sets(r));
+      EXPECT_DOUBLE_EQ(step.activation_sets(r),
+                       report.ranks[static_cast<std::size_t>(r)].peak_activations *
+                           plan.virtual_pipeline)
+          << kind << " rank " << r;
+    }
+  }
+  EXPECT_EQ(sets["gpipe"], (std::vector<int>{M, M, M, M}));
+  EXPECT_EQ(sets["1f1b"], (std::vector<int>{4, 3, 2, 1}));
+  EXPECT_EQ(sets["interleaved-mem"][0], p * 2);  // p micro-batches of 2 chunks
+  EXPECT_GT(sets["interleaved"][0], sets["interleaved-mem"][0]);
+  EXPECT_EQ(sets["zb-h1"], (std::vector<int>{4, 4, 4, 4}));
+}
 
 }  // namespace
 }  // namespace weave::graphs
