@@ -6,6 +6,7 @@
 
 #include "weave/graphs/mesh.hpp"
 #include "weave/graphs/parallel_plan.hpp"
+#include "weave/graphs/pipeline_layout.hpp"
 
 namespace weave::graphs {
 namespace {
@@ -76,9 +77,74 @@ TEST(ParallelPlan, EverySizeRuleIsRefusedWithItsNumbers) {
       mentions(refusal(m, {.data_parallel = 2, .micro_batch_size = 2, .global_batch_size = 6}),
                "--global-batch-size (6) must be divisible by --micro-batch-size x "
                "data-parallel size (2 x 2 = 4)"));
-  EXPECT_TRUE(mentions(refusal(m, {.pipeline_parallel = 3}), "--num-layers (4)"));
+  EXPECT_TRUE(mentions(refusal(m, {.pipeline_parallel = 3, .global_batch_size = 3}),
+                       "--num-layers (4)"));
   EXPECT_TRUE(
       mentions(refusal(m, {.tensor_parallel = 0}), "--tensor-model-parallel-size must be >= 1"));
+}
+
+TEST(ParallelPlan, PipelineRules) {
+  ModelConfig m{.num_layers = 8,
+                .hidden_size = 64,
+                .num_attention_heads = 4,
+                .ffn_hidden_size = 128,
+                .seq_length = 48};
+  auto pp = [](int p, int m_batches) {
+    return ParallelPlan{.pipeline_parallel = p, .micro_batch_size = 1,
+                        .global_batch_size = m_batches};
+  };
+  EXPECT_EQ(refusal(m, pp(4, 8)), "accepted");
+  EXPECT_TRUE(mentions(refusal(m, pp(3, 3)),
+                       "--num-layers (8) must be divisible by --pipeline-model-parallel-size x "
+                       "virtual stages per rank (3 x 1 = 3 model chunks)"));
+  ParallelPlan v = pp(2, 4);
+  v.virtual_pipeline = 8;
+  EXPECT_TRUE(mentions(refusal(m, v), "(2 x 8 = 16 model chunks)"));
+  // --num-layers-per-virtual-pipeline-stage sets the chunks per rank: 8 / (2 x 2) = 2.
+  ParallelPlan per_stage = pp(2, 4);
+  per_stage.layers_per_virtual_stage = 2;
+  validate(m, per_stage);
+  EXPECT_EQ(per_stage.virtual_pipeline, 2);
+  per_stage = pp(2, 4);
+  per_stage.layers_per_virtual_stage = 3;
+  EXPECT_TRUE(mentions(refusal(m, per_stage),
+                       "--num-layers-per-virtual-pipeline-stage (3) must divide the layers of "
+                       "each pipeline rank"));
+  per_stage.layers_per_virtual_stage = 2;
+  per_stage.virtual_pipeline = 4;
+  EXPECT_TRUE(mentions(refusal(m, per_stage), "give one of them"));
+  // Schedules: their rules come back with the micro-batch count and where it comes from.
+  ParallelPlan zb = pp(4, 2);
+  zb.pipeline_scheduler = "zb-h1";
+  EXPECT_TRUE(mentions(refusal(m, zb), "zb-h1 needs at least p micro-batches"));
+  EXPECT_TRUE(mentions(refusal(m, zb), "--global-batch-size / (--micro-batch-size x"));
+  ParallelPlan typo = pp(2, 4);
+  typo.pipeline_scheduler = "1f1c";
+  EXPECT_TRUE(mentions(refusal(m, typo), "--pipeline-scheduler"));
+  ParallelPlan zbv = pp(2, 4);
+  zbv.pipeline_scheduler = "zb-v";
+  validate(m, zbv);
+  EXPECT_EQ(zbv.virtual_pipeline, 2);  // the V's two chunks per rank
+  // Uneven first and last chunks: the rest must split evenly.
+  ParallelPlan uneven = pp(4, 4);
+  uneven.first_stage_layers = 1;
+  uneven.last_stage_layers = 1;
+  EXPECT_EQ(refusal(m, uneven), "accepted");
+  const PipelineLayout layout = make_pipeline_layout(m, uneven);
+  EXPECT_EQ(layout.chunk_begin, (std::vector<int>{0, 1, 4, 7, 8}));
+  uneven.last_stage_layers = 2;
+  EXPECT_TRUE(mentions(refusal(m, uneven),
+                       "minus the first chunk's 1 and the last chunk's 2 leaves 5 layers"));
+  ParallelPlan single = pp(1, 4);
+  single.first_stage_layers = 2;
+  EXPECT_TRUE(mentions(refusal(m, single), "need --pipeline-model-parallel-size > 1"));
+  // A scheduler without a pipeline is dropped with a warning.
+  ParallelPlan alone = pp(1, 4);
+  alone.pipeline_scheduler = "gpipe";
+  const auto warnings = validate(m, alone);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_TRUE(mentions(warnings[0], "--pipeline-scheduler gpipe has no effect"));
+  EXPECT_TRUE(alone.pipeline_scheduler.empty());
 }
 
 TEST(ParallelPlan, AmpipeRules) {
