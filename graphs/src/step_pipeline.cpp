@@ -26,11 +26,16 @@ std::vector<TaskId> TrainingStep::Impl::stage_transfer(
                    [from, into, r](rt::TaskContext&) { into(r).copy_from(from(r)); });
       if (produced[r] != rt::kNoTask) b.precede(produced[r], task);
     } else {
+      // One stream per direction and sending stage, on both ends: the transfers between two
+      // stages queue in order, as on one link, and a receive never waits behind a send to
+      // another stage or a transfer the other way.
+      const std::string stream = fmt::format(
+          "pipeline_{}{}", tags.phase == rt::Phase::forward ? "activations" : "gradients", from_pp);
       const Tensor source = from(sender), target = into(r);
       const auto [send, receive] = comm.send_recv(
-          b, static_cast<rt::DeviceId>(sender), {source.data(), static_cast<std::size_t>(source.numel())},
-          static_cast<rt::DeviceId>(r), all_of(target),
-          {.name = name, .tags = tags, .stream = "pipeline"});
+          b, static_cast<rt::DeviceId>(sender),
+          {source.data(), static_cast<std::size_t>(source.numel())}, static_cast<rt::DeviceId>(r),
+          all_of(target), {.name = name, .tags = tags, .stream = stream});
       if (produced[sender] != rt::kNoTask) b.precede(produced[sender], send);
       task = receive;
     }

@@ -16,6 +16,7 @@
 #include "weave/devices/shared_memory_communicator.hpp"
 #include "weave/graphs/checkpoint.hpp"
 #include "weave/graphs/learning_rate.hpp"
+#include "weave/graphs/pipeline_layout.hpp"
 #include "weave/graphs/training_step.hpp"
 #include "weave/runtime/chrome_trace.hpp"
 #include "weave/runtime/dot_writer.hpp"
@@ -51,6 +52,7 @@ struct TrainOptions {
   std::string config;  // read before parsing (see expand_train_config)
   bool ampipe_advise = false;
   bool ampipe_advise_fast = false;  // replay without running the kernels
+  bool pipeline_advise = false;
 };
 
 // The FLOPs of one step: the sum of its compute tasks' cost hints (what the virtual clock
@@ -136,6 +138,87 @@ int advise_ampipe(TrainOptions o, const TokenDataset& data) {
   return 0;
 }
 
+// --pipeline-advise: one step of the configuration under every pipeline schedule, replayed on
+// the virtual clock (kernels run, so routing and costs are real): the step time, the bubble
+// measured in the training graph beside the schedule's formula, and the activation memory each
+// stage holds. The fastest is named.
+int advise_pipeline(TrainOptions o, const TokenDataset& data) {
+  if (o.plan.pipeline_parallel < 2)
+    throw graphs::ConfigError(
+        "--pipeline-advise compares pipeline schedules: set --pipeline-model-parallel-size >= 2");
+  const devices::LinkModel links = devices::LinkModel::preset(o.link);
+  const int p = o.plan.pipeline_parallel;
+  fmt::print(
+      "Pipeline schedules for this configuration on the virtual clock ({} devices of {:.3g} "
+      "FLOP/s, link {}; p = {}, {} micro-batches):\n",
+      o.devices, o.device_flops, links.describe(), p, o.plan.micro_batches());
+  fmt::print("{:<16} {:>2} {:>10} {:>16} {:>14}  {}\n", "schedule", "v", "step (ms)",
+             "bubble measured", "bubble theory", "activations per stage: sets, MiB");
+  std::string best;
+  double best_time = 0;
+  for (const std::string& name : graphs::schedule_names()) {
+    graphs::ParallelPlan plan = o.plan;
+    plan.pipeline_scheduler = name;
+    plan.layers_per_virtual_stage = 0;
+    const graphs::ScheduleKind kind = graphs::schedule_kind(name);
+    const bool chunked = kind == graphs::ScheduleKind::Interleaved ||
+                         kind == graphs::ScheduleKind::InterleavedMem ||
+                         kind == graphs::ScheduleKind::ZeroBubbleV;
+    plan.virtual_pipeline = chunked ? std::max(2, o.plan.virtual_pipeline) : 1;
+    if (kind == graphs::ScheduleKind::ZeroBubbleV) plan.virtual_pipeline = 2;
+    if (kind != graphs::ScheduleKind::Interleaved) plan.microbatch_group_size = 0;
+    try {
+      graphs::validate(o.model, plan);
+      devices::DeviceSet set(o.devices, {.pin = false});
+      devices::SharedMemoryCommunicator comm;
+      graphs::TrainingStep step(o.model, plan, o.optimizer, set, comm);
+      fill_batches(step, o.model, plan, data, Split::train, 0);
+      step.prepare(1, o.lr.at(1));
+      std::vector<int> numa;
+      for (const auto& placement : set.layout())
+        numa.push_back(placement.numa_node);
+      const devices::MachineModel machine(numa, o.device_flops, links);
+      rt::VirtualClock clock(machine, {.execute = true, .record_trace = true});
+      const rt::VirtualRunResult r = clock.run(step.graph());
+      const rt::TraceMetrics metrics = rt::measure(r.trace);
+      // Idle over busy compute, summed over the devices: the schedule's bubble plus whatever
+      // communication the step leaves exposed.
+      double busy = 0, idle = 0;
+      for (const rt::DeviceMetrics& d : metrics.devices) {
+        busy += static_cast<double>(d.compute_busy);
+        idle += static_cast<double>(metrics.makespan - d.compute_busy);
+      }
+      const graphs::ScheduleTheory theory = graphs::schedule_theory(
+          kind, {.ranks = p,
+                 .micro_batches = plan.micro_batches(),
+                 .chunks = plan.virtual_pipeline,
+                 .group_size = plan.microbatch_group_size});
+      std::string memory;
+      for (int stage = 0; stage < p; ++stage) {
+        const int rank = step.mesh().rank_of(0, 0, 0, stage);
+        memory += fmt::format(
+            "{}{}, {:.1f}", stage > 0 ? " | " : "", step.activation_sets(rank),
+            static_cast<double>(set.memory().peak(static_cast<rt::DeviceId>(rank),
+                                                  rt::MemoryCategory::activations)) /
+                (1 << 20));
+      }
+      const double ms = static_cast<double>(r.makespan) * 1e-6;
+      if (best_time == 0 || ms < best_time) {
+        best_time = ms;
+        best = name;
+      }
+      fmt::print("{:<16} {:>2} {:>10.3f} {:>16.3f} {:>14.3f}  {}\n", name, plan.virtual_pipeline,
+                 ms, busy > 0 ? idle / busy : 0.0, theory.bubble_over_ideal, memory);
+    } catch (const graphs::ConfigError& e) {
+      fmt::print("{:<16} not possible: {}\n", name, e.what());
+    }
+  }
+  if (best.empty())
+    throw graphs::ConfigError("no pipeline schedule can run this configuration (see above)");
+  fmt::print("best: --pipeline-scheduler {}\n", best);
+  return 0;
+}
+
 int run_train(TrainOptions o) {
   o.model.activation = o.swiglu ? graphs::Activation::swiglu : graphs::Activation::gelu;
   graphs::ParallelPlan& plan = o.plan;
@@ -162,6 +245,7 @@ int run_train(TrainOptions o) {
     throw std::invalid_argument(
         "--ampipe-advise-fast changes how --ampipe-advise replays: add --ampipe-advise");
   if (o.ampipe_advise) return advise_ampipe(o, data);
+  if (o.pipeline_advise) return advise_pipeline(o, data);
   devices::DeviceSet set(o.devices);
   devices::SharedMemoryCommunicator comm;
   graphs::TrainingStep step(o.model, plan, o.optimizer, set, comm);
@@ -173,8 +257,7 @@ int run_train(TrainOptions o) {
 
   progress.note(fmt::format(
       "weave train: {} layers, hidden {}, {} heads, {}{} | {} devices: tp {}{}, cp {}, ep {}, dp "
-      "{} "
-      "| micro-batch {}, global batch {} ({} micro-batches) | data: {}",
+      "{}{}{} | micro-batch {}, global batch {} ({} micro-batches) | data: {}",
       o.model.num_layers, o.model.hidden_size, o.model.num_attention_heads,
       o.model.num_experts > 0
           ? fmt::format("{} experts top-{}", o.model.num_experts, o.model.moe_router_topk)
@@ -183,6 +266,13 @@ int run_train(TrainOptions o) {
       plan.sequence_parallel ? " + sp" : "", plan.context_parallel, plan.expert_parallel,
       plan.data_parallel,
       plan.ampipe_degree > 1 ? fmt::format(", ampipe {}", plan.ampipe_degree) : "",
+      plan.pipeline_parallel > 1
+          ? fmt::format(", pp {} ({}{})", plan.pipeline_parallel,
+                        graphs::schedule_name(graphs::pipeline_schedule_kind(plan)),
+                        plan.virtual_pipeline > 1
+                            ? fmt::format(", {} chunks per rank", plan.virtual_pipeline)
+                            : "")
+          : "",
       plan.micro_batch_size, plan.global_batch_size, plan.micro_batches(), data.description()));
   if (!o.dump_graph.empty()) {
     std::ofstream dot(o.dump_graph);
@@ -346,6 +436,10 @@ void add_train_command(CLI::App& app) {
   cmd->add_flag("--ampipe-advise-fast", o->ampipe_advise_fast,
                 "With --ampipe-advise: replay without running the kernels, all-to-alls timed as "
                 "for balanced routing (for many devices)");
+  cmd->add_flag("--pipeline-advise", o->pipeline_advise,
+                "Instead of training: replay one step under every pipeline schedule on the "
+                "virtual clock (--link, --device-flops): step time, bubble measured and in "
+                "theory, activation memory per stage");
   cmd->add_flag("--use-distributed-optimizer", p.distributed_optimizer,
                 "Shard optimizer state over data-parallel replicas (reduce-scatter + all-gather)");
   cmd->add_option("--context-parallel-size", p.context_parallel)
