@@ -231,6 +231,7 @@ std::vector<TaskId> TrainingStep::Impl::build_attention_input_backward(
   auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
   auto W = [this](int r) -> BackwardWorkspace& { return ranks[r].ws; };
   const std::string at = fmt::format("L{}.", l);
+  const bool split = split_;
   auto qkv_in = each(at + "qkv_backward", tags, [=, this](int r) {
     BackwardWorkspace& w = W(r);
     if (cp > 1) {  // the block's gradients came home with the last turn of the ring
@@ -240,12 +241,13 @@ std::vector<TaskId> TrainingStep::Impl::build_attention_input_backward(
     }
     ops::linear_backward_input(w.d_qkv.reshape({Sc, B, 3 * Hl * d}), P(r).qkv_weight->value,
                                w.d_norm_full);
+    if (split) L(r).saved_d_qkv.copy_from(w.d_qkv.reshape({Sc, B, 3 * Hl * d}));
   });
   link(ready_in, qkv_in);
   auto red = reduce_partial(
       qkv_in, [=](int r) { return W(r).d_norm_full; }, [=](int r) { return W(r).d_norm; },
       at + "attention_grad_reduce", tags);
-  auto weight_grad = [=, this] {
+  auto emit_weight_grad = [=, this] {
     return each(at + "qkv_weight_grad", tags, [=, this](int r) {
       ops::linear_backward_weight(L(r).ln1_full, W(r).d_qkv.reshape({Sc, B, 3 * Hl * d}),
                                   P(r).qkv_weight->grad, P(r).qkv_bias->grad);
@@ -254,10 +256,19 @@ std::vector<TaskId> TrainingStep::Impl::build_attention_input_backward(
   // With tp > 1 the weight gradient overlaps the input gradient's reduction; with neither tp
   // nor cp it waits for the layer below to launch its first all-to-all (see
   // flush_weight_grads), and the layer's input gradient goes on at once.
-  const bool defer = tp == 1 && cp == 1;
+  if (split) {
+    weight_grad(at + "qkv_weight_grad", tags, [=, this](int r) {
+      ops::linear_backward_weight(L(r).ln1_full, L(r).saved_d_qkv, P(r).qkv_weight->grad,
+                                  P(r).qkv_bias->grad);
+    });
+  }
+  const bool defer = tp == 1 && cp == 1 && !split;
   std::vector<TaskId> ready = red;
-  if (!defer) {
-    auto wg = weight_grad();
+  if (split) {
+    for (std::size_t r = 0; r < red.size(); ++r)
+      if (red[r] == rt::kNoTask) ready[r] = qkv_in[r];
+  } else if (!defer) {
+    auto wg = emit_weight_grad();
     for (std::size_t r = 0; r < red.size(); ++r)
       if (red[r] == rt::kNoTask) ready[r] = wg[r];
   } else {
@@ -277,7 +288,7 @@ std::vector<TaskId> TrainingStep::Impl::build_attention_input_backward(
   }
   deferred_weight_grads.push_back([=, this] {
     // After ln1 on the compute stream, so the bucket's every gradient is in once wg is done.
-    auto wg = weight_grad();
+    auto wg = emit_weight_grad();
     if (last) reduce_buckets(fmt::format("layers.{}.attention", l), wg);
   });
   return ln1;
@@ -363,7 +374,8 @@ std::vector<TaskId> TrainingStep::Impl::build_backward(int k, int mb,
   std::vector<TaskId> prev;
   if (k + 1 == layout.chunks()) {
     // Loss -> final norm input gradient.
-    auto dlogits = each("loss_backward", tags, [this, out](int r) {
+    const bool split = split_;
+    auto dlogits = each("loss_backward", tags, [this, out, split](int r) {
       OutputSet& X = oset(r, out);
       BackwardWorkspace& w = ranks[r].ws;
       ModelShard& P = *ranks[r].shard;
@@ -372,6 +384,7 @@ std::vector<TaskId> TrainingStep::Impl::build_backward(int k, int mb,
                                          ce_options(), 1.0, w.d_logits);
       ops::linear_backward_input(w.d_logits, P.embedding().value,
                                  w.d_final_full.reshape({Sc * B, h}));
+      if (split) X.saved_d_logits.copy_from(w.d_logits);
     });
     link(ready, dlogits);
     auto reduce = reduce_partial(
@@ -379,9 +392,10 @@ std::vector<TaskId> TrainingStep::Impl::build_backward(int k, int mb,
         [this](int r) { return t_sp > 1 ? ranks[r].ws.d_norm : ranks[r].ws.d_final_full; },
         "final_grad_reduce", tags);
     // The output layer's weight gradient overlaps the reduction above.
-    each("logits_weight_grad", tags, [this, out](int r) {
+    weight_grad("logits_weight_grad", tags, [this, out, split](int r) {
       OutputSet& X = oset(r, out);
-      ops::linear_backward_weight(X.final_full.reshape({Sc * B, h}), ranks[r].ws.d_logits,
+      ops::linear_backward_weight(X.final_full.reshape({Sc * B, h}),
+                                  split ? X.saved_d_logits : ranks[r].ws.d_logits,
                                   ranks[r].shard->embedding().grad, Tensor{});
     });
     const int last_layer = m.num_layers - 1;
@@ -482,26 +496,42 @@ std::vector<TaskId> TrainingStep::Impl::build_layer_backward(int l, int mb,
       g = tp_all_gather(
           res2, [=](int r) { return W(r).d_mlp; }, [=](int r) { return W(r).d_mlp_full; },
           at + "mlp_grad_gather", tags);
+    const bool split = split_;
     auto mlp = each(at + "mlp_backward", tags, [=, this](int r) {
       LayerActivations& A = L(r);
       BackwardWorkspace& w = W(r);
       ops::linear_backward_input(w.d_mlp_full, P(r).fc2_weight->value, w.d_act);
-      ops::linear_backward_weight(A.act, w.d_mlp_full, P(r).fc2_weight->grad, Tensor{});
+      if (split)
+        A.saved_d_fc2.copy_from(w.d_mlp_full);
+      else
+        ops::linear_backward_weight(A.act, w.d_mlp_full, P(r).fc2_weight->grad, Tensor{});
       activation_backward(A.fc1, w.d_act, w.d_fc1);
       ops::linear_backward_input(w.d_fc1, P(r).fc1_weight->value, w.d_norm_full);
+      if (split) A.saved_d_fc1.copy_from(w.d_fc1);
     });
     link(g, mlp);
     auto red = reduce_partial(
         mlp, [=](int r) { return W(r).d_norm_full; }, [=](int r) { return W(r).d_norm; },
         at + "mlp_grad_reduce", tags);
-    // fc1's weight gradient overlaps the reduction of its input gradient.
-    auto wg = each(at + "mlp_weight_grad", tags, [=, this](int r) {
-      ops::linear_backward_weight(L(r).ln2_full, W(r).d_fc1, P(r).fc1_weight->grad,
-                                  P(r).fc1_bias->grad);
-    });
     norm_grad_ready = red;
-    for (std::size_t r = 0; r < red.size(); ++r)
-      if (red[r] == rt::kNoTask) norm_grad_ready[r] = wg[r];
+    if (split) {
+      weight_grad(at + "mlp_weight_grad", tags, [=, this](int r) {
+        LayerActivations& A = L(r);
+        ops::linear_backward_weight(A.act, A.saved_d_fc2, P(r).fc2_weight->grad, Tensor{});
+        ops::linear_backward_weight(A.ln2_full, A.saved_d_fc1, P(r).fc1_weight->grad,
+                                    P(r).fc1_bias->grad);
+      });
+      for (std::size_t r = 0; r < red.size(); ++r)
+        if (red[r] == rt::kNoTask) norm_grad_ready[r] = mlp[r];
+    } else {
+      // fc1's weight gradient overlaps the reduction of its input gradient.
+      auto wg = each(at + "mlp_weight_grad", tags, [=, this](int r) {
+        ops::linear_backward_weight(L(r).ln2_full, W(r).d_fc1, P(r).fc1_weight->grad,
+                                    P(r).fc1_bias->grad);
+      });
+      for (std::size_t r = 0; r < red.size(); ++r)
+        if (red[r] == rt::kNoTask) norm_grad_ready[r] = wg[r];
+    }
   }
   auto ln2 = each(at + "mlp_norm_backward", tags, [=, this](int r) {
     LayerActivations& A = L(r);
@@ -520,13 +550,17 @@ std::vector<TaskId> TrainingStep::Impl::build_layer_backward(int l, int mb,
     g = tp_all_gather(
         ln2, [=](int r) { return W(r).d_mlp; }, [=](int r) { return W(r).d_mlp_full; },
         at + "attention_grad_gather", tags);
+  const bool split = split_;
   auto attn = each(at + "attention_backward", tags, [=, this](int r) {
     LayerActivations& A = L(r);
     BackwardWorkspace& w = W(r);
     const Tensor d_proj = t_sp > 1 ? w.d_mlp_full : w.d_mlp;
     ops::linear_backward_input(d_proj, P(r).proj_weight->value, w.d_attn);
-    ops::linear_backward_weight(A.attn.reshape({Sc, B, Hl * d}), d_proj, P(r).proj_weight->grad,
-                                Tensor{});
+    if (split)
+      A.saved_d_proj.copy_from(d_proj);
+    else
+      ops::linear_backward_weight(A.attn.reshape({Sc, B, Hl * d}), d_proj,
+                                  P(r).proj_weight->grad, Tensor{});
     w.d_qkv.fill(0.f);  // attention accumulates dk and dv
     if (cp == 1)
       ops::attention_backward({}, head_view(A.qkv, 0), head_view(A.qkv, 1), head_view(A.qkv, 2),
@@ -535,6 +569,12 @@ std::vector<TaskId> TrainingStep::Impl::build_layer_backward(int l, int mb,
                               head_view(w.d_qkv, 0), head_view(w.d_qkv, 1), head_view(w.d_qkv, 2));
   });
   link(g, attn);
+  if (split)
+    weight_grad(at + "attention_weight_grad", tags, [=, this](int r) {
+      LayerActivations& A = L(r);
+      ops::linear_backward_weight(A.attn.reshape({Sc, B, Hl * d}), A.saved_d_proj,
+                                  P(r).proj_weight->grad, Tensor{});
+    });
   std::vector<TaskId> dkv_ready = attn;
   if (cp > 1) dkv_ready = build_ring_attention_backward(l, attn, tags);
   return build_attention_input_backward(l, dkv_ready, last, tags);

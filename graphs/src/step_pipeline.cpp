@@ -51,15 +51,17 @@ void TrainingStep::Impl::build_pipeline() {
   const PipelineSchedule& schedule = layout.schedule;
   const int K = layout.chunks();
   word_grad_done.assign(ranks.size(), rt::kNoTask);
-  // The last full or input-gradient backward of each chunk: its gradient buckets are complete
-  // after it.
+  // The last full backward or weight-gradient half of each chunk: its gradient buckets are
+  // complete after it.
   std::vector<std::pair<int, int>> last_backward(static_cast<std::size_t>(K), {-1, -1});
   for (int pp = 0; pp < schedule.ranks; ++pp) {
     const auto& list = schedule.actions[static_cast<std::size_t>(pp)];
     for (int i = 0; i < static_cast<int>(list.size()); ++i)
-      if (list[i].type == ActionType::Backward || list[i].type == ActionType::BackwardInput)
+      if (list[i].type == ActionType::Backward || list[i].type == ActionType::BackwardWeight)
         last_backward[static_cast<std::size_t>(schedule.stage(pp, list[i].chunk))] = {pp, i};
   }
+  // Split backwards: the weight-gradient tasks each I leaves for its W, by (chunk, micro-batch).
+  std::map<std::pair<int, int>, std::vector<std::function<std::vector<TaskId>()>>> pending;
   // Per (chunk, micro-batch): the tasks after which its output is, and those after which the
   // gradient of its output has arrived.
   std::map<std::pair<int, int>, std::vector<TaskId>> forward_out, gradient_in;
@@ -100,9 +102,16 @@ void TrainingStep::Impl::build_pipeline() {
       case ActionType::BackwardInput: {
         std::vector<TaskId> ready(ranks.size(), rt::kNoTask);
         if (k + 1 < K) ready = gradient_in.at({k, mb});
-        const bool last = last_backward[static_cast<std::size_t>(k)] ==
-                          std::pair<int, int>{at.rank, at.index};
+        const bool split = a.type == ActionType::BackwardInput;
+        const bool last = !split && last_backward[static_cast<std::size_t>(k)] ==
+                                        std::pair<int, int>{at.rank, at.index};
+        split_ = split;
         auto done = build_backward(k, mb, ready, last);
+        split_ = false;
+        if (split) {
+          pending[{k, mb}] = std::move(weight_work);
+          weight_work.clear();
+        }
         for (std::size_t r = 0; r < ranks.size(); ++r)
           if (done[r] != rt::kNoTask) free_after[r][static_cast<std::size_t>(set)] = {done[r]};
         if (k > 0) {
@@ -120,7 +129,13 @@ void TrainingStep::Impl::build_pipeline() {
         }
         break;
       }
-      case ActionType::BackwardWeight:  // the weight gradients ran with the input gradients
+      case ActionType::BackwardWeight:
+        build_weight_gradients(k, pending.at({k, mb}),
+                               last_backward[static_cast<std::size_t>(k)] ==
+                                   std::pair<int, int>{at.rank, at.index},
+                               free_after, set);
+        pending.erase({k, mb});
+        break;
       case ActionType::Idle:
         break;
     }
@@ -128,6 +143,32 @@ void TrainingStep::Impl::build_pipeline() {
   stage_ = -1;
   set_ = 0;
   reduce_embedding();
+}
+
+void TrainingStep::Impl::build_weight_gradients(
+    int k, const std::vector<std::function<std::vector<TaskId>()>>& work, bool last,
+    std::vector<std::vector<std::vector<TaskId>>>& free_after, int set) {
+  std::vector<TaskId> done(ranks.size(), rt::kNoTask);
+  for (const auto& emit : work) {
+    const std::vector<TaskId> ids = emit();
+    for (std::size_t r = 0; r < ids.size(); ++r)
+      if (ids[r] != rt::kNoTask) done[r] = ids[r];
+  }
+  // The set is free once its weight gradients have read it; they follow the I's tasks on the
+  // compute stream, so they are what a later transfer into the set waits for.
+  for (std::size_t r = 0; r < ranks.size(); ++r)
+    if (done[r] != rt::kNoTask) free_after[r][static_cast<std::size_t>(set)] = {done[r]};
+  if (!last) return;
+  // The chunk's last weight gradients: every bucket of the chunk is complete.
+  if (k + 1 == layout.chunks()) {
+    reduce_buckets("final_norm", done);
+    word_grad_ready(done);
+  }
+  for (int l = layout.end_layer(k) - 1; l >= layout.first_layer(k); --l) {
+    reduce_buckets(fmt::format("layers.{}.mlp", l), done);
+    reduce_buckets(fmt::format("layers.{}.attention", l), done);
+  }
+  if (k == 0) word_grad_ready(done);
 }
 
 void TrainingStep::Impl::reduce_embedding() {

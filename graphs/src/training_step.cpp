@@ -212,6 +212,14 @@ void TrainingStep::Impl::allocate_set(int r, ActivationSet& X, int k) {
     }
     A.x_out = act(r, {Sl, B, h});
     x = A.x_out;
+    if (splits_backward()) {
+      A.saved_d_proj = act(r, {Sc, B, h});
+      A.saved_d_qkv = act(r, {Sc, B, Hl * 3 * d});
+      if (!ranks[r].shard->layer(l).moe) {
+        A.saved_d_fc2 = act(r, {Sc, B, h});
+        A.saved_d_fc1 = act(r, {Sc, B, f1l});
+      }
+    }
   }
 }
 
@@ -224,6 +232,24 @@ void TrainingStep::Impl::allocate_output(int r, OutputSet& O) {
   O.row_max = act(r, {Sc * B});
   O.partials = act(r, {Sc * B, ops::kCrossEntropyPartials});
   O.lse = act(r, {Sc * B});
+  if (splits_backward()) O.saved_d_logits = act(r, {Sc * B, Vl});
+}
+
+bool TrainingStep::Impl::splits_backward() const {
+  for (const auto& list : layout.schedule.actions)
+    for (const Action& a : list)
+      if (a.type == ActionType::BackwardInput) return true;
+  return false;
+}
+
+void TrainingStep::Impl::weight_grad(const std::string& name, rt::TaskTags tags,
+                                     std::function<void(int)> fn) {
+  if (!split_) {
+    each(name, tags, std::move(fn));
+    return;
+  }
+  tags.phase = rt::Phase::weight;
+  weight_work.push_back([this, name, tags, fn = std::move(fn)] { return each(name, tags, fn); });
 }
 
 std::vector<TaskId> TrainingStep::Impl::each(const std::string& name, rt::TaskTags tags,

@@ -51,6 +51,10 @@ struct LayerActivations {
   Tensor fc1, act, fc2_partial;  // dense
   Tensor mlp_out;                // [Sl, B, h]: the MLP's output, before bias and dropout
   Tensor x_out;
+  // A split backward (zero-bubble schedules): the output gradients the weight-gradient GEMMs
+  // need, kept from the input-gradient half (I) until the weight half (W) runs. Dense MLP: fc2's
+  // and fc1's; every layer: the out-projection's and QKV's.
+  Tensor saved_d_fc2, saved_d_fc1, saved_d_proj, saved_d_qkv;
   // MoE: one slot per Ampipe chunk (one slot without Ampipe), and the statistics of the whole
   // micro-batch the router's losses use.
   std::vector<struct MoeSlot> moe;
@@ -134,6 +138,7 @@ struct OutputSet {
   Tensor final_ln, final_mean, final_rstd, final_full, logits;
   Tensor row_max, partials, lse;
   std::vector<std::int32_t> targets;  // [Sc B]
+  Tensor saved_d_logits;              // a split backward: the output layer's gradient, for W
 };
 
 struct RankState {
@@ -186,6 +191,15 @@ struct TrainingStep::Impl {
   bool update = true;
   // Weight-gradient GEMMs a layer's backward left to be emitted later (see flush_weight_grads).
   std::vector<std::function<void()>> deferred_weight_grads;
+  // Zero-bubble schedules split the backward: while split_ is set (building an I action) the
+  // weight-gradient GEMMs save their output gradients and leave their tasks in weight_work, which
+  // the matching W action emits. MoE experts and routers keep their weight gradients in I.
+  bool split_ = false;
+  std::vector<std::function<std::vector<TaskId>()>> weight_work;
+  // Whether the schedule splits backwards: the sets then keep the saved gradients.
+  bool splits_backward() const;
+  // Emits a weight-gradient task now, or leaves it for the W action under a split backward.
+  void weight_grad(const std::string& name, rt::TaskTags tags, std::function<void(int)> fn);
 
   // Sizes.
   int tp, t_sp, cp, M;
@@ -343,6 +357,13 @@ struct TrainingStep::Impl {
     for (std::size_t r = 0; r < tasks.size(); ++r)
       if (tasks[r] != rt::kNoTask) word_grad_done[r] = tasks[r];
   }
+
+  // The W action of chunk k: the weight-gradient tasks its I left, after which the set is free;
+  // after the chunk's last W its gradient buckets are reduced.
+  void build_weight_gradients(int k,
+                              const std::vector<std::function<std::vector<TaskId>()>>& work,
+                              bool last, std::vector<std::vector<std::vector<TaskId>>>& free_after,
+                              int set);
 
   // Sums the word embedding's gradient over the first and last stage when they are different
   // ranks (Megatron's embedding group), then reduces the embedding buckets over the replicas.
