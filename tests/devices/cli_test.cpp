@@ -246,3 +246,86 @@ TEST(CliTrain, SaveThenLoadResumesWithTheSameLosses) {
 }
 
 }  // namespace
+
+namespace {
+
+std::map<int, double> logged_losses(const std::filesystem::path& p) {
+  std::map<int, double> out;
+  std::ifstream in(p);
+  std::string line;
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("loss")) out[j["iteration"]] = j["loss"];
+  }
+  return out;
+}
+
+TEST(CliTrain, PipelineParallelTrainsLikeOneDeviceAndResumesFromACheckpoint) {
+  const std::string model = "--num-layers 4 --hidden-size 32 --num-attention-heads 4 "
+                            "--ffn-hidden-size 64 --seq-length 32 --mock-data --global-batch-size 4";
+  const auto serial = scratch("pp_serial.jsonl"), piped = scratch("pp_piped.jsonl");
+  Result r = weave(fmt::format("train {} --train-iters 4 --log-interval 1 --log-json {}", model,
+                               serial.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  r = weave(fmt::format(
+      "train {} --train-iters 4 --log-interval 1 --pipeline-model-parallel-size 2 "
+      "--num-layers-per-virtual-pipeline-stage 1 --log-json {}",
+      model, piped.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("pp 2 (interleaved, 2 chunks per rank)"), std::string::npos) << r.out;
+  const auto a = logged_losses(serial), b = logged_losses(piped);
+  ASSERT_EQ(a.size(), 4u);
+  for (const auto& [it, loss] : a)
+    EXPECT_NEAR(b.at(it), loss, 1e-4 * loss) << "iteration " << it;
+  // A pipelined run saves and resumes: the stages' shards, the tied embedding's two copies.
+  const auto ckpt = scratch("pp.ckpt"), resumed = scratch("pp_resumed.jsonl");
+  const std::string pp = "--pipeline-model-parallel-size 2 --pipeline-scheduler zb-h1";
+  r = weave(fmt::format("train {} {} --train-iters 2 --lr-decay-iters 4 --save {}", model, pp,
+                        ckpt.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  r = weave(fmt::format("train {} {} --train-iters 4 --log-interval 1 --load {} --log-json {}",
+                        model, pp, ckpt.string(), resumed.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  const auto c = logged_losses(resumed);
+  ASSERT_EQ(c.size(), 2u);
+  for (const auto& [it, loss] : c)
+    EXPECT_NEAR(loss, a.at(it), 1e-4 * loss) << "iteration " << it;
+}
+
+TEST(CliTrain, PipelineAdviceComparesEverySchedule) {
+  const Result r = weave(
+      "train --num-layers 8 --hidden-size 32 --num-attention-heads 4 --ffn-hidden-size 64 "
+      "--seq-length 32 --mock-data --pipeline-model-parallel-size 4 --global-batch-size 8 "
+      "--link nvlink3 --device-flops 1e12 --pipeline-advise");
+  ASSERT_EQ(r.status, 0) << r.out;
+  for (const char* kind : {"gpipe", "1f1b", "interleaved", "interleaved-mem", "zb-h1", "zb-v"})
+    EXPECT_NE(r.out.find(fmt::format("\n{} ", kind)), std::string::npos) << kind << r.out;
+  EXPECT_NE(r.out.find("best: --pipeline-scheduler"), std::string::npos) << r.out;
+  // 1F1B keeps p - r micro-batches on stage r.
+  EXPECT_NE(r.out.find("4, "), std::string::npos) << r.out;
+}
+
+TEST(CliTrain, PipelineRulesAreRefusedWithTheFlags) {
+  const std::string model = "--num-layers 4 --hidden-size 32 --num-attention-heads 4 "
+                            "--ffn-hidden-size 64 --seq-length 32 --mock-data";
+  Result r = weave(fmt::format("train {} --pipeline-model-parallel-size 3", model));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("--num-layers (4) must be divisible by --pipeline-model-parallel-size"),
+            std::string::npos)
+      << r.out;
+  r = weave(fmt::format(
+      "train {} --pipeline-model-parallel-size 2 --pipeline-scheduler zb-h1 --global-batch-size 1",
+      model));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("zb-h1 needs at least p micro-batches"), std::string::npos) << r.out;
+  r = weave(fmt::format("train {} --pipeline-model-parallel-size 2 --pipeline-scheduler 1f1c",
+                        model));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("1f1b"), std::string::npos) << r.out;
+  r = weave(fmt::format("train {} --pipeline-advise", model));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("--pipeline-advise compares pipeline schedules"), std::string::npos)
+      << r.out;
+}
+
+}  // namespace
