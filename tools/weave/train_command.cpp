@@ -139,7 +139,7 @@ int advise_ampipe(TrainOptions o, const TokenDataset& data) {
 }
 
 // --pipeline-advise: one step of the configuration under every pipeline schedule, replayed on
-// the virtual clock (kernels run, so routing and costs are real): the step time, the bubble
+// the virtual clock (a MoE model's kernels run, so its routing is real): the step time, the bubble
 // measured in the training graph beside the schedule's formula, and the activation memory each
 // stage holds. The fastest is named.
 int advise_pipeline(TrainOptions o, const TokenDataset& data) {
@@ -178,7 +178,9 @@ int advise_pipeline(TrainOptions o, const TokenDataset& data) {
       for (const auto& placement : set.layout())
         numa.push_back(placement.numa_node);
       const devices::MachineModel machine(numa, o.device_flops, links);
-      rt::VirtualClock clock(machine, {.execute = true, .record_trace = true});
+      // A dense model's costs do not depend on the data: its kernels need not run.
+      rt::VirtualClock clock(machine,
+                             {.execute = o.model.num_experts > 0, .record_trace = true});
       const rt::VirtualRunResult r = clock.run(step.graph());
       const rt::TraceMetrics metrics = rt::measure(r.trace);
       // Idle over busy compute, summed over the devices: the schedule's bubble plus whatever
