@@ -69,8 +69,7 @@ Parameter& ModelShard::add(std::string name, const ops::Shape& local, std::int64
 ModelShard::ModelShard(const ModelConfig& m, const Mesh& mesh, int rank, devices::Device& device,
                        StageContents contents)
     : config_(m), device_(device), contents_(std::move(contents)) {
-  if (!contents_.layers.empty() &&
-      static_cast<int>(contents_.layers.size()) != m.num_layers)
+  if (!contents_.layers.empty() && static_cast<int>(contents_.layers.size()) != m.num_layers)
     throw std::logic_error(fmt::format("stage contents list {} layers of a {}-layer model",
                                        contents_.layers.size(), m.num_layers));
   const MeshCoordinates at = mesh.coordinates(rank);
@@ -93,7 +92,8 @@ ModelShard::ModelShard(const ModelConfig& m, const Mesh& mesh, int rank, devices
   };
   current_bucket_ = "embedding";
   holding_ = contents_.input_embedding || contents_.output_layer;
-  word_ = &add("embedding.word", {v_local, h}, vocab, h, iota_from(vocab_start_, v_local), 0, std, 0);
+  word_ =
+      &add("embedding.word", {v_local, h}, vocab, h, iota_from(vocab_start_, v_local), 0, std, 0);
   holding_ = contents_.input_embedding;
   positions_ = &replicated(add("embedding.position", {m.positions(), h}, m.positions(), h,
                                iota_from(0, m.positions()), 0, std, 0),

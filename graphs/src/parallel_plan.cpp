@@ -124,18 +124,19 @@ std::vector<std::string> validate(const ModelConfig& m, ParallelPlan& p) {
           p.layers_per_virtual_stage, v, p.virtual_pipeline);
     p.virtual_pipeline = v;
   }
-  const bool v_shape = !p.pipeline_scheduler.empty() &&
-                       pipeline_schedule_kind(p) == ScheduleKind::ZeroBubbleV;
-  if (v_shape && p.virtual_pipeline == 1 && p.pipeline_parallel > 1) p.virtual_pipeline = 2;  // zb-v's two chunks per rank
+  const bool v_shape =
+      !p.pipeline_scheduler.empty() && pipeline_schedule_kind(p) == ScheduleKind::ZeroBubbleV;
+  if (v_shape && p.virtual_pipeline == 1 && p.pipeline_parallel > 1)
+    p.virtual_pipeline = 2;  // zb-v's two chunks per rank
   if (p.pipeline_parallel == 1 && (p.virtual_pipeline > 1 || !p.pipeline_scheduler.empty() ||
                                    p.first_stage_layers > 0 || p.last_stage_layers > 0)) {
     if (p.virtual_pipeline > 1 || p.first_stage_layers > 0 || p.last_stage_layers > 0)
       refuse(
           "virtual pipeline stages and uneven stage splits need --pipeline-model-parallel-size "
           "> 1");
-    warnings.push_back(fmt::format(
-        "--pipeline-scheduler {} has no effect with --pipeline-model-parallel-size 1",
-        p.pipeline_scheduler));
+    warnings.push_back(
+        fmt::format("--pipeline-scheduler {} has no effect with --pipeline-model-parallel-size 1",
+                    p.pipeline_scheduler));
     p.pipeline_scheduler.clear();
   }
   make_pipeline_layout(m, p);  // refuses splits and schedules it cannot make

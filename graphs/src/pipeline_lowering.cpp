@@ -81,8 +81,8 @@ class Lowering {
     out_ = &out;
     out.tasks.resize(static_cast<std::size_t>(s_.ranks));
     for (const ScheduledAction& at : emission_order(s_))
-      if (!emit(at.rank, s_.actions[static_cast<std::size_t>(at.rank)]
-                             [static_cast<std::size_t>(at.index)]))
+      if (!emit(at.rank,
+                s_.actions[static_cast<std::size_t>(at.rank)][static_cast<std::size_t>(at.index)]))
         throw std::logic_error("emission_order placed an action before its input");
     return out;
   }
@@ -223,7 +223,9 @@ class Lowering {
 
 std::vector<ScheduledAction> emission_order(const PipelineSchedule& s) {
   const auto cells = static_cast<std::size_t>(s.stages() * s.micro_batches);
-  auto cell = [&](int stage, int mb) { return static_cast<std::size_t>(stage * s.micro_batches + mb); };
+  auto cell = [&](int stage, int mb) {
+    return static_cast<std::size_t>(stage * s.micro_batches + mb);
+  };
   std::vector<bool> forward_done(cells, false), gradient_done(cells, false);
   // Whether the input `a` waits for from another stage is there: the previous stage's forward
   // for a forward, the next stage's input gradient for a full or input-gradient backward.
@@ -258,10 +260,10 @@ std::vector<ScheduledAction> emission_order(const PipelineSchedule& s) {
   }
   for (int r = 0; r < s.ranks; ++r)
     if (next[r] != s.actions[static_cast<std::size_t>(r)].size())
-      throw ScheduleError(fmt::format(
-          "cannot order schedule '{}': rank {} cannot get past step {}; check it with "
-          "simulate_schedule (weave schedule --load-csv) first",
-          s.name, r, next[r]));
+      throw ScheduleError(
+          fmt::format("cannot order schedule '{}': rank {} cannot get past step {}; check it with "
+                      "simulate_schedule (weave schedule --load-csv) first",
+                      s.name, r, next[r]));
   return order;
 }
 

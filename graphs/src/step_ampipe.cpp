@@ -245,8 +245,8 @@ void TrainingStep::Impl::ampipe_ring_attention_backward(int r, int set, int l, i
   ops::linear_backward_weight(attn.reshape({chunk, B, Hl * d}), d_proj, P.proj_weight->grad,
                               Tensor{});
   for (int owner = 0; owner < cp; ++owner)
-    attend_half_backward(r, set, l, c, kv_block(r, set, l, owner), w.dkv_send.slice(0, owner * Sc, Sc),
-                         owner);
+    attend_half_backward(r, set, l, c, kv_block(r, set, l, owner),
+                         w.dkv_send.slice(0, owner * Sc, Sc), owner);
 }
 
 std::vector<TaskId> TrainingStep::Impl::send_block_gradients_home(int l,

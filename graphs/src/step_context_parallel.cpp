@@ -62,8 +62,8 @@ void TrainingStep::Impl::attend_half(int r, int set, int l, std::int64_t half, c
   }
 }
 
-void TrainingStep::Impl::attend_half_backward(int r, int set, int l, std::int64_t half, const Tensor& block,
-                                              const Tensor& grads, int owner) {
+void TrainingStep::Impl::attend_half_backward(int r, int set, int l, std::int64_t half,
+                                              const Tensor& block, const Tensor& grads, int owner) {
   LayerActivations& A = acts(r, set, l);
   BackwardWorkspace& w = ranks[r].ws;
   const int me = mesh.coordinates(r).cp;
@@ -158,7 +158,8 @@ std::vector<TaskId> TrainingStep::Impl::build_ring_attention_backward(
       BackwardWorkspace& w = ranks[r].ws;
       if (t == 0) w.dring[0].fill(0.f);
       for (std::int64_t half = 0; half < 2; ++half)
-        attend_half_backward(r, set, l, half, ring_block(r, set, l, t), w.dring[t % 2], ring_owner(r, t));
+        attend_half_backward(r, set, l, half, ring_block(r, set, l, t), w.dring[t % 2],
+                             ring_owner(r, t));
     });
     link(kv_arrived, step);
     link(grad_arrived, step);

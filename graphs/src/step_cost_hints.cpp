@@ -85,10 +85,14 @@ double TrainingStep::Impl::flops_of(const std::string& name) const {
   if (kind == "logits") return logits;
   if (kind == "experts") return experts;
   if (kind == "router") return 2 * static_cast<double>(T) * hd * m.num_experts;
-  if (kind == "attention_backward") return 2 * proj + (cp == 1 ? 2.5 * attention : 0);
+  // A split backward (split_) moves the out-projection's and fc2's weight GEMMs to W.
+  const double fc2_weight = 2 * rows * hd * fl;
+  if (kind == "attention_backward")
+    return (split_ ? 1 : 2) * proj + (cp == 1 ? 2.5 * attention : 0);
+  if (kind == "attention_weight_grad") return proj;
   if (kind == "qkv_backward" || kind == "qkv_weight_grad") return qkv;
-  if (kind == "mlp_backward") return 2 * rows * hd * fl * 2 + 2 * rows * hd * f1l;
-  if (kind == "mlp_weight_grad") return 2 * rows * hd * f1l;
+  if (kind == "mlp_backward") return (split_ ? 1 : 2) * fc2_weight + 2 * rows * hd * f1l;
+  if (kind == "mlp_weight_grad") return 2 * rows * hd * f1l + (split_ ? fc2_weight : 0);
   if (kind == "loss_backward" || kind == "logits_weight_grad") return logits;
   if (kind == "experts_backward") return 2 * experts;
   if (kind == "router_backward") return 4 * static_cast<double>(T) * hd * m.num_experts;

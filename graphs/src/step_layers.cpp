@@ -344,9 +344,9 @@ std::vector<TaskId> TrainingStep::Impl::build_loss(int mb, const std::vector<Tas
       "loss_max", tags);
   auto sums = each("loss_partials", tags, [this, out](int r) {
     OutputSet& X = oset(r, out);
-    ops::cross_entropy_partial_sums<float>(
-        X.logits, X.targets, {ranks[r].shard->vocab_start(), m.padded_vocab_size(tp)}, X.row_max,
-        X.partials);
+    ops::cross_entropy_partial_sums<float>(X.logits, X.targets,
+                                           {ranks[r].shard->vocab_start(), m.padded_vocab_size(tp)},
+                                           X.row_max, X.partials);
   });
   link(maxima, sums);
   auto reduced = tp_all_reduce(
@@ -416,9 +416,8 @@ std::vector<TaskId> TrainingStep::Impl::build_backward(int k, int mb,
     }
   } else {
     // The gradient of the chunk's output, from the next stage.
-    prev = each("stage_grad_in", tags, [this, set](int r) {
-      ranks[r].ws.d_x.copy_from(aset(r, set).d_recv);
-    });
+    prev = each("stage_grad_in", tags,
+                [this, set](int r) { ranks[r].ws.d_x.copy_from(aset(r, set).d_recv); });
     link(ready, prev);
   }
   for (int l = layout.end_layer(k) - 1; l >= layout.first_layer(k); --l)
@@ -426,9 +425,8 @@ std::vector<TaskId> TrainingStep::Impl::build_backward(int k, int mb,
   flush_weight_grads();
   if (k > 0) {
     // The gradient of the chunk's input, for the previous stage.
-    auto out = each("stage_grad_out", tags, [this, set](int r) {
-      aset(r, set).d_send.copy_from(ranks[r].ws.d_x);
-    });
+    auto out = each("stage_grad_out", tags,
+                    [this, set](int r) { aset(r, set).d_send.copy_from(ranks[r].ws.d_x); });
     link(prev, out);
     return out;
   }
@@ -465,8 +463,7 @@ std::vector<TaskId> TrainingStep::Impl::build_backward(int k, int mb,
 std::vector<TaskId> TrainingStep::Impl::build_layer_backward(int l, int mb,
                                                              std::vector<TaskId> prev, bool last) {
   const int set = set_;
-  if (ampipe() > 1 && m.is_moe_layer(l))
-    return build_ampipe_layer_backward(l, mb, prev, last);
+  if (ampipe() > 1 && m.is_moe_layer(l)) return build_ampipe_layer_backward(l, mb, prev, last);
   rt::TaskTags tags{.layer = static_cast<std::uint16_t>(l),
                     .micro_batch = static_cast<std::uint16_t>(mb),
                     .phase = rt::Phase::backward};
@@ -559,8 +556,8 @@ std::vector<TaskId> TrainingStep::Impl::build_layer_backward(int l, int mb,
     if (split)
       A.saved_d_proj.copy_from(d_proj);
     else
-      ops::linear_backward_weight(A.attn.reshape({Sc, B, Hl * d}), d_proj,
-                                  P(r).proj_weight->grad, Tensor{});
+      ops::linear_backward_weight(A.attn.reshape({Sc, B, Hl * d}), d_proj, P(r).proj_weight->grad,
+                                  Tensor{});
     w.d_qkv.fill(0.f);  // attention accumulates dk and dv
     if (cp == 1)
       ops::attention_backward({}, head_view(A.qkv, 0), head_view(A.qkv, 1), head_view(A.qkv, 2),

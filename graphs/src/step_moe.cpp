@@ -185,7 +185,8 @@ std::vector<TaskId> TrainingStep::Impl::slot_exchange(int l, int c,
                                      (framed ? ep() * header_rows() : 0);
   return ep_exchange(
       ready, [=, this](int r) { return slot(r, set, l, c).*from; },
-      [=](int r) { return rows(r, outbound); }, [=, this](int r) { return slot(r, set, l, c).*into; },
+      [=](int r) { return rows(r, outbound); },
+      [=, this](int r) { return slot(r, set, l, c).*into; },
       [=](int r) { return rows(r, !outbound); }, expected_rows, slot_prefix(l, c) + name, tags);
 }
 
@@ -455,8 +456,7 @@ std::vector<TaskId> TrainingStep::Impl::build_moe_forward(int l, int mb,
   // Without SP the layer's output is replicated: gather the ranks' slices.
   return tp_all_gather(
       combine, [=, this](int r) { return slot(r, set, l, 0).moe_out; },
-      [=, this](int r) { return acts(r, set, l).mlp_out; }, fmt::format("L{}.moe_gather", l),
-      tags);
+      [=, this](int r) { return acts(r, set, l).mlp_out; }, fmt::format("L{}.moe_gather", l), tags);
 }
 
 std::vector<TaskId> TrainingStep::Impl::moe_combine_backward(int l, int c,

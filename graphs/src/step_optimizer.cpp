@@ -114,18 +114,18 @@ void TrainingStep::Impl::build_optimizer() {
     for (std::size_t i = 0; i < buckets.size(); ++i) {
       if (!buckets[i].sharded) continue;
       per_group(buckets[i].expert ? GroupKind::expert_data : GroupKind::data_context, step,
-              [&](const devices::ProcessGroup& g) {
-                std::vector<std::span<const float>> in;
-                std::vector<std::span<float>> out;
-                for (rt::DeviceId dv : g.devices()) {
-                  const GradientBucket& bk = ranks[dv].shard->buckets()[i];
-                  in.emplace_back(bk.values.data() + bk.shard_begin,
-                                  static_cast<std::size_t>(bk.shard_size));
-                  out.push_back(all_of(bk.values));
-                }
-                return comm.all_gather(b, g, in, out,
-                                       {.name = buckets[i].name + ".gather", .tags = tags});
-              });
+                [&](const devices::ProcessGroup& g) {
+                  std::vector<std::span<const float>> in;
+                  std::vector<std::span<float>> out;
+                  for (rt::DeviceId dv : g.devices()) {
+                    const GradientBucket& bk = ranks[dv].shard->buckets()[i];
+                    in.emplace_back(bk.values.data() + bk.shard_begin,
+                                    static_cast<std::size_t>(bk.shard_size));
+                    out.push_back(all_of(bk.values));
+                  }
+                  return comm.all_gather(b, g, in, out,
+                                         {.name = buckets[i].name + ".gather", .tags = tags});
+                });
     }
   }
   stage_ = -1;

@@ -6,10 +6,12 @@
 
 namespace weave::graphs {
 
-std::vector<TaskId> TrainingStep::Impl::stage_transfer(
-    int from_pp, int to_pp, const std::vector<TaskId>& produced,
-    const std::vector<std::vector<TaskId>>& free, const std::function<Tensor(int)>& from,
-    const std::function<Tensor(int)>& into, const std::string& name, rt::TaskTags tags) {
+std::vector<TaskId> TrainingStep::Impl::stage_transfer(int from_pp, int to_pp,
+                                                       const std::vector<TaskId>& produced,
+                                                       const std::vector<std::vector<TaskId>>& free,
+                                                       const std::function<Tensor(int)>& from,
+                                                       const std::function<Tensor(int)>& into,
+                                                       const std::string& name, rt::TaskTags tags) {
   std::vector<TaskId> arrived(ranks.size(), rt::kNoTask);
   const int saved = stage_;
   for (int r = 0; r < mesh.size(); ++r) {
@@ -130,10 +132,10 @@ void TrainingStep::Impl::build_pipeline() {
         break;
       }
       case ActionType::BackwardWeight:
-        build_weight_gradients(k, pending.at({k, mb}),
-                               last_backward[static_cast<std::size_t>(k)] ==
-                                   std::pair<int, int>{at.rank, at.index},
-                               free_after, set);
+        build_weight_gradients(
+            k, pending.at({k, mb}),
+            last_backward[static_cast<std::size_t>(k)] == std::pair<int, int>{at.rank, at.index},
+            free_after, set);
         pending.erase({k, mb});
         break;
       case ActionType::Idle:
@@ -149,11 +151,13 @@ void TrainingStep::Impl::build_weight_gradients(
     int k, const std::vector<std::function<std::vector<TaskId>()>>& work, bool last,
     std::vector<std::vector<std::vector<TaskId>>>& free_after, int set) {
   std::vector<TaskId> done(ranks.size(), rt::kNoTask);
+  split_ = true;  // the tasks' cost hints are the split backward's
   for (const auto& emit : work) {
     const std::vector<TaskId> ids = emit();
     for (std::size_t r = 0; r < ids.size(); ++r)
       if (ids[r] != rt::kNoTask) done[r] = ids[r];
   }
+  split_ = false;
   // The set is free once its weight gradients have read it; they follow the I's tasks on the
   // compute stream, so they are what a later transfer into the set waits for.
   for (std::size_t r = 0; r < ranks.size(); ++r)
@@ -180,13 +184,14 @@ void TrainingStep::Impl::reduce_embedding() {
       const MeshCoordinates at = mesh.coordinates(r);
       if (at.pp != first) continue;
       const int copy = mesh.rank_of(at.tp, at.cp, at.dp, last);
-      const devices::ProcessGroup pair(fmt::format("embedding{}", r),
-                                       {static_cast<rt::DeviceId>(r),
-                                        static_cast<rt::DeviceId>(copy)});
+      const devices::ProcessGroup pair(
+          fmt::format("embedding{}", r),
+          {static_cast<rt::DeviceId>(r), static_cast<rt::DeviceId>(copy)});
       const std::vector<std::span<float>> grads{all_of(ranks[r].shard->embedding().grad),
                                                 all_of(ranks[copy].shard->embedding().grad)};
-      const auto ids = comm.all_reduce(b, pair, grads, devices::ReduceOp::sum,
-                                       {.name = "embedding_tie", .tags = tags, .stream = "grad_comm"});
+      const auto ids =
+          comm.all_reduce(b, pair, grads, devices::ReduceOp::sum,
+                          {.name = "embedding_tie", .tags = tags, .stream = "grad_comm"});
       for (int i = 0; i < 2; ++i) {
         const int member = i == 0 ? r : copy;
         if (word_grad_done[member] != rt::kNoTask) b.precede(word_grad_done[member], ids[i]);

@@ -157,7 +157,6 @@ void TrainingStep::Impl::allocate(int r) {
   }
 }
 
-
 void TrainingStep::Impl::allocate_set(int r, ActivationSet& X, int k) {
   const bool sp = t_sp > 1;
   const StageContents& holds = ranks[r].shard->contents();
@@ -181,8 +180,9 @@ void TrainingStep::Impl::allocate_set(int r, ActivationSet& X, int k) {
     A.qkv = act(r, {Sc, B, Hl, 3 * d});
     A.attn = act(r, {Sc, B, Hl, d});
     // Ampipe: one [B, Hl, q] block per (chunk, piece).
-    A.lse = ampipe() > 1 && ranks[r].shard->layer(l).moe ? act(r, {ampipe() * t_sp, B, Hl, piece_rows()})
-                                                  : act(r, {cp > 1 ? 2 : 1, B, Hl, chunk});
+    A.lse = ampipe() > 1 && ranks[r].shard->layer(l).moe
+                ? act(r, {ampipe() * t_sp, B, Hl, piece_rows()})
+                : act(r, {cp > 1 ? 2 : 1, B, Hl, chunk});
     A.proj_partial = act(r, {Sc, B, h});
     if (cp > 1 && ampipe() > 1 && ranks[r].shard->layer(l).moe) {
       A.kv_store = act(r, {cp * Sc, B, Hl, 2 * d});

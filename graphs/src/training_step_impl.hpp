@@ -360,8 +360,7 @@ struct TrainingStep::Impl {
 
   // The W action of chunk k: the weight-gradient tasks its I left, after which the set is free;
   // after the chunk's last W its gradient buckets are reduced.
-  void build_weight_gradients(int k,
-                              const std::vector<std::function<std::vector<TaskId>()>>& work,
+  void build_weight_gradients(int k, const std::vector<std::function<std::vector<TaskId>()>>& work,
                               bool last, std::vector<std::vector<std::vector<TaskId>>>& free_after,
                               int set);
 

@@ -261,16 +261,17 @@ std::map<int, double> logged_losses(const std::filesystem::path& p) {
 }
 
 TEST(CliTrain, PipelineParallelTrainsLikeOneDeviceAndResumesFromACheckpoint) {
-  const std::string model = "--num-layers 4 --hidden-size 32 --num-attention-heads 4 "
-                            "--ffn-hidden-size 64 --seq-length 32 --mock-data --global-batch-size 4";
+  const std::string model =
+      "--num-layers 4 --hidden-size 32 --num-attention-heads 4 "
+      "--ffn-hidden-size 64 --seq-length 32 --mock-data --global-batch-size 4";
   const auto serial = scratch("pp_serial.jsonl"), piped = scratch("pp_piped.jsonl");
   Result r = weave(fmt::format("train {} --train-iters 4 --log-interval 1 --log-json {}", model,
                                serial.string()));
   ASSERT_EQ(r.status, 0) << r.out;
-  r = weave(fmt::format(
-      "train {} --train-iters 4 --log-interval 1 --pipeline-model-parallel-size 2 "
-      "--num-layers-per-virtual-pipeline-stage 1 --log-json {}",
-      model, piped.string()));
+  r = weave(
+      fmt::format("train {} --train-iters 4 --log-interval 1 --pipeline-model-parallel-size 2 "
+                  "--num-layers-per-virtual-pipeline-stage 1 --log-json {}",
+                  model, piped.string()));
   ASSERT_EQ(r.status, 0) << r.out;
   EXPECT_NE(r.out.find("pp 2 (interleaved, 2 chunks per rank)"), std::string::npos) << r.out;
   const auto a = logged_losses(serial), b = logged_losses(piped);
@@ -306,8 +307,9 @@ TEST(CliTrain, PipelineAdviceComparesEverySchedule) {
 }
 
 TEST(CliTrain, PipelineRulesAreRefusedWithTheFlags) {
-  const std::string model = "--num-layers 4 --hidden-size 32 --num-attention-heads 4 "
-                            "--ffn-hidden-size 64 --seq-length 32 --mock-data";
+  const std::string model =
+      "--num-layers 4 --hidden-size 32 --num-attention-heads 4 "
+      "--ffn-hidden-size 64 --seq-length 32 --mock-data";
   Result r = weave(fmt::format("train {} --pipeline-model-parallel-size 3", model));
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.out.find("--num-layers (4) must be divisible by --pipeline-model-parallel-size"),
@@ -318,8 +320,8 @@ TEST(CliTrain, PipelineRulesAreRefusedWithTheFlags) {
       model));
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.out.find("zb-h1 needs at least p micro-batches"), std::string::npos) << r.out;
-  r = weave(fmt::format("train {} --pipeline-model-parallel-size 2 --pipeline-scheduler 1f1c",
-                        model));
+  r = weave(
+      fmt::format("train {} --pipeline-model-parallel-size 2 --pipeline-scheduler 1f1c", model));
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.out.find("1f1b"), std::string::npos) << r.out;
   r = weave(fmt::format("train {} --pipeline-advise", model));

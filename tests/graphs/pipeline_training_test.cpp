@@ -10,9 +10,9 @@
 
 #include "step_outcome.hpp"
 #include "tiny_model.hpp"
+#include "weave/devices/machine_model.hpp"
 #include "weave/graphs/pipeline_layout.hpp"
 #include "weave/graphs/pipeline_schedule_simulation.hpp"
-#include "weave/devices/machine_model.hpp"
 #include "weave/runtime/trace_metrics.hpp"
 #include "weave/runtime/virtual_clock.hpp"
 
@@ -34,14 +34,14 @@ struct PipelineCase {
 
 std::vector<PipelineCase> schedule_cases() {
   std::vector<PipelineCase> cases;
-  const std::vector<std::pair<std::string, int>> kinds{
-      {"gpipe", 1}, {"1f1b", 1}, {"interleaved", 2}, {"interleaved-mem", 2},
-      {"zb-h1", 1}, {"zb-v", 2}};
+  const std::vector<std::pair<std::string, int>> kinds{{"gpipe", 1},       {"1f1b", 1},
+                                                       {"interleaved", 2}, {"interleaved-mem", 2},
+                                                       {"zb-h1", 1},       {"zb-v", 2}};
   for (const auto& [kind, v] : kinds)
     for (int p : {2, 4})
       for (int m : {p, 2 * p, p + 1}) {
-        std::string name = kind + "_p" + std::to_string(p) + "_v" + std::to_string(v) + "_m" +
-                           std::to_string(m);
+        std::string name =
+            kind + "_p" + std::to_string(p) + "_v" + std::to_string(v) + "_m" + std::to_string(m);
         for (char& c : name)
           if (c == '-') c = '_';
         // Megatron's interleaving needs the last group of micro-batches to fill the pipeline:
@@ -110,8 +110,7 @@ TEST_P(PipelineComposes, WithOtherParallelismEqualsSerial) {
   if (gradients_complete(c.plan)) expect_same_gradients(a, b);
   const Outcome curve_a = run(m, serial, 10, true), curve_b = run(m, c.plan, 10, true);
   for (std::size_t i = 0; i < curve_a.losses.size(); ++i)
-    EXPECT_NEAR(curve_b.losses[i], curve_a.losses[i], 1e-4 * curve_a.losses[i])
-        << "step " << i + 1;
+    EXPECT_NEAR(curve_b.losses[i], curve_a.losses[i], 1e-4 * curve_a.losses[i]) << "step " << i + 1;
   EXPECT_LT(curve_a.losses.back(), curve_a.losses.front());
 }
 
@@ -119,41 +118,67 @@ const ComposedCase kComposed[] = {
     {"pp2_1f1b", 0, {.pipeline_parallel = 2, .micro_batch_size = 1, .global_batch_size = 4}},
     {"pp2_v2_interleaved_moe",
      4,
-     {.pipeline_parallel = 2, .virtual_pipeline = 2, .micro_batch_size = 1,
+     {.pipeline_parallel = 2,
+      .virtual_pipeline = 2,
+      .micro_batch_size = 1,
       .global_batch_size = 4}},
     {"pp2_zb_v_moe",
      4,
-     {.pipeline_parallel = 2, .pipeline_scheduler = "zb-v", .micro_batch_size = 1,
+     {.pipeline_parallel = 2,
+      .pipeline_scheduler = "zb-v",
+      .micro_batch_size = 1,
       .global_batch_size = 4}},
     {"pp2_tp2_sp",
      0,
-     {.tensor_parallel = 2, .sequence_parallel = true, .pipeline_parallel = 2,
-      .micro_batch_size = 2, .global_batch_size = 4}},
+     {.tensor_parallel = 2,
+      .sequence_parallel = true,
+      .pipeline_parallel = 2,
+      .micro_batch_size = 2,
+      .global_batch_size = 4}},
     {"pp2_dp2_ep2_moe",
      4,
-     {.expert_parallel = 2, .data_parallel = 2, .pipeline_parallel = 2, .micro_batch_size = 1,
+     {.expert_parallel = 2,
+      .data_parallel = 2,
+      .pipeline_parallel = 2,
+      .micro_batch_size = 1,
       .global_batch_size = 4}},
     {"pp2_cp2_moe",
      4,
-     {.context_parallel = 2, .pipeline_parallel = 2, .micro_batch_size = 1,
+     {.context_parallel = 2,
+      .pipeline_parallel = 2,
+      .micro_batch_size = 1,
       .global_batch_size = 2}},
     {"pp2_tp2_sp_ep2_moe_interleaved",
      4,
-     {.tensor_parallel = 2, .sequence_parallel = true, .expert_parallel = 2,
-      .pipeline_parallel = 2, .virtual_pipeline = 2, .micro_batch_size = 1,
+     {.tensor_parallel = 2,
+      .sequence_parallel = true,
+      .expert_parallel = 2,
+      .pipeline_parallel = 2,
+      .virtual_pipeline = 2,
+      .micro_batch_size = 1,
       .global_batch_size = 2}},
     {"pp2_ampipe2_ep2_dp2",
      4,
-     {.expert_parallel = 2, .data_parallel = 2, .pipeline_parallel = 2, .micro_batch_size = 1,
-      .global_batch_size = 4, .ampipe_degree = 2}},
+     {.expert_parallel = 2,
+      .data_parallel = 2,
+      .pipeline_parallel = 2,
+      .micro_batch_size = 1,
+      .global_batch_size = 4,
+      .ampipe_degree = 2}},
     {"pp2_dp2_distributed_optimizer",
      0,
-     {.data_parallel = 2, .pipeline_parallel = 2, .micro_batch_size = 1, .global_batch_size = 4,
+     {.data_parallel = 2,
+      .pipeline_parallel = 2,
+      .micro_batch_size = 1,
+      .global_batch_size = 4,
       .distributed_optimizer = true}},
     {"pp4_uneven_first1_last1",
      4,
-     {.pipeline_parallel = 4, .first_stage_layers = 1, .last_stage_layers = 1,
-      .micro_batch_size = 1, .global_batch_size = 4}},
+     {.pipeline_parallel = 4,
+      .first_stage_layers = 1,
+      .last_stage_layers = 1,
+      .micro_batch_size = 1,
+      .global_batch_size = 4}},
 };
 
 INSTANTIATE_TEST_SUITE_P(Plans, PipelineComposes, ::testing::ValuesIn(kComposed),
@@ -163,8 +188,8 @@ INSTANTIATE_TEST_SUITE_P(Plans, PipelineComposes, ::testing::ValuesIn(kComposed)
 // summed gradient keeps them equal, step after step.
 TEST(PipelineTraining, TiedEmbeddingCopiesStayEqual) {
   const ModelConfig m = eight_layers(0);
-  ParallelPlan plan{.data_parallel = 2, .pipeline_parallel = 4, .micro_batch_size = 1,
-                    .global_batch_size = 8};
+  ParallelPlan plan{
+      .data_parallel = 2, .pipeline_parallel = 4, .micro_batch_size = 1, .global_batch_size = 8};
   validate(m, plan);
   devices::DeviceSet set(plan.devices(), {.pin = false});
   devices::SharedMemoryCommunicator comm;
@@ -208,9 +233,9 @@ TEST(PipelineTraining, ActivationSetsAreTheSchedulesPeak) {
     const ScheduleReport report = simulate_schedule(make_pipeline_layout(m, plan).schedule);
     for (int r = 0; r < p; ++r) {
       sets[kind].push_back(step.activation_sets(r));
-      EXPECT_DOUBLE_EQ(step.activation_sets(r),
-                       report.ranks[static_cast<std::size_t>(r)].peak_activations *
-                           plan.virtual_pipeline)
+      EXPECT_DOUBLE_EQ(
+          step.activation_sets(r),
+          report.ranks[static_cast<std::size_t>(r)].peak_activations * plan.virtual_pipeline)
           << kind << " rank " << r;
     }
   }

@@ -77,8 +77,8 @@ TEST(ParallelPlan, EverySizeRuleIsRefusedWithItsNumbers) {
       mentions(refusal(m, {.data_parallel = 2, .micro_batch_size = 2, .global_batch_size = 6}),
                "--global-batch-size (6) must be divisible by --micro-batch-size x "
                "data-parallel size (2 x 2 = 4)"));
-  EXPECT_TRUE(mentions(refusal(m, {.pipeline_parallel = 3, .global_batch_size = 3}),
-                       "--num-layers (4)"));
+  EXPECT_TRUE(
+      mentions(refusal(m, {.pipeline_parallel = 3, .global_batch_size = 3}), "--num-layers (4)"));
   EXPECT_TRUE(
       mentions(refusal(m, {.tensor_parallel = 0}), "--tensor-model-parallel-size must be >= 1"));
 }
@@ -90,8 +90,8 @@ TEST(ParallelPlan, PipelineRules) {
                 .ffn_hidden_size = 128,
                 .seq_length = 48};
   auto pp = [](int p, int m_batches) {
-    return ParallelPlan{.pipeline_parallel = p, .micro_batch_size = 1,
-                        .global_batch_size = m_batches};
+    return ParallelPlan{
+        .pipeline_parallel = p, .micro_batch_size = 1, .global_batch_size = m_batches};
   };
   EXPECT_EQ(refusal(m, pp(4, 8)), "accepted");
   EXPECT_TRUE(mentions(refusal(m, pp(3, 3)),

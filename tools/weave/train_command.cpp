@@ -179,8 +179,7 @@ int advise_pipeline(TrainOptions o, const TokenDataset& data) {
         numa.push_back(placement.numa_node);
       const devices::MachineModel machine(numa, o.device_flops, links);
       // A dense model's costs do not depend on the data: its kernels need not run.
-      rt::VirtualClock clock(machine,
-                             {.execute = o.model.num_experts > 0, .record_trace = true});
+      rt::VirtualClock clock(machine, {.execute = o.model.num_experts > 0, .record_trace = true});
       const rt::VirtualRunResult r = clock.run(step.graph());
       const rt::TraceMetrics metrics = rt::measure(r.trace);
       // Idle over busy compute, summed over the devices: the schedule's bubble plus whatever
@@ -190,19 +189,19 @@ int advise_pipeline(TrainOptions o, const TokenDataset& data) {
         busy += static_cast<double>(d.compute_busy);
         idle += static_cast<double>(metrics.makespan - d.compute_busy);
       }
-      const graphs::ScheduleTheory theory = graphs::schedule_theory(
-          kind, {.ranks = p,
-                 .micro_batches = plan.micro_batches(),
-                 .chunks = plan.virtual_pipeline,
-                 .group_size = plan.microbatch_group_size});
+      const graphs::ScheduleTheory theory =
+          graphs::schedule_theory(kind, {.ranks = p,
+                                         .micro_batches = plan.micro_batches(),
+                                         .chunks = plan.virtual_pipeline,
+                                         .group_size = plan.microbatch_group_size});
       std::string memory;
       for (int stage = 0; stage < p; ++stage) {
         const int rank = step.mesh().rank_of(0, 0, 0, stage);
-        memory += fmt::format(
-            "{}{}, {:.1f}", stage > 0 ? " | " : "", step.activation_sets(rank),
-            static_cast<double>(set.memory().peak(static_cast<rt::DeviceId>(rank),
-                                                  rt::MemoryCategory::activations)) /
-                (1 << 20));
+        memory +=
+            fmt::format("{}{}, {:.1f}", stage > 0 ? " | " : "", step.activation_sets(rank),
+                        static_cast<double>(set.memory().peak(static_cast<rt::DeviceId>(rank),
+                                                              rt::MemoryCategory::activations)) /
+                            (1 << 20));
       }
       const double ms = static_cast<double>(r.makespan) * 1e-6;
       if (best_time == 0 || ms < best_time) {

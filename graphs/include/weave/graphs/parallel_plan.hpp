@@ -10,12 +10,12 @@
 namespace weave::graphs {
 
 struct ParallelPlan {
-  int tensor_parallel = 1;             // --tensor-model-parallel-size
-  bool sequence_parallel = false;      // --sequence-parallel
-  int context_parallel = 1;            // --context-parallel-size
-  int expert_parallel = 1;             // --expert-model-parallel-size
-  int data_parallel = 1;               // devices / (tp * cp * pp)
-  int pipeline_parallel = 1;           // --pipeline-model-parallel-size
+  int tensor_parallel = 1;         // --tensor-model-parallel-size
+  bool sequence_parallel = false;  // --sequence-parallel
+  int context_parallel = 1;        // --context-parallel-size
+  int expert_parallel = 1;         // --expert-model-parallel-size
+  int data_parallel = 1;           // devices / (tp * cp * pp)
+  int pipeline_parallel = 1;       // --pipeline-model-parallel-size
   // Model chunks (virtual stages) per pipeline rank: --virtual-pipeline-model-parallel-size, or
   // derived by validate() from --num-layers-per-virtual-pipeline-stage (layers_per_virtual_stage).
   int virtual_pipeline = 1;

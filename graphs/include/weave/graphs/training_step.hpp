@@ -1,9 +1,11 @@
 // One training step of the GPT-MoE model as a single task graph over the mesh's devices:
-// forward and backward of every micro-batch, gradient reductions, clipping and the optimizer
-// step. Communication sits on each device's comm stream, ordered against compute by explicit
-// edges only where the data requires it, so the executor overlaps the rest (a layer's gradient
-// all-reduce runs while the backward of the layers below it computes; a column-parallel
-// linear's weight-gradient GEMM runs while its input gradient is being reduce-scattered).
+// forward and backward of every micro-batch (with pipeline parallelism, each stage's in its
+// schedule's order, activations and gradients moving between stages by send/recv), gradient
+// reductions, clipping and the optimizer step. Communication sits on each device's comm stream,
+// ordered against compute by explicit edges only where the data requires it, so the executor
+// overlaps the rest (a layer's gradient all-reduce runs while the backward of the layers below it
+// computes; a column-parallel linear's weight-gradient GEMM runs while its input gradient is being
+// reduce-scattered).
 //
 // The graph is built once and run every iteration; the host fills the micro-batches' tokens
 // and sets the learning rate between runs.
