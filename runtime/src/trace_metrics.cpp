@@ -138,4 +138,13 @@ double TraceMetrics::exposed_comm_share() const {
   return busy > 0 ? static_cast<double>(total_exposed_comm()) / static_cast<double>(busy) : 0;
 }
 
+double TraceMetrics::compute_bubble() const {
+  double busy = 0, idle = 0;
+  for (const auto& d : devices) {
+    busy += static_cast<double>(d.compute_busy);
+    idle += static_cast<double>(makespan - d.compute_busy);
+  }
+  return busy > 0 ? idle / busy : 0;
+}
+
 }  // namespace weave::rt

@@ -213,42 +213,7 @@ TEST(CliTrain, SizeRulesAreRefusedBeforeAnythingRuns) {
   EXPECT_NE(r.out.find("--devices (3) must be a multiple"), std::string::npos) << r.out;
 }
 
-TEST(CliTrain, SaveThenLoadResumesWithTheSameLosses) {
-  const auto ckpt = scratch("model.ckpt");
-  const auto full = scratch("full.jsonl"), resumed = scratch("resumed.jsonl");
-  auto losses = [](const std::filesystem::path& p) {
-    std::map<int, double> out;
-    std::ifstream in(p);
-    std::string line;
-    while (std::getline(in, line)) {
-      const auto j = nlohmann::json::parse(line);
-      if (j.contains("loss")) out[j["iteration"]] = j["loss"];
-    }
-    return out;
-  };
-  Result r = weave(
-      fmt::format("train {} --mock-data --train-iters 6 --log-json {}", kTinyModel, full.string()));
-  ASSERT_EQ(r.status, 0) << r.out;
-  r = weave(fmt::format("train {} --mock-data --train-iters 3 --lr-decay-iters 6 --save {}",
-                        kTinyModel, ckpt.string()));
-  ASSERT_EQ(r.status, 0) << r.out;
-  r = weave(fmt::format("train {} --mock-data --train-iters 6 --load {} --log-json {}", kTinyModel,
-                        ckpt.string(), resumed.string()));
-  ASSERT_EQ(r.status, 0) << r.out;
-  const auto a = losses(full), b = losses(resumed);
-  ASSERT_EQ(b.size(), 3u);
-  for (const auto& [it, loss] : b)
-    EXPECT_EQ(loss, a.at(it)) << "iteration " << it;
-  r = weave(fmt::format("train {} --mock-data --hidden-size 64 --train-iters 6 --load {}",
-                        kTinyModel, ckpt.string()));
-  EXPECT_NE(r.status, 0);
-  EXPECT_NE(r.out.find("holds another model"), std::string::npos) << r.out;
-}
-
-}  // namespace
-
-namespace {
-
+// The iteration -> loss lines of a --log-json file.
 std::map<int, double> logged_losses(const std::filesystem::path& p) {
   std::map<int, double> out;
   std::ifstream in(p);
@@ -258,6 +223,28 @@ std::map<int, double> logged_losses(const std::filesystem::path& p) {
     if (j.contains("loss")) out[j["iteration"]] = j["loss"];
   }
   return out;
+}
+
+TEST(CliTrain, SaveThenLoadResumesWithTheSameLosses) {
+  const auto ckpt = scratch("model.ckpt");
+  const auto full = scratch("full.jsonl"), resumed = scratch("resumed.jsonl");
+  Result r = weave(
+      fmt::format("train {} --mock-data --train-iters 6 --log-json {}", kTinyModel, full.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  r = weave(fmt::format("train {} --mock-data --train-iters 3 --lr-decay-iters 6 --save {}",
+                        kTinyModel, ckpt.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  r = weave(fmt::format("train {} --mock-data --train-iters 6 --load {} --log-json {}", kTinyModel,
+                        ckpt.string(), resumed.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  const auto a = logged_losses(full), b = logged_losses(resumed);
+  ASSERT_EQ(b.size(), 3u);
+  for (const auto& [it, loss] : b)
+    EXPECT_EQ(loss, a.at(it)) << "iteration " << it;
+  r = weave(fmt::format("train {} --mock-data --hidden-size 64 --train-iters 6 --load {}",
+                        kTinyModel, ckpt.string()));
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("holds another model"), std::string::npos) << r.out;
 }
 
 TEST(CliTrain, PipelineParallelTrainsLikeOneDeviceAndResumesFromACheckpoint) {

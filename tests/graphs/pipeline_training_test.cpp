@@ -263,14 +263,8 @@ double replayed_bubble(const ModelConfig& m, const std::string& kind, int p, int
                                     devices::LinkModel::preset("nvlink3"));
   rt::VirtualClock clock(model, {.execute = false, .record_trace = true});
   const rt::VirtualRunResult run = clock.run(step.graph());
-  const rt::TraceMetrics metrics = rt::measure(run.trace);
-  double busy = 0, idle = 0;
-  for (const rt::DeviceMetrics& d : metrics.devices) {
-    busy += static_cast<double>(d.compute_busy);
-    idle += static_cast<double>(metrics.makespan - d.compute_busy);
-  }
   *makespan = run.makespan;
-  return idle / busy;
+  return rt::measure(run.trace).compute_bubble();
 }
 
 // Equal layers on every stage: the training graph's bubble is the formula's plus the little the

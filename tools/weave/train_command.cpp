@@ -85,6 +85,28 @@ void fill_batches(graphs::TrainingStep& step, const graphs::ModelConfig& m,
     }
 }
 
+// One step of `plan` (already validated) with the first samples, replayed on the virtual clock
+// under the link and device models of `o`; `execute`: run the kernels. `inspect` sees the step
+// and its devices after the replay.
+rt::VirtualRunResult replay_step(
+    const TrainOptions& o, const graphs::ParallelPlan& plan, const TokenDataset& data,
+    bool execute,
+    const std::function<void(graphs::TrainingStep&, devices::DeviceSet&)>& inspect = {}) {
+  devices::DeviceSet set(o.devices, {.pin = false});
+  devices::SharedMemoryCommunicator comm;
+  graphs::TrainingStep step(o.model, plan, o.optimizer, set, comm);
+  fill_batches(step, o.model, plan, data, Split::train, 0);
+  step.prepare(1, o.lr.at(1));
+  std::vector<int> numa;
+  for (const auto& placement : set.layout())
+    numa.push_back(placement.numa_node);
+  const devices::MachineModel machine(numa, o.device_flops, devices::LinkModel::preset(o.link));
+  rt::VirtualClock clock(machine, {.execute = execute, .record_trace = true});
+  rt::VirtualRunResult run = clock.run(step.graph());
+  if (inspect) inspect(step, set);
+  return run;
+}
+
 // --ampipe-advise: one step of the configuration at every Ampipe degree the rules allow,
 // replayed on the virtual clock with the link and device models given, and the fastest named.
 int advise_ampipe(TrainOptions o, const TokenDataset& data) {
@@ -103,17 +125,7 @@ int advise_ampipe(TrainOptions o, const TokenDataset& data) {
     plan.ampipe_degree = degree;
     try {
       const std::vector<std::string> warnings = graphs::validate(o.model, plan);
-      devices::DeviceSet set(o.devices, {.pin = false});
-      devices::SharedMemoryCommunicator comm;
-      graphs::TrainingStep step(o.model, plan, o.optimizer, set, comm);
-      fill_batches(step, o.model, plan, data, Split::train, 0);
-      step.prepare(1, o.lr.at(1));
-      std::vector<int> numa;
-      for (const auto& p : set.layout())
-        numa.push_back(p.numa_node);
-      const devices::MachineModel machine(numa, o.device_flops, links);
-      rt::VirtualClock clock(machine, {.execute = !o.ampipe_advise_fast, .record_trace = true});
-      const rt::VirtualRunResult r = clock.run(step.graph());
+      const rt::VirtualRunResult r = replay_step(o, plan, data, !o.ampipe_advise_fast);
       const rt::TraceMetrics metrics = rt::measure(r.trace);
       constexpr std::string_view kAllToAll[] = {"dispatch", "combine"};
       const double per_device = 1e-6 / static_cast<double>(o.devices);
@@ -169,47 +181,34 @@ int advise_pipeline(TrainOptions o, const TokenDataset& data) {
     if (kind != graphs::ScheduleKind::Interleaved) plan.microbatch_group_size = 0;
     try {
       graphs::validate(o.model, plan);
-      devices::DeviceSet set(o.devices, {.pin = false});
-      devices::SharedMemoryCommunicator comm;
-      graphs::TrainingStep step(o.model, plan, o.optimizer, set, comm);
-      fill_batches(step, o.model, plan, data, Split::train, 0);
-      step.prepare(1, o.lr.at(1));
-      std::vector<int> numa;
-      for (const auto& placement : set.layout())
-        numa.push_back(placement.numa_node);
-      const devices::MachineModel machine(numa, o.device_flops, links);
-      // A dense model's costs do not depend on the data: its kernels need not run.
-      rt::VirtualClock clock(machine, {.execute = o.model.num_experts > 0, .record_trace = true});
-      const rt::VirtualRunResult r = clock.run(step.graph());
-      const rt::TraceMetrics metrics = rt::measure(r.trace);
-      // Idle over busy compute, summed over the devices: the schedule's bubble plus whatever
-      // communication the step leaves exposed.
-      double busy = 0, idle = 0;
-      for (const rt::DeviceMetrics& d : metrics.devices) {
-        busy += static_cast<double>(d.compute_busy);
-        idle += static_cast<double>(metrics.makespan - d.compute_busy);
-      }
-      const graphs::ScheduleTheory theory =
-          graphs::schedule_theory(kind, {.ranks = p,
-                                         .micro_batches = plan.micro_batches(),
-                                         .chunks = plan.virtual_pipeline,
-                                         .group_size = plan.microbatch_group_size});
       std::string memory;
-      for (int stage = 0; stage < p; ++stage) {
-        const int rank = step.mesh().rank_of(0, 0, 0, stage);
-        memory +=
-            fmt::format("{}{}, {:.1f}", stage > 0 ? " | " : "", step.activation_sets(rank),
-                        static_cast<double>(set.memory().peak(static_cast<rt::DeviceId>(rank),
-                                                              rt::MemoryCategory::activations)) /
-                            (1 << 20));
-      }
+      // A dense model's costs do not depend on the data: its kernels need not run.
+      const rt::VirtualRunResult r = replay_step(
+          o, plan, data, o.model.num_experts > 0,
+          [&](graphs::TrainingStep& step, devices::DeviceSet& set) {
+            for (int stage = 0; stage < p; ++stage) {
+              const int rank = step.mesh().rank_of(0, 0, 0, stage);
+              memory += fmt::format(
+                  "{}{}, {:.1f}", stage > 0 ? " | " : "", step.activation_sets(rank),
+                  static_cast<double>(set.memory().peak(static_cast<rt::DeviceId>(rank),
+                                                        rt::MemoryCategory::activations)) /
+                      (1 << 20));
+            }
+          });
+      const graphs::ScheduleTheory theory = graphs::schedule_theory(
+          kind, {.ranks = p,
+                 .micro_batches = plan.micro_batches(),
+                 .chunks = plan.virtual_pipeline,
+                 .group_size = plan.microbatch_group_size});
       const double ms = static_cast<double>(r.makespan) * 1e-6;
       if (best_time == 0 || ms < best_time) {
         best_time = ms;
         best = name;
       }
+      // Idle over busy compute: the schedule's bubble plus whatever communication, loss and
+      // optimizer the step leaves exposed.
       fmt::print("{:<16} {:>2} {:>10.3f} {:>16.3f} {:>14.3f}  {}\n", name, plan.virtual_pipeline,
-                 ms, busy > 0 ? idle / busy : 0.0, theory.bubble_over_ideal, memory);
+                 ms, rt::measure(r.trace).compute_bubble(), theory.bubble_over_ideal, memory);
     } catch (const graphs::ConfigError& e) {
       fmt::print("{:<16} not possible: {}\n", name, e.what());
     }

@@ -29,6 +29,9 @@ struct TraceMetrics {
   // Exposed communication over the sum of device busy time: the share of the step that
   // waits on data movement.
   double exposed_comm_share() const;
+  // Compute idle time (makespan minus compute busy) over compute busy time, summed over the
+  // devices: a pipeline's bubble as the schedules' formulas define it ((p - 1) / m for 1F1B).
+  double compute_bubble() const;
 };
 
 TraceMetrics measure(const Trace& trace);
