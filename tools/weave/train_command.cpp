@@ -89,8 +89,7 @@ void fill_batches(graphs::TrainingStep& step, const graphs::ModelConfig& m,
 // under the link and device models of `o`; `execute`: run the kernels. `inspect` sees the step
 // and its devices after the replay.
 rt::VirtualRunResult replay_step(
-    const TrainOptions& o, const graphs::ParallelPlan& plan, const TokenDataset& data,
-    bool execute,
+    const TrainOptions& o, const graphs::ParallelPlan& plan, const TokenDataset& data, bool execute,
     const std::function<void(graphs::TrainingStep&, devices::DeviceSet&)>& inspect = {}) {
   devices::DeviceSet set(o.devices, {.pin = false});
   devices::SharedMemoryCommunicator comm;
@@ -195,11 +194,11 @@ int advise_pipeline(TrainOptions o, const TokenDataset& data) {
                       (1 << 20));
             }
           });
-      const graphs::ScheduleTheory theory = graphs::schedule_theory(
-          kind, {.ranks = p,
-                 .micro_batches = plan.micro_batches(),
-                 .chunks = plan.virtual_pipeline,
-                 .group_size = plan.microbatch_group_size});
+      const graphs::ScheduleTheory theory =
+          graphs::schedule_theory(kind, {.ranks = p,
+                                         .micro_batches = plan.micro_batches(),
+                                         .chunks = plan.virtual_pipeline,
+                                         .group_size = plan.microbatch_group_size});
       const double ms = static_cast<double>(r.makespan) * 1e-6;
       if (best_time == 0 || ms < best_time) {
         best_time = ms;
