@@ -13,7 +13,6 @@ std::vector<TaskId> TrainingStep::Impl::stage_transfer(int from_pp, int to_pp,
                                                        const std::function<Tensor(int)>& into,
                                                        const std::string& name, rt::TaskTags tags) {
   std::vector<TaskId> arrived(ranks.size(), rt::kNoTask);
-  const int saved = stage_;
   for (int r = 0; r < mesh.size(); ++r) {
     const MeshCoordinates at = mesh.coordinates(r);
     if (at.pp != to_pp) continue;
@@ -45,7 +44,6 @@ std::vector<TaskId> TrainingStep::Impl::stage_transfer(int from_pp, int to_pp,
       b.precede(before, task);
     arrived[r] = task;
   }
-  stage_ = saved;
   return arrived;
 }
 
@@ -78,6 +76,7 @@ void TrainingStep::Impl::build_pipeline() {
     if (a.type == ActionType::Idle) continue;
     const int k = schedule.stage(at.rank, a.chunk), mb = a.micro_batch;
     stage_ = at.rank;
+    chunk_ = k;
     set_ = set_index.at({at.rank, k, mb});
     if (k == K - 1) output_ = output_index.at(mb);
     const int set = set_;
@@ -142,7 +141,7 @@ void TrainingStep::Impl::build_pipeline() {
         break;
     }
   }
-  stage_ = -1;
+  stage_ = chunk_ = -1;
   set_ = 0;
   reduce_embedding();
 }

@@ -254,6 +254,7 @@ void TrainingStep::Impl::weight_grad(const std::string& name, rt::TaskTags tags,
 
 std::vector<TaskId> TrainingStep::Impl::each(const std::string& name, rt::TaskTags tags,
                                              std::function<void(int)> fn) {
+  if (tags.virtual_stage < 0 && layout.chunks() > 1) tags.virtual_stage = chunk_;
   auto shared = std::make_shared<std::function<void(int)>>(std::move(fn));
   std::vector<TaskId> ids;
   for (int r = 0; r < mesh.size(); ++r) {

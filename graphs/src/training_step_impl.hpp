@@ -183,6 +183,7 @@ struct TrainingStep::Impl {
   int stage_ = -1;
   int set_ = 0;
   int output_ = 0;
+  int chunk_ = -1;  // the model chunk being built: its tasks' virtual_stage tag
   std::vector<std::vector<MicroBatch>> batches;  // [dp][micro-batch]
   std::vector<TaskId> last_comm;                 // per rank: the comm stream's latest task
   std::vector<TaskId> last_grad;                 // per rank: the gradient stream's latest task
