@@ -263,6 +263,16 @@ TEST(CliTrain, PipelineParallelTrainsLikeOneDeviceAndResumesFromACheckpoint) {
   EXPECT_NE(r.out.find("pp 2 (interleaved, 2 chunks per rank)"), std::string::npos) << r.out;
   const auto a = logged_losses(serial), b = logged_losses(piped);
   ASSERT_EQ(a.size(), 4u);
+  {  // each logged iteration of a pipeline reports its bubble
+    std::ifstream in(piped);
+    std::string line;
+    while (std::getline(in, line)) {
+      const auto j = nlohmann::json::parse(line);
+      if (!j.contains("loss")) continue;
+      ASSERT_TRUE(j.contains("pipeline_bubble")) << line;
+      EXPECT_GT(j["pipeline_bubble"].get<double>(), 0.0) << line;
+    }
+  }
   for (const auto& [it, loss] : a)
     EXPECT_NEAR(b.at(it), loss, 1e-4 * loss) << "iteration " << it;
   // A pipelined run saves and resumes: the stages' shards, the tied embedding's two copies.

@@ -37,10 +37,12 @@ void ProgressReporter::iteration(const IterationReport& r) {
   tokens_ += r.tokens;
   seconds_ += r.seconds;
   if (r.exposed_comm_share) exposed_ = r.exposed_comm_share;
+  if (r.pipeline_bubble) bubble_ = r.pipeline_bubble;
   const double rate = seconds_ > 0 ? tokens_ / seconds_ : 0;
   const double eta =
       rate > 0 ? static_cast<double>(total_ - r.iteration) * (tokens_ / r.iteration) / rate : 0;
   std::string extras = exposed_ ? fmt::format(" | exposed comm {:.0f}%", 100 * *exposed_) : "";
+  if (bubble_) extras += fmt::format(" | bubble {:.2f}", *bubble_);
   if (r.dropped_picks && r.routed_picks > 0)
     extras += fmt::format(" | dropped {:.1f}%", 100.0 * static_cast<double>(*r.dropped_picks) /
                                                     static_cast<double>(r.routed_picks));
@@ -53,6 +55,7 @@ void ProgressReporter::iteration(const IterationReport& r) {
                      {"seconds", r.seconds},
                      {"tokens_per_second", r.seconds > 0 ? r.tokens / r.seconds : 0.0}};
     if (r.exposed_comm_share) j["exposed_comm_share"] = *r.exposed_comm_share;
+    if (r.pipeline_bubble) j["pipeline_bubble"] = *r.pipeline_bubble;
     if (r.dropped_picks) {
       j["dropped_picks"] = *r.dropped_picks;
       j["routed_picks"] = r.routed_picks;

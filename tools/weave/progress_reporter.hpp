@@ -22,6 +22,8 @@ struct IterationReport {
   // MoE picks dropped by full experts, and all picks; shown when routing has a capacity.
   std::optional<std::int64_t> dropped_picks;
   std::int64_t routed_picks = 0;
+  // Pipeline parallelism: compute idle over busy summed over devices, when traced.
+  std::optional<double> pipeline_bubble;
 };
 
 class ProgressReporter {
@@ -42,7 +44,7 @@ class ProgressReporter {
   bool line_open_ = false;
   std::ofstream json_;
   double tokens_ = 0, seconds_ = 0;
-  std::optional<double> exposed_;
+  std::optional<double> exposed_, bubble_;
 };
 
 }  // namespace weave::cli

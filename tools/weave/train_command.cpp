@@ -295,14 +295,15 @@ int run_train(TrainOptions o) {
   };
   const std::int64_t S = o.model.seq_length;
   rt::VirtualClock clock(machine, {.execute = true, .record_trace = true});
-  // Runs the step once; returns seconds (wall or modelled) and, when traced, the exposed share.
-  auto run_once = [&](bool traced,
-                      std::int64_t iteration) -> std::pair<double, std::optional<double>> {
+  // Runs the step once; returns seconds (wall or modelled) and, when traced, its metrics.
+  auto run_once =
+      [&](bool traced,
+          std::int64_t iteration) -> std::pair<double, std::optional<rt::TraceMetrics>> {
     if (o.timing == "model") {
       const rt::VirtualRunResult r = clock.run(step.graph());
       if (!o.trace.empty() && iteration == o.trace_iteration)
         rt::write_chrome_trace(r.trace, o.trace);
-      return {static_cast<double>(r.makespan) * 1e-9, rt::measure(r.trace).exposed_comm_share()};
+      return {static_cast<double>(r.makespan) * 1e-9, rt::measure(r.trace)};
     }
     const auto t0 = std::chrono::steady_clock::now();
     const rt::RunResult r = set.executor().run(
@@ -312,7 +313,7 @@ int run_train(TrainOptions o) {
     if (!traced) return {seconds, std::nullopt};
     if (!o.trace.empty() && iteration == o.trace_iteration)
       rt::write_chrome_trace(r.trace, o.trace);
-    return {seconds, rt::measure(r.trace).exposed_comm_share()};
+    return {seconds, rt::measure(r.trace)};
   };
 
   double first_loss = 0, last_loss = 0, total_seconds = 0;
@@ -324,7 +325,12 @@ int run_train(TrainOptions o) {
     step.prepare(it, lr);
     step.set_update_parameters(true);
     const bool traced = it == o.trace_iteration || it % o.log_interval == 0;
-    const auto [seconds, exposed] = run_once(traced, it);
+    const auto [seconds, metrics] = run_once(traced, it);
+    std::optional<double> exposed, bubble;
+    if (metrics) exposed = metrics->exposed_comm_share();
+    // With pipeline stages the time a stage waits for its next receive is the bubble, not
+    // communication to hide: show it apart.
+    if (metrics && plan.pipeline_parallel > 1) bubble = metrics->compute_bubble();
     const graphs::StepResult r = step.result();
     state.iteration = it;
     state.consumed_samples += static_cast<std::uint64_t>(plan.global_batch_size);
@@ -335,7 +341,7 @@ int run_train(TrainOptions o) {
     if (o.model.num_experts > 0 && o.model.moe_expert_capacity_factor > 0)
       dropped = r.dropped_picks;
     progress.iteration({it, r.loss, r.aux_loss, r.grad_norm, lr, seconds, tokens_per_step, exposed,
-                        dropped, r.routed_picks});
+                        dropped, r.routed_picks, bubble});
     if (!std::isfinite(r.loss))
       throw std::runtime_error(
           fmt::format("the loss is {} at iteration {}: lower --lr or raise "
