@@ -60,10 +60,10 @@ PipelineLayout make_pipeline_layout(const ModelConfig& m, const ParallelPlan& pl
     if (fixed == 0)
       throw ConfigError(fmt::format(
           "--num-layers ({}) must be divisible by --pipeline-model-parallel-size x virtual "
-          "stages per rank ({} x {} = {} model chunks); or give the first and last chunks their "
+          "stages per rank ({} x {} = {} model chunks{}); or give the first and last chunks their "
           "own counts with --decoder-first-pipeline-num-layers / "
           "--decoder-last-pipeline-num-layers",
-          L, p, v, K));
+          L, p, v, K, kind == ScheduleKind::ZeroBubbleV ? ": zb-v runs 2 chunks per rank" : ""));
     throw ConfigError(fmt::format(
         "--num-layers ({}) minus the first chunk's {} and the last chunk's {} leaves {} layers, "
         "which must split evenly (at least one each) over the other {} model chunks "
