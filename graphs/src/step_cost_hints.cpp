@@ -63,7 +63,8 @@ double TrainingStep::Impl::flops_of(const std::string& name) const {
     if (kind == "router") return share * router;
     if (kind == "experts") return share * experts;
     if (kind == "attention_backward") return 2.5 * causal * attention + 2 * share * proj;
-    if (kind == "experts_backward") return 2 * share * experts;
+    if (kind == "experts_backward") return (split_ ? 1 : 2) * share * experts;
+    if (kind == "experts_weight_grad") return share * experts;
     if (kind == "router_backward") return 2 * share * router;
     return 0;
   }
@@ -94,7 +95,8 @@ double TrainingStep::Impl::flops_of(const std::string& name) const {
   if (kind == "mlp_backward") return (split_ ? 1 : 2) * fc2_weight + 2 * rows * hd * f1l;
   if (kind == "mlp_weight_grad") return 2 * rows * hd * f1l + (split_ ? fc2_weight : 0);
   if (kind == "loss_backward" || kind == "logits_weight_grad") return logits;
-  if (kind == "experts_backward") return 2 * experts;
+  if (kind == "experts_backward") return (split_ ? 1 : 2) * experts;
+  if (kind == "experts_weight_grad") return experts;
   if (kind == "router_backward") return 4 * static_cast<double>(T) * hd * m.num_experts;
   return 0;
 }

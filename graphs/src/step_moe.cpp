@@ -65,6 +65,7 @@ void TrainingStep::Impl::allocate_slot(int r, LayerActivations& A, int c) {
   const std::int64_t capacity = slot_capacity();
   S.hidden_pre = act(r, {capacity, f1});
   S.hidden = act(r, {capacity, f});
+  if (splits_backward() && !pipe_experts()) S.saved_d_pre = act(r, {capacity, f1});
   if (ep() > 1) {
     const std::int64_t local = E / ep();
     S.counts_recv = act(r, {ep() * local});
@@ -495,29 +496,55 @@ std::vector<TaskId> TrainingStep::Impl::moe_experts_backward(int l, int c,
   const int set = set_;
   if (pipe_experts()) return moe_experts_backward_items(l, c, ready, tags);
   const std::string at = slot_prefix(l, c);
+  // The rows the local experts ran, grouped by expert, with their offsets and gradients.
+  struct ExpertRows {
+    Tensor x, dy, dx;
+    std::span<const std::int64_t> begin;
+    std::int64_t rows;
+  };
+  auto expert_rows = [this](MoeSlot& A) -> ExpertRows {
+    if (ep() == 1) {
+      const std::int64_t rows = A.dispatch.rows();
+      return {A.grouped.slice(0, 0, rows), A.d_expert_out.slice(0, 0, rows),
+              A.d_grouped.slice(0, 0, rows), A.dispatch.expert_begin, rows};
+    }
+    const auto rows = static_cast<std::int64_t>(A.source_row.size());
+    return {A.expert_in.slice(0, 0, rows), A.d_expert_result.slice(0, 0, rows),
+            A.d_expert_in.slice(0, 0, rows), A.local_begin, rows};
+  };
+  const bool split = split_;
   auto experts = each(at + "experts_backward", tags, [=, this](int r) {
     MoeSlot& A = slot(r, set, l, c);
     const LayerShard& P = ranks[r].shard->layer(l);
-    if (ep() == 1) {
-      const std::int64_t rows = A.dispatch.rows();
-      ops::experts_backward(expert_activation(), A.grouped.slice(0, 0, rows),
-                            A.dispatch.expert_begin, P.expert_fc1->value, P.expert_fc2->value,
-                            A.hidden_pre.slice(0, 0, rows), A.hidden.slice(0, 0, rows),
-                            A.d_expert_out.slice(0, 0, rows), A.d_grouped.slice(0, 0, rows),
-                            P.expert_fc1->grad, P.expert_fc2->grad);
-      return;
-    }
-    const auto rows = static_cast<std::int64_t>(A.source_row.size());
-    for (std::int64_t i = 0; i < rows; ++i)
-      std::copy_n(A.d_arrived.row(A.source_row[i]), h, A.d_expert_result.row(i));
-    ops::experts_backward(expert_activation(), A.expert_in.slice(0, 0, rows), A.local_begin,
-                          P.expert_fc1->value, P.expert_fc2->value, A.hidden_pre.slice(0, 0, rows),
-                          A.hidden.slice(0, 0, rows), A.d_expert_result.slice(0, 0, rows),
-                          A.d_expert_in.slice(0, 0, rows), P.expert_fc1->grad, P.expert_fc2->grad);
-    for (std::int64_t i = 0; i < rows; ++i)
-      std::copy_n(A.d_expert_in.row(i), h, A.d_leaving.row(A.source_row[i]));
+    if (ep() > 1)  // the gradient rows arrived by source: regroup them by expert
+      for (std::size_t i = 0; i < A.source_row.size(); ++i)
+        std::copy_n(A.d_arrived.row(A.source_row[i]), h,
+                    A.d_expert_result.row(static_cast<std::int64_t>(i)));
+    const ExpertRows E = expert_rows(A);
+    const Tensor pre = A.hidden_pre.slice(0, 0, E.rows), hid = A.hidden.slice(0, 0, E.rows);
+    if (split)  // the weight gradients wait for the W action (experts_weight_grad)
+      ops::experts_backward_input(expert_activation(), E.x, E.begin, P.expert_fc1->value,
+                                  P.expert_fc2->value, pre, hid, E.dy, E.dx,
+                                  A.saved_d_pre.slice(0, 0, E.rows));
+    else
+      ops::experts_backward(expert_activation(), E.x, E.begin, P.expert_fc1->value,
+                            P.expert_fc2->value, pre, hid, E.dy, E.dx, P.expert_fc1->grad,
+                            P.expert_fc2->grad);
+    if (ep() > 1)
+      for (std::size_t i = 0; i < A.source_row.size(); ++i)
+        std::copy_n(A.d_expert_in.row(static_cast<std::int64_t>(i)), h,
+                    A.d_leaving.row(A.source_row[i]));
   });
   link(ready, experts);
+  if (split)
+    weight_grad(at + "experts_weight_grad", tags, [=, this](int r) {
+      MoeSlot& A = slot(r, set, l, c);
+      const LayerShard& P = ranks[r].shard->layer(l);
+      const ExpertRows E = expert_rows(A);
+      ops::experts_backward_weight(E.x, E.begin, A.hidden.slice(0, 0, E.rows), E.dy,
+                                   A.saved_d_pre.slice(0, 0, E.rows), P.expert_fc1->grad,
+                                   P.expert_fc2->grad);
+    });
   if (ep() == 1) return experts;
   return slot_exchange(l, c, experts, &MoeSlot::d_leaving, &MoeSlot::d_grouped, false,
                        "dispatch_backward", tags);

@@ -97,6 +97,7 @@ struct MoeSlot {
   Tensor d_moe, d_grouped, d_expert_out, d_topk, d_router_logits, d_moe_in;
   Tensor d_arrived, d_expert_in, d_expert_result, d_leaving;
   std::vector<ExpertItem> items;  // --use-pipe-experts
+  Tensor saved_d_pre;  // a split backward: the experts' first-product gradient, for W
 };
 
 // Gradient workspace shared by all layers of a device: the backward runs layer after layer.
@@ -194,7 +195,7 @@ struct TrainingStep::Impl {
   std::vector<std::function<void()>> deferred_weight_grads;
   // Zero-bubble schedules split the backward: while split_ is set (building an I action) the
   // weight-gradient GEMMs save their output gradients and leave their tasks in weight_work, which
-  // the matching W action emits. MoE experts and routers keep their weight gradients in I.
+  // the matching W action emits. MoE routers (and --use-pipe-experts items) keep theirs in I.
   bool split_ = false;
   std::vector<std::function<std::vector<TaskId>()>> weight_work;
   // Whether the schedule splits backwards: the sets then keep the saved gradients.

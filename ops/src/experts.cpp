@@ -72,26 +72,55 @@ void experts_backward(ExpertActivation act, const BasicTensor<T>& x,
                       const BasicTensor<T>& hidden, const BasicTensor<T>& dy,
                       const BasicTensor<T>& dx, const BasicTensor<T>& dw1,
                       const BasicTensor<T>& dw2) {
-  check_experts(act, x, begin, w1, w2, hidden_pre, hidden, dy, "expert output gradient");
   check_shape("expert first weights gradient", dw1.shape(), w1.shape());
   check_shape("expert second weights gradient", dw2.shape(), w2.shape());
+  const BasicTensor<T> d_pre = BasicTensor<T>::empty(hidden_pre.shape());
+  experts_backward_input(act, x, begin, w1, w2, hidden_pre, hidden, dy, dx, d_pre);
+  experts_backward_weight(x, begin, hidden, dy, d_pre, dw1, dw2);
+}
+
+template <typename T>
+void experts_backward_input(ExpertActivation act, const BasicTensor<T>& x,
+                            std::span<const std::int64_t> begin, const BasicTensor<T>& w1,
+                            const BasicTensor<T>& w2, const BasicTensor<T>& hidden_pre,
+                            const BasicTensor<T>& hidden, const BasicTensor<T>& dy,
+                            const BasicTensor<T>& dx, const BasicTensor<T>& d_pre) {
+  check_experts(act, x, begin, w1, w2, hidden_pre, hidden, dy, "expert output gradient");
+  check_shape("expert first product's gradient", d_pre.shape(), hidden_pre.shape());
   if (dx.defined()) check_shape("expert input gradient", dx.shape(), x.shape());
   tbb::parallel_for(std::int64_t{0}, w1.dim(0), [&](std::int64_t e) {
     const std::int64_t r0 = begin[e], n = begin[e + 1] - r0;
     if (n == 0) return;
-    const BasicTensor<T> g = dy.slice(0, r0, n);
     const BasicTensor<T> d_hidden = BasicTensor<T>::empty({n, w2.dim(2)});
-    const BasicTensor<T> d_pre = BasicTensor<T>::empty({n, w1.dim(1)});
-    linear_backward_input(g, expert_weight(w2, e), d_hidden);
-    linear_backward_weight(hidden.slice(0, r0, n), g, expert_weight(dw2, e), BasicTensor<T>{});
-    const BasicTensor<T> pre = hidden_pre.slice(0, r0, n);
+    linear_backward_input(dy.slice(0, r0, n), expert_weight(w2, e), d_hidden);
+    const BasicTensor<T> pre = hidden_pre.slice(0, r0, n), d = d_pre.slice(0, r0, n);
     if (act == ExpertActivation::swiglu)
-      swiglu_backward(pre, d_hidden, d_pre);
+      swiglu_backward(pre, d_hidden, d);
     else
       gelu_backward(act == ExpertActivation::gelu_tanh ? GeluForm::tanh : GeluForm::erf, pre,
-                    d_hidden, d_pre);
-    if (dx.defined()) linear_backward_input(d_pre, expert_weight(w1, e), dx.slice(0, r0, n));
-    linear_backward_weight(x.slice(0, r0, n), d_pre, expert_weight(dw1, e), BasicTensor<T>{});
+                    d_hidden, d);
+    if (dx.defined()) linear_backward_input(d, expert_weight(w1, e), dx.slice(0, r0, n));
+  });
+}
+
+template <typename T>
+void experts_backward_weight(const BasicTensor<T>& x, std::span<const std::int64_t> begin,
+                             const BasicTensor<T>& hidden, const BasicTensor<T>& dy,
+                             const BasicTensor<T>& d_pre, const BasicTensor<T>& dw1,
+                             const BasicTensor<T>& dw2) {
+  const std::int64_t experts = dw1.dim(0);
+  if (static_cast<std::int64_t>(begin.size()) != experts + 1 || begin[experts] > x.dim(0))
+    throw std::invalid_argument(fmt::format(
+        "experts_backward_weight: {} group offsets for {} experts over {} rows; give experts + 1 "
+        "offsets ending within the rows",
+        begin.size(), experts, x.dim(0)));
+  tbb::parallel_for(std::int64_t{0}, experts, [&](std::int64_t e) {
+    const std::int64_t r0 = begin[e], n = begin[e + 1] - r0;
+    if (n == 0) return;
+    linear_backward_weight(hidden.slice(0, r0, n), dy.slice(0, r0, n), expert_weight(dw2, e),
+                           BasicTensor<T>{});
+    linear_backward_weight(x.slice(0, r0, n), d_pre.slice(0, r0, n), expert_weight(dw1, e),
+                           BasicTensor<T>{});
   });
 }
 
@@ -103,6 +132,13 @@ void experts_backward(ExpertActivation act, const BasicTensor<T>& x,
   template void experts_backward(                                                                 \
       ExpertActivation, const BasicTensor<T>&, std::span<const std::int64_t>,                     \
       const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&, \
+      const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&); \
+  template void experts_backward_input(                                                           \
+      ExpertActivation, const BasicTensor<T>&, std::span<const std::int64_t>,                     \
+      const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&, \
+      const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&);                       \
+  template void experts_backward_weight(                                                          \
+      const BasicTensor<T>&, std::span<const std::int64_t>, const BasicTensor<T>&,                \
       const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&);
 WEAVE_INSTANTIATE(float)
 WEAVE_INSTANTIATE(double)

@@ -180,6 +180,40 @@ TEST_P(ExpertsGradient, MatchesFiniteDifferences) {
   expect_gradient("dw2", w2, loss, dw2);
 }
 
+// The zero-bubble split: the input half now, the weight half later, adds to the weight gradients
+// exactly what the whole backward adds.
+TEST_P(ExpertsGradient, InputAndWeightHalvesEqualTheWholeBackward) {
+  const ExpertActivation act = GetParam();
+  std::mt19937 gen(9);
+  const std::int64_t E = 2, h = 4, f = 3, f1 = act == ExpertActivation::swiglu ? 2 * f : f;
+  const std::vector<std::int64_t> begin{0, 3, 4};
+  const std::span<const std::int64_t> groups(begin);
+  const TensorD x = random_tensor({4, h}, gen), w1 = random_tensor({E, f1, h}, gen),
+                w2 = random_tensor({E, h, f}, gen), dy = random_tensor({4, h}, gen);
+  const TensorD pre = TensorD::empty({4, f1}), hid = TensorD::empty({4, f}),
+                y = TensorD::empty({4, h});
+  experts_forward(act, x, groups, w1, w2, pre, hid, y);
+  const TensorD start1 = random_tensor(w1.shape(), gen), start2 = random_tensor(w2.shape(), gen);
+  const TensorD dx = TensorD::empty(x.shape()), dw1 = TensorD::empty(w1.shape()),
+                dw2 = TensorD::empty(w2.shape());
+  dw1.copy_from(start1);
+  dw2.copy_from(start2);
+  experts_backward(act, x, groups, w1, w2, pre, hid, dy, dx, dw1, dw2);
+  const TensorD dx_half = TensorD::empty(x.shape()), d_pre = TensorD::empty(pre.shape()),
+                dw1_half = TensorD::empty(w1.shape()), dw2_half = TensorD::empty(w2.shape());
+  dw1_half.copy_from(start1);
+  dw2_half.copy_from(start2);
+  experts_backward_input(act, x, groups, w1, w2, pre, hid, dy, dx_half, d_pre);
+  experts_backward_weight(x, groups, hid, dy, d_pre, dw1_half, dw2_half);
+  EXPECT_EQ(dx_half.to_vector(), dx.to_vector());
+  EXPECT_EQ(dw1_half.to_vector(), dw1.to_vector());
+  EXPECT_EQ(dw2_half.to_vector(), dw2.to_vector());
+  const std::vector<std::int64_t> short_groups{0, 4};
+  EXPECT_THROW(experts_backward_weight(x, std::span<const std::int64_t>(short_groups), hid, dy,
+                                       d_pre, dw1_half, dw2_half),
+               std::invalid_argument);
+}
+
 INSTANTIATE_TEST_SUITE_P(Activations, ExpertsGradient,
                          ::testing::Values(ExpertActivation::gelu_tanh, ExpertActivation::gelu_erf,
                                            ExpertActivation::swiglu));

@@ -23,6 +23,21 @@ void experts_forward(ExpertActivation act, const BasicTensor<T>& x,
                      const BasicTensor<T>& w2, const BasicTensor<T>& hidden_pre,
                      const BasicTensor<T>& hidden, const BasicTensor<T>& y);
 
+// The backward in two halves, as zero-bubble pipelines run it: the input half writes dx (may be
+// undefined) and d_pre [rows, f1], the gradient of the first product's output; the weight half
+// accumulates dw1 and dw2 from it later. Together they are experts_backward.
+template <typename T>
+void experts_backward_input(ExpertActivation act, const BasicTensor<T>& x,
+                            std::span<const std::int64_t> begin, const BasicTensor<T>& w1,
+                            const BasicTensor<T>& w2, const BasicTensor<T>& hidden_pre,
+                            const BasicTensor<T>& hidden, const BasicTensor<T>& dy,
+                            const BasicTensor<T>& dx, const BasicTensor<T>& d_pre);
+template <typename T>
+void experts_backward_weight(const BasicTensor<T>& x, std::span<const std::int64_t> begin,
+                             const BasicTensor<T>& hidden, const BasicTensor<T>& dy,
+                             const BasicTensor<T>& d_pre, const BasicTensor<T>& dw1,
+                             const BasicTensor<T>& dw2);
+
 // dx written (may be undefined); dw1, dw2 accumulated.
 template <typename T>
 void experts_backward(ExpertActivation act, const BasicTensor<T>& x,
