@@ -316,7 +316,8 @@ struct TrainingStep::Impl {
   // The global position of row s of rank r's [Sl, B, ...] activations.
   std::int64_t position(int r, std::int64_t s) const;
 
-  // This rank's positions of the micro-batch's tokens and targets.
+  // This rank's positions of the micro-batch's tokens (into *tokens, when given) or targets
+  // (into *targets otherwise).
   void load_tokens(int r, int mb, std::vector<std::int32_t>* tokens,
                    std::vector<std::int32_t>* targets);
 
