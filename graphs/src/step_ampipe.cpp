@@ -6,11 +6,10 @@ namespace weave::graphs {
 
 std::vector<TaskId> TrainingStep::Impl::build_ampipe_layer_forward(int l, int mb,
                                                                    std::vector<TaskId> prev) {
-  const int set = set_;
   const rt::TaskTags tags{.layer = static_cast<std::uint16_t>(l),
                           .micro_batch = static_cast<std::uint16_t>(mb),
                           .phase = rt::Phase::forward};
-  auto L = [this, l, set](int r) -> LayerActivations& { return acts(r, set, l); };
+  const auto L = layer_at(l);
   auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
   const std::string at = fmt::format("L{}.", l);
   const std::int64_t q = piece_rows(), n = t_sp * q;  // n: the chunk's rows of the sequence
@@ -100,7 +99,7 @@ std::vector<TaskId> TrainingStep::Impl::build_ampipe_layer_backward(int l, int m
   const rt::TaskTags tags{.layer = static_cast<std::uint16_t>(l),
                           .micro_batch = static_cast<std::uint16_t>(mb),
                           .phase = rt::Phase::backward};
-  auto L = [this, l, set](int r) -> LayerActivations& { return acts(r, set, l); };
+  const auto L = layer_at(l);
   auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
   auto W = [this](int r) -> BackwardWorkspace& { return ranks[r].ws; };
   const std::string at = fmt::format("L{}.", l);

@@ -125,12 +125,11 @@ std::vector<TaskId> TrainingStep::Impl::build_forward(int k, int mb,
 
 std::vector<TaskId> TrainingStep::Impl::build_layer_forward(int l, int mb,
                                                             std::vector<TaskId> prev) {
-  const int set = set_;
   if (ampipe() > 1 && m.is_moe_layer(l)) return build_ampipe_layer_forward(l, mb, prev);
   rt::TaskTags tags{.layer = static_cast<std::uint16_t>(l),
                     .micro_batch = static_cast<std::uint16_t>(mb),
                     .phase = rt::Phase::forward};
-  auto L = [this, l, set](int r) -> LayerActivations& { return acts(r, set, l); };
+  const auto L = layer_at(l);
   auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
   const std::string at = fmt::format("L{}.", l);
   auto qkv = build_attention_input(l, prev, tags);
@@ -196,8 +195,7 @@ std::vector<TaskId> TrainingStep::Impl::build_layer_forward(int l, int mb,
 std::vector<TaskId> TrainingStep::Impl::build_attention_input(int l,
                                                               const std::vector<TaskId>& prev,
                                                               rt::TaskTags tags) {
-  const int set = set_;
-  auto L = [this, l, set](int r) -> LayerActivations& { return acts(r, set, l); };
+  const auto L = layer_at(l);
   auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
   const std::string at = fmt::format("L{}.", l);
   auto ln1 = each(at + "input_norm", tags, [=, this](int r) {
@@ -226,8 +224,7 @@ std::vector<TaskId> TrainingStep::Impl::build_attention_input(int l,
 
 std::vector<TaskId> TrainingStep::Impl::build_attention_input_backward(
     int l, const std::vector<TaskId>& ready_in, bool last, rt::TaskTags tags) {
-  const int set = set_;
-  auto L = [this, l, set](int r) -> LayerActivations& { return acts(r, set, l); };
+  const auto L = layer_at(l);
   auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
   auto W = [this](int r) -> BackwardWorkspace& { return ranks[r].ws; };
   const std::string at = fmt::format("L{}.", l);
@@ -462,12 +459,11 @@ std::vector<TaskId> TrainingStep::Impl::build_backward(int k, int mb,
 
 std::vector<TaskId> TrainingStep::Impl::build_layer_backward(int l, int mb,
                                                              std::vector<TaskId> prev, bool last) {
-  const int set = set_;
   if (ampipe() > 1 && m.is_moe_layer(l)) return build_ampipe_layer_backward(l, mb, prev, last);
   rt::TaskTags tags{.layer = static_cast<std::uint16_t>(l),
                     .micro_batch = static_cast<std::uint16_t>(mb),
                     .phase = rt::Phase::backward};
-  auto L = [this, l, set](int r) -> LayerActivations& { return acts(r, set, l); };
+  const auto L = layer_at(l);
   auto P = [this, l](int r) -> const LayerShard& { return ranks[r].shard->layer(l); };
   auto W = [this](int r) -> BackwardWorkspace& { return ranks[r].ws; };
   const std::string at = fmt::format("L{}.", l);

@@ -65,7 +65,7 @@ void TrainingStep::Impl::allocate_slot(int r, LayerActivations& A, int c) {
   const std::int64_t capacity = slot_capacity();
   S.hidden_pre = act(r, {capacity, f1});
   S.hidden = act(r, {capacity, f});
-  if (splits_backward() && !pipe_experts()) S.saved_d_pre = act(r, {capacity, f1});
+  if (splits_backward_ && !pipe_experts()) S.saved_d_pre = act(r, {capacity, f1});
   if (ep() > 1) {
     const std::int64_t local = E / ep();
     S.counts_recv = act(r, {ep() * local});

@@ -69,6 +69,9 @@ void TrainingStep::Impl::assign_sets() {
         return false;
     return true;
   };
+  for (const auto& list : schedule.actions)
+    for (const Action& a : list)
+      splits_backward_ = splits_backward_ || a.type == ActionType::BackwardInput;
   set_chunks.assign(static_cast<std::size_t>(schedule.ranks), {});
   output_sets.assign(static_cast<std::size_t>(schedule.ranks), 0);
   for (int pp = 0; pp < schedule.ranks; ++pp) {
@@ -212,7 +215,7 @@ void TrainingStep::Impl::allocate_set(int r, ActivationSet& X, int k) {
     }
     A.x_out = act(r, {Sl, B, h});
     x = A.x_out;
-    if (splits_backward()) {
+    if (splits_backward_) {
       A.saved_d_proj = act(r, {Sc, B, h});
       A.saved_d_qkv = act(r, {Sc, B, Hl * 3 * d});
       if (!ranks[r].shard->layer(l).moe) {
@@ -232,14 +235,7 @@ void TrainingStep::Impl::allocate_output(int r, OutputSet& O) {
   O.row_max = act(r, {Sc * B});
   O.partials = act(r, {Sc * B, ops::kCrossEntropyPartials});
   O.lse = act(r, {Sc * B});
-  if (splits_backward()) O.saved_d_logits = act(r, {Sc * B, Vl});
-}
-
-bool TrainingStep::Impl::splits_backward() const {
-  for (const auto& list : layout.schedule.actions)
-    for (const Action& a : list)
-      if (a.type == ActionType::BackwardInput) return true;
-  return false;
+  if (splits_backward_) O.saved_d_logits = act(r, {Sc * B, Vl});
 }
 
 void TrainingStep::Impl::weight_grad(const std::string& name, rt::TaskTags tags,

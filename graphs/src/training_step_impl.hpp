@@ -97,7 +97,7 @@ struct MoeSlot {
   Tensor d_moe, d_grouped, d_expert_out, d_topk, d_router_logits, d_moe_in;
   Tensor d_arrived, d_expert_in, d_expert_result, d_leaving;
   std::vector<ExpertItem> items;  // --use-pipe-experts
-  Tensor saved_d_pre;  // a split backward: the experts' first-product gradient, for W
+  Tensor saved_d_pre;             // a split backward: the experts' first-product gradient, for W
 };
 
 // Gradient workspace shared by all layers of a device: the backward runs layer after layer.
@@ -198,8 +198,9 @@ struct TrainingStep::Impl {
   // the matching W action emits. MoE routers (and --use-pipe-experts items) keep theirs in I.
   bool split_ = false;
   std::vector<std::function<std::vector<TaskId>()>> weight_work;
-  // Whether the schedule splits backwards: the sets then keep the saved gradients.
-  bool splits_backward() const;
+  // Whether the schedule splits backwards (has I actions): the sets then keep the saved
+  // gradients. Set by assign_sets.
+  bool splits_backward_ = false;
   // Emits a weight-gradient task now, or leaves it for the W action under a split backward.
   void weight_grad(const std::string& name, rt::TaskTags tags, std::function<void(int)> fn);
 
@@ -252,6 +253,11 @@ struct TrainingStep::Impl {
   LayerActivations& acts(int r, int set, int l) {
     const int k = chunk_of_layer[static_cast<std::size_t>(l)];
     return aset(r, set).layers[static_cast<std::size_t>(l - layout.first_layer(k))];
+  }
+  // Rank r -> its activations of layer l in the set being built now (captured, not read when
+  // the task runs).
+  auto layer_at(int l) {
+    return [this, l, set = set_](int r) -> LayerActivations& { return acts(r, set, l); };
   }
   OutputSet& oset(int r, int out) { return ranks[r].outputs[static_cast<std::size_t>(out)]; }
   bool in_stage(int r) const { return stage_ < 0 || mesh.coordinates(r).pp == stage_; }

@@ -124,21 +124,21 @@ void experts_backward_weight(const BasicTensor<T>& x, std::span<const std::int64
   });
 }
 
-#define WEAVE_INSTANTIATE(T)                                                                      \
-  template void experts_forward(ExpertActivation, const BasicTensor<T>&,                          \
-                                std::span<const std::int64_t>, const BasicTensor<T>&,             \
-                                const BasicTensor<T>&, const BasicTensor<T>&,                     \
-                                const BasicTensor<T>&, const BasicTensor<T>&);                    \
-  template void experts_backward(                                                                 \
-      ExpertActivation, const BasicTensor<T>&, std::span<const std::int64_t>,                     \
-      const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&, \
+#define WEAVE_INSTANTIATE(T)                                                                       \
+  template void experts_forward(ExpertActivation, const BasicTensor<T>&,                           \
+                                std::span<const std::int64_t>, const BasicTensor<T>&,              \
+                                const BasicTensor<T>&, const BasicTensor<T>&,                      \
+                                const BasicTensor<T>&, const BasicTensor<T>&);                     \
+  template void experts_backward(                                                                  \
+      ExpertActivation, const BasicTensor<T>&, std::span<const std::int64_t>,                      \
+      const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&,  \
       const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&); \
-  template void experts_backward_input(                                                           \
-      ExpertActivation, const BasicTensor<T>&, std::span<const std::int64_t>,                     \
-      const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&, \
-      const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&);                       \
-  template void experts_backward_weight(                                                          \
-      const BasicTensor<T>&, std::span<const std::int64_t>, const BasicTensor<T>&,                \
+  template void experts_backward_input(                                                            \
+      ExpertActivation, const BasicTensor<T>&, std::span<const std::int64_t>,                      \
+      const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&,  \
+      const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&);                        \
+  template void experts_backward_weight(                                                           \
+      const BasicTensor<T>&, std::span<const std::int64_t>, const BasicTensor<T>&,                 \
       const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&);
 WEAVE_INSTANTIATE(float)
 WEAVE_INSTANTIATE(double)
