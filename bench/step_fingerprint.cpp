@@ -49,32 +49,37 @@ ModelConfig small_model(int experts) {
 
 std::vector<Configuration> configurations() {
   std::vector<Configuration> out;
-  out.push_back({"dense tp2 sp dp2", small_model(0),
+  out.push_back({"dense tp2 sp dp2",
+                 small_model(0),
                  {.tensor_parallel = 2,
                   .sequence_parallel = true,
                   .data_parallel = 2,
                   .micro_batch_size = 2,
                   .global_batch_size = 8}});
-  out.push_back({"moe tp2 sp ep2 ampipe2", small_model(4),
+  out.push_back({"moe tp2 sp ep2 ampipe2",
+                 small_model(4),
                  {.tensor_parallel = 2,
                   .sequence_parallel = true,
                   .expert_parallel = 2,
                   .micro_batch_size = 2,
                   .global_batch_size = 4,
                   .ampipe_degree = 2}});
-  out.push_back({"moe cp2 ep2 dp2", small_model(4),
+  out.push_back({"moe cp2 ep2 dp2",
+                 small_model(4),
                  {.context_parallel = 2,
                   .expert_parallel = 2,
                   .data_parallel = 2,
                   .micro_batch_size = 1,
                   .global_batch_size = 4}});
-  out.push_back({"moe cp2 ampipe2 ep2", small_model(4),
+  out.push_back({"moe cp2 ampipe2 ep2",
+                 small_model(4),
                  {.context_parallel = 2,
                   .expert_parallel = 2,
                   .micro_batch_size = 2,
                   .global_batch_size = 4,
                   .ampipe_degree = 2}});
-  out.push_back({"moe ep2 dp2 ampipe2 pipe-experts", small_model(4),
+  out.push_back({"moe ep2 dp2 ampipe2 pipe-experts",
+                 small_model(4),
                  {.expert_parallel = 2,
                   .data_parallel = 2,
                   .micro_batch_size = 2,
@@ -83,20 +88,23 @@ std::vector<Configuration> configurations() {
                   .pipe_experts = true,
                   .pipe_experts_multi_stream = true,
                   .pipe_experts_multi_data = 4}});
-  out.push_back({"dense pp2 1f1b tp2 sp", small_model(0),
+  out.push_back({"dense pp2 1f1b tp2 sp",
+                 small_model(0),
                  {.tensor_parallel = 2,
                   .sequence_parallel = true,
                   .pipeline_parallel = 2,
                   .micro_batch_size = 1,
                   .global_batch_size = 4}});
-  out.push_back({"moe pp2 interleaved ep2 dp2", small_model(4),
+  out.push_back({"moe pp2 interleaved ep2 dp2",
+                 small_model(4),
                  {.expert_parallel = 2,
                   .data_parallel = 2,
                   .pipeline_parallel = 2,
                   .virtual_pipeline = 2,
                   .micro_batch_size = 1,
                   .global_batch_size = 8}});
-  out.push_back({"moe pp2 zb-h1 tp2 sp ep2", small_model(4),
+  out.push_back({"moe pp2 zb-h1 tp2 sp ep2",
+                 small_model(4),
                  {.tensor_parallel = 2,
                   .sequence_parallel = true,
                   .expert_parallel = 2,
@@ -104,14 +112,16 @@ std::vector<Configuration> configurations() {
                   .pipeline_scheduler = "zb-h1",
                   .micro_batch_size = 1,
                   .global_batch_size = 4}});
-  out.push_back({"dense pp2 zb-v cp2", small_model(0),
+  out.push_back({"dense pp2 zb-v cp2",
+                 small_model(0),
                  {.context_parallel = 2,
                   .pipeline_parallel = 2,
                   .virtual_pipeline = 2,
                   .pipeline_scheduler = "zb-v",
                   .micro_batch_size = 1,
                   .global_batch_size = 4}});
-  out.push_back({"moe dp4 ep2 distributed optimizer", small_model(4),
+  out.push_back({"moe dp4 ep2 distributed optimizer",
+                 small_model(4),
                  {.expert_parallel = 2,
                   .data_parallel = 4,
                   .micro_batch_size = 1,
@@ -120,7 +130,8 @@ std::vector<Configuration> configurations() {
   ModelConfig capacity = small_model(4);
   capacity.moe_expert_capacity_factor = 1.0;
   capacity.activation = weave::graphs::Activation::swiglu;
-  out.push_back({"moe swiglu tp2 ep2 capacity 1 ampipe2", capacity,
+  out.push_back({"moe swiglu tp2 ep2 capacity 1 ampipe2",
+                 capacity,
                  {.tensor_parallel = 2,
                   .sequence_parallel = true,
                   .expert_parallel = 2,

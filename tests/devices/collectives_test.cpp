@@ -15,6 +15,7 @@
 #include <random>
 #include <vector>
 
+#include "weave/devices/collective_matcher.hpp"
 #include "weave/devices/machine_model.hpp"
 #include "weave/devices/shared_memory_communicator.hpp"
 #include "weave/runtime/error.hpp"
@@ -711,6 +712,126 @@ TEST(Collectives, DifferentOrdersOnDifferentDevicesAreACycle) {
   const auto tb = comm.all_reduce(b, ProcessGroup("B", {0, 1}), spans<float>(c), ReduceOp::sum);
   b.precede(tb[1], ta[1]);
   EXPECT_THROW(b.build(), rt::GraphError);
+}
+
+// Issued one member at a time, in an order that interleaves ranks and groups, a rank program's
+// collectives give the results and costs of the whole calls.
+TEST(CollectiveMatcher, MembersIssuedOneAtATimeMatchByGroupAndOrder) {
+  Machine machine(2);
+  SharedMemoryCommunicator comm;
+  const ProcessGroup a("a", {0, 1, 2}), pair("b", {1, 2});
+  Buffers first = random_buffers(3, 100, 1), second = random_buffers(3, 100, 2);
+  Buffers other = random_buffers(2, 50, 3);
+  const std::vector<float> want_first = reference_reduction(ReduceOp::sum, first, 0, 100);
+  const std::vector<float> want_second = reference_reduction(ReduceOp::max, second, 0, 100);
+  const std::vector<float> want_other = reference_reduction(ReduceOp::sum, other, 0, 50);
+  rt::GraphBuilder b;
+  CollectiveMatcher matcher(b, comm);
+  std::vector<rt::TaskId> ids;
+  // Each device issues its own program: device 2 issues group b's collective before group a's,
+  // device 1 the other way round; within group a, every member issues "first" before "second".
+  for (int device = 2; device >= 0; --device) {
+    auto issue_a = [&] {
+      ids.push_back(matcher.all_reduce(a, device, first[device], ReduceOp::sum, {.name = "first"}));
+      ids.push_back(
+          matcher.all_reduce(a, device, second[device], ReduceOp::max, {.name = "second"}));
+    };
+    auto issue_b = [&] {
+      if (device == 0) return;
+      ids.push_back(matcher.all_reduce(pair, device - 1, other[device - 1], ReduceOp::sum,
+                                       {.name = "other", .stream = "b"}));
+    };
+    if (device == 2) {
+      issue_b();
+      issue_a();
+    } else {
+      issue_a();
+      issue_b();
+    }
+    EXPECT_EQ(b.size(), ids.size()) << "each member's task exists as soon as it issues";
+  }
+  EXPECT_TRUE(matcher.open_collectives().empty());
+  matcher.finish();
+  const rt::Graph graph = b.build();
+  EXPECT_EQ(graph.tasks().group_count(), 3u);
+  machine.run(graph);
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_TRUE(same_bits(first[r], want_first)) << r;
+    EXPECT_TRUE(same_bits(second[r], want_second)) << r;
+  }
+  for (int r = 0; r < 2; ++r)
+    EXPECT_TRUE(same_bits(other[r], want_other)) << r;
+  // A member's cost is its own: the same as the whole call's.
+  rt::GraphBuilder whole;
+  const auto whole_ids = comm.all_reduce(whole, a, spans<float>(first), ReduceOp::sum);
+  const rt::Graph whole_graph = whole.build();
+  for (rt::TaskId t = 0; t < graph.size(); ++t)
+    if (graph.tasks().name(t).starts_with("first"))
+      EXPECT_EQ(graph.tasks()[t].cost.bytes, whole_graph.tasks()[whole_ids[0]].cost.bytes);
+}
+
+TEST(CollectiveMatcher, SendsMeetTheirReceivesInOrderPerPair) {
+  Machine machine(1);
+  SharedMemoryCommunicator comm;
+  std::vector<float> x = random_values(10, 4), y = random_values(10, 5), gx(10), gy(10);
+  rt::GraphBuilder b;
+  CollectiveMatcher matcher(b, comm);
+  // The receiver issues first; the k-th send of a pair meets its k-th receive.
+  const rt::TaskId rx = matcher.receive(0, 1, gx, {.name = "x"});
+  const rt::TaskId ry = matcher.receive(0, 1, gy, {.name = "y"});
+  const rt::TaskId sx = matcher.send(0, 1, x, {.name = "x"});
+  const rt::TaskId sy = matcher.send(0, 1, y, {.name = "y"});
+  matcher.finish();
+  const rt::Graph graph = b.build();
+  EXPECT_EQ(graph.tasks()[sx].group, graph.tasks()[rx].group);
+  EXPECT_EQ(graph.tasks()[sy].group, graph.tasks()[ry].group);
+  EXPECT_GT(graph.tasks()[sx].cost.bytes, 0.0);
+  EXPECT_EQ(graph.tasks()[rx].cost.bytes, 0.0);
+  machine.run(graph);
+  EXPECT_EQ(gx, x);
+  EXPECT_EQ(gy, y);
+}
+
+TEST(CollectiveMatcher, MembersIssuingDifferentCollectivesAreRefusedNamingBoth) {
+  SharedMemoryCommunicator comm;
+  Buffers bufs(2, std::vector<float>(4));
+  rt::GraphBuilder b;
+  CollectiveMatcher matcher(b, comm);
+  const ProcessGroup g = first_devices(2);
+  matcher.all_reduce(g, 0, bufs[0], ReduceOp::sum, {.name = "grads"});
+  EXPECT_ERROR(
+      [&] { matcher.all_gather(g, 1, bufs[1], bufs[1], {.name = "activations"}); },
+      "member 1 issued all_gather 'activations' where another member issued all_reduce 'grads'");
+  EXPECT_ERROR([&] { matcher.all_reduce(g, 2, bufs[1], ReduceOp::sum); },
+               "issued by member 2: a member is its rank in the group, in [0, 2)");
+}
+
+TEST(CollectiveMatcher, AMemberThatNeverIssuesIsNamedAndItsCollectiveCannotRun) {
+  Machine machine(1);
+  SharedMemoryCommunicator comm;
+  Buffers bufs(3, std::vector<float>(4));
+  rt::GraphBuilder b;
+  CollectiveMatcher matcher(b, comm);
+  const ProcessGroup g = first_devices(3);
+  matcher.all_reduce(g, 0, bufs[0], ReduceOp::sum, {.name = "loss"});
+  matcher.all_reduce(g, 2, bufs[2], ReduceOp::sum, {.name = "loss"});
+  ASSERT_EQ(matcher.open_collectives().size(), 1u);
+  EXPECT_PRED_FORMAT2(::testing::IsSubstring, "members 0, 2 of 3 issued it",
+                      matcher.open_collectives()[0]);
+  try {
+    matcher.finish();
+    ADD_FAILURE() << "expected finish() to refuse the open collective";
+  } catch (const std::logic_error& e) {
+    EXPECT_PRED_FORMAT2(::testing::IsSubstring, "all_reduce 'loss' over group 'g'", e.what());
+  }
+  // A graph holding only some members (the others built elsewhere) builds, but the shared
+  // memory backend cannot run its open collective: the run fails naming it.
+  try {
+    machine.run(b);
+    ADD_FAILURE() << "expected the run to fail";
+  } catch (const rt::TaskError& e) {
+    EXPECT_PRED_FORMAT2(::testing::IsSubstring, "never issued", e.what());
+  }
 }
 
 }  // namespace

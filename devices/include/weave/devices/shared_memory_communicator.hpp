@@ -13,34 +13,7 @@ namespace weave::devices {
 
 class SharedMemoryCommunicator final : public Communicator {
  public:
-  MemberTasks all_reduce(rt::GraphBuilder& graph, const ProcessGroup& group,
-                         std::span<const std::span<float>> buffers, ReduceOp op,
-                         const CollectiveOptions& options = {}) override;
-  MemberTasks all_gather(rt::GraphBuilder& graph, const ProcessGroup& group,
-                         std::span<const std::span<const float>> inputs,
-                         std::span<const std::span<float>> outputs,
-                         const CollectiveOptions& options = {}) override;
-  MemberTasks reduce_scatter(rt::GraphBuilder& graph, const ProcessGroup& group,
-                             std::span<const std::span<const float>> inputs,
-                             std::span<const std::span<float>> outputs, ReduceOp op,
-                             const CollectiveOptions& options = {}) override;
-  MemberTasks all_to_all(rt::GraphBuilder& graph, const ProcessGroup& group,
-                         std::span<const std::span<const float>> inputs,
-                         std::span<const std::span<float>> outputs,
-                         const CollectiveOptions& options = {}) override;
-  MemberTasks all_to_all_v(rt::GraphBuilder& graph, const ProcessGroup& group,
-                           std::span<const VariableAllToAllBuffers> buffers,
-                           std::int64_t row_elements,
-                           const CollectiveOptions& options = {}) override;
-  MemberTasks broadcast(rt::GraphBuilder& graph, const ProcessGroup& group,
-                        std::span<const std::span<float>> buffers, int root,
-                        const CollectiveOptions& options = {}) override;
-  std::pair<rt::TaskId, rt::TaskId> send_recv(rt::GraphBuilder& graph, rt::DeviceId from,
-                                              std::span<const float> data, rt::DeviceId to,
-                                              std::span<float> into,
-                                              const CollectiveOptions& options = {}) override;
-  MemberTasks barrier(rt::GraphBuilder& graph, const ProcessGroup& group,
-                      const CollectiveOptions& options = {}) override;
+  MemberWork plan(const Collective& collective) override;
 };
 
 }  // namespace weave::devices

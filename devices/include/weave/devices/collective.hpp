@@ -1,0 +1,79 @@
+// A collective as a backend sees it: the operation, the group and every member's buffers, known
+// once the last member has issued its side (see CollectiveMatcher). The backend turns it into
+// the work each member's task does; the graph wiring (tasks, streams, rendezvous, cost hints) is
+// the matcher's, the same for every backend.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "weave/devices/process_group.hpp"
+#include "weave/runtime/task_context.hpp"
+
+namespace weave::devices {
+
+enum class ReduceOp { sum, max };
+
+enum class CollectiveOp : std::uint8_t {
+  all_reduce,
+  all_gather,
+  reduce_scatter,
+  all_to_all,
+  all_to_all_v,
+  broadcast,
+  send_recv,
+  barrier,
+};
+std::string_view to_string(CollectiveOp op);
+
+// One rank's side of an all-to-all whose split sizes are known only at run time (MoE dispatch).
+// Counts are in rows of `row_elements` floats. An earlier task of the graph fills *send_counts
+// with one entry per rank: the rows for each destination, stored in `send` grouped by
+// destination in rank order. The collective writes recv_counts (one entry per rank, checked
+// when the graph is built): the rows received from each source, stored in `recv` in rank order.
+// send and recv are capacities; the task fails if the counts need more.
+struct VariableAllToAllBuffers {
+  std::span<const float> send;
+  const std::vector<std::int64_t>* send_counts = nullptr;
+  std::span<float> recv;
+  std::span<std::int64_t> recv_counts;
+  // The rows this member expects to send in all, for the cost hint a replay without kernels
+  // uses (0: its whole send buffer). Once run, a member is timed by its real split.
+  std::int64_t expected_rows = 0;
+};
+
+// One member's buffers. all_reduce and broadcast work in place on `output`; all_gather,
+// reduce_scatter and all_to_all read `input` and write `output`; all_to_all_v uses `variable`;
+// send_recv's sender (member 0) reads `input` and its receiver (member 1) writes `output`;
+// barrier has none.
+struct CollectiveMember {
+  std::span<const float> input;
+  std::span<float> output;
+  VariableAllToAllBuffers variable;
+};
+
+struct Collective {
+  CollectiveOp op = CollectiveOp::barrier;
+  ProcessGroup group;
+  ReduceOp reduce = ReduceOp::sum;        // all_reduce, reduce_scatter
+  int root = 0;                           // broadcast: the root's rank in the group
+  std::int64_t row_elements = 0;          // all_to_all_v
+  std::vector<CollectiveMember> members;  // by rank in the group
+  std::string name;                       // the member tasks' name prefix
+};
+
+// Member r's share of a collective's transfer, run by member r's task once every member has
+// arrived (the rendezvous). Empty: the members only meet.
+using MemberWork = std::function<void(int member, rt::TaskContext& context)>;
+
+// What one member's task costs the link model and the virtual clock: the bytes that member
+// moves in the ring (NCCL-style) algorithm for its op, and the latency terms it pays, from its
+// own buffers and the group's size alone (a member's cost is known when it issues).
+rt::CostHint member_cost(CollectiveOp op, int group_size, int member, int root,
+                         const CollectiveMember& buffers, std::int64_t row_elements);
+
+}  // namespace weave::devices

@@ -1,0 +1,86 @@
+// The cost hints of collective members: the ring algorithm's bytes per member and its latency
+// terms, the same for every backend.
+#include <bit>
+#include <string_view>
+
+#include "weave/devices/collective.hpp"
+
+namespace weave::devices {
+
+namespace {
+
+constexpr double bytes_of(std::size_t elements) {
+  return static_cast<double>(elements * sizeof(float));
+}
+
+// The ring algorithm's per-member volume: (n-1)/n of `bytes`.
+double ring_share(int n, double bytes) {
+  return static_cast<double>(n - 1) / n * bytes;
+}
+
+// A cost that only groups of more than one member pay.
+rt::CostHint group_cost(int n, double bytes, int messages) {
+  if (n <= 1) return {};
+  return {.bytes = bytes, .messages = static_cast<std::uint32_t>(messages)};
+}
+
+}  // namespace
+
+std::string_view to_string(CollectiveOp op) {
+  switch (op) {
+    case CollectiveOp::all_reduce:
+      return "all_reduce";
+    case CollectiveOp::all_gather:
+      return "all_gather";
+    case CollectiveOp::reduce_scatter:
+      return "reduce_scatter";
+    case CollectiveOp::all_to_all:
+      return "all_to_all";
+    case CollectiveOp::all_to_all_v:
+      return "all_to_all_v";
+    case CollectiveOp::broadcast:
+      return "broadcast";
+    case CollectiveOp::send_recv:
+      return "send_recv";
+    case CollectiveOp::barrier:
+      return "barrier";
+  }
+  return "collective";
+}
+
+rt::CostHint member_cost(CollectiveOp op, int n, int member, int root,
+                         const CollectiveMember& buffers, std::int64_t row_elements) {
+  switch (op) {
+    case CollectiveOp::all_reduce:  // a reduce-scatter then an all-gather
+      return group_cost(n, 2 * ring_share(n, bytes_of(buffers.output.size())), 2 * (n - 1));
+    case CollectiveOp::all_gather:  // every member receives the n - 1 other shards
+      return group_cost(n, ring_share(n, bytes_of(buffers.input.size() * n)), n - 1);
+    case CollectiveOp::reduce_scatter:
+      return group_cost(n, ring_share(n, bytes_of(buffers.output.size() * n)), n - 1);
+    case CollectiveOp::all_to_all:
+      return group_cost(n, ring_share(n, bytes_of(buffers.input.size())), n - 1);
+    case CollectiveOp::all_to_all_v: {
+      // The split is unknown until run time: the hint costs the member's expected rows (or its
+      // whole send buffer) spread evenly over the ranks; the member reports the real split.
+      const VariableAllToAllBuffers& v = buffers.variable;
+      const std::size_t elements = v.expected_rows > 0
+                                       ? static_cast<std::size_t>(v.expected_rows * row_elements)
+                                       : v.send.size();
+      return {.bytes = n > 1 ? ring_share(n, bytes_of(elements)) : 0.0,
+              .messages = static_cast<std::uint32_t>(n - 1)};
+    }
+    case CollectiveOp::broadcast:  // a pipelined chain from the root: all but the last forward
+      if ((member - root + n) % n < n - 1)
+        return {.bytes = bytes_of(buffers.output.size()),
+                .messages = static_cast<std::uint32_t>(n - 1)};
+      return {};
+    case CollectiveOp::send_recv:  // the sender pays the transfer
+      if (member == 0) return {.bytes = bytes_of(buffers.input.size()), .messages = 1};
+      return {};
+    case CollectiveOp::barrier:  // a dissemination barrier: ceil(log2 n) rounds of messages
+      return group_cost(n, 0.0, std::bit_width(static_cast<unsigned>(n - 1)));
+  }
+  return {};
+}
+
+}  // namespace weave::devices

@@ -1,0 +1,236 @@
+#include "weave/devices/collective_matcher.hpp"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <stdexcept>
+
+namespace weave::devices {
+
+// A collective some members have issued: their tasks exist; the work is bound when the last
+// member issues.
+struct CollectiveMatcher::Pending {
+  explicit Pending(Collective c) : collective(std::move(c)) {}
+  Collective collective;
+  std::vector<rt::TaskId> tasks;  // by member; kNoTask until it issues
+  std::vector<bool> issued;
+  int count = 0;
+  // Shared with the member tasks, which run it; empty until the collective is complete.
+  std::shared_ptr<MemberWork> work = std::make_shared<MemberWork>();
+  std::shared_ptr<bool> complete = std::make_shared<bool>(false);
+};
+
+namespace {
+
+// Groups are told apart by name and devices: two groups of one name are different groups.
+std::string group_key(const ProcessGroup& group) {
+  return fmt::format("{}({})", group.name(), fmt::join(group.devices(), ","));
+}
+
+std::string task_prefix(CollectiveOp op, const ProcessGroup& group,
+                        const CollectiveOptions& options) {
+  return options.name.empty() ? fmt::format("{}:{}", to_string(op), group.name())
+                              : std::string(options.name);
+}
+
+}  // namespace
+
+CollectiveMatcher::CollectiveMatcher(rt::GraphBuilder& graph, Communicator& backend)
+    : graph_(graph), backend_(backend) {}
+
+CollectiveMatcher::~CollectiveMatcher() = default;
+
+rt::TaskId CollectiveMatcher::issue(CollectiveOp op, const ProcessGroup& group, int member,
+                                    CollectiveMember buffers, ReduceOp reduce, int root,
+                                    std::int64_t row_elements, const CollectiveOptions& options) {
+  const int n = group.size();
+  if (member < 0 || member >= n)
+    throw std::invalid_argument(
+        fmt::format("{} over group '{}' of {} ranks issued by member {}: a member is its rank "
+                    "in the group, in [0, {})",
+                    to_string(op), group.name(), n, member, n));
+  const std::string key = group_key(group);
+  const std::uint64_t sequence = issued_[{key, member}]++;
+  auto& slot = pending_[{key, sequence}];
+  const std::string prefix = task_prefix(op, group, options);
+  if (!slot) {
+    slot = std::make_unique<Pending>(
+        Collective{.op = op,
+                   .group = group,
+                   .reduce = reduce,
+                   .root = root,
+                   .row_elements = row_elements,
+                   .members = std::vector<CollectiveMember>(static_cast<std::size_t>(n)),
+                   .name = prefix});
+    slot->tasks.assign(static_cast<std::size_t>(n), rt::kNoTask);
+    slot->issued.assign(static_cast<std::size_t>(n), false);
+  }
+  Pending& p = *slot;
+  const Collective& c = p.collective;
+  if (c.op != op || c.name != prefix || c.reduce != reduce || c.root != root ||
+      c.row_elements != row_elements)
+    throw std::invalid_argument(fmt::format(
+        "collective {} over group '{}': member {} issued {} '{}' where another member issued {} "
+        "'{}'; every member of a group must issue the same collectives in the same order",
+        sequence, group.name(), member, to_string(op), prefix, to_string(c.op), c.name));
+  p.collective.members[static_cast<std::size_t>(member)] = buffers;
+  const rt::TaskId task = graph_.add(
+      {.device = group.device(member),
+       .stream = graph_.stream(options.stream),
+       .kind = rt::TaskKind::comm,
+       .name = fmt::format("{}[{}]", prefix, member),
+       .tags = options.tags,
+       .cost = member_cost(op, n, member, root, buffers, row_elements)},
+      [work = p.work, complete = p.complete, member, name = prefix](rt::TaskContext& context) {
+        if (!*complete)
+          throw std::logic_error(fmt::format(
+              "collective '{}' runs with members that were never issued in this graph", name));
+        if (*work) (*work)(member, context);
+      });
+  p.tasks[static_cast<std::size_t>(member)] = task;
+  p.issued[static_cast<std::size_t>(member)] = true;
+  if (++p.count == n) {
+    complete(p);
+    pending_.erase({key, sequence});
+  }
+  return task;
+}
+
+void CollectiveMatcher::complete(Pending& p) {
+  *p.work = backend_.plan(p.collective);
+  *p.complete = true;
+  graph_.rendezvous(p.collective.name, p.tasks);
+}
+
+Communicator::MemberTasks CollectiveMatcher::issue_whole(Collective c,
+                                                         const CollectiveOptions& options) {
+  const int n = c.group.size();
+  if (c.members.size() != static_cast<std::size_t>(n))
+    throw std::invalid_argument(fmt::format("{} over group '{}' of {} ranks got {} members",
+                                            to_string(c.op), c.group.name(), n, c.members.size()));
+  c.name = task_prefix(c.op, c.group, options);
+  // Planned before any task exists: a refused collective leaves the graph as it was.
+  auto work = std::make_shared<MemberWork>(backend_.plan(c));
+  const std::string key = group_key(c.group);
+  Communicator::MemberTasks ids;
+  ids.reserve(static_cast<std::size_t>(n));
+  for (int r = 0; r < n; ++r) {
+    if (pending_.count({key, issued_[{key, r}]}) != 0)
+      throw std::logic_error(fmt::format(
+          "{} over group '{}' issued whole while member {} still has a collective of that group "
+          "open",
+          to_string(c.op), c.group.name(), r));
+    ++issued_[{key, r}];
+    rt::TaskFn fn;
+    if (*work) fn = [work, r](rt::TaskContext& context) { (*work)(r, context); };
+    ids.push_back(
+        graph_.add({.device = c.group.device(r),
+                    .stream = graph_.stream(options.stream),
+                    .kind = rt::TaskKind::comm,
+                    .name = fmt::format("{}[{}]", c.name, r),
+                    .tags = options.tags,
+                    .cost = member_cost(c.op, n, r, c.root, c.members[static_cast<std::size_t>(r)],
+                                        c.row_elements)},
+                   std::move(fn)));
+  }
+  graph_.rendezvous(c.name, ids);
+  return ids;
+}
+
+rt::TaskId CollectiveMatcher::all_reduce(const ProcessGroup& group, int member,
+                                         std::span<float> buffer, ReduceOp op,
+                                         const CollectiveOptions& options) {
+  return issue(CollectiveOp::all_reduce, group, member, {.output = buffer}, op, 0, 0, options);
+}
+
+rt::TaskId CollectiveMatcher::all_gather(const ProcessGroup& group, int member,
+                                         std::span<const float> input, std::span<float> output,
+                                         const CollectiveOptions& options) {
+  return issue(CollectiveOp::all_gather, group, member, {.input = input, .output = output},
+               ReduceOp::sum, 0, 0, options);
+}
+
+rt::TaskId CollectiveMatcher::reduce_scatter(const ProcessGroup& group, int member,
+                                             std::span<const float> input, std::span<float> output,
+                                             ReduceOp op, const CollectiveOptions& options) {
+  return issue(CollectiveOp::reduce_scatter, group, member, {.input = input, .output = output}, op,
+               0, 0, options);
+}
+
+rt::TaskId CollectiveMatcher::all_to_all(const ProcessGroup& group, int member,
+                                         std::span<const float> input, std::span<float> output,
+                                         const CollectiveOptions& options) {
+  return issue(CollectiveOp::all_to_all, group, member, {.input = input, .output = output},
+               ReduceOp::sum, 0, 0, options);
+}
+
+rt::TaskId CollectiveMatcher::all_to_all_v(const ProcessGroup& group, int member,
+                                           const VariableAllToAllBuffers& buffers,
+                                           std::int64_t row_elements,
+                                           const CollectiveOptions& options) {
+  return issue(CollectiveOp::all_to_all_v, group, member, {.variable = buffers}, ReduceOp::sum, 0,
+               row_elements, options);
+}
+
+rt::TaskId CollectiveMatcher::broadcast(const ProcessGroup& group, int member,
+                                        std::span<float> buffer, int root,
+                                        const CollectiveOptions& options) {
+  return issue(CollectiveOp::broadcast, group, member, {.output = buffer}, ReduceOp::sum, root, 0,
+               options);
+}
+
+rt::TaskId CollectiveMatcher::barrier(const ProcessGroup& group, int member,
+                                      const CollectiveOptions& options) {
+  return issue(CollectiveOp::barrier, group, member, {}, ReduceOp::sum, 0, 0, options);
+}
+
+namespace {
+
+ProcessGroup transfer_pair(rt::DeviceId from, rt::DeviceId to) {
+  if (from == to)
+    throw std::invalid_argument(fmt::format(
+        "send_recv from device {} to itself: a transfer needs two devices; copy within the "
+        "device instead",
+        from));
+  return ProcessGroup(fmt::format("{}->{}", from, to), {from, to});
+}
+
+}  // namespace
+
+rt::TaskId CollectiveMatcher::send(rt::DeviceId from, rt::DeviceId to, std::span<const float> data,
+                                   const CollectiveOptions& options) {
+  return issue(CollectiveOp::send_recv, transfer_pair(from, to), 0, {.input = data}, ReduceOp::sum,
+               0, 0, options);
+}
+
+rt::TaskId CollectiveMatcher::receive(rt::DeviceId from, rt::DeviceId to, std::span<float> into,
+                                      const CollectiveOptions& options) {
+  return issue(CollectiveOp::send_recv, transfer_pair(from, to), 1, {.output = into}, ReduceOp::sum,
+               0, 0, options);
+}
+
+std::vector<std::string> CollectiveMatcher::open_collectives() const {
+  std::vector<std::string> out;
+  for (const auto& [key, p] : pending_) {
+    std::vector<int> issued;
+    for (int r = 0; r < p->collective.group.size(); ++r)
+      if (p->issued[static_cast<std::size_t>(r)]) issued.push_back(r);
+    out.push_back(
+        fmt::format("{} '{}' over group '{}' (collective {} of the group): members {} "
+                    "of {} issued it",
+                    to_string(p->collective.op), p->collective.name, p->collective.group.name(),
+                    key.second, fmt::join(issued, ", "), p->collective.group.size()));
+  }
+  return out;
+}
+
+void CollectiveMatcher::finish() const {
+  const std::vector<std::string> open = open_collectives();
+  if (open.empty()) return;
+  throw std::logic_error(fmt::format(
+      "{} collective(s) were issued by some members of their group and not by others; every "
+      "member must issue the same collectives in the same order:\n  {}",
+      open.size(), fmt::join(open, "\n  ")));
+}
+
+}  // namespace weave::devices
