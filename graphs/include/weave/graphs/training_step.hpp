@@ -1,11 +1,18 @@
 // One training step of the GPT-MoE model as a single task graph over the mesh's devices:
 // forward and backward of every micro-batch (with pipeline parallelism, each stage's in its
 // schedule's order, activations and gradients moving between stages by send/recv), gradient
-// reductions, clipping and the optimizer step. Communication sits on each device's comm stream,
-// ordered against compute by explicit edges only where the data requires it, so the executor
-// overlaps the rest (a layer's gradient all-reduce runs while the backward of the layers below it
-// computes; a column-parallel linear's weight-gradient GEMM runs while its input gradient is being
-// reduce-scattered).
+// reductions, clipping and the optimizer step.
+//
+// The graph is the union of every rank's program: the step written once for one rank, which
+// sees only that rank's shard, buffers and tasks and meets its peers through collectives and
+// send/receive pairs. Each process group has its own communication stream on each of its
+// members (named by the group's kind: tp, cp, ep, edp, dp_cp, tp_cp, the pipeline's per direction
+// and sending stage, embedding, world), so collectives of different groups overlap and those of
+// one group keep their order; communication is ordered against compute by explicit edges only
+// where the data requires it (a layer's gradient all-reduce runs while the backward of the layers
+// below it computes; a column-parallel linear's weight-gradient GEMM runs while its input
+// gradient is being reduce-scattered). Every task's cost hint comes from the shapes it computes
+// on.
 //
 // The graph is built once and run every iteration; the host fills the micro-batches' tokens
 // and sets the learning rate between runs.
@@ -48,11 +55,20 @@ struct StepResult {
   std::int64_t dropped_picks = 0;
 };
 
+struct StepBuildOptions {
+  // The ranks whose programs are built (empty: every rank). A graph of some ranks holds their
+  // tasks only, exactly as they are in the whole step's graph; their collectives with ranks not
+  // built stay open (a backend that reaches the other ranks' processes runs them; the in-process
+  // one refuses to).
+  std::vector<int> ranks;
+};
+
 class TrainingStep {
  public:
   // plan must have passed validate(); devices.size() == plan.devices().
   TrainingStep(const ModelConfig& model, const ParallelPlan& plan, const OptimizerConfig& optimizer,
-               devices::DeviceSet& devices, devices::Communicator& comm);
+               devices::DeviceSet& devices, devices::Communicator& comm,
+               const StepBuildOptions& options = {});
   ~TrainingStep();
   TrainingStep(const TrainingStep&) = delete;
   TrainingStep& operator=(const TrainingStep&) = delete;
@@ -64,8 +80,11 @@ class TrainingStep {
   // Iteration number (from 1; keys dropout masks and AdamW's bias correction) and learning rate
   // for the next run.
   void prepare(std::int64_t iteration, double learning_rate);
-  // What the last run computed.
+  // What the last run computed, over the ranks built here.
   StepResult result() const;
+  // Whether rank `rank`'s program is built here.
+  bool holds(int rank) const;
+  // Throws std::out_of_range for a rank not built here.
   ModelShard& shard(int rank);
   // The activation sets rank `rank` holds: one chunk's activations for one micro-batch each, as
   // many per model chunk as the pipeline schedule has micro-batches of that chunk in flight at

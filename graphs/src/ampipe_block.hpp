@@ -1,0 +1,48 @@
+// Ampipe (--ampipe-degree N) on a MoE layer: input norm and QKV run on the whole sequence; from
+// the attention to the MoE combine the sequence is cut into N chunks of queries (keys and values
+// whole, the causal diagonal offset by the chunk's start), ordered so that a chunk's all-to-all
+// runs on the expert group's stream while another chunk computes:
+//   forward:  attention side of every chunk (attention, out-projection, residual, norm, router;
+//             dispatch launched), then every chunk's experts (combine launched), then every
+//             chunk's combine and residual;
+//   backward: the same passes over the chunks in reverse, with the mirrored all-to-alls.
+// Under SP a chunk is one piece of every tp rank's shard (StepShape::piece_rows); under context
+// parallelism (degree 2) the chunks are a rank's two load-balanced halves: chunk 0's attention
+// runs the ring and keeps every key/value block it brings (by owner), so chunk 1 attends to them
+// all without communication while chunk 0's dispatch runs; in backward both chunks add their
+// key/value gradients to per-owner blocks, which one all-to-all sends home.
+#pragma once
+
+#include <functional>
+
+#include "rank_program.hpp"
+#include "weight_halves.hpp"
+
+namespace weave::graphs {
+
+class AmpipeBlock {
+ public:
+  AmpipeBlock(RankProgram& rank, int layer) : P(&rank), l(layer) {}
+
+  TaskId forward(const BuildPosition& pos, TaskId ready) const;
+  TaskId backward(const BuildPosition& pos, TaskId ready, WeightHalves& halves, bool last) const;
+
+ private:
+  // Under CP: chunk c's attention after the QKV task; `finish` (its projection, residual and
+  // norm) ends the last task.
+  TaskId ring_attention(const BuildPosition& pos, int c, TaskId qkv,
+                        std::function<void()> finish) const;
+  // Every rank's gradient of block o goes to rank o in one all-to-all over the cp group; each
+  // rank sums what came into dring[cp % 2], where the QKV backward takes its block's gradient.
+  TaskId send_block_gradients_home(const BuildPosition& pos, TaskId ready) const;
+  RankProgram* P;
+  int l;
+};
+
+// Under CP: owner o's key/value block in this rank's store (layer l, set `set`).
+Tensor kv_block(RankProgram& P, int set, int l, int owner);
+// Chunk c's attention backward against every stored block (after its projection's backward
+// into d_attn): dq into d_qkv, each block's dk and dv into dkv_send at its owner.
+void ampipe_ring_attention_backward(RankProgram& P, int set, int l, int c);
+
+}  // namespace weave::graphs

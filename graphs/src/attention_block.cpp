@@ -1,0 +1,208 @@
+#include "attention_block.hpp"
+
+#include "gradient_buckets.hpp"
+#include "ring_attention.hpp"
+#include "step_costs.hpp"
+#include "weave/ops/attention.hpp"
+#include "weave/ops/elementwise.hpp"
+#include "weave/ops/linear.hpp"
+#include "weave/ops/normalization.hpp"
+
+namespace weave::graphs {
+
+TaskId reduce_partial(RankProgram& P, TaskId ready, const Tensor& full, const Tensor& shard,
+                      const std::string& name, rt::TaskTags tags) {
+  if (P.shape.sp()) return P.tensor.reduce_scatter(ready, read_of(full), all_of(shard), name, tags);
+  return P.tensor.all_reduce(ready, all_of(full), devices::ReduceOp::sum, name, tags);
+}
+
+TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) const {
+  RankProgram* p = P;
+  const int layer = l, set = pos.set;
+  const StepShape& z = P->shape;
+  const std::int64_t Sc = z.Sc, B = z.B, Hl = z.Hl, d = z.d, cp = z.cp;
+  const double eps = z.model.layernorm_epsilon;
+  const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
+  const std::string at = fmt::format("L{}.", l);
+  const TaskId ln1 = P->compute(at + "input_norm", tags, 0, [p, layer, set, eps] {
+    LayerActivations& A = p->acts(set, layer);
+    const LayerShard& W = p->layer(layer);
+    ops::layer_norm_forward(A.x_in, W.ln1_weight->value, W.ln1_bias->value, eps, A.ln1, A.ln1_mean,
+                            A.ln1_rstd);
+  });
+  P->after(ready, ln1);
+  LayerActivations& A = P->acts(set, layer);
+  TaskId gathered = rt::kNoTask;
+  if (z.sp())
+    gathered =
+        P->tensor.all_gather(ln1, read_of(A.ln1), all_of(A.ln1_full), at + "sp_gather", tags);
+  const TaskId qkv = P->compute(at + "qkv", tags, cost::qkv(z), [=] {
+    LayerActivations& A = p->acts(set, layer);
+    const LayerShard& W = p->layer(layer);
+    ops::linear_forward(A.ln1_full, W.qkv_weight->value, W.qkv_bias->value,
+                        A.qkv.reshape({Sc, B, 3 * Hl * d}));
+    if (cp > 1) {  // keys and values, contiguous: the block this rank sends round the ring
+      A.kv_local.slice(3, 0, d).copy_from(A.qkv.slice(3, d, d));
+      A.kv_local.slice(3, d, d).copy_from(A.qkv.slice(3, 2 * d, d));
+    }
+  });
+  P->after(gathered, qkv);
+  return qkv;
+}
+
+TaskId AttentionBlock::forward(const BuildPosition& pos, TaskId ready) const {
+  RankProgram* p = P;
+  const int layer = l, set = pos.set;
+  const StepShape& z = P->shape;
+  const std::int64_t Sc = z.Sc, B = z.B, Hl = z.Hl, d = z.d;
+  const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
+  const std::string at = fmt::format("L{}.", l);
+  const TaskId qkv = forward_input(pos, ready);
+  TaskId attention;
+  if (z.cp == 1) {
+    attention =
+        P->compute(at + "attention", tags, cost::causal_attention(z) + cost::projection(z), [=] {
+          LayerActivations& A = p->acts(set, layer);
+          ops::attention_forward({}, head_view(A.qkv, d, 0), head_view(A.qkv, d, 1),
+                                 head_view(A.qkv, d, 2), A.attn.transpose(0, 1),
+                                 A.lse.reshape({B, Hl, Sc}));
+          ops::linear_forward(A.attn.reshape({Sc, B, Hl * d}), p->layer(layer).proj_weight->value,
+                              Tensor{}, A.proj_partial);
+        });
+    P->after(qkv, attention);
+  } else {
+    attention = RingAttention(*P, l).forward(pos, qkv);
+  }
+  LayerActivations& A = P->acts(set, layer);
+  const TaskId reduced =
+      reduce_partial(*P, attention, A.proj_partial, A.proj_out, at + "attention_reduce", tags);
+  return reduced != rt::kNoTask ? reduced : attention;
+}
+
+TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHalves& halves,
+                                bool last, WeightPlacement qkv_weights) const {
+  RankProgram* p = P;
+  const int layer = l, set = pos.set;
+  const StepShape& z = P->shape;
+  const std::int64_t Sc = z.Sc, B = z.B, Hl = z.Hl, d = z.d, cp = z.cp;
+  const bool sp = z.sp();
+  const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
+  const std::string at = fmt::format("L{}.", l);
+  BackwardWorkspace& w = P->ws();
+  TaskId gathered = rt::kNoTask;
+  if (sp)
+    gathered = P->tensor.all_gather(ready, read_of(w.d_mlp), all_of(w.d_mlp_full),
+                                    at + "attention_grad_gather", tags);
+  const bool keep = halves.zero_bubble();
+  const double flops =
+      (keep ? 1 : 2) * cost::projection(z) + (cp == 1 ? cost::causal_attention_backward(z) : 0.0);
+  const TaskId attention = P->compute(at + "attention_backward", tags, flops, [=] {
+    LayerActivations& A = p->acts(set, layer);
+    BackwardWorkspace& w = p->ws();
+    const LayerShard& W = p->layer(layer);
+    const Tensor d_proj = sp ? w.d_mlp_full : w.d_mlp;
+    ops::linear_backward_input(d_proj, W.proj_weight->value, w.d_attn);
+    if (keep)
+      A.saved_d_proj.copy_from(d_proj);
+    else  // the projection's weight half, folded in: nothing would overlap it
+      ops::linear_backward_weight(A.attn.reshape({Sc, B, Hl * d}), d_proj, W.proj_weight->grad,
+                                  Tensor{});
+    w.d_qkv.fill(0.f);  // attention accumulates dk and dv
+    if (cp == 1)
+      ops::attention_backward(
+          {}, head_view(A.qkv, d, 0), head_view(A.qkv, d, 1), head_view(A.qkv, d, 2),
+          A.attn.transpose(0, 1), A.lse.reshape({B, Hl, Sc}),
+          w.d_attn.reshape({Sc, B, Hl, d}).transpose(0, 1), head_view(w.d_qkv, d, 0),
+          head_view(w.d_qkv, d, 1), head_view(w.d_qkv, d, 2));
+  });
+  P->after(gathered, attention);
+  if (keep)
+    halves.place(WeightPlacement::zero_bubble, [=] {
+      return p->compute(at + "attention_weight_grad", pos.tags(rt::Phase::weight, layer),
+                        cost::projection(z), [=] {
+                          LayerActivations& A = p->acts(set, layer);
+                          ops::linear_backward_weight(A.attn.reshape({Sc, B, Hl * d}),
+                                                      A.saved_d_proj,
+                                                      p->layer(layer).proj_weight->grad, Tensor{});
+                        });
+    });
+  TaskId kv_grads = attention;
+  if (cp > 1) kv_grads = RingAttention(*P, l).backward(pos, attention);
+  return backward_input(pos, kv_grads, halves, last, qkv_weights);
+}
+
+TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, WeightHalves& halves,
+                                      bool last, WeightPlacement qkv_weights) const {
+  RankProgram* p = P;
+  const int layer = l, set = pos.set;
+  const StepShape& z = P->shape;
+  const std::int64_t Sc = z.Sc, B = z.B, Hl = z.Hl, d = z.d, cp = z.cp;
+  const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
+  const std::string at = fmt::format("L{}.", l);
+  const bool keep = halves.zero_bubble();
+  const TaskId qkv_in = P->compute(at + "qkv_backward", tags, cost::qkv(z), [=] {
+    BackwardWorkspace& w = p->ws();
+    if (cp > 1) {  // the block's gradients came home with the last turn of the ring
+      const Tensor& home = w.dring[cp % 2];
+      w.d_qkv.slice(3, d, d).copy_from(home.slice(3, 0, d));
+      w.d_qkv.slice(3, 2 * d, d).copy_from(home.slice(3, d, d));
+    }
+    ops::linear_backward_input(w.d_qkv.reshape({Sc, B, 3 * Hl * d}),
+                               p->layer(layer).qkv_weight->value, w.d_norm_full);
+    if (keep) p->acts(set, layer).saved_d_qkv.copy_from(w.d_qkv.reshape({Sc, B, 3 * Hl * d}));
+  });
+  P->after(ready, qkv_in);
+  BackwardWorkspace& w = P->ws();
+  const TaskId reduced =
+      reduce_partial(*P, qkv_in, w.d_norm_full, w.d_norm, at + "attention_grad_reduce", tags);
+  // The QKV weight half: from the saved output gradient when it waits for W, from the
+  // workspace otherwise (it runs before the layer below reuses it).
+  const WeightHalf weight_half = [=] {
+    const rt::TaskTags t = pos.tags(keep ? rt::Phase::weight : rt::Phase::backward, layer);
+    return p->compute(at + "qkv_weight_grad", t, cost::qkv(z), [=] {
+      LayerActivations& A = p->acts(set, layer);
+      const LayerShard& W = p->layer(layer);
+      const Tensor d_out = keep ? A.saved_d_qkv : p->ws().d_qkv.reshape({Sc, B, 3 * Hl * d});
+      ops::linear_backward_weight(A.ln1_full, d_out, W.qkv_weight->grad, W.qkv_bias->grad);
+    });
+  };
+  TaskId norm_ready = reduced;
+  switch (qkv_weights) {
+    case WeightPlacement::zero_bubble:
+      halves.place(qkv_weights, weight_half);
+      if (reduced == rt::kNoTask) norm_ready = qkv_in;
+      break;
+    case WeightPlacement::immediate: {
+      // Runs while the input gradient is reduced over tp.
+      const TaskId weights = halves.place(qkv_weights, weight_half);
+      if (reduced == rt::kNoTask) norm_ready = weights;
+      break;
+    }
+    case WeightPlacement::deferred:
+      norm_ready = qkv_in;
+      break;
+  }
+  const TaskId ln1 = P->compute(at + "input_norm_backward", tags, 0, [=] {
+    LayerActivations& A = p->acts(set, layer);
+    BackwardWorkspace& w = p->ws();
+    const LayerShard& W = p->layer(layer);
+    ops::layer_norm_backward(A.x_in, W.ln1_weight->value, A.ln1_mean, A.ln1_rstd, w.d_norm, w.d_tmp,
+                             W.ln1_weight->grad, W.ln1_bias->grad);
+    ops::accumulate(w.d_tmp, w.d_x);
+  });
+  P->after(norm_ready, ln1);
+  const std::string bucket = fmt::format("layers.{}.attention", l);
+  if (qkv_weights != WeightPlacement::deferred) {
+    if (last) reduce_buckets(*P, bucket, ln1);
+    return ln1;
+  }
+  // After ln1 on the compute stream, so the bucket's every gradient is in once it is done.
+  halves.place(WeightPlacement::deferred, [=] {
+    const TaskId weights = weight_half();
+    if (last) reduce_buckets(*p, bucket, weights);
+    return weights;
+  });
+  return ln1;
+}
+
+}  // namespace weave::graphs

@@ -1,0 +1,61 @@
+// The sizes of one training step, named once: every rank program reads them, none changes them.
+//
+//   S    the sequence                      Sc  a rank's part under context parallelism
+//   chunk  one of a cp rank's two halves   Sl  its part under sequence parallelism too
+//   B    micro-batch size                  h   hidden size        d   head dimension
+//   Hl   attention heads of a tp rank      f   ffn hidden size    fl  its tp rank's share
+//   f1l  the first MLP linear's local outputs (2 fl for SwiGLU)   Vl  vocabulary rows of a tp rank
+//   T    the tokens a rank routes through a MoE layer (Sc / tp x B)
+//   M    micro-batches a data-parallel rank runs per step
+#pragma once
+
+#include <cstdint>
+
+#include "weave/graphs/model_config.hpp"
+#include "weave/graphs/parallel_plan.hpp"
+
+namespace weave::graphs {
+
+struct StepShape {
+  StepShape(const ModelConfig& model, const ParallelPlan& plan);
+
+  ModelConfig model;
+  ParallelPlan plan;
+  int tp, t_sp, cp, ep, M, ampipe;
+  std::int64_t S, Sc, chunk, B, Sl, h, d, Hl, f, fl, f1l, Vl, T;
+  // Whether the schedule splits backwards into input and weight halves (zero-bubble): the
+  // activation sets then keep the output gradients the weight halves need.
+  bool splits_backward = false;
+
+  bool sp() const { return t_sp > 1; }
+  // The experts' hidden size times the first linear's outputs per hidden unit (SwiGLU: 2).
+  std::int64_t expert_f1() const { return model.activation == Activation::swiglu ? 2 * f : f; }
+  std::int64_t local_experts() const { return model.num_experts / ep; }
+  bool pipe_experts() const { return plan.pipe_experts && ep > 1; }
+  // Rows of h floats that hold one destination's per-local-expert counts in the dispatch.
+  std::int64_t header_rows() const { return (local_experts() + h - 1) / h; }
+  // The tokens one MoE slot routes: a rank's T, or one Ampipe chunk of them.
+  std::int64_t slot_tokens() const { return T / ampipe; }
+  // The picks an expert takes from one source's MoE slot (plan_dispatch's ceil(f n k / E)), or 0
+  // when dropless.
+  std::int64_t expert_capacity() const;
+  // Rows a rank's MoE slot may receive: dropless, every pick of every source's n tokens; with a
+  // capacity factor, at most each local expert's capacity from each source.
+  std::int64_t slot_capacity() const;
+
+  // Ampipe under SP: a chunk is one piece of piece_rows() rows in every tp rank's shard (the
+  // layout MindSpeed gets by permuting the sequence): local rows [c q, (c+1) q) on rank j are the
+  // sequence's rows [j Sl + c q, j Sl + (c+1) q). Without SP there is one piece, the chunk.
+  std::int64_t piece_rows() const { return Sl / ampipe; }
+  std::int64_t piece_start(int c, int j) const { return j * Sl + c * piece_rows(); }
+
+  // The global position of a context-parallel rank's local position s in [0, Sc): it holds
+  // chunks cp_rank and 2 cp - 1 - cp_rank of the 2 cp chunks, so causal work is even.
+  std::int64_t context_position(int cp_rank, std::int64_t s) const;
+  // The global position of row s of the [Sl, B, ...] activations of the rank at (tp, cp).
+  std::int64_t position(int tp_rank, int cp_rank, std::int64_t s) const {
+    return context_position(cp_rank, (sp() ? tp_rank * Sl : 0) + s);
+  }
+};
+
+}  // namespace weave::graphs

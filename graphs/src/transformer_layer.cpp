@@ -1,0 +1,88 @@
+#include "transformer_layer.hpp"
+
+#include "ampipe_block.hpp"
+#include "attention_block.hpp"
+#include "dense_mlp.hpp"
+#include "gradient_buckets.hpp"
+#include "moe_mlp.hpp"
+#include "weave/ops/elementwise.hpp"
+#include "weave/ops/normalization.hpp"
+
+namespace weave::graphs {
+
+TaskId TransformerLayer::forward(const BuildPosition& pos, TaskId ready) const {
+  const StepShape& z = P->shape;
+  const bool moe = z.model.is_moe_layer(l);
+  if (z.ampipe > 1 && moe) return AmpipeBlock(*P, l).forward(pos, ready);
+  RankProgram* p = P;
+  const int layer = l, set = pos.set, mb = pos.micro_batch;
+  const double eps = z.model.layernorm_epsilon;
+  const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
+  const std::string at = fmt::format("L{}.", l);
+  const TaskId attention = AttentionBlock(*P, l).forward(pos, ready);
+  const TaskId residual = P->compute(at + "attention_residual", tags, 0, [=] {
+    LayerActivations& A = p->acts(set, layer);
+    const LayerShard& W = p->layer(layer);
+    p->bias_dropout_add(mb, layer, 0, A.proj_out, W.proj_bias->value, A.x_in, A.x_mid);
+    ops::layer_norm_forward(A.x_mid, W.ln2_weight->value, W.ln2_bias->value, eps, A.ln2, A.ln2_mean,
+                            A.ln2_rstd);
+  });
+  P->after(attention, residual);
+  const TaskId mlp =
+      moe ? MoeMlp(*P, l).forward(pos, residual) : DenseMlp(*P, l).forward(pos, residual);
+  const TaskId out = P->compute(at + "mlp_residual", tags, 0, [=] {
+    LayerActivations& A = p->acts(set, layer);
+    const LayerShard& W = p->layer(layer);
+    if (!W.moe) {
+      p->bias_dropout_add(mb, layer, 1, A.mlp_out, W.fc2_bias->value, A.x_mid, A.x_out);
+    } else {
+      p->apply_dropout(false, mb, layer, 1, A.mlp_out, A.mlp_out);
+      ops::add(A.x_mid, A.mlp_out, A.x_out);
+    }
+  });
+  P->after(mlp, out);
+  return out;
+}
+
+TaskId TransformerLayer::backward(const BuildPosition& pos, TaskId ready, WeightHalves& halves,
+                                  bool last) const {
+  const StepShape& z = P->shape;
+  const bool moe = z.model.is_moe_layer(l);
+  if (z.ampipe > 1 && moe) return AmpipeBlock(*P, l).backward(pos, ready, halves, last);
+  RankProgram* p = P;
+  const int layer = l, set = pos.set, mb = pos.micro_batch;
+  const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
+  const std::string at = fmt::format("L{}.", l);
+  // d_x (the layer output's gradient) -> d_mlp; d_x_mid starts as d_x (the residual).
+  const TaskId residual = P->compute(at + "mlp_residual_backward", tags, 0, [=] {
+    BackwardWorkspace& w = p->ws();
+    w.d_x_mid.copy_from(w.d_x);
+    if (moe)
+      p->apply_dropout(true, mb, layer, 1, w.d_x, w.d_mlp);
+    else
+      p->bias_dropout_add_backward(mb, layer, 1, w.d_x, w.d_mlp, p->layer(layer).fc2_bias->grad);
+  });
+  P->after(ready, residual);
+  const TaskId mlp = moe ? MoeMlp(*P, l).backward(pos, residual, halves)
+                         : DenseMlp(*P, l).backward(pos, residual, halves);
+  const TaskId norm = P->compute(at + "mlp_norm_backward", tags, 0, [=] {
+    LayerActivations& A = p->acts(set, layer);
+    BackwardWorkspace& w = p->ws();
+    const LayerShard& W = p->layer(layer);
+    ops::layer_norm_backward(A.x_mid, W.ln2_weight->value, A.ln2_mean, A.ln2_rstd, w.d_norm,
+                             w.d_tmp, W.ln2_weight->grad, W.ln2_bias->grad);
+    ops::accumulate(w.d_tmp, w.d_x_mid);
+    // Attention half: d_x_mid -> d_proj_out (in d_mlp), and the residual's d_x.
+    w.d_x.copy_from(w.d_x_mid);
+    p->bias_dropout_add_backward(mb, layer, 0, w.d_x_mid, w.d_mlp, W.proj_bias->grad);
+  });
+  P->after(mlp, norm);
+  if (last) reduce_buckets(*P, fmt::format("layers.{}.mlp", l), norm);
+  // With tp or cp the QKV weight half overlaps the input gradient's reduction; with neither it
+  // waits for the layer below to launch its first all-to-all.
+  const WeightPlacement qkv_weights =
+      z.tp == 1 && z.cp == 1 ? halves.deferrable() : halves.immediate();
+  return AttentionBlock(*P, l).backward(pos, norm, halves, last, qkv_weights);
+}
+
+}  // namespace weave::graphs

@@ -1,0 +1,27 @@
+// A pre-norm transformer layer: x_mid = x + dropout(attention(norm1(x)) + bias), x_out = x_mid +
+// dropout(mlp(norm2(x_mid)) (+ bias)), with a dense or a MoE MLP, or, for a MoE layer under
+// Ampipe, the Ampipe block. The layer owns the residual connections and the MLP's norm; each
+// residual end shares a task with the norm that follows it.
+#pragma once
+
+#include "rank_program.hpp"
+#include "weight_halves.hpp"
+
+namespace weave::graphs {
+
+class TransformerLayer {
+ public:
+  TransformerLayer(RankProgram& rank, int layer) : P(&rank), l(layer) {}
+
+  // From the layer's input in x_in (after `ready`); returns the task after which x_out is.
+  TaskId forward(const BuildPosition& pos, TaskId ready) const;
+  // From x_out's gradient in the workspace's d_x (after `ready`), leaving x_in's there. `last`:
+  // the chunk's last backward of the step, after which the layer's buckets are reduced.
+  TaskId backward(const BuildPosition& pos, TaskId ready, WeightHalves& halves, bool last) const;
+
+ private:
+  RankProgram* P;
+  int l;
+};
+
+}  // namespace weave::graphs
