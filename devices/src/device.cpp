@@ -111,12 +111,22 @@ void* Device::allocate(std::size_t bytes, rt::MemoryCategory category) {
                                       id(), bytes, rt::to_string(category), numa_node()));
   }
   memory_.allocated(id(), category, static_cast<std::int64_t>(bytes));
+  allocated_.fetch_add(static_cast<std::int64_t>(bytes), std::memory_order_relaxed);
   return p;
+}
+
+void Device::reserve(std::size_t bytes, rt::MemoryCategory category) {
+  memory_.allocated(id(), category, static_cast<std::int64_t>(bytes));
+}
+
+void Device::unreserve(std::size_t bytes, rt::MemoryCategory category) {
+  memory_.released(id(), category, static_cast<std::int64_t>(bytes));
 }
 
 void Device::deallocate(void* pointer, std::size_t bytes, rt::MemoryCategory category) {
   if (!pointer) return;
   memory_.released(id(), category, static_cast<std::int64_t>(bytes));
+  allocated_.fetch_sub(static_cast<std::int64_t>(bytes), std::memory_order_relaxed);
   const std::size_t size =
       std::max<std::size_t>(kAlignment, (bytes + kAlignment - 1) / kAlignment * kAlignment);
   if (topology_.numa_nodes() > 1 && !topology_.is_synthetic()) {

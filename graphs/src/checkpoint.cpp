@@ -60,6 +60,16 @@ struct Entry {
 };
 
 std::vector<Entry> entries_of(TrainingStep& step) {
+  if (!step.materialized())
+    throw std::invalid_argument(
+        "a step built without tensors (StepBuildOptions::materialize = false) has no values to "
+        "save or load; build it with tensors");
+  for (int r = 0; r < step.mesh().size(); ++r)
+    if (!step.holds(r))
+      throw std::invalid_argument(fmt::format(
+          "a checkpoint holds every rank's shard and rank {} is not built in this step; build "
+          "every rank (StepBuildOptions::ranks empty)",
+          r));
   std::vector<Entry> out;
   for (int r = 0; r < step.mesh().size(); ++r) {
     for (Parameter& p : step.shard(r).parameters())

@@ -20,10 +20,9 @@ void reduce_buckets(RankProgram& P, const std::string& point, TaskId after) {
       continue;
     }
     // Distributed optimizer: each replica receives only its shard, reduced.
-    replicas.reduce_scatter(
-        ready, read_of(bucket.grads),
-        {bucket.grads.data() + bucket.shard_begin, static_cast<std::size_t>(bucket.shard_size)},
-        bucket.name + ".dp", tags);
+    replicas.reduce_scatter(ready, read_of(bucket.grads),
+                            all_of(bucket.grads.slice(0, bucket.shard_begin, bucket.shard_size)),
+                            bucket.name + ".dp", tags);
   }
 }
 

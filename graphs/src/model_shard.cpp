@@ -45,7 +45,8 @@ Parameter& ModelShard::add(std::string name, const ops::Shape& local, std::int64
   }
   Parameter& p = parameters_.emplace_back();
   p.name = std::move(name);
-  p.value = ops::Tensor::empty(local);  // initialised here, then moved into its bucket
+  // Initialised here, then moved into its bucket; only a shape without tensors.
+  p.value = materialize_ ? ops::Tensor::empty(local) : ops::Tensor::shape_only(local);
   p.bucket = current_bucket_;
   p.logical_rows = logical_rows;
   p.logical_cols = logical_cols;
@@ -56,6 +57,7 @@ Parameter& ModelShard::add(std::string name, const ops::Shape& local, std::int64
     throw std::logic_error(fmt::format("parameter {}: {} row mappings for {} local rows", p.name,
                                        p.row_map.size(), rows));
   // The parameter's index in the model is its random stream: the same on every device.
+  if (!materialize_) return p;
   const ops::RandomKey key{.seed = config_.seed, .layer = index, .site = 0};
   float* v = p.value.data();
   for (std::int64_t r = 0; r < rows; ++r)
@@ -67,8 +69,8 @@ Parameter& ModelShard::add(std::string name, const ops::Shape& local, std::int64
 }
 
 ModelShard::ModelShard(const ModelConfig& m, const Mesh& mesh, int rank, devices::Device& device,
-                       StageContents contents)
-    : config_(m), device_(device), contents_(std::move(contents)) {
+                       StageContents contents, bool materialize)
+    : config_(m), device_(device), contents_(std::move(contents)), materialize_(materialize) {
   if (!contents_.layers.empty() && static_cast<int>(contents_.layers.size()) != m.num_layers)
     throw std::logic_error(fmt::format("stage contents list {} layers of a {}-layer model",
                                        contents_.layers.size(), m.num_layers));
@@ -202,13 +204,17 @@ ModelShard::ModelShard(const ModelConfig& m, const Mesh& mesh, int rank, devices
       // Padded so that every replica's shard is equal (and a whole number of cache lines).
       const std::int64_t quantum = 16 * bucket.replicas;
       const std::int64_t padded = (total + quantum - 1) / quantum * quantum;
-      bucket.values = ops::Tensor::zeros({padded}, device_, rt::MemoryCategory::parameters);
-      bucket.grads = ops::Tensor::zeros({padded}, device_, rt::MemoryCategory::gradients);
+      auto zeros = [this](std::int64_t n, rt::MemoryCategory category) {
+        return materialize_ ? ops::Tensor::zeros({n}, device_, category)
+                            : ops::Tensor::shape_only({n}, device_, category);
+      };
+      bucket.values = zeros(padded, rt::MemoryCategory::parameters);
+      bucket.grads = zeros(padded, rt::MemoryCategory::gradients);
       std::int64_t at = 0;
       for (Parameter* p : bucket.params) {
         const ops::Tensor value =
             bucket.values.slice(0, at, p->value.numel()).reshape(p->value.shape());
-        value.copy_from(p->value);
+        if (materialize_) value.copy_from(p->value);
         p->value = value;
         p->grad = bucket.grads.slice(0, at, p->value.numel()).reshape(p->value.shape());
         p->bucket = bucket.name;
@@ -217,10 +223,8 @@ ModelShard::ModelShard(const ModelConfig& m, const Mesh& mesh, int rank, devices
       bucket.sharded = mesh.plan().distributed_optimizer && bucket.replicas > 1;
       bucket.shard_size = bucket.sharded ? padded / bucket.replicas : padded;
       bucket.shard_begin = bucket.sharded ? bucket.replica * bucket.shard_size : 0;
-      bucket.exp_avg =
-          ops::Tensor::zeros({bucket.shard_size}, device_, rt::MemoryCategory::optimizer_state);
-      bucket.exp_avg_sq =
-          ops::Tensor::zeros({bucket.shard_size}, device_, rt::MemoryCategory::optimizer_state);
+      bucket.exp_avg = zeros(bucket.shard_size, rt::MemoryCategory::optimizer_state);
+      bucket.exp_avg_sq = zeros(bucket.shard_size, rt::MemoryCategory::optimizer_state);
       buckets_.push_back(std::move(bucket));
     }
 }

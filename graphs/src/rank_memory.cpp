@@ -176,7 +176,7 @@ void RankProgram::allocate() {
   RankState& R = state;
   const int pp = at.pp;
   const StageContents contents = layout.contents(pp);
-  R.shard = std::make_unique<ModelShard>(z.model, mesh, rank, device, contents);
+  R.shard = std::make_unique<ModelShard>(z.model, mesh, rank, device, contents, materialize);
   const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h, Hl = z.Hl, d = z.d, cp = z.cp;
   const bool sp = z.sp();
   const auto& chunks = set_plan.set_chunks[static_cast<std::size_t>(pp)];

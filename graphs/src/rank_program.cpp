@@ -87,7 +87,8 @@ GroupHandle handle(RankProgram& P, GroupKind kind, const char* stream,
 RankProgram::RankProgram(const StepShape& shape_, const Mesh& mesh_, const PipelineLayout& layout_,
                          const ActivationSetPlan& sets, const StepInputs& inputs_,
                          const OptimizerConfig& opt_, int rank_, devices::Device& device_,
-                         rt::GraphBuilder& graph_, devices::CollectiveMatcher& matcher_)
+                         rt::GraphBuilder& graph_, devices::CollectiveMatcher& matcher_,
+                         bool materialize_)
     : shape(shape_),
       mesh(mesh_),
       layout(layout_),
@@ -97,6 +98,7 @@ RankProgram::RankProgram(const StepShape& shape_, const Mesh& mesh_, const Pipel
       rank(rank_),
       at(mesh_.coordinates(rank_)),
       device(device_),
+      materialize(materialize_),
       matcher(matcher_),
       graph(graph_) {
   // Each group's stream is named by its kind, as the mesh names the groups.
@@ -111,13 +113,21 @@ RankProgram::RankProgram(const StepShape& shape_, const Mesh& mesh_, const Pipel
 
 TaskId RankProgram::compute(const std::string& name, rt::TaskTags tags, double flops,
                             std::function<void()> fn) {
+  rt::TaskFn work = [fn = std::move(fn)](rt::TaskContext&) { fn(); };
+  if (!materialize)
+    work = [](rt::TaskContext&) {
+      throw std::logic_error(
+          "this step was built without tensors (StepBuildOptions::materialize = false): replay "
+          "it on the virtual clock without running the work (VirtualClockOptions::execute = "
+          "false), or build it with tensors to run it");
+    };
   return graph.add({.device = static_cast<rt::DeviceId>(rank),
                     .stream = rt::kComputeStream,
                     .kind = rt::TaskKind::compute,
                     .name = name,
                     .tags = tags,
                     .cost = {.flops = flops}},
-                   [fn = std::move(fn)](rt::TaskContext&) { fn(); });
+                   std::move(work));
 }
 
 void RankProgram::load_tokens(int mb, std::vector<std::int32_t>& into, bool targets) const {

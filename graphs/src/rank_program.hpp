@@ -96,7 +96,7 @@ class RankProgram {
   RankProgram(const StepShape& shape, const Mesh& mesh, const PipelineLayout& layout,
               const ActivationSetPlan& sets, const StepInputs& inputs, const OptimizerConfig& opt,
               int rank, devices::Device& device, rt::GraphBuilder& graph,
-              devices::CollectiveMatcher& matcher);
+              devices::CollectiveMatcher& matcher, bool materialize);
   RankProgram(const RankProgram&) = delete;
   RankProgram& operator=(const RankProgram&) = delete;
 
@@ -113,6 +113,7 @@ class RankProgram {
   const int rank;
   const MeshCoordinates at;
   devices::Device& device;
+  const bool materialize;
   RankState state;
 
   // Handles to this rank's groups. `data` is dp x cp (dense gradients), `expert_data` the
@@ -134,8 +135,10 @@ class RankProgram {
   void track_comm(const std::string& stream, TaskId task) { comm_tails_[stream] = task; }
   const std::map<std::string, TaskId>& comm_tails() const { return comm_tails_; }
 
+  // Activations and workspace of this rank; shapes only when the step is not materialized.
   Tensor activation(const ops::Shape& s) {
-    return Tensor::empty(s, device, rt::MemoryCategory::activations);
+    return materialize ? Tensor::empty(s, device, rt::MemoryCategory::activations)
+                       : Tensor::shape_only(s, device, rt::MemoryCategory::activations);
   }
 
   ModelShard& shard() { return *state.shard; }

@@ -27,6 +27,7 @@ struct TrainingStep::Impl {
   devices::CollectiveMatcher matcher;
   std::vector<std::unique_ptr<RankProgram>> programs;  // by rank; null where not built here
   rt::Graph graph;
+  bool materialize = true;
 };
 
 namespace {
@@ -50,7 +51,8 @@ TrainingStep::Impl::Impl(const ModelConfig& model, const ParallelPlan& plan,
       layout(make_pipeline_layout(model, plan)),
       shape(model, plan),
       set_plan(plan_activation_sets(model, layout)),
-      matcher(builder, comm) {
+      matcher(builder, comm),
+      materialize(options.materialize) {
   shape.splits_backward = set_plan.splits_backward;
   inputs.batches.assign(static_cast<std::size_t>(plan.data_parallel),
                         std::vector<MicroBatch>(static_cast<std::size_t>(shape.M)));
@@ -71,9 +73,9 @@ TrainingStep::Impl::Impl(const ModelConfig& model, const ParallelPlan& plan,
     if (programs[static_cast<std::size_t>(r)])
       throw std::invalid_argument(
           fmt::format("StepBuildOptions::ranks names rank {} twice; list each rank once", r));
-    programs[static_cast<std::size_t>(r)] =
-        std::make_unique<RankProgram>(shape, mesh, layout, set_plan, inputs, opt, r,
-                                      set[static_cast<rt::DeviceId>(r)], builder, matcher);
+    programs[static_cast<std::size_t>(r)] = std::make_unique<RankProgram>(
+        shape, mesh, layout, set_plan, inputs, opt, r, set[static_cast<rt::DeviceId>(r)], builder,
+        matcher, options.materialize);
   }
   for (int r : ranks)
     programs[static_cast<std::size_t>(r)]->build();
@@ -90,6 +92,10 @@ RankProgram& TrainingStep::Impl::program(int rank) const {
 }
 
 StepResult TrainingStep::Impl::result() const {
+  if (!materialize)
+    throw std::logic_error(
+        "this step was built without tensors (StepBuildOptions::materialize = false) and never "
+        "runs: it has no result; build it with tensors to train");
   StepResult out;
   bool norm_taken = false;
   for (const auto& program : programs) {
@@ -136,6 +142,9 @@ void TrainingStep::prepare(std::int64_t iteration, double learning_rate) {
 }
 StepResult TrainingStep::result() const {
   return impl_->result();
+}
+bool TrainingStep::materialized() const {
+  return impl_->materialize;
 }
 bool TrainingStep::holds(int rank) const {
   return rank >= 0 && rank < impl_->mesh.size() &&

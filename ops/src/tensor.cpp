@@ -104,6 +104,30 @@ BasicTensor<T> BasicTensor<T>::from(std::span<const T> values, const Shape& shap
 }
 
 template <typename T>
+BasicTensor<T> BasicTensor<T>::shape_only(const Shape& shape) {
+  BasicTensor t;
+  t.storage_ = std::make_shared<char>(0);  // defined, with nothing behind it
+  t.shape_ = shape;
+  t.strides_ = row_major_strides<T>(shape);
+  return t;
+}
+
+template <typename T>
+BasicTensor<T> BasicTensor<T>::shape_only(const Shape& shape, devices::Device& device,
+                                          rt::MemoryCategory category) {
+  const std::size_t bytes = padded_bytes(shape.numel(), sizeof(T));
+  device.reserve(bytes, category);
+  BasicTensor t;
+  t.storage_ = std::shared_ptr<void>(new char(0), [&device, bytes, category](void* q) {
+    device.unreserve(bytes, category);
+    delete static_cast<char*>(q);
+  });
+  t.shape_ = shape;
+  t.strides_ = row_major_strides<T>(shape);
+  return t;
+}
+
+template <typename T>
 std::int64_t BasicTensor<T>::stride(int i) const {
   const int a = i < 0 ? i + rank() : i;
   if (a < 0 || a >= rank())
@@ -132,7 +156,7 @@ BasicTensor<T> BasicTensor<T>::slice(int dim, std::int64_t start, std::int64_t l
         fmt::format("slice [{}, {}) of dimension {} is outside the tensor's shape {}", start,
                     start + length, a, shape_.str()));
   BasicTensor v = *this;
-  v.data_ = data_ + start * strides_[a];
+  v.data_ = data_ ? data_ + start * strides_[a] : nullptr;
   v.shape_ = shape_.with(a, length);
   return v;
 }

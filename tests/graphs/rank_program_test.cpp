@@ -14,6 +14,7 @@
 #include "weave/devices/machine_model.hpp"
 #include "weave/devices/shared_memory_communicator.hpp"
 #include "weave/graphs/training_step.hpp"
+#include "weave/runtime/error.hpp"
 #include "weave/runtime/virtual_clock.hpp"
 
 namespace weave::graphs {
@@ -34,8 +35,9 @@ const Case kCases[] = {
       .data_parallel = 2,
       .micro_batch_size = 1,
       .global_batch_size = 4}},
-    {"cp2_dp2", 0, {.context_parallel = 2, .data_parallel = 2, .micro_batch_size = 1,
-                    .global_batch_size = 4}},
+    {"cp2_dp2",
+     0,
+     {.context_parallel = 2, .data_parallel = 2, .micro_batch_size = 1, .global_batch_size = 4}},
     {"pp2_interleaved_ep2_dp2",
      4,
      {.expert_parallel = 2,
@@ -44,7 +46,8 @@ const Case kCases[] = {
       .virtual_pipeline = 2,
       .micro_batch_size = 1,
       .global_batch_size = 8}},
-    {"pp2_zb_h1_tp2_sp", 0,
+    {"pp2_zb_h1_tp2_sp",
+     0,
      {.tensor_parallel = 2,
       .sequence_parallel = true,
       .pipeline_parallel = 2,
@@ -104,9 +107,15 @@ DeviceView view_of(const rt::Graph& g, rt::DeviceId device) {
     if (info.device != device) continue;
     const std::string stream(g.tasks().stream_name(info.stream));
     key[t] = {stream, next[stream]++};
-    v.tasks[key[t]] = {std::string(g.tasks().name(t)), info.kind, info.cost.flops,
-                       info.cost.bytes, info.cost.messages, info.tags.layer,
-                       info.tags.micro_batch, info.tags.virtual_stage, info.tags.phase};
+    v.tasks[key[t]] = {std::string(g.tasks().name(t)),
+                       info.kind,
+                       info.cost.flops,
+                       info.cost.bytes,
+                       info.cost.messages,
+                       info.tags.layer,
+                       info.tags.micro_batch,
+                       info.tags.virtual_stage,
+                       info.tags.phase};
   }
   for (const auto& [t, k] : key) {
     const auto succ = g.successors(t);
@@ -207,6 +216,62 @@ TEST(CostsFromShapes, RenamedTasksReplayTheSame) {
       flops += step.graph().tasks()[t].cost.flops;
     EXPECT_GT(flops, 0) << c.name;
   }
+}
+
+// Built without tensors, a step is the same graph (costs included) for the virtual clock, and its
+// devices' trackers count what it would hold, while nothing is allocated.
+TEST(StepWithoutTensors, ReplaysLikeTheStepWithTensorsAndAllocatesNothing) {
+  for (const Case& c : kCases) {
+    const ModelConfig m = model_of(c);
+    ParallelPlan plan = c.plan;
+    validate(m, plan);
+    devices::SharedMemoryCommunicator comm;
+    devices::DeviceSet with(plan.devices(), {.pin = false}),
+        without(plan.devices(), {.pin = false});
+    const TrainingStep real(m, plan, {}, with, comm);
+    const TrainingStep shapes(m, plan, {}, without, comm, {.materialize = false});
+    EXPECT_TRUE(real.materialized());
+    EXPECT_FALSE(shapes.materialized());
+    for (int d = 0; d < plan.devices(); ++d) {
+      const auto id = static_cast<rt::DeviceId>(d);
+      EXPECT_GT(with[id].allocated_bytes(), 0) << c.name;
+      EXPECT_EQ(without[id].allocated_bytes(), 0) << c.name << " device " << d;
+      for (auto category : {rt::MemoryCategory::parameters, rt::MemoryCategory::gradients,
+                            rt::MemoryCategory::optimizer_state, rt::MemoryCategory::activations}) {
+        EXPECT_GT(without.memory().current(id, category), 0)
+            << c.name << " " << to_string(category);
+        EXPECT_EQ(without.memory().current(id, category), with.memory().current(id, category))
+            << c.name << " device " << d << " " << to_string(category);
+      }
+    }
+    const devices::MachineModel machine(std::vector<int>(with.size(), 0), 1e12,
+                                        devices::LinkModel::preset("ampipe-20gbps"));
+    rt::VirtualClock clock(machine, {.execute = false});
+    const rt::VirtualRunResult a = clock.run(real.graph()), b = clock.run(shapes.graph());
+    EXPECT_EQ(a.makespan, b.makespan) << c.name;
+    ASSERT_EQ(a.trace.spans().size(), b.trace.spans().size()) << c.name;
+    for (std::size_t i = 0; i < a.trace.spans().size(); ++i) {
+      EXPECT_EQ(a.trace.spans()[i].start, b.trace.spans()[i].start) << c.name << " task " << i;
+      EXPECT_EQ(a.trace.spans()[i].end, b.trace.spans()[i].end) << c.name << " task " << i;
+    }
+  }
+}
+
+TEST(StepWithoutTensors, RefusesToRunOrReport) {
+  const ModelConfig m = tiny(4);
+  ParallelPlan plan{
+      .expert_parallel = 2, .data_parallel = 2, .micro_batch_size = 1, .global_batch_size = 2};
+  validate(m, plan);
+  devices::DeviceSet set(plan.devices(), {.pin = false});
+  devices::SharedMemoryCommunicator comm;
+  const TrainingStep step(m, plan, {}, set, comm, {.materialize = false});
+  try {
+    set.executor().run(step.graph());
+    ADD_FAILURE() << "expected the run to fail";
+  } catch (const rt::TaskError& e) {
+    EXPECT_PRED_FORMAT2(::testing::IsSubstring, "StepBuildOptions::materialize = false", e.what());
+  }
+  EXPECT_THROW(step.result(), std::logic_error);
 }
 
 // A stream per process group: with tp 2 + SP, ep 2 and Ampipe 2 on a slow link, a tensor-

@@ -30,6 +30,30 @@ TEST(DeviceTensor, StorageIsTrackedByCategoryUntilTheLastViewGoes) {
   EXPECT_GE(memory.peak(1, rt::MemoryCategory::parameters), 64 * 32 * 4);
 }
 
+TEST(DeviceTensor, ShapeOnlyTensorsAreCountedButNotAllocated) {
+  devices::DeviceSet set(1, {.pin = false});
+  rt::MemoryTracker& memory = set.memory();
+  {
+    const Tensor t = Tensor::shape_only({64, 32}, set[0], rt::MemoryCategory::activations);
+    EXPECT_TRUE(t.defined());
+    EXPECT_FALSE(t.has_storage());
+    EXPECT_EQ(t.data(), nullptr);
+    EXPECT_EQ(memory.current(0, rt::MemoryCategory::activations), 64 * 32 * 4);
+    EXPECT_EQ(set[0].allocated_bytes(), 0);
+    // Views keep shapes and strides, and no storage.
+    const Tensor view = t.slice(0, 8, 8).transpose(0, 1);
+    EXPECT_EQ(view.shape(), (Shape{32, 8}));
+    EXPECT_EQ(view.stride(0), 1);
+    EXPECT_EQ(view.data(), nullptr);
+    EXPECT_EQ(t.reshape({32, 64}).numel(), 64 * 32);
+    const Tensor real = Tensor::zeros({16}, set[0], rt::MemoryCategory::activations);
+    EXPECT_EQ(set[0].allocated_bytes(), 64);
+    EXPECT_TRUE(real.has_storage());
+  }
+  EXPECT_EQ(memory.current(0, rt::MemoryCategory::activations), 0);
+  EXPECT_EQ(set[0].allocated_bytes(), 0);
+}
+
 TEST(DeviceTensor, KernelsRunAsTasksOnEveryDevice) {
   devices::DeviceSet set(4, {.pin = false});
   std::mt19937 gen(1);

@@ -2,6 +2,7 @@
 // and an allocator bound to its NUMA node and counted by the memory tracker.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <memory>
 
@@ -32,6 +33,12 @@ class Device {
   void* allocate(std::size_t bytes, rt::MemoryCategory category);
   // Returns memory from allocate(); bytes and category must be those it was allocated with.
   void deallocate(void* pointer, std::size_t bytes, rt::MemoryCategory category);
+  // Memory the device would hold, counted by the tracker as if allocated but not allocated:
+  // what a step built without tensors (for a prediction) would need.
+  void reserve(std::size_t bytes, rt::MemoryCategory category);
+  void unreserve(std::size_t bytes, rt::MemoryCategory category);
+  // Bytes allocate() handed out and deallocate() has not taken back (reservations excluded).
+  std::int64_t allocated_bytes() const { return allocated_.load(std::memory_order_relaxed); }
 
  private:
   struct Pinning;
@@ -40,6 +47,7 @@ class Device {
   rt::MemoryTracker& memory_;
   tbb::task_arena arena_;
   std::unique_ptr<Pinning> pinning_;
+  std::atomic<std::int64_t> allocated_{0};
 };
 
 }  // namespace weave::devices

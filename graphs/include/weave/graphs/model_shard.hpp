@@ -100,8 +100,10 @@ class ModelShard {
   // The shard that device `rank` of `mesh` holds, allocated on `device` (tracked as parameters,
   // gradients and optimizer state) and initialised. Every parameter draws its initial values
   // from its index in the whole model, so a stage's shard starts as the whole model's slice.
+  // Without `materialize` the shard has shapes only (Tensor::shape_only): nothing is allocated
+  // or initialised, and the device's tracker counts what it would hold.
   ModelShard(const ModelConfig& config, const Mesh& mesh, int rank, devices::Device& device,
-             StageContents contents = {});
+             StageContents contents = {}, bool materialize = true);
   ModelShard(const ModelShard&) = delete;
   ModelShard& operator=(const ModelShard&) = delete;
 
@@ -140,6 +142,7 @@ class ModelShard {
   const ModelConfig& config_;
   devices::Device& device_;
   StageContents contents_;
+  bool materialize_ = true;
   // The parameters' indices in the whole model (their random streams), counted over the
   // parameters this stage skips too; false while adding a part the stage does not hold.
   std::uint32_t next_index_ = 0;

@@ -61,6 +61,11 @@ struct StepBuildOptions {
   // built stay open (a backend that reaches the other ranks' processes runs them; the in-process
   // one refuses to).
   std::vector<int> ranks;
+  // False: build with shapes only (no parameter, gradient, optimizer or activation memory is
+  // allocated; each device's memory tracker still counts what it would hold, by category). The
+  // graph is the same, costs included, for the virtual clock to replay without running the work
+  // (rt::VirtualClockOptions::execute = false); running its tasks fails, naming this option.
+  bool materialize = true;
 };
 
 class TrainingStep {
@@ -84,6 +89,8 @@ class TrainingStep {
   StepResult result() const;
   // Whether rank `rank`'s program is built here.
   bool holds(int rank) const;
+  // Whether the step was built with tensors (StepBuildOptions::materialize).
+  bool materialized() const;
   // Throws std::out_of_range for a rank not built here.
   ModelShard& shard(int rank);
   // The activation sets rank `rank` holds: one chunk's activations for one micro-batch each, as

@@ -42,6 +42,13 @@ class BasicTensor {
                            rt::MemoryCategory category);
   // A heap tensor holding `values` (values.size() must equal shape.numel()).
   static BasicTensor from(std::span<const T> values, const Shape& shape);
+  // A tensor with a shape and no storage, for graphs built to be replayed without running their
+  // work (a prediction at scale): defined, but data() is null, as are its views' (whose shapes
+  // and strides are what a real tensor's would be). With a device, its memory tracker counts
+  // the bytes the tensor would hold under `category` while it lives; nothing is allocated.
+  static BasicTensor shape_only(const Shape& shape);
+  static BasicTensor shape_only(const Shape& shape, devices::Device& device,
+                                rt::MemoryCategory category);
 
   const Shape& shape() const { return shape_; }
   int rank() const { return shape_.rank(); }
@@ -53,6 +60,8 @@ class BasicTensor {
   bool is_contiguous() const;
 
   T* data() const { return data_; }
+  // False for a shape_only tensor (and its views).
+  bool has_storage() const { return data_ != nullptr; }
   // The element at the given indices (as many as the rank). Unchecked.
   T& operator()(std::int64_t i) const { return data_[i * strides_[0]]; }
   T& operator()(std::int64_t i, std::int64_t j) const {
