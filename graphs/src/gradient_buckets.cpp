@@ -11,8 +11,8 @@ void reduce_buckets(RankProgram& P, const std::string& point, TaskId after) {
       if (reduced != rt::kNoTask) ready = reduced;
     };
     if (bucket.reduction == GradientReduction::tensor_partial)
-      chain(P.tensor.all_reduce(ready, all_of(bucket.grads), devices::ReduceOp::sum,
-                                bucket.name + ".tp", tags));
+      chain(P.tensor_gradients.all_reduce(ready, all_of(bucket.grads), devices::ReduceOp::sum,
+                                          bucket.name + ".tp", tags));
     const GroupHandle& replicas = bucket.expert ? P.expert_data : P.data;
     if (!bucket.sharded) {
       replicas.all_reduce(ready, all_of(bucket.grads), devices::ReduceOp::sum, bucket.name + ".dp",

@@ -1,5 +1,6 @@
 // Gradient buckets reduced as soon as they are complete, on the reducing group's stream: a
-// bucket of sequence-parallel partials over tp first, then over its replicas (dp x cp for dense
+// bucket of sequence-parallel partials over tp first (on the tp group's gradient stream), then
+// over its replicas (dp x cp for dense
 // parameters, the expert-data-parallel group for experts); with the distributed optimizer the
 // replicas reduce-scatter, each keeping its shard.
 #pragma once

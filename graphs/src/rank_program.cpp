@@ -108,6 +108,7 @@ RankProgram::RankProgram(const StepShape& shape_, const Mesh& mesh_, const Pipel
   expert_data = handle(*this, GroupKind::expert_data, "edp", &comm_tails_);
   data = handle(*this, GroupKind::data_context, "dp_cp", &comm_tails_);
   tensor_context = handle(*this, GroupKind::tensor_context, "tp_cp", &comm_tails_);
+  tensor_gradients = handle(*this, GroupKind::tensor, "tp_grad", &comm_tails_);
   allocate();
 }
 

@@ -118,7 +118,10 @@ class RankProgram {
 
   // Handles to this rank's groups. `data` is dp x cp (dense gradients), `expert_data` the
   // replicas of this rank's experts, `tensor_context` the ranks sharing one micro-batch.
-  GroupHandle tensor, context, expert, expert_data, data, tensor_context;
+  // `tensor_gradients` is the tp group again, as a communicator of its own for the gradient
+  // buckets' reductions over tp, so that the layers below's activation collectives never wait
+  // behind them (as Megatron reduces those gradients apart from the layers' collectives).
+  GroupHandle tensor, context, expert, expert_data, data, tensor_context, tensor_gradients;
   devices::CollectiveMatcher& matcher;
   rt::GraphBuilder& graph;
 
