@@ -9,7 +9,6 @@
 
 #include "commands.hpp"
 #include "progress_reporter.hpp"
-#include "token_dataset.hpp"
 #include "weave/devices/device_set.hpp"
 #include "weave/devices/link_model.hpp"
 #include "weave/devices/machine_model.hpp"
@@ -17,6 +16,7 @@
 #include "weave/graphs/checkpoint.hpp"
 #include "weave/graphs/learning_rate.hpp"
 #include "weave/graphs/pipeline_layout.hpp"
+#include "weave/graphs/token_dataset.hpp"
 #include "weave/graphs/training_step.hpp"
 #include "weave/runtime/chrome_trace.hpp"
 #include "weave/runtime/dot_writer.hpp"
@@ -26,6 +26,9 @@
 namespace weave::cli {
 
 namespace {
+
+using graphs::Split;
+using graphs::TokenDataset;
 
 // The Debian package `fortunes` (installed by tools/dev) puts its text here.
 constexpr const char* kDefaultCorpus = "/usr/share/games/fortunes";
