@@ -33,8 +33,9 @@ void ProgressReporter::clear_line() {
   }
 }
 
-void ProgressReporter::iteration(const IterationReport& r) {
-  tokens_ += r.tokens;
+void ProgressReporter::iteration(const graphs::IterationMetrics& r) {
+  const auto tokens = static_cast<double>(r.tokens);
+  tokens_ += tokens;
   seconds_ += r.seconds;
   if (r.exposed_comm_share) exposed_ = r.exposed_comm_share;
   if (r.pipeline_bubble) bubble_ = r.pipeline_bubble;
@@ -53,7 +54,7 @@ void ProgressReporter::iteration(const IterationReport& r) {
                      {"grad_norm", r.grad_norm},
                      {"lr", r.learning_rate},
                      {"seconds", r.seconds},
-                     {"tokens_per_second", r.seconds > 0 ? r.tokens / r.seconds : 0.0}};
+                     {"tokens_per_second", r.seconds > 0 ? tokens / r.seconds : 0.0}};
     if (r.exposed_comm_share) j["exposed_comm_share"] = *r.exposed_comm_share;
     if (r.pipeline_bubble) j["pipeline_bubble"] = *r.pipeline_bubble;
     if (r.dropped_picks) {

@@ -1,12 +1,13 @@
 // Training text as byte tokens: a file or a folder of text files, split into training and
-// validation parts; or synthetic tokens (--mock-data).
+// validation parts; or synthetic tokens (--mock-data). The tokens are bytes, so the model's
+// vocabulary must hold 256. TrainingData::from turns a dataset into the Trainer's data source.
 #pragma once
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
-namespace weave::cli {
+namespace weave::graphs {
 
 enum class Split { train, valid };
 
@@ -17,14 +18,17 @@ class TokenDataset {
   // `valid_fraction` of the bytes is the validation split. Throws std::runtime_error naming the
   // path when nothing can be read or the text is shorter than two sequences.
   static TokenDataset from_text(const std::string& path, int seq_length, double valid_fraction);
-  // Synthetic tokens with a learnable pattern: a fixed cycle through 32 tokens.
+  // Synthetic tokens with a learnable pattern: a fixed cycle through 32 tokens (of 256). Both
+  // splits are unbounded.
   static TokenDataset mock(int seq_length, std::uint64_t seed);
 
   // Sample `index` of a split: seq_length + 1 tokens (inputs, then targets shifted by one).
   // Deterministic: the same index gives the same window, so a resumed run sees the data it
-  // would have seen.
+  // would have seen. The split must hold more than seq_length tokens (see tokens()): a text's
+  // validation split is empty when valid_fraction is 0 or the text too short to spare any.
   void sample(Split split, std::uint64_t index, std::vector<std::int32_t>& out) const;
   std::size_t tokens(Split split) const;
+  int seq_length() const { return seq_length_; }
   const std::string& description() const { return description_; }
 
  private:
@@ -36,4 +40,4 @@ class TokenDataset {
   std::string description_;
 };
 
-}  // namespace weave::cli
+}  // namespace weave::graphs

@@ -1,4 +1,4 @@
-#include "token_dataset.hpp"
+#include "weave/graphs/token_dataset.hpp"
 
 #include <fmt/format.h>
 
@@ -8,7 +8,7 @@
 #include <iterator>
 #include <stdexcept>
 
-namespace weave::cli {
+namespace weave::graphs {
 
 namespace {
 
@@ -106,4 +106,4 @@ void TokenDataset::sample(Split split, std::uint64_t index, std::vector<std::int
     out[i] = bytes[start + i];
 }
 
-}  // namespace weave::cli
+}  // namespace weave::graphs

@@ -1,0 +1,82 @@
+// What a training run is: the model, how it is split over devices, the optimizer and its
+// learning-rate schedule, how long to train, when to evaluate and save, and which clock times
+// the steps. A Trainer (trainer.hpp) runs it; every field is plain data a program can fill from
+// its own settings (`weave train` fills it from Megatron-LM's flags, named beside each field).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "weave/graphs/learning_rate.hpp"
+#include "weave/graphs/model_config.hpp"
+#include "weave/graphs/parallel_plan.hpp"
+#include "weave/graphs/training_step.hpp"
+
+namespace weave::graphs {
+
+// Which clock an iteration's time is read from.
+enum class Timing {
+  // Real threads on this host: the step runs on the executor and its time is measured.
+  wall,
+  // The step is replayed on the virtual clock (--timing model): each task lasts what its cost
+  // hints say on the modelled machine, the kernels run one at a time for the real losses, and
+  // the time is the replay's makespan. Gives the timeline accelerators would show, the same on
+  // every host.
+  virtual_clock,
+};
+
+// The hardware the virtual clock assumes, and the link the wall clock holds transfers to.
+struct ModelledMachine {
+  double device_flops = 1e11;  // --device-flops: FLOP/s of every device on the virtual clock
+  // --link: a devices::LinkModel preset (`weave topo --links`) or "GBPS:MICROSECONDS". On the
+  // wall clock a link other than "none" holds each transfer to its modelled time.
+  std::string link = "none";
+};
+
+struct TrainerConfig {
+  ModelConfig model;
+  // The Trainer validates the plan itself (see validate below); data_parallel is part of the
+  // plan, so the devices used are plan.devices().
+  ParallelPlan plan;
+  OptimizerConfig optimizer{
+      .adamw = {.beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1}};
+  // decay_iters 0 means train_iters (validate fills it in).
+  LearningRateSchedule learning_rate{.lr = 3e-3, .min_lr = 3e-4, .warmup_iters = 10};
+
+  std::int64_t train_iters = 100;  // --train-iters: the last iteration to train (from 1)
+  // --eval-interval: evaluate every this many iterations (0: never); each evaluation runs
+  // eval_iters global batches of the validation data (--eval-iters) and reports their mean loss.
+  int eval_interval = 0;
+  int eval_iters = 2;
+  // --save: the checkpoint written at the end of run() and, with save_interval > 0
+  // (--save-interval), every save_interval iterations. "": no checkpoints.
+  std::string save_path;
+  int save_interval = 0;
+  // --load: a checkpoint to resume from when the Trainer is built (its iteration and consumed
+  // samples included). "": start from the initial weights.
+  std::string load_path;
+
+  Timing timing = Timing::wall;  // --timing wall|model
+  ModelledMachine machine;
+  // Iterations measured from a trace (exposed communication, pipeline bubble): every multiple of
+  // metrics_interval (--log-interval) and trace_iteration. On the virtual clock every iteration
+  // is measured, the trace being free.
+  int metrics_interval = 10;
+  // --trace: Chrome trace-event JSON of iteration trace_iteration (--trace-iteration) is
+  // written here. "": none.
+  std::string trace_path;
+  std::int64_t trace_iteration = 2;
+  // Pin each device's worker threads to its cores (when the Trainer builds its own DeviceSet).
+  bool pin_devices = true;
+};
+
+// Checks every rule of a training run before anything runs: the plan's size rules (validate of
+// parallel_plan.hpp, which also derives the virtual stages and switches off what cannot apply),
+// the learning-rate schedule, the iteration counts and intervals, the link preset and the device
+// rate. Fills learning_rate.decay_iters when 0. Returns the warnings (what was switched off);
+// throws ConfigError naming the rule, the value and the setting to change. Idempotent: a second
+// call finds nothing more to switch off and returns no warnings.
+std::vector<std::string> validate(TrainerConfig& config);
+
+}  // namespace weave::graphs

@@ -1,0 +1,32 @@
+#include "weave/graphs/virtual_replay.hpp"
+
+#include "weave/devices/link_model.hpp"
+#include "weave/devices/shared_memory_communicator.hpp"
+
+namespace weave::graphs {
+
+devices::MachineModel machine_model(const devices::DeviceSet& devices,
+                                    const ModelledMachine& machine) {
+  std::vector<int> numa;
+  for (const auto& placement : devices.layout())
+    numa.push_back(placement.numa_node);
+  return devices::MachineModel(std::move(numa), machine.device_flops,
+                               devices::LinkModel::preset(machine.link));
+}
+
+rt::VirtualRunResult replay_step(TrainerConfig config, const SampleSource& samples, bool execute,
+                                 const ReplayInspector& inspect) {
+  validate(config);
+  devices::DeviceSet set(config.plan.devices(), {.pin = false});
+  devices::SharedMemoryCommunicator comm;
+  TrainingStep step(config.model, config.plan, config.optimizer, set, comm);
+  if (samples) fill_micro_batches(step, config.model, config.plan, samples, 0);
+  step.prepare(1, config.learning_rate.at(1));
+  const devices::MachineModel machine = machine_model(set, config.machine);
+  rt::VirtualClock clock(machine, {.execute = execute, .record_trace = true});
+  rt::VirtualRunResult run = clock.run(step.graph());
+  if (inspect) inspect(step, set);
+  return run;
+}
+
+}  // namespace weave::graphs
