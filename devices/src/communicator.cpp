@@ -25,6 +25,18 @@ Collective whole(CollectiveOp op, const ProcessGroup& group) {
           .members = std::vector<CollectiveMember>(static_cast<std::size_t>(group.size()))};
 }
 
+// A collective whose members each read an input and write an output.
+Collective with_inputs_and_outputs(CollectiveOp op, const ProcessGroup& group,
+                                   std::span<const std::span<const float>> inputs,
+                                   std::span<const std::span<float>> outputs) {
+  check_count(op, group, inputs.size(), "inputs");
+  check_count(op, group, outputs.size(), "outputs");
+  Collective c = whole(op, group);
+  for (std::size_t r = 0; r < inputs.size(); ++r)
+    c.members[r] = {.input = inputs[r], .output = outputs[r]};
+  return c;
+}
+
 }  // namespace
 
 Communicator::MemberTasks Communicator::issue_whole(rt::GraphBuilder& graph, Collective c,
@@ -50,24 +62,16 @@ Communicator::MemberTasks Communicator::all_gather(rt::GraphBuilder& graph,
                                                    std::span<const std::span<const float>> inputs,
                                                    std::span<const std::span<float>> outputs,
                                                    const CollectiveOptions& options) {
-  check_count(CollectiveOp::all_gather, group, inputs.size(), "inputs");
-  check_count(CollectiveOp::all_gather, group, outputs.size(), "outputs");
-  Collective c = whole(CollectiveOp::all_gather, group);
-  for (std::size_t r = 0; r < inputs.size(); ++r)
-    c.members[r] = {.input = inputs[r], .output = outputs[r]};
-  return issue_whole(graph, std::move(c), options);
+  return issue_whole(
+      graph, with_inputs_and_outputs(CollectiveOp::all_gather, group, inputs, outputs), options);
 }
 
 Communicator::MemberTasks Communicator::reduce_scatter(
     rt::GraphBuilder& graph, const ProcessGroup& group,
     std::span<const std::span<const float>> inputs, std::span<const std::span<float>> outputs,
     ReduceOp op, const CollectiveOptions& options) {
-  check_count(CollectiveOp::reduce_scatter, group, inputs.size(), "inputs");
-  check_count(CollectiveOp::reduce_scatter, group, outputs.size(), "outputs");
-  Collective c = whole(CollectiveOp::reduce_scatter, group);
+  Collective c = with_inputs_and_outputs(CollectiveOp::reduce_scatter, group, inputs, outputs);
   c.reduce = op;
-  for (std::size_t r = 0; r < inputs.size(); ++r)
-    c.members[r] = {.input = inputs[r], .output = outputs[r]};
   return issue_whole(graph, std::move(c), options);
 }
 
@@ -76,12 +80,8 @@ Communicator::MemberTasks Communicator::all_to_all(rt::GraphBuilder& graph,
                                                    std::span<const std::span<const float>> inputs,
                                                    std::span<const std::span<float>> outputs,
                                                    const CollectiveOptions& options) {
-  check_count(CollectiveOp::all_to_all, group, inputs.size(), "inputs");
-  check_count(CollectiveOp::all_to_all, group, outputs.size(), "outputs");
-  Collective c = whole(CollectiveOp::all_to_all, group);
-  for (std::size_t r = 0; r < inputs.size(); ++r)
-    c.members[r] = {.input = inputs[r], .output = outputs[r]};
-  return issue_whole(graph, std::move(c), options);
+  return issue_whole(
+      graph, with_inputs_and_outputs(CollectiveOp::all_to_all, group, inputs, outputs), options);
 }
 
 Communicator::MemberTasks Communicator::all_to_all_v(
