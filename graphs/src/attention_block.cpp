@@ -16,6 +16,33 @@ TaskId reduce_partial(RankProgram& P, TaskId ready, const Tensor& full, const Te
   return P.tensor.all_reduce(ready, all_of(full), devices::ReduceOp::sum, name, tags);
 }
 
+void AttentionBlock::allocate(LayerActivations& A) const {
+  const StepShape& z = P->shape;
+  const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h, Hl = z.Hl, d = z.d, cp = z.cp;
+  const bool ampipe = z.ampipe > 1 && P->layer(l).moe;
+  A.ln1 = P->activation({Sl, B, h});
+  A.ln1_mean = P->activation({Sl * B});
+  A.ln1_rstd = P->activation({Sl * B});
+  A.ln1_full = z.sp() ? P->activation({Sc, B, h}) : A.ln1;
+  A.qkv = P->activation({Sc, B, Hl, 3 * d});
+  A.attn = P->activation({Sc, B, Hl, d});
+  // Ampipe: one [B, Hl, q] block per (chunk, piece).
+  A.lse = ampipe ? P->activation({z.ampipe * z.t_sp, B, Hl, z.piece_rows()})
+                 : P->activation({cp > 1 ? 2 : 1, B, Hl, z.chunk});
+  A.proj_partial = P->activation({Sc, B, h});
+  if (cp > 1 && ampipe) {
+    A.kv_store = P->activation({cp * Sc, B, Hl, 2 * d});
+    A.kv_local = A.kv_store.slice(0, P->at.cp * Sc, Sc);
+  } else if (cp > 1) {
+    A.kv_local = P->activation({Sc, B, Hl, 2 * d});
+  }
+  A.proj_out = z.sp() ? P->activation({Sl, B, h}) : A.proj_partial;
+  if (z.splits_backward) {
+    A.saved_d_proj = P->activation({Sc, B, h});
+    A.saved_d_qkv = P->activation({Sc, B, Hl * 3 * d});
+  }
+}
+
 TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) const {
   RankProgram* p = P;
   const int layer = l, set = pos.set;

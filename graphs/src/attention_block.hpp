@@ -33,6 +33,10 @@ class AttentionBlock {
   TaskId backward_input(const BuildPosition& pos, TaskId ready, WeightHalves& halves, bool last,
                         WeightPlacement qkv_weights) const;
 
+  // Lays out what the block keeps for one micro-batch (Ampipe's chunked log-sum-exps and, under
+  // CP, its store of every rank's key/value block on a MoE layer).
+  void allocate(LayerActivations& A) const;
+
  private:
   RankProgram* P;
   int l;

@@ -22,6 +22,20 @@ void mlp_activation_backward(const ModelConfig& m, const Tensor& pre, const Tens
     ops::gelu_backward(ops::GeluForm::tanh, pre, d_out, d_pre);
 }
 
+void DenseMlp::allocate(LayerActivations& A) const {
+  const StepShape& z = P->shape;
+  const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h;
+  A.ln2_full = z.sp() ? P->activation({Sc, B, h}) : A.ln2;
+  A.fc1 = P->activation({Sc, B, z.f1l});
+  A.act = P->activation({Sc, B, z.fl});
+  A.fc2_partial = P->activation({Sc, B, h});
+  A.mlp_out = z.sp() ? P->activation({Sl, B, h}) : A.fc2_partial;
+  if (z.splits_backward) {
+    A.saved_d_fc2 = P->activation({Sc, B, h});
+    A.saved_d_fc1 = P->activation({Sc, B, z.f1l});
+  }
+}
+
 TaskId DenseMlp::forward(const BuildPosition& pos, TaskId ready) const {
   RankProgram* p = P;
   const int layer = l, set = pos.set;

@@ -22,6 +22,9 @@ class DenseMlp {
   // the task after which d_norm holds the gradient of the MLP's input.
   TaskId backward(const BuildPosition& pos, TaskId ready, WeightHalves& halves) const;
 
+  // Lays out what the MLP keeps for one micro-batch, its output included.
+  void allocate(LayerActivations& A) const;
+
  private:
   RankProgram* P;
   int l;

@@ -54,6 +54,10 @@ class MoeMlp {
   // Leaves the slot's input gradient in its d_moe_in.
   TaskId router_backward(const BuildPosition& pos, int c, const SlotProgress& home) const;
 
+  // Lays out what the MLP keeps for one micro-batch: its output, the router's statistics and a
+  // slot per Ampipe chunk (moe_buffers.cpp).
+  void allocate(LayerActivations& A) const;
+
   // Task names of slot c: "L<l>." or, for an Ampipe chunk, "L<l>.c<c>.".
   std::string slot_prefix(int c) const;
 

@@ -22,6 +22,20 @@ ops::VocabShard vocab_shard(RankProgram& P) {
 
 }  // namespace
 
+void OutputLoss::allocate(OutputSet& O) const {
+  const StepShape& z = P->shape;
+  const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h;
+  O.final_ln = P->activation({Sl, B, h});
+  O.final_mean = P->activation({Sl * B});
+  O.final_rstd = P->activation({Sl * B});
+  O.final_full = z.sp() ? P->activation({Sc, B, h}) : O.final_ln;
+  O.logits = P->activation({Sc * B, z.Vl});
+  O.row_max = P->activation({Sc * B});
+  O.partials = P->activation({Sc * B, ops::kCrossEntropyPartials});
+  O.lse = P->activation({Sc * B});
+  if (z.splits_backward) O.saved_d_logits = P->activation({Sc * B, z.Vl});
+}
+
 TaskId OutputLoss::forward(const BuildPosition& pos, TaskId ready) const {
   RankProgram* p = P;
   const int set = pos.set, out = pos.output, mb = pos.micro_batch;

@@ -19,6 +19,9 @@ class OutputLoss {
   // half placed right after (running while the input gradient is reduced) or kept for W.
   TaskId backward(const BuildPosition& pos, TaskId ready, WeightHalves& halves) const;
 
+  // Lays out one micro-batch's loss buffers.
+  void allocate(OutputSet& O) const;
+
  private:
   RankProgram* P;
 };

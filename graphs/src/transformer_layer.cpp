@@ -10,6 +10,22 @@
 
 namespace weave::graphs {
 
+void TransformerLayer::allocate(LayerActivations& A, const Tensor& x_in) const {
+  const StepShape& z = P->shape;
+  const std::int64_t Sl = z.Sl, B = z.B, h = z.h;
+  A.x_in = x_in;
+  AttentionBlock(*P, l).allocate(A);
+  A.x_mid = P->activation({Sl, B, h});
+  A.ln2 = P->activation({Sl, B, h});
+  A.ln2_mean = P->activation({Sl * B});
+  A.ln2_rstd = P->activation({Sl * B});
+  if (P->layer(l).moe)
+    MoeMlp(*P, l).allocate(A);
+  else
+    DenseMlp(*P, l).allocate(A);
+  A.x_out = P->activation({Sl, B, h});
+}
+
 TaskId TransformerLayer::forward(const BuildPosition& pos, TaskId ready) const {
   const StepShape& z = P->shape;
   const bool moe = z.model.is_moe_layer(l);

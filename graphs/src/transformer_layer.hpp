@@ -19,6 +19,10 @@ class TransformerLayer {
   // the chunk's last backward of the step, after which the layer's buckets are reduced.
   TaskId backward(const BuildPosition& pos, TaskId ready, WeightHalves& halves, bool last) const;
 
+  // Lays out what the layer keeps for one micro-batch: its residual stream and MLP norm, and
+  // its modules' activations. `x_in` is the previous layer's output (or the chunk's input).
+  void allocate(LayerActivations& A, const Tensor& x_in) const;
+
  private:
   RankProgram* P;
   int l;

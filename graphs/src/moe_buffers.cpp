@@ -1,0 +1,99 @@
+// The MoE layer's buffers for one micro-batch: each slot's routing, dispatch and expert rows
+// (sized for the largest split the routing allows), and the pipe-experts items'.
+#include "moe_mlp.hpp"
+
+namespace weave::graphs {
+
+namespace {
+
+// --use-pipe-experts: the buffers of every item (local expert x capacity slice) of a slot.
+void allocate_items(RankProgram& P, MoeSlot& slot) {
+  const StepShape& z = P.shape;
+  const std::int64_t n = z.slot_tokens(), k = z.model.moe_router_topk, h = z.h, ep = z.ep;
+  const std::int64_t f1 = z.expert_f1(), f = z.f;
+  // A source sends an expert at most one pick per token (and at most its capacity).
+  const std::int64_t capacity = z.expert_capacity();
+  const std::int64_t in = ep * (capacity > 0 ? std::min(n, capacity) : n);
+  const int slices = z.plan.pipe_experts_slices();
+  for (int e = 0; e < z.local_experts(); ++e)
+    for (int j = 0; j < slices; ++j) {
+      ExpertItem& I = slot.items.emplace_back();
+      I.expert = e;
+      I.slice = j;
+      for (auto* v : {&I.send_rows, &I.recv_rows, &I.framed_send_rows, &I.framed_recv_rows})
+        v->assign(static_cast<std::size_t>(ep), 0);
+      I.send = P.activation({n * k + ep, h});
+      I.arrived = P.activation({in + ep, h});
+      I.expert_in = P.activation({in, h});
+      I.hidden_pre = P.activation({in, f1});
+      I.hidden = P.activation({in, f});
+      I.expert_result = P.activation({in, h});
+      I.back = P.activation({n * k, h});
+      I.d_back = P.activation({n * k, h});
+      I.d_arrived = P.activation({in, h});
+      I.d_expert_in = P.activation({in, h});
+      I.d_home = P.activation({n * k, h});
+    }
+}
+
+// MoE slot c of a layer: the tokens the rank routes at once (all of them, or an Ampipe chunk).
+void allocate_slot(RankProgram& P, LayerActivations& A, int c) {
+  const StepShape& z = P.shape;
+  MoeSlot& S = A.moe[static_cast<std::size_t>(c)];
+  const std::int64_t E = z.model.num_experts, k = z.model.moe_router_topk, h = z.h;
+  const std::int64_t n = z.slot_tokens(), ep = z.ep;
+  S.tokens = n;
+  S.moe_in = P.activation({n, h});
+  S.router_logits = P.activation({n, E});
+  S.probs = P.activation({n, E});
+  S.topk_weight = P.activation({n, k});
+  S.topk_index.assign(static_cast<std::size_t>(n * k), 0);
+  // Under EP the dispatch sends `grouped` framed by header rows.
+  S.grouped = P.activation({n * k + (ep > 1 ? ep * z.header_rows() : 0), h});
+  S.expert_out = P.activation({n * k, h});
+  S.stats = z.ampipe == 1 ? A.stats_total : P.activation({2 * E + 2});
+  // The slot's output: its rows of the layer's MLP output, or (tensor parallelism without SP)
+  // this rank's tokens before the all-gather.
+  S.moe_out =
+      (z.sp() || z.tp == 1) ? A.mlp_out.reshape({z.T, h}).slice(0, c * n, n) : P.activation({n, h});
+  const std::int64_t capacity = z.slot_capacity();
+  S.hidden_pre = P.activation({capacity, z.expert_f1()});
+  S.hidden = P.activation({capacity, z.f});
+  if (z.splits_backward && !z.pipe_experts())
+    S.saved_d_pre = P.activation({capacity, z.expert_f1()});
+  if (ep > 1) {
+    S.counts_recv = P.activation({ep * z.local_experts()});
+    for (auto* v : {&S.send_rows, &S.recv_rows, &S.framed_send_rows, &S.framed_recv_rows})
+      v->assign(static_cast<std::size_t>(ep), 0);
+    S.arrived = P.activation({capacity + ep * z.header_rows(), h});
+    S.expert_in = P.activation({capacity, h});
+    S.expert_result = P.activation({capacity, h});
+    S.leaving = P.activation({capacity, h});
+    S.d_arrived = P.activation({capacity, h});
+    S.d_expert_in = P.activation({capacity, h});
+    S.d_expert_result = P.activation({capacity, h});
+    S.d_leaving = P.activation({capacity, h});
+  }
+  if (z.pipe_experts()) allocate_items(P, S);
+  S.d_moe = P.activation({n, h});
+  S.d_grouped = P.activation({n * k, h});
+  S.d_expert_out = P.activation({n * k, h});
+  S.d_topk = P.activation({n, k});
+  S.d_router_logits = P.activation({n, E});
+  S.d_moe_in = P.activation({n, h});
+}
+
+}  // namespace
+
+void MoeMlp::allocate(LayerActivations& A) const {
+  const StepShape& z = P->shape;
+  const std::int64_t E = z.model.num_experts;
+  A.stats_total = P->activation({2 * E + 2});
+  A.mlp_out =
+      z.sp() || z.tp == 1 ? P->activation({z.Sl, z.B, z.h}) : P->activation({z.Sc, z.B, z.h});
+  A.moe.resize(static_cast<std::size_t>(z.ampipe));
+  for (int c = 0; c < z.ampipe; ++c)
+    allocate_slot(*P, A, c);
+}
+
+}  // namespace weave::graphs
