@@ -26,6 +26,14 @@ section "the same with pipe experts (4 capacity slices, their own streams)"
   --expert-model-parallel-size 2 --link ampipe-20gbps --device-flops 3e13 --ampipe-advise \
   --ampipe-advise-fast --use-pipe-experts --pipe-experts-multi-data 4 --pipe-experts-multi-stream
 
+section "virtual clock, 4 devices (tp 2 + SP, ep 2), 2 MoE layers, hidden 128, 256 positions, 1e12 FLOP/s"
+# A chunk's tensor-parallel collectives run on the tp group's stream while another chunk's
+# all-to-all is on the ep group's: with one comm stream per device they queued.
+"$weave" train --mock-data --train-iters 1 --devices 4 --num-layers 2 --hidden-size 128 \
+  --num-attention-heads 8 --ffn-hidden-size 256 --seq-length 256 --micro-batch-size 2 \
+  --num-experts 4 --tensor-model-parallel-size 2 --sequence-parallel \
+  --expert-model-parallel-size 2 --link ampipe-20gbps --device-flops 1e12 --ampipe-advise
+
 section "virtual clock, 8 devices (ep 8), 4 MoE layers, 2048 positions, 3e13 FLOP/s"
 # shellcheck disable=SC2086
 "$weave" train $model --num-layers 4 --seq-length 2048 --num-experts 8 --devices 8 \
