@@ -274,6 +274,28 @@ TEST(StepWithoutTensors, RefusesToRunOrReport) {
   EXPECT_THROW(step.result(), std::logic_error);
 }
 
+TEST(RankProgramAlone, BadRankListsAndMissingRanksAreRefused) {
+  const ModelConfig m = tiny(0);
+  ParallelPlan plan{.data_parallel = 2, .micro_batch_size = 1, .global_batch_size = 2};
+  validate(m, plan);
+  devices::DeviceSet set(plan.devices(), {.pin = false});
+  devices::SharedMemoryCommunicator comm;
+  auto message = [&](const StepBuildOptions& options) {
+    try {
+      TrainingStep step(m, plan, {}, set, comm, options);
+    } catch (const std::invalid_argument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_PRED_FORMAT2(::testing::IsSubstring, "names rank 2, outside the mesh of 2 ranks",
+                      message({.ranks = {2}}));
+  EXPECT_PRED_FORMAT2(::testing::IsSubstring, "names rank 1 twice", message({.ranks = {1, 1}}));
+  TrainingStep one(m, plan, {}, set, comm, {.ranks = {1}});
+  EXPECT_THROW(one.shard(0), std::out_of_range);
+  EXPECT_NO_THROW(one.shard(1));
+}
+
 // A stream per process group: with tp 2 + SP, ep 2 and Ampipe 2 on a slow link, a tensor-
 // parallel collective of one chunk runs on device 0 while an expert all-to-all of the other
 // chunk is in flight, each on its group's stream. One comm stream would queue them.
