@@ -1,10 +1,14 @@
 option(WEAVE_NATIVE "Compile for this host's instruction set (-march=native)" ON)
-option(WEAVE_BUILD_TESTS "Build the GoogleTest suite" ON)
-option(WEAVE_BUILD_BENCHMARKS "Build the Google Benchmark programs" ON)
+# Tests and benchmarks are weave's own: a project that adds weave as a subproject gets neither
+# (nor their GoogleTest and Google Benchmark requirements) unless it asks.
+option(WEAVE_BUILD_TESTS "Build the GoogleTest suite" ${PROJECT_IS_TOP_LEVEL})
+option(WEAVE_BUILD_BENCHMARKS "Build the Google Benchmark programs" ${PROJECT_IS_TOP_LEVEL})
 option(WEAVE_WARNINGS_AS_ERRORS "Treat compiler warnings as errors" OFF)
 set(WEAVE_SANITIZE "" CACHE STRING "Sanitizer to build with: '', address, thread or undefined")
 
-# Flags shared by every weave target, carried by this interface library.
+# Flags shared by every weave target, carried by this interface library. Every target links it
+# privately: warnings, -O3 and -march=native are how weave is built, not what its users must
+# compile with, so nothing of it reaches a consumer's targets or the installed package.
 add_library(weave_flags INTERFACE)
 # Designated initializers that leave members at their defaults are the intended way to fill
 # TaskSpec and friends; GCC warns about them under -Wextra.

@@ -765,9 +765,11 @@ TEST(CollectiveMatcher, MembersIssuedOneAtATimeMatchByGroupAndOrder) {
   rt::GraphBuilder whole;
   const auto whole_ids = comm.all_reduce(whole, a, spans<float>(first), ReduceOp::sum);
   const rt::Graph whole_graph = whole.build();
-  for (rt::TaskId t = 0; t < graph.size(); ++t)
-    if (graph.tasks().name(t).starts_with("first"))
+  for (rt::TaskId t = 0; t < graph.size(); ++t) {
+    if (graph.tasks().name(t).starts_with("first")) {
       EXPECT_EQ(graph.tasks()[t].cost.bytes, whole_graph.tasks()[whole_ids[0]].cost.bytes);
+    }
+  }
 }
 
 TEST(CollectiveMatcher, SendsMeetTheirReceivesInOrderPerPair) {

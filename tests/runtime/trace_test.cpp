@@ -116,6 +116,68 @@ TEST(ChromeTrace, VirtualClockRunWritesTheSameFormat) {
   }
 }
 
+// A trace written and read back keeps every span, name, stream, kind, tag and cost, and the
+// metrics measured on it.
+TEST(ChromeTrace, ReadBackGivesTheSameSpansAndMetrics) {
+  const UniformCostModel model(1e9, 10, 1e9);
+  const Trace written = VirtualClock(model).run(tagged_graph()).trace;
+  std::stringstream file;
+  write_chrome_trace(written, file);
+  const Trace read = read_chrome_trace(file, "test trace");
+  EXPECT_EQ(read.clock(), ClockKind::virtual_time);
+  ASSERT_EQ(read.spans().size(), written.spans().size());
+  for (std::size_t i = 0; i < read.spans().size(); ++i) {
+    const Span& a = written.spans()[i];
+    const Span& b = read.spans()[i];
+    EXPECT_EQ(b.start, a.start);
+    EXPECT_EQ(b.end, a.end);
+    const TaskInfo& x = written.tasks()[a.task];
+    const TaskInfo& y = read.tasks()[b.task];
+    EXPECT_EQ(read.tasks().name(b.task), written.tasks().name(a.task));
+    EXPECT_EQ(read.tasks().stream_name(y.stream), written.tasks().stream_name(x.stream));
+    EXPECT_EQ(y.device, x.device);
+    EXPECT_EQ(y.kind, x.kind);
+    EXPECT_EQ(y.tags.layer, x.tags.layer);
+    EXPECT_EQ(y.tags.micro_batch, x.tags.micro_batch);
+    EXPECT_EQ(y.tags.virtual_stage, x.tags.virtual_stage);
+    EXPECT_EQ(y.tags.phase, x.tags.phase);
+    EXPECT_EQ(y.cost.flops, x.cost.flops);
+    EXPECT_EQ(y.cost.bytes, x.cost.bytes);
+  }
+  const TraceMetrics m = measure(written), n = measure(read);
+  EXPECT_EQ(n.makespan, m.makespan);
+  EXPECT_EQ(n.total_exposed_comm(), m.total_exposed_comm());
+  EXPECT_EQ(n.total_compute(), m.total_compute());
+}
+
+TEST(ChromeTrace, UnreadableTracesAreRefusedNamingTheProblem) {
+  auto error = [](const std::string& text) {
+    std::istringstream in(text);
+    try {
+      read_chrome_trace(in, "t.json");
+    } catch (const std::runtime_error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_PRED_FORMAT2(::testing::IsSubstring, "t.json is not JSON", error("{\"traceEvents\": ["));
+  EXPECT_PRED_FORMAT2(::testing::IsSubstring, "holds no trace events", error("{\"a\": 1}"));
+  EXPECT_PRED_FORMAT2(::testing::IsSubstring, "event 0 (\"X\") has no numeric \"ts\"",
+                      error(R"([{"ph": "X", "pid": 0, "tid": 0, "dur": 1}])"));
+  EXPECT_PRED_FORMAT2(::testing::IsSubstring, "has pid -1",
+                      error(R"([{"ph": "X", "pid": -1, "tid": 0, "ts": 0, "dur": 1}])"));
+  EXPECT_THROW(read_chrome_trace("/nonexistent/trace.json"), std::runtime_error);
+  // Another writer's events: compute tasks on a stream named after their thread.
+  std::istringstream other(
+      R"([{"ph": "X", "name": "k", "pid": 3, "tid": 7, "ts": 1.5, "dur": 2}])");
+  const Trace t = read_chrome_trace(other, "other");
+  ASSERT_EQ(t.spans().size(), 1u);
+  EXPECT_EQ(t.tasks()[t.spans()[0].task].device, 3u);
+  EXPECT_EQ(t.tasks().stream_name(t.tasks()[t.spans()[0].task].stream), "tid7");
+  EXPECT_EQ(t.spans()[0].start, 1500);
+  EXPECT_EQ(t.spans()[0].end, 3500);
+}
+
 TEST(ChromeTrace, FileIsWrittenWholeOrNotAtAll) {
   const UniformCostModel model(1e9, 10, 1e9);
   const Trace trace = VirtualClock(model).run(tagged_graph()).trace;

@@ -1,5 +1,6 @@
 // Chrome trace-event JSON (opens in Perfetto and chrome://tracing): one process per device,
-// one thread per stream, one complete event per task with its tags as arguments.
+// one thread per stream, one complete event per task with its tags as arguments. Written by
+// weave's runs and read back, so a trace saved by `weave train --trace` can be measured later.
 #pragma once
 
 #include <iosfwd>
@@ -12,5 +13,14 @@ namespace weave::rt {
 void write_chrome_trace(const Trace& trace, std::ostream& out);
 // Writes to a file through a temporary name and a rename, so a reader never sees half a file.
 void write_chrome_trace(const Trace& trace, const std::string& path);
+
+// A trace written as above: each complete ("X") event becomes a span of a task on device `pid`
+// and the stream its thread is named after, with its kind, tags and cost hints; the clock comes
+// from otherData. Events of other writers read as compute tasks on stream "tid<N>". What a
+// metric needs is kept; rendezvous names are not. Throws std::runtime_error naming the source,
+// the event and what is wrong (not JSON, no traceEvents, an X event without a numeric pid, tid,
+// ts or dur).
+Trace read_chrome_trace(std::istream& in, const std::string& source = "trace");
+Trace read_chrome_trace(const std::string& path);
 
 }  // namespace weave::rt
