@@ -19,7 +19,9 @@ install(TARGETS weave_runtime weave_devices weave_ops weave_graphs weave_all
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}
         RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR}
         INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-install(TARGETS weave RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+if(WEAVE_BUILD_PROGRAM)
+  install(TARGETS weave RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
+endif()
 foreach(layer runtime devices ops graphs)
   install(DIRECTORY ${PROJECT_SOURCE_DIR}/${layer}/include/
           DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}

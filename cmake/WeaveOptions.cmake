@@ -3,6 +3,9 @@ option(WEAVE_NATIVE "Compile for this host's instruction set (-march=native)" ON
 # (nor their GoogleTest and Google Benchmark requirements) unless it asks.
 option(WEAVE_BUILD_TESTS "Build the GoogleTest suite" ${PROJECT_IS_TOP_LEVEL})
 option(WEAVE_BUILD_BENCHMARKS "Build the Google Benchmark programs" ${PROJECT_IS_TOP_LEVEL})
+# The `weave` program (and its CLI11 requirement): a project embedding the libraries does not
+# need it unless it asks.
+option(WEAVE_BUILD_PROGRAM "Build the weave command-line program" ${PROJECT_IS_TOP_LEVEL})
 option(WEAVE_WARNINGS_AS_ERRORS "Treat compiler warnings as errors" OFF)
 set(WEAVE_SANITIZE "" CACHE STRING "Sanitizer to build with: '', address, thread or undefined")
 
