@@ -38,6 +38,10 @@ std::string_view to_string(CollectiveOp op) {
       return "all_to_all";
     case CollectiveOp::all_to_all_v:
       return "all_to_all_v";
+    case CollectiveOp::all_gather_v:
+      return "all_gather_v";
+    case CollectiveOp::reduce_scatter_v:
+      return "reduce_scatter_v";
     case CollectiveOp::broadcast:
       return "broadcast";
     case CollectiveOp::send_recv:
@@ -68,6 +72,20 @@ rt::CostHint member_cost(CollectiveOp op, int n, int member, int root,
                                        : v.send.size();
       return {.bytes = n > 1 ? ring_share(n, bytes_of(elements)) : 0.0,
               .messages = static_cast<std::uint32_t>(n - 1)};
+    }
+    case CollectiveOp::all_gather_v: {  // like all_gather, for the expected rows per member
+      const VariableGatherBuffers& g = buffers.gather;
+      const double elements = g.expected_rows > 0
+                                  ? static_cast<double>(g.expected_rows * row_elements * n)
+                                  : static_cast<double>(g.recv.size());
+      return group_cost(n, ring_share(n, elements * sizeof(float)), n - 1);
+    }
+    case CollectiveOp::reduce_scatter_v: {
+      const VariableScatterBuffers& s = buffers.scatter;
+      const double elements = s.expected_rows > 0
+                                  ? static_cast<double>(s.expected_rows * row_elements * n)
+                                  : static_cast<double>(s.recv.size() * n);
+      return group_cost(n, ring_share(n, elements * sizeof(float)), n - 1);
     }
     case CollectiveOp::broadcast:  // a pipelined chain from the root: all but the last forward
       if ((member - root + n) % n < n - 1)

@@ -172,6 +172,22 @@ rt::TaskId CollectiveMatcher::all_to_all_v(const ProcessGroup& group, int member
                row_elements, options);
 }
 
+rt::TaskId CollectiveMatcher::all_gather_v(const ProcessGroup& group, int member,
+                                           const VariableGatherBuffers& buffers,
+                                           std::int64_t row_elements,
+                                           const CollectiveOptions& options) {
+  return issue(CollectiveOp::all_gather_v, group, member, {.gather = buffers}, ReduceOp::sum, 0,
+               row_elements, options);
+}
+
+rt::TaskId CollectiveMatcher::reduce_scatter_v(const ProcessGroup& group, int member,
+                                               const VariableScatterBuffers& buffers,
+                                               std::int64_t row_elements,
+                                               const CollectiveOptions& options) {
+  return issue(CollectiveOp::reduce_scatter_v, group, member, {.scatter = buffers}, ReduceOp::sum,
+               0, row_elements, options);
+}
+
 rt::TaskId CollectiveMatcher::broadcast(const ProcessGroup& group, int member,
                                         std::span<float> buffer, int root,
                                         const CollectiveOptions& options) {

@@ -96,6 +96,31 @@ Communicator::MemberTasks Communicator::all_to_all_v(
   return issue_whole(graph, std::move(c), options);
 }
 
+Communicator::MemberTasks Communicator::all_gather_v(rt::GraphBuilder& graph,
+                                                     const ProcessGroup& group,
+                                                     std::span<const VariableGatherBuffers> buffers,
+                                                     std::int64_t row_elements,
+                                                     const CollectiveOptions& options) {
+  check_count(CollectiveOp::all_gather_v, group, buffers.size(), "buffers");
+  Collective c = whole(CollectiveOp::all_gather_v, group);
+  c.row_elements = row_elements;
+  for (std::size_t r = 0; r < buffers.size(); ++r)
+    c.members[r].gather = buffers[r];
+  return issue_whole(graph, std::move(c), options);
+}
+
+Communicator::MemberTasks Communicator::reduce_scatter_v(
+    rt::GraphBuilder& graph, const ProcessGroup& group,
+    std::span<const VariableScatterBuffers> buffers, std::int64_t row_elements,
+    const CollectiveOptions& options) {
+  check_count(CollectiveOp::reduce_scatter_v, group, buffers.size(), "buffers");
+  Collective c = whole(CollectiveOp::reduce_scatter_v, group);
+  c.row_elements = row_elements;
+  for (std::size_t r = 0; r < buffers.size(); ++r)
+    c.members[r].scatter = buffers[r];
+  return issue_whole(graph, std::move(c), options);
+}
+
 Communicator::MemberTasks Communicator::broadcast(rt::GraphBuilder& graph,
                                                   const ProcessGroup& group,
                                                   std::span<const std::span<float>> buffers,

@@ -232,6 +232,128 @@ MemberWork plan_all_to_all_v(const Collective& c) {
   };
 }
 
+// The row size of a variable collective, checked.
+std::size_t row_size(const Collective& c) {
+  if (c.row_elements < 1)
+    throw std::invalid_argument(fmt::format(
+        "{} over group '{}': a row must hold at least 1 element, got {}; pass the number of "
+        "floats per token row",
+        to_string(c.op), c.group.name(), c.row_elements));
+  return static_cast<std::size_t>(c.row_elements);
+}
+
+MemberWork plan_all_gather_v(const Collective& c) {
+  const int n = c.group.size();
+  const ProcessGroup& group = c.group;
+  const std::size_t row = row_size(c);
+  std::vector<VariableGatherBuffers> b;
+  for (int r = 0; r < n; ++r) {
+    const VariableGatherBuffers& g = c.members[static_cast<std::size_t>(r)].gather;
+    if (!g.send_rows)
+      throw std::invalid_argument(
+          fmt::format("all_gather_v over group '{}': rank {} (device {}) has no send_rows; point "
+                      "it at the count an earlier task sets",
+                      group.name(), r, group.device(r)));
+    if (g.recv_rows.size() != static_cast<std::size_t>(n))
+      throw std::invalid_argument(
+          fmt::format("all_gather_v over group '{}': rank {} (device {}) has room for {} receive "
+                      "counts; give it one per rank, {}",
+                      group.name(), r, group.device(r), g.recv_rows.size(), n));
+    b.push_back(g);
+  }
+  const std::string group_name = group.name();
+  return [=](int r, rt::TaskContext& context) {
+    // Every member's count is final: the rendezvous started none before all had arrived.
+    std::size_t total = 0;
+    for (int j = 0; j < n; ++j) {
+      const std::int64_t rows = *b[j].send_rows;
+      if (rows < 0 || static_cast<std::size_t>(rows) * row > b[j].send.size())
+        throw std::runtime_error(fmt::format(
+            "all_gather_v over group '{}': rank {} sends {} rows of {} elements but its send "
+            "buffer holds {} elements",
+            group_name, j, rows, row, b[j].send.size()));
+      total += static_cast<std::size_t>(rows) * row;
+    }
+    if (total > b[r].recv.size())
+      throw std::runtime_error(fmt::format(
+          "all_gather_v over group '{}': rank {} receives {} elements but its receive buffer "
+          "holds {}; size it for every rank's largest block",
+          group_name, r, total, b[r].recv.size()));
+    const bool streaming = streams(2 * bytes_of(total));
+    std::size_t at = 0, received = 0;
+    for (int j = 0; j < n; ++j) {
+      const std::size_t len = static_cast<std::size_t>(*b[j].send_rows) * row;
+      detail::copy_floats(b[r].recv.data() + at, b[j].send.data(), len, streaming);
+      b[r].recv_rows[j] = *b[j].send_rows;
+      at += len;
+      if (j != r) received += len;
+    }
+    context.report_cost({.bytes = static_cast<double>(bytes_of(received)),
+                         .messages = static_cast<std::uint32_t>(n - 1)});
+  };
+}
+
+MemberWork plan_reduce_scatter_v(const Collective& c) {
+  const int n = c.group.size();
+  const ProcessGroup& group = c.group;
+  const std::size_t row = row_size(c);
+  std::vector<VariableScatterBuffers> b;
+  for (int r = 0; r < n; ++r) {
+    const VariableScatterBuffers& s = c.members[static_cast<std::size_t>(r)].scatter;
+    if (!s.rows)
+      throw std::invalid_argument(
+          fmt::format("reduce_scatter_v over group '{}': rank {} (device {}) has no block rows; "
+                      "point it at the counts an earlier task sets",
+                      group.name(), r, group.device(r)));
+    b.push_back(s);
+  }
+  const std::string group_name = group.name();
+  const ReduceOp op = c.reduce;
+  return [=](int r, rt::TaskContext& context) {
+    const std::vector<std::int64_t>& rows = *b[r].rows;
+    if (rows.size() != static_cast<std::size_t>(n))
+      throw std::runtime_error(
+          fmt::format("reduce_scatter_v over group '{}': rank {} has {} block counts, needs one "
+                      "per rank ({})",
+                      group_name, r, rows.size(), n));
+    std::size_t total = 0, first = 0;
+    for (int j = 0; j < n; ++j) {
+      if (rows[j] < 0)
+        throw std::runtime_error(
+            fmt::format("reduce_scatter_v over group '{}': rank {} has a negative block count {}",
+                        group_name, r, rows[j]));
+      if (j < r) first += static_cast<std::size_t>(rows[j]) * row;
+      total += static_cast<std::size_t>(rows[j]) * row;
+    }
+    for (int j = 0; j < n; ++j) {
+      if (*b[j].rows != rows)
+        throw std::runtime_error(fmt::format(
+            "reduce_scatter_v over group '{}': ranks {} and {} disagree on the blocks' rows; "
+            "every member must pass the same counts",
+            group_name, r, j));
+      if (total > b[j].send.size())
+        throw std::runtime_error(fmt::format(
+            "reduce_scatter_v over group '{}': the blocks hold {} elements but rank {}'s send "
+            "buffer holds {}",
+            group_name, total, j, b[j].send.size()));
+    }
+    const std::size_t mine = static_cast<std::size_t>(rows[r]) * row;
+    if (mine > b[r].recv.size())
+      throw std::runtime_error(fmt::format(
+          "reduce_scatter_v over group '{}': rank {} receives {} elements but its receive buffer "
+          "holds {}",
+          group_name, r, mine, b[r].recv.size()));
+    std::vector<const float*> sources;
+    for (int j = 0; j < n; ++j)
+      sources.push_back(b[j].send.data());
+    float* const out = b[r].recv.data();
+    detail::reduce_to_all(op, sources, first, std::span<float* const>(&out, 1), 0, mine,
+                          streams(bytes_of(mine) * static_cast<std::size_t>(n + 1)));
+    context.report_cost({.bytes = static_cast<double>(bytes_of(mine * (n - 1))),
+                         .messages = static_cast<std::uint32_t>(n - 1)});
+  };
+}
+
 MemberWork plan_broadcast(const Collective& c) {
   const int n = c.group.size();
   const int root = c.root;
@@ -281,6 +403,10 @@ MemberWork SharedMemoryCommunicator::plan(const Collective& c) {
       return plan_all_to_all(c);
     case CollectiveOp::all_to_all_v:
       return plan_all_to_all_v(c);
+    case CollectiveOp::all_gather_v:
+      return plan_all_gather_v(c);
+    case CollectiveOp::reduce_scatter_v:
+      return plan_reduce_scatter_v(c);
     case CollectiveOp::broadcast:
       return plan_broadcast(c);
     case CollectiveOp::send_recv:

@@ -218,6 +218,68 @@ TEST_P(Collective, VariableAllToAllWithUnevenAndZeroSplits) {
   }
 }
 
+// Blocks of run-time sizes (zero among them): every rank gathers every rank's rows in rank
+// order; then each rank's block of the gathered buffers is reduced, in rank order, back to it.
+TEST_P(Collective, VariableAllGatherAndReduceScatterWithUnevenAndZeroBlocks) {
+  Machine machine(threads());
+  const ProcessGroup g = first_devices(n());
+  const std::int64_t row = 3;
+  const auto rows_of = [](int r) -> std::int64_t { return r % 3 == 1 ? 0 : 2 * r + 1; };
+  std::int64_t total = 0;
+  for (int r = 0; r < n(); ++r)
+    total += rows_of(r);
+  const auto capacity = static_cast<std::size_t>((2 * n() + 1) * row);
+  Buffers send = random_buffers(n(), capacity, 21);
+  Buffers gathered(n(), std::vector<float>(static_cast<std::size_t>(n()) * capacity, -1.f));
+  Buffers reduced(n(), std::vector<float>(capacity, -1.f));
+  std::vector<std::int64_t> send_rows(n(), -1);
+  std::vector<std::vector<std::int64_t>> gathered_rows(n(), std::vector<std::int64_t>(n(), -7));
+  rt::GraphBuilder b;
+  std::vector<VariableGatherBuffers> gather;
+  std::vector<VariableScatterBuffers> scatter;
+  for (int r = 0; r < n(); ++r) {
+    gather.push_back({send[r], &send_rows[r], gathered[r], gathered_rows[r]});
+    scatter.push_back({gathered[r], &gathered_rows[r], reduced[r]});
+  }
+  const auto gathers = comm.all_gather_v(b, g, gather, row);
+  const auto scatters = comm.reduce_scatter_v(b, g, scatter, row);
+  for (int r = 0; r < n(); ++r) {
+    const rt::TaskId count = b.add({.device = static_cast<rt::DeviceId>(r), .name = "count"},
+                                   [&, r](rt::TaskContext&) { send_rows[r] = rows_of(r); });
+    b.precede(count, gathers[r]);
+    b.precede(gathers[r], scatters[r]);
+  }
+  machine.run(b);
+  std::vector<float> expect_gathered;
+  for (int j = 0; j < n(); ++j)
+    expect_gathered.insert(expect_gathered.end(), send[j].begin(),
+                           send[j].begin() + rows_of(j) * row);
+  for (int r = 0; r < n(); ++r) {
+    for (int j = 0; j < n(); ++j)
+      EXPECT_EQ(gathered_rows[r][j], rows_of(j)) << r << " <- " << j;
+    ASSERT_TRUE(std::equal(expect_gathered.begin(), expect_gathered.end(), gathered[r].begin()))
+        << "rank " << r;
+    EXPECT_TRUE(std::all_of(gathered[r].begin() + total * row, gathered[r].end(),
+                            [](float x) { return x == -1.f; }));
+    // Every rank gathered the same rows: the reduction of rank r's block is n times it, summed
+    // in rank order.
+    std::int64_t first = 0;
+    for (int j = 0; j < r; ++j)
+      first += rows_of(j) * row;
+    std::vector<float> block(expect_gathered.begin() + first,
+                             expect_gathered.begin() + first + rows_of(r) * row);
+    std::vector<float> expect(block.size(), 0.f);
+    for (int j = 0; j < n(); ++j)
+      for (std::size_t i = 0; i < block.size(); ++i)
+        expect[i] = j == 0 ? block[i] : expect[i] + block[i];
+    ASSERT_TRUE(same_bits(
+        std::vector<float>(reduced[r].begin(),
+                           reduced[r].begin() + static_cast<std::ptrdiff_t>(block.size())),
+        expect))
+        << "rank " << r;
+  }
+}
+
 TEST_P(Collective, BroadcastCopiesTheRootsBuffer) {
   Machine machine(threads());
   const ProcessGroup g = first_devices(n());
@@ -649,6 +711,53 @@ TEST(Collectives, BadBuffersAreRefusedAtBuildTimeWithTheRule) {
   EXPECT_ERROR([&] { comm.all_to_all_v(b, g, v, 0); }, "a row must hold at least 1 element");
   // Nothing half-built was left behind by the refused calls.
   EXPECT_EQ(b.size(), 0u);
+}
+
+TEST(Collectives, VariableGatherAndScatterRefuseBadCountsNamingThem) {
+  SharedMemoryCommunicator comm;
+  const ProcessGroup g = first_devices(2);
+  std::vector<float> a(6), c(6), wide(12), narrow(2);
+  std::int64_t rows = 2;
+  std::vector<std::int64_t> two(2), three(3);
+  rt::GraphBuilder b;
+  std::vector<VariableGatherBuffers> gather{{a, &rows, wide, two}, {c, nullptr, wide, two}};
+  EXPECT_ERROR([&] { comm.all_gather_v(b, g, gather, 3); }, "rank 1 (device 1) has no send_rows");
+  gather[1] = {c, &rows, wide, three};
+  EXPECT_ERROR([&] { comm.all_gather_v(b, g, gather, 3); },
+               "has room for 3 receive counts; give it one per rank, 2");
+  gather[1] = {c, &rows, wide, two};
+  EXPECT_ERROR([&] { comm.all_gather_v(b, g, gather, 0); }, "a row must hold at least 1 element");
+  std::vector<VariableScatterBuffers> scatter{{wide, &two, a}, {wide, nullptr, c}};
+  EXPECT_ERROR([&] { comm.reduce_scatter_v(b, g, scatter, 3); },
+               "rank 1 (device 1) has no block rows");
+  EXPECT_EQ(b.size(), 0u);
+  // At run time: a block larger than its sender's buffer, and counts members disagree on.
+  Machine machine(2);
+  {
+    rt::GraphBuilder run;
+    std::int64_t too_many = 3;  // 9 elements from a buffer of 6
+    std::vector<VariableGatherBuffers> bad{{a, &too_many, wide, two}, {c, &rows, wide, three}};
+    bad[1].recv_rows = std::span<std::int64_t>(two);
+    comm.all_gather_v(run, g, bad, 3, {.name = "gather"});
+    try {
+      machine.run(run);
+      ADD_FAILURE() << "expected the run to fail";
+    } catch (const rt::TaskError& e) {
+      EXPECT_PRED_FORMAT2(::testing::IsSubstring, "rank 0 sends 3 rows of 3 elements", e.what());
+    }
+  }
+  {
+    rt::GraphBuilder run;
+    std::vector<std::int64_t> mine{1, 1}, theirs{2, 0};
+    std::vector<VariableScatterBuffers> bad{{wide, &mine, a}, {wide, &theirs, c}};
+    comm.reduce_scatter_v(run, g, bad, 3, {.name = "scatter"});
+    try {
+      machine.run(run);
+      ADD_FAILURE() << "expected the run to fail";
+    } catch (const rt::TaskError& e) {
+      EXPECT_PRED_FORMAT2(::testing::IsSubstring, "disagree on the blocks' rows", e.what());
+    }
+  }
 }
 
 // Runs a two-rank variable all-to-all whose counts are only wrong at run time.

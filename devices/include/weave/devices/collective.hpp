@@ -24,6 +24,8 @@ enum class CollectiveOp : std::uint8_t {
   reduce_scatter,
   all_to_all,
   all_to_all_v,
+  all_gather_v,
+  reduce_scatter_v,
   broadcast,
   send_recv,
   barrier,
@@ -46,14 +48,43 @@ struct VariableAllToAllBuffers {
   std::int64_t expected_rows = 0;
 };
 
+// One rank's side of an all-gather whose blocks' sizes are known only at run time (the rows
+// each tensor-parallel rank of an expert received). Sizes are in rows of `row_elements` floats.
+// An earlier task sets *send_rows; the collective writes recv_rows (one entry per rank, checked
+// when the graph is built): block j, rank j's rows, lands in `recv` after the blocks of the
+// ranks before it. send and recv are capacities; the task fails if the counts need more.
+struct VariableGatherBuffers {
+  std::span<const float> send;
+  const std::int64_t* send_rows = nullptr;
+  std::span<float> recv;
+  std::span<std::int64_t> recv_rows;
+  // The rows this member expects to send, for the cost hint a replay without kernels uses
+  // (0: its whole send buffer). Once run, a member is timed by the real sizes.
+  std::int64_t expected_rows = 0;
+};
+
+// One rank's side of a reduce-scatter whose blocks' sizes are known only at run time: `send`
+// holds every rank's block in rank order, (*rows)[j] rows for rank j; the member receives the
+// reduction over the ranks, in rank order, of its own block into `recv` (which may be that
+// block of its own `send`). Every member's *rows must hold the same counts when it runs.
+struct VariableScatterBuffers {
+  std::span<const float> send;
+  const std::vector<std::int64_t>* rows = nullptr;
+  std::span<float> recv;
+  std::int64_t expected_rows = 0;  // rows of its own block expected (cost hint); 0: recv's size
+};
+
 // One member's buffers. all_reduce and broadcast work in place on `output`; all_gather,
-// reduce_scatter and all_to_all read `input` and write `output`; all_to_all_v uses `variable`;
+// reduce_scatter and all_to_all read `input` and write `output`; all_to_all_v uses `variable`,
+// all_gather_v `gather` and reduce_scatter_v `scatter`;
 // send_recv's sender (member 0) reads `input` and its receiver (member 1) writes `output`;
 // barrier has none.
 struct CollectiveMember {
   std::span<const float> input;
   std::span<float> output;
   VariableAllToAllBuffers variable;
+  VariableGatherBuffers gather;
+  VariableScatterBuffers scatter;
 };
 
 struct Collective {
@@ -61,7 +92,7 @@ struct Collective {
   ProcessGroup group;
   ReduceOp reduce = ReduceOp::sum;        // all_reduce, reduce_scatter
   int root = 0;                           // broadcast: the root's rank in the group
-  std::int64_t row_elements = 0;          // all_to_all_v
+  std::int64_t row_elements = 0;          // all_to_all_v, all_gather_v, reduce_scatter_v
   std::vector<CollectiveMember> members;  // by rank in the group
   std::string name;                       // the member tasks' name prefix
 };

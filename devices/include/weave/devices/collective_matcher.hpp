@@ -45,6 +45,12 @@ class CollectiveMatcher {
   rt::TaskId all_to_all_v(const ProcessGroup& group, int member,
                           const VariableAllToAllBuffers& buffers, std::int64_t row_elements,
                           const CollectiveOptions& options = {});
+  rt::TaskId all_gather_v(const ProcessGroup& group, int member,
+                          const VariableGatherBuffers& buffers, std::int64_t row_elements,
+                          const CollectiveOptions& options = {});
+  rt::TaskId reduce_scatter_v(const ProcessGroup& group, int member,
+                              const VariableScatterBuffers& buffers, std::int64_t row_elements,
+                              const CollectiveOptions& options = {});
   rt::TaskId broadcast(const ProcessGroup& group, int member, std::span<float> buffer, int root,
                        const CollectiveOptions& options = {});
   rt::TaskId barrier(const ProcessGroup& group, int member, const CollectiveOptions& options = {});

@@ -77,6 +77,14 @@ class Communicator {
   MemberTasks all_to_all_v(rt::GraphBuilder& graph, const ProcessGroup& group,
                            std::span<const VariableAllToAllBuffers> buffers,
                            std::int64_t row_elements, const CollectiveOptions& options = {});
+  // Run-time block sizes, in rows of row_elements floats: every rank's rows gathered (in rank
+  // order) on every rank; every rank's block of the others' buffers summed into it.
+  MemberTasks all_gather_v(rt::GraphBuilder& graph, const ProcessGroup& group,
+                           std::span<const VariableGatherBuffers> buffers,
+                           std::int64_t row_elements, const CollectiveOptions& options = {});
+  MemberTasks reduce_scatter_v(rt::GraphBuilder& graph, const ProcessGroup& group,
+                               std::span<const VariableScatterBuffers> buffers,
+                               std::int64_t row_elements, const CollectiveOptions& options = {});
   // Every rank's buffer (equal sizes) ends holding the root rank's.
   MemberTasks broadcast(rt::GraphBuilder& graph, const ProcessGroup& group,
                         std::span<const std::span<float>> buffers, int root,
