@@ -38,6 +38,7 @@ json describe(const ParallelPlan& p) {
           {"sequence_parallel", p.sequence_parallel},
           {"context_parallel_size", p.context_parallel},
           {"expert_model_parallel_size", p.expert_parallel},
+          {"expert_tensor_parallel_size", p.expert_tensor_parallel},
           {"data_parallel_size", p.data_parallel},
           {"pipeline_model_parallel_size", p.pipeline_parallel},
           {"use_distributed_optimizer", p.distributed_optimizer}};

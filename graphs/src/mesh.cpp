@@ -35,11 +35,14 @@ const char* prefix(GroupKind kind) {
 }  // namespace
 
 Mesh::Mesh(const ParallelPlan& plan) : plan_(plan), size_(plan.devices()) {
-  const int stage = plan.tensor_parallel * plan.context_parallel * plan.data_parallel;
+  // The ranks an expert-parallel group is carved from: a stage's, or with experts split over tp
+  // the stage's ranks of one tensor-parallel rank.
+  const int stage =
+      plan.context_parallel * plan.data_parallel * (experts_split() ? 1 : plan.tensor_parallel);
   if (size_ < 1 || stage % plan.expert_parallel != 0)
-    throw ConfigError(fmt::format(
-        "a mesh needs positive sizes and an expert-parallel size ({}) dividing tp x cp x dp ({})",
-        plan.expert_parallel, stage));
+    throw ConfigError(
+        fmt::format("a mesh needs positive sizes and an expert-parallel size ({}) dividing {} ({})",
+                    plan.expert_parallel, experts_split() ? "cp x dp" : "tp x cp x dp", stage));
   expert_data_ = stage / plan.expert_parallel;
   groups_.resize(kKinds);
   group_of_rank_.assign(kKinds, std::vector<int>(static_cast<std::size_t>(size_), -1));
@@ -66,10 +69,10 @@ Mesh::Mesh(const ParallelPlan& plan) : plan_(plan), size_(plan.devices()) {
           key = {c.tp, c.pp};
           break;
         case GroupKind::expert:
-          key = {c.edp, c.pp};
+          key = {c.edp, c.pp, experts_split() ? c.tp : 0};
           break;
         case GroupKind::expert_data:
-          key = {c.ep, c.pp};
+          key = {c.ep, c.pp, experts_split() ? c.tp : 0};
           break;
         case GroupKind::pipeline:
           key = {c.tp, c.cp, c.dp};
@@ -108,7 +111,9 @@ MeshCoordinates Mesh::coordinates(int rank) const {
   c.dp = rest % plan_.data_parallel;
   c.pp = rest / plan_.data_parallel;
   const int in_stage =
-      rank % (plan_.tensor_parallel * plan_.context_parallel * plan_.data_parallel);
+      experts_split()
+          ? (rank / plan_.tensor_parallel) % (plan_.context_parallel * plan_.data_parallel)
+          : rank % (plan_.tensor_parallel * plan_.context_parallel * plan_.data_parallel);
   c.ep = in_stage % plan_.expert_parallel;
   c.edp = in_stage / plan_.expert_parallel;
   return c;

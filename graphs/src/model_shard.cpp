@@ -143,12 +143,24 @@ ModelShard::ModelShard(const ModelConfig& m, const Mesh& mesh, int rank, devices
       L.router_weight = &replicated(add(prefix + "moe.router.weight", {m.num_experts, h},
                                         m.num_experts, h, iota_from(0, m.num_experts), 0, std, 0),
                                     true);
-      L.expert_fc1 =
-          &add(prefix + "moe.experts.fc1.weight", {local_experts_, f1, h}, m.num_experts * f1, h,
-               iota_from(first_expert_ * f1, local_experts_ * f1), 0, std, 0);
+      // Split over the tensor-parallel group (mesh.experts_split()), each local expert's fc1
+      // holds this rank's columns of the hidden layer (SwiGLU: its gates, then its values) and
+      // fc2 the matching rows of the input dimension.
+      const int etp = mesh.experts_split() ? tp : 1, et = mesh.experts_split() ? t : 0;
+      const std::int64_t fe = f / etp, f1e = swiglu ? 2 * fe : fe;
+      std::vector<std::int64_t> fc1_rows;
+      for (std::int64_t e = first_expert_; e < first_expert_ + local_experts_; ++e) {
+        for (std::int64_t i = 0; i < fe; ++i)
+          fc1_rows.push_back(e * f1 + et * fe + i);
+        if (swiglu)
+          for (std::int64_t i = 0; i < fe; ++i)
+            fc1_rows.push_back(e * f1 + f + et * fe + i);
+      }
+      L.expert_fc1 = &add(prefix + "moe.experts.fc1.weight", {local_experts_, f1e, h},
+                          m.num_experts * f1, h, fc1_rows, 0, std, 0);
       L.expert_fc2 =
-          &add(prefix + "moe.experts.fc2.weight", {local_experts_, h, f}, m.num_experts * h, f,
-               iota_from(first_expert_ * h, local_experts_ * h), 0, out_std, 0);
+          &add(prefix + "moe.experts.fc2.weight", {local_experts_, h, fe}, m.num_experts * h, f,
+               iota_from(first_expert_ * h, local_experts_ * h), et * fe, out_std, 0);
       L.expert_fc1->expert = L.expert_fc2->expert = true;
     } else {
       std::vector<std::int64_t> fc1_rows = iota_from(t * f_local, f_local);

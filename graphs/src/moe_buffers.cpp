@@ -10,7 +10,7 @@ namespace {
 void allocate_items(RankProgram& P, MoeSlot& slot) {
   const StepShape& z = P.shape;
   const std::int64_t n = z.slot_tokens(), k = z.model.moe_router_topk, h = z.h, ep = z.ep;
-  const std::int64_t f1 = z.expert_f1(), f = z.f;
+  const std::int64_t f1 = z.expert_local_f1(), f = z.expert_local_f();
   // A source sends an expert at most one pick per token (and at most its capacity).
   const std::int64_t capacity = z.expert_capacity();
   const std::int64_t in = ep * (capacity > 0 ? std::min(n, capacity) : n);
@@ -57,10 +57,26 @@ void allocate_slot(RankProgram& P, LayerActivations& A, int c) {
   S.moe_out =
       (z.sp() || z.tp == 1) ? A.mlp_out.reshape({z.T, h}).slice(0, c * n, n) : P.activation({n, h});
   const std::int64_t capacity = z.slot_capacity();
-  S.hidden_pre = P.activation({capacity, z.expert_f1()});
-  S.hidden = P.activation({capacity, z.f});
+  // Split experts run every tensor-parallel rank's rows on this rank's share of the hidden layer.
+  const std::int64_t expert_rows = z.experts_split() ? z.tp * capacity : capacity;
+  S.hidden_pre = P.activation({expert_rows, z.expert_local_f1()});
+  S.hidden = P.activation({expert_rows, z.expert_local_f()});
   if (z.splits_backward && !z.pipe_experts())
-    S.saved_d_pre = P.activation({capacity, z.expert_f1()});
+    S.saved_d_pre = P.activation({expert_rows, z.expert_local_f1()});
+  if (z.experts_split() && !z.pipe_experts()) {
+    const std::int64_t H = z.header_rows();
+    S.tp_send = P.activation({H + capacity, h});
+    S.tp_gathered = P.activation({z.tp * (H + capacity), h});
+    S.tp_partial = P.activation({expert_rows, h});
+    S.tp_result = P.activation({capacity, h});
+    S.tp_d_rows = P.activation({capacity, h});
+    S.tp_d_gathered = P.activation({expert_rows, h});
+    S.tp_d_in = P.activation({capacity, h});
+    for (auto* v : {&S.tp_gathered_rows, &S.tp_rows, &S.tp_d_gathered_rows})
+      v->assign(static_cast<std::size_t>(z.tp), 0);
+    S.tp_begin.assign(static_cast<std::size_t>(z.tp),
+                      std::vector<std::int64_t>(static_cast<std::size_t>(z.local_experts()) + 1));
+  }
   if (ep > 1) {
     S.counts_recv = P.activation({ep * z.local_experts()});
     for (auto* v : {&S.send_rows, &S.recv_rows, &S.framed_send_rows, &S.framed_recv_rows})

@@ -136,6 +136,7 @@ TaskId MoeMlp::item_exchange(const BuildPosition& pos, int c, int i, TaskId read
 
 SlotProgress MoeMlp::experts(const BuildPosition& pos, int c, const SlotProgress& routed) const {
   if (P->shape.pipe_experts()) return experts_items(pos, c, routed);
+  if (P->shape.experts_split()) return split_experts(pos, c, routed);
   RankProgram* p = P;
   const int layer = l, set = pos.set;
   const StepShape& z = P->shape;
@@ -221,6 +222,7 @@ SlotProgress MoeMlp::experts_items(const BuildPosition& pos, int c,
 SlotProgress MoeMlp::experts_backward(const BuildPosition& pos, int c, const SlotProgress& arrived,
                                       WeightHalves& halves) const {
   if (P->shape.pipe_experts()) return experts_backward_items(pos, c, arrived);
+  if (P->shape.experts_split()) return split_experts_backward(pos, c, arrived, halves);
   RankProgram* p = P;
   const int layer = l, set = pos.set;
   const StepShape& z = P->shape;

@@ -63,6 +63,12 @@ class MoeMlp {
 
  private:
   SlotProgress experts_items(const BuildPosition& pos, int c, const SlotProgress& routed) const;
+  // Experts split over the tensor-parallel group (moe_split_experts.cpp): the received rows
+  // gathered over tp around the experts and the results reduce-scattered back, forward and
+  // backward.
+  SlotProgress split_experts(const BuildPosition& pos, int c, const SlotProgress& routed) const;
+  SlotProgress split_experts_backward(const BuildPosition& pos, int c, const SlotProgress& arrived,
+                                      WeightHalves& halves) const;
   SlotProgress experts_backward_items(const BuildPosition& pos, int c,
                                       const SlotProgress& arrived) const;
   // The expert-parallel all-to-all of a slot's rows: outbound (to the experts' ranks: the slot's

@@ -95,11 +95,38 @@ std::vector<std::string> validate(const ModelConfig& m, ParallelPlan& p) {
   } else if (p.expert_parallel > 1) {
     refuse("--expert-model-parallel-size ({}) needs --num-experts > 0", p.expert_parallel);
   }
-  if ((tp * cp * dp) % p.expert_parallel != 0)
+  if (p.moe_model_type == "deepspeed_moe") {
+    if (p.expert_tensor_parallel != 1 && p.expert_tensor_parallel != tp)
+      refuse(
+          "--moe-model-type deepspeed_moe splits every expert over the tensor-parallel group: "
+          "--expert-tensor-parallel-size ({}) must be --tensor-model-parallel-size ({}) or unset",
+          p.expert_tensor_parallel, tp);
+    p.expert_tensor_parallel = tp;
+  } else if (!p.moe_model_type.empty() && p.moe_model_type != "megatron") {
+    refuse("--moe-model-type must be megatron or deepspeed_moe, got '{}'", p.moe_model_type);
+  }
+  require_positive("--expert-tensor-parallel-size", p.expert_tensor_parallel);
+  if (p.expert_tensor_parallel != 1 && p.expert_tensor_parallel != tp)
+    refuse(
+        "--expert-tensor-parallel-size ({}) must be 1 (every expert whole on one rank) or "
+        "--tensor-model-parallel-size ({}) (every expert split over the tensor-parallel group)",
+        p.expert_tensor_parallel, tp);
+  if (p.expert_tensor_parallel > 1 && m.num_experts == 0)
+    refuse("--expert-tensor-parallel-size ({}) splits experts: set --num-experts",
+           p.expert_tensor_parallel);
+  if (p.expert_tensor_parallel > 1) {
+    if ((cp * dp) % p.expert_parallel != 0)
+      refuse(
+          "--expert-model-parallel-size ({}) must divide context x data parallel ({} x {} = {}) "
+          "when experts are split over the tensor-parallel group: an expert-parallel group is "
+          "made of ranks with the same tensor-parallel rank",
+          p.expert_parallel, cp, dp, cp * dp);
+  } else if ((tp * cp * dp) % p.expert_parallel != 0) {
     refuse(
         "--expert-model-parallel-size ({}) must divide tensor x context x data parallel "
         "({} x {} x {} = {}): expert-parallel groups are carved out of those ranks",
         p.expert_parallel, tp, cp, dp, tp * cp * dp);
+  }
   if (p.global_batch_size % (p.micro_batch_size * dp) != 0)
     refuse(
         "--global-batch-size ({}) must be divisible by --micro-batch-size x data-parallel size "

@@ -73,6 +73,26 @@ TaskId GroupHandle::all_to_all_v(TaskId ready, const devices::VariableAllToAllBu
   return ordered(ready, t);
 }
 
+TaskId GroupHandle::all_gather_v(TaskId ready, const devices::VariableGatherBuffers& buffers,
+                                 std::int64_t row_elements, const std::string& name,
+                                 rt::TaskTags tags, const std::string& stream) const {
+  if (size() == 1) return rt::kNoTask;
+  const devices::CollectiveOptions o = options(name, tags, stream);
+  const TaskId t = matcher_->all_gather_v(*group_, member_, buffers, row_elements, o);
+  (*tails_)[std::string(o.stream)] = t;
+  return ordered(ready, t);
+}
+
+TaskId GroupHandle::reduce_scatter_v(TaskId ready, const devices::VariableScatterBuffers& buffers,
+                                     std::int64_t row_elements, const std::string& name,
+                                     rt::TaskTags tags, const std::string& stream) const {
+  if (size() == 1) return rt::kNoTask;
+  const devices::CollectiveOptions o = options(name, tags, stream);
+  const TaskId t = matcher_->reduce_scatter_v(*group_, member_, buffers, row_elements, o);
+  (*tails_)[std::string(o.stream)] = t;
+  return ordered(ready, t);
+}
+
 namespace {
 
 GroupHandle handle(RankProgram& P, GroupKind kind, const char* stream,

@@ -70,6 +70,12 @@ class GroupHandle {
   TaskId all_to_all_v(TaskId ready, const devices::VariableAllToAllBuffers& buffers,
                       std::int64_t row_elements, const std::string& name, rt::TaskTags tags,
                       const std::string& stream = {}) const;
+  TaskId all_gather_v(TaskId ready, const devices::VariableGatherBuffers& buffers,
+                      std::int64_t row_elements, const std::string& name, rt::TaskTags tags,
+                      const std::string& stream = {}) const;
+  TaskId reduce_scatter_v(TaskId ready, const devices::VariableScatterBuffers& buffers,
+                          std::int64_t row_elements, const std::string& name, rt::TaskTags tags,
+                          const std::string& stream = {}) const;
 
  private:
   devices::CollectiveOptions options(const std::string& name, rt::TaskTags tags,

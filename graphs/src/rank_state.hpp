@@ -72,8 +72,26 @@ struct MoeSlot {
   // Backward.
   Tensor d_moe, d_grouped, d_expert_out, d_topk, d_router_logits, d_moe_in;
   Tensor d_arrived, d_expert_in, d_expert_result, d_leaving;
-  std::vector<ExpertItem> items;  // --use-pipe-experts
-  Tensor saved_d_pre;             // a split backward: the experts' first-product gradient, for W
+  // Experts split over the tensor-parallel group (StepShape::experts_split): the rows this rank
+  // received framed with their per-local-expert counts, every tp rank's gathered (each block
+  // framed), fc2's partial sums of all of them (in backward fc1's input-gradient partial sums),
+  // and this rank's rows reduced; in backward the output gradients of this rank's rows and of
+  // every rank's.
+  Tensor tp_send;                                   // [H + capacity, h]
+  std::int64_t tp_send_rows = 0;                    // framed rows this rank sends
+  Tensor tp_gathered;                               // [tp (H + capacity), h]
+  std::vector<std::int64_t> tp_gathered_rows;       // [tp]: framed rows of each block
+  std::vector<std::int64_t> tp_rows;                // [tp]: unframed rows of each block
+  std::vector<std::vector<std::int64_t>> tp_begin;  // [tp][local experts + 1]: expert offsets
+  Tensor tp_partial;                                // [tp capacity, h]
+  Tensor tp_result;                                 // [capacity, h]
+  Tensor tp_d_rows;                                 // [capacity, h]
+  std::int64_t tp_d_send_rows = 0;
+  Tensor tp_d_gathered;                          // [tp capacity, h]
+  std::vector<std::int64_t> tp_d_gathered_rows;  // [tp]
+  Tensor tp_d_in;                                // [capacity, h]
+  std::vector<ExpertItem> items;                 // --use-pipe-experts
+  Tensor saved_d_pre;  // a split backward: the experts' first-product gradient, for W
 };
 
 // Gradient workspace shared by all layers of a device: the backward runs layer after layer.

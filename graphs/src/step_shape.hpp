@@ -22,6 +22,7 @@ struct StepShape {
   ModelConfig model;
   ParallelPlan plan;
   int tp, t_sp, cp, ep, M, ampipe;
+  int etp;  // expert tensor parallelism: 1, or tp when every expert is split over the tp group
   std::int64_t S, Sc, chunk, B, Sl, h, d, Hl, f, fl, f1l, Vl, T;
   // Whether the schedule splits backwards into input and weight halves (zero-bubble): the
   // activation sets then keep the output gradients the weight halves need.
@@ -30,6 +31,11 @@ struct StepShape {
   bool sp() const { return t_sp > 1; }
   // The experts' hidden size times the first linear's outputs per hidden unit (SwiGLU: 2).
   std::int64_t expert_f1() const { return model.activation == Activation::swiglu ? 2 * f : f; }
+  // Experts split over the tensor-parallel group (etp ranks): each rank's share of an expert's
+  // hidden layer, and of fc1's outputs.
+  std::int64_t expert_local_f() const { return f / etp; }
+  std::int64_t expert_local_f1() const { return expert_f1() / etp; }
+  bool experts_split() const { return etp > 1; }
   std::int64_t local_experts() const { return model.num_experts / ep; }
   bool pipe_experts() const { return plan.pipe_experts && ep > 1; }
   // Rows of h floats that hold one destination's per-local-expert counts in the dispatch.

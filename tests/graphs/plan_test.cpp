@@ -291,5 +291,45 @@ TEST(Mesh, GroupsOfEachKindPartitionTheDevices) {
   EXPECT_EQ(mesh.coordinates(6).edp, 1);
 }
 
+TEST(Mesh, SplitExpertsFoldExpertParallelismOverTheRanksOfOneTensorParallelRank) {
+  const Mesh mesh({.tensor_parallel = 2,
+                   .expert_parallel = 2,
+                   .expert_tensor_parallel = 2,
+                   .data_parallel = 4});
+  // Expert-parallel groups: ranks with the same tp rank, 2 consecutive data-parallel ranks.
+  const auto ep = mesh.group(GroupKind::expert, 5).devices();
+  EXPECT_EQ(std::vector<rt::DeviceId>(ep.begin(), ep.end()), (std::vector<rt::DeviceId>{5, 7}));
+  // Replicas of one expert shard: same tp rank, same ep rank.
+  const auto edp = mesh.group(GroupKind::expert_data, 5).devices();
+  EXPECT_EQ(std::vector<rt::DeviceId>(edp.begin(), edp.end()), (std::vector<rt::DeviceId>{1, 5}));
+  EXPECT_EQ(mesh.coordinates(7).ep, 1);
+  EXPECT_EQ(mesh.coordinates(7).edp, 1);
+  EXPECT_TRUE(mesh.experts_split());
+}
+
+TEST(ParallelPlan, ExpertTensorParallelRules) {
+  const ModelConfig moe = small_moe();
+  ParallelPlan deepspeed{.tensor_parallel = 2,
+                         .expert_parallel = 2,
+                         .moe_model_type = "deepspeed_moe",
+                         .data_parallel = 2,
+                         .global_batch_size = 2};
+  EXPECT_EQ(refusal(moe, deepspeed), "accepted");
+  validate(moe, deepspeed);
+  EXPECT_EQ(deepspeed.expert_tensor_parallel, 2);
+  EXPECT_TRUE(mentions(refusal(moe, {.tensor_parallel = 2, .expert_tensor_parallel = 4}),
+                       "--expert-tensor-parallel-size (4) must be 1"));
+  EXPECT_TRUE(mentions(
+      refusal(moe, {.tensor_parallel = 2, .expert_parallel = 2, .expert_tensor_parallel = 2}),
+      "must divide context x data parallel (1 x 1 = 1) when experts are split"));
+  EXPECT_TRUE(mentions(
+      refusal(moe, {.tensor_parallel = 2, .expert_tensor_parallel = 1, .moe_model_type = "tutel"}),
+      "--moe-model-type must be megatron or deepspeed_moe, got 'tutel'"));
+  ModelConfig dense = moe;
+  dense.num_experts = 0;
+  EXPECT_TRUE(mentions(refusal(dense, {.tensor_parallel = 2, .expert_tensor_parallel = 2}),
+                       "splits experts: set --num-experts"));
+}
+
 }  // namespace
 }  // namespace weave::graphs

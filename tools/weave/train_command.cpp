@@ -218,6 +218,14 @@ void add_train_command(CLI::App& app) {
   cmd->add_option("--expert-model-parallel-size", p.expert_parallel)
       ->check(at_least(1))
       ->capture_default_str();
+  cmd->add_option("--expert-tensor-parallel-size", p.expert_tensor_parallel,
+                  "1: every expert whole on one rank; the tensor-parallel size: every expert split "
+                  "over the tensor-parallel group (fc1 by columns, fc2 by rows)")
+      ->check(at_least(1))
+      ->capture_default_str();
+  cmd->add_option("--moe-model-type", p.moe_model_type,
+                  "megatron (experts whole) or deepspeed_moe (MindSpeed's layout: experts split "
+                  "over the tensor-parallel group, expert-parallel groups of one tp rank)");
   cmd->add_option("--pipeline-model-parallel-size", p.pipeline_parallel)
       ->check(at_least(1))
       ->capture_default_str();

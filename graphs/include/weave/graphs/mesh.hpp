@@ -3,9 +3,11 @@
 //
 // Rank order follows Megatron-LM: tensor-parallel fastest, then context-parallel, then
 // data-parallel, then pipeline: rank = tp + TP (cp + CP (dp + DP pp)). Device d holds rank d.
-// Expert parallelism folds over the tp x cp x dp ranks of a pipeline stage (expert tensor
-// parallelism 1): in the stage's rank order, ep is fastest and the expert-data-parallel index
-// next, so each expert-parallel group is `ep` consecutive ranks.
+// Expert parallelism folds over the tp x cp x dp ranks of a pipeline stage when experts are whole
+// (expert tensor parallelism 1): in the stage's rank order, ep is fastest and the
+// expert-data-parallel index next, so each expert-parallel group is `ep` consecutive ranks. When
+// experts are split over the tensor-parallel group (expert tensor parallelism = tp), the
+// expert-parallel groups fold over cp x dp among the ranks of one tensor-parallel rank.
 #pragma once
 
 #include <vector>
@@ -40,6 +42,10 @@ class Mesh {
   const ParallelPlan& plan() const { return plan_; }
   MeshCoordinates coordinates(int rank) const;
   int rank_of(int tp, int cp, int dp, int pp) const;
+  // Whether every expert is split over the tensor-parallel group (expert tensor parallelism).
+  bool experts_split() const {
+    return plan_.expert_tensor_parallel > 1 && plan_.tensor_parallel > 1;
+  }
 
   // The group of `kind` that `rank` belongs to.
   const devices::ProcessGroup& group(GroupKind kind, int rank) const;

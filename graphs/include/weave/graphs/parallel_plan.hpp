@@ -14,8 +14,14 @@ struct ParallelPlan {
   bool sequence_parallel = false;  // --sequence-parallel
   int context_parallel = 1;        // --context-parallel-size
   int expert_parallel = 1;         // --expert-model-parallel-size
-  int data_parallel = 1;           // devices / (tp * cp * pp)
-  int pipeline_parallel = 1;       // --pipeline-model-parallel-size
+  // --expert-tensor-parallel-size: 1 keeps every expert whole on one rank (expert-parallel
+  // groups folded over tp x cp x dp); tp splits each expert over the tensor-parallel group (fc1
+  // by columns, fc2 by rows) with expert-parallel groups of ranks that share a tensor-parallel
+  // rank: MindSpeed's deepspeed_moe layout, which --moe-model-type deepspeed_moe selects.
+  int expert_tensor_parallel = 1;
+  std::string moe_model_type;  // --moe-model-type: "" or megatron (experts whole), deepspeed_moe
+  int data_parallel = 1;       // devices / (tp * cp * pp)
+  int pipeline_parallel = 1;   // --pipeline-model-parallel-size
   // Model chunks (virtual stages) per pipeline rank: --virtual-pipeline-model-parallel-size, or
   // derived by validate() from --num-layers-per-virtual-pipeline-stage (layers_per_virtual_stage).
   int virtual_pipeline = 1;
