@@ -1,5 +1,7 @@
 #include "ampipe_block.hpp"
 
+#include <numeric>
+
 #include "attention_block.hpp"
 #include "gradient_buckets.hpp"
 #include "moe_mlp.hpp"
@@ -39,6 +41,7 @@ TaskId AmpipeBlock::forward(const BuildPosition& pos, TaskId ready) const {
     return p->acts(set, layer).proj_partial.slice(0, c * n, n);
   };
   std::vector<SlotProgress> routed(static_cast<std::size_t>(N));
+  TaskId first_gathered = rt::kNoTask;
   for (int c = 0; c < N; ++c) {
     const std::string chunk = at + fmt::format("c{}.", c);
     if (z.cp > 1) {
@@ -70,6 +73,10 @@ TaskId AmpipeBlock::forward(const BuildPosition& pos, TaskId ready) const {
     // After the previous chunk's router by the compute stream's order only: its dispatch may
     // still be running, and that is the overlap.
     P->after(qkv, side);
+    // --ampipe-tp-sp-comm-overlap: the first item's gather goes out under the last chunk's
+    // projection, norm and router.
+    if (z.tp_sp_overlap() && c == N - 1)
+      first_gathered = moe.gather_item(pos, 0, 0, routed[0].items[0]);
     if (z.sp()) {
       // Each rank's piece of the summed projection comes home, on the tp stream.
       const TaskId reduced = P->tensor.reduce_scatter(
@@ -82,8 +89,14 @@ TaskId AmpipeBlock::forward(const BuildPosition& pos, TaskId ready) const {
     routed[c] = moe.route(pos, c, side);
   }
   std::vector<SlotProgress> computed(static_cast<std::size_t>(N));
-  for (int c = 0; c < N; ++c)
-    computed[c] = moe.experts(pos, c, routed[c]);
+  if (z.tp_sp_overlap()) {  // every chunk's items in one pipeline
+    std::vector<int> chunks(static_cast<std::size_t>(N));
+    std::iota(chunks.begin(), chunks.end(), 0);
+    computed = moe.split_item_pipeline(pos, chunks, routed, first_gathered);
+  } else {
+    for (int c = 0; c < N; ++c)
+      computed[c] = moe.experts(pos, c, routed[c]);
+  }
   // The chunks' routers ran earlier on this compute stream; the statistics need nothing else.
   const TaskId stats = moe.statistics(pos, rt::kNoTask);
   TaskId last = rt::kNoTask;
@@ -126,9 +139,22 @@ TaskId AmpipeBlock::backward(const BuildPosition& pos, TaskId ready, WeightHalve
       experts(static_cast<std::size_t>(N));
   for (int c = N - 1; c >= 0; --c)
     combined[c] = moe.combine_backward(pos, c, start);
-  halves.flush();  // the layer above's, while the combines' gradients are in flight
-  for (int c = N - 1; c >= 0; --c)
-    experts[c] = moe.experts_backward(pos, c, combined[c], halves);
+  halves.flush();           // the layer above's, while the combines' gradients are in flight
+  if (z.tp_sp_overlap()) {  // every chunk's items in one pipeline, the chunks in reverse
+    std::vector<int> chunks;
+    std::vector<SlotProgress> arrived;
+    for (int c = N - 1; c >= 0; --c) {
+      chunks.push_back(c);
+      arrived.push_back(combined[c]);
+    }
+    const std::vector<SlotProgress> done =
+        moe.split_item_pipeline_backward(pos, chunks, arrived, halves);
+    for (std::size_t s = 0; s < chunks.size(); ++s)
+      experts[static_cast<std::size_t>(chunks[s])] = done[s];
+  } else {
+    for (int c = N - 1; c >= 0; --c)
+      experts[c] = moe.experts_backward(pos, c, combined[c], halves);
+  }
   TaskId side = rt::kNoTask;
   for (int c = N - 1; c >= 0; --c) {
     const std::string chunk = at + fmt::format("c{}.", c);

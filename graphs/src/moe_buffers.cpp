@@ -14,7 +14,9 @@ void allocate_items(RankProgram& P, MoeSlot& slot) {
   // A source sends an expert at most one pick per token (and at most its capacity).
   const std::int64_t capacity = z.expert_capacity();
   const std::int64_t in = ep * (capacity > 0 ? std::min(n, capacity) : n);
-  const int slices = z.plan.pipe_experts_slices();
+  const int slices = z.item_slices();
+  // Split experts run every tensor-parallel rank's rows of the item.
+  const std::int64_t run = z.experts_split() ? z.tp * in : in;
   for (int e = 0; e < z.local_experts(); ++e)
     for (int j = 0; j < slices; ++j) {
       ExpertItem& I = slot.items.emplace_back();
@@ -25,14 +27,23 @@ void allocate_items(RankProgram& P, MoeSlot& slot) {
       I.send = P.activation({n * k + ep, h});
       I.arrived = P.activation({in + ep, h});
       I.expert_in = P.activation({in, h});
-      I.hidden_pre = P.activation({in, f1});
-      I.hidden = P.activation({in, f});
+      I.hidden_pre = P.activation({run, f1});
+      I.hidden = P.activation({run, f});
       I.expert_result = P.activation({in, h});
       I.back = P.activation({n * k, h});
       I.d_back = P.activation({n * k, h});
       I.d_arrived = P.activation({in, h});
       I.d_expert_in = P.activation({in, h});
       I.d_home = P.activation({n * k, h});
+      if (z.experts_split()) {
+        I.tp_gathered = P.activation({run, h});
+        I.tp_partial = P.activation({run, h});
+        I.tp_d_gathered = P.activation({run, h});
+        I.d_hidden = P.activation({run, f});
+        I.d_pre = P.activation({run, f1});
+        I.tp_gathered_rows.assign(static_cast<std::size_t>(z.tp), 0);
+        I.tp_d_gathered_rows.assign(static_cast<std::size_t>(z.tp), 0);
+      }
     }
 }
 
@@ -61,9 +72,9 @@ void allocate_slot(RankProgram& P, LayerActivations& A, int c) {
   const std::int64_t expert_rows = z.experts_split() ? z.tp * capacity : capacity;
   S.hidden_pre = P.activation({expert_rows, z.expert_local_f1()});
   S.hidden = P.activation({expert_rows, z.expert_local_f()});
-  if (z.splits_backward && !z.pipe_experts())
+  if (z.splits_backward && !z.expert_items())
     S.saved_d_pre = P.activation({expert_rows, z.expert_local_f1()});
-  if (z.experts_split() && !z.pipe_experts()) {
+  if (z.experts_split() && !z.expert_items()) {
     const std::int64_t H = z.header_rows();
     S.tp_send = P.activation({H + capacity, h});
     S.tp_gathered = P.activation({z.tp * (H + capacity), h});
@@ -90,7 +101,7 @@ void allocate_slot(RankProgram& P, LayerActivations& A, int c) {
     S.d_expert_result = P.activation({capacity, h});
     S.d_leaving = P.activation({capacity, h});
   }
-  if (z.pipe_experts()) allocate_items(P, S);
+  if (z.expert_items()) allocate_items(P, S);
   S.d_moe = P.activation({n, h});
   S.d_grouped = P.activation({n * k, h});
   S.d_expert_out = P.activation({n * k, h});

@@ -31,7 +31,7 @@ void frame_dispatch(const StepShape& z, MoeSlot& A) {
 
 void frame_items(const StepShape& z, MoeSlot& A) {
   const std::int64_t local = z.local_experts(), h = z.h;
-  const std::int64_t slices = z.plan.pipe_experts_slices();
+  const std::int64_t slices = z.item_slices();
   const ops::DispatchPlan& D = A.dispatch;
   for (ExpertItem& I : A.items) {
     I.rows.clear();
@@ -119,9 +119,9 @@ TaskId MoeMlp::item_exchange(const BuildPosition& pos, int c, int i, TaskId read
                              : outbound                        ? "ep_dispatch"
                                                                : "ep_combine";
   // Balanced routing, for the cost hint: an item carries 1/(local experts x slices) of the picks.
-  const std::int64_t expected_rows = z.slot_tokens() * z.model.moe_router_topk /
-                                         (z.local_experts() * z.plan.pipe_experts_slices()) +
-                                     (framed ? z.ep : 0);
+  const std::int64_t expected_rows =
+      z.slot_tokens() * z.model.moe_router_topk / (z.local_experts() * z.item_slices()) +
+      (framed ? z.ep : 0);
   auto* sent = framed ? &I.framed_send_rows : outbound ? &I.send_rows : &I.recv_rows;
   auto* received = framed ? &I.framed_recv_rows : outbound ? &I.recv_rows : &I.send_rows;
   return P->expert.all_to_all_v(ready,
@@ -135,7 +135,10 @@ TaskId MoeMlp::item_exchange(const BuildPosition& pos, int c, int i, TaskId read
 }
 
 SlotProgress MoeMlp::experts(const BuildPosition& pos, int c, const SlotProgress& routed) const {
-  if (P->shape.pipe_experts()) return experts_items(pos, c, routed);
+  if (P->shape.expert_items()) {
+    if (P->shape.experts_split()) return split_item_pipeline(pos, {c}, {routed})[0];
+    return experts_items(pos, c, routed);
+  }
   if (P->shape.experts_split()) return split_experts(pos, c, routed);
   RankProgram* p = P;
   const int layer = l, set = pos.set;
@@ -181,7 +184,7 @@ SlotProgress MoeMlp::experts_items(const BuildPosition& pos, int c,
   const int ep = z.ep;
   const std::int64_t h = z.h;
   const double per_item = cost::experts(z, static_cast<double>(z.slot_tokens())) /
-                          static_cast<double>(z.local_experts() * z.plan.pipe_experts_slices());
+                          static_cast<double>(z.local_experts() * z.item_slices());
   SlotProgress out{routed.task, {}};
   for (std::size_t i = 0; i < routed.items.size(); ++i) {
     const TaskId experts =
@@ -221,7 +224,11 @@ SlotProgress MoeMlp::experts_items(const BuildPosition& pos, int c,
 
 SlotProgress MoeMlp::experts_backward(const BuildPosition& pos, int c, const SlotProgress& arrived,
                                       WeightHalves& halves) const {
-  if (P->shape.pipe_experts()) return experts_backward_items(pos, c, arrived);
+  if (P->shape.expert_items()) {
+    if (P->shape.experts_split())
+      return split_item_pipeline_backward(pos, {c}, {arrived}, halves)[0];
+    return experts_backward_items(pos, c, arrived);
+  }
   if (P->shape.experts_split()) return split_experts_backward(pos, c, arrived, halves);
   RankProgram* p = P;
   const int layer = l, set = pos.set;
@@ -296,7 +303,7 @@ SlotProgress MoeMlp::experts_backward_items(const BuildPosition& pos, int c,
   const StepShape& z = P->shape;
   const int ep = z.ep;
   const double per_item = cost::experts(z, static_cast<double>(z.slot_tokens())) /
-                          static_cast<double>(z.local_experts() * z.plan.pipe_experts_slices());
+                          static_cast<double>(z.local_experts() * z.item_slices());
   SlotProgress out{arrived.task, {}};
   for (std::size_t i = 0; i < arrived.items.size(); ++i) {
     const TaskId experts = P->compute(

@@ -54,6 +54,26 @@ class MoeMlp {
   // Leaves the slot's input gradient in its d_moe_in.
   TaskId router_backward(const BuildPosition& pos, int c, const SlotProgress& home) const;
 
+  // Split experts as items (moe_split_items.cpp): each item's rows all-gathered over tp, fc1,
+  // fc2 and the partial sums reduce-scattered back, pipelined over the items of `slots` in
+  // order (slot by slot, each slot's items in order): item k+1's gather is issued before fc1 of
+  // item k and item k-1's combine after its reduce-scatter, so both run under item k's GEMMs
+  // (MindSpeed's --ampipe-tp-sp-comm-overlap and pipe experts). With --pipe-experts-multi-stream
+  // every item collective is chained in one strict order, so expert- and tensor-parallel
+  // traffic never share the links at once. `routed` / `arrived`: per slot, the items' dispatches
+  // or combine gradients. `gathered`: item 0's gather, if already issued (Ampipe issues it under
+  // the last chunk's attention). Returns per slot the items' combines (dispatch gradients).
+  std::vector<SlotProgress> split_item_pipeline(const BuildPosition& pos,
+                                                const std::vector<int>& slots,
+                                                const std::vector<SlotProgress>& routed,
+                                                TaskId gathered = rt::kNoTask) const;
+  std::vector<SlotProgress> split_item_pipeline_backward(const BuildPosition& pos,
+                                                         const std::vector<int>& slots,
+                                                         const std::vector<SlotProgress>& arrived,
+                                                         WeightHalves& halves) const;
+  // Item i of slot c: its rows unpacked from its dispatch and their all-gather over tp issued.
+  TaskId gather_item(const BuildPosition& pos, int c, int i, TaskId dispatched) const;
+
   // Lays out what the MLP keeps for one micro-batch: its output, the router's statistics and a
   // slot per Ampipe chunk (moe_buffers.cpp).
   void allocate(LayerActivations& A) const;

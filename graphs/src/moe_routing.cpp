@@ -56,7 +56,7 @@ SlotProgress MoeMlp::route(const BuildPosition& pos, int c, TaskId ready) const 
   const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
   const std::int64_t E = z.model.num_experts;
   const int ep = z.ep;
-  const bool items = z.pipe_experts();
+  const bool items = z.expert_items();
   const TaskId router = P->compute(
       slot_prefix(c) + "router", tags, cost::router(z, static_cast<double>(z.slot_tokens())), [=] {
         MoeSlot& A = p->slot(set, layer, c);
@@ -186,7 +186,7 @@ SlotProgress MoeMlp::combine_backward(const BuildPosition& pos, int c, TaskId re
       });
   P->after(ready, combined);
   if (P->shape.ep == 1) return {combined, {}};
-  if (P->shape.pipe_experts()) {
+  if (P->shape.expert_items()) {
     SlotProgress out{combined, {}};
     const std::size_t count = P->slot(set, l, c).items.size();
     for (std::size_t i = 0; i < count; ++i)

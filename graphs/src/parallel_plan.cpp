@@ -200,11 +200,23 @@ std::vector<std::string> validate(const ModelConfig& m, ParallelPlan& p) {
           sp > 1 ? " is split again over the sequence-parallel ranks and" : "");
   }
   if (p.ampipe_tp_sp_comm_overlap) {
-    p.ampipe_tp_sp_comm_overlap = false;
-    warnings.push_back(
-        "--ampipe-tp-sp-comm-overlap is switched off: it pipelines the experts' tensor-parallel "
-        "all-gathers and reduce-scatters, and weave's experts are not tensor-parallel (expert "
-        "parallelism spans the tensor-parallel ranks, so there are none)");
+    // It pipelines the split experts' all-gathers and reduce-scatters over (chunk, expert) items.
+    std::string why;
+    if (p.ampipe_degree < 2)
+      why = "it pipelines Ampipe's chunks: set --ampipe-degree >= 2";
+    else if (p.expert_tensor_parallel < 2 || tp < 2)
+      why =
+          "it pipelines the experts' tensor-parallel all-gathers and reduce-scatters, and the "
+          "experts are whole: set --moe-model-type deepspeed_moe (or --expert-tensor-parallel-size "
+          "= --tensor-model-parallel-size) with --tensor-model-parallel-size > 1";
+    else if (!p.sequence_parallel)
+      why = "it needs --sequence-parallel (MindSpeed's rule)";
+    else if (p.expert_parallel < 2)
+      why = "with --expert-model-parallel-size 1 there are no all-to-alls to pipeline with";
+    if (!why.empty()) {
+      p.ampipe_tp_sp_comm_overlap = false;
+      warnings.push_back("--ampipe-tp-sp-comm-overlap is switched off: " + why);
+    }
   }
   require_positive("--pipe-experts-multi-data", p.pipe_experts_multi_data);
   if (p.pipe_experts) {

@@ -47,6 +47,12 @@ struct ExpertItem {
   Tensor expert_in, hidden_pre, hidden, expert_result;  // by source
   Tensor back;                                          // results home, by destination
   Tensor d_back, d_arrived, d_expert_in, d_home;        // backward
+  // Experts split over tp: this rank's rows of the item (expert_in) and every tp rank's
+  // gathered, fc2's partial sums of them (fc1's input-gradient partial sums in backward), the
+  // gathered output gradients, and the hidden layer's and the first product's gradients.
+  std::int64_t tp_send_rows = 0;
+  Tensor tp_gathered, tp_partial, tp_d_gathered, d_hidden, d_pre;  // [tp in, ...]
+  std::vector<std::int64_t> tp_gathered_rows, tp_d_gathered_rows;  // [tp]
 };
 
 // The routing and expert buffers of one MoE slot: the tokens a rank routes at once (all of its

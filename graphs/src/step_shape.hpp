@@ -38,6 +38,16 @@ struct StepShape {
   bool experts_split() const { return etp > 1; }
   std::int64_t local_experts() const { return model.num_experts / ep; }
   bool pipe_experts() const { return plan.pipe_experts && ep > 1; }
+  // --ampipe-tp-sp-comm-overlap (section 4 of MindSpeed's Ampipe): split experts run as items
+  // of (chunk, local expert), their tensor-parallel collectives pipelined across the chunks.
+  bool tp_sp_overlap() const {
+    return plan.ampipe_tp_sp_comm_overlap && experts_split() && ampipe > 1 && ep > 1 &&
+           !pipe_experts();
+  }
+  // Whether a MoE slot's expert work runs as items with their own all-to-alls, and the
+  // capacity slices per local expert it is cut into.
+  bool expert_items() const { return pipe_experts() || tp_sp_overlap(); }
+  int item_slices() const { return pipe_experts() ? plan.pipe_experts_slices() : 1; }
   // Rows of h floats that hold one destination's per-local-expert counts in the dispatch.
   std::int64_t header_rows() const { return (local_experts() + h - 1) / h; }
   // The tokens one MoE slot routes: a rank's T, or one Ampipe chunk of them.
