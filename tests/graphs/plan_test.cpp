@@ -216,8 +216,23 @@ TEST(ParallelPlan, PipeExpertsFollowMindSpeedsRules) {
   EXPECT_TRUE(mentions(check({.pipe_experts = true}).second, "no all-to-all to overlap"));
   EXPECT_TRUE(mentions(check({.expert_parallel = 2, .pipe_experts_multi_data = 2}).second,
                        "ignored without it"));
+  // --ampipe-tp-sp-comm-overlap pipelines split experts' tensor-parallel collectives over
+  // Ampipe's chunks: whole experts, no chunks or no SP switch it off naming what is missing.
   EXPECT_TRUE(mentions(check({.expert_parallel = 2, .ampipe_tp_sp_comm_overlap = true}).second,
-                       "weave's experts are not tensor-parallel"));
+                       "set --ampipe-degree >= 2"));
+  EXPECT_TRUE(mentions(
+      check({.expert_parallel = 2, .ampipe_degree = 2, .ampipe_tp_sp_comm_overlap = true}).second,
+      "the experts are whole: set --moe-model-type deepspeed_moe"));
+  ParallelPlan overlap{.tensor_parallel = 2,
+                       .sequence_parallel = true,
+                       .expert_parallel = 2,
+                       .moe_model_type = "deepspeed_moe",
+                       .data_parallel = 2,
+                       .global_batch_size = 2,
+                       .ampipe_degree = 2,
+                       .ampipe_tp_sp_comm_overlap = true};
+  EXPECT_TRUE(validate(moe, overlap).empty());
+  EXPECT_TRUE(overlap.ampipe_tp_sp_comm_overlap);
   ModelConfig capped = moe;
   capped.moe_expert_capacity_factor = 0.1;  // ceil(0.1 x 48 x 2 / 4) = 3 picks per expert
   ParallelPlan too_many{.expert_parallel = 2,
