@@ -86,7 +86,7 @@ std::vector<Configuration> configurations() {
                   .global_batch_size = 8,
                   .ampipe_degree = 2,
                   .pipe_experts = true,
-                  .pipe_experts_multi_stream = true,
+                  .pipe_experts_separate_streams = true,
                   .pipe_experts_multi_data = 4}});
   out.push_back({"dense pp2 1f1b tp2 sp",
                  small_model(0),

@@ -114,10 +114,10 @@ TaskId MoeMlp::item_exchange(const BuildPosition& pos, int c, int i, TaskId read
                              bool framed, const std::string& name, rt::Phase phase) const {
   const StepShape& z = P->shape;
   ExpertItem& I = P->slot(pos.set, l, c).items[static_cast<std::size_t>(i)];
-  // MindSpeed's multi-stream: dispatches and combines on streams of their own.
-  const std::string stream = !z.plan.pipe_experts_multi_stream ? std::string()
-                             : outbound                        ? "ep_dispatch"
-                                                               : "ep_combine";
+  // --pipe-experts-separate-streams: dispatches and combines on streams of their own.
+  const std::string stream = !z.plan.pipe_experts_separate_streams ? std::string()
+                             : outbound                            ? "ep_dispatch"
+                                                                   : "ep_combine";
   // Balanced routing, for the cost hint: an item carries 1/(local experts x slices) of the picks.
   const std::int64_t expected_rows =
       z.slot_tokens() * z.model.moe_router_topk / (z.local_experts() * z.item_slices()) +

@@ -219,10 +219,20 @@ std::vector<std::string> validate(const ModelConfig& m, ParallelPlan& p) {
     }
   }
   require_positive("--pipe-experts-multi-data", p.pipe_experts_multi_data);
+  if (p.pipe_experts && p.pipe_experts_multi_stream &&
+      !(p.sequence_parallel && p.expert_tensor_parallel > 1)) {
+    // It chains the experts' all-to-alls with their tensor-parallel gathers and scatters.
+    p.pipe_experts_multi_stream = false;
+    warnings.push_back(
+        "--pipe-experts-multi-stream is switched off: it chains the items' all-to-alls with the "
+        "split experts' tensor-parallel all-gathers and reduce-scatters, and needs "
+        "--sequence-parallel with --moe-model-type deepspeed_moe (MindSpeed's rule); "
+        "--pipe-experts-separate-streams gives dispatches and combines streams of their own");
+  }
   if (p.pipe_experts) {
     const int degree = p.ampipe_degree, slices = p.pipe_experts_multi_data;
     auto switch_off = [&](const std::string& why) {
-      p.pipe_experts = p.pipe_experts_multi_stream = false;
+      p.pipe_experts = p.pipe_experts_multi_stream = p.pipe_experts_separate_streams = false;
       p.pipe_experts_multi_data = 1;
       warnings.push_back("--use-pipe-experts is switched off: " + why);
     };
@@ -258,11 +268,12 @@ std::vector<std::string> validate(const ModelConfig& m, ParallelPlan& p) {
           "leave a single item: raise --pipe-experts-multi-data",
           m.num_experts, p.expert_parallel));
     }
-  } else if (p.pipe_experts_multi_stream || p.pipe_experts_multi_data > 1) {
+  } else if (p.pipe_experts_multi_stream || p.pipe_experts_separate_streams ||
+             p.pipe_experts_multi_data > 1) {
     warnings.push_back(
-        "--pipe-experts-multi-stream and --pipe-experts-multi-data apply with --use-pipe-experts "
-        "and are ignored without it");
-    p.pipe_experts_multi_stream = false;
+        "--pipe-experts-multi-stream, --pipe-experts-separate-streams and "
+        "--pipe-experts-multi-data apply with --use-pipe-experts and are ignored without it");
+    p.pipe_experts_multi_stream = p.pipe_experts_separate_streams = false;
     p.pipe_experts_multi_data = 1;
   }
   if (m.hidden_dropout < 0 || m.hidden_dropout >= 1)

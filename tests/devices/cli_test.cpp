@@ -182,9 +182,14 @@ TEST(CliTrain, PipeExpertsTrainAndAreSwitchedOffByTheRulesWithAWarning) {
       kTinyModel);
   Result r = weave(moe +
                    " --ampipe-degree 2 --use-pipe-experts --pipe-experts-multi-data 4 "
-                   "--pipe-experts-multi-stream");
+                   "--pipe-experts-separate-streams");
   ASSERT_EQ(r.status, 0) << r.out;
   EXPECT_EQ(r.out.find("warning"), std::string::npos) << r.out;
+  // MindSpeed's multi-stream chains all-to-alls with split experts' gathers: it needs SP.
+  r = weave(moe + " --use-pipe-experts --pipe-experts-multi-data 2 --pipe-experts-multi-stream");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("warning: --pipe-experts-multi-stream is switched off"), std::string::npos)
+      << r.out;
   r = weave(moe +
             " --ampipe-degree 2 --use-pipe-experts --pipe-experts-multi-data 3 "
             "--ampipe-tp-sp-comm-overlap");

@@ -188,15 +188,29 @@ TEST(ParallelPlan, PipeExpertsFollowMindSpeedsRules) {
                    .pipe_experts_multi_data = 4})
                 .second,
             "on");
-  EXPECT_EQ(check({.expert_parallel = 2,
+  // (= the degree with multi-stream, which needs SP and split experts.)
+  EXPECT_EQ(check({.tensor_parallel = 2,
+                   .sequence_parallel = true,
+                   .expert_parallel = 2,
+                   .moe_model_type = "deepspeed_moe",
                    .ampipe_degree = 2,
                    .pipe_experts = true,
                    .pipe_experts_multi_stream = true,
                    .pipe_experts_multi_data = 2})
                 .second,
             "on");
+  EXPECT_TRUE(mentions(check({.expert_parallel = 2,
+                              .ampipe_degree = 2,
+                              .pipe_experts = true,
+                              .pipe_experts_multi_stream = true,
+                              .pipe_experts_multi_data = 4})
+                           .second,
+                       "--pipe-experts-multi-stream is switched off: it chains"));
   // Otherwise it is switched off, every pipe-experts setting reset, the rule named.
-  auto [off, why] = check({.expert_parallel = 2,
+  auto [off, why] = check({.tensor_parallel = 2,
+                           .sequence_parallel = true,
+                           .expert_parallel = 2,
+                           .moe_model_type = "deepspeed_moe",
                            .ampipe_degree = 2,
                            .pipe_experts = true,
                            .pipe_experts_multi_stream = true,

@@ -70,7 +70,7 @@ const Case kCases[] = {
       .global_batch_size = 2,
       .ampipe_degree = 2,
       .pipe_experts = true,
-      .pipe_experts_multi_stream = true,
+      .pipe_experts_separate_streams = true,
       .pipe_experts_multi_data = 2}},
 };
 

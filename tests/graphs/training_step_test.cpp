@@ -386,7 +386,7 @@ const Case kAmpipeCases[] = {
       .micro_batch_size = 2,
       .global_batch_size = 4,
       .pipe_experts = true}},
-    {"degree2_pipe_experts_multi_data4_multi_stream_ep2",
+    {"degree2_pipe_experts_multi_data4_separate_streams_ep2",
      4,
      {.expert_parallel = 2,
       .data_parallel = 2,
@@ -394,7 +394,7 @@ const Case kAmpipeCases[] = {
       .global_batch_size = 4,
       .ampipe_degree = 2,
       .pipe_experts = true,
-      .pipe_experts_multi_stream = true,
+      .pipe_experts_separate_streams = true,
       .pipe_experts_multi_data = 4}},
     {"degree2_pipe_experts_tp2sp_ep4",
      4,
@@ -415,7 +415,7 @@ const Case kAmpipeCases[] = {
       .global_batch_size = 2,
       .ampipe_degree = 2,
       .pipe_experts = true,
-      .pipe_experts_multi_stream = true,
+      .pipe_experts_separate_streams = true,
       .pipe_experts_multi_data = 2}},
     {"degree2_tp2sp_dp2_ep4",
      4,
@@ -568,7 +568,7 @@ TEST(Ampipe, PipeExpertsComputeOneItemWhileTheNextOnesRowsMove) {
                     .micro_batch_size = 1,
                     .global_batch_size = 2,
                     .pipe_experts = true,
-                    .pipe_experts_multi_stream = true};
+                    .pipe_experts_separate_streams = true};
   ASSERT_TRUE(validate(m, plan).empty());
   devices::DeviceSet set(plan.devices(), {.pin = false});
   devices::SharedMemoryCommunicator comm;

@@ -194,7 +194,13 @@ void add_train_command(CLI::App& app) {
                 "Run each MoE slot as items (local expert x capacity slice), each with its own "
                 "dispatch and combine all-to-all");
   cmd->add_flag("--pipe-experts-multi-stream", p.pipe_experts_multi_stream,
-                "With --use-pipe-experts: dispatches and combines on streams of their own");
+                "With --use-pipe-experts (MindSpeed's meaning): the items' all-to-alls and "
+                "tensor-parallel all-gathers and reduce-scatters in one strict order, so expert- "
+                "and tensor-parallel traffic never share the links; needs --sequence-parallel and "
+                "--moe-model-type deepspeed_moe");
+  cmd->add_flag("--pipe-experts-separate-streams", p.pipe_experts_separate_streams,
+                "With --use-pipe-experts: the items' dispatches and combines on streams of their "
+                "own (weave's)");
   cmd->add_option("--pipe-experts-multi-data", p.pipe_experts_multi_data,
                   "With --use-pipe-experts: capacity slices per expert (divided among Ampipe "
                   "chunks)")
