@@ -44,19 +44,19 @@ Nanos overlap(const Intervals& x, const Intervals& y) {
 
 }  // namespace
 
-Nanos exposed_comm_named(const Trace& trace, std::span<const std::string_view> name_parts) {
+namespace {
+
+// The exposed time of the comm and copy tasks `chosen` picks, summed over devices.
+template <typename Choose>
+Nanos exposed_comm_of(const Trace& trace, Choose chosen) {
   const TaskTable& tasks = trace.tasks();
   std::vector<Intervals> compute(tasks.device_count()), named(tasks.device_count());
   for (const Span& s : trace.spans()) {
     const TaskInfo& info = tasks[s.task];
     if (info.kind == TaskKind::compute) {
       compute[info.device].emplace_back(s.start, s.end);
-    } else if (info.kind == TaskKind::comm || info.kind == TaskKind::copy) {
-      const std::string_view name = tasks.name(s.task);
-      if (std::any_of(name_parts.begin(), name_parts.end(), [&](std::string_view part) {
-            return name.find(part) != std::string_view::npos;
-          }))
-        named[info.device].emplace_back(s.start, s.end);
+    } else if ((info.kind == TaskKind::comm || info.kind == TaskKind::copy) && chosen(s.task)) {
+      named[info.device].emplace_back(s.start, s.end);
     }
   }
   Nanos exposed = 0;
@@ -66,6 +66,25 @@ Nanos exposed_comm_named(const Trace& trace, std::span<const std::string_view> n
     exposed += length(named[d]) - overlap(named[d], compute[d]);
   }
   return exposed;
+}
+
+}  // namespace
+
+Nanos exposed_comm_named(const Trace& trace, std::span<const std::string_view> name_parts) {
+  return exposed_comm_of(trace, [&](TaskId t) {
+    const std::string_view name = trace.tasks().name(t);
+    return std::any_of(name_parts.begin(), name_parts.end(), [&](std::string_view part) {
+      return name.find(part) != std::string_view::npos;
+    });
+  });
+}
+
+Nanos exposed_comm_on_streams(const Trace& trace, std::span<const std::string_view> prefixes) {
+  return exposed_comm_of(trace, [&](TaskId t) {
+    const std::string_view stream = trace.tasks().stream_name(trace.tasks()[t].stream);
+    return std::any_of(prefixes.begin(), prefixes.end(),
+                       [&](std::string_view prefix) { return stream.starts_with(prefix); });
+  });
 }
 
 TraceMetrics measure(const Trace& trace) {

@@ -274,6 +274,28 @@ TEST(TraceMetrics, ExposedTimeOfNamedCommunication) {
   EXPECT_EQ(exposed_comm_named(trace, kGradients), 80 - 10);
 }
 
+TEST(TraceMetrics, ExposedTimeOfAStreamsCommunication) {
+  // Device 0 computes [0,100); its tp collective runs [50,150), its tp_grad one [160,170) and an
+  // ep all-to-all [90,130). The "tp" prefix takes both tp streams, "ep" the all-to-all.
+  auto table = std::make_shared<TaskTable>();
+  auto add = [&](const char* stream, TaskKind k) {
+    TaskInfo info;
+    info.stream = table->stream(stream);
+    info.kind = k;
+    return table->add(info, "t");
+  };
+  const TaskId c = add("compute", TaskKind::compute);
+  const TaskId tp = add("tp", TaskKind::comm);
+  const TaskId grad = add("tp_grad", TaskKind::comm);
+  const TaskId ep = add("ep", TaskKind::comm);
+  const Trace trace(table, {{c, 0, 100}, {tp, 50, 150}, {grad, 160, 170}, {ep, 90, 130}},
+                    ClockKind::virtual_time);
+  constexpr std::string_view kTensor[] = {"tp"};
+  EXPECT_EQ(exposed_comm_on_streams(trace, kTensor), 50 + 10);
+  constexpr std::string_view kExpert[] = {"ep"};
+  EXPECT_EQ(exposed_comm_on_streams(trace, kExpert), 30);
+}
+
 TEST(TraceMetrics, MakespanStartsAtTheEarliestSpan) {
   auto table = std::make_shared<TaskTable>();
   TaskInfo info;

@@ -40,5 +40,8 @@ TraceMetrics measure(const Trace& trace);
 // `name_parts` (say "dispatch" and "combine" for MoE all-to-alls): their union on each device
 // minus its overlap with the device's compute.
 Nanos exposed_comm_named(const Trace& trace, std::span<const std::string_view> name_parts);
+// The same for the comm and copy tasks on streams whose names start with one of `prefixes` (the
+// streams of one process group: "tp" gives tp and tp_grad, "ep" the expert group's).
+Nanos exposed_comm_on_streams(const Trace& trace, std::span<const std::string_view> prefixes);
 
 }  // namespace weave::rt
