@@ -55,21 +55,23 @@ DeviceSet::DeviceSet(Topology topology, int count, DeviceSetOptions options)
     : topology_(std::move(topology)),
       layout_(place(topology_, held_ids(count, options.held), options.cores)),
       memory_(static_cast<std::size_t>(count)) {
+  // TBB starts one worker fewer than the process may use cores, counting on the main thread to
+  // work too; but the main thread only waits for the graph here. Without a worker for every
+  // slot of every arena, a kernel's parallel_for inside a device would find no second thread
+  // (and a process bound to one core would get no worker at all). Raised before any arena
+  // exists, so that TBB starts with the workers it needs.
+  int slots = 0;
+  for (const DevicePlacement& p : layout_)
+    slots += p.sharing > 1 ? 1 : static_cast<int>(p.cores.size());
+  if (static_cast<std::size_t>(slots + 1) >
+      tbb::global_control::active_value(tbb::global_control::max_allowed_parallelism))
+    workers_ = std::make_unique<tbb::global_control>(tbb::global_control::max_allowed_parallelism,
+                                                     static_cast<std::size_t>(slots + 1));
   devices_.resize(static_cast<std::size_t>(count));
   for (const DevicePlacement& p : layout_)
     devices_[p.device] = std::make_unique<Device>(topology_, p, memory_, options.pin);
   for (const auto& d : devices_)
     absent_.push_back(d ? nullptr : std::make_unique<tbb::task_arena>(1, 0));
-  // TBB starts one worker fewer than the host has cores, counting on the main thread to work
-  // too; but the main thread only waits for the graph here. Without a worker for every slot of
-  // every arena, a kernel's parallel_for inside a device would find no second thread.
-  int slots = 0;
-  for (const auto& d : devices_)
-    if (d) slots += d->concurrency();
-  if (static_cast<std::size_t>(slots + 1) >
-      tbb::global_control::active_value(tbb::global_control::max_allowed_parallelism))
-    workers_ = std::make_unique<tbb::global_control>(tbb::global_control::max_allowed_parallelism,
-                                                     static_cast<std::size_t>(slots + 1));
   executor_ = std::make_unique<rt::Executor>(arenas());
 }
 

@@ -19,11 +19,10 @@ using Clock = std::chrono::steady_clock;
 // A message larger than MPI's int count goes as pieces of this size, in order, under one tag.
 constexpr std::size_t kPiece = std::size_t{1} << 30;
 
-// How long the thread polls without sleeping after anything moved, then how long it sleeps at
-// most between polls: short enough for small collectives' latency, long enough not to take a
-// core from the devices while a large transfer is under way.
-constexpr auto kSpin = std::chrono::microseconds(50);
-constexpr auto kLongestNap = std::chrono::microseconds(200);
+// While operations are in flight the thread keeps polling, yielding the core between polls to
+// any device thread that wants it: MPI moves a large message's fragments only when it is
+// polled, so a thread that slept between polls would cut its bandwidth to a fragment per nap.
+// With nothing in flight it sleeps until an operation is submitted.
 // How often the peers a waiting operation needs are checked for having ended.
 constexpr auto kPeerCheck = std::chrono::milliseconds(100);
 // How long a shutdown waits for operations still in flight.
@@ -202,8 +201,7 @@ void MpiProgress::check_peers(std::vector<Active>& active) {
 
 void MpiProgress::loop() {
   std::vector<Active> active;
-  auto nap = std::chrono::microseconds(0);
-  auto last_moved = Clock::now(), last_check = Clock::now();
+  auto last_check = Clock::now();
   std::optional<Clock::time_point> stopping;
   for (;;) {
     std::deque<std::shared_ptr<MpiOperation>> incoming;
@@ -213,8 +211,6 @@ void MpiProgress::loop() {
       if (active.empty()) {
         wake_.wait(lock, [&] { return stop_ || !queue_.empty(); });
         if (queue_.empty()) return;  // stopped with nothing left
-      } else if (queue_.empty() && nap.count() > 0) {
-        wake_.wait_for(lock, nap, [&] { return !queue_.empty(); });
       }
       incoming.swap(queue_);
     }
@@ -228,9 +224,7 @@ void MpiProgress::loop() {
     std::erase_if(active, [](const Active& a) { return a.over; });
     const auto now = Clock::now();
     if (moved) {
-      last_moved = now;
       last_check = now;
-      nap = std::chrono::microseconds(0);
       continue;
     }
     if (stopping && now - *stopping > kGiveUp) {
@@ -248,8 +242,7 @@ void MpiProgress::loop() {
       check_peers(active);
       std::erase_if(active, [](const Active& a) { return a.over; });
     }
-    if (now - last_moved > kSpin)
-      nap = std::min(kLongestNap, std::max(std::chrono::microseconds(10), nap * 2));
+    std::this_thread::yield();
   }
 }
 
