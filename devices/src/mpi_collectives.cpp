@@ -449,19 +449,23 @@ class SpanningBroadcast final : public SpanningCollective {
 };
 
 // ------------------------------------------------------------------------------- send/recv
+// The sender's data is copied when its task runs (a buffered send): its buffer is free from
+// then on, as in one process once the receiver has copied it, however late MPI moves the bytes.
 class SpanningSendRecv final : public SpanningCollective {
  public:
   SpanningSendRecv(const Collective& c, MpiJob& job, std::vector<int> process_of)
       : SpanningCollective(c, job, std::move(process_of)) {}
 
  private:
-  void restart() override { stage_ = 0; }
+  void restart() override {
+    stage_ = 0;
+    if (is_local(0)) staged_.assign(c_.members[0].input.begin(), c_.members[0].input.end());
+  }
   std::optional<MpiRound> next() override {
     if (stage_++ > 0) return std::nullopt;
     MpiRound round;
     if (is_local(0)) {
-      const std::span<const float> data = c_.members[0].input;
-      round.sends.push_back(message(process_of_[1], data.data(), data.size()));
+      round.sends.push_back(message(process_of_[1], staged_.data(), staged_.size()));
     } else {
       const std::span<float> into = c_.members[1].output;
       round.receives.push_back(message(process_of_[0], into.data(), into.size()));
@@ -469,6 +473,7 @@ class SpanningSendRecv final : public SpanningCollective {
     return round;
   }
   int stage_ = 0;
+  std::vector<float> staged_;
 };
 
 // ------------------------------------------------------------------------------- barrier
