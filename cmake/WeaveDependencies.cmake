@@ -13,6 +13,18 @@ add_library(Random123 INTERFACE IMPORTED)
 target_include_directories(Random123 INTERFACE ${RANDOM123_INCLUDE_DIR})
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(HWLOC REQUIRED IMPORTED_TARGET hwloc)
+# Open MPI (libopenmpi-dev) for the multi-process backend: used when found, unless WEAVE_MPI is
+# set OFF; weave builds without it.
+if(NOT DEFINED WEAVE_MPI OR WEAVE_MPI)
+  # The C API from C++, without the deprecated C++ bindings.
+  set(MPI_CXX_SKIP_MPICXX ON)
+  find_package(MPI COMPONENTS CXX)
+endif()
+option(WEAVE_MPI "Build the multi-process backend over MPI (MpiCommunicator)" ${MPI_CXX_FOUND})
+if(WEAVE_MPI AND NOT MPI_CXX_FOUND)
+  message(FATAL_ERROR "WEAVE_MPI is ON but no MPI was found: install libopenmpi-dev "
+                      "(tools/dev does) or configure with -DWEAVE_MPI=OFF")
+endif()
 if(WEAVE_BUILD_TESTS)
   find_package(GTest REQUIRED)
 endif()

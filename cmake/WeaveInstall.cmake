@@ -50,6 +50,9 @@ if(PROJECT_IS_TOP_LEVEL)
   # What the installed package's CMake configuration and headers need.
   set(CPACK_DEBIAN_PACKAGE_DEPENDS
       "libtbb-dev, libhwloc-dev, libfmt-dev, nlohmann-json3-dev, pkg-config, cmake (>= 3.25)")
+  if(WEAVE_MPI)
+    string(APPEND CPACK_DEBIAN_PACKAGE_DEPENDS ", libopenmpi-dev")
+  endif()
   set(CPACK_GENERATOR DEB)
   include(CPack)
 endif()

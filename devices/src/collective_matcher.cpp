@@ -15,6 +15,7 @@ struct CollectiveMatcher::Pending {
   std::vector<rt::TaskId> tasks;  // by member; kNoTask until it issues
   std::vector<bool> issued;
   int count = 0;
+  int expected = 0;  // the members this process holds: the others issue in their own process
   // Shared with the member tasks, which run it; empty until the collective is complete.
   std::shared_ptr<MemberWork> work = std::make_shared<MemberWork>();
   std::shared_ptr<bool> complete = std::make_shared<bool>(false);
@@ -25,6 +26,21 @@ namespace {
 // Groups are told apart by name and devices: two groups of one name are different groups.
 std::string group_key(const ProcessGroup& group) {
   return fmt::format("{}({})", group.name(), fmt::join(group.devices(), ","));
+}
+
+// The members of `group` whose devices this process holds.
+int held_members(const Communicator& backend, const ProcessGroup& group) {
+  int held = 0;
+  for (int r = 0; r < group.size(); ++r)
+    held += backend.holds(group.device(r)) ? 1 : 0;
+  return held;
+}
+
+std::vector<rt::TaskId> issued_tasks(const std::vector<rt::TaskId>& tasks) {
+  std::vector<rt::TaskId> out;
+  for (rt::TaskId t : tasks)
+    if (t != rt::kNoTask) out.push_back(t);
+  return out;
 }
 
 std::string task_prefix(CollectiveOp op, const ProcessGroup& group,
@@ -49,6 +65,11 @@ rt::TaskId CollectiveMatcher::issue(CollectiveOp op, const ProcessGroup& group, 
         fmt::format("{} over group '{}' of {} ranks issued by member {}: a member is its rank "
                     "in the group, in [0, {})",
                     to_string(op), group.name(), n, member, n));
+  if (!backend_.holds(group.device(member)))
+    throw std::invalid_argument(fmt::format(
+        "{} over group '{}': member {} is device {}, which this process does not hold; each "
+        "process issues the members of its own devices only",
+        to_string(op), group.name(), member, group.device(member)));
   const std::string key = group_key(group);
   const std::uint64_t sequence = issued_[{key, member}]++;
   auto& slot = pending_[{key, sequence}];
@@ -64,6 +85,7 @@ rt::TaskId CollectiveMatcher::issue(CollectiveOp op, const ProcessGroup& group, 
                    .name = prefix});
     slot->tasks.assign(static_cast<std::size_t>(n), rt::kNoTask);
     slot->issued.assign(static_cast<std::size_t>(n), false);
+    slot->expected = held_members(backend_, group);
   }
   Pending& p = *slot;
   const Collective& c = p.collective;
@@ -89,7 +111,7 @@ rt::TaskId CollectiveMatcher::issue(CollectiveOp op, const ProcessGroup& group, 
       });
   p.tasks[static_cast<std::size_t>(member)] = task;
   p.issued[static_cast<std::size_t>(member)] = true;
-  if (++p.count == n) {
+  if (++p.count == p.expected) {
     complete(p);
     pending_.erase({key, sequence});
   }
@@ -99,7 +121,7 @@ rt::TaskId CollectiveMatcher::issue(CollectiveOp op, const ProcessGroup& group, 
 void CollectiveMatcher::complete(Pending& p) {
   *p.work = backend_.plan(p.collective);
   *p.complete = true;
-  graph_.rendezvous(p.collective.name, p.tasks);
+  graph_.rendezvous(p.collective.name, issued_tasks(p.tasks));
 }
 
 Communicator::MemberTasks CollectiveMatcher::issue_whole(Collective c,
@@ -109,12 +131,23 @@ Communicator::MemberTasks CollectiveMatcher::issue_whole(Collective c,
     throw std::invalid_argument(fmt::format("{} over group '{}' of {} ranks got {} members",
                                             to_string(c.op), c.group.name(), n, c.members.size()));
   c.name = task_prefix(c.op, c.group, options);
+  // The backend sees the buffers of the members this process holds only, as when they issue
+  // one at a time; a process holding none of the group has no part in it.
+  const int held = held_members(backend_, c.group);
+  if (held == 0) return Communicator::MemberTasks(static_cast<std::size_t>(n), rt::kNoTask);
+  for (int r = 0; r < n; ++r)
+    if (!backend_.holds(c.group.device(r))) c.members[static_cast<std::size_t>(r)] = {};
   // Planned before any task exists: a refused collective leaves the graph as it was.
   auto work = std::make_shared<MemberWork>(backend_.plan(c));
   const std::string key = group_key(c.group);
   Communicator::MemberTasks ids;
   ids.reserve(static_cast<std::size_t>(n));
   for (int r = 0; r < n; ++r) {
+    if (!backend_.holds(c.group.device(r))) {
+      ids.push_back(rt::kNoTask);  // issued by the process holding its device
+      ++issued_[{key, r}];
+      continue;
+    }
     if (pending_.count({key, issued_[{key, r}]}) != 0)
       throw std::logic_error(fmt::format(
           "{} over group '{}' issued whole while member {} still has a collective of that group "
@@ -133,7 +166,7 @@ Communicator::MemberTasks CollectiveMatcher::issue_whole(Collective c,
                                         c.row_elements)},
                    std::move(fn)));
   }
-  graph_.rendezvous(c.name, ids);
+  graph_.rendezvous(c.name, issued_tasks(ids));
   return ids;
 }
 
@@ -242,11 +275,12 @@ std::vector<std::string> CollectiveMatcher::open_collectives() const {
 
 void CollectiveMatcher::finish() const {
   const std::vector<std::string> open = open_collectives();
-  if (open.empty()) return;
-  throw std::logic_error(fmt::format(
-      "{} collective(s) were issued by some members of their group and not by others; every "
-      "member must issue the same collectives in the same order:\n  {}",
-      open.size(), fmt::join(open, "\n  ")));
+  if (!open.empty())
+    throw std::logic_error(fmt::format(
+        "{} collective(s) were issued by some members of their group and not by others; every "
+        "member must issue the same collectives in the same order:\n  {}",
+        open.size(), fmt::join(open, "\n  ")));
+  backend_.commit();
 }
 
 }  // namespace weave::devices

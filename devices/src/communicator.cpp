@@ -39,6 +39,11 @@ Collective with_inputs_and_outputs(CollectiveOp op, const ProcessGroup& group,
 
 }  // namespace
 
+ProcessSet& Communicator::processes() {
+  static ProcessSet one;
+  return one;
+}
+
 Communicator::MemberTasks Communicator::issue_whole(rt::GraphBuilder& graph, Collective c,
                                                     const CollectiveOptions& options) {
   CollectiveMatcher matcher(graph, *this);

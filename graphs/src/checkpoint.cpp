@@ -18,6 +18,11 @@ using nlohmann::json;
 
 constexpr char kMagic[] = "WEAVE-CHECKPOINT-1\n";
 constexpr std::size_t kMagicSize = sizeof(kMagic) - 1;
+// A checkpoint saved by several processes: the manifest at the checkpoint's path, and each
+// process's part (both begin with a magic line of the same length as kMagic).
+constexpr char kManifestMagic[] = "WEAVE-CHECKPOINT-M\n";
+constexpr char kPartMagic[] = "WEAVE-CHECKPOINT-P\n";
+static_assert(sizeof(kManifestMagic) == sizeof(kMagic) && sizeof(kPartMagic) == sizeof(kMagic));
 
 json describe(const ModelConfig& m) {
   return {{"num_layers", m.num_layers},
@@ -60,12 +65,15 @@ struct Entry {
   ops::Tensor tensor;
 };
 
+// The tensors of the ranks built here: every rank for a checkpoint of one process, this
+// process's ranks for its part of a checkpoint of several.
 std::vector<Entry> entries_of(TrainingStep& step) {
   if (!step.materialized())
     throw std::invalid_argument(
         "a step built without tensors (StepBuildOptions::materialize = false) has no values to "
         "save or load; build it with tensors");
-  for (int r = 0; r < step.mesh().size(); ++r)
+  const bool one_process = step.processes().size() == 1;
+  for (int r = 0; r < step.mesh().size() && one_process; ++r)
     if (!step.holds(r))
       throw std::invalid_argument(fmt::format(
           "a checkpoint holds every rank's shard and rank {} is not built in this step; build "
@@ -73,6 +81,7 @@ std::vector<Entry> entries_of(TrainingStep& step) {
           r));
   std::vector<Entry> out;
   for (int r = 0; r < step.mesh().size(); ++r) {
+    if (!step.holds(r)) continue;
     for (Parameter& p : step.shard(r).parameters())
       out.push_back({r, p.name, "value", p.value});
     for (GradientBucket& b : step.shard(r).buckets()) {
@@ -93,15 +102,10 @@ std::string differences(const json& saved, const json& now) {
   return out;
 }
 
-}  // namespace
-
-void save_checkpoint(const std::string& path, const ModelConfig& model, const ParallelPlan& plan,
-                     TrainingStep& step, const CheckpointState& state) {
-  const std::vector<Entry> entries = entries_of(step);
-  json header{{"model", describe(model)},
-              {"plan", describe(plan)},
-              {"iteration", state.iteration},
-              {"consumed_samples", state.consumed_samples}};
+// Writes `magic`, the header and the entries' values to `path` through a temporary name and a
+// rename; returns the values' checksum (also put in the header).
+std::uint64_t write_file(const std::string& path, const char* magic, json header,
+                         const std::vector<Entry>& entries) {
   json tensors = json::array();
   std::uint64_t checksum = 1469598103934665603ull;
   for (const Entry& e : entries) {
@@ -121,7 +125,7 @@ void save_checkpoint(const std::string& path, const ModelConfig& model, const Pa
           fmt::format("cannot write checkpoint '{}': check that the directory "
                       "exists and is writable",
                       partial));
-    out.write(kMagic, kMagicSize);
+    out.write(magic, static_cast<std::streamsize>(std::strlen(magic)));
     const std::uint64_t size = text.size();
     out.write(reinterpret_cast<const char*>(&size), sizeof size);
     out.write(text.data(), static_cast<std::streamsize>(text.size()));
@@ -133,46 +137,128 @@ void save_checkpoint(const std::string& path, const ModelConfig& model, const Pa
       throw std::runtime_error(fmt::format("writing checkpoint '{}' failed (disk full?)", partial));
   }
   std::filesystem::rename(partial, path);
+  return checksum;
 }
 
-CheckpointState load_checkpoint(const std::string& path, const ModelConfig& model,
-                                const ParallelPlan& plan, TrainingStep& step) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error(fmt::format("cannot open checkpoint '{}'", path));
-  char magic[kMagicSize];
-  in.read(magic, kMagicSize);
-  if (!in || std::memcmp(magic, kMagic, kMagicSize) != 0)
+json run_header(const ModelConfig& model, const ParallelPlan& plan, const CheckpointState& state) {
+  return {{"model", describe(model)},
+          {"plan", describe(plan)},
+          {"iteration", state.iteration},
+          {"consumed_samples", state.consumed_samples}};
+}
+
+// A checkpoint of a run spread over processes: each process writes the shards of its ranks to
+// a part file of its own, named by the iteration, then process 0 writes the manifest at `path`
+// (the parts and their checksums) through a rename, and only then do the processes remove the
+// parts of older saves: at any moment `path` names a complete set of parts.
+std::string part_name(const std::string& path, int process, int processes, std::int64_t iteration) {
+  return fmt::format("{}.part{}-of-{}.iter{}", path, process, processes, iteration);
+}
+
+void save_parts(const std::string& path, const ModelConfig& model, const ParallelPlan& plan,
+                TrainingStep& step, const CheckpointState& state) {
+  devices::ProcessSet& processes = step.processes();
+  const int me = processes.index(), n = processes.size();
+  const std::string part = part_name(path, me, n, state.iteration);
+  json header = run_header(model, plan, state);
+  header["process"] = me;
+  header["processes"] = n;
+  std::string failure;
+  std::uint64_t checksum = 0;
+  try {
+    checksum = write_file(part, kPartMagic, header, entries_of(step));
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  const std::vector<std::string> written =
+      processes.gather(failure.empty() ? fmt::format("ok {}", checksum) : "failed " + failure);
+  std::string outcome = "ok";
+  if (me == 0) {
+    json manifest = run_header(model, plan, state);
+    manifest["processes"] = n;
+    json parts = json::array();
+    for (int p = 0; p < n; ++p) {
+      const std::string& w = written[static_cast<std::size_t>(p)];
+      if (w.rfind("ok ", 0) != 0) {
+        outcome = fmt::format("process {} could not write its part: {}", p, w.substr(7));
+        break;
+      }
+      parts.push_back(
+          {{"file", std::filesystem::path(part_name(path, p, n, state.iteration)).filename()},
+           {"checksum", std::stoull(w.substr(3))}});
+    }
+    if (outcome == "ok") {
+      manifest["parts"] = parts;
+      try {
+        write_file(path, kManifestMagic, manifest, {});
+      } catch (const std::exception& e) {
+        outcome = e.what();
+      }
+    }
+  }
+  outcome = processes.broadcast(outcome);
+  if (outcome != "ok")
+    throw std::runtime_error(fmt::format("saving checkpoint '{}' failed: {}", path, outcome));
+  // The manifest names this save's parts now: older ones of this process can go.
+  const std::filesystem::path own(part);
+  const std::string prefix =
+      own.filename().string().substr(0, own.filename().string().rfind(".iter") + 5);
+  std::error_code ec;
+  for (const auto& f : std::filesystem::directory_iterator(
+           own.parent_path().empty() ? std::filesystem::path(".") : own.parent_path(), ec)) {
+    const std::string name = f.path().filename().string();
+    if (name.rfind(prefix, 0) == 0 && name != own.filename().string())
+      std::filesystem::remove(f.path(), ec);
+  }
+}
+
+}  // namespace
+
+void save_checkpoint(const std::string& path, const ModelConfig& model, const ParallelPlan& plan,
+                     TrainingStep& step, const CheckpointState& state) {
+  if (step.processes().size() > 1) return save_parts(path, model, plan, step, state);
+  write_file(path, kMagic, run_header(model, plan, state), entries_of(step));
+}
+
+namespace {
+
+// A checkpoint file opened: which kind (its magic line), its header, and the stream at its
+// values.
+struct OpenedFile {
+  std::ifstream in;
+  std::string magic;
+  json header;
+};
+
+OpenedFile open_file(const std::string& path) {
+  OpenedFile f{std::ifstream(path, std::ios::binary), std::string(kMagicSize, '\0'), {}};
+  if (!f.in) throw std::runtime_error(fmt::format("cannot open checkpoint '{}'", path));
+  f.in.read(f.magic.data(), kMagicSize);
+  if (!f.in || (f.magic != kMagic && f.magic != kManifestMagic && f.magic != kPartMagic))
     throw std::runtime_error(
         fmt::format("'{}' is not a weave checkpoint (its first bytes differ)", path));
   std::uint64_t size = 0;
-  in.read(reinterpret_cast<char*>(&size), sizeof size);
-  if (!in || size > (std::uint64_t{1} << 30))
+  f.in.read(reinterpret_cast<char*>(&size), sizeof size);
+  if (!f.in || size > (std::uint64_t{1} << 30))
     throw std::runtime_error(fmt::format("checkpoint '{}' is damaged: bad header size", path));
   std::string text(size, '\0');
-  in.read(text.data(), static_cast<std::streamsize>(size));
-  json header;
+  f.in.read(text.data(), static_cast<std::streamsize>(size));
   try {
-    header = json::parse(text);
+    f.header = json::parse(text);
   } catch (const json::exception& e) {
     throw std::runtime_error(fmt::format("checkpoint '{}' is damaged: {}", path, e.what()));
   }
-  if (const std::string diff = differences(header.value("model", json::object()), describe(model));
-      !diff.empty())
-    throw std::runtime_error(fmt::format(
-        "checkpoint '{}' holds another model: {}. Load it with the model flags it was saved with",
-        path, diff));
-  if (const std::string diff = differences(header.value("plan", json::object()), describe(plan));
-      !diff.empty())
-    throw std::runtime_error(fmt::format(
-        "checkpoint '{}' was saved with another parallel layout: {}. Resume with the layout it was "
-        "saved with",
-        path, diff));
-  const std::vector<Entry> entries = entries_of(step);
-  const json& tensors = header.at("tensors");
+  return f;
+}
+
+// Reads the values of `entries` from an opened file and verifies them (names, shapes, the
+// checksum) before anything is copied into the model.
+std::vector<std::vector<float>> read_values(OpenedFile& f, const std::string& path,
+                                            const std::vector<Entry>& entries) {
+  const json& tensors = f.header.at("tensors");
   if (tensors.size() != entries.size())
     throw std::runtime_error(fmt::format("checkpoint '{}' holds {} tensors, the model has {}", path,
                                          tensors.size(), entries.size()));
-  // Read everything and verify before touching the model.
   std::vector<std::vector<float>> data(entries.size());
   std::uint64_t checksum = 1469598103934665603ull;
   for (std::size_t i = 0; i < entries.size(); ++i) {
@@ -188,15 +274,92 @@ CheckpointState load_checkpoint(const std::string& path, const ModelConfig& mode
                       path, i, t.value("name", "?"), t.value("part", "?"), t.value("rank", -1),
                       t.value("numel", -1), e.name, e.part, e.rank, e.tensor.numel()));
     data[i].resize(static_cast<std::size_t>(e.tensor.numel()));
-    in.read(reinterpret_cast<char*>(data[i].data()),
-            static_cast<std::streamsize>(data[i].size() * sizeof(float)));
-    if (!in) throw std::runtime_error(fmt::format("checkpoint '{}' is truncated", path));
+    f.in.read(reinterpret_cast<char*>(data[i].data()),
+              static_cast<std::streamsize>(data[i].size() * sizeof(float)));
+    if (!f.in) throw std::runtime_error(fmt::format("checkpoint '{}' is truncated", path));
     checksum = fnv1a(reinterpret_cast<const char*>(data[i].data()), data[i].size() * sizeof(float),
                      checksum);
   }
-  if (checksum != header.at("checksum").get<std::uint64_t>())
+  if (checksum != f.header.at("checksum").get<std::uint64_t>())
     throw std::runtime_error(
         fmt::format("checkpoint '{}' is damaged: its checksum does not match", path));
+  return data;
+}
+
+std::string process_count(int n) {
+  return n == 1 ? "one process" : fmt::format("{} processes", n);
+}
+
+// This process's part of a checkpoint saved by several, read and verified against the
+// manifest; the outcome is shared so that every process refuses when any cannot load its part.
+std::vector<std::vector<float>> read_part(const std::string& path, const json& manifest,
+                                          const std::vector<Entry>& entries,
+                                          devices::ProcessSet& processes) {
+  const int me = processes.index();
+  std::vector<std::vector<float>> data;
+  std::string failure;
+  try {
+    const json& part = manifest.at("parts").at(static_cast<std::size_t>(me));
+    const std::string file =
+        (std::filesystem::path(path).parent_path() / part.at("file").get<std::string>()).string();
+    OpenedFile f = open_file(file);
+    if (f.magic != kPartMagic || f.header.value("process", -1) != me ||
+        f.header.value("iteration", std::int64_t{-1}) !=
+            manifest.at("iteration").get<std::int64_t>() ||
+        f.header.value("checksum", std::uint64_t{0}) != part.at("checksum").get<std::uint64_t>())
+      throw std::runtime_error(fmt::format(
+          "'{}' is not the part of process {} that checkpoint '{}' names (another save's?)", file,
+          me, path));
+    data = read_values(f, file, entries);
+  } catch (const std::exception& e) {
+    failure = fmt::format("process {}: {}", me, e.what());
+  }
+  std::vector<std::string> failures = processes.gather(failure);
+  std::string all;
+  for (const std::string& f : failures)
+    if (!f.empty()) all += (all.empty() ? "" : "; ") + f;
+  all = processes.broadcast(all);
+  if (!all.empty())
+    throw std::runtime_error(fmt::format("checkpoint '{}' cannot be loaded: {}", path, all));
+  return data;
+}
+
+}  // namespace
+
+CheckpointState load_checkpoint(const std::string& path, const ModelConfig& model,
+                                const ParallelPlan& plan, TrainingStep& step) {
+  OpenedFile f = open_file(path);
+  const json& header = f.header;
+  if (f.magic == kPartMagic)
+    throw std::runtime_error(fmt::format(
+        "'{}' is one process's part of a checkpoint: load the checkpoint's own path, the "
+        "manifest beside it (the name without '.part...')",
+        path));
+  devices::ProcessSet& processes = step.processes();
+  const int saved = f.magic == kManifestMagic ? header.value("processes", 0) : 1;
+  if (saved != processes.size())
+    throw std::runtime_error(fmt::format(
+        "checkpoint '{}' was saved by {} and this run has {}: each process saves and loads the "
+        "shards of its own ranks, so resume it with {}",
+        path, process_count(saved), process_count(processes.size()),
+        saved == 1 ? "one process (without mpirun, or mpirun -np 1)"
+                   : fmt::format("mpirun -np {}", saved)));
+  if (const std::string diff = differences(header.value("model", json::object()), describe(model));
+      !diff.empty())
+    throw std::runtime_error(fmt::format(
+        "checkpoint '{}' holds another model: {}. Load it with the model flags it was saved with",
+        path, diff));
+  if (const std::string diff = differences(header.value("plan", json::object()), describe(plan));
+      !diff.empty())
+    throw std::runtime_error(fmt::format(
+        "checkpoint '{}' was saved with another parallel layout: {}. Resume with the layout it was "
+        "saved with",
+        path, diff));
+  const std::vector<Entry> entries = entries_of(step);
+  // Read everything and verify before touching the model.
+  const std::vector<std::vector<float>> data = f.magic == kManifestMagic
+                                                   ? read_part(path, header, entries, processes)
+                                                   : read_values(f, path, entries);
   for (std::size_t i = 0; i < entries.size(); ++i)
     std::copy(data[i].begin(), data[i].end(), entries[i].tensor.data());
   return {header.at("iteration").get<std::int64_t>(),

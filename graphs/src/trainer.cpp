@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <sstream>
 #include <stdexcept>
 #include <utility>
 
@@ -43,20 +44,81 @@ void check_data(const TrainerConfig& config, const TrainingData& data) {
 // One step's time and, when it was traced, what the trace shows.
 struct StepTiming {
   double seconds = 0;
-  std::optional<rt::TraceMetrics> metrics;
+  std::optional<double> exposed_comm_share, compute_bubble;
 };
+
+std::int64_t steady_ns(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(t.time_since_epoch()).count();
+}
+
+// The ranks this process builds: every rank, or those of the devices a multi-process
+// communicator holds here.
+StepBuildOptions held_ranks(const devices::Communicator& comm, const ParallelPlan& plan) {
+  StepBuildOptions options;
+  for (int r = 0; r < plan.devices(); ++r)
+    if (comm.holds(static_cast<rt::DeviceId>(r))) options.ranks.push_back(r);
+  if (static_cast<int>(options.ranks.size()) == plan.devices()) options.ranks.clear();
+  return options;
+}
+
+// What a trace of the devices held here shows, over every process: exposed communication over
+// busy time and the compute bubble, each a ratio of sums over the devices (of every process).
+StepTiming measured(const rt::Trace& trace, const devices::DeviceSet& devices,
+                    devices::ProcessSet& processes, double seconds) {
+  const rt::TraceMetrics metrics = rt::measure(trace);
+  if (processes.size() == 1)
+    return {seconds, metrics.exposed_comm_share(), metrics.compute_bubble()};
+  double sums[4] = {0, 0, 0, 0};  // exposed, busy, compute idle, compute busy
+  for (std::size_t d = 0; d < metrics.devices.size(); ++d) {
+    if (!devices.holds(static_cast<rt::DeviceId>(d))) continue;
+    const rt::DeviceMetrics& m = metrics.devices[d];
+    sums[0] += static_cast<double>(m.exposed_comm);
+    sums[1] += static_cast<double>(m.busy);
+    sums[2] += static_cast<double>(metrics.makespan - m.compute_busy);
+    sums[3] += static_cast<double>(m.compute_busy);
+  }
+  processes.sum(sums);
+  return {seconds, sums[1] > 0 ? sums[0] / sums[1] : 0, sums[3] > 0 ? sums[2] / sums[3] : 0};
+}
+
+// Writes the trace of a step every process ran: each process's spans moved onto process 0's
+// clock (the run started at `started`, on this process's clock) and merged by process 0.
+void write_trace(const rt::Trace& trace, std::chrono::steady_clock::time_point started,
+                 devices::ProcessSet& processes, const std::string& path) {
+  if (processes.size() == 1) return rt::write_chrome_trace(trace, path);
+  std::ostringstream json;
+  json << (steady_ns(started) - processes.clock_offset()) << "\n";
+  rt::write_chrome_trace(trace, json);
+  const std::vector<std::string> all = processes.gather(json.str());
+  if (processes.index() != 0) return;
+  std::vector<std::string> traces;
+  std::vector<rt::Nanos> shifts;
+  rt::Nanos first = 0;
+  for (std::size_t p = 0; p < all.size(); ++p) {
+    const auto line = all[p].find('\n');
+    const rt::Nanos start = std::stoll(all[p].substr(0, line));
+    if (p == 0) first = start;
+    shifts.push_back(start - first);
+    traces.push_back(all[p].substr(line + 1));
+  }
+  rt::merge_chrome_traces(traces, shifts, path);
+}
 
 }  // namespace
 
 struct Trainer::Impl {
   Impl(TrainerConfig c, std::vector<std::string> w, TrainingData d,
-       std::unique_ptr<devices::DeviceSet> owned, devices::DeviceSet* given)
+       std::unique_ptr<devices::DeviceSet> owned, devices::DeviceSet* given,
+       devices::Communicator* given_comm)
       : config(std::move(c)),
         warnings(std::move(w)),
         data(std::move(d)),
         owned_devices(std::move(owned)),
         devices(given ? *given : *owned_devices),
-        step(config.model, config.plan, config.optimizer, devices, comm),
+        owned_comm(given_comm ? nullptr : std::make_unique<devices::SharedMemoryCommunicator>()),
+        comm(given_comm ? *given_comm : *owned_comm),
+        step(config.model, config.plan, config.optimizer, devices, comm,
+             held_ranks(comm, config.plan)),
         machine(machine_model(devices, config.machine)),
         clock(machine, {.execute = true, .record_trace = true}),
         flops(step_flops(step.graph())) {
@@ -70,12 +132,13 @@ struct Trainer::Impl {
   // Runs the prepared step once on the configured clock. `traced`: measure it from a trace (the
   // virtual clock records one anyway); `trace_path`: also write that trace there.
   StepTiming run_step(bool traced, const std::string& trace_path) {
+    devices::ProcessSet& processes = comm.processes();
     if (config.timing == Timing::virtual_clock) {
       const rt::VirtualRunResult r = clock.run(step.graph());
       if (!trace_path.empty()) rt::write_chrome_trace(r.trace, trace_path);
       const double seconds = static_cast<double>(r.makespan) * 1e-9;
-      if (!traced) return {seconds, std::nullopt};
-      return {seconds, rt::measure(r.trace)};
+      if (!traced) return {seconds};
+      return measured(r.trace, devices, processes, seconds);
     }
     const auto t0 = std::chrono::steady_clock::now();
     const rt::RunResult r = devices.executor().run(
@@ -83,9 +146,9 @@ struct Trainer::Impl {
                        .link_model = machine.links().enabled() ? &machine : nullptr});
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    if (!trace_path.empty()) rt::write_chrome_trace(r.trace, trace_path);
-    if (!traced) return {seconds, std::nullopt};
-    return {seconds, rt::measure(r.trace)};
+    if (!trace_path.empty()) write_trace(r.trace, t0, processes, trace_path);
+    if (!traced) return {seconds};
+    return measured(r.trace, devices, processes, seconds);
   }
 
   IterationMetrics train_iteration() {
@@ -110,11 +173,11 @@ struct Trainer::Impl {
         .seconds = timing.seconds,
         .tokens = std::int64_t{config.model.seq_length} * config.plan.global_batch_size,
         .routed_picks = r.routed_picks};
-    if (timing.metrics) {
-      m.exposed_comm_share = timing.metrics->exposed_comm_share();
+    if (timing.exposed_comm_share) {
+      m.exposed_comm_share = timing.exposed_comm_share;
       // With pipeline stages the time a stage waits for its next receive is the bubble, not
       // communication to hide: it is reported apart.
-      if (config.plan.pipeline_parallel > 1) m.pipeline_bubble = timing.metrics->compute_bubble();
+      if (config.plan.pipeline_parallel > 1) m.pipeline_bubble = timing.compute_bubble;
     }
     if (config.model.num_experts > 0 && config.model.moe_expert_capacity_factor > 0)
       m.dropped_picks = r.dropped_picks;
@@ -153,7 +216,8 @@ struct Trainer::Impl {
   TrainingData data;
   std::unique_ptr<devices::DeviceSet> owned_devices;
   devices::DeviceSet& devices;
-  devices::SharedMemoryCommunicator comm;
+  std::unique_ptr<devices::Communicator> owned_comm;
+  devices::Communicator& comm;
   TrainingStep step;
   devices::MachineModel machine;
   rt::VirtualClock clock;
@@ -172,6 +236,23 @@ devices::DeviceSet* checked(devices::DeviceSet& devices, const TrainerConfig& co
   return &devices;
 }
 
+devices::Communicator* checked(devices::Communicator& comm, const devices::DeviceSet& devices,
+                               const TrainerConfig& config) {
+  for (int d = 0; d < config.plan.devices(); ++d)
+    if (comm.holds(static_cast<rt::DeviceId>(d)) != devices.holds(static_cast<rt::DeviceId>(d)))
+      throw ConfigError(fmt::format(
+          "device {} is {} by the communicator's process but {} by the DeviceSet: build the "
+          "DeviceSet with DeviceSetOptions::held = the devices the communicator holds",
+          d, comm.holds(static_cast<rt::DeviceId>(d)) ? "held" : "not held",
+          devices.holds(static_cast<rt::DeviceId>(d)) ? "held" : "not held"));
+  if (comm.processes().size() > 1 && config.timing == Timing::virtual_clock)
+    throw ConfigError(
+        "--timing model replays the whole step on one virtual clock in one process, and this run "
+        "spans processes: time it on the wall clock (--timing wall), or replay it without "
+        "mpirun");
+  return &comm;
+}
+
 }  // namespace
 
 Trainer::Trainer(TrainerConfig config, TrainingData data) {
@@ -180,7 +261,7 @@ Trainer::Trainer(TrainerConfig config, TrainingData data) {
   auto owned = std::make_unique<devices::DeviceSet>(
       config.plan.devices(), devices::DeviceSetOptions{.pin = config.pin_devices});
   impl_ = std::make_unique<Impl>(std::move(config), std::move(warnings), std::move(data),
-                                 std::move(owned), nullptr);
+                                 std::move(owned), nullptr, nullptr);
 }
 
 Trainer::Trainer(TrainerConfig config, TrainingData data, devices::DeviceSet& devices) {
@@ -188,7 +269,17 @@ Trainer::Trainer(TrainerConfig config, TrainingData data, devices::DeviceSet& de
   check_data(config, data);
   devices::DeviceSet* given = checked(devices, config);
   impl_ = std::make_unique<Impl>(std::move(config), std::move(warnings), std::move(data), nullptr,
-                                 given);
+                                 given, nullptr);
+}
+
+Trainer::Trainer(TrainerConfig config, TrainingData data, devices::DeviceSet& devices,
+                 devices::Communicator& comm) {
+  std::vector<std::string> warnings = validate(config);
+  check_data(config, data);
+  devices::DeviceSet* given = checked(devices, config);
+  devices::Communicator* given_comm = checked(comm, devices, config);
+  impl_ = std::make_unique<Impl>(std::move(config), std::move(warnings), std::move(data), nullptr,
+                                 given, given_comm);
 }
 
 Trainer::~Trainer() = default;
@@ -266,6 +357,9 @@ TrainingStep& Trainer::step() {
 }
 devices::DeviceSet& Trainer::devices() {
   return impl_->devices;
+}
+devices::ProcessSet& Trainer::processes() {
+  return impl_->comm.processes();
 }
 
 }  // namespace weave::graphs

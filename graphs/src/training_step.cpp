@@ -28,6 +28,7 @@ struct TrainingStep::Impl {
   std::vector<std::unique_ptr<RankProgram>> programs;  // by rank; null where not built here
   rt::Graph graph;
   bool materialize = true;
+  devices::ProcessSet& processes;
 };
 
 namespace {
@@ -52,7 +53,8 @@ TrainingStep::Impl::Impl(const ModelConfig& model, const ParallelPlan& plan,
       shape(model, plan),
       set_plan(plan_activation_sets(model, layout)),
       matcher(builder, comm),
-      materialize(options.materialize) {
+      materialize(options.materialize),
+      processes(comm.processes()) {
   shape.splits_backward = set_plan.splits_backward;
   inputs.batches.assign(static_cast<std::size_t>(plan.data_parallel),
                         std::vector<MicroBatch>(static_cast<std::size_t>(shape.M)));
@@ -79,8 +81,13 @@ TrainingStep::Impl::Impl(const ModelConfig& model, const ParallelPlan& plan,
   }
   for (int r : ranks)
     programs[static_cast<std::size_t>(r)]->build();
-  // With every rank here, every collective has met all its members.
-  if (static_cast<int>(ranks.size()) == mesh.size()) matcher.finish();
+  // Every collective has met all its members here when this process built every rank, or
+  // exactly the ranks a multi-process backend holds here (it reaches the others).
+  bool complete = true;
+  for (int r = 0; r < mesh.size(); ++r)
+    complete &= (programs[static_cast<std::size_t>(r)] != nullptr) ==
+                comm.holds(static_cast<rt::DeviceId>(r));
+  if (complete) matcher.finish();
   graph = builder.build();
 }
 
@@ -96,26 +103,47 @@ StepResult TrainingStep::Impl::result() const {
     throw std::logic_error(
         "this step was built without tensors (StepBuildOptions::materialize = false) and never "
         "runs: it has no result; build it with tensors to train");
-  StepResult out;
-  bool norm_taken = false;
-  for (const auto& program : programs) {
+  // Every rank's terms, by rank: [built, squared norm, routed, dropped, loss per micro-batch,
+  // aux per micro-batch]; zero for ranks not built here. Over processes they are summed
+  // element-wise (each term comes from one process, so the sum is that term exactly), then
+  // added up in rank order as in one process: the same bits however the ranks are spread.
+  const int ranks = mesh.size(), M = shape.M;
+  const std::size_t width = 4 + 2 * static_cast<std::size_t>(M);
+  std::vector<double> terms(static_cast<std::size_t>(ranks) * width, 0.0);
+  for (int r = 0; r < ranks; ++r) {
+    const auto& program = programs[static_cast<std::size_t>(r)];
     if (!program) continue;
     const RankState& R = program->state;
-    out.routed_picks += R.routed_picks;
-    out.dropped_picks += R.dropped_picks;
+    double* t = terms.data() + static_cast<std::size_t>(r) * width;
+    t[0] = 1;
+    t[1] = static_cast<double>(R.norm_sq.data()[0]);
+    t[2] = static_cast<double>(R.routed_picks);
+    t[3] = static_cast<double>(R.dropped_picks);
+    for (int mb = 0; mb < M; ++mb) {
+      t[4 + mb] = R.loss[static_cast<std::size_t>(mb)];
+      t[4 + M + mb] = R.aux[static_cast<std::size_t>(mb)];
+    }
+  }
+  if (processes.size() > 1) processes.sum(terms);
+  StepResult out;
+  bool norm_taken = false;
+  for (int r = 0; r < ranks; ++r) {
+    const double* t = terms.data() + static_cast<std::size_t>(r) * width;
+    if (t[0] == 0) continue;
+    out.routed_picks += static_cast<std::int64_t>(t[2]);
+    out.dropped_picks += static_cast<std::int64_t>(t[3]);
     // The summed squared norm is the same on every rank after the world all-reduce.
     if (!norm_taken) {
-      out.grad_norm = std::sqrt(static_cast<double>(R.norm_sq.data()[0]));
+      out.grad_norm = std::sqrt(t[1]);
       norm_taken = true;
     }
-    const MeshCoordinates at = program->at;
+    const MeshCoordinates at = mesh.coordinates(r);
     if (at.tp != 0) continue;  // tensor-parallel ranks hold the same losses
-    for (int mb = 0; mb < shape.M; ++mb) {
+    for (int mb = 0; mb < M; ++mb) {
       // Context-parallel ranks hold different tokens' losses.
-      out.loss += R.loss[static_cast<std::size_t>(mb)];
+      out.loss += t[4 + mb];
       // The MoE losses are statistics of whole micro-batches, the same on every cp rank.
-      if (at.cp == 0)
-        out.aux_loss += R.aux[static_cast<std::size_t>(mb)] / (shape.M * shape.plan.data_parallel);
+      if (at.cp == 0) out.aux_loss += t[4 + M + mb] / (M * shape.plan.data_parallel);
     }
   }
   return out;
@@ -142,6 +170,9 @@ void TrainingStep::prepare(std::int64_t iteration, double learning_rate) {
 }
 StepResult TrainingStep::result() const {
   return impl_->result();
+}
+devices::ProcessSet& TrainingStep::processes() const {
+  return impl_->processes;
 }
 bool TrainingStep::materialized() const {
   return impl_->materialize;

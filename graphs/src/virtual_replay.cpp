@@ -7,9 +7,10 @@ namespace weave::graphs {
 
 devices::MachineModel machine_model(const devices::DeviceSet& devices,
                                     const ModelledMachine& machine) {
-  std::vector<int> numa;
+  // By device id; a device another process holds is costed as on NUMA node 0.
+  std::vector<int> numa(devices.size(), 0);
   for (const auto& placement : devices.layout())
-    numa.push_back(placement.numa_node);
+    numa[placement.device] = placement.numa_node;
   return devices::MachineModel(std::move(numa), machine.device_flops,
                                devices::LinkModel::preset(machine.link));
 }

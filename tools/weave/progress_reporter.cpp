@@ -18,9 +18,13 @@ std::string clock_text(double seconds) {
 }
 }  // namespace
 
-ProgressReporter::ProgressReporter(std::int64_t total, int interval, const std::string& log_json)
-    : total_(total), interval_(std::max(1, interval)), terminal_(isatty(fileno(stdout)) != 0) {
-  if (!log_json.empty()) {
+ProgressReporter::ProgressReporter(std::int64_t total, int interval, const std::string& log_json,
+                                   bool shown)
+    : total_(total),
+      interval_(std::max(1, interval)),
+      terminal_(isatty(fileno(stdout)) != 0),
+      shown_(shown) {
+  if (shown_ && !log_json.empty()) {
     json_.open(log_json, std::ios::trunc);
     if (!json_) throw std::runtime_error(fmt::format("--log-json: cannot write '{}'", log_json));
   }
@@ -34,6 +38,7 @@ void ProgressReporter::clear_line() {
 }
 
 void ProgressReporter::iteration(const graphs::IterationMetrics& r) {
+  if (!shown_) return;
   const auto tokens = static_cast<double>(r.tokens);
   tokens_ += tokens;
   seconds_ += r.seconds;
@@ -87,6 +92,7 @@ void ProgressReporter::iteration(const graphs::IterationMetrics& r) {
 }
 
 void ProgressReporter::validation(std::int64_t iteration, double loss) {
+  if (!shown_) return;
   clear_line();
   fmt::print("validation at iteration {}: loss {:.4f} (perplexity {:.2f})\n", iteration, loss,
              std::exp(loss));
@@ -94,12 +100,14 @@ void ProgressReporter::validation(std::int64_t iteration, double loss) {
 }
 
 void ProgressReporter::note(const std::string& text) {
+  if (!shown_) return;
   clear_line();
   fmt::print("{}\n", text);
   std::fflush(stdout);
 }
 
 void ProgressReporter::finish() {
+  if (!shown_) return;
   clear_line();
 }
 

@@ -15,8 +15,10 @@ namespace weave::cli {
 class ProgressReporter {
  public:
   // log_json: a file for JSON lines ("" for none). interval: plain lines every this many
-  // iterations.
-  ProgressReporter(std::int64_t total_iterations, int interval, const std::string& log_json);
+  // iterations. shown = false: prints and writes nothing (the processes of a multi-process run
+  // other than the first).
+  ProgressReporter(std::int64_t total_iterations, int interval, const std::string& log_json,
+                   bool shown = true);
   void iteration(const graphs::IterationMetrics& r);
   void validation(std::int64_t iteration, double loss);
   void note(const std::string& text);
@@ -28,6 +30,7 @@ class ProgressReporter {
   int interval_;
   bool terminal_;
   bool line_open_ = false;
+  bool shown_ = true;
   std::ofstream json_;
   double tokens_ = 0, seconds_ = 0;
   std::optional<double> exposed_, bubble_;

@@ -5,6 +5,8 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <stdexcept>
@@ -14,6 +16,8 @@
 #include "commands.hpp"
 #include "progress_reporter.hpp"
 #include "train_advice.hpp"
+#include "weave/devices/device_set.hpp"
+#include "weave/devices/mpi_communicator.hpp"
 #include "weave/graphs/pipeline_layout.hpp"
 #include "weave/graphs/token_dataset.hpp"
 #include "weave/graphs/trainer.hpp"
@@ -85,17 +89,63 @@ std::string describe(const graphs::TrainerConfig& c, const std::string& data) {
       plan.micro_batch_size, plan.global_batch_size, plan.micro_batches(), data);
 }
 
+// This process's place in an MPI job, from the launcher's environment (0 without one).
+int launched_rank() {
+  for (const char* name : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"})
+    if (const char* v = std::getenv(name)) return std::atoi(v);
+  return 0;
+}
+
+// A run over the processes of an MPI job: the communicator and this process's devices, laid out
+// on its own cores.
+struct ProcessRun {
+  explicit ProcessRun(int devices, bool pin) : comm(devices) {
+    devices::Topology topology = devices::Topology::detect();
+    const std::vector<int> cores = comm.cores(topology);
+    set = std::make_unique<devices::DeviceSet>(
+        std::move(topology), devices,
+        devices::DeviceSetOptions{.pin = pin, .held = comm.held_devices(), .cores = cores});
+  }
+  devices::MpiCommunicator comm;
+  std::unique_ptr<devices::DeviceSet> set;
+};
+
+int train(TrainOptions& o, ProgressReporter& progress, ProcessRun* processes);
+int run_trainer(TrainOptions& o, ProgressReporter& progress, graphs::Trainer& trainer);
+
 int run_train(TrainOptions o) {
   derive_config(o);
   graphs::TrainerConfig& c = o.config;
   if (o.ampipe_advise_fast && !o.ampipe_advise)
     throw std::invalid_argument(
         "--ampipe-advise-fast changes how --ampipe-advise replays: add --ampipe-advise");
-  const std::vector<std::string> warnings = graphs::validate(c);
-  ProgressReporter progress(c.train_iters, c.metrics_interval, o.log_json);
-  for (const std::string& w : warnings)
-    progress.note("warning: " + w);
+  // Under mpirun every process runs this; until training starts they all meet the same errors,
+  // which process 0 alone reports.
+  const bool launched = devices::MpiCommunicator::launched();
+  const bool first = launched_rank() == 0;
+  std::unique_ptr<ProcessRun> processes;
+  std::unique_ptr<ProgressReporter> progress;
+  try {
+    if (launched && (o.ampipe_advise || o.pipeline_advise))
+      throw std::invalid_argument(
+          "--ampipe-advise and --pipeline-advise replay steps on the virtual clock in one "
+          "process: run them without mpirun");
+    const std::vector<std::string> warnings = graphs::validate(c);
+    if (launched) processes = std::make_unique<ProcessRun>(c.plan.devices(), c.pin_devices);
+    progress =
+        std::make_unique<ProgressReporter>(c.train_iters, c.metrics_interval, o.log_json, first);
+    for (const std::string& w : warnings)
+      progress->note("warning: " + w);
+  } catch (const std::exception&) {
+    if (!first) throw CommandExit{1};
+    throw;
+  }
+  return train(o, *progress, processes.get());
+}
 
+int train(TrainOptions& o, ProgressReporter& progress, ProcessRun* processes) {
+  graphs::TrainerConfig& c = o.config;
+  const bool first = launched_rank() == 0;
   graphs::TrainingData data = graphs::TrainingData::from(
       o.mock_data
           ? graphs::TokenDataset::mock(c.model.seq_length, c.model.seed)
@@ -103,9 +153,36 @@ int run_train(TrainOptions o) {
   if (o.ampipe_advise) return advise_ampipe(c, data.train, o.ampipe_advise_fast);
   if (o.pipeline_advise) return advise_pipeline(c, data.train);
 
-  graphs::Trainer trainer(c, std::move(data));
+  std::unique_ptr<graphs::Trainer> built;
+  try {
+    built = processes ? std::make_unique<graphs::Trainer>(c, std::move(data), *processes->set,
+                                                          processes->comm)
+                      : std::make_unique<graphs::Trainer>(c, std::move(data));
+  } catch (const std::exception&) {
+    if (!first) throw CommandExit{1};
+    throw;
+  }
+  graphs::Trainer& trainer = *built;
+  const int process_count = trainer.processes().size();
+  if (process_count > 1)
+    progress.note(fmt::format("{} processes of {} device{} each (mpirun -np {})", process_count,
+                              c.plan.devices() / process_count,
+                              c.plan.devices() / process_count == 1 ? "" : "s", process_count));
+  try {
+    return run_trainer(o, progress, trainer);
+  } catch (const std::exception& e) {
+    if (process_count == 1) throw;
+    // The other processes may be waiting for this one: say why, then end the job.
+    fmt::print(stderr, "weave: error: process {}: {}\n", trainer.processes().index(), e.what());
+    std::fflush(stderr);
+    processes->comm.abort(1);
+  }
+}
+
+int run_trainer(TrainOptions& o, ProgressReporter& progress, graphs::Trainer& trainer) {
+  graphs::TrainerConfig& c = o.config;
   progress.note(describe(trainer.config(), trainer.data().description));
-  if (!o.dump_graph.empty()) {
+  if (!o.dump_graph.empty() && trainer.processes().index() == 0) {
     std::ofstream dot(o.dump_graph);
     rt::write_dot(trainer.step().graph(), dot);
     progress.note(

@@ -8,8 +8,12 @@
 // backend (Communicator::plan), whose work their tasks then run, and the rendezvous is made.
 // Point-to-point transfers match a send with the receive of the same (from, to) pair, in order.
 //
-// A process may build only some ranks (the others run elsewhere): their members never issue
-// here, and finish() says which collectives stay open.
+// A process may build only some ranks (the others run elsewhere). With a backend that holds
+// every device (the in-process one) their members never issue here and finish() says which
+// collectives stay open. With a multi-process backend (Communicator::holds) a collective is
+// complete here once the members this process holds have issued: the backend plans it with
+// their buffers and reaches the other processes' members itself; a member of a device this
+// process does not hold is refused.
 #pragma once
 
 #include <cstdint>
@@ -69,7 +73,9 @@ class CollectiveMatcher {
   // name, the members that issued). Empty when every collective is complete.
   std::vector<std::string> open_collectives() const;
   // Throws std::logic_error listing the open collectives, if any: every member of a group must
-  // issue the same collectives in the same order.
+  // issue the same collectives in the same order. Then commits the backend
+  // (Communicator::commit): with a multi-process backend every process calls it at the same
+  // point of its build.
   void finish() const;
 
  private:

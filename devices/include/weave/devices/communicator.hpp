@@ -14,7 +14,9 @@
 // do. The calls below take every rank's buffers at once (in rank order) and issue every member
 // in turn. A backend implements plan(): given the members' buffers, the work each member's task
 // does. The in-process backend runs every rank and needs every rank's buffers; a multi-process
-// backend (MPI) runs only the ranks its process holds.
+// backend (MPI) runs only the ranks its process holds: it says which devices it holds
+// (holds()), members of other processes never issue here, and plan() gets the buffers of the
+// members this process holds only (the others' are empty).
 //
 // Buffers must stay valid while the graph may run; inputs and outputs of one call must not
 // overlap, except where an operation says so. Sizes known when the graph is built are checked
@@ -31,6 +33,7 @@
 
 #include "weave/devices/collective.hpp"
 #include "weave/devices/process_group.hpp"
+#include "weave/devices/process_set.hpp"
 #include "weave/runtime/graph.hpp"
 
 namespace weave::devices {
@@ -43,13 +46,29 @@ struct CollectiveOptions {
 
 class Communicator {
  public:
-  using MemberTasks = std::vector<rt::TaskId>;  // by rank
+  // By rank; rt::kNoTask for the members of devices this process does not hold.
+  using MemberTasks = std::vector<rt::TaskId>;
 
   virtual ~Communicator() = default;
 
   // The backend's part: checks the members' buffers against each other (std::invalid_argument
   // naming the rule, the ranks and the sizes) and returns the work of each member's task.
   virtual MemberWork plan(const Collective& collective) = 0;
+
+  // Whether this process holds `device` (runs its tasks). The in-process backend holds every
+  // device; a multi-process one only those of its process. Collectives meet the members this
+  // process holds here and reach the others through the backend.
+  virtual bool holds(rt::DeviceId device) const {
+    (void)device;
+    return true;
+  }
+  // Every collective of the graph being built has been planned (CollectiveMatcher::finish calls
+  // it; after the calls below, call it yourself before running the graph). A multi-process
+  // backend agrees with the other processes on the collectives they share, so every process
+  // must call it at the same point of its build; the in-process backend has nothing to do.
+  virtual void commit() {}
+  // The processes this backend spans: one for the in-process backend.
+  virtual ProcessSet& processes();
 
   // In place: every rank's buffer (equal sizes) ends holding the element-wise reduction over
   // ranks, reduced in rank order so every rank and every run gets the same bits.
@@ -100,7 +119,8 @@ class Communicator {
                       const CollectiveOptions& options = {});
 
  private:
-  // Checks and plans `c` before anything is added, then adds its members.
+  // Checks and plans `c` before anything is added, then adds the members this process holds
+  // (the others' ids are rt::kNoTask).
   MemberTasks issue_whole(rt::GraphBuilder& graph, Collective c, const CollectiveOptions& options);
 };
 

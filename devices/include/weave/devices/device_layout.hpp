@@ -19,6 +19,18 @@ struct DevicePlacement {
 
 // Throws std::invalid_argument naming the count and the fix if devices < 1.
 std::vector<DevicePlacement> layout_devices(const Topology& topology, int devices);
+// The same over some of the host's cores only (indices into Topology::core_list(), in order):
+// a process of a multi-process run lays its devices out on its own cores. Throws
+// std::invalid_argument for an empty or out-of-range core list.
+std::vector<DevicePlacement> layout_devices(const Topology& topology, int devices,
+                                            const std::vector<int>& cores);
+
+// The cores (indices into Topology::core_list()) process `index` of the `count` processes of a
+// multi-process run that share this host lays its devices on: the cores it is bound to (mpirun
+// binds each process to cores of its own when there are enough), or, when it is free to run on
+// the whole host, block `index` of `count` equal blocks (processes share cores when they
+// outnumber them).
+std::vector<int> process_cores(const Topology& topology, int index, int count);
 
 // A table "device -> cores (NUMA node)", one line per device.
 std::string describe_layout(const Topology& topology, const std::vector<DevicePlacement>& layout);

@@ -5,6 +5,13 @@
 // never leaves a damaged checkpoint where a good one was. Loading checks the format, the
 // model and parallel configuration, every parameter's name and shape and a checksum, and
 // changes nothing unless all of it matches.
+//
+// A step spread over processes (TrainingStep::processes) saves one part per process, each
+// holding its ranks' shards ("<path>.part<k>-of-<P>.iter<N>", written atomically), then process
+// 0 writes <path> as a manifest naming the parts and their checksums, and only then are older
+// parts removed: <path> always names a complete set. Every process makes the call; <path> must
+// be on a file system they all reach. Loading with another process count is refused, naming
+// both counts, by every process alike; a part that cannot be loaded fails every process.
 #pragma once
 
 #include <cstdint>

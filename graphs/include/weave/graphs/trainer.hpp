@@ -103,6 +103,15 @@ class Trainer {
   // The same on the caller's devices, which must number plan.devices() and outlive the
   // Trainer (one DeviceSet can serve Trainers one after another).
   Trainer(TrainerConfig config, TrainingData data, devices::DeviceSet& devices);
+  // A run spread over processes (or any backend of the caller's): each process builds the
+  // ranks of the devices `comm` holds, on `devices` holding the same devices (both outlive the
+  // Trainer), and every process constructs its Trainer and calls run() alike. The results are
+  // summed over the processes (every process sees the whole step's losses, bitwise those of one
+  // process), a trace is merged by process 0 with every process's spans on its clock, and
+  // checkpoints are saved as one part per process (checkpoint.hpp). Throws ConfigError when
+  // the two disagree on which devices are held here, or for the virtual clock across processes.
+  Trainer(TrainerConfig config, TrainingData data, devices::DeviceSet& devices,
+          devices::Communicator& comm);
   ~Trainer();
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
@@ -138,6 +147,8 @@ class Trainer {
   // The step the Trainer runs, for what the loop does not do (its graph, shards, activations).
   TrainingStep& step();
   devices::DeviceSet& devices();
+  // The processes of the run (the communicator's): one unless it spans processes.
+  devices::ProcessSet& processes();
 
  private:
   struct Impl;

@@ -70,7 +70,8 @@ struct StepBuildOptions {
 
 class TrainingStep {
  public:
-  // plan must have passed validate(); devices.size() == plan.devices().
+  // plan must have passed validate(); devices.size() == plan.devices(). With a multi-process
+  // communicator, options.ranks names the ranks of the devices this process holds.
   TrainingStep(const ModelConfig& model, const ParallelPlan& plan, const OptimizerConfig& optimizer,
                devices::DeviceSet& devices, devices::Communicator& comm,
                const StepBuildOptions& options = {});
@@ -85,8 +86,12 @@ class TrainingStep {
   // Iteration number (from 1; keys dropout masks and AdamW's bias correction) and learning rate
   // for the next run.
   void prepare(std::int64_t iteration, double learning_rate);
-  // What the last run computed, over the ranks built here.
+  // What the last run computed, over the ranks built here; with a multi-process backend, over
+  // every process's ranks (a call every process makes: the terms are exchanged), bitwise what
+  // one process building every rank gets.
   StepResult result() const;
+  // The processes the step is spread over (the communicator's; one without MPI).
+  devices::ProcessSet& processes() const;
   // Whether rank `rank`'s program is built here.
   bool holds(int rank) const;
   // Whether the step was built with tensors (StepBuildOptions::materialize).

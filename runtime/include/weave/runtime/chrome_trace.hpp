@@ -4,6 +4,7 @@
 #pragma once
 
 #include <iosfwd>
+#include <span>
 #include <string>
 
 #include "weave/runtime/trace.hpp"
@@ -22,5 +23,12 @@ void write_chrome_trace(const Trace& trace, const std::string& path);
 // ts or dur).
 Trace read_chrome_trace(std::istream& in, const std::string& source = "trace");
 Trace read_chrome_trace(const std::string& path);
+
+// Traces of one step written by several processes, each over its own devices, as one file
+// (written through a temporary name and a rename): the events of traces[i] moved later by
+// shifts[i] nanoseconds, so that every process's spans stand on one clock. Throws
+// std::runtime_error naming the trace that is not one written by write_chrome_trace.
+void merge_chrome_traces(std::span<const std::string> traces, std::span<const Nanos> shifts,
+                         const std::string& path);
 
 }  // namespace weave::rt

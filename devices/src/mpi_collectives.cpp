@@ -1,0 +1,712 @@
+#include "mpi_collectives.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "collective_kernels.hpp"
+#include "mpi_job.hpp"
+
+namespace weave::devices::detail {
+
+namespace {
+
+constexpr std::size_t bytes_of(std::size_t elements) {
+  return elements * sizeof(float);
+}
+
+// Shares are whole cache lines, as in shared memory: [first, last) of `count` elements that
+// process index i of k reduces.
+constexpr std::size_t kLineElements = 64 / sizeof(float);
+std::pair<std::size_t, std::size_t> share(std::size_t count, int k, int i) {
+  const std::size_t lines = (count + kLineElements - 1) / kLineElements;
+  const auto uk = static_cast<std::size_t>(k), ui = static_cast<std::size_t>(i);
+  const std::size_t base = lines / uk, extra = lines % uk;
+  const std::size_t first = (ui * base + std::min(ui, extra)) * kLineElements;
+  const std::size_t last = first + (base + (ui < extra ? 1 : 0)) * kLineElements;
+  return {std::min(first, count), std::min(last, count)};
+}
+
+MpiMessage message(int peer, const float* data, std::size_t elements) {
+  return {peer, const_cast<float*>(data), bytes_of(elements)};
+}
+
+}  // namespace
+
+SpanningCollective::SpanningCollective(const Collective& c, MpiJob& job,
+                                       std::vector<int> process_of_member)
+    : c_(c),
+      job_(job),
+      n_(c.group.size()),
+      me_(job.rank()),
+      process_of_(std::move(process_of_member)) {
+  comm = job.collectives();
+  processes_ = process_of_;
+  std::sort(processes_.begin(), processes_.end());
+  processes_.erase(std::unique(processes_.begin(), processes_.end()), processes_.end());
+  members_of_.resize(processes_.size());
+  slot_.resize(static_cast<std::size_t>(n_));
+  for (int m = 0; m < n_; ++m) {
+    auto& list = members_of_[static_cast<std::size_t>(process_index(process_of_[m]))];
+    slot_[m] = static_cast<int>(list.size());
+    list.push_back(m);
+    if (process_of_[m] == me_) local_.push_back(m);
+  }
+  for (int p : processes_)
+    if (p != me_) others_.push_back(p);
+}
+
+int SpanningCollective::process_index(int p) const {
+  return static_cast<int>(std::lower_bound(processes_.begin(), processes_.end(), p) -
+                          processes_.begin());
+}
+
+std::string SpanningCollective::describe() const {
+  return fmt::format("{} '{}' over group '{}'", to_string(c_.op), c_.name, c_.group.name());
+}
+
+void SpanningCollective::commit(std::int64_t collective_id) {
+  id = collective_id;
+  committed_ = true;
+}
+
+MemberWork SpanningCollective::work() {
+  auto self = shared_from_this();
+  return [self](int, rt::TaskContext& context) { self->arrive(context); };
+}
+
+void SpanningCollective::arrive(rt::TaskContext& context) {
+  if (context.virtual_time())
+    throw std::logic_error(fmt::format(
+        "{} spans processes and the virtual clock replays one process's graph: replay the whole "
+        "step in one process (the in-process backend) instead",
+        describe()));
+  if (!committed_)
+    throw std::logic_error(fmt::format(
+        "{} was planned but never committed: every process must call CollectiveMatcher::finish() "
+        "or Communicator::commit() once its graph's collectives are issued, before running it",
+        describe()));
+  rt::Completion done = context.defer();
+  bool submit = false, over = false;
+  std::exception_ptr error;
+  {
+    std::lock_guard lock(mutex_);
+    if (run_ != context.run_index()) {
+      run_ = context.run_index();
+      submitted_ = over_ = false;
+      error_ = nullptr;
+      waiting_.clear();
+    }
+    if (over_) {
+      over = true;
+      error = error_;
+    } else {
+      waiting_.push_back(std::move(done));
+      if (!submitted_) submitted_ = submit = true;
+    }
+  }
+  if (over) {
+    if (error)
+      done.fail(error);
+    else
+      done.complete();
+    return;
+  }
+  if (submit) {
+    // Every local member has arrived (the rendezvous), so their buffers are ready.
+    restart();
+    job_.progress().submit(shared_from_this());
+  }
+}
+
+void SpanningCollective::finished(std::exception_ptr error) {
+  std::vector<rt::Completion> waiting;
+  {
+    std::lock_guard lock(mutex_);
+    over_ = true;
+    error_ = error;
+    waiting.swap(waiting_);
+  }
+  for (rt::Completion& c : waiting) {
+    if (error)
+      c.fail(error);
+    else
+      c.complete();
+  }
+}
+
+namespace {
+
+// Every local member's buffer chosen by `pick` must hold `expected` elements.
+template <typename Pick>
+void check_local_sizes(const Collective& c, const std::vector<int>& local, Pick pick,
+                       std::size_t expected, const char* what, const std::string& rule) {
+  for (int r : local) {
+    const std::size_t size = pick(c.members[static_cast<std::size_t>(r)]).size();
+    if (size != expected)
+      throw std::invalid_argument(fmt::format(
+          "{} over group '{}': rank {} (device {}) has an {} of {} elements where {} "
+          "are needed ({}); size every rank's buffers alike",
+          to_string(c.op), c.group.name(), r, c.group.device(r), what, size, expected, rule));
+  }
+}
+
+// ------------------------------------------------------------------------------- all-reduce
+// Each process reduces one share of the elements from every member's buffer, in rank order,
+// then the shares are gathered: the ring's volume, with the reduction order of one process.
+class SpanningAllReduce final : public SpanningCollective {
+ public:
+  SpanningAllReduce(const Collective& c, MpiJob& job, std::vector<int> process_of)
+      : SpanningCollective(c, job, std::move(process_of)) {
+    count_ = c.members[static_cast<std::size_t>(local_.front())].output.size();
+    check_local_sizes(
+        c, local_, [](const CollectiveMember& m) { return m.output; }, count_,
+        "input/output buffer",
+        fmt::format("every rank reduces a buffer of the same size, {} elements", count_));
+  }
+
+ private:
+  void restart() override { stage_ = 0; }
+  float* buffer(int member) const {
+    return c_.members[static_cast<std::size_t>(member)].output.data();
+  }
+  std::optional<MpiRound> next() override {
+    const int k = static_cast<int>(processes_.size());
+    const int mine = process_index(me_);
+    const auto [first, last] = share(count_, k, mine);
+    const std::size_t kl = local_.size();
+    switch (stage_++) {
+      case 0: {  // every member's piece of each process's share goes to that process
+        MpiRound round;
+        packed_.resize(others_.size());
+        received_.resize(others_.size());
+        for (std::size_t o = 0; o < others_.size(); ++o) {
+          const int q = others_[o], iq = process_index(q);
+          const auto [f, l] = share(count_, k, iq);
+          packed_[o].resize(kl * (l - f));
+          for (std::size_t i = 0; i < kl; ++i)
+            std::copy(buffer(local_[i]) + f, buffer(local_[i]) + l,
+                      packed_[o].begin() + static_cast<std::ptrdiff_t>(i * (l - f)));
+          round.sends.push_back(message(q, packed_[o].data(), packed_[o].size()));
+          received_[o].resize(members_of_[static_cast<std::size_t>(iq)].size() * (last - first));
+          round.receives.push_back(message(q, received_[o].data(), received_[o].size()));
+        }
+        return round;
+      }
+      case 1: {  // this process's share, folded over the members in rank order
+        const std::size_t len = last - first;
+        std::vector<const float*> sources;
+        for (int r = 0; r < n_; ++r) {
+          if (is_local(r)) {
+            sources.push_back(buffer(r) + first);
+          } else {
+            const auto o = static_cast<std::size_t>(
+                std::lower_bound(others_.begin(), others_.end(), process_of_[r]) - others_.begin());
+            sources.push_back(received_[o].data() + static_cast<std::size_t>(slot_[r]) * len);
+          }
+        }
+        std::vector<float*> targets;
+        for (int r : local_)
+          targets.push_back(buffer(r) + first);
+        reduce_to_all(c_.reduce, sources, 0, targets, 0, len, false);
+        MpiRound round;
+        const int lead = local_.front();
+        for (int q : others_) {
+          const auto [f, l] = share(count_, k, process_index(q));
+          round.sends.push_back(message(q, buffer(lead) + first, len));
+          round.receives.push_back(message(q, buffer(lead) + f, l - f));
+        }
+        return round;
+      }
+      case 2: {  // the other processes' shares, from the first local member to the rest
+        for (std::size_t i = 1; i < kl; ++i)
+          for (int q : others_) {
+            const auto [f, l] = share(count_, k, process_index(q));
+            copy_floats(buffer(local_[i]) + f, buffer(local_.front()) + f, l - f, false);
+          }
+        return std::nullopt;
+      }
+    }
+    return std::nullopt;
+  }
+
+  std::size_t count_ = 0;
+  int stage_ = 0;
+  std::vector<std::vector<float>> packed_, received_;  // by other process
+};
+
+// Rows exchanged by the block collectives: member j's block for member r, `m` elements.
+class BlockExchange : public SpanningCollective {
+ protected:
+  using SpanningCollective::SpanningCollective;
+  std::size_t other_index(int process) const {
+    return static_cast<std::size_t>(std::lower_bound(others_.begin(), others_.end(), process) -
+                                    others_.begin());
+  }
+  // Sends, to each other process q, block r of every local member j's input for each member r
+  // of q (j outer, r inner); receives from q the blocks its members have for the local ones.
+  MpiRound exchange_blocks(std::size_t m) {
+    MpiRound round;
+    packed_.resize(others_.size());
+    received_.resize(others_.size());
+    const std::size_t kl = local_.size();
+    for (std::size_t o = 0; o < others_.size(); ++o) {
+      const int q = others_[o];
+      const auto& theirs = members_of_[static_cast<std::size_t>(process_index(q))];
+      packed_[o].resize(kl * theirs.size() * m);
+      float* at = packed_[o].data();
+      for (int j : local_) {
+        const float* in = c_.members[static_cast<std::size_t>(j)].input.data();
+        for (int r : theirs) {
+          std::copy(in + static_cast<std::size_t>(r) * m, in + static_cast<std::size_t>(r) * m + m,
+                    at);
+          at += m;
+        }
+      }
+      round.sends.push_back(message(q, packed_[o].data(), packed_[o].size()));
+      received_[o].resize(theirs.size() * kl * m);
+      round.receives.push_back(message(q, received_[o].data(), received_[o].size()));
+    }
+    return round;
+  }
+  // Where member j's block for local member r is: in j's input if j is here, else received.
+  const float* block(int j, int r, std::size_t m) const {
+    if (is_local(j))
+      return c_.members[static_cast<std::size_t>(j)].input.data() + static_cast<std::size_t>(r) * m;
+    const auto& rec = received_[other_index(process_of_[j])];
+    return rec.data() + (static_cast<std::size_t>(slot_[j]) * local_.size() +
+                         static_cast<std::size_t>(slot_[r])) *
+                            m;
+  }
+  std::vector<std::vector<float>> packed_, received_;  // by other process
+};
+
+// ------------------------------------------------------------------------------- reduce-scatter
+class SpanningReduceScatter final : public BlockExchange {
+ public:
+  SpanningReduceScatter(const Collective& c, MpiJob& job, std::vector<int> process_of)
+      : BlockExchange(c, job, std::move(process_of)) {
+    m_ = c.members[static_cast<std::size_t>(local_.front())].output.size();
+    check_local_sizes(
+        c, local_, [](const CollectiveMember& x) { return x.output; }, m_, "output",
+        fmt::format("every rank receives {} elements", m_));
+    check_local_sizes(
+        c, local_, [](const CollectiveMember& x) { return x.input; }, m_ * n_, "input",
+        fmt::format("each input holds group size x output = {} x {}", n_, m_));
+  }
+
+ private:
+  void restart() override { stage_ = 0; }
+  std::optional<MpiRound> next() override {
+    if (stage_++ == 0) return exchange_blocks(m_);
+    for (int r : local_) {
+      std::vector<const float*> sources;
+      for (int j = 0; j < n_; ++j)
+        sources.push_back(block(j, r, m_));
+      float* const out[] = {c_.members[static_cast<std::size_t>(r)].output.data()};
+      reduce_to_all(c_.reduce, sources, 0, out, 0, m_, false);
+    }
+    return std::nullopt;
+  }
+  std::size_t m_ = 0;
+  int stage_ = 0;
+};
+
+// ------------------------------------------------------------------------------- all-to-all
+class SpanningAllToAll final : public BlockExchange {
+ public:
+  SpanningAllToAll(const Collective& c, MpiJob& job, std::vector<int> process_of)
+      : BlockExchange(c, job, std::move(process_of)) {
+    const std::size_t total = c.members[static_cast<std::size_t>(local_.front())].input.size();
+    if (total % static_cast<std::size_t>(n_) != 0)
+      throw std::invalid_argument(fmt::format(
+          "all_to_all over group '{}': rank {}'s {} elements cannot be split into {} equal "
+          "blocks, one per rank; pad them to a multiple of {} or use all_to_all_v",
+          c.group.name(), local_.front(), total, n_, n_));
+    const std::string rule = fmt::format("every rank sends and receives {} blocks of {} elements",
+                                         n_, total / static_cast<std::size_t>(n_));
+    check_local_sizes(
+        c, local_, [](const CollectiveMember& x) { return x.input; }, total, "input", rule);
+    check_local_sizes(
+        c, local_, [](const CollectiveMember& x) { return std::span<const float>(x.output); },
+        total, "output", rule);
+    m_ = total / static_cast<std::size_t>(n_);
+  }
+
+ private:
+  void restart() override { stage_ = 0; }
+  std::optional<MpiRound> next() override {
+    if (stage_++ == 0) return exchange_blocks(m_);
+    for (int r : local_) {
+      float* out = c_.members[static_cast<std::size_t>(r)].output.data();
+      for (int j = 0; j < n_; ++j)
+        copy_floats(out + static_cast<std::size_t>(j) * m_, block(j, r, m_), m_, false);
+    }
+    return std::nullopt;
+  }
+  std::size_t m_ = 0;
+  int stage_ = 0;
+};
+
+// ------------------------------------------------------------------------------- all-gather
+class SpanningAllGather final : public SpanningCollective {
+ public:
+  SpanningAllGather(const Collective& c, MpiJob& job, std::vector<int> process_of)
+      : SpanningCollective(c, job, std::move(process_of)) {
+    m_ = c.members[static_cast<std::size_t>(local_.front())].input.size();
+    check_local_sizes(
+        c, local_, [](const CollectiveMember& x) { return x.input; }, m_, "input",
+        fmt::format("every rank contributes {} elements", m_));
+    check_local_sizes(
+        c, local_, [](const CollectiveMember& x) { return std::span<const float>(x.output); },
+        m_ * n_, "output", fmt::format("each output holds group size x input = {} x {}", n_, m_));
+  }
+
+ private:
+  void restart() override { stage_ = 0; }
+  std::optional<MpiRound> next() override {
+    if (stage_++ == 0) {
+      packed_.resize(local_.size() * m_);
+      for (std::size_t i = 0; i < local_.size(); ++i) {
+        const float* in = c_.members[static_cast<std::size_t>(local_[i])].input.data();
+        std::copy(in, in + m_, packed_.begin() + static_cast<std::ptrdiff_t>(i * m_));
+      }
+      MpiRound round;
+      received_.resize(others_.size());
+      for (std::size_t o = 0; o < others_.size(); ++o) {
+        const int q = others_[o];
+        round.sends.push_back(message(q, packed_.data(), packed_.size()));
+        received_[o].resize(members_of_[static_cast<std::size_t>(process_index(q))].size() * m_);
+        round.receives.push_back(message(q, received_[o].data(), received_[o].size()));
+      }
+      return round;
+    }
+    for (int l : local_) {
+      float* out = c_.members[static_cast<std::size_t>(l)].output.data();
+      for (int j = 0; j < n_; ++j) {
+        const float* from;
+        if (is_local(j)) {
+          from = packed_.data() +
+                 static_cast<std::size_t>(std::lower_bound(local_.begin(), local_.end(), j) -
+                                          local_.begin()) *
+                     m_;
+        } else {
+          const auto o = static_cast<std::size_t>(
+              std::lower_bound(others_.begin(), others_.end(), process_of_[j]) - others_.begin());
+          from = received_[o].data() + static_cast<std::size_t>(slot_[j]) * m_;
+        }
+        copy_floats(out + static_cast<std::size_t>(j) * m_, from, m_, false);
+      }
+    }
+    return std::nullopt;
+  }
+  std::size_t m_ = 0;
+  int stage_ = 0;
+  std::vector<float> packed_;
+  std::vector<std::vector<float>> received_;
+};
+
+// ------------------------------------------------------------------------------- broadcast
+class SpanningBroadcast final : public SpanningCollective {
+ public:
+  SpanningBroadcast(const Collective& c, MpiJob& job, std::vector<int> process_of)
+      : SpanningCollective(c, job, std::move(process_of)) {
+    if (c.root < 0 || c.root >= n_)
+      throw std::invalid_argument(
+          fmt::format("broadcast over group '{}': root rank {} is outside [0, {}); name the root "
+                      "by its rank in the group, not its device",
+                      c.group.name(), c.root, n_));
+    count_ = c.members[static_cast<std::size_t>(local_.front())].output.size();
+    check_local_sizes(
+        c, local_, [](const CollectiveMember& x) { return std::span<const float>(x.output); },
+        count_, "input/output buffer",
+        fmt::format("every rank receives the root's {} elements", count_));
+  }
+
+ private:
+  void restart() override { stage_ = 0; }
+  std::optional<MpiRound> next() override {
+    const int root = c_.root;
+    const int source = is_local(root) ? root : local_.front();
+    float* from = c_.members[static_cast<std::size_t>(source)].output.data();
+    if (stage_++ == 0) {
+      MpiRound round;
+      if (is_local(root)) {
+        for (int q : others_)
+          round.sends.push_back(message(q, from, count_));
+      } else {
+        round.receives.push_back(message(process_of_[root], from, count_));
+      }
+      return round;
+    }
+    for (int l : local_)
+      copy_floats(c_.members[static_cast<std::size_t>(l)].output.data(), from, count_, false);
+    return std::nullopt;
+  }
+  std::size_t count_ = 0;
+  int stage_ = 0;
+};
+
+// ------------------------------------------------------------------------------- send/recv
+// The sender's data is copied when its task runs (a buffered send): its buffer is free from
+// then on, as in one process once the receiver has copied it, however late MPI moves the bytes.
+class SpanningSendRecv final : public SpanningCollective {
+ public:
+  SpanningSendRecv(const Collective& c, MpiJob& job, std::vector<int> process_of)
+      : SpanningCollective(c, job, std::move(process_of)) {}
+
+ private:
+  void restart() override {
+    stage_ = 0;
+    if (is_local(0)) staged_.assign(c_.members[0].input.begin(), c_.members[0].input.end());
+  }
+  std::optional<MpiRound> next() override {
+    if (stage_++ > 0) return std::nullopt;
+    MpiRound round;
+    if (is_local(0)) {
+      round.sends.push_back(message(process_of_[1], staged_.data(), staged_.size()));
+    } else {
+      const std::span<float> into = c_.members[1].output;
+      round.receives.push_back(message(process_of_[0], into.data(), into.size()));
+    }
+    return round;
+  }
+  int stage_ = 0;
+  std::vector<float> staged_;
+};
+
+// ------------------------------------------------------------------------------- barrier
+class SpanningBarrier final : public SpanningCollective {
+ public:
+  SpanningBarrier(const Collective& c, MpiJob& job, std::vector<int> process_of)
+      : SpanningCollective(c, job, std::move(process_of)) {}
+
+ private:
+  void restart() override { stage_ = 0; }
+  std::optional<MpiRound> next() override {
+    if (stage_++ > 0) return std::nullopt;
+    MpiRound round;
+    for (int q : others_) {
+      round.sends.push_back({q, nullptr, 0});
+      round.receives.push_back({q, nullptr, 0});
+    }
+    return round;
+  }
+  int stage_ = 0;
+};
+
+// ------------------------------------------------------------------------------- all-to-all v
+// Two rounds: every member's counts and capacities go to every process of the group, so that
+// each checks all of them alike (a bad count fails every process with the same message), then
+// the rows.
+class SpanningAllToAllV final : public SpanningCollective {
+ public:
+  SpanningAllToAllV(const Collective& c, MpiJob& job, std::vector<int> process_of)
+      : SpanningCollective(c, job, std::move(process_of)) {
+    if (c.row_elements < 1)
+      throw std::invalid_argument(fmt::format(
+          "all_to_all_v over group '{}': a row must hold at least 1 element, got {}; pass the "
+          "number of floats per token row",
+          c.group.name(), c.row_elements));
+    for (int r : local_) {
+      const VariableAllToAllBuffers& v = c.members[static_cast<std::size_t>(r)].variable;
+      if (!v.send_counts)
+        throw std::invalid_argument(
+            fmt::format("all_to_all_v over group '{}': rank {} (device {}) has no send_counts; "
+                        "point it at the vector an earlier task fills",
+                        c.group.name(), r, c.group.device(r)));
+      if (v.recv_counts.size() != static_cast<std::size_t>(n_))
+        throw std::invalid_argument(
+            fmt::format("all_to_all_v over group '{}': rank {} (device {}) has room for {} receive "
+                        "counts; give it one per rank, {}",
+                        c.group.name(), r, c.group.device(r), v.recv_counts.size(), n_));
+    }
+    row_ = static_cast<std::size_t>(c.row_elements);
+  }
+
+ private:
+  // Per member: [number of counts, counts (n, zero-padded), send capacity, receive capacity].
+  std::size_t record() const { return static_cast<std::size_t>(n_) + 3; }
+  void restart() override { stage_ = 0; }
+
+  const VariableAllToAllBuffers& buffers(int member) const {
+    return c_.members[static_cast<std::size_t>(member)].variable;
+  }
+  std::size_t other_index(int process) const {
+    return static_cast<std::size_t>(std::lower_bound(others_.begin(), others_.end(), process) -
+                                    others_.begin());
+  }
+  // Member j's record: local ones in `mine_`, the others' as received.
+  const std::int64_t* info(int j) const {
+    if (is_local(j))
+      return mine_.data() +
+             static_cast<std::size_t>(std::lower_bound(local_.begin(), local_.end(), j) -
+                                      local_.begin()) *
+                 record();
+    return counts_in_[other_index(process_of_[j])].data() +
+           static_cast<std::size_t>(slot_[j]) * record();
+  }
+  std::int64_t count(int j, int r) const { return info(j)[1 + r]; }
+
+  // Every member's counts against its buffers, on every process alike.
+  void check_counts() const {
+    const std::string& g = c_.group.name();
+    for (int j = 0; j < n_; ++j) {
+      const std::int64_t* x = info(j);
+      if (x[0] != n_)
+        throw std::runtime_error(fmt::format(
+            "all_to_all_v over group '{}': rank {} has {} send counts, needs one per rank ({})", g,
+            j, x[0], n_));
+      std::size_t rows = 0;
+      for (int k = 0; k < n_; ++k) {
+        if (x[1 + k] < 0)
+          throw std::runtime_error(fmt::format(
+              "all_to_all_v over group '{}': rank {} sends a negative count {}", g, j, x[1 + k]));
+        rows += static_cast<std::size_t>(x[1 + k]);
+      }
+      if (rows * row_ > static_cast<std::size_t>(x[1 + n_]))
+        throw std::runtime_error(fmt::format(
+            "all_to_all_v over group '{}': rank {} sends {} rows of {} elements but its send "
+            "buffer holds {} elements",
+            g, j, rows, row_, x[1 + n_]));
+    }
+    for (int r = 0; r < n_; ++r) {
+      std::size_t total = 0;
+      for (int j = 0; j < n_; ++j)
+        total += static_cast<std::size_t>(count(j, r)) * row_;
+      if (total > static_cast<std::size_t>(info(r)[2 + n_]))
+        throw std::runtime_error(fmt::format(
+            "all_to_all_v over group '{}': rank {} receives {} elements but its receive buffer "
+            "holds {}; size it for the largest possible split (dropless MoE: tokens x top-k rows)",
+            g, r, total, info(r)[2 + n_]));
+    }
+  }
+
+  // Where member j's rows for member r start in j's send buffer, in elements.
+  std::size_t offset(int j, int r) const {
+    std::size_t from = 0;
+    for (int k = 0; k < r; ++k)
+      from += static_cast<std::size_t>(count(j, k)) * row_;
+    return from;
+  }
+
+  std::optional<MpiRound> next() override {
+    switch (stage_++) {
+      case 0: {
+        mine_.assign(local_.size() * record(), 0);
+        for (std::size_t i = 0; i < local_.size(); ++i) {
+          const VariableAllToAllBuffers& v = buffers(local_[i]);
+          std::int64_t* x = mine_.data() + i * record();
+          x[0] = static_cast<std::int64_t>(v.send_counts->size());
+          for (int k = 0; k < n_ && k < static_cast<int>(v.send_counts->size()); ++k)
+            x[1 + k] = (*v.send_counts)[static_cast<std::size_t>(k)];
+          x[1 + n_] = static_cast<std::int64_t>(v.send.size());
+          x[2 + n_] = static_cast<std::int64_t>(v.recv.size());
+        }
+        MpiRound round;
+        counts_in_.resize(others_.size());
+        for (std::size_t o = 0; o < others_.size(); ++o) {
+          const int q = others_[o];
+          round.sends.push_back({q, mine_.data(), mine_.size() * sizeof(std::int64_t)});
+          counts_in_[o].resize(members_of_[static_cast<std::size_t>(process_index(q))].size() *
+                               record());
+          round.receives.push_back(
+              {q, counts_in_[o].data(), counts_in_[o].size() * sizeof(std::int64_t)});
+        }
+        return round;
+      }
+      case 1: {
+        check_counts();
+        MpiRound round;
+        packed_.resize(others_.size());
+        received_.resize(others_.size());
+        for (std::size_t o = 0; o < others_.size(); ++o) {
+          const int q = others_[o];
+          const auto& theirs = members_of_[static_cast<std::size_t>(process_index(q))];
+          std::size_t out = 0, in = 0;
+          for (int j : local_)
+            for (int r : theirs)
+              out += static_cast<std::size_t>(count(j, r)) * row_;
+          for (int j : theirs)
+            for (int r : local_)
+              in += static_cast<std::size_t>(count(j, r)) * row_;
+          packed_[o].resize(out);
+          float* at = packed_[o].data();
+          for (int j : local_) {
+            const float* send = buffers(j).send.data();
+            for (int r : theirs) {
+              const std::size_t len = static_cast<std::size_t>(count(j, r)) * row_;
+              std::copy(send + offset(j, r), send + offset(j, r) + len, at);
+              at += len;
+            }
+          }
+          received_[o].resize(in);
+          round.sends.push_back(message(q, packed_[o].data(), packed_[o].size()));
+          round.receives.push_back(message(q, received_[o].data(), received_[o].size()));
+        }
+        return round;
+      }
+      case 2: {
+        // Where each remote member's rows for each local member start in what came from it.
+        std::vector<std::size_t> cursor(others_.size(), 0);
+        std::vector<std::vector<std::size_t>> from(static_cast<std::size_t>(n_));
+        for (std::size_t o = 0; o < others_.size(); ++o)
+          for (int j : members_of_[static_cast<std::size_t>(process_index(others_[o]))])
+            for (int r : local_) {
+              from[static_cast<std::size_t>(j)].push_back(cursor[o]);
+              cursor[o] += static_cast<std::size_t>(count(j, r)) * row_;
+            }
+        for (std::size_t i = 0; i < local_.size(); ++i) {
+          const int r = local_[i];
+          const VariableAllToAllBuffers& v = buffers(r);
+          std::size_t at = 0;
+          for (int j = 0; j < n_; ++j) {
+            const std::size_t len = static_cast<std::size_t>(count(j, r)) * row_;
+            const float* source = is_local(j) ? buffers(j).send.data() + offset(j, r)
+                                              : received_[other_index(process_of_[j])].data() +
+                                                    from[static_cast<std::size_t>(j)][i];
+            copy_floats(v.recv.data() + at, source, len, false);
+            v.recv_counts[static_cast<std::size_t>(j)] = count(j, r);
+            at += len;
+          }
+        }
+        return std::nullopt;
+      }
+    }
+    return std::nullopt;
+  }
+
+  std::size_t row_ = 1;
+  int stage_ = 0;
+  std::vector<std::int64_t> mine_;
+  std::vector<std::vector<std::int64_t>> counts_in_;
+  std::vector<std::vector<float>> packed_, received_;
+};
+
+}  // namespace
+
+std::shared_ptr<SpanningCollective> SpanningCollective::make(const Collective& c, MpiJob& job,
+                                                             std::vector<int> process_of) {
+  switch (c.op) {
+    case CollectiveOp::all_reduce:
+      return std::make_shared<SpanningAllReduce>(c, job, std::move(process_of));
+    case CollectiveOp::all_gather:
+      return std::make_shared<SpanningAllGather>(c, job, std::move(process_of));
+    case CollectiveOp::reduce_scatter:
+      return std::make_shared<SpanningReduceScatter>(c, job, std::move(process_of));
+    case CollectiveOp::all_to_all:
+      return std::make_shared<SpanningAllToAll>(c, job, std::move(process_of));
+    case CollectiveOp::all_to_all_v:
+      return std::make_shared<SpanningAllToAllV>(c, job, std::move(process_of));
+    case CollectiveOp::broadcast:
+      return std::make_shared<SpanningBroadcast>(c, job, std::move(process_of));
+    case CollectiveOp::send_recv:
+      return std::make_shared<SpanningSendRecv>(c, job, std::move(process_of));
+    case CollectiveOp::barrier:
+      return std::make_shared<SpanningBarrier>(c, job, std::move(process_of));
+  }
+  throw std::logic_error("unknown collective operation");
+}
+
+}  // namespace weave::devices::detail
