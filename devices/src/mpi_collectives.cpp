@@ -699,6 +699,10 @@ std::shared_ptr<SpanningCollective> SpanningCollective::make(const Collective& c
       return std::make_shared<SpanningAllToAll>(c, job, std::move(process_of));
     case CollectiveOp::all_to_all_v:
       return std::make_shared<SpanningAllToAllV>(c, job, std::move(process_of));
+    case CollectiveOp::all_gather_v:
+      return make_spanning_all_gather_v(c, job, std::move(process_of));
+    case CollectiveOp::reduce_scatter_v:
+      return make_spanning_reduce_scatter_v(c, job, std::move(process_of));
     case CollectiveOp::broadcast:
       return std::make_shared<SpanningBroadcast>(c, job, std::move(process_of));
     case CollectiveOp::send_recv:

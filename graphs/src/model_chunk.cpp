@@ -17,7 +17,7 @@ TaskId ModelChunk::forward(const BuildPosition& pos, TaskId ready) const {
 }
 
 TaskId ModelChunk::backward(const BuildPosition& pos, TaskId ready, WeightHalves& halves, bool last,
-                            TaskId& word_grad_done) const {
+                            TaskId& word_grad_done, TaskId d_send_read) const {
   RankProgram* p = P;
   const int set = pos.set;
   const rt::TaskTags tags = pos.tags(rt::Phase::backward);
@@ -42,6 +42,7 @@ TaskId ModelChunk::backward(const BuildPosition& pos, TaskId ready, WeightHalves
     const TaskId out = P->compute("stage_grad_out", tags, 0,
                                   [p, set] { p->aset(set).d_send.copy_from(p->ws().d_x); });
     P->after(prev, out);
+    P->after(d_send_read, out);
     return out;
   }
   const TaskId embedding = Embedding(*P).backward(pos, prev);

@@ -18,8 +18,9 @@ class ModelChunk {
   // (after `ready`); leaves the gradient of its input in d_send, or ends with the embedding.
   // `last`: the chunk's last backward of the step, after which its buckets are reduced and
   // `word_grad_done` names the task after which the word embedding's gradient is complete.
+  // `d_send_read`: the send that last read the set's d_send, which this backward rewrites.
   TaskId backward(const BuildPosition& pos, TaskId ready, WeightHalves& halves, bool last,
-                  TaskId& word_grad_done) const;
+                  TaskId& word_grad_done, TaskId d_send_read = rt::kNoTask) const;
   // The W action: the weight halves the chunk's I left, after which the set is free; after the
   // chunk's last W its buckets are reduced.
   TaskId weight_gradients(std::vector<WeightHalf> halves, bool last, TaskId& word_grad_done) const;

@@ -15,25 +15,26 @@ struct Transfer {
   rt::TaskTags tags;
 };
 
+// This rank's ends of a transfer (kNoTask where it has none).
+struct TransferEnds {
+  TaskId send = rt::kNoTask, receive = rt::kNoTask;
+};
+
 // This rank's end of `t`, if it has one: a send of `source` after `produced` on the sending
 // stage's rank, a receive into `target` after `free` (what must be done before `target` is
 // overwritten) on the receiving one, or a copy on the compute stream when one rank runs both
-// chunks. Returns the receiving end's task (kNoTask elsewhere).
-TaskId transfer(RankProgram& P, const Transfer& t, TaskId produced, const Tensor& source,
-                TaskId free, const Tensor& target) {
+// chunks (both ends at once).
+TransferEnds transfer(RankProgram& P, const Transfer& t, TaskId produced, const Tensor& source,
+                      const std::vector<TaskId>& free, const Tensor& target) {
   const int me = P.at.pp;
-  if (me != t.from_pp && me != t.to_pp) return rt::kNoTask;
+  if (me != t.from_pp && me != t.to_pp) return {};
   if (t.from_pp == t.to_pp) {  // consecutive chunks on one rank
     const TaskId copy =
-        P.graph.add({.device = static_cast<rt::DeviceId>(P.rank),
-                     .stream = rt::kComputeStream,
-                     .kind = rt::TaskKind::compute,
-                     .name = t.name,
-                     .tags = t.tags},
-                    [source, target](rt::TaskContext&) { target.copy_from(source); });
+        P.compute(t.name, t.tags, 0, [source, target] { target.copy_from(source); });
     P.after(produced, copy);
-    P.after(free, copy);
-    return copy;
+    for (TaskId before : free)
+      P.after(before, copy);
+    return {copy, copy};
   }
   // One stream per direction and sending stage, on both ends: the transfers between two stages
   // queue in order, as on one link, and a receive never waits behind a send to another stage or
@@ -48,12 +49,13 @@ TaskId transfer(RankProgram& P, const Transfer& t, TaskId produced, const Tensor
     const TaskId send =
         P.matcher.send(static_cast<rt::DeviceId>(P.rank), peer(t.to_pp), read_of(source), options);
     P.after(produced, send);
-    return rt::kNoTask;
+    return {send, rt::kNoTask};
   }
   const TaskId receive = P.matcher.receive(peer(t.from_pp), static_cast<rt::DeviceId>(P.rank),
                                            all_of(target), options);
-  P.after(free, receive);
-  return receive;
+  for (TaskId before : free)
+    P.after(before, receive);
+  return {rt::kNoTask, receive};
 }
 
 // Sums the word embedding's gradient over the first and last stage when they are different
@@ -101,7 +103,9 @@ void build_pipeline(RankProgram& P) {
   // backward of the micro-batch that held it before).
   std::map<std::pair<int, int>, std::vector<WeightHalf>> pending;
   std::map<std::pair<int, int>, TaskId> forward_out, gradient_in;
-  std::vector<TaskId> free_after(P.state.sets.size(), rt::kNoTask);
+  std::vector<std::vector<TaskId>> free_after(P.state.sets.size());
+  // Per activation set, the send that last read its d_send.
+  std::vector<TaskId> last_send(P.state.sets.size(), rt::kNoTask);
   for (const ScheduledAction& step : emission_order(schedule)) {
     const Action& a =
         schedule.actions[static_cast<std::size_t>(step.rank)][static_cast<std::size_t>(step.index)];
@@ -124,10 +128,12 @@ void build_pipeline(RankProgram& P) {
           const bool sends = me == t.from_pp;
           const int from_set = sends ? sets.set(me, k - 1, mb) : 0;
           const int last_layer = P.layout.end_layer(k - 1) - 1;
-          ready = transfer(P, t, sends ? forward_out.at({k - 1, mb}) : rt::kNoTask,
-                           sends ? P.acts(from_set, last_layer).x_out : Tensor{},
-                           mine ? free_after[static_cast<std::size_t>(pos.set)] : rt::kNoTask,
-                           mine ? P.aset(pos.set).x_in : Tensor{});
+          ready =
+              transfer(P, t, sends ? forward_out.at({k - 1, mb}) : rt::kNoTask,
+                       sends ? P.acts(from_set, last_layer).x_out : Tensor{},
+                       mine ? free_after[static_cast<std::size_t>(pos.set)] : std::vector<TaskId>{},
+                       mine ? P.aset(pos.set).x_in : Tensor{})
+                  .receive;
         }
         if (mine) forward_out[{k, mb}] = ModelChunk(P, k).forward(pos, ready);
         break;
@@ -141,24 +147,27 @@ void build_pipeline(RankProgram& P) {
           const bool last = !split && last_backward[static_cast<std::size_t>(k)] ==
                                           std::pair<int, int>{step.rank, step.index};
           WeightHalves halves(split);
-          done = ModelChunk(P, k).backward(pos, ready, halves, last, word_grad_done);
+          done = ModelChunk(P, k).backward(pos, ready, halves, last, word_grad_done,
+                                           last_send[static_cast<std::size_t>(pos.set)]);
           if (split) pending[{k, mb}] = halves.take_for_w();
-          if (done != rt::kNoTask) free_after[static_cast<std::size_t>(pos.set)] = done;
+          if (done != rt::kNoTask) free_after[static_cast<std::size_t>(pos.set)] = {done};
         }
         if (k > 0) {
           // The input gradient leaves at once: the previous stage's set still holds this
-          // micro-batch, so nothing there must finish first, and the send is ordered before the
-          // next use of this set's d_send (whose forward waits for a later receive).
+          // micro-batch, so nothing there must finish first. The set's next backward rewrites
+          // d_send only after this send has read it.
           const Transfer t{
               step.rank,
               P.layout.rank_of(k - 1),
               fmt::format("stage{}_to_{}.gradients", k, k - 1),
               {.micro_batch = mb, .virtual_stage = k - 1, .phase = rt::Phase::backward}};
           const bool receives = me == t.to_pp;
-          const TaskId arrived =
-              transfer(P, t, done, mine ? P.aset(pos.set).d_send : Tensor{}, rt::kNoTask,
+          const TransferEnds ends =
+              transfer(P, t, done, mine ? P.aset(pos.set).d_send : Tensor{}, {},
                        receives ? P.aset(sets.set(me, k - 1, mb)).d_recv : Tensor{});
-          if (receives) gradient_in[{k - 1, mb}] = arrived;
+          if (receives) gradient_in[{k - 1, mb}] = ends.receive;
+          if (mine && ends.send != ends.receive)
+            last_send[static_cast<std::size_t>(pos.set)] = ends.send;
         }
         break;
       }
@@ -171,7 +180,7 @@ void build_pipeline(RankProgram& P) {
           pending.erase({k, mb});
           // The set is free once its weight gradients have read it; they follow the I's tasks
           // on the compute stream, so they are what a later transfer into the set waits for.
-          if (done != rt::kNoTask) free_after[static_cast<std::size_t>(pos.set)] = done;
+          if (done != rt::kNoTask) free_after[static_cast<std::size_t>(pos.set)].push_back(done);
         }
         break;
       case ActionType::Idle:

@@ -61,6 +61,12 @@ std::int64_t rows(const Case& c, int index, std::uint64_t seed, int j, int k) {
 
 constexpr std::int64_t kRow = 5;  // elements per all_to_all_v row
 
+// Rows member j contributes to an all_gather_v, or the rows of block j of a reduce_scatter_v.
+std::int64_t block_rows(const Case& c, int index, std::uint64_t seed, int j) {
+  if (c.size == 0) return 0;
+  return static_cast<std::int64_t>((seed + 3 * j + index) % 4);
+}
+
 class Check {
  public:
   Check(MpiCommunicator& comm, int devices) : comm_(comm), devices_(devices) {}
@@ -138,6 +144,30 @@ class Check {
             c.recv_counts[static_cast<std::size_t>(r)].assign(static_cast<std::size_t>(n), -1);
             break;
           }
+          case CollectiveOp::all_gather_v: {
+            const std::int64_t mine = block_rows(c, index, seed, r);
+            std::vector<float> send = member_data(static_cast<std::size_t>(mine * kRow));
+            send.resize(static_cast<std::size_t>(3 * kRow), 0.f);
+            put(in, std::move(send));
+            put(out, std::vector<float>(static_cast<std::size_t>(3 * n * kRow), std::nanf("")));
+            c.send_counts[static_cast<std::size_t>(r)].assign(1, mine);
+            c.recv_counts[static_cast<std::size_t>(r)].assign(static_cast<std::size_t>(n), -1);
+            break;
+          }
+          case CollectiveOp::reduce_scatter_v: {
+            auto& blocks = c.send_counts[static_cast<std::size_t>(r)];
+            blocks.assign(static_cast<std::size_t>(n), 0);
+            std::size_t total = 0;
+            for (int j = 0; j < n; ++j) {
+              blocks[static_cast<std::size_t>(j)] = block_rows(c, index, seed, j);
+              total += static_cast<std::size_t>(blocks[static_cast<std::size_t>(j)] * kRow);
+            }
+            std::vector<float> send = member_data(total);
+            send.resize(static_cast<std::size_t>(3 * n * kRow), 0.f);
+            put(in, std::move(send));
+            put(out, std::vector<float>(static_cast<std::size_t>(3 * kRow), std::nanf("")));
+            break;
+          }
           case CollectiveOp::barrier:
             break;
         }
@@ -179,6 +209,20 @@ class Check {
                                   .recv_counts = c.recv_counts[static_cast<std::size_t>(r)]},
                                  kRow, options);
             break;
+          case CollectiveOp::all_gather_v:
+            matcher.all_gather_v(c.group, r,
+                                 {.send = in,
+                                  .send_rows = c.send_counts[static_cast<std::size_t>(r)].data(),
+                                  .recv = out,
+                                  .recv_rows = c.recv_counts[static_cast<std::size_t>(r)]},
+                                 kRow, options);
+            break;
+          case CollectiveOp::reduce_scatter_v:
+            matcher.reduce_scatter_v(
+                c.group, r,
+                {.send = in, .rows = &c.send_counts[static_cast<std::size_t>(r)], .recv = out},
+                kRow, options);
+            break;
           case CollectiveOp::send_recv:
             if (r == 0)
               matcher.send(c.group.device(0), c.group.device(1), in, options);
@@ -204,6 +248,16 @@ class Check {
         const std::vector<float> expected = reference(c, index, seed, r);
         std::vector<float> got = c.out[static_cast<std::size_t>(r)];
         if (c.op == CollectiveOp::send_recv && r == 0) continue;
+        if (c.op == CollectiveOp::all_gather_v || c.op == CollectiveOp::reduce_scatter_v)
+          got.resize(expected.size());
+        if (c.op == CollectiveOp::all_gather_v)
+          for (int j = 0; j < n; ++j)
+            if (c.recv_counts[static_cast<std::size_t>(r)][static_cast<std::size_t>(j)] !=
+                block_rows(c, index, seed, j)) {
+              ++failures;
+              fmt::print("FAILED {} over {}: member {} got the wrong count of member {}\n",
+                         to_string(c.op), fmt::join(c.group.devices(), ","), r, j);
+            }
         if (c.op == CollectiveOp::all_to_all_v) {
           got.resize(expected.size());
           for (int j = 0; j < n; ++j)
@@ -294,6 +348,31 @@ class Check {
           out.insert(out.end(), x.begin() + from, x.begin() + from + len);
         }
         break;
+      case CollectiveOp::all_gather_v:
+        for (int j = 0; j < n; ++j) {
+          const std::vector<float> x =
+              data(j, static_cast<std::size_t>(block_rows(c, index, seed, j) * kRow));
+          out.insert(out.end(), x.begin(), x.end());
+        }
+        break;
+      case CollectiveOp::reduce_scatter_v: {
+        std::size_t first = 0, total = 0;
+        for (int j = 0; j < n; ++j) {
+          const auto len = static_cast<std::size_t>(block_rows(c, index, seed, j) * kRow);
+          if (j < r) first += len;
+          total += len;
+        }
+        const auto len = static_cast<std::size_t>(block_rows(c, index, seed, r) * kRow);
+        for (int j = 0; j < n; ++j) {
+          const std::vector<float> x = data(j, total);
+          if (j == 0)
+            out.assign(x.begin() + first, x.begin() + first + len);
+          else
+            for (std::size_t i = 0; i < len; ++i)
+              out[i] = fold(ReduceOp::sum, out[i], x[first + i]);
+        }
+        break;
+      }
       case CollectiveOp::barrier:
         break;
     }
@@ -325,6 +404,8 @@ int check_all(int processes, int process) {
       check.add(CollectiveOp::reduce_scatter, g, s, ReduceOp::sum);
       check.add(CollectiveOp::all_to_all, g, s);
       check.add(CollectiveOp::all_to_all_v, g, s);
+      check.add(CollectiveOp::all_gather_v, g, s);
+      check.add(CollectiveOp::reduce_scatter_v, g, s);
       check.add(CollectiveOp::broadcast, g, s, ReduceOp::sum, static_cast<int>(g.size()) - 1);
     }
     check.add(CollectiveOp::all_reduce, g, 1000, ReduceOp::max);

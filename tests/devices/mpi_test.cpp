@@ -147,6 +147,16 @@ TEST(MpiTrain, AmpipeWithExpertsAcrossProcessesGivesTheOneProcessLossesBitwise) 
                      "--num-experts 4 --expert-model-parallel-size 2 --ampipe-degree 2");
 }
 
+TEST(MpiTrain, SplitExpertsWithTheTpSpOverlapAcrossProcessesGiveTheOneProcessLossesBitwise) {
+  WEAVE_SKIP_WITHOUT_MPI();
+  // One device a process: the tensor-parallel group, and so the experts' variable all-gathers
+  // and reduce-scatters, span processes.
+  expect_same_losses("split_experts", 4,
+                     "--devices 4 --tensor-model-parallel-size 2 --sequence-parallel "
+                     "--num-experts 4 --expert-model-parallel-size 2 --moe-model-type "
+                     "deepspeed_moe --ampipe-degree 2 --ampipe-tp-sp-comm-overlap");
+}
+
 TEST(MpiTrain, ADeviceCountTheProcessesDoNotDivideIsRefused) {
   WEAVE_SKIP_WITHOUT_MPI();
   const RunResult r =
