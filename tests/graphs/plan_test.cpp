@@ -173,6 +173,29 @@ TEST(ParallelPlan, AmpipeRules) {
                "--seq-length (48) must be divisible by 32"));
 }
 
+TEST(ParallelPlan, AmpipeFollowsMindSpeedsSequenceRulesAndConflicts) {
+  ModelConfig moe = small_moe();
+  moe.seq_length = 20;  // 2 x cp = 4 divides it, 2 x degree x cp = 8 does not
+  EXPECT_TRUE(mentions(refusal(moe, {.context_parallel = 2, .ampipe_degree = 2}),
+                       "--seq-length (20) must be divisible by 8 under --ampipe-degree 2"));
+  const ModelConfig m = small_moe();
+  for (auto set :
+       {&ParallelPlan::overlap_grad_reduce, &ParallelPlan::overlap_param_gather,
+        &ParallelPlan::use_nanopipe, &ParallelPlan::recompute_in_bubble,
+        &ParallelPlan::recompute_in_advance, &ParallelPlan::adaptive_recompute_device_swap}) {
+    ParallelPlan with{
+        .expert_parallel = 2, .data_parallel = 2, .global_batch_size = 2, .ampipe_degree = 2};
+    with.*set = true;
+    EXPECT_TRUE(mentions(refusal(m, with), "cannot run with --")) << refusal(m, with);
+    with.ampipe_degree = 1;
+    EXPECT_EQ(refusal(m, with), "accepted");
+  }
+  ParallelPlan flash{.ampipe_degree = 2, .use_flash_attn = true};
+  const auto warnings = validate(m, flash);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_TRUE(mentions(warnings[0], "MindSpeed refuses it (EP > 1), weave runs it"));
+}
+
 TEST(ParallelPlan, PipeExpertsFollowMindSpeedsRules) {
   const ModelConfig moe = small_moe();
   auto check = [&](ParallelPlan p) {

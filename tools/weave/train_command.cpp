@@ -293,6 +293,23 @@ void add_train_command(CLI::App& app) {
                 "Instead of training: replay one step under every pipeline schedule on the "
                 "virtual clock (--link, --device-flops): step time, bubble measured and in "
                 "theory, activation memory per stage");
+  // MindSpeed and Megatron switches scripts carry: accepted, refused beside Ampipe by its rules.
+  cmd->add_flag("--overlap-grad-reduce", p.overlap_grad_reduce,
+                "Accepted: gradient reductions always overlap the backward here (refused with "
+                "Ampipe, as MindSpeed does)");
+  cmd->add_flag("--overlap-param-gather", p.overlap_param_gather,
+                "Accepted: the distributed optimizer's gathers run on their group's stream "
+                "(refused with Ampipe, as MindSpeed does)");
+  cmd->add_flag("--use-flash-attn", p.use_flash_attn,
+                "Accepted: attention is always blockwise with online softmax here");
+  cmd->add_flag("--use-nanopipe", p.use_nanopipe,
+                "Accepted without effect (refused with Ampipe, as MindSpeed does)");
+  cmd->add_flag("--recompute-in-bubble", p.recompute_in_bubble,
+                "Accepted without effect (refused with Ampipe, as MindSpeed does)");
+  cmd->add_flag("--recompute-in-advance", p.recompute_in_advance,
+                "Accepted without effect (refused with Ampipe, as MindSpeed does)");
+  cmd->add_flag("--adaptive-recompute-device-swap", p.adaptive_recompute_device_swap,
+                "Accepted without effect (refused with Ampipe, as MindSpeed does)");
   cmd->add_flag("--use-distributed-optimizer", p.distributed_optimizer,
                 "Shard optimizer state over data-parallel replicas (reduce-scatter + all-gather)");
   cmd->add_option("--context-parallel-size", p.context_parallel)
