@@ -90,6 +90,7 @@ SlotProgress MoeMlp::route(const BuildPosition& pos, int c, TaskId ready) const 
       });
   P->after(ready, router);
   if (ep == 1) return {router, {}};
+  if (z.chained_items()) return {router, {}};  // the item pipeline issues them in its chain
   if (items) {
     // Every item's dispatch is launched now; the router is what the statistics wait for.
     SlotProgress out{router, {}};
@@ -186,6 +187,7 @@ SlotProgress MoeMlp::combine_backward(const BuildPosition& pos, int c, TaskId re
       });
   P->after(ready, combined);
   if (P->shape.ep == 1) return {combined, {}};
+  if (P->shape.chained_items()) return {combined, {}};  // issued in the item pipeline's chain
   if (P->shape.expert_items()) {
     SlotProgress out{combined, {}};
     const std::size_t count = P->slot(set, l, c).items.size();

@@ -128,8 +128,18 @@ std::vector<SlotProgress> MoeMlp::split_item_pipeline(const BuildPosition& pos,
   auto slot_index = [&](int c) {
     return static_cast<std::size_t>(std::find(slots.begin(), slots.end(), c) - slots.begin());
   };
-  auto dispatched = [&](const ItemRef& k) {
-    return routed[slot_index(k.slot)].items[static_cast<std::size_t>(k.item)];
+  // Each item's dispatch: issued after the router, or here, where the chain reaches it.
+  std::vector<TaskId> dispatches(items.size(), rt::kNoTask);
+  for (std::size_t k = 0; k < items.size(); ++k) {
+    const SlotProgress& r = routed[slot_index(items[k].slot)];
+    if (!r.items.empty()) dispatches[k] = r.items[static_cast<std::size_t>(items[k].item)];
+  }
+  auto dispatched = [&](std::size_t k) {
+    if (dispatches[k] == rt::kNoTask)
+      dispatches[k] = item_exchange(
+          pos, items[k].slot, items[k].item, routed[slot_index(items[k].slot)].task,
+          &ExpertItem::send, &ExpertItem::arrived, true, true, "dispatch", rt::Phase::forward);
+    return dispatches[k];
   };
   const double per_item = cost::experts(z, static_cast<double>(z.slot_tokens())) /
                           static_cast<double>(z.local_experts() * z.item_slices());
@@ -141,8 +151,8 @@ std::vector<SlotProgress> MoeMlp::split_item_pipeline(const BuildPosition& pos,
   std::vector<TaskId> gathered(items.size(), rt::kNoTask);
   auto gather = [&](std::size_t k) {
     if (gathered[k] != rt::kNoTask) return;
-    chain.link(dispatched(items[k]));
-    gathered[k] = chain.link(gather_item(pos, items[k].slot, items[k].item, dispatched(items[k])));
+    chain.link(dispatched(k));
+    gathered[k] = chain.link(gather_item(pos, items[k].slot, items[k].item, dispatched(k)));
   };
   if (!items.empty()) gathered[0] = first_gathered;
   if (chain.on)
@@ -224,7 +234,14 @@ std::vector<SlotProgress> MoeMlp::split_item_pipeline_backward(
     if (gathered[k] != rt::kNoTask) return;
     const ItemRef& ref = items[k];
     ExpertItem& I = P->slot(set, l, ref.slot).items[static_cast<std::size_t>(ref.item)];
-    const TaskId ready = arrived[slot_index(ref.slot)].items[static_cast<std::size_t>(ref.item)];
+    const SlotProgress& from = arrived[slot_index(ref.slot)];
+    // The output gradients' trip back: issued after the combine's backward, or here, where
+    // the chain reaches it.
+    const TaskId ready = from.items.empty()
+                             ? item_exchange(pos, ref.slot, ref.item, from.task,
+                                             &ExpertItem::d_back, &ExpertItem::d_arrived, true,
+                                             false, "combine_backward", rt::Phase::backward)
+                             : from.items[static_cast<std::size_t>(ref.item)];
     chain.link(ready);
     gathered[k] = chain.link(P->tensor.all_gather_v(
         ready,

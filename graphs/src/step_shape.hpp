@@ -48,6 +48,11 @@ struct StepShape {
   // capacity slices per local expert it is cut into.
   bool expert_items() const { return pipe_experts() || tp_sp_overlap(); }
   int item_slices() const { return pipe_experts() ? plan.pipe_experts_slices() : 1; }
+  // --pipe-experts-multi-stream with split experts: every item collective in one chain, each
+  // all-to-all issued where the chain reaches it (not all at once after the router).
+  bool chained_items() const {
+    return plan.pipe_experts_multi_stream && experts_split() && expert_items();
+  }
   // Rows of h floats that hold one destination's per-local-expert counts in the dispatch.
   std::int64_t header_rows() const { return (local_experts() + h - 1) / h; }
   // The tokens one MoE slot routes: a rank's T, or one Ampipe chunk of them.
