@@ -44,35 +44,38 @@ TaskId AmpipeBlock::forward(const BuildPosition& pos, TaskId ready) const {
   TaskId first_gathered = rt::kNoTask;
   for (int c = 0; c < N; ++c) {
     const std::string chunk = at + fmt::format("c{}.", c);
+    TaskId side = rt::kNoTask;
     if (z.cp > 1) {
-      const TaskId attention = ring_attention(pos, c, qkv, [=] {
-        ops::linear_forward(p->acts(set, layer).attn.slice(0, c * q, q).reshape({q, B, Hl * d}),
+      // The chunk's half of the rank's sequence: n rows from c n.
+      const TaskId attention = ring_attention(pos, c, qkv);
+      side = P->compute(chunk + "projection", tags, cost::projection(z) / N, [=] {
+        ops::linear_forward(p->acts(set, layer).attn.slice(0, c * n, n).reshape({n, B, Hl * d}),
                             p->layer(layer).proj_weight->value, Tensor{}, partial(c));
-        residual_norm(c, partial(c));
+        if (t_sp == 1) residual_norm(c, partial(c));
       });
-      routed[c] = moe.route(pos, c, attention);
-      continue;
+      P->after(attention, side);
+    } else {
+      const double flops =
+          cost::ampipe_causal_share(z, c) * cost::causal_attention(z) + cost::projection(z) / N;
+      side = P->compute(chunk + "attention", tags, flops, [=] {
+        LayerActivations& A = p->acts(set, layer);
+        const StepShape& z = p->shape;
+        for (int j = 0; j < t_sp; ++j) {
+          const std::int64_t first = z.piece_start(c, j);
+          ops::attention_forward({.q_offset = first}, head_view(A.qkv.slice(0, first, q), d, 0),
+                                 head_view(A.qkv, d, 1), head_view(A.qkv, d, 2),
+                                 A.attn.slice(0, first, q).transpose(0, 1),
+                                 A.lse.slice(0, c * t_sp + j, 1).reshape({B, Hl, q}));
+          ops::linear_forward(A.attn.slice(0, first, q).reshape({q, B, Hl * d}),
+                              p->layer(layer).proj_weight->value, Tensor{},
+                              partial(c).slice(0, j * q, q));
+        }
+        if (t_sp == 1) residual_norm(c, partial(c));
+      });
+      // After the previous chunk's router by the compute stream's order only: its dispatch may
+      // still be running, and that is the overlap.
+      P->after(qkv, side);
     }
-    const double flops =
-        cost::ampipe_causal_share(z, c) * cost::causal_attention(z) + cost::projection(z) / N;
-    TaskId side = P->compute(chunk + "attention", tags, flops, [=] {
-      LayerActivations& A = p->acts(set, layer);
-      const StepShape& z = p->shape;
-      for (int j = 0; j < t_sp; ++j) {
-        const std::int64_t first = z.piece_start(c, j);
-        ops::attention_forward({.q_offset = first}, head_view(A.qkv.slice(0, first, q), d, 0),
-                               head_view(A.qkv, d, 1), head_view(A.qkv, d, 2),
-                               A.attn.slice(0, first, q).transpose(0, 1),
-                               A.lse.slice(0, c * t_sp + j, 1).reshape({B, Hl, q}));
-        ops::linear_forward(A.attn.slice(0, first, q).reshape({q, B, Hl * d}),
-                            p->layer(layer).proj_weight->value, Tensor{},
-                            partial(c).slice(0, j * q, q));
-      }
-      if (t_sp == 1) residual_norm(c, partial(c));
-    });
-    // After the previous chunk's router by the compute stream's order only: its dispatch may
-    // still be running, and that is the overlap.
-    P->after(qkv, side);
     // --ampipe-tp-sp-comm-overlap: the first item's gather goes out under the last chunk's
     // projection, norm and router.
     if (z.tp_sp_overlap() && c == N - 1)
@@ -191,10 +194,26 @@ TaskId AmpipeBlock::backward(const BuildPosition& pos, TaskId ready, WeightHalve
           P->tensor.all_gather(residual, read_of(P->ws().d_mlp.slice(0, c * q, q)),
                                all_of(d_proj_rows()), chunk + "attention_grad_gather", tags);
     }
-    const double flops =
-        cp > 1 ? cost::causal_attention_backward(z) / 2 + cost::projection(z)
-               : cost::ampipe_causal_share(z, c) * cost::causal_attention_backward(z) +
-                     2 * cost::projection(z) / N;
+    if (cp > 1) {
+      // The chunk's half: its projection's backward into d_attn, then its share of the products.
+      const TaskId projection =
+          P->compute(chunk + "projection_backward", tags, 2 * cost::projection(z) / N, [=] {
+            LayerActivations& A = p->acts(set, layer);
+            BackwardWorkspace& w = p->ws();
+            const LayerShard& W = p->layer(layer);
+            if (t_sp == 1) residual_backward();
+            const Tensor d_proj = d_proj_rows();
+            ops::linear_backward_input(d_proj, W.proj_weight->value,
+                                       w.d_attn.reshape({Sc, B, Hl * d}).slice(0, c * n, n));
+            ops::linear_backward_weight(A.attn.slice(0, c * n, n).reshape({n, B, Hl * d}), d_proj,
+                                        W.proj_weight->grad, Tensor{});
+          });
+      P->after(attention_ready, projection);
+      side = ampipe_ring_attention_backward(*P, pos, l, c, projection);
+      continue;
+    }
+    const double flops = cost::ampipe_causal_share(z, c) * cost::causal_attention_backward(z) +
+                         2 * cost::projection(z) / N;
     const TaskId attention = P->compute(chunk + "attention_backward", tags, flops, [=] {
       LayerActivations& A = p->acts(set, layer);
       BackwardWorkspace& w = p->ws();
@@ -203,10 +222,6 @@ TaskId AmpipeBlock::backward(const BuildPosition& pos, TaskId ready, WeightHalve
       // above's deferred weight half reads d_qkv until this layer's combines are launched.
       if (c == N - 1) w.d_qkv.fill(0.f);
       if (t_sp == 1) residual_backward();
-      if (cp > 1) {
-        ampipe_ring_attention_backward(*p, set, layer, c);
-        return;
-      }
       const LayerShard& W = p->layer(layer);
       for (int j = 0; j < t_sp; ++j) {
         const std::int64_t first = z.piece_start(c, j);

@@ -6,14 +6,11 @@
 //             dispatch launched), then every chunk's experts (combine launched), then every
 //             chunk's combine and residual;
 //   backward: the same passes over the chunks in reverse, with the mirrored all-to-alls.
-// Under SP a chunk is one piece of every tp rank's shard (StepShape::piece_rows); under context
-// parallelism (degree 2) the chunks are a rank's two load-balanced halves: chunk 0's attention
-// runs the ring and keeps every key/value block it brings (by owner), so chunk 1 attends to them
-// all without communication while chunk 0's dispatch runs; in backward both chunks add their
-// key/value gradients to per-owner blocks, which one all-to-all sends home.
+// Under SP chunk c is the contiguous rows [c n, (c+1) n) of the sequence, piece c of every tp
+// rank's chunk-major shard (StepShape::shard_row): each tp rank routes the piece MindSpeed's
+// permutation gives it. Under context parallelism (degree 2) the chunks are a rank's two
+// load-balanced halves, with the attention split between them evenly (ampipe_context_parallel).
 #pragma once
-
-#include <functional>
 
 #include "rank_program.hpp"
 #include "weight_halves.hpp"
@@ -28,10 +25,9 @@ class AmpipeBlock {
   TaskId backward(const BuildPosition& pos, TaskId ready, WeightHalves& halves, bool last) const;
 
  private:
-  // Under CP: chunk c's attention after the QKV task; `finish` (its projection, residual and
-  // norm) ends the last task.
-  TaskId ring_attention(const BuildPosition& pos, int c, TaskId qkv,
-                        std::function<void()> finish) const;
+  // Under CP: chunk c's attention after the QKV task (chunk 0's with the key/value ring),
+  // leaving its queries' output in attn. Returns the last task.
+  TaskId ring_attention(const BuildPosition& pos, int c, TaskId qkv) const;
   // Every rank's gradient of block o goes to rank o in one all-to-all over the cp group; each
   // rank sums what came into dring[cp % 2], where the QKV backward takes its block's gradient.
   TaskId send_block_gradients_home(const BuildPosition& pos, TaskId ready) const;
@@ -41,8 +37,10 @@ class AmpipeBlock {
 
 // Under CP: owner o's key/value block in this rank's store (layer l, set `set`).
 Tensor kv_block(RankProgram& P, int set, int l, int owner);
-// Chunk c's attention backward against every stored block (after its projection's backward
-// into d_attn): dq into d_qkv, each block's dk and dv into dkv_send at its owner.
-void ampipe_ring_attention_backward(RankProgram& P, int set, int l, int c);
+// Under CP: chunk c's attention backward against the stored blocks, after `ready` (when d_attn
+// holds the gradients of the queries it takes): dq into d_qkv, each block's dk and dv into
+// dkv_send at its owner. Returns its task.
+TaskId ampipe_ring_attention_backward(RankProgram& P, const BuildPosition& pos, int l, int c,
+                                      TaskId ready);
 
 }  // namespace weave::graphs

@@ -2,6 +2,7 @@
 
 #include "gradient_buckets.hpp"
 #include "ring_attention.hpp"
+#include "sequence_parallel.hpp"
 #include "step_costs.hpp"
 #include "weave/ops/attention.hpp"
 #include "weave/ops/elementwise.hpp"
@@ -9,12 +10,6 @@
 #include "weave/ops/normalization.hpp"
 
 namespace weave::graphs {
-
-TaskId reduce_partial(RankProgram& P, TaskId ready, const Tensor& full, const Tensor& shard,
-                      const std::string& name, rt::TaskTags tags) {
-  if (P.shape.sp()) return P.tensor.reduce_scatter(ready, read_of(full), all_of(shard), name, tags);
-  return P.tensor.all_reduce(ready, all_of(full), devices::ReduceOp::sum, name, tags);
-}
 
 void AttentionBlock::allocate(LayerActivations& A) const {
   const StepShape& z = P->shape;
@@ -26,9 +21,9 @@ void AttentionBlock::allocate(LayerActivations& A) const {
   A.ln1_full = z.sp() ? P->activation({Sc, B, h}) : A.ln1;
   A.qkv = P->activation({Sc, B, Hl, 3 * d});
   A.attn = P->activation({Sc, B, Hl, d});
-  // Ampipe: one [B, Hl, q] block per (chunk, piece).
-  A.lse = ampipe ? P->activation({z.ampipe * z.t_sp, B, Hl, z.piece_rows()})
-                 : P->activation({cp > 1 ? 2 : 1, B, Hl, z.chunk});
+  // Ampipe without CP: one [B, Hl, q] block per (chunk, piece); under CP one per half.
+  A.lse = ampipe && cp == 1 ? P->activation({z.ampipe * z.t_sp, B, Hl, z.piece_rows()})
+                            : P->activation({cp > 1 ? 2 : 1, B, Hl, z.chunk});
   A.proj_partial = P->activation({Sc, B, h});
   if (cp > 1 && ampipe) {
     A.kv_store = P->activation({cp * Sc, B, Hl, 2 * d});
@@ -60,9 +55,7 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
   P->after(ready, ln1);
   LayerActivations& A = P->acts(set, layer);
   TaskId gathered = rt::kNoTask;
-  if (z.sp())
-    gathered =
-        P->tensor.all_gather(ln1, read_of(A.ln1), all_of(A.ln1_full), at + "sp_gather", tags);
+  if (z.sp()) gathered = sp_gather(*P, ln1, A.ln1, A.ln1_full, at + "sp_gather", tags);
   const TaskId qkv = P->compute(at + "qkv", tags, cost::qkv(z), [=] {
     LayerActivations& A = p->acts(set, layer);
     const LayerShard& W = p->layer(layer);
@@ -118,8 +111,7 @@ TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHa
   BackwardWorkspace& w = P->ws();
   TaskId gathered = rt::kNoTask;
   if (sp)
-    gathered = P->tensor.all_gather(ready, read_of(w.d_mlp), all_of(w.d_mlp_full),
-                                    at + "attention_grad_gather", tags);
+    gathered = sp_gather(*P, ready, w.d_mlp, w.d_mlp_full, at + "attention_grad_gather", tags);
   const bool keep = halves.zero_bubble();
   const double flops =
       (keep ? 1 : 2) * cost::projection(z) + (cp == 1 ? cost::causal_attention_backward(z) : 0.0);

@@ -48,9 +48,4 @@ inline Tensor head_view(const Tensor& t, std::int64_t d, std::int64_t part) {
   return t.slice(3, part * d, d).transpose(0, 1);
 }
 
-// g-bar in forward: the partial sums `full` reduce-scattered into `shard` under SP, all-reduced
-// in place otherwise (the shard is the buffer). kNoTask without tensor parallelism.
-TaskId reduce_partial(RankProgram& P, TaskId ready, const Tensor& full, const Tensor& shard,
-                      const std::string& name, rt::TaskTags tags);
-
 }  // namespace weave::graphs

@@ -1,6 +1,7 @@
 #include "dense_mlp.hpp"
 
 #include "attention_block.hpp"
+#include "sequence_parallel.hpp"
 #include "step_costs.hpp"
 #include "weave/ops/activation.hpp"
 #include "weave/ops/linear.hpp"
@@ -44,9 +45,7 @@ TaskId DenseMlp::forward(const BuildPosition& pos, TaskId ready) const {
   const std::string at = fmt::format("L{}.", l);
   LayerActivations& A = P->acts(set, l);
   TaskId gathered = rt::kNoTask;
-  if (z.sp())
-    gathered =
-        P->tensor.all_gather(ready, read_of(A.ln2), all_of(A.ln2_full), at + "sp_gather_mlp", tags);
+  if (z.sp()) gathered = sp_gather(*P, ready, A.ln2, A.ln2_full, at + "sp_gather_mlp", tags);
   const TaskId mlp =
       P->compute(at + "mlp", tags, cost::matmul(z.Sc * z.B, z.h, z.f1l + z.fl), [p, layer, set] {
         LayerActivations& A = p->acts(set, layer);
@@ -69,9 +68,7 @@ TaskId DenseMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& 
   halves.flush();
   BackwardWorkspace& w = P->ws();
   TaskId gathered = rt::kNoTask;
-  if (z.sp())
-    gathered = P->tensor.all_gather(ready, read_of(w.d_mlp), all_of(w.d_mlp_full),
-                                    at + "mlp_grad_gather", tags);
+  if (z.sp()) gathered = sp_gather(*P, ready, w.d_mlp, w.d_mlp_full, at + "mlp_grad_gather", tags);
   const bool keep = halves.zero_bubble();
   const std::int64_t rows = z.Sc * z.B;
   const double fc2_weight = cost::matmul(rows, z.h, z.fl), fc1 = cost::matmul(rows, z.h, z.f1l);

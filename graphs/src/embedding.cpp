@@ -1,6 +1,7 @@
 #include "embedding.hpp"
 
 #include "attention_block.hpp"
+#include "sequence_parallel.hpp"
 #include "weave/ops/embedding.hpp"
 
 namespace weave::graphs {
@@ -59,8 +60,8 @@ TaskId Embedding::backward(const BuildPosition& pos, TaskId ready) const {
   P->after(ready, positions);
   TaskId gathered = rt::kNoTask;
   if (sp)
-    gathered = P->tensor.all_gather(positions, read_of(P->ws().d_x), all_of(P->ws().d_norm_full),
-                                    "embedding_grad_gather", tags);
+    gathered =
+        sp_gather(*P, positions, P->ws().d_x, P->ws().d_norm_full, "embedding_grad_gather", tags);
   const TaskId words = P->compute("embedding_backward", tags, 0, [p, set, sp] {
     BackwardWorkspace& w = p->ws();
     const Tensor d = sp ? w.d_norm_full : w.d_x;

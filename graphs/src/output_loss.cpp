@@ -1,6 +1,7 @@
 #include "output_loss.hpp"
 
 #include "attention_block.hpp"
+#include "sequence_parallel.hpp"
 #include "step_costs.hpp"
 #include "weave/ops/cross_entropy.hpp"
 #include "weave/ops/linear.hpp"
@@ -54,9 +55,7 @@ TaskId OutputLoss::forward(const BuildPosition& pos, TaskId ready) const {
   P->after(ready, norm);
   OutputSet& X = P->oset(out);
   TaskId gathered = rt::kNoTask;
-  if (z.sp())
-    gathered =
-        P->tensor.all_gather(norm, read_of(X.final_ln), all_of(X.final_full), "final_gather", tags);
+  if (z.sp()) gathered = sp_gather(*P, norm, X.final_ln, X.final_full, "final_gather", tags);
   const TaskId logits = P->compute("logits", tags, cost::matmul(Sc * B, h, z.Vl), [=] {
     OutputSet& X = p->oset(out);
     ops::linear_forward(X.final_full.reshape({Sc * B, h}), p->shard().embedding().value, Tensor{},

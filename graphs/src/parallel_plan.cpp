@@ -180,12 +180,6 @@ std::vector<std::string> validate(const ModelConfig& m, ParallelPlan& p) {
           "--ampipe-degree ({}) with --tensor-model-parallel-size {} needs --sequence-parallel: "
           "each tensor-parallel rank routes its own piece of every chunk",
           degree, p.tensor_parallel);
-    if (cp > 1 && p.tensor_parallel > 1)
-      refuse(
-          "--ampipe-degree ({}) with --context-parallel-size {} runs with "
-          "--tensor-model-parallel-size 1 (got {}): under CP the chunks are the two "
-          "load-balanced halves a rank holds, which sequence parallelism would split unevenly",
-          degree, cp, p.tensor_parallel);
     if (cp > 1 && degree != 2)
       refuse(
           "--ampipe-degree must be 2 with --context-parallel-size {} (got {}): the two "

@@ -54,45 +54,54 @@ void RingAttention::merge_partial(const Tensor& o, const Tensor& lse, const Tens
 }
 
 void RingAttention::attend_half(int set, std::int64_t half, const Tensor& kv, int from) const {
+  for (std::int64_t key_half = 0; key_half < 2; ++key_half)
+    attend_piece(set, half, kv, from, key_half);
+}
+
+void RingAttention::attend_piece(int set, std::int64_t half, const Tensor& kv, int from,
+                                 std::int64_t key_half) const {
   const StepShape& z = P->shape;
   const std::int64_t chunk = z.chunk, d = z.d;
   LayerActivations& A = P->acts(set, l);
   BackwardWorkspace& w = P->ws();
   const int me = P->at.cp;
-  for (std::int64_t kc = 0; kc < 2; ++kc) {
-    const Tensor keys = kv.slice(0, kc * chunk, chunk);
-    ops::attention_forward({.q_offset = z.context_position(me, half * chunk),
-                            .k_offset = z.context_position(from, kc * chunk)},
-                           head_view(A.qkv.slice(0, half * chunk, chunk), d, 0),
-                           head_view(keys, d, 0), head_view(keys, d, 1), w.o_part.transpose(0, 1),
-                           w.lse_part);
-    merge_partial(A.attn.slice(0, half * chunk, chunk),
-                  A.lse.slice(0, half, 1).reshape({z.B, z.Hl, chunk}), w.o_part, w.lse_part);
-  }
+  const Tensor keys = kv.slice(0, key_half * chunk, chunk);
+  ops::attention_forward({.q_offset = z.context_position(me, half * chunk),
+                          .k_offset = z.context_position(from, key_half * chunk)},
+                         head_view(A.qkv.slice(0, half * chunk, chunk), d, 0),
+                         head_view(keys, d, 0), head_view(keys, d, 1), w.o_part.transpose(0, 1),
+                         w.lse_part);
+  merge_partial(A.attn.slice(0, half * chunk, chunk),
+                A.lse.slice(0, half, 1).reshape({z.B, z.Hl, chunk}), w.o_part, w.lse_part);
 }
 
 void RingAttention::attend_half_backward(int set, std::int64_t half, const Tensor& kv,
                                          const Tensor& grads, int from) const {
+  for (std::int64_t key_half = 0; key_half < 2; ++key_half)
+    attend_piece_backward(set, half, kv, grads, from, key_half);
+}
+
+void RingAttention::attend_piece_backward(int set, std::int64_t half, const Tensor& kv,
+                                          const Tensor& grads, int from,
+                                          std::int64_t key_half) const {
   const StepShape& z = P->shape;
   const std::int64_t chunk = z.chunk, d = z.d;
   LayerActivations& A = P->acts(set, l);
   BackwardWorkspace& w = P->ws();
   const int me = P->at.cp;
   const Tensor d_attn = w.d_attn.reshape({z.Sc, z.B, z.Hl, d}).slice(0, half * chunk, chunk);
-  for (std::int64_t kc = 0; kc < 2; ++kc) {
-    const Tensor keys = kv.slice(0, kc * chunk, chunk);
-    const Tensor key_grads = grads.slice(0, kc * chunk, chunk);
-    // With the full (merged) output and log-sum-exp, each block's probabilities are the final
-    // ones, so its gradients are exact parts of the whole.
-    ops::attention_backward(
-        {.q_offset = z.context_position(me, half * chunk),
-         .k_offset = z.context_position(from, kc * chunk)},
-        head_view(A.qkv.slice(0, half * chunk, chunk), d, 0), head_view(keys, d, 0),
-        head_view(keys, d, 1), A.attn.slice(0, half * chunk, chunk).transpose(0, 1),
-        A.lse.slice(0, half, 1).reshape({z.B, z.Hl, chunk}), d_attn.transpose(0, 1),
-        w.dq_part.transpose(0, 1), head_view(key_grads, d, 0), head_view(key_grads, d, 1));
-    ops::accumulate(w.dq_part, w.d_qkv.slice(0, half * chunk, chunk).slice(3, 0, d));
-  }
+  const Tensor keys = kv.slice(0, key_half * chunk, chunk);
+  const Tensor key_grads = grads.slice(0, key_half * chunk, chunk);
+  // With the full (merged) output and log-sum-exp, each block's probabilities are the final
+  // ones, so its gradients are exact parts of the whole.
+  ops::attention_backward(
+      {.q_offset = z.context_position(me, half * chunk),
+       .k_offset = z.context_position(from, key_half * chunk)},
+      head_view(A.qkv.slice(0, half * chunk, chunk), d, 0), head_view(keys, d, 0),
+      head_view(keys, d, 1), A.attn.slice(0, half * chunk, chunk).transpose(0, 1),
+      A.lse.slice(0, half, 1).reshape({z.B, z.Hl, chunk}), d_attn.transpose(0, 1),
+      w.dq_part.transpose(0, 1), head_view(key_grads, d, 0), head_view(key_grads, d, 1));
+  ops::accumulate(w.dq_part, w.d_qkv.slice(0, half * chunk, chunk).slice(3, 0, d));
 }
 
 TaskId RingAttention::forward(const BuildPosition& pos, TaskId qkv) const {

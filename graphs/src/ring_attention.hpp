@@ -33,6 +33,11 @@ class RingAttention {
   // Its backward: dq added to d_qkv, the block's dk and dv added to `grads`.
   void attend_half_backward(int set, std::int64_t half, const Tensor& block, const Tensor& grads,
                             int owner) const;
+  // The same against one half `key_half` of the block: the unit Ampipe's chunks divide.
+  void attend_piece(int set, std::int64_t half, const Tensor& block, int owner,
+                    std::int64_t key_half) const;
+  void attend_piece_backward(int set, std::int64_t half, const Tensor& block, const Tensor& grads,
+                             int owner, std::int64_t key_half) const;
 
  private:
   // The block held at ring step t: this rank's own, or the one the ring brought.

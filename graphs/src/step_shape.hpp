@@ -64,18 +64,31 @@ struct StepShape {
   // capacity factor, at most each local expert's capacity from each source.
   std::int64_t slot_capacity() const;
 
-  // Ampipe under SP: a chunk is one piece of piece_rows() rows in every tp rank's shard (the
-  // layout MindSpeed gets by permuting the sequence): local rows [c q, (c+1) q) on rank j are the
-  // sequence's rows [j Sl + c q, j Sl + (c+1) q). Without SP there is one piece, the chunk.
+  // Under SP with Ampipe the shards are chunk-major (MindSpeed's layout): a tp rank's shard is
+  // sp_chunks() pieces of piece_rows() rows, piece c on rank j being the rows [c n + j q,
+  // c n + (j+1) q) of the rank's sequence (q = piece_rows(), n = tp q), so the tp ranks' pieces c
+  // together are the contiguous chunk c, every chunk's rows are routed where MindSpeed routes
+  // them, and the sequence-parallel gathers and scatters run per chunk. Otherwise one piece:
+  // rank j's shard is rows [j Sl, (j+1) Sl).
+  int sp_chunks() const { return sp() && ampipe > 1 ? ampipe : 1; }
+  // A shard's rows of one Ampipe chunk (the whole shard at degree 1).
   std::int64_t piece_rows() const { return Sl / ampipe; }
-  std::int64_t piece_start(int c, int j) const { return j * Sl + c * piece_rows(); }
+  // The row of the rank's sequence (of Sc) where chunk c's piece on tp rank j starts.
+  std::int64_t piece_start(int c, int j) const {
+    return (static_cast<std::int64_t>(c) * t_sp + j) * piece_rows();
+  }
+  // The row of the rank's sequence that row s of tp rank j's shard holds.
+  std::int64_t shard_row(int tp_rank, std::int64_t s) const {
+    if (!sp()) return s;
+    return piece_start(static_cast<int>(s / piece_rows()), tp_rank) + s % piece_rows();
+  }
 
   // The global position of a context-parallel rank's local position s in [0, Sc): it holds
   // chunks cp_rank and 2 cp - 1 - cp_rank of the 2 cp chunks, so causal work is even.
   std::int64_t context_position(int cp_rank, std::int64_t s) const;
   // The global position of row s of the [Sl, B, ...] activations of the rank at (tp, cp).
   std::int64_t position(int tp_rank, int cp_rank, std::int64_t s) const {
-    return context_position(cp_rank, (sp() ? tp_rank * Sl : 0) + s);
+    return context_position(cp_rank, shard_row(tp_rank, s));
   }
 };
 

@@ -19,6 +19,7 @@ struct Case {
   const char* name;
   ParallelPlan plan;
   bool swiglu = false;
+  std::int64_t seq_length = 32;  // divisible by 4 cp tp and by 2 degree tp
 };
 
 class SplitExperts : public ::testing::TestWithParam<Case> {};
@@ -27,7 +28,11 @@ TEST_P(SplitExperts, EqualOneDevice) {
   const Case c = GetParam();
   ModelConfig m = tiny(4);
   m.moe_layer_freq = 1;
-  m.seq_length = 32;  // divisible by 4 cp tp and by 2 degree tp
+  m.seq_length = c.seq_length;
+  if (c.plan.tensor_parallel > m.num_attention_heads) {  // a head and 8 vocabulary rows a rank
+    m.num_attention_heads = c.plan.tensor_parallel;
+    m.make_vocab_size_divisible_by = 8;
+  }
   if (c.swiglu) m.activation = Activation::swiglu;
   ParallelPlan plan = c.plan;
   plan.moe_model_type = "deepspeed_moe";
@@ -174,6 +179,109 @@ const Case kCases[] = {
       .ampipe_degree = 2,
       .pipe_experts = true,
       .pipe_experts_multi_data = 4}},
+    // MindSpeed's own grid: (tp, ep) = (8, 1) (no all-to-all: the overlap is switched off)...
+    {"tp8_sp_ampipe2",
+     {.tensor_parallel = 8,
+      .sequence_parallel = true,
+      .micro_batch_size = 1,
+      .global_batch_size = 1,
+      .ampipe_degree = 2,
+      .ampipe_tp_sp_comm_overlap = true},
+     false,
+     64},
+    // ... degree 3 ...
+    {"tp2_sp_ep2_dp2_ampipe3_overlap",
+     {.tensor_parallel = 2,
+      .sequence_parallel = true,
+      .expert_parallel = 2,
+      .data_parallel = 2,
+      .micro_batch_size = 1,
+      .global_batch_size = 4,
+      .ampipe_degree = 3,
+      .ampipe_tp_sp_comm_overlap = true},
+     false,
+     48},
+    // ... and (2, 2), (2, 4), (4, 2) under context parallelism: the chunks are each rank's
+    // halves, every tp rank holding a piece of each.
+    {"tp2_sp_ep2_cp2_ampipe2_overlap",
+     {.tensor_parallel = 2,
+      .sequence_parallel = true,
+      .context_parallel = 2,
+      .expert_parallel = 2,
+      .micro_batch_size = 2,
+      .global_batch_size = 2,
+      .ampipe_degree = 2,
+      .ampipe_tp_sp_comm_overlap = true}},
+    {"tp2_sp_ep2_cp2_ampipe2_overlap_swiglu",
+     {.tensor_parallel = 2,
+      .sequence_parallel = true,
+      .context_parallel = 2,
+      .expert_parallel = 2,
+      .micro_batch_size = 2,
+      .global_batch_size = 2,
+      .ampipe_degree = 2,
+      .ampipe_tp_sp_comm_overlap = true},
+     true},
+    {"tp2_sp_ep2_cp2_ampipe2_no_overlap",
+     {.tensor_parallel = 2,
+      .sequence_parallel = true,
+      .context_parallel = 2,
+      .expert_parallel = 2,
+      .micro_batch_size = 2,
+      .global_batch_size = 2,
+      .ampipe_degree = 2}},
+    {"tp2_sp_ep4_cp2_dp2_ampipe2_overlap",
+     {.tensor_parallel = 2,
+      .sequence_parallel = true,
+      .context_parallel = 2,
+      .expert_parallel = 4,
+      .data_parallel = 2,
+      .micro_batch_size = 1,
+      .global_batch_size = 2,
+      .ampipe_degree = 2,
+      .ampipe_tp_sp_comm_overlap = true}},
+    {"tp4_sp_ep2_cp2_ampipe2_overlap",
+     {.tensor_parallel = 4,
+      .sequence_parallel = true,
+      .context_parallel = 2,
+      .expert_parallel = 2,
+      .micro_batch_size = 1,
+      .global_batch_size = 1,
+      .ampipe_degree = 2,
+      .ampipe_tp_sp_comm_overlap = true}},
+    // Pipe experts under CP: multi-data 2 and 4, multi-stream on and off.
+    {"tp2_sp_ep2_cp2_ampipe2_pipe_experts_multi_data2_multi_stream",
+     {.tensor_parallel = 2,
+      .sequence_parallel = true,
+      .context_parallel = 2,
+      .expert_parallel = 2,
+      .micro_batch_size = 2,
+      .global_batch_size = 2,
+      .ampipe_degree = 2,
+      .pipe_experts = true,
+      .pipe_experts_multi_stream = true,
+      .pipe_experts_multi_data = 2}},
+    {"tp2_sp_ep2_cp2_ampipe2_pipe_experts_multi_data4",
+     {.tensor_parallel = 2,
+      .sequence_parallel = true,
+      .context_parallel = 2,
+      .expert_parallel = 2,
+      .micro_batch_size = 2,
+      .global_batch_size = 2,
+      .ampipe_degree = 2,
+      .pipe_experts = true,
+      .pipe_experts_multi_data = 4}},
+    {"tp2_sp_ep2_cp2_ampipe2_pipe_experts_multi_data4_multi_stream",
+     {.tensor_parallel = 2,
+      .sequence_parallel = true,
+      .context_parallel = 2,
+      .expert_parallel = 2,
+      .micro_batch_size = 2,
+      .global_batch_size = 2,
+      .ampipe_degree = 2,
+      .pipe_experts = true,
+      .pipe_experts_multi_stream = true,
+      .pipe_experts_multi_data = 4}},
 };
 
 INSTANTIATE_TEST_SUITE_P(Plans, SplitExperts, ::testing::ValuesIn(kCases),
@@ -226,9 +334,8 @@ TEST(SplitExperts, TpSpOverlapGathersTheNextItemUnderThisItemsFc1) {
   const rt::Span* gather = with.find("L0.c0.i1.experts_gather[0]");
   const rt::Span* fc1 = with.find("L0.c0.i0.fc1");
   ASSERT_TRUE(gather && fc1) << "the overlap's items are missing";
-  EXPECT_TRUE(overlap(*gather, *fc1))
-      << "gather [" << gather->start << ", " << gather->end << "), fc1 [" << fc1->start << ", "
-      << fc1->end << ")";
+  EXPECT_TRUE(overlap(*gather, *fc1)) << "gather [" << gather->start << ", " << gather->end
+                                      << "), fc1 [" << fc1->start << ", " << fc1->end << ")";
   // The experts' tensor-parallel traffic, exposed: less once it is pipelined.
   constexpr std::string_view kTensorParallel[] = {"experts_gather", "experts_scatter",
                                                   "experts_grad_gather", "experts_grad_scatter"};

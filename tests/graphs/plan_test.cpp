@@ -163,11 +163,19 @@ TEST(ParallelPlan, AmpipeRules) {
   EXPECT_EQ(refusal(moe, {.tensor_parallel = 2, .sequence_parallel = true, .ampipe_degree = 4}),
             "accepted");
   EXPECT_EQ(refusal(moe, {.context_parallel = 2, .ampipe_degree = 2}), "accepted");
-  EXPECT_TRUE(mentions(refusal(moe, {.tensor_parallel = 2,
-                                     .sequence_parallel = true,
-                                     .context_parallel = 2,
-                                     .ampipe_degree = 2}),
-                       "runs with --tensor-model-parallel-size 1 (got 2)"));
+  // CP with tp > 1 under Ampipe (MindSpeed allows it): S divisible by 4 cp tp.
+  EXPECT_EQ(refusal(moe, {.tensor_parallel = 2,
+                          .sequence_parallel = true,
+                          .context_parallel = 2,
+                          .ampipe_degree = 2}),
+            "accepted");
+  ModelConfig uneven = moe;
+  uneven.seq_length = 40;
+  EXPECT_TRUE(mentions(refusal(uneven, {.tensor_parallel = 2,
+                                        .sequence_parallel = true,
+                                        .context_parallel = 2,
+                                        .ampipe_degree = 2}),
+                       "--seq-length (40) must be divisible by 16 under --ampipe-degree 2"));
   EXPECT_TRUE(
       mentions(refusal(moe, {.tensor_parallel = 4, .sequence_parallel = true, .ampipe_degree = 8}),
                "--seq-length (48) must be divisible by 32"));

@@ -19,6 +19,7 @@ namespace weave::graphs {
 
 struct Outcome {
   std::vector<double> losses, aux;
+  std::vector<std::int64_t> dropped;                 // MoE picks full experts dropped, per step
   std::map<std::string, std::vector<double>> grads;  // logical layout
 };
 
@@ -37,6 +38,7 @@ inline Outcome run(const ModelConfig& m, ParallelPlan plan, int steps, bool upda
     set.executor().run(step.graph());
     out.losses.push_back(step.result().loss);
     out.aux.push_back(step.result().aux_loss);
+    out.dropped.push_back(step.result().dropped_picks);
   }
   for (int r = 0; r < plan.devices(); ++r)
     for (const Parameter& p : step.shard(r).parameters()) {

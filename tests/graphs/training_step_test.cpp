@@ -431,6 +431,30 @@ const Case kAmpipeCases[] = {
 INSTANTIATE_TEST_SUITE_P(Plans, Ampipe, ::testing::ValuesIn(kAmpipeCases),
                          [](const auto& info) { return std::string(info.param.name); });
 
+// Under SP a tp rank routes, per chunk, the piece of the contiguous chunk MindSpeed's
+// permutation gives it: S / (N tp) consecutive positions with their own capacity. So with a
+// capacity that drops, tp 2 + SP at degree 2 routes and drops exactly what one device does at
+// degree 4, whose chunks are those pieces.
+TEST(Ampipe, UnderSequenceParallelismDropsWhatMindSpeedDrops) {
+  ModelConfig m = tiny(4);
+  m.moe_layer_freq = 1;
+  m.moe_expert_capacity_factor = 0.5;
+  const ParallelPlan split{.tensor_parallel = 2,
+                           .sequence_parallel = true,
+                           .expert_parallel = 2,
+                           .data_parallel = 2,
+                           .micro_batch_size = 1,
+                           .global_batch_size = 4,
+                           .ampipe_degree = 2};
+  const ParallelPlan one{.micro_batch_size = 1, .global_batch_size = 4, .ampipe_degree = 4};
+  const Outcome a = run(m, one, 1, false), b = run(m, split, 1, false);
+  ASSERT_GT(a.dropped[0], 0) << "the capacity must drop picks for the test to mean anything";
+  EXPECT_EQ(b.dropped[0], a.dropped[0]);
+  EXPECT_NEAR(b.losses[0], a.losses[0], 1e-5 * a.losses[0]);
+  EXPECT_NEAR(b.aux[0], a.aux[0], 1e-5 * a.aux[0]);
+  expect_same_gradients(a, b);
+}
+
 // The step reports the MoE picks it routed and those full experts dropped: none when dropless;
 // with a capacity, at least what the experts' summed capacity cannot take, per Ampipe chunk.
 TEST(Ampipe, ReportsDroppedPicksWithCapacityPerChunk) {

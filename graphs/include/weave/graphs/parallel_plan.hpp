@@ -39,8 +39,9 @@ struct ParallelPlan {
   int global_batch_size = 1;           // --global-batch-size
   bool distributed_optimizer = false;  // --use-distributed-optimizer: shard optimizer state over dp
   int ampipe_degree = 1;  // --ampipe-degree: sequence chunks of the attention-to-MoE region
-  // --ampipe-tp-sp-comm-overlap: pipeline the experts' tensor-parallel collectives (validate()
-  // switches it off with a warning: weave's experts are not tensor-parallel).
+  // --ampipe-tp-sp-comm-overlap: pipeline the split experts' tensor-parallel collectives over
+  // (chunk, local expert) items (validate() switches it off, with a warning naming what is
+  // missing, unless the experts are split, SP is on and EP > 1).
   bool ampipe_tp_sp_comm_overlap = false;
   // --use-pipe-experts: each MoE slot's work as items (local expert x capacity slice), each with
   // its own dispatch and combine all-to-all, so one item's experts run while another's rows move.
@@ -53,19 +54,18 @@ struct ParallelPlan {
   // --pipe-experts-separate-streams (weave's): the items' dispatches and combines on streams of
   // their own (ep_dispatch, ep_combine), so a combine never waits behind a dispatch.
   bool pipe_experts_separate_streams = false;
+  // --pipe-experts-multi-data N: each slot's local experts cut into N / degree capacity slices.
   int pipe_experts_multi_data = 1;
   // Accepted as MindSpeed and Megatron scripts give them, and refused beside Ampipe as MindSpeed
   // refuses them. Gradient reductions always overlap the backward and the attention is always
   // blockwise (flash) here; the recompute and nanopipe features are not modelled.
-  bool overlap_grad_reduce = false;   // --overlap-grad-reduce
-  bool overlap_param_gather = false;  // --overlap-param-gather
-  bool use_flash_attn = false;        // --use-flash-attn
-  bool use_nanopipe = false;          // --use-nanopipe
-  bool recompute_in_bubble = false;   // --recompute-in-bubble
-  bool recompute_in_advance = false;  // --recompute-in-advance
-  bool adaptive_recompute_device_swap =
-      false;  // --adaptive-recompute-device-swap  // --pipe-experts-multi-data N: capacity slices
-              // (N / degree)
+  bool overlap_grad_reduce = false;             // --overlap-grad-reduce
+  bool overlap_param_gather = false;            // --overlap-param-gather
+  bool use_flash_attn = false;                  // --use-flash-attn
+  bool use_nanopipe = false;                    // --use-nanopipe
+  bool recompute_in_bubble = false;             // --recompute-in-bubble
+  bool recompute_in_advance = false;            // --recompute-in-advance
+  bool adaptive_recompute_device_swap = false;  // --adaptive-recompute-device-swap
 
   int devices() const {
     return tensor_parallel * context_parallel * data_parallel * pipeline_parallel;

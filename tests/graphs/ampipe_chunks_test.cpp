@@ -1,0 +1,110 @@
+// What each Ampipe chunk's attention takes, from the cost hints the virtual clock replays, which
+// price a chunk by the (query, key) products it computes (that it computes exactly those, each
+// once, the equal-one-device tests show):
+//   - under SP the chunks are contiguous ranges of the sequence, as MindSpeed's permutation
+//     makes them, so chunk c of N takes (2c + 1) / N^2 of the causal attention;
+//   - under context parallelism each rank's two chunks take about equal shares of its attention,
+//     forward and backward, on every rank and for every cp size.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <array>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "tiny_model.hpp"
+#include "weave/devices/device_set.hpp"
+#include "weave/devices/shared_memory_communicator.hpp"
+#include "weave/graphs/training_step.hpp"
+
+namespace weave::graphs {
+namespace {
+
+// Cost-hint FLOPs of layer 0's Ampipe chunks on each device: [device][backward][chunk].
+using ChunkFlops = std::map<rt::DeviceId, std::vector<std::array<double, 2>>>;
+
+ChunkFlops chunk_attention_flops(const ModelConfig& m, ParallelPlan plan) {
+  validate(m, plan);
+  devices::DeviceSet set(plan.devices(), {.pin = false});
+  devices::SharedMemoryCommunicator comm;
+  const TrainingStep step(m, plan, {}, set, comm, {.materialize = false});
+  const rt::TaskTable& tasks = step.graph().tasks();
+  ChunkFlops flops;
+  for (rt::TaskId id = 0; id < tasks.size(); ++id) {
+    const std::string_view name = tasks.name(id);
+    for (int c = 0; c < plan.ampipe_degree; ++c) {
+      const std::string prefix = "L0.c" + std::to_string(c) + ".attention";
+      if (!name.starts_with(prefix)) continue;
+      const bool backward = name.find("backward") != std::string_view::npos;
+      auto& device = flops[tasks[id].device];
+      device.resize(static_cast<std::size_t>(plan.ampipe_degree), {0, 0});
+      device[static_cast<std::size_t>(c)][backward ? 1 : 0] += tasks[id].cost.flops;
+    }
+  }
+  return flops;
+}
+
+ModelConfig one_moe_layer(std::int64_t seq_length) {
+  ModelConfig m = tiny(4);
+  m.num_layers = 1;
+  m.moe_layer_freq = 1;
+  m.seq_length = seq_length;
+  return m;
+}
+
+TEST(AmpipeChunks, UnderSequenceParallelismChunksAreContiguous) {
+  for (const int degree : {2, 4}) {
+    const ModelConfig m = one_moe_layer(64);
+    const ParallelPlan plan{.tensor_parallel = 2,
+                            .sequence_parallel = true,
+                            .expert_parallel = 2,
+                            .data_parallel = 2,
+                            .micro_batch_size = 1,
+                            .global_batch_size = 2,
+                            .ampipe_degree = degree};
+    // The rank's causal attention: B Hl heads, S queries against S keys, half of the pairs.
+    const double d = static_cast<double>(m.hidden_size / m.num_attention_heads);
+    const double heads = m.num_attention_heads / 2.0, S = static_cast<double>(m.seq_length);
+    const double causal = 2 * 2 * heads * S * S * d * 0.5;
+    for (const auto& [device, chunks] : chunk_attention_flops(m, plan))
+      for (int c = 1; c < degree; ++c) {
+        // Every chunk's hint adds the same share of the out-projection: differences are the
+        // attention's, chunk c taking (2c + 1) / N^2 of it.
+        const double more = chunks[static_cast<std::size_t>(c)][0] - chunks[0][0];
+        EXPECT_NEAR(more, 2.0 * c / (degree * degree) * causal, 1e-9 * causal)
+            << "degree " << degree << ", device " << device << ", chunk " << c;
+      }
+  }
+}
+
+TEST(AmpipeChunks, UnderContextParallelismEachRanksChunksTakeEqualAttention) {
+  for (const int cp : {2, 4, 8})
+    for (const int tp : {1, 2}) {
+      const ChunkFlops flops = chunk_attention_flops(one_moe_layer(32 * cp),  // 4 cp tp divides
+                                                     {.tensor_parallel = tp,
+                                                      .sequence_parallel = tp > 1,
+                                                      .context_parallel = cp,
+                                                      .expert_parallel = 2,
+                                                      .micro_batch_size = 1,
+                                                      .global_batch_size = 1,
+                                                      .ampipe_degree = 2});
+      ASSERT_EQ(flops.size(), static_cast<std::size_t>(cp * tp)) << "cp " << cp << " tp " << tp;
+      const double whole = flops.begin()->second[0][0] + flops.begin()->second[1][0];
+      for (const auto& [device, chunks] : flops)
+        for (int backward = 0; backward < 2; ++backward) {
+          const double c0 = chunks[0][backward], c1 = chunks[1][backward];
+          const std::string at = "cp " + std::to_string(cp) + " tp " + std::to_string(tp) +
+                                 ", device " + std::to_string(device) +
+                                 (backward ? ", backward" : ", forward");
+          EXPECT_GT(c0, 0) << at;
+          EXPECT_LE(std::abs(c0 - c1), 0.1 * std::max(c0, c1))
+              << at << ": chunk 0 " << c0 << " FLOPs, chunk 1 " << c1;
+          // Load-balanced CP gives every rank the same causal work in all.
+          if (backward == 0) EXPECT_DOUBLE_EQ(c0 + c1, whole) << at;
+        }
+    }
+}
+
+}  // namespace
+}  // namespace weave::graphs
