@@ -190,6 +190,11 @@ void DeviceQueues::help_until(const std::function<bool()>& done, const std::func
                               Nanos period) {
   Nanos last_tick = steady_now();
   while (!done()) {
+    // Between pieces of work too, not only when idle: a run's deadline passes while it works.
+    if (const Nanos now = steady_now(); now - last_tick >= period) {
+      last_tick = now;
+      tick();
+    }
     bool worked = false;
     for (auto& qp : queues_) {
       DeviceQueue& q = *qp;
@@ -231,11 +236,6 @@ void DeviceQueues::help_until(const std::function<bool()>& done, const std::func
       sleepers_.fetch_add(1, std::memory_order_seq_cst);
       if (!any_helpable() && !done()) sleep_cv_.wait_for(lock, std::chrono::nanoseconds(period));
       sleepers_.fetch_sub(1, std::memory_order_seq_cst);
-    }
-    const Nanos now = steady_now();
-    if (now - last_tick >= period) {
-      last_tick = now;
-      tick();
     }
   }
 }
