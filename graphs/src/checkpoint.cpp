@@ -1,7 +1,10 @@
 #include "weave/graphs/checkpoint.hpp"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <unistd.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -92,6 +95,18 @@ std::string differences(const json& saved, const json& now) {
   return out;
 }
 
+// fsync of a file or folder by name.
+void sync_to_disk(const std::string& name) {
+  const int fd = ::open(name.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0 || ::fsync(fd) != 0) {
+    const int error = errno;
+    if (fd >= 0) ::close(fd);
+    throw std::runtime_error(fmt::format("cannot flush '{}' to disk while saving a checkpoint: {}",
+                                         name, std::strerror(error)));
+  }
+  ::close(fd);
+}
+
 }  // namespace
 
 void save_checkpoint(const std::string& path, const ModelConfig& model, const ParallelPlan& plan,
@@ -131,7 +146,12 @@ void save_checkpoint(const std::string& path, const ModelConfig& model, const Pa
     if (!out)
       throw std::runtime_error(fmt::format("writing checkpoint '{}' failed (disk full?)", partial));
   }
+  // The data reaches the disk before the rename makes it the checkpoint, and the rename before
+  // save returns: after a crash or a power loss the name holds the old checkpoint or the new one.
+  sync_to_disk(partial);
   std::filesystem::rename(partial, path);
+  const std::filesystem::path folder = std::filesystem::path(path).parent_path();
+  sync_to_disk(folder.empty() ? std::string(".") : folder.string());
 }
 
 CheckpointState load_checkpoint(const std::string& path, const ModelConfig& model,
