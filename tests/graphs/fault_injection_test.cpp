@@ -65,18 +65,13 @@ std::vector<double> losses(Trainer& trainer) {
   return out;
 }
 
-struct Injection {
-  rt::FaultPoint point;
-  // What the error must say: the task it blames and phrases of its message.
-  std::string task;
-  std::vector<std::string> says;
-};
-
-// Trains config.train_iters iterations with the fault planned for iteration `iteration` (run
-// iteration - 1: no evaluation runs in between); checks the error and that the iterations
-// before it are done; then trains a new Trainer on the same devices without faults and checks
-// it gives a fault-free run's losses.
-void expect_fault_reported_and_devices_reusable(const TrainerConfig& config, Injection injection,
+// Trains config.train_iters iterations with `point` planned for iteration `iteration` (run
+// iteration - 1: no evaluation runs in between); checks that the error blames `task` and says
+// each of `says`, and that the iterations before it are done; then trains a new Trainer on the
+// same devices without faults and checks it gives a fault-free run's losses.
+void expect_fault_reported_and_devices_reusable(const TrainerConfig& config, rt::FaultPoint point,
+                                                const std::string& task,
+                                                const std::vector<std::string>& says,
                                                 int iteration) {
   const std::vector<double> reference = [&] {
     devices::DeviceSet devices(config.plan.devices(), {.pin = false});
@@ -85,8 +80,8 @@ void expect_fault_reported_and_devices_reusable(const TrainerConfig& config, Inj
   }();
 
   devices::DeviceSet devices(config.plan.devices(), {.pin = false});
-  injection.point.run = static_cast<std::uint64_t>(iteration - 1);
-  devices.executor().set_fault_plan({.points = {injection.point}, .stall_timeout = kStallTimeout});
+  point.run = static_cast<std::uint64_t>(iteration - 1);
+  devices.executor().set_fault_plan({.points = {point}, .stall_timeout = kStallTimeout});
   {
     Trainer trainer(config, mock_data(config), devices);
     std::vector<double> before;
@@ -95,11 +90,11 @@ void expect_fault_reported_and_devices_reusable(const TrainerConfig& config, Inj
         before.push_back(m.loss);
         return TrainingControl::proceed;
       }});
-      FAIL() << "the fault in '" << injection.point.task << "' did not fail the step";
+      FAIL() << "the fault in '" << point.task << "' did not fail the step";
     } catch (const rt::TaskError& e) {
       const std::string msg = e.what();
-      EXPECT_EQ(e.task_name(), injection.task) << msg;
-      for (const std::string& phrase : injection.says)
+      EXPECT_EQ(e.task_name(), task) << msg;
+      for (const std::string& phrase : says)
         EXPECT_TRUE(contains(msg, phrase)) << "missing \"" << phrase << "\" in: " << msg;
     }
     EXPECT_EQ(trainer.iteration(), iteration - 1);
@@ -116,89 +111,77 @@ void expect_fault_reported_and_devices_reusable(const TrainerConfig& config, Inj
 TEST(StepFaults, ForwardTaskThrowsOnAChosenDeviceAndIteration) {
   expect_fault_reported_and_devices_reusable(
       moe_ampipe_config(),
-      {.point = {.task = "L0.qkv", .device = 1, .phase = rt::Phase::forward, .micro_batch = 1},
-       .task = "L0.qkv",
-       .says = {"task 'L0.qkv' (device 1", "fault injected"}},
-      3);
+      rt::FaultPoint{.task = "L0.qkv", .device = 1, .phase = rt::Phase::forward, .micro_batch = 1},
+      "L0.qkv", {"task 'L0.qkv' (device 1", "fault injected"}, 3);
 }
 
 TEST(StepFaults, BackwardTaskThrows) {
   expect_fault_reported_and_devices_reusable(
       moe_ampipe_config(),
-      {.point = {.task = "L0.qkv_backward", .device = 0, .phase = rt::Phase::backward},
-       .task = "L0.qkv_backward",
-       .says = {"task 'L0.qkv_backward' (device 0", "fault injected"}},
-      2);
+      rt::FaultPoint{.task = "L0.qkv_backward", .device = 0, .phase = rt::Phase::backward},
+      "L0.qkv_backward", {"task 'L0.qkv_backward' (device 0", "fault injected"}, 2);
 }
 
 TEST(StepFaults, OptimizerTaskThrows) {
   expect_fault_reported_and_devices_reusable(
-      moe_ampipe_config(),
-      {.point = {.task = "optimizer", .device = 1},
-       .task = "optimizer",
-       .says = {"task 'optimizer' (device 1", "fault injected"}},
-      4);
+      moe_ampipe_config(), rt::FaultPoint{.task = "optimizer", .device = 1}, "optimizer",
+      {"task 'optimizer' (device 1", "fault injected"}, 4);
 }
 
 TEST(StepFaults, TaskInsideAnAmpipeChunkThrows) {
   expect_fault_reported_and_devices_reusable(
-      moe_ampipe_config(),
-      {.point = {.task = "L0.c1.experts", .device = 0, .micro_batch = 0},
-       .task = "L0.c1.experts",
-       .says = {"task 'L0.c1.experts' (device 0"}},
-      2);
+      moe_ampipe_config(), rt::FaultPoint{.task = "L0.c1.experts", .device = 0, .micro_batch = 0},
+      "L0.c1.experts", {"task 'L0.c1.experts' (device 0"}, 2);
 }
 
 TEST(StepFaults, AmpipeChunksAllToAllMemberNeverArrives) {
   expect_fault_reported_and_devices_reusable(
       moe_ampipe_config(),
-      {.point = {.task = "L0.c1.dispatch[*]",
-                 .device = 1,
-                 .phase = rt::Phase::forward,
-                 .micro_batch = 0,
-                 .kind = rt::FaultKind::never_arrive},
-       .task = "L0.c1.dispatch[1]",
-       .says = {"task 'L0.c1.dispatch[1]' (device 1", "stalled",
-                "Collective 'L0.c1.dispatch' has 1 of its 2 members: arrived "
-                "'L0.c1.dispatch[0]' (device 0); never arrived 'L0.c1.dispatch[1]' (device 1, "
-                "held back by the fault plan)"}},
+      rt::FaultPoint{.task = "L0.c1.dispatch[*]",
+                     .device = 1,
+                     .phase = rt::Phase::forward,
+                     .micro_batch = 0,
+                     .kind = rt::FaultKind::never_arrive},
+      "L0.c1.dispatch[1]",
+      {"task 'L0.c1.dispatch[1]' (device 1", "stalled",
+       "Collective 'L0.c1.dispatch' has 1 of its 2 members: arrived "
+       "'L0.c1.dispatch[0]' (device 0); never arrived 'L0.c1.dispatch[1]' (device 1, "
+       "held back by the fault plan)"},
       2);
 }
 
 TEST(StepFaults, DataParallelBucketReductionMemberNeverArrives) {
   expect_fault_reported_and_devices_reusable(
       moe_ampipe_config(),
-      {.point = {.task = "layers.0.attention/dense.dp[*]",
-                 .device = 0,
-                 .kind = rt::FaultKind::never_arrive},
-       .task = "layers.0.attention/dense.dp[0]",
-       .says = {"task 'layers.0.attention/dense.dp[0]' (device 0",
-                "Collective 'layers.0.attention/dense.dp' has 1 of its 2 members: arrived "
-                "'layers.0.attention/dense.dp[1]' (device 1)"}},
+      rt::FaultPoint{.task = "layers.0.attention/dense.dp[*]",
+                     .device = 0,
+                     .kind = rt::FaultKind::never_arrive},
+      "layers.0.attention/dense.dp[0]",
+      {"task 'layers.0.attention/dense.dp[0]' (device 0",
+       "Collective 'layers.0.attention/dense.dp' has 1 of its 2 members: arrived "
+       "'layers.0.attention/dense.dp[1]' (device 1)"},
       3);
 }
 
 TEST(StepFaults, PipelineTransferNeverArrives) {
   expect_fault_reported_and_devices_reusable(
       pipeline_config(),
-      {.point = {.task = "stage0_to_1.activations[1]",
-                 .micro_batch = 2,
-                 .kind = rt::FaultKind::never_arrive},
-       .task = "stage0_to_1.activations[1]",
-       .says = {"task 'stage0_to_1.activations[1]' (device 1",
-                "Collective 'stage0_to_1.activations' has 1 of its 2 members: arrived "
-                "'stage0_to_1.activations[0]' (device 0)"}},
+      rt::FaultPoint{.task = "stage0_to_1.activations[1]",
+                     .micro_batch = 2,
+                     .kind = rt::FaultKind::never_arrive},
+      "stage0_to_1.activations[1]",
+      {"task 'stage0_to_1.activations[1]' (device 1",
+       "Collective 'stage0_to_1.activations' has 1 of its 2 members: arrived "
+       "'stage0_to_1.activations[0]' (device 0)"},
       2);
 }
 
 TEST(StepFaults, PipelineStageBackwardThrows) {
   expect_fault_reported_and_devices_reusable(
       pipeline_config(),
-      {.point =
-           {.task = "L0.mlp_backward", .device = 0, .phase = rt::Phase::backward, .micro_batch = 3},
-       .task = "L0.mlp_backward",
-       .says = {"task 'L0.mlp_backward' (device 0", "fault injected"}},
-      3);
+      rt::FaultPoint{
+          .task = "L0.mlp_backward", .device = 0, .phase = rt::Phase::backward, .micro_batch = 3},
+      "L0.mlp_backward", {"task 'L0.mlp_backward' (device 0", "fault injected"}, 3);
 }
 
 }  // namespace
