@@ -107,6 +107,74 @@ void sync_to_disk(const std::string& name) {
   ::close(fd);
 }
 
+// A header that parses as JSON but is not what save_checkpoint writes.
+class DamagedHeader : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A whole-number field of the header. JSON may hold 1e300 there, which no integer type holds.
+template <typename Integer>
+Integer whole_number(const json& object, const char* key) {
+  const json& value = object.at(key);
+  if (!value.is_number_integer())
+    throw DamagedHeader(fmt::format("'{}' is {}, not a whole number", key, value.dump()));
+  return value.get<Integer>();
+}
+
+// The rest of load_checkpoint, once the header is parsed.
+CheckpointState load_with_header(const std::string& path, const json& header, std::ifstream& in,
+                                 const ModelConfig& model, const ParallelPlan& plan,
+                                 TrainingStep& step) {
+  if (!header.is_object()) throw DamagedHeader("it is not a JSON object");
+  if (const std::string diff = differences(header.value("model", json::object()), describe(model));
+      !diff.empty())
+    throw std::runtime_error(fmt::format(
+        "checkpoint '{}' holds another model: {}. Load it with the model flags it was saved with",
+        path, diff));
+  if (const std::string diff = differences(header.value("plan", json::object()), describe(plan));
+      !diff.empty())
+    throw std::runtime_error(fmt::format(
+        "checkpoint '{}' was saved with another parallel layout: {}. Resume with the layout it was "
+        "saved with",
+        path, diff));
+  const std::vector<Entry> entries = entries_of(step);
+  const json& tensors = header.at("tensors");
+  if (!tensors.is_array()) throw DamagedHeader("'tensors' is not a list");
+  if (tensors.size() != entries.size())
+    throw std::runtime_error(fmt::format("checkpoint '{}' holds {} tensors, the model has {}", path,
+                                         tensors.size(), entries.size()));
+  // Read everything and verify before touching the model.
+  std::vector<std::vector<float>> data(entries.size());
+  std::uint64_t checksum = 1469598103934665603ull;
+  for (std::size_t i = 0; i < entries.size(); ++i) {
+    const json& t = tensors[i];
+    const Entry& e = entries[i];
+    if (whole_number<std::int64_t>(t, "rank") != e.rank ||
+        t.at("name").get<std::string>() != e.name || t.at("part").get<std::string>() != e.part ||
+        whole_number<std::int64_t>(t, "numel") != e.tensor.numel())
+      throw std::runtime_error(
+          fmt::format("checkpoint '{}': tensor {} is {} {} of rank {} ({} elements), the model "
+                      "expects {} {} of "
+                      "rank {} ({} elements)",
+                      path, i, t.value("name", "?"), t.value("part", "?"), t.value("rank", -1),
+                      t.value("numel", -1), e.name, e.part, e.rank, e.tensor.numel()));
+    data[i].resize(static_cast<std::size_t>(e.tensor.numel()));
+    in.read(reinterpret_cast<char*>(data[i].data()),
+            static_cast<std::streamsize>(data[i].size() * sizeof(float)));
+    if (!in) throw std::runtime_error(fmt::format("checkpoint '{}' is truncated", path));
+    checksum = fnv1a(reinterpret_cast<const char*>(data[i].data()), data[i].size() * sizeof(float),
+                     checksum);
+  }
+  if (checksum != whole_number<std::uint64_t>(header, "checksum"))
+    throw std::runtime_error(
+        fmt::format("checkpoint '{}' is damaged: its checksum does not match", path));
+  for (std::size_t i = 0; i < entries.size(); ++i)
+    std::copy(data[i].begin(), data[i].end(), entries[i].tensor.data());
+  return {whole_number<std::int64_t>(header, "iteration"),
+          whole_number<std::uint64_t>(header, "consumed_samples")};
+}
+
 }  // namespace
 
 void save_checkpoint(const std::string& path, const ModelConfig& model, const ParallelPlan& plan,
@@ -157,7 +225,9 @@ void save_checkpoint(const std::string& path, const ModelConfig& model, const Pa
 CheckpointState load_checkpoint(const std::string& path, const ModelConfig& model,
                                 const ParallelPlan& plan, TrainingStep& step) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) throw std::runtime_error(fmt::format("cannot open checkpoint '{}'", path));
+  std::error_code size_error;
+  const std::uintmax_t file_size = std::filesystem::file_size(path, size_error);
+  if (!in || size_error) throw std::runtime_error(fmt::format("cannot open checkpoint '{}'", path));
   char magic[kMagicSize];
   in.read(magic, kMagicSize);
   if (!in || std::memcmp(magic, kMagic, kMagicSize) != 0)
@@ -165,8 +235,11 @@ CheckpointState load_checkpoint(const std::string& path, const ModelConfig& mode
         fmt::format("'{}' is not a weave checkpoint (its first bytes differ)", path));
   std::uint64_t size = 0;
   in.read(reinterpret_cast<char*>(&size), sizeof size);
-  if (!in || size > (std::uint64_t{1} << 30))
-    throw std::runtime_error(fmt::format("checkpoint '{}' is damaged: bad header size", path));
+  // The header must fit in the file: a damaged size must not make this allocate gigabytes.
+  if (!in || size > file_size - kMagicSize - sizeof size)
+    throw std::runtime_error(fmt::format(
+        "checkpoint '{}' is damaged: its header size ({} bytes) runs past the end of the file",
+        path, size));
   std::string text(size, '\0');
   in.read(text.data(), static_cast<std::streamsize>(size));
   json header;
@@ -175,51 +248,17 @@ CheckpointState load_checkpoint(const std::string& path, const ModelConfig& mode
   } catch (const json::exception& e) {
     throw std::runtime_error(fmt::format("checkpoint '{}' is damaged: {}", path, e.what()));
   }
-  if (const std::string diff = differences(header.value("model", json::object()), describe(model));
-      !diff.empty())
-    throw std::runtime_error(fmt::format(
-        "checkpoint '{}' holds another model: {}. Load it with the model flags it was saved with",
-        path, diff));
-  if (const std::string diff = differences(header.value("plan", json::object()), describe(plan));
-      !diff.empty())
-    throw std::runtime_error(fmt::format(
-        "checkpoint '{}' was saved with another parallel layout: {}. Resume with the layout it was "
-        "saved with",
-        path, diff));
-  const std::vector<Entry> entries = entries_of(step);
-  const json& tensors = header.at("tensors");
-  if (tensors.size() != entries.size())
-    throw std::runtime_error(fmt::format("checkpoint '{}' holds {} tensors, the model has {}", path,
-                                         tensors.size(), entries.size()));
-  // Read everything and verify before touching the model.
-  std::vector<std::vector<float>> data(entries.size());
-  std::uint64_t checksum = 1469598103934665603ull;
-  for (std::size_t i = 0; i < entries.size(); ++i) {
-    const json& t = tensors[i];
-    const Entry& e = entries[i];
-    if (t.at("rank").get<int>() != e.rank || t.at("name").get<std::string>() != e.name ||
-        t.at("part").get<std::string>() != e.part ||
-        t.at("numel").get<std::int64_t>() != e.tensor.numel())
-      throw std::runtime_error(
-          fmt::format("checkpoint '{}': tensor {} is {} {} of rank {} ({} elements), the model "
-                      "expects {} {} of "
-                      "rank {} ({} elements)",
-                      path, i, t.value("name", "?"), t.value("part", "?"), t.value("rank", -1),
-                      t.value("numel", -1), e.name, e.part, e.rank, e.tensor.numel()));
-    data[i].resize(static_cast<std::size_t>(e.tensor.numel()));
-    in.read(reinterpret_cast<char*>(data[i].data()),
-            static_cast<std::streamsize>(data[i].size() * sizeof(float)));
-    if (!in) throw std::runtime_error(fmt::format("checkpoint '{}' is truncated", path));
-    checksum = fnv1a(reinterpret_cast<const char*>(data[i].data()), data[i].size() * sizeof(float),
-                     checksum);
-  }
-  if (checksum != header.at("checksum").get<std::uint64_t>())
+  // The checksum covers the tensors, not the header: a header field that is missing or of the
+  // wrong kind is damage, reported as such.
+  try {
+    return load_with_header(path, header, in, model, plan, step);
+  } catch (const json::exception& e) {
     throw std::runtime_error(
-        fmt::format("checkpoint '{}' is damaged: its checksum does not match", path));
-  for (std::size_t i = 0; i < entries.size(); ++i)
-    std::copy(data[i].begin(), data[i].end(), entries[i].tensor.data());
-  return {header.at("iteration").get<std::int64_t>(),
-          header.at("consumed_samples").get<std::uint64_t>()};
+        fmt::format("checkpoint '{}' is damaged: its header is not as saved ({})", path, e.what()));
+  } catch (const DamagedHeader& e) {
+    throw std::runtime_error(
+        fmt::format("checkpoint '{}' is damaged: its header is not as saved ({})", path, e.what()));
+  }
 }
 
 }  // namespace weave::graphs
