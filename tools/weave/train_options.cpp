@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <limits>
+
 #include "commands.hpp"
 #include "weave/graphs/parallel_plan.hpp"
 
@@ -165,16 +167,33 @@ void derive_config(TrainOptions& o) {
   graphs::TrainerConfig& c = o.config;
   c.model.activation = o.swiglu ? graphs::Activation::swiglu : graphs::Activation::gelu;
   graphs::ParallelPlan& plan = c.plan;
-  const int model_parallel = plan.tensor_parallel * plan.context_parallel * plan.pipeline_parallel;
-  if (o.devices == 0) o.devices = model_parallel;
+  // One factor at a time, each product checked before the next multiplication.
+  long long model_parallel = 1;
+  for (const int size : {plan.tensor_parallel, plan.context_parallel, plan.pipeline_parallel}) {
+    model_parallel *= size;
+    if (model_parallel > graphs::kMaxDevices)
+      throw graphs::ConfigError(fmt::format(
+          "tensor x context x pipeline parallel ({} x {} x {}) exceeds {} devices, more than "
+          "weave lays out: lower the parallel sizes",
+          plan.tensor_parallel, plan.context_parallel, plan.pipeline_parallel,
+          graphs::kMaxDevices));
+  }
+  if (o.devices == 0) o.devices = static_cast<int>(model_parallel);
   if (o.devices % model_parallel != 0)
     throw graphs::ConfigError(fmt::format(
         "--devices ({}) must be a multiple of tensor x context x pipeline parallel ({}): the rest "
         "is data parallelism",
         o.devices, model_parallel));
-  plan.data_parallel = o.devices / model_parallel;
-  if (plan.global_batch_size == 0)
-    plan.global_batch_size = plan.micro_batch_size * plan.data_parallel;
+  plan.data_parallel = static_cast<int>(o.devices / model_parallel);
+  if (plan.global_batch_size == 0) {
+    const long long per_step = 1LL * plan.micro_batch_size * plan.data_parallel;
+    if (per_step > std::numeric_limits<int>::max())
+      throw graphs::ConfigError(fmt::format(
+          "--micro-batch-size {} x data-parallel size {} is more samples than a step can hold: "
+          "lower them",
+          plan.micro_batch_size, plan.data_parallel));
+    plan.global_batch_size = static_cast<int>(per_step);
+  }
   c.timing = o.timing == "model" ? graphs::Timing::virtual_clock : graphs::Timing::wall;
 }
 
