@@ -2,6 +2,7 @@ option(WEAVE_NATIVE "Compile for this host's instruction set (-march=native)" ON
 option(WEAVE_BUILD_TESTS "Build the GoogleTest suite" ON)
 option(WEAVE_BUILD_BENCHMARKS "Build the Google Benchmark programs" ON)
 option(WEAVE_WARNINGS_AS_ERRORS "Treat compiler warnings as errors" OFF)
+option(WEAVE_BUILD_FUZZERS "Build the libFuzzer targets of tests/fuzz (clang; see tools/dev fuzz)" OFF)
 set(WEAVE_SANITIZE "" CACHE STRING "Sanitizer to build with: '', address, thread or undefined")
 
 # Flags shared by every weave target, carried by this interface library.
