@@ -27,8 +27,10 @@ std::string read(const std::filesystem::path& path) {
   return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
 }
 
+// A target with no recorded crash has no folder (git keeps no empty one).
 std::vector<std::filesystem::path> inputs(const char* target) {
   std::vector<std::filesystem::path> out;
+  if (!std::filesystem::is_directory(kRegressions / target)) return out;
   for (const auto& entry : std::filesystem::directory_iterator(kRegressions / target))
     if (entry.is_regular_file()) out.push_back(entry.path());
   return out;
