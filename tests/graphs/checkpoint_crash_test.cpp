@@ -1,7 +1,7 @@
 // A process killed (SIGKILL) while it writes a checkpoint leaves the checkpoint that was there
 // intact and loadable: a child process saves in a loop, each save holding values that say which
-// save it is; the parent kills it at a random moment, then loads the file and finds one whole
-// save, never a mix. Twenty kills in a row, and some of them must land inside a save (its
+// save it is; the parent kills it at a random moment of a save, then loads the file and finds one
+// whole save, never a mix. Twenty kills in a row, and some of them must land inside a save (its
 // partial file left behind), or the test would prove nothing.
 #include <gtest/gtest.h>
 
@@ -62,17 +62,31 @@ bool state_is(TrainingStep& step, int ranks, float value) {
   return true;
 }
 
-// Saves k = 2, 3, ... with every value k, forever; writes a byte to `ready` after the first.
+// Saves k = 2, 3, ... with every value k, forever. Tells `parent` how long the first save took
+// (nanoseconds, once it is complete), then sends a byte as each later save begins.
 [[noreturn]] void save_forever(const std::string& path, const ModelConfig& m,
-                               const ParallelPlan& plan, TrainingStep& step, int ready) {
+                               const ParallelPlan& plan, TrainingStep& step, int parent) {
   for (std::int64_t k = 2;; ++k) {
     fill_state(step, plan.devices(), static_cast<float>(k));
+    if (k > 2) {
+      const char begins = 1;
+      if (::write(parent, &begins, 1) != 1) ::_exit(3);
+    }
+    const auto start = std::chrono::steady_clock::now();
     save_checkpoint(path, m, plan, step, {.iteration = k});
     if (k == 2) {
-      const char byte = 1;
-      if (::write(ready, &byte, 1) != 1) ::_exit(3);
+      const std::int64_t took = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                    std::chrono::steady_clock::now() - start)
+                                    .count();
+      if (::write(parent, &took, sizeof took) != sizeof took) ::_exit(3);
     }
   }
+}
+
+// Reads `size` bytes from `fd` within a minute; false if they did not come.
+bool read_within_a_minute(int fd, void* out, std::size_t size) {
+  pollfd ready{fd, POLLIN, 0};
+  return ::poll(&ready, 1, 60'000) == 1 && ::read(fd, out, size) == static_cast<::ssize_t>(size);
 }
 
 TEST(CheckpointCrash, KillDuringSaveLeavesAWholeLoadableCheckpoint) {
@@ -103,17 +117,30 @@ TEST(CheckpointCrash, KillDuringSaveLeavesAWholeLoadableCheckpoint) {
       save_forever(path, m, plan, step, ready[1]);
     }
     ::close(ready[1]);
-    // Once the child has saved once, kill it somewhere in the saves that follow.
-    pollfd wait_ready{ready[0], POLLIN, 0};
-    const bool saving = ::poll(&wait_ready, 1, 60'000) == 1;
-    ::close(ready[0]);
-    if (saving)
+    // Once the child has saved once and begins another save, kill it: on odd rounds at a random
+    // moment within as long as a save takes (its checksum and header, its writing, its rename,
+    // or just after), on even rounds a random moment shortly after the partial file appears,
+    // while the new checkpoint is being written.
+    std::int64_t save_nanoseconds = 0;
+    char begins = 0;
+    const bool saving =
+        read_within_a_minute(ready[0], &save_nanoseconds, sizeof save_nanoseconds) &&
+        read_within_a_minute(ready[0], &begins, 1);
+    if (saving && kill % 2 == 1) {
+      std::this_thread::sleep_for(std::chrono::nanoseconds(
+          std::uniform_int_distribution<std::int64_t>(0, save_nanoseconds)(rng)));
+    } else if (saving) {
+      const auto give_up = std::chrono::steady_clock::now() + std::chrono::minutes(1);
+      while (!std::filesystem::exists(partial) && std::chrono::steady_clock::now() < give_up)
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
       std::this_thread::sleep_for(
-          std::chrono::microseconds(std::uniform_int_distribution<int>(0, 20'000)(rng)));
+          std::chrono::microseconds(std::uniform_int_distribution<int>(0, 300)(rng)));
+    }
     ::kill(child, SIGKILL);
+    ::close(ready[0]);
     int status = 0;
     ASSERT_EQ(::waitpid(child, &status, 0), child);
-    ASSERT_TRUE(saving) << "the child never completed its first save";
+    ASSERT_TRUE(saving) << "the child never completed its first save or began its second";
     ASSERT_TRUE(WIFSIGNALED(status) && WTERMSIG(status) == SIGKILL);
     if (std::filesystem::exists(partial)) ++interrupted;
 
