@@ -7,6 +7,7 @@ option(WEAVE_BUILD_BENCHMARKS "Build the Google Benchmark programs" ${PROJECT_IS
 # need it unless it asks.
 option(WEAVE_BUILD_PROGRAM "Build the weave command-line program" ${PROJECT_IS_TOP_LEVEL})
 option(WEAVE_WARNINGS_AS_ERRORS "Treat compiler warnings as errors" OFF)
+option(WEAVE_BUILD_FUZZERS "Build the libFuzzer targets of tests/fuzz (clang; see tools/dev fuzz)" OFF)
 set(WEAVE_SANITIZE "" CACHE STRING "Sanitizer to build with: '', address, thread or undefined")
 
 # Flags shared by every weave target, carried by this interface library. Every target links it

@@ -48,12 +48,21 @@ struct Device::Pinning : tbb::task_scheduler_observer {
     observe(true);
   }
   ~Pinning() override {
+    // Stops the callbacks and waits, inside libtbb, for those still running on workers.
     observe(false);
+    rt::accept_handoff(this);
     hwloc_bitmap_free(cpuset_);
   }
   void on_scheduler_entry(bool is_worker) override {
     if (!is_worker) return;
     rt::accept_handoff(this);
+    bind_this_thread();
+    // For the destructor, which frees cpuset_ once libtbb says this call is over.
+    rt::announce_handoff(this);
+  }
+
+ private:
+  void bind_this_thread() {
     if (t_binding.bound && hwloc_bitmap_isequal(t_binding.cpuset, cpuset_)) return;
     if (hwloc_set_cpubind(topology_, cpuset_, HWLOC_CPUBIND_THREAD) == 0) {
       hwloc_bitmap_copy(t_binding.cpuset, cpuset_);
@@ -61,7 +70,6 @@ struct Device::Pinning : tbb::task_scheduler_observer {
     }
   }
 
- private:
   hwloc_topology_t topology_;
   hwloc_bitmap_t cpuset_;
 };

@@ -1,6 +1,10 @@
 #include "weave/graphs/checkpoint.hpp"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <unistd.h>
+
+#include <cerrno>
 
 #include <cstdio>
 #include <cstring>
@@ -102,6 +106,33 @@ std::string differences(const json& saved, const json& now) {
   return out;
 }
 
+// fsync of a file or folder by name.
+void sync_to_disk(const std::string& name) {
+  const int fd = ::open(name.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0 || ::fsync(fd) != 0) {
+    const int error = errno;
+    if (fd >= 0) ::close(fd);
+    throw std::runtime_error(fmt::format("cannot flush '{}' to disk while saving a checkpoint: {}",
+                                         name, std::strerror(error)));
+  }
+  ::close(fd);
+}
+
+// A header that parses as JSON but is not what save_checkpoint writes.
+class DamagedHeader : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+// A whole-number field of the header. JSON may hold 1e300 there, which no integer type holds.
+template <typename Integer>
+Integer whole_number(const json& object, const char* key) {
+  const json& value = object.at(key);
+  if (!value.is_number_integer())
+    throw DamagedHeader(fmt::format("'{}' is {}, not a whole number", key, value.dump()));
+  return value.get<Integer>();
+}
+
 // Writes `magic`, the header and the entries' values to `path` through a temporary name and a
 // rename; returns the values' checksum (also put in the header).
 std::uint64_t write_file(const std::string& path, const char* magic, json header,
@@ -136,7 +167,12 @@ std::uint64_t write_file(const std::string& path, const char* magic, json header
     if (!out)
       throw std::runtime_error(fmt::format("writing checkpoint '{}' failed (disk full?)", partial));
   }
+  // The data reaches the disk before the rename makes it the checkpoint, and the rename before
+  // save returns: after a crash or a power loss the name holds the old checkpoint or the new one.
+  sync_to_disk(partial);
   std::filesystem::rename(partial, path);
+  const std::filesystem::path folder = std::filesystem::path(path).parent_path();
+  sync_to_disk(folder.empty() ? std::string(".") : folder.string());
   return checksum;
 }
 
@@ -232,15 +268,21 @@ struct OpenedFile {
 
 OpenedFile open_file(const std::string& path) {
   OpenedFile f{std::ifstream(path, std::ios::binary), std::string(kMagicSize, '\0'), {}};
-  if (!f.in) throw std::runtime_error(fmt::format("cannot open checkpoint '{}'", path));
+  std::error_code size_error;
+  const std::uintmax_t file_size = std::filesystem::file_size(path, size_error);
+  if (!f.in || size_error)
+    throw std::runtime_error(fmt::format("cannot open checkpoint '{}'", path));
   f.in.read(f.magic.data(), kMagicSize);
   if (!f.in || (f.magic != kMagic && f.magic != kManifestMagic && f.magic != kPartMagic))
     throw std::runtime_error(
         fmt::format("'{}' is not a weave checkpoint (its first bytes differ)", path));
   std::uint64_t size = 0;
   f.in.read(reinterpret_cast<char*>(&size), sizeof size);
-  if (!f.in || size > (std::uint64_t{1} << 30))
-    throw std::runtime_error(fmt::format("checkpoint '{}' is damaged: bad header size", path));
+  // The header must fit in the file: a damaged size must not make this allocate gigabytes.
+  if (!f.in || size > file_size - kMagicSize - sizeof size)
+    throw std::runtime_error(fmt::format(
+        "checkpoint '{}' is damaged: its header size ({} bytes) runs past the end of the file",
+        path, size));
   std::string text(size, '\0');
   f.in.read(text.data(), static_cast<std::streamsize>(size));
   try {
@@ -248,6 +290,9 @@ OpenedFile open_file(const std::string& path) {
   } catch (const json::exception& e) {
     throw std::runtime_error(fmt::format("checkpoint '{}' is damaged: {}", path, e.what()));
   }
+  if (!f.header.is_object())
+    throw std::runtime_error(
+        fmt::format("checkpoint '{}' is damaged: its header is not a JSON object", path));
   return f;
 }
 
@@ -256,6 +301,7 @@ OpenedFile open_file(const std::string& path) {
 std::vector<std::vector<float>> read_values(OpenedFile& f, const std::string& path,
                                             const std::vector<Entry>& entries) {
   const json& tensors = f.header.at("tensors");
+  if (!tensors.is_array()) throw DamagedHeader("'tensors' is not a list");
   if (tensors.size() != entries.size())
     throw std::runtime_error(fmt::format("checkpoint '{}' holds {} tensors, the model has {}", path,
                                          tensors.size(), entries.size()));
@@ -264,9 +310,9 @@ std::vector<std::vector<float>> read_values(OpenedFile& f, const std::string& pa
   for (std::size_t i = 0; i < entries.size(); ++i) {
     const json& t = tensors[i];
     const Entry& e = entries[i];
-    if (t.at("rank").get<int>() != e.rank || t.at("name").get<std::string>() != e.name ||
-        t.at("part").get<std::string>() != e.part ||
-        t.at("numel").get<std::int64_t>() != e.tensor.numel())
+    if (whole_number<std::int64_t>(t, "rank") != e.rank ||
+        t.at("name").get<std::string>() != e.name || t.at("part").get<std::string>() != e.part ||
+        whole_number<std::int64_t>(t, "numel") != e.tensor.numel())
       throw std::runtime_error(
           fmt::format("checkpoint '{}': tensor {} is {} {} of rank {} ({} elements), the model "
                       "expects {} {} of "
@@ -280,7 +326,7 @@ std::vector<std::vector<float>> read_values(OpenedFile& f, const std::string& pa
     checksum = fnv1a(reinterpret_cast<const char*>(data[i].data()), data[i].size() * sizeof(float),
                      checksum);
   }
-  if (checksum != f.header.at("checksum").get<std::uint64_t>())
+  if (checksum != whole_number<std::uint64_t>(f.header, "checksum"))
     throw std::runtime_error(
         fmt::format("checkpoint '{}' is damaged: its checksum does not match", path));
   return data;
@@ -324,11 +370,9 @@ std::vector<std::vector<float>> read_part(const std::string& path, const json& m
   return data;
 }
 
-}  // namespace
-
-CheckpointState load_checkpoint(const std::string& path, const ModelConfig& model,
-                                const ParallelPlan& plan, TrainingStep& step) {
-  OpenedFile f = open_file(path);
+// The rest of load_checkpoint, once the header is parsed.
+CheckpointState load_opened(OpenedFile& f, const std::string& path, const ModelConfig& model,
+                            const ParallelPlan& plan, TrainingStep& step) {
   const json& header = f.header;
   if (f.magic == kPartMagic)
     throw std::runtime_error(fmt::format(
@@ -362,8 +406,26 @@ CheckpointState load_checkpoint(const std::string& path, const ModelConfig& mode
                                                    : read_values(f, path, entries);
   for (std::size_t i = 0; i < entries.size(); ++i)
     std::copy(data[i].begin(), data[i].end(), entries[i].tensor.data());
-  return {header.at("iteration").get<std::int64_t>(),
-          header.at("consumed_samples").get<std::uint64_t>()};
+  return {whole_number<std::int64_t>(header, "iteration"),
+          whole_number<std::uint64_t>(header, "consumed_samples")};
+}
+
+}  // namespace
+
+CheckpointState load_checkpoint(const std::string& path, const ModelConfig& model,
+                                const ParallelPlan& plan, TrainingStep& step) {
+  OpenedFile f = open_file(path);
+  // The checksum covers the tensors, not the header: a header field that is missing or of the
+  // wrong kind is damage, reported as such.
+  try {
+    return load_opened(f, path, model, plan, step);
+  } catch (const json::exception& e) {
+    throw std::runtime_error(
+        fmt::format("checkpoint '{}' is damaged: its header is not as saved ({})", path, e.what()));
+  } catch (const DamagedHeader& e) {
+    throw std::runtime_error(
+        fmt::format("checkpoint '{}' is damaged: its header is not as saved ({})", path, e.what()));
+  }
 }
 
 }  // namespace weave::graphs

@@ -41,6 +41,24 @@ std::vector<std::string> validate(const ModelConfig& m, ParallelPlan& p) {
   require_positive("--micro-batch-size", p.micro_batch_size);
   require_positive("--global-batch-size", p.global_batch_size);
   require_positive("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by);
+  // One factor at a time, in 64 bits: the running product stays below kMaxDevices before each
+  // multiplication, so it cannot overflow.
+  long long devices = 1;
+  for (const int size :
+       {p.tensor_parallel, p.context_parallel, p.data_parallel, p.pipeline_parallel}) {
+    devices *= size;
+    if (devices > kMaxDevices)
+      refuse(
+          "tensor x context x data x pipeline parallel ({} x {} x {} x {}) exceeds {} devices, "
+          "more than weave lays out: lower the parallel sizes or --devices",
+          p.tensor_parallel, p.context_parallel, p.data_parallel, p.pipeline_parallel, kMaxDevices);
+  }
+  if (1LL * m.make_vocab_size_divisible_by * p.tensor_parallel > (1 << 30) ||
+      m.vocab_size > (1 << 30))
+    refuse(
+        "the vocabulary ({} tokens, padded to a multiple of --make-vocab-size-divisible-by {} x "
+        "--tensor-model-parallel-size {}) must stay below 2^30 rows",
+        m.vocab_size, m.make_vocab_size_divisible_by, p.tensor_parallel);
   const int tp = p.tensor_parallel, cp = p.context_parallel, dp = p.data_parallel;
   if (m.hidden_size % m.num_attention_heads != 0)
     refuse(
@@ -127,11 +145,11 @@ std::vector<std::string> validate(const ModelConfig& m, ParallelPlan& p) {
         "({} x {} x {} = {}): expert-parallel groups are carved out of those ranks",
         p.expert_parallel, tp, cp, dp, tp * cp * dp);
   }
-  if (p.global_batch_size % (p.micro_batch_size * dp) != 0)
+  if (const long long per_step = 1LL * p.micro_batch_size * dp; p.global_batch_size % per_step != 0)
     refuse(
         "--global-batch-size ({}) must be divisible by --micro-batch-size x data-parallel size "
         "({} x {} = {})",
-        p.global_batch_size, p.micro_batch_size, dp, p.micro_batch_size * dp);
+        p.global_batch_size, p.micro_batch_size, dp, per_step);
   require_positive("--virtual-pipeline-model-parallel-size", p.virtual_pipeline);
   if (p.layers_per_virtual_stage < 0)
     refuse("--num-layers-per-virtual-pipeline-stage must be >= 1, got {}",
@@ -185,8 +203,11 @@ std::vector<std::string> validate(const ModelConfig& m, ParallelPlan& p) {
           "--ampipe-degree must be 2 with --context-parallel-size {} (got {}): the two "
           "chunks are the two load-balanced halves each rank holds",
           cp, degree);
+    if (degree > m.seq_length)
+      refuse("--ampipe-degree ({}) must not exceed --seq-length ({}): every chunk needs positions",
+             degree, m.seq_length);
     // MindSpeed's rules: S % (N tp) with SP; under CP S % (2 N cp), and (S / (2 N cp)) % tp.
-    const int unit = (cp > 1 ? 2 * degree * cp : degree) * sp;
+    const long long unit = 1LL * (cp > 1 ? 2 * degree * cp : degree) * sp;
     if (m.seq_length % unit != 0)
       refuse(
           "--seq-length ({}) must be divisible by {} under --ampipe-degree {}: every "
@@ -276,12 +297,13 @@ std::vector<std::string> validate(const ModelConfig& m, ParallelPlan& p) {
     } else if (m.moe_expert_capacity_factor > 0) {
       // Each slot routes S / (cp tp) x B / degree tokens; an expert takes ceil(f n k / E).
       const double n = static_cast<double>(m.seq_length) / (cp * tp) * p.micro_batch_size / degree;
-      const auto capacity = static_cast<long long>(
-          std::ceil(m.moe_expert_capacity_factor * n * m.moe_router_topk / m.num_experts));
+      // Compared as a double: a huge capacity factor gives a capacity no integer holds.
+      const double capacity =
+          std::ceil(m.moe_expert_capacity_factor * n * m.moe_router_topk / m.num_experts);
       if (slices / degree > capacity)
         refuse(
             "--pipe-experts-multi-data ({}) / --ampipe-degree ({}) slices must not exceed an "
-            "expert's capacity ({} picks per chunk at --moe-expert-capacity-factor {})",
+            "expert's capacity ({:.0f} picks per chunk at --moe-expert-capacity-factor {})",
             slices, degree, capacity, m.moe_expert_capacity_factor);
     }
     if (p.pipe_experts && local == 1 && slices / degree == 1) {

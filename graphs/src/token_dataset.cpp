@@ -24,6 +24,15 @@ std::uint64_t mix(std::uint64_t x) {
 
 TokenDataset TokenDataset::from_text(const std::string& path, int seq_length,
                                      double valid_fraction) {
+  if (seq_length < 1)
+    throw std::invalid_argument(fmt::format(
+        "a text dataset's sequence length must be at least 1 (got {}): set --seq-length",
+        seq_length));
+  if (!(valid_fraction >= 0 && valid_fraction < 1))
+    throw std::invalid_argument(
+        fmt::format("the validation fraction of '{}' must be at least 0 and less than 1 (got {}): "
+                    "it is the share of the text held out for evaluation",
+                    path, valid_fraction));
   namespace fs = std::filesystem;
   std::vector<fs::path> files;
   std::error_code ec;

@@ -1,13 +1,14 @@
 #include "weave/ops/attention.hpp"
 
 #include <fmt/format.h>
-#include <tbb/parallel_for.h>
 
 #include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
+
+#include "weave/runtime/parallel_for.hpp"
 
 namespace weave::ops {
 
@@ -132,7 +133,7 @@ void attention_forward(const AttentionOptions& opt, const BasicTensor<T>& q,
       }
     }
   };
-  tbb::parallel_for(std::int64_t{0}, B * H * qblocks, block);
+  rt::parallel_for(std::int64_t{0}, B * H * qblocks, block);
 }
 
 template <typename T>
@@ -198,7 +199,7 @@ void attention_backward(const AttentionOptions& opt, const BasicTensor<T>& q,
     }
     mutable_rows_of(dq, b, h, 0, sq) = dQ;
   };
-  tbb::parallel_for(std::int64_t{0}, B * H, head);
+  rt::parallel_for(std::int64_t{0}, B * H, head);
 }
 
 #define WEAVE_INSTANTIATE(T)                                                                      \

@@ -1,10 +1,11 @@
 #include "weave/ops/embedding.hpp"
 
 #include <fmt/format.h>
-#include <tbb/parallel_for.h>
 
 #include <algorithm>
 #include <stdexcept>
+
+#include "weave/runtime/parallel_for.hpp"
 
 namespace weave::ops {
 
@@ -76,8 +77,8 @@ void embedding_backward(std::span<const std::int32_t> ids, const BasicTensor<T>&
     slab(0, h);
     return;
   }
-  tbb::parallel_for(std::int64_t{0}, slabs,
-                    [&](std::int64_t s) { slab(s * kSlab, std::min(h, (s + 1) * kSlab)); });
+  rt::parallel_for(std::int64_t{0}, slabs,
+                   [&](std::int64_t s) { slab(s * kSlab, std::min(h, (s + 1) * kSlab)); });
 }
 
 template void embedding_forward(std::span<const std::int32_t>, const BasicTensor<float>&,

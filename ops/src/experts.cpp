@@ -1,11 +1,11 @@
 #include "weave/ops/experts.hpp"
 
 #include <fmt/format.h>
-#include <tbb/parallel_for.h>
 
 #include <stdexcept>
 
 #include "weave/ops/linear.hpp"
+#include "weave/runtime/parallel_for.hpp"
 
 namespace weave::ops {
 
@@ -51,7 +51,7 @@ void experts_forward(ExpertActivation act, const BasicTensor<T>& x,
                      const BasicTensor<T>& w2, const BasicTensor<T>& hidden_pre,
                      const BasicTensor<T>& hidden, const BasicTensor<T>& y) {
   check_experts(act, x, begin, w1, w2, hidden_pre, hidden, y, "expert output");
-  tbb::parallel_for(std::int64_t{0}, w1.dim(0), [&](std::int64_t e) {
+  rt::parallel_for(std::int64_t{0}, w1.dim(0), [&](std::int64_t e) {
     const std::int64_t r0 = begin[e], n = begin[e + 1] - r0;
     if (n == 0) return;
     const BasicTensor<T> pre = hidden_pre.slice(0, r0, n), act_out = hidden.slice(0, r0, n);
@@ -88,7 +88,7 @@ void experts_backward_input(ExpertActivation act, const BasicTensor<T>& x,
   check_experts(act, x, begin, w1, w2, hidden_pre, hidden, dy, "expert output gradient");
   check_shape("expert first product's gradient", d_pre.shape(), hidden_pre.shape());
   if (dx.defined()) check_shape("expert input gradient", dx.shape(), x.shape());
-  tbb::parallel_for(std::int64_t{0}, w1.dim(0), [&](std::int64_t e) {
+  rt::parallel_for(std::int64_t{0}, w1.dim(0), [&](std::int64_t e) {
     const std::int64_t r0 = begin[e], n = begin[e + 1] - r0;
     if (n == 0) return;
     const BasicTensor<T> d_hidden = BasicTensor<T>::empty({n, w2.dim(2)});
@@ -114,7 +114,7 @@ void experts_backward_weight(const BasicTensor<T>& x, std::span<const std::int64
         "experts_backward_weight: {} group offsets for {} experts over {} rows; give experts + 1 "
         "offsets ending within the rows",
         begin.size(), experts, x.dim(0)));
-  tbb::parallel_for(std::int64_t{0}, experts, [&](std::int64_t e) {
+  rt::parallel_for(std::int64_t{0}, experts, [&](std::int64_t e) {
     const std::int64_t r0 = begin[e], n = begin[e + 1] - r0;
     if (n == 0) return;
     linear_backward_weight(hidden.slice(0, r0, n), dy.slice(0, r0, n), expert_weight(dw2, e),

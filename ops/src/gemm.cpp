@@ -1,13 +1,13 @@
 #include "weave/ops/gemm.hpp"
 
 #include <fmt/format.h>
-#include <tbb/blocked_range.h>
-#include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
 
 #include <Eigen/Core>
 #include <algorithm>
 #include <stdexcept>
+
+#include "weave/runtime/parallel_for.hpp"
 
 namespace weave::ops {
 namespace {
@@ -92,7 +92,7 @@ void gemm(Transpose trans_a, Transpose trans_b, T alpha, MatrixView<const T> a,
   }
   // Pieces of equal size, rounded to multiples of 16 so Eigen's register blocks line up.
   const std::int64_t step = (extent / pieces + 15) / 16 * 16;
-  tbb::parallel_for(std::int64_t{0}, (extent + step - 1) / step, [&](std::int64_t p) {
+  rt::parallel_for(std::int64_t{0}, (extent + step - 1) / step, [&](std::int64_t p) {
     const std::int64_t lo = p * step, hi = std::min(extent, lo + step);
     if (split_rows) {
       serial_gemm<T>(ta, tb, alpha, op_rows(a, ta, lo, hi), b, beta,

@@ -1,13 +1,13 @@
 #include "weave/ops/optimizer.hpp"
 
 #include <fmt/format.h>
-#include <tbb/parallel_for.h>
 
 #include <Eigen/Core>
 #include <algorithm>
-
 #include <cmath>
 #include <stdexcept>
+
+#include "weave/runtime/parallel_for.hpp"
 
 namespace weave::ops {
 
@@ -65,8 +65,8 @@ void adamw_step(const AdamWOptions& o, std::int64_t step, const BasicTensor<T>& 
   if (blocks <= 1) {
     block(0, n);
   } else {
-    tbb::parallel_for(std::int64_t{0}, blocks,
-                      [&](std::int64_t i) { block(i * kBlock, std::min(n, (i + 1) * kBlock)); });
+    rt::parallel_for(std::int64_t{0}, blocks,
+                     [&](std::int64_t i) { block(i * kBlock, std::min(n, (i + 1) * kBlock)); });
   }
 }
 

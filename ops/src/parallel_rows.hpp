@@ -1,12 +1,11 @@
 // Splitting row-wise kernels over the cores of the caller's arena.
 #pragma once
 
-#include <tbb/blocked_range.h>
-#include <tbb/parallel_for.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <vector>
+
+#include "weave/runtime/parallel_for.hpp"
 
 namespace weave::ops::detail {
 
@@ -21,8 +20,8 @@ void for_row_blocks(std::int64_t rows, std::int64_t block, double work_per_row, 
       fn(b * block, std::min(rows, (b + 1) * block));
     return;
   }
-  tbb::parallel_for(std::int64_t{0}, blocks,
-                    [&](std::int64_t b) { fn(b * block, std::min(rows, (b + 1) * block)); });
+  rt::parallel_for(std::int64_t{0}, blocks,
+                   [&](std::int64_t b) { fn(b * block, std::min(rows, (b + 1) * block)); });
 }
 
 // Column sums of per-block partials: partials holds `blocks` rows of `cols`; adds them in

@@ -12,8 +12,6 @@ namespace weave::rt::detail {
 
 namespace {
 thread_local bool t_inside_task = false;
-// Drainers and delegated helpers reach workers through libtbb; see thread_handoff.hpp.
-char g_delegation_token;
 // A helper drains this many items from one queue before looking at the others, so that a
 // single thread serving many devices moves all of them forward.
 constexpr std::size_t kHelpBudget = 256;
@@ -145,11 +143,7 @@ void DeviceQueues::request_drainer(DeviceQueue& q) {
   if (tbb::global_control::active_value(tbb::global_control::max_allowed_parallelism) <= 1) return;
   while (d < q.max_drainers) {
     if (q.drainers.compare_exchange_weak(d, d + 1, std::memory_order_seq_cst)) {
-      announce_handoff(&q);
-      q.arena->enqueue([self = shared_from_this(), &q] {
-        accept_handoff(&q);
-        self->drainer(q);
-      });
+      q.arena->enqueue(HandedOver([self = shared_from_this(), &q] { self->drainer(q); }));
       return;
     }
   }
@@ -196,6 +190,11 @@ void DeviceQueues::help_until(const std::function<bool()>& done, const std::func
                               Nanos period) {
   Nanos last_tick = steady_now();
   while (!done()) {
+    // Between pieces of work too, not only when idle: a run's deadline passes while it works.
+    if (const Nanos now = steady_now(); now - last_tick >= period) {
+      last_tick = now;
+      tick();
+    }
     bool worked = false;
     for (auto& qp : queues_) {
       DeviceQueue& q = *qp;
@@ -207,20 +206,17 @@ void DeviceQueues::help_until(const std::function<bool()>& done, const std::func
       // execute() wait for that worker.
       q.running.fetch_add(1, std::memory_order_seq_cst);
       q.drainers.fetch_add(1, std::memory_order_seq_cst);
-      // When the arena is full, TBB hands this functor to a worker and waits. The token is
-      // announced before the functor's captures are read.
-      auto help = [this, &q, &done] {
-        accept_handoff(&g_delegation_token);
+      // When the arena is full, TBB hands this functor to a worker and waits (HandedOver
+      // tells ThreadSanitizer both ways).
+      const HandedOver help([this, &q, &done] {
         // Like a drainer, stay for work that is about to arrive rather than pay for entering
         // the arena again.
         do {
           drain(q, kHelpBudget);
         } while (!done() && linger(q, &done));
-        announce_handoff(&g_delegation_token);
-      };
-      announce_handoff(&g_delegation_token);
+      });
       q.arena->execute(help);
-      accept_handoff(&g_delegation_token);
+      accept_handoff(&help);
       q.running.fetch_sub(1, std::memory_order_seq_cst);
       q.drainers.fetch_sub(1, std::memory_order_seq_cst);
       // Work pushed while this thread held the drainer slot started no drainer.
@@ -240,11 +236,6 @@ void DeviceQueues::help_until(const std::function<bool()>& done, const std::func
       sleepers_.fetch_add(1, std::memory_order_seq_cst);
       if (!any_helpable() && !done()) sleep_cv_.wait_for(lock, std::chrono::nanoseconds(period));
       sleepers_.fetch_sub(1, std::memory_order_seq_cst);
-    }
-    const Nanos now = steady_now();
-    if (now - last_tick >= period) {
-      last_tick = now;
-      tick();
     }
   }
 }

@@ -84,7 +84,8 @@ class DeviceQueues : public std::enable_shared_from_this<DeviceQueues> {
   void push_batch(DeviceId device, const WorkItem* items, std::size_t count);
 
   // Runs queued work on the calling thread until done() holds. Calls tick() about every
-  // `period` while idle (the stall watchdog lives there).
+  // `period`, between the pieces of work it runs and while idle (the stall watchdog and the
+  // deadline live there).
   void help_until(const std::function<bool()>& done, const std::function<void()>& tick,
                   Nanos period);
   // Wakes threads sleeping in help_until (their condition may have changed).

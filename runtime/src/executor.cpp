@@ -80,18 +80,27 @@ RunResult Executor::run(const Graph& graph, const RunOptions& options) {
   // The previous run's state may be freed once no thread is inside the queues any more.
   if (retired_ && queues_->quiescent()) retired_.reset();
 
-  auto state = std::make_shared<detail::RunState>(detail::GraphAccess::data(graph), queues_,
-                                                  *timer_, options, runs_++);
+  RunOptions effective = options;
+  if (faults_ && faults_->stall_timeout > 0) effective.stall_timeout = faults_->stall_timeout;
+  auto state = std::make_shared<detail::RunState>(
+      detail::GraphAccess::data(graph), queues_, *timer_, effective, runs_++,
+      detail::InjectedFaults{faults_, faults_ ? runs_under_faults_++ : 0});
   const Nanos t0 = detail::steady_now();
   state->start();
   queues_->help_until([&] { return state->finished(); }, [&] { state->watch(); },
-                      watch_period(options));
+                      watch_period(effective));
   RunResult result;
   result.wall_time = detail::steady_now() - t0;
   retired_ = state;
   state->rethrow_if_failed();
   if (options.record_trace) result.trace = state->trace();
   return result;
+}
+
+void Executor::set_fault_plan(FaultPlan plan) {
+  std::lock_guard lock(run_mutex_);
+  faults_ = plan.empty() ? nullptr : std::make_shared<const FaultPlan>(std::move(plan));
+  runs_under_faults_ = 0;
 }
 
 Stream Executor::stream(DeviceId device, StreamId stream) {

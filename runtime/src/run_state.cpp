@@ -6,6 +6,7 @@
 
 #include "clock.hpp"
 #include "weave/runtime/error.hpp"
+#include "weave/runtime/fault_plan.hpp"
 
 namespace weave::rt::detail {
 
@@ -33,7 +34,8 @@ void ReadyBatch::flush() {
 }
 
 RunState::RunState(std::shared_ptr<const GraphData> graph, std::shared_ptr<DeviceQueues> queues,
-                   Timer& timer, const RunOptions& options, std::uint64_t run_index)
+                   Timer& timer, const RunOptions& options, std::uint64_t run_index,
+                   InjectedFaults faults)
     : graph_(std::move(graph)),
       table_(*graph_->table),
       queues_(std::move(queues)),
@@ -58,9 +60,35 @@ RunState::RunState(std::shared_ptr<const GraphData> graph, std::shared_ptr<Devic
     span_start_ = std::make_unique<std::uint64_t[]>(n);
     span_end_ = std::make_unique<std::uint64_t[]>(n);
   }
+  if (options_.deadline > 0) running_ = std::make_unique<std::atomic<bool>[]>(n);
+  if (faults.plan) {
+    fault_run_ = faults.run;
+    for (TaskId t = 0; t < n; ++t) {
+      const std::optional<FaultKind> kind = faults.plan->fault_for(table_, t, faults.run);
+      if (!kind) continue;
+      if (faults_.empty()) faults_.assign(n, 0);
+      faults_[t] = static_cast<std::uint8_t>(1 + static_cast<int>(*kind));
+    }
+  }
+}
+
+bool RunState::injected(TaskId task, FaultKind kind) const {
+  return !faults_.empty() && faults_[task] == 1 + static_cast<int>(kind);
 }
 
 void RunState::start() {
+  started_at_ = steady_now();
+  if (options_.deadline > 0) {
+    // On the timer's thread, which no task ever occupies: the run's own threads may all be
+    // busy with the tasks that make it late. The state may be gone by then.
+    std::weak_ptr<RunState> self = std::static_pointer_cast<RunState>(shared_from_this());
+    timer_.at(
+        started_at_ + options_.deadline,
+        [self] {
+          if (auto state = self.lock()) state->pass_deadline();
+        },
+        /*counted=*/false);
+  }
   if (span_start_) start_ticks_ = TickClock::ticks();
   if (table_.size() == 0) {
     finished_.store(true, std::memory_order_seq_cst);
@@ -113,12 +141,16 @@ void RunState::execute(TaskId task) {
     {
       InsideTaskScope inside;
       TaskContext context(table_, cur, run_index_, false, this);
+      if (running_) running_[cur].store(true, std::memory_order_relaxed);
       try {
+        if (injected(cur, FaultKind::throw_error))
+          throw InjectedFault(injected_fault_message(table_, cur, fault_run_));
         const TaskFn& work = graph_->work[cur];
         if (work) work(context);
       } catch (...) {
         fail(cur, std::current_exception());
       }
+      if (running_) running_[cur].store(false, std::memory_order_relaxed);
       deferred = context.deferred();
       if (options_.link_model) cost_[cur] = context.reported_cost().value_or(info.cost);
     }
@@ -259,6 +291,7 @@ bool RunState::complete_one(TaskId task, TaskId* bypass, std::vector<TaskId>& sk
 
 void RunState::release(TaskId ready, TaskId* bypass, DeviceId here, std::vector<TaskId>& skipped,
                        ReadyBatch& batch) {
+  if (injected(ready, FaultKind::never_arrive) && hold_back(ready)) return;
   const TaskInfo& info = table_[ready];
   if (info.group != kNoGroup) {
     arrive(ready, skipped);
@@ -306,7 +339,35 @@ void RunState::fail(TaskId task, std::exception_ptr error) {
       ++other_failures_;
     }
   }
-  if (!cancelled_.exchange(true, std::memory_order_seq_cst)) force_deferred();
+  if (!cancelled_.exchange(true, std::memory_order_seq_cst)) {
+    force_deferred();
+    release_held_back();
+  }
+}
+
+bool RunState::hold_back(TaskId task) {
+  std::lock_guard lock(held_back_mutex_);
+  // A cancellation that has already released the held-back tasks would never see this one.
+  if (cancelled_.load(std::memory_order_seq_cst)) return false;
+  held_back_.push_back(task);
+  return true;
+}
+
+void RunState::release_held_back() {
+  std::vector<TaskId> tasks;
+  {
+    std::lock_guard lock(held_back_mutex_);
+    tasks.swap(held_back_);
+  }
+  std::vector<TaskId> skipped;
+  for (TaskId t : tasks) {
+    if (table_[t].group != kNoGroup) {
+      arrive(t, skipped);  // the last member to arrive skips the whole collective
+    } else {
+      skipped.push_back(t);
+    }
+  }
+  drain_skipped(skipped, false);
 }
 
 void RunState::end_run() {
@@ -315,14 +376,25 @@ void RunState::end_run() {
   queues->wake_helpers();
 }
 
+void RunState::pass_deadline() {
+  if (finished() || cancelled_.load(std::memory_order_seq_cst)) return;
+  TaskId blame = kNoTask;
+  const std::string waits = outstanding(blame);
+  // With nothing to blame (what is left is ready and queued), the first task stands for the run.
+  fail(blame == kNoTask ? 0 : blame,
+       std::make_exception_ptr(std::runtime_error(fmt::format(
+           "the run passed its deadline of {:.3f} s (RunOptions::deadline) and was cancelled. "
+           "{}Raise RunOptions::deadline if the run is expected to take longer",
+           static_cast<double>(options_.deadline) * 1e-9, waits))));
+}
+
 void RunState::watch() {
-  if (options_.stall_timeout <= 0 || finished()) return;
-  const std::uint64_t progress =
-      queues_->total_pops() + deferred_completions_.load(std::memory_order_relaxed);
+  if (finished() || options_.stall_timeout <= 0) return;
   const Nanos now = steady_now();
   const bool cancelled = cancelled_.load(std::memory_order_seq_cst);
-  if (progress != last_progress_ || timer_.pending() > 0 || !queues_->quiescent() ||
-      (!cancelled && deferred_outstanding_.load(std::memory_order_seq_cst) == 0)) {
+  const std::uint64_t progress =
+      queues_->total_pops() + deferred_completions_.load(std::memory_order_relaxed);
+  if (progress != last_progress_ || timer_.pending() > 0 || !queues_->quiescent()) {
     last_progress_ = progress;
     stalled_since_ = -1;
     return;
@@ -338,24 +410,99 @@ void RunState::watch() {
     end_run();
     return;
   }
+  TaskId blame = kNoTask;
+  const std::string waits = outstanding(blame);
+  if (blame == kNoTask) return;  // nothing identifiable waits: ready work not yet picked up
+  fail(blame, std::make_exception_ptr(std::runtime_error(fmt::format(
+                  "the run stalled: for {:.3f} s no task ran or completed. {}Make sure every "
+                  "collective member and every deferred Completion can finish, or raise "
+                  "RunOptions::stall_timeout if the wait is expected",
+                  static_cast<double>(now - stalled_since_) * 1e-9, waits))));
+}
 
+bool RunState::released(TaskId task) const {
+  // Before a task starts its counter holds its predecessors not yet completed; after, at most
+  // the deferral bits.
+  return (pending_[task].load(std::memory_order_acquire) &
+          ~(kDeferred | kFnReturned | kCompleted)) == 0;
+}
+
+std::string RunState::outstanding(TaskId& blame) const {
+  constexpr std::size_t kShown = 8;
+  auto named = [&](TaskId t, const char* note = "") {
+    return fmt::format("'{}' (device {}{})", table_.name(t), table_[t].device, note);
+  };
+  std::vector<TaskId> held;
+  {
+    std::lock_guard lock(held_back_mutex_);
+    held = held_back_;
+  }
+  auto is_held = [&](TaskId t) { return std::find(held.begin(), held.end(), t) != held.end(); };
+  std::string out;
+
+  // Collectives some members reached while others never arrived.
+  std::size_t partial = 0;
+  for (GroupId g = 0; g < table_.group_count(); ++g) {
+    const std::uint32_t arrived = group_arrived_[g].load(std::memory_order_acquire);
+    const auto members = table_.members(g);
+    if (arrived == 0 || arrived >= members.size()) continue;
+    if (++partial > kShown) continue;
+    std::string here, missing;
+    for (TaskId m : members) {
+      if (released(m) && !is_held(m)) {
+        here += fmt::format("{}{}", here.empty() ? "" : ", ", named(m));
+      } else {
+        missing += fmt::format("{}{}", missing.empty() ? "" : ", ",
+                               named(m, is_held(m) ? ", held back by the fault plan" : ""));
+        if (blame == kNoTask) blame = m;
+      }
+    }
+    out += fmt::format("Collective '{}' has {} of its {} members: arrived {}; never arrived {}. ",
+                       table_.group_name(g), arrived, members.size(), here, missing);
+  }
+  if (partial > kShown) out += fmt::format("{} more collectives wait likewise. ", partial - kShown);
+
+  // Deferred tasks whose Completion never came.
   std::vector<TaskId> waiting;
   for (TaskId t = 0; t < table_.size(); ++t) {
     const std::uint32_t v = pending_[t].load(std::memory_order_acquire);
     if ((v & kDeferred) && (v & kFnReturned) && !(v & kCompleted)) waiting.push_back(t);
   }
-  if (waiting.empty()) return;
-  std::string names;
-  for (std::size_t i = 0; i < std::min<std::size_t>(waiting.size(), 8); ++i) {
-    names += fmt::format("{}'{}'", i ? ", " : "", table_.name(waiting[i]));
+  if (!waiting.empty()) {
+    if (blame == kNoTask) blame = waiting.front();
+    std::string names;
+    for (std::size_t i = 0; i < std::min(waiting.size(), kShown); ++i)
+      names += fmt::format("{}{}", i ? ", " : "", named(waiting[i]));
+    if (waiting.size() > kShown) names += fmt::format(" and {} more", waiting.size() - kShown);
+    out +=
+        fmt::format("{} deferred task(s) waited for their Completion: {}. ", waiting.size(), names);
   }
-  if (waiting.size() > 8) names += fmt::format(" and {} more", waiting.size() - 8);
-  fail(waiting.front(),
-       std::make_exception_ptr(std::runtime_error(fmt::format(
-           "the run stalled: for {:.3f} s no task ran or completed while {} deferred task(s) "
-           "waited for their Completion: {}. Complete or fail each deferred Completion, or "
-           "raise RunOptions::stall_timeout if the wait is expected",
-           static_cast<double>(now - stalled_since_) * 1e-9, waiting.size(), names))));
+
+  // Tasks held back that are not collective members.
+  std::string alone;
+  for (TaskId t : held) {
+    if (table_[t].group != kNoGroup) continue;
+    if (blame == kNoTask) blame = t;
+    alone += fmt::format("{}{}", alone.empty() ? "" : ", ", named(t));
+  }
+  if (!alone.empty()) out += fmt::format("Held back by the fault plan, never started: {}. ", alone);
+  // What the fault plan held back is the cause of what waits for it.
+  if (!held.empty()) blame = held.front();
+
+  if (running_) {
+    std::vector<TaskId> busy;
+    for (TaskId t = 0; t < table_.size(); ++t)
+      if (running_[t].load(std::memory_order_relaxed)) busy.push_back(t);
+    if (!busy.empty()) {
+      if (blame == kNoTask) blame = busy.front();
+      std::string names;
+      for (std::size_t i = 0; i < std::min(busy.size(), kShown); ++i)
+        names += fmt::format("{}{}", i ? ", " : "", named(busy[i]));
+      if (busy.size() > kShown) names += fmt::format(" and {} more", busy.size() - kShown);
+      out += fmt::format("Still running: {}. ", names);
+    }
+  }
+  return out;
 }
 
 void RunState::rethrow_if_failed() const {

@@ -37,16 +37,25 @@ class ReadyBatch {
   std::size_t size_ = 0;
 };
 
+// The fault plan a run is under, if any, and the run's index under it.
+struct InjectedFaults {
+  std::shared_ptr<const FaultPlan> plan;
+  std::uint64_t run = 0;
+};
+
 class RunState final : public CompletionSink {
  public:
   RunState(std::shared_ptr<const GraphData> graph, std::shared_ptr<DeviceQueues> queues,
-           Timer& timer, const RunOptions& options, std::uint64_t run_index);
+           Timer& timer, const RunOptions& options, std::uint64_t run_index,
+           InjectedFaults faults = {});
 
   // Pushes the sources; the run then proceeds on the queues' threads.
   void start();
   bool finished() const { return finished_.load(std::memory_order_seq_cst); }
-  // Called periodically by the waiting thread: detects a run stalled on deferred tasks.
+  // Called periodically by the waiting thread: cancels a run that stalled.
   void watch();
+  // Called by the timer at RunOptions::deadline: cancels the run if it is still going.
+  void pass_deadline();
   // Throws the TaskError of the first failure, if any.
   void rethrow_if_failed() const;
   Trace trace() const;
@@ -73,6 +82,17 @@ class RunState final : public CompletionSink {
   void arrive(TaskId member, std::vector<TaskId>& skipped);
   WorkItem item(TaskId task);
   void fail(TaskId task, std::exception_ptr error);
+  // The fault plan's decision for a task of this run.
+  bool injected(TaskId task, FaultKind kind) const;
+  // Keeps a task the fault plan says never arrives from starting; false when the run is already
+  // cancelled (the task is then skipped like any other).
+  bool hold_back(TaskId task);
+  // Lets the tasks held back go once the run is cancelled: they are skipped, and the collectives
+  // that waited for them complete.
+  void release_held_back();
+  // What the run still waits for, for the watchdog's error, and the task to blame.
+  std::string outstanding(TaskId& blame) const;
+  bool released(TaskId task) const;
   void force_deferred();
   bool try_force(TaskId task);
   bool holds(const TaskInfo& info) const;
@@ -106,9 +126,18 @@ class RunState final : public CompletionSink {
   std::string failure_message_;
   std::size_t other_failures_ = 0;
 
-  // Stall watchdog.
+  // Faults injected (empty: none), per task: 0, or 1 + FaultKind.
+  std::vector<std::uint8_t> faults_;
+  std::uint64_t fault_run_ = 0;
+  mutable std::mutex held_back_mutex_;
+  std::vector<TaskId> held_back_;
+
+  // Stall watchdog and deadline.
   std::uint64_t last_progress_ = 0;
   Nanos stalled_since_ = -1;
+  Nanos started_at_ = 0;
+  // With a deadline: which tasks' work is running, for the error.
+  std::unique_ptr<std::atomic<bool>[]> running_;
 
   // Trace spans in clock ticks; 0 = not recorded.
   std::unique_ptr<std::uint64_t[]> span_start_;

@@ -19,12 +19,12 @@ Timer::~Timer() {
   if (thread_.joinable()) thread_.join();
 }
 
-void Timer::at(Nanos deadline, std::function<void()> fn) {
+void Timer::at(Nanos deadline, std::function<void()> fn, bool counted) {
   {
     std::lock_guard lock(mutex_);
     if (!thread_.joinable()) thread_ = std::thread([this] { loop(); });
-    queue_.push(Entry{deadline, seq_++, std::move(fn)});
-    pending_.fetch_add(1, std::memory_order_acq_rel);
+    queue_.push(Entry{deadline, seq_++, std::move(fn), counted});
+    if (counted) pending_.fetch_add(1, std::memory_order_acq_rel);
   }
   wake_.notify_one();
 }
@@ -53,7 +53,7 @@ void Timer::loop() {
     queue_.pop();
     lock.unlock();
     e.fn();
-    pending_.fetch_sub(1, std::memory_order_acq_rel);
+    if (e.counted) pending_.fetch_sub(1, std::memory_order_acq_rel);
     lock.lock();
   }
 }

@@ -22,8 +22,10 @@ class Timer {
   Timer(const Timer&) = delete;
   Timer& operator=(const Timer&) = delete;
 
-  // Calls fn at the steady-clock time `deadline` (ns), or now if that has passed.
-  void at(Nanos deadline, std::function<void()> fn);
+  // Calls fn at the steady-clock time `deadline` (ns), or now if that has passed. A counted call
+  // is pending() until it has returned: a task's completion held for its link. A run's deadline
+  // is not counted, so that a run waiting only for it is seen as idle.
+  void at(Nanos deadline, std::function<void()> fn, bool counted = true);
   std::size_t pending() const { return pending_.load(std::memory_order_acquire); }
 
  private:
@@ -31,6 +33,7 @@ class Timer {
     Nanos deadline;
     std::uint64_t seq;
     std::function<void()> fn;
+    bool counted;
     bool operator>(const Entry& o) const {
       return deadline != o.deadline ? deadline > o.deadline : seq > o.seq;
     }

@@ -81,6 +81,14 @@ class Replay {
         engine_busy_(table_.device_count(), false),
         waiting_(table_.device_count()) {
     if (options_.execute) sink_ = std::make_shared<DeferralWait>();
+    if (options_.faults) {
+      for (TaskId t = 0; t < table_.size(); ++t) {
+        const std::optional<FaultKind> kind = options_.faults->fault_for(table_, t, run_index_);
+        if (!kind) continue;
+        if (faults_.empty()) faults_.assign(table_.size(), 0);
+        faults_[t] = static_cast<std::uint8_t>(1 + static_cast<int>(*kind));
+      }
+    }
   }
 
   Nanos run() {
@@ -105,6 +113,7 @@ class Replay {
         start_waiting(now);
       } while (!events_.empty() && events_.top().time == now);
     }
+    check_everything_ran();
     Nanos makespan = 0;
     for (Nanos e : end_)
       makespan = std::max(makespan, e);
@@ -121,11 +130,63 @@ class Replay {
   }
 
  private:
+  bool injected(TaskId t, FaultKind kind) const {
+    return !faults_.empty() && faults_[t] == 1 + static_cast<int>(kind);
+  }
+
+  // A validated graph runs every task, so a task left unrun waited for one the fault plan held
+  // back: the replay fails naming the collectives that waited and their members.
+  void check_everything_ran() const {
+    std::size_t unrun = 0;
+    for (TaskId t = 0; t < table_.size(); ++t)
+      unrun += end_[t] < 0 ? 1 : 0;
+    if (unrun == 0) return;
+    auto named = [&](TaskId t) {
+      const bool held = std::find(held_.begin(), held_.end(), t) != held_.end();
+      return fmt::format("'{}' (device {}{})", table_.name(t), table_[t].device,
+                         held ? ", held back by the fault plan" : "");
+    };
+    std::string waits;
+    for (GroupId g = 0; g < table_.group_count(); ++g) {
+      const auto members = table_.members(g);
+      if (group_arrived_[g] == 0 || group_arrived_[g] >= members.size()) continue;
+      std::string here, missing;
+      for (TaskId m : members) {
+        std::string& list = start_[m] >= 0 ? here : missing;
+        list += fmt::format("{}{}", list.empty() ? "" : ", ", named(m));
+      }
+      waits +=
+          fmt::format("Collective '{}' has {} of its {} members: arrived {}; never arrived {}. ",
+                      table_.group_name(g), group_arrived_[g], members.size(), here, missing);
+    }
+    TaskId blame = kNoTask;
+    for (TaskId t = 0; t < table_.size() && blame == kNoTask; ++t)
+      if (end_[t] < 0) blame = t;
+    if (!held_.empty()) {
+      blame = held_.front();
+      std::string names;
+      for (TaskId t : held_)
+        names += fmt::format("{}{}", names.empty() ? "" : ", ", named(t));
+      waits += fmt::format("Never started: {}. ", names);
+    }
+    const TaskInfo& info = table_[blame];
+    throw TaskError(
+        std::string(table_.name(blame)), blame, nullptr,
+        fmt::format("task '{}' (device {}, stream '{}') never ran in the virtual-clock replay: {} "
+                    "task(s) were left waiting. {}The replay stopped",
+                    table_.name(blame), info.device, table_.stream_name(info.stream), unrun,
+                    waits));
+  }
+
   bool uses_engine(const TaskInfo& info) const {
     return options_.one_compute_engine_per_device && info.kind == TaskKind::compute;
   }
 
   void ready(TaskId t, Nanos now) {
+    if (injected(t, FaultKind::never_arrive)) {
+      held_.push_back(t);
+      return;
+    }
     const TaskInfo& info = table_[t];
     if (info.group != kNoGroup) {
       arrive(t, now);
@@ -182,12 +243,14 @@ class Replay {
 
   // Runs the task's work (in execute mode) and returns its cost: what it reported, or its hint.
   CostHint execute(TaskId t) {
-    if (!options_.execute) return table_[t].cost;
+    const bool fault = injected(t, FaultKind::throw_error);
+    if (!fault && !options_.execute) return table_[t].cost;
     const TaskFn& work = g_.work[t];
-    if (!work) return table_[t].cost;
+    if (!fault && !work) return table_[t].cost;
     std::exception_ptr error;
     TaskContext context(table_, t, run_index_, true, sink_.get());
     try {
+      if (fault) throw InjectedFault(injected_fault_message(table_, t, run_index_));
       work(context);
     } catch (...) {
       error = std::current_exception();
@@ -224,6 +287,8 @@ class Replay {
   std::priority_queue<Finish, std::vector<Finish>, std::greater<>> events_;
   std::uint64_t seq_ = 0;
   std::shared_ptr<DeferralWait> sink_;
+  std::vector<std::uint8_t> faults_;  // empty: none; per task: 0, or 1 + FaultKind
+  std::vector<TaskId> held_;          // tasks the fault plan kept from arriving
 };
 
 }  // namespace

@@ -179,6 +179,27 @@ TEST(ParallelPlan, AmpipeRules) {
   EXPECT_TRUE(
       mentions(refusal(moe, {.tensor_parallel = 4, .sequence_parallel = true, .ampipe_degree = 8}),
                "--seq-length (48) must be divisible by 32"));
+  EXPECT_TRUE(mentions(refusal(moe, {.ampipe_degree = 2'000'000'000}),
+                       "--ampipe-degree (2000000000) must not exceed --seq-length (48)"));
+}
+
+// Sizes are refused before they are multiplied: none of these may overflow an int.
+TEST(ParallelPlan, SizesTooLargeToMultiplyAreRefused) {
+  const ModelConfig m = small_moe();
+  EXPECT_TRUE(mentions(refusal(m, {.tensor_parallel = 4, .context_parallel = 1 << 19}),
+                       "exceeds 1048576 devices"));
+  EXPECT_TRUE(mentions(refusal(m, {.data_parallel = 65536, .pipeline_parallel = 65536}),
+                       "(1 x 1 x 65536 x 65536) exceeds 1048576 devices"));
+  EXPECT_TRUE(mentions(
+      refusal(
+          m, {.data_parallel = 1 << 20, .micro_batch_size = 1 << 20, .global_batch_size = 1 << 20}),
+      "--micro-batch-size x data-parallel size (1048576 x 1048576 = 1099511627776)"));
+  ModelConfig wide = m;
+  wide.make_vocab_size_divisible_by = 1 << 30;
+  EXPECT_TRUE(mentions(refusal(wide, {.tensor_parallel = 4}), "must stay below 2^30 rows"));
+  EXPECT_EQ(
+      refusal(m, {.data_parallel = 1 << 20, .micro_batch_size = 1, .global_batch_size = 1 << 20}),
+      "accepted");
 }
 
 TEST(ParallelPlan, AmpipeFollowsMindSpeedsSequenceRulesAndConflicts) {

@@ -3,6 +3,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,9 +25,14 @@ void add_simulate_command(CLI::App& app);
 void add_train_command(CLI::App& app);
 void add_schedule_command(CLI::App& app);
 
+// The text of a --config file, or nothing when it cannot be read.
+using ConfigReader = std::function<std::optional<std::string>(const std::string& path)>;
+std::optional<std::string> read_config_file(const std::string& path);
+
 // Checks the flags given to a subcommand before parsing, suggesting the closest known flag for
 // an unknown one, and expands `--config FILE` (a JSON object of flag names, with - or _, and
 // values) into flags placed before the ones given. Throws std::invalid_argument.
-std::vector<std::string> prepare_arguments(CLI::App& app, std::vector<std::string> args);
+std::vector<std::string> prepare_arguments(CLI::App& app, std::vector<std::string> args,
+                                           const ConfigReader& read = read_config_file);
 
 }  // namespace weave::cli

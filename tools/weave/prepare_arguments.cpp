@@ -1,6 +1,7 @@
 #include <fmt/format.h>
 
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
@@ -29,7 +30,14 @@ std::string unknown(const std::string& what, const std::string& flag, const std:
 
 }  // namespace
 
-std::vector<std::string> prepare_arguments(CLI::App& app, std::vector<std::string> args) {
+std::optional<std::string> read_config_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return std::nullopt;
+  return std::string(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+}
+
+std::vector<std::string> prepare_arguments(CLI::App& app, std::vector<std::string> args,
+                                           const ConfigReader& read) {
   if (args.empty()) return args;
   CLI::App* cmd = nullptr;
   for (CLI::App* sub : app.get_subcommands({}))
@@ -48,11 +56,11 @@ std::vector<std::string> prepare_arguments(CLI::App& app, std::vector<std::strin
                                                 : (i + 1 < args.size() ? args[i + 1] : "");
   }
   if (config.empty()) return args;
-  std::ifstream in(config);
-  if (!in) throw std::invalid_argument(fmt::format("--config: cannot read '{}'", config));
+  const std::optional<std::string> text = read(config);
+  if (!text) throw std::invalid_argument(fmt::format("--config: cannot read '{}'", config));
   nlohmann::json j;
   try {
-    j = nlohmann::json::parse(in);
+    j = nlohmann::json::parse(*text);
   } catch (const nlohmann::json::exception& e) {
     throw std::invalid_argument(
         fmt::format("--config '{}' is not valid JSON: {}", config, e.what()));

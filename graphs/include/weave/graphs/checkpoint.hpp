@@ -1,10 +1,11 @@
 // Checkpoints of a training step's model shards: parameters and optimizer state of every
 // device, with the configuration they belong to.
 //
-// One file, written atomically (to "<path>.partial", then renamed), so an interrupted save
-// never leaves a damaged checkpoint where a good one was. Loading checks the format, the
-// model and parallel configuration, every parameter's name and shape and a checksum, and
-// changes nothing unless all of it matches.
+// One file, written atomically (to "<path>.partial", flushed to disk, then renamed), so a save
+// interrupted by an error, a killed process or a power loss never leaves a damaged checkpoint
+// where a good one was (tests/graphs/checkpoint_crash_test kills savers). Loading checks the
+// format, the model and parallel configuration, every parameter's name and shape and a checksum,
+// and changes nothing unless all of it matches; a damaged header is reported as damage.
 //
 // A step spread over processes (TrainingStep::processes) saves one part per process, each
 // holding its ranks' shards ("<path>.part<k>-of-<P>.iter<N>", written atomically), then process

@@ -76,6 +76,11 @@ struct ParallelPlan {
   int pipe_experts_slices() const { return pipe_experts_multi_data / ampipe_degree; }
 };
 
+// The most devices a plan may span (tensor x context x data x pipeline parallel): far beyond
+// any machine weave lays out or replays, and small enough that sizes multiplied by it fit an
+// int.
+inline constexpr int kMaxDevices = 1 << 20;
+
 // A configuration that breaks one of the size rules. The message names the rule, the values and
 // the flag to change.
 class ConfigError : public std::invalid_argument {
@@ -85,7 +90,7 @@ class ConfigError : public std::invalid_argument {
 
 // Checks every size rule and returns the warnings (e.g. sequence parallelism switched off at
 // tp = 1, as Megatron does, which also clears plan.sequence_parallel). Throws ConfigError for
-// the first rule broken.
+// the first rule broken. Sizes are checked before they are multiplied, so no value overflows.
 std::vector<std::string> validate(const ModelConfig& model, ParallelPlan& plan);
 
 }  // namespace weave::graphs

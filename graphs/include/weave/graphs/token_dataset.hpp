@@ -15,8 +15,9 @@ class TokenDataset {
  public:
   // Every regular file under `path` (a file or a folder, read in name order; files ending in
   // .dat or .u8, the fortune indexes, are skipped), one byte a token (vocabulary 256). The last
-  // `valid_fraction` of the bytes is the validation split. Throws std::runtime_error naming the
-  // path when nothing can be read or the text is shorter than two sequences.
+  // `valid_fraction` of the bytes is the validation split. Throws std::invalid_argument for a
+  // seq_length below 1 or a valid_fraction outside [0, 1), std::runtime_error naming the path
+  // when nothing can be read or the text is shorter than two sequences.
   static TokenDataset from_text(const std::string& path, int seq_length, double valid_fraction);
   // Synthetic tokens with a learnable pattern: a fixed cycle through 32 tokens (of 256). Both
   // splits are unbounded.

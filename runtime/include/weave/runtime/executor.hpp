@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "weave/runtime/cost_model.hpp"
+#include "weave/runtime/fault_plan.hpp"
 #include "weave/runtime/graph.hpp"
 #include "weave/runtime/trace.hpp"
 
@@ -36,9 +37,16 @@ struct RunOptions {
   // When set, a comm or copy task completes no earlier than its modelled duration after it
   // began (for a rendezvous: after the last member arrived), held by a timer thread.
   const CostModel* link_model = nullptr;
-  // A run whose only outstanding tasks are deferred ones, with no task running and nothing
-  // completing for this long, is cancelled with an error naming those tasks. 0 disables.
+  // Stall watchdog: a run in which no task runs and nothing completes for this long (what is
+  // left waits for deferred completions, for collective members that never arrive, or for tasks
+  // a fault plan held back) is cancelled with an error naming what waited: the deferred tasks,
+  // each collective with the members that arrived and those that did not. 0 disables.
   Nanos stall_timeout = 60'000'000'000;
+  // A run not finished this long after it began is cancelled as if a task had failed: tasks not
+  // yet started are skipped, deferred ones abandoned, and run() throws a TaskError naming what
+  // was outstanding once the tasks already running have returned (a task's work is never cut
+  // short). 0: no deadline.
+  Nanos deadline = 0;
 };
 
 struct RunResult {
@@ -60,6 +68,10 @@ class Executor {
   // placed on a device this executor lacks, TaskError if a task failed.
   RunResult run(const Graph& graph, const RunOptions& options = {});
 
+  // Test hook: injects the plan's faults into the runs that follow (FaultPoint::run counts from
+  // the next run, 0). An empty plan stops injecting. Not for a run in progress.
+  void set_fault_plan(FaultPlan plan);
+
   // Eager mode, for programs that do not build graphs: work enqueued on a stream runs in
   // order on the stream's device.
   Stream stream(DeviceId device, StreamId stream = kComputeStream);
@@ -77,6 +89,8 @@ class Executor {
   std::shared_ptr<detail::EagerRegistry> eager_;
   std::mutex run_mutex_;
   std::uint64_t runs_ = 0;
+  std::shared_ptr<const FaultPlan> faults_;  // null: none
+  std::uint64_t runs_under_faults_ = 0;
   // The last run's state stays alive until no thread can still be leaving it.
   std::shared_ptr<detail::RunState> retired_;
 };

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "weave/runtime/cost_model.hpp"
+#include "weave/runtime/fault_plan.hpp"
 #include "weave/runtime/graph.hpp"
 #include "weave/runtime/trace.hpp"
 
@@ -18,6 +19,11 @@ struct VirtualClockOptions {
   bool one_compute_engine_per_device = true;
   // Record the trace (off saves memory on huge graphs; the makespan is returned anyway).
   bool record_trace = true;
+  // Test hook: faults to inject (FaultPoint::run counts this clock's runs from 0). A task hit by
+  // throw_error fails the replay, whether or not it executes the work; a task that never arrives
+  // leaves the tasks waiting for it unrun, and the replay fails naming them. Must outlive the
+  // clock.
+  const FaultPlan* faults = nullptr;
 };
 
 struct VirtualRunResult {
@@ -28,7 +34,8 @@ struct VirtualRunResult {
 class VirtualClock {
  public:
   explicit VirtualClock(const CostModel& model, VirtualClockOptions options = {});
-  // Throws TaskError if a task's work fails (execute mode).
+  // Throws TaskError if a task's work fails (execute mode), a fault plan's task throws, or the
+  // replay ends with tasks that never ran (a collective member the fault plan held back).
   VirtualRunResult run(const Graph& graph);
 
  private:

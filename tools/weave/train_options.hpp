@@ -1,0 +1,40 @@
+// `weave train`'s flags (Megatron-LM's names) and how they become a training run's
+// configuration. The command runs the configuration; the flag parser's fuzz target
+// (tests/fuzz) parses and validates it without running.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <string>
+
+#include "weave/graphs/trainer_config.hpp"
+
+namespace weave::cli {
+
+// The Debian package `fortunes` (installed by tools/dev) puts its text here.
+inline constexpr const char* kDefaultCorpus = "/usr/share/games/fortunes";
+
+struct TrainOptions {
+  // global_batch_size 0: micro-batch x data-parallel size
+  graphs::TrainerConfig config{.plan = {.global_batch_size = 0}};
+  bool swiglu = false;
+  int devices = 0;  // 0: tp x cp x pp (one data-parallel replica)
+  std::string data_path = kDefaultCorpus;
+  bool mock_data = false;
+  double valid_fraction = 0.05;
+  std::string log_json, dump_graph;
+  std::string timing = "wall";
+  std::string config_file;  // read before parsing (see prepare_arguments)
+  bool ampipe_advise = false;
+  bool ampipe_advise_fast = false;  // replay without running the kernels
+  bool pipeline_advise = false;
+};
+
+// Registers every flag of `weave train` on cmd, each writing into o.
+void add_train_flags(CLI::App& cmd, TrainOptions& o);
+
+// The flags' meaning that is the command line's own: --devices sets the data-parallel size, a
+// missing --global-batch-size is one micro-batch per replica, --swiglu and --timing are words.
+void derive_config(TrainOptions& o);
+
+}  // namespace weave::cli
