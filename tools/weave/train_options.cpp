@@ -51,8 +51,9 @@ void add_train_flags(CLI::App& cmd, TrainOptions& o) {
       ->check(at_least(1))
       ->capture_default_str();
   cmd.add_flag("--ampipe-tp-sp-comm-overlap", p.ampipe_tp_sp_comm_overlap,
-               "Pipeline the experts' tensor-parallel collectives (MindSpeed; switched off with a "
-               "warning: weave's experts are not tensor-parallel)");
+               "Pipeline the split experts' tensor-parallel all-gathers and reduce-scatters over "
+               "(chunk, local expert) items (MindSpeed; needs --ampipe-degree > 1, "
+               "--sequence-parallel, --moe-model-type deepspeed_moe and EP > 1)");
   cmd.add_flag("--use-pipe-experts", p.pipe_experts,
                "Run each MoE slot as items (local expert x capacity slice), each with its own "
                "dispatch and combine all-to-all");
