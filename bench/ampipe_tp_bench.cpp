@@ -4,7 +4,9 @@
 // off, and weave's separate dispatch/combine streams). For each: the step time and the exposed
 // tensor- and expert-parallel communication per device on the virtual clock (8 devices), and
 // tokens/s on the wall clock (4 devices on this host, the link slowed as far as the host's
-// compute is from the modelled accelerator's).
+// compute is from the modelled accelerator's). Then the same under context parallelism 2 on the
+// virtual clock, with the key/value blocks kept or sent again in backward, and the activation
+// memory of a device.
 //
 //   ampipe_tp_bench [--quick] [--device-flops F]   (--quick: the virtual clock only)
 #include <fmt/format.h>
@@ -130,6 +132,55 @@ int main(int argc, char** argv) {
           baseline / ms);
       for (const std::string& w : warnings)
         fmt::print("    ({})\n", w);
+    }
+  }
+  {
+    // Under context parallelism: each rank's halves as the chunks, the attention split evenly,
+    // the key/value blocks kept from forward or sent round the ring again in backward.
+    ModelConfig m = model(4096);
+    m.num_layers = 4;  // resending the blocks pays from 3 MoE layers a stage
+    const auto links = weave::devices::LinkModel::preset("ampipe-20gbps");
+    fmt::print(
+        "\nvirtual clock, 8 devices (tp 2 + SP, cp 2, ep 2, dp 2, experts split over tp), "
+        "4 MoE layers, 4096 positions, otherwise as above\n");
+    fmt::print("{:<46} {:>10} {:>16} {:>16} {:>9} {:>18}\n", "", "step (ms)", "exposed cp (ms)",
+               "exposed ep (ms)", "speed-up", "activations (MiB)");
+    const ParallelPlan base{.tensor_parallel = 2,
+                            .sequence_parallel = true,
+                            .context_parallel = 2,
+                            .expert_parallel = 2,
+                            .moe_model_type = "deepspeed_moe",
+                            .data_parallel = 2,
+                            .micro_batch_size = 1,
+                            .global_batch_size = 2};
+    std::vector<Variant> cp_variants{{"degree 1", base}};
+    ParallelPlan p = base;
+    p.ampipe_degree = 2;
+    cp_variants.push_back({"degree 2", p});
+    p.ampipe_tp_sp_comm_overlap = true;
+    cp_variants.push_back({"degree 2 + tp-sp overlap", p});
+    p.ampipe_cp_resend_kv = true;
+    cp_variants.push_back({"degree 2 + tp-sp overlap + resend kv", p});
+    constexpr std::string_view kContext[] = {"cp"};
+    double baseline = 0;
+    for (Variant v : cp_variants) {
+      weave::graphs::validate(m, v.plan);
+      weave::devices::DeviceSet set(v.plan.devices(), {.pin = false});
+      weave::devices::SharedMemoryCommunicator comm;
+      const weave::graphs::TrainingStep step(m, v.plan, {}, set, comm, {.materialize = false});
+      const weave::devices::MachineModel machine(std::vector<int>(set.size(), 0), flops, links);
+      weave::rt::VirtualClock clock(machine, {.execute = false});
+      const weave::rt::VirtualRunResult r = clock.run(step.graph());
+      const double ms = static_cast<double>(r.makespan) * 1e-6;
+      if (baseline == 0) baseline = ms;
+      const double per_device = 1e-6 / static_cast<double>(set.size());
+      fmt::print(
+          "{:<46} {:>10.3f} {:>16.3f} {:>16.3f} {:>8.2f}x {:>18.1f}\n", v.name, ms,
+          static_cast<double>(weave::rt::exposed_comm_on_streams(r.trace, kContext)) * per_device,
+          static_cast<double>(weave::rt::exposed_comm_on_streams(r.trace, kExpert)) * per_device,
+          baseline / ms,
+          static_cast<double>(set.memory().current(0, weave::rt::MemoryCategory::activations)) /
+              (1 << 20));
     }
   }
   if (quick) return 0;

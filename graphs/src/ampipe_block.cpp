@@ -138,6 +138,9 @@ TaskId AmpipeBlock::backward(const BuildPosition& pos, TaskId ready, WeightHalve
     if (cp > 1) w.dkv_send.fill(0.f);  // the chunks' attention accumulates every block's dk, dv
   });
   P->after(ready, start);
+  // --ampipe-cp-resend-kv: the blocks travel again while the MoE backward computes.
+  const TaskId blocks =
+      cp > 1 && z.plan.ampipe_cp_resend_kv ? resend_blocks(*P, pos, l, start) : rt::kNoTask;
   std::vector<SlotProgress> combined(static_cast<std::size_t>(N)),
       experts(static_cast<std::size_t>(N));
   for (int c = N - 1; c >= 0; --c)
@@ -209,7 +212,7 @@ TaskId AmpipeBlock::backward(const BuildPosition& pos, TaskId ready, WeightHalve
                                         W.proj_weight->grad, Tensor{});
           });
       P->after(attention_ready, projection);
-      side = ampipe_ring_attention_backward(*P, pos, l, c, projection);
+      side = ampipe_ring_attention_backward(*P, pos, l, c, projection, blocks);
       continue;
     }
     const double flops = cost::ampipe_causal_share(z, c) * cost::causal_attention_backward(z) +

@@ -35,12 +35,17 @@ class AmpipeBlock {
   int l;
 };
 
-// Under CP: owner o's key/value block in this rank's store (layer l, set `set`).
-Tensor kv_block(RankProgram& P, int set, int l, int owner);
-// Under CP: chunk c's attention backward against the stored blocks, after `ready` (when d_attn
-// holds the gradients of the queries it takes): dq into d_qkv, each block's dk and dv into
-// dkv_send at its owner. Returns its task.
+// Under CP: owner o's key/value block as this rank holds it for layer l of set `set`: its own
+// (kv_local), or the one the ring brought, kept in the layer's store or, with
+// --ampipe-cp-resend-kv, in the workspace the forward's (or the backward's) ring fills.
+Tensor kv_block(RankProgram& P, int set, int l, int owner, bool backward);
+// With --ampipe-cp-resend-kv: the ring again after `ready`, bringing every block into the
+// backward's workspace. Returns the last step.
+TaskId resend_blocks(RankProgram& P, const BuildPosition& pos, int l, TaskId ready);
+// Under CP: chunk c's attention backward against the blocks, after `ready` (when d_attn holds
+// the gradients of the queries it takes) and `blocks` (when they are here): dq into d_qkv, each
+// block's dk and dv into dkv_send at its owner. Returns its task.
 TaskId ampipe_ring_attention_backward(RankProgram& P, const BuildPosition& pos, int l, int c,
-                                      TaskId ready);
+                                      TaskId ready, TaskId blocks);
 
 }  // namespace weave::graphs

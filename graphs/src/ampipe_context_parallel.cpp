@@ -61,8 +61,25 @@ double chunk_units(const StepShape& z, int me, int c) {
 
 }  // namespace
 
-Tensor kv_block(RankProgram& P, int set, int l, int owner) {
-  return P.acts(set, l).kv_store.slice(0, owner * P.shape.Sc, P.shape.Sc);
+Tensor kv_block(RankProgram& P, int set, int l, int owner, bool backward) {
+  LayerActivations& A = P.acts(set, l);
+  const std::int64_t Sc = P.shape.Sc;
+  if (owner == P.at.cp) return A.kv_local;
+  if (!P.shape.plan.ampipe_cp_resend_kv) return A.kv_store.slice(0, owner * Sc, Sc);
+  // The workspaces hold the blocks of ring steps 1 .. cp - 1.
+  const int cp = P.shape.cp, step = ((P.at.cp - owner) % cp + cp) % cp;
+  return (backward ? P.ws().kv_backward : P.ws().kv_forward).slice(0, (step - 1) * Sc, Sc);
+}
+
+TaskId resend_blocks(RankProgram& P, const BuildPosition& pos, int l, TaskId ready) {
+  const RingAttention ring(P, l);
+  const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
+  TaskId arrived = ready;
+  for (int t = 1; t < P.shape.cp; ++t)
+    arrived = ring.shift(arrived, kv_block(P, pos.set, l, ring.owner(t - 1), true),
+                         kv_block(P, pos.set, l, ring.owner(t), true),
+                         fmt::format("L{}.cp_ring_kv{}", l, t), tags);
+  return arrived;
 }
 
 TaskId AmpipeBlock::ring_attention(const BuildPosition& pos, int c, TaskId qkv) const {
@@ -78,7 +95,7 @@ TaskId AmpipeBlock::ring_attention(const BuildPosition& pos, int c, TaskId qkv) 
     const RingAttention ring(*p, layer);
     for (const Product& product : chunk_products(me, c, owner))
       if (product_units(p->shape, me, owner, product) > 0)
-        ring.attend_piece(set, product.query_half, kv_block(*p, set, layer, owner), owner,
+        ring.attend_piece(set, product.query_half, kv_block(*p, set, layer, owner, false), owner,
                           product.key_half);
   };
   if (c == 1) {  // every block is here: chunk 0's ring brought them
@@ -96,8 +113,8 @@ TaskId AmpipeBlock::ring_attention(const BuildPosition& pos, int c, TaskId qkv) 
     if (t > 0) {
       // Each block lands in its owner's slot of kv_store: nothing is overwritten.
       const TaskId moved =
-          ring.shift(arrived, kv_block(*P, set, l, ring.owner(t - 1)), kv_block(*P, set, l, owner),
-                     at + fmt::format("cp_ring{}", t), tags);
+          ring.shift(arrived, kv_block(*P, set, l, ring.owner(t - 1), false),
+                     kv_block(*P, set, l, owner, false), at + fmt::format("cp_ring{}", t), tags);
       P->after(qkv, moved);
       arrived = moved;
     }
@@ -116,7 +133,7 @@ TaskId AmpipeBlock::ring_attention(const BuildPosition& pos, int c, TaskId qkv) 
 }
 
 TaskId ampipe_ring_attention_backward(RankProgram& P, const BuildPosition& pos, int l, int c,
-                                      TaskId ready) {
+                                      TaskId ready, TaskId blocks) {
   RankProgram* p = &P;
   const int layer = l, set = pos.set, me = P.at.cp;
   const StepShape& z = P.shape;
@@ -135,10 +152,11 @@ TaskId ampipe_ring_attention_backward(RankProgram& P, const BuildPosition& pos, 
                     for (const Product& product : chunk_products(me, c, owner))
                       if (product_units(p->shape, me, owner, product) > 0)
                         ring.attend_piece_backward(
-                            set, product.query_half, kv_block(*p, set, layer, owner),
+                            set, product.query_half, kv_block(*p, set, layer, owner, true),
                             w.dkv_send.slice(0, owner * Sc, Sc), owner, product.key_half);
                 });
   P.after(ready, task);
+  P.after(blocks, task);
   return task;
 }
 

@@ -25,7 +25,7 @@ void AttentionBlock::allocate(LayerActivations& A) const {
   A.lse = ampipe && cp == 1 ? P->activation({z.ampipe * z.t_sp, B, Hl, z.piece_rows()})
                             : P->activation({cp > 1 ? 2 : 1, B, Hl, z.chunk});
   A.proj_partial = P->activation({Sc, B, h});
-  if (cp > 1 && ampipe) {
+  if (cp > 1 && ampipe && !z.plan.ampipe_cp_resend_kv) {
     A.kv_store = P->activation({cp * Sc, B, Hl, 2 * d});
     A.kv_local = A.kv_store.slice(0, P->at.cp * Sc, Sc);
   } else if (cp > 1) {

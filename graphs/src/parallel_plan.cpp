@@ -261,6 +261,23 @@ std::vector<std::string> validate(const ModelConfig& m, ParallelPlan& p) {
       warnings.push_back("--ampipe-tp-sp-comm-overlap is switched off: " + why);
     }
   }
+  if (p.ampipe_cp_resend_kv && (p.ampipe_degree < 2 || cp < 2)) {
+    p.ampipe_cp_resend_kv = false;
+    warnings.push_back(
+        "--ampipe-cp-resend-kv has no effect without --ampipe-degree 2 and "
+        "--context-parallel-size > 1: only Ampipe's chunks under CP keep every key/value block");
+  } else if (p.ampipe_cp_resend_kv && p.pipeline_parallel == 1) {
+    // Each MoE layer frees cp - 1 blocks; the forward's and the backward's rings hold cp - 1 each.
+    int moe_layers = 0;
+    for (int l = 0; l < m.num_layers; ++l)
+      moe_layers += m.is_moe_layer(l) ? 1 : 0;
+    if (moe_layers <= 2)
+      warnings.push_back(fmt::format(
+          "--ampipe-cp-resend-kv saves no memory with {} MoE layer{} and no pipeline: each keeps "
+          "cp - 1 key/value blocks fewer, and the two rings' workspaces hold 2 (cp - 1); it pays "
+          "from 3 MoE layers a stage",
+          moe_layers, moe_layers == 1 ? "" : "s"));
+  }
   require_positive("--pipe-experts-multi-data", p.pipe_experts_multi_data);
   if (p.pipe_experts && p.pipe_experts_multi_stream &&
       !(p.sequence_parallel && p.expert_tensor_parallel > 1)) {

@@ -72,6 +72,10 @@ void RankProgram::allocate() {
     if (z.ampipe > 1) {
       W.dkv_send = activation({cp * Sc, B, Hl, 2 * d});
       W.dkv_recv = activation({cp * Sc, B, Hl, 2 * d});
+      if (z.plan.ampipe_cp_resend_kv) {
+        W.kv_forward = activation({(cp - 1) * Sc, B, Hl, 2 * d});
+        W.kv_backward = activation({(cp - 1) * Sc, B, Hl, 2 * d});
+      }
     }
     W.o_part = activation({z.chunk, B, Hl, d});
     W.dq_part = activation({z.chunk, B, Hl, d});

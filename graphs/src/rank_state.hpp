@@ -22,7 +22,9 @@ struct LayerActivations {
   Tensor ln1, ln1_mean, ln1_rstd, ln1_full;
   Tensor qkv, attn, lse, proj_partial, proj_out, x_mid;
   Tensor kv_local;  // context parallelism: this rank's keys and values [Sc, B, Hl, 2d]
-  Tensor kv_store;  // Ampipe under CP: every cp rank's block, by owner [cp Sc, B, Hl, 2d]
+  // Ampipe under CP, unless the blocks are sent again in backward: every cp rank's block, by
+  // owner [cp Sc, B, Hl, 2d] (kv_local is this rank's slot).
+  Tensor kv_store;
   Tensor ln2, ln2_mean, ln2_rstd, ln2_full;
   Tensor fc1, act, fc2_partial;  // dense
   Tensor mlp_out;                // [Sl, B, h]: the MLP's output, before bias and dropout
@@ -111,8 +113,11 @@ struct BackwardWorkspace {
   // (double-buffered), and one block's partial attention.
   Tensor ring[2], dring[2];   // [Sc, B, Hl, 2d]
   Tensor dkv_send, dkv_recv;  // Ampipe under CP: block gradients by owner / by source [cp Sc, ...]
-  Tensor o_part, dq_part;     // [chunk, B, Hl, d]
-  Tensor lse_part;            // [B, Hl, chunk]
+  // Ampipe under CP with --ampipe-cp-resend-kv: the other cp ranks' blocks, in the order the
+  // forward's ring brings them and the backward's brings them again [(cp - 1) Sc, B, Hl, 2d].
+  Tensor kv_forward, kv_backward;
+  Tensor o_part, dq_part;                          // [chunk, B, Hl, d]
+  Tensor lse_part;                                 // [B, Hl, chunk]
   std::vector<std::int64_t> ring_send, ring_recv;  // rows to each cp rank: all to the next
   Tensor d_logits, d_final_full;                   // [S B, Vl], [S, B, h]
 };

@@ -106,5 +106,45 @@ TEST(AmpipeChunks, UnderContextParallelismEachRanksChunksTakeEqualAttention) {
     }
 }
 
+// --ampipe-cp-resend-kv: each layer keeps its own key/value block only, the others coming round
+// the ring again in backward into a workspace of cp - 1 blocks (one for the forward's ring, one
+// for the backward's): the activations shrink by cp - 1 blocks per layer less the workspaces.
+TEST(AmpipeChunks, ResendingTheBlocksKeepsOneBlockPerLayer) {
+  const int cp = 4, layers = 3;
+  ModelConfig m = one_moe_layer(32 * cp);
+  m.num_layers = layers;
+  ParallelPlan keep{.context_parallel = cp,
+                    .expert_parallel = 2,
+                    .micro_batch_size = 1,
+                    .global_batch_size = 1,
+                    .ampipe_degree = 2};
+  ParallelPlan resend = keep;
+  resend.ampipe_cp_resend_kv = true;
+  validate(m, keep);
+  validate(m, resend);
+  devices::SharedMemoryCommunicator comm;
+  devices::DeviceSet a(keep.devices(), {.pin = false}), b(resend.devices(), {.pin = false});
+  const TrainingStep kept(m, keep, {}, a, comm, {.materialize = false});
+  const TrainingStep sent(m, resend, {}, b, comm, {.materialize = false});
+  // One block: a rank's Sc positions' keys and values, B = 1, every head.
+  const std::int64_t block =
+      static_cast<std::int64_t>(m.seq_length / cp) * m.hidden_size * 2 * sizeof(float);
+  for (int d = 0; d < keep.devices(); ++d) {
+    const auto id = static_cast<rt::DeviceId>(d);
+    const std::int64_t with = a.memory().current(id, rt::MemoryCategory::activations);
+    const std::int64_t without = b.memory().current(id, rt::MemoryCategory::activations);
+    EXPECT_EQ(with - without, (layers - 2) * (cp - 1) * block) << "device " << d;
+  }
+  // Each layer's backward sends the blocks round again: cp - 1 more ring steps.
+  auto ring_steps = [](const TrainingStep& step) {
+    int count = 0;
+    for (rt::TaskId t = 0; t < step.graph().size(); ++t)
+      if (step.graph().tasks().name(t).find("cp_ring_kv") != std::string_view::npos) ++count;
+    return count;
+  };
+  EXPECT_EQ(ring_steps(kept), 0);
+  EXPECT_EQ(ring_steps(sent), keep.devices() * layers * (cp - 1));
+}
+
 }  // namespace
 }  // namespace weave::graphs

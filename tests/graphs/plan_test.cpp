@@ -225,6 +225,29 @@ TEST(ParallelPlan, AmpipeFollowsMindSpeedsSequenceRulesAndConflicts) {
   EXPECT_TRUE(mentions(warnings[0], "MindSpeed refuses it (EP > 1), weave runs it"));
 }
 
+TEST(ParallelPlan, ResendingKeyValueBlocksNeedsAmpipeUnderContextParallelism) {
+  const ModelConfig moe = small_moe();
+  ParallelPlan without_cp{.expert_parallel = 2,
+                          .data_parallel = 2,
+                          .global_batch_size = 2,
+                          .ampipe_degree = 2,
+                          .ampipe_cp_resend_kv = true};
+  const auto warnings = validate(moe, without_cp);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_TRUE(mentions(warnings[0], "--ampipe-cp-resend-kv has no effect")) << warnings[0];
+  EXPECT_FALSE(without_cp.ampipe_cp_resend_kv);
+  ParallelPlan with_cp{
+      .context_parallel = 2, .expert_parallel = 2, .ampipe_degree = 2, .ampipe_cp_resend_kv = true};
+  // Two MoE layers: what the layers free, the rings' workspaces take.
+  const auto two = validate(moe, with_cp);
+  ASSERT_EQ(two.size(), 1u);
+  EXPECT_TRUE(mentions(two[0], "saves no memory with 2 MoE layers")) << two[0];
+  EXPECT_TRUE(with_cp.ampipe_cp_resend_kv);
+  ModelConfig deeper = moe;
+  deeper.num_layers = 3;
+  EXPECT_TRUE(validate(deeper, with_cp).empty());
+}
+
 TEST(ParallelPlan, PipeExpertsFollowMindSpeedsRules) {
   const ModelConfig moe = small_moe();
   auto check = [&](ParallelPlan p) {

@@ -54,6 +54,10 @@ void add_train_flags(CLI::App& cmd, TrainOptions& o) {
                "Pipeline the split experts' tensor-parallel all-gathers and reduce-scatters over "
                "(chunk, local expert) items (MindSpeed; needs --ampipe-degree > 1, "
                "--sequence-parallel, --moe-model-type deepspeed_moe and EP > 1)");
+  cmd.add_flag("--ampipe-cp-resend-kv", p.ampipe_cp_resend_kv,
+               "Under CP: send the key/value blocks round the ring again in backward instead of "
+               "keeping them all from forward (less activation memory, cp - 1 more ring steps per "
+               "layer under the MoE backward)");
   cmd.add_flag("--use-pipe-experts", p.pipe_experts,
                "Run each MoE slot as items (local expert x capacity slice), each with its own "
                "dispatch and combine all-to-all");

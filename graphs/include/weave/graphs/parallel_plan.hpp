@@ -43,6 +43,11 @@ struct ParallelPlan {
   // (chunk, local expert) items (validate() switches it off, with a warning naming what is
   // missing, unless the experts are split, SP is on and EP > 1).
   bool ampipe_tp_sp_comm_overlap = false;
+  // --ampipe-cp-resend-kv: under context parallelism, send the key/value blocks round the ring
+  // again in backward instead of keeping every block from forward: each layer and micro-batch
+  // in flight keeps its own block only ((cp - 1) / cp of the blocks' memory saved), for cp - 1
+  // more ring steps per layer that run under the MoE backward.
+  bool ampipe_cp_resend_kv = false;
   // --use-pipe-experts: each MoE slot's work as items (local expert x capacity slice), each with
   // its own dispatch and combine all-to-all, so one item's experts run while another's rows move.
   bool pipe_experts = false;
