@@ -8,6 +8,9 @@
 // virtual clock, with the key/value blocks kept or sent again in backward, and the activation
 // memory of a device.
 //
+// The default rate, 1.2e13 FLOP/s, is where a device's communication and compute are about
+// equally busy at degree 1 (the table prints both).
+//
 //   ampipe_tp_bench [--quick] [--device-flops F]   (--quick: the virtual clock only)
 #include <fmt/format.h>
 
@@ -71,7 +74,7 @@ std::vector<Variant> variants(int data_parallel, int global_batch) {
 }
 
 ModelConfig model(int seq_length) {
-  return {.num_layers = 2,
+  return {.num_layers = 4,
           .hidden_size = 512,
           .num_attention_heads = 8,
           .ffn_hidden_size = 1024,
@@ -97,7 +100,7 @@ void fill(weave::graphs::TrainingStep& step, const ModelConfig& m, const Paralle
 
 int main(int argc, char** argv) {
   bool quick = false;
-  double flops = 3e13;
+  double flops = 1.2e13;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
     if (std::strcmp(argv[i], "--device-flops") == 0 && i + 1 < argc) flops = std::atof(argv[++i]);
@@ -107,7 +110,7 @@ int main(int argc, char** argv) {
     const ModelConfig m = model(2048);
     const auto links = weave::devices::LinkModel::preset("ampipe-20gbps");
     fmt::print(
-        "virtual clock, 8 devices (tp 2 + SP, ep 2, dp 4, experts split over tp), 2 MoE layers, "
+        "virtual clock, 8 devices (tp 2 + SP, ep 2, dp 4, experts split over tp), 4 MoE layers, "
         "hidden 512, 8 experts top-2, 2048 positions, {:.3g} FLOP/s, {}; kernels skipped, "
         "all-to-alls and expert gathers timed for balanced routing\n",
         flops, links.describe());
@@ -132,13 +135,20 @@ int main(int argc, char** argv) {
           baseline / ms);
       for (const std::string& w : warnings)
         fmt::print("    ({})\n", w);
+      if (v.plan.ampipe_degree == 1) {
+        // Busy time of a device's compute and of its communication (each a union of spans):
+        // the table's target holds where they are about equal.
+        const weave::rt::TraceMetrics busy = weave::rt::measure(r.trace);
+        fmt::print("    (busy per device: compute {:.3f} ms, communication {:.3f} ms)\n",
+                   static_cast<double>(busy.total_compute()) * per_device,
+                   static_cast<double>(busy.total_comm()) * per_device);
+      }
     }
   }
   {
     // Under context parallelism: each rank's halves as the chunks, the attention split evenly,
     // the key/value blocks kept from forward or sent round the ring again in backward.
-    ModelConfig m = model(4096);
-    m.num_layers = 4;  // resending the blocks pays from 3 MoE layers a stage
+    const ModelConfig m = model(4096);  // 4 layers: resending the blocks pays from 3
     const auto links = weave::devices::LinkModel::preset("ampipe-20gbps");
     fmt::print(
         "\nvirtual clock, 8 devices (tp 2 + SP, cp 2, ep 2, dp 2, experts split over tp), "
@@ -186,9 +196,12 @@ int main(int argc, char** argv) {
   if (quick) return 0;
   {
     // 4 devices on this host's cores: the link slowed by what separates the host's compute
-    // (about 4e10 FLOP/s a device) from the modelled 3e13: 20 GB/s and 10 us times 750.
+    // (about 4e10 FLOP/s a device) from the modelled rate (20 GB/s and 10 us, times 300 at
+    // 1.2e13).
     const ModelConfig m = model(1024);
-    const auto links = weave::devices::LinkModel::preset("0.0267:7500");
+    const double slower = flops / 4e10;
+    const auto links = weave::devices::LinkModel::preset(
+        fmt::format("{:.4g}:{:.4g}", 20.0 / slower, 10.0 * slower));
     fmt::print(
         "\nwall clock, 4 devices (tp 2 + SP, ep 2, dp 2), 1024 positions, link {}, 3 steps\n",
         links.describe());
