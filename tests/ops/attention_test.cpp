@@ -142,14 +142,26 @@ TEST(Attention, KeyOffsetMasksKeysAfterTheQuery) {
 }
 
 TEST(Attention, BadShapesAreNamed) {
-  const TensorD q = TensorD::zeros({1, 4, 2, 8}), k = TensorD::zeros({1, 4, 2, 4});
+  // A query row of 6 dimensions per group is no whole number of 4-dimensional heads (8 would be
+  // two query heads sharing each key head: grouped-query attention).
+  const TensorD q = TensorD::zeros({1, 4, 2, 6}), k = TensorD::zeros({1, 4, 2, 4});
   const TensorD o = TensorD::empty(q.shape()), lse = TensorD::empty({1, 2, 4});
   try {
     attention_forward({}, q, k, k, o, lse);
     FAIL();
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("[1, 4, 2, 4]"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("[1, 4, 2, 8]"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("[1, 4, 2, 6]"), std::string::npos) << e.what();
+  }
+  // Keys of another group count than the queries'.
+  const TensorD k3 = TensorD::zeros({1, 4, 3, 4});
+  const TensorD q8 = TensorD::zeros({1, 4, 2, 8}), o8 = TensorD::empty(q8.shape());
+  const TensorD lse4 = TensorD::empty({1, 4, 4});
+  try {
+    attention_forward({}, q8, k3, k3, o8, lse4);
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("[1, 4, 3, 4]"), std::string::npos) << e.what();
   }
 }
 
