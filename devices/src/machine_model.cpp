@@ -8,10 +8,11 @@
 namespace weave::devices {
 
 MachineModel::MachineModel(std::vector<int> numa_of_device, double flops_per_second,
-                           LinkModel links)
+                           LinkModel links, double memory_bytes_per_second)
     : numa_of_device_(std::move(numa_of_device)),
       flops_per_second_(flops_per_second),
-      links_(std::move(links)) {
+      links_(std::move(links)),
+      memory_bytes_per_second_(memory_bytes_per_second) {
   if (numa_of_device_.empty())
     throw std::invalid_argument("a machine model needs at least one device");
   if (!(flops_per_second > 0) || !std::isfinite(flops_per_second)) {
@@ -19,6 +20,10 @@ MachineModel::MachineModel(std::vector<int> numa_of_device, double flops_per_sec
         fmt::format("a device's modelled compute rate must be a positive FLOP/s figure (got {})",
                     flops_per_second));
   }
+  if (!(memory_bytes_per_second >= 0) || !std::isfinite(memory_bytes_per_second))
+    throw std::invalid_argument(fmt::format(
+        "a device's modelled memory bandwidth must be a finite bytes/s figure >= 0 (got {})",
+        memory_bytes_per_second));
 }
 
 rt::Nanos MachineModel::duration(const rt::TaskTable& tasks, rt::TaskId task,
@@ -33,9 +38,13 @@ rt::Nanos MachineModel::duration(const rt::TaskTable& tasks, rt::TaskId task,
     return numa_of_device_[d];
   };
   switch (t.kind) {
-    case rt::TaskKind::compute:
+    case rt::TaskKind::compute: {
       numa(t.device);
-      return static_cast<rt::Nanos>(std::llround(cost.flops / flops_per_second_ * 1e9));
+      const double arithmetic = cost.flops / flops_per_second_;
+      const double memory =
+          memory_bytes_per_second_ > 0 ? cost.bytes / memory_bytes_per_second_ : 0.0;
+      return static_cast<rt::Nanos>(std::llround(std::max(arithmetic, memory) * 1e9));
+    }
     case rt::TaskKind::comm:
     case rt::TaskKind::copy: {
       const int here = numa(t.device);

@@ -3,6 +3,7 @@
 #include "embedding.hpp"
 #include "gradient_buckets.hpp"
 #include "output_loss.hpp"
+#include "step_costs.hpp"
 #include "transformer_layer.hpp"
 
 namespace weave::graphs {
@@ -30,7 +31,8 @@ TaskId ModelChunk::backward(const BuildPosition& pos, TaskId ready, WeightHalves
     }
   } else {
     // The gradient of the chunk's output, from the next stage.
-    prev = P->compute("stage_grad_in", tags, 0,
+    const double rows = static_cast<double>(P->shape.Sl * P->shape.B * P->shape.h);
+    prev = P->compute("stage_grad_in", tags, cost::streamed(2 * rows),
                       [p, set] { p->ws().d_x.copy_from(p->aset(set).d_recv); });
     P->after(ready, prev);
   }
@@ -39,7 +41,8 @@ TaskId ModelChunk::backward(const BuildPosition& pos, TaskId ready, WeightHalves
   halves.flush();
   if (k > 0) {
     // The gradient of the chunk's input, for the previous stage.
-    const TaskId out = P->compute("stage_grad_out", tags, 0,
+    const double rows = static_cast<double>(P->shape.Sl * P->shape.B * P->shape.h);
+    const TaskId out = P->compute("stage_grad_out", tags, cost::streamed(2 * rows),
                                   [p, set] { p->aset(set).d_send.copy_from(p->ws().d_x); });
     P->after(prev, out);
     P->after(d_send_read, out);

@@ -86,7 +86,10 @@ TaskId MoeMlp::gather_item(const BuildPosition& pos, int c, int i, TaskId dispat
   const std::int64_t h = P->shape.h;
   const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
   const std::string at = slot_prefix(c) + fmt::format("i{}.", i);
-  const TaskId unpacked = P->compute(at + "experts_frame", tags, 0, [=] {
+  // One item's share of the slot's regrouped rows.
+  const double share = cost::regrouped_elements(P->shape) /
+                       static_cast<double>(P->shape.local_experts() * P->shape.item_slices());
+  const TaskId unpacked = P->compute(at + "experts_frame", tags, cost::streamed(share), [=] {
     ExpertItem& I = p->slot(set, layer, c).items[static_cast<std::size_t>(i)];
     std::int64_t framed = 0, rows = 0;
     for (int q = 0; q < ep; ++q) {

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <numeric>
 
+#include "step_costs.hpp"
 #include "weave/ops/optimizer.hpp"
 
 namespace weave::graphs {
@@ -10,7 +11,13 @@ namespace weave::graphs {
 void build_optimizer(RankProgram& P) {
   RankProgram* p = &P;
   const rt::TaskTags tags{.phase = rt::Phase::weight};
-  const TaskId norm = P.compute("grad_norm", tags, 0, [p] {
+  // Every gradient read once; AdamW reads value, gradient and two moments and writes three.
+  double gradients = 0, updated = 0;
+  for (const GradientBucket& b : P.shard().buckets()) {
+    gradients += static_cast<double>(b.grads.numel());
+    updated += static_cast<double>(b.shard_size);
+  }
+  const TaskId norm = P.compute("grad_norm", tags, cost::streamed(gradients), [p] {
     // Each distinct gradient element once: tensor-parallel copies on tp rank 0 only, data-
     // parallel copies on the replica that owns the element (its shard, or replica 0).
     const bool tp_first = p->at.tp == 0;
@@ -47,7 +54,7 @@ void build_optimizer(RankProgram& P) {
                                   {.name = "grad_norm_sum", .tags = tags, .stream = "world"});
     P.after(norm, summed);
   }
-  const TaskId step = P.compute("optimizer", tags, 0, [p] {
+  const TaskId step = P.compute("optimizer", tags, cost::streamed(7 * updated), [p] {
     if (!p->inputs.update) return;
     const double norm = std::sqrt(static_cast<double>(p->state.norm_sq.data()[0]));
     const double clip = p->opt.clip_grad;

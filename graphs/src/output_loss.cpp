@@ -45,7 +45,7 @@ TaskId OutputLoss::forward(const BuildPosition& pos, TaskId ready) const {
   const std::int64_t Sc = z.Sc, B = z.B, h = z.h;
   const int last_layer = z.model.num_layers - 1;
   const rt::TaskTags tags = pos.tags(rt::Phase::forward);
-  const TaskId norm = P->compute("final_norm", tags, 0, [=] {
+  const TaskId norm = P->compute("final_norm", tags, cost::streamed(2.0 * z.Sl * B * h), [=] {
     OutputSet& X = p->oset(out);
     ModelShard& W = p->shard();
     p->load_tokens(mb, X.targets, true);
@@ -65,15 +65,16 @@ TaskId OutputLoss::forward(const BuildPosition& pos, TaskId ready) const {
   P->after(gathered, logits);
   const TaskId maxima =
       P->tensor.all_reduce(logits, all_of(X.row_max), devices::ReduceOp::max, "loss_max", tags);
-  const TaskId sums = P->compute("loss_partials", tags, 0, [p, out] {
-    OutputSet& X = p->oset(out);
-    ops::cross_entropy_partial_sums<float>(X.logits, X.targets, vocab_shard(*p), X.row_max,
-                                           X.partials);
-  });
+  const TaskId sums =
+      P->compute("loss_partials", tags, cost::streamed(1.0 * Sc * B * z.Vl), [p, out] {
+        OutputSet& X = p->oset(out);
+        ops::cross_entropy_partial_sums<float>(X.logits, X.targets, vocab_shard(*p), X.row_max,
+                                               X.partials);
+      });
   P->after(maxima, sums);
   const TaskId reduced =
       P->tensor.all_reduce(sums, all_of(X.partials), devices::ReduceOp::sum, "loss_sum", tags);
-  const TaskId loss = P->compute("loss", tags, 0, [p, out, mb] {
+  const TaskId loss = P->compute("loss", tags, cost::streamed(3.0 * Sc * B), [p, out, mb] {
     OutputSet& X = p->oset(out);
     p->state.loss[static_cast<std::size_t>(mb)] = ops::cross_entropy_loss<float>(
         X.row_max, X.partials, X.targets, p->shape.model.padded_vocab_size(p->shape.tp),
@@ -115,14 +116,15 @@ TaskId OutputLoss::backward(const BuildPosition& pos, TaskId ready, WeightHalves
                                                     p->shard().output_weight().grad, Tensor{});
                       });
   });
-  const TaskId norm = P->compute("final_norm_backward", tags, 0, [=] {
-    OutputSet& X = p->oset(out);
-    BackwardWorkspace& w = p->ws();
-    ModelShard& W = p->shard();
-    const Tensor d_in = sp ? w.d_norm : w.d_final_full;
-    norm_backward(p->shape.model, p->acts(set, last_layer).x_out, W.final_ln_weight(),
-                  W.final_ln_bias(), X.final_mean, X.final_rstd, d_in, w.d_x);
-  });
+  const TaskId norm =
+      P->compute("final_norm_backward", tags, cost::streamed(3.0 * z.Sl * B * h), [=] {
+        OutputSet& X = p->oset(out);
+        BackwardWorkspace& w = p->ws();
+        ModelShard& W = p->shard();
+        const Tensor d_in = sp ? w.d_norm : w.d_final_full;
+        norm_backward(p->shape.model, p->acts(set, last_layer).x_out, W.final_ln_weight(),
+                      W.final_ln_bias(), X.final_mean, X.final_rstd, d_in, w.d_x);
+      });
   P->after(reduced, norm);
   return norm;
 }

@@ -2,6 +2,7 @@
 
 #include "gradient_buckets.hpp"
 #include "model_chunk.hpp"
+#include "step_costs.hpp"
 #include "weave/graphs/pipeline_lowering.hpp"
 
 namespace weave::graphs {
@@ -30,7 +31,8 @@ TransferEnds transfer(RankProgram& P, const Transfer& t, TaskId produced, const 
   if (me != t.from_pp && me != t.to_pp) return {};
   if (t.from_pp == t.to_pp) {  // consecutive chunks on one rank
     const TaskId copy =
-        P.compute(t.name, t.tags, 0, [source, target] { target.copy_from(source); });
+        P.compute(t.name, t.tags, cost::streamed(2.0 * static_cast<double>(source.numel())),
+                  [source, target] { target.copy_from(source); });
     P.after(produced, copy);
     for (TaskId before : free)
       P.after(before, copy);

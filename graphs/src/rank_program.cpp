@@ -4,6 +4,7 @@
 
 #include "optimizer_program.hpp"
 #include "pipeline_program.hpp"
+#include "step_costs.hpp"
 #include "weave/ops/dropout.hpp"
 #include "weave/ops/elementwise.hpp"
 
@@ -132,7 +133,7 @@ RankProgram::RankProgram(const StepShape& shape_, const Mesh& mesh_, const Pipel
   allocate();
 }
 
-TaskId RankProgram::compute(const std::string& name, rt::TaskTags tags, double flops,
+TaskId RankProgram::compute(const std::string& name, rt::TaskTags tags, rt::CostHint cost,
                             std::function<void()> fn) {
   rt::TaskFn work = [fn = std::move(fn)](rt::TaskContext&) { fn(); };
   if (!materialize)
@@ -147,7 +148,7 @@ TaskId RankProgram::compute(const std::string& name, rt::TaskTags tags, double f
                     .kind = rt::TaskKind::compute,
                     .name = name,
                     .tags = tags,
-                    .cost = {.flops = flops}},
+                    .cost = cost},
                    std::move(work));
 }
 
@@ -224,7 +225,10 @@ void RankProgram::bias_dropout_add_backward(int mb, int layer, int site, const T
 }
 
 void RankProgram::build() {
-  compute("zero_grads", {}, 0, [this] {
+  double gradients = 0;
+  for (const GradientBucket& b : shard().buckets())
+    gradients += static_cast<double>(b.grads.numel());
+  compute("zero_grads", {}, cost::streamed(gradients), [this] {
     state.shard->zero_grads();
     std::fill(state.loss.begin(), state.loss.end(), 0.0);
     std::fill(state.aux.begin(), state.aux.end(), 0.0);

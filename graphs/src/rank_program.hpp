@@ -133,8 +133,13 @@ class RankProgram {
 
   // A compute task on this rank's device: `fn` is its work, `flops` its cost on the virtual
   // clock (from the shapes it multiplies).
-  TaskId compute(const std::string& name, rt::TaskTags tags, double flops,
+  // A compute task priced by its arithmetic (flops) or by the memory it streams (cost.bytes).
+  TaskId compute(const std::string& name, rt::TaskTags tags, rt::CostHint cost,
                  std::function<void()> fn);
+  TaskId compute(const std::string& name, rt::TaskTags tags, double flops,
+                 std::function<void()> fn) {
+    return compute(name, tags, rt::CostHint{.flops = flops}, std::move(fn));
+  }
   // `task` starts after `before` (either may be kNoTask: no edge).
   void after(TaskId before, TaskId task) {
     if (before != rt::kNoTask && task != rt::kNoTask) graph.precede(before, task);

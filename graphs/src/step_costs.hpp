@@ -1,13 +1,34 @@
 // The virtual clock's price of the step's compute: the multiply-adds (x2) of the matrix products
-// and attention each task runs, from the shapes it multiplies. Element-wise work is small beside
-// them and costs nothing here.
+// and attention each task runs, from the shapes it multiplies; element-wise work (norms,
+// residuals, dropout, copies, the optimizer) by the float32 elements it reads and writes, which
+// the machine model prices at the device's memory bandwidth.
 #pragma once
 
 #include <cstdint>
 
 #include "step_shape.hpp"
+#include "weave/runtime/types.hpp"
 
 namespace weave::graphs::cost {
+
+// A memory-bound task that reads and writes `elements` float32 values in all.
+inline rt::CostHint streamed(double elements) {
+  return {.bytes = 4.0 * elements};
+}
+
+// The rows a MoE slot's experts take on a rank when routing is balanced: its tokens' top-k
+// picks (a hint is fixed when the graph is built; dropless counts vary from step to step).
+inline double routed_rows(const StepShape& z) {
+  return static_cast<double>(z.slot_tokens()) * z.model.moe_router_topk;
+}
+// Regrouping a slot's rows (read and write each).
+inline double regrouped_elements(const StepShape& z) {
+  return 2 * routed_rows(z) * static_cast<double>(z.h);
+}
+// The combine: every picked row read with its weight, every token's output written.
+inline double combine_elements(const StepShape& z) {
+  return (routed_rows(z) + static_cast<double>(z.slot_tokens())) * static_cast<double>(z.h);
+}
 
 // A [rows, in] x [in, out] product.
 inline double matmul(std::int64_t rows, std::int64_t in, std::int64_t out) {

@@ -44,6 +44,9 @@ std::vector<std::string> validate(TrainerConfig& c) {
   if (c.trace_iteration < 1) refuse("--trace-iteration must be >= 1, got {}", c.trace_iteration);
   if (!std::isfinite(c.machine.device_flops) || c.machine.device_flops <= 0)
     refuse("--device-flops must be a finite number > 0, got {}", c.machine.device_flops);
+  if (!std::isfinite(c.machine.device_memory_bandwidth) || c.machine.device_memory_bandwidth <= 0)
+    refuse("--device-memory-bandwidth must be a finite number of bytes/s > 0, got {}",
+           c.machine.device_memory_bandwidth);
   try {
     devices::LinkModel::preset(c.machine.link);
   } catch (const std::invalid_argument& e) {

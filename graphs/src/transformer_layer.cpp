@@ -1,5 +1,6 @@
 #include "transformer_layer.hpp"
 #include "norm.hpp"
+#include "step_costs.hpp"
 
 #include "ampipe_block.hpp"
 #include "attention_block.hpp"
@@ -36,16 +37,20 @@ TaskId TransformerLayer::forward(const BuildPosition& pos, TaskId ready) const {
   const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
   const std::string at = fmt::format("L{}.", l);
   const TaskId attention = AttentionBlock(*P, l).forward(pos, ready);
-  const TaskId residual = P->compute(at + "attention_residual", tags, 0, [=] {
-    LayerActivations& A = p->acts(set, layer);
-    const LayerShard& W = p->layer(layer);
-    p->bias_dropout_add(mb, layer, 0, A.proj_out, value_of(W.proj_bias), A.x_in, A.x_mid);
-    norm_forward(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, A.ln2, A.ln2_mean, A.ln2_rstd);
-  });
+  const double rows = static_cast<double>(z.Sl * z.B * z.h);
+  // Bias, dropout and residual (read 2, write 1), then the norm (read 1, write 1).
+  const TaskId residual =
+      P->compute(at + "attention_residual", tags, cost::streamed(5 * rows), [=] {
+        LayerActivations& A = p->acts(set, layer);
+        const LayerShard& W = p->layer(layer);
+        p->bias_dropout_add(mb, layer, 0, A.proj_out, value_of(W.proj_bias), A.x_in, A.x_mid);
+        norm_forward(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, A.ln2, A.ln2_mean,
+                     A.ln2_rstd);
+      });
   P->after(attention, residual);
   const TaskId mlp =
       moe ? MoeMlp(*P, l).forward(pos, residual) : DenseMlp(*P, l).forward(pos, residual);
-  const TaskId out = P->compute(at + "mlp_residual", tags, 0, [=] {
+  const TaskId out = P->compute(at + "mlp_residual", tags, cost::streamed(4 * rows), [=] {
     LayerActivations& A = p->acts(set, layer);
     const LayerShard& W = p->layer(layer);
     if (!W.moe) {
@@ -69,18 +74,22 @@ TaskId TransformerLayer::backward(const BuildPosition& pos, TaskId ready, Weight
   const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
   const std::string at = fmt::format("L{}.", l);
   // d_x (the layer output's gradient) -> d_mlp; d_x_mid starts as d_x (the residual).
-  const TaskId residual = P->compute(at + "mlp_residual_backward", tags, 0, [=] {
-    BackwardWorkspace& w = p->ws();
-    w.d_x_mid.copy_from(w.d_x);
-    if (moe)
-      p->apply_dropout(true, mb, layer, 1, w.d_x, w.d_mlp);
-    else
-      p->bias_dropout_add_backward(mb, layer, 1, w.d_x, w.d_mlp, grad_of(p->layer(layer).fc2_bias));
-  });
+  const double rows = static_cast<double>(z.Sl * z.B * z.h);
+  const TaskId residual =
+      P->compute(at + "mlp_residual_backward", tags, cost::streamed(4 * rows), [=] {
+        BackwardWorkspace& w = p->ws();
+        w.d_x_mid.copy_from(w.d_x);
+        if (moe)
+          p->apply_dropout(true, mb, layer, 1, w.d_x, w.d_mlp);
+        else
+          p->bias_dropout_add_backward(mb, layer, 1, w.d_x, w.d_mlp,
+                                       grad_of(p->layer(layer).fc2_bias));
+      });
   P->after(ready, residual);
   const TaskId mlp = moe ? MoeMlp(*P, l).backward(pos, residual, halves)
                          : DenseMlp(*P, l).backward(pos, residual, halves);
-  const TaskId norm = P->compute(at + "mlp_norm_backward", tags, 0, [=] {
+  // The norm's backward, the residual's sum, the copy and the bias-dropout backward.
+  const TaskId norm = P->compute(at + "mlp_norm_backward", tags, cost::streamed(10 * rows), [=] {
     LayerActivations& A = p->acts(set, layer);
     BackwardWorkspace& w = p->ws();
     const LayerShard& W = p->layer(layer);

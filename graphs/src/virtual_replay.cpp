@@ -12,7 +12,8 @@ devices::MachineModel machine_model(const devices::DeviceSet& devices,
   for (const auto& placement : devices.layout())
     numa[placement.device] = placement.numa_node;
   return devices::MachineModel(std::move(numa), machine.device_flops,
-                               devices::LinkModel::preset(machine.link));
+                               devices::LinkModel::preset(machine.link),
+                               machine.device_memory_bandwidth);
 }
 
 rt::VirtualRunResult replay_step(TrainerConfig config, const SampleSource& samples, bool execute,

@@ -263,5 +263,21 @@ TEST(MachineModel, CostsComputeAndTransfersByLinkClass) {
   EXPECT_THROW(MachineModel({0}, 0, links), std::invalid_argument);
 }
 
+TEST(MachineModel, ComputeIsBoundByArithmeticOrByMemoryWhicheverIsLonger) {
+  const LinkModel links = LinkModel::host({1'000, 10e9}, {2'000, 5e9});
+  const MachineModel model({0}, 1e9, links, 1e10);  // 1 GFLOP/s, 10 GB/s
+  rt::GraphBuilder b;
+  const rt::TaskId norm =
+      b.add({.device = 0, .name = "norm", .cost = {.flops = 1e3, .bytes = 4e6}});
+  const rt::TaskId gemm =
+      b.add({.device = 0, .name = "gemm", .cost = {.flops = 5e6, .bytes = 4e6}});
+  const rt::Graph g = b.build();
+  EXPECT_EQ(model.duration(g.tasks(), norm), 400'000);    // 4 MB at 10 GB/s
+  EXPECT_EQ(model.duration(g.tasks(), gemm), 5'000'000);  // 5 MFLOP at 1 GFLOP/s
+  // Without a bandwidth memory traffic is free, as before.
+  EXPECT_EQ(MachineModel({0}, 1e9, links).duration(g.tasks(), norm), 1'000);
+  EXPECT_THROW(MachineModel({0}, 1e9, links, -1), std::invalid_argument);
+}
+
 }  // namespace
 }  // namespace weave::devices

@@ -236,6 +236,11 @@ void add_train_flags(CLI::App& cmd, TrainOptions& o) {
   cmd.add_option("--link", o.config.machine.link,
                  "Link model: a preset (see `weave topo --links`) or GBPS:MICROSECONDS")
       ->capture_default_str();
+  cmd.add_option("--device-memory-bandwidth", o.config.machine.device_memory_bandwidth,
+                 "Modelled bytes/s a device streams (--timing model): prices norms, residuals, "
+                 "dropout and the optimizer")
+      ->check(positive())
+      ->capture_default_str();
   cmd.add_option("--device-flops", o.config.machine.device_flops,
                  "Modelled FLOP/s of a device (--timing model)")
       ->check(positive())

@@ -1,5 +1,5 @@
-// A cost model for a set of devices: compute at each device's modelled rate, transfers over
-// the link model's class between the devices involved.
+// A cost model for a set of devices: compute at each device's modelled rate and memory
+// bandwidth, transfers over the link model's class between the devices involved.
 #pragma once
 
 #include <vector>
@@ -11,23 +11,28 @@ namespace weave::devices {
 
 class MachineModel : public rt::CostModel {
  public:
-  // numa_of_device[d] is device d's NUMA node; flops_per_second applies to every device.
-  MachineModel(std::vector<int> numa_of_device, double flops_per_second, LinkModel links);
+  // numa_of_device[d] is device d's NUMA node; flops_per_second and memory_bytes_per_second
+  // apply to every device (0 bytes per second: memory traffic is free).
+  MachineModel(std::vector<int> numa_of_device, double flops_per_second, LinkModel links,
+               double memory_bytes_per_second = 0);
 
-  // compute: flops / rate. comm and copy: the link model, over the link class between the
-  // task's device and the other members of its rendezvous (the slowest class present).
-  // host: 0. Throws std::out_of_range for a task on a device the model does not know.
+  // compute: the longer of flops / rate and bytes / memory bandwidth (a roofline: a kernel is
+  // bound by its arithmetic or by the memory it streams). comm and copy: the link model, over the
+  // link class between the task's device and the other members of its rendezvous (the slowest class
+  // present). host: 0. Throws std::out_of_range for a task on a device the model does not know.
   using rt::CostModel::duration;
   rt::Nanos duration(const rt::TaskTable& tasks, rt::TaskId task,
                      const rt::CostHint& cost) const override;
 
   const LinkModel& links() const { return links_; }
   double flops_per_second() const { return flops_per_second_; }
+  double memory_bytes_per_second() const { return memory_bytes_per_second_; }
 
  private:
   std::vector<int> numa_of_device_;
   double flops_per_second_;
   LinkModel links_;
+  double memory_bytes_per_second_ = 0;
 };
 
 }  // namespace weave::devices

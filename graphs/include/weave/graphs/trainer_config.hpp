@@ -29,6 +29,10 @@ enum class Timing {
 // The hardware the virtual clock assumes, and the link the wall clock holds transfers to.
 struct ModelledMachine {
   double device_flops = 1e11;  // --device-flops: FLOP/s of every device on the virtual clock
+  // --device-memory-bandwidth: bytes/s every device streams on the virtual clock, which prices
+  // the element-wise work (norms, residuals, dropout, the optimizer); the default is about what
+  // a core of a recent server streams, as the default FLOP/s is about what it computes.
+  double device_memory_bandwidth = 2e10;
   // --link: a devices::LinkModel preset (`weave topo --links`) or "GBPS:MICROSECONDS". On the
   // wall clock a link other than "none" holds each transfer to its modelled time.
   std::string link = "none";
