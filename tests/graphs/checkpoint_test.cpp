@@ -112,6 +112,48 @@ TEST(Checkpoint, DamagedOrMismatchedFilesAreRefusedAndChangeNothing) {
   std::filesystem::remove(path);
 }
 
+// The modern decoder's choices are part of the model a checkpoint holds: a run resumes bitwise
+// with them, and loading under another choice is refused, naming it.
+TEST(Checkpoint, RecordsTheDecodersArchitecture) {
+  ModelConfig llama = tiny(4);
+  llama.position_embedding = PositionEmbedding::rope;
+  llama.normalization = Normalization::rms_norm;
+  llama.num_query_groups = 2;
+  llama.untie_embeddings_and_output_weights = true;
+  llama.add_bias_linear = false;
+  const ParallelPlan plan{.pipeline_parallel = 2, .micro_batch_size = 1, .global_batch_size = 4};
+  const std::string path = temp_path("llama.ckpt");
+  Trainer a(llama, plan);
+  a.train(1);
+  save_checkpoint(path, a.model(), a.plan(), a.step(), {.iteration = 1, .consumed_samples = 4});
+  const double a2 = a.train(2);
+  Trainer b(llama, plan);
+  load_checkpoint(path, b.model(), b.plan(), b.step());
+  EXPECT_EQ(b.train(2), a2);
+  const std::pair<const char*, void (*)(ModelConfig&)> others[] = {
+      {"normalization is \"RMSNorm\" in the checkpoint but \"LayerNorm\" now",
+       [](ModelConfig& m) { m.normalization = Normalization::layer_norm; }},
+      {"position_embedding_type is \"rope\" in the checkpoint but \"learned_absolute\" now",
+       [](ModelConfig& m) { m.position_embedding = PositionEmbedding::learned_absolute; }},
+      {"num_query_groups is 2 in the checkpoint but 4 now",
+       [](ModelConfig& m) { m.num_query_groups = 0; }},
+      {"untie_embeddings_and_output_weights is true in the checkpoint but false now",
+       [](ModelConfig& m) { m.untie_embeddings_and_output_weights = false; }},
+  };
+  for (const auto& [message, change] : others) {
+    ModelConfig other = llama;
+    change(other);
+    Trainer c(other, plan);
+    try {
+      load_checkpoint(path, c.model(), c.plan(), c.step());
+      ADD_FAILURE() << "loaded under another architecture: " << message;
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+  }
+  std::filesystem::remove(path);
+}
+
 TEST(LearningRate, WarmupThenCosineToTheMinimum) {
   const LearningRateSchedule s{.lr = 1.0, .min_lr = 0.1, .warmup_iters = 4, .decay_iters = 14};
   EXPECT_DOUBLE_EQ(s.at(1), 0.25);
