@@ -252,8 +252,13 @@ struct Generator::Impl {
         ops::linear_forward(r->final_norm, r->shard->output_weight().value, Tensor{},
                             r->logits_local);
       });
+      // The vocabulary shards side by side, in tp rank order: the whole padded vocabulary.
       if (tensor.size() > 1)
-        chain.then(matcher_all_gather(chain, tensor, R));
+        chain.then(chain.matcher.all_gather(
+            tensor, tensor.rank_of(static_cast<rt::DeviceId>(R.rank)),
+            std::span<const float>(R.logits_local.data(), R.logits_local.numel()),
+            std::span<float>(R.logits_all.data(), R.logits_all.numel()),
+            {.name = "logits_gather"}));
       else
         chain.compute("logits", [r] {
           r->logits_all.copy_from(r->logits_local.reshape({r->logits_all.numel()}));
@@ -272,14 +277,6 @@ struct Generator::Impl {
                                          std::span<float>(R.token), root,
                                          {.name = "token_broadcast"}));
     }
-  }
-
-  static TaskId matcher_all_gather(Chain& chain, const devices::ProcessGroup& tensor,
-                                   RankDecode& R) {
-    return chain.matcher.all_gather(
-        tensor, tensor.rank_of(static_cast<rt::DeviceId>(R.rank)),
-        std::span<const float>(R.logits_local.data(), R.logits_local.numel()),
-        std::span<float>(R.logits_all.data(), R.logits_all.numel()), {.name = "logits_gather"});
   }
 
   void layer(RankDecode& R, Chain& chain, int l) {

@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <limits>
-#include <map>
 
 #include "commands.hpp"
 #include "weave/graphs/parallel_plan.hpp"
@@ -29,15 +28,10 @@ void add_train_flags(CLI::App& cmd, TrainOptions& o) {
       ->check(at_least(1))
       ->capture_default_str();
   cmd.add_flag("--swiglu", o.swiglu, "SwiGLU MLPs instead of GELU");
-  const std::map<std::string, graphs::PositionEmbedding> positions{
-      {"learned_absolute", graphs::PositionEmbedding::learned_absolute},
-      {"rope", graphs::PositionEmbedding::rope},
-      {"none", graphs::PositionEmbedding::none}};
-  cmd.add_option("--position-embedding-type", m.position_embedding,
+  cmd.add_option("--position-embedding-type", o.position_embedding_type,
                  "learned_absolute: a learned table added to the input; rope: rotary embeddings "
                  "of queries and keys; none")
-      ->transform(CLI::CheckedTransformer(positions, CLI::ignore_case))
-      ->default_str("learned_absolute");
+      ->capture_default_str();
   cmd.add_flag("--use-rotary-position-embeddings", o.use_rotary_position_embeddings,
                "Megatron's older spelling of --position-embedding-type rope");
   cmd.add_flag("--no-position-embedding", o.no_position_embedding,
@@ -47,12 +41,8 @@ void add_train_flags(CLI::App& cmd, TrainOptions& o) {
       ->capture_default_str();
   cmd.add_option("--rotary-base", m.rotary_base, "RoPE's base: angle base^(-2i / dims) x position")
       ->capture_default_str();
-  const std::map<std::string, graphs::Normalization> norms{
-      {"LayerNorm", graphs::Normalization::layer_norm},
-      {"RMSNorm", graphs::Normalization::rms_norm}};
-  cmd.add_option("--normalization", m.normalization, "LayerNorm or RMSNorm, for every norm")
-      ->transform(CLI::CheckedTransformer(norms, CLI::ignore_case))
-      ->default_str("LayerNorm");
+  cmd.add_option("--normalization", o.normalization, "LayerNorm or RMSNorm, for every norm")
+      ->capture_default_str();
   cmd.add_option("--norm-epsilon,--layernorm-epsilon", m.layernorm_epsilon, "The norms' epsilon")
       ->check(positive())
       ->capture_default_str();
@@ -250,6 +240,25 @@ void add_train_flags(CLI::App& cmd, TrainOptions& o) {
 void derive_config(TrainOptions& o) {
   graphs::TrainerConfig& c = o.config;
   c.model.activation = o.swiglu ? graphs::Activation::swiglu : graphs::Activation::gelu;
+  if (o.position_embedding_type == "learned_absolute")
+    c.model.position_embedding = graphs::PositionEmbedding::learned_absolute;
+  else if (o.position_embedding_type == "rope")
+    c.model.position_embedding = graphs::PositionEmbedding::rope;
+  else if (o.position_embedding_type == "none")
+    c.model.position_embedding = graphs::PositionEmbedding::none;
+  else
+    throw graphs::ConfigError(fmt::format(
+        "--position-embedding-type must be learned_absolute, rope or none (Megatron-LM's "
+        "choices), got '{}'",
+        o.position_embedding_type));
+  if (o.normalization == "LayerNorm")
+    c.model.normalization = graphs::Normalization::layer_norm;
+  else if (o.normalization == "RMSNorm")
+    c.model.normalization = graphs::Normalization::rms_norm;
+  else
+    throw graphs::ConfigError(fmt::format(
+        "--normalization must be LayerNorm or RMSNorm (spelt as Megatron-LM spells them), got '{}'",
+        o.normalization));
   if (o.use_rotary_position_embeddings)
     c.model.position_embedding = graphs::PositionEmbedding::rope;
   else if (o.no_position_embedding &&

@@ -18,6 +18,8 @@ struct TrainOptions {
   // global_batch_size 0: micro-batch x data-parallel size
   graphs::TrainerConfig config{.plan = {.global_batch_size = 0}};
   bool swiglu = false;
+  std::string position_embedding_type = "learned_absolute";  // or rope, none
+  std::string normalization = "LayerNorm";                   // or RMSNorm
   bool use_rotary_position_embeddings = false, no_position_embedding = false;
   bool group_query_attention = false;
   int num_query_groups = 0;
