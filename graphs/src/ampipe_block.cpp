@@ -1,4 +1,5 @@
 #include "ampipe_block.hpp"
+#include "norm.hpp"
 
 #include <numeric>
 
@@ -20,21 +21,20 @@ TaskId AmpipeBlock::forward(const BuildPosition& pos, TaskId ready) const {
   const std::int64_t q = z.piece_rows(), n = z.t_sp * q;  // n: the chunk's rows of the sequence
   const std::int64_t B = z.B, Hl = z.Hl, d = z.d;
   const int t_sp = z.t_sp, N = z.ampipe;
-  const double eps = z.model.layernorm_epsilon;
   const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
   const std::string at = fmt::format("L{}.", l);
   const MoeMlp moe(*P, l);
   const TaskId qkv = AttentionBlock(*P, l).forward_input(pos, ready);
   // Residual and norm of this rank's rows of chunk c, from the out-projection's sum `proj`.
-  auto residual_norm = [p, layer, set, mb, q, B, eps](int c, const Tensor& proj) {
+  auto residual_norm = [p, layer, set, mb, q, B](int c, const Tensor& proj) {
     LayerActivations& A = p->acts(set, layer);
     const LayerShard& W = p->layer(layer);
     const std::int64_t first = c * q;
-    p->bias_dropout_add(mb, layer, 0, proj, W.proj_bias->value, A.x_in.slice(0, first, q),
+    p->bias_dropout_add(mb, layer, 0, proj, value_of(W.proj_bias), A.x_in.slice(0, first, q),
                         A.x_mid.slice(0, first, q), first);
-    ops::layer_norm_forward(A.x_mid.slice(0, first, q), W.ln2_weight->value, W.ln2_bias->value, eps,
-                            A.ln2.slice(0, first, q), A.ln2_mean.slice(0, first * B, q * B),
-                            A.ln2_rstd.slice(0, first * B, q * B));
+    norm_forward(p->shape.model, A.x_mid.slice(0, first, q), *W.ln2_weight, W.ln2_bias,
+                 A.ln2.slice(0, first, q), A.ln2_mean.slice(0, first * B, q * B),
+                 A.ln2_rstd.slice(0, first * B, q * B));
   };
   // The out-projection's partial sums of chunk c's rows, piece after piece.
   auto partial = [p, layer, set, n](int c) {
@@ -62,9 +62,9 @@ TaskId AmpipeBlock::forward(const BuildPosition& pos, TaskId ready) const {
         const StepShape& z = p->shape;
         for (int j = 0; j < t_sp; ++j) {
           const std::int64_t first = z.piece_start(c, j);
-          ops::attention_forward({.q_offset = first}, head_view(A.qkv.slice(0, first, q), d, 0),
-                                 head_view(A.qkv, d, 1), head_view(A.qkv, d, 2),
-                                 A.attn.slice(0, first, q).transpose(0, 1),
+          ops::attention_forward({.q_offset = first, .dropout = attention_dropout(*p, layer, mb)},
+                                 query_view(A.qkv.slice(0, first, q), z), key_view(A.qkv, z),
+                                 value_view(A.qkv, z), output_view(A.attn.slice(0, first, q), z),
                                  A.lse.slice(0, c * t_sp + j, 1).reshape({B, Hl, q}));
           ops::linear_forward(A.attn.slice(0, first, q).reshape({q, B, Hl * d}),
                               p->layer(layer).proj_weight->value, Tensor{},
@@ -174,13 +174,12 @@ TaskId AmpipeBlock::backward(const BuildPosition& pos, TaskId ready, WeightHalve
       const Tensor d_norm = w.d_norm.slice(0, first, q), d_tmp = w.d_tmp.slice(0, first, q);
       const Tensor d_mid = w.d_x_mid.slice(0, first, q), d_proj = w.d_mlp.slice(0, first, q);
       d_norm.reshape({q * B, p->shape.h}).copy_from(p->slot(set, layer, c).d_moe_in);
-      ops::layer_norm_backward(A.x_mid.slice(0, first, q), W.ln2_weight->value,
-                               A.ln2_mean.slice(0, first * B, q * B),
-                               A.ln2_rstd.slice(0, first * B, q * B), d_norm, d_tmp,
-                               W.ln2_weight->grad, W.ln2_bias->grad);
+      norm_backward(p->shape.model, A.x_mid.slice(0, first, q), *W.ln2_weight, W.ln2_bias,
+                    A.ln2_mean.slice(0, first * B, q * B), A.ln2_rstd.slice(0, first * B, q * B),
+                    d_norm, d_tmp);
       ops::accumulate(d_tmp, d_mid);
       w.d_x.slice(0, first, q).copy_from(d_mid);  // the residual path to the layer input
-      p->bias_dropout_add_backward(mb, layer, 0, d_mid, d_proj, W.proj_bias->grad, first);
+      p->bias_dropout_add_backward(mb, layer, 0, d_mid, d_proj, grad_of(W.proj_bias), first);
     };
     // The projection's gradient of the chunk's rows of the sequence, piece after piece (under
     // SP gathered from every rank's piece).
@@ -233,13 +232,12 @@ TaskId AmpipeBlock::backward(const BuildPosition& pos, TaskId ready, WeightHalve
         ops::linear_backward_input(d_proj, W.proj_weight->value, d_attn);
         ops::linear_backward_weight(A.attn.slice(0, first, q).reshape({q, B, Hl * d}), d_proj,
                                     W.proj_weight->grad, Tensor{});
-        ops::attention_backward({.q_offset = first}, head_view(A.qkv.slice(0, first, q), d, 0),
-                                head_view(A.qkv, d, 1), head_view(A.qkv, d, 2),
-                                A.attn.slice(0, first, q).transpose(0, 1),
+        ops::attention_backward({.q_offset = first, .dropout = attention_dropout(*p, layer, mb)},
+                                query_view(A.qkv.slice(0, first, q), z), key_view(A.qkv, z),
+                                value_view(A.qkv, z), output_view(A.attn.slice(0, first, q), z),
                                 A.lse.slice(0, c * t_sp + j, 1).reshape({B, Hl, q}),
-                                d_attn.reshape({q, B, Hl, d}).transpose(0, 1),
-                                head_view(w.d_qkv.slice(0, first, q), d, 0),
-                                head_view(w.d_qkv, d, 1), head_view(w.d_qkv, d, 2));
+                                output_view(d_attn, z), query_view(w.d_qkv.slice(0, first, q), z),
+                                key_view(w.d_qkv, z), value_view(w.d_qkv, z));
       }
     });
     P->after(attention_ready, attention);

@@ -84,19 +84,19 @@ TaskId resend_blocks(RankProgram& P, const BuildPosition& pos, int l, TaskId rea
 
 TaskId AmpipeBlock::ring_attention(const BuildPosition& pos, int c, TaskId qkv) const {
   RankProgram* p = P;
-  const int layer = l, set = pos.set, me = P->at.cp;
+  const int layer = l, set = pos.set, me = P->at.cp, mb = pos.micro_batch;
   const StepShape& z = P->shape;
   const int cp = z.cp;
   const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
   const std::string at = fmt::format("L{}.c{}.", l, c);
   // A full product is 1/(2 cp) of the rank's causal attention.
   const double unit = cost::causal_attention(z) / (2.0 * cp);
-  auto attend = [p, layer, set, me, c](int owner) {
+  auto attend = [p, layer, set, me, c, mb](int owner) {
     const RingAttention ring(*p, layer);
     for (const Product& product : chunk_products(me, c, owner))
       if (product_units(p->shape, me, owner, product) > 0)
-        ring.attend_piece(set, product.query_half, kv_block(*p, set, layer, owner, false), owner,
-                          product.key_half);
+        ring.attend_piece(set, mb, product.query_half, kv_block(*p, set, layer, owner, false),
+                          owner, product.key_half);
   };
   if (c == 1) {  // every block is here: chunk 0's ring brought them
     const TaskId task = P->compute(at + "attention", tags, unit * chunk_units(z, me, 1), [=] {
@@ -135,13 +135,13 @@ TaskId AmpipeBlock::ring_attention(const BuildPosition& pos, int c, TaskId qkv) 
 TaskId ampipe_ring_attention_backward(RankProgram& P, const BuildPosition& pos, int l, int c,
                                       TaskId ready, TaskId blocks) {
   RankProgram* p = &P;
-  const int layer = l, set = pos.set, me = P.at.cp;
+  const int layer = l, set = pos.set, me = P.at.cp, mb = pos.micro_batch;
   const StepShape& z = P.shape;
   const std::int64_t Sc = z.Sc;
   const double unit = cost::causal_attention_backward(z) / (2.0 * z.cp);
   const TaskId task =
       P.compute(fmt::format("L{}.c{}.attention_backward", l, c), pos.tags(rt::Phase::backward, l),
-                unit * chunk_units(z, me, c), [p, layer, set, me, c, Sc] {
+                unit * chunk_units(z, me, c), [p, layer, set, me, c, Sc, mb] {
                   BackwardWorkspace& w = p->ws();
                   // Chunk 1's backward runs first: the chunks add dq, dk and dv from here on;
                   // zeroed here, not earlier, as the layer above's deferred weight half reads d_qkv
@@ -152,7 +152,7 @@ TaskId ampipe_ring_attention_backward(RankProgram& P, const BuildPosition& pos, 
                     for (const Product& product : chunk_products(me, c, owner))
                       if (product_units(p->shape, me, owner, product) > 0)
                         ring.attend_piece_backward(
-                            set, product.query_half, kv_block(*p, set, layer, owner, true),
+                            set, mb, product.query_half, kv_block(*p, set, layer, owner, true),
                             w.dkv_send.slice(0, owner * Sc, Sc), owner, product.key_half);
                 });
   P.after(ready, task);

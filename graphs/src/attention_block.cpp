@@ -1,4 +1,5 @@
 #include "attention_block.hpp"
+#include "norm.hpp"
 
 #include "gradient_buckets.hpp"
 #include "ring_attention.hpp"
@@ -8,8 +9,41 @@
 #include "weave/ops/elementwise.hpp"
 #include "weave/ops/linear.hpp"
 #include "weave/ops/normalization.hpp"
+#include "weave/ops/rotary.hpp"
 
 namespace weave::graphs {
+
+void rotate_queries_and_keys(const RankProgram& rank, const Tensor& qkv, std::int64_t first,
+                             bool backward) {
+  const StepShape& z = rank.shape;
+  const std::int64_t rows = qkv.dim(0);
+  std::vector<std::int64_t> positions(static_cast<std::size_t>(rows));
+  for (std::int64_t s = 0; s < rows; ++s)
+    positions[static_cast<std::size_t>(s)] = z.context_position(rank.at.cp, first + s);
+  const ops::RotarySpec spec{
+      .head_dim = z.d, .rotary_dims = z.model.rotary_dims(), .base = z.model.rotary_base};
+  // The queries and the key of every group; the values pass unchanged.
+  const Tensor rotated = qkv.slice(3, 0, (z.qpg + 1) * z.d);
+  if (backward)
+    ops::rotary_backward<float>(spec, rotated, positions);
+  else
+    ops::rotary_forward<float>(spec, rotated, positions);
+}
+
+ops::AttentionDropout attention_dropout(const RankProgram& rank, int layer, int mb) {
+  const StepShape& z = rank.shape;
+  const ModelConfig& m = z.model;
+  if (m.attention_dropout <= 0) return {};
+  // Keyed like the hidden dropout (seed and iteration), on a site of its own.
+  return {.probability = m.attention_dropout,
+          .key = {.seed = m.seed ^ (0x9E3779B97F4A7C15ull *
+                                    static_cast<std::uint64_t>(rank.inputs.iteration)),
+                  .layer = static_cast<std::uint32_t>(layer),
+                  .site = 3},
+          .sequence_length = z.S,
+          .batch_offset = (static_cast<std::int64_t>(rank.at.dp) * z.M + mb) * z.B,
+          .head_offset = static_cast<std::int64_t>(rank.at.tp) * z.Hl};
+}
 
 void AttentionBlock::allocate(LayerActivations& A) const {
   const StepShape& z = P->shape;
@@ -19,22 +53,22 @@ void AttentionBlock::allocate(LayerActivations& A) const {
   A.ln1_mean = P->activation({Sl * B});
   A.ln1_rstd = P->activation({Sl * B});
   A.ln1_full = z.sp() ? P->activation({Sc, B, h}) : A.ln1;
-  A.qkv = P->activation({Sc, B, Hl, 3 * d});
+  A.qkv = P->activation({Sc, B, z.Gl, z.qkv_group_width()});
   A.attn = P->activation({Sc, B, Hl, d});
   // Ampipe without CP: one [B, Hl, q] block per (chunk, piece); under CP one per half.
   A.lse = ampipe && cp == 1 ? P->activation({z.ampipe * z.t_sp, B, Hl, z.piece_rows()})
                             : P->activation({cp > 1 ? 2 : 1, B, Hl, z.chunk});
   A.proj_partial = P->activation({Sc, B, h});
   if (cp > 1 && ampipe && !z.plan.ampipe_cp_resend_kv) {
-    A.kv_store = P->activation({cp * Sc, B, Hl, 2 * d});
+    A.kv_store = P->activation({cp * Sc, B, z.Gl, 2 * d});
     A.kv_local = A.kv_store.slice(0, P->at.cp * Sc, Sc);
   } else if (cp > 1) {
-    A.kv_local = P->activation({Sc, B, Hl, 2 * d});
+    A.kv_local = P->activation({Sc, B, z.Gl, 2 * d});
   }
   A.proj_out = z.sp() ? P->activation({Sl, B, h}) : A.proj_partial;
   if (z.splits_backward) {
     A.saved_d_proj = P->activation({Sc, B, h});
-    A.saved_d_qkv = P->activation({Sc, B, Hl * 3 * d});
+    A.saved_d_qkv = P->activation({Sc, B, z.qkv_width()});
   }
 }
 
@@ -42,15 +76,13 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
   RankProgram* p = P;
   const int layer = l, set = pos.set;
   const StepShape& z = P->shape;
-  const std::int64_t Sc = z.Sc, B = z.B, Hl = z.Hl, d = z.d, cp = z.cp;
-  const double eps = z.model.layernorm_epsilon;
+  const std::int64_t Sc = z.Sc, B = z.B, d = z.d, cp = z.cp;
   const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
   const std::string at = fmt::format("L{}.", l);
-  const TaskId ln1 = P->compute(at + "input_norm", tags, 0, [p, layer, set, eps] {
+  const TaskId ln1 = P->compute(at + "input_norm", tags, 0, [p, layer, set] {
     LayerActivations& A = p->acts(set, layer);
     const LayerShard& W = p->layer(layer);
-    ops::layer_norm_forward(A.x_in, W.ln1_weight->value, W.ln1_bias->value, eps, A.ln1, A.ln1_mean,
-                            A.ln1_rstd);
+    norm_forward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.ln1, A.ln1_mean, A.ln1_rstd);
   });
   P->after(ready, ln1);
   LayerActivations& A = P->acts(set, layer);
@@ -59,11 +91,14 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
   const TaskId qkv = P->compute(at + "qkv", tags, cost::qkv(z), [=] {
     LayerActivations& A = p->acts(set, layer);
     const LayerShard& W = p->layer(layer);
-    ops::linear_forward(A.ln1_full, W.qkv_weight->value, W.qkv_bias->value,
-                        A.qkv.reshape({Sc, B, 3 * Hl * d}));
+    ops::linear_forward(A.ln1_full, W.qkv_weight->value, value_of(W.qkv_bias),
+                        A.qkv.reshape({Sc, B, p->shape.qkv_width()}));
+    if (p->shape.model.position_embedding == PositionEmbedding::rope)
+      rotate_queries_and_keys(*p, A.qkv, 0, false);
     if (cp > 1) {  // keys and values, contiguous: the block this rank sends round the ring
-      A.kv_local.slice(3, 0, d).copy_from(A.qkv.slice(3, d, d));
-      A.kv_local.slice(3, d, d).copy_from(A.qkv.slice(3, 2 * d, d));
+      const std::int64_t keys = p->shape.qpg * d;
+      A.kv_local.slice(3, 0, d).copy_from(A.qkv.slice(3, keys, d));
+      A.kv_local.slice(3, d, d).copy_from(A.qkv.slice(3, keys + d, d));
     }
   });
   P->after(gathered, qkv);
@@ -77,15 +112,17 @@ TaskId AttentionBlock::forward(const BuildPosition& pos, TaskId ready) const {
   const std::int64_t Sc = z.Sc, B = z.B, Hl = z.Hl, d = z.d;
   const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
   const std::string at = fmt::format("L{}.", l);
+  const int mb = pos.micro_batch;
   const TaskId qkv = forward_input(pos, ready);
   TaskId attention;
   if (z.cp == 1) {
     attention =
         P->compute(at + "attention", tags, cost::causal_attention(z) + cost::projection(z), [=] {
           LayerActivations& A = p->acts(set, layer);
-          ops::attention_forward({}, head_view(A.qkv, d, 0), head_view(A.qkv, d, 1),
-                                 head_view(A.qkv, d, 2), A.attn.transpose(0, 1),
-                                 A.lse.reshape({B, Hl, Sc}));
+          const StepShape& z = p->shape;
+          ops::attention_forward({.dropout = attention_dropout(*p, layer, mb)},
+                                 query_view(A.qkv, z), key_view(A.qkv, z), value_view(A.qkv, z),
+                                 output_view(A.attn, z), A.lse.reshape({B, Hl, Sc}));
           ops::linear_forward(A.attn.reshape({Sc, B, Hl * d}), p->layer(layer).proj_weight->value,
                               Tensor{}, A.proj_partial);
         });
@@ -102,7 +139,7 @@ TaskId AttentionBlock::forward(const BuildPosition& pos, TaskId ready) const {
 TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHalves& halves,
                                 bool last, WeightPlacement qkv_weights) const {
   RankProgram* p = P;
-  const int layer = l, set = pos.set;
+  const int layer = l, set = pos.set, mb = pos.micro_batch;
   const StepShape& z = P->shape;
   const std::int64_t Sc = z.Sc, B = z.B, Hl = z.Hl, d = z.d, cp = z.cp;
   const bool sp = z.sp();
@@ -127,12 +164,12 @@ TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHa
       ops::linear_backward_weight(A.attn.reshape({Sc, B, Hl * d}), d_proj, W.proj_weight->grad,
                                   Tensor{});
     w.d_qkv.fill(0.f);  // attention accumulates dk and dv
+    const StepShape& z = p->shape;
     if (cp == 1)
-      ops::attention_backward(
-          {}, head_view(A.qkv, d, 0), head_view(A.qkv, d, 1), head_view(A.qkv, d, 2),
-          A.attn.transpose(0, 1), A.lse.reshape({B, Hl, Sc}),
-          w.d_attn.reshape({Sc, B, Hl, d}).transpose(0, 1), head_view(w.d_qkv, d, 0),
-          head_view(w.d_qkv, d, 1), head_view(w.d_qkv, d, 2));
+      ops::attention_backward({.dropout = attention_dropout(*p, layer, mb)}, query_view(A.qkv, z),
+                              key_view(A.qkv, z), value_view(A.qkv, z), output_view(A.attn, z),
+                              A.lse.reshape({B, Hl, Sc}), output_view(w.d_attn, z),
+                              query_view(w.d_qkv, z), key_view(w.d_qkv, z), value_view(w.d_qkv, z));
   });
   P->after(gathered, attention);
   if (keep)
@@ -155,20 +192,23 @@ TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, We
   RankProgram* p = P;
   const int layer = l, set = pos.set;
   const StepShape& z = P->shape;
-  const std::int64_t Sc = z.Sc, B = z.B, Hl = z.Hl, d = z.d, cp = z.cp;
+  const std::int64_t Sc = z.Sc, B = z.B, d = z.d, cp = z.cp;
   const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
   const std::string at = fmt::format("L{}.", l);
   const bool keep = halves.zero_bubble();
   const TaskId qkv_in = P->compute(at + "qkv_backward", tags, cost::qkv(z), [=] {
     BackwardWorkspace& w = p->ws();
+    const std::int64_t keys = p->shape.qpg * d, width = p->shape.qkv_width();
     if (cp > 1) {  // the block's gradients came home with the last turn of the ring
       const Tensor& home = w.dring[cp % 2];
-      w.d_qkv.slice(3, d, d).copy_from(home.slice(3, 0, d));
-      w.d_qkv.slice(3, 2 * d, d).copy_from(home.slice(3, d, d));
+      w.d_qkv.slice(3, keys, d).copy_from(home.slice(3, 0, d));
+      w.d_qkv.slice(3, keys + d, d).copy_from(home.slice(3, d, d));
     }
-    ops::linear_backward_input(w.d_qkv.reshape({Sc, B, 3 * Hl * d}),
-                               p->layer(layer).qkv_weight->value, w.d_norm_full);
-    if (keep) p->acts(set, layer).saved_d_qkv.copy_from(w.d_qkv.reshape({Sc, B, 3 * Hl * d}));
+    if (p->shape.model.position_embedding == PositionEmbedding::rope)
+      rotate_queries_and_keys(*p, w.d_qkv, 0, true);
+    ops::linear_backward_input(w.d_qkv.reshape({Sc, B, width}), p->layer(layer).qkv_weight->value,
+                               w.d_norm_full);
+    if (keep) p->acts(set, layer).saved_d_qkv.copy_from(w.d_qkv.reshape({Sc, B, width}));
   });
   P->after(ready, qkv_in);
   BackwardWorkspace& w = P->ws();
@@ -181,8 +221,9 @@ TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, We
     return p->compute(at + "qkv_weight_grad", t, cost::qkv(z), [=] {
       LayerActivations& A = p->acts(set, layer);
       const LayerShard& W = p->layer(layer);
-      const Tensor d_out = keep ? A.saved_d_qkv : p->ws().d_qkv.reshape({Sc, B, 3 * Hl * d});
-      ops::linear_backward_weight(A.ln1_full, d_out, W.qkv_weight->grad, W.qkv_bias->grad);
+      const Tensor d_out =
+          keep ? A.saved_d_qkv : p->ws().d_qkv.reshape({Sc, B, p->shape.qkv_width()});
+      ops::linear_backward_weight(A.ln1_full, d_out, W.qkv_weight->grad, grad_of(W.qkv_bias));
     });
   };
   TaskId norm_ready = reduced;
@@ -205,8 +246,8 @@ TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, We
     LayerActivations& A = p->acts(set, layer);
     BackwardWorkspace& w = p->ws();
     const LayerShard& W = p->layer(layer);
-    ops::layer_norm_backward(A.x_in, W.ln1_weight->value, A.ln1_mean, A.ln1_rstd, w.d_norm, w.d_tmp,
-                             W.ln1_weight->grad, W.ln1_bias->grad);
+    norm_backward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.ln1_mean, A.ln1_rstd,
+                  w.d_norm, w.d_tmp);
     ops::accumulate(w.d_tmp, w.d_x);
   });
   P->after(norm_ready, ln1);

@@ -8,6 +8,7 @@
 #pragma once
 
 #include "rank_program.hpp"
+#include "weave/ops/attention.hpp"
 #include "weight_halves.hpp"
 
 namespace weave::graphs {
@@ -42,10 +43,35 @@ class AttentionBlock {
   int l;
 };
 
-// Heads' part `part` (0 q, 1 k, 2 v; or 0 k, 1 v of a key/value block) of a [s, B, Hl, n d]
-// tensor, seen as [B, s, Hl, d] for the attention kernel.
+// Part `part` (0 k, 1 v) of a [s, B, Gl, 2 d] key/value block, seen as [B, s, Gl, d] for the
+// attention kernel.
 inline Tensor head_view(const Tensor& t, std::int64_t d, std::int64_t part) {
   return t.slice(3, part * d, d).transpose(0, 1);
 }
+
+// The [s, B, Gl, (qpg + 2) d] QKV tensor (or its gradient) as the attention kernel reads it:
+// the queries [B, s, Gl, qpg d], the keys and the values [B, s, Gl, d].
+inline Tensor query_view(const Tensor& qkv, const StepShape& z) {
+  return qkv.slice(3, 0, z.qpg * z.d).transpose(0, 1);
+}
+inline Tensor key_view(const Tensor& qkv, const StepShape& z) {
+  return qkv.slice(3, z.qpg * z.d, z.d).transpose(0, 1);
+}
+inline Tensor value_view(const Tensor& qkv, const StepShape& z) {
+  return qkv.slice(3, (z.qpg + 1) * z.d, z.d).transpose(0, 1);
+}
+// An attention output (or its gradient) of s rows, stored [s, B, Hl, d] (or [s, B, Hl d]), as the
+// kernel reads it: [B, s, Gl, qpg d], each group's query heads side by side.
+inline Tensor output_view(const Tensor& t, const StepShape& z) {
+  return t.reshape({t.dim(0), z.B, z.Gl, z.qpg * z.d}).transpose(0, 1);
+}
+
+// Rotary embeddings (--position-embedding-type rope) of the rank's QKV rows [first, first +
+// rows) of its Sc, queries and keys in place; `backward` rotates a gradient back.
+void rotate_queries_and_keys(const RankProgram& rank, const Tensor& qkv, std::int64_t first,
+                             bool backward);
+
+// The attention kernel's dropout for layer `layer`, micro-batch `mb` (--attention-dropout).
+ops::AttentionDropout attention_dropout(const RankProgram& rank, int layer, int mb);
 
 }  // namespace weave::graphs

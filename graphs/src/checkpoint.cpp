@@ -39,7 +39,26 @@ json describe(const ModelConfig& m) {
           {"make_vocab_size_divisible_by", m.make_vocab_size_divisible_by},
           {"swiglu", m.activation == Activation::swiglu},
           {"num_experts", m.num_experts},
-          {"moe_layer_freq", m.moe_layer_freq}};
+          {"moe_layer_freq", m.moe_layer_freq},
+          {"position_embedding_type", position_embedding_name(m.position_embedding)},
+          {"rotary_percent", m.rotary_percent},
+          {"rotary_base", m.rotary_base},
+          {"normalization", m.normalization == Normalization::rms_norm ? "RMSNorm" : "LayerNorm"},
+          {"num_query_groups", m.query_groups()},
+          {"untie_embeddings_and_output_weights", m.untie_embeddings_and_output_weights},
+          {"add_bias_linear", m.add_bias_linear}};
+}
+
+// The model as a checkpoint saved before a field existed describes it: the field's default.
+json with_defaults(json saved, const ModelConfig& m) {
+  if (!saved.is_object()) return saved;
+  const ModelConfig defaults{.num_attention_heads = m.num_attention_heads};
+  const json implied = describe(defaults);
+  for (const char* key :
+       {"position_embedding_type", "rotary_percent", "rotary_base", "normalization",
+        "num_query_groups", "untie_embeddings_and_output_weights", "add_bias_linear"})
+    if (!saved.contains(key)) saved[key] = implied[key];
+  return saved;
 }
 
 json describe(const ParallelPlan& p) {
@@ -412,7 +431,8 @@ CheckpointState load_opened(OpenedFile& f, const std::string& path, const ModelC
         path, process_count(saved), process_count(processes.size()),
         saved == 1 ? "one process (without mpirun, or mpirun -np 1)"
                    : fmt::format("mpirun -np {}", saved)));
-  if (const std::string diff = differences(header.value("model", json::object()), describe(model));
+  if (const std::string diff =
+          differences(with_defaults(header.value("model", json::object()), model), describe(model));
       !diff.empty())
     throw std::runtime_error(fmt::format(
         "checkpoint '{}' holds another model: {}. Load it with the model flags it was saved with",

@@ -50,7 +50,7 @@ TaskId DenseMlp::forward(const BuildPosition& pos, TaskId ready) const {
       P->compute(at + "mlp", tags, cost::matmul(z.Sc * z.B, z.h, z.f1l + z.fl), [p, layer, set] {
         LayerActivations& A = p->acts(set, layer);
         const LayerShard& W = p->layer(layer);
-        ops::linear_forward(A.ln2_full, W.fc1_weight->value, W.fc1_bias->value, A.fc1);
+        ops::linear_forward(A.ln2_full, W.fc1_weight->value, value_of(W.fc1_bias), A.fc1);
         mlp_activation_forward(p->shape.model, A.fc1, A.act);
         ops::linear_forward(A.act, W.fc2_weight->value, Tensor{}, A.fc2_partial);
       });
@@ -97,7 +97,7 @@ TaskId DenseMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& 
             const LayerShard& W = p->layer(layer);
             ops::linear_backward_weight(A.act, A.saved_d_fc2, W.fc2_weight->grad, Tensor{});
             ops::linear_backward_weight(A.ln2_full, A.saved_d_fc1, W.fc1_weight->grad,
-                                        W.fc1_bias->grad);
+                                        grad_of(W.fc1_bias));
           });
     });
     if (reduced == rt::kNoTask) norm_ready = mlp;
@@ -107,7 +107,7 @@ TaskId DenseMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& 
       return p->compute(at + "mlp_weight_grad", tags, fc1, [=] {
         const LayerShard& W = p->layer(layer);
         ops::linear_backward_weight(p->acts(set, layer).ln2_full, p->ws().d_fc1, W.fc1_weight->grad,
-                                    W.fc1_bias->grad);
+                                    grad_of(W.fc1_bias));
       });
     });
     if (reduced == rt::kNoTask) norm_ready = weights;

@@ -24,15 +24,18 @@ TaskId Embedding::forward(const BuildPosition& pos, TaskId ready) const {
   ActivationSet& X = P->aset(set);
   const TaskId reduced =
       reduce_partial(*P, lookup, X.emb_partial, X.x_in, "embedding_reduce", tags);
+  const bool learned = z.model.learned_positions();
   const TaskId positions = P->compute("positions", tags, 0, [=] {
     ActivationSet& X = p->aset(set);
-    for (std::int64_t s = 0; s < Sl; ++s)
-      for (std::int64_t bi = 0; bi < B; ++bi) {
-        float* row = X.x_in.data() + (s * B + bi) * h;
-        const float* q = p->shard().positions().value.row(p->position(s));
-        for (std::int64_t c = 0; c < h; ++c)
-          row[c] += q[c];
-      }
+    // RoPE rotates queries and keys in the attention instead; none adds nothing.
+    if (learned)
+      for (std::int64_t s = 0; s < Sl; ++s)
+        for (std::int64_t bi = 0; bi < B; ++bi) {
+          float* row = X.x_in.data() + (s * B + bi) * h;
+          const float* q = p->shard().positions().value.row(p->position(s));
+          for (std::int64_t c = 0; c < h; ++c)
+            row[c] += q[c];
+        }
     p->apply_dropout(false, mb, p->shape.model.num_layers, 2, X.x_in, X.x_in);
   });
   P->after(reduced, positions);
@@ -44,18 +47,19 @@ TaskId Embedding::backward(const BuildPosition& pos, TaskId ready) const {
   const int set = pos.set, mb = pos.micro_batch;
   const StepShape& z = P->shape;
   const std::int64_t Sl = z.Sl, B = z.B, h = z.h;
-  const bool sp = z.sp();
+  const bool sp = z.sp(), learned = z.model.learned_positions();
   const rt::TaskTags tags = pos.tags(rt::Phase::backward);
   const TaskId positions = P->compute("positions_backward", tags, 0, [=] {
     BackwardWorkspace& w = p->ws();
     p->apply_dropout(true, mb, p->shape.model.num_layers, 2, w.d_x, w.d_x);
-    for (std::int64_t s = 0; s < Sl; ++s)
-      for (std::int64_t bi = 0; bi < B; ++bi) {
-        const float* g = w.d_x.data() + (s * B + bi) * h;
-        float* q = p->shard().positions().grad.row(p->position(s));
-        for (std::int64_t c = 0; c < h; ++c)
-          q[c] += g[c];
-      }
+    if (learned)
+      for (std::int64_t s = 0; s < Sl; ++s)
+        for (std::int64_t bi = 0; bi < B; ++bi) {
+          const float* g = w.d_x.data() + (s * B + bi) * h;
+          float* q = p->shard().positions().grad.row(p->position(s));
+          for (std::int64_t c = 0; c < h; ++c)
+            q[c] += g[c];
+        }
   });
   P->after(ready, positions);
   TaskId gathered = rt::kNoTask;

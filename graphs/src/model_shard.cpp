@@ -80,6 +80,12 @@ ModelShard::ModelShard(const ModelConfig& m, const Mesh& mesh, int rank, devices
   const std::int64_t h = m.hidden_size, d = m.head_dim(), heads = m.num_attention_heads;
   const std::int64_t vocab = m.padded_vocab_size(tp), v_local = vocab / tp;
   const std::int64_t heads_local = heads / tp, f = m.ffn_hidden_size, f_local = f / tp;
+  // Grouped-query attention: each tp rank holds whole key/value groups with their query heads.
+  const std::int64_t groups = m.query_groups(), groups_local = groups / tp;
+  const std::int64_t per_group = heads / groups;
+  const bool biases = m.add_bias_linear;
+  const bool layer_norm = m.normalization == Normalization::layer_norm;
+  const bool tied = !m.untie_embeddings_and_output_weights;
   const bool swiglu = m.activation == Activation::swiglu;
   const double std = m.init_method_std;
   // Output layers of each block start smaller (Megatron's scaled init): 1/sqrt(2 layers).
@@ -93,15 +99,17 @@ ModelShard::ModelShard(const ModelConfig& m, const Mesh& mesh, int rank, devices
     return p;
   };
   current_bucket_ = "embedding";
-  holding_ = contents_.input_embedding || contents_.output_layer;
+  const bool word_held = contents_.input_embedding || (tied && contents_.output_layer);
+  holding_ = word_held;
   word_ =
       &add("embedding.word", {v_local, h}, vocab, h, iota_from(vocab_start_, v_local), 0, std, 0);
   holding_ = contents_.input_embedding;
-  positions_ = &replicated(add("embedding.position", {m.positions(), h}, m.positions(), h,
-                               iota_from(0, m.positions()), 0, std, 0),
-                           partial_over_tp);
+  if (m.learned_positions())
+    positions_ = &replicated(add("embedding.position", {m.positions(), h}, m.positions(), h,
+                                 iota_from(0, m.positions()), 0, std, 0),
+                             partial_over_tp);
   if (!contents_.input_embedding) positions_ = nullptr;
-  if (!holding_ && !contents_.output_layer) word_ = nullptr;
+  if (!word_held) word_ = nullptr;
   layers_.resize(static_cast<std::size_t>(m.num_layers));
   for (int l = 0; l < m.num_layers; ++l) {
     LayerShard& L = layers_[l];
@@ -113,25 +121,38 @@ ModelShard::ModelShard(const ModelConfig& m, const Mesh& mesh, int rank, devices
     };
     current_bucket_ = prefix + "attention";
     L.ln1_weight = norm("input_norm.weight", 1);
-    L.ln1_bias = norm("input_norm.bias", 0);
-    // QKV: local rows (head, which, dim) for this rank's heads; logical rows which * h +
-    // head * d + dim.
+    if (layer_norm) L.ln1_bias = norm("input_norm.bias", 0);
+    // QKV: local rows (group, which, dim) for this rank's key/value groups, which running over
+    // the group's query heads, then its key, then its value (one query head per group without
+    // grouped-query attention); logical rows: every query head, then every key, then every
+    // value head, d rows each.
     std::vector<std::int64_t> qkv_rows;
-    for (std::int64_t hl = 0; hl < heads_local; ++hl)
-      for (std::int64_t which = 0; which < 3; ++which)
+    for (std::int64_t gl = 0; gl < groups_local; ++gl) {
+      const std::int64_t g = t * groups_local + gl;
+      for (std::int64_t which = 0; which < per_group + 2; ++which) {
+        const std::int64_t first = which < per_group
+                                       ? (g * per_group + which) * d
+                                       : (heads + (which - per_group) * groups + g) * d;
         for (std::int64_t i = 0; i < d; ++i)
-          qkv_rows.push_back(which * h + (t * heads_local + hl) * d + i);
-    L.qkv_weight = &add(prefix + "attention.qkv.weight", {3 * heads_local * d, h}, 3 * h, h,
-                        qkv_rows, 0, std, 0);
-    L.qkv_bias =
-        &add(prefix + "attention.qkv.bias", {3 * heads_local * d}, 3 * h, 1, qkv_rows, 0, 0, 0);
+          qkv_rows.push_back(first + i);
+      }
+    }
+    const std::int64_t qkv_local = (heads_local + 2 * groups_local) * d;
+    const std::int64_t qkv_logical = (heads + 2 * groups) * d;
+    L.qkv_weight =
+        &add(prefix + "attention.qkv.weight", {qkv_local, h}, qkv_logical, h, qkv_rows, 0, std, 0);
+    if (biases)
+      L.qkv_bias =
+          &add(prefix + "attention.qkv.bias", {qkv_local}, qkv_logical, 1, qkv_rows, 0, 0, 0);
     L.proj_weight = &add(prefix + "attention.proj.weight", {h, heads_local * d}, h, h,
                          iota_from(0, h), t * heads_local * d, out_std, 0);
-    L.proj_bias = &replicated(
-        add(prefix + "attention.proj.bias", {h}, h, 1, iota_from(0, h), 0, 0, 0), partial_over_tp);
+    if (biases)
+      L.proj_bias =
+          &replicated(add(prefix + "attention.proj.bias", {h}, h, 1, iota_from(0, h), 0, 0, 0),
+                      partial_over_tp);
     current_bucket_ = prefix + "mlp";
     L.ln2_weight = norm("mlp_norm.weight", 1);
-    L.ln2_bias = norm("mlp_norm.bias", 0);
+    if (layer_norm) L.ln2_bias = norm("mlp_norm.bias", 0);
     const std::int64_t f1 = swiglu ? 2 * f : f;
     if (m.is_moe_layer(l)) {
       L.moe = true;
@@ -170,11 +191,12 @@ ModelShard::ModelShard(const ModelConfig& m, const Mesh& mesh, int rank, devices
       }
       const std::int64_t f1_local = swiglu ? 2 * f_local : f_local;
       L.fc1_weight = &add(prefix + "mlp.fc1.weight", {f1_local, h}, f1, h, fc1_rows, 0, std, 0);
-      L.fc1_bias = &add(prefix + "mlp.fc1.bias", {f1_local}, f1, 1, fc1_rows, 0, 0, 0);
+      if (biases) L.fc1_bias = &add(prefix + "mlp.fc1.bias", {f1_local}, f1, 1, fc1_rows, 0, 0, 0);
       L.fc2_weight = &add(prefix + "mlp.fc2.weight", {h, f_local}, h, f, iota_from(0, h),
                           t * f_local, out_std, 0);
-      L.fc2_bias = &replicated(add(prefix + "mlp.fc2.bias", {h}, h, 1, iota_from(0, h), 0, 0, 0),
-                               partial_over_tp);
+      if (biases)
+        L.fc2_bias = &replicated(add(prefix + "mlp.fc2.bias", {h}, h, 1, iota_from(0, h), 0, 0, 0),
+                                 partial_over_tp);
     }
     if (!holding_) L = LayerShard{.moe = L.moe};  // counted only: another stage holds it
   }
@@ -182,13 +204,19 @@ ModelShard::ModelShard(const ModelConfig& m, const Mesh& mesh, int rank, devices
   holding_ = contents_.output_layer;
   final_ln_weight_ =
       &replicated(add("final_norm.weight", {h}, h, 1, iota_from(0, h), 0, 0, 1), partial_over_tp);
-  final_ln_bias_ =
-      &replicated(add("final_norm.bias", {h}, h, 1, iota_from(0, h), 0, 0, 0), partial_over_tp);
-  if (!holding_) final_ln_weight_ = final_ln_bias_ = nullptr;
+  if (layer_norm)
+    final_ln_bias_ =
+        &replicated(add("final_norm.bias", {h}, h, 1, iota_from(0, h), 0, 0, 0), partial_over_tp);
+  // Untied: the output layer's own weight, [vocabulary shard, h] like the word embedding.
+  current_bucket_ = "output";
+  if (!tied)
+    output_ =
+        &add("output.weight", {v_local, h}, vocab, h, iota_from(vocab_start_, v_local), 0, std, 0);
+  if (!holding_) final_ln_weight_ = final_ln_bias_ = output_ = nullptr;
   holding_ = true;
-  // Buckets in backward order: the final norm, then each layer from the last (MLP half, then
-  // attention half), then the embeddings.
-  std::vector<std::string> order{"final_norm"};
+  // Buckets in backward order: the output layer, the final norm, then each layer from the last (MLP
+  // half, then attention half), then the embeddings.
+  std::vector<std::string> order{"output", "final_norm"};
   for (int l = m.num_layers - 1; l >= 0; --l) {
     order.push_back(fmt::format("layers.{}.mlp", l));
     order.push_back(fmt::format("layers.{}.attention", l));

@@ -1,4 +1,5 @@
 #include "output_loss.hpp"
+#include "norm.hpp"
 
 #include "attention_block.hpp"
 #include "sequence_parallel.hpp"
@@ -48,9 +49,8 @@ TaskId OutputLoss::forward(const BuildPosition& pos, TaskId ready) const {
     OutputSet& X = p->oset(out);
     ModelShard& W = p->shard();
     p->load_tokens(mb, X.targets, true);
-    ops::layer_norm_forward(p->acts(set, last_layer).x_out, W.final_ln_weight().value,
-                            W.final_ln_bias().value, p->shape.model.layernorm_epsilon, X.final_ln,
-                            X.final_mean, X.final_rstd);
+    norm_forward(p->shape.model, p->acts(set, last_layer).x_out, W.final_ln_weight(),
+                 W.final_ln_bias(), X.final_ln, X.final_mean, X.final_rstd);
   });
   P->after(ready, norm);
   OutputSet& X = P->oset(out);
@@ -58,8 +58,8 @@ TaskId OutputLoss::forward(const BuildPosition& pos, TaskId ready) const {
   if (z.sp()) gathered = sp_gather(*P, norm, X.final_ln, X.final_full, "final_gather", tags);
   const TaskId logits = P->compute("logits", tags, cost::matmul(Sc * B, h, z.Vl), [=] {
     OutputSet& X = p->oset(out);
-    ops::linear_forward(X.final_full.reshape({Sc * B, h}), p->shard().embedding().value, Tensor{},
-                        X.logits);
+    ops::linear_forward(X.final_full.reshape({Sc * B, h}), p->shard().output_weight().value,
+                        Tensor{}, X.logits);
     ops::cross_entropy_row_max(X.logits, X.row_max);
   });
   P->after(gathered, logits);
@@ -97,7 +97,7 @@ TaskId OutputLoss::backward(const BuildPosition& pos, TaskId ready, WeightHalves
     BackwardWorkspace& w = p->ws();
     ops::cross_entropy_backward<float>(X.logits, X.targets, vocab_shard(*p), X.lse,
                                        cross_entropy_options(p->shape), 1.0, w.d_logits);
-    ops::linear_backward_input(w.d_logits, p->shard().embedding().value,
+    ops::linear_backward_input(w.d_logits, p->shard().output_weight().value,
                                w.d_final_full.reshape({Sc * B, h}));
     if (keep) X.saved_d_logits.copy_from(w.d_logits);
   });
@@ -112,7 +112,7 @@ TaskId OutputLoss::backward(const BuildPosition& pos, TaskId ready, WeightHalves
                         OutputSet& X = p->oset(out);
                         ops::linear_backward_weight(X.final_full.reshape({Sc * B, h}),
                                                     keep ? X.saved_d_logits : p->ws().d_logits,
-                                                    p->shard().embedding().grad, Tensor{});
+                                                    p->shard().output_weight().grad, Tensor{});
                       });
   });
   const TaskId norm = P->compute("final_norm_backward", tags, 0, [=] {
@@ -120,9 +120,8 @@ TaskId OutputLoss::backward(const BuildPosition& pos, TaskId ready, WeightHalves
     BackwardWorkspace& w = p->ws();
     ModelShard& W = p->shard();
     const Tensor d_in = sp ? w.d_norm : w.d_final_full;
-    ops::layer_norm_backward(p->acts(set, last_layer).x_out, W.final_ln_weight().value,
-                             X.final_mean, X.final_rstd, d_in, w.d_x, W.final_ln_weight().grad,
-                             W.final_ln_bias().grad);
+    norm_backward(p->shape.model, p->acts(set, last_layer).x_out, W.final_ln_weight(),
+                  W.final_ln_bias(), X.final_mean, X.final_rstd, d_in, w.d_x);
   });
   P->after(reduced, norm);
   return norm;

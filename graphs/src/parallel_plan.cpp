@@ -8,6 +8,18 @@
 
 namespace weave::graphs {
 
+const char* position_embedding_name(PositionEmbedding p) {
+  switch (p) {
+    case PositionEmbedding::learned_absolute:
+      return "learned_absolute";
+    case PositionEmbedding::rope:
+      return "rope";
+    case PositionEmbedding::none:
+      break;
+  }
+  return "none";
+}
+
 int ModelConfig::padded_vocab_size(int tensor_parallel) const {
   const int multiple = make_vocab_size_divisible_by * tensor_parallel;
   return (vocab_size + multiple - 1) / multiple * multiple;
@@ -339,6 +351,30 @@ std::vector<std::string> validate(const ModelConfig& m, ParallelPlan& p) {
   }
   if (m.hidden_dropout < 0 || m.hidden_dropout >= 1)
     refuse("--hidden-dropout must be in [0, 1), got {}", m.hidden_dropout);
+  if (m.attention_dropout < 0 || m.attention_dropout >= 1)
+    refuse("--attention-dropout must be in [0, 1), got {}", m.attention_dropout);
+  if (!(m.layernorm_epsilon > 0)) refuse("--norm-epsilon must be > 0, got {}", m.layernorm_epsilon);
+  if (m.num_query_groups < 0 ||
+      (m.num_query_groups > 0 && m.num_attention_heads % m.num_query_groups != 0))
+    refuse(
+        "--num-query-groups ({}) must divide --num-attention-heads ({}): every key/value head "
+        "serves the same number of query heads",
+        m.num_query_groups, m.num_attention_heads);
+  if (m.query_groups() % tp != 0)
+    refuse(
+        "--num-query-groups ({}) must be divisible by --tensor-model-parallel-size ({}): each "
+        "tensor-parallel rank holds whole key/value heads with their query heads",
+        m.query_groups(), tp);
+  if (m.position_embedding == PositionEmbedding::rope) {
+    if (!(m.rotary_percent > 0 && m.rotary_percent <= 1))
+      refuse("--rotary-percent must be in (0, 1], got {}", m.rotary_percent);
+    if (!(m.rotary_base > 0)) refuse("--rotary-base must be > 0, got {}", m.rotary_base);
+    if (m.rotary_dims() < 2)
+      refuse(
+          "--rotary-percent {} of a head's {} dimensions rotates {}: RoPE needs at least 2 "
+          "(raise --rotary-percent)",
+          m.rotary_percent, m.head_dim(), m.rotary_dims());
+  }
   return warnings;
 }
 

@@ -59,13 +59,15 @@ TransferEnds transfer(RankProgram& P, const Transfer& t, TaskId produced, const 
 }
 
 // Sums the word embedding's gradient over the first and last stage when they are different
-// ranks, then reduces the embedding buckets over the replicas.
+// ranks (tied output weights), then reduces the embedding and output buckets over the replicas.
 void reduce_embedding(RankProgram& P, TaskId word_grad_done) {
   const int first = P.layout.rank_of(0), last = P.layout.rank_of(P.layout.chunks() - 1);
   const int me = P.at.pp;
   if (me != first && me != last) return;
+  // An untied output layer's weight is complete with the word embedding's gradient.
+  if (me == last) reduce_buckets(P, "output", word_grad_done);
   TaskId ready = word_grad_done;
-  if (first != last) {
+  if (first != last && !P.shape.model.untie_embeddings_and_output_weights) {
     const int first_rank = P.mesh.rank_of(P.at.tp, P.at.cp, P.at.dp, first);
     const int last_rank = P.mesh.rank_of(P.at.tp, P.at.cp, P.at.dp, last);
     const devices::ProcessGroup pair(

@@ -63,18 +63,18 @@ void RankProgram::allocate() {
   W.d_norm_full = activation({Sc, B, h});
   W.d_norm = sp ? activation({Sl, B, h}) : W.d_norm_full;
   W.d_attn = activation({Sc, B, Hl * d});
-  W.d_qkv = activation({Sc, B, Hl, 3 * d});
+  W.d_qkv = activation({Sc, B, z.Gl, z.qkv_group_width()});
   if (cp > 1) {
     for (int i = 0; i < 2; ++i) {
-      W.ring[i] = activation({Sc, B, Hl, 2 * d});
-      W.dring[i] = activation({Sc, B, Hl, 2 * d});
+      W.ring[i] = activation({Sc, B, z.Gl, 2 * d});
+      W.dring[i] = activation({Sc, B, z.Gl, 2 * d});
     }
     if (z.ampipe > 1) {
-      W.dkv_send = activation({cp * Sc, B, Hl, 2 * d});
-      W.dkv_recv = activation({cp * Sc, B, Hl, 2 * d});
+      W.dkv_send = activation({cp * Sc, B, z.Gl, 2 * d});
+      W.dkv_recv = activation({cp * Sc, B, z.Gl, 2 * d});
       if (z.plan.ampipe_cp_resend_kv) {
-        W.kv_forward = activation({(cp - 1) * Sc, B, Hl, 2 * d});
-        W.kv_backward = activation({(cp - 1) * Sc, B, Hl, 2 * d});
+        W.kv_forward = activation({(cp - 1) * Sc, B, z.Gl, 2 * d});
+        W.kv_backward = activation({(cp - 1) * Sc, B, z.Gl, 2 * d});
       }
     }
     W.o_part = activation({z.chunk, B, Hl, d});

@@ -200,11 +200,12 @@ void RankProgram::bias_dropout_add(int mb, int layer, int site, const Tensor& y,
                                    const Tensor& x_in, const Tensor& x_out,
                                    std::int64_t first_row) const {
   const std::int64_t rows = y.rows(), h = shape.h;
-  for (std::int64_t i = 0; i < rows; ++i) {
-    float* row = y.row(i);
-    for (std::int64_t c = 0; c < h; ++c)
-      row[c] += bias.data()[c];
-  }
+  if (bias.defined())  // absent with --disable-bias-linear
+    for (std::int64_t i = 0; i < rows; ++i) {
+      float* row = y.row(i);
+      for (std::int64_t c = 0; c < h; ++c)
+        row[c] += bias.data()[c];
+    }
   apply_dropout(false, mb, layer, site, y, y, first_row);
   ops::add(x_in, y, x_out);
 }
@@ -214,6 +215,7 @@ void RankProgram::bias_dropout_add_backward(int mb, int layer, int site, const T
                                             std::int64_t first_row) const {
   apply_dropout(true, mb, layer, site, d_out, d_y, first_row);
   const std::int64_t h = shape.h;
+  if (!d_bias.defined()) return;
   for (std::int64_t i = 0; i < d_y.rows(); ++i) {
     const float* row = d_y.row(i);
     for (std::int64_t c = 0; c < h; ++c)

@@ -20,7 +20,7 @@ TaskId RingAttention::shift(TaskId ready, const Tensor& from, const Tensor& into
                                   .send_counts = &w.ring_send,
                                   .recv = all_of(into),
                                   .recv_counts = std::span<std::int64_t>(w.ring_recv)},
-                                 z.B * z.Hl * 2 * z.d, name, tags);
+                                 z.B * z.Gl * 2 * z.d, name, tags);
 }
 
 int RingAttention::owner(int t) const {
@@ -53,12 +53,13 @@ void RingAttention::merge_partial(const Tensor& o, const Tensor& lse, const Tens
       }
 }
 
-void RingAttention::attend_half(int set, std::int64_t half, const Tensor& kv, int from) const {
+void RingAttention::attend_half(int set, int mb, std::int64_t half, const Tensor& kv,
+                                int from) const {
   for (std::int64_t key_half = 0; key_half < 2; ++key_half)
-    attend_piece(set, half, kv, from, key_half);
+    attend_piece(set, mb, half, kv, from, key_half);
 }
 
-void RingAttention::attend_piece(int set, std::int64_t half, const Tensor& kv, int from,
+void RingAttention::attend_piece(int set, int mb, std::int64_t half, const Tensor& kv, int from,
                                  std::int64_t key_half) const {
   const StepShape& z = P->shape;
   const std::int64_t chunk = z.chunk, d = z.d;
@@ -67,21 +68,21 @@ void RingAttention::attend_piece(int set, std::int64_t half, const Tensor& kv, i
   const int me = P->at.cp;
   const Tensor keys = kv.slice(0, key_half * chunk, chunk);
   ops::attention_forward({.q_offset = z.context_position(me, half * chunk),
-                          .k_offset = z.context_position(from, key_half * chunk)},
-                         head_view(A.qkv.slice(0, half * chunk, chunk), d, 0),
-                         head_view(keys, d, 0), head_view(keys, d, 1), w.o_part.transpose(0, 1),
-                         w.lse_part);
+                          .k_offset = z.context_position(from, key_half * chunk),
+                          .dropout = attention_dropout(*P, l, mb)},
+                         query_view(A.qkv.slice(0, half * chunk, chunk), z), head_view(keys, d, 0),
+                         head_view(keys, d, 1), output_view(w.o_part, z), w.lse_part);
   merge_partial(A.attn.slice(0, half * chunk, chunk),
                 A.lse.slice(0, half, 1).reshape({z.B, z.Hl, chunk}), w.o_part, w.lse_part);
 }
 
-void RingAttention::attend_half_backward(int set, std::int64_t half, const Tensor& kv,
+void RingAttention::attend_half_backward(int set, int mb, std::int64_t half, const Tensor& kv,
                                          const Tensor& grads, int from) const {
   for (std::int64_t key_half = 0; key_half < 2; ++key_half)
-    attend_piece_backward(set, half, kv, grads, from, key_half);
+    attend_piece_backward(set, mb, half, kv, grads, from, key_half);
 }
 
-void RingAttention::attend_piece_backward(int set, std::int64_t half, const Tensor& kv,
+void RingAttention::attend_piece_backward(int set, int mb, std::int64_t half, const Tensor& kv,
                                           const Tensor& grads, int from,
                                           std::int64_t key_half) const {
   const StepShape& z = P->shape;
@@ -89,24 +90,26 @@ void RingAttention::attend_piece_backward(int set, std::int64_t half, const Tens
   LayerActivations& A = P->acts(set, l);
   BackwardWorkspace& w = P->ws();
   const int me = P->at.cp;
-  const Tensor d_attn = w.d_attn.reshape({z.Sc, z.B, z.Hl, d}).slice(0, half * chunk, chunk);
+  const Tensor d_attn = w.d_attn.slice(0, half * chunk, chunk);
   const Tensor keys = kv.slice(0, key_half * chunk, chunk);
   const Tensor key_grads = grads.slice(0, key_half * chunk, chunk);
   // With the full (merged) output and log-sum-exp, each block's probabilities are the final
   // ones, so its gradients are exact parts of the whole.
   ops::attention_backward(
       {.q_offset = z.context_position(me, half * chunk),
-       .k_offset = z.context_position(from, key_half * chunk)},
-      head_view(A.qkv.slice(0, half * chunk, chunk), d, 0), head_view(keys, d, 0),
-      head_view(keys, d, 1), A.attn.slice(0, half * chunk, chunk).transpose(0, 1),
-      A.lse.slice(0, half, 1).reshape({z.B, z.Hl, chunk}), d_attn.transpose(0, 1),
-      w.dq_part.transpose(0, 1), head_view(key_grads, d, 0), head_view(key_grads, d, 1));
-  ops::accumulate(w.dq_part, w.d_qkv.slice(0, half * chunk, chunk).slice(3, 0, d));
+       .k_offset = z.context_position(from, key_half * chunk),
+       .dropout = attention_dropout(*P, l, mb)},
+      query_view(A.qkv.slice(0, half * chunk, chunk), z), head_view(keys, d, 0),
+      head_view(keys, d, 1), output_view(A.attn.slice(0, half * chunk, chunk), z),
+      A.lse.slice(0, half, 1).reshape({z.B, z.Hl, chunk}), output_view(d_attn, z),
+      output_view(w.dq_part, z), head_view(key_grads, d, 0), head_view(key_grads, d, 1));
+  ops::accumulate(w.dq_part.reshape({chunk, z.B, z.Gl, z.qpg * d}),
+                  w.d_qkv.slice(0, half * chunk, chunk).slice(3, 0, z.qpg * d));
 }
 
 TaskId RingAttention::forward(const BuildPosition& pos, TaskId qkv) const {
   RankProgram* p = P;
-  const int layer = l, set = pos.set;
+  const int layer = l, set = pos.set, mb = pos.micro_batch;
   const StepShape& z = P->shape;
   const int cp = z.cp;
   const std::int64_t Sc = z.Sc, B = z.B, Hl = z.Hl, d = z.d;
@@ -135,7 +138,7 @@ TaskId RingAttention::forward(const BuildPosition& pos, TaskId qkv) const {
             A.lse.fill(-std::numeric_limits<float>::infinity());
           }
           for (std::int64_t half = 0; half < 2; ++half)
-            ring.attend_half(set, half, ring.block(set, t), ring.owner(t));
+            ring.attend_half(set, mb, half, ring.block(set, t), ring.owner(t));
           if (last)
             ops::linear_forward(A.attn.reshape({Sc, B, Hl * d}), p->layer(layer).proj_weight->value,
                                 Tensor{}, A.proj_partial);
@@ -149,7 +152,7 @@ TaskId RingAttention::forward(const BuildPosition& pos, TaskId qkv) const {
 
 TaskId RingAttention::backward(const BuildPosition& pos, TaskId start) const {
   RankProgram* p = P;
-  const int layer = l, set = pos.set;
+  const int layer = l, set = pos.set, mb = pos.micro_batch;
   const StepShape& z = P->shape;
   const int cp = z.cp;
   const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
@@ -172,14 +175,15 @@ TaskId RingAttention::backward(const BuildPosition& pos, TaskId start) const {
       if (t >= 2) P->after(compute_prev2, moved);
       kv_arrived = moved;
     }
-    const TaskId step = P->compute(
-        at + "attention_backward_step", tags, cost::causal_attention_backward(z) / cp, [=] {
-          const RingAttention ring(*p, layer);
-          BackwardWorkspace& w = p->ws();
-          if (t == 0) w.dring[0].fill(0.f);
-          for (std::int64_t half = 0; half < 2; ++half)
-            ring.attend_half_backward(set, half, ring.block(set, t), w.dring[t % 2], ring.owner(t));
-        });
+    const TaskId step = P->compute(at + "attention_backward_step", tags,
+                                   cost::causal_attention_backward(z) / cp, [=] {
+                                     const RingAttention ring(*p, layer);
+                                     BackwardWorkspace& w = p->ws();
+                                     if (t == 0) w.dring[0].fill(0.f);
+                                     for (std::int64_t half = 0; half < 2; ++half)
+                                       ring.attend_half_backward(set, mb, half, ring.block(set, t),
+                                                                 w.dring[t % 2], ring.owner(t));
+                                   });
     P->after(kv_arrived, step);
     P->after(grad_arrived, step);
     compute_prev2 = compute_prev;

@@ -27,17 +27,17 @@ class RingAttention {
                rt::TaskTags tags) const;
   // The cp rank whose block this rank holds at ring step t.
   int owner(int t) const;
-  // Attends half `half` of this rank's queries (set `set`) to `block` (`owner`'s keys and
-  // values), folding it into the half's output and log-sum-exp.
-  void attend_half(int set, std::int64_t half, const Tensor& block, int owner) const;
+  // Attends half `half` of this rank's queries (set `set`, micro-batch `mb`) to `block` (`owner`'s
+  // keys and values), folding it into the half's output and log-sum-exp.
+  void attend_half(int set, int mb, std::int64_t half, const Tensor& block, int owner) const;
   // Its backward: dq added to d_qkv, the block's dk and dv added to `grads`.
-  void attend_half_backward(int set, std::int64_t half, const Tensor& block, const Tensor& grads,
-                            int owner) const;
+  void attend_half_backward(int set, int mb, std::int64_t half, const Tensor& block,
+                            const Tensor& grads, int owner) const;
   // The same against one half `key_half` of the block: the unit Ampipe's chunks divide.
-  void attend_piece(int set, std::int64_t half, const Tensor& block, int owner,
+  void attend_piece(int set, int mb, std::int64_t half, const Tensor& block, int owner,
                     std::int64_t key_half) const;
-  void attend_piece_backward(int set, std::int64_t half, const Tensor& block, const Tensor& grads,
-                             int owner, std::int64_t key_half) const;
+  void attend_piece_backward(int set, int mb, std::int64_t half, const Tensor& block,
+                             const Tensor& grads, int owner, std::int64_t key_half) const;
 
  private:
   // The block held at ring step t: this rank's own, or the one the ring brought.

@@ -44,9 +44,9 @@ inline double projection(const StepShape& z) {
   return matmul(z.Sc * z.B, z.Hl * z.d, z.h);
 }
 
-// The QKV projection: [Sc B, h] x [h, 3 Hl d].
+// The QKV projection: [Sc B, h] x [h, (Hl + 2 Gl) d] (3 Hl d without grouped-query attention).
 inline double qkv(const StepShape& z) {
-  return matmul(z.Sc * z.B, z.h, 3 * z.Hl * z.d);
+  return matmul(z.Sc * z.B, z.h, z.qkv_width());
 }
 
 // The experts' two products over a slot's expected rows (its tokens' top-k picks, balanced),

@@ -23,6 +23,8 @@ StepShape::StepShape(const ModelConfig& m, const ParallelPlan& p) : model(m), pl
   h = m.hidden_size;
   d = m.head_dim();
   Hl = m.num_attention_heads / tp;
+  Gl = m.query_groups() / tp;
+  qpg = m.num_attention_heads / m.query_groups();
   f = m.ffn_hidden_size;
   fl = f / tp;
   f1l = m.activation == Activation::swiglu ? 2 * fl : fl;

@@ -4,6 +4,7 @@
 //   chunk  one of a cp rank's two halves   Sl  its part under sequence parallelism too
 //   B    micro-batch size                  h   hidden size        d   head dimension
 //   Hl   attention heads of a tp rank      f   ffn hidden size    fl  its tp rank's share
+//   Gl   key/value heads (query groups) of a tp rank, each shared by qpg query heads
 //   f1l  the first MLP linear's local outputs (2 fl for SwiGLU)   Vl  vocabulary rows of a tp rank
 //   T    the tokens a rank routes through a MoE layer (Sc / tp x B)
 //   M    micro-batches a data-parallel rank runs per step
@@ -23,12 +24,16 @@ struct StepShape {
   ParallelPlan plan;
   int tp, t_sp, cp, ep, M, ampipe;
   int etp;  // expert tensor parallelism: 1, or tp when every expert is split over the tp group
-  std::int64_t S, Sc, chunk, B, Sl, h, d, Hl, f, fl, f1l, Vl, T;
+  std::int64_t S, Sc, chunk, B, Sl, h, d, Hl, Gl, qpg, f, fl, f1l, Vl, T;
   // Whether the schedule splits backwards into input and weight halves (zero-bubble): the
   // activation sets then keep the output gradients the weight halves need.
   bool splits_backward = false;
 
   bool sp() const { return t_sp > 1; }
+  // A QKV row of a key/value group: its qpg query heads, its key and its value.
+  std::int64_t qkv_group_width() const { return (qpg + 2) * d; }
+  // The QKV projection's local outputs: (Hl + 2 Gl) d.
+  std::int64_t qkv_width() const { return Gl * qkv_group_width(); }
   // The experts' hidden size times the first linear's outputs per hidden unit (SwiGLU: 2).
   std::int64_t expert_f1() const { return model.activation == Activation::swiglu ? 2 * f : f; }
   // Experts split over the tensor-parallel group (etp ranks): each rank's share of an expert's

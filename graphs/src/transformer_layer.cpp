@@ -1,4 +1,5 @@
 #include "transformer_layer.hpp"
+#include "norm.hpp"
 
 #include "ampipe_block.hpp"
 #include "attention_block.hpp"
@@ -32,16 +33,14 @@ TaskId TransformerLayer::forward(const BuildPosition& pos, TaskId ready) const {
   if (z.ampipe > 1 && moe) return AmpipeBlock(*P, l).forward(pos, ready);
   RankProgram* p = P;
   const int layer = l, set = pos.set, mb = pos.micro_batch;
-  const double eps = z.model.layernorm_epsilon;
   const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
   const std::string at = fmt::format("L{}.", l);
   const TaskId attention = AttentionBlock(*P, l).forward(pos, ready);
   const TaskId residual = P->compute(at + "attention_residual", tags, 0, [=] {
     LayerActivations& A = p->acts(set, layer);
     const LayerShard& W = p->layer(layer);
-    p->bias_dropout_add(mb, layer, 0, A.proj_out, W.proj_bias->value, A.x_in, A.x_mid);
-    ops::layer_norm_forward(A.x_mid, W.ln2_weight->value, W.ln2_bias->value, eps, A.ln2, A.ln2_mean,
-                            A.ln2_rstd);
+    p->bias_dropout_add(mb, layer, 0, A.proj_out, value_of(W.proj_bias), A.x_in, A.x_mid);
+    norm_forward(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, A.ln2, A.ln2_mean, A.ln2_rstd);
   });
   P->after(attention, residual);
   const TaskId mlp =
@@ -50,7 +49,7 @@ TaskId TransformerLayer::forward(const BuildPosition& pos, TaskId ready) const {
     LayerActivations& A = p->acts(set, layer);
     const LayerShard& W = p->layer(layer);
     if (!W.moe) {
-      p->bias_dropout_add(mb, layer, 1, A.mlp_out, W.fc2_bias->value, A.x_mid, A.x_out);
+      p->bias_dropout_add(mb, layer, 1, A.mlp_out, value_of(W.fc2_bias), A.x_mid, A.x_out);
     } else {
       p->apply_dropout(false, mb, layer, 1, A.mlp_out, A.mlp_out);
       ops::add(A.x_mid, A.mlp_out, A.x_out);
@@ -76,7 +75,7 @@ TaskId TransformerLayer::backward(const BuildPosition& pos, TaskId ready, Weight
     if (moe)
       p->apply_dropout(true, mb, layer, 1, w.d_x, w.d_mlp);
     else
-      p->bias_dropout_add_backward(mb, layer, 1, w.d_x, w.d_mlp, p->layer(layer).fc2_bias->grad);
+      p->bias_dropout_add_backward(mb, layer, 1, w.d_x, w.d_mlp, grad_of(p->layer(layer).fc2_bias));
   });
   P->after(ready, residual);
   const TaskId mlp = moe ? MoeMlp(*P, l).backward(pos, residual, halves)
@@ -85,12 +84,12 @@ TaskId TransformerLayer::backward(const BuildPosition& pos, TaskId ready, Weight
     LayerActivations& A = p->acts(set, layer);
     BackwardWorkspace& w = p->ws();
     const LayerShard& W = p->layer(layer);
-    ops::layer_norm_backward(A.x_mid, W.ln2_weight->value, A.ln2_mean, A.ln2_rstd, w.d_norm,
-                             w.d_tmp, W.ln2_weight->grad, W.ln2_bias->grad);
+    norm_backward(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, A.ln2_mean, A.ln2_rstd,
+                  w.d_norm, w.d_tmp);
     ops::accumulate(w.d_tmp, w.d_x_mid);
     // Attention half: d_x_mid -> d_proj_out (in d_mlp), and the residual's d_x.
     w.d_x.copy_from(w.d_x_mid);
-    p->bias_dropout_add_backward(mb, layer, 0, w.d_x_mid, w.d_mlp, W.proj_bias->grad);
+    p->bias_dropout_add_backward(mb, layer, 0, w.d_x_mid, w.d_mlp, grad_of(W.proj_bias));
   });
   P->after(mlp, norm);
   if (last) reduce_buckets(*P, fmt::format("layers.{}.mlp", l), norm);

@@ -101,7 +101,9 @@ TEST(AmpipeChunks, UnderContextParallelismEachRanksChunksTakeEqualAttention) {
           EXPECT_LE(std::abs(c0 - c1), 0.1 * std::max(c0, c1))
               << at << ": chunk 0 " << c0 << " FLOPs, chunk 1 " << c1;
           // Load-balanced CP gives every rank the same causal work in all.
-          if (backward == 0) EXPECT_DOUBLE_EQ(c0 + c1, whole) << at;
+          if (backward == 0) {
+            EXPECT_DOUBLE_EQ(c0 + c1, whole) << at;
+          }
         }
     }
 }

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
 #include <sstream>
 
 #include "commands.hpp"
@@ -76,6 +77,46 @@ void add_train_flags(CLI::App& cmd, TrainOptions& o) {
       ->check(at_least(1))
       ->capture_default_str();
   cmd.add_flag("--swiglu", o.swiglu, "SwiGLU MLPs instead of GELU");
+  const std::map<std::string, graphs::PositionEmbedding> positions{
+      {"learned_absolute", graphs::PositionEmbedding::learned_absolute},
+      {"rope", graphs::PositionEmbedding::rope},
+      {"none", graphs::PositionEmbedding::none}};
+  cmd.add_option("--position-embedding-type", m.position_embedding,
+                 "learned_absolute: a learned table added to the input; rope: rotary embeddings "
+                 "of queries and keys; none")
+      ->transform(CLI::CheckedTransformer(positions, CLI::ignore_case))
+      ->default_str("learned_absolute");
+  cmd.add_flag("--use-rotary-position-embeddings", o.use_rotary_position_embeddings,
+               "Megatron's older spelling of --position-embedding-type rope");
+  cmd.add_flag("--no-position-embedding", o.no_position_embedding,
+               "No learned position table (with neither rope: --position-embedding-type none)");
+  cmd.add_option("--rotary-percent", m.rotary_percent,
+                 "Share of each head's dimensions RoPE rotates, in (0, 1]")
+      ->capture_default_str();
+  cmd.add_option("--rotary-base", m.rotary_base, "RoPE's base: angle base^(-2i / dims) x position")
+      ->capture_default_str();
+  const std::map<std::string, graphs::Normalization> norms{
+      {"LayerNorm", graphs::Normalization::layer_norm},
+      {"RMSNorm", graphs::Normalization::rms_norm}};
+  cmd.add_option("--normalization", m.normalization, "LayerNorm or RMSNorm, for every norm")
+      ->transform(CLI::CheckedTransformer(norms, CLI::ignore_case))
+      ->default_str("LayerNorm");
+  cmd.add_option("--norm-epsilon,--layernorm-epsilon", m.layernorm_epsilon, "The norms' epsilon")
+      ->check(positive())
+      ->capture_default_str();
+  cmd.add_flag("--group-query-attention", o.group_query_attention,
+               "Grouped-query attention with --num-query-groups key/value heads");
+  cmd.add_option("--num-query-groups", o.num_query_groups,
+                 "Key/value heads with --group-query-attention, each shared by heads / groups "
+                 "query heads")
+      ->check(at_least(1));
+  cmd.add_flag("--untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights,
+               "An output layer of its own instead of the word embedding's transpose");
+  cmd.add_flag("--disable-bias-linear", o.disable_bias_linear,
+               "No biases in the attention's and the MLPs' linear layers");
+  cmd.add_option("--attention-dropout", m.attention_dropout,
+                 "Dropout on the attention probabilities, in [0, 1)")
+      ->capture_default_str();
   cmd.add_option("--hidden-dropout", m.hidden_dropout,
                  "Dropout after the attention and the MLP, in [0, 1)")
       ->capture_default_str();
@@ -311,6 +352,21 @@ void add_train_flags(CLI::App& cmd, TrainOptions& o) {
 void derive_config(TrainOptions& o) {
   graphs::TrainerConfig& c = o.config;
   c.model.activation = o.swiglu ? graphs::Activation::swiglu : graphs::Activation::gelu;
+  if (o.use_rotary_position_embeddings)
+    c.model.position_embedding = graphs::PositionEmbedding::rope;
+  else if (o.no_position_embedding &&
+           c.model.position_embedding == graphs::PositionEmbedding::learned_absolute)
+    c.model.position_embedding = graphs::PositionEmbedding::none;
+  if (o.num_query_groups > 0 && !o.group_query_attention)
+    throw graphs::ConfigError(fmt::format(
+        "--num-query-groups ({}) applies with --group-query-attention, as in Megatron-LM: add "
+        "--group-query-attention, or drop --num-query-groups",
+        o.num_query_groups));
+  if (o.group_query_attention && o.num_query_groups == 0)
+    throw graphs::ConfigError(
+        "--group-query-attention needs --num-query-groups: the number of key/value heads");
+  c.model.num_query_groups = o.group_query_attention ? o.num_query_groups : 0;
+  c.model.add_bias_linear = !o.disable_bias_linear;
   graphs::ParallelPlan& plan = c.plan;
   // One factor at a time, each product checked before the next multiplication.
   long long model_parallel = 1;

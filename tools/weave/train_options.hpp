@@ -19,6 +19,10 @@ struct TrainOptions {
   // global_batch_size 0: micro-batch x data-parallel size
   graphs::TrainerConfig config{.plan = {.global_batch_size = 0}};
   bool swiglu = false;
+  bool use_rotary_position_embeddings = false, no_position_embedding = false;
+  bool group_query_attention = false;
+  int num_query_groups = 0;
+  bool disable_bias_linear = false;
   int devices = 0;  // 0: tp x cp x pp (one data-parallel replica)
   std::string data_path = kDefaultCorpus;
   bool mock_data = false;

@@ -8,6 +8,14 @@
 namespace weave::graphs {
 
 enum class Activation { gelu, swiglu };
+// --position-embedding-type: a learned table added to the word embedding, rotary embeddings
+// applied to queries and keys in every layer, or none (Megatron-Core's "none").
+enum class PositionEmbedding { learned_absolute, rope, none };
+// --normalization: LayerNorm (weight and bias) or RMSNorm (weight only).
+enum class Normalization { layer_norm, rms_norm };
+
+// "learned_absolute", "rope" or "none", as the flag spells them.
+const char* position_embedding_name(PositionEmbedding p);
 
 struct ModelConfig {
   int num_layers = 2;                      // --num-layers
@@ -19,9 +27,19 @@ struct ModelConfig {
   int vocab_size = 256;                    // the tokenizer's (byte-level: 256)
   int make_vocab_size_divisible_by = 128;  // padded so every tensor-parallel shard is equal
   Activation activation = Activation::gelu;
-  double layernorm_epsilon = 1e-5;
-  double hidden_dropout = 0.0;    // --hidden-dropout
-  double init_method_std = 0.02;  // --init-method-std
+  PositionEmbedding position_embedding = PositionEmbedding::learned_absolute;
+  double rotary_percent = 1.0;  // --rotary-percent: the share of each head's dims rotated
+  double rotary_base = 10000;   // --rotary-base: theta_i = base^(-2i / rotary dims)
+  Normalization normalization = Normalization::layer_norm;
+  double layernorm_epsilon = 1e-5;  // --norm-epsilon (--layernorm-epsilon)
+  // --num-query-groups with --group-query-attention: key/value heads, each shared by
+  // num_attention_heads / num_query_groups query heads; 0: one per query head.
+  int num_query_groups = 0;
+  bool untie_embeddings_and_output_weights = false;  // an output layer of its own
+  bool add_bias_linear = true;                       // false: --disable-bias-linear
+  double attention_dropout = 0.0;                    // --attention-dropout, on the probabilities
+  double hidden_dropout = 0.0;                       // --hidden-dropout
+  double init_method_std = 0.02;                     // --init-method-std
 
   // Mixture of Experts
   int num_experts = 0;              // --num-experts; 0: dense MLPs everywhere
@@ -38,6 +56,12 @@ struct ModelConfig {
     return max_position_embeddings > 0 ? max_position_embeddings : seq_length;
   }
   int head_dim() const { return hidden_size / num_attention_heads; }
+  int query_groups() const { return num_query_groups > 0 ? num_query_groups : num_attention_heads; }
+  // The dimensions of each head that RoPE rotates: an even count.
+  int rotary_dims() const { return static_cast<int>(head_dim() * rotary_percent) / 2 * 2; }
+  bool learned_positions() const {
+    return position_embedding == PositionEmbedding::learned_absolute;
+  }
   // The vocabulary padded to a multiple of make_vocab_size_divisible_by x tp, as Megatron does.
   int padded_vocab_size(int tensor_parallel) const;
   bool is_moe_layer(int layer) const { return num_experts > 0 && layer % moe_layer_freq == 0; }

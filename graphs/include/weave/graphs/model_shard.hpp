@@ -65,9 +65,12 @@ struct GradientBucket {
 };
 
 struct LayerShard {
+  // Biases are null with --disable-bias-linear, norm biases with RMSNorm.
   Parameter* ln1_weight = nullptr;
   Parameter* ln1_bias = nullptr;
-  Parameter* qkv_weight = nullptr;  // local [heads/tp x 3 x head_dim, h], per head: q, k, v
+  // local [groups/tp x (heads/groups + 2) x head_dim, h]: per key/value group its query heads,
+  // its key, its value (per head q, k, v without grouped-query attention)
+  Parameter* qkv_weight = nullptr;
   Parameter* qkv_bias = nullptr;
   Parameter* proj_weight = nullptr;  // local [h, h/tp]
   Parameter* proj_bias = nullptr;
@@ -110,18 +113,24 @@ class ModelShard {
   // In the same order on every device; addresses are stable.
   std::deque<Parameter>& parameters() { return parameters_; }
   const std::deque<Parameter>& parameters() const { return parameters_; }
-  // The word embedding (input, and tied output); held by the first and the last stage.
+  // The word embedding (input, and tied output); held by the first and, tied, the last stage.
   Parameter& embedding() { return *word_; }
+  // The learned position table (--position-embedding-type learned_absolute only).
   Parameter& positions() { return *positions_; }
+  // The output layer's weight: the word embedding, or untied a parameter of its own.
+  Parameter& output_weight() { return output_ ? *output_ : *word_; }
   const StageContents& contents() const { return contents_; }
   bool holds_layer(int l) const {
     return contents_.layers.empty() || contents_.layers.at(static_cast<std::size_t>(l));
   }
   // The output layer's copy of the word embedding on a last stage that is not the first: its
   // gradient is summed with the first stage's, and counted once in the gradient norm.
-  bool holds_embedding_copy() const { return contents_.output_layer && !contents_.input_embedding; }
+  bool holds_embedding_copy() const {
+    return contents_.output_layer && !contents_.input_embedding &&
+           !config_.untie_embeddings_and_output_weights;
+  }
   Parameter& final_ln_weight() { return *final_ln_weight_; }
-  Parameter& final_ln_bias() { return *final_ln_bias_; }
+  Parameter* final_ln_bias() { return final_ln_bias_; }  // null with RMSNorm
   const LayerShard& layer(int l) const { return layers_.at(static_cast<std::size_t>(l)); }
   int vocab_start() const { return vocab_start_; }
   int first_expert() const { return first_expert_; }
@@ -156,10 +165,19 @@ class ModelShard {
   std::vector<LayerShard> layers_;
   Parameter* final_ln_weight_ = nullptr;
   Parameter* final_ln_bias_ = nullptr;
+  Parameter* output_ = nullptr;
   int vocab_start_ = 0;
   int first_expert_ = 0;
   int local_experts_ = 0;
 };
+
+// A parameter's value or gradient, or an empty tensor for an absent one (a disabled bias).
+inline ops::Tensor value_of(const Parameter* p) {
+  return p ? p->value : ops::Tensor{};
+}
+inline ops::Tensor grad_of(const Parameter* p) {
+  return p ? p->grad : ops::Tensor{};
+}
 
 // The local rows and columns a parameter's storage is read as: [numel / last, last] for rank
 // >= 2, [n, 1] for a vector.

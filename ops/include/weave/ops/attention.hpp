@@ -2,7 +2,9 @@
 // style): scores are never held for the whole sequence, only a block of queries against a
 // block of keys at a time.
 //
-// Layout: q [b, sq, h, d]; k, v [b, sk, h, d]; o [b, sq, h, d]; lse [b, h, sq]. Views are
+// Layout: q [b, sq, g, n d]; k, v [b, sk, g, d]; o [b, sq, g, n d]; lse [b, g n, sq]: g key/value
+// heads, each shared by the n query heads stored beside it (grouped-query attention; n = 1 is
+// ordinary multi-head attention, q [b, sq, h, d]). Query head i is (i / n, i % n). Views are
 // fine (q may be a sequence slice of a larger tensor) as long as the last dimension is
 // contiguous.
 //
@@ -15,19 +17,34 @@
 
 #include <cstdint>
 
+#include "weave/ops/random.hpp"
 #include "weave/ops/tensor.hpp"
 
 namespace weave::ops {
+
+// Dropout on the attention probabilities, its mask drawn from the counter-based generator and
+// never stored: probability (query, key) of sequence b and query head i is kept when
+// uniform(key, token = (batch_offset + b) sequence_length + query position, feature =
+// (head_offset + i) sequence_length + key position) >= probability, so a chunk, a ring step or a
+// tensor-parallel share of the heads draws what the whole attention draws at those positions.
+struct AttentionDropout {
+  double probability = 0;  // in [0, 1); 0: none
+  RandomKey key;
+  std::int64_t sequence_length = 0;  // of the whole sequence
+  std::int64_t batch_offset = 0;     // of this tensor's first sequence in the global batch
+  std::int64_t head_offset = 0;      // of this tensor's first query head in the whole model
+};
 
 struct AttentionOptions {
   bool causal = true;
   std::int64_t q_offset = 0;
   std::int64_t k_offset = 0;
   double scale = 0;  // 0: 1 / sqrt(d)
+  AttentionDropout dropout;
 };
 
-// Writes o and lse (natural log-sum-exp of each query row's scaled, masked scores; -inf and a
-// zero output for a row that sees no key).
+// Writes o and lse (natural log-sum-exp of each query row's scaled, masked scores, before
+// dropout; -inf and a zero output for a row that sees no key).
 template <typename T>
 void attention_forward(const AttentionOptions& options, const BasicTensor<T>& q,
                        const BasicTensor<T>& k, const BasicTensor<T>& v, const BasicTensor<T>& o,

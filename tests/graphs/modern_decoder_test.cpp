@@ -1,0 +1,266 @@
+// The modern decoder (RoPE, RMSNorm, SwiGLU, grouped-query attention, no linear biases, an
+// untied output layer, attention dropout) under every parallel strategy equals the one-device
+// model: loss, aux loss, every gradient and a 10-step loss curve; and its whole-model gradient
+// matches a directional difference.
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "step_outcome.hpp"
+#include "tiny_model.hpp"
+
+namespace weave::graphs {
+namespace {
+
+// A Llama-style model: 4 layers (every second one MoE with experts), 4 query heads sharing 2
+// key/value heads.
+ModelConfig llama(int experts) {
+  ModelConfig m = tiny(experts);
+  m.num_layers = 4;
+  m.activation = Activation::swiglu;
+  m.position_embedding = PositionEmbedding::rope;
+  m.normalization = Normalization::rms_norm;
+  m.layernorm_epsilon = 1e-6;
+  m.num_query_groups = 2;
+  m.untie_embeddings_and_output_weights = true;
+  m.add_bias_linear = false;
+  m.attention_dropout = 0.1;
+  return m;
+}
+
+struct Case {
+  const char* name;
+  int experts;
+  ParallelPlan plan;
+};
+
+void expect_equals_one_device(const ModelConfig& m, const ParallelPlan& plan) {
+  const ParallelPlan serial{.micro_batch_size = plan.micro_batch_size,
+                            .global_batch_size = plan.global_batch_size};
+  const Outcome a = run(m, serial, 1, false), b = run(m, plan, 1, false);
+  EXPECT_NEAR(b.losses[0], a.losses[0], 1e-5 * a.losses[0]);
+  EXPECT_NEAR(b.aux[0], a.aux[0], 1e-5 * std::max(a.aux[0], 1e-3));
+  // The distributed optimizer keeps each replica's gradient shard only.
+  if (!plan.distributed_optimizer) expect_same_gradients(a, b);
+  const Outcome a10 = run(m, serial, 10, true), b10 = run(m, plan, 10, true);
+  for (std::size_t i = 0; i < a10.losses.size(); ++i)
+    EXPECT_NEAR(b10.losses[i], a10.losses[i], 1e-4 * a10.losses[i]) << "step " << i + 1;
+  EXPECT_LT(a10.losses.back(), a10.losses.front());  // it learns
+}
+
+class ModernDecoder : public ::testing::TestWithParam<Case> {};
+
+TEST_P(ModernDecoder, EqualsOneDevice) {
+  expect_equals_one_device(llama(GetParam().experts), GetParam().plan);
+}
+
+const Case kCases[] = {
+    {"tp2", 0, {.tensor_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4}},
+    {"tp2_sp",
+     0,
+     {.tensor_parallel = 2,
+      .sequence_parallel = true,
+      .micro_batch_size = 2,
+      .global_batch_size = 4}},
+    {"dp2", 0, {.data_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4}},
+    {"cp2", 0, {.context_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4}},
+    {"cp2_tp2_sp",
+     0,
+     {.tensor_parallel = 2,
+      .sequence_parallel = true,
+      .context_parallel = 2,
+      .micro_batch_size = 2,
+      .global_batch_size = 4}},
+    {"moe_tp2_sp_ep2",
+     4,
+     {.tensor_parallel = 2,
+      .sequence_parallel = true,
+      .expert_parallel = 2,
+      .micro_batch_size = 2,
+      .global_batch_size = 4}},
+    {"moe_cp2_ep2_dp2",
+     4,
+     {.context_parallel = 2,
+      .expert_parallel = 2,
+      .data_parallel = 2,
+      .micro_batch_size = 1,
+      .global_batch_size = 4}},
+    {"moe_dp2_distributed_optimizer",
+     4,
+     {.data_parallel = 2,
+      .micro_batch_size = 2,
+      .global_batch_size = 4,
+      .distributed_optimizer = true}},
+    {"pp2_1f1b", 0, {.pipeline_parallel = 2, .micro_batch_size = 1, .global_batch_size = 4}},
+    {"pp2_v2_interleaved_moe",
+     4,
+     {.pipeline_parallel = 2,
+      .virtual_pipeline = 2,
+      .micro_batch_size = 1,
+      .global_batch_size = 4}},
+    {"pp2_zb_h1_tp2_sp",
+     0,
+     {.tensor_parallel = 2,
+      .sequence_parallel = true,
+      .pipeline_parallel = 2,
+      .pipeline_scheduler = "zb-h1",
+      .micro_batch_size = 1,
+      .global_batch_size = 4}},
+    {"ampipe2_tp2_sp_ep2",
+     4,
+     {.tensor_parallel = 2,
+      .sequence_parallel = true,
+      .expert_parallel = 2,
+      .micro_batch_size = 2,
+      .global_batch_size = 4,
+      .ampipe_degree = 2}},
+    {"ampipe2_cp2_ep2",
+     4,
+     {.context_parallel = 2,
+      .expert_parallel = 2,
+      .micro_batch_size = 2,
+      .global_batch_size = 4,
+      .ampipe_degree = 2}},
+    {"ampipe2_split_experts_overlap",
+     4,
+     {.tensor_parallel = 2,
+      .sequence_parallel = true,
+      .expert_parallel = 2,
+      .expert_tensor_parallel = 2,
+      .data_parallel = 2,
+      .micro_batch_size = 2,
+      .global_batch_size = 4,
+      .ampipe_degree = 2,
+      .ampipe_tp_sp_comm_overlap = true}},
+};
+
+INSTANTIATE_TEST_SUITE_P(Plans, ModernDecoder, ::testing::ValuesIn(kCases),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// Multi-query attention (one key/value head for every query head), partial rotary dimensions
+// and learned positions off without RoPE: each alone against one device.
+TEST(ModernDecoder, MultiQueryAttentionUnderContextParallelism) {
+  ModelConfig m = llama(0);
+  m.num_query_groups = 1;
+  m.rotary_percent = 0.5;
+  expect_equals_one_device(m,
+                           {.context_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4});
+}
+
+TEST(ModernDecoder, NoPositionEmbeddingUnderTensorAndSequenceParallelism) {
+  ModelConfig m = llama(0);
+  m.position_embedding = PositionEmbedding::none;
+  m.normalization = Normalization::layer_norm;
+  m.add_bias_linear = true;
+  expect_equals_one_device(m, {.tensor_parallel = 2,
+                               .sequence_parallel = true,
+                               .micro_batch_size = 2,
+                               .global_batch_size = 4});
+}
+
+TEST(ModernDecoder, HoldsOnlyTheParametersItUses) {
+  const ModelConfig m = llama(4);
+  ParallelPlan plan{.micro_batch_size = 1, .global_batch_size = 1};
+  const Outcome o = run(m, plan, 1, false);
+  for (const auto& [name, grad] : o.grads) {
+    EXPECT_EQ(name.find("bias"), std::string::npos) << name;  // RMSNorm, no linear biases
+    EXPECT_NE(name, "embedding.position");                    // RoPE
+  }
+  ASSERT_TRUE(o.grads.contains("output.weight"));  // untied
+  // QKV rows: 4 query heads and 2 key and 2 value heads of 8 dimensions.
+  EXPECT_EQ(o.grads.at("layers.0.attention.qkv.weight").size(), std::size_t{(4 + 2 * 2) * 8 * 32});
+}
+
+// The whole model's gradient along a random direction: analytic (the gradients the step
+// computed) and numeric (a central difference of the loss). Attention dropout stays on: its mask
+// is fixed for a step.
+std::pair<double, double> directional_derivative(const ModelConfig& m, ParallelPlan plan) {
+  validate(m, plan);
+  devices::DeviceSet set(plan.devices(), {.pin = false});
+  devices::SharedMemoryCommunicator comm;
+  TrainingStep step(m, plan, {}, set, comm);
+  step.set_update_parameters(false);
+  fill_batches(step, m, plan);
+  step.prepare(1, 1e-2);
+  auto objective = [&] {
+    set.executor().run(step.graph());
+    return step.result().loss + step.result().aux_loss;
+  };
+  objective();
+  std::map<std::string, std::vector<double>> direction, grads;
+  std::mt19937 gen(7);
+  std::normal_distribution<double> normal;
+  for (int r = 0; r < plan.devices(); ++r)
+    for (const Parameter& p : step.shard(r).parameters()) {
+      auto& v = direction[p.name];
+      if (v.empty()) {
+        v.resize(static_cast<std::size_t>(p.logical_rows * p.logical_cols));
+        for (auto& x : v)
+          x = normal(gen);
+      }
+      auto& g = grads[p.name];
+      g.resize(v.size(), 0.0);
+      for (std::int64_t lr = 0; lr < local_rows(p); ++lr)
+        for (std::int64_t lc = 0; lc < local_cols(p); ++lc)
+          g[static_cast<std::size_t>(p.row_map[lr] * p.logical_cols + p.col_offset + lc)] =
+              p.grad.data()[lr * local_cols(p) + lc];
+    }
+  double along = 0;
+  for (const auto& [name, g] : grads)
+    for (std::size_t i = 0; i < g.size(); ++i)
+      along += g[i] * direction[name][i];
+  auto shift = [&](double eps) {
+    for (int r = 0; r < plan.devices(); ++r)
+      for (Parameter& p : step.shard(r).parameters()) {
+        const auto& v = direction[p.name];
+        for (std::int64_t lr = 0; lr < local_rows(p); ++lr)
+          for (std::int64_t lc = 0; lc < local_cols(p); ++lc)
+            p.value.data()[lr * local_cols(p) + lc] += static_cast<float>(
+                eps *
+                v[static_cast<std::size_t>(p.row_map[lr] * p.logical_cols + p.col_offset + lc)]);
+      }
+  };
+  const double eps = 1e-4;
+  shift(eps);
+  const double up = objective();
+  shift(-2 * eps);
+  const double down = objective();
+  shift(eps);
+  return {along, (up - down) / (2 * eps)};
+}
+
+// Each feature alone on the dense GPT, then all of them, dense and MoE: catches a backward wired wrongly in
+// RoPE, grouped heads, RMSNorm, attention dropout or the untied output, which the one-device
+// comparisons above would share.
+TEST(ModernDecoder, WholeModelGradientMatchesADirectionalDifference) {
+  const std::pair<const char*, void (*)(ModelConfig&)> features[] = {
+      {"rope", [](ModelConfig& m) { m.position_embedding = PositionEmbedding::rope; }},
+      {"rms_norm", [](ModelConfig& m) { m.normalization = Normalization::rms_norm; }},
+      {"grouped_query_attention", [](ModelConfig& m) { m.num_query_groups = 2; }},
+      {"untied_output", [](ModelConfig& m) { m.untie_embeddings_and_output_weights = true; }},
+      {"no_bias", [](ModelConfig& m) { m.add_bias_linear = false; }},
+      {"attention_dropout", [](ModelConfig& m) { m.attention_dropout = 0.1; }},
+      {"all", [](ModelConfig& m) { m = llama(0); }},
+      // Every token to every expert: no top-k choice flips along the difference.
+      {"all_moe",
+       [](ModelConfig& m) {
+         m = llama(4);
+         m.moe_router_topk = 4;
+       }},
+  };
+  const ParallelPlan plan{.tensor_parallel = 2,
+                          .sequence_parallel = true,
+                          .micro_batch_size = 2,
+                          .global_batch_size = 4};
+  for (const auto& [name, apply] : features) {
+    ModelConfig m = tiny(0);
+    apply(m);
+    m.hidden_dropout = 0;
+    const auto [along, numeric] = directional_derivative(m, plan);
+    EXPECT_NEAR(along, numeric, 2e-2 * std::abs(numeric))
+        << name << ": analytic " << along << ", numeric " << numeric;
+  }
+}
+
+}  // namespace
+}  // namespace weave::graphs
