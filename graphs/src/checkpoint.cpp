@@ -46,7 +46,9 @@ json describe(const ModelConfig& m) {
           {"normalization", m.normalization == Normalization::rms_norm ? "RMSNorm" : "LayerNorm"},
           {"num_query_groups", m.query_groups()},
           {"untie_embeddings_and_output_weights", m.untie_embeddings_and_output_weights},
-          {"add_bias_linear", m.add_bias_linear}};
+          {"add_bias_linear", m.add_bias_linear},
+          {"moe_router_topk", m.moe_router_topk},
+          {"norm_epsilon", m.layernorm_epsilon}};
 }
 
 // The model as a checkpoint saved before a field existed describes it: the field's default.
@@ -56,7 +58,8 @@ json with_defaults(json saved, const ModelConfig& m) {
   const json implied = describe(defaults);
   for (const char* key :
        {"position_embedding_type", "rotary_percent", "rotary_base", "normalization",
-        "num_query_groups", "untie_embeddings_and_output_weights", "add_bias_linear"})
+        "num_query_groups", "untie_embeddings_and_output_weights", "add_bias_linear",
+        "moe_router_topk", "norm_epsilon"})
     if (!saved.contains(key)) saved[key] = implied[key];
   return saved;
 }
@@ -69,7 +72,20 @@ json describe(const ParallelPlan& p) {
           {"expert_tensor_parallel_size", p.expert_tensor_parallel},
           {"data_parallel_size", p.data_parallel},
           {"pipeline_model_parallel_size", p.pipeline_parallel},
+          {"virtual_pipeline_model_parallel_size", p.virtual_pipeline},
+          {"decoder_first_pipeline_num_layers", p.first_stage_layers},
+          {"decoder_last_pipeline_num_layers", p.last_stage_layers},
           {"use_distributed_optimizer", p.distributed_optimizer}};
+}
+
+// The layout as a checkpoint saved before a field existed describes it: the field's default.
+json plan_with_defaults(json saved) {
+  if (!saved.is_object()) return saved;
+  const json implied = describe(ParallelPlan{});
+  for (const char* key : {"virtual_pipeline_model_parallel_size",
+                          "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"})
+    if (!saved.contains(key)) saved[key] = implied[key];
+  return saved;
 }
 
 std::uint64_t fnv1a(const char* data, std::size_t n, std::uint64_t h = 1469598103934665603ull) {
@@ -220,8 +236,11 @@ std::uint64_t write_file(const std::string& path, const char* magic, json header
 }
 
 json run_header(const ModelConfig& model, const ParallelPlan& plan, const CheckpointState& state) {
+  // The scheduler places chunks on stages (zb-v's V): read by generation, not compared on load,
+  // as a run may resume under another schedule of the same layout.
   return {{"model", describe(model)},
           {"plan", describe(plan)},
+          {"pipeline_scheduler", plan.pipeline_scheduler},
           {"iteration", state.iteration},
           {"consumed_samples", state.consumed_samples}};
 }
@@ -437,7 +456,8 @@ CheckpointState load_opened(OpenedFile& f, const std::string& path, const ModelC
     throw std::runtime_error(fmt::format(
         "checkpoint '{}' holds another model: {}. Load it with the model flags it was saved with",
         path, diff));
-  if (const std::string diff = differences(header.value("plan", json::object()), describe(plan));
+  if (const std::string diff =
+          differences(plan_with_defaults(header.value("plan", json::object())), describe(plan));
       !diff.empty())
     throw std::runtime_error(fmt::format(
         "checkpoint '{}' was saved with another parallel layout: {}. Resume with the layout it was "
@@ -463,6 +483,72 @@ CheckpointState load_checkpoint(const std::string& path, const ModelConfig& mode
   // wrong kind is damage, reported as such.
   try {
     return load_opened(f, path, model, plan, step);
+  } catch (const json::exception& e) {
+    throw std::runtime_error(
+        fmt::format("checkpoint '{}' is damaged: its header is not as saved ({})", path, e.what()));
+  } catch (const DamagedHeader& e) {
+    throw std::runtime_error(
+        fmt::format("checkpoint '{}' is damaged: its header is not as saved ({})", path, e.what()));
+  }
+}
+
+SavedConfiguration read_checkpoint_config(const std::string& path) {
+  OpenedFile f = open_file(path);
+  if (f.magic == kPartMagic)
+    throw std::runtime_error(fmt::format(
+        "'{}' is one process's part of a checkpoint: name the checkpoint's own path, the "
+        "manifest beside it (the name without '.part...')",
+        path));
+  try {
+    const json& m = f.header.at("model");
+    const json p = plan_with_defaults(f.header.at("plan"));
+    SavedConfiguration c;
+    ModelConfig& model = c.model;
+    model.num_layers = whole_number<int>(m, "num_layers");
+    model.hidden_size = whole_number<int>(m, "hidden_size");
+    model.num_attention_heads = whole_number<int>(m, "num_attention_heads");
+    model.ffn_hidden_size = whole_number<int>(m, "ffn_hidden_size");
+    model.seq_length = whole_number<int>(m, "seq_length");
+    model.max_position_embeddings = whole_number<int>(m, "max_position_embeddings");
+    model.vocab_size = whole_number<int>(m, "vocab_size");
+    model.make_vocab_size_divisible_by = whole_number<int>(m, "make_vocab_size_divisible_by");
+    model.activation = m.at("swiglu").get<bool>() ? Activation::swiglu : Activation::gelu;
+    model.num_experts = whole_number<int>(m, "num_experts");
+    model.moe_layer_freq = whole_number<int>(m, "moe_layer_freq");
+    const json full = with_defaults(m, model);
+    const std::string positions = full.at("position_embedding_type").get<std::string>();
+    model.position_embedding = positions == "rope"   ? PositionEmbedding::rope
+                               : positions == "none" ? PositionEmbedding::none
+                                                     : PositionEmbedding::learned_absolute;
+    model.rotary_percent = full.at("rotary_percent").get<double>();
+    model.rotary_base = full.at("rotary_base").get<double>();
+    model.normalization = full.at("normalization").get<std::string>() == "RMSNorm"
+                              ? Normalization::rms_norm
+                              : Normalization::layer_norm;
+    const int groups = whole_number<int>(full, "num_query_groups");
+    model.num_query_groups = groups == model.num_attention_heads ? 0 : groups;
+    model.untie_embeddings_and_output_weights =
+        full.at("untie_embeddings_and_output_weights").get<bool>();
+    model.add_bias_linear = full.at("add_bias_linear").get<bool>();
+    model.moe_router_topk = whole_number<int>(full, "moe_router_topk");
+    model.layernorm_epsilon = full.at("norm_epsilon").get<double>();
+    ParallelPlan& plan = c.plan;
+    plan.tensor_parallel = whole_number<int>(p, "tensor_model_parallel_size");
+    plan.sequence_parallel = p.at("sequence_parallel").get<bool>();
+    plan.context_parallel = whole_number<int>(p, "context_parallel_size");
+    plan.expert_parallel = whole_number<int>(p, "expert_model_parallel_size");
+    plan.expert_tensor_parallel = whole_number<int>(p, "expert_tensor_parallel_size");
+    plan.data_parallel = whole_number<int>(p, "data_parallel_size");
+    plan.pipeline_parallel = whole_number<int>(p, "pipeline_model_parallel_size");
+    plan.virtual_pipeline = whole_number<int>(p, "virtual_pipeline_model_parallel_size");
+    plan.first_stage_layers = whole_number<int>(p, "decoder_first_pipeline_num_layers");
+    plan.last_stage_layers = whole_number<int>(p, "decoder_last_pipeline_num_layers");
+    plan.distributed_optimizer = p.at("use_distributed_optimizer").get<bool>();
+    plan.pipeline_scheduler = f.header.value("pipeline_scheduler", std::string());
+    c.processes = f.magic == kManifestMagic ? whole_number<int>(f.header, "processes") : 1;
+    c.state = {whole_number<std::int64_t>(f.header, "iteration"),
+               whole_number<std::uint64_t>(f.header, "consumed_samples")};
+    return c;
   } catch (const json::exception& e) {
     throw std::runtime_error(
         fmt::format("checkpoint '{}' is damaged: its header is not as saved ({})", path, e.what()));

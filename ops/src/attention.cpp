@@ -106,8 +106,9 @@ std::int64_t visible_keys(const AttentionOptions& opt, std::int64_t row, std::in
   return std::clamp<std::int64_t>(opt.q_offset + row - opt.k_offset + 1, 0, sk);
 }
 
-// The dropout mask's factor for query row i (of batch entry b, query head `head`) and key
-// column j: 0 where dropped, 1 / (1 - p) where kept, 1 without dropout.
+// The dropout mask's factors for query row i (of batch entry b, query head `head`) and key
+// columns [j0, j0 + cols): 0 where dropped, 1 / (1 - p) where kept. Four consecutive features
+// share one Philox block, so a row costs a quarter of a draw per key.
 template <typename T>
 struct DropoutMask {
   const AttentionOptions& opt;
@@ -115,13 +116,24 @@ struct DropoutMask {
   explicit DropoutMask(const AttentionOptions& o)
       : opt(o), keep_scale(static_cast<T>(1.0 / (1.0 - o.dropout.probability))) {}
   bool active() const { return opt.dropout.probability > 0; }
-  T operator()(std::int64_t b, std::int64_t head, std::int64_t i, std::int64_t j) const {
+  void row(std::int64_t b, std::int64_t head, std::int64_t i, std::int64_t j0, std::int64_t cols,
+           T* out) const {
     const AttentionDropout& d = opt.dropout;
     const auto token =
         static_cast<std::uint64_t>((d.batch_offset + b) * d.sequence_length + opt.q_offset + i);
-    const auto feature =
-        static_cast<std::uint64_t>((d.head_offset + head) * d.sequence_length + opt.k_offset + j);
-    return uniform(d.key, token, feature) >= static_cast<float>(d.probability) ? keep_scale : T(0);
+    const auto first =
+        static_cast<std::uint64_t>((d.head_offset + head) * d.sequence_length + opt.k_offset + j0);
+    const float p = static_cast<float>(d.probability);
+    float u[4];
+    std::uint64_t quad = ~std::uint64_t{0};
+    for (std::int64_t j = 0; j < cols; ++j) {
+      const std::uint64_t feature = first + static_cast<std::uint64_t>(j);
+      if (feature / 4 != quad) {
+        quad = feature / 4;
+        uniform4(d.key, token, quad, u);
+      }
+      out[j] = u[feature % 4] >= p ? keep_scale : T(0);
+    }
   }
 };
 
@@ -149,6 +161,7 @@ void attention_forward(const AttentionOptions& opt, const BasicTensor<T>& q,
     Eigen::Array<T, Eigen::Dynamic, 1> l = Eigen::Array<T, Eigen::Dynamic, 1>::Zero(rows);
     const std::int64_t keys = visible_keys(opt, i0 + rows - 1, sk);
     Matrix<T> s;
+    std::vector<T> keep;
     for (std::int64_t j0 = 0; j0 < keys; j0 += kKeyBlock) {
       const std::int64_t cols = std::min(kKeyBlock, keys - j0);
       s.noalias() = scale * Q * rows_of(k, b, g, 0, d, j0, cols).transpose();
@@ -168,10 +181,13 @@ void attention_forward(const AttentionOptions& opt, const BasicTensor<T>& q,
         l(i) = l(i) * rescale + s.row(i).sum();
         acc.row(i) *= rescale;
         m(i) = m_new;
-        if (mask.active())
-          for (std::int64_t j = 0;
-               j < std::min<std::int64_t>(std::max<std::int64_t>(seen, 0), cols); ++j)
-            s(i, j) *= mask(b, h, i0 + i, j0 + j);
+        if (mask.active()) {
+          const std::int64_t n = std::min<std::int64_t>(std::max<std::int64_t>(seen, 0), cols);
+          keep.resize(static_cast<std::size_t>(n));
+          mask.row(b, h, i0 + i, j0, n, keep.data());
+          for (std::int64_t j = 0; j < n; ++j)
+            s(i, j) *= keep[static_cast<std::size_t>(j)];
+        }
       }
       acc.noalias() += s * rows_of(v, b, g, 0, d, j0, cols);
     }
@@ -258,8 +274,7 @@ void attention_backward(const AttentionOptions& opt, const BasicTensor<T>& q,
             // P's dropped form feeds V's gradient; the mask scales dP the same way.
             Matrix<T> kept(rows, cols);
             for (std::int64_t i = 0; i < rows; ++i)
-              for (std::int64_t j = 0; j < cols; ++j)
-                kept(i, j) = s(i, j) == T(0) ? T(0) : mask(b, h, i0 + i, j0 + j);
+              mask.row(b, h, i0 + i, j0, cols, &kept(i, 0));
             dV.noalias() += (s.array() * kept.array()).matrix().transpose() * dO;
             dp.array() *= kept.array();
           } else {

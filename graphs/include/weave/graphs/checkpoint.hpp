@@ -35,4 +35,15 @@ void save_checkpoint(const std::string& path, const ModelConfig& model, const Pa
 CheckpointState load_checkpoint(const std::string& path, const ModelConfig& model,
                                 const ParallelPlan& plan, TrainingStep& step);
 
+// What a checkpoint was saved with: the model, the parallel layout (its saved fields; the rest
+// as ParallelPlan's defaults), the processes that saved it and how far training had come. Reads
+// the header only. Throws std::runtime_error for a missing or damaged file.
+struct SavedConfiguration {
+  ModelConfig model;
+  ParallelPlan plan;
+  int processes = 1;
+  CheckpointState state;
+};
+SavedConfiguration read_checkpoint_config(const std::string& path);
+
 }  // namespace weave::graphs

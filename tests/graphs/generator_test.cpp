@@ -1,0 +1,207 @@
+// Decoding with a key/value cache: fed a sequence token by token it gives the training step's
+// loss; under every parallel layout it gives the one-device logits; a checkpoint's saved
+// configuration reads back; bad requests are refused.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+
+#include "tiny_model.hpp"
+#include "weave/devices/device_set.hpp"
+#include "weave/devices/shared_memory_communicator.hpp"
+#include "weave/graphs/checkpoint.hpp"
+#include "weave/graphs/generator.hpp"
+
+namespace weave::graphs {
+namespace {
+
+ModelConfig without_dropout(ModelConfig m) {
+  m.hidden_dropout = 0;
+  m.attention_dropout = 0;
+  return m;
+}
+
+// A Llama-style model (RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases, untied).
+ModelConfig llama(int experts) {
+  ModelConfig m = tiny(experts);
+  m.num_layers = 4;
+  m.activation = Activation::swiglu;
+  m.position_embedding = PositionEmbedding::rope;
+  m.normalization = Normalization::rms_norm;
+  m.num_query_groups = 2;
+  m.untie_embeddings_and_output_weights = true;
+  m.add_bias_linear = false;
+  return without_dropout(m);
+}
+
+// A step, its devices and a generator over its (freshly initialised) shards.
+struct Decoder {
+  ParallelPlan plan;
+  devices::DeviceSet set;
+  devices::SharedMemoryCommunicator comm;
+  TrainingStep step;
+  Generator generator;
+  Decoder(const ModelConfig& m, ParallelPlan p)
+      : plan((validate(m, p), p)),
+        set(plan.devices(), {.pin = false}),
+        step(m, plan, {}, set, comm),
+        generator(m, plan, step, set, comm) {}
+};
+
+// Mean cross-entropy of the next token over the sequence, from the logits decoding gives.
+double decoded_loss(Generator& g, const std::vector<std::int32_t>& tokens,
+                    const std::vector<std::int32_t>& targets) {
+  g.reset();
+  double sum = 0;
+  for (std::size_t s = 0; s < tokens.size(); ++s) {
+    const std::vector<float> logits = g.feed(tokens[s]);
+    double top = -INFINITY, z = 0;
+    for (float v : logits)
+      top = std::max<double>(top, v);
+    for (float v : logits)
+      z += std::exp(v - top);
+    sum += top + std::log(z) - logits[static_cast<std::size_t>(targets[s])];
+  }
+  return sum / static_cast<double>(tokens.size());
+}
+
+class KeyValueCache : public ::testing::TestWithParam<int> {};
+
+TEST_P(KeyValueCache, DecodingTokenByTokenGivesTheTrainingStepsLoss) {
+  for (const ModelConfig& m : {without_dropout(tiny(GetParam())), llama(GetParam())}) {
+    const ParallelPlan plan{.micro_batch_size = 1, .global_batch_size = 1};
+    Decoder decoder(m, plan);
+    decoder.step.set_update_parameters(false);
+    fill_batches(decoder.step, m, plan);
+    decoder.step.prepare(1, 0);
+    decoder.set.executor().run(decoder.step.graph());
+    const MicroBatch& batch = decoder.step.micro_batch(0, 0);
+    const double decoded = decoded_loss(decoder.generator, batch.tokens, batch.targets);
+    EXPECT_NEAR(decoded, decoder.step.result().loss, 1e-5 * decoded);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(DenseAndMoe, KeyValueCache, ::testing::Values(0, 4));
+
+struct Layout {
+  const char* name;
+  int experts;
+  ParallelPlan plan;
+};
+
+class GeneratorLayouts : public ::testing::TestWithParam<Layout> {};
+
+// The same model split any way decodes the same logits, and samples the same tokens.
+TEST_P(GeneratorLayouts, EqualOneDevice) {
+  const Layout c = GetParam();
+  const ModelConfig m = llama(c.experts);
+  Decoder one(m, {.micro_batch_size = 1, .global_batch_size = 1});
+  ParallelPlan plan = c.plan;
+  plan.micro_batch_size = 1;
+  plan.global_batch_size = plan.data_parallel * plan.pipeline_parallel;
+  Decoder split(m, plan);
+  for (int s = 0; s < 12; ++s) {
+    const std::int32_t t = token(3, s, m.vocab_size);
+    const std::vector<float> a = one.generator.feed(t), b = split.generator.feed(t);
+    ASSERT_EQ(a.size(), b.size());
+    for (std::size_t i = 0; i < a.size(); ++i)
+      ASSERT_NEAR(b[i], a[i], 1e-4 * (1 + std::abs(a[i]))) << "position " << s << " token " << i;
+  }
+  const std::vector<std::int32_t> prompt{token(4, 0, m.vocab_size), token(4, 1, m.vocab_size)};
+  const SamplingOptions sampling{.max_new_tokens = 10, .temperature = 0.8, .top_k = 20};
+  EXPECT_EQ(split.generator.generate(prompt, sampling), one.generator.generate(prompt, sampling));
+}
+
+const Layout kLayouts[] = {
+    {"tp2", 0, {.tensor_parallel = 2}},
+    {"tp2_sp_ep2_moe", 4, {.tensor_parallel = 2, .sequence_parallel = true, .expert_parallel = 2}},
+    {"ep2_dp2_moe", 4, {.expert_parallel = 2, .data_parallel = 2}},
+    {"split_experts_tp2_ep2_dp2",
+     4,
+     {.tensor_parallel = 2,
+      .sequence_parallel = true,
+      .expert_parallel = 2,
+      .expert_tensor_parallel = 2,
+      .data_parallel = 2}},
+    {"cp2_ep2_moe", 4, {.context_parallel = 2, .expert_parallel = 2}},
+    {"pp2", 0, {.pipeline_parallel = 2}},
+    {"pp2_v2_tp2_moe", 4, {.tensor_parallel = 2, .pipeline_parallel = 2, .virtual_pipeline = 2}},
+    {"pp2_zb_v", 0, {.pipeline_parallel = 2, .pipeline_scheduler = "zb-v"}},
+};
+
+INSTANTIATE_TEST_SUITE_P(Plans, GeneratorLayouts, ::testing::ValuesIn(kLayouts),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+TEST(Generator, ACheckpointNamesTheModelAndLayoutItWasSavedWith) {
+  const ModelConfig m = llama(4);
+  ParallelPlan plan{.tensor_parallel = 2,
+                    .expert_parallel = 2,
+                    .data_parallel = 1,
+                    .pipeline_parallel = 2,
+                    .virtual_pipeline = 2,
+                    .pipeline_scheduler = "interleaved",
+                    .micro_batch_size = 1,
+                    .global_batch_size = 2};
+  Decoder d(m, plan);
+  const std::string path =
+      (std::filesystem::temp_directory_path() / "weave_generator_test.ckpt").string();
+  save_checkpoint(path, m, d.plan, d.step, {.iteration = 7, .consumed_samples = 14});
+  const SavedConfiguration saved = read_checkpoint_config(path);
+  std::filesystem::remove(path);
+  EXPECT_EQ(saved.state.iteration, 7);
+  EXPECT_EQ(saved.processes, 1);
+  EXPECT_EQ(saved.model.num_layers, m.num_layers);
+  EXPECT_EQ(saved.model.position_embedding, PositionEmbedding::rope);
+  EXPECT_EQ(saved.model.normalization, Normalization::rms_norm);
+  EXPECT_EQ(saved.model.num_query_groups, 2);
+  EXPECT_TRUE(saved.model.untie_embeddings_and_output_weights);
+  EXPECT_FALSE(saved.model.add_bias_linear);
+  EXPECT_EQ(saved.model.activation, Activation::swiglu);
+  EXPECT_EQ(saved.model.num_experts, 4);
+  EXPECT_EQ(saved.model.moe_router_topk, m.moe_router_topk);
+  EXPECT_EQ(saved.plan.tensor_parallel, 2);
+  EXPECT_EQ(saved.plan.expert_parallel, 2);
+  EXPECT_EQ(saved.plan.pipeline_parallel, 2);
+  EXPECT_EQ(saved.plan.virtual_pipeline, 2);
+  EXPECT_EQ(saved.plan.pipeline_scheduler, "interleaved");
+}
+
+TEST(Generator, RefusesWhatItCannotDecode) {
+  const ModelConfig m = llama(0);
+  Decoder d(m, {.micro_batch_size = 1, .global_batch_size = 1});
+  EXPECT_THROW(d.generator.generate({}, {}), std::invalid_argument);
+  const std::vector<std::int32_t> prompt{1, 2, 3};
+  try {
+    d.generator.generate(prompt, {.max_new_tokens = m.seq_length});
+    FAIL();
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("need 19 positions; the model has 16"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_THROW(d.generator.feed(m.vocab_size), std::invalid_argument);
+  EXPECT_THROW(d.generator.generate(prompt, {.temperature = -1}), std::invalid_argument);
+}
+
+TEST(Generator, SamplingFollowsTemperatureAndTopK) {
+  const std::vector<float> logits{0.f, 3.f, 1.f, 3.f};
+  // Greedy: the most likely, ties to the lower id.
+  EXPECT_EQ(sample_token(logits, {.temperature = 0}, 5), 1);
+  // Top-1 at any temperature is greedy; top-2 never draws ids 0 or 2.
+  for (std::int64_t position = 0; position < 200; ++position) {
+    EXPECT_EQ(sample_token(logits, {.temperature = 2, .top_k = 1}, position), 1);
+    const std::int32_t t = sample_token(logits, {.temperature = 1, .top_k = 2}, position);
+    EXPECT_TRUE(t == 1 || t == 3) << t;
+  }
+  // The draws follow the softmax: ids 1 and 3 each about e^3 / (1 + 2 e^3 + e) of the time.
+  int counts[4] = {};
+  const int n = 20000;
+  for (std::int64_t position = 0; position < n; ++position)
+    ++counts[sample_token(logits, {.temperature = 1}, position)];
+  const double z = 1 + 2 * std::exp(3.0) + std::exp(1.0);
+  EXPECT_NEAR(counts[1] / double(n), std::exp(3.0) / z, 0.02);
+  EXPECT_NEAR(counts[2] / double(n), std::exp(1.0) / z, 0.02);
+  EXPECT_NEAR(counts[0] / double(n), 1 / z, 0.01);
+}
+
+}  // namespace
+}  // namespace weave::graphs
