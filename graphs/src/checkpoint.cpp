@@ -168,22 +168,14 @@ Integer whole_number(const json& object, const char* key) {
   return value.get<Integer>();
 }
 
-// Writes `magic`, the header and the entries' values to `path` through a temporary name and a
-// rename; returns the values' checksum (also put in the header).
-std::uint64_t write_file(const std::string& path, const char* magic, json header,
-                         const std::vector<Entry>& entries) {
-  json tensors = json::array();
-  std::uint64_t checksum = 1469598103934665603ull;
-  for (const Entry& e : entries) {
-    tensors.push_back(
-        {{"rank", e.rank}, {"name", e.name}, {"part", e.part}, {"numel", e.tensor.numel()}});
-    checksum = fnv1a(reinterpret_cast<const char*>(e.tensor.data()),
-                     static_cast<std::size_t>(e.tensor.numel()) * sizeof(float), checksum);
-  }
-  header["tensors"] = tensors;
-  header["checksum"] = checksum;
-  const std::string text = header.dump();
-  const std::string partial = path + ".partial";
+// Writes `magic`, the header text and the entries' values to `partial`, flushes it to disk and
+// renames it to `path`.
+void write_and_rename(const std::string& partial, const std::string& path, const char* magic,
+                      const std::string& text, const std::vector<Entry>& entries) {
+  if (std::filesystem::is_directory(path))
+    throw std::runtime_error(fmt::format(
+        "cannot save checkpoint '{}': it is a folder; name a file such as '{}/model.ckpt'", path,
+        path));
   {
     std::ofstream out(partial, std::ios::binary | std::ios::trunc);
     if (!out)
@@ -205,9 +197,41 @@ std::uint64_t write_file(const std::string& path, const char* magic, json header
   // The data reaches the disk before the rename makes it the checkpoint, and the rename before
   // save returns: after a crash or a power loss the name holds the old checkpoint or the new one.
   sync_to_disk(partial);
-  std::filesystem::rename(partial, path);
+  std::error_code error;
+  std::filesystem::rename(partial, path, error);
+  if (error)
+    throw std::runtime_error(
+        fmt::format("cannot save checkpoint '{}': renaming '{}' to it failed: {}", path, partial,
+                    error.message()));
   const std::filesystem::path folder = std::filesystem::path(path).parent_path();
   sync_to_disk(folder.empty() ? std::string(".") : folder.string());
+}
+
+// Writes `magic`, the header and the entries' values to `path` through a temporary name and a
+// rename; returns the values' checksum (also put in the header).
+std::uint64_t write_file(const std::string& path, const char* magic, json header,
+                         const std::vector<Entry>& entries) {
+  json tensors = json::array();
+  std::uint64_t checksum = 1469598103934665603ull;
+  for (const Entry& e : entries) {
+    tensors.push_back(
+        {{"rank", e.rank}, {"name", e.name}, {"part", e.part}, {"numel", e.tensor.numel()}});
+    checksum = fnv1a(reinterpret_cast<const char*>(e.tensor.data()),
+                     static_cast<std::size_t>(e.tensor.numel()) * sizeof(float), checksum);
+  }
+  header["tensors"] = tensors;
+  header["checksum"] = checksum;
+  const std::string text = header.dump();
+  const std::string partial = path + ".partial";
+  // A save that fails leaves what `path` held before and nothing else: not a partial file.
+  try {
+    write_and_rename(partial, path, magic, text, entries);
+  } catch (...) {
+    std::error_code ignored;
+    if (std::filesystem::is_regular_file(partial, ignored))
+      std::filesystem::remove(partial, ignored);
+    throw;
+  }
   return checksum;
 }
 

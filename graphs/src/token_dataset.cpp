@@ -20,6 +20,28 @@ std::uint64_t mix(std::uint64_t x) {
   return x ^ (x >> 31);
 }
 
+// Why `bytes` (the contents of `file`) is not text, or "" when it is. Text may hold UTF-8 and a
+// few control characters (tab, line breaks, form feed, escape, backspace: the fortunes corpus
+// has them); an executable, an archive or an image holds NUL bytes or many other controls.
+std::string not_text(const std::string& file, const std::vector<std::uint8_t>& bytes) {
+  if (bytes.size() >= 4 && bytes[0] == 0x7f && bytes[1] == 'E' && bytes[2] == 'L' &&
+      bytes[3] == 'F')
+    return fmt::format("'{}' is an ELF binary (it starts with 0x7F 'ELF')", file);
+  const auto nul = std::find(bytes.begin(), bytes.end(), std::uint8_t{0});
+  if (nul != bytes.end())
+    return fmt::format("'{}' holds NUL bytes (the first at byte {}), which text does not", file,
+                       nul - bytes.begin());
+  std::size_t controls = 0;
+  for (const std::uint8_t b : bytes)
+    controls += b < 0x20 && b != '\t' && b != '\n' && b != '\r' && b != '\f' && b != '\v' &&
+                b != 0x1b && b != '\b';
+  // One in a hundred: the fortunes corpus has one in ten thousand, a binary one in a few.
+  if (controls * 100 > bytes.size())
+    return fmt::format("'{}' is {:.0f}% control bytes, which text is not", file,
+                       100.0 * static_cast<double>(controls) / static_cast<double>(bytes.size()));
+  return {};
+}
+
 }  // namespace
 
 TokenDataset TokenDataset::from_text(const std::string& path, int seq_length,
@@ -53,7 +75,14 @@ TokenDataset TokenDataset::from_text(const std::string& path, int seq_length,
   std::vector<std::uint8_t> bytes;
   for (const auto& f : files) {
     std::ifstream in(f, std::ios::binary);
-    bytes.insert(bytes.end(), std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    std::vector<std::uint8_t> file((std::istreambuf_iterator<char>(in)),
+                                   std::istreambuf_iterator<char>());
+    if (const std::string why = not_text(f.string(), file); !why.empty())
+      throw std::runtime_error(fmt::format(
+          "--data-path {}: weave trains on the bytes of text files; name a text file or a folder "
+          "of them (or use --mock-data)",
+          f.string() == path ? why : fmt::format("'{}': {}", path, why)));
+    bytes.insert(bytes.end(), file.begin(), file.end());
   }
   const auto valid = static_cast<std::size_t>(static_cast<double>(bytes.size()) * valid_fraction);
   const std::size_t need = 2 * (static_cast<std::size_t>(seq_length) + 1);

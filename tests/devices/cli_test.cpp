@@ -9,7 +9,9 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "run_weave.hpp"
@@ -18,6 +20,7 @@ namespace {
 
 using weave::cli_test::Result;
 using weave::cli_test::weave;
+using weave::cli_test::weave_on_terminal;
 
 TEST(Cli, TopoJsonDescribesEveryDevice) {
   const Result r = weave("topo --devices 8 --json");
@@ -152,11 +155,17 @@ TEST(CliTrain, ModelTimingReplaysTheStepOnTheVirtualClock) {
                         common, model.string()));
   ASSERT_EQ(r.status, 0) << r.out;
   EXPECT_NE(r.out.find("(modelled)"), std::string::npos) << r.out;
-  std::ifstream a(wall), b(model);
-  std::string la, lb;
+  const auto iterations = [](const std::filesystem::path& p) {
+    std::vector<nlohmann::json> out;
+    std::ifstream in(p);
+    for (std::string line; std::getline(in, line);)
+      if (const auto j = nlohmann::json::parse(line); j["type"] == "iteration") out.push_back(j);
+    return out;
+  };
+  const auto a = iterations(wall), b = iterations(model);
   int lines = 0;
-  while (std::getline(a, la) && std::getline(b, lb)) {
-    const auto ja = nlohmann::json::parse(la), jb = nlohmann::json::parse(lb);
+  for (std::size_t i = 0; i < std::min(a.size(), b.size()); ++i) {
+    const auto &ja = a[i], &jb = b[i];
     EXPECT_EQ(ja["loss"], jb["loss"]);
     EXPECT_GT(jb["seconds"].get<double>(), 0.0);
     ++lines;
@@ -330,6 +339,352 @@ TEST(CliTrain, PipelineRulesAreRefusedWithTheFlags) {
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.out.find("--pipeline-advise compares pipeline schedules"), std::string::npos)
       << r.out;
+}
+
+// ------------------------------------------------------------- flags scripts carry, and help
+
+bool has(const std::string& text, const std::string& part) {
+  return text.find(part) != std::string::npos;
+}
+
+int occurrences(const std::string& text, const std::string& part) {
+  int n = 0;
+  for (std::size_t at = text.find(part); at != std::string::npos; at = text.find(part, at + 1))
+    ++n;
+  return n;
+}
+
+TEST(CliFlags, FlagsWithoutEffectAreNamedOnceInOneLine) {
+  const Result r = weave(fmt::format(
+      "train {} --mock-data --train-iters 1 --use-mcore-models --transformer-impl local "
+      "--distributed-backend nccl --DDP-impl local --no-masked-softmax-fusion --tensorboard-dir tb "
+      "--tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --use-mcore-models",
+      kTinyModel));
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(occurrences(r.out, "no effect here"), 1) << r.out;
+  const std::string line = r.out.substr(r.out.find("no effect here: "));
+  const std::string first = line.substr(0, line.find('\n'));
+  for (const char* flag :
+       {"--use-mcore-models", "--transformer-impl", "--distributed-backend", "--DDP-impl",
+        "--no-masked-softmax-fusion", "--tensorboard-dir", "--tokenizer-type", "--vocab-file"})
+    EXPECT_EQ(occurrences(first, std::string(flag) + ","),
+              flag == std::string("--vocab-file") ? 0 : 1)
+        << flag << " in " << first;
+  EXPECT_TRUE(has(first, "--vocab-file (docs/flags.md says why)")) << first;
+}
+
+TEST(CliFlags, EveryUnknownAndRefusedFlagIsReportedAtOnceWithCloseSuggestionsOnly) {
+  const Result r = weave(
+      fmt::format("train {} --mock-data --num-layer 3 --bf16 --rampup-batch-size 16 16 5859375 "
+                  "--moe-router-dtype fp32 --expert-tensr-parallel-size 2 --frobnicate",
+                  kTinyModel));
+  EXPECT_NE(r.status, 0);
+  EXPECT_TRUE(has(r.out, "6 flags of `weave train`")) << r.out;
+  EXPECT_TRUE(has(r.out, "unknown flag '--num-layer' (did you mean '--num-layers'?)")) << r.out;
+  EXPECT_TRUE(has(r.out,
+                  "unknown flag '--expert-tensr-parallel-size' (did you mean "
+                  "'--expert-tensor-parallel-size'?)"))
+      << r.out;
+  EXPECT_TRUE(has(r.out, "--bf16 is refused: weave's kernels compute in fp32")) << r.out;
+  EXPECT_TRUE(has(r.out, "--rampup-batch-size is refused")) << r.out;
+  // Not a typo of anything: no misleading guess.
+  EXPECT_TRUE(has(r.out, "unknown flag '--moe-router-dtype'\n")) << r.out;
+  EXPECT_TRUE(has(r.out, "unknown flag '--frobnicate'")) << r.out;
+  EXPECT_FALSE(has(r.out, "weave train: ")) << r.out;  // the run's first line
+}
+
+TEST(CliFlags, HalfPrecisionIsRefusedSayingHowToProceed) {
+  for (const char* flag : {"--bf16", "--fp16"}) {
+    const Result r = weave(fmt::format("train {} --mock-data {}", kTinyModel, flag));
+    EXPECT_NE(r.status, 0);
+    EXPECT_TRUE(has(r.out, fmt::format("{} is refused: weave's kernels compute in fp32", flag)))
+        << r.out;
+    EXPECT_TRUE(has(r.out, "drop the flag and the run trains in fp32")) << r.out;
+  }
+}
+
+TEST(CliFlags, AOneDashLongFlagIsRefusedNamingTheTwoDashForm) {
+  const Result r = weave("train -hidden-size 64 --mock-data");
+  EXPECT_NE(r.status, 0) << r.out;
+  EXPECT_TRUE(has(r.out, "'-hidden-size' has one dash: long flags take two, '--hidden-size'"))
+      << r.out;
+  EXPECT_FALSE(has(r.out, "Usage:")) << r.out;
+  // A negative value is a value, not a flag.
+  const Result negative =
+      weave(fmt::format("train {} --mock-data --moe-aux-loss-coeff -0.5", kTinyModel));
+  EXPECT_TRUE(has(negative.out, "--moe-aux-loss-coeff must be >= 0, got -0.5")) << negative.out;
+}
+
+TEST(CliFlags, AMisspeltCommandIsNamedWithTheRightOne) {
+  const Result r = weave("trian --mock-data");
+  EXPECT_NE(r.status, 0);
+  EXPECT_TRUE(has(r.out, "unknown command 'trian' (did you mean 'train'?)")) << r.out;
+  EXPECT_TRUE(has(r.out, "topo, simulate, train, schedule")) << r.out;
+}
+
+// The options of a --help text that have no description: CLI11 starts it at column 30, on the
+// option's line or, when the name reaches that column, on the next.
+std::vector<std::string> undescribed(const std::string& help) {
+  std::vector<std::string> lines;
+  std::istringstream in(help);
+  for (std::string line; std::getline(in, line);)
+    lines.push_back(line);
+  std::vector<std::string> out;
+  constexpr std::size_t kColumn = 30;
+  const auto described_at_column = [&](const std::string& l) {
+    return l.size() > kColumn && l[kColumn - 1] == ' ' && l[kColumn] != ' ';
+  };
+  for (std::size_t i = 0; i < lines.size(); ++i) {
+    const std::string& l = lines[i];
+    if (l.rfind("  -", 0) != 0) continue;
+    const bool next_line = i + 1 < lines.size() &&
+                           lines[i + 1].rfind(std::string(kColumn, ' '), 0) == 0 &&
+                           described_at_column(lines[i + 1]);
+    if (!described_at_column(l) && !next_line) out.push_back(l);
+  }
+  return out;
+}
+
+TEST(CliHelp, EveryOptionIsDescribedWithAnExampleAndTheProgramsName) {
+  for (const char* command : {"train", "schedule", "simulate", "topo"}) {
+    const Result r = weave(fmt::format("{} --help", command));
+    ASSERT_EQ(r.status, 0) << r.out;
+    EXPECT_TRUE(has(r.out, fmt::format("Usage: weave {} [OPTIONS]", command))) << r.out;
+    EXPECT_TRUE(has(r.out, fmt::format("Example:\n  weave {} ", command))) << r.out;
+    EXPECT_GT(occurrences(r.out, "\n  --"), 3) << r.out;
+    for (const std::string& line : undescribed(r.out))
+      ADD_FAILURE() << "weave " << command << ": no description: " << line;
+  }
+  // The check itself: one option without a description, two with.
+  EXPECT_EQ(undescribed("  --x INT=1\n  --y                         Why\n  --a-very-long-flag-name "
+                        "INT=1\n                              Why\n")
+                .size(),
+            1u);
+}
+
+// ------------------------------------------------------- nothing claimed that did not happen
+
+TEST(CliOutputs, EveryOutputPathIsCheckedBeforeAnyWork) {
+  const auto missing = scratch("no-such-folder") / "out";
+  const std::vector<std::string> train_outputs{"--save", "--trace", "--dump-graph", "--log-json"};
+  for (const std::string& flag : train_outputs) {
+    const Result r = weave(fmt::format("train {} --mock-data --train-iters 2 {} {}", kTinyModel,
+                                       flag, missing.string()));
+    EXPECT_NE(r.status, 0) << flag;
+    EXPECT_TRUE(has(r.out, fmt::format("{} '{}': the folder '{}' does not exist", flag,
+                                       missing.string(), missing.parent_path().string())))
+        << r.out;
+    EXPECT_FALSE(has(r.out, "iteration")) << flag << ": trained before refusing\n" << r.out;
+  }
+  for (const char* flag : {"--svg", "--csv", "--trace"}) {
+    const Result r =
+        weave(fmt::format("schedule --pipeline-model-parallel-size 2 --num-micro-batches 2 {} {}",
+                          flag, missing.string()));
+    EXPECT_NE(r.status, 0) << flag;
+    EXPECT_TRUE(has(r.out, "does not exist")) << r.out;
+    EXPECT_FALSE(has(r.out, "makespan")) << flag << ": worked before refusing\n" << r.out;
+  }
+  for (const char* flag : {"--trace", "--dump-graph"}) {
+    const Result r =
+        weave(fmt::format("simulate --devices 2 --timing model {} {}", flag, missing.string()));
+    EXPECT_NE(r.status, 0) << flag;
+    EXPECT_TRUE(has(r.out, "does not exist")) << r.out;
+    EXPECT_FALSE(has(r.out, "makespan")) << flag << ": worked before refusing\n" << r.out;
+  }
+  EXPECT_FALSE(std::filesystem::exists(missing.parent_path()));
+}
+
+TEST(CliOutputs, SavingOntoAFolderIsRefusedUpFrontLeavingNothing) {
+  const auto folder = scratch("a-folder");
+  std::filesystem::create_directories(folder);
+  const Result r = weave(
+      fmt::format("train {} --mock-data --train-iters 2 --save {}", kTinyModel, folder.string()));
+  EXPECT_NE(r.status, 0);
+  EXPECT_TRUE(has(r.out, fmt::format("--save '{}' is a folder", folder.string()))) << r.out;
+  EXPECT_FALSE(has(r.out, "iteration")) << r.out;
+  EXPECT_FALSE(std::filesystem::exists(folder.string() + ".partial"));
+  EXPECT_TRUE(std::filesystem::is_empty(folder));
+}
+
+TEST(CliOutputs, ATraceIterationBeyondTheRunIsRefusedUpFront) {
+  const auto trace = scratch("never.json");
+  Result r =
+      weave(fmt::format("train {} --mock-data --train-iters 3 --trace {} --trace-iteration 10",
+                        kTinyModel, trace.string()));
+  EXPECT_NE(r.status, 0);
+  EXPECT_TRUE(
+      has(r.out, "--trace-iteration 10 is beyond the run's last iteration, --train-iters 3"))
+      << r.out;
+  EXPECT_FALSE(std::filesystem::exists(trace));
+  // A run shorter than the default trace iteration traces its last one, and says so truly.
+  r = weave(
+      fmt::format("train {} --mock-data --train-iters 1 --trace {}", kTinyModel, trace.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_TRUE(has(r.out, fmt::format("trace of iteration 1: {}", trace.string()))) << r.out;
+  EXPECT_TRUE(std::filesystem::exists(trace));
+}
+
+TEST(CliOutputs, SimulateNamesTheTraceFilesItWrites) {
+  const auto trace = scratch("sim.json");
+  const Result r = weave(fmt::format(
+      "simulate --devices 2 --layers 1 --chunks 1 --timing both --iterations 1 --trace {}",
+      trace.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  const auto wall = trace.parent_path() / "sim.wall.json",
+             model = trace.parent_path() / "sim.model.json";
+  EXPECT_TRUE(has(r.out, fmt::format("trace: {}, {}\n", wall.string(), model.string()))) << r.out;
+  EXPECT_TRUE(std::filesystem::exists(wall));
+  EXPECT_TRUE(std::filesystem::exists(model));
+  EXPECT_FALSE(std::filesystem::exists(trace));
+}
+
+TEST(CliOutputs, ARunBeyondTheHostsMemoryIsRefusedWithTheEstimate) {
+  const Result r = weave("train --mock-data --hidden-size 100000 --num-attention-heads 4");
+  EXPECT_NE(r.status, 0);
+  EXPECT_TRUE(has(r.out, "the run needs about")) << r.out;
+  EXPECT_TRUE(has(r.out, "more than this host's")) << r.out;
+  EXPECT_TRUE(has(r.out, "GiB per device at most (parameters")) << r.out;
+  EXPECT_FALSE(has(r.out, "bad_alloc")) << r.out;
+  // A run that fits shows its estimate.
+  const Result fits = weave(fmt::format("train {} --mock-data --train-iters 1", kTinyModel));
+  ASSERT_EQ(fits.status, 0) << fits.out;
+  EXPECT_TRUE(has(fits.out, "memory (estimate): ")) << fits.out;
+  EXPECT_TRUE(has(fits.out, "per device at most (parameters ")) << fits.out;
+}
+
+TEST(CliOutputs, OptionValuesAreValidatedBeforeTheRun) {
+  const std::vector<std::pair<std::string, std::string>> cases{
+      {"--adam-beta1 2", "--adam-beta1 must be in [0, 1), got 2"},
+      {"--adam-beta2 1", "--adam-beta2 must be in [0, 1), got 1"},
+      {"--adam-eps 0", "--adam-eps must be a finite number > 0, got 0"},
+      {"--moe-aux-loss-coeff -0.1", "--moe-aux-loss-coeff must be >= 0, got -0.1"},
+      {"--moe-z-loss-coeff -1", "--moe-z-loss-coeff must be >= 0, got -1"},
+      {"--save-interval 5",
+       "--save-interval 5 saves a checkpoint every 5 iterations, but there "
+       "is no --save"},
+      {"--split 0,5,5", "--split '0,5,5' leaves nothing to train on"},
+      {"--optimizer sgd", "--optimizer"},
+  };
+  for (const auto& [flags, message] : cases) {
+    const Result r =
+        weave(fmt::format("train {} --mock-data --train-iters 2 {}", kTinyModel, flags));
+    EXPECT_NE(r.status, 0) << flags;
+    EXPECT_TRUE(has(r.out, message)) << r.out;
+    EXPECT_FALSE(has(r.out, "iteration ")) << flags << ": trained before refusing\n" << r.out;
+  }
+}
+
+TEST(CliOutputs, BinaryDataIsRefusedNamingTheFileAndWhatWasFound) {
+  Result r = weave(fmt::format("train {} --data-path {}", kTinyModel, WEAVE_BINARY));
+  EXPECT_NE(r.status, 0);
+  EXPECT_TRUE(has(r.out, fmt::format("--data-path '{}' is an ELF binary", WEAVE_BINARY))) << r.out;
+  const auto folder = scratch("mixed-data");
+  std::filesystem::create_directories(folder);
+  std::ofstream(folder / "a.txt") << std::string(4000, 'a');
+  std::ofstream(folder / "b.bin", std::ios::binary) << std::string("text\0with a NUL", 16);
+  r = weave(fmt::format("train {} --data-path {}", kTinyModel, folder.string()));
+  EXPECT_NE(r.status, 0);
+  EXPECT_TRUE(has(r.out, fmt::format("'{}' holds NUL bytes (the first at byte 4)",
+                                     (folder / "b.bin").string())))
+      << r.out;
+}
+
+TEST(CliSchedule, ALargeScheduleIsCutSayingSo) {
+  const Result r = weave("schedule -p 32 -m 1000");
+  ASSERT_EQ(r.status, 0) << r.out.substr(0, 2000);
+  EXPECT_LT(r.out.size(), 20000u);
+  EXPECT_TRUE(has(r.out,
+                  "(order shown for 16 of 32 ranks, at most 64 actions each; --csv FILE "
+                  "writes all of it)"))
+      << r.out;
+  EXPECT_TRUE(has(r.out, "r0: F0 F1 F2")) << r.out;
+  EXPECT_TRUE(has(r.out, " ... (1936 more)\n")) << r.out;
+  EXPECT_TRUE(has(r.out, "bubble / ideal: ")) << r.out;
+}
+
+// ------------------------------------------------------------------- progress and the log
+
+TEST(CliProgress, TheProgressLineFitsANarrowTerminal) {
+  const Result r = weave_on_terminal({"train",
+                                      "--num-layers",
+                                      "2",
+                                      "--hidden-size",
+                                      "32",
+                                      "--num-attention-heads",
+                                      "4",
+                                      "--seq-length",
+                                      "32",
+                                      "--mock-data",
+                                      "--train-iters",
+                                      "12",
+                                      "--log-interval",
+                                      "100",
+                                      "--devices",
+                                      "2",
+                                      "--pipeline-model-parallel-size",
+                                      "2",
+                                      "--global-batch-size",
+                                      "2"},
+                                     60);
+  ASSERT_EQ(r.status, 0) << r.out;
+  int progress_lines = 0;
+  std::string piece;
+  // What one carriage return or line feed to the next draws, the clear-to-end code aside.
+  for (std::size_t i = 0; i <= r.out.size(); ++i) {
+    if (i == r.out.size() || r.out[i] == '\r' || r.out[i] == '\n') {
+      if (piece.rfind("iter ", 0) == 0) {
+        ++progress_lines;
+        EXPECT_LE(piece.size(), 59u) << piece;
+      }
+      piece.clear();
+    } else if (r.out.compare(i, 3, "\033[K") == 0) {
+      i += 2;
+    } else {
+      piece += r.out[i];
+    }
+  }
+  EXPECT_GE(progress_lines, 12) << r.out;
+}
+
+TEST(CliProgress, TheBubbleIsShownBesideTheSchedulesOwn) {
+  // 1F1B on p = 2 with m = 2 micro-batches: (p - 1) / m = 0.5, as `weave schedule` says.
+  const Result r = weave(
+      "train --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --mock-data "
+      "--train-iters 2 --log-interval 1 --devices 2 --pipeline-model-parallel-size 2 "
+      "--global-batch-size 2");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_TRUE(has(r.out, "| bubble/ideal ")) << r.out;
+  EXPECT_TRUE(has(r.out, " (schedule 0.50)")) << r.out;
+  const Result schedule = weave("schedule -p 2 -m 2");
+  EXPECT_TRUE(has(schedule.out, "bubble / ideal: 0.500 simulated, 0.500 in theory"))
+      << schedule.out;
+}
+
+TEST(CliProgress, LogJsonRecordsAreTypedBetweenARunHeaderAndASummary) {
+  const auto log = scratch("typed.jsonl");
+  const Result r = weave(fmt::format(
+      "train {} --mock-data --train-iters 4 --eval-interval 2 --eval-iters 1 --log-json {}",
+      kTinyModel, log.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  std::vector<nlohmann::json> records;
+  std::ifstream in(log);
+  for (std::string line; std::getline(in, line);)
+    records.push_back(nlohmann::json::parse(line));
+  ASSERT_GE(records.size(), 2u);
+  EXPECT_EQ(records.front()["type"], "run");
+  EXPECT_EQ(records.front()["model"]["hidden_size"], 32);
+  EXPECT_EQ(records.front()["model"]["num_layers"], 2);
+  EXPECT_EQ(records.front()["plan"]["micro_batch_size"], 2);
+  EXPECT_EQ(records.front()["train_iters"], 4);
+  EXPECT_EQ(records.front()["learning_rate"]["lr_warmup_iters"], 2);
+  EXPECT_EQ(records.back()["type"], "summary");
+  EXPECT_EQ(records.back()["iterations"], 4);
+  std::map<std::string, int> types;
+  for (const auto& j : records)
+    ++types[j.at("type").get<std::string>()];
+  EXPECT_EQ(types["iteration"], 4);
+  EXPECT_EQ(types["validation"], 2);
+  EXPECT_EQ(types.size(), 4u);
 }
 
 }  // namespace

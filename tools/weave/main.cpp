@@ -9,7 +9,12 @@
 #include "commands.hpp"
 
 int main(int argc, char** argv) {
-  CLI::App app{"weave: distributed training as a task graph over simulated devices on one host"};
+  CLI::App app{"weave: distributed training as a task graph over simulated devices on one host",
+               "weave"};
+  app.footer(
+      "Example:\n  weave train --num-layers 4 --hidden-size 128 --num-attention-heads 8 "
+      "--mock-data\n"
+      "`weave COMMAND --help` describes a command's flags.");
   app.set_version_flag("--version", WEAVE_VERSION);
   app.require_subcommand(1);
   weave::cli::add_topo_command(app);

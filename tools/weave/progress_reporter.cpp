@@ -1,10 +1,12 @@
 #include "progress_reporter.hpp"
 
 #include <fmt/format.h>
+#include <sys/ioctl.h>
 #include <unistd.h>
 
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
@@ -18,12 +20,48 @@ std::string clock_text(double seconds) {
 }
 }  // namespace
 
+int terminal_columns() {
+  if (const char* columns = std::getenv("COLUMNS")) {
+    char* end = nullptr;
+    const long n = std::strtol(columns, &end, 10);
+    if (end != columns && *end == '\0' && n > 0 && n < 100000) return static_cast<int>(n);
+  }
+  winsize size{};
+  if (::ioctl(fileno(stdout), TIOCGWINSZ, &size) == 0 && size.ws_col > 0) return size.ws_col;
+  return 80;
+}
+
+std::string fit_progress_line(std::int64_t iteration, std::int64_t total, const std::string& text,
+                              int columns) {
+  // The last column stays empty: a character there makes some terminals wrap.
+  const auto room = static_cast<std::size_t>(std::max(columns - 1, 1));
+  const std::string head = fmt::format("iter {}/{} ", iteration, total);
+  constexpr std::size_t kFullBar = 24, kShortestBar = 5;
+  const std::size_t used = head.size() + text.size() + 3;  // "[" bar "] "
+  const std::size_t bar = used >= room ? 0 : std::min(kFullBar, room - used);
+  std::string line = head;
+  if (bar >= kShortestBar) {
+    const auto filled =
+        static_cast<std::size_t>(static_cast<double>(bar) * static_cast<double>(iteration) /
+                                 static_cast<double>(std::max<std::int64_t>(total, 1)));
+    const std::size_t done = std::min(filled, bar);
+    line += '[';
+    line.append(done, '=');
+    line.append(bar - done, ' ');
+    line += "] ";
+  }
+  line += text;
+  if (line.size() > room) line.resize(room);
+  return line;
+}
+
 ProgressReporter::ProgressReporter(std::int64_t total, int interval, const std::string& log_json,
                                    bool shown)
     : total_(total),
       interval_(std::max(1, interval)),
       terminal_(isatty(fileno(stdout)) != 0),
       shown_(shown) {
+  if (terminal_) columns_ = terminal_columns();
   if (shown_ && !log_json.empty()) {
     json_.open(log_json, std::ios::trunc);
     if (!json_) throw std::runtime_error(fmt::format("--log-json: cannot write '{}'", log_json));
@@ -48,12 +86,17 @@ void ProgressReporter::iteration(const graphs::IterationMetrics& r) {
   const double eta =
       rate > 0 ? static_cast<double>(total_ - r.iteration) * (tokens_ / r.iteration) / rate : 0;
   std::string extras = exposed_ ? fmt::format(" | exposed comm {:.0f}%", 100 * *exposed_) : "";
-  if (bubble_) extras += fmt::format(" | bubble {:.2f}", *bubble_);
+  // Idle over busy compute, the scale of `weave schedule`'s "bubble / ideal".
+  if (bubble_)
+    extras += fmt::format(
+        " | bubble/ideal {:.2f}{}", *bubble_,
+        bubble_theory_ ? fmt::format(" (schedule {:.2f})", *bubble_theory_) : std::string());
   if (r.dropped_picks && r.routed_picks > 0)
     extras += fmt::format(" | dropped {:.1f}%", 100.0 * static_cast<double>(*r.dropped_picks) /
                                                     static_cast<double>(r.routed_picks));
   if (json_) {
-    nlohmann::json j{{"iteration", r.iteration},
+    nlohmann::json j{{"type", "iteration"},
+                     {"iteration", r.iteration},
                      {"loss", r.loss},
                      {"aux_loss", r.aux_loss},
                      {"grad_norm", r.grad_norm},
@@ -69,13 +112,11 @@ void ProgressReporter::iteration(const graphs::IterationMetrics& r) {
     json_ << j.dump() << "\n" << std::flush;
   }
   if (terminal_) {
-    constexpr int kWidth = 24;
-    const int filled = static_cast<int>(kWidth * r.iteration / std::max<std::int64_t>(total_, 1));
     clear_line();
-    fmt::print("\riter {}/{} [{}{}] loss {:.4f} | {:.0f} tok/s | ETA {}{}", r.iteration, total_,
-               std::string(static_cast<std::size_t>(filled), '='),
-               std::string(static_cast<std::size_t>(kWidth - filled), ' '), r.loss, rate,
-               clock_text(eta), extras);
+    fmt::print("\r{}", fit_progress_line(r.iteration, total_,
+                                         fmt::format("loss {:.4f} | {:.0f} tok/s | ETA {}{}",
+                                                     r.loss, rate, clock_text(eta), extras),
+                                         columns_));
     std::fflush(stdout);
     line_open_ = true;
     if (r.iteration % interval_ == 0 || r.iteration == total_) {
@@ -96,7 +137,18 @@ void ProgressReporter::validation(std::int64_t iteration, double loss) {
   clear_line();
   fmt::print("validation at iteration {}: loss {:.4f} (perplexity {:.2f})\n", iteration, loss,
              std::exp(loss));
-  if (json_) json_ << nlohmann::json{{"iteration", iteration}, {"valid_loss", loss}}.dump() << "\n";
+  if (json_)
+    json_ << nlohmann::json{{"type", "validation"}, {"iteration", iteration}, {"valid_loss", loss}}
+                 .dump()
+          << "\n"
+          << std::flush;
+}
+
+void ProgressReporter::record(const std::string& type, nlohmann::json fields) {
+  if (!shown_ || !json_) return;
+  nlohmann::json j{{"type", type}};
+  j.update(fields);
+  json_ << j.dump() << "\n" << std::flush;
 }
 
 void ProgressReporter::note(const std::string& text) {

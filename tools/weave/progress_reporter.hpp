@@ -1,16 +1,28 @@
-// What `weave train` shows while it runs: a live progress line on a terminal, plain lines
-// otherwise, and JSON lines for machines. The Trainer's callbacks drive it.
+// What `weave train` shows while it runs: a live progress line on a terminal, fitted to its
+// width, plain lines otherwise, and typed JSON lines for machines (a "run" record with the whole
+// configuration first, an "iteration" or "validation" record as each happens, a "summary" last).
+// The Trainer's callbacks drive it.
 #pragma once
 
 #include <chrono>
 #include <cstdint>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 
 #include "weave/graphs/trainer.hpp"
 
 namespace weave::cli {
+
+// The width of the terminal on stdout: COLUMNS when set to a number, else what the terminal
+// says (TIOCGWINSZ), else 80.
+int terminal_columns();
+
+// The progress line of a terminal `columns` wide: "iter 3/10 [===   ] " + `text`, the bar
+// narrowed or left out and then the text cut so that the line never wraps.
+std::string fit_progress_line(std::int64_t iteration, std::int64_t total, const std::string& text,
+                              int columns);
 
 class ProgressReporter {
  public:
@@ -19,6 +31,10 @@ class ProgressReporter {
   // other than the first).
   ProgressReporter(std::int64_t total_iterations, int interval, const std::string& log_json,
                    bool shown = true);
+  // The pipeline schedule's bubble over ideal in theory, shown beside the measured one.
+  void set_bubble_theory(double bubble) { bubble_theory_ = bubble; }
+  // Writes a record of this type ("run", "summary") to the JSON lines.
+  void record(const std::string& type, nlohmann::json fields);
   void iteration(const graphs::IterationMetrics& r);
   void validation(std::int64_t iteration, double loss);
   void note(const std::string& text);
@@ -29,11 +45,12 @@ class ProgressReporter {
   std::int64_t total_;
   int interval_;
   bool terminal_;
+  int columns_ = 80;
   bool line_open_ = false;
   bool shown_ = true;
   std::ofstream json_;
   double tokens_ = 0, seconds_ = 0;
-  std::optional<double> exposed_, bubble_;
+  std::optional<double> exposed_, bubble_, bubble_theory_;
 };
 
 }  // namespace weave::cli

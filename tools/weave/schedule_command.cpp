@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "commands.hpp"
+#include "output_paths.hpp"
 #include "weave/graphs/pipeline_lowering.hpp"
 #include "weave/graphs/pipeline_schedule.hpp"
 #include "weave/graphs/pipeline_schedule_csv.hpp"
@@ -96,6 +97,36 @@ graphs::PipelineSchedule load(const ScheduleOptions& o) {
   return s;
 }
 
+// A schedule's order is shown whole up to this size; a larger one (p 64 x m 100000 is 13 M
+// actions) would bury the figures, so it is cut, saying so: --csv writes all of it.
+constexpr std::size_t kShownRanks = 16;
+constexpr std::size_t kShownActions = 64;
+
+// The order of each rank, as format_schedule writes it, cut to kShownRanks x kShownActions.
+void print_order(const graphs::PipelineSchedule& s) {
+  const std::size_t ranks = s.actions.size();
+  std::size_t longest = 0;
+  for (const auto& rank : s.actions)
+    longest = std::max(longest, rank.size());
+  if (ranks <= kShownRanks && longest <= kShownActions) {
+    fmt::print("{}", graphs::format_schedule(s));
+    return;
+  }
+  for (std::size_t r = 0; r < std::min(ranks, kShownRanks); ++r) {
+    const auto& actions = s.actions[r];
+    std::vector<std::string> shown;
+    for (std::size_t i = 0; i < std::min(actions.size(), kShownActions); ++i)
+      shown.push_back(graphs::to_string(actions[i]));
+    fmt::print("r{}: {}{}\n", r, fmt::join(shown, " "),
+               actions.size() > kShownActions
+                   ? fmt::format(" ... ({} more)", actions.size() - kShownActions)
+                   : "");
+  }
+  fmt::print(
+      "(order shown for {} of {} ranks, at most {} actions each; --csv FILE writes all of it)\n",
+      std::min(ranks, kShownRanks), ranks, kShownActions);
+}
+
 void print_report(const graphs::PipelineSchedule& s, const graphs::ScheduleReport& report,
                   const std::optional<graphs::ScheduleTheory>& theory,
                   const graphs::TimeModel& time) {
@@ -105,7 +136,7 @@ void print_report(const graphs::PipelineSchedule& s, const graphs::ScheduleRepor
                                  : "rank r holds stages r, r+p, ...";
   fmt::print("{}: p={} ranks, m={} micro-batches, v={} chunk{} per rank ({})\n", s.name, s.ranks,
              s.micro_batches, s.chunks, s.chunks == 1 ? "" : "s", layout);
-  fmt::print("{}", graphs::format_schedule(s));
+  print_order(s);
   if (!report.simulated) return;
   fmt::print("time per chunk: F {:g}, B {:g}, I {:g}, W {:g}\n", time.forward, time.backward,
              time.backward_input, time.backward_weight);
@@ -165,6 +196,9 @@ void print_replay(const graphs::PipelineSchedule& s, const ScheduleOptions& o,
 }
 
 int run_schedule(ScheduleOptions o) {
+  check_writable("--svg", o.svg_path);
+  check_writable("--csv", o.csv_path);
+  check_writable("--trace", o.trace_path);
   // A backward time given alone splits evenly into its halves; halves given alone add up.
   if (o.backward_given && !o.split_given) {
     o.time.backward_input = o.time.backward / 2;
@@ -211,9 +245,9 @@ void add_schedule_command(CLI::App& app) {
   auto o = std::make_shared<ScheduleOptions>();
   CLI::App* cmd = app.add_subcommand(
       "schedule", "Build or load a pipeline schedule, check it and show its bubble and memory");
-  cmd->add_option("--pipeline-model-parallel-size", o->ranks, "Pipeline ranks p")
+  cmd->add_option("-p,--pipeline-model-parallel-size", o->ranks, "Pipeline ranks p")
       ->check(at_least(1));
-  cmd->add_option("--num-micro-batches", o->micro_batches, "Micro-batches per step m")
+  cmd->add_option("-m,--num-micro-batches", o->micro_batches, "Micro-batches per step m")
       ->check(at_least(1));
   cmd->add_option("--virtual-pipeline-size", o->chunks,
                   "Chunks (virtual stages) per rank v (default: 2 for interleaved, "
@@ -263,6 +297,10 @@ void add_schedule_command(CLI::App& app) {
          },
          "Time of one chunk's weight-gradient half W (default 1)")
       ->check(positive());
+  cmd->footer(
+      "Example:\n"
+      "  weave schedule --pipeline-model-parallel-size 4 --num-micro-batches 8 \\\n"
+      "                 --pipeline-scheduler zb-h1 --svg zb-h1.svg --csv zb-h1.csv");
   cmd->callback([o] { throw CommandExit{run_schedule(*o)}; });
 }
 

@@ -10,6 +10,7 @@
 #include <optional>
 
 #include "commands.hpp"
+#include "output_paths.hpp"
 #include "synthetic_workload.hpp"
 #include "weave/devices/device_layout.hpp"
 #include "weave/devices/device_set.hpp"
@@ -75,7 +76,24 @@ std::string trace_path_for(const SimulateOptions& o, const std::string& clock) {
   return (p.parent_path() / (p.stem().string() + "." + clock + p.extension().string())).string();
 }
 
+// The trace files the run writes, by clock: one, or NAME.wall.json and NAME.model.json.
+std::vector<std::string> trace_paths(const SimulateOptions& o) {
+  if (o.trace_path.empty()) return {};
+  if (o.timing != "both") return {o.trace_path};
+  return {trace_path_for(o, "wall"), trace_path_for(o, "model")};
+}
+
+void write_dot_file(const rt::Graph& graph, const std::string& path) {
+  std::ofstream dot(path, std::ios::trunc);
+  rt::write_dot(graph, dot);
+  dot.close();
+  if (!dot) throw std::runtime_error(fmt::format("--dump-graph: writing '{}' failed", path));
+}
+
 int run_simulate(const SimulateOptions& o) {
+  for (const std::string& path : trace_paths(o))
+    check_writable("--trace", path);
+  check_writable("--dump-graph", o.dot_path);
   const devices::LinkModel links = devices::LinkModel::preset(o.link);
   std::vector<ClockReport> reports;
 
@@ -93,10 +111,7 @@ int run_simulate(const SimulateOptions& o) {
     const rt::RunResult result = set.executor().run(w.graph, run);
     reports.push_back({"wall", rt::measure(result.trace)});
     if (!o.trace_path.empty()) rt::write_chrome_trace(result.trace, trace_path_for(o, "wall"));
-    if (!o.dot_path.empty()) {
-      std::ofstream dot(o.dot_path);
-      rt::write_dot(w.graph, dot);
-    }
+    if (!o.dot_path.empty()) write_dot_file(w.graph, o.dot_path);
   }
   if (o.timing == "model" || o.timing == "both") {
     const Workload w = build_workload(o.workload, nullptr);
@@ -109,10 +124,7 @@ int run_simulate(const SimulateOptions& o) {
     const rt::VirtualRunResult result = clock.run(w.graph);
     reports.push_back({"virtual", rt::measure(result.trace)});
     if (!o.trace_path.empty()) rt::write_chrome_trace(result.trace, trace_path_for(o, "model"));
-    if (!o.dot_path.empty() && o.timing == "model") {
-      std::ofstream dot(o.dot_path);
-      rt::write_dot(w.graph, dot);
-    }
+    if (!o.dot_path.empty() && o.timing == "model") write_dot_file(w.graph, o.dot_path);
   }
 
   if (o.json) {
@@ -122,13 +134,15 @@ int run_simulate(const SimulateOptions& o) {
                           {"clocks", nlohmann::json::array()}};
     for (const auto& r : reports)
       out["clocks"].push_back(to_json(r));
+    if (!o.trace_path.empty()) out["traces"] = trace_paths(o);
     std::cout << out.dump(2) << "\n";
   } else {
     fmt::print("workload {} on {} devices, link {}\n", o.workload.shape, o.workload.devices,
                links.describe());
     for (const auto& r : reports)
       print(r);
-    if (!o.trace_path.empty()) fmt::print("trace: {}\n", o.trace_path);
+    if (!o.trace_path.empty()) fmt::print("trace: {}\n", fmt::join(trace_paths(o), ", "));
+    if (!o.dot_path.empty()) fmt::print("graph: {}\n", o.dot_path);
   }
   return 0;
 }
@@ -179,6 +193,10 @@ void add_simulate_command(CLI::App& app) {
                   "NAME.model.json)");
   cmd->add_option("--dump-graph", options->dot_path, "Write the graph as GraphViz DOT here");
   cmd->add_flag("--json", options->json, "Print the report as JSON");
+  cmd->footer(
+      "Example:\n"
+      "  weave simulate --workload overlap --devices 4 --link ampipe-20gbps --timing both \\\n"
+      "                 --trace sim.json   (writes sim.wall.json and sim.model.json)");
   cmd->callback([options] { throw CommandExit{run_simulate(*options)}; });
 }
 

@@ -92,6 +92,10 @@ void add_topo_command(CLI::App& app) {
       ->delimiter(',');
   cmd->add_flag("--json", options->json, "Print as JSON");
   cmd->add_flag("--links", options->links, "List the link-model presets");
+  cmd->footer(
+      "Example:\n"
+      "  weave topo --devices 8\n"
+      "  weave topo --synthetic 2,2,16 --devices 8 --json   (a made-up host of 64 cores)");
   cmd->callback([options] { throw CommandExit{run_topo(*options)}; });
 }
 

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <stdexcept>
@@ -14,12 +15,16 @@
 #include <vector>
 
 #include "commands.hpp"
+#include "memory_estimate.hpp"
+#include "output_paths.hpp"
 #include "progress_reporter.hpp"
+#include "run_record.hpp"
 #include "train_advice.hpp"
 #include "train_options.hpp"
 #include "weave/devices/device_set.hpp"
 #include "weave/devices/mpi_communicator.hpp"
 #include "weave/graphs/pipeline_layout.hpp"
+#include "weave/graphs/pipeline_schedule_generators.hpp"
 #include "weave/graphs/token_dataset.hpp"
 #include "weave/graphs/trainer.hpp"
 #include "weave/runtime/dot_writer.hpp"
@@ -94,11 +99,24 @@ int run_train(TrainOptions o) {
           "--ampipe-advise and --pipeline-advise replay steps on the virtual clock in one "
           "process: run them without mpirun");
     const std::vector<std::string> warnings = graphs::validate(c);
+    // Every file the run will write, before an hour of training finds one it cannot.
+    check_writable("--save", c.save_path);
+    check_writable("--trace", c.trace_path);
+    check_writable("--dump-graph", o.dump_graph);
+    check_writable("--log-json", o.log_json);
+    // What the devices will hold, before any of it is allocated.
+    const MemoryEstimate memory = estimate_memory(c);
+    check_fits(memory, host_memory_bytes());
     if (launched) processes = std::make_unique<ProcessRun>(c.plan.devices(), c.pin_devices);
     progress =
         std::make_unique<ProgressReporter>(c.train_iters, c.metrics_interval, o.log_json, first);
+    if (!o.no_effect.empty())
+      progress->note(
+          fmt::format("no effect here: {} (docs/flags.md says why)", fmt::join(o.no_effect, ", ")));
     for (const std::string& w : warnings)
       progress->note("warning: " + w);
+    progress->note(fmt::format("memory (estimate): {}, of this host's {}", memory.describe(),
+                               bytes_text(host_memory_bytes())));
   } catch (const std::exception&) {
     if (!first) throw CommandExit{1};
     throw;
@@ -142,12 +160,36 @@ int train(TrainOptions& o, ProgressReporter& progress, ProcessRun* processes) {
   }
 }
 
+// The pipeline schedule's bubble over ideal by its formula, for the progress line to show
+// beside the measured one; nothing without pipeline parallelism.
+std::optional<double> bubble_theory(const graphs::ParallelPlan& plan) {
+  if (plan.pipeline_parallel < 2) return std::nullopt;
+  return graphs::schedule_theory(graphs::pipeline_schedule_kind(plan),
+                                 {.ranks = plan.pipeline_parallel,
+                                  .micro_batches = plan.micro_batches(),
+                                  .chunks = plan.virtual_pipeline,
+                                  .group_size = plan.microbatch_group_size})
+      .bubble_over_ideal;
+}
+
 int run_trainer(TrainOptions& o, ProgressReporter& progress, graphs::Trainer& trainer) {
   graphs::TrainerConfig& c = o.config;
   progress.note(describe(trainer.config(), trainer.data().description));
+  if (!c.trace_path.empty() && c.trace_iteration <= trainer.iteration())
+    throw graphs::ConfigError(fmt::format(
+        "--trace-iteration {} was trained before the checkpoint --load '{}' (it resumes after "
+        "iteration {}): the trace would never be written; choose an iteration from {} to {}",
+        c.trace_iteration, c.load_path, trainer.iteration(), trainer.iteration() + 1,
+        c.train_iters));
+  const std::optional<double> theory = bubble_theory(trainer.config().plan);
+  if (theory) progress.set_bubble_theory(*theory);
+  progress.record("run", run_record(trainer.config(), trainer.data().description, o.no_effect));
   if (!o.dump_graph.empty() && trainer.processes().index() == 0) {
-    std::ofstream dot(o.dump_graph);
+    std::ofstream dot(o.dump_graph, std::ios::trunc);
     rt::write_dot(trainer.step().graph(), dot);
+    dot.close();
+    if (!dot)
+      throw std::runtime_error(fmt::format("--dump-graph: writing '{}' failed", o.dump_graph));
     progress.note(
         fmt::format("graph: {} tasks, written to {}", trainer.step().graph().size(), o.dump_graph));
   }
@@ -167,14 +209,16 @@ int run_trainer(TrainOptions& o, ProgressReporter& progress, graphs::Trainer& tr
              progress.note(fmt::format("saved {} (iteration {})", path, iteration));
            }});
   progress.finish();
+  progress.record("summary", summary_record(done, trainer.iteration()));
+  // Only a trace that is there is named (process 0 writes it).
+  const bool traced = !c.trace_path.empty() && std::filesystem::exists(c.trace_path);
   if (done.seconds > 0)
     progress.note(fmt::format(
         "done: loss {:.4f} -> {:.4f} | {:.0f} tokens/s {} | {:.1f} GFLOP/s of model math{}",
         done.first_loss, done.last_loss, done.tokens_per_second,
         c.timing == graphs::Timing::virtual_clock ? "(modelled)" : "(wall)", done.gflops_per_second,
-        c.trace_path.empty()
-            ? ""
-            : fmt::format(" | trace of iteration {}: {}", c.trace_iteration, c.trace_path)));
+        traced ? fmt::format(" | trace of iteration {}: {}", c.trace_iteration, c.trace_path)
+               : ""));
   return 0;
 }
 
@@ -184,6 +228,14 @@ void add_train_command(CLI::App& app) {
   auto o = std::make_shared<TrainOptions>();
   CLI::App* cmd = app.add_subcommand("train", "Train the GPT-MoE model over simulated devices");
   add_train_flags(*cmd, *o);
+  cmd->footer(
+      "Example:\n"
+      "  weave train --num-layers 4 --hidden-size 128 --num-attention-heads 8 --seq-length 128 \\\n"
+      "              --num-experts 4 --devices 4 --tensor-model-parallel-size 2 \\\n"
+      "              --sequence-parallel --mock-data --train-iters 50 --log-json metrics.jsonl\n"
+      "Megatron-LM's and MindSpeed's flags that mean nothing here are accepted and named in\n"
+      "one line, \"no effect here: ...\"; those weave cannot honour are refused, saying why.\n"
+      "docs/flags.md lists them all.");
   cmd->callback([o] { throw CommandExit{run_train(*o)}; });
 }
 

@@ -2,12 +2,47 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cmath>
 #include <limits>
+#include <sstream>
 
 #include "commands.hpp"
+#include "megatron_flags.hpp"
 #include "weave/graphs/parallel_plan.hpp"
 
 namespace weave::cli {
+
+namespace {
+
+// The validation share of Megatron's --split weights "train,valid,test" (missing ones are 0).
+double validation_share(const std::string& split) {
+  std::vector<double> weights;
+  std::stringstream in(split);
+  for (std::string part; std::getline(in, part, ',');) {
+    double w = -1;
+    std::size_t used = 0;
+    try {
+      w = std::stod(part, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != part.size() || !(w >= 0) || !std::isfinite(w) || weights.size() == 3)
+      throw graphs::ConfigError(fmt::format(
+          "--split '{}' must be up to three weights >= 0 for the train, validation and test "
+          "parts, like 949,50,1",
+          split));
+    weights.push_back(w);
+  }
+  weights.resize(3, 0.0);
+  const double sum = weights[0] + weights[1] + weights[2];
+  if (!(weights[0] > 0))
+    throw graphs::ConfigError(fmt::format(
+        "--split '{}' leaves nothing to train on: give the first part a weight > 0", split));
+  return weights[1] / sum;
+}
+
+}  // namespace
 
 void add_train_flags(CLI::App& cmd, TrainOptions& o) {
   // --config's values come first on the command line; a flag given again overrides them.
@@ -16,15 +51,28 @@ void add_train_flags(CLI::App& cmd, TrainOptions& o) {
   auto& p = o.config.plan;
   cmd.add_option("--config", o.config_file,
                  "JSON file of flag names and values (flags given here win)");
-  cmd.add_option("--num-layers", m.num_layers)->check(at_least(1))->capture_default_str();
-  cmd.add_option("--hidden-size", m.hidden_size)->check(at_least(1))->capture_default_str();
-  cmd.add_option("--num-attention-heads", m.num_attention_heads)
+  cmd.add_option("--num-layers", m.num_layers, "Transformer layers")
       ->check(at_least(1))
       ->capture_default_str();
-  cmd.add_option("--ffn-hidden-size", m.ffn_hidden_size)->check(at_least(1))->capture_default_str();
-  cmd.add_option("--seq-length", m.seq_length)->check(at_least(1))->capture_default_str();
-  cmd.add_option("--max-position-embeddings", m.max_position_embeddings)->capture_default_str();
-  cmd.add_option("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by)
+  cmd.add_option("--hidden-size", m.hidden_size, "Width of the hidden states")
+      ->check(at_least(1))
+      ->capture_default_str();
+  cmd.add_option("--num-attention-heads", m.num_attention_heads,
+                 "Attention heads, each --hidden-size / heads wide")
+      ->check(at_least(1))
+      ->capture_default_str();
+  cmd.add_option("--ffn-hidden-size", m.ffn_hidden_size,
+                 "Width of the MLPs' (and experts') hidden layer")
+      ->check(at_least(1))
+      ->capture_default_str();
+  cmd.add_option("--seq-length", m.seq_length, "Tokens per sample")
+      ->check(at_least(1))
+      ->capture_default_str();
+  cmd.add_option("--max-position-embeddings", m.max_position_embeddings,
+                 "Positions the position table holds (0: --seq-length)")
+      ->capture_default_str();
+  cmd.add_option("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by,
+                 "Pad the vocabulary (256 byte tokens) to a multiple of this")
       ->check(at_least(1))
       ->capture_default_str();
   cmd.add_flag("--swiglu", o.swiglu, "SwiGLU MLPs instead of GELU");
@@ -62,23 +110,36 @@ void add_train_flags(CLI::App& cmd, TrainOptions& o) {
   cmd.add_option("--hidden-dropout", m.hidden_dropout,
                  "Dropout after the attention and the MLP, in [0, 1)")
       ->capture_default_str();
-  cmd.add_option("--init-method-std", m.init_method_std)->check(positive())->capture_default_str();
+  cmd.add_option("--init-method-std", m.init_method_std,
+                 "Standard deviation of the initial weights")
+      ->check(positive())
+      ->capture_default_str();
   cmd.add_option("--num-experts", m.num_experts, "0: dense model")
       ->check(at_least(0))
       ->capture_default_str();
-  cmd.add_option("--moe-layer-freq", m.moe_layer_freq)->check(at_least(1))->capture_default_str();
-  cmd.add_option("--moe-router-topk", m.moe_router_topk)->check(at_least(1))->capture_default_str();
-  cmd.add_option("--moe-aux-loss-coeff", m.moe_aux_loss_coeff)->capture_default_str();
-  cmd.add_option("--moe-z-loss-coeff", m.moe_z_loss_coeff)->capture_default_str();
-  cmd.add_option("--moe-expert-capacity-factor", m.moe_expert_capacity_factor, "0: dropless")
-      ->capture_default_str();
-  cmd.add_option("--seed", m.seed)->capture_default_str();
-  cmd.add_option("--devices", o.devices, "Simulated devices (default: tp x cp x pp)")
-      ->check(at_least(1));
-  cmd.add_option("--tensor-model-parallel-size", p.tensor_parallel)
+  cmd.add_option("--moe-layer-freq", m.moe_layer_freq, "A MoE layer every this many layers")
       ->check(at_least(1))
       ->capture_default_str();
-  cmd.add_flag("--sequence-parallel", p.sequence_parallel);
+  cmd.add_option("--moe-router-topk", m.moe_router_topk, "Experts each token is routed to")
+      ->check(at_least(1))
+      ->capture_default_str();
+  cmd.add_option("--moe-aux-loss-coeff", m.moe_aux_loss_coeff,
+                 "Weight of the load-balancing loss, >= 0")
+      ->capture_default_str();
+  cmd.add_option("--moe-z-loss-coeff", m.moe_z_loss_coeff, "Weight of the router's z-loss, >= 0")
+      ->capture_default_str();
+  cmd.add_option("--moe-expert-capacity-factor", m.moe_expert_capacity_factor, "0: dropless")
+      ->capture_default_str();
+  cmd.add_option("--seed", m.seed, "Seed of the initial weights, dropout and mock data")
+      ->capture_default_str();
+  cmd.add_option("--devices", o.devices, "Simulated devices (default: tp x cp x pp)")
+      ->check(at_least(1));
+  cmd.add_option("--tensor-model-parallel-size", p.tensor_parallel,
+                 "Tensor-parallel ranks: each layer's matrices split over them")
+      ->check(at_least(1))
+      ->capture_default_str();
+  cmd.add_flag("--sequence-parallel", p.sequence_parallel,
+               "With tensor parallelism: the norms and dropout split over the sequence too");
   cmd.add_option("--ampipe-degree", p.ampipe_degree,
                  "Sequence chunks pipelining attention with the MoE all-to-alls (Ampipe)")
       ->check(at_least(1))
@@ -136,10 +197,12 @@ void add_train_flags(CLI::App& cmd, TrainOptions& o) {
                "Accepted without effect (refused with Ampipe, as MindSpeed does)");
   cmd.add_flag("--use-distributed-optimizer", p.distributed_optimizer,
                "Shard optimizer state over data-parallel replicas (reduce-scatter + all-gather)");
-  cmd.add_option("--context-parallel-size", p.context_parallel)
+  cmd.add_option("--context-parallel-size", p.context_parallel,
+                 "Context-parallel ranks: each sample's sequence split over them (ring attention)")
       ->check(at_least(1))
       ->capture_default_str();
-  cmd.add_option("--expert-model-parallel-size", p.expert_parallel)
+  cmd.add_option("--expert-model-parallel-size", p.expert_parallel,
+                 "Expert-parallel ranks: the experts divided among them")
       ->check(at_least(1))
       ->capture_default_str();
   cmd.add_option("--expert-tensor-parallel-size", p.expert_tensor_parallel,
@@ -150,7 +213,8 @@ void add_train_flags(CLI::App& cmd, TrainOptions& o) {
   cmd.add_option("--moe-model-type", p.moe_model_type,
                  "megatron (experts whole) or deepspeed_moe (MindSpeed's layout: experts split "
                  "over the tensor-parallel group, expert-parallel groups of one tp rank)");
-  cmd.add_option("--pipeline-model-parallel-size", p.pipeline_parallel)
+  cmd.add_option("--pipeline-model-parallel-size", p.pipeline_parallel,
+                 "Pipeline stages: the layers divided among them")
       ->check(at_least(1))
       ->capture_default_str();
   cmd.add_option("--pipeline-scheduler", p.pipeline_scheduler,
@@ -173,51 +237,78 @@ void add_train_flags(CLI::App& cmd, TrainOptions& o) {
   cmd.add_option("--decoder-last-pipeline-num-layers", p.last_stage_layers,
                  "Layers of the last model chunk (the rest split evenly)")
       ->check(at_least(1));
-  cmd.add_option("--micro-batch-size", p.micro_batch_size)
+  cmd.add_option("--micro-batch-size", p.micro_batch_size, "Samples per micro-batch")
       ->check(at_least(1))
       ->capture_default_str();
   cmd.add_option("--global-batch-size", p.global_batch_size,
                  "Default: micro-batch x data-parallel size")
       ->check(at_least(1));
-  cmd.add_option("--train-iters", o.config.train_iters)->check(at_least(1))->capture_default_str();
-  cmd.add_option("--lr", o.config.learning_rate.lr)
+  cmd.add_option("--train-iters", o.config.train_iters, "Iterations to train")
+      ->check(at_least(1))
+      ->capture_default_str();
+  cmd.add_option("--lr", o.config.learning_rate.lr, "Peak learning rate")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  cmd.add_option("--min-lr", o.config.learning_rate.min_lr)
+  cmd.add_option("--min-lr", o.config.learning_rate.min_lr,
+                 "Learning rate at the end of the decay, at most --lr")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  cmd.add_option("--lr-warmup-iters", o.config.learning_rate.warmup_iters)
+  cmd.add_option("--lr-warmup-iters", o.config.learning_rate.warmup_iters,
+                 "Iterations of linear warm-up from 0 to --lr")
       ->check(at_least(0))
       ->capture_default_str();
   cmd.add_option("--lr-decay-iters", o.config.learning_rate.decay_iters, "Default: --train-iters")
       ->check(at_least(0));
-  cmd.add_option("--lr-decay-style", o.config.learning_rate.style)
+  cmd.add_option("--lr-decay-style", o.config.learning_rate.style,
+                 "Decay from --lr to --min-lr after the warm-up")
       ->check(CLI::IsMember({"cosine", "linear", "constant"}))
       ->capture_default_str();
-  cmd.add_option("--weight-decay", o.config.optimizer.adamw.weight_decay)
+  cmd.add_option("--weight-decay", o.config.optimizer.adamw.weight_decay,
+                 "AdamW's decoupled weight decay")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
-  cmd.add_option("--adam-beta1", o.config.optimizer.adamw.beta1)->capture_default_str();
-  cmd.add_option("--adam-beta2", o.config.optimizer.adamw.beta2)->capture_default_str();
-  cmd.add_option("--adam-eps", o.config.optimizer.adamw.eps)->capture_default_str();
+  cmd.add_option("--optimizer", o.optimizer,
+                 "adam: weave's optimizer is AdamW (Megatron's adam, decoupled weight decay)")
+      ->check(CLI::IsMember({"adam"}))
+      ->capture_default_str();
+  cmd.add_option("--adam-beta1", o.config.optimizer.adamw.beta1,
+                 "AdamW's first-moment decay, in [0, 1)")
+      ->capture_default_str();
+  cmd.add_option("--adam-beta2", o.config.optimizer.adamw.beta2,
+                 "AdamW's second-moment decay, in [0, 1)")
+      ->capture_default_str();
+  cmd.add_option("--adam-eps", o.config.optimizer.adamw.eps, "AdamW's epsilon, > 0")
+      ->capture_default_str();
   cmd.add_option("--clip-grad", o.config.optimizer.clip_grad, "0: no clipping")
       ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   cmd.add_option("--data-path", o.data_path, "A text file or a folder of them (byte tokens)")
       ->capture_default_str();
+  cmd.add_option("--split", o.split,
+                 "Weights of the text's train, validation and test parts, like 949,50,1: the "
+                 "validation share is held out (default: 5 %); there is no test evaluation");
   cmd.add_flag("--mock-data", o.mock_data, "Synthetic tokens instead of --data-path");
   cmd.add_option("--save", o.config.save_path, "Checkpoint file to write");
   cmd.add_option("--load", o.config.load_path, "Checkpoint file to resume from");
-  cmd.add_option("--save-interval", o.config.save_interval)->check(at_least(0));
-  cmd.add_option("--eval-interval", o.config.eval_interval)->check(at_least(0));
-  cmd.add_option("--eval-iters", o.config.eval_iters)->check(at_least(1))->capture_default_str();
-  cmd.add_option("--log-interval", o.config.metrics_interval)
+  cmd.add_option("--save-interval", o.config.save_interval,
+                 "With --save: also save every this many iterations")
+      ->check(at_least(0));
+  cmd.add_option("--eval-interval", o.config.eval_interval,
+                 "Evaluate on the held-out text every this many iterations")
+      ->check(at_least(0));
+  cmd.add_option("--eval-iters", o.config.eval_iters, "Global batches each evaluation averages")
+      ->check(at_least(1))
+      ->capture_default_str();
+  cmd.add_option("--log-interval", o.config.metrics_interval,
+                 "A progress line (and the communication measured) every this many iterations")
       ->check(at_least(1))
       ->capture_default_str();
   cmd.add_option("--log-json", o.log_json, "Write metrics as JSON lines to this file");
   cmd.add_option("--trace", o.config.trace_path, "Write the Chrome trace of one iteration here");
-  cmd.add_option("--trace-iteration", o.config.trace_iteration, "Which iteration --trace records")
+  cmd.add_option("--trace-iteration", o.config.trace_iteration,
+                 "Which iteration --trace records (default: 2, or the last of a shorter run)")
       ->check(at_least(1))
+      ->each([&o](const std::string&) { o.trace_iteration_given = true; })
       ->capture_default_str();
   cmd.add_option("--dump-graph", o.dump_graph, "Write the step's task graph as GraphViz DOT here");
   cmd.add_option("--timing", o.timing, "wall: real threads; model: the virtual clock")
@@ -235,6 +326,22 @@ void add_train_flags(CLI::App& cmd, TrainOptions& o) {
                  "Modelled FLOP/s of a device (--timing model)")
       ->check(positive())
       ->capture_default_str();
+  // Megatron-LM's and MindSpeed's flags that mean nothing here: parsed, values and all, and
+  // named once when the run starts. Those registered above for a rule of their own (MindSpeed's
+  // Ampipe refuses them) are reported the same way.
+  for (const MegatronFlag& f : no_effect_flags()) {
+    const std::string name(f.name);
+    CLI::Option* opt = cmd.get_option_no_throw(name);
+    if (!opt)
+      opt = f.values == 0 ? cmd.add_flag(name)
+                          : cmd.add_option(name)->expected(f.values)->type_name("VALUE");
+    opt->description(std::string(f.why));
+    opt->group("Megatron-LM and MindSpeed flags accepted without effect");
+    opt->each([&o, name](const std::string&) {
+      if (std::find(o.no_effect.begin(), o.no_effect.end(), name) == o.no_effect.end())
+        o.no_effect.push_back(name);
+    });
+  }
 }
 
 void derive_config(TrainOptions& o) {
@@ -303,6 +410,8 @@ void derive_config(TrainOptions& o) {
     plan.global_batch_size = static_cast<int>(per_step);
   }
   c.timing = o.timing == "model" ? graphs::Timing::virtual_clock : graphs::Timing::wall;
+  if (!o.trace_iteration_given) c.trace_iteration = std::min(c.trace_iteration, c.train_iters);
+  if (!o.split.empty()) o.valid_fraction = validation_share(o.split);
 }
 
 }  // namespace weave::cli

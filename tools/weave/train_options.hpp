@@ -6,6 +6,7 @@
 #include <CLI/CLI.hpp>
 
 #include <string>
+#include <vector>
 
 #include "weave/graphs/trainer_config.hpp"
 
@@ -34,13 +35,20 @@ struct TrainOptions {
   bool ampipe_advise = false;
   bool ampipe_advise_fast = false;  // replay without running the kernels
   bool pipeline_advise = false;
+  std::string optimizer = "adam";
+  std::string split;  // --split: train,valid,test weights ("" keeps valid_fraction)
+  bool trace_iteration_given = false;
+  // The flags given that are accepted without effect (megatron_flags.hpp), each once.
+  std::vector<std::string> no_effect;
 };
 
 // Registers every flag of `weave train` on cmd, each writing into o.
 void add_train_flags(CLI::App& cmd, TrainOptions& o);
 
 // The flags' meaning that is the command line's own: --devices sets the data-parallel size, a
-// missing --global-batch-size is one micro-batch per replica, --swiglu and --timing are words.
+// missing --global-batch-size is one micro-batch per replica, --swiglu and --timing are words,
+// --split's weights give the validation share, a --trace of a run shorter than the default
+// --trace-iteration records its last iteration.
 void derive_config(TrainOptions& o);
 
 }  // namespace weave::cli

@@ -1,0 +1,181 @@
+// docs/flags.md against `weave train`'s parser: every row is handled as the table says. An
+// implemented flag parses as a script writes it; a flag without effect is accepted, values and
+// all, and named in the run's "no effect here" list with the table's reason; a refused flag is
+// refused with the table's reason. Every flag the program knows of is in the table.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "commands.hpp"
+#include "megatron_flags.hpp"
+#include "train_options.hpp"
+
+namespace {
+
+using weave::cli::TrainOptions;
+
+struct Row {
+  std::string flag;
+  std::vector<std::string> values;
+  std::string status;  // implemented, no effect, refused
+  std::string note;
+};
+
+// The cells of a Markdown table row, "\|" read as "|".
+std::vector<std::string> cells(const std::string& line) {
+  std::vector<std::string> out;
+  std::string cell;
+  for (std::size_t i = 1; i < line.size(); ++i) {
+    if (line[i] == '\\' && i + 1 < line.size() && line[i + 1] == '|') {
+      cell += '|';
+      ++i;
+    } else if (line[i] == '|') {
+      out.push_back(cell.substr(1, cell.size() - 2));  // the spaces around it
+      cell.clear();
+    } else {
+      cell += line[i];
+    }
+  }
+  return out;
+}
+
+std::vector<Row> table() {
+  std::ifstream in(WEAVE_FLAG_TABLE);
+  std::vector<Row> rows;
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind("| `", 0) != 0) continue;
+    const std::vector<std::string> c = cells(line);
+    if (c.size() != 3) {
+      ADD_FAILURE() << "a row of three cells: " << line;
+      continue;
+    }
+    std::istringstream words(c[0].substr(1, c[0].size() - 2));  // inside the backticks
+    Row row{.status = c[1], .note = c[2]};
+    words >> row.flag;
+    for (std::string v; words >> v;)
+      row.values.push_back(v);
+    rows.push_back(row);
+  }
+  return rows;
+}
+
+// Parses `weave train FLAGS` as the program does (a --config file reads as {}), without running.
+void parse(const std::vector<std::string>& flags, TrainOptions& o) {
+  CLI::App app{"", "weave"};
+  weave::cli::add_train_flags(*app.add_subcommand("train"), o);
+  std::vector<std::string> args{"train"};
+  args.insert(args.end(), flags.begin(), flags.end());
+  args = weave::cli::prepare_arguments(
+      app, args, [](const std::string&) { return std::optional<std::string>("{}"); });
+  std::reverse(args.begin(), args.end());
+  app.parse(args);
+}
+
+std::vector<std::string> command_line(const Row& row) {
+  std::vector<std::string> args{row.flag};
+  args.insert(args.end(), row.values.begin(), row.values.end());
+  return args;
+}
+
+TEST(FlagTable, HoldsTheThreeKindsOfFlag) {
+  const std::vector<Row> rows = table();
+  std::map<std::string, int> kinds;
+  for (const Row& r : rows)
+    ++kinds[r.status];
+  EXPECT_EQ(kinds.size(), 3u) << "statuses other than implemented, no effect and refused";
+  EXPECT_GT(kinds["implemented"], 50);
+  EXPECT_GT(kinds["no effect"], 50);
+  EXPECT_GT(kinds["refused"], 5);
+  std::set<std::string> seen;
+  for (const Row& r : rows)
+    EXPECT_TRUE(seen.insert(r.flag).second) << r.flag << " is in the table twice";
+}
+
+TEST(FlagTable, ImplementedFlagsParseAsScriptsWriteThem) {
+  for (const Row& row : table()) {
+    if (row.status != "implemented") continue;
+    SCOPED_TRACE(row.flag);
+    TrainOptions o;
+    try {
+      parse(command_line(row), o);
+    } catch (const std::exception& e) {
+      ADD_FAILURE() << fmt::format("{}: {}", fmt::join(command_line(row), " "), e.what());
+    }
+    EXPECT_TRUE(o.no_effect.empty()) << "an implemented flag reported as without effect";
+  }
+}
+
+TEST(FlagTable, FlagsWithoutEffectAreAcceptedAndNamedWithTheTablesReason) {
+  std::vector<std::string> all;
+  std::vector<std::string> names;
+  for (const Row& row : table()) {
+    if (row.status != "no effect") continue;
+    SCOPED_TRACE(row.flag);
+    TrainOptions o;
+    EXPECT_NO_THROW(parse(command_line(row), o));
+    EXPECT_EQ(o.no_effect, std::vector<std::string>{row.flag});
+    const auto flags = weave::cli::no_effect_flags();
+    const auto f =
+        std::find_if(flags.begin(), flags.end(), [&](const auto& x) { return x.name == row.flag; });
+    ASSERT_NE(f, flags.end());
+    EXPECT_EQ(std::string(f->why), row.note);
+    EXPECT_EQ(static_cast<std::size_t>(f->values), row.values.size());
+    const std::vector<std::string> args = command_line(row);
+    all.insert(all.end(), args.begin(), args.end());
+    names.push_back(row.flag);
+  }
+  // All at once, as a script carries them: each named once.
+  TrainOptions o;
+  EXPECT_NO_THROW(parse(all, o));
+  std::sort(names.begin(), names.end());
+  std::sort(o.no_effect.begin(), o.no_effect.end());
+  EXPECT_EQ(o.no_effect, names);
+}
+
+TEST(FlagTable, RefusedFlagsAreRefusedWithTheTablesReason) {
+  for (const Row& row : table()) {
+    if (row.status != "refused") continue;
+    SCOPED_TRACE(row.flag);
+    TrainOptions o;
+    try {
+      parse(command_line(row), o);
+      ADD_FAILURE() << row.flag << " was accepted";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(fmt::format("{} is refused: {}", row.flag, row.note)),
+                std::string::npos)
+          << e.what();
+    }
+  }
+}
+
+TEST(FlagTable, EveryFlagOfTheProgramIsInTheTable) {
+  std::map<std::string, std::string> status;
+  for (const Row& row : table())
+    status[row.flag] = row.status;
+  CLI::App app;
+  TrainOptions o;
+  CLI::App* train = app.add_subcommand("train");
+  weave::cli::add_train_flags(*train, o);
+  std::set<std::string> no_effect;
+  for (const auto& f : weave::cli::no_effect_flags())
+    no_effect.emplace(f.name);
+  for (const CLI::Option* opt : train->get_options()) {
+    for (const std::string& name : opt->get_lnames()) {
+      const std::string flag = "--" + name;
+      if (flag == "--help") continue;
+      EXPECT_EQ(status[flag], no_effect.count(flag) ? "no effect" : "implemented") << flag;
+    }
+  }
+  for (const auto& f : weave::cli::refused_flags())
+    EXPECT_EQ(status[std::string(f.name)], "refused") << f.name;
+}
+
+}  // namespace
