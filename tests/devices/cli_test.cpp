@@ -687,4 +687,12 @@ TEST(CliProgress, LogJsonRecordsAreTypedBetweenARunHeaderAndASummary) {
   EXPECT_EQ(types.size(), 4u);
 }
 
+// A one-device run (its arena has a single slot) says nothing of the threading library.
+TEST(CliTrain, AOneDeviceRunPrintsNoLibraryWarning) {
+  const Result r = weave("train --mock-data --train-iters 2 --devices 1");
+  EXPECT_EQ(r.status, 0) << r.out;
+  EXPECT_EQ(r.out.find("TBB"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("arning"), std::string::npos) << r.out;
+}
+
 }  // namespace
