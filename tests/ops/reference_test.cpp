@@ -11,6 +11,7 @@
 #include "weave/ops/cross_entropy.hpp"
 #include "weave/ops/normalization.hpp"
 #include "weave/ops/optimizer.hpp"
+#include "weave/ops/rotary.hpp"
 #include "weave/ops/router.hpp"
 #include "weave/ops/softmax.hpp"
 
@@ -217,6 +218,39 @@ TEST(Reference, SgdMomentumAndGradientClipping) {
   EXPECT_NEAR(norm, k["total_norm"].get<double>(), 1e-6 * norm);
   expect_matches(grads[0], k["clipped"][0], "clipped 0", 1e-6);
   expect_matches(grads[1], k["clipped"][1], "clipped 1", 1e-6);
+}
+
+TEST(Reference, RotaryEmbedding) {
+  const json& c = reference().at("rotary");
+  const Tensor x = load(c["x"]), dy = load(c["dy"]);
+  const RotarySpec spec{.head_dim = c["head_dim"].get<std::int64_t>(),
+                        .rotary_dims = c["rotary_dims"].get<std::int64_t>(),
+                        .base = c["base"].get<double>()};
+  const auto positions = c["positions"].get<std::vector<std::int64_t>>();
+  const Tensor y = x.clone();
+  rotary_forward(spec, y, positions);
+  expect_matches(y, c["y"], "y");
+  const Tensor dx = dy.clone();
+  rotary_backward(spec, dx, positions);
+  expect_matches(dx, c["dx"], "dx");
+}
+
+TEST(Reference, GroupedQueryAttention) {
+  const json& c = reference().at("grouped_query_attention");
+  const Tensor q = load(c["q"]), k = load(c["k"]), v = load(c["v"]), d_o = load(c["do"]);
+  const std::int64_t B = q.dim(0), S = q.dim(1), H = q.dim(2), D = q.dim(3), G = k.dim(2);
+  // The kernel reads each group's query heads side by side: [B, S, G, (H / G) D].
+  const Tensor qg = q.reshape({B, S, G, H / G * D}), dog = d_o.reshape(qg.shape());
+  const Tensor o = Tensor::empty(qg.shape()), lse = Tensor::empty({B, H, S});
+  attention_forward({}, qg, k, v, o, lse);
+  expect_matches(o.reshape(q.shape()), c["o"], "o");
+  expect_matches(lse, c["lse"], "lse");
+  const Tensor dq = Tensor::empty(qg.shape()), dk = Tensor::zeros(k.shape()),
+               dv = Tensor::zeros(v.shape());
+  attention_backward({}, qg, k, v, o, lse, dog, dq, dk, dv);
+  expect_matches(dq.reshape(q.shape()), c["dq"], "dq");
+  expect_matches(dk, c["dk"], "dk");
+  expect_matches(dv, c["dv"], "dv");
 }
 
 }  // namespace

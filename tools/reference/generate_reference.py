@@ -64,6 +64,15 @@ Keys (tensor shapes in brackets):
                max_norm, norm_type; grads [g0 [3, 5], g1 [7]] (before); total_norm (scalar:
                the 2-norm of all elements together, before clipping); clipped [g0, g1] =
                grads * min(1, max_norm / (total_norm + 1e-6))
+  rotary       Megatron-LM's rotary embedding (halves (i, i + dims/2) rotated together):
+               head_dim 8, rotary_dims 4, base 10000, positions (5 ints, one per row);
+               x, dy [S=5, B=2, N=3, D=8] -> y [S, B, N, D] (the first 4 dims of each head
+               rotated by position x base^(-2i/4), the rest as they were), dx [S, B, N, D]
+  grouped_query_attention
+               causal attention, scale 1/sqrt(D), of H=4 query heads on G=2 key/value heads
+               (query head h reads group h // 2): q, do [B=2, S=10, H=4, D=8], k, v
+               [B, S, G, D] -> o [B, S, H, D], lse [B, H, S], dq [B, S, H, D], dk, dv
+               [B, S, G, D]
 """
 
 import json
@@ -250,6 +259,42 @@ def clip_grad_norm():
             "total_norm": total_norm.item(), "clipped": [tensor(p.grad) for p in params]}
 
 
+def rotary():
+    """Megatron-LM's rotary embedding (non-interleaved halves) of t [S, B, N, D] at per-row
+    positions, on the first `dims` of each head."""
+    S, B, N, D, dims, base = 5, 2, 3, 8, 4, 10000.0
+    positions = [3, 0, 17, 4, 100]
+    x, dy = draw(S, B, N, D), draw(S, B, N, D)
+    x.requires_grad_()
+    inv_freq = 1.0 / (base ** (torch.arange(0, dims, 2) / dims))
+    freqs = torch.outer(torch.tensor(positions, dtype=torch.float64), inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+    rot, rest = x[..., :dims], x[..., dims:]
+    first, second = rot[..., : dims // 2], rot[..., dims // 2:]
+    half = torch.cat((-second, first), dim=-1)
+    y = torch.cat((rot * emb.cos() + half * emb.sin(), rest), dim=-1)
+    y.backward(dy)
+    return {"head_dim": D, "rotary_dims": dims, "base": base, "positions": positions,
+            "x": tensor(x), "dy": tensor(dy), "y": tensor(y), "dx": tensor(x.grad)}
+
+
+def grouped_query_attention():
+    """Causal attention of H query heads on G key/value heads: query head h reads group
+    h // (H / G) (the layout [B, S, G, (H / G) D] of q is [B, S, H, D] in memory)."""
+    B, S, H, G, D = 2, 10, 4, 2, 8
+    q, do = draw(B, S, H, D), draw(B, S, H, D)
+    k, v = draw(B, S, G, D), draw(B, S, G, D)
+    for t in (q, k, v):
+        t.requires_grad_()
+    repeat = H // G
+    o, lse = causal_attention(q, k.repeat_interleave(repeat, dim=2),
+                              v.repeat_interleave(repeat, dim=2), 0)
+    o.backward(do)
+    return {"groups": G, "q": tensor(q), "k": tensor(k), "v": tensor(v), "do": tensor(do),
+            "o": tensor(o), "lse": tensor(lse), "dq": tensor(q.grad), "dk": tensor(k.grad),
+            "dv": tensor(v.grad)}
+
+
 def main():
     # Cases draw from one generator in this order (the dict is built left to right): add new
     # cases at the end so the inputs and values of the others stay as they are.
@@ -267,6 +312,8 @@ def main():
         "gelu": gelu(),
         "sgd_momentum": sgd_momentum(),
         "clip_grad_norm": clip_grad_norm(),
+        "rotary": rotary(),
+        "grouped_query_attention": grouped_query_attention(),
     }
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.path.join(root, "tests", "data", "reference.json")
