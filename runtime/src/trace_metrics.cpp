@@ -87,6 +87,13 @@ Nanos exposed_comm_on_streams(const Trace& trace, std::span<const std::string_vi
   });
 }
 
+Nanos exposed_comm_on_named_streams(const Trace& trace, std::span<const std::string_view> names) {
+  return exposed_comm_of(trace, [&](TaskId t) {
+    const std::string_view stream = trace.tasks().stream_name(trace.tasks()[t].stream);
+    return std::find(names.begin(), names.end(), stream) != names.end();
+  });
+}
+
 TraceMetrics measure(const Trace& trace) {
   TraceMetrics m;
   if (trace.empty()) return m;

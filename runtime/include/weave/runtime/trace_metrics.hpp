@@ -43,5 +43,7 @@ Nanos exposed_comm_named(const Trace& trace, std::span<const std::string_view> n
 // The same for the comm and copy tasks on streams whose names start with one of `prefixes` (the
 // streams of one process group: "tp" gives tp and tp_grad, "ep" the expert group's).
 Nanos exposed_comm_on_streams(const Trace& trace, std::span<const std::string_view> prefixes);
+// The same for the streams named exactly `names` ("tp" alone, not "tp_cp").
+Nanos exposed_comm_on_named_streams(const Trace& trace, std::span<const std::string_view> names);
 
 }  // namespace weave::rt

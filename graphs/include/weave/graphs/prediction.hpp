@@ -1,0 +1,50 @@
+// One training step predicted from its graph alone: every rank's program built without tensors
+// (nothing is allocated; each device's memory tracker counts what it would hold) and replayed on
+// the virtual clock of the configuration's modelled machine without running the kernels.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "weave/graphs/trainer_config.hpp"
+#include "weave/runtime/memory_tracker.hpp"
+#include "weave/runtime/trace.hpp"
+
+namespace weave::graphs {
+
+// Megatron-LM's model-FLOPs count of one training step (Narayanan et al. 2021, section 5.1:
+// 72 B s l h^2 (1 + s / 6h + V / 12lh) for a GPT with 4h-wide MLPs), from the layers' own
+// shapes so that grouped-query attention, SwiGLU and top-k experts count what they multiply:
+// per token and layer 2h (heads + 2 groups) d for QKV, 4 s heads d for the attention (the
+// whole causal square, as Megatron counts it), 2 heads d h for the projection, the MLP's
+// matrices (the router and top-k experts in a MoE layer), and 2 h V for the output layer;
+// three passes (forward, and a backward of twice its cost), four for the layers when every
+// layer's forward is recomputed.
+double model_flops_per_step(const ModelConfig& model, const ParallelPlan& plan, bool recompute);
+
+struct ExposedCommunication {
+  std::string group;  // the streams' kind: tp, cp, ep, dp_cp, ...
+  double ms_per_device = 0;
+};
+
+struct Prediction {
+  double step_ms = 0;
+  double tokens_per_second = 0;
+  double model_flops = 0;            // a step's, model_flops_per_step without recomputation
+  double model_flops_recompute = 0;  // with full recomputation
+  double flops_per_device = 0;       // model FLOP/s of each device: model_flops / step / devices
+  double mfu = 0;                    // flops_per_device over the machine's device_flops
+  double bubble = 0;                 // compute idle over compute busy, summed over devices
+  std::vector<ExposedCommunication> exposed;  // groups with any exposed time
+  // Per device, by category (rt::MemoryCategory): what it would hold at its peak.
+  std::vector<std::array<std::int64_t, rt::kMemoryCategoryCount>> memory;
+  std::vector<std::int64_t> memory_total;  // per device
+  rt::Trace trace;                         // the replay
+};
+
+// Validates a copy of `config` (throws ConfigError) and predicts its step.
+Prediction predict_step(TrainerConfig config);
+
+}  // namespace weave::graphs

@@ -1,0 +1,49 @@
+// `weave predict` end to end: a configuration's step predicted without allocating it, devices
+// that would run out of memory named, the replay written as a trace.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <regex>
+
+#include "run_weave.hpp"
+
+namespace weave::cli_test {
+namespace {
+
+const char* kConfig =
+    "predict --num-layers 4 --hidden-size 256 --num-attention-heads 8 --ffn-hidden-size 1024 "
+    "--seq-length 512 --num-experts 8 --moe-layer-freq 2 --devices 8 "
+    "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 4 "
+    "--global-batch-size 8 --device-flops 1e14 --device-memory-bandwidth 1e12 --link nvlink4";
+
+TEST(PredictCli, ReportsTheStepItWouldTake) {
+  const std::string trace =
+      (std::filesystem::temp_directory_path() / "weave_predict_cli_test.json").string();
+  const Result r = weave(std::string(kConfig) + " --trace " + trace);
+  ASSERT_EQ(r.status, 0) << r.out;
+  for (const char* line :
+       {"step ", "throughput ", "model FLOPs ", "MFU ", "bubble ", "exposed comm ", "memory "})
+    EXPECT_NE(r.out.find(line), std::string::npos) << line << "\n" << r.out;
+  std::smatch mfu;
+  ASSERT_TRUE(std::regex_search(r.out, mfu, std::regex("MFU ([0-9.]+) %"))) << r.out;
+  EXPECT_GT(std::stod(mfu[1]), 0);
+  EXPECT_LT(std::stod(mfu[1]), 100);
+  EXPECT_EQ(r.out.find("run out of memory"), std::string::npos) << r.out;
+  EXPECT_TRUE(std::filesystem::exists(trace));
+  std::filesystem::remove(trace);
+}
+
+TEST(PredictCli, NamesDevicesThatWouldRunOutOfMemory) {
+  const Result r = weave(std::string(kConfig) + " --device-memory 0.01");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("8 of 8 devices would run out of memory"), std::string::npos) << r.out;
+}
+
+TEST(PredictCli, RefusesWhatTrainRefuses) {
+  const Result r = weave("predict --num-attention-heads 3");
+  EXPECT_EQ(r.status, 1) << r.out;
+  EXPECT_NE(r.out.find("--num-attention-heads (3)"), std::string::npos) << r.out;
+}
+
+}  // namespace
+}  // namespace weave::cli_test

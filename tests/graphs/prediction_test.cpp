@@ -1,0 +1,80 @@
+// A step predicted from its graph built without tensors: the same virtual-clock time and memory
+// as the materialised step, and Megatron-LM's model-FLOPs count.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "tiny_model.hpp"
+#include "weave/devices/shared_memory_communicator.hpp"
+#include "weave/graphs/prediction.hpp"
+#include "weave/graphs/virtual_replay.hpp"
+
+namespace weave::graphs {
+namespace {
+
+// A GPT as Megatron's formula assumes it: 4h-wide GELU MLPs, one key/value head per query head.
+TEST(Prediction, ModelFlopsAreMegatronsCount) {
+  ModelConfig m = tiny(0);
+  m.num_layers = 6;
+  m.hidden_size = 96;
+  m.num_attention_heads = 6;
+  m.ffn_hidden_size = 4 * 96;
+  m.seq_length = 128;
+  const ParallelPlan plan{.tensor_parallel = 2, .micro_batch_size = 2, .global_batch_size = 8};
+  const double B = 8, s = 128, l = 6, h = 96, V = m.padded_vocab_size(2);
+  const double plain = 72 * B * s * l * h * h * (1 + s / (6 * h) + V / (12 * l * h));
+  const double recompute = 96 * B * s * l * h * h * (1 + s / (6 * h) + V / (16 * l * h));
+  EXPECT_NEAR(model_flops_per_step(m, plan, false), plain, 1e-9 * plain);
+  EXPECT_NEAR(model_flops_per_step(m, plan, true), recompute, 1e-9 * recompute);
+  // Grouped-query attention and SwiGLU count what they multiply: fewer key/value heads, a third
+  // matrix in the MLP.
+  ModelConfig llama = m;
+  llama.num_query_groups = 2;
+  llama.activation = Activation::swiglu;
+  const double per_token_layer_change = 2 * h * (2 * 2 - 2 * 6) * (h / 6) + 2 * h * (4 * h);
+  EXPECT_NEAR(model_flops_per_step(llama, plan, false) - plain,
+              3 * B * s * l * per_token_layer_change, 1e-6 * plain);
+}
+
+TEST(Prediction, EqualsTheMaterialisedStepOnTheVirtualClock) {
+  TrainerConfig c;
+  c.model = tiny(4);
+  c.plan = {.tensor_parallel = 2,
+            .sequence_parallel = true,
+            .expert_parallel = 2,
+            .pipeline_parallel = 2,
+            .micro_batch_size = 1,
+            .global_batch_size = 4};
+  c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
+  const Prediction p = predict_step(c);
+  // The same step built with tensors, replayed without running its kernels.
+  std::vector<std::array<std::int64_t, rt::kMemoryCategoryCount>> memory;
+  const rt::VirtualRunResult r =
+      replay_step(c, {}, false, [&](TrainingStep&, devices::DeviceSet& set) {
+        for (std::size_t d = 0; d < set.size(); ++d) {
+          std::array<std::int64_t, rt::kMemoryCategoryCount> bytes{};
+          for (std::size_t k = 0; k < rt::kMemoryCategoryCount; ++k)
+            bytes[k] =
+                set.memory().peak(static_cast<rt::DeviceId>(d), static_cast<rt::MemoryCategory>(k));
+          memory.push_back(bytes);
+        }
+      });
+  EXPECT_DOUBLE_EQ(p.step_ms, static_cast<double>(r.makespan) * 1e-6);
+  EXPECT_EQ(p.memory, memory);
+  EXPECT_DOUBLE_EQ(p.tokens_per_second, 4 * 16 / (p.step_ms * 1e-3));
+  // tp 2 x pp 2 devices (ep 2 folds over tp).
+  EXPECT_NEAR(p.flops_per_device, p.model_flops / (p.step_ms * 1e-3) / 4, 1e-9 * p.model_flops);
+  EXPECT_NEAR(p.mfu, p.flops_per_device / 1e12, 1e-12);
+  EXPECT_GT(p.bubble, 0);  // two stages, four micro-batches
+  bool tp = false, pipeline = false;
+  for (const ExposedCommunication& e : p.exposed) {
+    EXPECT_GT(e.ms_per_device, 0) << e.group;
+    tp |= e.group == "tp";
+    pipeline |= e.group == "pipeline";
+  }
+  EXPECT_TRUE(tp);
+  EXPECT_TRUE(pipeline);
+}
+
+}  // namespace
+}  // namespace weave::graphs

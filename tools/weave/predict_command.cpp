@@ -1,0 +1,115 @@
+// weave predict: one training step of a configuration on the virtual clock, from the step's
+// graph built without tensors: time, throughput, model FLOP/s and MFU, exposed communication
+// per process group, the pipeline's bubble and each device's memory.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <memory>
+
+#include "commands.hpp"
+#include "memory_estimate.hpp"
+#include "output_paths.hpp"
+#include "train_options.hpp"
+#include "weave/devices/link_model.hpp"
+#include "weave/graphs/prediction.hpp"
+#include "weave/runtime/chrome_trace.hpp"
+
+namespace weave::cli {
+
+namespace {
+
+struct PredictOptions {
+  TrainOptions train;
+  double device_memory_gib = 80;
+};
+
+int run_predict(PredictOptions& o) {
+  derive_config(o.train);
+  graphs::TrainerConfig& c = o.train.config;
+  const std::vector<std::string> warnings = graphs::validate(c);
+  check_writable("--trace", c.trace_path);
+  for (const std::string& w : warnings)
+    fmt::print("warning: {}\n", w);
+  if (!o.train.no_effect.empty())
+    fmt::print("no effect here: {} (docs/flags.md says why)\n", fmt::join(o.train.no_effect, ", "));
+  const graphs::Prediction p = graphs::predict_step(c);
+  const graphs::ModelConfig& m = c.model;
+  const graphs::ParallelPlan& plan = c.plan;
+  fmt::print(
+      "weave predict: {} layers, hidden {}, {} heads, {} | {} devices: tp {}{}, cp {}, ep {}, dp "
+      "{}, pp {} | global batch {} x {} tokens\n",
+      m.num_layers, m.hidden_size, m.num_attention_heads,
+      m.num_experts > 0 ? fmt::format("{} experts top-{}", m.num_experts, m.moe_router_topk)
+                        : std::string("dense"),
+      plan.devices(), plan.tensor_parallel, plan.sequence_parallel ? " + sp" : "",
+      plan.context_parallel, plan.expert_parallel, plan.data_parallel, plan.pipeline_parallel,
+      plan.global_batch_size, m.seq_length);
+  fmt::print("modelled device: {:.3g} FLOP/s, {:.3g} B/s of memory, link {}\n",
+             c.machine.device_flops, c.machine.device_memory_bandwidth,
+             devices::LinkModel::preset(c.machine.link).describe());
+  fmt::print("step             {:.3f} ms\n", p.step_ms);
+  fmt::print("throughput       {:.0f} tokens/s\n", p.tokens_per_second);
+  fmt::print(
+      "model FLOPs      {:.4g} a step (Megatron-LM's count; {:.4g} with full recomputation)\n",
+      p.model_flops, p.model_flops_recompute);
+  fmt::print("per device       {:.4g} FLOP/s of model math, MFU {:.1f} % of {:.3g}\n",
+             p.flops_per_device, 100 * p.mfu, c.machine.device_flops);
+  fmt::print("bubble           {:.3f} (compute idle over compute busy, summed over devices)\n",
+             p.bubble);
+  std::string exposed;
+  for (const graphs::ExposedCommunication& e : p.exposed)
+    exposed += fmt::format("{}{} {:.3f}", exposed.empty() ? "" : ", ", e.group, e.ms_per_device);
+  fmt::print("exposed comm     {} ms a device\n", exposed.empty() ? "none" : exposed);
+  // The device that holds the most, and every category of it.
+  const auto largest = static_cast<std::size_t>(
+      std::max_element(p.memory_total.begin(), p.memory_total.end()) - p.memory_total.begin());
+  std::string parts;
+  for (std::size_t k = 0; k < rt::kMemoryCategoryCount; ++k) {
+    if (p.memory[largest][k] == 0) continue;
+    std::string name(rt::to_string(static_cast<rt::MemoryCategory>(k)));
+    std::replace(name.begin(), name.end(), '_', ' ');
+    parts +=
+        fmt::format("{}{} {}", parts.empty() ? "" : ", ", name, bytes_text(p.memory[largest][k]));
+  }
+  const auto capacity = static_cast<std::int64_t>(o.device_memory_gib * 1024 * 1024 * 1024);
+  fmt::print("memory           {} on device {} at most ({}), of {}\n",
+             bytes_text(p.memory_total[largest]), largest, parts, bytes_text(capacity));
+  int over = 0;
+  for (const std::int64_t bytes : p.memory_total)
+    over += bytes > capacity;
+  if (over > 0)
+    fmt::print(
+        "warning: {} of {} devices would run out of memory (device {} needs {} of {}): raise the "
+        "parallel sizes, lower --micro-batch-size or use --use-distributed-optimizer\n",
+        over, p.memory_total.size(), largest, bytes_text(p.memory_total[largest]),
+        bytes_text(capacity));
+  if (!c.trace_path.empty()) {
+    rt::write_chrome_trace(p.trace, c.trace_path);
+    fmt::print("trace of the replay: {}\n", c.trace_path);
+  }
+  return 0;
+}
+
+}  // namespace
+
+void add_predict_command(CLI::App& app) {
+  auto o = std::make_shared<PredictOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "predict",
+      "Predict one training step on the virtual clock, from the step's graph built without "
+      "tensors: nothing is allocated or computed");
+  add_train_flags(*cmd, o->train);
+  cmd->add_option("--device-memory", o->device_memory_gib,
+                  "GiB of memory a device has: devices that would need more are named")
+      ->check(positive())
+      ->capture_default_str();
+  cmd->footer(
+      "Takes weave train's flags (--trace writes the replay). Example:\n"
+      "  weave predict --num-layers 8 --hidden-size 1024 --num-attention-heads 16 \\\n"
+      "                --seq-length 2048 --devices 16 --tensor-model-parallel-size 4 \\\n"
+      "                --pipeline-model-parallel-size 2 --global-batch-size 32 \\\n"
+      "                --device-flops 3e14 --device-memory-bandwidth 2e12 --link nvlink4");
+  cmd->callback([o] { throw CommandExit{run_predict(*o)}; });
+}
+
+}  // namespace weave::cli
