@@ -49,7 +49,9 @@ Prediction predict_step(TrainerConfig config) {
   p.model_flops = model_flops_per_step(m, plan, false);
   p.model_flops_recompute = model_flops_per_step(m, plan, true);
   p.flops_per_device = p.model_flops / seconds / plan.devices();
-  p.mfu = p.flops_per_device / config.machine.device_flops;
+  const double peak =
+      config.machine.peak_flops > 0 ? config.machine.peak_flops : config.machine.device_flops;
+  p.mfu = p.flops_per_device / peak;
   const rt::TraceMetrics metrics = rt::measure(run.trace);
   p.bubble = metrics.compute_bubble();
   // Each process group's streams, by the kind they are named for: tp with its gradient stream,

@@ -45,5 +45,15 @@ TEST(PredictCli, RefusesWhatTrainRefuses) {
   EXPECT_NE(r.out.find("--num-attention-heads (3)"), std::string::npos) << r.out;
 }
 
+TEST(PredictCli, AnAcceleratorPresetSetsTheMachine) {
+  const Result r = weave(std::string(kConfig) + " --accelerator h100-sxm");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("H100-SXM5-80GB (peak 9.894e+14 FLOP/s, 80.00 GiB of memory)"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("% of 9.89e+14"), std::string::npos) << r.out;  // MFU against the peak
+  EXPECT_NE(r.out.find(", of 80.00 GiB"), std::string::npos) << r.out;
+}
+
 }  // namespace
 }  // namespace weave::cli_test

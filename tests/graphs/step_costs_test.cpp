@@ -92,7 +92,9 @@ TEST(StepCosts, ElementWiseWorkStreamsAtTheMemoryBandwidth) {
       seen_optimizer = true;
     }
     // A matrix product is priced by its arithmetic, as before.
-    if (name == "L0.qkv") EXPECT_GT(tasks[t].cost.flops, 0);
+    if (name == "L0.qkv") {
+      EXPECT_GT(tasks[t].cost.flops, 0);
+    }
   }
   EXPECT_TRUE(seen_norm);
   EXPECT_TRUE(seen_optimizer);

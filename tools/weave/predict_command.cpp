@@ -10,6 +10,7 @@
 #include "memory_estimate.hpp"
 #include "output_paths.hpp"
 #include "train_options.hpp"
+#include "weave/devices/accelerator.hpp"
 #include "weave/devices/link_model.hpp"
 #include "weave/graphs/prediction.hpp"
 #include "weave/runtime/chrome_trace.hpp"
@@ -21,11 +22,20 @@ namespace {
 struct PredictOptions {
   TrainOptions train;
   double device_memory_gib = 80;
+  bool device_memory_given = false;
 };
 
 int run_predict(PredictOptions& o) {
   derive_config(o.train);
   graphs::TrainerConfig& c = o.train.config;
+  std::string accelerator;
+  if (!o.train.accelerator.empty()) {
+    const devices::Accelerator a = devices::Accelerator::load(o.train.accelerator);
+    accelerator = fmt::format("{} (peak {:.4g} FLOP/s, {} of memory), ", a.name, a.peak_flops,
+                              bytes_text(a.memory_bytes));
+    if (!o.device_memory_given)
+      o.device_memory_gib = static_cast<double>(a.memory_bytes) / (1024.0 * 1024 * 1024);
+  }
   const std::vector<std::string> warnings = graphs::validate(c);
   check_writable("--trace", c.trace_path);
   for (const std::string& w : warnings)
@@ -44,8 +54,8 @@ int run_predict(PredictOptions& o) {
       plan.devices(), plan.tensor_parallel, plan.sequence_parallel ? " + sp" : "",
       plan.context_parallel, plan.expert_parallel, plan.data_parallel, plan.pipeline_parallel,
       plan.global_batch_size, m.seq_length);
-  fmt::print("modelled device: {:.3g} FLOP/s, {:.3g} B/s of memory, link {}\n",
-             c.machine.device_flops, c.machine.device_memory_bandwidth,
+  fmt::print("modelled device: {}{:.3g} FLOP/s sustained, {:.3g} B/s of memory, link {}\n",
+             accelerator, c.machine.device_flops, c.machine.device_memory_bandwidth,
              devices::LinkModel::preset(c.machine.link).describe());
   fmt::print("step             {:.3f} ms\n", p.step_ms);
   fmt::print("throughput       {:.0f} tokens/s\n", p.tokens_per_second);
@@ -53,7 +63,8 @@ int run_predict(PredictOptions& o) {
       "model FLOPs      {:.4g} a step (Megatron-LM's count; {:.4g} with full recomputation)\n",
       p.model_flops, p.model_flops_recompute);
   fmt::print("per device       {:.4g} FLOP/s of model math, MFU {:.1f} % of {:.3g}\n",
-             p.flops_per_device, 100 * p.mfu, c.machine.device_flops);
+             p.flops_per_device, 100 * p.mfu,
+             c.machine.peak_flops > 0 ? c.machine.peak_flops : c.machine.device_flops);
   fmt::print("bubble           {:.3f} (compute idle over compute busy, summed over devices)\n",
              p.bubble);
   std::string exposed;
@@ -99,17 +110,22 @@ void add_predict_command(CLI::App& app) {
       "Predict one training step on the virtual clock, from the step's graph built without "
       "tensors: nothing is allocated or computed");
   add_train_flags(*cmd, o->train);
-  cmd->add_option("--device-memory", o->device_memory_gib,
-                  "GiB of memory a device has: devices that would need more are named")
-      ->check(positive())
-      ->capture_default_str();
+  CLI::Option* memory =
+      cmd->add_option("--device-memory", o->device_memory_gib,
+                      "GiB of memory a device has (default: the --accelerator's, else 80): "
+                      "devices that would need more are named")
+          ->check(positive())
+          ->capture_default_str();
   cmd->footer(
       "Takes weave train's flags (--trace writes the replay). Example:\n"
       "  weave predict --num-layers 8 --hidden-size 1024 --num-attention-heads 16 \\\n"
       "                --seq-length 2048 --devices 16 --tensor-model-parallel-size 4 \\\n"
       "                --pipeline-model-parallel-size 2 --global-batch-size 32 \\\n"
       "                --device-flops 3e14 --device-memory-bandwidth 2e12 --link nvlink4");
-  cmd->callback([o] { throw CommandExit{run_predict(*o)}; });
+  cmd->callback([o, memory] {
+    o->device_memory_given = memory->count() > 0;
+    throw CommandExit{run_predict(*o)};
+  });
 }
 
 }  // namespace weave::cli

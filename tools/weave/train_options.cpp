@@ -9,6 +9,7 @@
 
 #include "commands.hpp"
 #include "megatron_flags.hpp"
+#include "weave/devices/accelerator.hpp"
 #include "weave/graphs/parallel_plan.hpp"
 
 namespace weave::cli {
@@ -317,6 +318,11 @@ void add_train_flags(CLI::App& cmd, TrainOptions& o) {
   cmd.add_option("--link", o.config.machine.link,
                  "Link model: a preset (see `weave topo --links`) or GBPS:MICROSECONDS")
       ->capture_default_str();
+  cmd.add_option("--accelerator", o.accelerator,
+                 "Model the devices as this accelerator (--timing model, weave predict): a "
+                 "preset (a100-80gb, h100-sxm, ascend-910b) or a JSON file; sets --device-flops "
+                 "to what its matrix products sustain and --device-memory-bandwidth (over any "
+                 "given), and --link to its node's link unless --link is given");
   cmd.add_option("--device-memory-bandwidth", o.config.machine.device_memory_bandwidth,
                  "Modelled bytes/s a device streams (--timing model): prices norms, residuals, "
                  "dropout and the optimizer")
@@ -347,6 +353,15 @@ void add_train_flags(CLI::App& cmd, TrainOptions& o) {
 void derive_config(TrainOptions& o) {
   graphs::TrainerConfig& c = o.config;
   c.model.activation = o.swiglu ? graphs::Activation::swiglu : graphs::Activation::gelu;
+  if (!o.accelerator.empty()) {
+    const devices::Accelerator a = devices::Accelerator::load(o.accelerator);
+    c.machine.device_flops = a.sustained_flops();
+    c.machine.device_memory_bandwidth = a.sustained_memory_bandwidth();
+    c.machine.peak_flops = a.peak_flops;
+    if (c.machine.link == "none")
+      c.machine.link =
+          fmt::format("{}:{}", a.node_link.bytes_per_second / 1e9, a.node_link.latency_us);
+  }
   if (o.position_embedding_type == "learned_absolute")
     c.model.position_embedding = graphs::PositionEmbedding::learned_absolute;
   else if (o.position_embedding_type == "rope")

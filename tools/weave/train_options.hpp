@@ -19,6 +19,7 @@ struct TrainOptions {
   // global_batch_size 0: micro-batch x data-parallel size
   graphs::TrainerConfig config{.plan = {.global_batch_size = 0}};
   bool swiglu = false;
+  std::string accelerator;  // --accelerator: a preset's name or a JSON file
   std::string position_embedding_type = "learned_absolute";  // or rope, none
   std::string normalization = "LayerNorm";                   // or RMSNorm
   bool use_rotary_position_embeddings = false, no_position_embedding = false;

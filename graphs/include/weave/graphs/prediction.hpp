@@ -35,7 +35,7 @@ struct Prediction {
   double model_flops = 0;            // a step's, model_flops_per_step without recomputation
   double model_flops_recompute = 0;  // with full recomputation
   double flops_per_device = 0;       // model FLOP/s of each device: model_flops / step / devices
-  double mfu = 0;                    // flops_per_device over the machine's device_flops
+  double mfu = 0;  // flops_per_device over the machine's peak_flops (or device_flops)
   double bubble = 0;                 // compute idle over compute busy, summed over devices
   std::vector<ExposedCommunication> exposed;  // groups with any exposed time
   // Per device, by category (rt::MemoryCategory): what it would hold at its peak.

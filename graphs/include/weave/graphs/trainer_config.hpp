@@ -33,6 +33,9 @@ struct ModelledMachine {
   // the element-wise work (norms, residuals, dropout, the optimizer); the default is about what
   // a core of a recent server streams, as the default FLOP/s is about what it computes.
   double device_memory_bandwidth = 2e10;
+  // The device's peak FLOP/s, which MFU is measured against; 0: device_flops (--accelerator
+  // sets it to the preset's peak and device_flops to what its matrix products sustain).
+  double peak_flops = 0;
   // --link: a devices::LinkModel preset (`weave topo --links`) or "GBPS:MICROSECONDS". On the
   // wall clock a link other than "none" holds each transfer to its modelled time.
   std::string link = "none";

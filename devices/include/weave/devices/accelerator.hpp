@@ -1,0 +1,44 @@
+// An accelerator and the node it sits in, as data: the figures the virtual clock needs to say
+// what a step would take on it. Presets (`Accelerator::preset_names()`) are JSON files under
+// devices/accelerators/ (installed under share/weave/accelerators): copy one, set your own
+// figures and pass its path instead of a name.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace weave::devices {
+
+struct NetworkLink {
+  std::string name;
+  double bytes_per_second = 0;  // one direction, per device
+  double latency_us = 0;
+};
+
+struct Accelerator {
+  std::string name;
+  double peak_flops = 0;          // dense BF16/FP16 tensor FLOP/s
+  double matmul_efficiency = 0;   // share of the peak large matrix products sustain
+  std::int64_t memory_bytes = 0;  // device memory
+  double memory_bandwidth = 0;    // bytes/s, the datasheet's
+  double memory_efficiency = 0;   // share of it streaming kernels sustain
+  int devices_per_node = 1;
+  NetworkLink node_link;  // between the devices of a node
+  NetworkLink network;    // between nodes, each device's share
+  std::vector<std::string> sources;
+  std::string assumed;  // which figures are assumptions, not published
+
+  double sustained_flops() const { return peak_flops * matmul_efficiency; }
+  double sustained_memory_bandwidth() const { return memory_bandwidth * memory_efficiency; }
+
+  static std::vector<std::string> preset_names();
+  // A preset by name, or the JSON file at a path (a name with '/' or ending in ".json").
+  // Throws std::invalid_argument naming the presets for an unknown name, and the field for a
+  // file that lacks one or holds a value out of range.
+  static Accelerator load(const std::string& name_or_path);
+  static Accelerator parse(std::string_view json_text, const std::string& source);
+};
+
+}  // namespace weave::devices

@@ -1,0 +1,109 @@
+#include "weave/devices/accelerator.hpp"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <nlohmann/json.hpp>
+#include <stdexcept>
+
+#include "accelerator_presets.hpp"
+
+namespace weave::devices {
+
+namespace {
+
+using nlohmann::json;
+
+double positive(const json& j, const char* key, const std::string& source) {
+  if (!j.contains(key) || !j.at(key).is_number())
+    throw std::invalid_argument(
+        fmt::format("accelerator {}: '{}' is missing or not a number", source, key));
+  const double v = j.at(key).get<double>();
+  if (!(v > 0) || !std::isfinite(v))
+    throw std::invalid_argument(
+        fmt::format("accelerator {}: '{}' must be a finite number > 0, got {}", source, key, v));
+  return v;
+}
+
+double share(const json& j, const char* key, const std::string& source) {
+  const double v = positive(j, key, source);
+  if (v > 1)
+    throw std::invalid_argument(fmt::format(
+        "accelerator {}: '{}' is a share of the peak, in (0, 1], got {}", source, key, v));
+  return v;
+}
+
+NetworkLink link(const json& j, const char* key, const std::string& source) {
+  if (!j.contains(key) || !j.at(key).is_object())
+    throw std::invalid_argument(fmt::format(
+        "accelerator {}: '{}' must be an object with name, bytes_per_second and latency_us", source,
+        key));
+  const json& l = j.at(key);
+  const std::string where = fmt::format("{} ({})", source, key);
+  return {.name = l.value("name", std::string(key)),
+          .bytes_per_second = positive(l, "bytes_per_second", where),
+          .latency_us = positive(l, "latency_us", where)};
+}
+
+}  // namespace
+
+std::vector<std::string> Accelerator::preset_names() {
+  std::vector<std::string> names;
+  for (const auto& [name, text] : detail::accelerator_presets())
+    names.emplace_back(name);
+  return names;
+}
+
+Accelerator Accelerator::parse(std::string_view text, const std::string& source) {
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::exception& e) {
+    throw std::invalid_argument(
+        fmt::format("accelerator {} is not valid JSON: {}", source, e.what()));
+  }
+  if (!j.is_object())
+    throw std::invalid_argument(fmt::format("accelerator {} must hold a JSON object", source));
+  Accelerator a;
+  a.name = j.value("name", source);
+  a.peak_flops = positive(j, "peak_flops", source);
+  a.matmul_efficiency = share(j, "matmul_efficiency", source);
+  a.memory_bytes = static_cast<std::int64_t>(positive(j, "memory_bytes", source));
+  a.memory_bandwidth = positive(j, "memory_bandwidth", source);
+  a.memory_efficiency = share(j, "memory_efficiency", source);
+  a.devices_per_node = static_cast<int>(positive(j, "devices_per_node", source));
+  a.node_link = link(j, "node_link", source);
+  a.network = link(j, "network", source);
+  if (j.contains("sources") && j.at("sources").is_array())
+    for (const json& s : j.at("sources"))
+      if (s.is_string()) a.sources.push_back(s.get<std::string>());
+  a.assumed = j.value("assumed", std::string());
+  return a;
+}
+
+Accelerator Accelerator::load(const std::string& name_or_path) {
+  for (const auto& [name, text] : detail::accelerator_presets())
+    if (name == name_or_path) return parse(text, fmt::format("preset '{}'", name));
+  const bool path = name_or_path.find('/') != std::string::npos || name_or_path.ends_with(".json");
+  if (!path)
+    throw std::invalid_argument(fmt::format(
+        "unknown accelerator '{}': the presets are {} (or give a JSON file's path, a copy of "
+        "one of them with your figures)",
+        name_or_path, fmt::join(preset_names(), ", ")));
+  // A regular file of a reasonable size: a description, not a device or a stream.
+  std::error_code error;
+  if (!std::filesystem::is_regular_file(name_or_path, error) ||
+      std::filesystem::file_size(name_or_path, error) > (1u << 20) || error)
+    throw std::invalid_argument(fmt::format(
+        "the accelerator file '{}' is not a readable JSON file of at most 1 MiB", name_or_path));
+  std::ifstream in(name_or_path, std::ios::binary);
+  if (!in)
+    throw std::invalid_argument(fmt::format("cannot read the accelerator file '{}'", name_or_path));
+  const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return parse(text, fmt::format("file '{}'", name_or_path));
+}
+
+}  // namespace weave::devices
