@@ -5,7 +5,8 @@
 #include <utility>
 
 #include "weave/devices/device_set.hpp"
-#include "weave/devices/shared_memory_communicator.hpp"
+#include "weave/devices/folded_communicator.hpp"
+#include "weave/graphs/mesh.hpp"
 #include "weave/graphs/training_step.hpp"
 #include "weave/graphs/virtual_replay.hpp"
 #include "weave/runtime/trace_metrics.hpp"
@@ -30,13 +31,27 @@ double model_flops_per_step(const ModelConfig& m, const ParallelPlan& plan, bool
   return tokens * ((recompute ? 4 : 3) * layers + 3 * output);
 }
 
-Prediction predict_step(TrainerConfig config) {
+Prediction predict_step(TrainerConfig config, const PredictionOptions& options) {
   validate(config);
   const ModelConfig& m = config.model;
   const ParallelPlan& plan = config.plan;
-  devices::DeviceSet set(plan.devices(), {.pin = false});
-  devices::SharedMemoryCommunicator comm;
-  TrainingStep step(m, plan, config.optimizer, set, comm, {.materialize = false});
+  const Mesh mesh(plan);
+  // The ranks built, and the one each device's figures are read from.
+  std::vector<int> built, source(static_cast<std::size_t>(plan.devices()));
+  std::vector<bool> held(static_cast<std::size_t>(plan.devices()), false);
+  for (int r = 0; r < plan.devices(); ++r) {
+    const MeshCoordinates at = mesh.coordinates(r);
+    const bool fold = options.fold_data_parallel && plan.data_parallel > 1;
+    source[static_cast<std::size_t>(r)] = fold ? mesh.rank_of(at.tp, at.cp, 0, at.pp) : r;
+    if (source[static_cast<std::size_t>(r)] == r) {
+      built.push_back(r);
+      held[static_cast<std::size_t>(r)] = true;
+    }
+  }
+  std::vector<rt::DeviceId> ids(built.begin(), built.end());
+  devices::DeviceSet set(plan.devices(), {.pin = false, .held = ids});
+  devices::FoldedCommunicator comm(held);
+  TrainingStep step(m, plan, config.optimizer, set, comm, {.ranks = built, .materialize = false});
   step.prepare(1, config.learning_rate.at(1));
   const devices::MachineModel machine = machine_model(set, config.machine);
   rt::VirtualClock clock(machine, {.execute = false, .record_trace = true});
@@ -49,11 +64,20 @@ Prediction predict_step(TrainerConfig config) {
   p.model_flops = model_flops_per_step(m, plan, false);
   p.model_flops_recompute = model_flops_per_step(m, plan, true);
   p.flops_per_device = p.model_flops / seconds / plan.devices();
+  p.replayed_devices = static_cast<int>(built.size());
   const double peak =
       config.machine.peak_flops > 0 ? config.machine.peak_flops : config.machine.device_flops;
   p.mfu = p.flops_per_device / peak;
   const rt::TraceMetrics metrics = rt::measure(run.trace);
-  p.bubble = metrics.compute_bubble();
+  // Over the devices replayed (a folded replica's device has no task in the trace).
+  double busy = 0, idle = 0;
+  for (const int r : built) {
+    if (static_cast<std::size_t>(r) >= metrics.devices.size()) continue;  // no task at all
+    const rt::DeviceMetrics& d = metrics.devices[static_cast<std::size_t>(r)];
+    busy += static_cast<double>(d.compute_busy);
+    idle += static_cast<double>(metrics.makespan - d.compute_busy);
+  }
+  p.bubble = busy > 0 ? idle / busy : 0;
   // Each process group's streams, by the kind they are named for: tp with its gradient stream,
   // ep with its dispatch and combine streams, both directions of every pipeline stage.
   std::vector<std::pair<std::string, std::vector<std::string_view>>> groups;
@@ -73,10 +97,10 @@ Prediction predict_step(TrainerConfig config) {
   for (const auto& [group, names] : groups) {
     const rt::Nanos exposed = rt::exposed_comm_on_named_streams(run.trace, names);
     if (exposed > 0)
-      p.exposed.push_back({group, static_cast<double>(exposed) * 1e-6 / plan.devices()});
+      p.exposed.push_back({group, static_cast<double>(exposed) * 1e-6 / p.replayed_devices});
   }
   for (std::size_t d = 0; d < set.size(); ++d) {
-    const auto id = static_cast<rt::DeviceId>(d);
+    const auto id = static_cast<rt::DeviceId>(source[d]);
     std::array<std::int64_t, rt::kMemoryCategoryCount> bytes{};
     for (std::size_t c = 0; c < rt::kMemoryCategoryCount; ++c)
       bytes[c] = set.memory().peak(id, static_cast<rt::MemoryCategory>(c));

@@ -76,5 +76,50 @@ TEST(Prediction, EqualsTheMaterialisedStepOnTheVirtualClock) {
   EXPECT_TRUE(pipeline);
 }
 
+// Folding data-parallel replicas into the first: the same step time, exposed communication,
+// bubble and memory as replaying every rank, from a fraction of the ranks.
+TEST(Prediction, FoldedReplicasPredictWhatEveryRankDoes) {
+  const std::pair<const char*, ParallelPlan> plans[] = {
+      {"dense tp2 dp4",
+       {.tensor_parallel = 2, .data_parallel = 4, .micro_batch_size = 1, .global_batch_size = 8}},
+      {"moe tp2+sp ep4 dp2 pp2 distributed optimizer",
+       {.tensor_parallel = 2,
+        .sequence_parallel = true,
+        .expert_parallel = 4,
+        .data_parallel = 2,
+        .pipeline_parallel = 2,
+        .micro_batch_size = 1,
+        .global_batch_size = 8,
+        .distributed_optimizer = true}},
+      {"moe cp2 ep2 dp2 ampipe 2",
+       {.context_parallel = 2,
+        .expert_parallel = 2,
+        .data_parallel = 2,
+        .micro_batch_size = 1,
+        .global_batch_size = 4,
+        .ampipe_degree = 2}},
+  };
+  for (const auto& [name, plan] : plans) {
+    TrainerConfig c;
+    c.model = tiny(4);
+    c.plan = plan;
+    c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
+    const Prediction folded = predict_step(c),
+                     every = predict_step(c, {.fold_data_parallel = false});
+    EXPECT_EQ(every.replayed_devices, plan.devices()) << name;
+    EXPECT_EQ(folded.replayed_devices * plan.data_parallel, plan.devices()) << name;
+    EXPECT_DOUBLE_EQ(folded.step_ms, every.step_ms) << name;
+    EXPECT_DOUBLE_EQ(folded.bubble, every.bubble) << name;
+    EXPECT_EQ(folded.memory, every.memory) << name;
+    ASSERT_EQ(folded.exposed.size(), every.exposed.size()) << name;
+    for (std::size_t i = 0; i < every.exposed.size(); ++i) {
+      EXPECT_EQ(folded.exposed[i].group, every.exposed[i].group) << name;
+      EXPECT_NEAR(folded.exposed[i].ms_per_device, every.exposed[i].ms_per_device,
+                  1e-9 * every.exposed[i].ms_per_device)
+          << name << " " << every.exposed[i].group;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace weave::graphs

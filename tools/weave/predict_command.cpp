@@ -23,6 +23,7 @@ struct PredictOptions {
   TrainOptions train;
   double device_memory_gib = 80;
   bool device_memory_given = false;
+  bool every_rank = false;
 };
 
 int run_predict(PredictOptions& o) {
@@ -42,7 +43,7 @@ int run_predict(PredictOptions& o) {
     fmt::print("warning: {}\n", w);
   if (!o.train.no_effect.empty())
     fmt::print("no effect here: {} (docs/flags.md says why)\n", fmt::join(o.train.no_effect, ", "));
-  const graphs::Prediction p = graphs::predict_step(c);
+  const graphs::Prediction p = graphs::predict_step(c, {.fold_data_parallel = !o.every_rank});
   const graphs::ModelConfig& m = c.model;
   const graphs::ParallelPlan& plan = c.plan;
   fmt::print(
@@ -57,6 +58,11 @@ int run_predict(PredictOptions& o) {
   fmt::print("modelled device: {}{:.3g} FLOP/s sustained, {:.3g} B/s of memory, link {}\n",
              accelerator, c.machine.device_flops, c.machine.device_memory_bandwidth,
              devices::LinkModel::preset(c.machine.link).describe());
+  fmt::print("replayed         {} of {} devices{}\n", p.replayed_devices, plan.devices(),
+             p.replayed_devices < plan.devices()
+                 ? " (data-parallel replicas folded into the first: the same work on other "
+                   "samples)"
+                 : "");
   fmt::print("step             {:.3f} ms\n", p.step_ms);
   fmt::print("throughput       {:.0f} tokens/s\n", p.tokens_per_second);
   fmt::print(
@@ -116,6 +122,9 @@ void add_predict_command(CLI::App& app) {
                       "devices that would need more are named")
           ->check(positive())
           ->capture_default_str();
+  cmd->add_flag("--every-rank", o->every_rank,
+                "Build and replay every rank instead of folding data-parallel replicas into the "
+                "first (slower, the same figures)");
   cmd->footer(
       "Takes weave train's flags (--trace writes the replay). Example:\n"
       "  weave predict --num-layers 8 --hidden-size 1024 --num-attention-heads 16 \\\n"

@@ -35,16 +35,27 @@ struct Prediction {
   double model_flops = 0;            // a step's, model_flops_per_step without recomputation
   double model_flops_recompute = 0;  // with full recomputation
   double flops_per_device = 0;       // model FLOP/s of each device: model_flops / step / devices
-  double mfu = 0;  // flops_per_device over the machine's peak_flops (or device_flops)
-  double bubble = 0;                 // compute idle over compute busy, summed over devices
+  double mfu = 0;     // flops_per_device over the machine's peak_flops (or device_flops)
+  double bubble = 0;  // compute idle over compute busy, summed over devices
   std::vector<ExposedCommunication> exposed;  // groups with any exposed time
   // Per device, by category (rt::MemoryCategory): what it would hold at its peak.
   std::vector<std::array<std::int64_t, rt::kMemoryCategoryCount>> memory;
-  std::vector<std::int64_t> memory_total;  // per device
+  std::vector<std::int64_t> memory_total;  // per device (a folded replica: its first replica's)
+  int replayed_devices = 0;                // the devices built and replayed
   rt::Trace trace;                         // the replay
 };
 
+// Folding: data-parallel replicas run the same program on other samples, so only the first
+// replica's ranks (dp = 0) are built and replayed, each collective costed for its whole group
+// (devices::FoldedCommunicator) and waiting only for the members built. Exact when the replicas'
+// work is the same, as it is on the virtual clock without running kernels (MoE routing is then
+// timed as balanced): the folded prediction equals the unfolded one (tests/graphs/
+// prediction_test.cpp). Every other rank (tensor, context, expert, pipeline) is built.
+struct PredictionOptions {
+  bool fold_data_parallel = true;
+};
+
 // Validates a copy of `config` (throws ConfigError) and predicts its step.
-Prediction predict_step(TrainerConfig config);
+Prediction predict_step(TrainerConfig config, const PredictionOptions& options = {});
 
 }  // namespace weave::graphs
