@@ -36,6 +36,11 @@ double share(const json& j, const char* key, const std::string& source) {
   return v;
 }
 
+// A text field, or `fallback` when it is absent or not a string.
+std::string text_or(const json& j, const char* key, const std::string& fallback) {
+  return j.contains(key) && j.at(key).is_string() ? j.at(key).get<std::string>() : fallback;
+}
+
 NetworkLink link(const json& j, const char* key, const std::string& source) {
   if (!j.contains(key) || !j.at(key).is_object())
     throw std::invalid_argument(fmt::format(
@@ -43,7 +48,7 @@ NetworkLink link(const json& j, const char* key, const std::string& source) {
         key));
   const json& l = j.at(key);
   const std::string where = fmt::format("{} ({})", source, key);
-  return {.name = l.value("name", std::string(key)),
+  return {.name = text_or(l, "name", key),
           .bytes_per_second = positive(l, "bytes_per_second", where),
           .latency_us = positive(l, "latency_us", where)};
 }
@@ -68,19 +73,29 @@ Accelerator Accelerator::parse(std::string_view text, const std::string& source)
   if (!j.is_object())
     throw std::invalid_argument(fmt::format("accelerator {} must hold a JSON object", source));
   Accelerator a;
-  a.name = j.value("name", source);
+  a.name = text_or(j, "name", source);
   a.peak_flops = positive(j, "peak_flops", source);
   a.matmul_efficiency = share(j, "matmul_efficiency", source);
-  a.memory_bytes = static_cast<std::int64_t>(positive(j, "memory_bytes", source));
+  const double memory = positive(j, "memory_bytes", source);
+  if (memory > 0x1p62)
+    throw std::invalid_argument(fmt::format(
+        "accelerator {}: 'memory_bytes' ({}) is more than a device can hold: give bytes", source,
+        memory));
+  a.memory_bytes = static_cast<std::int64_t>(memory);
   a.memory_bandwidth = positive(j, "memory_bandwidth", source);
   a.memory_efficiency = share(j, "memory_efficiency", source);
-  a.devices_per_node = static_cast<int>(positive(j, "devices_per_node", source));
+  const double per_node = positive(j, "devices_per_node", source);
+  if (per_node > 1e6 || per_node != std::floor(per_node))
+    throw std::invalid_argument(
+        fmt::format("accelerator {}: 'devices_per_node' must be a whole number up to 10^6, got {}",
+                    source, per_node));
+  a.devices_per_node = static_cast<int>(per_node);
   a.node_link = link(j, "node_link", source);
   a.network = link(j, "network", source);
   if (j.contains("sources") && j.at("sources").is_array())
     for (const json& s : j.at("sources"))
       if (s.is_string()) a.sources.push_back(s.get<std::string>());
-  a.assumed = j.value("assumed", std::string());
+  a.assumed = text_or(j, "assumed", "");
   return a;
 }
 
