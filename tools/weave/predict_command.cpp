@@ -29,6 +29,10 @@ struct PredictOptions {
 int run_predict(PredictOptions& o) {
   derive_config(o.train);
   graphs::TrainerConfig& c = o.train.config;
+  if (o.device_memory_gib > 1e9)
+    throw std::invalid_argument(fmt::format(
+        "--device-memory {} GiB is more than any device holds: give the device's memory in GiB",
+        o.device_memory_gib));
   std::string accelerator;
   if (!o.train.accelerator.empty()) {
     const devices::Accelerator a = devices::Accelerator::load(o.train.accelerator);
@@ -88,10 +92,6 @@ int run_predict(PredictOptions& o) {
     parts +=
         fmt::format("{}{} {}", parts.empty() ? "" : ", ", name, bytes_text(p.memory[largest][k]));
   }
-  if (o.device_memory_gib > 1e9)
-    throw std::invalid_argument(fmt::format(
-        "--device-memory {} GiB is more than any device holds: give the device's memory in GiB",
-        o.device_memory_gib));
   const auto capacity = static_cast<std::int64_t>(o.device_memory_gib * 1024 * 1024 * 1024);
   fmt::print("memory           {} on device {} at most ({}), of {}\n",
              bytes_text(p.memory_total[largest]), largest, parts, bytes_text(capacity));
