@@ -71,8 +71,7 @@ class SpanningCollective : public MpiOperation,
 // The variable-size all-gather and reduce-scatter (mpi_variable_collectives.cpp).
 std::shared_ptr<SpanningCollective> make_spanning_all_gather_v(const Collective& c, MpiJob& job,
                                                                std::vector<int> process_of);
-std::shared_ptr<SpanningCollective> make_spanning_reduce_scatter_v(const Collective& c,
-                                                                   MpiJob& job,
+std::shared_ptr<SpanningCollective> make_spanning_reduce_scatter_v(const Collective& c, MpiJob& job,
                                                                    std::vector<int> process_of);
 
 }  // namespace weave::devices::detail

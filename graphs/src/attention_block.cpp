@@ -34,14 +34,11 @@ ops::AttentionDropout attention_dropout(const RankProgram& rank, int layer, int 
   const StepShape& z = rank.shape;
   const ModelConfig& m = z.model;
   if (m.attention_dropout <= 0) return {};
-  // Keyed like the hidden dropout (seed and iteration), on a site of its own.
+  // Keyed like the hidden dropout, on a site of its own (0, 1: the residuals; 2: the input).
   return {.probability = m.attention_dropout,
-          .key = {.seed = m.seed ^ (0x9E3779B97F4A7C15ull *
-                                    static_cast<std::uint64_t>(rank.inputs.iteration)),
-                  .layer = static_cast<std::uint32_t>(layer),
-                  .site = 3},
+          .key = rank.dropout_key(layer, 3),
           .sequence_length = z.S,
-          .batch_offset = (static_cast<std::int64_t>(rank.at.dp) * z.M + mb) * z.B,
+          .batch_offset = rank.batch_offset(mb),
           .head_offset = static_cast<std::int64_t>(rank.at.tp) * z.Hl};
 }
 

@@ -369,7 +369,8 @@ struct Generator::Impl {
     }
   }
 
-  std::vector<float> run(std::int32_t token) {
+  // One step at the next position; the last stage's logits are left in logits_all.
+  void run(std::int32_t token) {
     if (position >= max_positions)
       throw std::invalid_argument(fmt::format(
           "generation reached the model's {} positions (--max-position-embeddings): shorten the "
@@ -381,9 +382,7 @@ struct Generator::Impl {
     for (RankDecode& R : ranks)
       R.token_id[0] = token;
     devices.executor().run(graph);
-    const RankDecode& last = ranks[static_cast<std::size_t>(last_stage_rank)];
     ++position;
-    return last.logits_all.to_vector();
   }
 };
 
@@ -402,7 +401,8 @@ void Generator::reset() {
 }
 
 std::vector<float> Generator::feed(std::int32_t token) {
-  return impl_->run(token);
+  impl_->run(token);
+  return impl_->ranks[static_cast<std::size_t>(impl_->last_stage_rank)].logits_all.to_vector();
 }
 
 std::vector<std::int32_t> Generator::generate(std::span<const std::int32_t> prompt,

@@ -69,15 +69,7 @@ Prediction predict_step(TrainerConfig config, const PredictionOptions& options) 
       config.machine.peak_flops > 0 ? config.machine.peak_flops : config.machine.device_flops;
   p.mfu = p.flops_per_device / peak;
   const rt::TraceMetrics metrics = rt::measure(run.trace);
-  // Over the devices replayed (a folded replica's device has no task in the trace).
-  double busy = 0, idle = 0;
-  for (const int r : built) {
-    if (static_cast<std::size_t>(r) >= metrics.devices.size()) continue;  // no task at all
-    const rt::DeviceMetrics& d = metrics.devices[static_cast<std::size_t>(r)];
-    busy += static_cast<double>(d.compute_busy);
-    idle += static_cast<double>(metrics.makespan - d.compute_busy);
-  }
-  p.bubble = busy > 0 ? idle / busy : 0;
+  p.bubble = metrics.compute_bubble();  // over the devices replayed
   // Each process group's streams, by the kind they are named for: tp with its gradient stream,
   // ep with its dispatch and combine streams, both directions of every pipeline stage.
   std::vector<std::pair<std::string, std::vector<std::string_view>>> groups;

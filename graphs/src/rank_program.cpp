@@ -165,6 +165,13 @@ void RankProgram::load_tokens(int mb, std::vector<std::int32_t>& into, bool targ
   }
 }
 
+ops::RandomKey RankProgram::dropout_key(int layer, int site) const {
+  return {.seed = shape.model.seed ^
+                  (0x9E3779B97F4A7C15ull * static_cast<std::uint64_t>(inputs.iteration)),
+          .layer = static_cast<std::uint32_t>(layer),
+          .site = static_cast<std::uint32_t>(site)};
+}
+
 void RankProgram::apply_dropout(bool backward, int mb, int layer, int site, const Tensor& in,
                                 const Tensor& out, std::int64_t first_row) const {
   const ModelConfig& m = shape.model;
@@ -172,14 +179,10 @@ void RankProgram::apply_dropout(bool backward, int mb, int layer, int site, cons
     if (out.data() != in.data()) out.copy_from(in);
     return;
   }
-  ops::DropoutSpec spec{
-      .probability = m.hidden_dropout,
-      .key = {.seed =
-                  m.seed ^ (0x9E3779B97F4A7C15ull * static_cast<std::uint64_t>(inputs.iteration)),
-              .layer = static_cast<std::uint32_t>(layer),
-              .site = static_cast<std::uint32_t>(site)},
-      .sequence_length = shape.S,
-      .batch_offset = (static_cast<std::int64_t>(at.dp) * shape.M + mb) * shape.B};
+  ops::DropoutSpec spec{.probability = m.hidden_dropout,
+                        .key = dropout_key(layer, site),
+                        .sequence_length = shape.S,
+                        .batch_offset = batch_offset(mb)};
   // in and out hold rows [first_row, first_row + rows) of the rank's [Sl, B, h] layout.
   const std::int64_t rows = in.dim(0);
   for (std::int64_t s0 = 0; s0 < rows;) {

@@ -27,6 +27,7 @@
 #include "weave/graphs/mesh.hpp"
 #include "weave/graphs/pipeline_layout.hpp"
 #include "weave/graphs/training_step.hpp"
+#include "weave/ops/random.hpp"
 
 namespace weave::graphs {
 
@@ -173,6 +174,13 @@ class RankProgram {
   // Dropout on this rank's [Sl, B, h] rows from `first_row` (out may be in): masks keyed by
   // global token, so any split of the sequence draws the one-device masks. Without dropout, a
   // copy.
+  // The key of a dropout mask at (layer, site) in this step: the seed mixed with the iteration,
+  // so every iteration draws new masks and a replay of it the same ones.
+  ops::RandomKey dropout_key(int layer, int site) const;
+  // The first sequence of micro-batch `mb` of this rank's replica in the global batch.
+  std::int64_t batch_offset(int mb) const {
+    return (static_cast<std::int64_t>(at.dp) * shape.M + mb) * shape.B;
+  }
   void apply_dropout(bool backward, int mb, int layer, int site, const Tensor& in,
                      const Tensor& out, std::int64_t first_row = 0) const;
   // x_out = x_in + dropout(y + bias): the residual branch's end, on [Sl, B, h] rows.

@@ -167,6 +167,7 @@ double TraceMetrics::exposed_comm_share() const {
 double TraceMetrics::compute_bubble() const {
   double busy = 0, idle = 0;
   for (const auto& d : devices) {
+    if (d.busy == 0) continue;  // a device with no task in the trace (built elsewhere, or folded)
     busy += static_cast<double>(d.compute_busy);
     idle += static_cast<double>(makespan - d.compute_busy);
   }

@@ -229,9 +229,9 @@ std::pair<double, double> directional_derivative(const ModelConfig& m, ParallelP
   return {along, (up - down) / (2 * eps)};
 }
 
-// Each feature alone on the dense GPT, then all of them, dense and MoE: catches a backward wired wrongly in
-// RoPE, grouped heads, RMSNorm, attention dropout or the untied output, which the one-device
-// comparisons above would share.
+// Each feature alone on the dense GPT, then all of them, dense and MoE: catches a backward wired
+// wrongly in RoPE, grouped heads, RMSNorm, attention dropout or the untied output, which the
+// one-device comparisons above would share.
 TEST(ModernDecoder, WholeModelGradientMatchesADirectionalDifference) {
   const std::pair<const char*, void (*)(ModelConfig&)> features[] = {
       {"rope", [](ModelConfig& m) { m.position_embedding = PositionEmbedding::rope; }},

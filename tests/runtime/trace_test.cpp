@@ -296,6 +296,39 @@ TEST(TraceMetrics, ExposedTimeOfAStreamsCommunication) {
   EXPECT_EQ(exposed_comm_on_streams(trace, kExpert), 30);
 }
 
+// Exact stream names keep a group apart from another whose name begins the same ("tp_cp").
+TEST(TraceMetrics, ExposedTimeOfNamedStreams) {
+  auto table = std::make_shared<TaskTable>();
+  auto add = [&](const char* stream, TaskKind k) {
+    TaskInfo info;
+    info.stream = table->stream(stream);
+    info.kind = k;
+    return table->add(info, "t");
+  };
+  const TaskId c = add("compute", TaskKind::compute);
+  const TaskId tp = add("tp", TaskKind::comm);
+  const TaskId tp_cp = add("tp_cp", TaskKind::comm);
+  const Trace trace(table, {{c, 0, 100}, {tp, 90, 120}, {tp_cp, 200, 240}},
+                    ClockKind::virtual_time);
+  constexpr std::string_view kTensor[] = {"tp"};
+  EXPECT_EQ(exposed_comm_on_named_streams(trace, kTensor), 20);
+  EXPECT_EQ(exposed_comm_on_streams(trace, kTensor), 20 + 40);  // the prefix takes tp_cp too
+}
+
+// A device with no task in the trace (held by another process, or folded into another) is not
+// counted idle in the bubble.
+TEST(TraceMetrics, BubbleCountsTheDevicesInTheTrace) {
+  auto table = std::make_shared<TaskTable>();
+  TaskInfo info;
+  const TaskId a = table->add(info, "a");
+  info.device = 2;
+  const TaskId b = table->add(info, "b");
+  const Trace trace(table, {{a, 0, 100}, {b, 50, 100}}, ClockKind::virtual_time);
+  const TraceMetrics m = measure(trace);
+  ASSERT_EQ(m.devices.size(), 3u);
+  EXPECT_DOUBLE_EQ(m.compute_bubble(), 50.0 / 150.0);  // device 1 is not in it
+}
+
 TEST(TraceMetrics, MakespanStartsAtTheEarliestSpan) {
   auto table = std::make_shared<TaskTable>();
   TaskInfo info;

@@ -3,7 +3,6 @@
 // per process group, the pipeline's bubble and each device's memory.
 #include <fmt/format.h>
 
-#include <algorithm>
 #include <memory>
 
 #include "commands.hpp"
@@ -81,20 +80,11 @@ int run_predict(PredictOptions& o) {
   for (const graphs::ExposedCommunication& e : p.exposed)
     exposed += fmt::format("{}{} {:.3f}", exposed.empty() ? "" : ", ", e.group, e.ms_per_device);
   fmt::print("exposed comm     {} ms a device\n", exposed.empty() ? "none" : exposed);
-  // The device that holds the most, and every category of it.
-  const auto largest = static_cast<std::size_t>(
-      std::max_element(p.memory_total.begin(), p.memory_total.end()) - p.memory_total.begin());
-  std::string parts;
-  for (std::size_t k = 0; k < rt::kMemoryCategoryCount; ++k) {
-    if (p.memory[largest][k] == 0) continue;
-    std::string name(rt::to_string(static_cast<rt::MemoryCategory>(k)));
-    std::replace(name.begin(), name.end(), '_', ' ');
-    parts +=
-        fmt::format("{}{} {}", parts.empty() ? "" : ", ", name, bytes_text(p.memory[largest][k]));
-  }
+  // Worded as weave train's estimate: the device that holds the most, by category.
+  const MemoryEstimate memory{.by_category = p.memory, .peak = p.memory_total};
+  const std::size_t largest = memory.largest_device();
   const auto capacity = static_cast<std::int64_t>(o.device_memory_gib * 1024 * 1024 * 1024);
-  fmt::print("memory           {} on device {} at most ({}), of {}\n",
-             bytes_text(p.memory_total[largest]), largest, parts, bytes_text(capacity));
+  fmt::print("memory           {}, of {} a device\n", memory.describe(), bytes_text(capacity));
   int over = 0;
   for (const std::int64_t bytes : p.memory_total)
     over += bytes > capacity;

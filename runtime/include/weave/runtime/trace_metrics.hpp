@@ -30,7 +30,8 @@ struct TraceMetrics {
   // waits on data movement.
   double exposed_comm_share() const;
   // Compute idle time (makespan minus compute busy) over compute busy time, summed over the
-  // devices: a pipeline's bubble as the schedules' formulas define it ((p - 1) / m for 1F1B).
+  // devices with a task in the trace: a pipeline's bubble as the schedules' formulas define it
+  // ((p - 1) / m for 1F1B).
   double compute_bubble() const;
 };
 
