@@ -76,6 +76,19 @@ Accelerator Accelerator::parse(std::string_view text, const std::string& source)
   a.name = text_or(j, "name", source);
   a.peak_flops = positive(j, "peak_flops", source);
   a.matmul_efficiency = share(j, "matmul_efficiency", source);
+  a.attention_efficiency = j.contains("attention_efficiency")
+                               ? share(j, "attention_efficiency", source)
+                               : a.matmul_efficiency;
+  if (j.contains("matmul_overhead_dimension")) {
+    const json& d = j.at("matmul_overhead_dimension");
+    const double rows = d.is_number() ? d.get<double>() : -1;
+    if (!(rows >= 0) || rows > 1e6)
+      throw std::invalid_argument(fmt::format(
+          "accelerator {}: 'matmul_overhead_dimension' must be a number of rows in [0, 10^6], "
+          "got {}",
+          source, d.dump()));
+    a.matmul_overhead_dimension = rows;
+  }
   const double memory = positive(j, "memory_bytes", source);
   if (memory > 0x1p62)
     throw std::invalid_argument(fmt::format(
@@ -97,6 +110,28 @@ Accelerator Accelerator::parse(std::string_view text, const std::string& source)
       if (s.is_string()) a.sources.push_back(s.get<std::string>());
   a.assumed = text_or(j, "assumed", "");
   return a;
+}
+
+std::string Accelerator::to_json() const {
+  auto link_json = [](const NetworkLink& l) {
+    return nlohmann::ordered_json{
+        {"name", l.name}, {"bytes_per_second", l.bytes_per_second}, {"latency_us", l.latency_us}};
+  };
+  // In the order the shipped presets are written, for a file a person reads and edits.
+  const nlohmann::ordered_json j = {{"name", name},
+                                    {"peak_flops", peak_flops},
+                                    {"matmul_efficiency", matmul_efficiency},
+                                    {"matmul_overhead_dimension", matmul_overhead_dimension},
+                                    {"attention_efficiency", attention_efficiency},
+                                    {"memory_bytes", memory_bytes},
+                                    {"memory_bandwidth", memory_bandwidth},
+                                    {"memory_efficiency", memory_efficiency},
+                                    {"devices_per_node", devices_per_node},
+                                    {"node_link", link_json(node_link)},
+                                    {"network", link_json(network)},
+                                    {"sources", sources},
+                                    {"assumed", assumed}};
+  return j.dump(2) + "\n";
 }
 
 Accelerator Accelerator::load(const std::string& name_or_path) {

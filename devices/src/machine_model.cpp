@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 
@@ -26,6 +27,25 @@ MachineModel::MachineModel(std::vector<int> numa_of_device, double flops_per_sec
         memory_bytes_per_second));
 }
 
+void KernelRates::validate() const {
+  auto rate = [](const char* what, double v, bool zero_allowed) {
+    if (!std::isfinite(v) || v < 0 || (!zero_allowed && v == 0))
+      throw std::invalid_argument(fmt::format("a device's {} must be a finite figure {} 0 (got {})",
+                                              what, zero_allowed ? ">=" : ">", v));
+  };
+  rate("matrix-product rate (FLOP/s)", matmul_flops_per_second, false);
+  rate("matrix-product overhead dimension (rows)", matmul_overhead_dimension, true);
+  rate("attention rate (FLOP/s)", attention_flops_per_second, false);
+  rate("memory bandwidth (bytes/s)", memory_bytes_per_second, true);
+}
+
+MachineModel::MachineModel(std::vector<int> numa_of_device, KernelRates kernels, LinkModel links)
+    : MachineModel(std::move(numa_of_device), kernels.matmul_flops_per_second, std::move(links),
+                   kernels.memory_bytes_per_second) {
+  kernels.validate();
+  kernels_ = kernels;
+}
+
 rt::Nanos MachineModel::duration(const rt::TaskTable& tasks, rt::TaskId task,
                                  const rt::CostHint& cost) const {
   const rt::TaskInfo& t = tasks[task];
@@ -40,6 +60,16 @@ rt::Nanos MachineModel::duration(const rt::TaskTable& tasks, rt::TaskId task,
   switch (t.kind) {
     case rt::TaskKind::compute: {
       numa(t.device);
+      if (kernels_) {
+        const KernelRates& k = *kernels_;
+        const double attention = cost.attention_flops;
+        const double products =
+            std::max(cost.flops - attention, 0.0) + k.matmul_overhead_dimension * cost.matmul_edges;
+        double seconds =
+            products / k.matmul_flops_per_second + attention / k.attention_flops_per_second;
+        if (k.memory_bytes_per_second > 0) seconds += cost.bytes / k.memory_bytes_per_second;
+        return static_cast<rt::Nanos>(std::llround(seconds * 1e9));
+      }
       const double arithmetic = cost.flops / flops_per_second_;
       const double memory =
           memory_bytes_per_second_ > 0 ? cost.bytes / memory_bytes_per_second_ : 0.0;

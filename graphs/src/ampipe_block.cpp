@@ -55,7 +55,7 @@ TaskId AmpipeBlock::forward(const BuildPosition& pos, TaskId ready) const {
       });
       P->after(attention, side);
     } else {
-      const double flops =
+      const rt::CostHint flops =
           cost::ampipe_causal_share(z, c) * cost::causal_attention(z) + cost::projection(z) / N;
       side = P->compute(chunk + "attention", tags, flops, [=] {
         LayerActivations& A = p->acts(set, layer);
@@ -218,8 +218,9 @@ TaskId AmpipeBlock::backward(const BuildPosition& pos, TaskId ready, WeightHalve
       side = ampipe_ring_attention_backward(*P, pos, l, c, projection, blocks);
       continue;
     }
-    const double flops = cost::ampipe_causal_share(z, c) * cost::causal_attention_backward(z) +
-                         2 * cost::projection(z) / N;
+    const rt::CostHint flops =
+        cost::ampipe_causal_share(z, c) * cost::causal_attention_backward(z) +
+        2 * cost::projection(z) / N;
     const TaskId attention = P->compute(chunk + "attention_backward", tags, flops, [=] {
       LayerActivations& A = p->acts(set, layer);
       BackwardWorkspace& w = p->ws();

@@ -90,7 +90,7 @@ TaskId AmpipeBlock::ring_attention(const BuildPosition& pos, int c, TaskId qkv) 
   const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
   const std::string at = fmt::format("L{}.c{}.", l, c);
   // A full product is 1/(2 cp) of the rank's causal attention.
-  const double unit = cost::causal_attention(z) / (2.0 * cp);
+  const rt::CostHint unit = cost::causal_attention(z) / (2.0 * cp);
   auto attend = [p, layer, set, me, c, mb](int owner) {
     const RingAttention ring(*p, layer);
     for (const Product& product : chunk_products(me, c, owner))
@@ -138,7 +138,7 @@ TaskId ampipe_ring_attention_backward(RankProgram& P, const BuildPosition& pos, 
   const int layer = l, set = pos.set, me = P.at.cp, mb = pos.micro_batch;
   const StepShape& z = P.shape;
   const std::int64_t Sc = z.Sc;
-  const double unit = cost::causal_attention_backward(z) / (2.0 * z.cp);
+  const rt::CostHint unit = cost::causal_attention_backward(z) / (2.0 * z.cp);
   const TaskId task =
       P.compute(fmt::format("L{}.c{}.attention_backward", l, c), pos.tags(rt::Phase::backward, l),
                 unit * chunk_units(z, me, c), [p, layer, set, me, c, Sc, mb] {

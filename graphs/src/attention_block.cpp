@@ -148,8 +148,8 @@ TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHa
   if (sp)
     gathered = sp_gather(*P, ready, w.d_mlp, w.d_mlp_full, at + "attention_grad_gather", tags);
   const bool keep = halves.zero_bubble();
-  const double flops =
-      (keep ? 1 : 2) * cost::projection(z) + (cp == 1 ? cost::causal_attention_backward(z) : 0.0);
+  const rt::CostHint flops = (keep ? 1 : 2) * cost::projection(z) +
+                             (cp == 1 ? cost::causal_attention_backward(z) : rt::CostHint{});
   const TaskId attention = P->compute(at + "attention_backward", tags, flops, [=] {
     LayerActivations& A = p->acts(set, layer);
     BackwardWorkspace& w = p->ws();

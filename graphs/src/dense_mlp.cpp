@@ -46,14 +46,13 @@ TaskId DenseMlp::forward(const BuildPosition& pos, TaskId ready) const {
   LayerActivations& A = P->acts(set, l);
   TaskId gathered = rt::kNoTask;
   if (z.sp()) gathered = sp_gather(*P, ready, A.ln2, A.ln2_full, at + "sp_gather_mlp", tags);
-  const TaskId mlp =
-      P->compute(at + "mlp", tags, cost::matmul(z.Sc * z.B, z.h, z.f1l + z.fl), [p, layer, set] {
-        LayerActivations& A = p->acts(set, layer);
-        const LayerShard& W = p->layer(layer);
-        ops::linear_forward(A.ln2_full, W.fc1_weight->value, value_of(W.fc1_bias), A.fc1);
-        mlp_activation_forward(p->shape.model, A.fc1, A.act);
-        ops::linear_forward(A.act, W.fc2_weight->value, Tensor{}, A.fc2_partial);
-      });
+  const TaskId mlp = P->compute(at + "mlp", tags, cost::mlp(z, z.Sc * z.B), [p, layer, set] {
+    LayerActivations& A = p->acts(set, layer);
+    const LayerShard& W = p->layer(layer);
+    ops::linear_forward(A.ln2_full, W.fc1_weight->value, value_of(W.fc1_bias), A.fc1);
+    mlp_activation_forward(p->shape.model, A.fc1, A.act);
+    ops::linear_forward(A.act, W.fc2_weight->value, Tensor{}, A.fc2_partial);
+  });
   P->after(gathered, mlp);
   const TaskId reduced = reduce_partial(*P, mlp, A.fc2_partial, A.mlp_out, at + "mlp_reduce", tags);
   return reduced != rt::kNoTask ? reduced : mlp;
@@ -71,7 +70,8 @@ TaskId DenseMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& 
   if (z.sp()) gathered = sp_gather(*P, ready, w.d_mlp, w.d_mlp_full, at + "mlp_grad_gather", tags);
   const bool keep = halves.zero_bubble();
   const std::int64_t rows = z.Sc * z.B;
-  const double fc2_weight = cost::matmul(rows, z.h, z.fl), fc1 = cost::matmul(rows, z.h, z.f1l);
+  const rt::CostHint fc2_weight = cost::matmul(rows, z.h, z.fl),
+                     fc1 = cost::matmul(rows, z.h, z.f1l);
   const TaskId mlp = P->compute(at + "mlp_backward", tags, (keep ? 1 : 2) * fc2_weight + fc1, [=] {
     LayerActivations& A = p->acts(set, layer);
     BackwardWorkspace& w = p->ws();

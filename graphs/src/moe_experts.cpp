@@ -183,8 +183,8 @@ SlotProgress MoeMlp::experts_items(const BuildPosition& pos, int c,
   const StepShape& z = P->shape;
   const int ep = z.ep;
   const std::int64_t h = z.h;
-  const double per_item = cost::experts(z, static_cast<double>(z.slot_tokens())) /
-                          static_cast<double>(z.local_experts() * z.item_slices());
+  const rt::CostHint per_item =
+      cost::expert_item(z, static_cast<double>(z.slot_tokens()), z.item_slices());
   SlotProgress out{routed.task, {}};
   for (std::size_t i = 0; i < routed.items.size(); ++i) {
     const TaskId experts =
@@ -252,7 +252,7 @@ SlotProgress MoeMlp::experts_backward(const BuildPosition& pos, int c, const Slo
             A.d_expert_in.slice(0, 0, rows), A.local_begin, rows};
   };
   const bool keep = halves.zero_bubble();
-  const double experts_flops = cost::experts(z, static_cast<double>(z.slot_tokens()));
+  const rt::CostHint experts_flops = cost::experts(z, static_cast<double>(z.slot_tokens()));
   const std::string at = slot_prefix(c);
   const TaskId experts = P->compute(
       at + "experts_backward", pos.tags(rt::Phase::backward, l), (keep ? 1 : 2) * experts_flops,
@@ -302,8 +302,8 @@ SlotProgress MoeMlp::experts_backward_items(const BuildPosition& pos, int c,
   const int layer = l, set = pos.set;
   const StepShape& z = P->shape;
   const int ep = z.ep;
-  const double per_item = cost::experts(z, static_cast<double>(z.slot_tokens())) /
-                          static_cast<double>(z.local_experts() * z.item_slices());
+  const rt::CostHint per_item =
+      cost::expert_item(z, static_cast<double>(z.slot_tokens()), z.item_slices());
   SlotProgress out{arrived.task, {}};
   for (std::size_t i = 0; i < arrived.items.size(); ++i) {
     const TaskId experts = P->compute(

@@ -167,7 +167,7 @@ SlotProgress MoeMlp::split_experts_backward(const BuildPosition& pos, int c,
                               .expected_rows = expected},
                              h, at + "experts_grad_gather", tags);
   const bool keep = halves.zero_bubble();
-  const double flops = cost::experts(z, static_cast<double>(z.slot_tokens()));
+  const rt::CostHint flops = cost::experts(z, static_cast<double>(z.slot_tokens()));
   const TaskId experts = P->compute(at + "experts_backward", tags, (keep ? 1 : 2) * flops, [=] {
     MoeSlot& A = p->slot(set, layer, c);
     const LayerShard& W = p->layer(layer);

@@ -144,8 +144,8 @@ std::vector<SlotProgress> MoeMlp::split_item_pipeline(const BuildPosition& pos,
           &ExpertItem::send, &ExpertItem::arrived, true, true, "dispatch", rt::Phase::forward);
     return dispatches[k];
   };
-  const double per_item = cost::experts(z, static_cast<double>(z.slot_tokens())) /
-                          static_cast<double>(z.local_experts() * z.item_slices());
+  const rt::CostHint per_item =
+      cost::expert_item(z, static_cast<double>(z.slot_tokens()), z.item_slices());
   const double f1 = static_cast<double>(z.expert_f1()), f = static_cast<double>(z.f);
   const std::int64_t expected = expected_item_rows(z);
   Chain chain{P, z.plan.pipe_experts_multi_stream};
@@ -227,8 +227,8 @@ std::vector<SlotProgress> MoeMlp::split_item_pipeline_backward(
   auto slot_index = [&](int c) {
     return static_cast<std::size_t>(std::find(slots.begin(), slots.end(), c) - slots.begin());
   };
-  const double per_item = cost::experts(z, static_cast<double>(z.slot_tokens())) /
-                          static_cast<double>(z.local_experts() * z.item_slices());
+  const rt::CostHint per_item =
+      cost::expert_item(z, static_cast<double>(z.slot_tokens()), z.item_slices());
   const std::int64_t expected = expected_item_rows(z);
   const bool keep = halves.zero_bubble();
   Chain chain{P, z.plan.pipe_experts_multi_stream};

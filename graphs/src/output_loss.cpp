@@ -92,7 +92,7 @@ TaskId OutputLoss::backward(const BuildPosition& pos, TaskId ready, WeightHalves
   const bool sp = z.sp(), keep = halves.zero_bubble();
   const int last_layer = z.model.num_layers - 1;
   const rt::TaskTags tags = pos.tags(rt::Phase::backward);
-  const double logits_flops = cost::matmul(Sc * B, h, z.Vl);
+  const rt::CostHint logits_flops = cost::matmul(Sc * B, h, z.Vl);
   const TaskId d_logits = P->compute("loss_backward", tags, logits_flops, [=] {
     OutputSet& X = p->oset(out);
     BackwardWorkspace& w = p->ws();

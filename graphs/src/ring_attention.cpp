@@ -115,7 +115,7 @@ TaskId RingAttention::forward(const BuildPosition& pos, TaskId qkv) const {
   const std::int64_t Sc = z.Sc, B = z.B, Hl = z.Hl, d = z.d;
   const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
   const std::string at = fmt::format("L{}.", l);
-  const double per_step = cost::causal_attention(z) / cp;
+  const rt::CostHint per_step = cost::causal_attention(z) / cp;
   TaskId compute_prev = rt::kNoTask, compute_prev2 = rt::kNoTask, arrived = qkv;
   for (int t = 0; t < cp; ++t) {
     if (t > 0) {
@@ -130,7 +130,7 @@ TaskId RingAttention::forward(const BuildPosition& pos, TaskId qkv) const {
     const bool last = t == cp - 1;
     const TaskId step = P->compute(
         at + (last ? "attention" : "attention_step"), tags,
-        per_step + (last ? cost::projection(z) : 0.0), [=] {
+        per_step + (last ? cost::projection(z) : rt::CostHint{}), [=] {
           const RingAttention ring(*p, layer);
           LayerActivations& A = p->acts(set, layer);
           if (t == 0) {

@@ -11,6 +11,14 @@ devices::MachineModel machine_model(const devices::DeviceSet& devices,
   std::vector<int> numa(devices.size(), 0);
   for (const auto& placement : devices.layout())
     numa[placement.device] = placement.numa_node;
+  if (machine.attention_flops > 0)
+    return devices::MachineModel(
+        std::move(numa),
+        devices::KernelRates{.matmul_flops_per_second = machine.device_flops,
+                             .matmul_overhead_dimension = machine.matmul_overhead_dimension,
+                             .attention_flops_per_second = machine.attention_flops,
+                             .memory_bytes_per_second = machine.device_memory_bandwidth},
+        devices::LinkModel::preset(machine.link));
   return devices::MachineModel(std::move(numa), machine.device_flops,
                                devices::LinkModel::preset(machine.link),
                                machine.device_memory_bandwidth);

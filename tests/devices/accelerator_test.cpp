@@ -28,6 +28,32 @@ TEST(Accelerator, PresetsHoldTheirPublishedFiguresAndSources) {
   EXPECT_DOUBLE_EQ(h100.peak_flops, 989.4e12);
   EXPECT_DOUBLE_EQ(h100.memory_bandwidth, 3.35e12);
   EXPECT_DOUBLE_EQ(Accelerator::load("ascend-910b").memory_bandwidth, 1.6e12);
+  // The kernel model's figures, each stated with its source or as an assumption.
+  EXPECT_DOUBLE_EQ(a100.attention_efficiency, 0.6);
+  EXPECT_DOUBLE_EQ(a100.matmul_overhead_dimension, 128);
+  EXPECT_DOUBLE_EQ(h100.attention_efficiency, 0.55);
+  EXPECT_NE(a100.assumed.find("attention_efficiency"), std::string::npos);
+}
+
+// A preset written by to_json (weave calibrate's) reads back as the same accelerator.
+TEST(Accelerator, ToJsonReadsBackTheSame) {
+  Accelerator a = Accelerator::load("h100-sxm");
+  a.name = "copy";
+  a.matmul_overhead_dimension = 37.5;
+  const Accelerator b = Accelerator::parse(a.to_json(), "a copy");
+  EXPECT_EQ(b.name, "copy");
+  EXPECT_DOUBLE_EQ(b.peak_flops, a.peak_flops);
+  EXPECT_DOUBLE_EQ(b.matmul_efficiency, a.matmul_efficiency);
+  EXPECT_DOUBLE_EQ(b.matmul_overhead_dimension, 37.5);
+  EXPECT_DOUBLE_EQ(b.attention_efficiency, a.attention_efficiency);
+  EXPECT_EQ(b.memory_bytes, a.memory_bytes);
+  EXPECT_DOUBLE_EQ(b.memory_bandwidth, a.memory_bandwidth);
+  EXPECT_DOUBLE_EQ(b.memory_efficiency, a.memory_efficiency);
+  EXPECT_EQ(b.devices_per_node, a.devices_per_node);
+  EXPECT_EQ(b.node_link.name, a.node_link.name);
+  EXPECT_DOUBLE_EQ(b.network.bytes_per_second, a.network.bytes_per_second);
+  EXPECT_EQ(b.sources, a.sources);
+  EXPECT_EQ(b.assumed, a.assumed);
 }
 
 TEST(Accelerator, AUsersFileLoadsAndAWrongOneIsNamed) {
@@ -41,6 +67,26 @@ TEST(Accelerator, AUsersFileLoadsAndAWrongOneIsNamed) {
   EXPECT_EQ(a.name, "mine");
   EXPECT_DOUBLE_EQ(a.sustained_flops(), 5e14);
   EXPECT_EQ(a.devices_per_node, 4);
+  // Without the kernel model's fields: attention as fast as products, no shape effect.
+  EXPECT_DOUBLE_EQ(a.attention_efficiency, 0.5);
+  EXPECT_DOUBLE_EQ(a.matmul_overhead_dimension, 0);
+  const std::string rest = R"("memory_bytes": 1e11, "memory_bandwidth": 4e12,
+    "memory_efficiency": 1, "devices_per_node": 4,
+    "node_link": {"bytes_per_second": 1e11, "latency_us": 1},
+    "network": {"bytes_per_second": 1e10, "latency_us": 4}})";
+  auto refused = [&](const std::string& fields, const std::string& expected) {
+    try {
+      Accelerator::parse(R"({"peak_flops": 1e15, "matmul_efficiency": 0.5, )" + fields + rest,
+                         "test");
+      ADD_FAILURE() << fields;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+  };
+  refused(R"("matmul_overhead_dimension": -3,)",
+          "'matmul_overhead_dimension' must be a number of rows in [0, 10^6], got -3");
+  refused(R"("matmul_overhead_dimension": "big",)", "got \"big\"");
+  refused(R"("attention_efficiency": 2,)", "'attention_efficiency' is a share of the peak");
   std::ofstream(good) << R"({"name": "bad", "peak_flops": 1e15, "matmul_efficiency": 1.5})";
   try {
     Accelerator::load(good);

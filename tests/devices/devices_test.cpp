@@ -279,5 +279,51 @@ TEST(MachineModel, ComputeIsBoundByArithmeticOrByMemoryWhicheverIsLonger) {
   EXPECT_THROW(MachineModel({0}, 1e9, links, -1), std::invalid_argument);
 }
 
+TEST(MachineModel, KernelRatesSumProductsAttentionAndStreaming) {
+  const LinkModel links = LinkModel::host({1'000, 10e9}, {2'000, 5e9});
+  const KernelRates rates{.matmul_flops_per_second = 1e9,
+                          .matmul_overhead_dimension = 10,
+                          .attention_flops_per_second = 5e8,
+                          .memory_bytes_per_second = 1e10};
+  const MachineModel model({0}, rates, links);
+  rt::GraphBuilder b;
+  // One [100, 200] x [200, 50] product: 2 mnk (1 + d0/m + d0/k + d0/n) at 1 GFLOP/s.
+  const double m = 100, k = 200, n = 50;
+  const rt::TaskId product =
+      b.add({.device = 0,
+             .name = "product",
+             .cost = {.flops = 2 * m * k * n,
+                      .matmul_edges = static_cast<float>(2 * (m * k + k * n + m * n))}});
+  // 1 MFLOP of attention beside the product, and 4 MB streamed: each at its own rate, summed.
+  const rt::TaskId mixed =
+      b.add({.device = 0,
+             .name = "mixed",
+             .cost = {.flops = 2 * m * k * n + 1e6,
+                      .bytes = 4e6,
+                      .attention_flops = 1e6,
+                      .matmul_edges = static_cast<float>(2 * (m * k + k * n + m * n))}});
+  const rt::Graph g = b.build();
+  const double product_ns = 2 * m * k * n * (1 + 10 / m + 10 / k + 10 / n);  // at 1 GFLOP/s
+  EXPECT_EQ(model.duration(g.tasks(), product), std::llround(product_ns));
+  EXPECT_EQ(model.duration(g.tasks(), mixed), std::llround(product_ns + 2e6 + 4e5));
+  // Without the overhead dimension the product runs at the full rate.
+  const MachineModel square(
+      {0}, KernelRates{.matmul_flops_per_second = 1e9, .attention_flops_per_second = 5e8}, links);
+  EXPECT_EQ(square.duration(g.tasks(), product), std::llround(2 * m * k * n));
+  auto refused = [&](KernelRates r, const std::string& expected) {
+    try {
+      MachineModel({0}, r, links);
+      ADD_FAILURE() << expected;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+  };
+  refused({.matmul_flops_per_second = 1e9}, "attention rate (FLOP/s) must be a finite figure > 0");
+  refused({.matmul_flops_per_second = 1e9,
+           .matmul_overhead_dimension = -1,
+           .attention_flops_per_second = 1e9},
+          "overhead dimension (rows) must be a finite figure >= 0 (got -1)");
+}
+
 }  // namespace
 }  // namespace weave::devices

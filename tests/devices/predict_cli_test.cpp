@@ -53,6 +53,35 @@ TEST(PredictCli, AnAcceleratorPresetSetsTheMachine) {
       << r.out;
   EXPECT_NE(r.out.find("% of 9.89e+14"), std::string::npos) << r.out;  // MFU against the peak
   EXPECT_NE(r.out.find(", of 80.00 GiB"), std::string::npos) << r.out;
+  // The preset's kernel model: products by shape, attention at its own rate.
+  EXPECT_NE(r.out.find("matrix products 7.42e+14 FLOP/s (half that at 128 rows), attention "
+                       "5.44e+14 FLOP/s"),
+            std::string::npos)
+      << r.out;
+}
+
+// weave calibrate writes a preset of this host's rates that weave predict then reads.
+TEST(PredictCli, CalibrateWritesAHostPresetPredictReads) {
+  const std::string preset =
+      (std::filesystem::temp_directory_path() / "weave_calibrate_cli_test.json").string();
+  const Result r = weave("calibrate --devices 2 --seconds 0.002 --output " + preset);
+  ASSERT_EQ(r.status, 0) << r.out;
+  for (const char* kernel : {"matmul ", "attention ", "streaming "})
+    EXPECT_NE(r.out.find(kernel), std::string::npos) << kernel << "\n" << r.out;
+  const Result p = weave(
+      "predict --num-layers 2 --hidden-size 64 --num-attention-heads 4 --devices 2 "
+      "--tensor-model-parallel-size 2 --accelerator " +
+      preset);
+  ASSERT_EQ(p.status, 0) << p.out;
+  EXPECT_NE(p.out.find("this host, 2 device(s)"), std::string::npos) << p.out;
+  std::filesystem::remove(preset);
+  const Result bad = weave("calibrate --devices 0 --output " + preset);
+  EXPECT_NE(bad.status, 0);
+  EXPECT_NE(bad.out.find("--devices"), std::string::npos) << bad.out;
+  const Result nowhere = weave("calibrate --output /nonexistent-folder/host.json");
+  EXPECT_NE(nowhere.status, 0);
+  EXPECT_NE(nowhere.out.find("--output"), std::string::npos) << nowhere.out;
+  EXPECT_FALSE(std::filesystem::exists(preset));
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // Every compute task of a training step has a price on the virtual clock: matrix products by
 // their FLOPs, element-wise work (norms, residuals, dropout, copies, the optimizer) by the memory
-// it streams at the device's bandwidth, whichever is longer.
+// it streams at the device's bandwidth, whichever is longer; with kernel rates, each kind of work
+// at its own rate, products by their shapes.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -98,6 +99,80 @@ TEST(StepCosts, ElementWiseWorkStreamsAtTheMemoryBandwidth) {
   }
   EXPECT_TRUE(seen_norm);
   EXPECT_TRUE(seen_optimizer);
+}
+
+// The kernel model's inputs reach every task: over a dense one-device step the attention FLOPs
+// are the causal attention's (forward, and 2.5 times it backward) of every layer and micro-batch,
+// and the products' edges are those of every linear layer's forward and two backward halves.
+TEST(StepCosts, TheStepCarriesItsAttentionAndProductShapes) {
+  ModelConfig m = tiny(0);
+  m.hidden_dropout = 0;
+  const int B = 2, M = 2;
+  Built b(m, {.micro_batch_size = B, .global_batch_size = B * M});
+  const rt::TaskTable& tasks = b.step.graph().tasks();
+  double attention = 0, edges = 0, flops = 0;
+  for (rt::TaskId t = 0; t < tasks.size(); ++t) {
+    if (tasks[t].kind != rt::TaskKind::compute) continue;
+    attention += tasks[t].cost.attention_flops;
+    edges += tasks[t].cost.matmul_edges;
+    flops += tasks[t].cost.flops;
+  }
+  const double L = m.num_layers, S = m.seq_length, h = m.hidden_size, f = m.ffn_hidden_size,
+               heads = m.num_attention_heads, d = h / heads, V = 64, rows = S * B;
+  // Causal: half of the S^2 (query, key) pairs, 2 products of d each, 2 FLOPs a multiply-add.
+  const double forward_attention = 2 * 2 * B * heads * S * S * d * 0.5;
+  EXPECT_NEAR(attention, L * M * 3.5 * forward_attention, 1e-6 * attention);
+  auto edge = [](double m, double k, double n) { return 2 * (m * k + k * n + m * n); };
+  const double per_layer =
+      edge(rows, h, 3 * h) + edge(rows, h, h) + edge(rows, h, f) + edge(rows, f, h);
+  // Each product three times: forward, input gradient, weight gradient; the output layer too.
+  EXPECT_NEAR(edges, 3 * M * (L * per_layer + edge(rows, h, V)), 1e-6 * edges);
+  EXPECT_GT(flops, attention);
+}
+
+// With kernel rates a task's time is its products' time (slowed by their small dimensions), its
+// attention's and its streaming's, summed.
+TEST(StepCosts, KernelRatesPriceEachKindOfWork) {
+  const ModelConfig m = tiny(0);
+  Built b(m, {.micro_batch_size = 2, .global_batch_size = 2});
+  const ModelledMachine modelled{.device_flops = 2e11,
+                                 .device_memory_bandwidth = 1e10,
+                                 .attention_flops = 5e10,
+                                 .matmul_overhead_dimension = 16};
+  const devices::MachineModel machine = machine_model(b.set, modelled);
+  ASSERT_TRUE(machine.kernels().has_value());
+  const rt::TaskTable& tasks = b.step.graph().tasks();
+  bool seen_qkv = false, seen_attention = false, seen_norm = false;
+  for (rt::TaskId t = 0; t < tasks.size(); ++t) {
+    const std::string_view name = tasks.name(t);
+    if (name == "L0.qkv") {
+      // [S B, h] x [h, 3h] = [32, 32] x [32, 96]: 2mnk (1 + d0/m + d0/k + d0/n) at 2e11.
+      const double mm = 32, k = 32, n = 96;
+      const double seconds = 2 * mm * k * n * (1 + 16 / mm + 16 / k + 16 / n) / 2e11;
+      EXPECT_NEAR(static_cast<double>(machine.duration(tasks, t)), seconds * 1e9, 1.0);
+      seen_qkv = true;
+    }
+    if (name == "L0.attention") {
+      // The causal attention at 5e10 and the output projection [32, 32] x [32, 32] at 2e11.
+      const double attention = 2 * 2 * 2 * 4 * 16 * 16 * 8 * 0.5;
+      const double projection = 2.0 * 32 * 32 * 32 * (1 + 3 * 16 / 32.0);
+      EXPECT_NEAR(static_cast<double>(machine.duration(tasks, t)),
+                  (attention / 5e10 + projection / 2e11) * 1e9, 1.0);
+      seen_attention = true;
+    }
+    if (name == "L0.input_norm") {
+      EXPECT_EQ(machine.duration(tasks, t), std::llround(4.0 * 2 * 16 * 2 * 32 / 1e10 * 1e9));
+      seen_norm = true;
+    }
+  }
+  EXPECT_TRUE(seen_qkv && seen_attention && seen_norm);
+  // The same step without the kernel model prices every FLOP at device_flops: the products'
+  // small dimensions and the slower attention make the step longer with it.
+  rt::VirtualClock with(machine, {.execute = false});
+  const devices::MachineModel roofline =
+      machine_model(b.set, ModelledMachine{.device_flops = 2e11, .device_memory_bandwidth = 1e10});
+  rt::VirtualClock without(roofline, {.execute = false});
+  EXPECT_GT(with.run(b.step.graph()).makespan, without.run(b.step.graph()).makespan);
 }
 
 }  // namespace

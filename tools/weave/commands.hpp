@@ -26,6 +26,7 @@ void add_train_command(CLI::App& app);
 void add_schedule_command(CLI::App& app);
 void add_generate_command(CLI::App& app);
 void add_predict_command(CLI::App& app);
+void add_calibrate_command(CLI::App& app);
 
 // The text of a --config file, or nothing when it cannot be read.
 using ConfigReader = std::function<std::optional<std::string>(const std::string& path)>;

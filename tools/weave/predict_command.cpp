@@ -58,8 +58,16 @@ int run_predict(PredictOptions& o) {
       plan.devices(), plan.tensor_parallel, plan.sequence_parallel ? " + sp" : "",
       plan.context_parallel, plan.expert_parallel, plan.data_parallel, plan.pipeline_parallel,
       plan.global_batch_size, m.seq_length);
-  fmt::print("modelled device: {}{:.3g} FLOP/s sustained, {:.3g} B/s of memory, link {}\n",
-             accelerator, c.machine.device_flops, c.machine.device_memory_bandwidth,
+  const std::string kernels =
+      c.machine.attention_flops > 0
+          ? fmt::format(
+                "matrix products {:.3g} FLOP/s (half that at {:.0f} rows), attention "
+                "{:.3g} FLOP/s, ",
+                c.machine.device_flops, c.machine.matmul_overhead_dimension,
+                c.machine.attention_flops)
+          : fmt::format("{:.3g} FLOP/s sustained, ", c.machine.device_flops);
+  fmt::print("modelled device: {}{}{:.3g} B/s of memory, link {}\n", accelerator, kernels,
+             c.machine.device_memory_bandwidth,
              devices::LinkModel::preset(c.machine.link).describe());
   fmt::print("replayed         {} of {} devices{}\n", p.replayed_devices, plan.devices(),
              p.replayed_devices < plan.devices()

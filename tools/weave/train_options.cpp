@@ -358,6 +358,8 @@ void derive_config(TrainOptions& o) {
     c.machine.device_flops = a.sustained_flops();
     c.machine.device_memory_bandwidth = a.sustained_memory_bandwidth();
     c.machine.peak_flops = a.peak_flops;
+    c.machine.attention_flops = a.sustained_attention_flops();
+    c.machine.matmul_overhead_dimension = a.matmul_overhead_dimension;
     if (c.machine.link == "none")
       c.machine.link =
           fmt::format("{}:{}", a.node_link.bytes_per_second / 1e9, a.node_link.latency_us);

@@ -19,8 +19,14 @@ struct NetworkLink {
 
 struct Accelerator {
   std::string name;
-  double peak_flops = 0;          // dense BF16/FP16 tensor FLOP/s
-  double matmul_efficiency = 0;   // share of the peak large matrix products sustain
+  double peak_flops = 0;         // dense BF16/FP16 tensor FLOP/s
+  double matmul_efficiency = 0;  // share of the peak large matrix products sustain
+  // Rows at which a product runs at half its large-shape rate (devices::KernelRates); optional in
+  // a file, 0 when absent.
+  double matmul_overhead_dimension = 0;
+  // Share of the peak blockwise (flash) attention sustains; optional, matmul_efficiency when
+  // absent.
+  double attention_efficiency = 0;
   std::int64_t memory_bytes = 0;  // device memory
   double memory_bandwidth = 0;    // bytes/s, the datasheet's
   double memory_efficiency = 0;   // share of it streaming kernels sustain
@@ -31,6 +37,7 @@ struct Accelerator {
   std::string assumed;  // which figures are assumptions, not published
 
   double sustained_flops() const { return peak_flops * matmul_efficiency; }
+  double sustained_attention_flops() const { return peak_flops * attention_efficiency; }
   double sustained_memory_bandwidth() const { return memory_bandwidth * memory_efficiency; }
 
   static std::vector<std::string> preset_names();
@@ -39,6 +46,8 @@ struct Accelerator {
   // file that lacks one or holds a value out of range.
   static Accelerator load(const std::string& name_or_path);
   static Accelerator parse(std::string_view json_text, const std::string& source);
+  // The JSON text parse reads back to an equal accelerator (a preset file of its own).
+  std::string to_json() const;
 };
 
 }  // namespace weave::devices

@@ -2,8 +2,10 @@
 // bandwidth, transfers over the link model's class between the devices involved.
 #pragma once
 
+#include <optional>
 #include <vector>
 
+#include "weave/devices/kernel_rates.hpp"
 #include "weave/devices/link_model.hpp"
 #include "weave/runtime/cost_model.hpp"
 
@@ -15,9 +17,13 @@ class MachineModel : public rt::CostModel {
   // apply to every device (0 bytes per second: memory traffic is free).
   MachineModel(std::vector<int> numa_of_device, double flops_per_second, LinkModel links,
                double memory_bytes_per_second = 0);
+  // Compute priced by kind instead (see KernelRates): products by their shapes, attention at its
+  // own rate, streaming at the memory bandwidth, summed.
+  MachineModel(std::vector<int> numa_of_device, KernelRates kernels, LinkModel links);
 
-  // compute: the longer of flops / rate and bytes / memory bandwidth (a roofline: a kernel is
-  // bound by its arithmetic or by the memory it streams). comm and copy: the link model, over the
+  // compute: with kernel rates, the sum of the task's kinds of work (KernelRates); without, the
+  // longer of flops / rate and bytes / memory bandwidth (a roofline: a kernel is bound by its
+  // arithmetic or by the memory it streams). comm and copy: the link model, over the
   // link class between the task's device and the other members of its rendezvous (the slowest class
   // present). host: 0. Throws std::out_of_range for a task on a device the model does not know.
   using rt::CostModel::duration;
@@ -27,12 +33,14 @@ class MachineModel : public rt::CostModel {
   const LinkModel& links() const { return links_; }
   double flops_per_second() const { return flops_per_second_; }
   double memory_bytes_per_second() const { return memory_bytes_per_second_; }
+  const std::optional<KernelRates>& kernels() const { return kernels_; }
 
  private:
   std::vector<int> numa_of_device_;
   double flops_per_second_;
   LinkModel links_;
   double memory_bytes_per_second_ = 0;
+  std::optional<KernelRates> kernels_;
 };
 
 }  // namespace weave::devices

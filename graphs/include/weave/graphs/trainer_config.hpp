@@ -36,6 +36,13 @@ struct ModelledMachine {
   // The device's peak FLOP/s, which MFU is measured against; 0: device_flops (--accelerator
   // sets it to the preset's peak and device_flops to what its matrix products sustain).
   double peak_flops = 0;
+  // The kernel model (devices::KernelRates), on when attention_flops > 0 (--accelerator, or a
+  // calibrated host preset, sets both): matrix products at device_flops slowed by their shapes'
+  // small dimensions (matmul_overhead_dimension rows), attention at attention_flops, streaming
+  // at device_memory_bandwidth, summed per task. Off: the roofline of device_flops and the
+  // memory bandwidth.
+  double attention_flops = 0;
+  double matmul_overhead_dimension = 0;
   // --link: a devices::LinkModel preset (`weave topo --links`) or "GBPS:MICROSECONDS". On the
   // wall clock a link other than "none" holds each transfer to its modelled time.
   std::string link = "none";

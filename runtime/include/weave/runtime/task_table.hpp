@@ -22,7 +22,7 @@ struct TaskInfo {
   StreamId stream = kComputeStream;
   TaskKind kind = TaskKind::compute;
 };
-static_assert(sizeof(TaskInfo) <= 64);
+static_assert(sizeof(TaskInfo) <= 72);
 
 // Tasks, stream names and rendezvous groups. Names live in one pool so that adding a task
 // allocates nothing per task.

@@ -40,13 +40,49 @@ struct TaskTags {
 };
 
 // What a task costs, for the virtual clock and the link model. bytes is the volume that
-// crosses a link per member (for a collective, already scaled by its algorithm's factor);
-// messages is the number of latency terms (alpha) the transfer pays.
+// crosses a link per member (for a collective, already scaled by its algorithm's factor), or the
+// memory a compute task streams; messages is the number of latency terms (alpha) the transfer
+// pays.
+//
+// The kernel shapes let a machine model price kinds of work apart (see devices::KernelRates):
+// attention_flops is the part of `flops` in attention kernels, and matmul_edges sums over the
+// task's matrix products 2 (mn + nk + mk) for an [m, k] x [k, n] product, the term a product's
+// overhead grows with when a dimension is small. Floats: they price, they never count.
 struct CostHint {
   double flops = 0;
   double bytes = 0;
   std::uint32_t messages = 0;
+  float attention_flops = 0;
+  float matmul_edges = 0;
 };
+
+// Costs of work run one after another in one task: summed; scaled for a share of it (messages
+// are summed, and kept when scaled: a share of a transfer still pays its latencies).
+constexpr CostHint operator+(CostHint a, const CostHint& b) {
+  a.flops += b.flops;
+  a.bytes += b.bytes;
+  a.messages += b.messages;
+  a.attention_flops += b.attention_flops;
+  a.matmul_edges += b.matmul_edges;
+  return a;
+}
+constexpr CostHint operator*(double share, CostHint a) {
+  a.flops *= share;
+  a.bytes *= share;
+  a.attention_flops = static_cast<float>(a.attention_flops * share);
+  a.matmul_edges = static_cast<float>(a.matmul_edges * share);
+  return a;
+}
+constexpr CostHint operator*(CostHint a, double share) {
+  return share * a;
+}
+constexpr CostHint operator/(CostHint a, double parts) {
+  a.flops /= parts;
+  a.bytes /= parts;
+  a.attention_flops = static_cast<float>(a.attention_flops / parts);
+  a.matmul_edges = static_cast<float>(a.matmul_edges / parts);
+  return a;
+}
 
 std::string_view to_string(TaskKind kind);
 // "F", "B", "W" or "" for Phase::none.
