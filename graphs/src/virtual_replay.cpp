@@ -13,7 +13,7 @@ devices::MachineModel machine_model(const devices::DeviceSet& devices,
     numa[placement.device] = placement.numa_node;
   return devices::MachineModel(std::move(numa), machine.device_flops,
                                devices::LinkModel::preset(machine.link),
-                               machine.device_memory_bandwidth);
+                               machine.device_memory_bandwidth, machine.cluster);
 }
 
 rt::VirtualRunResult replay_step(TrainerConfig config, const SampleSource& samples, bool execute,
