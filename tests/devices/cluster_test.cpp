@@ -42,7 +42,7 @@ double ceil_log2(int n) {
 
 // One collective over `ranks` (only the `held` ones built, as a folded step builds them),
 // replayed on the virtual clock with or without the cluster: its makespan in seconds.
-enum class Op { all_reduce, all_gather, reduce_scatter, all_to_all, send_recv };
+enum class Op { all_reduce, all_gather, reduce_scatter, all_to_all, send_recv, broadcast, barrier };
 
 double replay(Op op, const std::vector<rt::DeviceId>& ranks, std::size_t floats, bool with_cluster,
               std::vector<bool> held = {}) {
@@ -52,9 +52,9 @@ double replay(Op op, const std::vector<rt::DeviceId>& ranks, std::size_t floats,
   const ProcessGroup group("g", ranks);
   const std::size_t n = ranks.size();
   // Real buffers of the sizes the op checks; a folded replay neither reads nor writes them.
-  const std::size_t in_floats = op == Op::all_reduce       ? 0
-                                : op == Op::reduce_scatter ? floats * n
-                                                           : floats;
+  const std::size_t in_floats = op == Op::all_reduce || op == Op::broadcast ? 0
+                                : op == Op::reduce_scatter                  ? floats * n
+                                                                            : floats;
   std::vector<std::vector<float>> in(n, std::vector<float>(in_floats)),
       out(n, std::vector<float>(op == Op::all_gather ? floats * n : floats));
   std::vector<std::span<const float>> inputs;
@@ -78,6 +78,12 @@ double replay(Op op, const std::vector<rt::DeviceId>& ranks, std::size_t floats,
       break;
     case Op::send_recv:
       comm.send_recv(b, ranks[0], inputs[0], ranks[1], outputs[1]);
+      break;
+    case Op::broadcast:
+      comm.broadcast(b, group, outputs, 0);
+      break;
+    case Op::barrier:
+      comm.barrier(b, group);
       break;
   }
   const rt::Graph g = b.build();
@@ -179,6 +185,45 @@ TEST(Cluster, SendRecvBetweenNodesPaysTheNetwork) {
   const double floats = 1e6, s = floats * 4;
   EXPECT_NEAR(replay(Op::send_recv, {6, 7}, floats, true), node(1, s), kNs);
   EXPECT_NEAR(replay(Op::send_recv, {7, 8}, floats, true), net(1, s), kNs);
+}
+
+TEST(Cluster, BroadcastAndBarrierCrossTheNetworkWhenTheGroupSpansNodes) {
+  const double floats = 1e5, s = floats * 4;
+  // A pipelined chain: n - nodes hops in a node, nodes - 1 across, at the slower link's pace.
+  EXPECT_NEAR(replay(Op::broadcast, ranks(0, 1, 8), floats, true), node(7, s), kNs);
+  EXPECT_NEAR(replay(Op::broadcast, ranks(4, 1, 8), floats, true), node(6, 0) + net(1, s), kNs);
+  // Dissemination: ceil(log2 n) rounds of latency.
+  EXPECT_NEAR(replay(Op::barrier, ranks(0, 1, 8), 0, true), node(3, 0), kNs);
+  EXPECT_NEAR(replay(Op::barrier, ranks(0, 1, 32), 0, true), net(5, 0), kNs);
+}
+
+TEST(Cluster, AllGatherAcrossFourNodes) {
+  const double shard = 16.0 * 1024, s = shard * 4 * 32;
+  EXPECT_NEAR(replay(Op::all_gather, ranks(0, 1, 32), shard, true),
+              node(7, 7.0 / 8 * s) + net(3, 3.0 / 4 * s / 8), kNs);
+  // One member a node: the ring runs through the network alone.
+  EXPECT_NEAR(replay(Op::reduce_scatter, ranks(5, 8, 4), shard, true),
+              net(3, 3.0 / 4 * shard * 4 * 4), kNs);
+}
+
+// A variable all-to-all reports its real split when it runs (the ring's bytes, without a
+// pattern): the cluster prices that volume with the hint's group.
+TEST(Cluster, AReportedCostKeepsTheGroupsAlgorithm) {
+  FoldedCommunicator comm(std::vector<bool>(kDevices, true));
+  rt::GraphBuilder b;
+  const ProcessGroup group("g", ranks(0, 1, 16));
+  std::vector<std::vector<float>> in(16, std::vector<float>(16)), out = in;
+  std::vector<std::span<const float>> inputs(in.begin(), in.end());
+  std::vector<std::span<float>> outputs(out.begin(), out.end());
+  const Communicator::MemberTasks tasks = comm.all_to_all(b, group, inputs, outputs);
+  const rt::Graph g = b.build();
+  const MachineModel machine(std::vector<int>(kDevices, 0), 1e12,
+                             LinkModel::accelerator({2'000, kNodeBandwidth}), 0, test_cluster());
+  const double sent = 15.0 / 16 * 4e6;  // what the member sent to the others
+  const double seconds =
+      static_cast<double>(machine.duration(g.tasks(), tasks[0], {.bytes = sent, .messages = 15})) *
+      1e-9;
+  EXPECT_NEAR(seconds, std::max(node(1, 7.0 / 16 * 4e6), net(1, 8.0 / 16 * 4e6)), kNs);
 }
 
 // Folding builds one member of a data-parallel group: the group's nodes come from its cost hint,
