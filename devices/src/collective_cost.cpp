@@ -1,6 +1,7 @@
 // The cost hints of collective members: the ring algorithm's bytes per member and its latency
 // terms, the same for every backend.
 #include <bit>
+#include <span>
 #include <string_view>
 
 #include "weave/devices/collective.hpp"
@@ -52,8 +53,11 @@ std::string_view to_string(CollectiveOp op) {
   return "collective";
 }
 
-rt::CostHint member_cost(CollectiveOp op, int n, int member, int root,
-                         const CollectiveMember& buffers, std::int64_t row_elements) {
+namespace {
+
+// The ring's bytes and latency terms of member `member` (of n).
+rt::CostHint ring_cost(CollectiveOp op, int n, int member, int root,
+                       const CollectiveMember& buffers, std::int64_t row_elements) {
   switch (op) {
     case CollectiveOp::all_reduce:  // a reduce-scatter then an all-gather
       return group_cost(n, 2 * ring_share(n, bytes_of(buffers.output.size())), 2 * (n - 1));
@@ -99,6 +103,51 @@ rt::CostHint member_cost(CollectiveOp op, int n, int member, int root,
       return group_cost(n, 0.0, std::bit_width(static_cast<unsigned>(n - 1)));
   }
   return {};
+}
+
+// The transfer pattern `op` follows.
+rt::TransferPattern pattern_of(CollectiveOp op) {
+  using P = rt::TransferPattern;
+  switch (op) {
+    case CollectiveOp::all_reduce:
+      return P::all_reduce;
+    case CollectiveOp::all_gather:
+    case CollectiveOp::all_gather_v:
+      return P::all_gather;
+    case CollectiveOp::reduce_scatter:
+    case CollectiveOp::reduce_scatter_v:
+      return P::reduce_scatter;
+    case CollectiveOp::all_to_all:
+    case CollectiveOp::all_to_all_v:
+      return P::all_to_all;
+    case CollectiveOp::broadcast:
+      return P::broadcast;
+    case CollectiveOp::send_recv:
+      return P::point_to_point;
+    case CollectiveOp::barrier:
+      return P::barrier;
+  }
+  return P::none;
+}
+
+}  // namespace
+
+rt::CostHint member_cost(CollectiveOp op, const ProcessGroup& group, int member, int root,
+                         const CollectiveMember& buffers, std::int64_t row_elements) {
+  const int n = group.size();
+  rt::CostHint cost = ring_cost(op, n, member, root, buffers, row_elements);
+  cost.pattern = pattern_of(op);
+  cost.group_size = static_cast<std::uint32_t>(n);
+  cost.group_first_device = group.device(0);
+  // Evenly spaced devices (every group of the mesh is) are told by their first and stride.
+  const std::span<const rt::DeviceId> devices = group.devices();
+  const rt::DeviceId stride = n > 1 && devices[1] > devices[0] ? devices[1] - devices[0] : 0;
+  bool even = n > 1 ? stride > 0 : true;
+  for (int i = 1; i < n && even; ++i)
+    even =
+        devices[static_cast<std::size_t>(i)] == devices[0] + static_cast<rt::DeviceId>(i) * stride;
+  cost.group_device_stride = even ? stride : 0;
+  return cost;
 }
 
 }  // namespace weave::devices

@@ -102,7 +102,7 @@ rt::TaskId CollectiveMatcher::issue(CollectiveOp op, const ProcessGroup& group, 
        .kind = rt::TaskKind::comm,
        .name = fmt::format("{}[{}]", prefix, member),
        .tags = options.tags,
-       .cost = member_cost(op, n, member, root, buffers, row_elements)},
+       .cost = member_cost(op, group, member, root, buffers, row_elements)},
       [work = p.work, complete = p.complete, member, name = prefix](rt::TaskContext& context) {
         if (!*complete)
           throw std::logic_error(fmt::format(
@@ -162,8 +162,8 @@ Communicator::MemberTasks CollectiveMatcher::issue_whole(Collective c,
                     .kind = rt::TaskKind::comm,
                     .name = fmt::format("{}[{}]", c.name, r),
                     .tags = options.tags,
-                    .cost = member_cost(c.op, n, r, c.root, c.members[static_cast<std::size_t>(r)],
-                                        c.row_elements)},
+                    .cost = member_cost(c.op, c.group, r, c.root,
+                                        c.members[static_cast<std::size_t>(r)], c.row_elements)},
                    std::move(fn)));
   }
   graph_.rendezvous(c.name, issued_tasks(ids));

@@ -9,11 +9,13 @@
 namespace weave::devices {
 
 MachineModel::MachineModel(std::vector<int> numa_of_device, double flops_per_second,
-                           LinkModel links, double memory_bytes_per_second)
+                           LinkModel links, double memory_bytes_per_second,
+                           std::optional<Cluster> cluster)
     : numa_of_device_(std::move(numa_of_device)),
       flops_per_second_(flops_per_second),
       links_(std::move(links)),
-      memory_bytes_per_second_(memory_bytes_per_second) {
+      memory_bytes_per_second_(memory_bytes_per_second),
+      cluster_(std::move(cluster)) {
   if (numa_of_device_.empty())
     throw std::invalid_argument("a machine model needs at least one device");
   if (!(flops_per_second > 0) || !std::isfinite(flops_per_second)) {
@@ -39,11 +41,43 @@ void KernelRates::validate() const {
   rate("memory bandwidth (bytes/s)", memory_bytes_per_second, true);
 }
 
-MachineModel::MachineModel(std::vector<int> numa_of_device, KernelRates kernels, LinkModel links)
+MachineModel::MachineModel(std::vector<int> numa_of_device, KernelRates kernels, LinkModel links,
+                           std::optional<Cluster> cluster)
     : MachineModel(std::move(numa_of_device), kernels.matmul_flops_per_second, std::move(links),
-                   kernels.memory_bytes_per_second) {
+                   kernels.memory_bytes_per_second, std::move(cluster)) {
   kernels.validate();
   kernels_ = kernels;
+}
+
+rt::Nanos MachineModel::cluster_duration(const rt::TaskTable& tasks, rt::TaskId task,
+                                         const rt::CostHint& cost) const {
+  const rt::CostHint& hint = tasks[task].cost;  // the build-time hint, which places the group
+  const int n = static_cast<int>(hint.group_size);
+  // The payload, read back from the ring's bytes (the hint's, or those a member reported at run
+  // time for the variable collectives' real split): see rt::TransferPattern.
+  double payload = cost.bytes;
+  if (n > 1) {
+    if (hint.pattern == rt::TransferPattern::all_reduce)
+      payload = cost.bytes * n / (2.0 * (n - 1));
+    else if (hint.pattern == rt::TransferPattern::all_gather ||
+             hint.pattern == rt::TransferPattern::reduce_scatter ||
+             hint.pattern == rt::TransferPattern::all_to_all)
+      payload = cost.bytes * n / (n - 1);
+  }
+  GroupPlacement group;
+  if (hint.group_device_stride > 0 || n <= 1) {
+    group = cluster_->place(hint.group_first_device, hint.group_device_stride, std::max(n, 1));
+  } else {
+    // Not evenly spaced: the members in the graph (all of them unless the step is folded).
+    std::vector<std::uint32_t> ranks;
+    if (tasks[task].group != rt::kNoGroup)
+      for (rt::TaskId m : tasks.members(tasks[task].group))
+        ranks.push_back(tasks[m].device);
+    if (ranks.empty()) ranks.push_back(tasks[task].device);
+    group = cluster_->place(std::move(ranks));
+    group.size = n;
+  }
+  return cluster_->collective_duration(hint.pattern, payload, group);
 }
 
 rt::Nanos MachineModel::duration(const rt::TaskTable& tasks, rt::TaskId task,
@@ -78,6 +112,8 @@ rt::Nanos MachineModel::duration(const rt::TaskTable& tasks, rt::TaskId task,
     case rt::TaskKind::comm:
     case rt::TaskKind::copy: {
       const int here = numa(t.device);
+      if (cluster_ && t.cost.pattern != rt::TransferPattern::none)
+        return cluster_duration(tasks, task, cost);
       LinkClass link = links_.link_between(here, here);
       if (t.group != rt::kNoGroup) {
         for (rt::TaskId m : tasks.members(t.group)) {

@@ -18,10 +18,10 @@ devices::MachineModel machine_model(const devices::DeviceSet& devices,
                              .matmul_overhead_dimension = machine.matmul_overhead_dimension,
                              .attention_flops_per_second = machine.attention_flops,
                              .memory_bytes_per_second = machine.device_memory_bandwidth},
-        devices::LinkModel::preset(machine.link));
+        devices::LinkModel::preset(machine.link), machine.cluster);
   return devices::MachineModel(std::move(numa), machine.device_flops,
                                devices::LinkModel::preset(machine.link),
-                               machine.device_memory_bandwidth);
+                               machine.device_memory_bandwidth, machine.cluster);
 }
 
 rt::VirtualRunResult replay_step(TrainerConfig config, const SampleSource& samples, bool execute,

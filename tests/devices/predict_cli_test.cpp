@@ -84,5 +84,43 @@ TEST(PredictCli, CalibrateWritesAHostPresetPredictReads) {
   EXPECT_FALSE(std::filesystem::exists(preset));
 }
 
+TEST(PredictCli, PrintsTheClusterItModelled) {
+  const Result preset = weave(std::string(kConfig) + " --accelerator h100-sxm");
+  ASSERT_EQ(preset.status, 0) << preset.out;
+  EXPECT_NE(preset.out.find("cluster          1 node x 8 devices (8 used); node link NVLink 4 "
+                            "(NVSwitch) (450 GB/s, 3 us); network InfiniBand NDR"),
+            std::string::npos)
+      << preset.out;
+  const Result custom =
+      weave(std::string(kConfig) + " --devices-per-node 2 --node-link 450:3 --network 25:10");
+  ASSERT_EQ(custom.status, 0) << custom.out;
+  EXPECT_NE(custom.out.find("cluster          4 nodes x 2 devices (8 used); node link 450:3 (450 "
+                            "GB/s, 3 us); network 25:10 (25 GB/s, 10 us) a device"),
+            std::string::npos)
+      << custom.out;
+  // Without a cluster flag nothing is said of one.
+  const Result none = weave(kConfig);
+  ASSERT_EQ(none.status, 0) << none.out;
+  EXPECT_EQ(none.out.find("cluster "), std::string::npos) << none.out;
+}
+
+TEST(PredictCli, RefusesAClusterFlagOutsideItsRule) {
+  const std::pair<const char*, const char*> cases[] = {
+      {" --accelerator h100-sxm --network 50", "--network '50': a link is GBPS:MICROSECONDS"},
+      {" --accelerator h100-sxm --node-link -1:3", "--node-link '-1:3': a link is"},
+      {" --accelerator h100-sxm --devices-per-node 2000000",
+       "--devices-per-node must be a whole number from 1 to 1000000 (got 2000000)"},
+      {" --devices-per-node 0", "must be a whole number of at least 1 (got '0')"},
+      {" --devices-per-node 4 --node-link 450:3",
+       "a cluster without --accelerator needs --devices-per-node, --node-link and --network "
+       "(missing --network)"},
+  };
+  for (const auto& [flags, expected] : cases) {
+    const Result r = weave(std::string(kConfig) + flags);
+    EXPECT_NE(r.status, 0) << flags << "\n" << r.out;
+    EXPECT_NE(r.out.find(expected), std::string::npos) << flags << "\n" << r.out;
+  }
+}
+
 }  // namespace
 }  // namespace weave::cli_test

@@ -2,7 +2,11 @@
 // as the materialised step, and Megatron-LM's model-FLOPs count.
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include <cmath>
+#include <optional>
+#include <string>
 
 #include "tiny_model.hpp"
 #include "weave/devices/shared_memory_communicator.hpp"
@@ -99,26 +103,66 @@ TEST(Prediction, FoldedReplicasPredictWhatEveryRankDoes) {
         .global_batch_size = 4,
         .ampipe_degree = 2}},
   };
-  for (const auto& [name, plan] : plans) {
-    TrainerConfig c;
-    c.model = tiny(4);
-    c.plan = plan;
-    c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
-    const Prediction folded = predict_step(c),
-                     every = predict_step(c, {.fold_data_parallel = false});
-    EXPECT_EQ(every.replayed_devices, plan.devices()) << name;
-    EXPECT_EQ(folded.replayed_devices * plan.data_parallel, plan.devices()) << name;
-    EXPECT_DOUBLE_EQ(folded.step_ms, every.step_ms) << name;
-    EXPECT_DOUBLE_EQ(folded.bubble, every.bubble) << name;
-    EXPECT_EQ(folded.memory, every.memory) << name;
-    ASSERT_EQ(folded.exposed.size(), every.exposed.size()) << name;
-    for (std::size_t i = 0; i < every.exposed.size(); ++i) {
-      EXPECT_EQ(folded.exposed[i].group, every.exposed[i].group) << name;
-      EXPECT_NEAR(folded.exposed[i].ms_per_device, every.exposed[i].ms_per_device,
-                  1e-9 * every.exposed[i].ms_per_device)
-          << name << " " << every.exposed[i].group;
+  // Without a cluster, and on nodes of 2 and 4 devices whose slow network the data-parallel
+  // groups (and some expert and pipeline groups) cross.
+  const std::optional<devices::Cluster> clusters[] = {
+      std::nullopt,
+      devices::Cluster(2, {.name = "node link", .params = {3'000, 450e9}},
+                       {.name = "network", .params = {10'000, 5e9}}),
+      devices::Cluster(4, {.name = "node link", .params = {3'000, 450e9}},
+                       {.name = "network", .params = {10'000, 5e9}}),
+  };
+  for (const auto& cluster : clusters)
+    for (const auto& [plan_name, plan] : plans) {
+      const std::string name = fmt::format("{} on {} devices a node", plan_name,
+                                           cluster ? cluster->devices_per_node() : 0);
+      TrainerConfig c;
+      c.model = tiny(4);
+      c.plan = plan;
+      c.machine = {.device_flops = 1e12,
+                   .device_memory_bandwidth = 1e11,
+                   .link = "nvlink4",
+                   .cluster = cluster};
+      const Prediction folded = predict_step(c),
+                       every = predict_step(c, {.fold_data_parallel = false});
+      EXPECT_EQ(every.replayed_devices, plan.devices()) << name;
+      EXPECT_EQ(folded.replayed_devices * plan.data_parallel, plan.devices()) << name;
+      EXPECT_DOUBLE_EQ(folded.step_ms, every.step_ms) << name;
+      EXPECT_DOUBLE_EQ(folded.bubble, every.bubble) << name;
+      EXPECT_EQ(folded.memory, every.memory) << name;
+      ASSERT_EQ(folded.exposed.size(), every.exposed.size()) << name;
+      for (std::size_t i = 0; i < every.exposed.size(); ++i) {
+        EXPECT_EQ(folded.exposed[i].group, every.exposed[i].group) << name;
+        EXPECT_NEAR(folded.exposed[i].ms_per_device, every.exposed[i].ms_per_device,
+                    1e-9 * every.exposed[i].ms_per_device)
+            << name << " " << every.exposed[i].group;
+      }
     }
-  }
+}
+
+// A group that crosses nodes pays the network: the same step on one node (every group on the
+// node link) is faster than on nodes of 2 devices, whose data-parallel all-reduce crosses them.
+TEST(Prediction, AClusterPricesGroupsByTheLinksTheySpan) {
+  TrainerConfig c;
+  c.model = tiny(4);
+  c.plan = {
+      .tensor_parallel = 2, .data_parallel = 4, .micro_batch_size = 1, .global_batch_size = 8};
+  c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
+  auto step_ms = [&](int devices_per_node) {
+    c.machine.cluster =
+        devices::Cluster(devices_per_node, {.name = "node link", .params = {3'000, 450e9}},
+                         {.name = "network", .params = {10'000, 5e9}});
+    return predict_step(c);
+  };
+  const Prediction one_node = step_ms(8), two_a_node = step_ms(2);
+  EXPECT_LT(one_node.step_ms, two_a_node.step_ms);
+  auto exposed_dp = [](const Prediction& p) {
+    double ms = 0;
+    for (const ExposedCommunication& e : p.exposed)
+      if (e.group.starts_with("dp")) ms += e.ms_per_device;
+    return ms;
+  };
+  EXPECT_LT(exposed_dp(one_node), exposed_dp(two_a_node));
 }
 
 }  // namespace

@@ -69,6 +69,11 @@ int run_predict(PredictOptions& o) {
   fmt::print("modelled device: {}{}{:.3g} B/s of memory, link {}\n", accelerator, kernels,
              c.machine.device_memory_bandwidth,
              devices::LinkModel::preset(c.machine.link).describe());
+  if (c.machine.cluster)
+    fmt::print(
+        "cluster          {}: collectives by their algorithm (ring or tree in a node, "
+        "hierarchical across nodes, all-to-all messages in flight together)\n",
+        c.machine.cluster->describe(plan.devices()));
   fmt::print("replayed         {} of {} devices{}\n", p.replayed_devices, plan.devices(),
              p.replayed_devices < plan.devices()
                  ? " (data-parallel replicas folded into the first: the same work on other "

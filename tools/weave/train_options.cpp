@@ -322,7 +322,22 @@ void add_train_flags(CLI::App& cmd, TrainOptions& o) {
                  "Model the devices as this accelerator (--timing model, weave predict): a "
                  "preset (a100-80gb, h100-sxm, ascend-910b) or a JSON file; sets --device-flops "
                  "to what its matrix products sustain and --device-memory-bandwidth (over any "
-                 "given), and --link to its node's link unless --link is given");
+                 "given), --link to its node's link unless --link is given, and the cluster "
+                 "collectives are costed on: its node and network (--devices-per-node, "
+                 "--node-link, --network override them)");
+  cmd.add_option("--devices-per-node", o.cluster.devices_per_node,
+                 "Devices in a node of the modelled cluster (--timing model, weave predict): "
+                 "rank r sits on node r / N (default: the --accelerator's)")
+      ->check(at_least(1))
+      ->type_name("N");
+  cmd.add_option("--node-link", o.cluster.node_link,
+                 "The modelled cluster's link between the devices of a node, GBPS:MICROSECONDS "
+                 "per device (default: the --accelerator's)")
+      ->type_name("GBPS:US");
+  cmd.add_option("--network", o.cluster.network,
+                 "The modelled cluster's network between nodes, GBPS:MICROSECONDS of each "
+                 "device's NIC (default: the --accelerator's)")
+      ->type_name("GBPS:US");
   cmd.add_option("--device-memory-bandwidth", o.config.machine.device_memory_bandwidth,
                  "Modelled bytes/s a device streams (--timing model): prices norms, residuals, "
                  "dropout and the optimizer")
@@ -350,6 +365,20 @@ void add_train_flags(CLI::App& cmd, TrainOptions& o) {
   }
 }
 
+namespace {
+
+// The cluster's rules break as configuration errors, as every other flag's do.
+template <typename Build>
+devices::Cluster cluster_or_refuse(Build build) {
+  try {
+    return build();
+  } catch (const std::invalid_argument& e) {
+    throw graphs::ConfigError(e.what());
+  }
+}
+
+}  // namespace
+
 void derive_config(TrainOptions& o) {
   graphs::TrainerConfig& c = o.config;
   c.model.activation = o.swiglu ? graphs::Activation::swiglu : graphs::Activation::gelu;
@@ -363,6 +392,11 @@ void derive_config(TrainOptions& o) {
     if (c.machine.link == "none")
       c.machine.link =
           fmt::format("{}:{}", a.node_link.bytes_per_second / 1e9, a.node_link.latency_us);
+    c.machine.cluster =
+        cluster_or_refuse([&] { return devices::Cluster::from_accelerator(a, o.cluster); });
+  } else if (o.cluster.any()) {
+    c.machine.cluster =
+        cluster_or_refuse([&] { return devices::Cluster::from_overrides(o.cluster); });
   }
   if (o.position_embedding_type == "learned_absolute")
     c.model.position_embedding = graphs::PositionEmbedding::learned_absolute;

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "weave/devices/cluster.hpp"
 #include "weave/graphs/trainer_config.hpp"
 
 namespace weave::cli {
@@ -20,6 +21,8 @@ struct TrainOptions {
   graphs::TrainerConfig config{.plan = {.global_batch_size = 0}};
   bool swiglu = false;
   std::string accelerator;  // --accelerator: a preset's name or a JSON file
+  // --devices-per-node, --node-link, --network: the cluster's figures over --accelerator's.
+  devices::ClusterOverrides cluster;
   std::string position_embedding_type = "learned_absolute";  // or rope, none
   std::string normalization = "LayerNorm";                   // or RMSNorm
   bool use_rotary_position_embeddings = false, no_position_embedding = false;

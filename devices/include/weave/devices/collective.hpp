@@ -103,8 +103,10 @@ using MemberWork = std::function<void(int member, rt::TaskContext& context)>;
 
 // What one member's task costs the link model and the virtual clock: the bytes that member
 // moves in the ring (NCCL-style) algorithm for its op, and the latency terms it pays, from its
-// own buffers and the group's size alone (a member's cost is known when it issues).
-rt::CostHint member_cost(CollectiveOp op, int group_size, int member, int root,
+// own buffers and the group's size alone (a member's cost is known when it issues). The hint also
+// names the op's transfer pattern, its payload and where the group's devices are, for a cost
+// model that prices the algorithm by the links the group spans (devices::Cluster).
+rt::CostHint member_cost(CollectiveOp op, const ProcessGroup& group, int member, int root,
                          const CollectiveMember& buffers, std::int64_t row_elements);
 
 }  // namespace weave::devices

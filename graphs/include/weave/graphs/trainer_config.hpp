@@ -5,9 +5,11 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "weave/devices/cluster.hpp"
 #include "weave/graphs/learning_rate.hpp"
 #include "weave/graphs/model_config.hpp"
 #include "weave/graphs/parallel_plan.hpp"
@@ -46,6 +48,10 @@ struct ModelledMachine {
   // --link: a devices::LinkModel preset (`weave topo --links`) or "GBPS:MICROSECONDS". On the
   // wall clock a link other than "none" holds each transfer to its modelled time.
   std::string link = "none";
+  // The nodes the devices sit in and the links between them (--accelerator's node, or
+  // --devices-per-node, --node-link, --network): on the virtual clock collectives are then costed
+  // by the algorithm their group would use there. None: every collective is a ring over `link`.
+  std::optional<devices::Cluster> cluster;
 };
 
 struct TrainerConfig {

@@ -15,7 +15,8 @@
 namespace weave::graphs {
 
 // The cost model of `devices` under `machine`: every device computes at machine.device_flops,
-// transfers take the link preset's time between the devices' NUMA nodes. Throws
+// transfers take the link preset's time between the devices' NUMA nodes, collectives the time
+// of their algorithm on machine.cluster when there is one. Throws
 // std::invalid_argument for an unknown link preset.
 devices::MachineModel machine_model(const devices::DeviceSet& devices,
                                     const ModelledMachine& machine);

@@ -39,6 +39,24 @@ struct TaskTags {
   Phase phase = Phase::none;
 };
 
+// The data movement of a collective member, named by what a cost model needs to price it. The
+// payload each pattern moves, from a member's CostHint::bytes (the ring's volume) over a group of
+// n: all_reduce, the buffer reduced, bytes n / (2 (n - 1)); all_gather, the gathered output, and
+// reduce_scatter, the input before scattering, bytes n / (n - 1); all_to_all, the member's send
+// buffer, bytes n / (n - 1); broadcast, the buffer (0 for the chain's last member, which
+// forwards nothing); point_to_point, the message (0 for the receiver: the sender pays); barrier,
+// nothing.
+enum class TransferPattern : std::uint8_t {
+  none,
+  all_reduce,
+  all_gather,
+  reduce_scatter,
+  all_to_all,
+  broadcast,
+  point_to_point,
+  barrier
+};
+
 // What a task costs, for the virtual clock and the link model. bytes is the volume that
 // crosses a link per member (for a collective, already scaled by its algorithm's factor), or the
 // memory a compute task streams; messages is the number of latency terms (alpha) the transfer
@@ -54,6 +72,19 @@ struct CostHint {
   std::uint32_t messages = 0;
   float attention_flops = 0;
   float matmul_edges = 0;
+
+  // What a collective member takes part in, for a cost model that prices the group's algorithm
+  // for where the group sits in a cluster (which links it spans) rather than as the ring over
+  // one link that bytes and messages describe. Left at their defaults by every other task.
+  // The payload the pattern moves is bytes read back through the ring's factor (see
+  // TransferPattern). The group's devices are group_first_device + i * group_device_stride,
+  // i in [0, group_size) (stride 0: not evenly spaced, so a cost model reads the members it
+  // has): given here because a replay that builds only some ranks (data-parallel folding)
+  // holds only some members' tasks.
+  std::uint32_t group_size = 0;
+  std::uint32_t group_first_device = 0;
+  std::uint32_t group_device_stride = 0;
+  TransferPattern pattern = TransferPattern::none;
 };
 
 // Costs of work run one after another in one task: summed; scaled for a share of it (messages
