@@ -69,11 +69,14 @@ TrainingStep::Impl::Impl(const ModelConfig& model, const ParallelPlan& plan,
         "predicted only (StepBuildOptions::materialize = false)");
   inputs.batches.assign(static_cast<std::size_t>(plan.data_parallel),
                         std::vector<MicroBatch>(static_cast<std::size_t>(shape.M)));
-  for (auto& per_dp : inputs.batches)
-    for (auto& mb : per_dp) {
-      mb.tokens.assign(static_cast<std::size_t>(shape.S * shape.B), 0);
-      mb.targets.assign(static_cast<std::size_t>(shape.S * shape.B), 0);
-    }
+  // A step built without tensors reads no tokens: with thousands of micro-batches of long
+  // sequences their buffers would be most of what a prediction holds.
+  if (materialize)
+    for (auto& per_dp : inputs.batches)
+      for (auto& mb : per_dp) {
+        mb.tokens.assign(static_cast<std::size_t>(shape.S * shape.B), 0);
+        mb.targets.assign(static_cast<std::size_t>(shape.S * shape.B), 0);
+      }
   std::vector<int> ranks = options.ranks;
   if (ranks.empty())
     for (int r = 0; r < mesh.size(); ++r)

@@ -243,5 +243,37 @@ TEST(ActivationMemory, ParameterBytesAreMegatronsTable) {
             16);
 }
 
+// A prediction counts each category in Megatron-LM's bytes: parameters 2 (bf16, fp16) or 4
+// (fp32), gradients 4 (fp32, bf16) or 2 (fp16), and the optimizer state the distributed optimizer
+// shards over the d replicas, 8 (fp32: two moments), 12 (bf16: and fp32 master weights) or 16
+// (fp16: and fp32 gradients) per parameter of the shard; activations 2 bytes in 16 bits.
+TEST(ActivationMemory, EachCategoryInItsPrecisionsBytes) {
+  auto categories = [](Precision precision) {
+    TrainerConfig c = gpt(2, true);
+    c.model.precision = precision;
+    c.plan.data_parallel = 2;
+    c.plan.global_batch_size = 2 * static_cast<int>(b);
+    c.plan.distributed_optimizer = true;
+    return predict_step(c).memory.front();
+  };
+  const auto fp32 = categories(Precision::fp32), bf16 = categories(Precision::bf16),
+             fp16 = categories(Precision::fp16);
+  auto at = [](const auto& bytes, rt::MemoryCategory c) {
+    return static_cast<double>(bytes[static_cast<std::size_t>(c)]);
+  };
+  using C = rt::MemoryCategory;
+  // Each bucket's tensors are rounded up to a 64-byte line: a few lines apart at most.
+  const double line = 64 * 64;
+  EXPECT_NEAR(at(bf16, C::parameters), at(fp32, C::parameters) / 2, line);
+  EXPECT_NEAR(at(fp16, C::parameters), at(fp32, C::parameters) / 2, line);
+  EXPECT_EQ(at(bf16, C::gradients), at(fp32, C::gradients));
+  EXPECT_NEAR(at(fp16, C::gradients), at(fp32, C::gradients) / 2, line);
+  EXPECT_NEAR(at(bf16, C::optimizer_state), at(fp32, C::optimizer_state) * 12 / 8, line);
+  EXPECT_NEAR(at(fp16, C::optimizer_state), at(fp32, C::optimizer_state) * 16 / 8, line);
+  // The sharded state per parameter: 8/d of the fp32 parameters' 4 bytes.
+  EXPECT_NEAR(at(fp32, C::optimizer_state), at(fp32, C::parameters) * 8 / 4 / 2, line);
+  EXPECT_NEAR(at(bf16, C::activations), at(fp32, C::activations) / 2, line);
+}
+
 }  // namespace
 }  // namespace weave::graphs
