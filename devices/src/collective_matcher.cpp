@@ -56,6 +56,7 @@ rt::CostHint in_element_bytes(rt::CostHint cost, std::size_t element_bytes) {
     cost.bytes = cost.bytes / sizeof(float) * static_cast<double>(element_bytes);
   return cost;
 }
+
 }  // namespace
 
 CollectiveMatcher::CollectiveMatcher(rt::GraphBuilder& graph, Communicator& backend)

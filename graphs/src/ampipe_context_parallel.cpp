@@ -171,14 +171,14 @@ TaskId AmpipeBlock::send_block_gradients_home(const BuildPosition& pos, TaskId r
   const TaskId sent = P->context.all_to_all(ready, read_of(w.dkv_send), all_of(w.dkv_recv),
                                             at + "cp_kv_grad", tags);
   const double block = static_cast<double>(Sc * P->shape.B * P->shape.Gl * 2 * P->shape.d);
-  const TaskId home = P->compute(at + "cp_kv_grad_sum", tags,
-                                 cost::streamed(P->shape, (cp + 1) * block), [p, cp, Sc] {
-                                   BackwardWorkspace& w = p->ws();
-                                   const Tensor& sum = w.dring[cp % 2];
-                                   sum.copy_from(w.dkv_recv.slice(0, 0, Sc));
-                                   for (int source = 1; source < cp; ++source)
-                                     ops::accumulate(w.dkv_recv.slice(0, source * Sc, Sc), sum);
-                                 });
+  const TaskId home =
+      P->compute(at + "cp_kv_grad_sum", tags, cost::streamed(z, (cp + 1) * block), [p, cp, Sc] {
+        BackwardWorkspace& w = p->ws();
+        const Tensor& sum = w.dring[cp % 2];
+        sum.copy_from(w.dkv_recv.slice(0, 0, Sc));
+        for (int source = 1; source < cp; ++source)
+          ops::accumulate(w.dkv_recv.slice(0, source * Sc, Sc), sum);
+      });
   P->after(sent, home);
   return home;
 }

@@ -78,7 +78,7 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
   const std::string at = fmt::format("L{}.", l);
   const double rows = static_cast<double>(z.Sl * B * z.h);
   const TaskId ln1 =
-      P->compute(at + "input_norm", tags, cost::streamed(P->shape, 2 * rows), [p, layer, set] {
+      P->compute(at + "input_norm", tags, cost::streamed(z, 2 * rows), [p, layer, set] {
         LayerActivations& A = p->acts(set, layer);
         const LayerShard& W = p->layer(layer);
         norm_forward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.ln1, A.ln1_mean,
@@ -243,15 +243,15 @@ TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, We
       break;
   }
   // The norm's backward (read 2, write 1) and the residual's sum (read 2, write 1).
-  const TaskId ln1 = P->compute(at + "input_norm_backward", tags,
-                                cost::streamed(P->shape, 6.0 * z.Sl * z.B * z.h), [=] {
-                                  LayerActivations& A = p->acts(set, layer);
-                                  BackwardWorkspace& w = p->ws();
-                                  const LayerShard& W = p->layer(layer);
-                                  norm_backward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias,
-                                                A.ln1_mean, A.ln1_rstd, w.d_norm, w.d_tmp);
-                                  ops::accumulate(w.d_tmp, w.d_x);
-                                });
+  const TaskId ln1 =
+      P->compute(at + "input_norm_backward", tags, cost::streamed(z, 6.0 * z.Sl * z.B * z.h), [=] {
+        LayerActivations& A = p->acts(set, layer);
+        BackwardWorkspace& w = p->ws();
+        const LayerShard& W = p->layer(layer);
+        norm_backward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.ln1_mean, A.ln1_rstd,
+                      w.d_norm, w.d_tmp);
+        ops::accumulate(w.d_tmp, w.d_x);
+      });
   P->after(norm_ready, ln1);
   const std::string bucket = fmt::format("layers.{}.attention", l);
   if (qkv_weights != WeightPlacement::deferred) {

@@ -115,21 +115,20 @@ TaskId MoeMlp::statistics(const BuildPosition& pos, TaskId ready) const {
   TaskId summed = ready;
   if (z.ampipe > 1) {
     const double stats = static_cast<double>(z.ampipe + 1) * (2 * z.model.num_experts + 1);
-    summed = P->compute(at + "router_statistics", tags, cost::streamed(P->shape, stats),
-                        [p, layer, set] {
-                          LayerActivations& A = p->acts(set, layer);
-                          A.stats_total.fill(0.f);
-                          for (const MoeSlot& S : A.moe)
-                            ops::accumulate(S.stats, A.stats_total);
-                        });
+    summed = P->compute(at + "router_statistics", tags, cost::streamed(z, stats), [p, layer, set] {
+      LayerActivations& A = p->acts(set, layer);
+      A.stats_total.fill(0.f);
+      for (const MoeSlot& S : A.moe)
+        ops::accumulate(S.stats, A.stats_total);
+    });
     P->after(ready, summed);
   }
   const TaskId reduced =
       P->tensor_context.all_reduce(summed, all_of(P->acts(set, l).stats_total),
                                    devices::ReduceOp::sum, at + "router_stats", tags);
   const TaskId losses =
-      P->compute(at + "router_losses", tags,
-                 cost::streamed(P->shape, 2.0 * z.model.num_experts + 1), [p, layer, set, mb] {
+      P->compute(at + "router_losses", tags, cost::streamed(z, 2.0 * z.model.num_experts + 1),
+                 [p, layer, set, mb] {
                    const ModelConfig& m = p->shape.model;
                    const ops::RouterStatistics st =
                        unpack_stats(p->acts(set, layer).stats_total, m.num_experts);
@@ -253,7 +252,7 @@ TaskId MoeMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& ha
   const std::int64_t T = z.T, h = z.h;
   const TaskId placed =
       P->compute(fmt::format("L{}.moe_input_grad", l), pos.tags(rt::Phase::backward, l),
-                 cost::streamed(P->shape, 2.0 * T * h), [=] {
+                 cost::streamed(z, 2.0 * T * h), [=] {
                    if (local)
                      p->ws().d_norm.reshape({T, h}).copy_from(p->slot(set, layer, 0).d_moe_in);
                  });

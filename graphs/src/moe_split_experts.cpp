@@ -42,8 +42,8 @@ SlotProgress MoeMlp::split_experts(const BuildPosition& pos, int c,
   const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
   const std::string at = slot_prefix(c);
   // This rank's received rows, grouped by local expert, behind a header of their counts.
-  const TaskId framed = P->compute(
-      at + "experts_frame", tags, cost::streamed(P->shape, cost::regrouped_elements(z)), [=] {
+  const TaskId framed =
+      P->compute(at + "experts_frame", tags, cost::streamed(z, cost::regrouped_elements(z)), [=] {
         MoeSlot& A = p->slot(set, layer, c);
         std::vector<std::int64_t> begin;
         std::int64_t rows;
@@ -110,8 +110,8 @@ SlotProgress MoeMlp::split_experts(const BuildPosition& pos, int c,
                                                      .recv = all_of(S.tp_result),
                                                      .expected_rows = expected},
                                                     h, at + "experts_scatter", tags);
-  const TaskId out = P->compute(
-      at + "experts_out", tags, cost::streamed(P->shape, cost::regrouped_elements(P->shape)), [=] {
+  const TaskId out =
+      P->compute(at + "experts_out", tags, cost::streamed(z, cost::regrouped_elements(z)), [=] {
         MoeSlot& A = p->slot(set, layer, c);
         if (ep == 1) {
           const std::int64_t rows = A.dispatch.rows();
@@ -140,21 +140,20 @@ SlotProgress MoeMlp::split_experts_backward(const BuildPosition& pos, int c,
   const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
   const std::string at = slot_prefix(c);
   // The output gradient of this rank's rows, grouped by local expert as in forward.
-  const TaskId grouped =
-      P->compute(at + "experts_backward_frame", tags,
-                 cost::streamed(P->shape, cost::regrouped_elements(P->shape)), [=] {
-                   MoeSlot& A = p->slot(set, layer, c);
-                   std::int64_t rows;
-                   if (ep > 1) {
-                     rows = static_cast<std::int64_t>(A.source_row.size());
-                     for (std::int64_t i = 0; i < rows; ++i)
-                       std::copy_n(A.d_arrived.row(A.source_row[i]), h, A.tp_d_rows.row(i));
-                   } else {
-                     rows = A.dispatch.rows();
-                     A.tp_d_rows.slice(0, 0, rows).copy_from(A.d_expert_out.slice(0, 0, rows));
-                   }
-                   A.tp_d_send_rows = rows;
-                 });
+  const TaskId grouped = P->compute(
+      at + "experts_backward_frame", tags, cost::streamed(z, cost::regrouped_elements(z)), [=] {
+        MoeSlot& A = p->slot(set, layer, c);
+        std::int64_t rows;
+        if (ep > 1) {
+          rows = static_cast<std::int64_t>(A.source_row.size());
+          for (std::int64_t i = 0; i < rows; ++i)
+            std::copy_n(A.d_arrived.row(A.source_row[i]), h, A.tp_d_rows.row(i));
+        } else {
+          rows = A.dispatch.rows();
+          A.tp_d_rows.slice(0, 0, rows).copy_from(A.d_expert_out.slice(0, 0, rows));
+        }
+        A.tp_d_send_rows = rows;
+      });
   P->after(arrived.task, grouped);
   MoeSlot& S = P->slot(set, l, c);
   const std::int64_t expected =
@@ -215,19 +214,18 @@ SlotProgress MoeMlp::split_experts_backward(const BuildPosition& pos, int c,
                                                      .recv = all_of(S.tp_d_in),
                                                      .expected_rows = expected},
                                                     h, at + "experts_grad_scatter", tags);
-  const TaskId out =
-      P->compute(at + "experts_backward_out", tags,
-                 cost::streamed(P->shape, cost::regrouped_elements(P->shape)), [=] {
-                   MoeSlot& A = p->slot(set, layer, c);
-                   if (ep == 1) {
-                     const std::int64_t rows = A.dispatch.rows();
-                     A.d_grouped.slice(0, 0, rows).copy_from(A.tp_d_in.slice(0, 0, rows));
-                     return;
-                   }
-                   for (std::size_t i = 0; i < A.source_row.size(); ++i)
-                     std::copy_n(A.tp_d_in.row(static_cast<std::int64_t>(i)), h,
-                                 A.d_leaving.row(A.source_row[i]));
-                 });
+  const TaskId out = P->compute(
+      at + "experts_backward_out", tags, cost::streamed(z, cost::regrouped_elements(z)), [=] {
+        MoeSlot& A = p->slot(set, layer, c);
+        if (ep == 1) {
+          const std::int64_t rows = A.dispatch.rows();
+          A.d_grouped.slice(0, 0, rows).copy_from(A.tp_d_in.slice(0, 0, rows));
+          return;
+        }
+        for (std::size_t i = 0; i < A.source_row.size(); ++i)
+          std::copy_n(A.tp_d_in.row(static_cast<std::int64_t>(i)), h,
+                      A.d_leaving.row(A.source_row[i]));
+      });
   P->after(reduced, out);
   if (ep == 1) return {out, {}};
   return {slot_exchange(pos, c, out, &MoeSlot::d_leaving, &MoeSlot::d_grouped, false,

@@ -11,40 +11,41 @@ namespace weave::graphs {
 void build_optimizer(RankProgram& P) {
   RankProgram* p = &P;
   const rt::TaskTags tags{.phase = rt::Phase::weight};
-  // Every gradient read once; AdamW reads value, gradient and two moments and writes three, in
-  // fp32 whatever the training precision (a 16-bit run updates its fp32 master weights).
+  // Every gradient read once, in the precision it is kept in; AdamW reads value, gradient and two
+  // moments and writes three, in fp32 whatever the training precision (a 16-bit run updates its
+  // fp32 master weights).
   double gradients = 0, updated = 0;
   for (const GradientBucket& b : P.shard().buckets()) {
     gradients += static_cast<double>(b.grads.numel());
     updated += static_cast<double>(b.shard_size);
   }
-  const TaskId norm = P.compute(
-      "grad_norm", tags,
-      cost::streamed_bytes(gradients, parameter_bytes(P.shape.model.precision).gradient), [p] {
-        // Each distinct gradient element once: tensor-parallel copies on tp rank 0 only, data-
-        // parallel copies on the replica that owns the element (its shard, or replica 0).
-        const bool tp_first = p->at.tp == 0;
-        ModelShard& shard = p->shard();
-        // The output layer's copy of the word embedding counts on the first stage only.
-        const Parameter* copy = shard.holds_embedding_copy() ? &shard.embedding() : nullptr;
-        double sum = 0;
-        for (const GradientBucket& bucket : shard.buckets()) {
-          if (!bucket.sharded && bucket.replica != 0) continue;
-          const std::int64_t lo = bucket.shard_begin, hi = lo + bucket.shard_size;
-          std::int64_t at = 0;
-          for (const Parameter* q : bucket.params) {
-            const std::int64_t n = q->grad.numel();
-            const std::int64_t from = std::max(at, lo), to = std::min(at + n, hi);
-            if (from < to && q != copy && (!q->tensor_replicated || tp_first)) {
-              const float* g = bucket.grads.data();
-              for (std::int64_t e = from; e < to; ++e)
-                sum += static_cast<double>(g[e]) * g[e];
-            }
-            at += n;
-          }
+  const rt::CostHint read_gradients =
+      cost::streamed_bytes(gradients, parameter_bytes(P.shape.model.precision).gradient);
+  const TaskId norm = P.compute("grad_norm", tags, read_gradients, [p] {
+    // Each distinct gradient element once: tensor-parallel copies on tp rank 0 only, data-
+    // parallel copies on the replica that owns the element (its shard, or replica 0).
+    const bool tp_first = p->at.tp == 0;
+    ModelShard& shard = p->shard();
+    // The output layer's copy of the word embedding counts on the first stage only.
+    const Parameter* copy = shard.holds_embedding_copy() ? &shard.embedding() : nullptr;
+    double sum = 0;
+    for (const GradientBucket& bucket : shard.buckets()) {
+      if (!bucket.sharded && bucket.replica != 0) continue;
+      const std::int64_t lo = bucket.shard_begin, hi = lo + bucket.shard_size;
+      std::int64_t at = 0;
+      for (const Parameter* q : bucket.params) {
+        const std::int64_t n = q->grad.numel();
+        const std::int64_t from = std::max(at, lo), to = std::min(at + n, hi);
+        if (from < to && q != copy && (!q->tensor_replicated || tp_first)) {
+          const float* g = bucket.grads.data();
+          for (std::int64_t e = from; e < to; ++e)
+            sum += static_cast<double>(g[e]) * g[e];
         }
-        p->state.norm_sq.data()[0] = static_cast<float>(sum);
-      });
+        at += n;
+      }
+    }
+    p->state.norm_sq.data()[0] = static_cast<float>(sum);
+  });
   // Everything this rank's communication streams carry must be in before the norm is taken.
   for (const auto& [stream, tail] : P.comm_tails())
     P.after(tail, norm);
