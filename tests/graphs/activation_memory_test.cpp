@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "weave/graphs/prediction.hpp"
 #include "weave/ops/cross_entropy.hpp"
@@ -158,6 +159,29 @@ TEST(ActivationMemory, KorthikantiWithFullRecomputation) {
     const std::int64_t expected = L * paper_checkpoint + working_set + outside_layers(t, sp);
     EXPECT_EQ(predicted_activation_bytes(gpt(t, sp, full)), expected);
   }
+}
+
+// Under a pipeline every micro-batch in flight keeps its checkpoints, and a rank holds one
+// working set whatever the number in flight: with one layer a stage and 1F1B's p - r sets on
+// stage r, full recomputation frees (sets - 1) layers' tensors beyond their inputs on each stage.
+TEST(ActivationMemory, FullRecomputationUnderAPipelineKeepsOneWorkingSetPerRank) {
+  auto by_device = [](const Recompute& r) {
+    TrainerConfig c = gpt(1, false, r);
+    c.plan.pipeline_parallel = 2;
+    c.plan.global_batch_size = 4 * static_cast<int>(b);
+    std::vector<std::int64_t> bytes;
+    for (const auto& device : predict_step(c).memory)
+      bytes.push_back(device[static_cast<std::size_t>(rt::MemoryCategory::activations)]);
+    return bytes;
+  };
+  const std::vector<std::int64_t> kept = by_device({}),
+                                  recomputed = by_device({.granularity = RecomputeGranularity::full,
+                                                          .method = RecomputeMethod::uniform,
+                                                          .num_layers = 1});
+  ASSERT_EQ(kept.size(), 2u);
+  const std::int64_t beyond_input = weave_layer(1, false) - kBytes * s * b * h;
+  EXPECT_EQ(kept[0] - recomputed[0], (2 - 1) * beyond_input);  // stage 0: two sets in flight
+  EXPECT_EQ(kept[1] - recomputed[1], (1 - 1) * beyond_input);  // stage 1: one
 }
 
 // Uniform groups of two keep one input per group (the group's), and the working set is the two
