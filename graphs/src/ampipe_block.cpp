@@ -86,7 +86,7 @@ TaskId AmpipeBlock::forward(const BuildPosition& pos, TaskId ready) const {
           side, read_of(partial(c)), all_of(P->acts(set, l).proj_out.slice(0, c * q, q)),
           chunk + "attention_reduce", tags);
       // bias, dropout and residual (read 2, write 1), then the norm (read 1, write 1)
-      side = P->compute(chunk + "attention_residual", tags, cost::streamed(5.0 * q * B * z.h),
+      side = P->compute(chunk + "attention_residual", tags, cost::streamed(z, 5.0 * q * B * z.h),
                         [=] { residual_norm(c, p->acts(set, layer).proj_out.slice(0, c * q, q)); });
       P->after(reduced, side);
     }
@@ -107,7 +107,7 @@ TaskId AmpipeBlock::forward(const BuildPosition& pos, TaskId ready) const {
   for (int c = 0; c < N; ++c) {
     const TaskId combined = moe.combine(pos, c, computed[c]);
     const TaskId residual = P->compute(
-        at + fmt::format("c{}.mlp_residual", c), tags, cost::streamed(4.0 * q * B * z.h), [=] {
+        at + fmt::format("c{}.mlp_residual", c), tags, cost::streamed(z, 4.0 * q * B * z.h), [=] {
           LayerActivations& A = p->acts(set, layer);
           const std::int64_t first = c * q;
           const Tensor y = A.mlp_out.slice(0, first, q);
@@ -135,7 +135,7 @@ TaskId AmpipeBlock::backward(const BuildPosition& pos, TaskId ready, WeightHalve
   const MoeMlp moe(*P, l);
   const double cleared = cp > 1 ? static_cast<double>(z.cp * Sc * B * z.Gl * 2 * z.d) : 0.0;
   const TaskId start = P->compute(
-      at + "mlp_residual_backward", tags, cost::streamed(4.0 * z.Sl * B * z.h + cleared), [=] {
+      at + "mlp_residual_backward", tags, cost::streamed(z, 4.0 * z.Sl * B * z.h + cleared), [=] {
         BackwardWorkspace& w = p->ws();
         w.d_x_mid.copy_from(w.d_x);
         p->apply_dropout(true, mb, layer, 1, w.d_x, w.d_mlp);
@@ -194,7 +194,7 @@ TaskId AmpipeBlock::backward(const BuildPosition& pos, TaskId ready, WeightHalve
     TaskId attention_ready = router;
     if (sp) {
       const TaskId residual = P->compute(chunk + "attention_residual_backward", tags,
-                                         cost::streamed(10.0 * q * B * z.h), residual_backward);
+                                         cost::streamed(z, 10.0 * q * B * z.h), residual_backward);
       P->after(router, residual);
       attention_ready =
           P->tensor.all_gather(residual, read_of(P->ws().d_mlp.slice(0, c * q, q)),

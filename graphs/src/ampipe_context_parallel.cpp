@@ -172,7 +172,7 @@ TaskId AmpipeBlock::send_block_gradients_home(const BuildPosition& pos, TaskId r
                                             at + "cp_kv_grad", tags);
   const double block = static_cast<double>(Sc * P->shape.B * P->shape.Gl * 2 * P->shape.d);
   const TaskId home =
-      P->compute(at + "cp_kv_grad_sum", tags, cost::streamed((cp + 1) * block), [p, cp, Sc] {
+      P->compute(at + "cp_kv_grad_sum", tags, cost::streamed(z, (cp + 1) * block), [p, cp, Sc] {
         BackwardWorkspace& w = p->ws();
         const Tensor& sum = w.dring[cp % 2];
         sum.copy_from(w.dkv_recv.slice(0, 0, Sc));

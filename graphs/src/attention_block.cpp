@@ -77,11 +77,13 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
   const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
   const std::string at = fmt::format("L{}.", l);
   const double rows = static_cast<double>(z.Sl * B * z.h);
-  const TaskId ln1 = P->compute(at + "input_norm", tags, cost::streamed(2 * rows), [p, layer, set] {
-    LayerActivations& A = p->acts(set, layer);
-    const LayerShard& W = p->layer(layer);
-    norm_forward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.ln1, A.ln1_mean, A.ln1_rstd);
-  });
+  const TaskId ln1 =
+      P->compute(at + "input_norm", tags, cost::streamed(z, 2 * rows), [p, layer, set] {
+        LayerActivations& A = p->acts(set, layer);
+        const LayerShard& W = p->layer(layer);
+        norm_forward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.ln1, A.ln1_mean,
+                     A.ln1_rstd);
+      });
   P->after(ready, ln1);
   LayerActivations& A = P->acts(set, layer);
   TaskId gathered = rt::kNoTask;
@@ -242,7 +244,7 @@ TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, We
   }
   // The norm's backward (read 2, write 1) and the residual's sum (read 2, write 1).
   const TaskId ln1 =
-      P->compute(at + "input_norm_backward", tags, cost::streamed(6.0 * z.Sl * z.B * z.h), [=] {
+      P->compute(at + "input_norm_backward", tags, cost::streamed(z, 6.0 * z.Sl * z.B * z.h), [=] {
         LayerActivations& A = p->acts(set, layer);
         BackwardWorkspace& w = p->ws();
         const LayerShard& W = p->layer(layer);

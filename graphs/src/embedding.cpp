@@ -15,7 +15,7 @@ TaskId Embedding::forward(const BuildPosition& pos, TaskId ready) const {
   const rt::TaskTags tags = pos.tags(rt::Phase::forward);
   // Each rank looks up its vocabulary shard; the group sums (or reduce-scatters) the partials.
   const TaskId lookup =
-      P->compute("embedding", tags, cost::streamed(2.0 * z.Sc * B * h), [p, set, mb] {
+      P->compute("embedding", tags, cost::streamed(z, 2.0 * z.Sc * B * h), [p, set, mb] {
         ActivationSet& X = p->aset(set);
         p->load_tokens(mb, X.tokens, false);
         ops::embedding_forward<float>(
@@ -28,7 +28,7 @@ TaskId Embedding::forward(const BuildPosition& pos, TaskId ready) const {
   const TaskId reduced =
       reduce_partial(*P, lookup, X.emb_partial, X.x_in, "embedding_reduce", tags);
   const bool learned = z.model.learned_positions();
-  const TaskId positions = P->compute("positions", tags, cost::streamed(3.0 * Sl * B * h), [=] {
+  const TaskId positions = P->compute("positions", tags, cost::streamed(z, 3.0 * Sl * B * h), [=] {
     ActivationSet& X = p->aset(set);
     // RoPE rotates queries and keys in the attention instead; none adds nothing.
     if (learned)
@@ -53,7 +53,7 @@ TaskId Embedding::backward(const BuildPosition& pos, TaskId ready) const {
   const bool sp = z.sp(), learned = z.model.learned_positions();
   const rt::TaskTags tags = pos.tags(rt::Phase::backward);
   const TaskId positions =
-      P->compute("positions_backward", tags, cost::streamed(3.0 * Sl * B * h), [=] {
+      P->compute("positions_backward", tags, cost::streamed(z, 3.0 * Sl * B * h), [=] {
         BackwardWorkspace& w = p->ws();
         p->apply_dropout(true, mb, p->shape.model.num_layers, 2, w.d_x, w.d_x);
         if (learned)
@@ -71,7 +71,7 @@ TaskId Embedding::backward(const BuildPosition& pos, TaskId ready) const {
     gathered =
         sp_gather(*P, positions, P->ws().d_x, P->ws().d_norm_full, "embedding_grad_gather", tags);
   const TaskId words =
-      P->compute("embedding_backward", tags, cost::streamed(3.0 * z.Sc * B * h), [p, set, sp] {
+      P->compute("embedding_backward", tags, cost::streamed(z, 3.0 * z.Sc * B * h), [p, set, sp] {
         BackwardWorkspace& w = p->ws();
         const Tensor d = sp ? w.d_norm_full : w.d_x;
         ops::embedding_backward<float>(

@@ -32,17 +32,25 @@ TaskId ModelChunk::backward(const BuildPosition& pos, TaskId ready, WeightHalves
   } else {
     // The gradient of the chunk's output, from the next stage.
     const double rows = static_cast<double>(P->shape.Sl * P->shape.B * P->shape.h);
-    prev = P->compute("stage_grad_in", tags, cost::streamed(2 * rows),
+    prev = P->compute("stage_grad_in", tags, cost::streamed(P->shape, 2 * rows),
                       [p, set] { p->ws().d_x.copy_from(p->aset(set).d_recv); });
     P->after(ready, prev);
   }
-  for (int l = P->layout.end_layer(k) - 1; l >= P->layout.first_layer(k); --l)
+  for (int l = P->layout.end_layer(k) - 1; l >= P->layout.first_layer(k); --l) {
+    // Full recomputation: the backward reaching a recomputed group runs the group's forward
+    // again from its kept input (its collectives included, as Megatron-LM's checkpointed
+    // forward does) before the backward of its last layer.
+    const RecomputeGroup group = recompute_group(P->shape.model.recompute, P->layout, l);
+    if (!group.empty() && l + 1 == group.end)
+      for (int j = group.begin; j < group.end; ++j)
+        prev = TransformerLayer(*P, j).forward(pos, prev);
     prev = TransformerLayer(*P, l).backward(pos, prev, halves, last);
+  }
   halves.flush();
   if (k > 0) {
     // The gradient of the chunk's input, for the previous stage.
     const double rows = static_cast<double>(P->shape.Sl * P->shape.B * P->shape.h);
-    const TaskId out = P->compute("stage_grad_out", tags, cost::streamed(2 * rows),
+    const TaskId out = P->compute("stage_grad_out", tags, cost::streamed(P->shape, 2 * rows),
                                   [p, set] { p->aset(set).d_send.copy_from(p->ws().d_x); });
     P->after(prev, out);
     P->after(d_send_read, out);

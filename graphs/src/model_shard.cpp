@@ -244,12 +244,16 @@ ModelShard::ModelShard(const ModelConfig& m, const Mesh& mesh, int rank, devices
       // Padded so that every replica's shard is equal (and a whole number of cache lines).
       const std::int64_t quantum = 16 * bucket.replicas;
       const std::int64_t padded = (total + quantum - 1) / quantum * quantum;
-      auto zeros = [this](std::int64_t n, rt::MemoryCategory category) {
+      // Built without tensors, each is counted at the bytes the training precision keeps it in;
+      // a materialized step is fp32.
+      const ParameterBytes bytes = parameter_bytes(m.precision);
+      auto zeros = [this](std::int64_t n, rt::MemoryCategory category, int element_bytes) {
         return materialize_ ? ops::Tensor::zeros({n}, device_, category)
-                            : ops::Tensor::shape_only({n}, device_, category);
+                            : ops::Tensor::shape_only({n}, device_, category,
+                                                      static_cast<std::size_t>(element_bytes));
       };
-      bucket.values = zeros(padded, rt::MemoryCategory::parameters);
-      bucket.grads = zeros(padded, rt::MemoryCategory::gradients);
+      bucket.values = zeros(padded, rt::MemoryCategory::parameters, bytes.parameter);
+      bucket.grads = zeros(padded, rt::MemoryCategory::gradients, bytes.gradient);
       std::int64_t at = 0;
       for (Parameter* p : bucket.params) {
         const ops::Tensor value =
@@ -263,8 +267,13 @@ ModelShard::ModelShard(const ModelConfig& m, const Mesh& mesh, int rank, devices
       bucket.sharded = mesh.plan().distributed_optimizer && bucket.replicas > 1;
       bucket.shard_size = bucket.sharded ? padded / bucket.replicas : padded;
       bucket.shard_begin = bucket.sharded ? bucket.replica * bucket.shard_size : 0;
-      bucket.exp_avg = zeros(bucket.shard_size, rt::MemoryCategory::optimizer_state);
-      bucket.exp_avg_sq = zeros(bucket.shard_size, rt::MemoryCategory::optimizer_state);
+      bucket.exp_avg = zeros(bucket.shard_size, rt::MemoryCategory::optimizer_state, 4);
+      bucket.exp_avg_sq = zeros(bucket.shard_size, rt::MemoryCategory::optimizer_state, 4);
+      // 16-bit training: the fp32 master weights (and for fp16 the fp32 gradients) of the shard,
+      // beside the two moments.
+      if (!materialize_ && bytes.optimizer_state > 8)
+        bucket.master_state = zeros(bucket.shard_size, rt::MemoryCategory::optimizer_state,
+                                    bytes.optimizer_state - 8);
       buckets_.push_back(std::move(bucket));
     }
 }

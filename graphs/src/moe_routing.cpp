@@ -115,7 +115,7 @@ TaskId MoeMlp::statistics(const BuildPosition& pos, TaskId ready) const {
   TaskId summed = ready;
   if (z.ampipe > 1) {
     const double stats = static_cast<double>(z.ampipe + 1) * (2 * z.model.num_experts + 1);
-    summed = P->compute(at + "router_statistics", tags, cost::streamed(stats), [p, layer, set] {
+    summed = P->compute(at + "router_statistics", tags, cost::streamed(z, stats), [p, layer, set] {
       LayerActivations& A = p->acts(set, layer);
       A.stats_total.fill(0.f);
       for (const MoeSlot& S : A.moe)
@@ -127,7 +127,7 @@ TaskId MoeMlp::statistics(const BuildPosition& pos, TaskId ready) const {
       P->tensor_context.all_reduce(summed, all_of(P->acts(set, l).stats_total),
                                    devices::ReduceOp::sum, at + "router_stats", tags);
   const TaskId losses =
-      P->compute(at + "router_losses", tags, cost::streamed(2.0 * z.model.num_experts + 1),
+      P->compute(at + "router_losses", tags, cost::streamed(z, 2.0 * z.model.num_experts + 1),
                  [p, layer, set, mb] {
                    const ModelConfig& m = p->shape.model;
                    const ops::RouterStatistics st =
@@ -146,7 +146,7 @@ TaskId MoeMlp::combine(const BuildPosition& pos, int c, const SlotProgress& comp
   const std::int64_t h = P->shape.h;
   const TaskId combined = P->compute(
       slot_prefix(c) + "combine", pos.tags(rt::Phase::forward, l),
-      cost::streamed(cost::combine_elements(P->shape)), [=] {
+      cost::streamed(P->shape, cost::combine_elements(P->shape)), [=] {
         MoeSlot& A = p->slot(set, layer, c);
         for (const ExpertItem& I : A.items)  // the items' results back into the slot's rows
           for (std::size_t x = 0; x < I.rows.size(); ++x)
@@ -179,7 +179,7 @@ SlotProgress MoeMlp::combine_backward(const BuildPosition& pos, int c, TaskId re
   const std::int64_t h = P->shape.h;
   const TaskId combined = P->compute(
       slot_prefix(c) + "combine_backward", pos.tags(rt::Phase::backward, l),
-      cost::streamed(2 * cost::combine_elements(P->shape)), [=] {
+      cost::streamed(P->shape, 2 * cost::combine_elements(P->shape)), [=] {
         MoeSlot& A = p->slot(set, layer, c);
         // This slot's tokens' output gradient.
         A.d_moe.copy_from(slot_tokens(*p, c, p->ws().d_mlp));
@@ -252,7 +252,7 @@ TaskId MoeMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& ha
   const std::int64_t T = z.T, h = z.h;
   const TaskId placed =
       P->compute(fmt::format("L{}.moe_input_grad", l), pos.tags(rt::Phase::backward, l),
-                 cost::streamed(2.0 * T * h), [=] {
+                 cost::streamed(z, 2.0 * T * h), [=] {
                    if (local)
                      p->ws().d_norm.reshape({T, h}).copy_from(p->slot(set, layer, 0).d_moe_in);
                  });

@@ -43,7 +43,7 @@ SlotProgress MoeMlp::split_experts(const BuildPosition& pos, int c,
   const std::string at = slot_prefix(c);
   // This rank's received rows, grouped by local expert, behind a header of their counts.
   const TaskId framed =
-      P->compute(at + "experts_frame", tags, cost::streamed(cost::regrouped_elements(z)), [=] {
+      P->compute(at + "experts_frame", tags, cost::streamed(z, cost::regrouped_elements(z)), [=] {
         MoeSlot& A = p->slot(set, layer, c);
         std::vector<std::int64_t> begin;
         std::int64_t rows;
@@ -111,7 +111,7 @@ SlotProgress MoeMlp::split_experts(const BuildPosition& pos, int c,
                                                      .expected_rows = expected},
                                                     h, at + "experts_scatter", tags);
   const TaskId out =
-      P->compute(at + "experts_out", tags, cost::streamed(cost::regrouped_elements(P->shape)), [=] {
+      P->compute(at + "experts_out", tags, cost::streamed(z, cost::regrouped_elements(z)), [=] {
         MoeSlot& A = p->slot(set, layer, c);
         if (ep == 1) {
           const std::int64_t rows = A.dispatch.rows();
@@ -141,7 +141,7 @@ SlotProgress MoeMlp::split_experts_backward(const BuildPosition& pos, int c,
   const std::string at = slot_prefix(c);
   // The output gradient of this rank's rows, grouped by local expert as in forward.
   const TaskId grouped = P->compute(
-      at + "experts_backward_frame", tags, cost::streamed(cost::regrouped_elements(P->shape)), [=] {
+      at + "experts_backward_frame", tags, cost::streamed(z, cost::regrouped_elements(z)), [=] {
         MoeSlot& A = p->slot(set, layer, c);
         std::int64_t rows;
         if (ep > 1) {
@@ -215,7 +215,7 @@ SlotProgress MoeMlp::split_experts_backward(const BuildPosition& pos, int c,
                                                      .expected_rows = expected},
                                                     h, at + "experts_grad_scatter", tags);
   const TaskId out = P->compute(
-      at + "experts_backward_out", tags, cost::streamed(cost::regrouped_elements(P->shape)), [=] {
+      at + "experts_backward_out", tags, cost::streamed(z, cost::regrouped_elements(z)), [=] {
         MoeSlot& A = p->slot(set, layer, c);
         if (ep == 1) {
           const std::int64_t rows = A.dispatch.rows();

@@ -89,24 +89,25 @@ TaskId MoeMlp::gather_item(const BuildPosition& pos, int c, int i, TaskId dispat
   // One item's share of the slot's regrouped rows.
   const double share = cost::regrouped_elements(P->shape) /
                        static_cast<double>(P->shape.local_experts() * P->shape.item_slices());
-  const TaskId unpacked = P->compute(at + "experts_frame", tags, cost::streamed(share), [=] {
-    ExpertItem& I = p->slot(set, layer, c).items[static_cast<std::size_t>(i)];
-    std::int64_t framed = 0, rows = 0;
-    for (int q = 0; q < ep; ++q) {
-      const std::int64_t count = I.framed_recv_rows[q] - 1;
-      const auto announced = static_cast<std::int64_t>(I.arrived.row(framed)[0]);
-      if (announced != count)
-        throw std::logic_error(
-            fmt::format("expert items: expert-parallel rank {} announced {} rows and sent {}", q,
-                        announced, count));
-      I.recv_rows[q] = count;
-      for (std::int64_t x = 0; x < count; ++x)
-        std::copy_n(I.arrived.row(framed + 1 + x), h, I.expert_in.row(rows + x));
-      framed += 1 + count;
-      rows += count;
-    }
-    I.tp_send_rows = rows;
-  });
+  const TaskId unpacked =
+      P->compute(at + "experts_frame", tags, cost::streamed(P->shape, share), [=] {
+        ExpertItem& I = p->slot(set, layer, c).items[static_cast<std::size_t>(i)];
+        std::int64_t framed = 0, rows = 0;
+        for (int q = 0; q < ep; ++q) {
+          const std::int64_t count = I.framed_recv_rows[q] - 1;
+          const auto announced = static_cast<std::int64_t>(I.arrived.row(framed)[0]);
+          if (announced != count)
+            throw std::logic_error(
+                fmt::format("expert items: expert-parallel rank {} announced {} rows and sent {}",
+                            q, announced, count));
+          I.recv_rows[q] = count;
+          for (std::int64_t x = 0; x < count; ++x)
+            std::copy_n(I.arrived.row(framed + 1 + x), h, I.expert_in.row(rows + x));
+          framed += 1 + count;
+          rows += count;
+        }
+        I.tp_send_rows = rows;
+      });
   P->after(dispatched, unpacked);
   ExpertItem& I = P->slot(set, l, c).items[static_cast<std::size_t>(i)];
   return P->tensor.all_gather_v(unpacked,

@@ -11,13 +11,17 @@ namespace weave::graphs {
 void build_optimizer(RankProgram& P) {
   RankProgram* p = &P;
   const rt::TaskTags tags{.phase = rt::Phase::weight};
-  // Every gradient read once; AdamW reads value, gradient and two moments and writes three.
+  // Every gradient read once, in the precision it is kept in; AdamW reads value, gradient and two
+  // moments and writes three, in fp32 whatever the training precision (a 16-bit run updates its
+  // fp32 master weights).
   double gradients = 0, updated = 0;
   for (const GradientBucket& b : P.shard().buckets()) {
     gradients += static_cast<double>(b.grads.numel());
     updated += static_cast<double>(b.shard_size);
   }
-  const TaskId norm = P.compute("grad_norm", tags, cost::streamed(gradients), [p] {
+  const rt::CostHint read_gradients =
+      cost::streamed_bytes(gradients, parameter_bytes(P.shape.model.precision).gradient);
+  const TaskId norm = P.compute("grad_norm", tags, read_gradients, [p] {
     // Each distinct gradient element once: tensor-parallel copies on tp rank 0 only, data-
     // parallel copies on the replica that owns the element (its shard, or replica 0).
     const bool tp_first = p->at.tp == 0;
@@ -54,7 +58,7 @@ void build_optimizer(RankProgram& P) {
                                   {.name = "grad_norm_sum", .tags = tags, .stream = "world"});
     P.after(norm, summed);
   }
-  const TaskId step = P.compute("optimizer", tags, cost::streamed(7 * updated), [p] {
+  const TaskId step = P.compute("optimizer", tags, cost::streamed_bytes(7 * updated, 4), [p] {
     if (!p->inputs.update) return;
     const double norm = std::sqrt(static_cast<double>(p->state.norm_sq.data()[0]));
     const double clip = p->opt.clip_grad;

@@ -45,7 +45,7 @@ TaskId OutputLoss::forward(const BuildPosition& pos, TaskId ready) const {
   const std::int64_t Sc = z.Sc, B = z.B, h = z.h;
   const int last_layer = z.model.num_layers - 1;
   const rt::TaskTags tags = pos.tags(rt::Phase::forward);
-  const TaskId norm = P->compute("final_norm", tags, cost::streamed(2.0 * z.Sl * B * h), [=] {
+  const TaskId norm = P->compute("final_norm", tags, cost::streamed(z, 2.0 * z.Sl * B * h), [=] {
     OutputSet& X = p->oset(out);
     ModelShard& W = p->shard();
     p->load_tokens(mb, X.targets, true);
@@ -66,7 +66,7 @@ TaskId OutputLoss::forward(const BuildPosition& pos, TaskId ready) const {
   const TaskId maxima =
       P->tensor.all_reduce(logits, all_of(X.row_max), devices::ReduceOp::max, "loss_max", tags);
   const TaskId sums =
-      P->compute("loss_partials", tags, cost::streamed(1.0 * Sc * B * z.Vl), [p, out] {
+      P->compute("loss_partials", tags, cost::streamed(z, 1.0 * Sc * B * z.Vl), [p, out] {
         OutputSet& X = p->oset(out);
         ops::cross_entropy_partial_sums<float>(X.logits, X.targets, vocab_shard(*p), X.row_max,
                                                X.partials);
@@ -74,7 +74,7 @@ TaskId OutputLoss::forward(const BuildPosition& pos, TaskId ready) const {
   P->after(maxima, sums);
   const TaskId reduced =
       P->tensor.all_reduce(sums, all_of(X.partials), devices::ReduceOp::sum, "loss_sum", tags);
-  const TaskId loss = P->compute("loss", tags, cost::streamed(3.0 * Sc * B), [p, out, mb] {
+  const TaskId loss = P->compute("loss", tags, cost::streamed(z, 3.0 * Sc * B), [p, out, mb] {
     OutputSet& X = p->oset(out);
     p->state.loss[static_cast<std::size_t>(mb)] = ops::cross_entropy_loss<float>(
         X.row_max, X.partials, X.targets, p->shape.model.padded_vocab_size(p->shape.tp),
@@ -117,7 +117,7 @@ TaskId OutputLoss::backward(const BuildPosition& pos, TaskId ready, WeightHalves
                       });
   });
   const TaskId norm =
-      P->compute("final_norm_backward", tags, cost::streamed(3.0 * z.Sl * B * h), [=] {
+      P->compute("final_norm_backward", tags, cost::streamed(z, 3.0 * z.Sl * B * h), [=] {
         OutputSet& X = p->oset(out);
         BackwardWorkspace& w = p->ws();
         ModelShard& W = p->shard();

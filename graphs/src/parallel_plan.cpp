@@ -20,6 +20,30 @@ const char* position_embedding_name(PositionEmbedding p) {
   return "none";
 }
 
+const char* precision_name(Precision p) {
+  switch (p) {
+    case Precision::bf16:
+      return "bf16";
+    case Precision::fp16:
+      return "fp16";
+    case Precision::fp32:
+      break;
+  }
+  return "fp32";
+}
+
+ParameterBytes parameter_bytes(Precision p) {
+  switch (p) {
+    case Precision::bf16:  // bf16 weights, fp32 gradients; fp32 master weights and moments
+      return {.parameter = 2, .gradient = 4, .optimizer_state = 12};
+    case Precision::fp16:  // fp16 weights and gradients; fp32 master weights, gradients, moments
+      return {.parameter = 2, .gradient = 2, .optimizer_state = 16};
+    case Precision::fp32:
+      break;
+  }
+  return {.parameter = 4, .gradient = 4, .optimizer_state = 8};
+}
+
 int ModelConfig::padded_vocab_size(int tensor_parallel) const {
   const int multiple = make_vocab_size_divisible_by * tensor_parallel;
   return (vocab_size + multiple - 1) / multiple * multiple;
@@ -34,6 +58,42 @@ template <typename... Args>
 
 void require_positive(const char* flag, long long value) {
   if (value < 1) refuse("{} must be >= 1, got {}", flag, value);
+}
+
+// Megatron-LM's rules for activation recomputation (TransformerConfig's checks): full needs a
+// method and a layer count of 1 to the layers of a pipeline rank; selective takes neither.
+void validate_recompute(const ModelConfig& m, const ParallelPlan& p) {
+  const Recompute& r = m.recompute;
+  const bool method = r.method != RecomputeMethod::none;
+  switch (r.granularity) {
+    case RecomputeGranularity::none:
+      if (method || r.num_layers != 0)
+        refuse(
+            "--recompute-method and --recompute-num-layers apply with --recompute-granularity "
+            "full (Megatron-LM's rule): add --recompute-granularity full, or drop them");
+      return;
+    case RecomputeGranularity::selective:
+      if (method || r.num_layers != 0)
+        refuse(
+            "--recompute-granularity selective recomputes the core attention of every layer and "
+            "takes no --recompute-method or --recompute-num-layers (Megatron-LM's rule): drop "
+            "them, or use --recompute-granularity full");
+      return;
+    case RecomputeGranularity::full:
+      break;
+  }
+  if (!method)
+    refuse(
+        "--recompute-granularity full needs --recompute-method uniform or block (Megatron-LM's "
+        "rule): uniform recomputes groups of --recompute-num-layers layers, block the first "
+        "--recompute-num-layers layers of each model chunk");
+  const int per_rank = m.num_layers / p.pipeline_parallel;
+  if (r.num_layers < 1 || r.num_layers > per_rank)
+    refuse(
+        "--recompute-num-layers must be between 1 and the layers of a pipeline rank ({} = "
+        "--num-layers {} / --pipeline-model-parallel-size {}) with --recompute-granularity full "
+        "(Megatron-LM's rule), got {}",
+        per_rank, m.num_layers, p.pipeline_parallel, r.num_layers);
 }
 
 }  // namespace
@@ -365,6 +425,8 @@ std::vector<std::string> validate(const ModelConfig& m, ParallelPlan& p) {
         "--num-query-groups ({}) must be divisible by --tensor-model-parallel-size ({}): each "
         "tensor-parallel rank holds whole key/value heads with their query heads",
         m.query_groups(), tp);
+  require_positive("--vocab-size", m.vocab_size);
+  validate_recompute(m, p);
   if (m.position_embedding == PositionEmbedding::rope) {
     if (!(m.rotary_percent > 0 && m.rotary_percent <= 1))
       refuse("--rotary-percent must be in (0, 1], got {}", m.rotary_percent);

@@ -1,5 +1,7 @@
 #include "weave/graphs/pipeline_layout.hpp"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 namespace weave::graphs {
@@ -26,6 +28,20 @@ ScheduleKind pipeline_schedule_kind(const ParallelPlan& plan) {
   } catch (const ScheduleError& e) {
     throw ConfigError(fmt::format("--pipeline-scheduler: {}", e.what()));
   }
+}
+
+RecomputeGroup recompute_group(const Recompute& recompute, const PipelineLayout& layout,
+                               int layer) {
+  if (!recompute.full()) return {};
+  int chunk = 0;
+  while (layout.end_layer(chunk) <= layer)
+    ++chunk;
+  const int first = layout.first_layer(chunk), end = layout.end_layer(chunk);
+  const int n = recompute.num_layers;
+  if (recompute.method == RecomputeMethod::block)
+    return layer - first < n ? RecomputeGroup{layer, layer + 1} : RecomputeGroup{};
+  const int begin = first + (layer - first) / n * n;
+  return {begin, std::min(begin + n, end)};
 }
 
 PipelineLayout make_pipeline_layout(const ModelConfig& m, const ParallelPlan& plan) {

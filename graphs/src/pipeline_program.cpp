@@ -30,9 +30,9 @@ TransferEnds transfer(RankProgram& P, const Transfer& t, TaskId produced, const 
   const int me = P.at.pp;
   if (me != t.from_pp && me != t.to_pp) return {};
   if (t.from_pp == t.to_pp) {  // consecutive chunks on one rank
-    const TaskId copy =
-        P.compute(t.name, t.tags, cost::streamed(2.0 * static_cast<double>(source.numel())),
-                  [source, target] { target.copy_from(source); });
+    const TaskId copy = P.compute(
+        t.name, t.tags, cost::streamed(P.shape, 2.0 * static_cast<double>(source.numel())),
+        [source, target] { target.copy_from(source); });
     P.after(produced, copy);
     for (TaskId before : free)
       P.after(before, copy);
@@ -46,7 +46,11 @@ TransferEnds transfer(RankProgram& P, const Transfer& t, TaskId produced, const 
   const auto peer = [&](int pp) {
     return static_cast<rt::DeviceId>(P.mesh.rank_of(P.at.tp, P.at.cp, P.at.dp, pp));
   };
-  const devices::CollectiveOptions options{.name = t.name, .tags = t.tags, .stream = stream};
+  const devices::CollectiveOptions options{
+      .name = t.name,
+      .tags = t.tags,
+      .stream = stream,
+      .element_bytes = static_cast<std::size_t>(P.shape.model.activation_bytes())};
   if (me == t.from_pp) {
     const TaskId send =
         P.matcher.send(static_cast<rt::DeviceId>(P.rank), peer(t.to_pp), read_of(source), options);
@@ -77,7 +81,11 @@ void reduce_embedding(RankProgram& P, TaskId word_grad_done) {
         {static_cast<rt::DeviceId>(first_rank), static_cast<rt::DeviceId>(last_rank)});
     const TaskId tied = P.matcher.all_reduce(
         pair, me == first ? 0 : 1, all_of(P.shard().embedding().grad), devices::ReduceOp::sum,
-        {.name = "embedding_tie", .tags = {.phase = rt::Phase::backward}, .stream = "embedding"});
+        {.name = "embedding_tie",
+         .tags = {.phase = rt::Phase::backward},
+         .stream = "embedding",
+         .element_bytes =
+             static_cast<std::size_t>(parameter_bytes(P.shape.model.precision).gradient)});
     P.track_comm("embedding", tied);
     P.after(word_grad_done, tied);
     ready = tied;

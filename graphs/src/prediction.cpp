@@ -7,6 +7,7 @@
 #include "weave/devices/device_set.hpp"
 #include "weave/devices/folded_communicator.hpp"
 #include "weave/graphs/mesh.hpp"
+#include "weave/graphs/pipeline_layout.hpp"
 #include "weave/graphs/training_step.hpp"
 #include "weave/graphs/virtual_replay.hpp"
 #include "weave/runtime/trace_metrics.hpp"
@@ -14,21 +15,37 @@
 
 namespace weave::graphs {
 
-double model_flops_per_step(const ModelConfig& m, const ParallelPlan& plan, bool recompute) {
+namespace {
+
+// Forward FLOPs of layer l per token, as Megatron-LM counts them.
+double layer_forward_flops(const ModelConfig& m, int l) {
   const double h = m.hidden_size, s = m.seq_length, d = m.head_dim();
   const double heads = m.num_attention_heads, groups = m.query_groups();
   const double f = m.ffn_hidden_size, matrices = m.activation == Activation::swiglu ? 3 : 2;
   const double mlp = 2 * h * f * matrices;
+  const double attention = 2 * h * (heads + 2 * groups) * d + 4 * s * heads * d + 2 * heads * d * h;
+  const double ffn = m.is_moe_layer(l) ? 2 * h * m.num_experts + m.moe_router_topk * mlp : mlp;
+  return attention + ffn;
+}
+
+}  // namespace
+
+double model_flops_per_step(const ModelConfig& m, const ParallelPlan& plan, bool recompute) {
+  const double h = m.hidden_size, s = m.seq_length;
   double layers = 0;  // forward FLOPs of every layer, per token
-  for (int l = 0; l < m.num_layers; ++l) {
-    const double attention =
-        2 * h * (heads + 2 * groups) * d + 4 * s * heads * d + 2 * heads * d * h;
-    const double ffn = m.is_moe_layer(l) ? 2 * h * m.num_experts + m.moe_router_topk * mlp : mlp;
-    layers += attention + ffn;
-  }
+  for (int l = 0; l < m.num_layers; ++l)
+    layers += layer_forward_flops(m, l);
   const double output = 2 * h * m.padded_vocab_size(plan.tensor_parallel);
   const double tokens = static_cast<double>(plan.global_batch_size) * s;
   return tokens * ((recompute ? 4 : 3) * layers + 3 * output);
+}
+
+double recomputed_flops_per_step(const ModelConfig& m, const ParallelPlan& plan) {
+  const PipelineLayout layout = make_pipeline_layout(m, plan);
+  double layers = 0;
+  for (int l = 0; l < m.num_layers; ++l)
+    if (!recompute_group(m.recompute, layout, l).empty()) layers += layer_forward_flops(m, l);
+  return static_cast<double>(plan.global_batch_size) * m.seq_length * layers;
 }
 
 Prediction predict_step(TrainerConfig config, const PredictionOptions& options) {
@@ -63,6 +80,7 @@ Prediction predict_step(TrainerConfig config, const PredictionOptions& options) 
   p.tokens_per_second = static_cast<double>(plan.global_batch_size) * m.seq_length / seconds;
   p.model_flops = model_flops_per_step(m, plan, false);
   p.model_flops_recompute = model_flops_per_step(m, plan, true);
+  p.flops_recomputed = recomputed_flops_per_step(m, plan);
   p.flops_per_device = p.model_flops / seconds / plan.devices();
   p.replayed_devices = static_cast<int>(built.size());
   const double peak =

@@ -27,7 +27,28 @@ void allocate_set(RankProgram& P, ActivationSet& X, int k) {
   X.layers.resize(static_cast<std::size_t>(P.layout.end_layer(k) - first));
   for (int l = first; l < P.layout.end_layer(k); ++l) {
     LayerActivations& A = X.layers[static_cast<std::size_t>(l - first)];
-    TransformerLayer(P, l).allocate(A, x);
+    const RecomputeGroup group = recompute_group(z.model.recompute, P.layout, l);
+    if (group.empty()) {
+      TransformerLayer(P, l).allocate(A, x);
+    } else {
+      // A recomputed layer keeps its input (the group's, or the previous layer's output in the
+      // working set) and, as the group's last, its output: the next group's input.
+      const std::pair<int, bool> slot{l - group.begin, P.layer(l).moe};
+      auto [at, added] = P.state.recompute_working_set.try_emplace(slot);
+      LayerActivations& W = at->second;
+      if (added) {
+        TransformerLayer(P, l).allocate(W, Tensor{});
+        W.x_out = Tensor{};  // allocated below when a layer inside a group needs it
+      }
+      A = W;
+      A.x_in = x;
+      if (l + 1 == group.end) {
+        A.x_out = P.activation({Sl, B, h});
+      } else {
+        if (!W.x_out.defined()) W.x_out = P.activation({Sl, B, h});
+        A.x_out = W.x_out;
+      }
+    }
     x = A.x_out;
   }
 }
@@ -36,6 +57,11 @@ void allocate_set(RankProgram& P, ActivationSet& X, int k) {
 
 void RankProgram::allocate() {
   const StepShape& z = shape;
+  if (z.model.recompute.full() && z.splits_backward)
+    throw ConfigError(
+        "full recomputation is not modelled with a zero-bubble schedule (its split backward keeps "
+        "the output gradients of layers that recomputation would free): choose another "
+        "--pipeline-scheduler, or --recompute-granularity selective");
   RankState& R = state;
   const int pp = at.pp;
   const StageContents contents = layout.contents(pp);

@@ -12,17 +12,21 @@ namespace weave::graphs {
 
 GroupHandle::GroupHandle(devices::CollectiveMatcher& matcher, rt::GraphBuilder& graph,
                          const devices::ProcessGroup& group, int member, std::string stream,
-                         std::map<std::string, TaskId>* tails)
+                         std::map<std::string, TaskId>* tails, std::size_t element_bytes)
     : matcher_(&matcher),
       graph_(&graph),
       group_(&group),
       member_(member),
       stream_(std::move(stream)),
-      tails_(tails) {}
+      tails_(tails),
+      element_bytes_(element_bytes) {}
 
 devices::CollectiveOptions GroupHandle::options(const std::string& name, rt::TaskTags tags,
                                                 const std::string& stream) const {
-  return {.name = name, .tags = tags, .stream = stream.empty() ? stream_ : stream};
+  return {.name = name,
+          .tags = tags,
+          .stream = stream.empty() ? stream_ : stream,
+          .element_bytes = element_bytes_};
 }
 
 TaskId GroupHandle::ordered(TaskId ready, TaskId member) const {
@@ -100,7 +104,7 @@ GroupHandle handle(RankProgram& P, GroupKind kind, const char* stream,
                    std::map<std::string, TaskId>* tails) {
   const devices::ProcessGroup& g = P.mesh.group(kind, P.rank);
   return GroupHandle(P.matcher, P.graph, g, g.rank_of(static_cast<rt::DeviceId>(P.rank)), stream,
-                     tails);
+                     tails, static_cast<std::size_t>(P.shape.model.activation_bytes()));
 }
 
 }  // namespace
@@ -231,12 +235,13 @@ void RankProgram::build() {
   double gradients = 0;
   for (const GradientBucket& b : shard().buckets())
     gradients += static_cast<double>(b.grads.numel());
-  compute("zero_grads", {}, cost::streamed(gradients), [this] {
-    state.shard->zero_grads();
-    std::fill(state.loss.begin(), state.loss.end(), 0.0);
-    std::fill(state.aux.begin(), state.aux.end(), 0.0);
-    state.routed_picks = state.dropped_picks = 0;
-  });
+  compute("zero_grads", {},
+          cost::streamed_bytes(gradients, parameter_bytes(shape.model.precision).gradient), [this] {
+            state.shard->zero_grads();
+            std::fill(state.loss.begin(), state.loss.end(), 0.0);
+            std::fill(state.aux.begin(), state.aux.end(), 0.0);
+            state.routed_picks = state.dropped_picks = 0;
+          });
   build_pipeline(*this);
   build_optimizer(*this);
 }

@@ -52,7 +52,15 @@ class GroupHandle {
   // `tails`: the rank's last task per communication stream, kept up to date.
   GroupHandle(devices::CollectiveMatcher& matcher, rt::GraphBuilder& graph,
               const devices::ProcessGroup& group, int member, std::string stream,
-              std::map<std::string, TaskId>* tails);
+              std::map<std::string, TaskId>* tails, std::size_t element_bytes);
+
+  // The same handle, its collectives costed at `bytes` an element: the gradient reductions in
+  // the gradients' precision (ParameterBytes), not the activations'.
+  GroupHandle with_element_bytes(std::size_t bytes) const {
+    GroupHandle h = *this;
+    h.element_bytes_ = bytes;
+    return h;
+  }
 
   int size() const { return group_ ? group_->size() : 1; }
   int member() const { return member_; }
@@ -88,6 +96,8 @@ class GroupHandle {
   int member_ = 0;
   std::string stream_;
   std::map<std::string, TaskId>* tails_ = nullptr;
+  // Bytes an element moves (CollectiveOptions::element_bytes): the training precision's.
+  std::size_t element_bytes_ = sizeof(float);
 };
 
 inline std::span<float> all_of(const Tensor& t) {
@@ -150,10 +160,13 @@ class RankProgram {
   void track_comm(const std::string& stream, TaskId task) { comm_tails_[stream] = task; }
   const std::map<std::string, TaskId>& comm_tails() const { return comm_tails_; }
 
-  // Activations and workspace of this rank; shapes only when the step is not materialized.
+  // Activations and workspace of this rank; shapes only when the step is not materialized,
+  // counted at the training precision's bytes (a materialized step is fp32).
   Tensor activation(const ops::Shape& s) {
-    return materialize ? Tensor::empty(s, device, rt::MemoryCategory::activations)
-                       : Tensor::shape_only(s, device, rt::MemoryCategory::activations);
+    return materialize
+               ? Tensor::empty(s, device, rt::MemoryCategory::activations)
+               : Tensor::shape_only(s, device, rt::MemoryCategory::activations,
+                                    static_cast<std::size_t>(shape.model.activation_bytes()));
   }
 
   ModelShard& shard() { return *state.shard; }

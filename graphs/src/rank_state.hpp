@@ -4,7 +4,9 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "weave/graphs/model_shard.hpp"
@@ -150,6 +152,11 @@ struct OutputSet {
 struct RankState {
   std::unique_ptr<ModelShard> shard;
   std::vector<ActivationSet> sets;
+  // Full recomputation: what the layers of one recomputed group hold while their forward runs
+  // again and their backward uses it, shared by every group and set of the rank (one group is
+  // recomputed at a time), by (position in the group, MoE layer). The sets' recomputed layers
+  // are views of it but for their input and the group's output.
+  std::map<std::pair<int, bool>, LayerActivations> recompute_working_set;
   std::vector<OutputSet> outputs;
   BackwardWorkspace ws;
   Tensor norm_sq;                 // [1]: this rank's share of the squared grad norm

@@ -1,8 +1,8 @@
 // The virtual clock's price of the step's compute: the multiply-adds (x2) of the matrix products
 // and attention each task runs, from the shapes it multiplies (with the products' edges and the
 // attention's share, so a kernel model can price them apart); element-wise work (norms,
-// residuals, dropout, copies, the optimizer) by the float32 elements it reads and writes, which
-// the machine model prices at the device's memory bandwidth.
+// residuals, dropout, copies, the optimizer) by the bytes of the elements it reads and writes,
+// which the machine model prices at the device's memory bandwidth.
 #pragma once
 
 #include <algorithm>
@@ -13,9 +13,15 @@
 
 namespace weave::graphs::cost {
 
-// A memory-bound task that reads and writes `elements` float32 values in all.
-inline rt::CostHint streamed(double elements) {
-  return {.bytes = 4.0 * elements};
+// A memory-bound task that reads and writes `elements` activations in all, each of the training
+// precision's bytes (ModelConfig::activation_bytes).
+inline rt::CostHint streamed(const StepShape& z, double elements) {
+  return {.bytes = z.model.activation_bytes() * elements};
+}
+// The same over values of `element_bytes` each, whatever the precision: the gradients and the
+// optimizer's fp32 state.
+inline rt::CostHint streamed_bytes(double elements, double element_bytes) {
+  return {.bytes = element_bytes * elements};
 }
 
 // The rows a MoE slot's experts take on a rank when routing is balanced: its tokens' top-k

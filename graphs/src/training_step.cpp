@@ -56,13 +56,27 @@ TrainingStep::Impl::Impl(const ModelConfig& model, const ParallelPlan& plan,
       materialize(options.materialize),
       processes(comm.processes()) {
   shape.splits_backward = set_plan.splits_backward;
+  // weave's kernels compute in fp32 and keep every activation: a step that runs them trains in
+  // fp32 without recomputation; one built without tensors models either.
+  if (materialize && model.precision != Precision::fp32)
+    throw std::invalid_argument(fmt::format(
+        "a step built with tensors computes in fp32 (weave's kernels), not {}: build it with "
+        "StepBuildOptions::materialize = false to predict a {} run",
+        precision_name(model.precision), precision_name(model.precision)));
+  if (materialize && model.recompute.granularity != RecomputeGranularity::none)
+    throw std::invalid_argument(
+        "a step built with tensors keeps every activation: activation recomputation is "
+        "predicted only (StepBuildOptions::materialize = false)");
   inputs.batches.assign(static_cast<std::size_t>(plan.data_parallel),
                         std::vector<MicroBatch>(static_cast<std::size_t>(shape.M)));
-  for (auto& per_dp : inputs.batches)
-    for (auto& mb : per_dp) {
-      mb.tokens.assign(static_cast<std::size_t>(shape.S * shape.B), 0);
-      mb.targets.assign(static_cast<std::size_t>(shape.S * shape.B), 0);
-    }
+  // A step built without tensors reads no tokens: with thousands of micro-batches of long
+  // sequences their buffers would be most of what a prediction holds.
+  if (materialize)
+    for (auto& per_dp : inputs.batches)
+      for (auto& mb : per_dp) {
+        mb.tokens.assign(static_cast<std::size_t>(shape.S * shape.B), 0);
+        mb.targets.assign(static_cast<std::size_t>(shape.S * shape.B), 0);
+      }
   std::vector<int> ranks = options.ranks;
   if (ranks.empty())
     for (int r = 0; r < mesh.size(); ++r)

@@ -40,7 +40,7 @@ TaskId TransformerLayer::forward(const BuildPosition& pos, TaskId ready) const {
   const double rows = static_cast<double>(z.Sl * z.B * z.h);
   // Bias, dropout and residual (read 2, write 1), then the norm (read 1, write 1).
   const TaskId residual =
-      P->compute(at + "attention_residual", tags, cost::streamed(5 * rows), [=] {
+      P->compute(at + "attention_residual", tags, cost::streamed(z, 5 * rows), [=] {
         LayerActivations& A = p->acts(set, layer);
         const LayerShard& W = p->layer(layer);
         p->bias_dropout_add(mb, layer, 0, A.proj_out, value_of(W.proj_bias), A.x_in, A.x_mid);
@@ -50,7 +50,7 @@ TaskId TransformerLayer::forward(const BuildPosition& pos, TaskId ready) const {
   P->after(attention, residual);
   const TaskId mlp =
       moe ? MoeMlp(*P, l).forward(pos, residual) : DenseMlp(*P, l).forward(pos, residual);
-  const TaskId out = P->compute(at + "mlp_residual", tags, cost::streamed(4 * rows), [=] {
+  const TaskId out = P->compute(at + "mlp_residual", tags, cost::streamed(z, 4 * rows), [=] {
     LayerActivations& A = p->acts(set, layer);
     const LayerShard& W = p->layer(layer);
     if (!W.moe) {
@@ -76,7 +76,7 @@ TaskId TransformerLayer::backward(const BuildPosition& pos, TaskId ready, Weight
   // d_x (the layer output's gradient) -> d_mlp; d_x_mid starts as d_x (the residual).
   const double rows = static_cast<double>(z.Sl * z.B * z.h);
   const TaskId residual =
-      P->compute(at + "mlp_residual_backward", tags, cost::streamed(4 * rows), [=] {
+      P->compute(at + "mlp_residual_backward", tags, cost::streamed(z, 4 * rows), [=] {
         BackwardWorkspace& w = p->ws();
         w.d_x_mid.copy_from(w.d_x);
         if (moe)
@@ -89,7 +89,7 @@ TaskId TransformerLayer::backward(const BuildPosition& pos, TaskId ready, Weight
   const TaskId mlp = moe ? MoeMlp(*P, l).backward(pos, residual, halves)
                          : DenseMlp(*P, l).backward(pos, residual, halves);
   // The norm's backward, the residual's sum, the copy and the bias-dropout backward.
-  const TaskId norm = P->compute(at + "mlp_norm_backward", tags, cost::streamed(10 * rows), [=] {
+  const TaskId norm = P->compute(at + "mlp_norm_backward", tags, cost::streamed(z, 10 * rows), [=] {
     LayerActivations& A = p->acts(set, layer);
     BackwardWorkspace& w = p->ws();
     const LayerShard& W = p->layer(layer);

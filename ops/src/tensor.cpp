@@ -115,7 +115,13 @@ BasicTensor<T> BasicTensor<T>::shape_only(const Shape& shape) {
 template <typename T>
 BasicTensor<T> BasicTensor<T>::shape_only(const Shape& shape, devices::Device& device,
                                           rt::MemoryCategory category) {
-  const std::size_t bytes = padded_bytes(shape.numel(), sizeof(T));
+  return shape_only(shape, device, category, sizeof(T));
+}
+
+template <typename T>
+BasicTensor<T> BasicTensor<T>::shape_only(const Shape& shape, devices::Device& device,
+                                          rt::MemoryCategory category, std::size_t element_bytes) {
+  const std::size_t bytes = padded_bytes(shape.numel(), element_bytes);
   device.reserve(bytes, category);
   BasicTensor t;
   t.storage_ = std::shared_ptr<void>(new char(0), [&device, bytes, category](void* q) {

@@ -551,6 +551,13 @@ TEST(Collectives, CostHintsAreTheRingAlgorithmsBytesPerMember) {
   EXPECT_DOUBLE_EQ(cost(bc[3]).bytes, bytes);
   EXPECT_DOUBLE_EQ(cost(send).bytes, bytes);
   EXPECT_EQ(cost(recv).bytes, 0.0);
+  // Elements of another size (a 16-bit run predicted) move proportionally fewer bytes.
+  rt::GraphBuilder half;
+  const auto ar16 = comm.all_reduce(half, g, spans<float>(full), ReduceOp::sum,
+                                    {.name = "bf16", .element_bytes = 2});
+  const rt::Graph half_graph = half.build();
+  EXPECT_DOUBLE_EQ(half_graph.tasks()[ar16[0]].cost.bytes, cost(ar[0]).bytes / 2);
+  EXPECT_EQ(half_graph.tasks()[ar16[0]].cost.messages, 6u);
   // A group of one moves nothing.
   rt::GraphBuilder one;
   const std::vector<std::span<float>> only{full[0]};

@@ -1,5 +1,6 @@
 // `weave predict` end to end: a configuration's step predicted without allocating it, devices
 // that would run out of memory named, the replay written as a trace.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -43,6 +44,41 @@ TEST(PredictCli, RefusesWhatTrainRefuses) {
   const Result r = weave("predict --num-attention-heads 3");
   EXPECT_EQ(r.status, 1) << r.out;
   EXPECT_NE(r.out.find("--num-attention-heads (3)"), std::string::npos) << r.out;
+}
+
+// What weave train refuses and weave predict models: 16-bit training, a tokenizer's vocabulary
+// and activation recomputation.
+TEST(PredictCli, ModelsHalfPrecisionVocabularyAndRecomputation) {
+  const Result r =
+      weave(std::string(kConfig) +
+            " --bf16 --vocab-size 50257 --recompute-granularity full --recompute-method uniform "
+            "--recompute-num-layers 2");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("vocabulary 50257 (padded 50432), bf16, full recomputation (uniform 2)"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("with this run's"), std::string::npos) << r.out;
+  const Result both = weave(std::string(kConfig) + " --bf16 --fp16");
+  EXPECT_NE(both.status, 0);
+  EXPECT_NE(both.out.find("--bf16 and --fp16 are two precisions: give one"), std::string::npos)
+      << both.out;
+  const Result method = weave(std::string(kConfig) + " --recompute-granularity full");
+  EXPECT_NE(method.status, 0);
+  EXPECT_NE(method.out.find("needs --recompute-method uniform or block (Megatron-LM's rule)"),
+            std::string::npos)
+      << method.out;
+  // fp8 is neither what weave trains nor what it predicts.
+  const Result fp8 = weave(std::string(kConfig) + " --fp8-format hybrid");
+  EXPECT_NE(fp8.status, 0);
+  EXPECT_NE(fp8.out.find("--fp8-format is refused"), std::string::npos) << fp8.out;
+}
+
+TEST(PredictCli, TrainRefusesWhatOnlyPredictModels) {
+  for (const char* flag : {"--bf16", "--recompute-granularity full", "--vocab-size 50257"}) {
+    const Result r = weave(fmt::format("train --mock-data --train-iters 1 {}", flag));
+    EXPECT_NE(r.status, 0) << flag;
+    EXPECT_NE(r.out.find("weave predict, which models"), std::string::npos) << r.out;
+  }
 }
 
 TEST(PredictCli, AnAcceleratorPresetSetsTheMachine) {

@@ -13,9 +13,6 @@ constexpr std::string_view kFusion =
     "a kernel fusion switch: weave's kernels are its own and compute the same values either way";
 constexpr std::string_view kFp32 = "weave computes in fp32 throughout";
 constexpr std::string_view kLossScale = "loss scaling is for fp16 training; weave trains in fp32";
-constexpr std::string_view kRecompute =
-    "weave keeps every activation instead of recomputing it: the losses are the same, the memory "
-    "is not (the estimate printed at the start counts it)";
 constexpr std::string_view kAmpipeRule =
     "a MindSpeed memory or pipeline switch for NPUs: the run is the same without it (refused "
     "beside --ampipe-degree, as MindSpeed does)";
@@ -89,10 +86,6 @@ constexpr auto kNoEffect = std::to_array<MegatronFlag>({
     {"--min-loss-scale", 1, kLossScale},
     {"--loss-scale-window", 1, kLossScale},
     {"--hysteresis", 1, kLossScale},
-    {"--recompute-activations", 0, kRecompute},
-    {"--recompute-granularity", 1, kRecompute},
-    {"--recompute-method", 1, kRecompute},
-    {"--recompute-num-layers", 1, kRecompute},
     {"--use-nanopipe", 0, kAmpipeRule},
     {"--recompute-in-bubble", 0, kAmpipeRule},
     {"--recompute-in-advance", 0, kAmpipeRule},
@@ -162,8 +155,12 @@ constexpr auto kNoEffect = std::to_array<MegatronFlag>({
 });
 
 constexpr std::string_view kHalfPrecision =
-    "weave's kernels compute in fp32, so it cannot train in half precision: drop the flag and the "
-    "run trains in fp32 (4-byte values, as the memory estimate counts)";
+    "weave's kernels compute in fp32, so weave train cannot train in half precision: drop the flag "
+    "and the run trains in fp32 (4-byte values, as the memory estimate counts), or give it to "
+    "weave predict, which models a 16-bit run's memory and traffic";
+constexpr std::string_view kRecompute =
+    "weave train keeps every activation instead of recomputing it (the losses are the same, the "
+    "memory is not): drop it, or give it to weave predict, which models recomputation";
 constexpr std::string_view kIterations =
     "weave counts training in iterations: give the iteration count instead (samples / "
     "--global-batch-size)";
@@ -171,7 +168,13 @@ constexpr std::string_view kIterations =
 constexpr auto kRefused = std::to_array<MegatronFlag>({
     {"--fp16", 0, kHalfPrecision},
     {"--bf16", 0, kHalfPrecision},
-    {"--fp8-format", 1, kHalfPrecision},
+    {"--fp8-format", 1,
+     "weave trains in fp32 and predicts fp32, bf16 (--bf16) and fp16 (--fp16) runs; fp8 is "
+     "neither: drop it"},
+    {"--recompute-activations", 0, kRecompute},
+    {"--recompute-granularity", 1, kRecompute},
+    {"--recompute-method", 1, kRecompute},
+    {"--recompute-num-layers", 1, kRecompute},
     {"--rampup-batch-size", 3,
      "weave trains every iteration at --global-batch-size: drop it, or set the batch you want "
      "with --global-batch-size"},
@@ -190,8 +193,9 @@ constexpr auto kRefused = std::to_array<MegatronFlag>({
      "an attention head is --hidden-size / --num-attention-heads wide here: drop it and choose "
      "those two"},
     {"--vocab-size", 1,
-     "the tokens are bytes, a vocabulary of 256 padded to --make-vocab-size-divisible-by: drop "
-     "it"},
+     "weave train's tokens are bytes, a vocabulary of 256 padded to "
+     "--make-vocab-size-divisible-by: drop it, or give it to weave predict, which models a "
+     "tokenizer's vocabulary"},
     {"--no-load-optim", 0,
      "--load resumes the optimizer state with the weights, as an uninterrupted run would have "
      "it: drop it"},
@@ -220,7 +224,9 @@ std::span<const MegatronFlag> refused_flags() {
 }
 
 std::optional<std::string> refusal(std::string_view command, std::string_view flag) {
-  if (command != "train") return std::nullopt;
+  // weave predict takes train's flags and those above it models (registered there, so never
+  // looked up here); the rest it refuses as train does.
+  if (command != "train" && command != "predict") return std::nullopt;
   const auto found = std::find_if(kRefused.begin(), kRefused.end(),
                                   [&](const MegatronFlag& f) { return f.name == flag; });
   if (found == kRefused.end()) return std::nullopt;

@@ -24,7 +24,8 @@ std::span<const MegatronFlag> no_effect_flags();
 std::span<const MegatronFlag> refused_flags();
 
 // The refusal of `flag` by `weave command` ("--bf16 is refused: ..."), or nothing when the flag
-// is not one of refused_flags() or the command is not `train`.
+// is not one of refused_flags() or the command is neither `train` nor `predict` (which registers
+// the refused flags it models, so that they are never refused there).
 std::optional<std::string> refusal(std::string_view command, std::string_view flag);
 
 }  // namespace weave::cli

@@ -23,10 +23,56 @@ struct PredictOptions {
   double device_memory_gib = 80;
   bool device_memory_given = false;
   bool every_rank = false;
+  // What weave predict models beyond weave train (which refuses these flags).
+  bool bf16 = false, fp16 = false;
+  bool recompute_activations = false;  // Megatron-LM's shorthand for selective
+  std::string recompute_granularity, recompute_method;
 };
+
+// --bf16 / --fp16 and the recomputation flags into the model's configuration, by Megatron-LM's
+// meanings; graphs::validate checks the combinations.
+void apply_predicted_training(PredictOptions& o) {
+  graphs::ModelConfig& m = o.train.config.model;
+  if (o.bf16 && o.fp16)
+    throw graphs::ConfigError(
+        "--bf16 and --fp16 are two precisions: give one (Megatron-LM refuses both, too)");
+  m.precision = o.bf16   ? graphs::Precision::bf16
+                : o.fp16 ? graphs::Precision::fp16
+                         : graphs::Precision::fp32;
+  graphs::Recompute& r = m.recompute;
+  if (o.recompute_activations) {
+    if (!o.recompute_granularity.empty() && o.recompute_granularity != "selective")
+      throw graphs::ConfigError(fmt::format(
+          "--recompute-activations means --recompute-granularity selective (Megatron-LM's "
+          "shorthand) and --recompute-granularity is {}: give one of them",
+          o.recompute_granularity));
+    o.recompute_granularity = "selective";
+  }
+  r.granularity = o.recompute_granularity == "full"        ? graphs::RecomputeGranularity::full
+                  : o.recompute_granularity == "selective" ? graphs::RecomputeGranularity::selective
+                                                           : graphs::RecomputeGranularity::none;
+  r.method = o.recompute_method == "uniform" ? graphs::RecomputeMethod::uniform
+             : o.recompute_method == "block" ? graphs::RecomputeMethod::block
+                                             : graphs::RecomputeMethod::none;
+}
+
+std::string recompute_text(const graphs::Recompute& r) {
+  switch (r.granularity) {
+    case graphs::RecomputeGranularity::full:
+      return fmt::format(", full recomputation ({} {})",
+                         r.method == graphs::RecomputeMethod::uniform ? "uniform" : "block",
+                         r.num_layers);
+    case graphs::RecomputeGranularity::selective:
+      return ", selective recomputation";
+    case graphs::RecomputeGranularity::none:
+      break;
+  }
+  return {};
+}
 
 int run_predict(PredictOptions& o) {
   derive_config(o.train);
+  apply_predicted_training(o);
   graphs::TrainerConfig& c = o.train.config;
   if (o.device_memory_gib > 1e9)
     throw std::invalid_argument(fmt::format(
@@ -50,14 +96,16 @@ int run_predict(PredictOptions& o) {
   const graphs::ModelConfig& m = c.model;
   const graphs::ParallelPlan& plan = c.plan;
   fmt::print(
-      "weave predict: {} layers, hidden {}, {} heads, {} | {} devices: tp {}{}, cp {}, ep {}, dp "
-      "{}, pp {} | global batch {} x {} tokens\n",
+      "weave predict: {} layers, hidden {}, {} heads, {}, vocabulary {} (padded {}), {}{} | {} "
+      "devices: tp {}{}, cp {}, ep {}, dp {}, pp {} | global batch {} x {} tokens\n",
       m.num_layers, m.hidden_size, m.num_attention_heads,
       m.num_experts > 0 ? fmt::format("{} experts top-{}", m.num_experts, m.moe_router_topk)
                         : std::string("dense"),
-      plan.devices(), plan.tensor_parallel, plan.sequence_parallel ? " + sp" : "",
-      plan.context_parallel, plan.expert_parallel, plan.data_parallel, plan.pipeline_parallel,
-      plan.global_batch_size, m.seq_length);
+      m.vocab_size, m.padded_vocab_size(c.plan.tensor_parallel),
+      graphs::precision_name(m.precision), recompute_text(m.recompute), plan.devices(),
+      plan.tensor_parallel, plan.sequence_parallel ? " + sp" : "", plan.context_parallel,
+      plan.expert_parallel, plan.data_parallel, plan.pipeline_parallel, plan.global_batch_size,
+      m.seq_length);
   const std::string kernels =
       c.machine.attention_flops > 0
           ? fmt::format(
@@ -82,8 +130,11 @@ int run_predict(PredictOptions& o) {
   fmt::print("step             {:.3f} ms\n", p.step_ms);
   fmt::print("throughput       {:.0f} tokens/s\n", p.tokens_per_second);
   fmt::print(
-      "model FLOPs      {:.4g} a step (Megatron-LM's count; {:.4g} with full recomputation)\n",
-      p.model_flops, p.model_flops_recompute);
+      "model FLOPs      {:.4g} a step (Megatron-LM's count; {:.4g} with full recomputation{})\n",
+      p.model_flops, p.model_flops_recompute,
+      m.recompute.full()
+          ? fmt::format(", {:.4g} with this run's", p.model_flops + p.flops_recomputed)
+          : std::string());
   fmt::print("per device       {:.4g} FLOP/s of model math, MFU {:.1f} % of {:.3g}\n",
              p.flops_per_device, 100 * p.mfu,
              c.machine.peak_flops > 0 ? c.machine.peak_flops : c.machine.device_flops);
@@ -129,6 +180,37 @@ void add_predict_command(CLI::App& app) {
                       "devices that would need more are named")
           ->check(positive())
           ->capture_default_str();
+  // Megatron-LM's flags that weave train refuses (its kernels compute in fp32 and keep every
+  // activation, its tokens are bytes) and a prediction models.
+  cmd->add_flag(
+      "--bf16", o->bf16,
+      "Predict a bf16 run: parameters, activations, communication and element-wise "
+      "traffic at 2 bytes; fp32 gradients, master weights and Adam moments (Megatron-LM's "
+      "18 bytes a parameter, 6 + 12/d with --use-distributed-optimizer)");
+  cmd->add_flag("--fp16", o->fp16,
+                "Predict an fp16 run: as --bf16 with fp16 gradients, and fp32 master weights, "
+                "gradients and moments in the optimizer (20 bytes a parameter, 4 + 16/d)");
+  cmd->add_option("--vocab-size", o->train.config.model.vocab_size,
+                  "A tokenizer's vocabulary (weave train's tokens are bytes: 256), padded to a "
+                  "multiple of --make-vocab-size-divisible-by x tp as Megatron-LM pads it")
+      ->check(at_least(1))
+      ->capture_default_str();
+  cmd->add_option("--recompute-granularity", o->recompute_granularity,
+                  "full: recomputed layers keep only their input and run their forward again "
+                  "before their backward (with --recompute-method, --recompute-num-layers); "
+                  "selective: the core attention is recomputed, as weave's blockwise attention "
+                  "always does (the same memory and time)")
+      ->check(CLI::IsMember({"full", "selective"}));
+  cmd->add_option("--recompute-method", o->recompute_method,
+                  "With --recompute-granularity full: uniform recomputes each model chunk's "
+                  "layers in groups of --recompute-num-layers, each keeping its input; block "
+                  "recomputes the first --recompute-num-layers layers of each chunk")
+      ->check(CLI::IsMember({"uniform", "block"}));
+  cmd->add_option("--recompute-num-layers", o->train.config.model.recompute.num_layers,
+                  "With --recompute-granularity full: layers per group (uniform) or layers "
+                  "recomputed per model chunk (block), 1 to the layers of a pipeline rank");
+  cmd->add_flag("--recompute-activations", o->recompute_activations,
+                "Megatron-LM's shorthand for --recompute-granularity selective");
   cmd->add_flag("--every-rank", o->every_rank,
                 "Build and replay every rank instead of folding data-parallel replicas into the "
                 "first (slower, the same figures)");

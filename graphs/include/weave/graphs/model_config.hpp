@@ -17,6 +17,44 @@ enum class Normalization { layer_norm, rms_norm };
 // "learned_absolute", "rope" or "none", as the flag spells them.
 const char* position_embedding_name(PositionEmbedding p);
 
+// The precision a run trains in (--bf16, --fp16; fp32 without either). weave's kernels compute in
+// fp32, so a step built with tensors is fp32; a prediction (built without tensors) counts the
+// bytes a half-precision run holds and moves, as Megatron-LM keeps them.
+enum class Precision { fp32, bf16, fp16 };
+// "fp32", "bf16" or "fp16".
+const char* precision_name(Precision p);
+
+// Bytes per parameter in each memory category, as Megatron-LM's distributed optimizer keeps them
+// (Megatron Core's developer guide, "Distributed Optimizer": 16 bytes for fp32 parameters and
+// gradients, 8 + 8/d with the distributed optimizer; 18 for 16-bit parameters with fp32
+// gradients, 6 + 12/d; 20 for fp16 parameters with fp16 gradients, 4 + 16/d). The optimizer
+// state is what the distributed optimizer shards over the d replicas: Adam's two moments, plus
+// an fp32 master copy of the weights when they are 16-bit, plus for fp16 an fp32 copy of the
+// gradient shard (bf16 runs accumulate and reduce their gradients in fp32 already, as
+// Megatron-LM turns on --accumulate-allreduce-grads-in-fp32 with --bf16).
+struct ParameterBytes {
+  int parameter;        // the model's weights
+  int gradient;         // the gradient buffer the backward accumulates into and the replicas reduce
+  int optimizer_state;  // per parameter of the shard the optimizer updates
+};
+ParameterBytes parameter_bytes(Precision p);
+
+// --recompute-granularity: Megatron-LM's activation recomputation. full: a recomputed layer keeps
+// only its input and runs its forward again before its backward; selective: only the core
+// attention (the softmax of the scores) is recomputed.
+enum class RecomputeGranularity { none, full, selective };
+// --recompute-method for full recomputation: uniform splits each model chunk's layers into groups
+// of --recompute-num-layers, each keeping only the group's input; block recomputes the first
+// --recompute-num-layers layers of each model chunk one by one and keeps the rest.
+enum class RecomputeMethod { none, uniform, block };
+
+struct Recompute {
+  RecomputeGranularity granularity = RecomputeGranularity::none;
+  RecomputeMethod method = RecomputeMethod::none;
+  int num_layers = 0;  // --recompute-num-layers; 0: not given
+  bool full() const { return granularity == RecomputeGranularity::full; }
+};
+
 struct ModelConfig {
   int num_layers = 2;                      // --num-layers
   int hidden_size = 64;                    // --hidden-size
@@ -51,6 +89,12 @@ struct ModelConfig {
   bool moe_router_renormalize = true;
 
   std::uint64_t seed = 1234;  // --seed
+
+  Precision precision = Precision::fp32;  // --bf16, --fp16 (predicted only: see Precision)
+  Recompute recompute;                    // predicted only: weave train keeps every activation
+
+  // Bytes of one activation, communicated value or element-wise operand in this precision.
+  int activation_bytes() const { return precision == Precision::fp32 ? 4 : 2; }
 
   int positions() const {
     return max_position_embeddings > 0 ? max_position_embeddings : seq_length;

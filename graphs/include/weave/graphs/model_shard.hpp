@@ -62,6 +62,9 @@ struct GradientBucket {
   std::int64_t shard_begin = 0;  // the elements this device updates
   std::int64_t shard_size = 0;
   ops::Tensor exp_avg, exp_avg_sq;  // AdamW state of [shard_begin, shard_begin + shard_size)
+  // A 16-bit run predicted: the shard's fp32 master weights (and for fp16 its fp32 gradients),
+  // counted only (ParameterBytes); undefined otherwise.
+  ops::Tensor master_state;
 };
 
 struct LayerShard {

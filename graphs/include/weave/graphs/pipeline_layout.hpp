@@ -30,6 +30,18 @@ struct PipelineLayout {
   StageContents contents(int pp) const;
 };
 
+// The layers [begin, end) whose forward full recomputation runs again together before the
+// backward of the last of them (ModelConfig::recompute): with method uniform, the groups of
+// recompute.num_layers consecutive layers of each model chunk (the last group of a chunk may be
+// shorter); with block, each of a chunk's first recompute.num_layers layers alone. The group
+// keeps only its input. Empty (begin == end) for a layer kept whole.
+struct RecomputeGroup {
+  int begin = 0, end = 0;
+  bool empty() const { return begin == end; }
+  int size() const { return end - begin; }
+};
+RecomputeGroup recompute_group(const Recompute& recompute, const PipelineLayout& layout, int layer);
+
 // The schedule the plan names (1f1b by default, interleaved with virtual stages) for its micro-
 // batches, and the layer split. Throws ConfigError naming the rule and the flags for a split or
 // schedule that cannot be made.

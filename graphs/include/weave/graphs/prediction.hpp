@@ -23,6 +23,11 @@ namespace weave::graphs {
 // three passes (forward, and a backward of twice its cost), four for the layers when every
 // layer's forward is recomputed.
 double model_flops_per_step(const ModelConfig& model, const ParallelPlan& plan, bool recompute);
+// The FLOPs a step's recomputation adds: a forward of every layer model.recompute recomputes in
+// full (recompute_group), counted as model_flops_per_step counts a layer; 0 without full
+// recomputation (selective recomputation adds none here: weave's blockwise attention recomputes
+// its scores in every backward already, recomputation or not).
+double recomputed_flops_per_step(const ModelConfig& model, const ParallelPlan& plan);
 
 struct ExposedCommunication {
   std::string group;  // the streams' kind: tp, cp, ep, dp_cp, ...
@@ -34,9 +39,10 @@ struct Prediction {
   double tokens_per_second = 0;
   double model_flops = 0;            // a step's, model_flops_per_step without recomputation
   double model_flops_recompute = 0;  // with full recomputation
-  double flops_per_device = 0;       // model FLOP/s of each device: model_flops / step / devices
-  double mfu = 0;     // flops_per_device over the machine's peak_flops (or device_flops)
-  double bubble = 0;  // compute idle over compute busy, summed over devices
+  double flops_recomputed = 0;  // what this run's recomputation adds: recomputed_flops_per_step
+  double flops_per_device = 0;  // model FLOP/s of each device: model_flops / step / devices
+  double mfu = 0;               // flops_per_device over the machine's peak_flops (or device_flops)
+  double bubble = 0;            // compute idle over compute busy, summed over devices
   std::vector<ExposedCommunication> exposed;  // groups with any exposed time
   // Per device, by category (rt::MemoryCategory): what it would hold at its peak.
   std::vector<std::array<std::int64_t, rt::kMemoryCategoryCount>> memory;

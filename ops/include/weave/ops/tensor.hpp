@@ -49,6 +49,10 @@ class BasicTensor {
   static BasicTensor shape_only(const Shape& shape);
   static BasicTensor shape_only(const Shape& shape, devices::Device& device,
                                 rt::MemoryCategory category);
+  // The same, counting `element_bytes` per element: what the tensor would hold in another
+  // precision (a 16-bit activation: 2).
+  static BasicTensor shape_only(const Shape& shape, devices::Device& device,
+                                rt::MemoryCategory category, std::size_t element_bytes);
 
   const Shape& shape() const { return shape_; }
   int rank() const { return shape_.rank(); }

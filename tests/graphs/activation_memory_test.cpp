@@ -1,0 +1,303 @@
+// A prediction's activation memory against Korthikanti et al. 2022 ("Reducing Activation
+// Recomputation in Large Transformer Models", section 4), for a dense GPT in bf16 on one pipeline
+// stage. The paper counts, per layer and in bytes of 16-bit values:
+//   no parallelism      sbh (34 + 5as/h)
+//   tensor parallel t   sbh (10 + 24/t + 5as/(ht))
+//   t with sequence par sbh/t (34 + 5as/h)
+//   full recomputation  2sbh (the layer's input; sharded by t under sequence parallelism)
+// weave's kernels are not Megatron-LM's, so each test states weave's figure as the paper's terms
+// minus what weave does not keep and plus what it keeps besides, each term named for its tensor,
+// and fails if either side moves. The embedding's, the loss's and the backward workspace's
+// tensors, which the paper leaves out of its per-layer count, are added explicitly.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "weave/graphs/prediction.hpp"
+#include "weave/ops/cross_entropy.hpp"
+
+namespace weave::graphs {
+namespace {
+
+// s sequence, b micro-batch, h hidden, a heads, L layers; 4h-wide GELU MLPs, learned positions,
+// a vocabulary of V (already a multiple of 128 t, so unpadded). Sizes make every tensor a whole
+// number of 64-byte lines in bf16, so the tracker's alignment adds nothing but to the 1-element
+// norm buffer.
+constexpr std::int64_t s = 256, b = 2, h = 256, a = 8, L = 2, V = 512;
+constexpr std::int64_t kBytes = 2;  // bf16
+
+TrainerConfig gpt(int t, bool sp, const Recompute& recompute = {}) {
+  TrainerConfig c;
+  c.model.num_layers = static_cast<int>(L);
+  c.model.hidden_size = static_cast<int>(h);
+  c.model.num_attention_heads = static_cast<int>(a);
+  c.model.ffn_hidden_size = static_cast<int>(4 * h);
+  c.model.seq_length = static_cast<int>(s);
+  c.model.vocab_size = static_cast<int>(V);
+  c.model.precision = Precision::bf16;
+  c.model.recompute = recompute;
+  c.plan = {.tensor_parallel = t,
+            .sequence_parallel = sp,
+            .micro_batch_size = static_cast<int>(b),
+            .global_batch_size = static_cast<int>(b)};
+  return c;
+}
+
+std::int64_t predicted_activation_bytes(const TrainerConfig& c) {
+  const Prediction p = predict_step(c);
+  const std::int64_t first =
+      p.memory.front()[static_cast<std::size_t>(rt::MemoryCategory::activations)];
+  for (const auto& device : p.memory)  // every tp rank holds the same
+    EXPECT_EQ(device[static_cast<std::size_t>(rt::MemoryCategory::activations)], first);
+  return first;
+}
+
+// The paper's per-layer figure, in bytes (its formulas count 16-bit values: 2 bytes each, the
+// dropout masks 1 byte).
+std::int64_t paper_layer(std::int64_t t, bool sp) {
+  const std::int64_t sbh = s * b * h, scores = 5 * a * s * s * b;  // 5as^2b = sbh 5as/h
+  if (sp) return 34 * sbh / t + scores / t;
+  return 10 * sbh + 24 * sbh / t + scores / t;
+}
+
+// weave's figure per layer, from the paper's: what it does not keep and what it keeps besides.
+// r: the residual stream's rows on a rank (s, or s/t under sequence parallelism).
+std::int64_t weave_layer(std::int64_t t, bool sp) {
+  const std::int64_t r = sp ? s / t : s;
+  std::int64_t bytes = paper_layer(t, sp);
+  // Not kept: the two dropout masks (attention output and MLP output, 1 byte an element each):
+  // weave draws them again from their Philox keys in backward.
+  bytes -= 2 * r * b * h;
+  // Not kept: the scores, softmax and attention-dropout output and mask (5as^2b/t): the
+  // blockwise attention keeps no s x s tensor and recomputes its scores in backward...
+  bytes -= 5 * a * s * s * b / t;
+  // ...but keeps the softmax's log-sum-exp per query row and head: [b, a/t, s].
+  bytes += kBytes * b * (a / t) * s;
+  // Kept besides: the attention projection's output before bias-dropout-add (proj_partial,
+  // [s, b, h] partial sums), and under sequence parallelism its reduce-scattered rows (proj_out).
+  bytes += kBytes * s * b * h;
+  if (sp) bytes += kBytes * r * b * h;
+  // Kept besides: the MLP's output before bias-dropout-add (fc2_partial [s, b, h]), and under
+  // sequence parallelism its reduce-scattered rows (mlp_out).
+  bytes += kBytes * s * b * h;
+  if (sp) bytes += kBytes * r * b * h;
+  // Kept besides: the two norms' means and reciprocal standard deviations, one per row.
+  bytes += 4 * kBytes * r * b;
+  // Under sequence parallelism weave keeps each norm's all-gathered output [s, b, h] (ln1_full,
+  // ln2_full) that the QKV and fc1 products read, where Megatron-LM keeps the sharded one (counted
+  // by the paper) and gathers it again in backward.
+  if (sp) bytes += 2 * kBytes * s * b * h;
+  return bytes;
+}
+
+// What the rank holds besides its layers: the chunk's input and output, the loss's tensors and
+// the backward's workspace. The paper's per-layer figure counts each layer's input; the last
+// layer's output (the final norm's input) is one residual stream more.
+std::int64_t outside_layers(std::int64_t t, bool sp) {
+  const std::int64_t r = sp ? s / t : s;
+  const std::int64_t stream = kBytes * r * b * h;  // a residual stream [r, b, h]
+  const std::int64_t whole = kBytes * s * b * h;   // [s, b, h]
+  const std::int64_t Vl = V / t;
+  std::int64_t bytes = 0;
+  bytes += stream;         // the last layer's output (x_out), the final norm's input
+  if (sp) bytes += whole;  // the embedding's partial sums before their reduce-scatter
+  // The loss (OutputSet): the final norm's output and its row statistics, its all-gathered
+  // output under sequence parallelism, the vocabulary shard's logits, and the cross-entropy's
+  // row maxima, partial sums and log-sum-exp.
+  bytes += stream + 2 * kBytes * r * b;
+  if (sp) bytes += whole;
+  bytes += kBytes * s * b * Vl;
+  bytes += kBytes * s * b * (2 + ops::kCrossEntropyPartials);
+  // The backward's workspace (BackwardWorkspace), shared by every layer: the residual stream's
+  // gradients d_x, d_x_mid, d_tmp, d_mlp and the norm's d_norm (sharded under sequence
+  // parallelism, d_norm then beside the whole d_norm_full; without it d_norm is d_norm_full), the
+  // whole d_mlp_full under sequence parallelism, the MLP's d_act and d_fc1 (4h/t wide each), the
+  // attention's d_attn (h/t) and d_qkv (3h/t), the logits' gradient and the final norm's.
+  bytes += 4 * stream + whole;
+  if (sp) bytes += stream + whole;
+  bytes += kBytes * s * b * (4 * h / t + 4 * h / t + h / t + 3 * h / t);
+  bytes += kBytes * s * b * Vl + whole;
+  bytes += 64;  // the squared gradient norm: one element, one 64-byte line
+  return bytes;
+}
+
+TEST(ActivationMemory, KorthikantiWithTensorParallelism) {
+  for (const int t : {1, 2, 4}) {
+    SCOPED_TRACE(t);
+    // The paper's t = 1 figure is sbh (34 + 5as/h): its tp formula at t = 1.
+    if (t == 1) {
+      EXPECT_EQ(paper_layer(1, false), s * b * h * 34 + 5 * a * s * s * b);
+    }
+    const std::int64_t expected = L * weave_layer(t, false) + outside_layers(t, false);
+    EXPECT_EQ(predicted_activation_bytes(gpt(t, false)), expected);
+  }
+}
+
+TEST(ActivationMemory, KorthikantiWithTensorAndSequenceParallelism) {
+  for (const int t : {2, 4}) {
+    SCOPED_TRACE(t);
+    const std::int64_t expected = L * weave_layer(t, true) + outside_layers(t, true);
+    EXPECT_EQ(predicted_activation_bytes(gpt(t, true)), expected);
+  }
+}
+
+// Full recomputation of every layer (uniform, one layer a group): each layer keeps its input,
+// 2sbh (2sbh/t under sequence parallelism) as the paper counts, and the rank holds one layer's
+// working set besides while that layer is recomputed and its backward runs (the paper's
+// "recompute one layer at a time"): a layer's tensors but for its input and output.
+TEST(ActivationMemory, KorthikantiWithFullRecomputation) {
+  const Recompute full{.granularity = RecomputeGranularity::full,
+                       .method = RecomputeMethod::uniform,
+                       .num_layers = 1};
+  for (const auto& [t, sp] : {std::pair{1, false}, std::pair{2, false}, std::pair{2, true}}) {
+    SCOPED_TRACE(testing::Message() << "t " << t << (sp ? " sp" : ""));
+    const std::int64_t r = sp ? s / t : s;
+    const std::int64_t paper_checkpoint = 2 * r * b * h;  // the paper's 2sbh per layer
+    // weave_layer counts the paper's input term; the working set holds the rest of the layer.
+    const std::int64_t working_set = weave_layer(t, sp) - kBytes * r * b * h;
+    const std::int64_t expected = L * paper_checkpoint + working_set + outside_layers(t, sp);
+    EXPECT_EQ(predicted_activation_bytes(gpt(t, sp, full)), expected);
+  }
+}
+
+// Under a pipeline every micro-batch in flight keeps its checkpoints, and a rank holds one
+// working set whatever the number in flight: with one layer a stage and 1F1B's p - r sets on
+// stage r, full recomputation frees (sets - 1) layers' tensors beyond their inputs on each stage.
+TEST(ActivationMemory, FullRecomputationUnderAPipelineKeepsOneWorkingSetPerRank) {
+  auto by_device = [](const Recompute& r) {
+    TrainerConfig c = gpt(1, false, r);
+    c.plan.pipeline_parallel = 2;
+    c.plan.global_batch_size = 4 * static_cast<int>(b);
+    std::vector<std::int64_t> bytes;
+    for (const auto& device : predict_step(c).memory)
+      bytes.push_back(device[static_cast<std::size_t>(rt::MemoryCategory::activations)]);
+    return bytes;
+  };
+  const std::vector<std::int64_t> kept = by_device({}),
+                                  recomputed = by_device({.granularity = RecomputeGranularity::full,
+                                                          .method = RecomputeMethod::uniform,
+                                                          .num_layers = 1});
+  ASSERT_EQ(kept.size(), 2u);
+  const std::int64_t beyond_input = weave_layer(1, false) - kBytes * s * b * h;
+  EXPECT_EQ(kept[0] - recomputed[0], (2 - 1) * beyond_input);  // stage 0: two sets in flight
+  EXPECT_EQ(kept[1] - recomputed[1], (1 - 1) * beyond_input);  // stage 1: one
+}
+
+// Uniform groups of two keep one input per group (the group's), and the working set is the two
+// layers' tensors with the first layer's output between them (its input to the second).
+TEST(ActivationMemory, UniformGroupsKeepOneInputPerGroup) {
+  const Recompute groups{.granularity = RecomputeGranularity::full,
+                         .method = RecomputeMethod::uniform,
+                         .num_layers = 2};
+  const std::int64_t stream = kBytes * s * b * h;
+  const std::int64_t group_input = stream;  // the paper's 2sbh, once for the group
+  const std::int64_t working_set = 2 * weave_layer(2, false) - stream;
+  const std::int64_t expected = group_input + working_set + outside_layers(2, false);
+  EXPECT_EQ(predicted_activation_bytes(gpt(2, false, groups)), expected);
+}
+
+// Selective recomputation (the core attention) changes nothing here: weave's attention keeps no
+// s x s tensor to drop and recomputes its scores in every backward already. The paper's selective
+// figure with sequence parallelism, 34 sbh/t, is the one above without the scores' term.
+TEST(ActivationMemory, SelectiveRecomputationIsWhatTheBlockwiseAttentionAlreadyDoes) {
+  const Recompute selective{.granularity = RecomputeGranularity::selective};
+  EXPECT_EQ(predicted_activation_bytes(gpt(2, true, selective)),
+            predicted_activation_bytes(gpt(2, true)));
+  EXPECT_EQ(paper_layer(2, true) - 5 * a * s * s * b / 2, 34 * s * b * h / 2);
+}
+
+// Recomputation runs each recomputed layer's forward again: the step takes longer, and the FLOPs
+// it adds are a forward of those layers.
+TEST(ActivationMemory, FullRecomputationRunsTheForwardAgain) {
+  TrainerConfig plain = gpt(2, false);
+  TrainerConfig full = gpt(2, false,
+                           {.granularity = RecomputeGranularity::full,
+                            .method = RecomputeMethod::uniform,
+                            .num_layers = 2});
+  const Prediction p = predict_step(plain), q = predict_step(full);
+  EXPECT_GT(q.step_ms, p.step_ms);
+  EXPECT_EQ(p.flops_recomputed, 0);
+  EXPECT_DOUBLE_EQ(q.model_flops + q.flops_recomputed, q.model_flops_recompute);
+  TrainerConfig block = gpt(2, false,
+                            {.granularity = RecomputeGranularity::full,
+                             .method = RecomputeMethod::block,
+                             .num_layers = 1});
+  EXPECT_DOUBLE_EQ(predict_step(block).flops_recomputed, q.flops_recomputed / 2);
+}
+
+// Megatron-LM's rules for the recomputation flags, each refused naming the rule.
+TEST(ActivationMemory, RecomputationFlagsFollowMegatronsRules) {
+  auto refusal = [](const Recompute& r) {
+    TrainerConfig c = gpt(2, false, r);
+    try {
+      validate(c);
+    } catch (const ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string("accepted");
+  };
+  using G = RecomputeGranularity;
+  using M = RecomputeMethod;
+  EXPECT_NE(refusal({.granularity = G::full, .num_layers = 1}).find("needs --recompute-method"),
+            std::string::npos);
+  EXPECT_NE(refusal({.granularity = G::full, .method = M::block}).find("between 1 and"),
+            std::string::npos);
+  EXPECT_NE(refusal({.granularity = G::full, .method = M::block, .num_layers = 3})
+                .find("between 1 and the layers of a pipeline rank (2"),
+            std::string::npos);
+  EXPECT_NE(refusal({.granularity = G::selective, .num_layers = 1}).find("takes no"),
+            std::string::npos);
+  EXPECT_NE(refusal({.method = M::uniform}).find("apply with --recompute-granularity full"),
+            std::string::npos);
+  EXPECT_EQ(refusal({.granularity = G::full, .method = M::uniform, .num_layers = 2}), "accepted");
+}
+
+// Megatron-LM's bytes per parameter without the distributed optimizer: 18 (bf16), 20 (fp16),
+// 16 (fp32).
+TEST(ActivationMemory, ParameterBytesAreMegatronsTable) {
+  EXPECT_EQ(parameter_bytes(Precision::bf16).parameter + parameter_bytes(Precision::bf16).gradient +
+                parameter_bytes(Precision::bf16).optimizer_state,
+            18);
+  EXPECT_EQ(parameter_bytes(Precision::fp16).parameter + parameter_bytes(Precision::fp16).gradient +
+                parameter_bytes(Precision::fp16).optimizer_state,
+            20);
+  EXPECT_EQ(parameter_bytes(Precision::fp32).parameter + parameter_bytes(Precision::fp32).gradient +
+                parameter_bytes(Precision::fp32).optimizer_state,
+            16);
+}
+
+// A prediction counts each category in Megatron-LM's bytes: parameters 2 (bf16, fp16) or 4
+// (fp32), gradients 4 (fp32, bf16) or 2 (fp16), and the optimizer state the distributed optimizer
+// shards over the d replicas, 8 (fp32: two moments), 12 (bf16: and fp32 master weights) or 16
+// (fp16: and fp32 gradients) per parameter of the shard; activations 2 bytes in 16 bits.
+TEST(ActivationMemory, EachCategoryInItsPrecisionsBytes) {
+  auto categories = [](Precision precision) {
+    TrainerConfig c = gpt(2, true);
+    c.model.precision = precision;
+    c.plan.data_parallel = 2;
+    c.plan.global_batch_size = 2 * static_cast<int>(b);
+    c.plan.distributed_optimizer = true;
+    return predict_step(c).memory.front();
+  };
+  const auto fp32 = categories(Precision::fp32), bf16 = categories(Precision::bf16),
+             fp16 = categories(Precision::fp16);
+  auto at = [](const auto& bytes, rt::MemoryCategory c) {
+    return static_cast<double>(bytes[static_cast<std::size_t>(c)]);
+  };
+  using C = rt::MemoryCategory;
+  // Each bucket's tensors are rounded up to a 64-byte line: a few lines apart at most.
+  const double line = 64 * 64;
+  EXPECT_NEAR(at(bf16, C::parameters), at(fp32, C::parameters) / 2, line);
+  EXPECT_NEAR(at(fp16, C::parameters), at(fp32, C::parameters) / 2, line);
+  EXPECT_EQ(at(bf16, C::gradients), at(fp32, C::gradients));
+  EXPECT_NEAR(at(fp16, C::gradients), at(fp32, C::gradients) / 2, line);
+  EXPECT_NEAR(at(bf16, C::optimizer_state), at(fp32, C::optimizer_state) * 12 / 8, line);
+  EXPECT_NEAR(at(fp16, C::optimizer_state), at(fp32, C::optimizer_state) * 16 / 8, line);
+  // The sharded state per parameter: 8/d of the fp32 parameters' 4 bytes.
+  EXPECT_NEAR(at(fp32, C::optimizer_state), at(fp32, C::parameters) * 8 / 4 / 2, line);
+  EXPECT_NEAR(at(bf16, C::activations), at(fp32, C::activations) / 2, line);
+}
+
+}  // namespace
+}  // namespace weave::graphs
