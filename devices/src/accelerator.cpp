@@ -79,6 +79,9 @@ Accelerator Accelerator::parse(std::string_view text, const std::string& source)
   a.attention_efficiency = j.contains("attention_efficiency")
                                ? share(j, "attention_efficiency", source)
                                : a.matmul_efficiency;
+  a.attention_backward_efficiency = j.contains("attention_backward_efficiency")
+                                        ? share(j, "attention_backward_efficiency", source)
+                                        : a.attention_efficiency;
   if (j.contains("matmul_overhead_dimension")) {
     const json& d = j.at("matmul_overhead_dimension");
     const double rows = d.is_number() ? d.get<double>() : -1;
@@ -118,19 +121,21 @@ std::string Accelerator::to_json() const {
         {"name", l.name}, {"bytes_per_second", l.bytes_per_second}, {"latency_us", l.latency_us}};
   };
   // In the order the shipped presets are written, for a file a person reads and edits.
-  const nlohmann::ordered_json j = {{"name", name},
-                                    {"peak_flops", peak_flops},
-                                    {"matmul_efficiency", matmul_efficiency},
-                                    {"matmul_overhead_dimension", matmul_overhead_dimension},
-                                    {"attention_efficiency", attention_efficiency},
-                                    {"memory_bytes", memory_bytes},
-                                    {"memory_bandwidth", memory_bandwidth},
-                                    {"memory_efficiency", memory_efficiency},
-                                    {"devices_per_node", devices_per_node},
-                                    {"node_link", link_json(node_link)},
-                                    {"network", link_json(network)},
-                                    {"sources", sources},
-                                    {"assumed", assumed}};
+  const nlohmann::ordered_json j = {
+      {"name", name},
+      {"peak_flops", peak_flops},
+      {"matmul_efficiency", matmul_efficiency},
+      {"matmul_overhead_dimension", matmul_overhead_dimension},
+      {"attention_efficiency", attention_efficiency},
+      {"attention_backward_efficiency", attention_backward_efficiency},
+      {"memory_bytes", memory_bytes},
+      {"memory_bandwidth", memory_bandwidth},
+      {"memory_efficiency", memory_efficiency},
+      {"devices_per_node", devices_per_node},
+      {"node_link", link_json(node_link)},
+      {"network", link_json(network)},
+      {"sources", sources},
+      {"assumed", assumed}};
   return j.dump(2) + "\n";
 }
 

@@ -38,6 +38,7 @@ void KernelRates::validate() const {
   rate("matrix-product rate (FLOP/s)", matmul_flops_per_second, false);
   rate("matrix-product overhead dimension (rows)", matmul_overhead_dimension, true);
   rate("attention rate (FLOP/s)", attention_flops_per_second, false);
+  rate("attention backward rate (FLOP/s)", attention_backward_flops_per_second, true);
   rate("memory bandwidth (bytes/s)", memory_bytes_per_second, true);
 }
 
@@ -99,8 +100,12 @@ rt::Nanos MachineModel::duration(const rt::TaskTable& tasks, rt::TaskId task,
         const double attention = cost.attention_flops;
         const double products =
             std::max(cost.flops - attention, 0.0) + k.matmul_overhead_dimension * cost.matmul_edges;
-        double seconds =
-            products / k.matmul_flops_per_second + attention / k.attention_flops_per_second;
+        const bool backward =
+            t.tags.phase == rt::Phase::backward || t.tags.phase == rt::Phase::weight;
+        const double attention_rate = backward && k.attention_backward_flops_per_second > 0
+                                          ? k.attention_backward_flops_per_second
+                                          : k.attention_flops_per_second;
+        double seconds = products / k.matmul_flops_per_second + attention / attention_rate;
         if (k.memory_bytes_per_second > 0) seconds += cost.bytes / k.memory_bytes_per_second;
         return static_cast<rt::Nanos>(std::llround(seconds * 1e9));
       }

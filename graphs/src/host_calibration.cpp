@@ -10,6 +10,7 @@
 #include <functional>
 #include <stdexcept>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "step_costs.hpp"
@@ -84,18 +85,30 @@ struct ProductSample {
 
 // A product's forward and both backward halves, [m, k] x [k, n] each way, as a linear layer
 // runs them in a step.
+// Sets of buffers a kernel cycles through so that together they exceed the last-level cache: a
+// step's tensors are many and each is touched once or twice, so its kernels read memory cold.
+int cold_sets(double bytes_per_set) {
+  constexpr double kBeyondCache = 96.0 * (1 << 20);
+  return static_cast<int>(std::clamp(std::ceil(kBeyondCache / bytes_per_set), 1.0, 64.0));
+}
+
 ProductSample measure_product(devices::DeviceSet& set, double seconds, std::int64_t m,
                               std::int64_t k, std::int64_t n) {
+  struct Buffers {
+    Tensor x, w, y, dx, dw;
+  };
+  const int sets = cold_sets(4.0 * static_cast<double>(2 * m * k + 2 * n * k + m * n));
   const double t = time_on_devices(set, seconds, [=] {
-    auto x = std::make_shared<Tensor>(filled({m, k}, 0.01f));
-    auto w = std::make_shared<Tensor>(filled({n, k}, 0.02f));
-    auto y = std::make_shared<Tensor>(filled({m, n}, 0.f));
-    auto dx = std::make_shared<Tensor>(filled({m, k}, 0.f));
-    auto dw = std::make_shared<Tensor>(filled({n, k}, 0.f));
+    auto buffers = std::make_shared<std::vector<Buffers>>();
+    for (int i = 0; i < sets; ++i)
+      buffers->push_back({filled({m, k}, 0.01f), filled({n, k}, 0.02f), filled({m, n}, 0.f),
+                          filled({m, k}, 0.f), filled({n, k}, 0.f)});
+    auto next = std::make_shared<int>(0);
     return [=] {
-      ops::linear_forward(*x, *w, Tensor{}, *y);
-      ops::linear_backward_input(*y, *w, *dx);
-      ops::linear_backward_weight(*x, *y, *dw, Tensor{});
+      Buffers& b = (*buffers)[static_cast<std::size_t>((*next)++ % sets)];
+      ops::linear_forward(b.x, b.w, Tensor{}, b.y);
+      ops::linear_backward_input(b.y, b.w, b.dx);
+      ops::linear_backward_weight(b.x, b.y, b.dw, Tensor{});
     };
   });
   const rt::CostHint one = cost::matmul(m, k, n);
@@ -154,73 +167,110 @@ HostCalibration calibrate_host(const CalibrationOptions& options) {
          .seconds = s.seconds,
          .modelled_seconds = (s.flops + overhead * s.edges) / rate});
 
-  // Attention: forward and backward of the blockwise kernel, causal, at two shapes.
+  // Attention: the blockwise kernel's forward and backward apart (a step runs them in tasks of
+  // their own), causal, at two shapes, cold.
   struct AttentionShape {
     std::int64_t b, s, heads, d;
   };
-  double attention_flops = 0, attention_seconds = 0;
-  std::vector<std::pair<AttentionShape, std::pair<double, double>>> attention;
-  for (const AttentionShape a : {AttentionShape{4, 256, 4, 64}, AttentionShape{1, 512, 8, 32}}) {
-    const double t = time_on_devices(set, seconds, [=] {
-      auto q = std::make_shared<Tensor>(filled({a.b, a.s, a.heads, a.d}, 0.01f));
-      auto o = std::make_shared<Tensor>(filled({a.b, a.s, a.heads, a.d}, 0.f));
-      auto lse = std::make_shared<Tensor>(filled({a.b, a.heads, a.s}, 0.f));
-      auto dq = std::make_shared<Tensor>(filled({a.b, a.s, a.heads, a.d}, 0.f));
-      auto dk = std::make_shared<Tensor>(filled({a.b, a.s, a.heads, a.d}, 0.f));
-      auto dv = std::make_shared<Tensor>(filled({a.b, a.s, a.heads, a.d}, 0.f));
+  struct AttentionBuffers {
+    Tensor q, o, lse, dq, dk, dv;
+  };
+  double forward_flops = 0, forward_seconds = 0, backward_flops = 0, backward_seconds = 0;
+  struct AttentionSample {
+    AttentionShape shape;
+    double flops, forward, backward;
+  };
+  std::vector<AttentionSample> attention;
+  for (const AttentionShape a : {AttentionShape{4, 256, 8, 32}, AttentionShape{1, 512, 8, 64}}) {
+    const std::int64_t elements = a.b * a.s * a.heads * a.d;
+    const int sets = cold_sets(4.0 * 5 * static_cast<double>(elements));
+    auto make = [=](bool backward) {
       return [=] {
-        const ops::AttentionOptions causal{};
-        ops::attention_forward(causal, *q, *q, *q, *o, *lse);
-        ops::attention_backward(causal, *q, *q, *q, *o, *lse, *o, *dq, *dk, *dv);
+        auto buffers = std::make_shared<std::vector<AttentionBuffers>>();
+        const ops::Shape shape{a.b, a.s, a.heads, a.d};
+        for (int i = 0; i < sets; ++i)
+          buffers->push_back({filled(shape, 0.01f), filled(shape, 0.f),
+                              filled({a.b, a.heads, a.s}, 0.f), filled(shape, 0.f),
+                              filled(shape, 0.f), filled(shape, 0.f)});
+        for (AttentionBuffers& x : *buffers)  // o and lse, which the backward reads
+          ops::attention_forward(ops::AttentionOptions{}, x.q, x.q, x.q, x.o, x.lse);
+        auto next = std::make_shared<int>(0);
+        return std::function<void()>([=] {
+          AttentionBuffers& x = (*buffers)[static_cast<std::size_t>((*next)++ % sets)];
+          const ops::AttentionOptions causal{};
+          if (backward)
+            ops::attention_backward(causal, x.q, x.q, x.q, x.o, x.lse, x.o, x.dq, x.dk, x.dv);
+          else
+            ops::attention_forward(causal, x.q, x.q, x.q, x.o, x.lse);
+        });
       };
-    });
+    };
+    const double forward = time_on_devices(set, seconds, make(false));
+    const double backward = time_on_devices(set, seconds, make(true));
     // cost::causal_attention's count for the whole sequence on one rank: 2 b h s^2 d forward,
     // 2.5 times that backward.
     const double flops =
-        3.5 * 2 * static_cast<double>(a.b * a.heads * a.s) * static_cast<double>(a.s * a.d);
-    attention_flops += flops;
-    attention_seconds += t;
-    attention.push_back({a, {flops, t}});
+        2 * static_cast<double>(a.b * a.heads * a.s) * static_cast<double>(a.s * a.d);
+    forward_flops += flops, forward_seconds += forward;
+    backward_flops += 2.5 * flops, backward_seconds += backward;
+    attention.push_back({a, flops, forward, backward});
   }
-  const double attention_rate = attention_flops / attention_seconds;
-  for (const auto& [a, ft] : attention)
-    result.measurements.push_back(
-        {.kernel = "attention",
-         .shape = fmt::format("causal, {} x {} positions, {} heads of {}, forward and backward",
-                              a.b, a.s, a.heads, a.d),
-         .seconds = ft.second,
-         .modelled_seconds = ft.first / attention_rate});
+  const double attention_rate = forward_flops / forward_seconds;
+  const double attention_backward_rate = backward_flops / backward_seconds;
+  for (const AttentionSample& x : attention) {
+    const std::string shape = fmt::format("causal, {} x {} positions, {} heads of {}", x.shape.b,
+                                          x.shape.s, x.shape.heads, x.shape.d);
+    result.measurements.push_back({.kernel = "attention",
+                                   .shape = shape + ", forward",
+                                   .seconds = x.forward,
+                                   .modelled_seconds = x.flops / attention_rate});
+    result.measurements.push_back({.kernel = "attention",
+                                   .shape = shape + ", backward",
+                                   .seconds = x.backward,
+                                   .modelled_seconds = 2.5 * x.flops / attention_backward_rate});
+  }
 
-  // Streaming: a norm forward and backward, a residual add and an AdamW step, charged the
-  // float32 elements they read and write, as the step's tasks are.
+  // Streaming: what a step streams, cold, charged the elements the step's tasks are charged. Per
+  // parameter: AdamW (7: value, gradient and two moments read, three written), the gradient
+  // norm (1) and zeroing the gradients (1); per activation element of a layer: a norm (2), its
+  // backward (3) and a residual add (3). In the proportion a small model's step has them.
+  struct StreamingBuffers {
+    Tensor x, y, dx, gamma, beta, mean, rstd, p, g, m, v;
+  };
   double streamed_bytes = 0, streamed_seconds = 0;
   std::vector<std::pair<std::string, std::pair<double, double>>> streaming;
-  for (const auto& [rows, h] : {std::pair<std::int64_t, std::int64_t>{1024, 256}, {4096, 512}}) {
-    const double elements = static_cast<double>(rows * h);
+  for (const auto& [rows, h, params] :
+       {std::tuple<std::int64_t, std::int64_t, std::int64_t>{1024, 256, 1 << 20},
+        {2048, 512, 4 << 20}}) {
+    const double activations = static_cast<double>(rows * h), weights = static_cast<double>(params);
+    const int sets = cold_sets(4.0 * (3 * activations + 4 * weights));
     const double t = time_on_devices(set, seconds, [=] {
-      auto x = std::make_shared<Tensor>(filled({rows, h}, 0.5f));
-      auto y = std::make_shared<Tensor>(filled({rows, h}, 0.f));
-      auto dx = std::make_shared<Tensor>(filled({rows, h}, 0.f));
-      auto gamma = std::make_shared<Tensor>(filled({h}, 1.f));
-      auto beta = std::make_shared<Tensor>(filled({h}, 0.f));
-      auto mean = std::make_shared<Tensor>(filled({rows}, 0.f));
-      auto rstd = std::make_shared<Tensor>(filled({rows}, 0.f));
-      auto m = std::make_shared<Tensor>(filled({rows, h}, 0.f));
-      auto v = std::make_shared<Tensor>(filled({rows, h}, 0.f));
+      auto buffers = std::make_shared<std::vector<StreamingBuffers>>();
+      for (int i = 0; i < sets; ++i)
+        buffers->push_back({filled({rows, h}, 0.5f), filled({rows, h}, 0.f), filled({rows, h}, 0.f),
+                            filled({h}, 1.f), filled({h}, 0.f), filled({rows}, 0.f),
+                            filled({rows}, 0.f), filled({params}, 0.1f), filled({params}, 0.01f),
+                            filled({params}, 0.f), filled({params}, 0.f)});
+      auto next = std::make_shared<int>(0);
       return [=] {
-        ops::layer_norm_forward(*x, *gamma, *beta, 1e-5, *y, *mean, *rstd);
-        ops::layer_norm_backward(*x, *gamma, *mean, *rstd, *y, *dx, Tensor{}, Tensor{});
-        ops::add(*x, *dx, *y);
-        ops::adamw_step(ops::AdamWOptions{}, 1, *dx, *y, *m, *v);
+        StreamingBuffers& b = (*buffers)[static_cast<std::size_t>((*next)++ % sets)];
+        ops::layer_norm_forward(b.x, b.gamma, b.beta, 1e-5, b.y, b.mean, b.rstd);
+        ops::layer_norm_backward(b.x, b.gamma, b.mean, b.rstd, b.y, b.dx, Tensor{}, Tensor{});
+        ops::add(b.x, b.dx, b.y);
+        const Tensor grads[] = {b.g};
+        volatile double norm = ops::squared_norm<float>(grads);
+        (void)norm;
+        ops::adamw_step(ops::AdamWOptions{}, 1, b.p, b.g, b.m, b.v);
+        b.g.fill(0.f);
       };
     });
-    // Read and written: norm 2, its backward 3, the add 3, AdamW 7 (param, grad, two moments
-    // read; param, moments written).
-    const double bytes = 4.0 * 15 * elements;
+    const double bytes = 4.0 * (8 * activations + 9 * weights);
     streamed_bytes += bytes;
     streamed_seconds += t;
     streaming.push_back(
-        {fmt::format("[{}, {}]: norm, norm backward, add, AdamW", rows, h), {bytes, t}});
+        {fmt::format("[{}, {}] norm, its backward, add; {} parameters' AdamW, norm, zeroing", rows,
+                     h, params),
+         {bytes, t}});
   }
   const double bandwidth = streamed_bytes / streamed_seconds;
   for (const auto& [shape, bt] : streaming)
@@ -233,10 +283,11 @@ HostCalibration calibrate_host(const CalibrationOptions& options) {
   a.name = fmt::format("this host, {} device(s) of {} core(s)", options.devices,
                        std::max(1, set.topology().cores() / options.devices));
   // The fitted product rate is the host's "peak": the efficiencies are then shares of it.
-  a.peak_flops = std::max(rate, attention_rate);
+  a.peak_flops = std::max({rate, attention_rate, attention_backward_rate});
   a.matmul_efficiency = rate / a.peak_flops;
   a.matmul_overhead_dimension = overhead;
   a.attention_efficiency = attention_rate / a.peak_flops;
+  a.attention_backward_efficiency = attention_backward_rate / a.peak_flops;
   a.memory_bandwidth = bandwidth;
   a.memory_efficiency = 1;
   a.memory_bytes = static_cast<std::int64_t>(1) << 30;
@@ -246,7 +297,8 @@ HostCalibration calibrate_host(const CalibrationOptions& options) {
   a.network = a.node_link;
   a.sources = {fmt::format(
       "weave calibrate: matrix products over {} shapes (forward and both backward halves), "
-      "blockwise attention at {} shapes, norms, residual adds and AdamW at {} sizes, on {} "
+      "blockwise attention forward and backward at {} shapes, a step's streaming (norms, residual "
+      "adds, AdamW, the gradient norm) at {} sizes, all from memory beyond the cache, on {} "
       "device(s) side by side",
       products.size(), attention.size(), streaming.size(), options.devices)};
   a.assumed =

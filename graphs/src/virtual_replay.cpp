@@ -14,10 +14,12 @@ devices::MachineModel machine_model(const devices::DeviceSet& devices,
   if (machine.attention_flops > 0)
     return devices::MachineModel(
         std::move(numa),
-        devices::KernelRates{.matmul_flops_per_second = machine.device_flops,
-                             .matmul_overhead_dimension = machine.matmul_overhead_dimension,
-                             .attention_flops_per_second = machine.attention_flops,
-                             .memory_bytes_per_second = machine.device_memory_bandwidth},
+        devices::KernelRates{
+            .matmul_flops_per_second = machine.device_flops,
+            .matmul_overhead_dimension = machine.matmul_overhead_dimension,
+            .attention_flops_per_second = machine.attention_flops,
+            .attention_backward_flops_per_second = machine.attention_backward_flops,
+            .memory_bytes_per_second = machine.device_memory_bandwidth},
         devices::LinkModel::preset(machine.link), machine.cluster);
   return devices::MachineModel(std::move(numa), machine.device_flops,
                                devices::LinkModel::preset(machine.link),

@@ -46,6 +46,7 @@ TEST(Accelerator, ToJsonReadsBackTheSame) {
   EXPECT_DOUBLE_EQ(b.matmul_efficiency, a.matmul_efficiency);
   EXPECT_DOUBLE_EQ(b.matmul_overhead_dimension, 37.5);
   EXPECT_DOUBLE_EQ(b.attention_efficiency, a.attention_efficiency);
+  EXPECT_DOUBLE_EQ(b.attention_backward_efficiency, a.attention_efficiency);  // absent: the same
   EXPECT_EQ(b.memory_bytes, a.memory_bytes);
   EXPECT_DOUBLE_EQ(b.memory_bandwidth, a.memory_bandwidth);
   EXPECT_DOUBLE_EQ(b.memory_efficiency, a.memory_efficiency);
@@ -70,6 +71,7 @@ TEST(Accelerator, AUsersFileLoadsAndAWrongOneIsNamed) {
   // Without the kernel model's fields: attention as fast as products, no shape effect.
   EXPECT_DOUBLE_EQ(a.attention_efficiency, 0.5);
   EXPECT_DOUBLE_EQ(a.matmul_overhead_dimension, 0);
+  EXPECT_DOUBLE_EQ(a.attention_backward_efficiency, 0.5);
   const std::string rest = R"("memory_bytes": 1e11, "memory_bandwidth": 4e12,
     "memory_efficiency": 1, "devices_per_node": 4,
     "node_link": {"bytes_per_second": 1e11, "latency_us": 1},

@@ -310,6 +310,21 @@ TEST(MachineModel, KernelRatesSumProductsAttentionAndStreaming) {
   const MachineModel square(
       {0}, KernelRates{.matmul_flops_per_second = 1e9, .attention_flops_per_second = 5e8}, links);
   EXPECT_EQ(square.duration(g.tasks(), product), std::llround(2 * m * k * n));
+  // A backward task's attention runs at the backward's rate when one is given.
+  const MachineModel split({0},
+                           KernelRates{.matmul_flops_per_second = 1e9,
+                                       .attention_flops_per_second = 5e8,
+                                       .attention_backward_flops_per_second = 2.5e8},
+                           links);
+  rt::GraphBuilder bb;
+  const rt::TaskTags backward{.phase = rt::Phase::backward};
+  const rt::TaskId fwd =
+      bb.add({.device = 0, .name = "f", .cost = {.flops = 1e6, .attention_flops = 1e6}});
+  const rt::TaskId bwd = bb.add(
+      {.device = 0, .name = "b", .tags = backward, .cost = {.flops = 1e6, .attention_flops = 1e6}});
+  const rt::Graph gb = bb.build();
+  EXPECT_EQ(split.duration(gb.tasks(), fwd), 2'000'000);
+  EXPECT_EQ(split.duration(gb.tasks(), bwd), 4'000'000);
   auto refused = [&](KernelRates r, const std::string& expected) {
     try {
       MachineModel({0}, r, links);

@@ -388,6 +388,7 @@ void derive_config(TrainOptions& o) {
     c.machine.device_memory_bandwidth = a.sustained_memory_bandwidth();
     c.machine.peak_flops = a.peak_flops;
     c.machine.attention_flops = a.sustained_attention_flops();
+    c.machine.attention_backward_flops = a.sustained_attention_backward_flops();
     c.machine.matmul_overhead_dimension = a.matmul_overhead_dimension;
     if (c.machine.link == "none")
       c.machine.link =

@@ -27,6 +27,8 @@ struct Accelerator {
   // Share of the peak blockwise (flash) attention sustains; optional, matmul_efficiency when
   // absent.
   double attention_efficiency = 0;
+  // The same for the attention's backward; optional, attention_efficiency when absent.
+  double attention_backward_efficiency = 0;
   std::int64_t memory_bytes = 0;  // device memory
   double memory_bandwidth = 0;    // bytes/s, the datasheet's
   double memory_efficiency = 0;   // share of it streaming kernels sustain
@@ -38,6 +40,9 @@ struct Accelerator {
 
   double sustained_flops() const { return peak_flops * matmul_efficiency; }
   double sustained_attention_flops() const { return peak_flops * attention_efficiency; }
+  double sustained_attention_backward_flops() const {
+    return peak_flops * attention_backward_efficiency;
+  }
   double sustained_memory_bandwidth() const { return memory_bandwidth * memory_efficiency; }
 
   static std::vector<std::string> preset_names();

@@ -2,7 +2,7 @@
 // kernels run one after another, so its time is the sum of its kinds' times:
 //
 //   matrix products  (flops - attention_flops + overhead_dimension x matmul_edges) / matmul rate
-//   attention        attention_flops / attention rate
+//   attention        attention_flops / attention rate (the backward's rate in a backward task)
 //   streaming        bytes / memory bandwidth
 //
 // (the fields of rt::CostHint). For one [m, k] x [k, n] product the first line is
@@ -20,7 +20,9 @@ struct KernelRates {
   double matmul_flops_per_second = 0;     // R: large products' sustained FLOP/s
   double matmul_overhead_dimension = 0;   // d0, in rows; 0: every product runs at R
   double attention_flops_per_second = 0;  // blockwise (flash) attention's sustained FLOP/s
-  double memory_bytes_per_second = 0;     // streaming kernels' sustained bytes/s; 0: free
+  // The same in backward tasks (rt::Phase::backward or weight); 0: attention_flops_per_second.
+  double attention_backward_flops_per_second = 0;
+  double memory_bytes_per_second = 0;  // streaming kernels' sustained bytes/s; 0: free
 
   // Throws std::invalid_argument naming the field for a rate that is not a positive finite
   // figure, or an overhead dimension or bandwidth below 0.

@@ -44,6 +44,7 @@ struct ModelledMachine {
   // at device_memory_bandwidth, summed per task. Off: the roofline of device_flops and the
   // memory bandwidth.
   double attention_flops = 0;
+  double attention_backward_flops = 0;  // 0: attention_flops
   double matmul_overhead_dimension = 0;
   // --link: a devices::LinkModel preset (`weave topo --links`) or "GBPS:MICROSECONDS". On the
   // wall clock a link other than "none" holds each transfer to its modelled time.
