@@ -5,8 +5,10 @@
 
 #include <filesystem>
 #include <regex>
+#include <set>
 
 #include "run_weave.hpp"
+#include "weave/runtime/chrome_trace.hpp"
 
 namespace weave::cli_test {
 namespace {
@@ -58,6 +60,16 @@ TEST(PredictCli, ModelsHalfPrecisionVocabularyAndRecomputation) {
             std::string::npos)
       << r.out;
   EXPECT_NE(r.out.find("with this run's"), std::string::npos) << r.out;
+  // The FLOP/s per device also as Megatron-LM's papers count them, the recomputation included:
+  // higher than the model FLOP/s by the recomputed forward's share.
+  std::smatch rates;
+  ASSERT_TRUE(std::regex_search(
+      r.out, rates,
+      std::regex("per device +([0-9.e+]+) FLOP/s of model math.*; ([0-9.e+]+) FLOP/s, "
+                 "[0-9.]+ % counting the recomputed forward")))
+      << r.out;
+  EXPECT_GT(std::stod(rates[2]), std::stod(rates[1]));
+  EXPECT_LT(std::stod(rates[2]), 4.0 / 3 * std::stod(rates[1]) * 1.0001);
   const Result both = weave(std::string(kConfig) + " --bf16 --fp16");
   EXPECT_NE(both.status, 0);
   EXPECT_NE(both.out.find("--bf16 and --fp16 are two precisions: give one"), std::string::npos)
@@ -94,6 +106,42 @@ TEST(PredictCli, AnAcceleratorPresetSetsTheMachine) {
                        "5.44e+14 FLOP/s"),
             std::string::npos)
       << r.out;
+}
+
+// --trace-ranks writes the replay of the ranks asked for, and refuses what it cannot write.
+TEST(PredictCli, TraceRanksWritesTheChosenRanksOnly) {
+  const std::string trace =
+      (std::filesystem::temp_directory_path() / "weave_predict_trace_ranks.json").string();
+  // 8 devices: tp 2, dp 4 (ep 4 folds over dp); ranks 0 and 1 are replica 0's.
+  const Result r = weave(std::string(kConfig) + " --trace " + trace + " --trace-ranks 0-1");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("trace of the replay of 2 rank(s) (0-1)"), std::string::npos) << r.out;
+  const rt::Trace t = rt::read_chrome_trace(trace);
+  std::set<rt::DeviceId> devices;
+  for (const rt::Span& s : t.spans())
+    devices.insert(t.tasks()[s.task].device);
+  EXPECT_EQ(devices, (std::set<rt::DeviceId>{0, 1}));
+  std::filesystem::remove(trace);
+  const Result folded = weave(std::string(kConfig) + " --trace " + trace + " --trace-ranks 0,5");
+  EXPECT_NE(folded.status, 0);
+  EXPECT_NE(folded.out.find("rank 5 is data-parallel replica 2's, folded into replica 0 (the same "
+                            "program on other samples): trace rank 1 instead, or add --every-rank"),
+            std::string::npos)
+      << folded.out;
+  EXPECT_FALSE(std::filesystem::exists(trace));
+  const Result every =
+      weave(std::string(kConfig) + " --every-rank --trace " + trace + " --trace-ranks 5");
+  EXPECT_EQ(every.status, 0) << every.out;
+  std::filesystem::remove(trace);
+  const Result range = weave(std::string(kConfig) + " --trace " + trace + " --trace-ranks 3-9");
+  EXPECT_NE(range.out.find("--trace-ranks takes ranks in [0, 8) and ranges like 0-7,64; '9' is "
+                           "not one"),
+            std::string::npos)
+      << range.out;
+  const Result alone = weave(std::string(kConfig) + " --trace-ranks 0");
+  EXPECT_NE(alone.out.find("--trace-ranks 0 chooses what --trace writes: add --trace FILE"),
+            std::string::npos)
+      << alone.out;
 }
 
 // weave calibrate writes a preset of this host's rates that weave predict then reads.

@@ -3,7 +3,10 @@
 // per process group, the pipeline's bubble and each device's memory.
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "commands.hpp"
 #include "memory_estimate.hpp"
@@ -11,6 +14,7 @@
 #include "train_options.hpp"
 #include "weave/devices/accelerator.hpp"
 #include "weave/devices/link_model.hpp"
+#include "weave/graphs/mesh.hpp"
 #include "weave/graphs/prediction.hpp"
 #include "weave/runtime/chrome_trace.hpp"
 
@@ -23,6 +27,7 @@ struct PredictOptions {
   double device_memory_gib = 80;
   bool device_memory_given = false;
   bool every_rank = false;
+  std::string trace_ranks;  // --trace-ranks: "0-7,64"
   // What weave predict models beyond weave train (which refuses these flags).
   bool bf16 = false, fp16 = false;
   bool recompute_activations = false;  // Megatron-LM's shorthand for selective
@@ -70,6 +75,56 @@ std::string recompute_text(const graphs::Recompute& r) {
   return {};
 }
 
+// The ranks --trace-ranks names ("0-7,64"), each checked against the plan before anything is
+// predicted: in range, and built (a folded data-parallel replica's rank is not: it runs its
+// replica 0 rank's program).
+std::vector<rt::DeviceId> parse_trace_ranks(const PredictOptions& o,
+                                            const graphs::TrainerConfig& c) {
+  std::vector<rt::DeviceId> ranks;
+  if (o.trace_ranks.empty()) return ranks;
+  if (c.trace_path.empty())
+    throw graphs::ConfigError(fmt::format(
+        "--trace-ranks {} chooses what --trace writes: add --trace FILE", o.trace_ranks));
+  const int devices = c.plan.devices();
+  const graphs::Mesh mesh(c.plan);
+  auto rank = [&](const std::string& text) {
+    std::size_t used = 0;
+    long value = -1;
+    try {
+      value = std::stol(text, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != text.size() || text.empty() || value < 0 || value >= devices)
+      throw graphs::ConfigError(fmt::format(
+          "--trace-ranks takes ranks in [0, {}) and ranges like 0-7,64; '{}' is not one", devices,
+          text));
+    return static_cast<int>(value);
+  };
+  std::size_t at = 0;
+  while (at <= o.trace_ranks.size()) {
+    const std::size_t comma = std::min(o.trace_ranks.find(',', at), o.trace_ranks.size());
+    const std::string item = o.trace_ranks.substr(at, comma - at);
+    const std::size_t dash = item.find('-');
+    const int first = rank(item.substr(0, dash));
+    const int last = dash == std::string::npos ? first : rank(item.substr(dash + 1));
+    if (last < first)
+      throw graphs::ConfigError(
+          fmt::format("--trace-ranks: the range '{}' ends before it starts", item));
+    for (int r = first; r <= last; ++r) {
+      const graphs::MeshCoordinates x = mesh.coordinates(r);
+      if (!o.every_rank && x.dp > 0)
+        throw graphs::ConfigError(fmt::format(
+            "--trace-ranks: rank {} is data-parallel replica {}'s, folded into replica 0 (the "
+            "same program on other samples): trace rank {} instead, or add --every-rank",
+            r, x.dp, mesh.rank_of(x.tp, x.cp, 0, x.pp)));
+      ranks.push_back(static_cast<rt::DeviceId>(r));
+    }
+    at = comma + 1;
+  }
+  return ranks;
+}
+
 int run_predict(PredictOptions& o) {
   derive_config(o.train);
   apply_predicted_training(o);
@@ -88,6 +143,7 @@ int run_predict(PredictOptions& o) {
   }
   const std::vector<std::string> warnings = graphs::validate(c);
   check_writable("--trace", c.trace_path);
+  const std::vector<rt::DeviceId> traced = parse_trace_ranks(o, c);
   for (const std::string& w : warnings)
     fmt::print("warning: {}\n", w);
   if (!o.train.no_effect.empty())
@@ -135,9 +191,17 @@ int run_predict(PredictOptions& o) {
       m.recompute.full()
           ? fmt::format(", {:.4g} with this run's", p.model_flops + p.flops_recomputed)
           : std::string());
-  fmt::print("per device       {:.4g} FLOP/s of model math, MFU {:.1f} % of {:.3g}\n",
-             p.flops_per_device, 100 * p.mfu,
-             c.machine.peak_flops > 0 ? c.machine.peak_flops : c.machine.device_flops);
+  const double peak = c.machine.peak_flops > 0 ? c.machine.peak_flops : c.machine.device_flops;
+  // With recomputation, also what Megatron-LM's papers report: the recomputed forward counted.
+  std::string with_recomputation;
+  if (m.recompute.full()) {
+    const double counted =
+        p.flops_per_device * (p.model_flops + p.flops_recomputed) / p.model_flops;
+    with_recomputation = fmt::format("; {:.4g} FLOP/s, {:.1f} % counting the recomputed forward",
+                                     counted, 100 * counted / peak);
+  }
+  fmt::print("per device       {:.4g} FLOP/s of model math, MFU {:.1f} % of {:.3g}{}\n",
+             p.flops_per_device, 100 * p.mfu, peak, with_recomputation);
   fmt::print("bubble           {:.3f} (compute idle over compute busy, summed over devices)\n",
              p.bubble);
   std::string exposed;
@@ -159,8 +223,14 @@ int run_predict(PredictOptions& o) {
         over, p.memory_total.size(), largest, bytes_text(p.memory_total[largest]),
         bytes_text(capacity));
   if (!c.trace_path.empty()) {
-    rt::write_chrome_trace(p.trace, c.trace_path);
-    fmt::print("trace of the replay: {}\n", c.trace_path);
+    if (traced.empty()) {
+      rt::write_chrome_trace(p.trace, c.trace_path);
+      fmt::print("trace of the replay: {}\n", c.trace_path);
+    } else {
+      rt::write_chrome_trace(p.trace.only_devices(traced), c.trace_path);
+      fmt::print("trace of the replay of {} rank(s) ({}): {}\n", traced.size(), o.trace_ranks,
+                 c.trace_path);
+    }
   }
   return 0;
 }
@@ -211,6 +281,9 @@ void add_predict_command(CLI::App& app) {
                   "recomputed per model chunk (block), 1 to the layers of a pipeline rank");
   cmd->add_flag("--recompute-activations", o->recompute_activations,
                 "Megatron-LM's shorthand for --recompute-granularity selective");
+  cmd->add_option("--trace-ranks", o->trace_ranks,
+                  "With --trace: write only these ranks' replay, as a list of ranks and ranges "
+                  "(0-7,64); a folded data-parallel replica's ranks need --every-rank");
   cmd->add_flag("--every-rank", o->every_rank,
                 "Build and replay every rank instead of folding data-parallel replicas into the "
                 "first (slower, the same figures)");

@@ -33,6 +33,9 @@ class Trace {
   const Span* find(TaskId task) const;
   // The first span whose task has this name, or null.
   const Span* find(std::string_view name) const;
+  // The spans of tasks on these devices only (the same task table and clock): a replay of
+  // thousands of devices drawn for the few a person looks at.
+  Trace only_devices(std::span<const DeviceId> devices) const;
 
  private:
   std::shared_ptr<const TaskTable> tasks_;
