@@ -320,9 +320,11 @@ void add_train_flags(CLI::App& cmd, TrainOptions& o) {
       ->capture_default_str();
   cmd.add_option("--accelerator", o.accelerator,
                  "Model the devices as this accelerator (--timing model, weave predict): a "
-                 "preset (a100-80gb, h100-sxm, ascend-910b) or a JSON file; sets --device-flops "
-                 "to what its matrix products sustain and --device-memory-bandwidth (over any "
-                 "given), --link to its node's link unless --link is given, and the cluster "
+                 "preset (a100-80gb, h100-sxm, ascend-910b) or a JSON file (weave calibrate "
+                 "writes this host's); prices matrix products by their shapes, attention and "
+                 "streaming at the rates it states (--device-flops and --device-memory-bandwidth "
+                 "given are overridden), --link to its node's link unless --link is given, and the "
+                 "cluster "
                  "collectives are costed on: its node and network (--devices-per-node, "
                  "--node-link, --network override them)");
   cmd.add_option("--devices-per-node", o.cluster.devices_per_node,
