@@ -4,12 +4,16 @@
 // docs/api.md.
 #pragma once
 
+#include "weave/devices/accelerator.hpp"
+#include "weave/devices/cluster.hpp"
 #include "weave/devices/collective.hpp"
 #include "weave/devices/collective_matcher.hpp"
 #include "weave/devices/communicator.hpp"
 #include "weave/devices/device.hpp"
 #include "weave/devices/device_layout.hpp"
 #include "weave/devices/device_set.hpp"
+#include "weave/devices/folded_communicator.hpp"
+#include "weave/devices/kernel_rates.hpp"
 #include "weave/devices/link_model.hpp"
 #include "weave/devices/machine_model.hpp"
 #include "weave/devices/mpi_communicator.hpp"

@@ -4,6 +4,7 @@
 #pragma once
 
 #include "weave/graphs/checkpoint.hpp"
+#include "weave/graphs/host_calibration.hpp"
 #include "weave/graphs/learning_rate.hpp"
 #include "weave/graphs/mesh.hpp"
 #include "weave/graphs/model_config.hpp"
@@ -16,6 +17,7 @@
 #include "weave/graphs/pipeline_schedule_generators.hpp"
 #include "weave/graphs/pipeline_schedule_simulation.hpp"
 #include "weave/graphs/pipeline_schedule_svg.hpp"
+#include "weave/graphs/prediction.hpp"
 #include "weave/graphs/token_dataset.hpp"
 #include "weave/graphs/trainer.hpp"
 #include "weave/graphs/trainer_config.hpp"
