@@ -40,6 +40,7 @@ double exposed_all_to_all_ms(const graphs::Prediction& p) {
 }
 
 [[noreturn]] void refuse_none_fits(std::string_view what, std::int64_t capacity) {
+  std::fflush(stdout);  // the table the message points to, before the message on stderr
   throw graphs::ConfigError(fmt::format(
       "no {} fits the device's memory ({} a device, see the table): give --device-memory (weave "
       "predict) or --accelerator the device's memory, raise the parallel sizes, lower "

@@ -21,7 +21,7 @@ int advise_pipeline(const graphs::TrainerConfig& config, std::int64_t device_mem
 
 struct PlanAdviceOptions {
   std::int64_t device_memory_bytes = 0;
-  int top = 10;                // --advise-top: rows printed
+  int top = 10;               // --advise-top: rows printed
   int max_predictions = 500;  // --advise-limit
   bool fold_data_parallel = true;
   // The command line's flags other than the plan's, to print the best plan as a command.

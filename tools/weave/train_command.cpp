@@ -93,8 +93,11 @@ int run_train(TrainOptions o) {
   try {
     if (launched && (o.ampipe_advise || o.pipeline_advise))
       throw std::invalid_argument(
-          "--ampipe-advise and --pipeline-advise replay steps on the virtual clock in one "
+          "--ampipe-advise and --pipeline-advise predict steps on the virtual clock in one "
           "process: run them without mpirun");
+    if (o.ampipe_advise && o.pipeline_advise)
+      throw std::invalid_argument(
+          "--ampipe-advise and --pipeline-advise are two searches: give one");
     const std::vector<std::string> warnings = graphs::validate(c);
     // Advice predicts the steps on the modelled machine and allocates nothing here.
     if (o.ampipe_advise || o.pipeline_advise) {
