@@ -88,6 +88,8 @@ Prediction predict_step(TrainerConfig config, const PredictionOptions& options) 
   p.mfu = p.flops_per_device / peak;
   const rt::TraceMetrics metrics = rt::measure(run.trace);
   p.bubble = metrics.compute_bubble();  // over the devices replayed
+  p.exposed_ms_per_device =
+      static_cast<double>(metrics.total_exposed_comm()) * 1e-6 / static_cast<int>(built.size());
   // Each process group's streams, by the kind they are named for: tp with its gradient stream,
   // ep with its dispatch and combine streams, both directions of every pipeline stage.
   std::vector<std::pair<std::string, std::vector<std::string_view>>> groups;

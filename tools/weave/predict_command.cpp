@@ -4,10 +4,13 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <iterator>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "advice.hpp"
 #include "commands.hpp"
 #include "memory_estimate.hpp"
 #include "output_paths.hpp"
@@ -32,7 +35,71 @@ struct PredictOptions {
   bool bf16 = false, fp16 = false;
   bool recompute_activations = false;  // Megatron-LM's shorthand for selective
   std::string recompute_granularity, recompute_method;
+  // --advise: search the parallel plans instead of predicting the one given.
+  bool advise = false;
+  int advise_top = 10;
+  int advise_limit = 500;
+  bool advise_top_given = false, advise_limit_given = false;
 };
+
+// The flags that choose a plan, which --advise's candidates set themselves, and the advice
+// flags: left out when the best plan is printed as a command.
+constexpr std::string_view kPlanFlags[] = {
+    "--devices",
+    "--tensor-model-parallel-size",
+    "--sequence-parallel",
+    "--context-parallel-size",
+    "--expert-model-parallel-size",
+    "--expert-tensor-parallel-size",
+    "--pipeline-model-parallel-size",
+    "--pipeline-scheduler",
+    "--virtual-pipeline-model-parallel-size",
+    "--num-layers-per-virtual-pipeline-stage",
+    "--microbatch-group-size-per-virtual-pipeline-stage",
+    "--decoder-first-pipeline-num-layers",
+    "--decoder-last-pipeline-num-layers",
+    "--global-batch-size",
+    "--ampipe-degree",
+    "--recompute-granularity",
+    "--recompute-method",
+    "--recompute-num-layers",
+    "--recompute-activations",
+    "--advise",
+    "--advise-top",
+    "--advise-limit",
+    "--ampipe-advise",
+    "--ampipe-advise-fast",
+    "--pipeline-advise",
+    "--config",  // its flags were read onto the command line
+    "--trace",
+    "--every-rank",
+};
+
+// A word as a shell reads it back.
+std::string shell_word(const std::string& word) {
+  if (!word.empty() && word.find_first_of(" \t\n'\"\\$`*?[]{}()<>|&;~#!") == std::string::npos)
+    return word;
+  std::string quoted = "'";
+  for (const char ch : word)
+    quoted += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+  return quoted + "'";
+}
+
+// The flags given on the command line other than the plan's, as a shell command's words.
+std::string model_flags(const CLI::App& cmd) {
+  std::string flags;
+  for (const CLI::Option* opt : cmd.get_options()) {
+    if (opt->count() == 0) continue;
+    const std::string name = opt->get_name();
+    if (std::find(std::begin(kPlanFlags), std::end(kPlanFlags), name) != std::end(kPlanFlags))
+      continue;
+    flags += (flags.empty() ? "" : " ") + name;
+    if (opt->get_expected_max() != 0)  // a flag takes no value
+      for (const std::string& value : opt->results())
+        flags += " " + shell_word(value);
+  }
+  return flags;
+}
 
 // --bf16 / --fp16 and the recomputation flags into the model's configuration, by Megatron-LM's
 // meanings; graphs::validate checks the combinations.
@@ -125,7 +192,38 @@ std::vector<rt::DeviceId> parse_trace_ranks(const PredictOptions& o,
   return ranks;
 }
 
-int run_predict(PredictOptions& o) {
+// Advice (--advise, --ampipe-advise, --pipeline-advise) predicts many steps: one at a time, and
+// none with the single prediction's --trace.
+void check_advice_flags(const PredictOptions& o) {
+  const int advice = o.advise + o.train.ampipe_advise + o.train.pipeline_advise;
+  if (advice > 1)
+    throw std::invalid_argument(
+        "--advise, --ampipe-advise and --pipeline-advise are three searches: give one");
+  if ((o.advise_top_given || o.advise_limit_given) && !o.advise)
+    throw std::invalid_argument(
+        fmt::format("{} shapes --advise's search: add --advise",
+                    o.advise_top_given ? "--advise-top" : "--advise-limit"));
+  if (advice > 0 && !o.train.config.trace_path.empty())
+    throw std::invalid_argument(
+        "--trace writes one step's replay and advice predicts many: run weave predict with the "
+        "best's flags and --trace");
+}
+
+// --advise replaces the plan given, which need not pass the rules: the model's own sizes are
+// checked on one device, the candidates' plans one by one.
+std::vector<std::string> validate_model(const graphs::TrainerConfig& c) {
+  graphs::TrainerConfig one = c;
+  one.model.recompute = {};
+  one.plan = {.expert_tensor_parallel = 1,
+              .moe_model_type = c.plan.moe_model_type,
+              .micro_batch_size = c.plan.micro_batch_size,
+              .global_batch_size = c.plan.micro_batch_size,
+              .distributed_optimizer = c.plan.distributed_optimizer};
+  return graphs::validate(one);
+}
+
+int run_predict(PredictOptions& o, const CLI::App& cmd) {
+  check_advice_flags(o);
   derive_config(o.train);
   apply_predicted_training(o);
   graphs::TrainerConfig& c = o.train.config;
@@ -141,13 +239,23 @@ int run_predict(PredictOptions& o) {
     if (!o.device_memory_given)
       o.device_memory_gib = static_cast<double>(a.memory_bytes) / (1024.0 * 1024 * 1024);
   }
-  const std::vector<std::string> warnings = graphs::validate(c);
+  const std::vector<std::string> warnings = o.advise ? validate_model(c) : graphs::validate(c);
   check_writable("--trace", c.trace_path);
   const std::vector<rt::DeviceId> traced = parse_trace_ranks(o, c);
   for (const std::string& w : warnings)
     fmt::print("warning: {}\n", w);
   if (!o.train.no_effect.empty())
     fmt::print("no effect here: {} (docs/flags.md says why)\n", fmt::join(o.train.no_effect, ", "));
+  const std::int64_t device_memory =
+      modelled_device_memory(o.train, o.device_memory_given ? o.device_memory_gib : 0);
+  if (o.train.ampipe_advise) return advise_ampipe(c, device_memory);
+  if (o.train.pipeline_advise) return advise_pipeline(c, device_memory);
+  if (o.advise)
+    return advise_plans(c, {.device_memory_bytes = device_memory,
+                            .top = o.advise_top,
+                            .max_predictions = o.advise_limit,
+                            .fold_data_parallel = !o.every_rank,
+                            .model_flags = model_flags(cmd)});
   const graphs::Prediction p = graphs::predict_step(c, {.fold_data_parallel = !o.every_rank});
   const graphs::ModelConfig& m = c.model;
   const graphs::ParallelPlan& plan = c.plan;
@@ -287,15 +395,35 @@ void add_predict_command(CLI::App& app) {
   cmd->add_flag("--every-rank", o->every_rank,
                 "Build and replay every rank instead of folding data-parallel replicas into the "
                 "first (slower, the same figures)");
+  cmd->add_flag("--advise", o->advise,
+                "Instead of one prediction: predict every parallel plan over --devices (tp "
+                "dividing the heads and query groups, at most a node's devices with a modelled "
+                "cluster; pp dividing the layers; cp where the sequence allows; ep dividing the "
+                "experts; dp the rest, dividing --global-batch-size; for pp > 1 1f1b, "
+                "interleaved and zb-h1; Ampipe degree 1 and 2 with MoE; recomputation none or "
+                "full uniform 1; --sequence-parallel with tp > 1), discard what the rules refuse "
+                "(counted by reason) and what does not fit --device-memory, and print the "
+                "fastest with the flags that run the best");
+  CLI::Option* top =
+      cmd->add_option("--advise-top", o->advise_top, "With --advise: the plans printed")
+          ->check(at_least(1))
+          ->capture_default_str();
+  CLI::Option* limit = cmd->add_option("--advise-limit", o->advise_limit,
+                                       "With --advise: the most candidates predicted, those that "
+                                       "build the fewest ranks first; the rest are counted")
+                           ->check(at_least(1))
+                           ->capture_default_str();
   cmd->footer(
       "Takes weave train's flags (--trace writes the replay). Example:\n"
       "  weave predict --num-layers 8 --hidden-size 1024 --num-attention-heads 16 \\\n"
       "                --seq-length 2048 --devices 16 --tensor-model-parallel-size 4 \\\n"
       "                --pipeline-model-parallel-size 2 --global-batch-size 32 \\\n"
       "                --device-flops 3e14 --device-memory-bandwidth 2e12 --link nvlink4");
-  cmd->callback([o, memory] {
+  cmd->callback([o, memory, top, limit, cmd] {
     o->device_memory_given = memory->count() > 0;
-    throw CommandExit{run_predict(*o)};
+    o->advise_top_given = top->count() > 0;
+    o->advise_limit_given = limit->count() > 0;
+    throw CommandExit{run_predict(*o, *cmd)};
   });
 }
 

@@ -14,12 +14,12 @@
 #include <string>
 #include <vector>
 
+#include "advice.hpp"
 #include "commands.hpp"
 #include "memory_estimate.hpp"
 #include "output_paths.hpp"
 #include "progress_reporter.hpp"
 #include "run_record.hpp"
-#include "train_advice.hpp"
 #include "train_options.hpp"
 #include "weave/devices/device_set.hpp"
 #include "weave/devices/mpi_communicator.hpp"
@@ -84,9 +84,6 @@ int run_trainer(TrainOptions& o, ProgressReporter& progress, graphs::Trainer& tr
 int run_train(TrainOptions o) {
   derive_config(o);
   graphs::TrainerConfig& c = o.config;
-  if (o.ampipe_advise_fast && !o.ampipe_advise)
-    throw std::invalid_argument(
-        "--ampipe-advise-fast changes how --ampipe-advise replays: add --ampipe-advise");
   // Under mpirun every process runs this; until training starts they all meet the same errors,
   // which process 0 alone reports.
   const bool launched = devices::MpiCommunicator::launched();
@@ -96,9 +93,19 @@ int run_train(TrainOptions o) {
   try {
     if (launched && (o.ampipe_advise || o.pipeline_advise))
       throw std::invalid_argument(
-          "--ampipe-advise and --pipeline-advise replay steps on the virtual clock in one "
+          "--ampipe-advise and --pipeline-advise predict steps on the virtual clock in one "
           "process: run them without mpirun");
+    if (o.ampipe_advise && o.pipeline_advise)
+      throw std::invalid_argument(
+          "--ampipe-advise and --pipeline-advise are two searches: give one");
     const std::vector<std::string> warnings = graphs::validate(c);
+    // Advice predicts the steps on the modelled machine and allocates nothing here.
+    if (o.ampipe_advise || o.pipeline_advise) {
+      for (const std::string& w : warnings)
+        fmt::print("warning: {}\n", w);
+      const std::int64_t capacity = modelled_device_memory(o, 0);
+      return o.ampipe_advise ? advise_ampipe(c, capacity) : advise_pipeline(c, capacity);
+    }
     // Every file the run will write, before an hour of training finds one it cannot.
     check_writable("--save", c.save_path);
     check_writable("--trace", c.trace_path);
@@ -131,8 +138,6 @@ int train(TrainOptions& o, ProgressReporter& progress, ProcessRun* processes) {
       o.mock_data
           ? graphs::TokenDataset::mock(c.model.seq_length, c.model.seed)
           : graphs::TokenDataset::from_text(o.data_path, c.model.seq_length, o.valid_fraction));
-  if (o.ampipe_advise) return advise_ampipe(c, data.train, o.ampipe_advise_fast);
-  if (o.pipeline_advise) return advise_pipeline(c, data.train);
 
   std::unique_ptr<graphs::Trainer> built;
   try {

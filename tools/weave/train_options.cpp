@@ -170,15 +170,18 @@ void add_train_flags(CLI::App& cmd, TrainOptions& o) {
       ->check(at_least(1))
       ->capture_default_str();
   cmd.add_flag("--ampipe-advise", o.ampipe_advise,
-               "Instead of training: replay one step at each Ampipe degree on the virtual clock "
-               "(--link, --device-flops) and name the fastest");
+               "Instead of training: predict one step at each Ampipe degree as weave predict "
+               "does (built without tensors, replicas folded, on the virtual clock of --link, "
+               "--device-flops or --accelerator) and name the fastest that fits a device's "
+               "memory");
   cmd.add_flag("--ampipe-advise-fast", o.ampipe_advise_fast,
-               "With --ampipe-advise: replay without running the kernels, all-to-alls timed as "
-               "for balanced routing (for many devices)");
+               "Accepted for old scripts without effect: --ampipe-advise always predicts "
+               "without running the kernels now, all-to-alls timed as for balanced routing");
   cmd.add_flag("--pipeline-advise", o.pipeline_advise,
-               "Instead of training: replay one step under every pipeline schedule on the "
-               "virtual clock (--link, --device-flops): step time, bubble measured and in "
-               "theory, activation memory per stage");
+               "Instead of training: predict one step under every pipeline schedule as weave "
+               "predict does (--link, --device-flops or --accelerator): step time, bubble "
+               "predicted and in theory, memory per device and activation memory per stage; "
+               "the fastest that fits a device's memory named");
   // MindSpeed and Megatron switches scripts carry: accepted, refused beside Ampipe by its rules.
   cmd.add_flag("--overlap-grad-reduce", p.overlap_grad_reduce,
                "Accepted: gradient reductions always overlap the backward here (refused with "
@@ -466,6 +469,13 @@ void derive_config(TrainOptions& o) {
   c.timing = o.timing == "model" ? graphs::Timing::virtual_clock : graphs::Timing::wall;
   if (!o.trace_iteration_given) c.trace_iteration = std::min(c.trace_iteration, c.train_iters);
   if (!o.split.empty()) o.valid_fraction = validation_share(o.split);
+}
+
+std::int64_t modelled_device_memory(const TrainOptions& o, double given_gib) {
+  constexpr double kGiB = 1024.0 * 1024 * 1024;
+  if (given_gib > 0) return static_cast<std::int64_t>(given_gib * kGiB);
+  if (!o.accelerator.empty()) return devices::Accelerator::load(o.accelerator).memory_bytes;
+  return static_cast<std::int64_t>(80 * kGiB);
 }
 
 }  // namespace weave::cli

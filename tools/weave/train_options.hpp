@@ -5,6 +5,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -37,7 +38,7 @@ struct TrainOptions {
   std::string timing = "wall";
   std::string config_file;  // read before parsing (see prepare_arguments)
   bool ampipe_advise = false;
-  bool ampipe_advise_fast = false;  // replay without running the kernels
+  bool ampipe_advise_fast = false;  // accepted for old scripts: every replay runs no kernels now
   bool pipeline_advise = false;
   std::string optimizer = "adam";
   std::string split;  // --split: train,valid,test weights ("" keeps valid_fraction)
@@ -54,5 +55,9 @@ void add_train_flags(CLI::App& cmd, TrainOptions& o);
 // --split's weights give the validation share, a --trace of a run shorter than the default
 // --trace-iteration records its last iteration.
 void derive_config(TrainOptions& o);
+
+// The memory of a modelled device in bytes: `given_gib` when > 0 (--device-memory), else the
+// --accelerator's, else 80 GiB (the largest common accelerator's).
+std::int64_t modelled_device_memory(const TrainOptions& o, double given_gib);
 
 }  // namespace weave::cli

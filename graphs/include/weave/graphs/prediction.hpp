@@ -44,6 +44,8 @@ struct Prediction {
   double mfu = 0;               // flops_per_device over the machine's peak_flops (or device_flops)
   double bubble = 0;            // compute idle over compute busy, summed over devices
   std::vector<ExposedCommunication> exposed;  // groups with any exposed time
+  // Every group's together, a time two groups leave exposed at once counted once.
+  double exposed_ms_per_device = 0;
   // Per device, by category (rt::MemoryCategory): what it would hold at its peak.
   std::vector<std::array<std::int64_t, rt::kMemoryCategoryCount>> memory;
   std::vector<std::int64_t> memory_total;  // per device (a folded replica: its first replica's)

@@ -1,0 +1,208 @@
+#include "weave/graphs/plan_search.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cctype>
+#include <utility>
+
+#include "weave/graphs/pipeline_layout.hpp"
+
+namespace weave::graphs {
+
+namespace {
+
+std::vector<int> divisors(int n) {
+  std::vector<int> out;
+  for (int d = 1; d <= n; ++d)
+    if (n % d == 0) out.push_back(d);
+  return out;
+}
+
+// A refusal's message with every number as N: candidates refused by the same rule at other
+// sizes count as one reason.
+std::string reason_of(const std::string& message) {
+  std::string out;
+  for (std::size_t i = 0; i < message.size(); ++i) {
+    if (std::isdigit(static_cast<unsigned char>(message[i]))) {
+      out += 'N';
+      while (i + 1 < message.size() &&
+             (std::isdigit(static_cast<unsigned char>(message[i + 1])) || message[i + 1] == '.'))
+        ++i;
+    } else {
+      out += message[i];
+    }
+  }
+  return out;
+}
+
+void count_refusal(std::vector<RefusalCount>& refused, const std::string& message) {
+  const std::string reason = reason_of(message);
+  auto at = std::find_if(refused.begin(), refused.end(),
+                         [&](const RefusalCount& r) { return r.reason == reason; });
+  if (at == refused.end()) at = refused.insert(refused.end(), {reason, 0});
+  ++at->candidates;
+}
+
+void sort_by_count(std::vector<RefusalCount>& refused) {
+  std::stable_sort(
+      refused.begin(), refused.end(),
+      [](const RefusalCount& a, const RefusalCount& b) { return a.candidates > b.candidates; });
+}
+
+}  // namespace
+
+int PlanCandidates::refused_total() const {
+  int total = 0;
+  for (const RefusalCount& r : refused)
+    total += r.candidates;
+  return total;
+}
+
+PlanCandidates enumerate_plans(const TrainerConfig& base, const PlanSearchOptions& options) {
+  const ModelConfig& m = base.model;
+  const ParallelPlan& given = base.plan;
+  const int devices = given.devices();
+  const bool moe = m.num_experts > 0;
+  PlanCandidates out;
+  for (const int tp : divisors(devices)) {
+    if (m.num_attention_heads % tp != 0 || m.query_groups() % tp != 0) continue;
+    if (options.max_tensor_parallel > 0 && tp > options.max_tensor_parallel) continue;
+    for (const int pp : divisors(devices / tp)) {
+      if (m.num_layers % pp != 0) continue;
+      for (const int cp : divisors(devices / (tp * pp))) {
+        if (cp > 1 && m.seq_length % (2 * cp) != 0) continue;
+        const int dp = devices / (tp * pp * cp);
+        if (given.global_batch_size % (given.micro_batch_size * dp) != 0) {
+          ++out.skipped_global_batch;
+          continue;
+        }
+        std::vector<std::pair<std::string, int>> schedules;  // name, chunks per rank
+        if (pp == 1) {
+          schedules.emplace_back("", 1);
+        } else {
+          schedules.emplace_back("1f1b", 1);
+          if (m.num_layers % (2 * pp) == 0) schedules.emplace_back("interleaved", 2);
+          schedules.emplace_back("zb-h1", 1);
+        }
+        const std::vector<int> expert_sizes = moe ? divisors(m.num_experts) : std::vector<int>{1};
+        const std::vector<int> ampipe_degrees = moe ? std::vector<int>{1, 2} : std::vector<int>{1};
+        for (const int ep : expert_sizes)
+          for (const auto& [scheduler, chunks] : schedules)
+            for (const int ampipe : ampipe_degrees)
+              for (const bool full : {false, true}) {
+                TrainerConfig c = base;
+                ParallelPlan& p = c.plan;
+                p.tensor_parallel = tp;
+                p.sequence_parallel = tp > 1;
+                p.context_parallel = cp;
+                p.expert_parallel = ep;
+                p.data_parallel = dp;
+                p.pipeline_parallel = pp;
+                p.pipeline_scheduler = scheduler;
+                p.virtual_pipeline = chunks;
+                p.layers_per_virtual_stage = 0;
+                p.microbatch_group_size = 0;
+                p.first_stage_layers = 0;
+                p.last_stage_layers = 0;
+                p.ampipe_degree = ampipe;
+                // Experts split over the tensor-parallel group stay split at every tp.
+                if (p.expert_tensor_parallel > 1) p.expert_tensor_parallel = tp;
+                c.model.recompute = full ? Recompute{.granularity = RecomputeGranularity::full,
+                                                     .method = RecomputeMethod::uniform,
+                                                     .num_layers = 1}
+                                         : Recompute{};
+                try {
+                  validate(c);
+                } catch (const ConfigError& e) {
+                  count_refusal(out.refused, e.what());
+                  continue;
+                }
+                out.configs.push_back(std::move(c));
+              }
+      }
+    }
+  }
+  // A folded prediction builds tp x cp x pp ranks (ep is carved out of the folded replicas):
+  // the cheap ones first, so a candidate limit cuts the costly tail.
+  std::stable_sort(
+      out.configs.begin(), out.configs.end(), [](const TrainerConfig& a, const TrainerConfig& b) {
+        return a.plan.devices() / a.plan.data_parallel < b.plan.devices() / b.plan.data_parallel;
+      });
+  sort_by_count(out.refused);
+  return out;
+}
+
+std::string plan_flags(const TrainerConfig& config) {
+  const ParallelPlan& p = config.plan;
+  std::string flags = fmt::format(
+      "--devices {} --tensor-model-parallel-size {}{} --context-parallel-size {} "
+      "--pipeline-model-parallel-size {}",
+      p.devices(), p.tensor_parallel, p.sequence_parallel ? " --sequence-parallel" : "",
+      p.context_parallel, p.pipeline_parallel);
+  if (config.model.num_experts > 0) {
+    flags += fmt::format(" --expert-model-parallel-size {}", p.expert_parallel);
+    if (p.expert_tensor_parallel > 1 && p.moe_model_type != "deepspeed_moe")
+      flags += fmt::format(" --expert-tensor-parallel-size {}", p.expert_tensor_parallel);
+  }
+  if (!p.pipeline_scheduler.empty()) {
+    flags += fmt::format(" --pipeline-scheduler {}", p.pipeline_scheduler);
+    if (p.virtual_pipeline > 1 && pipeline_schedule_kind(p) != ScheduleKind::ZeroBubbleV)
+      flags += fmt::format(" --virtual-pipeline-model-parallel-size {}", p.virtual_pipeline);
+  }
+  if (p.ampipe_degree > 1) flags += fmt::format(" --ampipe-degree {}", p.ampipe_degree);
+  const Recompute& r = config.model.recompute;
+  if (r.granularity == RecomputeGranularity::selective)
+    flags += " --recompute-granularity selective";
+  if (r.full())
+    flags +=
+        fmt::format(" --recompute-granularity full --recompute-method {} --recompute-num-layers {}",
+                    r.method == RecomputeMethod::uniform ? "uniform" : "block", r.num_layers);
+  flags += fmt::format(" --global-batch-size {}", p.global_batch_size);
+  return flags;
+}
+
+PlanOutcome outcome_of(const TrainerConfig& config, const Prediction& prediction,
+                       std::int64_t device_memory_bytes) {
+  PlanOutcome o{.config = config,
+                .step_ms = prediction.step_ms,
+                .tokens_per_second = prediction.tokens_per_second,
+                .mfu = prediction.mfu,
+                .bubble = prediction.bubble};
+  for (const std::int64_t bytes : prediction.memory_total)
+    o.memory_per_device = std::max(o.memory_per_device, bytes);
+  o.fits = o.memory_per_device <= device_memory_bytes;
+  return o;
+}
+
+PlanRanking rank_plans(const std::vector<TrainerConfig>& candidates,
+                       const PlanRankingOptions& options) {
+  PlanRanking ranking;
+  const int total = static_cast<int>(candidates.size());
+  const int to_predict =
+      options.max_predictions > 0 ? std::min(total, options.max_predictions) : total;
+  ranking.not_predicted = total - to_predict;
+  for (int i = 0; i < to_predict; ++i) {
+    const TrainerConfig& c = candidates[static_cast<std::size_t>(i)];
+    try {
+      PlanOutcome o =
+          outcome_of(c, predict_step(c, options.prediction), options.device_memory_bytes);
+      ++ranking.predicted;
+      if (o.fits)
+        ranking.fitting.push_back(std::move(o));
+      else
+        ++ranking.too_large;
+    } catch (const ConfigError& e) {
+      count_refusal(ranking.refused, e.what());
+    }
+    if (options.progress) options.progress(i + 1, to_predict);
+  }
+  sort_by_count(ranking.refused);
+  // Stable: among equal times the cheaper candidate (enumerated first) stays ahead.
+  std::stable_sort(
+      ranking.fitting.begin(), ranking.fitting.end(),
+      [](const PlanOutcome& a, const PlanOutcome& b) { return a.step_ms < b.step_ms; });
+  return ranking;
+}
+
+}  // namespace weave::graphs

@@ -1,0 +1,32 @@
+// Advice from predict's engine (graphs::predict_step: the step built without tensors, data-
+// parallel replicas folded, replayed on the virtual clock of the modelled machine):
+// `--ampipe-advise` and `--pipeline-advise` (weave train and weave predict) compare Ampipe
+// degrees or pipeline schedules of one configuration; `weave predict --advise` searches the
+// parallel plans over its devices. Each prints a table; a candidate that does not fit the
+// device's memory is marked and never named fastest.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "weave/graphs/plan_search.hpp"
+#include "weave/graphs/trainer_config.hpp"
+
+namespace weave::cli {
+
+// `config` has passed graphs::validate. Return the program's exit code; throw ConfigError when
+// no candidate can run the configuration or none fits `device_memory_bytes`.
+int advise_ampipe(const graphs::TrainerConfig& config, std::int64_t device_memory_bytes);
+int advise_pipeline(const graphs::TrainerConfig& config, std::int64_t device_memory_bytes);
+
+struct PlanAdviceOptions {
+  std::int64_t device_memory_bytes = 0;
+  int top = 10;               // --advise-top: rows printed
+  int max_predictions = 500;  // --advise-limit
+  bool fold_data_parallel = true;
+  // The command line's flags other than the plan's, to print the best plan as a command.
+  std::string model_flags;
+};
+int advise_plans(const graphs::TrainerConfig& config, const PlanAdviceOptions& options);
+
+}  // namespace weave::cli
