@@ -10,7 +10,6 @@
 #include <functional>
 #include <stdexcept>
 #include <thread>
-#include <tuple>
 #include <vector>
 
 #include "step_costs.hpp"
@@ -239,9 +238,12 @@ HostCalibration calibrate_host(const CalibrationOptions& options) {
   };
   double streamed_bytes = 0, streamed_seconds = 0;
   std::vector<std::pair<std::string, std::pair<double, double>>> streaming;
-  for (const auto& [rows, h, params] :
-       {std::tuple<std::int64_t, std::int64_t, std::int64_t>{1024, 256, 1 << 20},
-        {2048, 512, 4 << 20}}) {
+  struct StreamingSize {
+    std::int64_t rows, h, params;
+  };
+  for (const StreamingSize size : {StreamingSize{1024, 256, 1 << 20}, {2048, 512, 4 << 20}}) {
+    // Plain copies: the kernel's lambda captures them (structured bindings it could not).
+    const std::int64_t rows = size.rows, h = size.h, params = size.params;
     const double activations = static_cast<double>(rows * h), weights = static_cast<double>(params);
     const int sets = cold_sets(4.0 * (3 * activations + 4 * weights));
     const double t = time_on_devices(set, seconds, [=] {
