@@ -6,7 +6,7 @@
 #include <barrier>
 #include <chrono>
 #include <cmath>
-#include <cstring>
+#include <exception>
 #include <functional>
 #include <stdexcept>
 #include <thread>
@@ -34,43 +34,54 @@ Tensor filled(const ops::Shape& shape, float value) {
   return t;
 }
 
-// A kernel as every device runs it: `make(device)` builds the device's own tensors (on its
-// thread, so the memory is local to it) and returns one run of the kernel.
+// A kernel as every device runs it: called on each device's thread, it builds that device's own
+// tensors (so the memory is local to the device) and returns one run of the kernel.
 using KernelFactory = std::function<std::function<void()>()>;
 
 // Seconds one run takes on a device while every device runs it: each device repeats the kernel
 // for at least `seconds`, three times, all devices starting each round together; the median
-// round of each device, averaged over the devices.
+// round of each device, averaged over the devices. A device whose kernel throws leaves the
+// rounds (so the others do not wait for it) and the first error is rethrown.
 double time_on_devices(devices::DeviceSet& set, double seconds, const KernelFactory& make) {
   const int n = static_cast<int>(set.size());
   std::vector<double> per_device(n, 0);
+  std::vector<std::exception_ptr> errors(n);
   std::barrier round(n);
   std::vector<std::thread> threads;
   for (int d = 0; d < n; ++d) {
     threads.emplace_back([&, d] {
-      set[static_cast<rt::DeviceId>(d)].arena().execute([&] {
-        const std::function<void()> run = make();
-        run();  // warm: first touch, caches
-        std::vector<double> rounds;
-        for (int r = 0; r < 3; ++r) {
-          round.arrive_and_wait();
-          const auto start = Clock::now();
-          std::int64_t runs = 0;
-          double elapsed = 0;
-          do {
-            run();
-            ++runs;
-            elapsed = std::chrono::duration<double>(Clock::now() - start).count();
-          } while (elapsed < seconds);
-          rounds.push_back(elapsed / static_cast<double>(runs));
-        }
-        std::sort(rounds.begin(), rounds.end());
-        per_device[d] = rounds[1];
-      });
+      int rounds_joined = 0;
+      try {
+        set[static_cast<rt::DeviceId>(d)].arena().execute([&] {
+          const std::function<void()> run = make();
+          run();  // warm: first touch, caches
+          std::vector<double> rounds;
+          for (int r = 0; r < 3; ++r) {
+            round.arrive_and_wait();
+            ++rounds_joined;
+            const auto start = Clock::now();
+            std::int64_t runs = 0;
+            double elapsed = 0;
+            do {
+              run();
+              ++runs;
+              elapsed = std::chrono::duration<double>(Clock::now() - start).count();
+            } while (elapsed < seconds);
+            rounds.push_back(elapsed / static_cast<double>(runs));
+          }
+          std::sort(rounds.begin(), rounds.end());
+          per_device[d] = rounds[1];
+        });
+      } catch (...) {
+        errors[d] = std::current_exception();
+        if (rounds_joined < 3) round.arrive_and_drop();
+      }
     });
   }
   for (std::thread& t : threads)
     t.join();
+  for (const std::exception_ptr& e : errors)
+    if (e) std::rethrow_exception(e);
   double sum = 0;
   for (double s : per_device)
     sum += s;
@@ -82,8 +93,6 @@ struct ProductSample {
   double flops, edges, seconds;
 };
 
-// A product's forward and both backward halves, [m, k] x [k, n] each way, as a linear layer
-// runs them in a step.
 // Sets of buffers a kernel cycles through so that together they exceed the last-level cache: a
 // step's tensors are many and each is touched once or twice, so its kernels read memory cold.
 int cold_sets(double bytes_per_set) {
@@ -91,6 +100,8 @@ int cold_sets(double bytes_per_set) {
   return static_cast<int>(std::clamp(std::ceil(kBeyondCache / bytes_per_set), 1.0, 64.0));
 }
 
+// A product's forward and both backward halves, [m, k] x [k, n] each way, as a linear layer
+// runs them in a step.
 ProductSample measure_product(devices::DeviceSet& set, double seconds, std::int64_t m,
                               std::int64_t k, std::int64_t n) {
   struct Buffers {
