@@ -10,10 +10,6 @@ namespace weave::devices {
 
 namespace {
 
-constexpr double bytes_of(std::size_t elements) {
-  return static_cast<double>(elements * sizeof(float));
-}
-
 // The ring algorithm's per-member volume: (n-1)/n of `bytes`.
 double ring_share(int n, double bytes) {
   return static_cast<double>(n - 1) / n * bytes;
@@ -57,7 +53,13 @@ namespace {
 
 // The ring's bytes and latency terms of member `member` (of n).
 rt::CostHint ring_cost(CollectiveOp op, int n, int member, int root,
-                       const CollectiveMember& buffers, std::int64_t row_elements) {
+                       const CollectiveMember& buffers, std::int64_t row_elements,
+                       double element_bytes) {
+  // `elements` values of the run's element size (4, or 2 in a 16-bit prediction; the buffers
+  // themselves always hold floats).
+  auto bytes_of = [element_bytes](auto elements) {
+    return static_cast<double>(elements) * element_bytes;
+  };
   switch (op) {
     case CollectiveOp::all_reduce:  // a reduce-scatter then an all-gather
       return group_cost(n, 2 * ring_share(n, bytes_of(buffers.output.size())), 2 * (n - 1));
@@ -82,14 +84,14 @@ rt::CostHint ring_cost(CollectiveOp op, int n, int member, int root,
       const double elements = g.expected_rows > 0
                                   ? static_cast<double>(g.expected_rows * row_elements * n)
                                   : static_cast<double>(g.recv.size());
-      return group_cost(n, ring_share(n, elements * sizeof(float)), n - 1);
+      return group_cost(n, ring_share(n, bytes_of(elements)), n - 1);
     }
     case CollectiveOp::reduce_scatter_v: {
       const VariableScatterBuffers& s = buffers.scatter;
       const double elements = s.expected_rows > 0
                                   ? static_cast<double>(s.expected_rows * row_elements * n)
                                   : static_cast<double>(s.recv.size() * n);
-      return group_cost(n, ring_share(n, elements * sizeof(float)), n - 1);
+      return group_cost(n, ring_share(n, bytes_of(elements)), n - 1);
     }
     case CollectiveOp::broadcast:  // a pipelined chain from the root: all but the last forward
       if ((member - root + n) % n < n - 1)
@@ -133,20 +135,16 @@ rt::TransferPattern pattern_of(CollectiveOp op) {
 }  // namespace
 
 rt::CostHint member_cost(CollectiveOp op, const ProcessGroup& group, int member, int root,
-                         const CollectiveMember& buffers, std::int64_t row_elements) {
+                         const CollectiveMember& buffers, std::int64_t row_elements,
+                         std::size_t element_bytes) {
   const int n = group.size();
-  rt::CostHint cost = ring_cost(op, n, member, root, buffers, row_elements);
+  rt::CostHint cost =
+      ring_cost(op, n, member, root, buffers, row_elements, static_cast<double>(element_bytes));
   cost.pattern = pattern_of(op);
   cost.group_size = static_cast<std::uint32_t>(n);
   cost.group_first_device = group.device(0);
   // Evenly spaced devices (every group of the mesh is) are told by their first and stride.
-  const std::span<const rt::DeviceId> devices = group.devices();
-  const rt::DeviceId stride = n > 1 && devices[1] > devices[0] ? devices[1] - devices[0] : 0;
-  bool even = n > 1 ? stride > 0 : true;
-  for (int i = 1; i < n && even; ++i)
-    even =
-        devices[static_cast<std::size_t>(i)] == devices[0] + static_cast<rt::DeviceId>(i) * stride;
-  cost.group_device_stride = even ? stride : 0;
+  cost.group_device_stride = group.device_stride();
   return cost;
 }
 

@@ -49,14 +49,6 @@ std::string task_prefix(CollectiveOp op, const ProcessGroup& group,
                               : std::string(options.name);
 }
 
-// member_cost counts fp32 elements (sizeof(float) bytes each); a collective of elements of
-// another size moves proportionally more or fewer bytes. Unchanged for fp32.
-rt::CostHint in_element_bytes(rt::CostHint cost, std::size_t element_bytes) {
-  if (element_bytes != sizeof(float))
-    cost.bytes = cost.bytes / sizeof(float) * static_cast<double>(element_bytes);
-  return cost;
-}
-
 }  // namespace
 
 CollectiveMatcher::CollectiveMatcher(rt::GraphBuilder& graph, Communicator& backend)
@@ -110,8 +102,7 @@ rt::TaskId CollectiveMatcher::issue(CollectiveOp op, const ProcessGroup& group, 
        .kind = rt::TaskKind::comm,
        .name = fmt::format("{}[{}]", prefix, member),
        .tags = options.tags,
-       .cost = in_element_bytes(member_cost(op, group, member, root, buffers, row_elements),
-                                options.element_bytes)},
+       .cost = member_cost(op, group, member, root, buffers, row_elements, options.element_bytes)},
       [work = p.work, complete = p.complete, member, name = prefix](rt::TaskContext& context) {
         if (!*complete)
           throw std::logic_error(fmt::format(
@@ -171,10 +162,8 @@ Communicator::MemberTasks CollectiveMatcher::issue_whole(Collective c,
          .kind = rt::TaskKind::comm,
          .name = fmt::format("{}[{}]", c.name, r),
          .tags = options.tags,
-         .cost =
-             in_element_bytes(member_cost(c.op, c.group, r, c.root,
-                                          c.members[static_cast<std::size_t>(r)], c.row_elements),
-                              options.element_bytes)},
+         .cost = member_cost(c.op, c.group, r, c.root, c.members[static_cast<std::size_t>(r)],
+                             c.row_elements, options.element_bytes)},
         std::move(fn)));
   }
   graph_.rendezvous(c.name, issued_tasks(ids));

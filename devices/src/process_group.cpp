@@ -19,6 +19,11 @@ ProcessGroup::ProcessGroup(std::string name, std::vector<rt::DeviceId> devices)
             "process group '{}' lists device {} twice (ranks {} and {}): each device may hold one "
             "rank of a group",
             name_, devices_[i], i, j));
+  if (devices_.size() > 1 && devices_[1] > devices_[0]) {
+    stride_ = devices_[1] - devices_[0];
+    for (std::size_t i = 2; i < devices_.size() && stride_ != 0; ++i)
+      if (devices_[i] != devices_[0] + static_cast<rt::DeviceId>(i) * stride_) stride_ = 0;
+  }
 }
 
 bool ProcessGroup::contains(rt::DeviceId device) const {

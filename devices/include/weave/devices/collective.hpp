@@ -105,8 +105,10 @@ using MemberWork = std::function<void(int member, rt::TaskContext& context)>;
 // moves in the ring (NCCL-style) algorithm for its op, and the latency terms it pays, from its
 // own buffers and the group's size alone (a member's cost is known when it issues). The hint also
 // names the op's transfer pattern, its payload and where the group's devices are, for a cost
-// model that prices the algorithm by the links the group spans (devices::Cluster).
+// model that prices the algorithm by the links the group spans (devices::Cluster). Bytes count
+// `element_bytes` a value (CollectiveOptions::element_bytes: 2 in a 16-bit prediction).
 rt::CostHint member_cost(CollectiveOp op, const ProcessGroup& group, int member, int root,
-                         const CollectiveMember& buffers, std::int64_t row_elements);
+                         const CollectiveMember& buffers, std::int64_t row_elements,
+                         std::size_t element_bytes);
 
 }  // namespace weave::devices

@@ -21,10 +21,14 @@ class ProcessGroup {
   bool contains(rt::DeviceId device) const;
   // Throws std::invalid_argument naming the group and its devices if `device` is not a member.
   int rank_of(rt::DeviceId device) const;
+  // The step between consecutive ranks' devices when they are evenly spaced (rank r on device
+  // device(0) + r * stride, as every group of a parallel mesh is), else 0; 0 for one device.
+  rt::DeviceId device_stride() const { return stride_; }
 
  private:
   std::string name_;
   std::vector<rt::DeviceId> devices_;
+  rt::DeviceId stride_ = 0;
 };
 
 }  // namespace weave::devices
