@@ -12,6 +12,7 @@
 #include "weave/devices/device_set.hpp"
 #include "weave/devices/link_model.hpp"
 #include "weave/devices/machine_model.hpp"
+#include "weave/devices/process_group.hpp"
 #include "weave/runtime/error.hpp"
 #include "weave/runtime/graph.hpp"
 
@@ -232,6 +233,15 @@ TEST(LinkModel, UnknownPresetNamesTheValidOnes) {
   EXPECT_THROW(LinkModel::accelerator({.latency = 0, .bytes_per_second = 0}),
                std::invalid_argument);
   EXPECT_THROW(LinkModel::host({-1, 1e9}, {0, 1e9}), std::invalid_argument);
+}
+
+// A group's stride tells a cost model where every member sits from its first device alone.
+TEST(ProcessGroup, DeviceStrideOfEvenlySpacedGroupsOnly) {
+  EXPECT_EQ(ProcessGroup("tp", {4, 5, 6, 7}).device_stride(), 1u);
+  EXPECT_EQ(ProcessGroup("dp", {1, 9, 17}).device_stride(), 8u);
+  EXPECT_EQ(ProcessGroup("uneven", {0, 1, 3}).device_stride(), 0u);
+  EXPECT_EQ(ProcessGroup("descending", {3, 2, 1}).device_stride(), 0u);
+  EXPECT_EQ(ProcessGroup("one", {5}).device_stride(), 0u);
 }
 
 TEST(MachineModel, CostsComputeAndTransfersByLinkClass) {
