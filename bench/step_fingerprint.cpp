@@ -17,6 +17,7 @@
 #include "weave/devices/link_model.hpp"
 #include "weave/devices/machine_model.hpp"
 #include "weave/devices/shared_memory_communicator.hpp"
+#include "weave/graphs/prediction.hpp"
 #include "weave/graphs/training_step.hpp"
 #include "weave/runtime/virtual_clock.hpp"
 
@@ -148,7 +149,66 @@ std::vector<Configuration> configurations() {
                   .context_parallel = 2,
                   .micro_batch_size = 2,
                   .global_batch_size = 4}});
+  // The modern decoder: rotary positions, RMSNorm, grouped-query attention, SwiGLU, no biases,
+  // an output layer of its own.
+  ModelConfig modern = small_model(0);
+  modern.position_embedding = weave::graphs::PositionEmbedding::rope;
+  modern.normalization = weave::graphs::Normalization::rms_norm;
+  modern.num_query_groups = 2;
+  modern.activation = weave::graphs::Activation::swiglu;
+  modern.add_bias_linear = false;
+  modern.untie_embeddings_and_output_weights = true;
+  out.push_back({"modern decoder tp2 sp dp2",
+                 modern,
+                 {.tensor_parallel = 2,
+                  .sequence_parallel = true,
+                  .data_parallel = 2,
+                  .micro_batch_size = 1,
+                  .global_batch_size = 4}});
+  // MindSpeed's deepspeed_moe layout: experts split over tp, their collectives pipelined per
+  // (chunk, local expert) item.
+  out.push_back({"moe split experts tp2 sp ep2 dp2 ampipe2 tp-sp overlap",
+                 small_model(4),
+                 {.tensor_parallel = 2,
+                  .sequence_parallel = true,
+                  .expert_parallel = 2,
+                  .expert_tensor_parallel = 2,
+                  .data_parallel = 2,
+                  .micro_batch_size = 1,
+                  .global_batch_size = 4,
+                  .ampipe_degree = 2,
+                  .ampipe_tp_sp_comm_overlap = true}});
   return out;
+}
+
+// A prediction (built without tensors, replayed on a two-node cluster): what predict prints.
+void print_prediction() {
+  weave::graphs::TrainerConfig c;
+  c.model = small_model(4);
+  c.model.precision = weave::graphs::Precision::bf16;
+  c.model.recompute = {.granularity = weave::graphs::RecomputeGranularity::full,
+                       .method = weave::graphs::RecomputeMethod::uniform,
+                       .num_layers = 1};
+  c.plan = {.tensor_parallel = 2,
+            .sequence_parallel = true,
+            .expert_parallel = 2,
+            .data_parallel = 2,
+            .pipeline_parallel = 2,
+            .micro_batch_size = 1,
+            .global_batch_size = 8,
+            .distributed_optimizer = true};
+  c.machine = {.device_flops = 1e12,
+               .device_memory_bandwidth = 1e11,
+               .link = "nvlink4",
+               .cluster = weave::devices::Cluster(
+                   4, {"node", {.latency = 3000, .bytes_per_second = 1e11}},
+                   {"network", {.latency = 5000, .bytes_per_second = 2.5e10}})};
+  const weave::graphs::Prediction p = weave::graphs::predict_step(c);
+  fmt::print("prediction moe tp2 sp ep2 dp2 pp2 bf16 full recompute, 2 nodes of 4\n");
+  fmt::print("  step {:a} ms | bubble {:a} | exposed {:a} ms | replayed devices {}\n", p.step_ms,
+             p.bubble, p.exposed_ms_per_device, p.replayed_devices);
+  for (std::size_t d = 0; d < p.memory_total.size(); ++d)
+    fmt::print("  device {} memory {} bytes\n", d, p.memory_total[d]);
 }
 
 // A fixed pseudo-random text: token of global sample j at position s.
@@ -205,5 +265,6 @@ int main(int argc, char** argv) {
     fmt::print("  tasks {} | virtual-clock step {} ns (kernels skipped)\n", step.graph().size(),
                clock.run(step.graph()).makespan);
   }
+  print_prediction();
   return 0;
 }
