@@ -1,0 +1,270 @@
+#include "model/attention_block.hpp"
+#include "model/norm.hpp"
+
+#include "model/ring_attention.hpp"
+#include "model/sequence_parallel.hpp"
+#include "step/gradient_buckets.hpp"
+#include "step/step_costs.hpp"
+#include "weave/ops/attention.hpp"
+#include "weave/ops/elementwise.hpp"
+#include "weave/ops/linear.hpp"
+#include "weave/ops/normalization.hpp"
+#include "weave/ops/rotary.hpp"
+
+namespace weave::graphs {
+
+void rotate_queries_and_keys(const RankProgram& rank, const Tensor& qkv, std::int64_t first,
+                             bool backward) {
+  const StepShape& z = rank.shape;
+  const std::int64_t rows = qkv.dim(0);
+  std::vector<std::int64_t> positions(static_cast<std::size_t>(rows));
+  for (std::int64_t s = 0; s < rows; ++s)
+    positions[static_cast<std::size_t>(s)] = z.context_position(rank.at.cp, first + s);
+  const ops::RotarySpec spec{
+      .head_dim = z.d, .rotary_dims = z.model.rotary_dims(), .base = z.model.rotary_base};
+  // The queries and the key of every group; the values pass unchanged.
+  const Tensor rotated = qkv.slice(3, 0, (z.qpg + 1) * z.d);
+  if (backward)
+    ops::rotary_backward<float>(spec, rotated, positions);
+  else
+    ops::rotary_forward<float>(spec, rotated, positions);
+}
+
+ops::AttentionDropout attention_dropout(const RankProgram& rank, int layer, int mb) {
+  const StepShape& z = rank.shape;
+  const ModelConfig& m = z.model;
+  if (m.attention_dropout <= 0) return {};
+  // Keyed like the hidden dropout, on a site of its own (0, 1: the residuals; 2: the input).
+  return {.probability = m.attention_dropout,
+          .key = rank.dropout_key(layer, 3),
+          .sequence_length = z.S,
+          .batch_offset = rank.batch_offset(mb),
+          .head_offset = static_cast<std::int64_t>(rank.at.tp) * z.Hl};
+}
+
+void AttentionBlock::allocate(LayerActivations& A) const {
+  const StepShape& z = P->shape;
+  const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h, Hl = z.Hl, d = z.d, cp = z.cp;
+  const bool ampipe = z.ampipe > 1 && P->layer(l).moe;
+  A.ln1 = P->activation({Sl, B, h});
+  A.ln1_mean = P->activation({Sl * B});
+  A.ln1_rstd = P->activation({Sl * B});
+  A.ln1_full = z.sp() ? P->activation({Sc, B, h}) : A.ln1;
+  A.qkv = P->activation({Sc, B, z.Gl, z.qkv_group_width()});
+  A.attn = P->activation({Sc, B, Hl, d});
+  // Ampipe without CP: one [B, Hl, q] block per (chunk, piece); under CP one per half.
+  A.lse = ampipe && cp == 1 ? P->activation({z.ampipe * z.t_sp, B, Hl, z.piece_rows()})
+                            : P->activation({cp > 1 ? 2 : 1, B, Hl, z.chunk});
+  A.proj_partial = P->activation({Sc, B, h});
+  if (cp > 1 && ampipe && !z.plan.ampipe_cp_resend_kv) {
+    A.kv_store = P->activation({cp * Sc, B, z.Gl, 2 * d});
+    A.kv_local = A.kv_store.slice(0, P->at.cp * Sc, Sc);
+  } else if (cp > 1) {
+    A.kv_local = P->activation({Sc, B, z.Gl, 2 * d});
+  }
+  A.proj_out = z.sp() ? P->activation({Sl, B, h}) : A.proj_partial;
+  if (z.splits_backward) {
+    A.saved_d_proj = P->activation({Sc, B, h});
+    A.saved_d_qkv = P->activation({Sc, B, z.qkv_width()});
+  }
+}
+
+TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) const {
+  RankProgram* p = P;
+  const int layer = l, set = pos.set;
+  const StepShape& z = P->shape;
+  const std::int64_t Sc = z.Sc, B = z.B, d = z.d, cp = z.cp;
+  const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
+  const std::string at = fmt::format("L{}.", l);
+  const double rows = static_cast<double>(z.Sl * B * z.h);
+  const TaskId ln1 =
+      P->compute(at + "input_norm", tags, cost::streamed(z, 2 * rows), [p, layer, set] {
+        LayerActivations& A = p->acts(set, layer);
+        const LayerShard& W = p->layer(layer);
+        norm_forward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.ln1, A.ln1_mean,
+                     A.ln1_rstd);
+      });
+  P->after(ready, ln1);
+  LayerActivations& A = P->acts(set, layer);
+  TaskId gathered = rt::kNoTask;
+  if (z.sp()) gathered = sp_gather(*P, ln1, A.ln1, A.ln1_full, at + "sp_gather", tags);
+  const TaskId qkv = P->compute(at + "qkv", tags, cost::qkv(z), [=] {
+    LayerActivations& A = p->acts(set, layer);
+    const LayerShard& W = p->layer(layer);
+    ops::linear_forward(A.ln1_full, W.qkv_weight->value, value_of(W.qkv_bias),
+                        A.qkv.reshape({Sc, B, p->shape.qkv_width()}));
+    if (p->shape.model.position_embedding == PositionEmbedding::rope)
+      rotate_queries_and_keys(*p, A.qkv, 0, false);
+    if (cp > 1) {  // keys and values, contiguous: the block this rank sends round the ring
+      const std::int64_t keys = p->shape.qpg * d;
+      A.kv_local.slice(3, 0, d).copy_from(A.qkv.slice(3, keys, d));
+      A.kv_local.slice(3, d, d).copy_from(A.qkv.slice(3, keys + d, d));
+    }
+  });
+  P->after(gathered, qkv);
+  return qkv;
+}
+
+TaskId AttentionBlock::forward(const BuildPosition& pos, TaskId ready) const {
+  RankProgram* p = P;
+  const int layer = l, set = pos.set;
+  const StepShape& z = P->shape;
+  const std::int64_t Sc = z.Sc, B = z.B, Hl = z.Hl, d = z.d;
+  const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
+  const std::string at = fmt::format("L{}.", l);
+  const int mb = pos.micro_batch;
+  const TaskId qkv = forward_input(pos, ready);
+  TaskId attention;
+  if (z.cp == 1) {
+    attention =
+        P->compute(at + "attention", tags, cost::causal_attention(z) + cost::projection(z), [=] {
+          LayerActivations& A = p->acts(set, layer);
+          const StepShape& z = p->shape;
+          ops::attention_forward({.dropout = attention_dropout(*p, layer, mb)},
+                                 query_view(A.qkv, z), key_view(A.qkv, z), value_view(A.qkv, z),
+                                 output_view(A.attn, z), A.lse.reshape({B, Hl, Sc}));
+          ops::linear_forward(A.attn.reshape({Sc, B, Hl * d}), p->layer(layer).proj_weight->value,
+                              Tensor{}, A.proj_partial);
+        });
+    P->after(qkv, attention);
+  } else {
+    attention = RingAttention(*P, l).forward(pos, qkv);
+  }
+  LayerActivations& A = P->acts(set, layer);
+  const TaskId reduced =
+      reduce_partial(*P, attention, A.proj_partial, A.proj_out, at + "attention_reduce", tags);
+  return reduced != rt::kNoTask ? reduced : attention;
+}
+
+TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHalves& halves,
+                                bool last, WeightPlacement qkv_weights) const {
+  RankProgram* p = P;
+  const int layer = l, set = pos.set, mb = pos.micro_batch;
+  const StepShape& z = P->shape;
+  const std::int64_t Sc = z.Sc, B = z.B, Hl = z.Hl, d = z.d, cp = z.cp;
+  const bool sp = z.sp();
+  const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
+  const std::string at = fmt::format("L{}.", l);
+  BackwardWorkspace& w = P->ws();
+  TaskId gathered = rt::kNoTask;
+  if (sp)
+    gathered = sp_gather(*P, ready, w.d_mlp, w.d_mlp_full, at + "attention_grad_gather", tags);
+  const bool keep = halves.zero_bubble();
+  const rt::CostHint flops = (keep ? 1 : 2) * cost::projection(z) +
+                             (cp == 1 ? cost::causal_attention_backward(z) : rt::CostHint{});
+  const TaskId attention = P->compute(at + "attention_backward", tags, flops, [=] {
+    LayerActivations& A = p->acts(set, layer);
+    BackwardWorkspace& w = p->ws();
+    const LayerShard& W = p->layer(layer);
+    const Tensor d_proj = sp ? w.d_mlp_full : w.d_mlp;
+    ops::linear_backward_input(d_proj, W.proj_weight->value, w.d_attn);
+    if (keep)
+      A.saved_d_proj.copy_from(d_proj);
+    else  // the projection's weight half, folded in: nothing would overlap it
+      ops::linear_backward_weight(A.attn.reshape({Sc, B, Hl * d}), d_proj, W.proj_weight->grad,
+                                  Tensor{});
+    w.d_qkv.fill(0.f);  // attention accumulates dk and dv
+    const StepShape& z = p->shape;
+    if (cp == 1)
+      ops::attention_backward({.dropout = attention_dropout(*p, layer, mb)}, query_view(A.qkv, z),
+                              key_view(A.qkv, z), value_view(A.qkv, z), output_view(A.attn, z),
+                              A.lse.reshape({B, Hl, Sc}), output_view(w.d_attn, z),
+                              query_view(w.d_qkv, z), key_view(w.d_qkv, z), value_view(w.d_qkv, z));
+  });
+  P->after(gathered, attention);
+  if (keep)
+    halves.place(WeightPlacement::zero_bubble, [=] {
+      return p->compute(at + "attention_weight_grad", pos.tags(rt::Phase::weight, layer),
+                        cost::projection(z), [=] {
+                          LayerActivations& A = p->acts(set, layer);
+                          ops::linear_backward_weight(A.attn.reshape({Sc, B, Hl * d}),
+                                                      A.saved_d_proj,
+                                                      p->layer(layer).proj_weight->grad, Tensor{});
+                        });
+    });
+  TaskId kv_grads = attention;
+  if (cp > 1) kv_grads = RingAttention(*P, l).backward(pos, attention);
+  return backward_input(pos, kv_grads, halves, last, qkv_weights);
+}
+
+TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, WeightHalves& halves,
+                                      bool last, WeightPlacement qkv_weights) const {
+  RankProgram* p = P;
+  const int layer = l, set = pos.set;
+  const StepShape& z = P->shape;
+  const std::int64_t Sc = z.Sc, B = z.B, d = z.d, cp = z.cp;
+  const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
+  const std::string at = fmt::format("L{}.", l);
+  const bool keep = halves.zero_bubble();
+  const TaskId qkv_in = P->compute(at + "qkv_backward", tags, cost::qkv(z), [=] {
+    BackwardWorkspace& w = p->ws();
+    const std::int64_t keys = p->shape.qpg * d, width = p->shape.qkv_width();
+    if (cp > 1) {  // the block's gradients came home with the last turn of the ring
+      const Tensor& home = w.dring[cp % 2];
+      w.d_qkv.slice(3, keys, d).copy_from(home.slice(3, 0, d));
+      w.d_qkv.slice(3, keys + d, d).copy_from(home.slice(3, d, d));
+    }
+    if (p->shape.model.position_embedding == PositionEmbedding::rope)
+      rotate_queries_and_keys(*p, w.d_qkv, 0, true);
+    ops::linear_backward_input(w.d_qkv.reshape({Sc, B, width}), p->layer(layer).qkv_weight->value,
+                               w.d_norm_full);
+    if (keep) p->acts(set, layer).saved_d_qkv.copy_from(w.d_qkv.reshape({Sc, B, width}));
+  });
+  P->after(ready, qkv_in);
+  BackwardWorkspace& w = P->ws();
+  const TaskId reduced =
+      reduce_partial(*P, qkv_in, w.d_norm_full, w.d_norm, at + "attention_grad_reduce", tags);
+  // The QKV weight half: from the saved output gradient when it waits for W, from the
+  // workspace otherwise (it runs before the layer below reuses it).
+  const WeightHalf weight_half = [=] {
+    const rt::TaskTags t = pos.tags(keep ? rt::Phase::weight : rt::Phase::backward, layer);
+    return p->compute(at + "qkv_weight_grad", t, cost::qkv(z), [=] {
+      LayerActivations& A = p->acts(set, layer);
+      const LayerShard& W = p->layer(layer);
+      const Tensor d_out =
+          keep ? A.saved_d_qkv : p->ws().d_qkv.reshape({Sc, B, p->shape.qkv_width()});
+      ops::linear_backward_weight(A.ln1_full, d_out, W.qkv_weight->grad, grad_of(W.qkv_bias));
+    });
+  };
+  TaskId norm_ready = reduced;
+  switch (qkv_weights) {
+    case WeightPlacement::zero_bubble:
+      halves.place(qkv_weights, weight_half);
+      if (reduced == rt::kNoTask) norm_ready = qkv_in;
+      break;
+    case WeightPlacement::immediate: {
+      // Runs while the input gradient is reduced over tp.
+      const TaskId weights = halves.place(qkv_weights, weight_half);
+      if (reduced == rt::kNoTask) norm_ready = weights;
+      break;
+    }
+    case WeightPlacement::deferred:
+      norm_ready = qkv_in;
+      break;
+  }
+  // The norm's backward (read 2, write 1) and the residual's sum (read 2, write 1).
+  const TaskId ln1 =
+      P->compute(at + "input_norm_backward", tags, cost::streamed(z, 6.0 * z.Sl * z.B * z.h), [=] {
+        LayerActivations& A = p->acts(set, layer);
+        BackwardWorkspace& w = p->ws();
+        const LayerShard& W = p->layer(layer);
+        norm_backward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.ln1_mean, A.ln1_rstd,
+                      w.d_norm, w.d_tmp);
+        ops::accumulate(w.d_tmp, w.d_x);
+      });
+  P->after(norm_ready, ln1);
+  const std::string bucket = fmt::format("layers.{}.attention", l);
+  if (qkv_weights != WeightPlacement::deferred) {
+    if (last) reduce_buckets(*P, bucket, ln1);
+    return ln1;
+  }
+  // After ln1 on the compute stream, so the bucket's every gradient is in once it is done.
+  halves.place(WeightPlacement::deferred, [=] {
+    const TaskId weights = weight_half();
+    if (last) reduce_buckets(*p, bucket, weights);
+    return weights;
+  });
+  return ln1;
+}
+
+}  // namespace weave::graphs

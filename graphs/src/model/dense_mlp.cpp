@@ -1,0 +1,118 @@
+#include "model/dense_mlp.hpp"
+
+#include "model/attention_block.hpp"
+#include "model/sequence_parallel.hpp"
+#include "step/step_costs.hpp"
+#include "weave/ops/activation.hpp"
+#include "weave/ops/linear.hpp"
+
+namespace weave::graphs {
+
+void mlp_activation_forward(const ModelConfig& m, const Tensor& pre, const Tensor& out) {
+  if (m.activation == Activation::swiglu)
+    ops::swiglu_forward(pre, out);
+  else
+    ops::gelu_forward(ops::GeluForm::tanh, pre, out);
+}
+
+void mlp_activation_backward(const ModelConfig& m, const Tensor& pre, const Tensor& d_out,
+                             const Tensor& d_pre) {
+  if (m.activation == Activation::swiglu)
+    ops::swiglu_backward(pre, d_out, d_pre);
+  else
+    ops::gelu_backward(ops::GeluForm::tanh, pre, d_out, d_pre);
+}
+
+void DenseMlp::allocate(LayerActivations& A) const {
+  const StepShape& z = P->shape;
+  const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h;
+  A.ln2_full = z.sp() ? P->activation({Sc, B, h}) : A.ln2;
+  A.fc1 = P->activation({Sc, B, z.f1l});
+  A.act = P->activation({Sc, B, z.fl});
+  A.fc2_partial = P->activation({Sc, B, h});
+  A.mlp_out = z.sp() ? P->activation({Sl, B, h}) : A.fc2_partial;
+  if (z.splits_backward) {
+    A.saved_d_fc2 = P->activation({Sc, B, h});
+    A.saved_d_fc1 = P->activation({Sc, B, z.f1l});
+  }
+}
+
+TaskId DenseMlp::forward(const BuildPosition& pos, TaskId ready) const {
+  RankProgram* p = P;
+  const int layer = l, set = pos.set;
+  const StepShape& z = P->shape;
+  const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
+  const std::string at = fmt::format("L{}.", l);
+  LayerActivations& A = P->acts(set, l);
+  TaskId gathered = rt::kNoTask;
+  if (z.sp()) gathered = sp_gather(*P, ready, A.ln2, A.ln2_full, at + "sp_gather_mlp", tags);
+  const TaskId mlp = P->compute(at + "mlp", tags, cost::mlp(z, z.Sc * z.B), [p, layer, set] {
+    LayerActivations& A = p->acts(set, layer);
+    const LayerShard& W = p->layer(layer);
+    ops::linear_forward(A.ln2_full, W.fc1_weight->value, value_of(W.fc1_bias), A.fc1);
+    mlp_activation_forward(p->shape.model, A.fc1, A.act);
+    ops::linear_forward(A.act, W.fc2_weight->value, Tensor{}, A.fc2_partial);
+  });
+  P->after(gathered, mlp);
+  const TaskId reduced = reduce_partial(*P, mlp, A.fc2_partial, A.mlp_out, at + "mlp_reduce", tags);
+  return reduced != rt::kNoTask ? reduced : mlp;
+}
+
+TaskId DenseMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& halves) const {
+  RankProgram* p = P;
+  const int layer = l, set = pos.set;
+  const StepShape& z = P->shape;
+  const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
+  const std::string at = fmt::format("L{}.", l);
+  halves.flush();
+  BackwardWorkspace& w = P->ws();
+  TaskId gathered = rt::kNoTask;
+  if (z.sp()) gathered = sp_gather(*P, ready, w.d_mlp, w.d_mlp_full, at + "mlp_grad_gather", tags);
+  const bool keep = halves.zero_bubble();
+  const std::int64_t rows = z.Sc * z.B;
+  const rt::CostHint fc2_weight = cost::matmul(rows, z.h, z.fl),
+                     fc1 = cost::matmul(rows, z.h, z.f1l);
+  const TaskId mlp = P->compute(at + "mlp_backward", tags, (keep ? 1 : 2) * fc2_weight + fc1, [=] {
+    LayerActivations& A = p->acts(set, layer);
+    BackwardWorkspace& w = p->ws();
+    const LayerShard& W = p->layer(layer);
+    ops::linear_backward_input(w.d_mlp_full, W.fc2_weight->value, w.d_act);
+    if (keep)
+      A.saved_d_fc2.copy_from(w.d_mlp_full);
+    else  // fc2's weight half, folded in: nothing would overlap it
+      ops::linear_backward_weight(A.act, w.d_mlp_full, W.fc2_weight->grad, Tensor{});
+    mlp_activation_backward(p->shape.model, A.fc1, w.d_act, w.d_fc1);
+    ops::linear_backward_input(w.d_fc1, W.fc1_weight->value, w.d_norm_full);
+    if (keep) A.saved_d_fc1.copy_from(w.d_fc1);
+  });
+  P->after(gathered, mlp);
+  const TaskId reduced =
+      reduce_partial(*P, mlp, w.d_norm_full, w.d_norm, at + "mlp_grad_reduce", tags);
+  TaskId norm_ready = reduced;
+  if (keep) {
+    halves.place(WeightPlacement::zero_bubble, [=] {
+      return p->compute(
+          at + "mlp_weight_grad", pos.tags(rt::Phase::weight, layer), fc1 + fc2_weight, [=] {
+            LayerActivations& A = p->acts(set, layer);
+            const LayerShard& W = p->layer(layer);
+            ops::linear_backward_weight(A.act, A.saved_d_fc2, W.fc2_weight->grad, Tensor{});
+            ops::linear_backward_weight(A.ln2_full, A.saved_d_fc1, W.fc1_weight->grad,
+                                        grad_of(W.fc1_bias));
+          });
+    });
+    if (reduced == rt::kNoTask) norm_ready = mlp;
+  } else {
+    // fc1's weight half runs while its input gradient is reduced.
+    const TaskId weights = halves.place(WeightPlacement::immediate, [=] {
+      return p->compute(at + "mlp_weight_grad", tags, fc1, [=] {
+        const LayerShard& W = p->layer(layer);
+        ops::linear_backward_weight(p->acts(set, layer).ln2_full, p->ws().d_fc1, W.fc1_weight->grad,
+                                    grad_of(W.fc1_bias));
+      });
+    });
+    if (reduced == rt::kNoTask) norm_ready = weights;
+  }
+  return norm_ready;
+}
+
+}  // namespace weave::graphs
