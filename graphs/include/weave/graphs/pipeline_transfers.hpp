@@ -4,9 +4,10 @@
 // A schedule lists compute only (pipeline_schedule.hpp). Lowering walks it in an order that
 // respects every dependency between stages and adds, for each activation or input gradient that
 // moves between two stages, a send step right after the action that makes it and a receive step
-// right before the action that needs it, as PyTorch's pipelining (`_add_send_recv`) adds a SEND_F
-// or SEND_B after a compute action and the matching RECV_F or RECV_B to the peer's actions. So
-// which tensor goes where, to which peer and in which order is decided here once.
+// right before the action that needs it. PyTorch's pipelining (`_add_send_recv`) makes the same
+// pass: a SEND_F or SEND_B after a compute action, and the matching RECV_F or RECV_B appended to
+// the peer's actions (there when the send is placed; here right before its consumer). So which
+// tensor goes where, to which peer and in which order is decided here once.
 #pragma once
 
 #include <vector>
