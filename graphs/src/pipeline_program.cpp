@@ -74,8 +74,21 @@ TransferEnds transfer(RankProgram& P, const StageTransfer& t, TaskId produced, c
 
 using StageMicroBatch = std::pair<int, int>;  // (model chunk, micro-batch)
 
+// Per chunk, the last full backward or weight-gradient half (rank, index in the rank's list).
+std::vector<ScheduledAction> last_backwards(const PipelineSchedule& schedule) {
+  std::vector<ScheduledAction> last(static_cast<std::size_t>(schedule.stages()), {-1, -1});
+  for (int pp = 0; pp < schedule.ranks; ++pp) {
+    const auto& list = schedule.actions[static_cast<std::size_t>(pp)];
+    for (int i = 0; i < static_cast<int>(list.size()); ++i)
+      if (list[i].type == ActionType::Backward || list[i].type == ActionType::BackwardWeight)
+        last[static_cast<std::size_t>(schedule.stage(pp, list[i].chunk))] = {pp, i};
+  }
+  return last;
+}
+
 // This rank's state of the walk over the lowered steps: the weight halves each I leaves for its
-// W; the tasks after which a chunk's output is, or the gradient of its output has arrived; per
+// W; by (chunk, micro-batch) the tasks after which the chunk's output is made (forward_out), its
+// input has arrived (activations_in) or the gradient of its output has (gradient_in); per
 // activation set what must be done before a transfer may overwrite it (the backward of the
 // micro-batch that held it before) and the send that last read its d_send; and the task after
 // which the word embedding's gradient is complete.
@@ -90,24 +103,15 @@ struct PipelineWalk {
   TaskId word_grad_done = rt::kNoTask;
 
   explicit PipelineWalk(const RankProgram& P)
-      : free_after(P.state.sets.size()), last_send(P.state.sets.size(), rt::kNoTask) {}
+      : last_backward(last_backwards(P.layout.schedule)),
+        free_after(P.state.sets.size()),
+        last_send(P.state.sets.size(), rt::kNoTask) {}
 
   bool completes_chunk(int chunk, const ScheduledAction& at) const {
     const ScheduledAction& last = last_backward[static_cast<std::size_t>(chunk)];
     return last.rank == at.rank && last.index == at.index;
   }
 };
-
-std::vector<ScheduledAction> last_backwards(const PipelineSchedule& schedule) {
-  std::vector<ScheduledAction> last(static_cast<std::size_t>(schedule.stages()), {-1, -1});
-  for (int pp = 0; pp < schedule.ranks; ++pp) {
-    const auto& list = schedule.actions[static_cast<std::size_t>(pp)];
-    for (int i = 0; i < static_cast<int>(list.size()); ++i)
-      if (list[i].type == ActionType::Backward || list[i].type == ActionType::BackwardWeight)
-        last[static_cast<std::size_t>(schedule.stage(pp, list[i].chunk))] = {pp, i};
-  }
-  return last;
-}
 
 // Where this rank's build of chunk k's action on micro-batch mb stands.
 BuildPosition position(const RankProgram& P, int k, int mb) {
@@ -241,7 +245,6 @@ void reduce_embedding(RankProgram& P, TaskId word_grad_done) {
 void build_pipeline(RankProgram& P) {
   const LoweredPipeline lowered = lower_transfers(P.layout.schedule);
   PipelineWalk walk(P);
-  walk.last_backward = last_backwards(P.layout.schedule);
   TaskId produced = rt::kNoTask;  // the last task of the step's compute action on this rank
   for (const LoweredStep& step : lowered.steps) {
     const StageTransfer* t =
