@@ -2,8 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <cstddef>
 #include <optional>
 #include <stdexcept>
+#include <utility>
 
 namespace weave::graphs {
 

@@ -4,6 +4,7 @@
 // layout's. Links the schedule library alone: it needs nothing of the model or the step.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
