@@ -1,19 +1,20 @@
-# `cmake --install` puts the four libraries, their public headers, the `weave` program and a
-# CMake package (weaveConfig.cmake, its version file and the exported targets weave::runtime,
-# weave::devices, weave::ops, weave::graphs and weave::weave) under the prefix, so that another
-# project finds it with find_package(weave) alone. Headers under src/ and the tests and
-# benchmarks are not installed. `cpack -G DEB` makes a Debian package of the same tree.
+# `cmake --install` puts the libraries, their public headers, the `weave` program and a CMake
+# package (weaveConfig.cmake, its version file and the exported targets weave::runtime,
+# weave::devices, weave::ops, weave::pipeline_schedule, weave::graphs and weave::weave) under the
+# prefix, so that another project finds it with find_package(weave) alone. Headers under src/
+# and the tests and benchmarks are not installed. `cpack -G DEB` makes a Debian package of the same tree.
 include(CMakePackageConfigHelpers)
 
 # All of weave, for programs that want every layer.
 add_library(weave_all INTERFACE)
-target_link_libraries(weave_all INTERFACE weave_graphs weave_ops weave_devices weave_runtime)
+target_link_libraries(weave_all INTERFACE weave_graphs weave_pipeline_schedule weave_ops
+                                          weave_devices weave_runtime)
 set_target_properties(weave_all PROPERTIES EXPORT_NAME weave)
 add_library(weave::weave ALIAS weave_all)
 
 set(WEAVE_CMAKE_DIR ${CMAKE_INSTALL_LIBDIR}/cmake/weave)
 
-install(TARGETS weave_runtime weave_devices weave_ops weave_graphs weave_all
+install(TARGETS weave_runtime weave_devices weave_ops weave_pipeline_schedule weave_graphs weave_all
         EXPORT weaveTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
         LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}

@@ -17,6 +17,7 @@
 #include "weave/graphs/pipeline_schedule_generators.hpp"
 #include "weave/graphs/pipeline_schedule_simulation.hpp"
 #include "weave/graphs/pipeline_schedule_svg.hpp"
+#include "weave/graphs/pipeline_transfers.hpp"
 #include "weave/graphs/prediction.hpp"
 #include "weave/graphs/token_dataset.hpp"
 #include "weave/graphs/trainer.hpp"

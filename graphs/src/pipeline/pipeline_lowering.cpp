@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <memory>
-#include <optional>
 #include <string>
 
 #include "weave/graphs/pipeline_schedule_simulation.hpp"
@@ -51,13 +50,8 @@ std::string task_name(int rank, const Action& a) {
   return fmt::format("r{}.{}{}.c{}", rank, action_letter(a.type), a.micro_batch, a.chunk);
 }
 
-// A lowered action: its task and the rank it runs on.
-struct Placed {
-  rt::TaskId task = rt::kNoTask;
-  int rank = -1;
-  bool done() const { return task != rt::kNoTask; }
-};
-
+// Builds the tasks of the lowered steps: one compute task per action, and a send and a receive
+// task per transfer between ranks. A transfer within a rank is a plain edge.
 class Lowering {
  public:
   Lowering(const PipelineSchedule& s, const LoweringOptions& o, rt::GraphBuilder& builder)
@@ -66,40 +60,46 @@ class Lowering {
         builder_(builder),
         send_stream_(builder.stream("p2p-send")),
         receive_stream_(builder.stream("p2p-recv")),
-        cells_(static_cast<std::size_t>(s.stages() * s.micro_batches)),
-        forward_(cells_),
-        gradient_(cells_),
-        forward_send_(cells_, rt::kNoTask),
-        gradient_send_(cells_, rt::kNoTask) {
+        forward_(static_cast<std::size_t>(s.stages() * s.micro_batches), rt::kNoTask),
+        gradient_(forward_.size(), rt::kNoTask) {
     if (o_.work) shared_work_ = std::make_shared<const PipelineActionWork>(o_.work);
   }
 
-  // Emits the actions in emission_order: a send sits right after its producer and a receive
-  // right before its consumer, so they never delay anything.
+  // Emits the steps in their order: a send sits right after its producer and a receive right
+  // before its consumer, so they never delay anything.
   LoweredSchedule run() {
+    const LoweredPipeline lowered = lower_transfers(s_);
     LoweredSchedule out;
-    out_ = &out;
     out.tasks.resize(static_cast<std::size_t>(s_.ranks));
-    for (const ScheduledAction& at : emission_order(s_))
-      if (!emit(at.rank,
-                s_.actions[static_cast<std::size_t>(at.rank)][static_cast<std::size_t>(at.index)]))
-        throw std::logic_error("emission_order placed an action before its input");
+    // Per transfer: the send, or within a rank the producing task itself.
+    std::vector<rt::TaskId> sent(lowered.transfers.size(), rt::kNoTask);
+    rt::TaskId input = rt::kNoTask, produced = rt::kNoTask;
+    for (const LoweredStep& step : lowered.steps) {
+      const Action& a = action_of(step.action);
+      switch (step.type) {
+        case LoweredStepType::Receive:
+          input = receive(step, lowered.transfers[step.transfer], a, sent, out);
+          break;
+        case LoweredStepType::Compute:
+          produced = compute(step.action.rank, a, input, out);
+          input = rt::kNoTask;
+          break;
+        case LoweredStepType::Send:
+          sent[static_cast<std::size_t>(step.transfer)] =
+              send(lowered.transfers[step.transfer], a, produced);
+          break;
+      }
+    }
     return out;
   }
 
  private:
-  std::size_t cell(int stage, int mb) const {
-    return static_cast<std::size_t>(stage * s_.micro_batches + mb);
+  const Action& action_of(const ScheduledAction& at) const {
+    return s_.actions[static_cast<std::size_t>(at.rank)][static_cast<std::size_t>(at.index)];
   }
 
-  // The input `a` waits for from another stage, if any: the previous stage's forward for a
-  // forward, the next stage's input gradient for a full or input-gradient backward.
-  std::optional<std::size_t> input_cell(const Action& a, int stage) const {
-    if (a.type == ActionType::Forward && stage > 0) return cell(stage - 1, a.micro_batch);
-    if ((a.type == ActionType::Backward || a.type == ActionType::BackwardInput) &&
-        stage + 1 < s_.stages())
-      return cell(stage + 1, a.micro_batch);
-    return std::nullopt;
+  std::size_t cell(int stage, int mb) const {
+    return static_cast<std::size_t>(stage * s_.micro_batches + mb);
   }
 
   rt::TaskFn work_for(int rank, const Action& a) const {
@@ -125,79 +125,72 @@ class Lowering {
             .phase = phase_of(a.type)};
   }
 
-  // Adds `a` on `rank` if its inputs exist; false if it must wait for another rank.
-  bool emit(int rank, const Action& a) {
-    auto& tasks = out_->tasks[static_cast<std::size_t>(rank)];
+  // The task `consumer` waits for to have transfer `t`: a receive after the send, or within a
+  // rank the producing task.
+  rt::TaskId receive(const LoweredStep& step, const StageTransfer& t, const Action& consumer,
+                     const std::vector<rt::TaskId>& sent, LoweredSchedule& out) {
+    const rt::TaskId send = sent[static_cast<std::size_t>(step.transfer)];
+    if (t.local()) return send;
+    const int rank = step.action.rank;
+    const rt::TaskId receive =
+        builder_.add({.device = static_cast<rt::DeviceId>(rank),
+                      .stream = receive_stream_,
+                      .kind = rt::TaskKind::comm,
+                      .name = fmt::format("{}.recv<r{}", task_name(rank, consumer), t.from_rank),
+                      .tags = tags(consumer, t.to_stage)});
+    builder_.precede(send, receive);
+    out.transfers.push_back({send, receive, t.from_rank, t.to_rank});
+    return receive;
+  }
+
+  // The compute task of `a`, after `input` (what another stage sent it, if anything) and after
+  // what the rank itself ran for it before (a backward's forward, a W's I, which the checker has
+  // made sure came earlier on this rank).
+  rt::TaskId compute(int rank, const Action& a, rt::TaskId input, LoweredSchedule& out) {
+    auto& tasks = out.tasks[static_cast<std::size_t>(rank)];
     if (a.type == ActionType::Idle) {
       tasks.push_back(rt::kNoTask);
-      return true;
+      return rt::kNoTask;
     }
     const int stage = s_.stage(rank, a.chunk);
     const std::size_t own = cell(stage, a.micro_batch);
-    const auto input = input_cell(a, stage);
-    const Placed* producer = nullptr;
-    if (input) {
-      producer = a.type == ActionType::Forward ? &forward_[*input] : &gradient_[*input];
-      if (!producer->done()) return false;
-    }
-    // The checker has made sure a backward's forward and a W's I came earlier on this rank.
-    const rt::DeviceId device = static_cast<rt::DeviceId>(rank);
-    const std::string name = task_name(rank, a);
-    rt::TaskId receive = rt::kNoTask;
-    if (producer && producer->rank != rank) {
-      const rt::TaskId send =
-          a.type == ActionType::Forward ? forward_send_[*input] : gradient_send_[*input];
-      receive = builder_.add({.device = device,
-                              .stream = receive_stream_,
-                              .kind = rt::TaskKind::comm,
-                              .name = fmt::format("{}.recv<r{}", name, producer->rank),
-                              .tags = tags(a, stage)});
-      builder_.precede(send, receive);
-      out_->transfers.push_back({send, receive, producer->rank, rank});
-    }
-    const rt::TaskId task = builder_.add({.device = device,
+    const rt::TaskId task = builder_.add({.device = static_cast<rt::DeviceId>(rank),
                                           .stream = rt::kComputeStream,
                                           .kind = rt::TaskKind::compute,
-                                          .name = name,
+                                          .name = task_name(rank, a),
                                           .tags = tags(a, stage),
                                           .cost = {.flops = flops_of(a.type, o_)}},
                                          work_for(rank, a));
     tasks.push_back(task);
-    if (receive != rt::kNoTask)
-      builder_.precede(receive, task);
-    else if (producer)
-      builder_.precede(producer->task, task);
+    if (input != rt::kNoTask) builder_.precede(input, task);
     switch (a.type) {
       case ActionType::Forward:
-        forward_[own] = {task, rank};
-        if (stage + 1 < s_.stages()) forward_send_[own] = send_to(task, rank, stage + 1, a, stage);
+        forward_[own] = task;
         break;
       case ActionType::Backward:
       case ActionType::BackwardInput:
-        builder_.precede(forward_[own].task, task);
-        gradient_[own] = {task, rank};
-        if (stage > 0) gradient_send_[own] = send_to(task, rank, stage - 1, a, stage);
+        builder_.precede(forward_[own], task);
+        gradient_[own] = task;
         break;
       case ActionType::BackwardWeight:
-        builder_.precede(gradient_[own].task, task);
+        builder_.precede(gradient_[own], task);
         break;
       case ActionType::Idle:
         break;
     }
-    return true;
+    return task;
   }
 
-  // The send of `producer`'s output to the rank of stage `to`, or kNoTask if that is `rank`.
-  rt::TaskId send_to(rt::TaskId producer, int rank, int to, const Action& a, int stage) {
-    const int peer = s_.rank_of(to);
-    if (peer == rank) return rt::kNoTask;
+  // The send of `t` after `producer` (the task of `a`), or within a rank `producer` itself.
+  rt::TaskId send(const StageTransfer& t, const Action& a, rt::TaskId producer) {
+    if (t.local()) return producer;
     const double bytes = o_.transfer_bytes;
     const rt::TaskId send =
-        builder_.add({.device = static_cast<rt::DeviceId>(rank),
+        builder_.add({.device = static_cast<rt::DeviceId>(t.from_rank),
                       .stream = send_stream_,
                       .kind = rt::TaskKind::comm,
-                      .name = fmt::format("{}.send>r{}", task_name(rank, a), peer),
-                      .tags = tags(a, stage),
+                      .name = fmt::format("{}.send>r{}", task_name(t.from_rank, a), t.to_rank),
+                      .tags = tags(a, t.from_stage),
                       .cost = {.bytes = bytes, .messages = bytes > 0 ? 1u : 0u}});
     builder_.precede(producer, send);
     return send;
@@ -210,62 +203,12 @@ class Lowering {
   // an unrelated outgoing send.
   rt::StreamId send_stream_;
   rt::StreamId receive_stream_;
-  std::size_t cells_;
-  // Per (stage, micro-batch): the forward and the gradient-producing backward (B or I), and
-  // their sends to another rank.
-  std::vector<Placed> forward_, gradient_;
-  std::vector<rt::TaskId> forward_send_, gradient_send_;
+  // Per (stage, micro-batch): the forward and the gradient-making backward (B or I).
+  std::vector<rt::TaskId> forward_, gradient_;
   std::shared_ptr<const PipelineActionWork> shared_work_;
-  LoweredSchedule* out_ = nullptr;
 };
 
 }  // namespace
-
-std::vector<ScheduledAction> emission_order(const PipelineSchedule& s) {
-  const auto cells = static_cast<std::size_t>(s.stages() * s.micro_batches);
-  auto cell = [&](int stage, int mb) {
-    return static_cast<std::size_t>(stage * s.micro_batches + mb);
-  };
-  std::vector<bool> forward_done(cells, false), gradient_done(cells, false);
-  // Whether the input `a` waits for from another stage is there: the previous stage's forward
-  // for a forward, the next stage's input gradient for a full or input-gradient backward.
-  auto ready = [&](const Action& a, int stage) {
-    if (a.type == ActionType::Forward && stage > 0)
-      return static_cast<bool>(forward_done[cell(stage - 1, a.micro_batch)]);
-    if ((a.type == ActionType::Backward || a.type == ActionType::BackwardInput) &&
-        stage + 1 < s.stages())
-      return static_cast<bool>(gradient_done[cell(stage + 1, a.micro_batch)]);
-    return true;
-  };
-  std::vector<ScheduledAction> order;
-  std::vector<std::size_t> next(static_cast<std::size_t>(s.ranks), 0);
-  for (bool progress = true; progress;) {
-    progress = false;
-    for (int r = 0; r < s.ranks; ++r) {
-      const auto& list = s.actions[static_cast<std::size_t>(r)];
-      while (next[r] < list.size()) {
-        const Action& a = list[next[r]];
-        if (a.type != ActionType::Idle) {
-          const int stage = s.stage(r, a.chunk);
-          if (!ready(a, stage)) break;
-          if (a.type == ActionType::Forward) forward_done[cell(stage, a.micro_batch)] = true;
-          if (a.type == ActionType::Backward || a.type == ActionType::BackwardInput)
-            gradient_done[cell(stage, a.micro_batch)] = true;
-        }
-        order.push_back({r, static_cast<int>(next[r])});
-        ++next[r];
-        progress = true;
-      }
-    }
-  }
-  for (int r = 0; r < s.ranks; ++r)
-    if (next[r] != s.actions[static_cast<std::size_t>(r)].size())
-      throw ScheduleError(
-          fmt::format("cannot order schedule '{}': rank {} cannot get past step {}; check it with "
-                      "simulate_schedule (weave schedule --load-csv) first",
-                      s.name, r, next[r]));
-  return order;
-}
 
 LoweredSchedule lower_schedule(const PipelineSchedule& schedule, const LoweringOptions& options,
                                rt::GraphBuilder& builder) {

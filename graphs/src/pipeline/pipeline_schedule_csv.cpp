@@ -97,26 +97,28 @@ const Cell* misplaced(PipelineSchedule& s, StageLayout layout,
   return nullptr;
 }
 
-}  // namespace
-
-std::string write_schedule_csv(const PipelineSchedule& schedule) {
-  std::string out = fmt::format(
-      "# weave pipeline schedule '{}': {} ranks, {} micro-batches, {} chunks per rank, {} "
-      "layout\n# one row per rank; cells are STAGE TYPE MICRO_BATCH (F forward, B backward, I "
-      "input gradient, W weight gradient); an empty cell is an idle slot\n",
-      schedule.name, schedule.ranks, schedule.micro_batches, schedule.chunks,
-      schedule.layout == StageLayout::V ? "V" : "interleaved");
-  for (int r = 0; r < schedule.ranks; ++r) {
-    std::vector<std::string> cells;
-    for (const Action& a : schedule.actions.at(static_cast<std::size_t>(r)))
-      cells.push_back(to_stage_string(schedule, r, a));
-    // A lone comma keeps a rank with nothing to do from reading as a blank line.
-    out += cells.empty() ? std::string(",\n") : fmt::format("{}\n", fmt::join(cells, ","));
+// One row's cells: communication cells skipped, idle slots at its end dropped.
+std::vector<Cell> parse_row(const std::string& line, int line_number) {
+  std::vector<Cell> row;
+  int column = 0;
+  for (std::size_t at = 0; at <= line.size();) {
+    std::size_t comma = line.find(',', at);
+    if (comma == std::string::npos) comma = line.size();
+    Cell cell{line_number, ++column, line.substr(at, comma - at), std::nullopt, {}};
+    at = comma + 1;
+    if (cell.text.empty())
+      cell.action.type = ActionType::Idle;
+    else if (!parse_cell(cell))
+      continue;
+    row.push_back(cell);
   }
-  return out;
+  while (!row.empty() && row.back().action.type == ActionType::Idle)
+    row.pop_back();
+  return row;
 }
 
-PipelineSchedule read_schedule_csv(std::string_view text, std::string name, int micro_batches) {
+// One row per line that is neither blank nor a comment.
+std::vector<std::vector<Cell>> parse_rows(std::string_view text) {
   std::vector<std::vector<Cell>> rows;
   int line_number = 0;
   for (std::size_t begin = 0; begin < text.size();) {
@@ -126,30 +128,20 @@ PipelineSchedule read_schedule_csv(std::string_view text, std::string name, int 
     begin = end + 1;
     ++line_number;
     if (line.empty() || line.front() == '#') continue;
-    std::vector<Cell> row;
-    int column = 0;
-    for (std::size_t at = 0; at <= line.size();) {
-      std::size_t comma = line.find(',', at);
-      if (comma == std::string::npos) comma = line.size();
-      Cell cell{line_number, ++column, line.substr(at, comma - at), std::nullopt, {}};
-      at = comma + 1;
-      if (cell.text.empty())
-        cell.action.type = ActionType::Idle;
-      else if (!parse_cell(cell))
-        continue;
-      row.push_back(cell);
-    }
-    while (!row.empty() && row.back().action.type == ActionType::Idle)
-      row.pop_back();
-    rows.push_back(std::move(row));
+    rows.push_back(parse_row(line, line_number));
   }
   if (rows.empty())
     throw ScheduleError("the schedule CSV has no rows; expected one row of actions per rank");
+  return rows;
+}
 
-  PipelineSchedule s;
-  s.name = std::move(name);
-  s.ranks = static_cast<int>(rows.size());
-  int highest_stage = s.ranks - 1, highest_mb = -1, actions = 0;
+// The highest stage and micro-batch the rows name (at least p - 1 and -1). Every stage and every
+// micro-batch needs actions of its own, so numbers beyond the count of actions are typos;
+// refusing them also keeps a typo from sizing the checker's tables. The micro-batches are not
+// checked when their count is given.
+std::pair<int, int> highest_numbers(const std::vector<std::vector<Cell>>& rows,
+                                    bool micro_batches_given) {
+  int highest_stage = static_cast<int>(rows.size()) - 1, highest_mb = -1, actions = 0;
   const Cell* highest_stage_cell = nullptr;
   const Cell* highest_mb_cell = nullptr;
   for (const auto& row : rows)
@@ -165,20 +157,22 @@ PipelineSchedule read_schedule_csv(std::string_view text, std::string name, int 
         highest_mb_cell = &cell;
       }
     }
-  // Every stage and every micro-batch needs actions of its own, so numbers beyond the count of
-  // actions are typos; refusing them also keeps a typo from sizing the checker's tables.
   if (highest_stage_cell && highest_stage >= actions)
     refuse_cell(*highest_stage_cell,
                 fmt::format("stage {} cannot exist in a schedule of {} actions: number the "
                             "stages from 0 without gaps",
                             highest_stage, actions));
-  if (micro_batches <= 0 && highest_mb_cell && highest_mb >= actions)
+  if (!micro_batches_given && highest_mb_cell && highest_mb >= actions)
     refuse_cell(*highest_mb_cell,
                 fmt::format("micro-batch {} cannot exist in a schedule of {} actions: number "
                             "the micro-batches from 0 without gaps",
                             highest_mb, actions));
-  s.chunks = highest_stage / s.ranks + 1;
-  s.micro_batches = micro_batches > 0 ? micro_batches : std::max(highest_mb + 1, 1);
+  return {highest_stage, highest_mb};
+}
+
+// Sets the layout that places every row's stages on its rank: interleaved if it can, else the
+// V (two chunks only). Refuses the first cell neither can place.
+void choose_layout(PipelineSchedule& s, const std::vector<std::vector<Cell>>& rows) {
   const Cell* not_interleaved = misplaced(s, StageLayout::Interleaved, rows);
   const Cell* not_v = s.chunks == 2 ? misplaced(s, StageLayout::V, rows) : nullptr;
   if (not_interleaved && (s.chunks != 2 || not_v)) {
@@ -199,6 +193,36 @@ PipelineSchedule read_schedule_csv(std::string_view text, std::string name, int 
     refuse_cell(bad, why);
   }
   s.layout = not_interleaved ? StageLayout::V : StageLayout::Interleaved;
+}
+
+}  // namespace
+
+std::string write_schedule_csv(const PipelineSchedule& schedule) {
+  std::string out = fmt::format(
+      "# weave pipeline schedule '{}': {} ranks, {} micro-batches, {} chunks per rank, {} "
+      "layout\n# one row per rank; cells are STAGE TYPE MICRO_BATCH (F forward, B backward, I "
+      "input gradient, W weight gradient); an empty cell is an idle slot\n",
+      schedule.name, schedule.ranks, schedule.micro_batches, schedule.chunks,
+      schedule.layout == StageLayout::V ? "V" : "interleaved");
+  for (int r = 0; r < schedule.ranks; ++r) {
+    std::vector<std::string> cells;
+    for (const Action& a : schedule.actions.at(static_cast<std::size_t>(r)))
+      cells.push_back(to_stage_string(schedule, r, a));
+    // A lone comma keeps a rank with nothing to do from reading as a blank line.
+    out += cells.empty() ? std::string(",\n") : fmt::format("{}\n", fmt::join(cells, ","));
+  }
+  return out;
+}
+
+PipelineSchedule read_schedule_csv(std::string_view text, std::string name, int micro_batches) {
+  const std::vector<std::vector<Cell>> rows = parse_rows(text);
+  PipelineSchedule s;
+  s.name = std::move(name);
+  s.ranks = static_cast<int>(rows.size());
+  const auto [highest_stage, highest_mb] = highest_numbers(rows, micro_batches > 0);
+  s.chunks = highest_stage / s.ranks + 1;
+  s.micro_batches = micro_batches > 0 ? micro_batches : std::max(highest_mb + 1, 1);
+  choose_layout(s, rows);
   s.actions.resize(rows.size());
   for (int r = 0; r < s.ranks; ++r)
     for (const Cell& cell : rows[r]) {

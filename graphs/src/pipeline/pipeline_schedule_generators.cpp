@@ -44,10 +44,9 @@ int group_size_or_default(const ScheduleParams& p) {
   return p.group_size > 0 ? p.group_size : p.ranks;
 }
 
-// Checks the parameters against the schedule's rules; throws ScheduleError for the first one
-// broken.
-void check_params(ScheduleKind kind, const ScheduleParams& p) {
-  const std::string_view name = schedule_name(kind);
+// The rules every schedule keeps: at least one rank, micro-batch and chunk, and a group size
+// only for the interleaved schedule.
+void check_common_params(ScheduleKind kind, const ScheduleParams& p) {
   if (p.ranks < 1)
     refuse("the pipeline needs at least 1 rank (--pipeline-model-parallel-size, got {})", p.ranks);
   if (p.micro_batches < 1)
@@ -63,66 +62,78 @@ void check_params(ScheduleKind kind, const ScheduleParams& p) {
     refuse(
         "--microbatch-group-size-per-virtual-pipeline-stage ({}) applies to the interleaved "
         "schedule only, not {}; leave it out",
-        p.group_size, name);
+        p.group_size, schedule_name(kind));
+}
+
+// 1F1B and ZB-H1: one chunk per rank; ZB-H1's rank r defers r weight gradients behind a full
+// pipeline of forwards, so it needs p micro-batches.
+void check_one_chunk_params(ScheduleKind kind, const ScheduleParams& p) {
+  if (p.chunks != 1)
+    refuse(
+        "{} runs one chunk per rank (got --virtual-pipeline-size {}); use interleaved, "
+        "interleaved-mem or zb-v for several",
+        schedule_name(kind), p.chunks);
+  if (kind == ScheduleKind::ZeroBubbleH1 && p.micro_batches < p.ranks)
+    refuse("zb-h1 needs at least p micro-batches (got m = {}, p = {}); use 1f1b for fewer",
+           p.micro_batches, p.ranks);
+}
+
+void check_several_chunks(ScheduleKind kind, const ScheduleParams& p) {
+  if (p.chunks < 2)
+    refuse(
+        "{} needs at least 2 chunks per rank (got --virtual-pipeline-size {}); use 1f1b for "
+        "one",
+        schedule_name(kind), p.chunks);
+}
+
+// Megatron's interleaving: p <= N <= m, and a last group that can fill the pipeline.
+void check_interleaved_params(const ScheduleParams& p) {
+  check_several_chunks(ScheduleKind::Interleaved, p);
+  const int n = group_size_or_default(p);
+  if (n < p.ranks || n > p.micro_batches)
+    refuse(
+        "the interleaved schedule needs p <= N <= m for the micro-batch group size N "
+        "(got p = {}, N = {}, m = {}): set --microbatch-group-size-per-virtual-pipeline-stage "
+        "between p and m, or run at least p micro-batches",
+        p.ranks, n, p.micro_batches);
+  const auto fits = [&](int size) {
+    return p.micro_batches % size == 0 || p.micro_batches % size >= p.ranks;
+  };
+  if (fits(n)) return;
+  int suggestion = n;
+  while (!fits(suggestion))
+    ++suggestion;  // ends at m at the latest
+  refuse(
+      "the interleaved schedule needs m mod N = 0 or >= p, else the last group is too "
+      "small to fill the pipeline (got m = {}, N = {}, m mod N = {}, p = {}); set "
+      "--microbatch-group-size-per-virtual-pipeline-stage to {}, or m to a multiple of {}",
+      p.micro_batches, n, p.micro_batches % n, p.ranks, suggestion, n);
+}
+
+// Checks the parameters against the schedule's rules; throws ScheduleError for the first one
+// broken.
+void check_params(ScheduleKind kind, const ScheduleParams& p) {
+  check_common_params(kind, p);
   switch (kind) {
     case ScheduleKind::GPipe:
       return;
     case ScheduleKind::OneFOneB:
     case ScheduleKind::ZeroBubbleH1:
-      if (p.chunks != 1)
-        refuse(
-            "{} runs one chunk per rank (got --virtual-pipeline-size {}); use interleaved, "
-            "interleaved-mem or zb-v for several",
-            name, p.chunks);
-      // Rank r defers r weight gradients behind a full pipeline of forwards.
-      if (kind == ScheduleKind::ZeroBubbleH1 && p.micro_batches < p.ranks)
-        refuse("zb-h1 needs at least p micro-batches (got m = {}, p = {}); use 1f1b for fewer",
-               p.micro_batches, p.ranks);
-      return;
+      return check_one_chunk_params(kind, p);
     case ScheduleKind::ZeroBubbleV:
       if (p.chunks != 2)
         refuse("zb-v places exactly 2 chunks per rank in a V (got --virtual-pipeline-size {})",
                p.chunks);
       return;
-    case ScheduleKind::Interleaved: {
-      if (p.chunks < 2)
-        refuse(
-            "{} needs at least 2 chunks per rank (got --virtual-pipeline-size {}); use 1f1b for "
-            "one",
-            name, p.chunks);
-      const int n = group_size_or_default(p);
-      if (n < p.ranks || n > p.micro_batches)
-        refuse(
-            "the interleaved schedule needs p <= N <= m for the micro-batch group size N "
-            "(got p = {}, N = {}, m = {}): set --microbatch-group-size-per-virtual-pipeline-stage "
-            "between p and m, or run at least p micro-batches",
-            p.ranks, n, p.micro_batches);
-      const auto fits = [&](int size) {
-        return p.micro_batches % size == 0 || p.micro_batches % size >= p.ranks;
-      };
-      if (!fits(n)) {
-        int suggestion = n;
-        while (!fits(suggestion))
-          ++suggestion;  // ends at m at the latest
-        refuse(
-            "the interleaved schedule needs m mod N = 0 or >= p, else the last group is too "
-            "small to fill the pipeline (got m = {}, N = {}, m mod N = {}, p = {}); set "
-            "--microbatch-group-size-per-virtual-pipeline-stage to {}, or m to a multiple of {}",
-            p.micro_batches, n, p.micro_batches % n, p.ranks, suggestion, n);
-      }
-      return;
-    }
+    case ScheduleKind::Interleaved:
+      return check_interleaved_params(p);
     case ScheduleKind::InterleavedMem:
-      if (p.chunks < 2)
-        refuse(
-            "{} needs at least 2 chunks per rank (got --virtual-pipeline-size {}); use 1f1b for "
-            "one",
-            name, p.chunks);
+      check_several_chunks(kind, p);
       if (p.micro_batches < p.ranks)
         refuse(
             "{} needs at least p micro-batches, one per rank in its first round (got m = {}, "
             "p = {})",
-            name, p.micro_batches, p.ranks);
+            schedule_name(kind), p.micro_batches, p.ranks);
       return;
   }
 }

@@ -223,50 +223,71 @@ std::optional<std::pair<ActionType, int>> dependency(const PipelineSchedule& s, 
   return std::nullopt;
 }
 
-void run(const PipelineSchedule& s, const TimeModel& time, ActionIndex& index,
-         ScheduleReport& report, Problems& problems) {
-  // Completion time per (stage, micro-batch) of the forward and of the input gradient (a full
-  // backward produces it too); the weight gradient feeds nothing.
-  const std::size_t cells = static_cast<std::size_t>(s.stages() * s.micro_batches);
-  std::vector<std::optional<double>> forward_done(cells), input_done(cells);
-  const auto done = [&](ActionType type, int stage, int mb) -> std::optional<double>& {
+// Where the dry run stands: per (stage, micro-batch) when the forward and the input gradient
+// (a full backward produces it too) completed, the weight gradient feeding nothing; per rank
+// the next step and when the rank is free.
+struct DryRun {
+  const PipelineSchedule& s;
+  std::vector<std::optional<double>> forward_done, input_done;
+  std::vector<int> next;
+  std::vector<double> free_at;
+
+  explicit DryRun(const PipelineSchedule& schedule)
+      : s(schedule),
+        forward_done(static_cast<std::size_t>(schedule.stages() * schedule.micro_batches)),
+        input_done(forward_done.size()),
+        next(static_cast<std::size_t>(schedule.ranks), 0),
+        free_at(static_cast<std::size_t>(schedule.ranks), 0.0) {}
+
+  std::optional<double>& done(ActionType type, int stage, int mb) {
     const std::size_t i = static_cast<std::size_t>(stage * s.micro_batches + mb);
     return type == ActionType::Forward ? forward_done[i] : input_done[i];
-  };
-  std::vector<int> next(static_cast<std::size_t>(s.ranks), 0);
-  std::vector<double> free_at(static_cast<std::size_t>(s.ranks), 0.0);
+  }
+  bool finished(int rank) const { return next[rank] == static_cast<int>(s.actions[rank].size()); }
+};
+
+// Runs every rank as far as its inputs allow, each action when the rank is free and its input is
+// ready, until no rank can move.
+void play(DryRun& run, const TimeModel& time, ScheduleReport& report) {
+  const PipelineSchedule& s = run.s;
   report.timeline.assign(static_cast<std::size_t>(s.ranks), {});
   for (bool progress = true; progress;) {
     progress = false;
     for (int r = 0; r < s.ranks; ++r) {
       const auto& list = s.actions[r];
-      while (next[r] < static_cast<int>(list.size())) {
-        const Action& a = list[next[r]];
+      while (!run.finished(r)) {
+        const Action& a = list[run.next[r]];
         const int stage = s.stage(r, a.chunk);
-        double start = free_at[r];
+        double start = run.free_at[r];
         if (const auto dep = dependency(s, r, a)) {
-          const auto& ready = done(dep->first, dep->second, a.micro_batch);
+          const auto& ready = run.done(dep->first, dep->second, a.micro_batch);
           if (!ready) break;
           start = std::max(start, *ready);
         }
         const double end = start + time.duration(a.type);
-        report.timeline[r].push_back({a, next[r], start, end});
-        if (a.type == ActionType::Forward) done(ActionType::Forward, stage, a.micro_batch) = end;
+        report.timeline[r].push_back({a, run.next[r], start, end});
+        if (a.type == ActionType::Forward)
+          run.done(ActionType::Forward, stage, a.micro_batch) = end;
         if (a.type == ActionType::Backward || a.type == ActionType::BackwardInput)
-          done(ActionType::BackwardInput, stage, a.micro_batch) = end;
-        free_at[r] = end;
-        ++next[r];
+          run.done(ActionType::BackwardInput, stage, a.micro_batch) = end;
+        run.free_at[r] = end;
+        ++run.next[r];
         progress = true;
       }
     }
   }
+}
+
+// Names, for each rank the run left stuck, what it waits for and where that action is; false if
+// every rank finished.
+bool report_deadlocks(const DryRun& run, ActionIndex& index, Problems& problems) {
+  const PipelineSchedule& s = run.s;
   bool stuck = false;
   for (int r = 0; r < s.ranks; ++r) {
-    if (next[r] == static_cast<int>(s.actions[r].size())) continue;
+    if (run.finished(r)) continue;
     stuck = true;
-    const Action& a = s.actions[r][next[r]];
-    const auto dep = dependency(s, r, a);
-    const auto [type, stage] = *dep;
+    const Action& a = s.actions[r][run.next[r]];
+    const auto [type, stage] = *dependency(s, r, a);
     // An input gradient may come from a full backward or from the input half of a split one.
     const bool gradient = type == ActionType::BackwardInput;
     const auto& full = index.at(ActionType::Backward, stage, a.micro_batch);
@@ -276,7 +297,7 @@ void run(const PipelineSchedule& s, const TimeModel& time, ActionIndex& index,
                                a.micro_batch, stage, a.micro_batch, a.micro_batch)
                  : describe(type, stage, a.micro_batch);
     if (at.empty()) {
-      problems.add("deadlock: {} waits for {}, which no rank runs", describe(s, r, next[r]),
+      problems.add("deadlock: {} waits for {}, which no rank runs", describe(s, r, run.next[r]),
                    wanted);
       continue;
     }
@@ -284,16 +305,18 @@ void run(const PipelineSchedule& s, const TimeModel& time, ActionIndex& index,
     problems.add(
         "deadlock: {} waits for {}, which rank {} runs at step {}, but rank {} is stuck "
         "at {}",
-        describe(s, r, next[r]), wanted, p.rank, p.step, p.rank,
-        next[p.rank] < static_cast<int>(s.actions[p.rank].size())
-            ? describe_step(s, p.rank, next[p.rank])
-            : "its end");
+        describe(s, r, run.next[r]), wanted, p.rank, p.step, p.rank,
+        run.finished(p.rank) ? "its end" : describe_step(s, p.rank, run.next[p.rank]));
   }
-  if (stuck) return;
-  report.simulated = true;
+  return stuck;
+}
+
+// The makespan, each rank's busy and idle time, and the bubble.
+void sum_up(const DryRun& run, ScheduleReport& report) {
+  const PipelineSchedule& s = run.s;
   double busy = 0;
   for (int r = 0; r < s.ranks; ++r) {
-    report.makespan = std::max(report.makespan, free_at[r]);
+    report.makespan = std::max(report.makespan, run.free_at[r]);
     for (const TimedAction& t : report.timeline[r])
       if (t.action.type != ActionType::Idle) report.ranks[r].busy += t.end - t.start;
     busy += report.ranks[r].busy;
@@ -305,6 +328,15 @@ void run(const PipelineSchedule& s, const TimeModel& time, ActionIndex& index,
   }
   report.bubble_over_ideal = busy > 0 ? idle / busy : 0;
   report.idle_over_total = report.makespan > 0 ? idle / (s.ranks * report.makespan) : 0;
+}
+
+void run(const PipelineSchedule& s, const TimeModel& time, ActionIndex& index,
+         ScheduleReport& report, Problems& problems) {
+  DryRun state(s);
+  play(state, time, report);
+  if (report_deadlocks(state, index, problems)) return;
+  report.simulated = true;
+  sum_up(state, report);
 }
 
 }  // namespace

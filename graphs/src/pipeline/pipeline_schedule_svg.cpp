@@ -94,26 +94,36 @@ double tick_step(double span) {
       if (span / (mantissa * power) <= 25) return mantissa * power;
 }
 
-}  // namespace
+// Where things go: the time scale and the rows' and the axis's positions.
+struct Frame {
+  double span = 1;  // the latest end time
+  double unit = kUnitWidth;
+  double plot_width = 0;
+  double axis_y = 0;
+  double legend_y = 0;
+  double height = 0;
 
-std::string render_schedule_svg(const PipelineSchedule& s, const ScheduleReport& report) {
-  const std::vector<Placed> cells = place(s, report);
-  double span = 1;
+  double x(double t) const { return kLeft + t * unit; }
+  static double y(int rank) { return kTop + rank * (kRowHeight + kRowGap); }
+};
+
+Frame frame_of(const PipelineSchedule& s, const std::vector<Placed>& cells) {
+  Frame f;
   for (const Placed& c : cells)
-    span = std::max(span, c.end);
-  const double unit = std::min(kUnitWidth, kMaxPlotWidth / span);
-  const double plot_width = span * unit;
+    f.span = std::max(f.span, c.end);
+  f.unit = std::min(kUnitWidth, kMaxPlotWidth / f.span);
+  f.plot_width = f.span * f.unit;
   const double rows_bottom = kTop + s.ranks * (kRowHeight + kRowGap);
-  const double axis_y = rows_bottom + 4;
-  const double legend_y = axis_y + 40;
-  const double height = legend_y + 30;
-  const auto x = [&](double t) { return kLeft + t * unit; };
-  const auto y = [&](int rank) { return kTop + rank * (kRowHeight + kRowGap); };
+  f.axis_y = rows_bottom + 4;
+  f.legend_y = f.axis_y + 40;
+  f.height = f.legend_y + 30;
+  return f;
+}
 
-  // The body first: the width depends on how far the title and the legend reach.
-  std::string svg;
-  // One hatch per chunk after the first, at different angles, so chunks read apart.
-  svg += "<defs>\n";
+// One hatch per chunk after the first, at different angles, so chunks read apart; then the
+// white background.
+std::string hatches(const PipelineSchedule& s) {
+  std::string svg = "<defs>\n";
   for (int c = 1; c < std::max(s.chunks, 2); ++c)
     svg += fmt::format(
         "<pattern id=\"chunk{}\" width=\"6\" height=\"6\" patternUnits=\"userSpaceOnUse\" "
@@ -122,81 +132,100 @@ std::string render_schedule_svg(const PipelineSchedule& s, const ScheduleReport&
         c, 45 + 90 * (c - 1) / std::max(1, s.chunks - 1));
   svg += "</defs>\n";
   svg += "<rect width=\"100%\" height=\"100%\" fill=\"#fff\"/>\n";
+  return svg;
+}
 
+// The title (name, p, m, v and the bubble) and the checker's first problem under it; `reach` is
+// how far right the title goes.
+std::string title(const PipelineSchedule& s, const ScheduleReport& report, double& reach) {
   const std::string bubble =
       report.simulated
           ? fmt::format("bubble {:.3f} of the ideal time, {:.1f}% idle, makespan {:g}",
                         report.bubble_over_ideal, 100 * report.idle_over_total, report.makespan)
           : std::string("not simulated");
-  const std::string title = fmt::format("{}: p={}, m={}, v={} &#8212; {}", escape(s.name), s.ranks,
-                                        s.micro_batches, s.chunks, escape(bubble));
-  svg += fmt::format("<text x=\"{}\" y=\"22\" font-size=\"16\" font-weight=\"bold\">{}</text>\n",
-                     kLeft, title);
+  const std::string text = fmt::format("{}: p={}, m={}, v={} &#8212; {}", escape(s.name), s.ranks,
+                                       s.micro_batches, s.chunks, escape(bubble));
+  std::string svg = fmt::format(
+      "<text x=\"{}\" y=\"22\" font-size=\"16\" font-weight=\"bold\">{}</text>\n", kLeft, text);
   // Rough text widths: about 0.6 em per character.
-  double reach = kLeft + 9.6 * static_cast<double>(title.size());
+  reach = kLeft + 9.6 * static_cast<double>(text.size());
   if (!report.problems.empty())
     svg += fmt::format("<text x=\"{}\" y=\"42\" font-size=\"12\" fill=\"#b00\">{}{}</text>\n",
                        kLeft, escape(report.problems.front()),
                        report.problems.size() > 1
                            ? fmt::format(" (and {} more)", report.problems.size() - 1)
                            : std::string());
+  return svg;
+}
 
+// Each rank's label and empty row.
+std::string rows(const PipelineSchedule& s, const Frame& f) {
+  std::string svg;
   for (int r = 0; r < s.ranks; ++r) {
     svg += fmt::format(
         "<text x=\"{}\" y=\"{:.1f}\" font-size=\"12\" text-anchor=\"end\" "
         "dominant-baseline=\"middle\">rank {}</text>\n",
-        kLeft - 8, y(r) + kRowHeight / 2, r);
+        kLeft - 8, Frame::y(r) + kRowHeight / 2, r);
     svg += fmt::format(
         "<rect x=\"{}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{}\" fill=\"#f4f4f4\"/>\n", kLeft,
-        y(r), plot_width, kRowHeight);
+        Frame::y(r), f.plot_width, kRowHeight);
   }
-  for (const Placed& c : cells) {
-    if (c.action.type == ActionType::Idle) continue;
-    const double cx = x(c.start), cw = (c.end - c.start) * unit, cy = y(c.rank);
-    const double l = lightness(c.action.type);
-    svg += fmt::format(
-        "<g><title>rank {} step {}: {} (stage {}), time {:g} to {:g}</title>"
-        "<rect class=\"action\" x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" height=\"{}\" "
-        "fill=\"hsl({:.0f},65%,{:.0f}%)\" stroke=\"#333\" stroke-width=\"0.6\"/>",
-        c.rank, c.step, to_string(c.action), s.stage(c.rank, c.action.chunk), c.start, c.end, cx,
-        cy, cw, kRowHeight, hue(c.action.micro_batch), l);
-    if (c.action.chunk > 0)
-      svg += fmt::format(
-          "<rect class=\"chunk-mark\" x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" height=\"{}\" "
-          "fill=\"url(#chunk{})\"/>",
-          cx, cy, cw, kRowHeight, c.action.chunk);
-    // A label wider than its cell would spill over the neighbours: the tooltip still names it.
-    const std::string label = to_string(c.action);
-    if (cw >= 6.0 * static_cast<double>(label.size()) + 2)
-      svg += fmt::format(
-          "<text x=\"{:.2f}\" y=\"{:.1f}\" font-size=\"10\" text-anchor=\"middle\" "
-          "dominant-baseline=\"middle\" fill=\"{}\">{}</text>",
-          cx + cw / 2, cy + kRowHeight / 2, l > 60 ? "#000" : "#fff", escape(label));
-    svg += "</g>\n";
-  }
+  return svg;
+}
 
-  // Time axis.
-  svg +=
+// One action's rectangle with its tooltip, its chunk's hatch and its label if it fits.
+std::string cell(const PipelineSchedule& s, const Placed& c, const Frame& f) {
+  const double cx = f.x(c.start), cw = (c.end - c.start) * f.unit, cy = Frame::y(c.rank);
+  const double l = lightness(c.action.type);
+  std::string svg = fmt::format(
+      "<g><title>rank {} step {}: {} (stage {}), time {:g} to {:g}</title>"
+      "<rect class=\"action\" x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" height=\"{}\" "
+      "fill=\"hsl({:.0f},65%,{:.0f}%)\" stroke=\"#333\" stroke-width=\"0.6\"/>",
+      c.rank, c.step, to_string(c.action), s.stage(c.rank, c.action.chunk), c.start, c.end, cx, cy,
+      cw, kRowHeight, hue(c.action.micro_batch), l);
+  if (c.action.chunk > 0)
+    svg += fmt::format(
+        "<rect class=\"chunk-mark\" x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" height=\"{}\" "
+        "fill=\"url(#chunk{})\"/>",
+        cx, cy, cw, kRowHeight, c.action.chunk);
+  // A label wider than its cell would spill over the neighbours: the tooltip still names it.
+  const std::string label = to_string(c.action);
+  if (cw >= 6.0 * static_cast<double>(label.size()) + 2)
+    svg += fmt::format(
+        "<text x=\"{:.2f}\" y=\"{:.1f}\" font-size=\"10\" text-anchor=\"middle\" "
+        "dominant-baseline=\"middle\" fill=\"{}\">{}</text>",
+        cx + cw / 2, cy + kRowHeight / 2, l > 60 ? "#000" : "#fff", escape(label));
+  svg += "</g>\n";
+  return svg;
+}
+
+std::string time_axis(const ScheduleReport& report, const Frame& f) {
+  std::string svg =
       fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"#000\"/>\n",
-                  kLeft, axis_y, x(span), axis_y);
-  const double step = tick_step(span);
-  for (double t = 0; t <= span + 1e-9; t += step)
+                  kLeft, f.axis_y, f.x(f.span), f.axis_y);
+  const double step = tick_step(f.span);
+  for (double t = 0; t <= f.span + 1e-9; t += step)
     svg += fmt::format(
         "<line x1=\"{0:.2f}\" y1=\"{1:.1f}\" x2=\"{0:.2f}\" y2=\"{2:.1f}\" stroke=\"#000\"/>"
         "<text x=\"{0:.2f}\" y=\"{3:.1f}\" font-size=\"10\" text-anchor=\"middle\">{4:g}</text>\n",
-        x(t), axis_y, axis_y + 4, axis_y + 15, t);
+        f.x(t), f.axis_y, f.axis_y + 4, f.axis_y + 15, t);
   svg += fmt::format(
-      "<text x=\"{}\" y=\"{:.1f}\" font-size=\"11\">{}</text>\n", kLeft, axis_y + 29,
+      "<text x=\"{}\" y=\"{:.1f}\" font-size=\"11\">{}</text>\n", kLeft, f.axis_y + 29,
       report.simulated ? "time (one forward of one chunk = 1 by default)" : "step (not simulated)");
+  return svg;
+}
 
-  // Legend: action kinds in a neutral hue, the chunk hatch, and what colour means.
+// Action kinds in a neutral hue, the chunk hatch, and what colour means; `reach` grows to how
+// far right the legend goes.
+std::string legend(const Frame& f, double& reach) {
+  std::string svg;
   double lx = kLeft;
   const auto swatch = [&](const std::string& fill, const std::string& label) {
     svg += fmt::format(
         "<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"14\" height=\"14\" fill=\"{}\" "
         "stroke=\"#333\" stroke-width=\"0.6\"/><text x=\"{:.1f}\" y=\"{:.1f}\" "
         "font-size=\"11\">{}</text>\n",
-        lx, legend_y, fill, lx + 18, legend_y + 11, label);
+        lx, f.legend_y, fill, lx + 18, f.legend_y + 11, label);
     lx += 18 + 6.6 * static_cast<double>(label.size()) + 16;
   };
   swatch(fmt::format("hsl(210,65%,{:.0f}%)", lightness(ActionType::Forward)), "F forward");
@@ -209,14 +238,29 @@ std::string render_schedule_svg(const PipelineSchedule& s, const ScheduleReport&
   svg += fmt::format(
       "<text x=\"{:.1f}\" y=\"{:.1f}\" font-size=\"11\">colour: micro-batch; blank: "
       "bubble</text>\n",
-      lx, legend_y + 11);
+      lx, f.legend_y + 11);
   reach = std::max(reach, lx + 6.6 * 34);
-  const double width = std::max(kLeft + plot_width, reach) + kRight;
+  return svg;
+}
+
+}  // namespace
+
+std::string render_schedule_svg(const PipelineSchedule& s, const ScheduleReport& report) {
+  const std::vector<Placed> cells = place(s, report);
+  const Frame f = frame_of(s, cells);
+  // The body first: the width depends on how far the title and the legend reach.
+  double reach = 0;
+  std::string svg = hatches(s) + title(s, report, reach) + rows(s, f);
+  for (const Placed& c : cells)
+    if (c.action.type != ActionType::Idle) svg += cell(s, c, f);
+  svg += time_axis(report, f);
+  svg += legend(f, reach);
+  const double width = std::max(kLeft + f.plot_width, reach) + kRight;
   return fmt::format(
              "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
              "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{:.0f}\" height=\"{:.0f}\" "
              "viewBox=\"0 0 {:.0f} {:.0f}\" font-family=\"sans-serif\">\n",
-             width, height, width, height) +
+             width, f.height, width, f.height) +
          svg + "</svg>\n";
 }
 

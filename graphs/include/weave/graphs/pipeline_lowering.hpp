@@ -1,11 +1,11 @@
 // A pipeline schedule lowered to a runtime task graph, and replayed on the virtual clock.
 //
 // Each rank is a device. Every compute action becomes one compute task on the rank's "compute"
-// stream, in the rank's list order; every dependency that crosses ranks becomes a send on the
-// producer's device ("p2p-send" stream) and a receive on the consumer's ("p2p-recv"), both comm
-// tasks. The graph then shows the schedule's bubble and, through a MemoryTracker, its activation
-// memory in the runtime's own terms, and is the frame a training step fills with a model's
-// stages.
+// stream, in the rank's list order; every transfer that crosses ranks (lower_transfers, which
+// places them) becomes a send on the producer's device ("p2p-send" stream) and a receive on the
+// consumer's ("p2p-recv"), both comm tasks. The graph then shows the schedule's bubble and,
+// through a MemoryTracker, its activation memory in the runtime's own terms. The training step
+// runs the same lowered steps with a model's stages in the compute tasks.
 #pragma once
 
 #include <cstdint>
@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "weave/graphs/pipeline_schedule.hpp"
+#include "weave/graphs/pipeline_transfers.hpp"
 #include "weave/runtime/cost_model.hpp"
 #include "weave/runtime/graph.hpp"
 #include "weave/runtime/memory_tracker.hpp"
@@ -55,20 +56,6 @@ struct LoweredSchedule {
   std::vector<std::vector<rt::TaskId>> tasks;
   std::vector<PipelineTransfer> transfers;
 };
-
-// One action of a schedule: the rank and the action's index in the rank's list.
-struct ScheduledAction {
-  int rank = 0;
-  int index = 0;
-};
-
-// Every action of the schedule (idle slots included) in an order that respects every
-// dependency between ranks, each rank's in its list order: a forward after the previous stage's
-// forward, a full or input-gradient backward after the next stage's. A graph built in this order
-// has each stream's order consistent with its data flow, so stream order never adds a cycle,
-// and a transfer built next to its producer never waits behind a later one. Throws ScheduleError
-// if the schedule cannot get past a step (check it with simulate_schedule first).
-std::vector<ScheduledAction> emission_order(const PipelineSchedule& schedule);
 
 // Adds the schedule's tasks to `builder` (device = rank). Compute tasks are named like
 // "r1.F3.c0" (rank, action, micro-batch, chunk) and tagged with the micro-batch, the global

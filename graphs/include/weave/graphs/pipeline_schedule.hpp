@@ -3,7 +3,8 @@
 // p ranks hold p * v pipeline stages (v chunks, or virtual stages, per rank) and run m
 // micro-batches through them. Only compute is listed: a stage's output always goes to the next
 // stage's rank and its input gradient to the previous stage's rank, so every send and receive
-// follows from the layout and need not be stored.
+// follows from the layout and need not be stored (lower_transfers in pipeline_transfers.hpp
+// places them).
 #pragma once
 
 #include <stdexcept>
