@@ -45,7 +45,8 @@ ops::AttentionDropout attention_dropout(const RankProgram& rank, int layer, int 
 void AttentionBlock::allocate(LayerActivations& A) const {
   const StepShape& z = P->shape;
   const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h, Hl = z.Hl, d = z.d, cp = z.cp;
-  const bool ampipe = z.ampipe > 1 && P->layer(l).moe;
+  const bool ampipe = z.spec(l).mlp == MlpModule::ampipe;
+  const bool ring = z.spec(l).attention == AttentionCore::ring;
   A.ln1 = P->activation({Sl, B, h});
   A.ln1_mean = P->activation({Sl * B});
   A.ln1_rstd = P->activation({Sl * B});
@@ -53,13 +54,13 @@ void AttentionBlock::allocate(LayerActivations& A) const {
   A.qkv = P->activation({Sc, B, z.Gl, z.qkv_group_width()});
   A.attn = P->activation({Sc, B, Hl, d});
   // Ampipe without CP: one [B, Hl, q] block per (chunk, piece); under CP one per half.
-  A.lse = ampipe && cp == 1 ? P->activation({z.ampipe * z.t_sp, B, Hl, z.piece_rows()})
-                            : P->activation({cp > 1 ? 2 : 1, B, Hl, z.chunk});
+  A.lse = ampipe && !ring ? P->activation({z.ampipe * z.t_sp, B, Hl, z.piece_rows()})
+                          : P->activation({ring ? 2 : 1, B, Hl, z.chunk});
   A.proj_partial = P->activation({Sc, B, h});
-  if (cp > 1 && ampipe && !z.plan.ampipe_cp_resend_kv) {
+  if (ring && ampipe && !z.plan.ampipe_cp_resend_kv) {
     A.kv_store = P->activation({cp * Sc, B, z.Gl, 2 * d});
     A.kv_local = A.kv_store.slice(0, P->at.cp * Sc, Sc);
-  } else if (cp > 1) {
+  } else if (ring) {
     A.kv_local = P->activation({Sc, B, z.Gl, 2 * d});
   }
   A.proj_out = z.sp() ? P->activation({Sl, B, h}) : A.proj_partial;
@@ -73,7 +74,8 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
   RankProgram* p = P;
   const int layer = l, set = pos.set;
   const StepShape& z = P->shape;
-  const std::int64_t Sc = z.Sc, B = z.B, d = z.d, cp = z.cp;
+  const std::int64_t Sc = z.Sc, B = z.B, d = z.d;
+  const bool ring = z.spec(l).attention == AttentionCore::ring;
   const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
   const std::string at = fmt::format("L{}.", l);
   const double rows = static_cast<double>(z.Sl * B * z.h);
@@ -95,7 +97,7 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
                         A.qkv.reshape({Sc, B, p->shape.qkv_width()}));
     if (p->shape.model.position_embedding == PositionEmbedding::rope)
       rotate_queries_and_keys(*p, A.qkv, 0, false);
-    if (cp > 1) {  // keys and values, contiguous: the block this rank sends round the ring
+    if (ring) {  // keys and values, contiguous: the block this rank sends round the ring
       const std::int64_t keys = p->shape.qpg * d;
       A.kv_local.slice(3, 0, d).copy_from(A.qkv.slice(3, keys, d));
       A.kv_local.slice(3, d, d).copy_from(A.qkv.slice(3, keys + d, d));
@@ -115,7 +117,7 @@ TaskId AttentionBlock::forward(const BuildPosition& pos, TaskId ready) const {
   const int mb = pos.micro_batch;
   const TaskId qkv = forward_input(pos, ready);
   TaskId attention;
-  if (z.cp == 1) {
+  if (z.spec(l).attention == AttentionCore::local) {
     attention =
         P->compute(at + "attention", tags, cost::causal_attention(z) + cost::projection(z), [=] {
           LayerActivations& A = p->acts(set, layer);
@@ -141,8 +143,8 @@ TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHa
   RankProgram* p = P;
   const int layer = l, set = pos.set, mb = pos.micro_batch;
   const StepShape& z = P->shape;
-  const std::int64_t Sc = z.Sc, B = z.B, Hl = z.Hl, d = z.d, cp = z.cp;
-  const bool sp = z.sp();
+  const std::int64_t Sc = z.Sc, B = z.B, Hl = z.Hl, d = z.d;
+  const bool sp = z.sp(), ring = z.spec(l).attention == AttentionCore::ring;
   const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
   const std::string at = fmt::format("L{}.", l);
   BackwardWorkspace& w = P->ws();
@@ -151,7 +153,7 @@ TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHa
     gathered = sp_gather(*P, ready, w.d_mlp, w.d_mlp_full, at + "attention_grad_gather", tags);
   const bool keep = halves.zero_bubble();
   const rt::CostHint flops = (keep ? 1 : 2) * cost::projection(z) +
-                             (cp == 1 ? cost::causal_attention_backward(z) : rt::CostHint{});
+                             (ring ? rt::CostHint{} : cost::causal_attention_backward(z));
   const TaskId attention = P->compute(at + "attention_backward", tags, flops, [=] {
     LayerActivations& A = p->acts(set, layer);
     BackwardWorkspace& w = p->ws();
@@ -165,7 +167,7 @@ TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHa
                                   Tensor{});
     w.d_qkv.fill(0.f);  // attention accumulates dk and dv
     const StepShape& z = p->shape;
-    if (cp == 1)
+    if (!ring)
       ops::attention_backward({.dropout = attention_dropout(*p, layer, mb)}, query_view(A.qkv, z),
                               key_view(A.qkv, z), value_view(A.qkv, z), output_view(A.attn, z),
                               A.lse.reshape({B, Hl, Sc}), output_view(w.d_attn, z),
@@ -183,7 +185,7 @@ TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHa
                         });
     });
   TaskId kv_grads = attention;
-  if (cp > 1) kv_grads = RingAttention(*P, l).backward(pos, attention);
+  if (ring) kv_grads = RingAttention(*P, l).backward(pos, attention);
   return backward_input(pos, kv_grads, halves, last, qkv_weights);
 }
 
@@ -193,13 +195,14 @@ TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, We
   const int layer = l, set = pos.set;
   const StepShape& z = P->shape;
   const std::int64_t Sc = z.Sc, B = z.B, d = z.d, cp = z.cp;
+  const bool ring = z.spec(l).attention == AttentionCore::ring;
   const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
   const std::string at = fmt::format("L{}.", l);
   const bool keep = halves.zero_bubble();
   const TaskId qkv_in = P->compute(at + "qkv_backward", tags, cost::qkv(z), [=] {
     BackwardWorkspace& w = p->ws();
     const std::int64_t keys = p->shape.qpg * d, width = p->shape.qkv_width();
-    if (cp > 1) {  // the block's gradients came home with the last turn of the ring
+    if (ring) {  // the block's gradients came home with the last turn of the ring
       const Tensor& home = w.dring[cp % 2];
       w.d_qkv.slice(3, keys, d).copy_from(home.slice(3, 0, d));
       w.d_qkv.slice(3, keys + d, d).copy_from(home.slice(3, d, d));

@@ -1,0 +1,30 @@
+// Which modules a transformer layer is made of, resolved once from the model and the parallel
+// plan, as Megatron-Core's TransformerLayerSubmodules and MoESubmodules name a layer's parts. The
+// layer's parameter declarations, its activation layout and its forward and backward emitters
+// dispatch on this value instead of testing the configuration again.
+#pragma once
+
+#include "weave/graphs/model_config.hpp"
+#include "weave/graphs/parallel_plan.hpp"
+
+namespace weave::graphs {
+
+// The attention's core: every key and value on the rank, or a ring of key/value blocks passed
+// round the context-parallel group.
+enum class AttentionCore { local, ring };
+
+// The layer's MLP: dense, Mixture-of-Experts, or the Ampipe block (a MoE layer under
+// --ampipe-degree > 1, whose attention and MoE MLP run as sequence chunks together).
+enum class MlpModule { dense, moe, ampipe };
+
+struct LayerSpec {
+  AttentionCore attention = AttentionCore::local;
+  MlpModule mlp = MlpModule::dense;
+  Normalization norm = Normalization::layer_norm;  // every norm of the layer
+
+  bool moe() const { return mlp != MlpModule::dense; }
+};
+
+LayerSpec resolve_layer_spec(const ModelConfig& model, const ParallelPlan& plan, int layer);
+
+}  // namespace weave::graphs
