@@ -42,6 +42,47 @@ ops::AttentionDropout attention_dropout(const RankProgram& rank, int layer, int 
           .head_offset = static_cast<std::int64_t>(rank.at.tp) * z.Hl};
 }
 
+void AttentionBlock::declare_parameters(ParameterDeclarer& declare, const LayerSpec& spec,
+                                        int layer, LayerShard& L) {
+  const ModelConfig& m = declare.model;
+  const std::int64_t h = m.hidden_size, d = m.head_dim(), heads = m.num_attention_heads;
+  const std::int64_t t = declare.at.tp, heads_local = heads / declare.tp;
+  // Grouped-query attention: each tp rank holds whole key/value groups with their query heads.
+  const std::int64_t groups = m.query_groups(), groups_local = groups / declare.tp;
+  const std::int64_t per_group = heads / groups;
+  const std::string prefix = fmt::format("layers.{}.", layer);
+  L.ln1_weight = declare.norm(prefix + "input_norm.weight", 1);
+  if (spec.norm == Normalization::layer_norm)
+    L.ln1_bias = declare.norm(prefix + "input_norm.bias", 0);
+  // QKV: local rows (group, which, dim) for this rank's key/value groups, which running over the
+  // group's query heads, then its key, then its value (one query head per group without
+  // grouped-query attention); logical rows: every query head, then every key, then every value
+  // head, d rows each.
+  std::vector<std::int64_t> qkv_rows;
+  for (std::int64_t gl = 0; gl < groups_local; ++gl) {
+    const std::int64_t g = t * groups_local + gl;
+    for (std::int64_t which = 0; which < per_group + 2; ++which) {
+      const std::int64_t first = which < per_group ? (g * per_group + which) * d
+                                                   : (heads + (which - per_group) * groups + g) * d;
+      for (std::int64_t i = 0; i < d; ++i)
+        qkv_rows.push_back(first + i);
+    }
+  }
+  const std::int64_t qkv_local = (heads_local + 2 * groups_local) * d;
+  const std::int64_t qkv_logical = (heads + 2 * groups) * d;
+  L.qkv_weight = &declare.add(prefix + "attention.qkv.weight", {qkv_local, h}, qkv_logical, h,
+                              qkv_rows, 0, declare.std, 0);
+  if (m.add_bias_linear)
+    L.qkv_bias =
+        &declare.add(prefix + "attention.qkv.bias", {qkv_local}, qkv_logical, 1, qkv_rows, 0, 0, 0);
+  L.proj_weight = &declare.add(prefix + "attention.proj.weight", {h, heads_local * d}, h, h,
+                               iota_from(0, h), t * heads_local * d, declare.out_std, 0);
+  if (m.add_bias_linear)
+    L.proj_bias = &declare.replicated(
+        declare.add(prefix + "attention.proj.bias", {h}, h, 1, iota_from(0, h), 0, 0, 0),
+        declare.mesh.plan().sequence_parallel);
+}
+
 void AttentionBlock::allocate(LayerActivations& A) const {
   const StepShape& z = P->shape;
   const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h, Hl = z.Hl, d = z.d, cp = z.cp;

@@ -7,6 +7,7 @@
 // proj_out [Sl, B, h].
 #pragma once
 
+#include "parameter_declarer.hpp"
 #include "rank_program.hpp"
 #include "weave/ops/attention.hpp"
 #include "weight_halves.hpp"
@@ -37,6 +38,10 @@ class AttentionBlock {
   // Lays out what the block keeps for one micro-batch (Ampipe's chunked log-sum-exps and, under
   // CP, its store of every rank's key/value block on a MoE layer).
   void allocate(LayerActivations& A) const;
+
+  // Declares the input norm, QKV and output projection of layer `layer` into `L`.
+  static void declare_parameters(ParameterDeclarer& declare, const LayerSpec& spec, int layer,
+                                 LayerShard& L);
 
  private:
   RankProgram* P;

@@ -5,6 +5,7 @@
 // activation [Sc, B, fl] -> fc2 partial sums [Sc, B, h] -> (reduce) mlp_out [Sl, B, h].
 #pragma once
 
+#include "parameter_declarer.hpp"
 #include "rank_program.hpp"
 #include "weight_halves.hpp"
 
@@ -24,6 +25,10 @@ class DenseMlp {
 
   // Lays out what the MLP keeps for one micro-batch, its output included.
   void allocate(LayerActivations& A) const;
+
+  // Declares fc1 (column-parallel) and fc2 (row-parallel) of layer `layer` into `L`.
+  static void declare_parameters(ParameterDeclarer& declare, const LayerSpec& spec, int layer,
+                                 LayerShard& L);
 
  private:
   RankProgram* P;

@@ -28,6 +28,22 @@ void TransformerLayer::allocate(LayerActivations& A, const Tensor& x_in) const {
   A.x_out = P->activation({Sl, B, h});
 }
 
+void TransformerLayer::declare_parameters(ParameterDeclarer& declare, const LayerSpec& spec,
+                                          int layer, LayerShard& L) {
+  const std::string prefix = fmt::format("layers.{}.", layer);
+  declare.bucket(prefix + "attention");
+  AttentionBlock::declare_parameters(declare, spec, layer, L);
+  declare.bucket(prefix + "mlp");
+  L.ln2_weight = declare.norm(prefix + "mlp_norm.weight", 1);
+  if (spec.norm == Normalization::layer_norm)
+    L.ln2_bias = declare.norm(prefix + "mlp_norm.bias", 0);
+  L.moe = spec.moe();
+  if (spec.moe())
+    MoeMlp::declare_parameters(declare, spec, layer, L);
+  else
+    DenseMlp::declare_parameters(declare, spec, layer, L);
+}
+
 TaskId TransformerLayer::forward(const BuildPosition& pos, TaskId ready) const {
   const StepShape& z = P->shape;
   const MlpModule mlp_module = z.spec(l).mlp;

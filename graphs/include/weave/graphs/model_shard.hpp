@@ -101,6 +101,8 @@ struct StageContents {
   bool output_layer = true;
 };
 
+class ParameterDeclarer;
+
 class ModelShard {
  public:
   // The shard that device `rank` of `mesh` holds, allocated on `device` (tracked as parameters,
@@ -146,6 +148,14 @@ class ModelShard {
   const GradientBucket& bucket_of(const Parameter& p) const;
 
  private:
+  // The modules of each layer declare their parameters through it (graphs/src).
+  friend class ParameterDeclarer;
+  void declare_embedding(ParameterDeclarer& declare);
+  void declare_output_layer(ParameterDeclarer& declare);
+  // Gradient buckets in the order the backward makes them ready, each parameter's value and
+  // gradient moved into its bucket's flat storage.
+  void make_buckets(const Mesh& mesh, int rank);
+  void make_bucket(const Mesh& mesh, int rank, std::string name, std::vector<Parameter*> params);
   // std > 0: normal(0, std) draws; otherwise every element is `constant`. While !holding_, only
   // counts the parameter and returns a placeholder.
   Parameter& add(std::string name, const ops::Shape& local, std::int64_t logical_rows,
