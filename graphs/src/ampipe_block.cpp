@@ -38,7 +38,7 @@ TaskId AmpipeBlock::forward(const BuildPosition& pos, TaskId ready) const {
   };
   // The out-projection's partial sums of chunk c's rows, piece after piece.
   auto partial = [p, layer, set, n](int c) {
-    return p->acts(set, layer).proj_partial.slice(0, c * n, n);
+    return p->acts(set, layer).attention.proj_partial.slice(0, c * n, n);
   };
   std::vector<SlotProgress> routed(static_cast<std::size_t>(N));
   TaskId first_gathered = rt::kNoTask;
@@ -49,8 +49,9 @@ TaskId AmpipeBlock::forward(const BuildPosition& pos, TaskId ready) const {
       // The chunk's half of the rank's sequence: n rows from c n.
       const TaskId attention = ring_attention(pos, c, qkv);
       side = P->compute(chunk + "projection", tags, cost::projection(z) / N, [=] {
-        ops::linear_forward(p->acts(set, layer).attn.slice(0, c * n, n).reshape({n, B, Hl * d}),
-                            p->layer(layer).proj_weight->value, Tensor{}, partial(c));
+        ops::linear_forward(
+            p->acts(set, layer).attention.attn.slice(0, c * n, n).reshape({n, B, Hl * d}),
+            p->layer(layer).proj_weight->value, Tensor{}, partial(c));
         if (t_sp == 1) residual_norm(c, partial(c));
       });
       P->after(attention, side);
@@ -63,10 +64,11 @@ TaskId AmpipeBlock::forward(const BuildPosition& pos, TaskId ready) const {
         for (int j = 0; j < t_sp; ++j) {
           const std::int64_t first = z.piece_start(c, j);
           ops::attention_forward({.q_offset = first, .dropout = attention_dropout(*p, layer, mb)},
-                                 query_view(A.qkv.slice(0, first, q), z), key_view(A.qkv, z),
-                                 value_view(A.qkv, z), output_view(A.attn.slice(0, first, q), z),
-                                 A.lse.slice(0, c * t_sp + j, 1).reshape({B, Hl, q}));
-          ops::linear_forward(A.attn.slice(0, first, q).reshape({q, B, Hl * d}),
+                                 query_view(A.attention.qkv.slice(0, first, q), z),
+                                 key_view(A.attention.qkv, z), value_view(A.attention.qkv, z),
+                                 output_view(A.attention.attn.slice(0, first, q), z),
+                                 A.attention.lse.slice(0, c * t_sp + j, 1).reshape({B, Hl, q}));
+          ops::linear_forward(A.attention.attn.slice(0, first, q).reshape({q, B, Hl * d}),
                               p->layer(layer).proj_weight->value, Tensor{},
                               partial(c).slice(0, j * q, q));
         }
@@ -83,11 +85,12 @@ TaskId AmpipeBlock::forward(const BuildPosition& pos, TaskId ready) const {
     if (z.sp()) {
       // Each rank's piece of the summed projection comes home, on the tp stream.
       const TaskId reduced = P->tensor.reduce_scatter(
-          side, read_of(partial(c)), all_of(P->acts(set, l).proj_out.slice(0, c * q, q)),
+          side, read_of(partial(c)), all_of(P->acts(set, l).attention.proj_out.slice(0, c * q, q)),
           chunk + "attention_reduce", tags);
       // bias, dropout and residual (read 2, write 1), then the norm (read 1, write 1)
-      side = P->compute(chunk + "attention_residual", tags, cost::streamed(z, 5.0 * q * B * z.h),
-                        [=] { residual_norm(c, p->acts(set, layer).proj_out.slice(0, c * q, q)); });
+      side = P->compute(
+          chunk + "attention_residual", tags, cost::streamed(z, 5.0 * q * B * z.h),
+          [=] { residual_norm(c, p->acts(set, layer).attention.proj_out.slice(0, c * q, q)); });
       P->after(reduced, side);
     }
     routed[c] = moe.route(pos, c, side);
@@ -211,8 +214,8 @@ TaskId AmpipeBlock::backward(const BuildPosition& pos, TaskId ready, WeightHalve
             const Tensor d_proj = d_proj_rows();
             ops::linear_backward_input(d_proj, W.proj_weight->value,
                                        w.d_attn.reshape({Sc, B, Hl * d}).slice(0, c * n, n));
-            ops::linear_backward_weight(A.attn.slice(0, c * n, n).reshape({n, B, Hl * d}), d_proj,
-                                        W.proj_weight->grad, Tensor{});
+            ops::linear_backward_weight(A.attention.attn.slice(0, c * n, n).reshape({n, B, Hl * d}),
+                                        d_proj, W.proj_weight->grad, Tensor{});
           });
       P->after(attention_ready, projection);
       side = ampipe_ring_attention_backward(*P, pos, l, c, projection, blocks);
@@ -235,12 +238,13 @@ TaskId AmpipeBlock::backward(const BuildPosition& pos, TaskId ready, WeightHalve
         const Tensor d_proj = d_proj_rows().slice(0, j * q, q);
         const Tensor d_attn = w.d_attn.reshape({Sc, B, Hl * d}).slice(0, first, q);
         ops::linear_backward_input(d_proj, W.proj_weight->value, d_attn);
-        ops::linear_backward_weight(A.attn.slice(0, first, q).reshape({q, B, Hl * d}), d_proj,
-                                    W.proj_weight->grad, Tensor{});
+        ops::linear_backward_weight(A.attention.attn.slice(0, first, q).reshape({q, B, Hl * d}),
+                                    d_proj, W.proj_weight->grad, Tensor{});
         ops::attention_backward({.q_offset = first, .dropout = attention_dropout(*p, layer, mb)},
-                                query_view(A.qkv.slice(0, first, q), z), key_view(A.qkv, z),
-                                value_view(A.qkv, z), output_view(A.attn.slice(0, first, q), z),
-                                A.lse.slice(0, c * t_sp + j, 1).reshape({B, Hl, q}),
+                                query_view(A.attention.qkv.slice(0, first, q), z),
+                                key_view(A.attention.qkv, z), value_view(A.attention.qkv, z),
+                                output_view(A.attention.attn.slice(0, first, q), z),
+                                A.attention.lse.slice(0, c * t_sp + j, 1).reshape({B, Hl, q}),
                                 output_view(d_attn, z), query_view(w.d_qkv.slice(0, first, q), z),
                                 key_view(w.d_qkv, z), value_view(w.d_qkv, z));
       }

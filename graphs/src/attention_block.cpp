@@ -88,26 +88,26 @@ void AttentionBlock::allocate(LayerActivations& A) const {
   const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h, Hl = z.Hl, d = z.d, cp = z.cp;
   const bool ampipe = z.spec(l).mlp == MlpModule::ampipe;
   const bool ring = z.spec(l).attention == AttentionCore::ring;
-  A.ln1 = P->activation({Sl, B, h});
-  A.ln1_mean = P->activation({Sl * B});
-  A.ln1_rstd = P->activation({Sl * B});
-  A.ln1_full = z.sp() ? P->activation({Sc, B, h}) : A.ln1;
-  A.qkv = P->activation({Sc, B, z.Gl, z.qkv_group_width()});
-  A.attn = P->activation({Sc, B, Hl, d});
+  A.attention.ln1 = P->activation({Sl, B, h});
+  A.attention.ln1_mean = P->activation({Sl * B});
+  A.attention.ln1_rstd = P->activation({Sl * B});
+  A.attention.ln1_full = z.sp() ? P->activation({Sc, B, h}) : A.attention.ln1;
+  A.attention.qkv = P->activation({Sc, B, z.Gl, z.qkv_group_width()});
+  A.attention.attn = P->activation({Sc, B, Hl, d});
   // Ampipe without CP: one [B, Hl, q] block per (chunk, piece); under CP one per half.
-  A.lse = ampipe && !ring ? P->activation({z.ampipe * z.t_sp, B, Hl, z.piece_rows()})
-                          : P->activation({ring ? 2 : 1, B, Hl, z.chunk});
-  A.proj_partial = P->activation({Sc, B, h});
+  A.attention.lse = ampipe && !ring ? P->activation({z.ampipe * z.t_sp, B, Hl, z.piece_rows()})
+                                    : P->activation({ring ? 2 : 1, B, Hl, z.chunk});
+  A.attention.proj_partial = P->activation({Sc, B, h});
   if (ring && ampipe && !z.plan.ampipe_cp_resend_kv) {
-    A.kv_store = P->activation({cp * Sc, B, z.Gl, 2 * d});
-    A.kv_local = A.kv_store.slice(0, P->at.cp * Sc, Sc);
+    A.attention.kv_store = P->activation({cp * Sc, B, z.Gl, 2 * d});
+    A.attention.kv_local = A.attention.kv_store.slice(0, P->at.cp * Sc, Sc);
   } else if (ring) {
-    A.kv_local = P->activation({Sc, B, z.Gl, 2 * d});
+    A.attention.kv_local = P->activation({Sc, B, z.Gl, 2 * d});
   }
-  A.proj_out = z.sp() ? P->activation({Sl, B, h}) : A.proj_partial;
+  A.attention.proj_out = z.sp() ? P->activation({Sl, B, h}) : A.attention.proj_partial;
   if (z.splits_backward) {
-    A.saved_d_proj = P->activation({Sc, B, h});
-    A.saved_d_qkv = P->activation({Sc, B, z.qkv_width()});
+    A.attention.saved_d_proj = P->activation({Sc, B, h});
+    A.attention.saved_d_qkv = P->activation({Sc, B, z.qkv_width()});
   }
 }
 
@@ -124,24 +124,25 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
       P->compute(at + "input_norm", tags, cost::streamed(z, 2 * rows), [p, layer, set] {
         LayerActivations& A = p->acts(set, layer);
         const LayerShard& W = p->layer(layer);
-        norm_forward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.ln1, A.ln1_mean,
-                     A.ln1_rstd);
+        norm_forward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.attention.ln1,
+                     A.attention.ln1_mean, A.attention.ln1_rstd);
       });
   P->after(ready, ln1);
   LayerActivations& A = P->acts(set, layer);
   TaskId gathered = rt::kNoTask;
-  if (z.sp()) gathered = sp_gather(*P, ln1, A.ln1, A.ln1_full, at + "sp_gather", tags);
+  if (z.sp())
+    gathered = sp_gather(*P, ln1, A.attention.ln1, A.attention.ln1_full, at + "sp_gather", tags);
   const TaskId qkv = P->compute(at + "qkv", tags, cost::qkv(z), [=] {
     LayerActivations& A = p->acts(set, layer);
     const LayerShard& W = p->layer(layer);
-    ops::linear_forward(A.ln1_full, W.qkv_weight->value, value_of(W.qkv_bias),
-                        A.qkv.reshape({Sc, B, p->shape.qkv_width()}));
+    ops::linear_forward(A.attention.ln1_full, W.qkv_weight->value, value_of(W.qkv_bias),
+                        A.attention.qkv.reshape({Sc, B, p->shape.qkv_width()}));
     if (p->shape.model.position_embedding == PositionEmbedding::rope)
-      rotate_queries_and_keys(*p, A.qkv, 0, false);
+      rotate_queries_and_keys(*p, A.attention.qkv, 0, false);
     if (ring) {  // keys and values, contiguous: the block this rank sends round the ring
       const std::int64_t keys = p->shape.qpg * d;
-      A.kv_local.slice(3, 0, d).copy_from(A.qkv.slice(3, keys, d));
-      A.kv_local.slice(3, d, d).copy_from(A.qkv.slice(3, keys + d, d));
+      A.attention.kv_local.slice(3, 0, d).copy_from(A.attention.qkv.slice(3, keys, d));
+      A.attention.kv_local.slice(3, d, d).copy_from(A.attention.qkv.slice(3, keys + d, d));
     }
   });
   P->after(gathered, qkv);
@@ -164,18 +165,20 @@ TaskId AttentionBlock::forward(const BuildPosition& pos, TaskId ready) const {
           LayerActivations& A = p->acts(set, layer);
           const StepShape& z = p->shape;
           ops::attention_forward({.dropout = attention_dropout(*p, layer, mb)},
-                                 query_view(A.qkv, z), key_view(A.qkv, z), value_view(A.qkv, z),
-                                 output_view(A.attn, z), A.lse.reshape({B, Hl, Sc}));
-          ops::linear_forward(A.attn.reshape({Sc, B, Hl * d}), p->layer(layer).proj_weight->value,
-                              Tensor{}, A.proj_partial);
+                                 query_view(A.attention.qkv, z), key_view(A.attention.qkv, z),
+                                 value_view(A.attention.qkv, z), output_view(A.attention.attn, z),
+                                 A.attention.lse.reshape({B, Hl, Sc}));
+          ops::linear_forward(A.attention.attn.reshape({Sc, B, Hl * d}),
+                              p->layer(layer).proj_weight->value, Tensor{},
+                              A.attention.proj_partial);
         });
     P->after(qkv, attention);
   } else {
     attention = RingAttention(*P, l).forward(pos, qkv);
   }
   LayerActivations& A = P->acts(set, layer);
-  const TaskId reduced =
-      reduce_partial(*P, attention, A.proj_partial, A.proj_out, at + "attention_reduce", tags);
+  const TaskId reduced = reduce_partial(*P, attention, A.attention.proj_partial,
+                                        A.attention.proj_out, at + "attention_reduce", tags);
   return reduced != rt::kNoTask ? reduced : attention;
 }
 
@@ -202,16 +205,17 @@ TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHa
     const Tensor d_proj = sp ? w.d_mlp_full : w.d_mlp;
     ops::linear_backward_input(d_proj, W.proj_weight->value, w.d_attn);
     if (keep)
-      A.saved_d_proj.copy_from(d_proj);
+      A.attention.saved_d_proj.copy_from(d_proj);
     else  // the projection's weight half, folded in: nothing would overlap it
-      ops::linear_backward_weight(A.attn.reshape({Sc, B, Hl * d}), d_proj, W.proj_weight->grad,
-                                  Tensor{});
+      ops::linear_backward_weight(A.attention.attn.reshape({Sc, B, Hl * d}), d_proj,
+                                  W.proj_weight->grad, Tensor{});
     w.d_qkv.fill(0.f);  // attention accumulates dk and dv
     const StepShape& z = p->shape;
     if (!ring)
-      ops::attention_backward({.dropout = attention_dropout(*p, layer, mb)}, query_view(A.qkv, z),
-                              key_view(A.qkv, z), value_view(A.qkv, z), output_view(A.attn, z),
-                              A.lse.reshape({B, Hl, Sc}), output_view(w.d_attn, z),
+      ops::attention_backward({.dropout = attention_dropout(*p, layer, mb)},
+                              query_view(A.attention.qkv, z), key_view(A.attention.qkv, z),
+                              value_view(A.attention.qkv, z), output_view(A.attention.attn, z),
+                              A.attention.lse.reshape({B, Hl, Sc}), output_view(w.d_attn, z),
                               query_view(w.d_qkv, z), key_view(w.d_qkv, z), value_view(w.d_qkv, z));
   });
   P->after(gathered, attention);
@@ -220,8 +224,8 @@ TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHa
       return p->compute(at + "attention_weight_grad", pos.tags(rt::Phase::weight, layer),
                         cost::projection(z), [=] {
                           LayerActivations& A = p->acts(set, layer);
-                          ops::linear_backward_weight(A.attn.reshape({Sc, B, Hl * d}),
-                                                      A.saved_d_proj,
+                          ops::linear_backward_weight(A.attention.attn.reshape({Sc, B, Hl * d}),
+                                                      A.attention.saved_d_proj,
                                                       p->layer(layer).proj_weight->grad, Tensor{});
                         });
     });
@@ -252,7 +256,7 @@ TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, We
       rotate_queries_and_keys(*p, w.d_qkv, 0, true);
     ops::linear_backward_input(w.d_qkv.reshape({Sc, B, width}), p->layer(layer).qkv_weight->value,
                                w.d_norm_full);
-    if (keep) p->acts(set, layer).saved_d_qkv.copy_from(w.d_qkv.reshape({Sc, B, width}));
+    if (keep) p->acts(set, layer).attention.saved_d_qkv.copy_from(w.d_qkv.reshape({Sc, B, width}));
   });
   P->after(ready, qkv_in);
   BackwardWorkspace& w = P->ws();
@@ -266,8 +270,9 @@ TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, We
       LayerActivations& A = p->acts(set, layer);
       const LayerShard& W = p->layer(layer);
       const Tensor d_out =
-          keep ? A.saved_d_qkv : p->ws().d_qkv.reshape({Sc, B, p->shape.qkv_width()});
-      ops::linear_backward_weight(A.ln1_full, d_out, W.qkv_weight->grad, grad_of(W.qkv_bias));
+          keep ? A.attention.saved_d_qkv : p->ws().d_qkv.reshape({Sc, B, p->shape.qkv_width()});
+      ops::linear_backward_weight(A.attention.ln1_full, d_out, W.qkv_weight->grad,
+                                  grad_of(W.qkv_bias));
     });
   };
   TaskId norm_ready = reduced;
@@ -292,8 +297,8 @@ TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, We
         LayerActivations& A = p->acts(set, layer);
         BackwardWorkspace& w = p->ws();
         const LayerShard& W = p->layer(layer);
-        norm_backward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.ln1_mean, A.ln1_rstd,
-                      w.d_norm, w.d_tmp);
+        norm_backward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.attention.ln1_mean,
+                      A.attention.ln1_rstd, w.d_norm, w.d_tmp);
         ops::accumulate(w.d_tmp, w.d_x);
       });
   P->after(norm_ready, ln1);

@@ -53,13 +53,13 @@ void DenseMlp::allocate(LayerActivations& A) const {
   const StepShape& z = P->shape;
   const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h;
   A.ln2_full = z.sp() ? P->activation({Sc, B, h}) : A.ln2;
-  A.fc1 = P->activation({Sc, B, z.f1l});
-  A.act = P->activation({Sc, B, z.fl});
-  A.fc2_partial = P->activation({Sc, B, h});
-  A.mlp_out = z.sp() ? P->activation({Sl, B, h}) : A.fc2_partial;
+  A.dense.fc1 = P->activation({Sc, B, z.f1l});
+  A.dense.act = P->activation({Sc, B, z.fl});
+  A.dense.fc2_partial = P->activation({Sc, B, h});
+  A.mlp_out = z.sp() ? P->activation({Sl, B, h}) : A.dense.fc2_partial;
   if (z.splits_backward) {
-    A.saved_d_fc2 = P->activation({Sc, B, h});
-    A.saved_d_fc1 = P->activation({Sc, B, z.f1l});
+    A.dense.saved_d_fc2 = P->activation({Sc, B, h});
+    A.dense.saved_d_fc1 = P->activation({Sc, B, z.f1l});
   }
 }
 
@@ -75,12 +75,13 @@ TaskId DenseMlp::forward(const BuildPosition& pos, TaskId ready) const {
   const TaskId mlp = P->compute(at + "mlp", tags, cost::mlp(z, z.Sc * z.B), [p, layer, set] {
     LayerActivations& A = p->acts(set, layer);
     const LayerShard& W = p->layer(layer);
-    ops::linear_forward(A.ln2_full, W.fc1_weight->value, value_of(W.fc1_bias), A.fc1);
-    mlp_activation_forward(p->shape.model, A.fc1, A.act);
-    ops::linear_forward(A.act, W.fc2_weight->value, Tensor{}, A.fc2_partial);
+    ops::linear_forward(A.ln2_full, W.fc1_weight->value, value_of(W.fc1_bias), A.dense.fc1);
+    mlp_activation_forward(p->shape.model, A.dense.fc1, A.dense.act);
+    ops::linear_forward(A.dense.act, W.fc2_weight->value, Tensor{}, A.dense.fc2_partial);
   });
   P->after(gathered, mlp);
-  const TaskId reduced = reduce_partial(*P, mlp, A.fc2_partial, A.mlp_out, at + "mlp_reduce", tags);
+  const TaskId reduced =
+      reduce_partial(*P, mlp, A.dense.fc2_partial, A.mlp_out, at + "mlp_reduce", tags);
   return reduced != rt::kNoTask ? reduced : mlp;
 }
 
@@ -104,12 +105,12 @@ TaskId DenseMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& 
     const LayerShard& W = p->layer(layer);
     ops::linear_backward_input(w.d_mlp_full, W.fc2_weight->value, w.d_act);
     if (keep)
-      A.saved_d_fc2.copy_from(w.d_mlp_full);
+      A.dense.saved_d_fc2.copy_from(w.d_mlp_full);
     else  // fc2's weight half, folded in: nothing would overlap it
-      ops::linear_backward_weight(A.act, w.d_mlp_full, W.fc2_weight->grad, Tensor{});
-    mlp_activation_backward(p->shape.model, A.fc1, w.d_act, w.d_fc1);
+      ops::linear_backward_weight(A.dense.act, w.d_mlp_full, W.fc2_weight->grad, Tensor{});
+    mlp_activation_backward(p->shape.model, A.dense.fc1, w.d_act, w.d_fc1);
     ops::linear_backward_input(w.d_fc1, W.fc1_weight->value, w.d_norm_full);
-    if (keep) A.saved_d_fc1.copy_from(w.d_fc1);
+    if (keep) A.dense.saved_d_fc1.copy_from(w.d_fc1);
   });
   P->after(gathered, mlp);
   const TaskId reduced =
@@ -117,14 +118,15 @@ TaskId DenseMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& 
   TaskId norm_ready = reduced;
   if (keep) {
     halves.place(WeightPlacement::zero_bubble, [=] {
-      return p->compute(
-          at + "mlp_weight_grad", pos.tags(rt::Phase::weight, layer), fc1 + fc2_weight, [=] {
-            LayerActivations& A = p->acts(set, layer);
-            const LayerShard& W = p->layer(layer);
-            ops::linear_backward_weight(A.act, A.saved_d_fc2, W.fc2_weight->grad, Tensor{});
-            ops::linear_backward_weight(A.ln2_full, A.saved_d_fc1, W.fc1_weight->grad,
-                                        grad_of(W.fc1_bias));
-          });
+      return p->compute(at + "mlp_weight_grad", pos.tags(rt::Phase::weight, layer),
+                        fc1 + fc2_weight, [=] {
+                          LayerActivations& A = p->acts(set, layer);
+                          const LayerShard& W = p->layer(layer);
+                          ops::linear_backward_weight(A.dense.act, A.dense.saved_d_fc2,
+                                                      W.fc2_weight->grad, Tensor{});
+                          ops::linear_backward_weight(A.ln2_full, A.dense.saved_d_fc1,
+                                                      W.fc1_weight->grad, grad_of(W.fc1_bias));
+                        });
     });
     if (reduced == rt::kNoTask) norm_ready = mlp;
   } else {

@@ -59,7 +59,8 @@ TaskId TransformerLayer::forward(const BuildPosition& pos, TaskId ready) const {
       P->compute(at + "attention_residual", tags, cost::streamed(z, 5 * rows), [=] {
         LayerActivations& A = p->acts(set, layer);
         const LayerShard& W = p->layer(layer);
-        p->bias_dropout_add(mb, layer, 0, A.proj_out, value_of(W.proj_bias), A.x_in, A.x_mid);
+        p->bias_dropout_add(mb, layer, 0, A.attention.proj_out, value_of(W.proj_bias), A.x_in,
+                            A.x_mid);
         norm_forward(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, A.ln2, A.ln2_mean,
                      A.ln2_rstd);
       });
