@@ -7,6 +7,12 @@ namespace weave::graphs {
 
 using ops::Tensor;
 
+// --qk-layernorm: the queries and keys before their norms [s B, Gl, qpg + 1, d] and each
+// head's statistics [s B Gl (qpg + 1)], queries' first.
+struct QkNormState {
+  Tensor in, mean, rstd;
+};
+
 struct AttentionActivations {
   Tensor ln1, ln1_mean, ln1_rstd, ln1_full;
   Tensor qkv, attn, lse, proj_partial, proj_out;
@@ -17,6 +23,7 @@ struct AttentionActivations {
   // A split backward (zero-bubble schedules): the out-projection's and QKV's output gradients,
   // kept from the input-gradient half (I) until the weight half (W) runs.
   Tensor saved_d_proj, saved_d_qkv;
+  QkNormState qk_norm;
 };
 
 }  // namespace weave::graphs

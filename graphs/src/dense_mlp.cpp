@@ -34,6 +34,13 @@ void DenseMlp::declare_parameters(ParameterDeclarer& declare, const LayerSpec&, 
                             declare.mesh.plan().sequence_parallel);
 }
 
+void dense_mlp_forward(const ModelConfig& m, const LayerShard& W, const Tensor& x,
+                       const Tensor& fc1, const Tensor& act, const Tensor& out) {
+  ops::linear_forward(x, W.fc1_weight->value, value_of(W.fc1_bias), fc1);
+  mlp_activation_forward(m, fc1, act);
+  ops::linear_forward(act, W.fc2_weight->value, Tensor{}, out);
+}
+
 void mlp_activation_forward(const ModelConfig& m, const Tensor& pre, const Tensor& out) {
   if (m.activation == Activation::swiglu)
     ops::swiglu_forward(pre, out);
@@ -74,10 +81,8 @@ TaskId DenseMlp::forward(const BuildPosition& pos, TaskId ready) const {
   if (z.sp()) gathered = sp_gather(*P, ready, A.ln2, A.ln2_full, at + "sp_gather_mlp", tags);
   const TaskId mlp = P->compute(at + "mlp", tags, cost::mlp(z, z.Sc * z.B), [p, layer, set] {
     LayerActivations& A = p->acts(set, layer);
-    const LayerShard& W = p->layer(layer);
-    ops::linear_forward(A.ln2_full, W.fc1_weight->value, value_of(W.fc1_bias), A.dense.fc1);
-    mlp_activation_forward(p->shape.model, A.dense.fc1, A.dense.act);
-    ops::linear_forward(A.dense.act, W.fc2_weight->value, Tensor{}, A.dense.fc2_partial);
+    dense_mlp_forward(p->shape.model, p->layer(layer), A.ln2_full, A.dense.fc1, A.dense.act,
+                      A.dense.fc2_partial);
   });
   P->after(gathered, mlp);
   const TaskId reduced =

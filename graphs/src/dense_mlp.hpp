@@ -35,6 +35,11 @@ class DenseMlp {
   int l;
 };
 
+// The MLP's computation on normed rows x [.., h], shared by training and decoding: fc1 into `fc1`
+// [.., f1l], the nonlinearity into `act` [.., fl], and fc2's partial sums into `out` [.., h].
+void dense_mlp_forward(const ModelConfig& m, const LayerShard& W, const Tensor& x,
+                       const Tensor& fc1, const Tensor& act, const Tensor& out);
+
 // The MLP's nonlinearity on a rank's [.., f1l] pre-activations (SwiGLU: gates, then values).
 void mlp_activation_forward(const ModelConfig& m, const Tensor& pre, const Tensor& out);
 void mlp_activation_backward(const ModelConfig& m, const Tensor& pre, const Tensor& d_out,

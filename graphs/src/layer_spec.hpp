@@ -21,10 +21,19 @@ struct LayerSpec {
   AttentionCore attention = AttentionCore::local;
   MlpModule mlp = MlpModule::dense;
   Normalization norm = Normalization::layer_norm;  // every norm of the layer
+  bool qk_norm = false;                            // --qk-layernorm: queries and keys normed
 
   bool moe() const { return mlp != MlpModule::dense; }
 };
 
-LayerSpec resolve_layer_spec(const ModelConfig& model, const ParallelPlan& plan, int layer);
+inline LayerSpec resolve_layer_spec(const ModelConfig& model, const ParallelPlan& plan, int layer) {
+  LayerSpec spec;
+  spec.attention = plan.context_parallel > 1 ? AttentionCore::ring : AttentionCore::local;
+  if (model.is_moe_layer(layer))
+    spec.mlp = plan.ampipe_degree > 1 ? MlpModule::ampipe : MlpModule::moe;
+  spec.norm = model.normalization;
+  spec.qk_norm = model.qk_layernorm;
+  return spec;
+}
 
 }  // namespace weave::graphs

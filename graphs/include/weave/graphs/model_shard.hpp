@@ -75,6 +75,12 @@ struct LayerShard {
   // its key, its value (per head q, k, v without grouped-query attention)
   Parameter* qkv_weight = nullptr;
   Parameter* qkv_bias = nullptr;
+  // --qk-layernorm: the norms of every query head and every key head, [head_dim] each, the same
+  // on every tp rank (biases with LayerNorm only).
+  Parameter* q_norm_weight = nullptr;
+  Parameter* q_norm_bias = nullptr;
+  Parameter* k_norm_weight = nullptr;
+  Parameter* k_norm_bias = nullptr;
   Parameter* proj_weight = nullptr;  // local [h, h/tp]
   Parameter* proj_bias = nullptr;
   Parameter* ln2_weight = nullptr;
