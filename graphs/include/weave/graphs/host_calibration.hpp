@@ -5,7 +5,7 @@
 // Each kernel is timed on every device of a set of `devices` at once, each device on its share
 // of the cores, so the rates are what a device sustains while the others compute too, as in a run
 // of that many devices. The figures are in the units the step's cost hints count
-// (graphs/src/step_costs.hpp): 2mnk per product, the causal attention's FLOPs, the bytes a
+// (graphs/src/step/step_costs.hpp): 2mnk per product, the causal attention's FLOPs, the bytes a
 // streaming task is charged. From them:
 //   matrix products: t = (2mnk + d0 x 2(mn + nk + mk)) / R, least squares over the shapes on
 //                    relative error (devices::KernelRates), R and d0 >= 0;

@@ -1,0 +1,86 @@
+#include "model/embedding.hpp"
+
+#include "model/attention_block.hpp"
+#include "model/sequence_parallel.hpp"
+#include "step/step_costs.hpp"
+#include "weave/ops/embedding.hpp"
+
+namespace weave::graphs {
+
+TaskId Embedding::forward(const BuildPosition& pos, TaskId ready) const {
+  RankProgram* p = P;
+  const int set = pos.set, mb = pos.micro_batch;
+  const StepShape& z = P->shape;
+  const std::int64_t Sl = z.Sl, B = z.B, h = z.h;
+  const rt::TaskTags tags = pos.tags(rt::Phase::forward);
+  // Each rank looks up its vocabulary shard; the group sums (or reduce-scatters) the partials.
+  const TaskId lookup =
+      P->compute("embedding", tags, cost::streamed(z, 2.0 * z.Sc * B * h), [p, set, mb] {
+        ActivationSet& X = p->aset(set);
+        p->load_tokens(mb, X.tokens, false);
+        ops::embedding_forward<float>(
+            X.tokens, p->shard().embedding().value,
+            {p->shard().vocab_start(), p->shape.model.padded_vocab_size(p->shape.tp)},
+            X.emb_partial);
+      });
+  P->after(ready, lookup);
+  ActivationSet& X = P->aset(set);
+  const TaskId reduced =
+      reduce_partial(*P, lookup, X.emb_partial, X.x_in, "embedding_reduce", tags);
+  const bool learned = z.model.learned_positions();
+  const TaskId positions = P->compute("positions", tags, cost::streamed(z, 3.0 * Sl * B * h), [=] {
+    ActivationSet& X = p->aset(set);
+    // RoPE rotates queries and keys in the attention instead; none adds nothing.
+    if (learned)
+      for (std::int64_t s = 0; s < Sl; ++s)
+        for (std::int64_t bi = 0; bi < B; ++bi) {
+          float* row = X.x_in.data() + (s * B + bi) * h;
+          const float* q = p->shard().positions().value.row(p->position(s));
+          for (std::int64_t c = 0; c < h; ++c)
+            row[c] += q[c];
+        }
+    p->apply_dropout(false, mb, p->shape.model.num_layers, 2, X.x_in, X.x_in);
+  });
+  P->after(reduced, positions);
+  return positions;
+}
+
+TaskId Embedding::backward(const BuildPosition& pos, TaskId ready) const {
+  RankProgram* p = P;
+  const int set = pos.set, mb = pos.micro_batch;
+  const StepShape& z = P->shape;
+  const std::int64_t Sl = z.Sl, B = z.B, h = z.h;
+  const bool sp = z.sp(), learned = z.model.learned_positions();
+  const rt::TaskTags tags = pos.tags(rt::Phase::backward);
+  const TaskId positions =
+      P->compute("positions_backward", tags, cost::streamed(z, 3.0 * Sl * B * h), [=] {
+        BackwardWorkspace& w = p->ws();
+        p->apply_dropout(true, mb, p->shape.model.num_layers, 2, w.d_x, w.d_x);
+        if (learned)
+          for (std::int64_t s = 0; s < Sl; ++s)
+            for (std::int64_t bi = 0; bi < B; ++bi) {
+              const float* g = w.d_x.data() + (s * B + bi) * h;
+              float* q = p->shard().positions().grad.row(p->position(s));
+              for (std::int64_t c = 0; c < h; ++c)
+                q[c] += g[c];
+            }
+      });
+  P->after(ready, positions);
+  TaskId gathered = rt::kNoTask;
+  if (sp)
+    gathered =
+        sp_gather(*P, positions, P->ws().d_x, P->ws().d_norm_full, "embedding_grad_gather", tags);
+  const TaskId words =
+      P->compute("embedding_backward", tags, cost::streamed(z, 3.0 * z.Sc * B * h), [p, set, sp] {
+        BackwardWorkspace& w = p->ws();
+        const Tensor d = sp ? w.d_norm_full : w.d_x;
+        ops::embedding_backward<float>(
+            p->aset(set).tokens, d,
+            {p->shard().vocab_start(), p->shape.model.padded_vocab_size(p->shape.tp)},
+            p->shard().embedding().grad);
+      });
+  P->after(gathered, words);
+  return words;
+}
+
+}  // namespace weave::graphs

@@ -1,0 +1,85 @@
+#include "model/model_chunk.hpp"
+
+#include "model/embedding.hpp"
+#include "model/output_loss.hpp"
+#include "model/transformer_layer.hpp"
+#include "step/gradient_buckets.hpp"
+#include "step/step_costs.hpp"
+
+namespace weave::graphs {
+
+TaskId ModelChunk::forward(const BuildPosition& pos, TaskId ready) const {
+  TaskId prev = ready;
+  if (k == 0) prev = Embedding(*P).forward(pos, ready);
+  for (int l = P->layout.first_layer(k); l < P->layout.end_layer(k); ++l)
+    prev = TransformerLayer(*P, l).forward(pos, prev);
+  if (k + 1 == P->layout.chunks()) return OutputLoss(*P).forward(pos, prev);
+  return prev;
+}
+
+TaskId ModelChunk::backward(const BuildPosition& pos, TaskId ready, WeightHalves& halves, bool last,
+                            TaskId& word_grad_done, TaskId d_send_read) const {
+  RankProgram* p = P;
+  const int set = pos.set;
+  const rt::TaskTags tags = pos.tags(rt::Phase::backward);
+  TaskId prev;
+  if (k + 1 == P->layout.chunks()) {
+    prev = OutputLoss(*P).backward(pos, ready, halves);
+    if (last) {
+      reduce_buckets(*P, "final_norm", prev);
+      word_grad_done = prev;
+    }
+  } else {
+    // The gradient of the chunk's output, from the next stage.
+    const double rows = static_cast<double>(P->shape.Sl * P->shape.B * P->shape.h);
+    prev = P->compute("stage_grad_in", tags, cost::streamed(P->shape, 2 * rows),
+                      [p, set] { p->ws().d_x.copy_from(p->aset(set).d_recv); });
+    P->after(ready, prev);
+  }
+  for (int l = P->layout.end_layer(k) - 1; l >= P->layout.first_layer(k); --l) {
+    // Full recomputation: the backward reaching a recomputed group runs the group's forward
+    // again from its kept input (its collectives included, as Megatron-LM's checkpointed
+    // forward does) before the backward of its last layer.
+    const RecomputeGroup group = recompute_group(P->shape.model.recompute, P->layout, l);
+    if (!group.empty() && l + 1 == group.end)
+      for (int j = group.begin; j < group.end; ++j)
+        prev = TransformerLayer(*P, j).forward(pos, prev);
+    prev = TransformerLayer(*P, l).backward(pos, prev, halves, last);
+  }
+  halves.flush();
+  if (k > 0) {
+    // The gradient of the chunk's input, for the previous stage.
+    const double rows = static_cast<double>(P->shape.Sl * P->shape.B * P->shape.h);
+    const TaskId out = P->compute("stage_grad_out", tags, cost::streamed(P->shape, 2 * rows),
+                                  [p, set] { p->aset(set).d_send.copy_from(p->ws().d_x); });
+    P->after(prev, out);
+    P->after(d_send_read, out);
+    return out;
+  }
+  const TaskId embedding = Embedding(*P).backward(pos, prev);
+  if (last) word_grad_done = embedding;
+  return embedding;
+}
+
+TaskId ModelChunk::weight_gradients(std::vector<WeightHalf> halves, bool last,
+                                    TaskId& word_grad_done) const {
+  TaskId done = rt::kNoTask;
+  for (const WeightHalf& emit : halves) {
+    const TaskId id = emit();
+    if (id != rt::kNoTask) done = id;
+  }
+  if (!last) return done;
+  // The chunk's last weight halves: every bucket of the chunk is complete.
+  if (k + 1 == P->layout.chunks()) {
+    reduce_buckets(*P, "final_norm", done);
+    word_grad_done = done;
+  }
+  for (int l = P->layout.end_layer(k) - 1; l >= P->layout.first_layer(k); --l) {
+    reduce_buckets(*P, fmt::format("layers.{}.mlp", l), done);
+    reduce_buckets(*P, fmt::format("layers.{}.attention", l), done);
+  }
+  if (k == 0) word_grad_done = done;
+  return done;
+}
+
+}  // namespace weave::graphs

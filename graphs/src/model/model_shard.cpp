@@ -1,0 +1,254 @@
+#include "weave/graphs/model_shard.hpp"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <numbers>
+#include <numeric>
+
+#include "model/parameter_declarer.hpp"
+#include "model/transformer_layer.hpp"
+#include "weave/ops/random.hpp"
+
+namespace weave::graphs {
+
+std::int64_t local_cols(const Parameter& p) {
+  return p.value.rank() == 1 ? 1 : p.value.dim(-1);
+}
+std::int64_t local_rows(const Parameter& p) {
+  return p.value.numel() / local_cols(p);
+}
+
+std::vector<std::int64_t> iota_from(std::int64_t first, std::int64_t count) {
+  std::vector<std::int64_t> v(static_cast<std::size_t>(count));
+  std::iota(v.begin(), v.end(), first);
+  return v;
+}
+
+namespace {
+
+// Standard normal for (key, row, col) by Box-Muller over two counter-based uniforms.
+double normal(const ops::RandomKey& key, std::int64_t row, std::int64_t col) {
+  float u[4];
+  ops::uniform4(key, static_cast<std::uint64_t>(row), static_cast<std::uint64_t>(col), u);
+  const double u1 = 1.0 - u[0], u2 = u[1];  // u1 in (0, 1]
+  return std::sqrt(-2.0 * std::log(u1)) * std::cos(2 * std::numbers::pi * u2);
+}
+
+}  // namespace
+
+Parameter& ModelShard::add(std::string name, const ops::Shape& local, std::int64_t logical_rows,
+                           std::int64_t logical_cols, std::vector<std::int64_t> row_map,
+                           std::int64_t col_offset, double std, double constant) {
+  const std::uint32_t index = next_index_++;
+  if (!holding_) {
+    skipped_ = Parameter{};
+    return skipped_;
+  }
+  Parameter& p = parameters_.emplace_back();
+  p.name = std::move(name);
+  // Initialised here, then moved into its bucket; only a shape without tensors.
+  p.value = materialize_ ? ops::Tensor::empty(local) : ops::Tensor::shape_only(local);
+  p.bucket = current_bucket_;
+  p.logical_rows = logical_rows;
+  p.logical_cols = logical_cols;
+  p.row_map = std::move(row_map);
+  p.col_offset = col_offset;
+  const std::int64_t rows = local_rows(p), cols = local_cols(p);
+  if (static_cast<std::int64_t>(p.row_map.size()) != rows)
+    throw std::logic_error(fmt::format("parameter {}: {} row mappings for {} local rows", p.name,
+                                       p.row_map.size(), rows));
+  // The parameter's index in the model is its random stream: the same on every device.
+  if (!materialize_) return p;
+  const ops::RandomKey key{.seed = config_.seed, .layer = index, .site = 0};
+  float* v = p.value.data();
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c)
+      v[r * cols + c] = std > 0
+                            ? static_cast<float>(std * normal(key, p.row_map[r], col_offset + c))
+                            : static_cast<float>(constant);
+  return p;
+}
+
+ParameterDeclarer::ParameterDeclarer(ModelShard& shard, const ModelConfig& m, const Mesh& mesh,
+                                     int rank)
+    : model(m),
+      mesh(mesh),
+      at(mesh.coordinates(rank)),
+      tp(mesh.plan().tensor_parallel),
+      std(m.init_method_std),
+      out_std(m.init_method_std / std::sqrt(2.0 * m.num_layers)),
+      shard_(shard) {}
+
+void ParameterDeclarer::bucket(std::string name) {
+  shard_.current_bucket_ = std::move(name);
+}
+
+Parameter& ParameterDeclarer::add(const std::string& name, const ops::Shape& local,
+                                  std::int64_t logical_rows, std::int64_t logical_cols,
+                                  std::vector<std::int64_t> row_map, std::int64_t col_offset,
+                                  double init_std, double constant) {
+  return shard_.add(name, local, logical_rows, logical_cols, std::move(row_map), col_offset,
+                    init_std, constant);
+}
+
+Parameter& ParameterDeclarer::replicated(Parameter& p, bool sees_split_tokens) const {
+  p.tensor_replicated = true;
+  if (tp > 1 && sees_split_tokens) p.reduction = GradientReduction::tensor_partial;
+  return p;
+}
+
+Parameter* ParameterDeclarer::norm(const std::string& name, double value) {
+  const std::int64_t h = model.hidden_size;
+  return &replicated(add(name, {h}, h, 1, iota_from(0, h), 0, 0, value),
+                     mesh.plan().sequence_parallel);
+}
+
+ModelShard::ModelShard(const ModelConfig& m, const Mesh& mesh, int rank, devices::Device& device,
+                       StageContents contents, bool materialize)
+    : config_(m), device_(device), contents_(std::move(contents)), materialize_(materialize) {
+  if (!contents_.layers.empty() && static_cast<int>(contents_.layers.size()) != m.num_layers)
+    throw std::logic_error(fmt::format("stage contents list {} layers of a {}-layer model",
+                                       contents_.layers.size(), m.num_layers));
+  const ParallelPlan& plan = mesh.plan();
+  ParameterDeclarer declarer(*this, m, mesh, rank);
+  vocab_start_ =
+      static_cast<int>(declarer.at.tp * (m.padded_vocab_size(declarer.tp) / declarer.tp));
+  if (m.num_experts > 0) {
+    local_experts_ = m.num_experts / plan.expert_parallel;
+    first_expert_ = declarer.at.ep * local_experts_;
+  }
+  declare_embedding(declarer);
+  layers_.resize(static_cast<std::size_t>(m.num_layers));
+  for (int l = 0; l < m.num_layers; ++l) {
+    LayerShard& L = layers_[static_cast<std::size_t>(l)];
+    holding_ = holds_layer(l);
+    TransformerLayer::declare_parameters(declarer, resolve_layer_spec(m, plan, l), l, L);
+    if (!holding_) L = LayerShard{.moe = L.moe};  // counted only: another stage holds it
+  }
+  declare_output_layer(declarer);
+  holding_ = true;
+  make_buckets(mesh, rank);
+}
+
+void ModelShard::declare_embedding(ParameterDeclarer& declare) {
+  const ModelConfig& m = config_;
+  const std::int64_t h = m.hidden_size, vocab = m.padded_vocab_size(declare.tp);
+  const std::int64_t v_local = vocab / declare.tp;
+  const bool tied = !m.untie_embeddings_and_output_weights;
+  declare.bucket("embedding");
+  const bool word_held = contents_.input_embedding || (tied && contents_.output_layer);
+  holding_ = word_held;
+  word_ = &declare.add("embedding.word", {v_local, h}, vocab, h, iota_from(vocab_start_, v_local),
+                       0, declare.std, 0);
+  holding_ = contents_.input_embedding;
+  if (m.learned_positions())
+    positions_ =
+        &declare.replicated(declare.add("embedding.position", {m.positions(), h}, m.positions(), h,
+                                        iota_from(0, m.positions()), 0, declare.std, 0),
+                            declare.mesh.plan().sequence_parallel);
+  if (!contents_.input_embedding) positions_ = nullptr;
+  if (!word_held) word_ = nullptr;
+}
+
+void ModelShard::declare_output_layer(ParameterDeclarer& declare) {
+  const ModelConfig& m = config_;
+  const std::int64_t h = m.hidden_size, vocab = m.padded_vocab_size(declare.tp);
+  const std::int64_t v_local = vocab / declare.tp;
+  declare.bucket("final_norm");
+  holding_ = contents_.output_layer;
+  final_ln_weight_ = declare.norm("final_norm.weight", 1);
+  if (m.normalization == Normalization::layer_norm)
+    final_ln_bias_ = declare.norm("final_norm.bias", 0);
+  // Untied: the output layer's own weight, [vocabulary shard, h] like the word embedding.
+  declare.bucket("output");
+  if (m.untie_embeddings_and_output_weights)
+    output_ = &declare.add("output.weight", {v_local, h}, vocab, h,
+                           iota_from(vocab_start_, v_local), 0, declare.std, 0);
+  if (!holding_) final_ln_weight_ = final_ln_bias_ = output_ = nullptr;
+}
+
+void ModelShard::make_buckets(const Mesh& mesh, int rank) {
+  // Buckets in backward order: the output layer, the final norm, then each layer from the last
+  // (MLP half, then attention half), then the embeddings.
+  std::vector<std::string> order{"output", "final_norm"};
+  for (int l = config_.num_layers - 1; l >= 0; --l) {
+    order.push_back(fmt::format("layers.{}.mlp", l));
+    order.push_back(fmt::format("layers.{}.attention", l));
+  }
+  order.push_back("embedding");
+  for (const std::string& point : order)
+    for (int kind = 0; kind < 3; ++kind) {
+      std::vector<Parameter*> params;
+      for (Parameter& p : parameters_) {
+        const int k = p.expert ? 2 : (p.reduction == GradientReduction::tensor_partial ? 1 : 0);
+        if (p.bucket == point && k == kind) params.push_back(&p);
+      }
+      if (params.empty()) continue;
+      static constexpr const char* kKind[] = {"dense", "tp_partial", "expert"};
+      make_bucket(mesh, rank, point + "/" + kKind[kind], std::move(params));
+    }
+}
+
+void ModelShard::make_bucket(const Mesh& mesh, int rank, std::string name,
+                             std::vector<Parameter*> params) {
+  GradientBucket bucket;
+  bucket.name = std::move(name);
+  bucket.params = std::move(params);
+  bucket.expert = bucket.params.front()->expert;
+  bucket.reduction = bucket.params.front()->reduction;
+  const GroupKind replicas = bucket.expert ? GroupKind::expert_data : GroupKind::data_context;
+  const devices::ProcessGroup& group = mesh.group(replicas, rank);
+  bucket.replicas = group.size();
+  bucket.replica = group.rank_of(static_cast<rt::DeviceId>(rank));
+  std::int64_t total = 0;
+  for (const Parameter* p : bucket.params)
+    total += p->value.numel();
+  // Padded so that every replica's shard is equal (and a whole number of cache lines).
+  const std::int64_t quantum = 16 * bucket.replicas;
+  const std::int64_t padded = (total + quantum - 1) / quantum * quantum;
+  // Built without tensors, each is counted at the bytes the training precision keeps it in; a
+  // materialized step is fp32.
+  const ParameterBytes bytes = parameter_bytes(config_.precision);
+  auto zeros = [this](std::int64_t n, rt::MemoryCategory category, int element_bytes) {
+    return materialize_ ? ops::Tensor::zeros({n}, device_, category)
+                        : ops::Tensor::shape_only({n}, device_, category,
+                                                  static_cast<std::size_t>(element_bytes));
+  };
+  bucket.values = zeros(padded, rt::MemoryCategory::parameters, bytes.parameter);
+  bucket.grads = zeros(padded, rt::MemoryCategory::gradients, bytes.gradient);
+  std::int64_t at = 0;
+  for (Parameter* p : bucket.params) {
+    const ops::Tensor value =
+        bucket.values.slice(0, at, p->value.numel()).reshape(p->value.shape());
+    if (materialize_) value.copy_from(p->value);
+    p->value = value;
+    p->grad = bucket.grads.slice(0, at, p->value.numel()).reshape(p->value.shape());
+    p->bucket = bucket.name;
+    at += p->value.numel();
+  }
+  bucket.sharded = mesh.plan().distributed_optimizer && bucket.replicas > 1;
+  bucket.shard_size = bucket.sharded ? padded / bucket.replicas : padded;
+  bucket.shard_begin = bucket.sharded ? bucket.replica * bucket.shard_size : 0;
+  bucket.exp_avg = zeros(bucket.shard_size, rt::MemoryCategory::optimizer_state, 4);
+  bucket.exp_avg_sq = zeros(bucket.shard_size, rt::MemoryCategory::optimizer_state, 4);
+  // 16-bit training: the fp32 master weights (and for fp16 the fp32 gradients) of the shard,
+  // beside the two moments.
+  if (!materialize_ && bytes.optimizer_state > 8)
+    bucket.master_state =
+        zeros(bucket.shard_size, rt::MemoryCategory::optimizer_state, bytes.optimizer_state - 8);
+  buckets_.push_back(std::move(bucket));
+}
+
+void ModelShard::zero_grads() {
+  for (GradientBucket& b : buckets_)
+    b.grads.fill(0.f);
+}
+
+const GradientBucket& ModelShard::bucket_of(const Parameter& p) const {
+  for (const GradientBucket& b : buckets_)
+    if (b.name == p.bucket) return b;
+  throw std::logic_error("parameter " + p.name + " has no gradient bucket");
+}
+
+}  // namespace weave::graphs

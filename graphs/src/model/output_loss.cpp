@@ -1,0 +1,132 @@
+#include "model/output_loss.hpp"
+#include "model/norm.hpp"
+
+#include "model/attention_block.hpp"
+#include "model/sequence_parallel.hpp"
+#include "step/step_costs.hpp"
+#include "weave/ops/cross_entropy.hpp"
+#include "weave/ops/linear.hpp"
+#include "weave/ops/normalization.hpp"
+
+namespace weave::graphs {
+
+namespace {
+
+ops::CrossEntropyOptions cross_entropy_options(const StepShape& z) {
+  // The mean over the global batch: micro-batches and data-parallel ranks add up to it.
+  return {.ignore_index = -100,
+          .denominator = static_cast<double>(z.S * z.B * z.M * z.plan.data_parallel)};
+}
+
+ops::VocabShard vocab_shard(RankProgram& P) {
+  return {P.shard().vocab_start(), P.shape.model.padded_vocab_size(P.shape.tp)};
+}
+
+}  // namespace
+
+void OutputLoss::allocate(OutputSet& O) const {
+  const StepShape& z = P->shape;
+  const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h;
+  O.final_ln = P->activation({Sl, B, h});
+  O.final_mean = P->activation({Sl * B});
+  O.final_rstd = P->activation({Sl * B});
+  O.final_full = z.sp() ? P->activation({Sc, B, h}) : O.final_ln;
+  O.logits = P->activation({Sc * B, z.Vl});
+  O.row_max = P->activation({Sc * B});
+  O.partials = P->activation({Sc * B, ops::kCrossEntropyPartials});
+  O.lse = P->activation({Sc * B});
+  if (z.splits_backward) O.saved_d_logits = P->activation({Sc * B, z.Vl});
+}
+
+TaskId OutputLoss::forward(const BuildPosition& pos, TaskId ready) const {
+  RankProgram* p = P;
+  const int set = pos.set, out = pos.output, mb = pos.micro_batch;
+  const StepShape& z = P->shape;
+  const std::int64_t Sc = z.Sc, B = z.B, h = z.h;
+  const int last_layer = z.model.num_layers - 1;
+  const rt::TaskTags tags = pos.tags(rt::Phase::forward);
+  const TaskId norm = P->compute("final_norm", tags, cost::streamed(z, 2.0 * z.Sl * B * h), [=] {
+    OutputSet& X = p->oset(out);
+    ModelShard& W = p->shard();
+    p->load_tokens(mb, X.targets, true);
+    norm_forward(p->shape.model, p->acts(set, last_layer).x_out, W.final_ln_weight(),
+                 W.final_ln_bias(), X.final_ln, X.final_mean, X.final_rstd);
+  });
+  P->after(ready, norm);
+  OutputSet& X = P->oset(out);
+  TaskId gathered = rt::kNoTask;
+  if (z.sp()) gathered = sp_gather(*P, norm, X.final_ln, X.final_full, "final_gather", tags);
+  const TaskId logits = P->compute("logits", tags, cost::matmul(Sc * B, h, z.Vl), [=] {
+    OutputSet& X = p->oset(out);
+    ops::linear_forward(X.final_full.reshape({Sc * B, h}), p->shard().output_weight().value,
+                        Tensor{}, X.logits);
+    ops::cross_entropy_row_max(X.logits, X.row_max);
+  });
+  P->after(gathered, logits);
+  const TaskId maxima =
+      P->tensor.all_reduce(logits, all_of(X.row_max), devices::ReduceOp::max, "loss_max", tags);
+  const TaskId sums =
+      P->compute("loss_partials", tags, cost::streamed(z, 1.0 * Sc * B * z.Vl), [p, out] {
+        OutputSet& X = p->oset(out);
+        ops::cross_entropy_partial_sums<float>(X.logits, X.targets, vocab_shard(*p), X.row_max,
+                                               X.partials);
+      });
+  P->after(maxima, sums);
+  const TaskId reduced =
+      P->tensor.all_reduce(sums, all_of(X.partials), devices::ReduceOp::sum, "loss_sum", tags);
+  const TaskId loss = P->compute("loss", tags, cost::streamed(z, 3.0 * Sc * B), [p, out, mb] {
+    OutputSet& X = p->oset(out);
+    p->state.loss[static_cast<std::size_t>(mb)] = ops::cross_entropy_loss<float>(
+        X.row_max, X.partials, X.targets, p->shape.model.padded_vocab_size(p->shape.tp),
+        cross_entropy_options(p->shape), X.lse, Tensor{});
+  });
+  P->after(reduced, loss);
+  return loss;
+}
+
+TaskId OutputLoss::backward(const BuildPosition& pos, TaskId ready, WeightHalves& halves) const {
+  RankProgram* p = P;
+  const int set = pos.set, out = pos.output;
+  const StepShape& z = P->shape;
+  const std::int64_t Sc = z.Sc, B = z.B, h = z.h;
+  const bool sp = z.sp(), keep = halves.zero_bubble();
+  const int last_layer = z.model.num_layers - 1;
+  const rt::TaskTags tags = pos.tags(rt::Phase::backward);
+  const rt::CostHint logits_flops = cost::matmul(Sc * B, h, z.Vl);
+  const TaskId d_logits = P->compute("loss_backward", tags, logits_flops, [=] {
+    OutputSet& X = p->oset(out);
+    BackwardWorkspace& w = p->ws();
+    ops::cross_entropy_backward<float>(X.logits, X.targets, vocab_shard(*p), X.lse,
+                                       cross_entropy_options(p->shape), 1.0, w.d_logits);
+    ops::linear_backward_input(w.d_logits, p->shard().output_weight().value,
+                               w.d_final_full.reshape({Sc * B, h}));
+    if (keep) X.saved_d_logits.copy_from(w.d_logits);
+  });
+  P->after(ready, d_logits);
+  BackwardWorkspace& w = P->ws();
+  const TaskId reduced = reduce_partial(*P, d_logits, w.d_final_full,
+                                        sp ? w.d_norm : w.d_final_full, "final_grad_reduce", tags);
+  // The output layer's weight half overlaps the reduction above.
+  halves.place(halves.immediate(), [=] {
+    return p->compute("logits_weight_grad",
+                      pos.tags(keep ? rt::Phase::weight : rt::Phase::backward), logits_flops, [=] {
+                        OutputSet& X = p->oset(out);
+                        ops::linear_backward_weight(X.final_full.reshape({Sc * B, h}),
+                                                    keep ? X.saved_d_logits : p->ws().d_logits,
+                                                    p->shard().output_weight().grad, Tensor{});
+                      });
+  });
+  const TaskId norm =
+      P->compute("final_norm_backward", tags, cost::streamed(z, 3.0 * z.Sl * B * h), [=] {
+        OutputSet& X = p->oset(out);
+        BackwardWorkspace& w = p->ws();
+        ModelShard& W = p->shard();
+        const Tensor d_in = sp ? w.d_norm : w.d_final_full;
+        norm_backward(p->shape.model, p->acts(set, last_layer).x_out, W.final_ln_weight(),
+                      W.final_ln_bias(), X.final_mean, X.final_rstd, d_in, w.d_x);
+      });
+  P->after(reduced, norm);
+  return norm;
+}
+
+}  // namespace weave::graphs

@@ -1,0 +1,131 @@
+#include "model/transformer_layer.hpp"
+#include "model/norm.hpp"
+#include "step/step_costs.hpp"
+
+#include "ampipe/ampipe_block.hpp"
+#include "model/attention_block.hpp"
+#include "model/dense_mlp.hpp"
+#include "moe/moe_mlp.hpp"
+#include "step/gradient_buckets.hpp"
+#include "weave/ops/elementwise.hpp"
+#include "weave/ops/normalization.hpp"
+
+namespace weave::graphs {
+
+void TransformerLayer::allocate(LayerActivations& A, const Tensor& x_in) const {
+  const StepShape& z = P->shape;
+  const std::int64_t Sl = z.Sl, B = z.B, h = z.h;
+  A.x_in = x_in;
+  AttentionBlock(*P, l).allocate(A);
+  A.x_mid = P->activation({Sl, B, h});
+  A.ln2 = P->activation({Sl, B, h});
+  A.ln2_mean = P->activation({Sl * B});
+  A.ln2_rstd = P->activation({Sl * B});
+  if (z.spec(l).moe())
+    MoeMlp(*P, l).allocate(A);
+  else
+    DenseMlp(*P, l).allocate(A);
+  A.x_out = P->activation({Sl, B, h});
+}
+
+void TransformerLayer::declare_parameters(ParameterDeclarer& declare, const LayerSpec& spec,
+                                          int layer, LayerShard& L) {
+  const std::string prefix = fmt::format("layers.{}.", layer);
+  declare.bucket(prefix + "attention");
+  AttentionBlock::declare_parameters(declare, spec, layer, L);
+  declare.bucket(prefix + "mlp");
+  L.ln2_weight = declare.norm(prefix + "mlp_norm.weight", 1);
+  if (spec.norm == Normalization::layer_norm)
+    L.ln2_bias = declare.norm(prefix + "mlp_norm.bias", 0);
+  L.moe = spec.moe();
+  if (spec.moe())
+    MoeMlp::declare_parameters(declare, spec, layer, L);
+  else
+    DenseMlp::declare_parameters(declare, spec, layer, L);
+}
+
+TaskId TransformerLayer::forward(const BuildPosition& pos, TaskId ready) const {
+  const StepShape& z = P->shape;
+  const MlpModule mlp_module = z.spec(l).mlp;
+  if (mlp_module == MlpModule::ampipe) return AmpipeBlock(*P, l).forward(pos, ready);
+  RankProgram* p = P;
+  const int layer = l, set = pos.set, mb = pos.micro_batch;
+  const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
+  const std::string at = fmt::format("L{}.", l);
+  const TaskId attention = AttentionBlock(*P, l).forward(pos, ready);
+  const double rows = static_cast<double>(z.Sl * z.B * z.h);
+  // Bias, dropout and residual (read 2, write 1), then the norm (read 1, write 1).
+  const TaskId residual =
+      P->compute(at + "attention_residual", tags, cost::streamed(z, 5 * rows), [=] {
+        LayerActivations& A = p->acts(set, layer);
+        const LayerShard& W = p->layer(layer);
+        p->bias_dropout_add(mb, layer, 0, A.attention.proj_out, value_of(W.proj_bias), A.x_in,
+                            A.x_mid);
+        norm_forward(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, A.ln2, A.ln2_mean,
+                     A.ln2_rstd);
+      });
+  P->after(attention, residual);
+  const TaskId mlp = mlp_module == MlpModule::moe ? MoeMlp(*P, l).forward(pos, residual)
+                                                  : DenseMlp(*P, l).forward(pos, residual);
+  const TaskId out = P->compute(at + "mlp_residual", tags, cost::streamed(z, 4 * rows), [=] {
+    LayerActivations& A = p->acts(set, layer);
+    const LayerShard& W = p->layer(layer);
+    if (mlp_module == MlpModule::dense) {
+      p->bias_dropout_add(mb, layer, 1, A.mlp_out, value_of(W.fc2_bias), A.x_mid, A.x_out);
+    } else {
+      p->apply_dropout(false, mb, layer, 1, A.mlp_out, A.mlp_out);
+      ops::add(A.x_mid, A.mlp_out, A.x_out);
+    }
+  });
+  P->after(mlp, out);
+  return out;
+}
+
+TaskId TransformerLayer::backward(const BuildPosition& pos, TaskId ready, WeightHalves& halves,
+                                  bool last) const {
+  const StepShape& z = P->shape;
+  const MlpModule mlp_module = z.spec(l).mlp;
+  if (mlp_module == MlpModule::ampipe) return AmpipeBlock(*P, l).backward(pos, ready, halves, last);
+  const bool moe = mlp_module == MlpModule::moe;
+  RankProgram* p = P;
+  const int layer = l, set = pos.set, mb = pos.micro_batch;
+  const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
+  const std::string at = fmt::format("L{}.", l);
+  // d_x (the layer output's gradient) -> d_mlp; d_x_mid starts as d_x (the residual).
+  const double rows = static_cast<double>(z.Sl * z.B * z.h);
+  const TaskId residual =
+      P->compute(at + "mlp_residual_backward", tags, cost::streamed(z, 4 * rows), [=] {
+        BackwardWorkspace& w = p->ws();
+        w.d_x_mid.copy_from(w.d_x);
+        if (moe)
+          p->apply_dropout(true, mb, layer, 1, w.d_x, w.d_mlp);
+        else
+          p->bias_dropout_add_backward(mb, layer, 1, w.d_x, w.d_mlp,
+                                       grad_of(p->layer(layer).fc2_bias));
+      });
+  P->after(ready, residual);
+  const TaskId mlp = moe ? MoeMlp(*P, l).backward(pos, residual, halves)
+                         : DenseMlp(*P, l).backward(pos, residual, halves);
+  // The norm's backward, the residual's sum, the copy and the bias-dropout backward.
+  const TaskId norm = P->compute(at + "mlp_norm_backward", tags, cost::streamed(z, 10 * rows), [=] {
+    LayerActivations& A = p->acts(set, layer);
+    BackwardWorkspace& w = p->ws();
+    const LayerShard& W = p->layer(layer);
+    norm_backward(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, A.ln2_mean, A.ln2_rstd,
+                  w.d_norm, w.d_tmp);
+    ops::accumulate(w.d_tmp, w.d_x_mid);
+    // Attention half: d_x_mid -> d_proj_out (in d_mlp), and the residual's d_x.
+    w.d_x.copy_from(w.d_x_mid);
+    p->bias_dropout_add_backward(mb, layer, 0, w.d_x_mid, w.d_mlp, grad_of(W.proj_bias));
+  });
+  P->after(mlp, norm);
+  if (last) reduce_buckets(*P, fmt::format("layers.{}.mlp", l), norm);
+  // With tp or cp the QKV weight half overlaps the input gradient's reduction; with neither it
+  // waits for the layer below to launch its first all-to-all.
+  const WeightPlacement qkv_weights = z.tp == 1 && z.spec(l).attention == AttentionCore::local
+                                          ? halves.deferrable()
+                                          : halves.immediate();
+  return AttentionBlock(*P, l).backward(pos, norm, halves, last, qkv_weights);
+}
+
+}  // namespace weave::graphs

@@ -1,0 +1,345 @@
+// Split experts as items (one local expert, or a capacity slice of it, of one slot), each with
+// its own all-to-alls and its own tensor-parallel all-gather and reduce-scatter, pipelined so
+// that the collectives of one item run under another item's GEMMs: MindSpeed's
+// --ampipe-tp-sp-comm-overlap (items of every Ampipe chunk) and pipe experts with tensor-
+// parallel experts (items of one slot).
+//
+// Forward, item k:   gather(k+1) issued | fc1(k) | combine(k-1) issued | act + fc2(k) | RS(k)
+//   tp stream:  ... AG(k+1) ~~~~~~~~~~~~~~~~~~~~~~~~~~~~ RS(k) ~~~ AG(k+2) ...
+//   ep stream:  ...            combine(k-1) ~~~~~~~~~~~~
+// Backward, items in reverse: the output gradients' gather of the next item issued before this
+// item's input half, whose input-gradient reduce-scatter runs under its weight half.
+#include "moe/moe_mlp.hpp"
+#include "step/step_costs.hpp"
+#include "weave/ops/activation.hpp"
+#include "weave/ops/linear.hpp"
+
+namespace weave::graphs {
+
+namespace {
+
+struct ItemRef {
+  int slot, item;
+};
+
+std::vector<ItemRef> items_of(RankProgram& P, int set, int l, const std::vector<int>& slots) {
+  std::vector<ItemRef> out;
+  for (int c : slots)
+    for (std::size_t i = 0; i < P.slot(set, l, c).items.size(); ++i)
+      out.push_back({c, static_cast<int>(i)});
+  return out;
+}
+
+std::int64_t gathered_rows(const ExpertItem& I) {
+  std::int64_t rows = 0;
+  for (std::int64_t r : I.tp_gathered_rows)
+    rows += r;
+  return rows;
+}
+
+// The item's expert, this rank's share of it: fc1 [f1 local, h] or fc2 [h, f local].
+Tensor weight_of(const Parameter& p, const ExpertItem& I) {
+  return p.value.slice(0, I.expert, 1).reshape({p.value.dim(1), p.value.dim(2)});
+}
+Tensor grad_of(const Parameter& p, const ExpertItem& I) {
+  return p.grad.slice(0, I.expert, 1).reshape({p.grad.dim(1), p.grad.dim(2)});
+}
+
+void activation_forward(const ModelConfig& m, const Tensor& pre, const Tensor& out) {
+  if (m.activation == Activation::swiglu)
+    ops::swiglu_forward(pre, out);
+  else
+    ops::gelu_forward(ops::GeluForm::tanh, pre, out);
+}
+
+void activation_backward(const ModelConfig& m, const Tensor& pre, const Tensor& d_out,
+                         const Tensor& d_pre) {
+  if (m.activation == Activation::swiglu)
+    ops::swiglu_backward(pre, d_out, d_pre);
+  else
+    ops::gelu_backward(ops::GeluForm::tanh, pre, d_out, d_pre);
+}
+
+// Balanced routing, for the cost hints: the picks one item carries on this rank.
+std::int64_t expected_item_rows(const StepShape& z) {
+  return z.slot_tokens() * z.model.moe_router_topk / (z.local_experts() * z.item_slices());
+}
+
+// With --pipe-experts-multi-stream each collective waits for the one before it.
+struct Chain {
+  RankProgram* P;
+  bool on;
+  TaskId tail = rt::kNoTask;
+  TaskId link(TaskId t) {
+    if (!on || t == rt::kNoTask) return t;
+    P->after(tail, t);
+    tail = t;
+    return t;
+  }
+};
+
+}  // namespace
+
+TaskId MoeMlp::gather_item(const BuildPosition& pos, int c, int i, TaskId dispatched) const {
+  RankProgram* p = P;
+  const int layer = l, set = pos.set, ep = P->shape.ep;
+  const std::int64_t h = P->shape.h;
+  const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
+  const std::string at = slot_prefix(c) + fmt::format("i{}.", i);
+  // One item's share of the slot's regrouped rows.
+  const double share = cost::regrouped_elements(P->shape) /
+                       static_cast<double>(P->shape.local_experts() * P->shape.item_slices());
+  const TaskId unpacked =
+      P->compute(at + "experts_frame", tags, cost::streamed(P->shape, share), [=] {
+        ExpertItem& I = p->slot(set, layer, c).items[static_cast<std::size_t>(i)];
+        std::int64_t framed = 0, rows = 0;
+        for (int q = 0; q < ep; ++q) {
+          const std::int64_t count = I.framed_recv_rows[q] - 1;
+          const auto announced = static_cast<std::int64_t>(I.arrived.row(framed)[0]);
+          if (announced != count)
+            throw std::logic_error(
+                fmt::format("expert items: expert-parallel rank {} announced {} rows and sent {}",
+                            q, announced, count));
+          I.recv_rows[q] = count;
+          for (std::int64_t x = 0; x < count; ++x)
+            std::copy_n(I.arrived.row(framed + 1 + x), h, I.expert_in.row(rows + x));
+          framed += 1 + count;
+          rows += count;
+        }
+        I.tp_send_rows = rows;
+      });
+  P->after(dispatched, unpacked);
+  ExpertItem& I = P->slot(set, l, c).items[static_cast<std::size_t>(i)];
+  return P->tensor.all_gather_v(unpacked,
+                                {.send = read_of(I.expert_in),
+                                 .send_rows = &I.tp_send_rows,
+                                 .recv = all_of(I.tp_gathered),
+                                 .recv_rows = std::span<std::int64_t>(I.tp_gathered_rows),
+                                 .expected_rows = expected_item_rows(P->shape)},
+                                h, at + "experts_gather", tags);
+}
+
+namespace {
+
+// Slot c's index in `slots`.
+std::size_t index_of(const std::vector<int>& slots, int c) {
+  return static_cast<std::size_t>(std::find(slots.begin(), slots.end(), c) - slots.begin());
+}
+
+// Each item's dispatch where its slot's router issued it already (kNoTask where it did not).
+std::vector<TaskId> issued_dispatches(const std::vector<ItemRef>& items,
+                                      const std::vector<int>& slots,
+                                      const std::vector<SlotProgress>& routed) {
+  std::vector<TaskId> dispatches(items.size(), rt::kNoTask);
+  for (std::size_t k = 0; k < items.size(); ++k) {
+    const SlotProgress& r = routed[index_of(slots, items[k].slot)];
+    if (!r.items.empty()) dispatches[k] = r.items[static_cast<std::size_t>(items[k].item)];
+  }
+  return dispatches;
+}
+
+// Item i of slot c, forward: fc1 and the activation on every tp rank's gathered rows.
+void item_fc1(RankProgram& p, int set, int layer, int c, std::size_t i) {
+  ExpertItem& I = p.slot(set, layer, c).items[i];
+  const LayerShard& W = p.layer(layer);
+  const std::int64_t rows = gathered_rows(I);
+  ops::linear_forward(I.tp_gathered.slice(0, 0, rows), weight_of(*W.expert_fc1, I), Tensor{},
+                      I.hidden_pre.slice(0, 0, rows));
+  activation_forward(p.shape.model, I.hidden_pre.slice(0, 0, rows), I.hidden.slice(0, 0, rows));
+}
+
+// fc2's partial sums of them.
+void item_fc2(RankProgram& p, int set, int layer, int c, std::size_t i) {
+  ExpertItem& I = p.slot(set, layer, c).items[i];
+  const std::int64_t rows = gathered_rows(I);
+  ops::linear_forward(I.hidden.slice(0, 0, rows), weight_of(*p.layer(layer).expert_fc2, I),
+                      Tensor{}, I.tp_partial.slice(0, 0, rows));
+}
+
+// Backward, the input half: fc2's and the activation's backward, fc1's input-gradient partial
+// sums.
+void item_input_gradient(RankProgram& p, int set, int layer, int c, std::size_t i) {
+  ExpertItem& I = p.slot(set, layer, c).items[i];
+  const LayerShard& W = p.layer(layer);
+  const std::int64_t rows = gathered_rows(I);
+  if (I.tp_d_gathered_rows != I.tp_gathered_rows)
+    throw std::logic_error(
+        "expert items: the output gradients gathered over tp do not match the forward's rows");
+  ops::linear_backward_input(I.tp_d_gathered.slice(0, 0, rows), weight_of(*W.expert_fc2, I),
+                             I.d_hidden.slice(0, 0, rows));
+  activation_backward(p.shape.model, I.hidden_pre.slice(0, 0, rows), I.d_hidden.slice(0, 0, rows),
+                      I.d_pre.slice(0, 0, rows));
+  ops::linear_backward_input(I.d_pre.slice(0, 0, rows), weight_of(*W.expert_fc1, I),
+                             I.tp_partial.slice(0, 0, rows));
+}
+
+// The weight half: fc2's and fc1's weight gradients.
+void item_weight_gradient(RankProgram& p, int set, int layer, int c, std::size_t i) {
+  ExpertItem& I = p.slot(set, layer, c).items[i];
+  const LayerShard& W = p.layer(layer);
+  const std::int64_t rows = gathered_rows(I);
+  ops::linear_backward_weight(I.hidden.slice(0, 0, rows), I.tp_d_gathered.slice(0, 0, rows),
+                              grad_of(*W.expert_fc2, I), Tensor{});
+  ops::linear_backward_weight(I.tp_gathered.slice(0, 0, rows), I.d_pre.slice(0, 0, rows),
+                              grad_of(*W.expert_fc1, I), Tensor{});
+}
+
+}  // namespace
+
+std::vector<SlotProgress> MoeMlp::split_item_pipeline(const BuildPosition& pos,
+                                                      const std::vector<int>& slots,
+                                                      const std::vector<SlotProgress>& routed,
+                                                      TaskId first_gathered) const {
+  RankProgram* p = P;
+  const int layer = l, set = pos.set;
+  const StepShape& z = P->shape;
+  const std::int64_t h = z.h;
+  const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
+  const std::vector<ItemRef> items = items_of(*P, set, l, slots);
+  auto slot_index = [&](int c) { return index_of(slots, c); };
+  // Each item's dispatch: issued after the router, or here, where the chain reaches it.
+  std::vector<TaskId> dispatches = issued_dispatches(items, slots, routed);
+  auto dispatched = [&](std::size_t k) {
+    if (dispatches[k] == rt::kNoTask)
+      dispatches[k] = item_exchange(
+          pos, items[k].slot, items[k].item, routed[slot_index(items[k].slot)].task,
+          &ExpertItem::send, &ExpertItem::arrived, true, true, "dispatch", rt::Phase::forward);
+    return dispatches[k];
+  };
+  const rt::CostHint per_item =
+      cost::expert_item(z, static_cast<double>(z.slot_tokens()), z.item_slices());
+  const double f1 = static_cast<double>(z.expert_f1()), f = static_cast<double>(z.f);
+  const std::int64_t expected = expected_item_rows(z);
+  Chain chain{P, z.plan.pipe_experts_multi_stream};
+  // Under the chain every dispatch waits for the gather before it, so gathers are issued in
+  // order ahead of every item's GEMMs; otherwise one item ahead.
+  std::vector<TaskId> gathered(items.size(), rt::kNoTask);
+  auto gather = [&](std::size_t k) {
+    if (gathered[k] != rt::kNoTask) return;
+    chain.link(dispatched(k));
+    gathered[k] = chain.link(gather_item(pos, items[k].slot, items[k].item, dispatched(k)));
+  };
+  if (!items.empty()) gathered[0] = first_gathered;
+  if (chain.on)
+    for (std::size_t k = 0; k < items.size(); ++k)
+      gather(k);
+  std::vector<SlotProgress> out(slots.size());
+  for (std::size_t s = 0; s < slots.size(); ++s)
+    out[s].task = routed[s].task;
+  std::vector<TaskId> reduced(items.size(), rt::kNoTask);
+  auto combine = [&](std::size_t k) {
+    const ItemRef& ref = items[k];
+    const TaskId sent =
+        item_exchange(pos, ref.slot, ref.item, reduced[k], &ExpertItem::expert_result,
+                      &ExpertItem::back, false, false, "combine", rt::Phase::forward);
+    out[slot_index(ref.slot)].items.push_back(sent);
+  };
+  for (std::size_t k = 0; k < items.size(); ++k) {
+    const ItemRef ref = items[k];
+    const int c = ref.slot;
+    const auto i = static_cast<std::size_t>(ref.item);
+    const std::string at = slot_prefix(c) + fmt::format("i{}.", i);
+    gather(k);
+    if (k + 1 < items.size()) gather(k + 1);
+    const TaskId first = P->compute(at + "fc1", tags, per_item * f1 / (f1 + f),
+                                    [=] { item_fc1(*p, set, layer, c, i); });
+    P->after(gathered[k], first);
+    if (k > 0) combine(k - 1);
+    const TaskId second = P->compute(at + "fc2", tags, per_item * f / (f1 + f),
+                                     [=] { item_fc2(*p, set, layer, c, i); });
+    ExpertItem& I = P->slot(set, l, c).items[i];
+    reduced[k] = P->tensor.reduce_scatter_v(second,
+                                            {.send = read_of(I.tp_partial),
+                                             .rows = &I.tp_gathered_rows,
+                                             .recv = all_of(I.expert_result),
+                                             .expected_rows = expected},
+                                            h, at + "experts_scatter", tags);
+    chain.link(reduced[k]);
+  }
+  if (!items.empty()) combine(items.size() - 1);
+  if (chain.on)  // each combine after the reduce-scatter it carries, and before the next one
+    for (std::size_t k = 0; k + 1 < items.size(); ++k) {
+      const ItemRef& ref = items[k];
+      const TaskId sent = out[slot_index(ref.slot)].items[static_cast<std::size_t>(ref.item)];
+      P->after(sent, reduced[k + 1]);
+    }
+  return out;
+}
+
+std::vector<SlotProgress> MoeMlp::split_item_pipeline_backward(
+    const BuildPosition& pos, const std::vector<int>& slots,
+    const std::vector<SlotProgress>& arrived, WeightHalves& halves) const {
+  RankProgram* p = P;
+  const int layer = l, set = pos.set;
+  const StepShape& z = P->shape;
+  const std::int64_t h = z.h;
+  const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
+  std::vector<ItemRef> items = items_of(*P, set, l, slots);
+  auto slot_index = [&](int c) { return index_of(slots, c); };
+  const rt::CostHint per_item =
+      cost::expert_item(z, static_cast<double>(z.slot_tokens()), z.item_slices());
+  const std::int64_t expected = expected_item_rows(z);
+  const bool keep = halves.zero_bubble();
+  Chain chain{P, z.plan.pipe_experts_multi_stream};
+  std::vector<TaskId> gathered(items.size(), rt::kNoTask);
+  auto gather = [&](std::size_t k) {
+    if (gathered[k] != rt::kNoTask) return;
+    const ItemRef& ref = items[k];
+    ExpertItem& I = P->slot(set, l, ref.slot).items[static_cast<std::size_t>(ref.item)];
+    const SlotProgress& from = arrived[slot_index(ref.slot)];
+    // The output gradients' trip back: issued after the combine's backward, or here, where
+    // the chain reaches it.
+    const TaskId ready = from.items.empty()
+                             ? item_exchange(pos, ref.slot, ref.item, from.task,
+                                             &ExpertItem::d_back, &ExpertItem::d_arrived, true,
+                                             false, "combine_backward", rt::Phase::backward)
+                             : from.items[static_cast<std::size_t>(ref.item)];
+    chain.link(ready);
+    gathered[k] = chain.link(P->tensor.all_gather_v(
+        ready,
+        {.send = read_of(I.d_arrived),
+         .send_rows = &I.tp_send_rows,
+         .recv = all_of(I.tp_d_gathered),
+         .recv_rows = std::span<std::int64_t>(I.tp_d_gathered_rows),
+         .expected_rows = expected},
+        h, slot_prefix(ref.slot) + fmt::format("i{}.experts_grad_gather", ref.item), tags));
+  };
+  if (chain.on)
+    for (std::size_t k = 0; k < items.size(); ++k)
+      gather(k);
+  std::vector<SlotProgress> out(slots.size());
+  for (std::size_t s = 0; s < slots.size(); ++s)
+    out[s].task = arrived[s].task;
+  for (std::size_t k = 0; k < items.size(); ++k) {
+    const ItemRef ref = items[k];
+    const int c = ref.slot;
+    const auto i = static_cast<std::size_t>(ref.item);
+    const std::string at = slot_prefix(c) + fmt::format("i{}.", i);
+    gather(k);
+    if (k + 1 < items.size()) gather(k + 1);
+    // The input half: fc2's and the activation's backward, fc1's input-gradient partial sums.
+    const TaskId input = P->compute(at + "experts_backward", tags, per_item,
+                                    [=] { item_input_gradient(*p, set, layer, c, i); });
+    P->after(gathered[k], input);
+    ExpertItem& I = P->slot(set, l, c).items[i];
+    const TaskId reduced =
+        chain.link(P->tensor.reduce_scatter_v(input,
+                                              {.send = read_of(I.tp_partial),
+                                               .rows = &I.tp_gathered_rows,
+                                               .recv = all_of(I.d_expert_in),
+                                               .expected_rows = expected},
+                                              h, at + "experts_grad_scatter", tags));
+    // The weight half runs while the input gradient is reduce-scattered (or waits for W).
+    halves.place(halves.immediate(), [=] {
+      return p->compute(at + "experts_weight_grad",
+                        pos.tags(keep ? rt::Phase::weight : rt::Phase::backward, layer), per_item,
+                        [=] { item_weight_gradient(*p, set, layer, c, i); });
+    });
+    out[slot_index(c)].items.push_back(chain.link(item_exchange(
+        pos, c, static_cast<int>(i), reduced, &ExpertItem::d_expert_in, &ExpertItem::d_home, false,
+        false, "dispatch_backward", rt::Phase::backward)));
+  }
+  return out;
+}
+
+}  // namespace weave::graphs

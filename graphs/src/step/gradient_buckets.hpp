@@ -1,0 +1,18 @@
+// Gradient buckets reduced as soon as they are complete, on the reducing group's stream: a
+// bucket of sequence-parallel partials over tp first (on the tp group's gradient stream), then
+// over its replicas (dp x cp for dense
+// parameters, the expert-data-parallel group for experts); with the distributed optimizer the
+// replicas reduce-scatter, each keeping its shard.
+#pragma once
+
+#include <string>
+
+#include "step/rank_program.hpp"
+
+namespace weave::graphs {
+
+// Reduces every bucket of this rank whose name starts with `point` + "/" (a layer half, the
+// final norm, the embeddings) after `after`.
+void reduce_buckets(RankProgram& P, const std::string& point, TaskId after);
+
+}  // namespace weave::graphs

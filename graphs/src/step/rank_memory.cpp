@@ -1,0 +1,119 @@
+// What a rank allocates for its step: its shard, its activation and output sets (as many as the
+// schedule has in flight, each layer's laid out by its modules) and the gradient workspace its
+// layers share.
+#include "model/output_loss.hpp"
+#include "model/transformer_layer.hpp"
+#include "step/rank_program.hpp"
+
+namespace weave::graphs {
+
+namespace {
+
+// An activation set laid out for model chunk k's layers.
+void allocate_set(RankProgram& P, ActivationSet& X, int k) {
+  const StepShape& z = P.shape;
+  const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h;
+  const StageContents& holds = P.state.shard->contents();
+  // Sets shared by chunks serve every one of them: the first chunk's embedding, a later
+  // chunk's transfers.
+  X.x_in = P.activation({Sl, B, h});
+  if (holds.input_embedding) X.emb_partial = z.sp() ? P.activation({Sc, B, h}) : X.x_in;
+  if (P.layout.chunks() > 1) {
+    X.d_send = P.activation({Sl, B, h});
+    X.d_recv = P.activation({Sl, B, h});
+  }
+  Tensor x = X.x_in;
+  const int first = P.layout.first_layer(k);
+  X.layers.resize(static_cast<std::size_t>(P.layout.end_layer(k) - first));
+  for (int l = first; l < P.layout.end_layer(k); ++l) {
+    LayerActivations& A = X.layers[static_cast<std::size_t>(l - first)];
+    const RecomputeGroup group = recompute_group(z.model.recompute, P.layout, l);
+    if (group.empty()) {
+      TransformerLayer(P, l).allocate(A, x);
+    } else {
+      // A recomputed layer keeps its input (the group's, or the previous layer's output in the
+      // working set) and, as the group's last, its output: the next group's input.
+      const std::pair<int, bool> slot{l - group.begin, P.layer(l).moe};
+      auto [at, added] = P.state.recompute_working_set.try_emplace(slot);
+      LayerActivations& W = at->second;
+      if (added) {
+        TransformerLayer(P, l).allocate(W, Tensor{});
+        W.x_out = Tensor{};  // allocated below when a layer inside a group needs it
+      }
+      A = W;
+      A.x_in = x;
+      if (l + 1 == group.end) {
+        A.x_out = P.activation({Sl, B, h});
+      } else {
+        if (!W.x_out.defined()) W.x_out = P.activation({Sl, B, h});
+        A.x_out = W.x_out;
+      }
+    }
+    x = A.x_out;
+  }
+}
+
+}  // namespace
+
+void RankProgram::allocate() {
+  const StepShape& z = shape;
+  if (z.model.recompute.full() && z.splits_backward)
+    throw ConfigError(
+        "full recomputation is not modelled with a zero-bubble schedule (its split backward keeps "
+        "the output gradients of layers that recomputation would free): choose another "
+        "--pipeline-scheduler, or --recompute-granularity selective");
+  RankState& R = state;
+  const int pp = at.pp;
+  const StageContents contents = layout.contents(pp);
+  R.shard = std::make_unique<ModelShard>(z.model, mesh, rank, device, contents, materialize);
+  const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h, Hl = z.Hl, d = z.d, cp = z.cp;
+  const bool sp = z.sp();
+  const auto& chunks = set_plan.set_chunks[static_cast<std::size_t>(pp)];
+  R.sets.resize(chunks.size());
+  for (std::size_t i = 0; i < R.sets.size(); ++i)
+    allocate_set(*this, R.sets[i], chunks[i]);
+  R.outputs.resize(static_cast<std::size_t>(set_plan.output_sets[static_cast<std::size_t>(pp)]));
+  for (OutputSet& O : R.outputs)
+    OutputLoss(*this).allocate(O);
+  R.norm_sq = activation({1});
+  R.loss.assign(static_cast<std::size_t>(z.M), 0.0);
+  R.aux.assign(static_cast<std::size_t>(z.M), 0.0);
+  BackwardWorkspace& W = R.ws;
+  W.d_x = activation({Sl, B, h});
+  W.d_x_mid = activation({Sl, B, h});
+  W.d_tmp = activation({Sl, B, h});
+  W.d_mlp = activation({Sl, B, h});
+  W.d_mlp_full = sp ? activation({Sc, B, h}) : W.d_mlp;
+  W.d_act = activation({Sc, B, z.fl});
+  W.d_fc1 = activation({Sc, B, z.f1l});
+  W.d_norm_full = activation({Sc, B, h});
+  W.d_norm = sp ? activation({Sl, B, h}) : W.d_norm_full;
+  W.d_attn = activation({Sc, B, Hl * d});
+  W.d_qkv = activation({Sc, B, z.Gl, z.qkv_group_width()});
+  if (cp > 1) {
+    for (int i = 0; i < 2; ++i) {
+      W.ring[i] = activation({Sc, B, z.Gl, 2 * d});
+      W.dring[i] = activation({Sc, B, z.Gl, 2 * d});
+    }
+    if (z.ampipe > 1) {
+      W.dkv_send = activation({cp * Sc, B, z.Gl, 2 * d});
+      W.dkv_recv = activation({cp * Sc, B, z.Gl, 2 * d});
+      if (z.plan.ampipe_cp_resend_kv) {
+        W.kv_forward = activation({(cp - 1) * Sc, B, z.Gl, 2 * d});
+        W.kv_backward = activation({(cp - 1) * Sc, B, z.Gl, 2 * d});
+      }
+    }
+    W.o_part = activation({z.chunk, B, Hl, d});
+    W.dq_part = activation({z.chunk, B, Hl, d});
+    W.lse_part = activation({B, Hl, z.chunk});
+    W.ring_send.assign(static_cast<std::size_t>(cp), 0);
+    W.ring_send[static_cast<std::size_t>((at.cp + 1) % cp)] = Sc;
+    W.ring_recv.assign(static_cast<std::size_t>(cp), 0);
+  }
+  if (contents.output_layer) {
+    W.d_logits = activation({Sc * B, z.Vl});
+    W.d_final_full = activation({Sc, B, h});
+  }
+}
+
+}  // namespace weave::graphs

@@ -1,0 +1,249 @@
+// The rank program's frame: its groups, its tasks, the sequence layout its rows follow, and the
+// outline of its step (zero the gradients, the schedule's actions, the optimizer).
+#include "step/rank_program.hpp"
+
+#include "pipeline/pipeline_program.hpp"
+#include "step/optimizer_program.hpp"
+#include "step/step_costs.hpp"
+#include "weave/ops/dropout.hpp"
+#include "weave/ops/elementwise.hpp"
+
+namespace weave::graphs {
+
+GroupHandle::GroupHandle(devices::CollectiveMatcher& matcher, rt::GraphBuilder& graph,
+                         const devices::ProcessGroup& group, int member, std::string stream,
+                         std::map<std::string, TaskId>* tails, std::size_t element_bytes)
+    : matcher_(&matcher),
+      graph_(&graph),
+      group_(&group),
+      member_(member),
+      stream_(std::move(stream)),
+      tails_(tails),
+      element_bytes_(element_bytes) {}
+
+devices::CollectiveOptions GroupHandle::options(const std::string& name, rt::TaskTags tags,
+                                                const std::string& stream) const {
+  return {.name = name,
+          .tags = tags,
+          .stream = stream.empty() ? stream_ : stream,
+          .element_bytes = element_bytes_};
+}
+
+TaskId GroupHandle::ordered(TaskId ready, TaskId member) const {
+  if (ready != rt::kNoTask) graph_->precede(ready, member);
+  return member;
+}
+
+TaskId GroupHandle::all_reduce(TaskId ready, std::span<float> buffer, devices::ReduceOp op,
+                               const std::string& name, rt::TaskTags tags) const {
+  if (size() == 1) return rt::kNoTask;
+  const TaskId t = matcher_->all_reduce(*group_, member_, buffer, op, options(name, tags, {}));
+  (*tails_)[stream_] = t;
+  return ordered(ready, t);
+}
+
+TaskId GroupHandle::all_gather(TaskId ready, std::span<const float> input, std::span<float> output,
+                               const std::string& name, rt::TaskTags tags) const {
+  if (size() == 1) return rt::kNoTask;
+  const TaskId t = matcher_->all_gather(*group_, member_, input, output, options(name, tags, {}));
+  (*tails_)[stream_] = t;
+  return ordered(ready, t);
+}
+
+TaskId GroupHandle::reduce_scatter(TaskId ready, std::span<const float> input,
+                                   std::span<float> output, const std::string& name,
+                                   rt::TaskTags tags) const {
+  if (size() == 1) return rt::kNoTask;
+  const TaskId t = matcher_->reduce_scatter(*group_, member_, input, output, devices::ReduceOp::sum,
+                                            options(name, tags, {}));
+  (*tails_)[stream_] = t;
+  return ordered(ready, t);
+}
+
+TaskId GroupHandle::all_to_all(TaskId ready, std::span<const float> input, std::span<float> output,
+                               const std::string& name, rt::TaskTags tags) const {
+  if (size() == 1) return rt::kNoTask;
+  const TaskId t = matcher_->all_to_all(*group_, member_, input, output, options(name, tags, {}));
+  (*tails_)[stream_] = t;
+  return ordered(ready, t);
+}
+
+TaskId GroupHandle::all_to_all_v(TaskId ready, const devices::VariableAllToAllBuffers& buffers,
+                                 std::int64_t row_elements, const std::string& name,
+                                 rt::TaskTags tags, const std::string& stream) const {
+  if (size() == 1) return rt::kNoTask;
+  const devices::CollectiveOptions o = options(name, tags, stream);
+  const TaskId t = matcher_->all_to_all_v(*group_, member_, buffers, row_elements, o);
+  (*tails_)[std::string(o.stream)] = t;
+  return ordered(ready, t);
+}
+
+TaskId GroupHandle::all_gather_v(TaskId ready, const devices::VariableGatherBuffers& buffers,
+                                 std::int64_t row_elements, const std::string& name,
+                                 rt::TaskTags tags, const std::string& stream) const {
+  if (size() == 1) return rt::kNoTask;
+  const devices::CollectiveOptions o = options(name, tags, stream);
+  const TaskId t = matcher_->all_gather_v(*group_, member_, buffers, row_elements, o);
+  (*tails_)[std::string(o.stream)] = t;
+  return ordered(ready, t);
+}
+
+TaskId GroupHandle::reduce_scatter_v(TaskId ready, const devices::VariableScatterBuffers& buffers,
+                                     std::int64_t row_elements, const std::string& name,
+                                     rt::TaskTags tags, const std::string& stream) const {
+  if (size() == 1) return rt::kNoTask;
+  const devices::CollectiveOptions o = options(name, tags, stream);
+  const TaskId t = matcher_->reduce_scatter_v(*group_, member_, buffers, row_elements, o);
+  (*tails_)[std::string(o.stream)] = t;
+  return ordered(ready, t);
+}
+
+namespace {
+
+GroupHandle handle(RankProgram& P, GroupKind kind, const char* stream,
+                   std::map<std::string, TaskId>* tails) {
+  const devices::ProcessGroup& g = P.mesh.group(kind, P.rank);
+  return GroupHandle(P.matcher, P.graph, g, g.rank_of(static_cast<rt::DeviceId>(P.rank)), stream,
+                     tails, static_cast<std::size_t>(P.shape.model.activation_bytes()));
+}
+
+}  // namespace
+
+RankProgram::RankProgram(const StepShape& shape_, const Mesh& mesh_, const PipelineLayout& layout_,
+                         const ActivationSetPlan& sets, const StepInputs& inputs_,
+                         const OptimizerConfig& opt_, int rank_, devices::Device& device_,
+                         rt::GraphBuilder& graph_, devices::CollectiveMatcher& matcher_,
+                         bool materialize_)
+    : shape(shape_),
+      mesh(mesh_),
+      layout(layout_),
+      set_plan(sets),
+      inputs(inputs_),
+      opt(opt_),
+      rank(rank_),
+      at(mesh_.coordinates(rank_)),
+      device(device_),
+      materialize(materialize_),
+      matcher(matcher_),
+      graph(graph_) {
+  // Each group's stream is named by its kind, as the mesh names the groups.
+  tensor = handle(*this, GroupKind::tensor, "tp", &comm_tails_);
+  context = handle(*this, GroupKind::context, "cp", &comm_tails_);
+  expert = handle(*this, GroupKind::expert, "ep", &comm_tails_);
+  expert_data = handle(*this, GroupKind::expert_data, "edp", &comm_tails_);
+  data = handle(*this, GroupKind::data_context, "dp_cp", &comm_tails_);
+  tensor_context = handle(*this, GroupKind::tensor_context, "tp_cp", &comm_tails_);
+  tensor_gradients = handle(*this, GroupKind::tensor, "tp_grad", &comm_tails_);
+  allocate();
+}
+
+TaskId RankProgram::compute(const std::string& name, rt::TaskTags tags, rt::CostHint cost,
+                            std::function<void()> fn) {
+  rt::TaskFn work = [fn = std::move(fn)](rt::TaskContext&) { fn(); };
+  if (!materialize)
+    work = [](rt::TaskContext&) {
+      throw std::logic_error(
+          "this step was built without tensors (StepBuildOptions::materialize = false): replay "
+          "it on the virtual clock without running the work (VirtualClockOptions::execute = "
+          "false), or build it with tensors to run it");
+    };
+  return graph.add({.device = static_cast<rt::DeviceId>(rank),
+                    .stream = rt::kComputeStream,
+                    .kind = rt::TaskKind::compute,
+                    .name = name,
+                    .tags = tags,
+                    .cost = cost},
+                   std::move(work));
+}
+
+void RankProgram::load_tokens(int mb, std::vector<std::int32_t>& into, bool targets) const {
+  const MicroBatch& data =
+      inputs.batches[static_cast<std::size_t>(at.dp)][static_cast<std::size_t>(mb)];
+  const std::vector<std::int32_t>& from = targets ? data.targets : data.tokens;
+  const std::int64_t Sc = shape.Sc, B = shape.B;
+  into.resize(static_cast<std::size_t>(Sc * B));
+  for (std::int64_t s = 0; s < Sc; ++s) {
+    const std::int64_t g = shape.context_position(at.cp, s);
+    for (std::int64_t bi = 0; bi < B; ++bi)
+      into[s * B + bi] = from[g * B + bi];
+  }
+}
+
+ops::RandomKey RankProgram::dropout_key(int layer, int site) const {
+  return {.seed = shape.model.seed ^
+                  (0x9E3779B97F4A7C15ull * static_cast<std::uint64_t>(inputs.iteration)),
+          .layer = static_cast<std::uint32_t>(layer),
+          .site = static_cast<std::uint32_t>(site)};
+}
+
+void RankProgram::apply_dropout(bool backward, int mb, int layer, int site, const Tensor& in,
+                                const Tensor& out, std::int64_t first_row) const {
+  const ModelConfig& m = shape.model;
+  if (m.hidden_dropout <= 0) {
+    if (out.data() != in.data()) out.copy_from(in);
+    return;
+  }
+  ops::DropoutSpec spec{.probability = m.hidden_dropout,
+                        .key = dropout_key(layer, site),
+                        .sequence_length = shape.S,
+                        .batch_offset = batch_offset(mb)};
+  // in and out hold rows [first_row, first_row + rows) of the rank's [Sl, B, h] layout.
+  const std::int64_t rows = in.dim(0);
+  for (std::int64_t s0 = 0; s0 < rows;) {
+    std::int64_t s1 = s0 + 1;
+    while (s1 < rows && position(first_row + s1) == position(first_row + s0) + (s1 - s0))
+      ++s1;
+    spec.sequence_offset = position(first_row + s0);
+    const Tensor x = in.slice(0, s0, s1 - s0).transpose(0, 1);
+    const Tensor y = out.slice(0, s0, s1 - s0).transpose(0, 1);
+    if (backward)
+      ops::dropout_backward(spec, x, y);
+    else
+      ops::dropout_forward(spec, x, y);
+    s0 = s1;
+  }
+}
+
+void RankProgram::bias_dropout_add(int mb, int layer, int site, const Tensor& y, const Tensor& bias,
+                                   const Tensor& x_in, const Tensor& x_out,
+                                   std::int64_t first_row) const {
+  const std::int64_t rows = y.rows(), h = shape.h;
+  if (bias.defined())  // absent with --disable-bias-linear
+    for (std::int64_t i = 0; i < rows; ++i) {
+      float* row = y.row(i);
+      for (std::int64_t c = 0; c < h; ++c)
+        row[c] += bias.data()[c];
+    }
+  apply_dropout(false, mb, layer, site, y, y, first_row);
+  ops::add(x_in, y, x_out);
+}
+
+void RankProgram::bias_dropout_add_backward(int mb, int layer, int site, const Tensor& d_out,
+                                            const Tensor& d_y, const Tensor& d_bias,
+                                            std::int64_t first_row) const {
+  apply_dropout(true, mb, layer, site, d_out, d_y, first_row);
+  const std::int64_t h = shape.h;
+  if (!d_bias.defined()) return;
+  for (std::int64_t i = 0; i < d_y.rows(); ++i) {
+    const float* row = d_y.row(i);
+    for (std::int64_t c = 0; c < h; ++c)
+      d_bias.data()[c] += row[c];
+  }
+}
+
+void RankProgram::build() {
+  double gradients = 0;
+  for (const GradientBucket& b : shard().buckets())
+    gradients += static_cast<double>(b.grads.numel());
+  compute("zero_grads", {},
+          cost::streamed_bytes(gradients, parameter_bytes(shape.model.precision).gradient), [this] {
+            state.shard->zero_grads();
+            std::fill(state.loss.begin(), state.loss.end(), 0.0);
+            std::fill(state.aux.begin(), state.aux.end(), 0.0);
+            state.routed_picks = state.dropped_picks = 0;
+          });
+  build_pipeline(*this);
+  build_optimizer(*this);
+}
+
+}  // namespace weave::graphs

@@ -1,0 +1,214 @@
+// The training step of one rank, written as a distributed program is: the code here sees this
+// rank only (its shard, its activation sets, its buffers, its tasks and its handles to the
+// process groups it belongs to) and learns what a peer holds only through a collective or a
+// send/receive. The step's graph is the union of every rank's program; collectives meet across
+// members by (group, issue order) in a CollectiveMatcher.
+//
+// The layers are modules (embedding, attention, dense MLP, MoE MLP, Ampipe block, loss) whose
+// forward and backward emitters take this program, a BuildPosition value and, for backward, the
+// action's WeightHalves.
+#pragma once
+
+#include <fmt/format.h>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "config/step_shape.hpp"
+#include "pipeline/activation_sets.hpp"
+#include "step/build_position.hpp"
+#include "step/rank_state.hpp"
+#include "weave/devices/collective_matcher.hpp"
+#include "weave/devices/device.hpp"
+#include "weave/graphs/mesh.hpp"
+#include "weave/graphs/pipeline_layout.hpp"
+#include "weave/graphs/training_step.hpp"
+#include "weave/ops/random.hpp"
+
+namespace weave::graphs {
+
+using rt::TaskId;
+
+// What the host sets between runs of the step, read by the tasks when they run.
+struct StepInputs {
+  std::vector<std::vector<MicroBatch>> batches;  // [dp][micro-batch]
+  std::int64_t iteration = 1;
+  double learning_rate = 0;
+  bool update = true;
+};
+
+// This rank's side of one process group: the collectives it issues over the group run on the
+// group's own stream, as NCCL and HCCL give each communicator its own stream, so collectives of
+// different groups overlap and those of one group keep their issue order on every member.
+// Each call orders the member after `ready` (kNoTask: nothing) and returns its task, or kNoTask
+// for a group of one, where there is nothing to do.
+class GroupHandle {
+ public:
+  GroupHandle() = default;
+  // `tails`: the rank's last task per communication stream, kept up to date.
+  GroupHandle(devices::CollectiveMatcher& matcher, rt::GraphBuilder& graph,
+              const devices::ProcessGroup& group, int member, std::string stream,
+              std::map<std::string, TaskId>* tails, std::size_t element_bytes);
+
+  // The same handle, its collectives costed at `bytes` an element: the gradient reductions in
+  // the gradients' precision (ParameterBytes), not the activations'.
+  GroupHandle with_element_bytes(std::size_t bytes) const {
+    GroupHandle h = *this;
+    h.element_bytes_ = bytes;
+    return h;
+  }
+
+  int size() const { return group_ ? group_->size() : 1; }
+  int member() const { return member_; }
+  const std::string& stream() const { return stream_; }
+
+  TaskId all_reduce(TaskId ready, std::span<float> buffer, devices::ReduceOp op,
+                    const std::string& name, rt::TaskTags tags) const;
+  TaskId all_gather(TaskId ready, std::span<const float> input, std::span<float> output,
+                    const std::string& name, rt::TaskTags tags) const;
+  TaskId reduce_scatter(TaskId ready, std::span<const float> input, std::span<float> output,
+                        const std::string& name, rt::TaskTags tags) const;
+  TaskId all_to_all(TaskId ready, std::span<const float> input, std::span<float> output,
+                    const std::string& name, rt::TaskTags tags) const;
+  // `stream`: another stream of this group's (Ampipe's pipe experts keep dispatches and combines
+  // apart); empty: the group's.
+  TaskId all_to_all_v(TaskId ready, const devices::VariableAllToAllBuffers& buffers,
+                      std::int64_t row_elements, const std::string& name, rt::TaskTags tags,
+                      const std::string& stream = {}) const;
+  TaskId all_gather_v(TaskId ready, const devices::VariableGatherBuffers& buffers,
+                      std::int64_t row_elements, const std::string& name, rt::TaskTags tags,
+                      const std::string& stream = {}) const;
+  TaskId reduce_scatter_v(TaskId ready, const devices::VariableScatterBuffers& buffers,
+                          std::int64_t row_elements, const std::string& name, rt::TaskTags tags,
+                          const std::string& stream = {}) const;
+
+ private:
+  devices::CollectiveOptions options(const std::string& name, rt::TaskTags tags,
+                                     const std::string& stream) const;
+  TaskId ordered(TaskId ready, TaskId member) const;
+  devices::CollectiveMatcher* matcher_ = nullptr;
+  rt::GraphBuilder* graph_ = nullptr;
+  const devices::ProcessGroup* group_ = nullptr;
+  int member_ = 0;
+  std::string stream_;
+  std::map<std::string, TaskId>* tails_ = nullptr;
+  // Bytes an element moves (CollectiveOptions::element_bytes): the training precision's.
+  std::size_t element_bytes_ = sizeof(float);
+};
+
+inline std::span<float> all_of(const Tensor& t) {
+  return {t.data(), static_cast<std::size_t>(t.numel())};
+}
+inline std::span<const float> read_of(const Tensor& t) {
+  return {t.data(), static_cast<std::size_t>(t.numel())};
+}
+
+class RankProgram {
+ public:
+  // `sets`: the activation sets the schedule needs (shared by every rank: it is the schedule's).
+  RankProgram(const StepShape& shape, const Mesh& mesh, const PipelineLayout& layout,
+              const ActivationSetPlan& sets, const StepInputs& inputs, const OptimizerConfig& opt,
+              int rank, devices::Device& device, rt::GraphBuilder& graph,
+              devices::CollectiveMatcher& matcher, bool materialize);
+  RankProgram(const RankProgram&) = delete;
+  RankProgram& operator=(const RankProgram&) = delete;
+
+  // Emits every task of this rank's step.
+  void build();
+
+  // ------------------------------------------------------------------ what the modules use
+  const StepShape& shape;
+  const Mesh& mesh;
+  const PipelineLayout& layout;
+  const ActivationSetPlan& set_plan;
+  const StepInputs& inputs;
+  const OptimizerConfig& opt;
+  const int rank;
+  const MeshCoordinates at;
+  devices::Device& device;
+  const bool materialize;
+  RankState state;
+
+  // Handles to this rank's groups. `data` is dp x cp (dense gradients), `expert_data` the
+  // replicas of this rank's experts, `tensor_context` the ranks sharing one micro-batch.
+  // `tensor_gradients` is the tp group again, as a communicator of its own for the gradient
+  // buckets' reductions over tp, so that the layers below's activation collectives never wait
+  // behind them (as Megatron reduces those gradients apart from the layers' collectives).
+  GroupHandle tensor, context, expert, expert_data, data, tensor_context, tensor_gradients;
+  devices::CollectiveMatcher& matcher;
+  rt::GraphBuilder& graph;
+
+  // A compute task on this rank's device: `fn` is its work, `flops` its cost on the virtual
+  // clock (from the shapes it multiplies).
+  // A compute task priced by its arithmetic (flops) or by the memory it streams (cost.bytes).
+  TaskId compute(const std::string& name, rt::TaskTags tags, rt::CostHint cost,
+                 std::function<void()> fn);
+  TaskId compute(const std::string& name, rt::TaskTags tags, double flops,
+                 std::function<void()> fn) {
+    return compute(name, tags, rt::CostHint{.flops = flops}, std::move(fn));
+  }
+  // `task` starts after `before` (either may be kNoTask: no edge).
+  void after(TaskId before, TaskId task) {
+    if (before != rt::kNoTask && task != rt::kNoTask) graph.precede(before, task);
+  }
+  // Records a task this rank issued on communication stream `stream`; the optimizer waits for
+  // the last of each.
+  void track_comm(const std::string& stream, TaskId task) { comm_tails_[stream] = task; }
+  const std::map<std::string, TaskId>& comm_tails() const { return comm_tails_; }
+
+  // Activations and workspace of this rank; shapes only when the step is not materialized,
+  // counted at the training precision's bytes (a materialized step is fp32).
+  Tensor activation(const ops::Shape& s) {
+    return materialize
+               ? Tensor::empty(s, device, rt::MemoryCategory::activations)
+               : Tensor::shape_only(s, device, rt::MemoryCategory::activations,
+                                    static_cast<std::size_t>(shape.model.activation_bytes()));
+  }
+
+  ModelShard& shard() { return *state.shard; }
+  const LayerShard& layer(int l) const { return state.shard->layer(l); }
+  ActivationSet& aset(int set) { return state.sets[static_cast<std::size_t>(set)]; }
+  LayerActivations& acts(int set, int l) {
+    const int k = set_plan.chunk_of_layer[static_cast<std::size_t>(l)];
+    return aset(set).layers[static_cast<std::size_t>(l - layout.first_layer(k))];
+  }
+  OutputSet& oset(int out) { return state.outputs[static_cast<std::size_t>(out)]; }
+  BackwardWorkspace& ws() { return state.ws; }
+  MoeSlot& slot(int set, int l, int c) {
+    return acts(set, l).moe.slots[static_cast<std::size_t>(c)];
+  }
+
+  // The global position of row s of this rank's [Sl, B, ...] activations.
+  std::int64_t position(std::int64_t s) const { return shape.position(at.tp, at.cp, s); }
+  // This rank's positions of micro-batch mb's tokens (or targets).
+  void load_tokens(int mb, std::vector<std::int32_t>& into, bool targets) const;
+  // Dropout on this rank's [Sl, B, h] rows from `first_row` (out may be in): masks keyed by
+  // global token, so any split of the sequence draws the one-device masks. Without dropout, a
+  // copy.
+  // The key of a dropout mask at (layer, site) in this step: the seed mixed with the iteration,
+  // so every iteration draws new masks and a replay of it the same ones.
+  ops::RandomKey dropout_key(int layer, int site) const;
+  // The first sequence of micro-batch `mb` of this rank's replica in the global batch.
+  std::int64_t batch_offset(int mb) const {
+    return (static_cast<std::int64_t>(at.dp) * shape.M + mb) * shape.B;
+  }
+  void apply_dropout(bool backward, int mb, int layer, int site, const Tensor& in,
+                     const Tensor& out, std::int64_t first_row = 0) const;
+  // x_out = x_in + dropout(y + bias): the residual branch's end, on [Sl, B, h] rows.
+  void bias_dropout_add(int mb, int layer, int site, const Tensor& y, const Tensor& bias,
+                        const Tensor& x_in, const Tensor& x_out, std::int64_t first_row = 0) const;
+  // Its backward: d_y = dropout'(d_out); d_bias += rows of d_y.
+  void bias_dropout_add_backward(int mb, int layer, int site, const Tensor& d_out,
+                                 const Tensor& d_y, const Tensor& d_bias,
+                                 std::int64_t first_row = 0) const;
+
+ private:
+  void allocate();
+  std::map<std::string, TaskId> comm_tails_;  // the last task of each communication stream
+};
+
+}  // namespace weave::graphs

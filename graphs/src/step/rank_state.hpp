@@ -1,0 +1,96 @@
+// What one rank holds while its step runs: per micro-batch in flight the activations each layer
+// keeps for its backward, the gradient workspace its layers share, and its results. Data only:
+// the rank program (rank_program.hpp) allocates it and its tasks read and write it.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "model/attention_activations.hpp"
+#include "model/dense_mlp_activations.hpp"
+#include "moe/moe_activations.hpp"
+#include "weave/graphs/model_shard.hpp"
+#include "weave/ops/tensor.hpp"
+
+namespace weave::graphs {
+
+using ops::Tensor;
+
+// Everything a layer's forward keeps for its backward, on one device, for one micro-batch in
+// flight (see ActivationSet): the residual stream and the MLP's norm, which the layer owns, and
+// each of its modules' own state (the one its LayerSpec does not use stays empty).
+struct LayerActivations {
+  Tensor x_in;  // [Sl, B, h]: the previous layer's output
+  Tensor x_mid;
+  Tensor ln2, ln2_mean, ln2_rstd, ln2_full;
+  Tensor mlp_out;  // [Sl, B, h]: the MLP's output, before bias and dropout
+  Tensor x_out;
+  AttentionActivations attention;
+  DenseMlpActivations dense;
+  MoeActivations moe;
+};
+
+// Gradient workspace shared by all layers of a device: the backward runs layer after layer.
+struct BackwardWorkspace {
+  Tensor d_x, d_x_mid, d_tmp;        // [Sl, B, h]
+  Tensor d_mlp, d_mlp_full;          // [Sl, B, h], [S, B, h]
+  Tensor d_act, d_fc1, d_norm_full;  // [S, B, f], [S, B, f1], [S, B, h]
+  Tensor d_norm;                     // [Sl, B, h]
+  Tensor d_attn, d_qkv;              // [S, B, Hl d], [S, B, Hl, 3d]
+  // Context parallelism: key/value blocks and their gradients travelling round the ring
+  // (double-buffered), and one block's partial attention.
+  Tensor ring[2], dring[2];   // [Sc, B, Hl, 2d]
+  Tensor dkv_send, dkv_recv;  // Ampipe under CP: block gradients by owner / by source [cp Sc, ...]
+  // Ampipe under CP with --ampipe-cp-resend-kv: the other cp ranks' blocks, in the order the
+  // forward's ring brings them and the backward's brings them again [(cp - 1) Sc, B, Hl, 2d].
+  Tensor kv_forward, kv_backward;
+  Tensor o_part, dq_part;                          // [chunk, B, Hl, d]
+  Tensor lse_part;                                 // [B, Hl, chunk]
+  std::vector<std::int64_t> ring_send, ring_recv;  // rows to each cp rank: all to the next
+  Tensor d_logits, d_final_full;                   // [S B, Vl], [S, B, h]
+};
+
+// The activations one model chunk keeps for one micro-batch, from its forward until its
+// backward has used them. A rank holds as many sets as its schedule has (chunk, micro-batch)
+// forwards in flight at once (one without pipelining; p - r on 1F1B's stage r), so the device's
+// activation memory is the schedule's. When the rank's chunks have the same layers (count and
+// kinds) the sets are shared by all of them, as a caching allocator would reuse the memory;
+// otherwise each chunk has its own.
+struct ActivationSet {
+  std::vector<LayerActivations> layers;  // by position in the chunk
+  // The chunk's input [Sl, B, h]: the previous stage's output, or the embedding's. Under SP the
+  // first chunk's embedding sums [Sc, B, h] partials first.
+  Tensor x_in, emb_partial;
+  // Pipelining: the gradient of the chunk's output from the next stage, and of its input for the
+  // previous (both [Sl, B, h]).
+  Tensor d_recv, d_send;
+  std::vector<std::int32_t> tokens;  // [Sc B]: this rank's positions of the micro-batch
+};
+
+// The last chunk's final norm, output layer and cross-entropy for one micro-batch in flight.
+struct OutputSet {
+  Tensor final_ln, final_mean, final_rstd, final_full, logits;
+  Tensor row_max, partials, lse;
+  std::vector<std::int32_t> targets;  // [Sc B]
+  Tensor saved_d_logits;              // a split backward: the output layer's gradient, for W
+};
+
+struct RankState {
+  std::unique_ptr<ModelShard> shard;
+  std::vector<ActivationSet> sets;
+  // Full recomputation: what the layers of one recomputed group hold while their forward runs
+  // again and their backward uses it, shared by every group and set of the rank (one group is
+  // recomputed at a time), by (position in the group, MoE layer). The sets' recomputed layers
+  // are views of it but for their input and the group's output.
+  std::map<std::pair<int, bool>, LayerActivations> recompute_working_set;
+  std::vector<OutputSet> outputs;
+  BackwardWorkspace ws;
+  Tensor norm_sq;                 // [1]: this rank's share of the squared grad norm
+  std::vector<double> loss, aux;  // per micro-batch
+  std::int64_t routed_picks = 0, dropped_picks = 0;  // this rank's tokens, the whole step
+};
+
+}  // namespace weave::graphs

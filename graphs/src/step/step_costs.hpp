@@ -1,0 +1,130 @@
+// The virtual clock's price of the step's compute: the multiply-adds (x2) of the matrix products
+// and attention each task runs, from the shapes it multiplies (with the products' edges and the
+// attention's share, so a kernel model can price them apart); element-wise work (norms,
+// residuals, dropout, copies, the optimizer) by the bytes of the elements it reads and writes,
+// which the machine model prices at the device's memory bandwidth.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "config/step_shape.hpp"
+#include "weave/runtime/types.hpp"
+
+namespace weave::graphs::cost {
+
+// A memory-bound task that reads and writes `elements` activations in all, each of the training
+// precision's bytes (ModelConfig::activation_bytes).
+inline rt::CostHint streamed(const StepShape& z, double elements) {
+  return {.bytes = z.model.activation_bytes() * elements};
+}
+// The same over values of `element_bytes` each, whatever the precision: the gradients and the
+// optimizer's fp32 state.
+inline rt::CostHint streamed_bytes(double elements, double element_bytes) {
+  return {.bytes = element_bytes * elements};
+}
+
+// The rows a MoE slot's experts take on a rank when routing is balanced: its tokens' top-k
+// picks (a hint is fixed when the graph is built; dropless counts vary from step to step).
+inline double routed_rows(const StepShape& z) {
+  return static_cast<double>(z.slot_tokens()) * z.model.moe_router_topk;
+}
+// Regrouping a slot's rows (read and write each).
+inline double regrouped_elements(const StepShape& z) {
+  return 2 * routed_rows(z) * static_cast<double>(z.h);
+}
+// The combine: every picked row read with its weight, every token's output written.
+inline double combine_elements(const StepShape& z) {
+  return (routed_rows(z) + static_cast<double>(z.slot_tokens())) * static_cast<double>(z.h);
+}
+
+// 2 (mn + nk + mk) of an [m, k] x [k, n] product: what its overhead grows with when a
+// dimension is small (rt::CostHint::matmul_edges). The same for the product's transposes, so a
+// backward's two products have the forward's.
+inline double matmul_edges(double rows, double in, double out) {
+  return 2 * (rows * in + in * out + rows * out);
+}
+
+// A [rows, in] x [in, out] product.
+inline rt::CostHint matmul(std::int64_t rows, std::int64_t in, std::int64_t out) {
+  const double r = static_cast<double>(rows), i = static_cast<double>(in),
+               o = static_cast<double>(out);
+  return {.flops = 2.0 * r * i * o, .matmul_edges = static_cast<float>(matmul_edges(r, i, o))};
+}
+
+// A dense MLP's two products over `rows`: [rows, h] x [h, f1] then [rows, f] x [f, h].
+inline rt::CostHint mlp(const StepShape& z, std::int64_t rows) {
+  const double r = static_cast<double>(rows), h = static_cast<double>(z.h);
+  return {.flops = 2.0 * r * h * static_cast<double>(z.f1l + z.fl),
+          .matmul_edges = static_cast<float>(matmul_edges(r, h, static_cast<double>(z.f1l)) +
+                                             matmul_edges(r, static_cast<double>(z.fl), h))};
+}
+
+// Causal attention of a rank's Sc query rows (B sequences, Hl heads) against the whole
+// sequence's keys: the scores and the weighted values, over half of the (query, key) pairs on
+// average.
+inline rt::CostHint causal_attention(const StepShape& z) {
+  const double flops = 2 * 2 * static_cast<double>(z.B * z.Hl * z.Sc) *
+                       static_cast<double>(z.S / z.cp * z.cp) * static_cast<double>(z.d) * 0.5;
+  return {.flops = flops, .attention_flops = static_cast<float>(flops)};
+}
+
+// Attention backward: five products against forward's two.
+inline rt::CostHint causal_attention_backward(const StepShape& z) {
+  return 2.5 * causal_attention(z);
+}
+
+// The share of the causal attention's (query, key) pairs that Ampipe chunk c's queries take: a
+// piece of q queries from sequence row `first` sees q (2 first + q) / Sc^2 of them.
+inline double ampipe_causal_share(const StepShape& z, int c) {
+  double share = 0;
+  for (int j = 0; j < z.t_sp; ++j) {
+    const double q = static_cast<double>(z.piece_rows());
+    const double first = static_cast<double>(z.piece_start(c, j));
+    share += q * (2 * first + q) / (static_cast<double>(z.Sc) * static_cast<double>(z.Sc));
+  }
+  return share;
+}
+
+// The attention's output projection of the rank's Sc rows: [Sc B, Hl d] x [Hl d, h].
+inline rt::CostHint projection(const StepShape& z) {
+  return matmul(z.Sc * z.B, z.Hl * z.d, z.h);
+}
+
+// The QKV projection: [Sc B, h] x [h, (Hl + 2 Gl) d] (3 Hl d without grouped-query attention).
+inline rt::CostHint qkv(const StepShape& z) {
+  return matmul(z.Sc * z.B, z.h, z.qkv_width());
+}
+
+// The experts' two products over a slot's expected rows (its tokens' top-k picks, balanced),
+// for `tokens` routed tokens: each local expert multiplies its share of the rows.
+inline rt::CostHint experts(const StepShape& z, double tokens) {
+  const double rows = tokens * static_cast<double>(z.model.moe_router_topk);
+  const double h = static_cast<double>(z.h), f1 = static_cast<double>(z.expert_f1()),
+               f = static_cast<double>(z.f);
+  const double experts = static_cast<double>(std::max<std::int64_t>(z.local_experts(), 1));
+  const double per_expert = rows / experts;
+  return {.flops = 2 * tokens * static_cast<double>(z.model.moe_router_topk) * h * (f1 + f),
+          .matmul_edges = static_cast<float>(
+              experts * (matmul_edges(per_expert, h, f1) + matmul_edges(per_expert, f, h)))};
+}
+
+// One item of a slot's experts (pipe experts, Ampipe's tp-sp overlap): one local expert's rows
+// in `slices` capacity slices, so its products are that much skinnier.
+inline rt::CostHint expert_item(const StepShape& z, double tokens, std::int64_t slices) {
+  const double items = static_cast<double>(z.local_experts() * slices);
+  const double rows = tokens * static_cast<double>(z.model.moe_router_topk) / items;
+  const double h = static_cast<double>(z.h), f1 = static_cast<double>(z.expert_f1()),
+               f = static_cast<double>(z.f);
+  return {.flops = experts(z, tokens).flops / items,
+          .matmul_edges = static_cast<float>(matmul_edges(rows, h, f1) + matmul_edges(rows, f, h))};
+}
+
+// The router's logits: [tokens, h] x [h, E].
+inline rt::CostHint router(const StepShape& z, double tokens) {
+  const double h = static_cast<double>(z.h), e = static_cast<double>(z.model.num_experts);
+  return {.flops = 2 * tokens * h * e,
+          .matmul_edges = static_cast<float>(matmul_edges(tokens, h, e))};
+}
+
+}  // namespace weave::graphs::cost

@@ -1,0 +1,208 @@
+// The training step: the union of its ranks' programs, and the public interface.
+#include "weave/graphs/training_step.hpp"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <stdexcept>
+
+#include "step/rank_program.hpp"
+
+namespace weave::graphs {
+
+struct TrainingStep::Impl {
+  Impl(const ModelConfig& model, const ParallelPlan& plan, const OptimizerConfig& o,
+       devices::DeviceSet& set, devices::Communicator& comm, const StepBuildOptions& options);
+
+  StepResult result() const;
+  RankProgram& program(int rank) const;
+
+  OptimizerConfig opt;
+  Mesh mesh;
+  PipelineLayout layout;
+  StepShape shape;
+  ActivationSetPlan set_plan;
+  StepInputs inputs;
+  rt::GraphBuilder builder;
+  devices::CollectiveMatcher matcher;
+  std::vector<std::unique_ptr<RankProgram>> programs;  // by rank; null where not built here
+  rt::Graph graph;
+  bool materialize = true;
+  devices::ProcessSet& processes;
+};
+
+namespace {
+
+void check_devices(const ParallelPlan& plan, const devices::DeviceSet& set) {
+  if (static_cast<int>(set.size()) != plan.devices())
+    throw ConfigError(
+        fmt::format("the plan needs {} devices (tp {} x cp {} x dp {} x pp {}), "
+                    "the device set has {}",
+                    plan.devices(), plan.tensor_parallel, plan.context_parallel, plan.data_parallel,
+                    plan.pipeline_parallel, set.size()));
+}
+
+}  // namespace
+
+TrainingStep::Impl::Impl(const ModelConfig& model, const ParallelPlan& plan,
+                         const OptimizerConfig& o, devices::DeviceSet& set,
+                         devices::Communicator& comm, const StepBuildOptions& options)
+    : opt(o),
+      mesh((check_devices(plan, set), plan)),
+      layout(make_pipeline_layout(model, plan)),
+      shape(model, plan),
+      set_plan(plan_activation_sets(model, layout)),
+      matcher(builder, comm),
+      materialize(options.materialize),
+      processes(comm.processes()) {
+  shape.splits_backward = set_plan.splits_backward;
+  // weave's kernels compute in fp32 and keep every activation: a step that runs them trains in
+  // fp32 without recomputation; one built without tensors models either.
+  if (materialize && model.precision != Precision::fp32)
+    throw std::invalid_argument(fmt::format(
+        "a step built with tensors computes in fp32 (weave's kernels), not {}: build it with "
+        "StepBuildOptions::materialize = false to predict a {} run",
+        precision_name(model.precision), precision_name(model.precision)));
+  if (materialize && model.recompute.granularity != RecomputeGranularity::none)
+    throw std::invalid_argument(
+        "a step built with tensors keeps every activation: activation recomputation is "
+        "predicted only (StepBuildOptions::materialize = false)");
+  inputs.batches.assign(static_cast<std::size_t>(plan.data_parallel),
+                        std::vector<MicroBatch>(static_cast<std::size_t>(shape.M)));
+  // A step built without tensors reads no tokens: with thousands of micro-batches of long
+  // sequences their buffers would be most of what a prediction holds.
+  if (materialize)
+    for (auto& per_dp : inputs.batches)
+      for (auto& mb : per_dp) {
+        mb.tokens.assign(static_cast<std::size_t>(shape.S * shape.B), 0);
+        mb.targets.assign(static_cast<std::size_t>(shape.S * shape.B), 0);
+      }
+  std::vector<int> ranks = options.ranks;
+  if (ranks.empty())
+    for (int r = 0; r < mesh.size(); ++r)
+      ranks.push_back(r);
+  programs.resize(static_cast<std::size_t>(mesh.size()));
+  for (int r : ranks) {
+    if (r < 0 || r >= mesh.size())
+      throw std::invalid_argument(fmt::format(
+          "StepBuildOptions::ranks names rank {}, outside the mesh of {} ranks", r, mesh.size()));
+    if (programs[static_cast<std::size_t>(r)])
+      throw std::invalid_argument(
+          fmt::format("StepBuildOptions::ranks names rank {} twice; list each rank once", r));
+    programs[static_cast<std::size_t>(r)] = std::make_unique<RankProgram>(
+        shape, mesh, layout, set_plan, inputs, opt, r, set[static_cast<rt::DeviceId>(r)], builder,
+        matcher, options.materialize);
+  }
+  for (int r : ranks)
+    programs[static_cast<std::size_t>(r)]->build();
+  // Every collective has met all its members here when this process built every rank, or
+  // exactly the ranks a multi-process backend holds here (it reaches the others).
+  bool complete = true;
+  for (int r = 0; r < mesh.size(); ++r)
+    complete &= (programs[static_cast<std::size_t>(r)] != nullptr) ==
+                comm.holds(static_cast<rt::DeviceId>(r));
+  if (complete) matcher.finish();
+  graph = builder.build();
+}
+
+RankProgram& TrainingStep::Impl::program(int rank) const {
+  if (rank < 0 || rank >= mesh.size() || !programs[static_cast<std::size_t>(rank)])
+    throw std::out_of_range(
+        fmt::format("rank {} is not built in this step (mesh of {} ranks)", rank, mesh.size()));
+  return *programs[static_cast<std::size_t>(rank)];
+}
+
+StepResult TrainingStep::Impl::result() const {
+  if (!materialize)
+    throw std::logic_error(
+        "this step was built without tensors (StepBuildOptions::materialize = false) and never "
+        "runs: it has no result; build it with tensors to train");
+  // Every rank's terms, by rank: [built, squared norm, routed, dropped, loss per micro-batch,
+  // aux per micro-batch]; zero for ranks not built here. Over processes they are summed
+  // element-wise (each term comes from one process, so the sum is that term exactly), then
+  // added up in rank order as in one process: the same bits however the ranks are spread.
+  const int ranks = mesh.size(), M = shape.M;
+  const std::size_t width = 4 + 2 * static_cast<std::size_t>(M);
+  std::vector<double> terms(static_cast<std::size_t>(ranks) * width, 0.0);
+  for (int r = 0; r < ranks; ++r) {
+    const auto& program = programs[static_cast<std::size_t>(r)];
+    if (!program) continue;
+    const RankState& R = program->state;
+    double* t = terms.data() + static_cast<std::size_t>(r) * width;
+    t[0] = 1;
+    t[1] = static_cast<double>(R.norm_sq.data()[0]);
+    t[2] = static_cast<double>(R.routed_picks);
+    t[3] = static_cast<double>(R.dropped_picks);
+    for (int mb = 0; mb < M; ++mb) {
+      t[4 + mb] = R.loss[static_cast<std::size_t>(mb)];
+      t[4 + M + mb] = R.aux[static_cast<std::size_t>(mb)];
+    }
+  }
+  if (processes.size() > 1) processes.sum(terms);
+  StepResult out;
+  bool norm_taken = false;
+  for (int r = 0; r < ranks; ++r) {
+    const double* t = terms.data() + static_cast<std::size_t>(r) * width;
+    if (t[0] == 0) continue;
+    out.routed_picks += static_cast<std::int64_t>(t[2]);
+    out.dropped_picks += static_cast<std::int64_t>(t[3]);
+    // The summed squared norm is the same on every rank after the world all-reduce.
+    if (!norm_taken) {
+      out.grad_norm = std::sqrt(t[1]);
+      norm_taken = true;
+    }
+    const MeshCoordinates at = mesh.coordinates(r);
+    if (at.tp != 0) continue;  // tensor-parallel ranks hold the same losses
+    for (int mb = 0; mb < M; ++mb) {
+      // Context-parallel ranks hold different tokens' losses.
+      out.loss += t[4 + mb];
+      // The MoE losses are statistics of whole micro-batches, the same on every cp rank.
+      if (at.cp == 0) out.aux_loss += t[4 + M + mb] / (M * shape.plan.data_parallel);
+    }
+  }
+  return out;
+}
+
+TrainingStep::TrainingStep(const ModelConfig& model, const ParallelPlan& plan,
+                           const OptimizerConfig& optimizer, devices::DeviceSet& devices,
+                           devices::Communicator& comm, const StepBuildOptions& options)
+    : impl_(std::make_unique<Impl>(model, plan, optimizer, devices, comm, options)) {}
+TrainingStep::~TrainingStep() = default;
+const rt::Graph& TrainingStep::graph() const {
+  return impl_->graph;
+}
+const Mesh& TrainingStep::mesh() const {
+  return impl_->mesh;
+}
+MicroBatch& TrainingStep::micro_batch(int dp, int m) {
+  return impl_->inputs.batches.at(static_cast<std::size_t>(dp)).at(static_cast<std::size_t>(m));
+}
+void TrainingStep::prepare(std::int64_t iteration, double learning_rate) {
+  if (iteration < 1) throw std::invalid_argument("iterations count from 1");
+  impl_->inputs.iteration = iteration;
+  impl_->inputs.learning_rate = learning_rate;
+}
+StepResult TrainingStep::result() const {
+  return impl_->result();
+}
+devices::ProcessSet& TrainingStep::processes() const {
+  return impl_->processes;
+}
+bool TrainingStep::materialized() const {
+  return impl_->materialize;
+}
+bool TrainingStep::holds(int rank) const {
+  return rank >= 0 && rank < impl_->mesh.size() &&
+         impl_->programs[static_cast<std::size_t>(rank)] != nullptr;
+}
+ModelShard& TrainingStep::shard(int rank) {
+  return impl_->program(rank).shard();
+}
+int TrainingStep::activation_sets(int rank) const {
+  return static_cast<int>(impl_->program(rank).state.sets.size());
+}
+void TrainingStep::set_update_parameters(bool update) {
+  impl_->inputs.update = update;
+}
+
+}  // namespace weave::graphs
