@@ -1,8 +1,8 @@
-// --qk-layernorm (a norm on each head's queries and keys before attention, as OLMo 2 and Qwen3
-// use) under every strategy that runs attention equals the one-device model: loss, every
-// gradient (the norms' weights summed over the ranks that normalise other heads or tokens) and a
-// 10-step loss curve; decoding with it gives the training step's loss and the same logits split
-// any way; and its gradient matches a directional difference.
+// --qk-layernorm (a norm on each head's queries and keys before attention, as Qwen3 uses) under
+// every strategy that runs attention equals the one-device model: loss, every gradient (the
+// norms' weights summed over the ranks that normalise other heads or tokens) and a 10-step loss
+// curve; decoding with it gives the training step's loss and the same logits split any way; and
+// its gradient matches a directional difference.
 #include <gtest/gtest.h>
 
 #include <cmath>
