@@ -48,7 +48,7 @@ QkNormPart qk_norm_part(const LayerShard& W, const Tensor& qkv, const QkNormStat
   const std::int64_t qpg = qkv.dim(3) / d - 2;
   const Tensor heads = qkv.reshape({qkv.dim(0) * qkv.dim(1), qkv.dim(2), qpg + 2, d});
   const std::int64_t first = part == 0 ? 0 : qpg, count = part == 0 ? qpg : 1;
-  const std::int64_t stats = qk.rstd.numel() / (qpg + 1);  // rows of one head
+  const std::int64_t stats = qk.rstd.numel() / (qpg + 1);  // s B Gl: one head of every group
   const Tensor mean = qk.mean.defined() ? qk.mean.slice(0, first * stats, count * stats) : Tensor{};
   return {.heads = heads.slice(2, first, count),
           .in = qk.in.slice(2, first, count),
