@@ -4,8 +4,6 @@
 // matches a directional difference.
 #include <gtest/gtest.h>
 
-#include <random>
-
 #include "step_outcome.hpp"
 #include "tiny_model.hpp"
 
@@ -169,64 +167,6 @@ TEST(ModernDecoder, HoldsOnlyTheParametersItUses) {
   ASSERT_TRUE(o.grads.contains("output.weight"));  // untied
   // QKV rows: 4 query heads and 2 key and 2 value heads of 8 dimensions.
   EXPECT_EQ(o.grads.at("layers.0.attention.qkv.weight").size(), std::size_t{(4 + 2 * 2) * 8 * 32});
-}
-
-// The whole model's gradient along a random direction: analytic (the gradients the step
-// computed) and numeric (a central difference of the loss). Attention dropout stays on: its mask
-// is fixed for a step.
-std::pair<double, double> directional_derivative(const ModelConfig& m, ParallelPlan plan) {
-  validate(m, plan);
-  devices::DeviceSet set(plan.devices(), {.pin = false});
-  devices::SharedMemoryCommunicator comm;
-  TrainingStep step(m, plan, {}, set, comm);
-  step.set_update_parameters(false);
-  fill_batches(step, m, plan);
-  step.prepare(1, 1e-2);
-  auto objective = [&] {
-    set.executor().run(step.graph());
-    return step.result().loss + step.result().aux_loss;
-  };
-  objective();
-  std::map<std::string, std::vector<double>> direction, grads;
-  std::mt19937 gen(7);
-  std::normal_distribution<double> normal;
-  for (int r = 0; r < plan.devices(); ++r)
-    for (const Parameter& p : step.shard(r).parameters()) {
-      auto& v = direction[p.name];
-      if (v.empty()) {
-        v.resize(static_cast<std::size_t>(p.logical_rows * p.logical_cols));
-        for (auto& x : v)
-          x = normal(gen);
-      }
-      auto& g = grads[p.name];
-      g.resize(v.size(), 0.0);
-      for (std::int64_t lr = 0; lr < local_rows(p); ++lr)
-        for (std::int64_t lc = 0; lc < local_cols(p); ++lc)
-          g[static_cast<std::size_t>(p.row_map[lr] * p.logical_cols + p.col_offset + lc)] =
-              p.grad.data()[lr * local_cols(p) + lc];
-    }
-  double along = 0;
-  for (const auto& [name, g] : grads)
-    for (std::size_t i = 0; i < g.size(); ++i)
-      along += g[i] * direction[name][i];
-  auto shift = [&](double eps) {
-    for (int r = 0; r < plan.devices(); ++r)
-      for (Parameter& p : step.shard(r).parameters()) {
-        const auto& v = direction[p.name];
-        for (std::int64_t lr = 0; lr < local_rows(p); ++lr)
-          for (std::int64_t lc = 0; lc < local_cols(p); ++lc)
-            p.value.data()[lr * local_cols(p) + lc] += static_cast<float>(
-                eps *
-                v[static_cast<std::size_t>(p.row_map[lr] * p.logical_cols + p.col_offset + lc)]);
-      }
-  };
-  const double eps = 1e-4;
-  shift(eps);
-  const double up = objective();
-  shift(-2 * eps);
-  const double down = objective();
-  shift(eps);
-  return {along, (up - down) / (2 * eps)};
 }
 
 // Each feature alone on the dense GPT, then all of them, dense and MoE: catches a backward wired

@@ -1,5 +1,6 @@
 // Runs training steps of a plan and collects what the equivalence tests compare: losses, aux
-// losses and every gradient in the parameters' logical layout.
+// losses and every gradient in the parameters' logical layout; and the whole model's gradient
+// along a direction, analytic and numeric.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -7,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -68,6 +70,64 @@ inline void expect_same_gradients(const Outcome& serial, const Outcome& parallel
         break;
       }
   }
+}
+
+// The whole model's gradient along a random direction: analytic (the gradients the step
+// computed) and numeric (a central difference of the loss). Attention dropout stays on: its mask
+// is fixed for a step.
+inline std::pair<double, double> directional_derivative(const ModelConfig& m, ParallelPlan plan) {
+  validate(m, plan);
+  devices::DeviceSet set(plan.devices(), {.pin = false});
+  devices::SharedMemoryCommunicator comm;
+  TrainingStep step(m, plan, {}, set, comm);
+  step.set_update_parameters(false);
+  fill_batches(step, m, plan);
+  step.prepare(1, 1e-2);
+  auto objective = [&] {
+    set.executor().run(step.graph());
+    return step.result().loss + step.result().aux_loss;
+  };
+  objective();
+  std::map<std::string, std::vector<double>> direction, grads;
+  std::mt19937 gen(7);
+  std::normal_distribution<double> normal;
+  for (int r = 0; r < plan.devices(); ++r)
+    for (const Parameter& p : step.shard(r).parameters()) {
+      auto& v = direction[p.name];
+      if (v.empty()) {
+        v.resize(static_cast<std::size_t>(p.logical_rows * p.logical_cols));
+        for (auto& x : v)
+          x = normal(gen);
+      }
+      auto& g = grads[p.name];
+      g.resize(v.size(), 0.0);
+      for (std::int64_t lr = 0; lr < local_rows(p); ++lr)
+        for (std::int64_t lc = 0; lc < local_cols(p); ++lc)
+          g[static_cast<std::size_t>(p.row_map[lr] * p.logical_cols + p.col_offset + lc)] =
+              p.grad.data()[lr * local_cols(p) + lc];
+    }
+  double along = 0;
+  for (const auto& [name, g] : grads)
+    for (std::size_t i = 0; i < g.size(); ++i)
+      along += g[i] * direction[name][i];
+  auto shift = [&](double eps) {
+    for (int r = 0; r < plan.devices(); ++r)
+      for (Parameter& p : step.shard(r).parameters()) {
+        const auto& v = direction[p.name];
+        for (std::int64_t lr = 0; lr < local_rows(p); ++lr)
+          for (std::int64_t lc = 0; lc < local_cols(p); ++lc)
+            p.value.data()[lr * local_cols(p) + lc] += static_cast<float>(
+                eps *
+                v[static_cast<std::size_t>(p.row_map[lr] * p.logical_cols + p.col_offset + lc)]);
+      }
+  };
+  const double eps = 1e-4;
+  shift(eps);
+  const double up = objective();
+  shift(-2 * eps);
+  const double down = objective();
+  shift(eps);
+  return {along, (up - down) / (2 * eps)};
 }
 
 }  // namespace weave::graphs

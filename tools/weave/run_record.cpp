@@ -26,6 +26,7 @@ nlohmann::json run_record(const graphs::TrainerConfig& c, const std::string& dat
        m.normalization == graphs::Normalization::rms_norm ? "RMSNorm" : "LayerNorm"},
       {"norm_epsilon", m.layernorm_epsilon},
       {"num_query_groups", m.query_groups()},
+      {"qk_layernorm", m.qk_layernorm},
       {"untie_embeddings_and_output_weights", m.untie_embeddings_and_output_weights},
       {"add_bias_linear", m.add_bias_linear},
       {"attention_dropout", m.attention_dropout},

@@ -92,6 +92,8 @@ void add_train_flags(CLI::App& cmd, TrainOptions& o) {
       ->capture_default_str();
   cmd.add_option("--normalization", o.normalization, "LayerNorm or RMSNorm, for every norm")
       ->capture_default_str();
+  cmd.add_flag("--qk-layernorm", m.qk_layernorm,
+               "Norm (per --normalization) each head's queries and keys before attention");
   cmd.add_option("--norm-epsilon,--layernorm-epsilon", m.layernorm_epsilon, "The norms' epsilon")
       ->check(positive())
       ->capture_default_str();

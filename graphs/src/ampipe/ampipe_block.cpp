@@ -14,84 +14,197 @@
 
 namespace weave::graphs {
 
+namespace {
+
+// Residual and norm of this rank's rows of chunk c, from the out-projection's sum `proj`.
+void chunk_residual_norm(RankProgram& p, int set, int layer, int mb, int c, const Tensor& proj) {
+  LayerActivations& A = p.acts(set, layer);
+  const LayerShard& W = p.layer(layer);
+  const std::int64_t q = p.shape.piece_rows(), B = p.shape.B, first = c * q;
+  p.bias_dropout_add(mb, layer, 0, proj, value_of(W.proj_bias), A.x_in.slice(0, first, q),
+                     A.x_mid.slice(0, first, q), first);
+  norm_forward(p.shape.model, A.x_mid.slice(0, first, q), *W.ln2_weight, W.ln2_bias,
+               A.ln2.slice(0, first, q), A.ln2_mean.slice(0, first * B, q * B),
+               A.ln2_rstd.slice(0, first * B, q * B));
+}
+
+// The out-projection's partial sums of chunk c's rows of the sequence, piece after piece.
+Tensor chunk_partial(RankProgram& p, int set, int layer, int c) {
+  const std::int64_t n = p.shape.t_sp * p.shape.piece_rows();
+  return p.acts(set, layer).attention.proj_partial.slice(0, c * n, n);
+}
+
+// Without CP: chunk c's attention and out-projection, piece after piece (one piece per tp rank
+// under SP), and without SP its residual and norm.
+void chunk_attention_forward(RankProgram& p, int set, int layer, int mb, int c) {
+  AttentionActivations& A = p.acts(set, layer).attention;
+  const StepShape& z = p.shape;
+  const std::int64_t q = z.piece_rows(), B = z.B, Hl = z.Hl, d = z.d;
+  for (int j = 0; j < z.t_sp; ++j) {
+    const std::int64_t first = z.piece_start(c, j);
+    ops::attention_forward({.q_offset = first, .dropout = attention_dropout(p, layer, mb)},
+                           query_view(A.qkv.slice(0, first, q), z), key_view(A.qkv, z),
+                           value_view(A.qkv, z), output_view(A.attn.slice(0, first, q), z),
+                           A.lse.slice(0, c * z.t_sp + j, 1).reshape({B, Hl, q}));
+    ops::linear_forward(A.attn.slice(0, first, q).reshape({q, B, Hl * d}),
+                        p.layer(layer).proj_weight->value, Tensor{},
+                        chunk_partial(p, set, layer, c).slice(0, j * q, q));
+  }
+  if (z.t_sp == 1) chunk_residual_norm(p, set, layer, mb, c, chunk_partial(p, set, layer, c));
+}
+
+// The norm, residual and bias backward of this rank's rows of chunk c: d_proj in d_mlp's rows.
+void chunk_residual_backward(RankProgram& p, int set, int layer, int mb, int c) {
+  LayerActivations& A = p.acts(set, layer);
+  BackwardWorkspace& w = p.ws();
+  const LayerShard& W = p.layer(layer);
+  const std::int64_t q = p.shape.piece_rows(), B = p.shape.B, first = c * q;
+  const Tensor d_norm = w.d_norm.slice(0, first, q), d_tmp = w.d_tmp.slice(0, first, q);
+  const Tensor d_mid = w.d_x_mid.slice(0, first, q), d_proj = w.d_mlp.slice(0, first, q);
+  d_norm.reshape({q * B, p.shape.h}).copy_from(p.slot(set, layer, c).d_moe_in);
+  norm_backward(p.shape.model, A.x_mid.slice(0, first, q), *W.ln2_weight, W.ln2_bias,
+                A.ln2_mean.slice(0, first * B, q * B), A.ln2_rstd.slice(0, first * B, q * B),
+                d_norm, d_tmp);
+  ops::accumulate(d_tmp, d_mid);
+  w.d_x.slice(0, first, q).copy_from(d_mid);  // the residual path to the layer input
+  p.bias_dropout_add_backward(mb, layer, 0, d_mid, d_proj, grad_of(W.proj_bias), first);
+}
+
+// The projection's gradient of chunk c's rows of the sequence, piece after piece (under SP
+// gathered from every rank's piece).
+Tensor chunk_d_proj_rows(RankProgram& p, int c) {
+  const std::int64_t q = p.shape.piece_rows(), n = p.shape.t_sp * q;
+  BackwardWorkspace& w = p.ws();
+  return p.shape.sp() ? w.d_mlp_full.slice(0, c * n, n) : w.d_mlp.slice(0, c * q, q);
+}
+
+// Under CP: chunk c's half, its projection's backward into d_attn (without SP after its
+// residual's).
+void chunk_projection_backward(RankProgram& p, int set, int layer, int mb, int c) {
+  const StepShape& z = p.shape;
+  const std::int64_t n = z.t_sp * z.piece_rows(), B = z.B, Hl = z.Hl, d = z.d;
+  LayerActivations& A = p.acts(set, layer);
+  BackwardWorkspace& w = p.ws();
+  const LayerShard& W = p.layer(layer);
+  if (z.t_sp == 1) chunk_residual_backward(p, set, layer, mb, c);
+  const Tensor d_proj = chunk_d_proj_rows(p, c);
+  ops::linear_backward_input(d_proj, W.proj_weight->value,
+                             w.d_attn.reshape({z.Sc, B, Hl * d}).slice(0, c * n, n));
+  ops::linear_backward_weight(A.attention.attn.slice(0, c * n, n).reshape({n, B, Hl * d}), d_proj,
+                              W.proj_weight->grad, Tensor{});
+}
+
+// Without CP: chunk c's projection and attention backward, piece after piece (without SP after
+// its residual's), dq into its rows of d_qkv and dk, dv accumulated.
+void chunk_attention_backward(RankProgram& p, int set, int layer, int mb, int c) {
+  const StepShape& z = p.shape;
+  const std::int64_t q = z.piece_rows(), B = z.B, Hl = z.Hl, d = z.d;
+  AttentionActivations& A = p.acts(set, layer).attention;
+  BackwardWorkspace& w = p.ws();
+  // The chunks' attention accumulates dk and dv; zeroed here, not earlier, as the layer above's
+  // deferred weight half reads d_qkv until this layer's combines are launched.
+  if (c == z.ampipe - 1) w.d_qkv.fill(0.f);
+  if (z.t_sp == 1) chunk_residual_backward(p, set, layer, mb, c);
+  const LayerShard& W = p.layer(layer);
+  for (int j = 0; j < z.t_sp; ++j) {
+    const std::int64_t first = z.piece_start(c, j);
+    const Tensor d_proj = chunk_d_proj_rows(p, c).slice(0, j * q, q);
+    const Tensor d_attn = w.d_attn.reshape({z.Sc, B, Hl * d}).slice(0, first, q);
+    ops::linear_backward_input(d_proj, W.proj_weight->value, d_attn);
+    ops::linear_backward_weight(A.attn.slice(0, first, q).reshape({q, B, Hl * d}), d_proj,
+                                W.proj_weight->grad, Tensor{});
+    ops::attention_backward({.q_offset = first, .dropout = attention_dropout(p, layer, mb)},
+                            query_view(A.qkv.slice(0, first, q), z), key_view(A.qkv, z),
+                            value_view(A.qkv, z), output_view(A.attn.slice(0, first, q), z),
+                            A.lse.slice(0, c * z.t_sp + j, 1).reshape({B, Hl, q}),
+                            output_view(d_attn, z), query_view(w.d_qkv.slice(0, first, q), z),
+                            key_view(w.d_qkv, z), value_view(w.d_qkv, z));
+  }
+}
+
+}  // namespace
+
 TaskId AmpipeBlock::forward(const BuildPosition& pos, TaskId ready) const {
-  RankProgram* p = P;
-  const int layer = l, set = pos.set, mb = pos.micro_batch;
   const StepShape& z = P->shape;
-  const std::int64_t q = z.piece_rows(), n = z.t_sp * q;  // n: the chunk's rows of the sequence
-  const std::int64_t B = z.B, Hl = z.Hl, d = z.d;
-  const int t_sp = z.t_sp, N = z.ampipe;
-  const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
-  const std::string at = fmt::format("L{}.", l);
+  const int N = z.ampipe;
   const MoeMlp moe(*P, l);
   const TaskId qkv = AttentionBlock(*P, l).forward_input(pos, ready);
-  // Residual and norm of this rank's rows of chunk c, from the out-projection's sum `proj`.
-  auto residual_norm = [p, layer, set, mb, q, B](int c, const Tensor& proj) {
-    LayerActivations& A = p->acts(set, layer);
-    const LayerShard& W = p->layer(layer);
-    const std::int64_t first = c * q;
-    p->bias_dropout_add(mb, layer, 0, proj, value_of(W.proj_bias), A.x_in.slice(0, first, q),
-                        A.x_mid.slice(0, first, q), first);
-    norm_forward(p->shape.model, A.x_mid.slice(0, first, q), *W.ln2_weight, W.ln2_bias,
-                 A.ln2.slice(0, first, q), A.ln2_mean.slice(0, first * B, q * B),
-                 A.ln2_rstd.slice(0, first * B, q * B));
-  };
-  // The out-projection's partial sums of chunk c's rows, piece after piece.
-  auto partial = [p, layer, set, n](int c) {
-    return p->acts(set, layer).proj_partial.slice(0, c * n, n);
-  };
   std::vector<SlotProgress> routed(static_cast<std::size_t>(N));
   TaskId first_gathered = rt::kNoTask;
   for (int c = 0; c < N; ++c) {
-    const std::string chunk = at + fmt::format("c{}.", c);
-    TaskId side = rt::kNoTask;
-    if (z.cp > 1) {
-      // The chunk's half of the rank's sequence: n rows from c n.
-      const TaskId attention = ring_attention(pos, c, qkv);
-      side = P->compute(chunk + "projection", tags, cost::projection(z) / N, [=] {
-        ops::linear_forward(p->acts(set, layer).attn.slice(0, c * n, n).reshape({n, B, Hl * d}),
-                            p->layer(layer).proj_weight->value, Tensor{}, partial(c));
-        if (t_sp == 1) residual_norm(c, partial(c));
-      });
-      P->after(attention, side);
-    } else {
-      const rt::CostHint flops =
-          cost::ampipe_causal_share(z, c) * cost::causal_attention(z) + cost::projection(z) / N;
-      side = P->compute(chunk + "attention", tags, flops, [=] {
-        LayerActivations& A = p->acts(set, layer);
-        const StepShape& z = p->shape;
-        for (int j = 0; j < t_sp; ++j) {
-          const std::int64_t first = z.piece_start(c, j);
-          ops::attention_forward({.q_offset = first, .dropout = attention_dropout(*p, layer, mb)},
-                                 query_view(A.qkv.slice(0, first, q), z), key_view(A.qkv, z),
-                                 value_view(A.qkv, z), output_view(A.attn.slice(0, first, q), z),
-                                 A.lse.slice(0, c * t_sp + j, 1).reshape({B, Hl, q}));
-          ops::linear_forward(A.attn.slice(0, first, q).reshape({q, B, Hl * d}),
-                              p->layer(layer).proj_weight->value, Tensor{},
-                              partial(c).slice(0, j * q, q));
-        }
-        if (t_sp == 1) residual_norm(c, partial(c));
-      });
-      // After the previous chunk's router by the compute stream's order only: its dispatch may
-      // still be running, and that is the overlap.
-      P->after(qkv, side);
-    }
+    const TaskId side = chunk_attention(pos, c, qkv);
     // --ampipe-tp-sp-comm-overlap: the first item's gather goes out under the last chunk's
     // projection, norm and router.
     if (z.tp_sp_overlap() && c == N - 1)
       first_gathered = moe.gather_item(pos, 0, 0, routed[0].items[0]);
-    if (z.sp()) {
-      // Each rank's piece of the summed projection comes home, on the tp stream.
-      const TaskId reduced = P->tensor.reduce_scatter(
-          side, read_of(partial(c)), all_of(P->acts(set, l).proj_out.slice(0, c * q, q)),
-          chunk + "attention_reduce", tags);
-      // bias, dropout and residual (read 2, write 1), then the norm (read 1, write 1)
-      side = P->compute(chunk + "attention_residual", tags, cost::streamed(z, 5.0 * q * B * z.h),
-                        [=] { residual_norm(c, p->acts(set, layer).proj_out.slice(0, c * q, q)); });
-      P->after(reduced, side);
-    }
-    routed[c] = moe.route(pos, c, side);
+    routed[c] = moe.route(pos, c, chunk_residual(pos, c, side));
   }
+  return moe_forward(pos, routed, first_gathered);
+}
+
+TaskId AmpipeBlock::chunk_attention(const BuildPosition& pos, int c, TaskId qkv) const {
+  RankProgram* p = P;
+  const int layer = l, set = pos.set, mb = pos.micro_batch;
+  const StepShape& z = P->shape;
+  const std::int64_t n = z.t_sp * z.piece_rows(), B = z.B, Hl = z.Hl, d = z.d;
+  const int N = z.ampipe;
+  const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
+  const std::string chunk = fmt::format("L{}.c{}.", l, c);
+  if (z.cp > 1) {
+    // The chunk's half of the rank's sequence: n rows from c n.
+    const TaskId attention = ring_attention(pos, c, qkv);
+    const TaskId side = P->compute(chunk + "projection", tags, cost::projection(z) / N, [=] {
+      const Tensor partial = chunk_partial(*p, set, layer, c);
+      ops::linear_forward(
+          p->acts(set, layer).attention.attn.slice(0, c * n, n).reshape({n, B, Hl * d}),
+          p->layer(layer).proj_weight->value, Tensor{}, partial);
+      if (p->shape.t_sp == 1) chunk_residual_norm(*p, set, layer, mb, c, partial);
+    });
+    P->after(attention, side);
+    return side;
+  }
+  const rt::CostHint flops =
+      cost::ampipe_causal_share(z, c) * cost::causal_attention(z) + cost::projection(z) / N;
+  const TaskId side = P->compute(chunk + "attention", tags, flops,
+                                 [=] { chunk_attention_forward(*p, set, layer, mb, c); });
+  // After the previous chunk's router by the compute stream's order only: its dispatch may
+  // still be running, and that is the overlap.
+  P->after(qkv, side);
+  return side;
+}
+
+TaskId AmpipeBlock::chunk_residual(const BuildPosition& pos, int c, TaskId side) const {
+  const StepShape& z = P->shape;
+  if (!z.sp()) return side;
+  RankProgram* p = P;
+  const int layer = l, set = pos.set, mb = pos.micro_batch;
+  const std::int64_t q = z.piece_rows();
+  const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
+  const std::string chunk = fmt::format("L{}.c{}.", l, c);
+  // Each rank's piece of the summed projection comes home, on the tp stream.
+  const TaskId reduced =
+      P->tensor.reduce_scatter(side, read_of(chunk_partial(*P, set, l, c)),
+                               all_of(P->acts(set, l).attention.proj_out.slice(0, c * q, q)),
+                               chunk + "attention_reduce", tags);
+  // bias, dropout and residual (read 2, write 1), then the norm (read 1, write 1)
+  const TaskId residual =
+      P->compute(chunk + "attention_residual", tags, cost::streamed(z, 5.0 * q * z.B * z.h), [=] {
+        chunk_residual_norm(*p, set, layer, mb, c,
+                            p->acts(set, layer).attention.proj_out.slice(0, c * q, q));
+      });
+  P->after(reduced, residual);
+  return residual;
+}
+
+TaskId AmpipeBlock::moe_forward(const BuildPosition& pos, const std::vector<SlotProgress>& routed,
+                                TaskId first_gathered) const {
+  RankProgram* p = P;
+  const int layer = l, set = pos.set, mb = pos.micro_batch;
+  const StepShape& z = P->shape;
+  const std::int64_t q = z.piece_rows();
+  const int N = z.ampipe;
+  const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
+  const MoeMlp moe(*P, l);
   std::vector<SlotProgress> computed(static_cast<std::size_t>(N));
   if (z.tp_sp_overlap()) {  // every chunk's items in one pipeline
     std::vector<int> chunks(static_cast<std::size_t>(N));
@@ -106,14 +219,15 @@ TaskId AmpipeBlock::forward(const BuildPosition& pos, TaskId ready) const {
   TaskId last = rt::kNoTask;
   for (int c = 0; c < N; ++c) {
     const TaskId combined = moe.combine(pos, c, computed[c]);
-    const TaskId residual = P->compute(
-        at + fmt::format("c{}.mlp_residual", c), tags, cost::streamed(z, 4.0 * q * B * z.h), [=] {
-          LayerActivations& A = p->acts(set, layer);
-          const std::int64_t first = c * q;
-          const Tensor y = A.mlp_out.slice(0, first, q);
-          p->apply_dropout(false, mb, layer, 1, y, y, first);
-          ops::add(A.x_mid.slice(0, first, q), y, A.x_out.slice(0, first, q));
-        });
+    const TaskId residual =
+        P->compute(fmt::format("L{}.c{}.mlp_residual", l, c), tags,
+                   cost::streamed(z, 4.0 * q * z.B * z.h), [=] {
+                     LayerActivations& A = p->acts(set, layer);
+                     const std::int64_t first = c * q;
+                     const Tensor y = A.mlp_out.slice(0, first, q);
+                     p->apply_dropout(false, mb, layer, 1, y, y, first);
+                     ops::add(A.x_mid.slice(0, first, q), y, A.x_out.slice(0, first, q));
+                   });
     P->after(combined, residual);
     P->after(stats, residual);
     last = residual;
@@ -124,27 +238,39 @@ TaskId AmpipeBlock::forward(const BuildPosition& pos, TaskId ready) const {
 TaskId AmpipeBlock::backward(const BuildPosition& pos, TaskId ready, WeightHalves& halves,
                              bool last) const {
   RankProgram* p = P;
-  const int layer = l, set = pos.set, mb = pos.micro_batch;
+  const int layer = l, mb = pos.micro_batch;
   const StepShape& z = P->shape;
-  const std::int64_t q = z.piece_rows(), n = z.t_sp * q;
-  const std::int64_t B = z.B, Hl = z.Hl, d = z.d, Sc = z.Sc;
-  const int t_sp = z.t_sp, N = z.ampipe, cp = z.cp;
-  const bool sp = z.sp();
+  const int N = z.ampipe, cp = z.cp;
   const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
-  const std::string at = fmt::format("L{}.", l);
-  const MoeMlp moe(*P, l);
-  const double cleared = cp > 1 ? static_cast<double>(z.cp * Sc * B * z.Gl * 2 * z.d) : 0.0;
-  const TaskId start = P->compute(
-      at + "mlp_residual_backward", tags, cost::streamed(z, 4.0 * z.Sl * B * z.h + cleared), [=] {
-        BackwardWorkspace& w = p->ws();
-        w.d_x_mid.copy_from(w.d_x);
-        p->apply_dropout(true, mb, layer, 1, w.d_x, w.d_mlp);
-        if (cp > 1) w.dkv_send.fill(0.f);  // the chunks' attention accumulates every block's dk, dv
-      });
+  const double cleared = cp > 1 ? static_cast<double>(z.cp * z.Sc * z.B * z.Gl * 2 * z.d) : 0.0;
+  const TaskId start = P->compute(fmt::format("L{}.mlp_residual_backward", l), tags,
+                                  cost::streamed(z, 4.0 * z.Sl * z.B * z.h + cleared), [=] {
+                                    BackwardWorkspace& w = p->ws();
+                                    w.d_x_mid.copy_from(w.d_x);
+                                    p->apply_dropout(true, mb, layer, 1, w.d_x, w.d_mlp);
+                                    // The chunks' attention accumulates every block's dk, dv.
+                                    if (cp > 1) w.dkv_send.fill(0.f);
+                                  });
   P->after(ready, start);
   // --ampipe-cp-resend-kv: the blocks travel again while the MoE backward computes.
   const TaskId blocks =
       cp > 1 && z.plan.ampipe_cp_resend_kv ? resend_blocks(*P, pos, l, start) : rt::kNoTask;
+  const std::vector<SlotProgress> experts = moe_backward(pos, start, halves);
+  TaskId side = rt::kNoTask;
+  for (int c = N - 1; c >= 0; --c)
+    side = chunk_backward(pos, c, experts[static_cast<std::size_t>(c)], blocks);
+  if (cp > 1) side = send_block_gradients_home(pos, side);
+  if (last) reduce_buckets(*P, fmt::format("layers.{}.mlp", l), side);
+  const WeightPlacement qkv_weights =
+      z.tp == 1 && cp == 1 ? halves.deferrable() : halves.immediate();
+  return AttentionBlock(*P, l).backward_input(pos, side, halves, last, qkv_weights);
+}
+
+std::vector<SlotProgress> AmpipeBlock::moe_backward(const BuildPosition& pos, TaskId start,
+                                                    WeightHalves& halves) const {
+  const StepShape& z = P->shape;
+  const int N = z.ampipe;
+  const MoeMlp moe(*P, l);
   std::vector<SlotProgress> combined(static_cast<std::size_t>(N)),
       experts(static_cast<std::size_t>(N));
   for (int c = N - 1; c >= 0; --c)
@@ -165,94 +291,43 @@ TaskId AmpipeBlock::backward(const BuildPosition& pos, TaskId ready, WeightHalve
     for (int c = N - 1; c >= 0; --c)
       experts[c] = moe.experts_backward(pos, c, combined[c], halves);
   }
-  TaskId side = rt::kNoTask;
-  for (int c = N - 1; c >= 0; --c) {
-    const std::string chunk = at + fmt::format("c{}.", c);
-    const TaskId router = moe.router_backward(pos, c, experts[c]);
-    // The norm, residual and bias of this rank's rows of the chunk: d_proj in d_mlp's rows.
-    auto residual_backward = [=] {
-      LayerActivations& A = p->acts(set, layer);
-      BackwardWorkspace& w = p->ws();
-      const LayerShard& W = p->layer(layer);
-      const std::int64_t first = c * q;
-      const Tensor d_norm = w.d_norm.slice(0, first, q), d_tmp = w.d_tmp.slice(0, first, q);
-      const Tensor d_mid = w.d_x_mid.slice(0, first, q), d_proj = w.d_mlp.slice(0, first, q);
-      d_norm.reshape({q * B, p->shape.h}).copy_from(p->slot(set, layer, c).d_moe_in);
-      norm_backward(p->shape.model, A.x_mid.slice(0, first, q), *W.ln2_weight, W.ln2_bias,
-                    A.ln2_mean.slice(0, first * B, q * B), A.ln2_rstd.slice(0, first * B, q * B),
-                    d_norm, d_tmp);
-      ops::accumulate(d_tmp, d_mid);
-      w.d_x.slice(0, first, q).copy_from(d_mid);  // the residual path to the layer input
-      p->bias_dropout_add_backward(mb, layer, 0, d_mid, d_proj, grad_of(W.proj_bias), first);
-    };
-    // The projection's gradient of the chunk's rows of the sequence, piece after piece (under
-    // SP gathered from every rank's piece).
-    auto d_proj_rows = [p, c, n, q, sp] {
-      BackwardWorkspace& w = p->ws();
-      return sp ? w.d_mlp_full.slice(0, c * n, n) : w.d_mlp.slice(0, c * q, q);
-    };
-    TaskId attention_ready = router;
-    if (sp) {
-      const TaskId residual = P->compute(chunk + "attention_residual_backward", tags,
-                                         cost::streamed(z, 10.0 * q * B * z.h), residual_backward);
-      P->after(router, residual);
-      attention_ready =
-          P->tensor.all_gather(residual, read_of(P->ws().d_mlp.slice(0, c * q, q)),
-                               all_of(d_proj_rows()), chunk + "attention_grad_gather", tags);
-    }
-    if (cp > 1) {
-      // The chunk's half: its projection's backward into d_attn, then its share of the products.
-      const TaskId projection =
-          P->compute(chunk + "projection_backward", tags, 2 * cost::projection(z) / N, [=] {
-            LayerActivations& A = p->acts(set, layer);
-            BackwardWorkspace& w = p->ws();
-            const LayerShard& W = p->layer(layer);
-            if (t_sp == 1) residual_backward();
-            const Tensor d_proj = d_proj_rows();
-            ops::linear_backward_input(d_proj, W.proj_weight->value,
-                                       w.d_attn.reshape({Sc, B, Hl * d}).slice(0, c * n, n));
-            ops::linear_backward_weight(A.attn.slice(0, c * n, n).reshape({n, B, Hl * d}), d_proj,
-                                        W.proj_weight->grad, Tensor{});
-          });
-      P->after(attention_ready, projection);
-      side = ampipe_ring_attention_backward(*P, pos, l, c, projection, blocks);
-      continue;
-    }
-    const rt::CostHint flops =
-        cost::ampipe_causal_share(z, c) * cost::causal_attention_backward(z) +
-        2 * cost::projection(z) / N;
-    const TaskId attention = P->compute(chunk + "attention_backward", tags, flops, [=] {
-      LayerActivations& A = p->acts(set, layer);
-      BackwardWorkspace& w = p->ws();
-      const StepShape& z = p->shape;
-      // The chunks' attention accumulates dk and dv; zeroed here, not earlier, as the layer
-      // above's deferred weight half reads d_qkv until this layer's combines are launched.
-      if (c == N - 1) w.d_qkv.fill(0.f);
-      if (t_sp == 1) residual_backward();
-      const LayerShard& W = p->layer(layer);
-      for (int j = 0; j < t_sp; ++j) {
-        const std::int64_t first = z.piece_start(c, j);
-        const Tensor d_proj = d_proj_rows().slice(0, j * q, q);
-        const Tensor d_attn = w.d_attn.reshape({Sc, B, Hl * d}).slice(0, first, q);
-        ops::linear_backward_input(d_proj, W.proj_weight->value, d_attn);
-        ops::linear_backward_weight(A.attn.slice(0, first, q).reshape({q, B, Hl * d}), d_proj,
-                                    W.proj_weight->grad, Tensor{});
-        ops::attention_backward({.q_offset = first, .dropout = attention_dropout(*p, layer, mb)},
-                                query_view(A.qkv.slice(0, first, q), z), key_view(A.qkv, z),
-                                value_view(A.qkv, z), output_view(A.attn.slice(0, first, q), z),
-                                A.lse.slice(0, c * t_sp + j, 1).reshape({B, Hl, q}),
-                                output_view(d_attn, z), query_view(w.d_qkv.slice(0, first, q), z),
-                                key_view(w.d_qkv, z), value_view(w.d_qkv, z));
-      }
-    });
-    P->after(attention_ready, attention);
-    side = attention;
+  return experts;
+}
+
+TaskId AmpipeBlock::chunk_backward(const BuildPosition& pos, int c, const SlotProgress& experts,
+                                   TaskId blocks) const {
+  RankProgram* p = P;
+  const int layer = l, set = pos.set, mb = pos.micro_batch;
+  const StepShape& z = P->shape;
+  const std::int64_t q = z.piece_rows();
+  const int N = z.ampipe;
+  const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
+  const std::string chunk = fmt::format("L{}.c{}.", l, c);
+  const TaskId router = MoeMlp(*P, l).router_backward(pos, c, experts);
+  TaskId attention_ready = router;
+  if (z.sp()) {
+    const TaskId residual = P->compute(chunk + "attention_residual_backward", tags,
+                                       cost::streamed(z, 10.0 * q * z.B * z.h),
+                                       [=] { chunk_residual_backward(*p, set, layer, mb, c); });
+    P->after(router, residual);
+    attention_ready = P->tensor.all_gather(residual, read_of(P->ws().d_mlp.slice(0, c * q, q)),
+                                           all_of(chunk_d_proj_rows(*P, c)),
+                                           chunk + "attention_grad_gather", tags);
   }
-  if (cp > 1) side = send_block_gradients_home(pos, side);
-  if (last) reduce_buckets(*P, fmt::format("layers.{}.mlp", l), side);
-  const WeightPlacement qkv_weights =
-      z.tp == 1 && cp == 1 ? halves.deferrable() : halves.immediate();
-  return AttentionBlock(*P, l).backward_input(pos, side, halves, last, qkv_weights);
+  if (z.cp > 1) {
+    // The chunk's half: its projection's backward into d_attn, then its share of the products.
+    const TaskId projection =
+        P->compute(chunk + "projection_backward", tags, 2 * cost::projection(z) / N,
+                   [=] { chunk_projection_backward(*p, set, layer, mb, c); });
+    P->after(attention_ready, projection);
+    return ampipe_ring_attention_backward(*P, pos, l, c, projection, blocks);
+  }
+  const rt::CostHint flops = cost::ampipe_causal_share(z, c) * cost::causal_attention_backward(z) +
+                             2 * cost::projection(z) / N;
+  const TaskId attention = P->compute(chunk + "attention_backward", tags, flops,
+                                      [=] { chunk_attention_backward(*p, set, layer, mb, c); });
+  P->after(attention_ready, attention);
+  return attention;
 }
 
 }  // namespace weave::graphs

@@ -12,6 +12,9 @@
 // load-balanced halves, with the attention split between them evenly (ampipe_context_parallel).
 #pragma once
 
+#include <vector>
+
+#include "moe/moe_mlp.hpp"
 #include "step/rank_program.hpp"
 #include "step/weight_halves.hpp"
 
@@ -25,6 +28,20 @@ class AmpipeBlock {
   TaskId backward(const BuildPosition& pos, TaskId ready, WeightHalves& halves, bool last) const;
 
  private:
+  // Forward: chunk c's attention and out-projection (without SP its residual and norm too) after
+  // the QKV task; under SP its projection's reduce-scatter, residual and norm after `side`; then
+  // every chunk's experts, combine and residual after the routers' dispatches.
+  TaskId chunk_attention(const BuildPosition& pos, int c, TaskId qkv) const;
+  TaskId chunk_residual(const BuildPosition& pos, int c, TaskId side) const;
+  TaskId moe_forward(const BuildPosition& pos, const std::vector<SlotProgress>& routed,
+                     TaskId first_gathered) const;
+  // Backward: every chunk's combine and experts backward after `start` (the layer above's weight
+  // halves flushed under them), then per chunk its router, residual, projection and attention
+  // backward (`blocks`: under CP with --ampipe-cp-resend-kv, the blocks' second ring).
+  std::vector<SlotProgress> moe_backward(const BuildPosition& pos, TaskId start,
+                                         WeightHalves& halves) const;
+  TaskId chunk_backward(const BuildPosition& pos, int c, const SlotProgress& experts,
+                        TaskId blocks) const;
   // Under CP: chunk c's attention after the QKV task (chunk 0's with the key/value ring),
   // leaving its queries' output in attn. Returns the last task.
   TaskId ring_attention(const BuildPosition& pos, int c, TaskId qkv) const;

@@ -64,8 +64,8 @@ double chunk_units(const StepShape& z, int me, int c) {
 Tensor kv_block(RankProgram& P, int set, int l, int owner, bool backward) {
   LayerActivations& A = P.acts(set, l);
   const std::int64_t Sc = P.shape.Sc;
-  if (owner == P.at.cp) return A.kv_local;
-  if (!P.shape.plan.ampipe_cp_resend_kv) return A.kv_store.slice(0, owner * Sc, Sc);
+  if (owner == P.at.cp) return A.attention.kv_local;
+  if (!P.shape.plan.ampipe_cp_resend_kv) return A.attention.kv_store.slice(0, owner * Sc, Sc);
   // The workspaces hold the blocks of ring steps 1 .. cp - 1.
   const int cp = P.shape.cp, step = ((P.at.cp - owner) % cp + cp) % cp;
   return (backward ? P.ws().kv_backward : P.ws().kv_forward).slice(0, (step - 1) * Sc, Sc);
@@ -122,8 +122,8 @@ TaskId AmpipeBlock::ring_attention(const BuildPosition& pos, int c, TaskId qkv) 
                       unit * block_units(z, me, 0, owner), [=] {
                         if (t == 0) {  // both halves start here: chunk 1 completes b
                           LayerActivations& A = p->acts(set, layer);
-                          A.attn.fill(0.f);
-                          A.lse.fill(-std::numeric_limits<float>::infinity());
+                          A.attention.attn.fill(0.f);
+                          A.attention.lse.fill(-std::numeric_limits<float>::infinity());
                         }
                         attend(owner);
                       });

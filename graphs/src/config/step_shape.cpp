@@ -30,6 +30,8 @@ StepShape::StepShape(const ModelConfig& m, const ParallelPlan& p) : model(m), pl
   f1l = m.activation == Activation::swiglu ? 2 * fl : fl;
   Vl = m.padded_vocab_size(tp) / tp;
   T = Sc / tp * B;
+  for (int l = 0; l < m.num_layers; ++l)
+    layers.push_back(resolve_layer_spec(m, p, l));
   if (m.num_experts > 0 && tp > 1 && Sc % tp != 0)
     throw ConfigError(fmt::format(
         "--seq-length ({}) must be divisible by --tensor-model-parallel-size x "

@@ -11,7 +11,9 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
+#include "config/layer_spec.hpp"
 #include "weave/graphs/model_config.hpp"
 #include "weave/graphs/parallel_plan.hpp"
 
@@ -28,6 +30,10 @@ struct StepShape {
   // Whether the schedule splits backwards into input and weight halves (zero-bubble): the
   // activation sets then keep the output gradients the weight halves need.
   bool splits_backward = false;
+  // Each model layer's modules, resolved once (resolve_layer_spec).
+  std::vector<LayerSpec> layers;
+
+  const LayerSpec& spec(int layer) const { return layers.at(static_cast<std::size_t>(layer)); }
 
   bool sp() const { return t_sp > 1; }
   // A QKV row of a key/value group: its qpg query heads, its key and its value.

@@ -8,6 +8,7 @@
 #include <numeric>
 #include <stdexcept>
 
+#include "model/attention_block.hpp"
 #include "model/dense_mlp.hpp"
 #include "model/norm.hpp"
 #include "moe/moe_mlp.hpp"
@@ -20,7 +21,6 @@
 #include "weave/ops/experts.hpp"
 #include "weave/ops/linear.hpp"
 #include "weave/ops/random.hpp"
-#include "weave/ops/rotary.hpp"
 #include "weave/ops/router.hpp"
 
 namespace weave::graphs {
@@ -68,6 +68,7 @@ struct RankDecode {
   Tensor final_norm, logits_local, logits_all;
   std::vector<std::int32_t> top_index, token_id{0};
   std::vector<std::int64_t> begin;
+  QkNormState qk;                        // --qk-layernorm
   std::vector<Tensor> k_cache, v_cache;  // by model layer (held layers only)
   std::vector<float> token{0.f};         // the sampled token, broadcast as a float
 };
@@ -82,6 +83,7 @@ struct Generator::Impl {
   devices::Communicator& comm;
   PipelineLayout layout;
   std::int64_t Hl = 0, Gl = 0, qpg = 0, d = 0, h = 0, Vl = 0, max_positions = 0;
+  std::vector<LayerSpec> specs;  // by model layer
   std::vector<RankDecode> ranks;
   rt::Graph graph;
   // The step being run: its position, and the options its sampling uses.
@@ -100,6 +102,8 @@ struct Generator::Impl {
     h = m.hidden_size;
     Vl = m.padded_vocab_size(tp) / tp;
     max_positions = m.positions();
+    for (int l = 0; l < m.num_layers; ++l)
+      specs.push_back(resolve_layer_spec(m, p, l));
     for (int r = 0; r < p.devices(); ++r)
       if (!s.holds(r))
         throw std::invalid_argument(fmt::format(
@@ -141,6 +145,9 @@ struct Generator::Impl {
       R.fc1 = buffer(r, {1, f1l});
       R.act = buffer(r, {1, model.ffn_hidden_size / plan.tensor_parallel});
       R.mlp_out = buffer(r, {1, h});
+      if (model.qk_layernorm)
+        R.qk =
+            allocate_qk_norm([&](const ops::Shape& s) { return buffer(r, s); }, 1, 1, Gl, qpg, d);
       if (E > 0) {
         R.router_logits = buffer(r, {1, E});
         R.probs = buffer(r, {1, E});
@@ -289,15 +296,12 @@ struct Generator::Impl {
       const ModelConfig& m = self->model;
       const LayerShard& W = r->shard->layer(l);
       norm_forward(m, r->x, *W.ln1_weight, W.ln1_bias, r->norm, r->mean, r->rstd);
-      ops::linear_forward(r->norm, W.qkv_weight->value, value_of(W.qkv_bias),
-                          r->qkv.reshape({1, r->qkv.numel()}));
       const std::int64_t d = self->d, keys = self->qpg * d, pos = self->position;
-      if (m.position_embedding == PositionEmbedding::rope) {
-        const std::int64_t positions[] = {pos};
-        ops::rotary_forward<float>(
-            {.head_dim = d, .rotary_dims = m.rotary_dims(), .base = m.rotary_base},
-            r->qkv.slice(3, 0, keys + d), positions);
-      }
+      const std::int64_t positions[] = {pos};
+      project_qkv(self->specs[static_cast<std::size_t>(l)], m, W, r->norm, r->qkv, positions,
+                  r->qk);
+      // The incremental part: this position's key and value join the cache, the query attends
+      // to every cached position.
       const Tensor& kc = r->k_cache[static_cast<std::size_t>(l)];
       const Tensor& vc = r->v_cache[static_cast<std::size_t>(l)];
       kc.slice(1, pos, 1).copy_from(r->qkv.slice(3, keys, d));
@@ -314,16 +318,13 @@ struct Generator::Impl {
       ops::accumulate(r->proj, r->x);
       norm_forward(self->model, r->x, *W.ln2_weight, W.ln2_bias, r->norm, r->mean, r->rstd);
     });
-    if (model.is_moe_layer(l)) {
+    if (specs[static_cast<std::size_t>(l)].moe()) {
       chain.compute(at + "experts", [r, self, l] { self->experts(*r, l); });
       chain.all_reduce(mesh.group(GroupKind::expert, R.rank), R.mlp_out, at + "experts_reduce");
       if (mesh.experts_split()) chain.all_reduce(tensor, R.mlp_out, at + "experts_tp_reduce");
     } else {
       chain.compute(at + "mlp", [r, self, l] {
-        const LayerShard& W = r->shard->layer(l);
-        ops::linear_forward(r->norm, W.fc1_weight->value, value_of(W.fc1_bias), r->fc1);
-        mlp_activation_forward(self->model, r->fc1, r->act);
-        ops::linear_forward(r->act, W.fc2_weight->value, Tensor{}, r->mlp_out);
+        dense_mlp_forward(self->model, r->shard->layer(l), r->norm, r->fc1, r->act, r->mlp_out);
       });
       chain.all_reduce(tensor, R.mlp_out, at + "mlp_reduce");
     }

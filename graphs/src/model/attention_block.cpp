@@ -13,21 +13,97 @@
 
 namespace weave::graphs {
 
-void rotate_queries_and_keys(const RankProgram& rank, const Tensor& qkv, std::int64_t first,
-                             bool backward) {
-  const StepShape& z = rank.shape;
-  const std::int64_t rows = qkv.dim(0);
-  std::vector<std::int64_t> positions(static_cast<std::size_t>(rows));
-  for (std::int64_t s = 0; s < rows; ++s)
-    positions[static_cast<std::size_t>(s)] = z.context_position(rank.at.cp, first + s);
-  const ops::RotarySpec spec{
-      .head_dim = z.d, .rotary_dims = z.model.rotary_dims(), .base = z.model.rotary_base};
-  // The queries and the key of every group; the values pass unchanged.
-  const Tensor rotated = qkv.slice(3, 0, (z.qpg + 1) * z.d);
+namespace {
+
+// --qk-layernorm's traffic: `passes` over every query and key element of the rank's rows.
+rt::CostHint qk_norm_cost(const StepShape& z, int layer, double passes) {
+  if (!z.spec(layer).qk_norm) return {};
+  return cost::streamed(z, passes * static_cast<double>(z.Sc * z.B * (z.Hl + z.Gl) * z.d));
+}
+
+// Rotary embeddings of the queries and the key of every group, in place; the values pass
+// unchanged. `backward` rotates a gradient back.
+void rotate_queries_and_keys(const ModelConfig& m, const Tensor& qkv,
+                             std::span<const std::int64_t> positions, bool backward) {
+  const std::int64_t d = m.head_dim(), qpg = qkv.dim(3) / d - 2;
+  const ops::RotarySpec spec{.head_dim = d, .rotary_dims = m.rotary_dims(), .base = m.rotary_base};
+  const Tensor rotated = qkv.slice(3, 0, (qpg + 1) * d);
   if (backward)
     ops::rotary_backward<float>(spec, rotated, positions);
   else
     ops::rotary_forward<float>(spec, rotated, positions);
+}
+
+// One of the two qk norms: its heads in a [s, B, Gl, (qpg + 2) d] QKV tensor (or its gradient)
+// as rows of d, its saved inputs and statistics, and its parameters.
+struct QkNormPart {
+  Tensor heads, in, mean, rstd;
+  const Parameter* weight;
+  const Parameter* bias;
+};
+
+// Part 0: the queries [s B, Gl, qpg, d]; part 1: the keys [s B, Gl, 1, d].
+QkNormPart qk_norm_part(const LayerShard& W, const Tensor& qkv, const QkNormState& qk,
+                        std::int64_t d, int part) {
+  const std::int64_t qpg = qkv.dim(3) / d - 2;
+  const Tensor heads = qkv.reshape({qkv.dim(0) * qkv.dim(1), qkv.dim(2), qpg + 2, d});
+  const std::int64_t first = part == 0 ? 0 : qpg, count = part == 0 ? qpg : 1;
+  const std::int64_t stats = qk.rstd.numel() / (qpg + 1);  // s B Gl: one head of every group
+  const Tensor mean = qk.mean.defined() ? qk.mean.slice(0, first * stats, count * stats) : Tensor{};
+  return {.heads = heads.slice(2, first, count),
+          .in = qk.in.slice(2, first, count),
+          .mean = mean,
+          .rstd = qk.rstd.slice(0, first * stats, count * stats),
+          .weight = part == 0 ? W.q_norm_weight : W.k_norm_weight,
+          .bias = part == 0 ? W.q_norm_bias : W.k_norm_bias};
+}
+
+}  // namespace
+
+QkNormState allocate_qk_norm(const std::function<Tensor(const ops::Shape&)>& allocate,
+                             std::int64_t s, std::int64_t B, std::int64_t Gl, std::int64_t qpg,
+                             std::int64_t d) {
+  const std::int64_t heads = s * B * Gl * (qpg + 1);
+  return {.in = allocate({s * B, Gl, qpg + 1, d}),
+          .mean = allocate({heads}),
+          .rstd = allocate({heads})};
+}
+
+std::vector<std::int64_t> context_positions(const RankProgram& rank) {
+  const StepShape& z = rank.shape;
+  std::vector<std::int64_t> positions(static_cast<std::size_t>(z.Sc));
+  for (std::int64_t s = 0; s < z.Sc; ++s)
+    positions[static_cast<std::size_t>(s)] = z.context_position(rank.at.cp, s);
+  return positions;
+}
+
+void project_qkv(const LayerSpec& spec, const ModelConfig& m, const LayerShard& W, const Tensor& x,
+                 const Tensor& qkv, std::span<const std::int64_t> positions,
+                 const QkNormState& qk) {
+  ops::linear_forward(x, W.qkv_weight->value, value_of(W.qkv_bias),
+                      qkv.reshape(x.shape().with(-1, qkv.numel() / x.rows())));
+  // As Megatron-Core's SelfAttention applies q_layernorm and k_layernorm: per head, before the
+  // rotary embedding.
+  if (spec.qk_norm)
+    for (int part = 0; part < 2; ++part) {
+      const QkNormPart q = qk_norm_part(W, qkv, qk, m.head_dim(), part);
+      q.in.copy_from(q.heads);
+      norm_forward(m, q.in, *q.weight, q.bias, q.heads, q.mean, q.rstd);
+    }
+  if (m.position_embedding == PositionEmbedding::rope)
+    rotate_queries_and_keys(m, qkv, positions, false);
+}
+
+void project_qkv_backward(const LayerSpec& spec, const ModelConfig& m, const LayerShard& W,
+                          const Tensor& d_qkv, std::span<const std::int64_t> positions,
+                          const QkNormState& qk) {
+  if (m.position_embedding == PositionEmbedding::rope)
+    rotate_queries_and_keys(m, d_qkv, positions, true);
+  if (spec.qk_norm)
+    for (int part = 0; part < 2; ++part) {
+      const QkNormPart q = qk_norm_part(W, d_qkv, qk, m.head_dim(), part);
+      norm_backward(m, q.in, *q.weight, q.bias, q.mean, q.rstd, q.heads, q.heads);
+    }
 }
 
 ops::AttentionDropout attention_dropout(const RankProgram& rank, int layer, int mb) {
@@ -42,30 +118,96 @@ ops::AttentionDropout attention_dropout(const RankProgram& rank, int layer, int 
           .head_offset = static_cast<std::int64_t>(rank.at.tp) * z.Hl};
 }
 
+namespace {
+
+// --qk-layernorm's weights (and LayerNorm's biases), [d] each: every tp rank norms its own heads
+// with the whole weight, so its gradient is a partial sum over tp.
+void declare_qk_norms(ParameterDeclarer& declare, const LayerSpec& spec, const std::string& prefix,
+                      LayerShard& L) {
+  const std::int64_t d = declare.model.head_dim();
+  auto norm = [&](const char* name, double value) {
+    return &declare.replicated(
+        declare.add(prefix + "attention." + name, {d}, d, 1, iota_from(0, d), 0, 0, value), true);
+  };
+  const bool biases = spec.norm == Normalization::layer_norm;
+  L.q_norm_weight = norm("q_norm.weight", 1);
+  if (biases) L.q_norm_bias = norm("q_norm.bias", 0);
+  L.k_norm_weight = norm("k_norm.weight", 1);
+  if (biases) L.k_norm_bias = norm("k_norm.bias", 0);
+}
+
+}  // namespace
+
+void AttentionBlock::declare_parameters(ParameterDeclarer& declare, const LayerSpec& spec,
+                                        int layer, LayerShard& L) {
+  const ModelConfig& m = declare.model;
+  const std::int64_t h = m.hidden_size, d = m.head_dim(), heads = m.num_attention_heads;
+  const std::int64_t t = declare.at.tp, heads_local = heads / declare.tp;
+  // Grouped-query attention: each tp rank holds whole key/value groups with their query heads.
+  const std::int64_t groups = m.query_groups(), groups_local = groups / declare.tp;
+  const std::int64_t per_group = heads / groups;
+  const std::string prefix = fmt::format("layers.{}.", layer);
+  L.ln1_weight = declare.norm(prefix + "input_norm.weight", 1);
+  if (spec.norm == Normalization::layer_norm)
+    L.ln1_bias = declare.norm(prefix + "input_norm.bias", 0);
+  // QKV: local rows (group, which, dim) for this rank's key/value groups, which running over the
+  // group's query heads, then its key, then its value (one query head per group without
+  // grouped-query attention); logical rows: every query head, then every key, then every value
+  // head, d rows each.
+  std::vector<std::int64_t> qkv_rows;
+  for (std::int64_t gl = 0; gl < groups_local; ++gl) {
+    const std::int64_t g = t * groups_local + gl;
+    for (std::int64_t which = 0; which < per_group + 2; ++which) {
+      const std::int64_t first = which < per_group ? (g * per_group + which) * d
+                                                   : (heads + (which - per_group) * groups + g) * d;
+      for (std::int64_t i = 0; i < d; ++i)
+        qkv_rows.push_back(first + i);
+    }
+  }
+  const std::int64_t qkv_local = (heads_local + 2 * groups_local) * d;
+  const std::int64_t qkv_logical = (heads + 2 * groups) * d;
+  L.qkv_weight = &declare.add(prefix + "attention.qkv.weight", {qkv_local, h}, qkv_logical, h,
+                              qkv_rows, 0, declare.std, 0);
+  if (m.add_bias_linear)
+    L.qkv_bias =
+        &declare.add(prefix + "attention.qkv.bias", {qkv_local}, qkv_logical, 1, qkv_rows, 0, 0, 0);
+  if (spec.qk_norm) declare_qk_norms(declare, spec, prefix, L);
+  L.proj_weight = &declare.add(prefix + "attention.proj.weight", {h, heads_local * d}, h, h,
+                               iota_from(0, h), t * heads_local * d, declare.out_std, 0);
+  if (m.add_bias_linear)
+    L.proj_bias = &declare.replicated(
+        declare.add(prefix + "attention.proj.bias", {h}, h, 1, iota_from(0, h), 0, 0, 0),
+        declare.mesh.plan().sequence_parallel);
+}
+
 void AttentionBlock::allocate(LayerActivations& A) const {
   const StepShape& z = P->shape;
   const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h, Hl = z.Hl, d = z.d, cp = z.cp;
-  const bool ampipe = z.ampipe > 1 && P->layer(l).moe;
-  A.ln1 = P->activation({Sl, B, h});
-  A.ln1_mean = P->activation({Sl * B});
-  A.ln1_rstd = P->activation({Sl * B});
-  A.ln1_full = z.sp() ? P->activation({Sc, B, h}) : A.ln1;
-  A.qkv = P->activation({Sc, B, z.Gl, z.qkv_group_width()});
-  A.attn = P->activation({Sc, B, Hl, d});
+  const bool ampipe = z.spec(l).mlp == MlpModule::ampipe;
+  const bool ring = z.spec(l).attention == AttentionCore::ring;
+  A.attention.ln1 = P->activation({Sl, B, h});
+  A.attention.ln1_mean = P->activation({Sl * B});
+  A.attention.ln1_rstd = P->activation({Sl * B});
+  A.attention.ln1_full = z.sp() ? P->activation({Sc, B, h}) : A.attention.ln1;
+  A.attention.qkv = P->activation({Sc, B, z.Gl, z.qkv_group_width()});
+  A.attention.attn = P->activation({Sc, B, Hl, d});
   // Ampipe without CP: one [B, Hl, q] block per (chunk, piece); under CP one per half.
-  A.lse = ampipe && cp == 1 ? P->activation({z.ampipe * z.t_sp, B, Hl, z.piece_rows()})
-                            : P->activation({cp > 1 ? 2 : 1, B, Hl, z.chunk});
-  A.proj_partial = P->activation({Sc, B, h});
-  if (cp > 1 && ampipe && !z.plan.ampipe_cp_resend_kv) {
-    A.kv_store = P->activation({cp * Sc, B, z.Gl, 2 * d});
-    A.kv_local = A.kv_store.slice(0, P->at.cp * Sc, Sc);
-  } else if (cp > 1) {
-    A.kv_local = P->activation({Sc, B, z.Gl, 2 * d});
+  A.attention.lse = ampipe && !ring ? P->activation({z.ampipe * z.t_sp, B, Hl, z.piece_rows()})
+                                    : P->activation({ring ? 2 : 1, B, Hl, z.chunk});
+  A.attention.proj_partial = P->activation({Sc, B, h});
+  if (ring && ampipe && !z.plan.ampipe_cp_resend_kv) {
+    A.attention.kv_store = P->activation({cp * Sc, B, z.Gl, 2 * d});
+    A.attention.kv_local = A.attention.kv_store.slice(0, P->at.cp * Sc, Sc);
+  } else if (ring) {
+    A.attention.kv_local = P->activation({Sc, B, z.Gl, 2 * d});
   }
-  A.proj_out = z.sp() ? P->activation({Sl, B, h}) : A.proj_partial;
+  A.attention.proj_out = z.sp() ? P->activation({Sl, B, h}) : A.attention.proj_partial;
+  if (z.spec(l).qk_norm)
+    A.attention.qk_norm = allocate_qk_norm([this](const ops::Shape& s) { return P->activation(s); },
+                                           Sc, B, z.Gl, z.qpg, d);
   if (z.splits_backward) {
-    A.saved_d_proj = P->activation({Sc, B, h});
-    A.saved_d_qkv = P->activation({Sc, B, z.qkv_width()});
+    A.attention.saved_d_proj = P->activation({Sc, B, h});
+    A.attention.saved_d_qkv = P->activation({Sc, B, z.qkv_width()});
   }
 }
 
@@ -73,7 +215,8 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
   RankProgram* p = P;
   const int layer = l, set = pos.set;
   const StepShape& z = P->shape;
-  const std::int64_t Sc = z.Sc, B = z.B, d = z.d, cp = z.cp;
+  const std::int64_t B = z.B, d = z.d;
+  const bool ring = z.spec(l).attention == AttentionCore::ring;
   const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
   const std::string at = fmt::format("L{}.", l);
   const double rows = static_cast<double>(z.Sl * B * z.h);
@@ -81,24 +224,24 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
       P->compute(at + "input_norm", tags, cost::streamed(z, 2 * rows), [p, layer, set] {
         LayerActivations& A = p->acts(set, layer);
         const LayerShard& W = p->layer(layer);
-        norm_forward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.ln1, A.ln1_mean,
-                     A.ln1_rstd);
+        norm_forward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.attention.ln1,
+                     A.attention.ln1_mean, A.attention.ln1_rstd);
       });
   P->after(ready, ln1);
   LayerActivations& A = P->acts(set, layer);
   TaskId gathered = rt::kNoTask;
-  if (z.sp()) gathered = sp_gather(*P, ln1, A.ln1, A.ln1_full, at + "sp_gather", tags);
-  const TaskId qkv = P->compute(at + "qkv", tags, cost::qkv(z), [=] {
+  if (z.sp())
+    gathered = sp_gather(*P, ln1, A.attention.ln1, A.attention.ln1_full, at + "sp_gather", tags);
+  // The qk norms read and write each query and key once, and keep a copy (read 1, write 1).
+  const TaskId qkv = P->compute(at + "qkv", tags, cost::qkv(z) + qk_norm_cost(z, l, 4), [=] {
     LayerActivations& A = p->acts(set, layer);
-    const LayerShard& W = p->layer(layer);
-    ops::linear_forward(A.ln1_full, W.qkv_weight->value, value_of(W.qkv_bias),
-                        A.qkv.reshape({Sc, B, p->shape.qkv_width()}));
-    if (p->shape.model.position_embedding == PositionEmbedding::rope)
-      rotate_queries_and_keys(*p, A.qkv, 0, false);
-    if (cp > 1) {  // keys and values, contiguous: the block this rank sends round the ring
+    const StepShape& z = p->shape;
+    project_qkv(z.spec(layer), z.model, p->layer(layer), A.attention.ln1_full, A.attention.qkv,
+                context_positions(*p), A.attention.qk_norm);
+    if (ring) {  // keys and values, contiguous: the block this rank sends round the ring
       const std::int64_t keys = p->shape.qpg * d;
-      A.kv_local.slice(3, 0, d).copy_from(A.qkv.slice(3, keys, d));
-      A.kv_local.slice(3, d, d).copy_from(A.qkv.slice(3, keys + d, d));
+      A.attention.kv_local.slice(3, 0, d).copy_from(A.attention.qkv.slice(3, keys, d));
+      A.attention.kv_local.slice(3, d, d).copy_from(A.attention.qkv.slice(3, keys + d, d));
     }
   });
   P->after(gathered, qkv);
@@ -115,24 +258,26 @@ TaskId AttentionBlock::forward(const BuildPosition& pos, TaskId ready) const {
   const int mb = pos.micro_batch;
   const TaskId qkv = forward_input(pos, ready);
   TaskId attention;
-  if (z.cp == 1) {
+  if (z.spec(l).attention == AttentionCore::local) {
     attention =
         P->compute(at + "attention", tags, cost::causal_attention(z) + cost::projection(z), [=] {
           LayerActivations& A = p->acts(set, layer);
           const StepShape& z = p->shape;
           ops::attention_forward({.dropout = attention_dropout(*p, layer, mb)},
-                                 query_view(A.qkv, z), key_view(A.qkv, z), value_view(A.qkv, z),
-                                 output_view(A.attn, z), A.lse.reshape({B, Hl, Sc}));
-          ops::linear_forward(A.attn.reshape({Sc, B, Hl * d}), p->layer(layer).proj_weight->value,
-                              Tensor{}, A.proj_partial);
+                                 query_view(A.attention.qkv, z), key_view(A.attention.qkv, z),
+                                 value_view(A.attention.qkv, z), output_view(A.attention.attn, z),
+                                 A.attention.lse.reshape({B, Hl, Sc}));
+          ops::linear_forward(A.attention.attn.reshape({Sc, B, Hl * d}),
+                              p->layer(layer).proj_weight->value, Tensor{},
+                              A.attention.proj_partial);
         });
     P->after(qkv, attention);
   } else {
     attention = RingAttention(*P, l).forward(pos, qkv);
   }
   LayerActivations& A = P->acts(set, layer);
-  const TaskId reduced =
-      reduce_partial(*P, attention, A.proj_partial, A.proj_out, at + "attention_reduce", tags);
+  const TaskId reduced = reduce_partial(*P, attention, A.attention.proj_partial,
+                                        A.attention.proj_out, at + "attention_reduce", tags);
   return reduced != rt::kNoTask ? reduced : attention;
 }
 
@@ -141,8 +286,8 @@ TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHa
   RankProgram* p = P;
   const int layer = l, set = pos.set, mb = pos.micro_batch;
   const StepShape& z = P->shape;
-  const std::int64_t Sc = z.Sc, B = z.B, Hl = z.Hl, d = z.d, cp = z.cp;
-  const bool sp = z.sp();
+  const std::int64_t Sc = z.Sc, B = z.B, Hl = z.Hl, d = z.d;
+  const bool sp = z.sp(), ring = z.spec(l).attention == AttentionCore::ring;
   const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
   const std::string at = fmt::format("L{}.", l);
   BackwardWorkspace& w = P->ws();
@@ -151,7 +296,7 @@ TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHa
     gathered = sp_gather(*P, ready, w.d_mlp, w.d_mlp_full, at + "attention_grad_gather", tags);
   const bool keep = halves.zero_bubble();
   const rt::CostHint flops = (keep ? 1 : 2) * cost::projection(z) +
-                             (cp == 1 ? cost::causal_attention_backward(z) : rt::CostHint{});
+                             (ring ? rt::CostHint{} : cost::causal_attention_backward(z));
   const TaskId attention = P->compute(at + "attention_backward", tags, flops, [=] {
     LayerActivations& A = p->acts(set, layer);
     BackwardWorkspace& w = p->ws();
@@ -159,16 +304,17 @@ TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHa
     const Tensor d_proj = sp ? w.d_mlp_full : w.d_mlp;
     ops::linear_backward_input(d_proj, W.proj_weight->value, w.d_attn);
     if (keep)
-      A.saved_d_proj.copy_from(d_proj);
+      A.attention.saved_d_proj.copy_from(d_proj);
     else  // the projection's weight half, folded in: nothing would overlap it
-      ops::linear_backward_weight(A.attn.reshape({Sc, B, Hl * d}), d_proj, W.proj_weight->grad,
-                                  Tensor{});
+      ops::linear_backward_weight(A.attention.attn.reshape({Sc, B, Hl * d}), d_proj,
+                                  W.proj_weight->grad, Tensor{});
     w.d_qkv.fill(0.f);  // attention accumulates dk and dv
     const StepShape& z = p->shape;
-    if (cp == 1)
-      ops::attention_backward({.dropout = attention_dropout(*p, layer, mb)}, query_view(A.qkv, z),
-                              key_view(A.qkv, z), value_view(A.qkv, z), output_view(A.attn, z),
-                              A.lse.reshape({B, Hl, Sc}), output_view(w.d_attn, z),
+    if (!ring)
+      ops::attention_backward({.dropout = attention_dropout(*p, layer, mb)},
+                              query_view(A.attention.qkv, z), key_view(A.attention.qkv, z),
+                              value_view(A.attention.qkv, z), output_view(A.attention.attn, z),
+                              A.attention.lse.reshape({B, Hl, Sc}), output_view(w.d_attn, z),
                               query_view(w.d_qkv, z), key_view(w.d_qkv, z), value_view(w.d_qkv, z));
   });
   P->after(gathered, attention);
@@ -177,39 +323,52 @@ TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHa
       return p->compute(at + "attention_weight_grad", pos.tags(rt::Phase::weight, layer),
                         cost::projection(z), [=] {
                           LayerActivations& A = p->acts(set, layer);
-                          ops::linear_backward_weight(A.attn.reshape({Sc, B, Hl * d}),
-                                                      A.saved_d_proj,
+                          ops::linear_backward_weight(A.attention.attn.reshape({Sc, B, Hl * d}),
+                                                      A.attention.saved_d_proj,
                                                       p->layer(layer).proj_weight->grad, Tensor{});
                         });
     });
   TaskId kv_grads = attention;
-  if (cp > 1) kv_grads = RingAttention(*P, l).backward(pos, attention);
+  if (ring) kv_grads = RingAttention(*P, l).backward(pos, attention);
   return backward_input(pos, kv_grads, halves, last, qkv_weights);
 }
+
+namespace {
+
+// The QKV product's input gradient into d_norm_full from d_qkv (with, under CP, the keys' and
+// values' gradients the ring brought home), kept for the weight half when it waits for W.
+void qkv_input_gradient(RankProgram& P, int set, int layer, bool ring, bool keep) {
+  const StepShape& z = P.shape;
+  BackwardWorkspace& w = P.ws();
+  AttentionActivations& A = P.acts(set, layer).attention;
+  const std::int64_t d = z.d, keys = z.qpg * d, width = z.qkv_width();
+  if (ring) {  // the block's gradients came home with the last turn of the ring
+    const Tensor& home = w.dring[z.cp % 2];
+    w.d_qkv.slice(3, keys, d).copy_from(home.slice(3, 0, d));
+    w.d_qkv.slice(3, keys + d, d).copy_from(home.slice(3, d, d));
+  }
+  project_qkv_backward(z.spec(layer), z.model, P.layer(layer), w.d_qkv, context_positions(P),
+                       A.qk_norm);
+  const Tensor d_out = w.d_qkv.reshape({z.Sc, z.B, width});
+  ops::linear_backward_input(d_out, P.layer(layer).qkv_weight->value, w.d_norm_full);
+  if (keep) A.saved_d_qkv.copy_from(d_out);
+}
+
+}  // namespace
 
 TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, WeightHalves& halves,
                                       bool last, WeightPlacement qkv_weights) const {
   RankProgram* p = P;
   const int layer = l, set = pos.set;
   const StepShape& z = P->shape;
-  const std::int64_t Sc = z.Sc, B = z.B, d = z.d, cp = z.cp;
+  const std::int64_t Sc = z.Sc, B = z.B;
+  const bool ring = z.spec(l).attention == AttentionCore::ring;
   const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
   const std::string at = fmt::format("L{}.", l);
   const bool keep = halves.zero_bubble();
-  const TaskId qkv_in = P->compute(at + "qkv_backward", tags, cost::qkv(z), [=] {
-    BackwardWorkspace& w = p->ws();
-    const std::int64_t keys = p->shape.qpg * d, width = p->shape.qkv_width();
-    if (cp > 1) {  // the block's gradients came home with the last turn of the ring
-      const Tensor& home = w.dring[cp % 2];
-      w.d_qkv.slice(3, keys, d).copy_from(home.slice(3, 0, d));
-      w.d_qkv.slice(3, keys + d, d).copy_from(home.slice(3, d, d));
-    }
-    if (p->shape.model.position_embedding == PositionEmbedding::rope)
-      rotate_queries_and_keys(*p, w.d_qkv, 0, true);
-    ops::linear_backward_input(w.d_qkv.reshape({Sc, B, width}), p->layer(layer).qkv_weight->value,
-                               w.d_norm_full);
-    if (keep) p->acts(set, layer).saved_d_qkv.copy_from(w.d_qkv.reshape({Sc, B, width}));
-  });
+  // The qk norms' backward reads the gradient and the saved input and writes the gradient.
+  const TaskId qkv_in = P->compute(at + "qkv_backward", tags, cost::qkv(z) + qk_norm_cost(z, l, 3),
+                                   [=] { qkv_input_gradient(*p, set, layer, ring, keep); });
   P->after(ready, qkv_in);
   BackwardWorkspace& w = P->ws();
   const TaskId reduced =
@@ -222,8 +381,9 @@ TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, We
       LayerActivations& A = p->acts(set, layer);
       const LayerShard& W = p->layer(layer);
       const Tensor d_out =
-          keep ? A.saved_d_qkv : p->ws().d_qkv.reshape({Sc, B, p->shape.qkv_width()});
-      ops::linear_backward_weight(A.ln1_full, d_out, W.qkv_weight->grad, grad_of(W.qkv_bias));
+          keep ? A.attention.saved_d_qkv : p->ws().d_qkv.reshape({Sc, B, p->shape.qkv_width()});
+      ops::linear_backward_weight(A.attention.ln1_full, d_out, W.qkv_weight->grad,
+                                  grad_of(W.qkv_bias));
     });
   };
   TaskId norm_ready = reduced;
@@ -248,8 +408,8 @@ TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, We
         LayerActivations& A = p->acts(set, layer);
         BackwardWorkspace& w = p->ws();
         const LayerShard& W = p->layer(layer);
-        norm_backward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.ln1_mean, A.ln1_rstd,
-                      w.d_norm, w.d_tmp);
+        norm_backward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.attention.ln1_mean,
+                      A.attention.ln1_rstd, w.d_norm, w.d_tmp);
         ops::accumulate(w.d_tmp, w.d_x);
       });
   P->after(norm_ready, ln1);

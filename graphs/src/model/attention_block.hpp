@@ -7,6 +7,12 @@
 // proj_out [Sl, B, h].
 #pragma once
 
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <vector>
+
+#include "model/parameter_declarer.hpp"
 #include "step/rank_program.hpp"
 #include "step/weight_halves.hpp"
 #include "weave/ops/attention.hpp"
@@ -38,6 +44,10 @@ class AttentionBlock {
   // CP, its store of every rank's key/value block on a MoE layer).
   void allocate(LayerActivations& A) const;
 
+  // Declares the input norm, QKV and output projection of layer `layer` into `L`.
+  static void declare_parameters(ParameterDeclarer& declare, const LayerSpec& spec, int layer,
+                                 LayerShard& L);
+
  private:
   RankProgram* P;
   int l;
@@ -66,10 +76,24 @@ inline Tensor output_view(const Tensor& t, const StepShape& z) {
   return t.reshape({t.dim(0), z.B, z.Gl, z.qpg * z.d}).transpose(0, 1);
 }
 
-// Rotary embeddings (--position-embedding-type rope) of the rank's QKV rows [first, first +
-// rows) of its Sc, queries and keys in place; `backward` rotates a gradient back.
-void rotate_queries_and_keys(const RankProgram& rank, const Tensor& qkv, std::int64_t first,
-                             bool backward);
+// The attention's input projection, shared by training and decoding: normed rows x [s, B, h]
+// (or [s, h]) projected into qkv [s, B, Gl, (qpg + 2) d] (or [s, 1, Gl, ...]), then, as the
+// layer's spec says, every query and key head normed (--qk-layernorm; `qk` keeps the norms'
+// inputs and statistics) and rotated to `positions`, the global positions of the s rows
+// (--position-embedding-type rope).
+void project_qkv(const LayerSpec& spec, const ModelConfig& m, const LayerShard& W, const Tensor& x,
+                 const Tensor& qkv, std::span<const std::int64_t> positions, const QkNormState& qk);
+// Its backward up to the projection's output, in place on the QKV gradient d_qkv: the rotation
+// undone, then the norms' backward (their weights' gradients accumulated).
+void project_qkv_backward(const LayerSpec& spec, const ModelConfig& m, const LayerShard& W,
+                          const Tensor& d_qkv, std::span<const std::int64_t> positions,
+                          const QkNormState& qk);
+// --qk-layernorm: the saved state of s rows of B sequences.
+QkNormState allocate_qk_norm(const std::function<Tensor(const ops::Shape&)>& allocate,
+                             std::int64_t s, std::int64_t B, std::int64_t Gl, std::int64_t qpg,
+                             std::int64_t d);
+// The global positions of this rank's Sc rows.
+std::vector<std::int64_t> context_positions(const RankProgram& rank);
 
 // The attention kernel's dropout for layer `layer`, micro-batch `mb` (--attention-dropout).
 ops::AttentionDropout attention_dropout(const RankProgram& rank, int layer, int mb);

@@ -8,6 +8,39 @@
 
 namespace weave::graphs {
 
+void DenseMlp::declare_parameters(ParameterDeclarer& declare, const LayerSpec&, int layer,
+                                  LayerShard& L) {
+  const ModelConfig& m = declare.model;
+  const std::int64_t h = m.hidden_size, f = m.ffn_hidden_size, f_local = f / declare.tp;
+  const std::int64_t t = declare.at.tp;
+  const bool swiglu = m.activation == Activation::swiglu;
+  const std::string prefix = fmt::format("layers.{}.mlp.", layer);
+  // SwiGLU: this rank's gates, then its values.
+  std::vector<std::int64_t> fc1_rows = iota_from(t * f_local, f_local);
+  if (swiglu) {
+    const auto values = iota_from(f + t * f_local, f_local);
+    fc1_rows.insert(fc1_rows.end(), values.begin(), values.end());
+  }
+  const std::int64_t f1 = swiglu ? 2 * f : f, f1_local = swiglu ? 2 * f_local : f_local;
+  L.fc1_weight =
+      &declare.add(prefix + "fc1.weight", {f1_local, h}, f1, h, fc1_rows, 0, declare.std, 0);
+  if (m.add_bias_linear)
+    L.fc1_bias = &declare.add(prefix + "fc1.bias", {f1_local}, f1, 1, fc1_rows, 0, 0, 0);
+  L.fc2_weight = &declare.add(prefix + "fc2.weight", {h, f_local}, h, f, iota_from(0, h),
+                              t * f_local, declare.out_std, 0);
+  if (m.add_bias_linear)
+    L.fc2_bias =
+        &declare.replicated(declare.add(prefix + "fc2.bias", {h}, h, 1, iota_from(0, h), 0, 0, 0),
+                            declare.mesh.plan().sequence_parallel);
+}
+
+void dense_mlp_forward(const ModelConfig& m, const LayerShard& W, const Tensor& x,
+                       const Tensor& fc1, const Tensor& act, const Tensor& out) {
+  ops::linear_forward(x, W.fc1_weight->value, value_of(W.fc1_bias), fc1);
+  mlp_activation_forward(m, fc1, act);
+  ops::linear_forward(act, W.fc2_weight->value, Tensor{}, out);
+}
+
 void mlp_activation_forward(const ModelConfig& m, const Tensor& pre, const Tensor& out) {
   if (m.activation == Activation::swiglu)
     ops::swiglu_forward(pre, out);
@@ -27,13 +60,13 @@ void DenseMlp::allocate(LayerActivations& A) const {
   const StepShape& z = P->shape;
   const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h;
   A.ln2_full = z.sp() ? P->activation({Sc, B, h}) : A.ln2;
-  A.fc1 = P->activation({Sc, B, z.f1l});
-  A.act = P->activation({Sc, B, z.fl});
-  A.fc2_partial = P->activation({Sc, B, h});
-  A.mlp_out = z.sp() ? P->activation({Sl, B, h}) : A.fc2_partial;
+  A.dense.fc1 = P->activation({Sc, B, z.f1l});
+  A.dense.act = P->activation({Sc, B, z.fl});
+  A.dense.fc2_partial = P->activation({Sc, B, h});
+  A.mlp_out = z.sp() ? P->activation({Sl, B, h}) : A.dense.fc2_partial;
   if (z.splits_backward) {
-    A.saved_d_fc2 = P->activation({Sc, B, h});
-    A.saved_d_fc1 = P->activation({Sc, B, z.f1l});
+    A.dense.saved_d_fc2 = P->activation({Sc, B, h});
+    A.dense.saved_d_fc1 = P->activation({Sc, B, z.f1l});
   }
 }
 
@@ -48,13 +81,12 @@ TaskId DenseMlp::forward(const BuildPosition& pos, TaskId ready) const {
   if (z.sp()) gathered = sp_gather(*P, ready, A.ln2, A.ln2_full, at + "sp_gather_mlp", tags);
   const TaskId mlp = P->compute(at + "mlp", tags, cost::mlp(z, z.Sc * z.B), [p, layer, set] {
     LayerActivations& A = p->acts(set, layer);
-    const LayerShard& W = p->layer(layer);
-    ops::linear_forward(A.ln2_full, W.fc1_weight->value, value_of(W.fc1_bias), A.fc1);
-    mlp_activation_forward(p->shape.model, A.fc1, A.act);
-    ops::linear_forward(A.act, W.fc2_weight->value, Tensor{}, A.fc2_partial);
+    dense_mlp_forward(p->shape.model, p->layer(layer), A.ln2_full, A.dense.fc1, A.dense.act,
+                      A.dense.fc2_partial);
   });
   P->after(gathered, mlp);
-  const TaskId reduced = reduce_partial(*P, mlp, A.fc2_partial, A.mlp_out, at + "mlp_reduce", tags);
+  const TaskId reduced =
+      reduce_partial(*P, mlp, A.dense.fc2_partial, A.mlp_out, at + "mlp_reduce", tags);
   return reduced != rt::kNoTask ? reduced : mlp;
 }
 
@@ -78,12 +110,12 @@ TaskId DenseMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& 
     const LayerShard& W = p->layer(layer);
     ops::linear_backward_input(w.d_mlp_full, W.fc2_weight->value, w.d_act);
     if (keep)
-      A.saved_d_fc2.copy_from(w.d_mlp_full);
+      A.dense.saved_d_fc2.copy_from(w.d_mlp_full);
     else  // fc2's weight half, folded in: nothing would overlap it
-      ops::linear_backward_weight(A.act, w.d_mlp_full, W.fc2_weight->grad, Tensor{});
-    mlp_activation_backward(p->shape.model, A.fc1, w.d_act, w.d_fc1);
+      ops::linear_backward_weight(A.dense.act, w.d_mlp_full, W.fc2_weight->grad, Tensor{});
+    mlp_activation_backward(p->shape.model, A.dense.fc1, w.d_act, w.d_fc1);
     ops::linear_backward_input(w.d_fc1, W.fc1_weight->value, w.d_norm_full);
-    if (keep) A.saved_d_fc1.copy_from(w.d_fc1);
+    if (keep) A.dense.saved_d_fc1.copy_from(w.d_fc1);
   });
   P->after(gathered, mlp);
   const TaskId reduced =
@@ -91,14 +123,15 @@ TaskId DenseMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& 
   TaskId norm_ready = reduced;
   if (keep) {
     halves.place(WeightPlacement::zero_bubble, [=] {
-      return p->compute(
-          at + "mlp_weight_grad", pos.tags(rt::Phase::weight, layer), fc1 + fc2_weight, [=] {
-            LayerActivations& A = p->acts(set, layer);
-            const LayerShard& W = p->layer(layer);
-            ops::linear_backward_weight(A.act, A.saved_d_fc2, W.fc2_weight->grad, Tensor{});
-            ops::linear_backward_weight(A.ln2_full, A.saved_d_fc1, W.fc1_weight->grad,
-                                        grad_of(W.fc1_bias));
-          });
+      return p->compute(at + "mlp_weight_grad", pos.tags(rt::Phase::weight, layer),
+                        fc1 + fc2_weight, [=] {
+                          LayerActivations& A = p->acts(set, layer);
+                          const LayerShard& W = p->layer(layer);
+                          ops::linear_backward_weight(A.dense.act, A.dense.saved_d_fc2,
+                                                      W.fc2_weight->grad, Tensor{});
+                          ops::linear_backward_weight(A.ln2_full, A.dense.saved_d_fc1,
+                                                      W.fc1_weight->grad, grad_of(W.fc1_bias));
+                        });
     });
     if (reduced == rt::kNoTask) norm_ready = mlp;
   } else {

@@ -5,6 +5,7 @@
 // activation [Sc, B, fl] -> fc2 partial sums [Sc, B, h] -> (reduce) mlp_out [Sl, B, h].
 #pragma once
 
+#include "model/parameter_declarer.hpp"
 #include "step/rank_program.hpp"
 #include "step/weight_halves.hpp"
 
@@ -25,10 +26,19 @@ class DenseMlp {
   // Lays out what the MLP keeps for one micro-batch, its output included.
   void allocate(LayerActivations& A) const;
 
+  // Declares fc1 (column-parallel) and fc2 (row-parallel) of layer `layer` into `L`.
+  static void declare_parameters(ParameterDeclarer& declare, const LayerSpec& spec, int layer,
+                                 LayerShard& L);
+
  private:
   RankProgram* P;
   int l;
 };
+
+// The MLP's computation on normed rows x [.., h], shared by training and decoding: fc1 into `fc1`
+// [.., f1l], the nonlinearity into `act` [.., fl], and fc2's partial sums into `out` [.., h].
+void dense_mlp_forward(const ModelConfig& m, const LayerShard& W, const Tensor& x,
+                       const Tensor& fc1, const Tensor& act, const Tensor& out);
 
 // The MLP's nonlinearity on a rank's [.., f1l] pre-activations (SwiGLU: gates, then values).
 void mlp_activation_forward(const ModelConfig& m, const Tensor& pre, const Tensor& out);

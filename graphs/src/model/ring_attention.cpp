@@ -29,7 +29,7 @@ int RingAttention::owner(int t) const {
 }
 
 Tensor RingAttention::block(int set, int t) const {
-  return t == 0 ? P->acts(set, l).kv_local : P->ws().ring[t % 2];
+  return t == 0 ? P->acts(set, l).attention.kv_local : P->ws().ring[t % 2];
 }
 
 void RingAttention::merge_partial(const Tensor& o, const Tensor& lse, const Tensor& o_part,
@@ -70,10 +70,12 @@ void RingAttention::attend_piece(int set, int mb, std::int64_t half, const Tenso
   ops::attention_forward({.q_offset = z.context_position(me, half * chunk),
                           .k_offset = z.context_position(from, key_half * chunk),
                           .dropout = attention_dropout(*P, l, mb)},
-                         query_view(A.qkv.slice(0, half * chunk, chunk), z), head_view(keys, d, 0),
-                         head_view(keys, d, 1), output_view(w.o_part, z), w.lse_part);
-  merge_partial(A.attn.slice(0, half * chunk, chunk),
-                A.lse.slice(0, half, 1).reshape({z.B, z.Hl, chunk}), w.o_part, w.lse_part);
+                         query_view(A.attention.qkv.slice(0, half * chunk, chunk), z),
+                         head_view(keys, d, 0), head_view(keys, d, 1), output_view(w.o_part, z),
+                         w.lse_part);
+  merge_partial(A.attention.attn.slice(0, half * chunk, chunk),
+                A.attention.lse.slice(0, half, 1).reshape({z.B, z.Hl, chunk}), w.o_part,
+                w.lse_part);
 }
 
 void RingAttention::attend_half_backward(int set, int mb, std::int64_t half, const Tensor& kv,
@@ -99,9 +101,9 @@ void RingAttention::attend_piece_backward(int set, int mb, std::int64_t half, co
       {.q_offset = z.context_position(me, half * chunk),
        .k_offset = z.context_position(from, key_half * chunk),
        .dropout = attention_dropout(*P, l, mb)},
-      query_view(A.qkv.slice(0, half * chunk, chunk), z), head_view(keys, d, 0),
-      head_view(keys, d, 1), output_view(A.attn.slice(0, half * chunk, chunk), z),
-      A.lse.slice(0, half, 1).reshape({z.B, z.Hl, chunk}), output_view(d_attn, z),
+      query_view(A.attention.qkv.slice(0, half * chunk, chunk), z), head_view(keys, d, 0),
+      head_view(keys, d, 1), output_view(A.attention.attn.slice(0, half * chunk, chunk), z),
+      A.attention.lse.slice(0, half, 1).reshape({z.B, z.Hl, chunk}), output_view(d_attn, z),
       output_view(w.dq_part, z), head_view(key_grads, d, 0), head_view(key_grads, d, 1));
   ops::accumulate(w.dq_part.reshape({chunk, z.B, z.Gl, z.qpg * d}),
                   w.d_qkv.slice(0, half * chunk, chunk).slice(3, 0, z.qpg * d));
@@ -128,21 +130,22 @@ TaskId RingAttention::forward(const BuildPosition& pos, TaskId qkv) const {
       arrived = moved;
     }
     const bool last = t == cp - 1;
-    const TaskId step = P->compute(
-        at + (last ? "attention" : "attention_step"), tags,
-        per_step + (last ? cost::projection(z) : rt::CostHint{}), [=] {
-          const RingAttention ring(*p, layer);
-          LayerActivations& A = p->acts(set, layer);
-          if (t == 0) {
-            A.attn.fill(0.f);
-            A.lse.fill(-std::numeric_limits<float>::infinity());
-          }
-          for (std::int64_t half = 0; half < 2; ++half)
-            ring.attend_half(set, mb, half, ring.block(set, t), ring.owner(t));
-          if (last)
-            ops::linear_forward(A.attn.reshape({Sc, B, Hl * d}), p->layer(layer).proj_weight->value,
-                                Tensor{}, A.proj_partial);
-        });
+    const TaskId step =
+        P->compute(at + (last ? "attention" : "attention_step"), tags,
+                   per_step + (last ? cost::projection(z) : rt::CostHint{}), [=] {
+                     const RingAttention ring(*p, layer);
+                     LayerActivations& A = p->acts(set, layer);
+                     if (t == 0) {
+                       A.attention.attn.fill(0.f);
+                       A.attention.lse.fill(-std::numeric_limits<float>::infinity());
+                     }
+                     for (std::int64_t half = 0; half < 2; ++half)
+                       ring.attend_half(set, mb, half, ring.block(set, t), ring.owner(t));
+                     if (last)
+                       ops::linear_forward(A.attention.attn.reshape({Sc, B, Hl * d}),
+                                           p->layer(layer).proj_weight->value, Tensor{},
+                                           A.attention.proj_partial);
+                   });
     P->after(arrived, step);
     compute_prev2 = compute_prev;
     compute_prev = step;

@@ -21,17 +21,33 @@ void TransformerLayer::allocate(LayerActivations& A, const Tensor& x_in) const {
   A.ln2 = P->activation({Sl, B, h});
   A.ln2_mean = P->activation({Sl * B});
   A.ln2_rstd = P->activation({Sl * B});
-  if (P->layer(l).moe)
+  if (z.spec(l).moe())
     MoeMlp(*P, l).allocate(A);
   else
     DenseMlp(*P, l).allocate(A);
   A.x_out = P->activation({Sl, B, h});
 }
 
+void TransformerLayer::declare_parameters(ParameterDeclarer& declare, const LayerSpec& spec,
+                                          int layer, LayerShard& L) {
+  const std::string prefix = fmt::format("layers.{}.", layer);
+  declare.bucket(prefix + "attention");
+  AttentionBlock::declare_parameters(declare, spec, layer, L);
+  declare.bucket(prefix + "mlp");
+  L.ln2_weight = declare.norm(prefix + "mlp_norm.weight", 1);
+  if (spec.norm == Normalization::layer_norm)
+    L.ln2_bias = declare.norm(prefix + "mlp_norm.bias", 0);
+  L.moe = spec.moe();
+  if (spec.moe())
+    MoeMlp::declare_parameters(declare, spec, layer, L);
+  else
+    DenseMlp::declare_parameters(declare, spec, layer, L);
+}
+
 TaskId TransformerLayer::forward(const BuildPosition& pos, TaskId ready) const {
   const StepShape& z = P->shape;
-  const bool moe = z.model.is_moe_layer(l);
-  if (z.ampipe > 1 && moe) return AmpipeBlock(*P, l).forward(pos, ready);
+  const MlpModule mlp_module = z.spec(l).mlp;
+  if (mlp_module == MlpModule::ampipe) return AmpipeBlock(*P, l).forward(pos, ready);
   RankProgram* p = P;
   const int layer = l, set = pos.set, mb = pos.micro_batch;
   const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
@@ -43,17 +59,18 @@ TaskId TransformerLayer::forward(const BuildPosition& pos, TaskId ready) const {
       P->compute(at + "attention_residual", tags, cost::streamed(z, 5 * rows), [=] {
         LayerActivations& A = p->acts(set, layer);
         const LayerShard& W = p->layer(layer);
-        p->bias_dropout_add(mb, layer, 0, A.proj_out, value_of(W.proj_bias), A.x_in, A.x_mid);
+        p->bias_dropout_add(mb, layer, 0, A.attention.proj_out, value_of(W.proj_bias), A.x_in,
+                            A.x_mid);
         norm_forward(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, A.ln2, A.ln2_mean,
                      A.ln2_rstd);
       });
   P->after(attention, residual);
-  const TaskId mlp =
-      moe ? MoeMlp(*P, l).forward(pos, residual) : DenseMlp(*P, l).forward(pos, residual);
+  const TaskId mlp = mlp_module == MlpModule::moe ? MoeMlp(*P, l).forward(pos, residual)
+                                                  : DenseMlp(*P, l).forward(pos, residual);
   const TaskId out = P->compute(at + "mlp_residual", tags, cost::streamed(z, 4 * rows), [=] {
     LayerActivations& A = p->acts(set, layer);
     const LayerShard& W = p->layer(layer);
-    if (!W.moe) {
+    if (mlp_module == MlpModule::dense) {
       p->bias_dropout_add(mb, layer, 1, A.mlp_out, value_of(W.fc2_bias), A.x_mid, A.x_out);
     } else {
       p->apply_dropout(false, mb, layer, 1, A.mlp_out, A.mlp_out);
@@ -67,8 +84,9 @@ TaskId TransformerLayer::forward(const BuildPosition& pos, TaskId ready) const {
 TaskId TransformerLayer::backward(const BuildPosition& pos, TaskId ready, WeightHalves& halves,
                                   bool last) const {
   const StepShape& z = P->shape;
-  const bool moe = z.model.is_moe_layer(l);
-  if (z.ampipe > 1 && moe) return AmpipeBlock(*P, l).backward(pos, ready, halves, last);
+  const MlpModule mlp_module = z.spec(l).mlp;
+  if (mlp_module == MlpModule::ampipe) return AmpipeBlock(*P, l).backward(pos, ready, halves, last);
+  const bool moe = mlp_module == MlpModule::moe;
   RankProgram* p = P;
   const int layer = l, set = pos.set, mb = pos.micro_batch;
   const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
@@ -104,8 +122,9 @@ TaskId TransformerLayer::backward(const BuildPosition& pos, TaskId ready, Weight
   if (last) reduce_buckets(*P, fmt::format("layers.{}.mlp", l), norm);
   // With tp or cp the QKV weight half overlaps the input gradient's reduction; with neither it
   // waits for the layer below to launch its first all-to-all.
-  const WeightPlacement qkv_weights =
-      z.tp == 1 && z.cp == 1 ? halves.deferrable() : halves.immediate();
+  const WeightPlacement qkv_weights = z.tp == 1 && z.spec(l).attention == AttentionCore::local
+                                          ? halves.deferrable()
+                                          : halves.immediate();
   return AttentionBlock(*P, l).backward(pos, norm, halves, last, qkv_weights);
 }
 

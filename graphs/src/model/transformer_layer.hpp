@@ -4,6 +4,7 @@
 // residual end shares a task with the norm that follows it.
 #pragma once
 
+#include "model/parameter_declarer.hpp"
 #include "step/rank_program.hpp"
 #include "step/weight_halves.hpp"
 
@@ -22,6 +23,11 @@ class TransformerLayer {
   // Lays out what the layer keeps for one micro-batch: its residual stream and MLP norm, and
   // its modules' activations. `x_in` is the previous layer's output (or the chunk's input).
   void allocate(LayerActivations& A, const Tensor& x_in) const;
+
+  // Declares the layer's parameters into `L` as `spec` makes it: its attention's into the
+  // attention bucket, then the MLP norm and its MLP's into the MLP bucket.
+  static void declare_parameters(ParameterDeclarer& declare, const LayerSpec& spec, int layer,
+                                 LayerShard& L);
 
  private:
   RankProgram* P;

@@ -1,8 +1,43 @@
-// The MoE layer's buffers for one micro-batch: each slot's routing, dispatch and expert rows
-// (sized for the largest split the routing allows), and the pipe-experts items'.
+// The MoE layer's parameters (the router and this rank's experts), and its buffers for one
+// micro-batch: each slot's routing, dispatch and expert rows (sized for the largest split the
+// routing allows), and the pipe-experts items'.
 #include "moe/moe_mlp.hpp"
 
 namespace weave::graphs {
+
+void MoeMlp::declare_parameters(ParameterDeclarer& declare, const LayerSpec&, int layer,
+                                LayerShard& L) {
+  const ModelConfig& m = declare.model;
+  const std::int64_t h = m.hidden_size, f = m.ffn_hidden_size, E = m.num_experts;
+  const bool swiglu = m.activation == Activation::swiglu;
+  const std::int64_t f1 = swiglu ? 2 * f : f;
+  const std::int64_t local = E / declare.mesh.plan().expert_parallel, first = declare.at.ep * local;
+  const std::string prefix = fmt::format("layers.{}.moe.", layer);
+  // The MoE layer routes this rank's share of the tokens: with tp > 1 the router's gradient is a
+  // partial sum over the tensor-parallel ranks.
+  L.router_weight = &declare.replicated(
+      declare.add(prefix + "router.weight", {E, h}, E, h, iota_from(0, E), 0, declare.std, 0),
+      true);
+  // Split over the tensor-parallel group (mesh.experts_split()), each local expert's fc1 holds
+  // this rank's columns of the hidden layer (SwiGLU: its gates, then its values) and fc2 the
+  // matching rows of the input dimension.
+  const bool split = declare.mesh.experts_split();
+  const std::int64_t etp = split ? declare.tp : 1, et = split ? declare.at.tp : 0;
+  const std::int64_t fe = f / etp, f1e = swiglu ? 2 * fe : fe;
+  std::vector<std::int64_t> fc1_rows;
+  for (std::int64_t e = first; e < first + local; ++e) {
+    for (std::int64_t i = 0; i < fe; ++i)
+      fc1_rows.push_back(e * f1 + et * fe + i);
+    if (swiglu)
+      for (std::int64_t i = 0; i < fe; ++i)
+        fc1_rows.push_back(e * f1 + f + et * fe + i);
+  }
+  L.expert_fc1 = &declare.add(prefix + "experts.fc1.weight", {local, f1e, h}, E * f1, h, fc1_rows,
+                              0, declare.std, 0);
+  L.expert_fc2 = &declare.add(prefix + "experts.fc2.weight", {local, h, fe}, E * h, f,
+                              iota_from(first * h, local * h), et * fe, declare.out_std, 0);
+  L.expert_fc1->expert = L.expert_fc2->expert = true;
+}
 
 namespace {
 
@@ -50,7 +85,7 @@ void allocate_items(RankProgram& P, MoeSlot& slot) {
 // MoE slot c of a layer: the tokens the rank routes at once (all of them, or an Ampipe chunk).
 void allocate_slot(RankProgram& P, LayerActivations& A, int c) {
   const StepShape& z = P.shape;
-  MoeSlot& S = A.moe[static_cast<std::size_t>(c)];
+  MoeSlot& S = A.moe.slots[static_cast<std::size_t>(c)];
   const std::int64_t E = z.model.num_experts, k = z.model.moe_router_topk, h = z.h;
   const std::int64_t n = z.slot_tokens(), ep = z.ep;
   S.tokens = n;
@@ -62,7 +97,7 @@ void allocate_slot(RankProgram& P, LayerActivations& A, int c) {
   // Under EP the dispatch sends `grouped` framed by header rows.
   S.grouped = P.activation({n * k + (ep > 1 ? ep * z.header_rows() : 0), h});
   S.expert_out = P.activation({n * k, h});
-  S.stats = z.ampipe == 1 ? A.stats_total : P.activation({2 * E + 2});
+  S.stats = z.ampipe == 1 ? A.moe.stats_total : P.activation({2 * E + 2});
   // The slot's output: its rows of the layer's MLP output, or (tensor parallelism without SP)
   // this rank's tokens before the all-gather.
   S.moe_out =
@@ -115,10 +150,10 @@ void allocate_slot(RankProgram& P, LayerActivations& A, int c) {
 void MoeMlp::allocate(LayerActivations& A) const {
   const StepShape& z = P->shape;
   const std::int64_t E = z.model.num_experts;
-  A.stats_total = P->activation({2 * E + 2});
+  A.moe.stats_total = P->activation({2 * E + 2});
   A.mlp_out =
       z.sp() || z.tp == 1 ? P->activation({z.Sl, z.B, z.h}) : P->activation({z.Sc, z.B, z.h});
-  A.moe.resize(static_cast<std::size_t>(z.ampipe));
+  A.moe.slots.resize(static_cast<std::size_t>(z.ampipe));
   for (int c = 0; c < z.ampipe; ++c)
     allocate_slot(*P, A, c);
 }

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "model/parameter_declarer.hpp"
 #include "step/rank_program.hpp"
 #include "step/weight_halves.hpp"
 #include "weave/ops/experts.hpp"
@@ -77,6 +78,10 @@ class MoeMlp {
   // Lays out what the MLP keeps for one micro-batch: its output, the router's statistics and a
   // slot per Ampipe chunk (moe_buffers.cpp).
   void allocate(LayerActivations& A) const;
+
+  // Declares the router and this rank's experts of layer `layer` into `L`.
+  static void declare_parameters(ParameterDeclarer& declare, const LayerSpec& spec, int layer,
+                                 LayerShard& L);
 
   // Task names of slot c: "L<l>." or, for an Ampipe chunk, "L<l>.c<c>.".
   std::string slot_prefix(int c) const;

@@ -30,6 +30,144 @@ std::vector<Block> blocks_of(const StepShape& z, const MoeSlot& A) {
   return out;
 }
 
+// This rank's received rows of slot c, grouped by local expert, behind a header of their counts.
+void frame_received_rows(RankProgram& p, int set, int layer, int c) {
+  const StepShape& z = p.shape;
+  const std::int64_t h = z.h, H = z.header_rows(), L = z.local_experts();
+  MoeSlot& A = p.slot(set, layer, c);
+  std::vector<std::int64_t> begin;
+  std::int64_t rows;
+  if (z.ep > 1) {
+    regroup_by_expert(z, A);
+    rows = static_cast<std::int64_t>(A.source_row.size());
+    for (std::int64_t i = 0; i < rows; ++i)
+      std::copy_n(A.arrived.row(A.arrived_row[i]), h, A.tp_send.row(H + i));
+    begin = A.local_begin;
+  } else {
+    rows = A.dispatch.rows();
+    A.tp_send.slice(0, H, rows).copy_from(A.grouped.slice(0, 0, rows));
+    begin.assign(A.dispatch.expert_begin.begin(), A.dispatch.expert_begin.end());
+  }
+  A.tp_send.slice(0, 0, H).fill(0.f);
+  float* header = A.tp_send.row(0);
+  for (std::int64_t e = 0; e < L; ++e)
+    header[e] = static_cast<float>(begin[e + 1] - begin[e]);
+  A.tp_send_rows = H + rows;
+}
+
+// fc1 and fc2 on every tp rank's gathered block of slot c, their partial sums into tp_partial.
+void run_gathered_experts(RankProgram& p, int set, int layer, int c) {
+  const StepShape& z = p.shape;
+  const std::int64_t H = z.header_rows(), L = z.local_experts();
+  MoeSlot& A = p.slot(set, layer, c);
+  const LayerShard& W = p.layer(layer);
+  const ops::ExpertActivation act = expert_activation(z.model);
+  std::int64_t framed_at = 0, row = 0;
+  for (int j = 0; j < z.tp; ++j) {
+    const std::int64_t rows = A.tp_gathered_rows[static_cast<std::size_t>(j)] - H;
+    std::vector<std::int64_t>& begin = A.tp_begin[static_cast<std::size_t>(j)];
+    const float* header = A.tp_gathered.row(framed_at);
+    begin[0] = 0;
+    for (std::int64_t e = 0; e < L; ++e)
+      begin[e + 1] = begin[e] + static_cast<std::int64_t>(header[e]);
+    if (begin[L] != rows)
+      throw std::logic_error(
+          fmt::format("split experts: tensor-parallel rank {} sent {} rows and counts for {}", j,
+                      rows, begin[L]));
+    A.tp_rows[static_cast<std::size_t>(j)] = rows;
+    ops::experts_forward(act, A.tp_gathered.slice(0, framed_at + H, rows), begin,
+                         W.expert_fc1->value, W.expert_fc2->value, A.hidden_pre.slice(0, row, rows),
+                         A.hidden.slice(0, row, rows), A.tp_partial.slice(0, row, rows));
+    framed_at += H + rows;
+    row += rows;
+  }
+}
+
+// The reduced results of this rank's rows back in the slot's order: its expert output, or under
+// EP the rows leaving for their sources.
+void unframe_results(RankProgram& p, int set, int layer, int c) {
+  MoeSlot& A = p.slot(set, layer, c);
+  if (p.shape.ep == 1) {
+    const std::int64_t rows = A.dispatch.rows();
+    A.expert_out.slice(0, 0, rows).copy_from(A.tp_result.slice(0, 0, rows));
+    return;
+  }
+  for (std::size_t i = 0; i < A.source_row.size(); ++i)
+    std::copy_n(A.tp_result.row(static_cast<std::int64_t>(i)), p.shape.h,
+                A.leaving.row(A.source_row[i]));
+}
+
+// The output gradient of this rank's rows of slot c, grouped by local expert as in forward.
+void group_output_gradients(RankProgram& p, int set, int layer, int c) {
+  MoeSlot& A = p.slot(set, layer, c);
+  std::int64_t rows;
+  if (p.shape.ep > 1) {
+    rows = static_cast<std::int64_t>(A.source_row.size());
+    for (std::int64_t i = 0; i < rows; ++i)
+      std::copy_n(A.d_arrived.row(A.source_row[i]), p.shape.h, A.tp_d_rows.row(i));
+  } else {
+    rows = A.dispatch.rows();
+    A.tp_d_rows.slice(0, 0, rows).copy_from(A.d_expert_out.slice(0, 0, rows));
+  }
+  A.tp_d_send_rows = rows;
+}
+
+// The experts' backward on every tp rank's block of slot c, fc1's input-gradient partial sums
+// into tp_partial; `keep`: the weight half waits for the W action (its gradient kept).
+void run_gathered_experts_backward(RankProgram& p, int set, int layer, int c, bool keep) {
+  const std::int64_t H = p.shape.header_rows();
+  MoeSlot& A = p.slot(set, layer, c);
+  const LayerShard& W = p.layer(layer);
+  const ops::ExpertActivation act = expert_activation(p.shape.model);
+  if (A.tp_d_gathered_rows != A.tp_rows)
+    throw std::logic_error(
+        "split experts: the output gradients gathered over tp do not match the rows the "
+        "forward gathered");
+  const std::vector<Block> blocks = blocks_of(p.shape, A);
+  for (std::size_t j = 0; j < blocks.size(); ++j) {
+    const Block& b = blocks[j];
+    const Tensor x = A.tp_gathered.slice(0, b.framed_at + H, b.rows);
+    const Tensor pre = A.hidden_pre.slice(0, b.row, b.rows);
+    const Tensor hid = A.hidden.slice(0, b.row, b.rows);
+    const Tensor dy = A.tp_d_gathered.slice(0, b.row, b.rows);
+    const Tensor dx = A.tp_partial.slice(0, b.row, b.rows);
+    if (keep)
+      ops::experts_backward_input(act, x, A.tp_begin[j], W.expert_fc1->value, W.expert_fc2->value,
+                                  pre, hid, dy, dx, A.saved_d_pre.slice(0, b.row, b.rows));
+    else
+      ops::experts_backward(act, x, A.tp_begin[j], W.expert_fc1->value, W.expert_fc2->value, pre,
+                            hid, dy, dx, W.expert_fc1->grad, W.expert_fc2->grad);
+  }
+}
+
+// The weight half of run_gathered_experts_backward, from the kept gradient.
+void gathered_experts_weight_grad(RankProgram& p, int set, int layer, int c) {
+  const std::int64_t H = p.shape.header_rows();
+  MoeSlot& A = p.slot(set, layer, c);
+  const LayerShard& W = p.layer(layer);
+  const std::vector<Block> blocks = blocks_of(p.shape, A);
+  for (std::size_t j = 0; j < blocks.size(); ++j) {
+    const Block& b = blocks[j];
+    ops::experts_backward_weight(
+        A.tp_gathered.slice(0, b.framed_at + H, b.rows), A.tp_begin[j],
+        A.hidden.slice(0, b.row, b.rows), A.tp_d_gathered.slice(0, b.row, b.rows),
+        A.saved_d_pre.slice(0, b.row, b.rows), W.expert_fc1->grad, W.expert_fc2->grad);
+  }
+}
+
+// The reduced input gradients of this rank's rows back in the slot's order.
+void unframe_input_gradients(RankProgram& p, int set, int layer, int c) {
+  MoeSlot& A = p.slot(set, layer, c);
+  if (p.shape.ep == 1) {
+    const std::int64_t rows = A.dispatch.rows();
+    A.d_grouped.slice(0, 0, rows).copy_from(A.tp_d_in.slice(0, 0, rows));
+    return;
+  }
+  for (std::size_t i = 0; i < A.source_row.size(); ++i)
+    std::copy_n(A.tp_d_in.row(static_cast<std::int64_t>(i)), p.shape.h,
+                A.d_leaving.row(A.source_row[i]));
+}
+
 }  // namespace
 
 SlotProgress MoeMlp::split_experts(const BuildPosition& pos, int c,
@@ -37,33 +175,12 @@ SlotProgress MoeMlp::split_experts(const BuildPosition& pos, int c,
   RankProgram* p = P;
   const int layer = l, set = pos.set;
   const StepShape& z = P->shape;
-  const int ep = z.ep;
-  const std::int64_t h = z.h, H = z.header_rows(), L = z.local_experts();
+  const std::int64_t h = z.h, H = z.header_rows();
   const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
   const std::string at = slot_prefix(c);
-  // This rank's received rows, grouped by local expert, behind a header of their counts.
   const TaskId framed =
-      P->compute(at + "experts_frame", tags, cost::streamed(z, cost::regrouped_elements(z)), [=] {
-        MoeSlot& A = p->slot(set, layer, c);
-        std::vector<std::int64_t> begin;
-        std::int64_t rows;
-        if (ep > 1) {
-          regroup_by_expert(p->shape, A);
-          rows = static_cast<std::int64_t>(A.source_row.size());
-          for (std::int64_t i = 0; i < rows; ++i)
-            std::copy_n(A.arrived.row(A.arrived_row[i]), h, A.tp_send.row(H + i));
-          begin = A.local_begin;
-        } else {
-          rows = A.dispatch.rows();
-          A.tp_send.slice(0, H, rows).copy_from(A.grouped.slice(0, 0, rows));
-          begin.assign(A.dispatch.expert_begin.begin(), A.dispatch.expert_begin.end());
-        }
-        A.tp_send.slice(0, 0, H).fill(0.f);
-        float* header = A.tp_send.row(0);
-        for (std::int64_t e = 0; e < L; ++e)
-          header[e] = static_cast<float>(begin[e + 1] - begin[e]);
-        A.tp_send_rows = H + rows;
-      });
+      P->compute(at + "experts_frame", tags, cost::streamed(z, cost::regrouped_elements(z)),
+                 [=] { frame_received_rows(*p, set, layer, c); });
   P->after(routed.task, framed);
   MoeSlot& S = P->slot(set, l, c);
   // Balanced routing, for the cost hints: every kept pick of the slot's tokens.
@@ -78,31 +195,8 @@ SlotProgress MoeMlp::split_experts(const BuildPosition& pos, int c,
                               .expected_rows = H + expected},
                              h, at + "experts_gather", tags);
   const TaskId experts =
-      P->compute(at + "experts", tags, cost::experts(z, static_cast<double>(z.slot_tokens())), [=] {
-        MoeSlot& A = p->slot(set, layer, c);
-        const LayerShard& W = p->layer(layer);
-        const ops::ExpertActivation act = expert_activation(p->shape.model);
-        std::int64_t framed_at = 0, row = 0;
-        for (int j = 0; j < p->shape.tp; ++j) {
-          const std::int64_t rows = A.tp_gathered_rows[static_cast<std::size_t>(j)] - H;
-          std::vector<std::int64_t>& begin = A.tp_begin[static_cast<std::size_t>(j)];
-          const float* header = A.tp_gathered.row(framed_at);
-          begin[0] = 0;
-          for (std::int64_t e = 0; e < L; ++e)
-            begin[e + 1] = begin[e] + static_cast<std::int64_t>(header[e]);
-          if (begin[L] != rows)
-            throw std::logic_error(
-                fmt::format("split experts: tensor-parallel rank {} sent {} rows and counts for {}",
-                            j, rows, begin[L]));
-          A.tp_rows[static_cast<std::size_t>(j)] = rows;
-          ops::experts_forward(act, A.tp_gathered.slice(0, framed_at + H, rows), begin,
-                               W.expert_fc1->value, W.expert_fc2->value,
-                               A.hidden_pre.slice(0, row, rows), A.hidden.slice(0, row, rows),
-                               A.tp_partial.slice(0, row, rows));
-          framed_at += H + rows;
-          row += rows;
-        }
-      });
+      P->compute(at + "experts", tags, cost::experts(z, static_cast<double>(z.slot_tokens())),
+                 [=] { run_gathered_experts(*p, set, layer, c); });
   P->after(gathered, experts);
   const TaskId reduced = P->tensor.reduce_scatter_v(experts,
                                                     {.send = read_of(S.tp_partial),
@@ -111,19 +205,10 @@ SlotProgress MoeMlp::split_experts(const BuildPosition& pos, int c,
                                                      .expected_rows = expected},
                                                     h, at + "experts_scatter", tags);
   const TaskId out =
-      P->compute(at + "experts_out", tags, cost::streamed(z, cost::regrouped_elements(z)), [=] {
-        MoeSlot& A = p->slot(set, layer, c);
-        if (ep == 1) {
-          const std::int64_t rows = A.dispatch.rows();
-          A.expert_out.slice(0, 0, rows).copy_from(A.tp_result.slice(0, 0, rows));
-          return;
-        }
-        for (std::size_t i = 0; i < A.source_row.size(); ++i)
-          std::copy_n(A.tp_result.row(static_cast<std::int64_t>(i)), h,
-                      A.leaving.row(A.source_row[i]));
-      });
+      P->compute(at + "experts_out", tags, cost::streamed(z, cost::regrouped_elements(z)),
+                 [=] { unframe_results(*p, set, layer, c); });
   P->after(reduced, out);
-  if (ep == 1) return {out, {}};
+  if (z.ep == 1) return {out, {}};
   return {slot_exchange(pos, c, out, &MoeSlot::leaving, &MoeSlot::expert_out, false, "combine",
                         false, rt::Phase::forward),
           {}};
@@ -135,25 +220,12 @@ SlotProgress MoeMlp::split_experts_backward(const BuildPosition& pos, int c,
   RankProgram* p = P;
   const int layer = l, set = pos.set;
   const StepShape& z = P->shape;
-  const int ep = z.ep;
-  const std::int64_t h = z.h, H = z.header_rows();
+  const std::int64_t h = z.h;
   const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
   const std::string at = slot_prefix(c);
-  // The output gradient of this rank's rows, grouped by local expert as in forward.
-  const TaskId grouped = P->compute(
-      at + "experts_backward_frame", tags, cost::streamed(z, cost::regrouped_elements(z)), [=] {
-        MoeSlot& A = p->slot(set, layer, c);
-        std::int64_t rows;
-        if (ep > 1) {
-          rows = static_cast<std::int64_t>(A.source_row.size());
-          for (std::int64_t i = 0; i < rows; ++i)
-            std::copy_n(A.d_arrived.row(A.source_row[i]), h, A.tp_d_rows.row(i));
-        } else {
-          rows = A.dispatch.rows();
-          A.tp_d_rows.slice(0, 0, rows).copy_from(A.d_expert_out.slice(0, 0, rows));
-        }
-        A.tp_d_send_rows = rows;
-      });
+  const TaskId grouped = P->compute(at + "experts_backward_frame", tags,
+                                    cost::streamed(z, cost::regrouped_elements(z)),
+                                    [=] { group_output_gradients(*p, set, layer, c); });
   P->after(arrived.task, grouped);
   MoeSlot& S = P->slot(set, l, c);
   const std::int64_t expected =
@@ -169,44 +241,13 @@ SlotProgress MoeMlp::split_experts_backward(const BuildPosition& pos, int c,
   const bool keep = halves.zero_bubble();
   const rt::CostHint flops = cost::experts(z, static_cast<double>(z.slot_tokens()));
   const TaskId experts = P->compute(at + "experts_backward", tags, (keep ? 1 : 2) * flops, [=] {
-    MoeSlot& A = p->slot(set, layer, c);
-    const LayerShard& W = p->layer(layer);
-    const ops::ExpertActivation act = expert_activation(p->shape.model);
-    if (A.tp_d_gathered_rows != A.tp_rows)
-      throw std::logic_error(
-          "split experts: the output gradients gathered over tp do not match the rows the "
-          "forward gathered");
-    const std::vector<Block> blocks = blocks_of(p->shape, A);
-    for (std::size_t j = 0; j < blocks.size(); ++j) {
-      const Block& b = blocks[j];
-      const Tensor x = A.tp_gathered.slice(0, b.framed_at + H, b.rows);
-      const Tensor pre = A.hidden_pre.slice(0, b.row, b.rows);
-      const Tensor hid = A.hidden.slice(0, b.row, b.rows);
-      const Tensor dy = A.tp_d_gathered.slice(0, b.row, b.rows);
-      const Tensor dx = A.tp_partial.slice(0, b.row, b.rows);
-      if (keep)  // the weight half waits for the W action
-        ops::experts_backward_input(act, x, A.tp_begin[j], W.expert_fc1->value, W.expert_fc2->value,
-                                    pre, hid, dy, dx, A.saved_d_pre.slice(0, b.row, b.rows));
-      else
-        ops::experts_backward(act, x, A.tp_begin[j], W.expert_fc1->value, W.expert_fc2->value, pre,
-                              hid, dy, dx, W.expert_fc1->grad, W.expert_fc2->grad);
-    }
+    run_gathered_experts_backward(*p, set, layer, c, keep);
   });
   P->after(gathered, experts);
   if (keep)
     halves.place(WeightPlacement::zero_bubble, [=] {
-      return p->compute(at + "experts_weight_grad", pos.tags(rt::Phase::weight, layer), flops, [=] {
-        MoeSlot& A = p->slot(set, layer, c);
-        const LayerShard& W = p->layer(layer);
-        const std::vector<Block> blocks = blocks_of(p->shape, A);
-        for (std::size_t j = 0; j < blocks.size(); ++j) {
-          const Block& b = blocks[j];
-          ops::experts_backward_weight(
-              A.tp_gathered.slice(0, b.framed_at + H, b.rows), A.tp_begin[j],
-              A.hidden.slice(0, b.row, b.rows), A.tp_d_gathered.slice(0, b.row, b.rows),
-              A.saved_d_pre.slice(0, b.row, b.rows), W.expert_fc1->grad, W.expert_fc2->grad);
-        }
-      });
+      return p->compute(at + "experts_weight_grad", pos.tags(rt::Phase::weight, layer), flops,
+                        [=] { gathered_experts_weight_grad(*p, set, layer, c); });
     });
   const TaskId reduced = P->tensor.reduce_scatter_v(experts,
                                                     {.send = read_of(S.tp_partial),
@@ -214,20 +255,11 @@ SlotProgress MoeMlp::split_experts_backward(const BuildPosition& pos, int c,
                                                      .recv = all_of(S.tp_d_in),
                                                      .expected_rows = expected},
                                                     h, at + "experts_grad_scatter", tags);
-  const TaskId out = P->compute(
-      at + "experts_backward_out", tags, cost::streamed(z, cost::regrouped_elements(z)), [=] {
-        MoeSlot& A = p->slot(set, layer, c);
-        if (ep == 1) {
-          const std::int64_t rows = A.dispatch.rows();
-          A.d_grouped.slice(0, 0, rows).copy_from(A.tp_d_in.slice(0, 0, rows));
-          return;
-        }
-        for (std::size_t i = 0; i < A.source_row.size(); ++i)
-          std::copy_n(A.tp_d_in.row(static_cast<std::int64_t>(i)), h,
-                      A.d_leaving.row(A.source_row[i]));
-      });
+  const TaskId out =
+      P->compute(at + "experts_backward_out", tags, cost::streamed(z, cost::regrouped_elements(z)),
+                 [=] { unframe_input_gradients(*p, set, layer, c); });
   P->after(reduced, out);
-  if (ep == 1) return {out, {}};
+  if (z.ep == 1) return {out, {}};
   return {slot_exchange(pos, c, out, &MoeSlot::d_leaving, &MoeSlot::d_grouped, false,
                         "dispatch_backward", false, rt::Phase::backward),
           {}};

@@ -119,6 +119,73 @@ TaskId MoeMlp::gather_item(const BuildPosition& pos, int c, int i, TaskId dispat
                                 h, at + "experts_gather", tags);
 }
 
+namespace {
+
+// Slot c's index in `slots`.
+std::size_t index_of(const std::vector<int>& slots, int c) {
+  return static_cast<std::size_t>(std::find(slots.begin(), slots.end(), c) - slots.begin());
+}
+
+// Each item's dispatch where its slot's router issued it already (kNoTask where it did not).
+std::vector<TaskId> issued_dispatches(const std::vector<ItemRef>& items,
+                                      const std::vector<int>& slots,
+                                      const std::vector<SlotProgress>& routed) {
+  std::vector<TaskId> dispatches(items.size(), rt::kNoTask);
+  for (std::size_t k = 0; k < items.size(); ++k) {
+    const SlotProgress& r = routed[index_of(slots, items[k].slot)];
+    if (!r.items.empty()) dispatches[k] = r.items[static_cast<std::size_t>(items[k].item)];
+  }
+  return dispatches;
+}
+
+// Item i of slot c, forward: fc1 and the activation on every tp rank's gathered rows.
+void item_fc1(RankProgram& p, int set, int layer, int c, std::size_t i) {
+  ExpertItem& I = p.slot(set, layer, c).items[i];
+  const LayerShard& W = p.layer(layer);
+  const std::int64_t rows = gathered_rows(I);
+  ops::linear_forward(I.tp_gathered.slice(0, 0, rows), weight_of(*W.expert_fc1, I), Tensor{},
+                      I.hidden_pre.slice(0, 0, rows));
+  activation_forward(p.shape.model, I.hidden_pre.slice(0, 0, rows), I.hidden.slice(0, 0, rows));
+}
+
+// fc2's partial sums of them.
+void item_fc2(RankProgram& p, int set, int layer, int c, std::size_t i) {
+  ExpertItem& I = p.slot(set, layer, c).items[i];
+  const std::int64_t rows = gathered_rows(I);
+  ops::linear_forward(I.hidden.slice(0, 0, rows), weight_of(*p.layer(layer).expert_fc2, I),
+                      Tensor{}, I.tp_partial.slice(0, 0, rows));
+}
+
+// Backward, the input half: fc2's and the activation's backward, fc1's input-gradient partial
+// sums.
+void item_input_gradient(RankProgram& p, int set, int layer, int c, std::size_t i) {
+  ExpertItem& I = p.slot(set, layer, c).items[i];
+  const LayerShard& W = p.layer(layer);
+  const std::int64_t rows = gathered_rows(I);
+  if (I.tp_d_gathered_rows != I.tp_gathered_rows)
+    throw std::logic_error(
+        "expert items: the output gradients gathered over tp do not match the forward's rows");
+  ops::linear_backward_input(I.tp_d_gathered.slice(0, 0, rows), weight_of(*W.expert_fc2, I),
+                             I.d_hidden.slice(0, 0, rows));
+  activation_backward(p.shape.model, I.hidden_pre.slice(0, 0, rows), I.d_hidden.slice(0, 0, rows),
+                      I.d_pre.slice(0, 0, rows));
+  ops::linear_backward_input(I.d_pre.slice(0, 0, rows), weight_of(*W.expert_fc1, I),
+                             I.tp_partial.slice(0, 0, rows));
+}
+
+// The weight half: fc2's and fc1's weight gradients.
+void item_weight_gradient(RankProgram& p, int set, int layer, int c, std::size_t i) {
+  ExpertItem& I = p.slot(set, layer, c).items[i];
+  const LayerShard& W = p.layer(layer);
+  const std::int64_t rows = gathered_rows(I);
+  ops::linear_backward_weight(I.hidden.slice(0, 0, rows), I.tp_d_gathered.slice(0, 0, rows),
+                              grad_of(*W.expert_fc2, I), Tensor{});
+  ops::linear_backward_weight(I.tp_gathered.slice(0, 0, rows), I.d_pre.slice(0, 0, rows),
+                              grad_of(*W.expert_fc1, I), Tensor{});
+}
+
+}  // namespace
+
 std::vector<SlotProgress> MoeMlp::split_item_pipeline(const BuildPosition& pos,
                                                       const std::vector<int>& slots,
                                                       const std::vector<SlotProgress>& routed,
@@ -129,15 +196,9 @@ std::vector<SlotProgress> MoeMlp::split_item_pipeline(const BuildPosition& pos,
   const std::int64_t h = z.h;
   const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
   const std::vector<ItemRef> items = items_of(*P, set, l, slots);
-  auto slot_index = [&](int c) {
-    return static_cast<std::size_t>(std::find(slots.begin(), slots.end(), c) - slots.begin());
-  };
+  auto slot_index = [&](int c) { return index_of(slots, c); };
   // Each item's dispatch: issued after the router, or here, where the chain reaches it.
-  std::vector<TaskId> dispatches(items.size(), rt::kNoTask);
-  for (std::size_t k = 0; k < items.size(); ++k) {
-    const SlotProgress& r = routed[slot_index(items[k].slot)];
-    if (!r.items.empty()) dispatches[k] = r.items[static_cast<std::size_t>(items[k].item)];
-  }
+  std::vector<TaskId> dispatches = issued_dispatches(items, slots, routed);
   auto dispatched = [&](std::size_t k) {
     if (dispatches[k] == rt::kNoTask)
       dispatches[k] = item_exchange(
@@ -180,23 +241,12 @@ std::vector<SlotProgress> MoeMlp::split_item_pipeline(const BuildPosition& pos,
     const std::string at = slot_prefix(c) + fmt::format("i{}.", i);
     gather(k);
     if (k + 1 < items.size()) gather(k + 1);
-    const TaskId first = P->compute(at + "fc1", tags, per_item * f1 / (f1 + f), [=] {
-      ExpertItem& I = p->slot(set, layer, c).items[i];
-      const LayerShard& W = p->layer(layer);
-      const std::int64_t rows = gathered_rows(I);
-      ops::linear_forward(I.tp_gathered.slice(0, 0, rows), weight_of(*W.expert_fc1, I), Tensor{},
-                          I.hidden_pre.slice(0, 0, rows));
-      activation_forward(p->shape.model, I.hidden_pre.slice(0, 0, rows),
-                         I.hidden.slice(0, 0, rows));
-    });
+    const TaskId first = P->compute(at + "fc1", tags, per_item * f1 / (f1 + f),
+                                    [=] { item_fc1(*p, set, layer, c, i); });
     P->after(gathered[k], first);
     if (k > 0) combine(k - 1);
-    const TaskId second = P->compute(at + "fc2", tags, per_item * f / (f1 + f), [=] {
-      ExpertItem& I = p->slot(set, layer, c).items[i];
-      const std::int64_t rows = gathered_rows(I);
-      ops::linear_forward(I.hidden.slice(0, 0, rows), weight_of(*p->layer(layer).expert_fc2, I),
-                          Tensor{}, I.tp_partial.slice(0, 0, rows));
-    });
+    const TaskId second = P->compute(at + "fc2", tags, per_item * f / (f1 + f),
+                                     [=] { item_fc2(*p, set, layer, c, i); });
     ExpertItem& I = P->slot(set, l, c).items[i];
     reduced[k] = P->tensor.reduce_scatter_v(second,
                                             {.send = read_of(I.tp_partial),
@@ -225,9 +275,7 @@ std::vector<SlotProgress> MoeMlp::split_item_pipeline_backward(
   const std::int64_t h = z.h;
   const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
   std::vector<ItemRef> items = items_of(*P, set, l, slots);
-  auto slot_index = [&](int c) {
-    return static_cast<std::size_t>(std::find(slots.begin(), slots.end(), c) - slots.begin());
-  };
+  auto slot_index = [&](int c) { return index_of(slots, c); };
   const rt::CostHint per_item =
       cost::expert_item(z, static_cast<double>(z.slot_tokens()), z.item_slices());
   const std::int64_t expected = expected_item_rows(z);
@@ -270,20 +318,8 @@ std::vector<SlotProgress> MoeMlp::split_item_pipeline_backward(
     gather(k);
     if (k + 1 < items.size()) gather(k + 1);
     // The input half: fc2's and the activation's backward, fc1's input-gradient partial sums.
-    const TaskId input = P->compute(at + "experts_backward", tags, per_item, [=] {
-      ExpertItem& I = p->slot(set, layer, c).items[i];
-      const LayerShard& W = p->layer(layer);
-      const std::int64_t rows = gathered_rows(I);
-      if (I.tp_d_gathered_rows != I.tp_gathered_rows)
-        throw std::logic_error(
-            "expert items: the output gradients gathered over tp do not match the forward's rows");
-      ops::linear_backward_input(I.tp_d_gathered.slice(0, 0, rows), weight_of(*W.expert_fc2, I),
-                                 I.d_hidden.slice(0, 0, rows));
-      activation_backward(p->shape.model, I.hidden_pre.slice(0, 0, rows),
-                          I.d_hidden.slice(0, 0, rows), I.d_pre.slice(0, 0, rows));
-      ops::linear_backward_input(I.d_pre.slice(0, 0, rows), weight_of(*W.expert_fc1, I),
-                                 I.tp_partial.slice(0, 0, rows));
-    });
+    const TaskId input = P->compute(at + "experts_backward", tags, per_item,
+                                    [=] { item_input_gradient(*p, set, layer, c, i); });
     P->after(gathered[k], input);
     ExpertItem& I = P->slot(set, l, c).items[i];
     const TaskId reduced =
@@ -295,18 +331,9 @@ std::vector<SlotProgress> MoeMlp::split_item_pipeline_backward(
                                               h, at + "experts_grad_scatter", tags));
     // The weight half runs while the input gradient is reduce-scattered (or waits for W).
     halves.place(halves.immediate(), [=] {
-      return p->compute(
-          at + "experts_weight_grad",
-          pos.tags(keep ? rt::Phase::weight : rt::Phase::backward, layer), per_item, [=] {
-            ExpertItem& I = p->slot(set, layer, c).items[i];
-            const LayerShard& W = p->layer(layer);
-            const std::int64_t rows = gathered_rows(I);
-            ops::linear_backward_weight(I.hidden.slice(0, 0, rows),
-                                        I.tp_d_gathered.slice(0, 0, rows),
-                                        grad_of(*W.expert_fc2, I), Tensor{});
-            ops::linear_backward_weight(I.tp_gathered.slice(0, 0, rows), I.d_pre.slice(0, 0, rows),
-                                        grad_of(*W.expert_fc1, I), Tensor{});
-          });
+      return p->compute(at + "experts_weight_grad",
+                        pos.tags(keep ? rt::Phase::weight : rt::Phase::backward, layer), per_item,
+                        [=] { item_weight_gradient(*p, set, layer, c, i); });
     });
     out[slot_index(c)].items.push_back(chain.link(item_exchange(
         pos, c, static_cast<int>(i), reduced, &ExpertItem::d_expert_in, &ExpertItem::d_home, false,

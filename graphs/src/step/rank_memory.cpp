@@ -33,7 +33,7 @@ void allocate_set(RankProgram& P, ActivationSet& X, int k) {
     } else {
       // A recomputed layer keeps its input (the group's, or the previous layer's output in the
       // working set) and, as the group's last, its output: the next group's input.
-      const std::pair<int, bool> slot{l - group.begin, P.layer(l).moe};
+      const std::pair<int, bool> slot{l - group.begin, z.spec(l).moe()};
       auto [at, added] = P.state.recompute_working_set.try_emplace(slot);
       LayerActivations& W = at->second;
       if (added) {

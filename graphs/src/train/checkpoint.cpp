@@ -45,6 +45,7 @@ json describe(const ModelConfig& m) {
           {"rotary_base", m.rotary_base},
           {"normalization", m.normalization == Normalization::rms_norm ? "RMSNorm" : "LayerNorm"},
           {"num_query_groups", m.query_groups()},
+          {"qk_layernorm", m.qk_layernorm},
           {"untie_embeddings_and_output_weights", m.untie_embeddings_and_output_weights},
           {"add_bias_linear", m.add_bias_linear},
           {"moe_router_topk", m.moe_router_topk},
@@ -58,8 +59,8 @@ json with_defaults(json saved, const ModelConfig& m) {
   const json implied = describe(defaults);
   for (const char* key :
        {"position_embedding_type", "rotary_percent", "rotary_base", "normalization",
-        "num_query_groups", "untie_embeddings_and_output_weights", "add_bias_linear",
-        "moe_router_topk", "norm_epsilon"})
+        "num_query_groups", "qk_layernorm", "untie_embeddings_and_output_weights",
+        "add_bias_linear", "moe_router_topk", "norm_epsilon"})
     if (!saved.contains(key)) saved[key] = implied[key];
   return saved;
 }
@@ -527,6 +528,7 @@ SavedConfiguration read_checkpoint_config(const std::string& path) {
                               : Normalization::layer_norm;
     const int groups = whole_number<int>(full, "num_query_groups");
     model.num_query_groups = groups == model.num_attention_heads ? 0 : groups;
+    model.qk_layernorm = full.at("qk_layernorm").get<bool>();
     model.untie_embeddings_and_output_weights =
         full.at("untie_embeddings_and_output_weights").get<bool>();
     model.add_bias_linear = full.at("add_bias_linear").get<bool>();

@@ -70,6 +70,9 @@ struct ModelConfig {
   double rotary_base = 10000;   // --rotary-base: theta_i = base^(-2i / rotary dims)
   Normalization normalization = Normalization::layer_norm;
   double layernorm_epsilon = 1e-5;  // --norm-epsilon (--layernorm-epsilon)
+  // --qk-layernorm: each head's queries and keys normed (LayerNorm or RMSNorm as above, over the
+  // head's dimensions) after the QKV projection and before the rotary embedding.
+  bool qk_layernorm = false;
   // --num-query-groups with --group-query-attention: key/value heads, each shared by
   // num_attention_heads / num_query_groups query heads; 0: one per query head.
   int num_query_groups = 0;

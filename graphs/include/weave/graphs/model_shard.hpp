@@ -75,6 +75,12 @@ struct LayerShard {
   // its key, its value (per head q, k, v without grouped-query attention)
   Parameter* qkv_weight = nullptr;
   Parameter* qkv_bias = nullptr;
+  // --qk-layernorm: the norms of every query head and every key head, [head_dim] each, the same
+  // on every tp rank (biases with LayerNorm only).
+  Parameter* q_norm_weight = nullptr;
+  Parameter* q_norm_bias = nullptr;
+  Parameter* k_norm_weight = nullptr;
+  Parameter* k_norm_bias = nullptr;
   Parameter* proj_weight = nullptr;  // local [h, h/tp]
   Parameter* proj_bias = nullptr;
   Parameter* ln2_weight = nullptr;
@@ -100,6 +106,8 @@ struct StageContents {
   // equal and kept equal by summing both copies' gradients (the embedding group's all-reduce).
   bool output_layer = true;
 };
+
+class ParameterDeclarer;
 
 class ModelShard {
  public:
@@ -146,6 +154,14 @@ class ModelShard {
   const GradientBucket& bucket_of(const Parameter& p) const;
 
  private:
+  // The modules of each layer declare their parameters through it (graphs/src).
+  friend class ParameterDeclarer;
+  void declare_embedding(ParameterDeclarer& declare);
+  void declare_output_layer(ParameterDeclarer& declare);
+  // Gradient buckets in the order the backward makes them ready, each parameter's value and
+  // gradient moved into its bucket's flat storage.
+  void make_buckets(const Mesh& mesh, int rank);
+  void make_bucket(const Mesh& mesh, int rank, std::string name, std::vector<Parameter*> params);
   // std > 0: normal(0, std) draws; otherwise every element is `constant`. While !holding_, only
   // counts the parameter and returns a placeholder.
   Parameter& add(std::string name, const ops::Shape& local, std::int64_t logical_rows,

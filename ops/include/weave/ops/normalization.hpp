@@ -16,7 +16,8 @@ void layer_norm_forward(const BasicTensor<T>& x, const BasicTensor<T>& gamma,
                         const BasicTensor<T>& beta, double eps, const BasicTensor<T>& y,
                         const BasicTensor<T>& mean, const BasicTensor<T>& rstd);
 
-// dx written; dgamma, dbeta accumulated (each may be undefined).
+// dx written; dgamma, dbeta accumulated (each may be undefined). dx may be dy (in place): each
+// row of dy is read before that row of dx is written.
 template <typename T>
 void layer_norm_backward(const BasicTensor<T>& x, const BasicTensor<T>& gamma,
                          const BasicTensor<T>& mean, const BasicTensor<T>& rstd,
@@ -28,6 +29,7 @@ template <typename T>
 void rms_norm_forward(const BasicTensor<T>& x, const BasicTensor<T>& gamma, double eps,
                       const BasicTensor<T>& y, const BasicTensor<T>& rstd);
 
+// dx may be dy, as for layer_norm_backward.
 template <typename T>
 void rms_norm_backward(const BasicTensor<T>& x, const BasicTensor<T>& gamma,
                        const BasicTensor<T>& rstd, const BasicTensor<T>& dy,

@@ -1,0 +1,29 @@
+// What a layer's attention keeps for its backward, on one device, for one micro-batch in flight.
+#pragma once
+
+#include "weave/ops/tensor.hpp"
+
+namespace weave::graphs {
+
+using ops::Tensor;
+
+// --qk-layernorm: the queries and keys before their norms [s B, Gl, qpg + 1, d] and each
+// head's statistics [s B Gl (qpg + 1)], queries' first.
+struct QkNormState {
+  Tensor in, mean, rstd;
+};
+
+struct AttentionActivations {
+  Tensor ln1, ln1_mean, ln1_rstd, ln1_full;
+  Tensor qkv, attn, lse, proj_partial, proj_out;
+  Tensor kv_local;  // context parallelism: this rank's keys and values [Sc, B, Gl, 2d]
+  // Ampipe under CP, unless the blocks are sent again in backward: every cp rank's block, by
+  // owner [cp Sc, B, Gl, 2d] (kv_local is this rank's slot).
+  Tensor kv_store;
+  // A split backward (zero-bubble schedules): the out-projection's and QKV's output gradients,
+  // kept from the input-gradient half (I) until the weight half (W) runs.
+  Tensor saved_d_proj, saved_d_qkv;
+  QkNormState qk_norm;
+};
+
+}  // namespace weave::graphs

@@ -1,0 +1,17 @@
+// What a dense layer's MLP keeps for its backward, on one device, for one micro-batch in flight.
+#pragma once
+
+#include "weave/ops/tensor.hpp"
+
+namespace weave::graphs {
+
+using ops::Tensor;
+
+struct DenseMlpActivations {
+  Tensor fc1, act, fc2_partial;  // [Sc, B, f1l], [Sc, B, fl], [Sc, B, h]
+  // A split backward (zero-bubble schedules): fc2's and fc1's output gradients, kept from the
+  // input-gradient half (I) until the weight half (W) runs.
+  Tensor saved_d_fc2, saved_d_fc1;
+};
+
+}  // namespace weave::graphs

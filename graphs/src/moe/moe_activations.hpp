@@ -1,0 +1,84 @@
+// What a MoE layer's MLP keeps for one micro-batch: a slot per Ampipe chunk (one without Ampipe)
+// with its routing, dispatch and expert rows, forward and backward, and the router's statistics
+// of the whole micro-batch.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "weave/ops/moe_dispatch.hpp"
+#include "weave/ops/tensor.hpp"
+
+namespace weave::graphs {
+
+using ops::Tensor;
+
+// --use-pipe-experts: one item of a MoE slot, the picks bound for local expert `expert` of every
+// expert-parallel rank (capacity slice `slice` of them), with its own all-to-alls.
+struct ExpertItem {
+  int expert = 0, slice = 0;
+  std::vector<std::int64_t> rows;  // the slot's grouped rows it carries, by destination rank
+  std::vector<std::int64_t> send_rows, recv_rows, framed_send_rows, framed_recv_rows;  // [ep]
+  Tensor send, arrived;  // framed: one header row (the count) per destination / source
+  Tensor expert_in, hidden_pre, hidden, expert_result;  // by source
+  Tensor back;                                          // results home, by destination
+  Tensor d_back, d_arrived, d_expert_in, d_home;        // backward
+  // Experts split over tp: this rank's rows of the item (expert_in) and every tp rank's
+  // gathered, fc2's partial sums of them (fc1's input-gradient partial sums in backward), the
+  // gathered output gradients, and the hidden layer's and the first product's gradients.
+  std::int64_t tp_send_rows = 0;
+  Tensor tp_gathered, tp_partial, tp_d_gathered, d_hidden, d_pre;  // [tp in, ...]
+  std::vector<std::int64_t> tp_gathered_rows, tp_d_gathered_rows;  // [tp]
+};
+
+// The routing and expert buffers of one MoE slot: the tokens a rank routes at once (all of its
+// T tokens, or one Ampipe chunk of them), forward and backward.
+struct MoeSlot {
+  std::int64_t tokens = 0;
+  Tensor moe_in, router_logits, probs, topk_weight, grouped, hidden_pre, hidden, expert_out,
+      moe_out, stats;
+  std::vector<std::int32_t> topk_index;
+  ops::DispatchPlan dispatch;
+  // Expert parallelism: rows leave grouped by destination rank, arrive grouped by source rank
+  // (each source's rows in local-expert order), and are regrouped by local expert to run. The
+  // dispatch frames each destination's rows with header rows holding their per-expert counts,
+  // so one all-to-all carries both (no separate count exchange ahead of it); every later
+  // exchange moves unframed rows.
+  Tensor counts_recv;                              // [ep x local experts]: rows per expert
+  std::vector<std::int64_t> send_rows, recv_rows;  // [ep]: rows per destination / source
+  std::vector<std::int64_t> framed_send_rows, framed_recv_rows;  // the same plus headers
+  Tensor arrived, expert_in, expert_result, leaving;             // [ep tokens k (+ headers), h]
+  std::vector<std::int64_t> local_begin;  // [local experts + 1] rows of expert_in
+  std::vector<std::int64_t> source_row;   // expert_in row -> unframed arrival row
+  std::vector<std::int64_t> arrived_row;  // expert_in row -> row of `arrived`
+  // Backward.
+  Tensor d_moe, d_grouped, d_expert_out, d_topk, d_router_logits, d_moe_in;
+  Tensor d_arrived, d_expert_in, d_expert_result, d_leaving;
+  // Experts split over the tensor-parallel group (StepShape::experts_split): the rows this rank
+  // received framed with their per-local-expert counts, every tp rank's gathered (each block
+  // framed), fc2's partial sums of all of them (in backward fc1's input-gradient partial sums),
+  // and this rank's rows reduced; in backward the output gradients of this rank's rows and of
+  // every rank's.
+  Tensor tp_send;                                   // [H + capacity, h]
+  std::int64_t tp_send_rows = 0;                    // framed rows this rank sends
+  Tensor tp_gathered;                               // [tp (H + capacity), h]
+  std::vector<std::int64_t> tp_gathered_rows;       // [tp]: framed rows of each block
+  std::vector<std::int64_t> tp_rows;                // [tp]: unframed rows of each block
+  std::vector<std::vector<std::int64_t>> tp_begin;  // [tp][local experts + 1]: expert offsets
+  Tensor tp_partial;                                // [tp capacity, h]
+  Tensor tp_result;                                 // [capacity, h]
+  Tensor tp_d_rows;                                 // [capacity, h]
+  std::int64_t tp_d_send_rows = 0;
+  Tensor tp_d_gathered;                          // [tp capacity, h]
+  std::vector<std::int64_t> tp_d_gathered_rows;  // [tp]
+  Tensor tp_d_in;                                // [capacity, h]
+  std::vector<ExpertItem> items;                 // --use-pipe-experts
+  Tensor saved_d_pre;  // a split backward: the experts' first-product gradient, for W
+};
+
+struct MoeActivations {
+  std::vector<MoeSlot> slots;
+  Tensor stats_total;  // [2 E + 2]: the statistics the router's losses use
+};
+
+}  // namespace weave::graphs
