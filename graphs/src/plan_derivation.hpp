@@ -12,9 +12,9 @@ namespace weave::graphs {
 
 // Fills in what the flags imply (virtual stages from --num-layers-per-virtual-pipeline-stage or
 // zb-v, split experts from --moe-model-type deepspeed_moe) and switches off what cannot apply,
-// returning a warning for each feature switched off or without effect, in the order the
-// features are listed above. Never throws: a value whose inputs break a rule is left as given,
-// or derived without dividing by a size that may be zero, and the rule then refuses the plan.
+// returning a warning for each feature switched off or without effect. Refuses nothing: a value
+// whose inputs break a rule is left as given (or derived without dividing by a size that may be
+// zero), and check_plan_rules() then refuses the plan.
 std::vector<std::string> derive_plan(const ModelConfig& model, ParallelPlan& plan);
 
 // The tokens an expert takes from one Ampipe chunk of a micro-batch at a capacity factor > 0:
