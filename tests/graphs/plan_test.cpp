@@ -334,6 +334,126 @@ TEST(ParallelPlan, PipeExpertsFollowMindSpeedsRules) {
                        "--pipe-experts-multi-data must be >= 1"));
 }
 
+// Each rule's refusal at least once, with its numbers.
+TEST(ParallelPlan, ModelRulesAreRefusedWithTheirNumbers) {
+  const ModelConfig moe = small_moe();
+  auto with = [&](auto change) {
+    ModelConfig m = moe;
+    change(m);
+    return refusal(m, {});
+  };
+  EXPECT_EQ(with([](ModelConfig& m) { m.max_position_embeddings = 32; }),
+            "--max-position-embeddings (32) must be >= --seq-length (48)");
+  EXPECT_EQ(with([](ModelConfig& m) { m.num_experts = -1; }), "--num-experts must be >= 0, got -1");
+  EXPECT_EQ(with([](ModelConfig& m) { m.moe_layer_freq = 0; }),
+            "--moe-layer-freq must be >= 1, got 0");
+  EXPECT_EQ(with([](ModelConfig& m) { m.moe_expert_capacity_factor = -1; }),
+            "--moe-expert-capacity-factor must be >= 0 (0: dropless), got -1");
+  EXPECT_EQ(with([](ModelConfig& m) { m.hidden_dropout = 1; }),
+            "--hidden-dropout must be in [0, 1), got 1");
+  EXPECT_EQ(with([](ModelConfig& m) { m.attention_dropout = -0.5; }),
+            "--attention-dropout must be in [0, 1), got -0.5");
+  EXPECT_EQ(with([](ModelConfig& m) { m.layernorm_epsilon = 0; }),
+            "--norm-epsilon must be > 0, got 0");
+  EXPECT_EQ(with([](ModelConfig& m) { m.vocab_size = 0; }), "--vocab-size must be >= 1, got 0");
+  EXPECT_EQ(with([](ModelConfig& m) {
+              m.recompute = {.granularity = RecomputeGranularity::selective,
+                             .method = RecomputeMethod::uniform};
+            }),
+            "--recompute-granularity selective recomputes the core attention of every layer and "
+            "takes no --recompute-method or --recompute-num-layers (Megatron-LM's rule): drop "
+            "them, or use --recompute-granularity full");
+  EXPECT_EQ(with([](ModelConfig& m) {
+              m.recompute = {.granularity = RecomputeGranularity::full,
+                             .method = RecomputeMethod::uniform,
+                             .num_layers = 3};
+            }),
+            "--recompute-num-layers must be between 1 and the layers of a pipeline rank (2 = "
+            "--num-layers 2 / --pipeline-model-parallel-size 1) with --recompute-granularity full "
+            "(Megatron-LM's rule), got 3");
+  EXPECT_EQ(with([](ModelConfig& m) {
+              m.position_embedding = PositionEmbedding::rope;
+              m.rotary_percent = 0;
+            }),
+            "--rotary-percent must be in (0, 1], got 0");
+  EXPECT_EQ(with([](ModelConfig& m) {
+              m.position_embedding = PositionEmbedding::rope;
+              m.rotary_base = 0;
+            }),
+            "--rotary-base must be > 0, got 0");
+}
+
+TEST(ParallelPlan, PlanRulesAreRefusedWithTheirNumbers) {
+  const ModelConfig moe = small_moe();
+  EXPECT_EQ(refusal(moe, {.tensor_parallel = 2,
+                          .expert_tensor_parallel = 4,
+                          .moe_model_type = "deepspeed_moe"}),
+            "--moe-model-type deepspeed_moe splits every expert over the tensor-parallel group: "
+            "--expert-tensor-parallel-size (4) must be --tensor-model-parallel-size (2) or unset");
+  EXPECT_EQ(refusal(moe, {.expert_tensor_parallel = 0}),
+            "--expert-tensor-parallel-size must be >= 1, got 0");
+  EXPECT_EQ(refusal(moe, {.virtual_pipeline = 0}),
+            "--virtual-pipeline-model-parallel-size must be >= 1, got 0");
+  EXPECT_EQ(refusal(moe, {.layers_per_virtual_stage = -1}),
+            "--num-layers-per-virtual-pipeline-stage must be >= 1, got -1");
+  ModelConfig dense = moe;
+  dense.num_experts = 0;
+  EXPECT_EQ(refusal(dense, {.pipe_experts = true}),
+            "--use-pipe-experts pipelines MoE experts: set --num-experts");
+}
+
+TEST(ParallelPlan, FeaturesWithoutEffectAreNamedInWarnings) {
+  const ModelConfig moe = small_moe();
+  ParallelPlan nanopipe{.use_nanopipe = true};
+  const auto unmodelled = validate(moe, nanopipe);
+  ASSERT_EQ(unmodelled.size(), 1u);
+  EXPECT_TRUE(mentions(unmodelled[0], "--use-nanopipe, --recompute-in-bubble")) << unmodelled[0];
+  EXPECT_TRUE(mentions(unmodelled[0], "have no effect here")) << unmodelled[0];
+  // Split experts, SP and chunks, but no expert parallelism: nothing to pipeline the
+  // tensor-parallel collectives with.
+  ParallelPlan overlap{.tensor_parallel = 2,
+                       .sequence_parallel = true,
+                       .moe_model_type = "deepspeed_moe",
+                       .ampipe_degree = 2,
+                       .ampipe_tp_sp_comm_overlap = true};
+  const auto warnings = validate(moe, overlap);
+  ASSERT_EQ(warnings.size(), 2u);
+  EXPECT_TRUE(mentions(warnings[0], "has no all-to-all to hide")) << warnings[0];
+  EXPECT_EQ(warnings[1],
+            "--ampipe-tp-sp-comm-overlap is switched off: with --expert-model-parallel-size 1 "
+            "there are no all-to-alls to pipeline with");
+  EXPECT_FALSE(overlap.ampipe_tp_sp_comm_overlap);
+}
+
+// The derived values (virtual stages, split experts, a dropped scheduler, pipe experts switched
+// off) never hide a refusal of the flags as given.
+TEST(ParallelPlan, RulesJudgeTheFlagsAsGiven) {
+  const ModelConfig m{.num_layers = 8,
+                      .hidden_size = 64,
+                      .num_attention_heads = 4,
+                      .ffn_hidden_size = 128,
+                      .seq_length = 48,
+                      .num_experts = 4};
+  // One chunk per rank from --num-layers-per-virtual-pipeline-stage, then zb-v's two.
+  ParallelPlan v{.pipeline_parallel = 2,
+                 .layers_per_virtual_stage = 4,
+                 .pipeline_scheduler = "zb-v",
+                 .global_batch_size = 4};
+  EXPECT_TRUE(validate(m, v).empty());
+  EXPECT_EQ(v.virtual_pipeline, 2);
+  EXPECT_EQ(
+      refusal(m, {.pipeline_parallel = 2, .virtual_pipeline = 0, .layers_per_virtual_stage = 1}),
+      "--virtual-pipeline-model-parallel-size must be >= 1, got 0");
+  EXPECT_TRUE(mentions(refusal(m, {.pipeline_scheduler = "1f1c"}),
+                       "--pipeline-scheduler: unknown pipeline schedule '1f1c'"));
+  EXPECT_EQ(refusal(m, {.pipe_experts = true, .pipe_experts_multi_data = 0}),
+            "--pipe-experts-multi-data must be >= 1, got 0");
+  // A refused plan is left as given.
+  ParallelPlan refused{.sequence_parallel = true, .ampipe_degree = 0};
+  EXPECT_THROW(validate(m, refused), ConfigError);
+  EXPECT_TRUE(refused.sequence_parallel);
+}
+
 TEST(ParallelPlan, SequenceParallelIsSwitchedOffAtTensorParallelOne) {
   ParallelPlan p{.sequence_parallel = true};
   const auto warnings = validate(ModelConfig{}, p);

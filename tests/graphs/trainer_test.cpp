@@ -9,6 +9,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -283,6 +284,61 @@ TEST(Trainer, RefusesWhatItCannotRunNamingTheRuleAndTheFix) {
     EXPECT_NE(std::string(e.what()).find("holds 3 devices and the plan needs"), std::string::npos)
         << e.what();
   }
+}
+
+// Each rule of a training run refused at least once, naming the flag and the value.
+TEST(TrainerConfig, EveryRunRuleIsRefusedWithItsValue) {
+  auto refusal = [](auto change) -> std::string {
+    TrainerConfig c = tiny_config(0, 2);
+    change(c);
+    try {
+      validate(c);
+    } catch (const ConfigError& e) {
+      return e.what();
+    }
+    return "(accepted)";
+  };
+  EXPECT_EQ(refusal([](TrainerConfig&) {}), "(accepted)");
+  EXPECT_EQ(refusal([](TrainerConfig& c) { c.learning_rate.warmup_iters = -1; }),
+            "--lr-warmup-iters must be >= 0, got -1");
+  EXPECT_EQ(refusal([](TrainerConfig& c) { c.eval_interval = -1; }),
+            "--eval-interval must be >= 0 (0: no evaluation), got -1");
+  EXPECT_EQ(refusal([](TrainerConfig& c) { c.save_interval = -1; }),
+            "--save-interval must be >= 0 (0: save at the end only), got -1");
+  EXPECT_EQ(refusal([](TrainerConfig& c) {
+              c.save_interval = 5;
+              c.save_path.clear();
+            }),
+            "--save-interval 5 saves a checkpoint every 5 iterations, but there is no --save: "
+            "name the checkpoint file with --save, or drop --save-interval");
+  EXPECT_EQ(refusal([](TrainerConfig& c) { c.metrics_interval = 0; }),
+            "--log-interval must be >= 1, got 0");
+  EXPECT_EQ(refusal([](TrainerConfig& c) { c.trace_iteration = 0; }),
+            "--trace-iteration must be >= 1, got 0");
+  EXPECT_EQ(refusal([](TrainerConfig& c) { c.optimizer.adamw.weight_decay = -0.5; }),
+            "--weight-decay must be >= 0, got -0.5");
+  EXPECT_EQ(refusal([](TrainerConfig& c) { c.optimizer.clip_grad = -1; }),
+            "--clip-grad must be >= 0 (0: no clipping), got -1");
+  EXPECT_EQ(refusal([](TrainerConfig& c) { c.model.init_method_std = 0; }),
+            "--init-method-std must be a finite number > 0, got 0");
+  EXPECT_EQ(refusal([](TrainerConfig& c) { c.machine.device_flops = 0; }),
+            "--device-flops must be a finite number > 0, got 0");
+  EXPECT_EQ(refusal([](TrainerConfig& c) { c.machine.device_memory_bandwidth = -1; }),
+            "--device-memory-bandwidth must be a finite number of bytes/s > 0, got -1");
+  EXPECT_EQ(refusal([](TrainerConfig& c) {
+              c.learning_rate.lr = std::numeric_limits<double>::infinity();
+              c.learning_rate.min_lr = 0;
+            }),
+            "--lr must be a finite number >= 0, got inf");
+  EXPECT_EQ(refusal([](TrainerConfig& c) { c.learning_rate.min_lr = 1; }),
+            "--min-lr (1) must be between 0 and --lr (0.01)");
+}
+
+TEST(TrainerConfig, DecayRunsOverTheWholeRunWhenNotGiven) {
+  TrainerConfig c = tiny_config(0, 7);
+  c.learning_rate.decay_iters = 0;
+  validate(c);
+  EXPECT_EQ(c.learning_rate.decay_iters, 7);
 }
 
 TEST(Trainer, RefusesSamplesOutsideTheVocabulary) {

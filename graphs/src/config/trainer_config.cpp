@@ -15,22 +15,29 @@ template <typename... Args>
   throw ConfigError(fmt::format(format, std::forward<Args>(args)...));
 }
 
-}  // namespace
+// A decay length of 0 (not given) decays over the whole run.
+void derive_decay_iters(TrainerConfig& c) {
+  if (c.learning_rate.decay_iters == 0) c.learning_rate.decay_iters = c.train_iters;
+}
 
-std::vector<std::string> validate(TrainerConfig& c) {
-  std::vector<std::string> warnings = validate(c.model, c.plan);
+void check_train_iters(const TrainerConfig& c) {
   if (c.train_iters < 1)
     refuse("--train-iters must be >= 1, got {}: set how many iterations to train", c.train_iters);
-  if (c.learning_rate.decay_iters == 0) c.learning_rate.decay_iters = c.train_iters;
+}
+
+void check_learning_rate(const LearningRateSchedule& schedule) {
   try {
-    c.learning_rate.at(1);  // refuses an unknown decay style and min_lr outside [0, lr]
+    schedule.at(1);  // refuses an unknown decay style and min_lr outside [0, lr]
   } catch (const std::invalid_argument& e) {
     throw ConfigError(e.what());
   }
-  if (!(c.learning_rate.lr >= 0) || !std::isfinite(c.learning_rate.lr))
-    refuse("--lr must be a finite number >= 0, got {}", c.learning_rate.lr);
-  if (c.learning_rate.warmup_iters < 0)
-    refuse("--lr-warmup-iters must be >= 0, got {}", c.learning_rate.warmup_iters);
+  if (!(schedule.lr >= 0) || !std::isfinite(schedule.lr))
+    refuse("--lr must be a finite number >= 0, got {}", schedule.lr);
+  if (schedule.warmup_iters < 0)
+    refuse("--lr-warmup-iters must be >= 0, got {}", schedule.warmup_iters);
+}
+
+void check_eval_and_save_intervals(const TrainerConfig& c) {
   if (c.eval_interval < 0)
     refuse("--eval-interval must be >= 0 (0: no evaluation), got {}", c.eval_interval);
   if (c.eval_iters < 1)
@@ -43,6 +50,9 @@ std::vector<std::string> validate(TrainerConfig& c) {
         "--save-interval {} saves a checkpoint every {} iterations, but there is no --save: "
         "name the checkpoint file with --save, or drop --save-interval",
         c.save_interval, c.save_interval);
+}
+
+void check_log_and_trace(const TrainerConfig& c) {
   if (c.metrics_interval < 1) refuse("--log-interval must be >= 1, got {}", c.metrics_interval);
   if (c.trace_iteration < 1) refuse("--trace-iteration must be >= 1, got {}", c.trace_iteration);
   if (!c.trace_path.empty() && c.trace_iteration > c.train_iters)
@@ -50,8 +60,11 @@ std::vector<std::string> validate(TrainerConfig& c) {
         "--trace-iteration {} is beyond the run's last iteration, --train-iters {}: the trace "
         "would never be written; choose an iteration from 1 to {}",
         c.trace_iteration, c.train_iters, c.train_iters);
+}
+
+void check_optimizer(const OptimizerConfig& optimizer) {
   // AdamW's moments decay by beta each step: 1 or more never forgets, below 0 oscillates.
-  const ops::AdamWOptions& adam = c.optimizer.adamw;
+  const ops::AdamWOptions& adam = optimizer.adamw;
   if (!(adam.beta1 >= 0 && adam.beta1 < 1))
     refuse("--adam-beta1 must be in [0, 1), got {}: it is the first moment's decay (0.9 is usual)",
            adam.beta1);
@@ -67,28 +80,50 @@ std::vector<std::string> validate(TrainerConfig& c) {
         adam.eps);
   if (!(adam.weight_decay >= 0) || !std::isfinite(adam.weight_decay))
     refuse("--weight-decay must be >= 0, got {}", adam.weight_decay);
-  if (!(c.optimizer.clip_grad >= 0) || !std::isfinite(c.optimizer.clip_grad))
-    refuse("--clip-grad must be >= 0 (0: no clipping), got {}", c.optimizer.clip_grad);
-  if (!(c.model.moe_aux_loss_coeff >= 0) || !std::isfinite(c.model.moe_aux_loss_coeff))
+  if (!(optimizer.clip_grad >= 0) || !std::isfinite(optimizer.clip_grad))
+    refuse("--clip-grad must be >= 0 (0: no clipping), got {}", optimizer.clip_grad);
+}
+
+// The loss terms' weights and the initialisation's spread.
+void check_loss_weights_and_init(const ModelConfig& m) {
+  if (!(m.moe_aux_loss_coeff >= 0) || !std::isfinite(m.moe_aux_loss_coeff))
     refuse("--moe-aux-loss-coeff must be >= 0, got {}: a negative weight rewards imbalance",
-           c.model.moe_aux_loss_coeff);
-  if (!(c.model.moe_z_loss_coeff >= 0) || !std::isfinite(c.model.moe_z_loss_coeff))
+           m.moe_aux_loss_coeff);
+  if (!(m.moe_z_loss_coeff >= 0) || !std::isfinite(m.moe_z_loss_coeff))
     refuse(
         "--moe-z-loss-coeff must be >= 0, got {}: a negative weight rewards large router "
         "logits",
-        c.model.moe_z_loss_coeff);
-  if (!(c.model.init_method_std > 0) || !std::isfinite(c.model.init_method_std))
-    refuse("--init-method-std must be a finite number > 0, got {}", c.model.init_method_std);
-  if (!std::isfinite(c.machine.device_flops) || c.machine.device_flops <= 0)
-    refuse("--device-flops must be a finite number > 0, got {}", c.machine.device_flops);
-  if (!std::isfinite(c.machine.device_memory_bandwidth) || c.machine.device_memory_bandwidth <= 0)
+        m.moe_z_loss_coeff);
+  if (!(m.init_method_std > 0) || !std::isfinite(m.init_method_std))
+    refuse("--init-method-std must be a finite number > 0, got {}", m.init_method_std);
+}
+
+// The modelled device's rates and link preset.
+void check_machine(const ModelledMachine& machine) {
+  if (!std::isfinite(machine.device_flops) || machine.device_flops <= 0)
+    refuse("--device-flops must be a finite number > 0, got {}", machine.device_flops);
+  if (!std::isfinite(machine.device_memory_bandwidth) || machine.device_memory_bandwidth <= 0)
     refuse("--device-memory-bandwidth must be a finite number of bytes/s > 0, got {}",
-           c.machine.device_memory_bandwidth);
+           machine.device_memory_bandwidth);
   try {
-    devices::LinkModel::preset(c.machine.link);
+    devices::LinkModel::preset(machine.link);
   } catch (const std::invalid_argument& e) {
     throw ConfigError(e.what());
   }
+}
+
+}  // namespace
+
+std::vector<std::string> validate(TrainerConfig& c) {
+  std::vector<std::string> warnings = validate(c.model, c.plan);
+  check_train_iters(c);
+  derive_decay_iters(c);
+  check_learning_rate(c.learning_rate);
+  check_eval_and_save_intervals(c);
+  check_log_and_trace(c);
+  check_optimizer(c.optimizer);
+  check_loss_weights_and_init(c.model);
+  check_machine(c.machine);
   return warnings;
 }
 

@@ -146,9 +146,9 @@ std::pair<double, double> fit_products(const std::vector<ProductSample>& samples
   return {1 / a, b / a};
 }
 
-}  // namespace
+using Measurements = std::vector<KernelMeasurement>;
 
-HostCalibration calibrate_host(const CalibrationOptions& options) {
+void check_options(const CalibrationOptions& options) {
   if (options.devices < 1 || options.devices > 4096)
     throw std::invalid_argument(fmt::format(
         "calibration needs 1 to 4096 devices to measure side by side, got {}", options.devices));
@@ -156,12 +156,16 @@ HostCalibration calibrate_host(const CalibrationOptions& options) {
     throw std::invalid_argument(
         fmt::format("each calibration measurement runs for (0, 60] seconds, got {}",
                     options.seconds_per_measurement));
-  devices::DeviceSet set(options.devices);
-  const double seconds = options.seconds_per_measurement;
-  HostCalibration result;
+}
 
-  // Matrix products: the shapes a small model's layers multiply, from square to skinny (few
-  // rows, as a micro-batch's tokens to one expert; a narrow side, as a tensor-parallel shard).
+struct ProductRates {
+  double rate, overhead;  // R and d0 of fit_products
+  std::size_t shapes;
+};
+
+// Matrix products: the shapes a small model's layers multiply, from square to skinny (few rows,
+// as a micro-batch's tokens to one expert; a narrow side, as a tensor-parallel shard).
+ProductRates calibrate_products(devices::DeviceSet& set, double seconds, Measurements& out) {
   const std::vector<std::array<std::int64_t, 3>> shapes = {
       {2048, 256, 1024}, {2048, 1024, 256}, {1024, 512, 512}, {512, 256, 768},
       {256, 256, 256},   {128, 256, 1024},  {64, 256, 512},   {32, 256, 1024},
@@ -171,20 +175,54 @@ HostCalibration calibrate_host(const CalibrationOptions& options) {
     products.push_back(measure_product(set, seconds, m, k, n));
   const auto [rate, overhead] = fit_products(products);
   for (const ProductSample& s : products)
-    result.measurements.push_back(
+    out.push_back(
         {.kernel = "matmul",
          .shape = fmt::format("[{}, {}] x [{}, {}], forward and backward", s.m, s.k, s.k, s.n),
          .seconds = s.seconds,
          .modelled_seconds = (s.flops + overhead * s.edges) / rate});
+  return {rate, overhead, products.size()};
+}
 
-  // Attention: the blockwise kernel's forward and backward apart (a step runs them in tasks of
-  // their own), causal, at two shapes, cold.
-  struct AttentionShape {
-    std::int64_t b, s, heads, d;
-  };
+struct AttentionShape {
+  std::int64_t b, s, heads, d;
+};
+
+// The causal blockwise attention's forward or backward at one shape, cycling through cold sets
+// of buffers; the forward has filled o and lse, which the backward reads.
+KernelFactory attention_kernel(AttentionShape a, bool backward) {
   struct AttentionBuffers {
     Tensor q, o, lse, dq, dk, dv;
   };
+  const int sets = cold_sets(4.0 * 5 * static_cast<double>(a.b * a.s * a.heads * a.d));
+  return [=] {
+    auto buffers = std::make_shared<std::vector<AttentionBuffers>>();
+    const ops::Shape shape{a.b, a.s, a.heads, a.d};
+    for (int i = 0; i < sets; ++i)
+      buffers->push_back({filled(shape, 0.01f), filled(shape, 0.f),
+                          filled({a.b, a.heads, a.s}, 0.f), filled(shape, 0.f), filled(shape, 0.f),
+                          filled(shape, 0.f)});
+    for (AttentionBuffers& x : *buffers)  // o and lse, which the backward reads
+      ops::attention_forward(ops::AttentionOptions{}, x.q, x.q, x.q, x.o, x.lse);
+    auto next = std::make_shared<int>(0);
+    return std::function<void()>([=] {
+      AttentionBuffers& x = (*buffers)[static_cast<std::size_t>((*next)++ % sets)];
+      const ops::AttentionOptions causal{};
+      if (backward)
+        ops::attention_backward(causal, x.q, x.q, x.q, x.o, x.lse, x.o, x.dq, x.dk, x.dv);
+      else
+        ops::attention_forward(causal, x.q, x.q, x.q, x.o, x.lse);
+    });
+  };
+}
+
+struct AttentionRates {
+  double forward, backward;  // flop/s
+  std::size_t shapes;
+};
+
+// Attention: the blockwise kernel's forward and backward apart (a step runs them in tasks of
+// their own), causal, at two shapes, cold.
+AttentionRates calibrate_attention(devices::DeviceSet& set, double seconds, Measurements& out) {
   double forward_flops = 0, forward_seconds = 0, backward_flops = 0, backward_seconds = 0;
   struct AttentionSample {
     AttentionShape shape;
@@ -192,31 +230,8 @@ HostCalibration calibrate_host(const CalibrationOptions& options) {
   };
   std::vector<AttentionSample> attention;
   for (const AttentionShape a : {AttentionShape{4, 256, 8, 32}, AttentionShape{1, 512, 8, 64}}) {
-    const std::int64_t elements = a.b * a.s * a.heads * a.d;
-    const int sets = cold_sets(4.0 * 5 * static_cast<double>(elements));
-    auto make = [=](bool backward) {
-      return [=] {
-        auto buffers = std::make_shared<std::vector<AttentionBuffers>>();
-        const ops::Shape shape{a.b, a.s, a.heads, a.d};
-        for (int i = 0; i < sets; ++i)
-          buffers->push_back({filled(shape, 0.01f), filled(shape, 0.f),
-                              filled({a.b, a.heads, a.s}, 0.f), filled(shape, 0.f),
-                              filled(shape, 0.f), filled(shape, 0.f)});
-        for (AttentionBuffers& x : *buffers)  // o and lse, which the backward reads
-          ops::attention_forward(ops::AttentionOptions{}, x.q, x.q, x.q, x.o, x.lse);
-        auto next = std::make_shared<int>(0);
-        return std::function<void()>([=] {
-          AttentionBuffers& x = (*buffers)[static_cast<std::size_t>((*next)++ % sets)];
-          const ops::AttentionOptions causal{};
-          if (backward)
-            ops::attention_backward(causal, x.q, x.q, x.q, x.o, x.lse, x.o, x.dq, x.dk, x.dv);
-          else
-            ops::attention_forward(causal, x.q, x.q, x.q, x.o, x.lse);
-        });
-      };
-    };
-    const double forward = time_on_devices(set, seconds, make(false));
-    const double backward = time_on_devices(set, seconds, make(true));
+    const double forward = time_on_devices(set, seconds, attention_kernel(a, false));
+    const double backward = time_on_devices(set, seconds, attention_kernel(a, true));
     // cost::causal_attention's count for the whole sequence on one rank: 2 b h s^2 d forward,
     // 2.5 times that backward.
     const double flops =
@@ -225,58 +240,71 @@ HostCalibration calibrate_host(const CalibrationOptions& options) {
     backward_flops += 2.5 * flops, backward_seconds += backward;
     attention.push_back({a, flops, forward, backward});
   }
-  const double attention_rate = forward_flops / forward_seconds;
-  const double attention_backward_rate = backward_flops / backward_seconds;
+  const AttentionRates rates{forward_flops / forward_seconds, backward_flops / backward_seconds,
+                             attention.size()};
   for (const AttentionSample& x : attention) {
     const std::string shape = fmt::format("causal, {} x {} positions, {} heads of {}", x.shape.b,
                                           x.shape.s, x.shape.heads, x.shape.d);
-    result.measurements.push_back({.kernel = "attention",
-                                   .shape = shape + ", forward",
-                                   .seconds = x.forward,
-                                   .modelled_seconds = x.flops / attention_rate});
-    result.measurements.push_back({.kernel = "attention",
-                                   .shape = shape + ", backward",
-                                   .seconds = x.backward,
-                                   .modelled_seconds = 2.5 * x.flops / attention_backward_rate});
+    out.push_back({.kernel = "attention",
+                   .shape = shape + ", forward",
+                   .seconds = x.forward,
+                   .modelled_seconds = x.flops / rates.forward});
+    out.push_back({.kernel = "attention",
+                   .shape = shape + ", backward",
+                   .seconds = x.backward,
+                   .modelled_seconds = 2.5 * x.flops / rates.backward});
   }
+  return rates;
+}
 
-  // Streaming: what a step streams, cold, charged the elements the step's tasks are charged. Per
-  // parameter: AdamW (7: value, gradient and two moments read, three written), the gradient
-  // norm (1) and zeroing the gradients (1); per activation element of a layer: a norm (2), its
-  // backward (3) and a residual add (3). In the proportion a small model's step has them.
+// One step's streaming kernels at one size: a norm, its backward and a residual add over
+// [rows, h] activations; AdamW, the gradient norm and zeroing over `params` parameters.
+KernelFactory streaming_kernel(std::int64_t rows, std::int64_t h, std::int64_t params, int sets) {
   struct StreamingBuffers {
     Tensor x, y, dx, gamma, beta, mean, rstd, p, g, m, v;
   };
+  return [=] {
+    auto buffers = std::make_shared<std::vector<StreamingBuffers>>();
+    for (int i = 0; i < sets; ++i)
+      buffers->push_back({filled({rows, h}, 0.5f), filled({rows, h}, 0.f), filled({rows, h}, 0.f),
+                          filled({h}, 1.f), filled({h}, 0.f), filled({rows}, 0.f),
+                          filled({rows}, 0.f), filled({params}, 0.1f), filled({params}, 0.01f),
+                          filled({params}, 0.f), filled({params}, 0.f)});
+    auto next = std::make_shared<int>(0);
+    return std::function<void()>([=] {
+      StreamingBuffers& b = (*buffers)[static_cast<std::size_t>((*next)++ % sets)];
+      ops::layer_norm_forward(b.x, b.gamma, b.beta, 1e-5, b.y, b.mean, b.rstd);
+      ops::layer_norm_backward(b.x, b.gamma, b.mean, b.rstd, b.y, b.dx, Tensor{}, Tensor{});
+      ops::add(b.x, b.dx, b.y);
+      const Tensor grads[] = {b.g};
+      volatile double norm = ops::squared_norm<float>(grads);
+      (void)norm;
+      ops::adamw_step(ops::AdamWOptions{}, 1, b.p, b.g, b.m, b.v);
+      b.g.fill(0.f);
+    });
+  };
+}
+
+struct StreamingRate {
+  double bandwidth;  // bytes/s
+  std::size_t sizes;
+};
+
+// Streaming: what a step streams, cold, charged the elements the step's tasks are charged. Per
+// parameter: AdamW (7: value, gradient and two moments read, three written), the gradient norm
+// (1) and zeroing the gradients (1); per activation element of a layer: a norm (2), its backward
+// (3) and a residual add (3). In the proportion a small model's step has them.
+StreamingRate calibrate_streaming(devices::DeviceSet& set, double seconds, Measurements& out) {
   double streamed_bytes = 0, streamed_seconds = 0;
   std::vector<std::pair<std::string, std::pair<double, double>>> streaming;
   struct StreamingSize {
     std::int64_t rows, h, params;
   };
   for (const StreamingSize size : {StreamingSize{1024, 256, 1 << 20}, {2048, 512, 4 << 20}}) {
-    // Plain copies: the kernel's lambda captures them (structured bindings it could not).
     const std::int64_t rows = size.rows, h = size.h, params = size.params;
     const double activations = static_cast<double>(rows * h), weights = static_cast<double>(params);
     const int sets = cold_sets(4.0 * (3 * activations + 4 * weights));
-    const double t = time_on_devices(set, seconds, [=] {
-      auto buffers = std::make_shared<std::vector<StreamingBuffers>>();
-      for (int i = 0; i < sets; ++i)
-        buffers->push_back({filled({rows, h}, 0.5f), filled({rows, h}, 0.f), filled({rows, h}, 0.f),
-                            filled({h}, 1.f), filled({h}, 0.f), filled({rows}, 0.f),
-                            filled({rows}, 0.f), filled({params}, 0.1f), filled({params}, 0.01f),
-                            filled({params}, 0.f), filled({params}, 0.f)});
-      auto next = std::make_shared<int>(0);
-      return [=] {
-        StreamingBuffers& b = (*buffers)[static_cast<std::size_t>((*next)++ % sets)];
-        ops::layer_norm_forward(b.x, b.gamma, b.beta, 1e-5, b.y, b.mean, b.rstd);
-        ops::layer_norm_backward(b.x, b.gamma, b.mean, b.rstd, b.y, b.dx, Tensor{}, Tensor{});
-        ops::add(b.x, b.dx, b.y);
-        const Tensor grads[] = {b.g};
-        volatile double norm = ops::squared_norm<float>(grads);
-        (void)norm;
-        ops::adamw_step(ops::AdamWOptions{}, 1, b.p, b.g, b.m, b.v);
-        b.g.fill(0.f);
-      };
-    });
+    const double t = time_on_devices(set, seconds, streaming_kernel(rows, h, params, sets));
     const double bytes = 4.0 * (8 * activations + 9 * weights);
     streamed_bytes += bytes;
     streamed_seconds += t;
@@ -287,21 +315,27 @@ HostCalibration calibrate_host(const CalibrationOptions& options) {
   }
   const double bandwidth = streamed_bytes / streamed_seconds;
   for (const auto& [shape, bt] : streaming)
-    result.measurements.push_back({.kernel = "streaming",
-                                   .shape = shape,
-                                   .seconds = bt.second,
-                                   .modelled_seconds = bt.first / bandwidth});
+    out.push_back({.kernel = "streaming",
+                   .shape = shape,
+                   .seconds = bt.second,
+                   .modelled_seconds = bt.first / bandwidth});
+  return {bandwidth, streaming.size()};
+}
 
-  devices::Accelerator& a = result.preset;
+// The measured rates as an accelerator preset.
+devices::Accelerator host_preset(const CalibrationOptions& options, int cores,
+                                 const ProductRates& products, const AttentionRates& attention,
+                                 const StreamingRate& streaming) {
+  devices::Accelerator a;
   a.name = fmt::format("this host, {} device(s) of {} core(s)", options.devices,
-                       std::max(1, set.topology().cores() / options.devices));
+                       std::max(1, cores / options.devices));
   // The fitted product rate is the host's "peak": the efficiencies are then shares of it.
-  a.peak_flops = std::max({rate, attention_rate, attention_backward_rate});
-  a.matmul_efficiency = rate / a.peak_flops;
-  a.matmul_overhead_dimension = overhead;
-  a.attention_efficiency = attention_rate / a.peak_flops;
-  a.attention_backward_efficiency = attention_backward_rate / a.peak_flops;
-  a.memory_bandwidth = bandwidth;
+  a.peak_flops = std::max({products.rate, attention.forward, attention.backward});
+  a.matmul_efficiency = products.rate / a.peak_flops;
+  a.matmul_overhead_dimension = products.overhead;
+  a.attention_efficiency = attention.forward / a.peak_flops;
+  a.attention_backward_efficiency = attention.backward / a.peak_flops;
+  a.memory_bandwidth = streaming.bandwidth;
   a.memory_efficiency = 1;
   a.memory_bytes = static_cast<std::int64_t>(1) << 30;
   a.devices_per_node = options.devices;
@@ -313,11 +347,25 @@ HostCalibration calibrate_host(const CalibrationOptions& options) {
       "blockwise attention forward and backward at {} shapes, a step's streaming (norms, residual "
       "adds, AdamW, the gradient norm) at {} sizes, all from memory beyond the cache, on {} "
       "device(s) side by side",
-      products.size(), attention.size(), streaming.size(), options.devices)};
+      products.shapes, attention.shapes, streaming.sizes, options.devices)};
   a.assumed =
       "peak_flops is the fitted rate of large matrix products here (efficiency 1), not a "
       "datasheet figure; memory_bytes (1 GiB) and the shared-memory link (10 GB/s, 1 us) are "
       "placeholders";
+  return a;
+}
+
+}  // namespace
+
+HostCalibration calibrate_host(const CalibrationOptions& options) {
+  check_options(options);
+  devices::DeviceSet set(options.devices);
+  const double seconds = options.seconds_per_measurement;
+  HostCalibration result;
+  const ProductRates products = calibrate_products(set, seconds, result.measurements);
+  const AttentionRates attention = calibrate_attention(set, seconds, result.measurements);
+  const StreamingRate streaming = calibrate_streaming(set, seconds, result.measurements);
+  result.preset = host_preset(options, set.topology().cores(), products, attention, streaming);
   return result;
 }
 

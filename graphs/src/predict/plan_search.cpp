@@ -59,11 +59,82 @@ int PlanCandidates::refused_total() const {
   return total;
 }
 
+namespace {
+
+// The sizes of one way to lay the devices out.
+struct MeshSizes {
+  int tp, pp, cp, dp;
+};
+
+// The pipeline schedules tried at pp stages: name and chunks per rank.
+std::vector<std::pair<std::string, int>> schedules_to_try(const ModelConfig& m, int pp) {
+  std::vector<std::pair<std::string, int>> schedules;
+  if (pp == 1) {
+    schedules.emplace_back("", 1);
+    return schedules;
+  }
+  schedules.emplace_back("1f1b", 1);
+  if (m.num_layers % (2 * pp) == 0) schedules.emplace_back("interleaved", 2);
+  schedules.emplace_back("zb-h1", 1);
+  return schedules;
+}
+
+// The base configuration laid out over `sizes`, with the given expert parallelism, schedule,
+// Ampipe degree and recomputation; every other layout flag reset.
+TrainerConfig candidate(const TrainerConfig& base, MeshSizes sizes, int ep,
+                        const std::string& scheduler, int chunks, int ampipe, bool full) {
+  TrainerConfig c = base;
+  ParallelPlan& p = c.plan;
+  p.tensor_parallel = sizes.tp;
+  p.sequence_parallel = sizes.tp > 1;
+  p.context_parallel = sizes.cp;
+  p.expert_parallel = ep;
+  p.data_parallel = sizes.dp;
+  p.pipeline_parallel = sizes.pp;
+  p.pipeline_scheduler = scheduler;
+  p.virtual_pipeline = chunks;
+  p.layers_per_virtual_stage = 0;
+  p.microbatch_group_size = 0;
+  p.first_stage_layers = 0;
+  p.last_stage_layers = 0;
+  p.ampipe_degree = ampipe;
+  // Experts split over the tensor-parallel group stay split at every tp.
+  if (p.expert_tensor_parallel > 1) p.expert_tensor_parallel = sizes.tp;
+  c.model.recompute = full ? Recompute{.granularity = RecomputeGranularity::full,
+                                       .method = RecomputeMethod::uniform,
+                                       .num_layers = 1}
+                           : Recompute{};
+  return c;
+}
+
+// Every candidate of one layout: each expert-parallel size, schedule, Ampipe degree and
+// recomputation, kept when it validates and counted by its refusal when not.
+void add_candidates(const TrainerConfig& base, MeshSizes sizes, PlanCandidates& out) {
+  const ModelConfig& m = base.model;
+  const bool moe = m.num_experts > 0;
+  const std::vector<int> expert_sizes = moe ? divisors(m.num_experts) : std::vector<int>{1};
+  const std::vector<int> ampipe_degrees = moe ? std::vector<int>{1, 2} : std::vector<int>{1};
+  for (const int ep : expert_sizes)
+    for (const auto& [scheduler, chunks] : schedules_to_try(m, sizes.pp))
+      for (const int ampipe : ampipe_degrees)
+        for (const bool full : {false, true}) {
+          TrainerConfig c = candidate(base, sizes, ep, scheduler, chunks, ampipe, full);
+          try {
+            validate(c);
+          } catch (const ConfigError& e) {
+            count_refusal(out.refused, e.what());
+            continue;
+          }
+          out.configs.push_back(std::move(c));
+        }
+}
+
+}  // namespace
+
 PlanCandidates enumerate_plans(const TrainerConfig& base, const PlanSearchOptions& options) {
   const ModelConfig& m = base.model;
   const ParallelPlan& given = base.plan;
   const int devices = given.devices();
-  const bool moe = m.num_experts > 0;
   PlanCandidates out;
   for (const int tp : divisors(devices)) {
     if (m.num_attention_heads % tp != 0 || m.query_groups() % tp != 0) continue;
@@ -77,49 +148,7 @@ PlanCandidates enumerate_plans(const TrainerConfig& base, const PlanSearchOption
           ++out.skipped_global_batch;
           continue;
         }
-        std::vector<std::pair<std::string, int>> schedules;  // name, chunks per rank
-        if (pp == 1) {
-          schedules.emplace_back("", 1);
-        } else {
-          schedules.emplace_back("1f1b", 1);
-          if (m.num_layers % (2 * pp) == 0) schedules.emplace_back("interleaved", 2);
-          schedules.emplace_back("zb-h1", 1);
-        }
-        const std::vector<int> expert_sizes = moe ? divisors(m.num_experts) : std::vector<int>{1};
-        const std::vector<int> ampipe_degrees = moe ? std::vector<int>{1, 2} : std::vector<int>{1};
-        for (const int ep : expert_sizes)
-          for (const auto& [scheduler, chunks] : schedules)
-            for (const int ampipe : ampipe_degrees)
-              for (const bool full : {false, true}) {
-                TrainerConfig c = base;
-                ParallelPlan& p = c.plan;
-                p.tensor_parallel = tp;
-                p.sequence_parallel = tp > 1;
-                p.context_parallel = cp;
-                p.expert_parallel = ep;
-                p.data_parallel = dp;
-                p.pipeline_parallel = pp;
-                p.pipeline_scheduler = scheduler;
-                p.virtual_pipeline = chunks;
-                p.layers_per_virtual_stage = 0;
-                p.microbatch_group_size = 0;
-                p.first_stage_layers = 0;
-                p.last_stage_layers = 0;
-                p.ampipe_degree = ampipe;
-                // Experts split over the tensor-parallel group stay split at every tp.
-                if (p.expert_tensor_parallel > 1) p.expert_tensor_parallel = tp;
-                c.model.recompute = full ? Recompute{.granularity = RecomputeGranularity::full,
-                                                     .method = RecomputeMethod::uniform,
-                                                     .num_layers = 1}
-                                         : Recompute{};
-                try {
-                  validate(c);
-                } catch (const ConfigError& e) {
-                  count_refusal(out.refused, e.what());
-                  continue;
-                }
-                out.configs.push_back(std::move(c));
-              }
+        add_candidates(base, {.tp = tp, .pp = pp, .cp = cp, .dp = dp}, out);
       }
     }
   }

@@ -48,52 +48,53 @@ double recomputed_flops_per_step(const ModelConfig& m, const ParallelPlan& plan)
   return static_cast<double>(plan.global_batch_size) * m.seq_length * layers;
 }
 
-Prediction predict_step(TrainerConfig config, const PredictionOptions& options) {
-  validate(config);
-  const ModelConfig& m = config.model;
-  const ParallelPlan& plan = config.plan;
-  const Mesh mesh(plan);
-  // The ranks built, and the one each device's figures are read from.
-  std::vector<int> built, source(static_cast<std::size_t>(plan.devices()));
-  std::vector<bool> held(static_cast<std::size_t>(plan.devices()), false);
+namespace {
+
+// The ranks a prediction builds, and the rank each device's figures are read from: with folding,
+// a data-parallel replica reads its first replica's.
+struct ReplayedRanks {
+  std::vector<int> built, source;
+  std::vector<bool> held;  // per device: built here
+};
+
+ReplayedRanks ranks_to_replay(const ParallelPlan& plan, const Mesh& mesh, bool fold_data_parallel) {
+  ReplayedRanks ranks;
+  ranks.source.resize(static_cast<std::size_t>(plan.devices()));
+  ranks.held.assign(static_cast<std::size_t>(plan.devices()), false);
   for (int r = 0; r < plan.devices(); ++r) {
     const MeshCoordinates at = mesh.coordinates(r);
-    const bool fold = options.fold_data_parallel && plan.data_parallel > 1;
-    source[static_cast<std::size_t>(r)] = fold ? mesh.rank_of(at.tp, at.cp, 0, at.pp) : r;
-    if (source[static_cast<std::size_t>(r)] == r) {
-      built.push_back(r);
-      held[static_cast<std::size_t>(r)] = true;
+    const bool fold = fold_data_parallel && plan.data_parallel > 1;
+    ranks.source[static_cast<std::size_t>(r)] = fold ? mesh.rank_of(at.tp, at.cp, 0, at.pp) : r;
+    if (ranks.source[static_cast<std::size_t>(r)] == r) {
+      ranks.built.push_back(r);
+      ranks.held[static_cast<std::size_t>(r)] = true;
     }
   }
-  std::vector<rt::DeviceId> ids(built.begin(), built.end());
-  devices::DeviceSet set(plan.devices(), {.pin = false, .held = ids});
-  devices::FoldedCommunicator comm(held);
-  TrainingStep step(m, plan, config.optimizer, set, comm, {.ranks = built, .materialize = false});
-  step.prepare(1, config.learning_rate.at(1));
-  const devices::MachineModel machine = machine_model(set, config.machine);
-  rt::VirtualClock clock(machine, {.execute = false, .record_trace = true});
-  rt::VirtualRunResult run = clock.run(step.graph());
+  return ranks;
+}
 
-  Prediction p;
-  const double seconds = static_cast<double>(run.makespan) * 1e-9;
+// The step's time, throughput and FLOP counts, and the share of the peak they reach.
+void read_throughput(const TrainerConfig& config, rt::Nanos makespan, Prediction& p) {
+  const ModelConfig& m = config.model;
+  const ParallelPlan& plan = config.plan;
+  const double seconds = static_cast<double>(makespan) * 1e-9;
   p.step_ms = seconds * 1e3;
   p.tokens_per_second = static_cast<double>(plan.global_batch_size) * m.seq_length / seconds;
   p.model_flops = model_flops_per_step(m, plan, false);
   p.model_flops_recompute = model_flops_per_step(m, plan, true);
   p.flops_recomputed = recomputed_flops_per_step(m, plan);
   p.flops_per_device = p.model_flops / seconds / plan.devices();
-  p.replayed_devices = static_cast<int>(built.size());
   const double peak =
       config.machine.peak_flops > 0 ? config.machine.peak_flops : config.machine.device_flops;
   p.mfu = p.flops_per_device / peak;
-  const rt::TraceMetrics metrics = rt::measure(run.trace);
-  p.bubble = metrics.compute_bubble();  // over the devices replayed
-  p.exposed_ms_per_device =
-      static_cast<double>(metrics.total_exposed_comm()) * 1e-6 / static_cast<int>(built.size());
-  // Each process group's streams, by the kind they are named for: tp with its gradient stream,
-  // ep with its dispatch and combine streams, both directions of every pipeline stage.
+}
+
+// Each process group's exposed communication per replayed device, its streams found by the kind
+// they are named for: tp with its gradient stream, ep with its dispatch and combine streams, both
+// directions of every pipeline stage.
+std::vector<ExposedCommunication> exposed_by_group(const rt::Trace& trace, int replayed_devices) {
   std::vector<std::pair<std::string, std::vector<std::string_view>>> groups;
-  const rt::TaskTable& tasks = run.trace.tasks();
+  const rt::TaskTable& tasks = trace.tasks();
   for (rt::StreamId s = 0; s < tasks.stream_count(); ++s) {
     const std::string_view name = tasks.stream_name(s);
     if (name == "compute") continue;
@@ -106,11 +107,16 @@ Prediction predict_step(TrainerConfig config, const PredictionOptions& options) 
     if (at == groups.end()) at = groups.insert(groups.end(), {group, {}});
     at->second.push_back(name);
   }
+  std::vector<ExposedCommunication> exposed;
   for (const auto& [group, names] : groups) {
-    const rt::Nanos exposed = rt::exposed_comm_on_named_streams(run.trace, names);
-    if (exposed > 0)
-      p.exposed.push_back({group, static_cast<double>(exposed) * 1e-6 / p.replayed_devices});
+    const rt::Nanos ns = rt::exposed_comm_on_named_streams(trace, names);
+    if (ns > 0) exposed.push_back({group, static_cast<double>(ns) * 1e-6 / replayed_devices});
   }
+  return exposed;
+}
+
+// Each device's peak memory by category and in total, read from the rank it was folded onto.
+void read_memory(devices::DeviceSet& set, const std::vector<int>& source, Prediction& p) {
   for (std::size_t d = 0; d < set.size(); ++d) {
     const auto id = static_cast<rt::DeviceId>(source[d]);
     std::array<std::int64_t, rt::kMemoryCategoryCount> bytes{};
@@ -119,6 +125,35 @@ Prediction predict_step(TrainerConfig config, const PredictionOptions& options) 
     p.memory.push_back(bytes);
     p.memory_total.push_back(set.memory().peak_total(id));
   }
+}
+
+}  // namespace
+
+Prediction predict_step(TrainerConfig config, const PredictionOptions& options) {
+  validate(config);
+  const ModelConfig& m = config.model;
+  const ParallelPlan& plan = config.plan;
+  const Mesh mesh(plan);
+  const ReplayedRanks ranks = ranks_to_replay(plan, mesh, options.fold_data_parallel);
+  std::vector<rt::DeviceId> ids(ranks.built.begin(), ranks.built.end());
+  devices::DeviceSet set(plan.devices(), {.pin = false, .held = ids});
+  devices::FoldedCommunicator comm(ranks.held);
+  TrainingStep step(m, plan, config.optimizer, set, comm,
+                    {.ranks = ranks.built, .materialize = false});
+  step.prepare(1, config.learning_rate.at(1));
+  const devices::MachineModel machine = machine_model(set, config.machine);
+  rt::VirtualClock clock(machine, {.execute = false, .record_trace = true});
+  rt::VirtualRunResult run = clock.run(step.graph());
+
+  Prediction p;
+  read_throughput(config, run.makespan, p);
+  p.replayed_devices = static_cast<int>(ranks.built.size());
+  const rt::TraceMetrics metrics = rt::measure(run.trace);
+  p.bubble = metrics.compute_bubble();  // over the devices replayed
+  p.exposed_ms_per_device = static_cast<double>(metrics.total_exposed_comm()) * 1e-6 /
+                            static_cast<int>(ranks.built.size());
+  p.exposed = exposed_by_group(run.trace, p.replayed_devices);
+  read_memory(set, ranks.source, p);
   p.trace = std::move(run.trace);
   return p;
 }

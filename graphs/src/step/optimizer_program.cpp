@@ -8,79 +8,81 @@
 
 namespace weave::graphs {
 
-void build_optimizer(RankProgram& P) {
-  RankProgram* p = &P;
-  const rt::TaskTags tags{.phase = rt::Phase::weight};
-  // Every gradient read once, in the precision it is kept in; AdamW reads value, gradient and two
-  // moments and writes three, in fp32 whatever the training precision (a 16-bit run updates its
-  // fp32 master weights).
-  double gradients = 0, updated = 0;
-  for (const GradientBucket& b : P.shard().buckets()) {
-    gradients += static_cast<double>(b.grads.numel());
-    updated += static_cast<double>(b.shard_size);
+namespace {
+
+// The squared norm of the gradient elements this rank owns: each distinct element once, tensor-
+// parallel copies on tp rank 0 only, data-parallel copies on the replica that owns the element
+// (its shard, or replica 0).
+double owned_gradient_squared_norm(RankProgram& p) {
+  const bool tp_first = p.at.tp == 0;
+  ModelShard& shard = p.shard();
+  // The output layer's copy of the word embedding counts on the first stage only.
+  const Parameter* copy = shard.holds_embedding_copy() ? &shard.embedding() : nullptr;
+  double sum = 0;
+  for (const GradientBucket& bucket : shard.buckets()) {
+    if (!bucket.sharded && bucket.replica != 0) continue;
+    const std::int64_t lo = bucket.shard_begin, hi = lo + bucket.shard_size;
+    std::int64_t at = 0;
+    for (const Parameter* q : bucket.params) {
+      const std::int64_t n = q->grad.numel();
+      const std::int64_t from = std::max(at, lo), to = std::min(at + n, hi);
+      if (from < to && q != copy && (!q->tensor_replicated || tp_first)) {
+        const float* g = bucket.grads.data();
+        for (std::int64_t e = from; e < to; ++e)
+          sum += static_cast<double>(g[e]) * g[e];
+      }
+      at += n;
+    }
   }
+  return sum;
+}
+
+// Clips the gradients by the summed norm and runs AdamW on the elements this rank updates: its
+// shard of each bucket, or the whole bucket.
+void clip_and_update(RankProgram& p) {
+  if (!p.inputs.update) return;
+  const double norm = std::sqrt(static_cast<double>(p.state.norm_sq.data()[0]));
+  const double clip = p.opt.clip_grad;
+  const double coef = clip > 0 ? ops::clip_coefficient(norm, clip) : 1.0;
+  ops::AdamWOptions o = p.opt.adamw;
+  o.lr = p.inputs.learning_rate;
+  for (GradientBucket& bucket : p.shard().buckets()) {
+    const Tensor grads = bucket.grads.slice(0, bucket.shard_begin, bucket.shard_size);
+    if (coef < 1.0) {
+      float* g = grads.data();
+      for (std::int64_t i = 0; i < grads.numel(); ++i)
+        g[i] *= static_cast<float>(coef);
+    }
+    ops::adamw_step(o, p.inputs.iteration,
+                    bucket.values.slice(0, bucket.shard_begin, bucket.shard_size), grads,
+                    bucket.exp_avg, bucket.exp_avg_sq);
+  }
+}
+
+// The rank's part of the norm, after everything its communication streams carry is in; then its
+// sum over every rank (kNoTask on one device).
+TaskId add_gradient_norm(RankProgram& P, const rt::TaskTags& tags, double gradients) {
+  RankProgram* p = &P;
+  // Every gradient read once, in the precision it is kept in.
   const rt::CostHint read_gradients =
       cost::streamed_bytes(gradients, parameter_bytes(P.shape.model.precision).gradient);
   const TaskId norm = P.compute("grad_norm", tags, read_gradients, [p] {
-    // Each distinct gradient element once: tensor-parallel copies on tp rank 0 only, data-
-    // parallel copies on the replica that owns the element (its shard, or replica 0).
-    const bool tp_first = p->at.tp == 0;
-    ModelShard& shard = p->shard();
-    // The output layer's copy of the word embedding counts on the first stage only.
-    const Parameter* copy = shard.holds_embedding_copy() ? &shard.embedding() : nullptr;
-    double sum = 0;
-    for (const GradientBucket& bucket : shard.buckets()) {
-      if (!bucket.sharded && bucket.replica != 0) continue;
-      const std::int64_t lo = bucket.shard_begin, hi = lo + bucket.shard_size;
-      std::int64_t at = 0;
-      for (const Parameter* q : bucket.params) {
-        const std::int64_t n = q->grad.numel();
-        const std::int64_t from = std::max(at, lo), to = std::min(at + n, hi);
-        if (from < to && q != copy && (!q->tensor_replicated || tp_first)) {
-          const float* g = bucket.grads.data();
-          for (std::int64_t e = from; e < to; ++e)
-            sum += static_cast<double>(g[e]) * g[e];
-        }
-        at += n;
-      }
-    }
-    p->state.norm_sq.data()[0] = static_cast<float>(sum);
+    p->state.norm_sq.data()[0] = static_cast<float>(owned_gradient_squared_norm(*p));
   });
-  // Everything this rank's communication streams carry must be in before the norm is taken.
   for (const auto& [stream, tail] : P.comm_tails())
     P.after(tail, norm);
-  TaskId summed = rt::kNoTask;
-  if (P.mesh.size() > 1) {
-    std::vector<rt::DeviceId> all(static_cast<std::size_t>(P.mesh.size()));
-    std::iota(all.begin(), all.end(), 0u);
-    summed = P.matcher.all_reduce(devices::ProcessGroup("world", all), P.rank,
-                                  all_of(P.state.norm_sq), devices::ReduceOp::sum,
-                                  {.name = "grad_norm_sum", .tags = tags, .stream = "world"});
-    P.after(norm, summed);
-  }
-  const TaskId step = P.compute("optimizer", tags, cost::streamed_bytes(7 * updated, 4), [p] {
-    if (!p->inputs.update) return;
-    const double norm = std::sqrt(static_cast<double>(p->state.norm_sq.data()[0]));
-    const double clip = p->opt.clip_grad;
-    const double coef = clip > 0 ? ops::clip_coefficient(norm, clip) : 1.0;
-    ops::AdamWOptions o = p->opt.adamw;
-    o.lr = p->inputs.learning_rate;
-    for (GradientBucket& bucket : p->shard().buckets()) {
-      // The elements this device updates: its shard, or the whole bucket.
-      const Tensor grads = bucket.grads.slice(0, bucket.shard_begin, bucket.shard_size);
-      if (coef < 1.0) {
-        float* g = grads.data();
-        for (std::int64_t i = 0; i < grads.numel(); ++i)
-          g[i] *= static_cast<float>(coef);
-      }
-      ops::adamw_step(o, p->inputs.iteration,
-                      bucket.values.slice(0, bucket.shard_begin, bucket.shard_size), grads,
-                      bucket.exp_avg, bucket.exp_avg_sq);
-    }
-  });
-  P.after(summed, step);
-  // Distributed optimizer: each replica updated its shard; gather the whole values back.
-  if (!P.shape.plan.distributed_optimizer) return;
+  if (P.mesh.size() <= 1) return rt::kNoTask;
+  std::vector<rt::DeviceId> all(static_cast<std::size_t>(P.mesh.size()));
+  std::iota(all.begin(), all.end(), 0u);
+  const TaskId summed = P.matcher.all_reduce(
+      devices::ProcessGroup("world", all), P.rank, all_of(P.state.norm_sq), devices::ReduceOp::sum,
+      {.name = "grad_norm_sum", .tags = tags, .stream = "world"});
+  P.after(norm, summed);
+  return summed;
+}
+
+// Distributed optimizer: each replica updated its shard; gather the whole values back.
+void gather_updated_shards(RankProgram& P, TaskId step, const rt::TaskTags& tags) {
   for (GradientBucket& bucket : P.shard().buckets()) {
     if (!bucket.sharded) continue;
     const GroupHandle& replicas = bucket.expert ? P.expert_data : P.data;
@@ -89,6 +91,25 @@ void build_optimizer(RankProgram& P) {
         {bucket.values.data() + bucket.shard_begin, static_cast<std::size_t>(bucket.shard_size)},
         all_of(bucket.values), bucket.name + ".gather", tags);
   }
+}
+
+}  // namespace
+
+void build_optimizer(RankProgram& P) {
+  RankProgram* p = &P;
+  const rt::TaskTags tags{.phase = rt::Phase::weight};
+  double gradients = 0, updated = 0;
+  for (const GradientBucket& b : P.shard().buckets()) {
+    gradients += static_cast<double>(b.grads.numel());
+    updated += static_cast<double>(b.shard_size);
+  }
+  const TaskId summed = add_gradient_norm(P, tags, gradients);
+  // AdamW reads value, gradient and two moments and writes three, in fp32 whatever the training
+  // precision (a 16-bit run updates its fp32 master weights).
+  const TaskId step = P.compute("optimizer", tags, cost::streamed_bytes(7 * updated, 4),
+                                [p] { clip_and_update(*p); });
+  P.after(summed, step);
+  if (P.shape.plan.distributed_optimizer) gather_updated_shards(P, step, tags);
 }
 
 }  // namespace weave::graphs

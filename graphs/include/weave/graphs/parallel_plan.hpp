@@ -93,9 +93,11 @@ class ConfigError : public std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
-// Checks every size rule and returns the warnings (e.g. sequence parallelism switched off at
-// tp = 1, as Megatron does, which also clears plan.sequence_parallel). Throws ConfigError for
-// the first rule broken. Sizes are checked before they are multiplied, so no value overflows.
+// Derives what the flags imply (e.g. virtual stages from --num-layers-per-virtual-pipeline-stage)
+// and switches off what cannot apply (e.g. sequence parallelism at tp = 1, as Megatron does,
+// which clears plan.sequence_parallel), then checks every size rule; returns the warnings. Throws
+// ConfigError for the first rule broken and then leaves plan as it was. Sizes are checked before
+// they are multiplied, so no value overflows.
 std::vector<std::string> validate(const ModelConfig& model, ParallelPlan& plan);
 
 }  // namespace weave::graphs

@@ -1,0 +1,210 @@
+#include "config/plan_derivation.hpp"
+
+#include <fmt/format.h>
+
+#include <cmath>
+
+#include "weave/graphs/pipeline_schedule_generators.hpp"
+
+namespace weave::graphs {
+
+namespace {
+
+using Warnings = std::vector<std::string>;
+
+// Megatron-LM switches sequence parallelism off at tp = 1: there is no group to split over.
+void switch_off_sequence_parallel_without_tensor_parallel(ParallelPlan& p, Warnings& warnings) {
+  if (!p.sequence_parallel || p.tensor_parallel != 1) return;
+  p.sequence_parallel = false;
+  warnings.push_back(
+      "--sequence-parallel has no effect with --tensor-model-parallel-size 1 and is switched "
+      "off (as Megatron-LM does)");
+}
+
+// MindSpeed's deepspeed_moe layout splits every expert over the tensor-parallel group. An
+// --expert-tensor-parallel-size that contradicts it is refused from the value as given.
+void split_experts_for_deepspeed_moe(ParallelPlan& p) {
+  if (p.moe_model_type == "deepspeed_moe") p.expert_tensor_parallel = p.tensor_parallel;
+}
+
+// Model chunks per pipeline rank: from --num-layers-per-virtual-pipeline-stage when it divides
+// each rank's layers (a conflicting --virtual-pipeline-model-parallel-size is refused from the
+// value as given), and two for zb-v's V when nothing else gives a count.
+void derive_virtual_stages(const ModelConfig& m, ParallelPlan& p) {
+  const int pp = p.pipeline_parallel, layers_per_chunk = p.layers_per_virtual_stage;
+  if (layers_per_chunk > 0 && pp >= 1 && m.num_layers % pp == 0 &&
+      m.num_layers / pp % layers_per_chunk == 0)
+    p.virtual_pipeline = m.num_layers / pp / layers_per_chunk;
+  const bool v_shape = p.pipeline_scheduler == schedule_name(ScheduleKind::ZeroBubbleV);
+  if (v_shape && p.virtual_pipeline == 1 && pp > 1) p.virtual_pipeline = 2;
+}
+
+// Without a pipeline there is no schedule to choose.
+void drop_scheduler_without_pipeline(ParallelPlan& p, Warnings& warnings) {
+  if (p.pipeline_parallel != 1 || p.pipeline_scheduler.empty()) return;
+  warnings.push_back(
+      fmt::format("--pipeline-scheduler {} has no effect with --pipeline-model-parallel-size 1",
+                  p.pipeline_scheduler));
+  p.pipeline_scheduler.clear();
+}
+
+void warn_ampipe_without_expert_parallelism(const ParallelPlan& p, Warnings& warnings) {
+  if (p.ampipe_degree > 1 && p.expert_parallel == 1)
+    warnings.push_back(fmt::format(
+        "--ampipe-degree {} with --expert-model-parallel-size 1 has no all-to-all to hide; "
+        "MindSpeed refuses it (EP > 1), weave runs it (the chunks are exact either way)",
+        p.ampipe_degree));
+}
+
+// Accepted as MindSpeed and Megatron scripts give them: weave always overlaps the gradient
+// reductions with the backward and runs a blockwise (flash) attention. Beside Ampipe they are
+// refused instead (refuse_features_ampipe_excludes).
+void warn_features_without_effect(const ParallelPlan& p, Warnings& warnings) {
+  if (p.ampipe_degree == 1 && (p.use_nanopipe || p.recompute_in_bubble || p.recompute_in_advance ||
+                               p.adaptive_recompute_device_swap))
+    warnings.push_back(
+        "--use-nanopipe, --recompute-in-bubble, --recompute-in-advance and "
+        "--adaptive-recompute-device-swap have no effect here: weave keeps every activation and "
+        "runs the pipeline schedules as given");
+}
+
+// It pipelines the split experts' all-gathers and reduce-scatters over (chunk, expert) items:
+// what the plan lacks for that, or "" when nothing is missing.
+std::string missing_for_ampipe_tp_sp_comm_overlap(const ParallelPlan& p) {
+  if (p.ampipe_degree < 2) return "it pipelines Ampipe's chunks: set --ampipe-degree >= 2";
+  if (p.expert_tensor_parallel < 2 || p.tensor_parallel < 2)
+    return "it pipelines the experts' tensor-parallel all-gathers and reduce-scatters, and the "
+           "experts are whole: set --moe-model-type deepspeed_moe (or "
+           "--expert-tensor-parallel-size "
+           "= --tensor-model-parallel-size) with --tensor-model-parallel-size > 1";
+  if (!p.sequence_parallel) return "it needs --sequence-parallel (MindSpeed's rule)";
+  if (p.expert_parallel < 2)
+    return "with --expert-model-parallel-size 1 there are no all-to-alls to pipeline with";
+  return "";
+}
+
+void switch_off_ampipe_tp_sp_comm_overlap(ParallelPlan& p, Warnings& warnings) {
+  if (!p.ampipe_tp_sp_comm_overlap) return;
+  const std::string missing = missing_for_ampipe_tp_sp_comm_overlap(p);
+  if (missing.empty()) return;
+  p.ampipe_tp_sp_comm_overlap = false;
+  warnings.push_back("--ampipe-tp-sp-comm-overlap is switched off: " + missing);
+}
+
+// The layers ModelConfig::is_moe_layer picks (0, freq, 2 freq, ...), counted without a loop; 0
+// when --num-experts or --moe-layer-freq breaks its rule.
+int moe_layer_count(const ModelConfig& m) {
+  if (m.num_experts <= 0 || m.moe_layer_freq < 1 || m.num_layers < 1) return 0;
+  return (m.num_layers - 1) / m.moe_layer_freq + 1;
+}
+
+// Only Ampipe's chunks under CP keep every key/value block, and resending them pays only when
+// the blocks the MoE layers free outweigh the rings' workspaces.
+void switch_off_ampipe_cp_resend_kv(const ModelConfig& m, ParallelPlan& p, Warnings& warnings) {
+  if (!p.ampipe_cp_resend_kv) return;
+  if (p.ampipe_degree < 2 || p.context_parallel < 2) {
+    p.ampipe_cp_resend_kv = false;
+    warnings.push_back(
+        "--ampipe-cp-resend-kv has no effect without --ampipe-degree 2 and "
+        "--context-parallel-size > 1: only Ampipe's chunks under CP keep every key/value block");
+    return;
+  }
+  if (p.pipeline_parallel != 1) return;
+  // Each MoE layer frees cp - 1 blocks; the forward's and the backward's rings hold cp - 1 each.
+  const int moe_layers = moe_layer_count(m);
+  if (moe_layers <= 2)
+    warnings.push_back(fmt::format(
+        "--ampipe-cp-resend-kv saves no memory with {} MoE layer{} and no pipeline: each keeps "
+        "cp - 1 key/value blocks fewer, and the two rings' workspaces hold 2 (cp - 1); it pays "
+        "from 3 MoE layers a stage",
+        moe_layers, moe_layers == 1 ? "" : "s"));
+}
+
+// It chains the experts' all-to-alls with their tensor-parallel gathers and scatters.
+void switch_off_pipe_experts_multi_stream(ParallelPlan& p, Warnings& warnings) {
+  if (!p.pipe_experts || !p.pipe_experts_multi_stream ||
+      (p.sequence_parallel && p.expert_tensor_parallel > 1))
+    return;
+  p.pipe_experts_multi_stream = false;
+  warnings.push_back(
+      "--pipe-experts-multi-stream is switched off: it chains the items' all-to-alls with the "
+      "split experts' tensor-parallel all-gathers and reduce-scatters, and needs "
+      "--sequence-parallel with --moe-model-type deepspeed_moe (MindSpeed's rule); "
+      "--pipe-experts-separate-streams gives dispatches and combines streams of their own");
+}
+
+void drop_pipe_experts_options_without_pipe_experts(ParallelPlan& p, Warnings& warnings) {
+  if (p.pipe_experts || !(p.pipe_experts_multi_stream || p.pipe_experts_separate_streams ||
+                          p.pipe_experts_multi_data > 1))
+    return;
+  warnings.push_back(
+      "--pipe-experts-multi-stream, --pipe-experts-separate-streams and "
+      "--pipe-experts-multi-data apply with --use-pipe-experts and are ignored without it");
+  p.pipe_experts_multi_stream = p.pipe_experts_separate_streams = false;
+  p.pipe_experts_multi_data = 1;
+}
+
+// Why --use-pipe-experts cannot apply to the plan (MindSpeed's rules, then weave's: at least two
+// items to pipeline), or "" when it can. Expects experts, ep >= 1 and a degree >= 1.
+std::string why_pipe_experts_cannot_apply(const ModelConfig& m, const ParallelPlan& p) {
+  const int degree = p.ampipe_degree, slices = p.pipe_experts_multi_data;
+  if (p.expert_parallel == 1)
+    return "with --expert-model-parallel-size 1 there is no all-to-all to overlap";
+  if (slices % degree != 0)
+    return fmt::format(
+        "--pipe-experts-multi-data ({}) must be divisible by --ampipe-degree ({}) (MindSpeed's "
+        "rule)",
+        slices, degree);
+  if (degree > 1 && !(slices > degree || (slices == degree && p.pipe_experts_multi_stream)))
+    return fmt::format(
+        "with --ampipe-degree {} it needs --pipe-experts-multi-data > {} (or = {} with "
+        "--pipe-experts-multi-stream), got {} (MindSpeed's rule)",
+        degree, degree, degree, slices);
+  // More slices than an expert's capacity: refused (check_pipe_experts) rather than switched off.
+  if (m.moe_expert_capacity_factor > 0 && slices / degree > expert_capacity_per_chunk(m, p))
+    return "";
+  if (m.num_experts / p.expert_parallel == 1 && slices / degree == 1)
+    return fmt::format(
+        "one local expert ({} experts over {} expert-parallel ranks) and one capacity slice "
+        "leave a single item: raise --pipe-experts-multi-data",
+        m.num_experts, p.expert_parallel);
+  return "";
+}
+
+void switch_off_pipe_experts(const ModelConfig& m, ParallelPlan& p, Warnings& warnings) {
+  // Without experts, or with sizes below 1, a rule refuses the plan.
+  if (!p.pipe_experts || m.num_experts < 1 || p.expert_parallel < 1 || p.ampipe_degree < 1) return;
+  const std::string why = why_pipe_experts_cannot_apply(m, p);
+  if (why.empty()) return;
+  p.pipe_experts = p.pipe_experts_multi_stream = p.pipe_experts_separate_streams = false;
+  p.pipe_experts_multi_data = 1;
+  warnings.push_back("--use-pipe-experts is switched off: " + why);
+}
+
+}  // namespace
+
+double expert_capacity_per_chunk(const ModelConfig& m, const ParallelPlan& p) {
+  // Each slot routes S / (cp tp) x B / degree tokens; an expert takes ceil(f n k / E).
+  const double routed = static_cast<double>(m.seq_length) /
+                        (static_cast<double>(p.context_parallel) * p.tensor_parallel) *
+                        p.micro_batch_size / p.ampipe_degree;
+  return std::ceil(m.moe_expert_capacity_factor * routed * m.moe_router_topk / m.num_experts);
+}
+
+std::vector<std::string> derive_plan(const ModelConfig& m, ParallelPlan& p) {
+  Warnings warnings;
+  switch_off_sequence_parallel_without_tensor_parallel(p, warnings);
+  split_experts_for_deepspeed_moe(p);
+  derive_virtual_stages(m, p);
+  drop_scheduler_without_pipeline(p, warnings);
+  warn_ampipe_without_expert_parallelism(p, warnings);
+  warn_features_without_effect(p, warnings);
+  switch_off_ampipe_tp_sp_comm_overlap(p, warnings);
+  switch_off_ampipe_cp_resend_kv(m, p, warnings);
+  switch_off_pipe_experts_multi_stream(p, warnings);
+  drop_pipe_experts_options_without_pipe_experts(p, warnings);
+  switch_off_pipe_experts(m, p, warnings);
+  return warnings;
+}
+
+}  // namespace weave::graphs

@@ -1,0 +1,382 @@
+#include "config/plan_rules.hpp"
+
+#include <fmt/format.h>
+
+#include <utility>
+
+#include "config/plan_derivation.hpp"
+#include "weave/graphs/pipeline_layout.hpp"
+
+namespace weave::graphs {
+
+namespace {
+
+template <typename... Args>
+[[noreturn]] void refuse(fmt::format_string<Args...> format, Args&&... args) {
+  throw ConfigError(fmt::format(format, std::forward<Args>(args)...));
+}
+
+void require_positive(const char* flag, long long value) {
+  if (value < 1) refuse("{} must be >= 1, got {}", flag, value);
+}
+
+// Every size the other rules divide by or multiply.
+void check_sizes_are_positive(const ModelConfig& m, const ParallelPlan& p) {
+  require_positive("--num-layers", m.num_layers);
+  require_positive("--hidden-size", m.hidden_size);
+  require_positive("--num-attention-heads", m.num_attention_heads);
+  require_positive("--ffn-hidden-size", m.ffn_hidden_size);
+  require_positive("--seq-length", m.seq_length);
+  require_positive("--tensor-model-parallel-size", p.tensor_parallel);
+  require_positive("--context-parallel-size", p.context_parallel);
+  require_positive("--expert-model-parallel-size", p.expert_parallel);
+  require_positive("--pipeline-model-parallel-size", p.pipeline_parallel);
+  require_positive("the data-parallel size", p.data_parallel);
+  require_positive("--micro-batch-size", p.micro_batch_size);
+  require_positive("--global-batch-size", p.global_batch_size);
+  require_positive("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by);
+}
+
+// The device count and the padded vocabulary stay small enough to multiply in an int.
+void check_sizes_fit(const ModelConfig& m, const ParallelPlan& p) {
+  // One factor at a time, in 64 bits: the running product stays below kMaxDevices before each
+  // multiplication, so it cannot overflow.
+  long long devices = 1;
+  for (const int size :
+       {p.tensor_parallel, p.context_parallel, p.data_parallel, p.pipeline_parallel}) {
+    devices *= size;
+    if (devices > kMaxDevices)
+      refuse(
+          "tensor x context x data x pipeline parallel ({} x {} x {} x {}) exceeds {} devices, "
+          "more than weave lays out: lower the parallel sizes or --devices",
+          p.tensor_parallel, p.context_parallel, p.data_parallel, p.pipeline_parallel, kMaxDevices);
+  }
+  if (1LL * m.make_vocab_size_divisible_by * p.tensor_parallel > (1 << 30) ||
+      m.vocab_size > (1 << 30))
+    refuse(
+        "the vocabulary ({} tokens, padded to a multiple of --make-vocab-size-divisible-by {} x "
+        "--tensor-model-parallel-size {}) must stay below 2^30 rows",
+        m.vocab_size, m.make_vocab_size_divisible_by, p.tensor_parallel);
+}
+
+// Tensor parallelism splits heads and the MLP's first linear.
+void check_tensor_parallel(const ModelConfig& m, const ParallelPlan& p) {
+  const int tp = p.tensor_parallel;
+  if (m.hidden_size % m.num_attention_heads != 0)
+    refuse(
+        "--hidden-size ({}) must be divisible by --num-attention-heads ({}): every head has "
+        "hidden / heads dimensions",
+        m.hidden_size, m.num_attention_heads);
+  if (m.num_attention_heads % tp != 0)
+    refuse(
+        "--num-attention-heads ({}) must be divisible by --tensor-model-parallel-size ({}): "
+        "each tensor-parallel rank holds whole heads",
+        m.num_attention_heads, tp);
+  if (m.ffn_hidden_size % tp != 0)
+    refuse(
+        "--ffn-hidden-size ({}) must be divisible by --tensor-model-parallel-size ({}): the "
+        "MLP's first linear is split by columns",
+        m.ffn_hidden_size, tp);
+}
+
+void check_position_embeddings(const ModelConfig& m) {
+  if (m.positions() < m.seq_length)
+    refuse("--max-position-embeddings ({}) must be >= --seq-length ({})", m.positions(),
+           m.seq_length);
+}
+
+void check_sequence_parallel(const ModelConfig& m, const ParallelPlan& p) {
+  if (p.sequence_parallel && m.seq_length % p.tensor_parallel != 0)
+    refuse(
+        "--seq-length ({}) must be divisible by --tensor-model-parallel-size ({}) under "
+        "--sequence-parallel: each rank holds seq/tp positions",
+        m.seq_length, p.tensor_parallel);
+}
+
+void check_context_parallel(const ModelConfig& m, const ParallelPlan& p) {
+  const int cp = p.context_parallel, sp = p.sequence_parallel ? p.tensor_parallel : 1;
+  if (cp > 1 && m.seq_length % (2 * cp * sp) != 0)
+    refuse(
+        "--seq-length ({}) must be divisible by 2 x --context-parallel-size{} ({}): the "
+        "sequence is cut into 2 x cp load-balanced chunks{}",
+        m.seq_length, sp > 1 ? " x --tensor-model-parallel-size" : "", 2 * cp * sp,
+        sp > 1 ? ", each split again over the sequence-parallel ranks" : "");
+}
+
+// The experts, their routing, and expert parallelism only with experts.
+void check_moe_model(const ModelConfig& m, const ParallelPlan& p) {
+  if (m.num_experts < 0) refuse("--num-experts must be >= 0, got {}", m.num_experts);
+  if (m.num_experts == 0) {
+    if (p.expert_parallel > 1)
+      refuse("--expert-model-parallel-size ({}) needs --num-experts > 0", p.expert_parallel);
+    return;
+  }
+  require_positive("--moe-layer-freq", m.moe_layer_freq);
+  if (m.moe_router_topk < 1 || m.moe_router_topk > m.num_experts)
+    refuse("--moe-router-topk ({}) must be between 1 and --num-experts ({})", m.moe_router_topk,
+           m.num_experts);
+  if (m.num_experts % p.expert_parallel != 0)
+    refuse(
+        "--num-experts ({}) must be divisible by --expert-model-parallel-size ({}): each "
+        "expert-parallel rank holds the same number of experts",
+        m.num_experts, p.expert_parallel);
+  if (m.moe_expert_capacity_factor < 0)
+    refuse("--moe-expert-capacity-factor must be >= 0 (0: dropless), got {}",
+           m.moe_expert_capacity_factor);
+}
+
+// --moe-model-type as given: deepspeed_moe splits the experts, so a different split contradicts
+// it.
+void check_moe_model_type(const ParallelPlan& given) {
+  if (given.moe_model_type == "deepspeed_moe") {
+    if (given.expert_tensor_parallel != 1 && given.expert_tensor_parallel != given.tensor_parallel)
+      refuse(
+          "--moe-model-type deepspeed_moe splits every expert over the tensor-parallel group: "
+          "--expert-tensor-parallel-size ({}) must be --tensor-model-parallel-size ({}) or unset",
+          given.expert_tensor_parallel, given.tensor_parallel);
+  } else if (!given.moe_model_type.empty() && given.moe_model_type != "megatron") {
+    refuse("--moe-model-type must be megatron or deepspeed_moe, got '{}'", given.moe_model_type);
+  }
+}
+
+// Experts are whole or split over the whole tensor-parallel group, and only experts split.
+void check_expert_tensor_parallel(const ModelConfig& m, const ParallelPlan& p) {
+  require_positive("--expert-tensor-parallel-size", p.expert_tensor_parallel);
+  if (p.expert_tensor_parallel != 1 && p.expert_tensor_parallel != p.tensor_parallel)
+    refuse(
+        "--expert-tensor-parallel-size ({}) must be 1 (every expert whole on one rank) or "
+        "--tensor-model-parallel-size ({}) (every expert split over the tensor-parallel group)",
+        p.expert_tensor_parallel, p.tensor_parallel);
+  if (p.expert_tensor_parallel > 1 && m.num_experts == 0)
+    refuse("--expert-tensor-parallel-size ({}) splits experts: set --num-experts",
+           p.expert_tensor_parallel);
+}
+
+// Expert-parallel groups are carved out of the ranks that hold the same expert shard.
+void check_expert_parallel_groups(const ParallelPlan& p) {
+  const int tp = p.tensor_parallel, cp = p.context_parallel, dp = p.data_parallel;
+  if (p.expert_tensor_parallel > 1) {
+    if ((cp * dp) % p.expert_parallel != 0)
+      refuse(
+          "--expert-model-parallel-size ({}) must divide context x data parallel ({} x {} = {}) "
+          "when experts are split over the tensor-parallel group: an expert-parallel group is "
+          "made of ranks with the same tensor-parallel rank",
+          p.expert_parallel, cp, dp, cp * dp);
+  } else if ((tp * cp * dp) % p.expert_parallel != 0) {
+    refuse(
+        "--expert-model-parallel-size ({}) must divide tensor x context x data parallel "
+        "({} x {} x {} = {}): expert-parallel groups are carved out of those ranks",
+        p.expert_parallel, tp, cp, dp, tp * cp * dp);
+  }
+}
+
+void check_global_batch(const ParallelPlan& p) {
+  const long long per_step = 1LL * p.micro_batch_size * p.data_parallel;
+  if (p.global_batch_size % per_step != 0)
+    refuse(
+        "--global-batch-size ({}) must be divisible by --micro-batch-size x data-parallel size "
+        "({} x {} = {})",
+        p.global_batch_size, p.micro_batch_size, p.data_parallel, per_step);
+}
+
+// The virtual-stage flags as given: a count, or layers per chunk that divide each rank's layers
+// into that count.
+void check_virtual_stages(const ModelConfig& m, const ParallelPlan& given) {
+  require_positive("--virtual-pipeline-model-parallel-size", given.virtual_pipeline);
+  const int layers_per_chunk = given.layers_per_virtual_stage, pp = given.pipeline_parallel;
+  if (layers_per_chunk < 0)
+    refuse("--num-layers-per-virtual-pipeline-stage must be >= 1, got {}", layers_per_chunk);
+  if (layers_per_chunk == 0) return;
+  const int per_rank = m.num_layers / pp;
+  if (m.num_layers % pp != 0 || per_rank % layers_per_chunk != 0)
+    refuse(
+        "--num-layers-per-virtual-pipeline-stage ({}) must divide the layers of each "
+        "pipeline rank (--num-layers {} / --pipeline-model-parallel-size {})",
+        layers_per_chunk, m.num_layers, pp);
+  const int chunks = per_rank / layers_per_chunk;
+  if (given.virtual_pipeline > 1 && given.virtual_pipeline != chunks)
+    refuse(
+        "--num-layers-per-virtual-pipeline-stage ({}) gives {} virtual stages per rank but "
+        "--virtual-pipeline-model-parallel-size is {}; give one of them",
+        layers_per_chunk, chunks, given.virtual_pipeline);
+}
+
+// The schedule named as given exists, a single stage takes neither chunks nor uneven splits,
+// and the derived plan's layer split and schedule can be made.
+void check_pipeline(const ModelConfig& m, const ParallelPlan& given, const ParallelPlan& p) {
+  if (!given.pipeline_scheduler.empty()) pipeline_schedule_kind(given);  // refuses unknown names
+  if (p.pipeline_parallel == 1 &&
+      (p.virtual_pipeline > 1 || p.first_stage_layers > 0 || p.last_stage_layers > 0))
+    refuse(
+        "virtual pipeline stages and uneven stage splits need --pipeline-model-parallel-size "
+        "> 1");
+  make_pipeline_layout(m, p);  // refuses splits and schedules it cannot make
+}
+
+// Ampipe's chunks need MoE layers to overlap with, and whole positions in every chunk.
+void check_ampipe(const ModelConfig& m, const ParallelPlan& p) {
+  require_positive("--ampipe-degree", p.ampipe_degree);
+  const int degree = p.ampipe_degree, tp = p.tensor_parallel, cp = p.context_parallel;
+  const int sp = p.sequence_parallel ? tp : 1;
+  if (degree == 1) return;
+  if (m.num_experts == 0)
+    refuse(
+        "--ampipe-degree ({}) pipelines attention with MoE all-to-alls and needs MoE "
+        "layers: set --num-experts",
+        degree);
+  if (tp > 1 && sp == 1)
+    refuse(
+        "--ampipe-degree ({}) with --tensor-model-parallel-size {} needs --sequence-parallel: "
+        "each tensor-parallel rank routes its own piece of every chunk",
+        degree, tp);
+  if (cp > 1 && degree != 2)
+    refuse(
+        "--ampipe-degree must be 2 with --context-parallel-size {} (got {}): the two "
+        "chunks are the two load-balanced halves each rank holds",
+        cp, degree);
+  if (degree > m.seq_length)
+    refuse("--ampipe-degree ({}) must not exceed --seq-length ({}): every chunk needs positions",
+           degree, m.seq_length);
+  // MindSpeed's rules: S % (N tp) with SP; under CP S % (2 N cp), and (S / (2 N cp)) % tp.
+  const long long unit = 1LL * (cp > 1 ? 2 * degree * cp : degree) * sp;
+  if (m.seq_length % unit != 0)
+    refuse(
+        "--seq-length ({}) must be divisible by {} under --ampipe-degree {}: every "
+        "sequence chunk{} needs whole positions (MindSpeed's rule)",
+        m.seq_length, unit, degree,
+        sp > 1 ? " is split again over the sequence-parallel ranks and" : "");
+}
+
+// Features MindSpeed's Ampipe refuses to run beside (reference section 8).
+void refuse_features_ampipe_excludes(const ParallelPlan& p) {
+  if (p.ampipe_degree < 2) return;
+  const std::pair<bool, const char*> conflicts[] = {
+      {p.overlap_grad_reduce, "--overlap-grad-reduce"},
+      {p.overlap_param_gather, "--overlap-param-gather"},
+      {p.use_nanopipe, "--use-nanopipe"},
+      {p.recompute_in_bubble, "--recompute-in-bubble"},
+      {p.recompute_in_advance, "--recompute-in-advance"},
+      {p.adaptive_recompute_device_swap, "--adaptive-recompute-device-swap"}};
+  for (const auto& [on, flag] : conflicts)
+    if (on)
+      refuse(
+          "--ampipe-degree ({}) cannot run with {}: MindSpeed's Ampipe refuses it (its chunks' "
+          "schedule and that feature's reorder the same communication); drop one of them",
+          p.ampipe_degree, flag);
+}
+
+// --use-pipe-experts as given needs experts; as derived (still on), no more capacity slices
+// than an expert takes tokens.
+void check_pipe_experts(const ModelConfig& m, const ParallelPlan& given, const ParallelPlan& p) {
+  require_positive("--pipe-experts-multi-data", given.pipe_experts_multi_data);
+  if (given.pipe_experts && m.num_experts == 0)
+    refuse("--use-pipe-experts pipelines MoE experts: set --num-experts");
+  if (!p.pipe_experts || !(m.moe_expert_capacity_factor > 0)) return;
+  const int degree = p.ampipe_degree, slices = p.pipe_experts_multi_data;
+  const double capacity = expert_capacity_per_chunk(m, p);
+  if (slices / degree > capacity)
+    refuse(
+        "--pipe-experts-multi-data ({}) / --ampipe-degree ({}) slices must not exceed an "
+        "expert's capacity ({:.0f} picks per chunk at --moe-expert-capacity-factor {})",
+        slices, degree, capacity, m.moe_expert_capacity_factor);
+}
+
+void check_dropout_and_norm(const ModelConfig& m) {
+  if (m.hidden_dropout < 0 || m.hidden_dropout >= 1)
+    refuse("--hidden-dropout must be in [0, 1), got {}", m.hidden_dropout);
+  if (m.attention_dropout < 0 || m.attention_dropout >= 1)
+    refuse("--attention-dropout must be in [0, 1), got {}", m.attention_dropout);
+  if (!(m.layernorm_epsilon > 0)) refuse("--norm-epsilon must be > 0, got {}", m.layernorm_epsilon);
+}
+
+// Grouped-query attention: whole key/value heads per query group and per tensor-parallel rank.
+void check_query_groups(const ModelConfig& m, const ParallelPlan& p) {
+  if (m.num_query_groups < 0 ||
+      (m.num_query_groups > 0 && m.num_attention_heads % m.num_query_groups != 0))
+    refuse(
+        "--num-query-groups ({}) must divide --num-attention-heads ({}): every key/value head "
+        "serves the same number of query heads",
+        m.num_query_groups, m.num_attention_heads);
+  if (m.query_groups() % p.tensor_parallel != 0)
+    refuse(
+        "--num-query-groups ({}) must be divisible by --tensor-model-parallel-size ({}): each "
+        "tensor-parallel rank holds whole key/value heads with their query heads",
+        m.query_groups(), p.tensor_parallel);
+}
+
+// Megatron-LM's rules for activation recomputation (TransformerConfig's checks): full needs a
+// method and a layer count of 1 to the layers of a pipeline rank; selective takes neither.
+void check_recomputation(const ModelConfig& m, const ParallelPlan& p) {
+  const Recompute& r = m.recompute;
+  const bool method = r.method != RecomputeMethod::none;
+  switch (r.granularity) {
+    case RecomputeGranularity::none:
+      if (method || r.num_layers != 0)
+        refuse(
+            "--recompute-method and --recompute-num-layers apply with --recompute-granularity "
+            "full (Megatron-LM's rule): add --recompute-granularity full, or drop them");
+      return;
+    case RecomputeGranularity::selective:
+      if (method || r.num_layers != 0)
+        refuse(
+            "--recompute-granularity selective recomputes the core attention of every layer and "
+            "takes no --recompute-method or --recompute-num-layers (Megatron-LM's rule): drop "
+            "them, or use --recompute-granularity full");
+      return;
+    case RecomputeGranularity::full:
+      break;
+  }
+  if (!method)
+    refuse(
+        "--recompute-granularity full needs --recompute-method uniform or block (Megatron-LM's "
+        "rule): uniform recomputes groups of --recompute-num-layers layers, block the first "
+        "--recompute-num-layers layers of each model chunk");
+  const int per_rank = m.num_layers / p.pipeline_parallel;
+  if (r.num_layers < 1 || r.num_layers > per_rank)
+    refuse(
+        "--recompute-num-layers must be between 1 and the layers of a pipeline rank ({} = "
+        "--num-layers {} / --pipeline-model-parallel-size {}) with --recompute-granularity full "
+        "(Megatron-LM's rule), got {}",
+        per_rank, m.num_layers, p.pipeline_parallel, r.num_layers);
+}
+
+void check_rotary_embedding(const ModelConfig& m) {
+  if (m.position_embedding != PositionEmbedding::rope) return;
+  if (!(m.rotary_percent > 0 && m.rotary_percent <= 1))
+    refuse("--rotary-percent must be in (0, 1], got {}", m.rotary_percent);
+  if (!(m.rotary_base > 0)) refuse("--rotary-base must be > 0, got {}", m.rotary_base);
+  if (m.rotary_dims() < 2)
+    refuse(
+        "--rotary-percent {} of a head's {} dimensions rotates {}: RoPE needs at least 2 "
+        "(raise --rotary-percent)",
+        m.rotary_percent, m.head_dim(), m.rotary_dims());
+}
+
+}  // namespace
+
+void check_plan_rules(const ModelConfig& m, const ParallelPlan& given,
+                      const ParallelPlan& derived) {
+  check_sizes_are_positive(m, derived);
+  check_sizes_fit(m, derived);
+  check_tensor_parallel(m, derived);
+  check_position_embeddings(m);
+  check_sequence_parallel(m, derived);
+  check_context_parallel(m, derived);
+  check_moe_model(m, derived);
+  check_moe_model_type(given);
+  check_expert_tensor_parallel(m, derived);
+  check_expert_parallel_groups(derived);
+  check_global_batch(derived);
+  check_virtual_stages(m, given);
+  check_pipeline(m, given, derived);
+  check_ampipe(m, derived);
+  refuse_features_ampipe_excludes(derived);
+  check_pipe_experts(m, given, derived);
+  check_dropout_and_norm(m);
+  check_query_groups(m, derived);
+  require_positive("--vocab-size", m.vocab_size);
+  check_recomputation(m, derived);
+  check_rotary_embedding(m);
+}
+
+}  // namespace weave::graphs
