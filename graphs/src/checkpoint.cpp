@@ -12,7 +12,10 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
+#include <variant>
 #include <vector>
+
+#include "weave/graphs/config_flags.hpp"
 
 namespace weave::graphs {
 
@@ -28,27 +31,18 @@ constexpr char kManifestMagic[] = "WEAVE-CHECKPOINT-M\n";
 constexpr char kPartMagic[] = "WEAVE-CHECKPOINT-P\n";
 static_assert(sizeof(kManifestMagic) == sizeof(kMagic) && sizeof(kPartMagic) == sizeof(kMagic));
 
+// The settings of `section` that a checkpoint's header holds (config_flags.hpp marks them).
+json describe_section(const TrainerConfig& config, DescribedSection section) {
+  json out = json::object();
+  for (const DescribedSetting& s : describe_configuration(config, DescribedSettings::checkpointed))
+    if (s.section == section) std::visit([&](const auto& value) { out[s.key] = value; }, s.value);
+  return out;
+}
+
 json describe(const ModelConfig& m) {
-  return {{"num_layers", m.num_layers},
-          {"hidden_size", m.hidden_size},
-          {"num_attention_heads", m.num_attention_heads},
-          {"ffn_hidden_size", m.ffn_hidden_size},
-          {"seq_length", m.seq_length},
-          {"max_position_embeddings", m.positions()},
-          {"vocab_size", m.vocab_size},
-          {"make_vocab_size_divisible_by", m.make_vocab_size_divisible_by},
-          {"swiglu", m.activation == Activation::swiglu},
-          {"num_experts", m.num_experts},
-          {"moe_layer_freq", m.moe_layer_freq},
-          {"position_embedding_type", position_embedding_name(m.position_embedding)},
-          {"rotary_percent", m.rotary_percent},
-          {"rotary_base", m.rotary_base},
-          {"normalization", m.normalization == Normalization::rms_norm ? "RMSNorm" : "LayerNorm"},
-          {"num_query_groups", m.query_groups()},
-          {"untie_embeddings_and_output_weights", m.untie_embeddings_and_output_weights},
-          {"add_bias_linear", m.add_bias_linear},
-          {"moe_router_topk", m.moe_router_topk},
-          {"norm_epsilon", m.layernorm_epsilon}};
+  TrainerConfig config;
+  config.model = m;
+  return describe_section(config, DescribedSection::model);
 }
 
 // The model as a checkpoint saved before a field existed describes it: the field's default.
@@ -65,17 +59,9 @@ json with_defaults(json saved, const ModelConfig& m) {
 }
 
 json describe(const ParallelPlan& p) {
-  return {{"tensor_model_parallel_size", p.tensor_parallel},
-          {"sequence_parallel", p.sequence_parallel},
-          {"context_parallel_size", p.context_parallel},
-          {"expert_model_parallel_size", p.expert_parallel},
-          {"expert_tensor_parallel_size", p.expert_tensor_parallel},
-          {"data_parallel_size", p.data_parallel},
-          {"pipeline_model_parallel_size", p.pipeline_parallel},
-          {"virtual_pipeline_model_parallel_size", p.virtual_pipeline},
-          {"decoder_first_pipeline_num_layers", p.first_stage_layers},
-          {"decoder_last_pipeline_num_layers", p.last_stage_layers},
-          {"use_distributed_optimizer", p.distributed_optimizer}};
+  TrainerConfig config;
+  config.plan = p;
+  return describe_section(config, DescribedSection::plan);
 }
 
 // The layout as a checkpoint saved before a field existed describes it: the field's default.

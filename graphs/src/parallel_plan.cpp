@@ -286,34 +286,12 @@ std::vector<std::string> validate(const ModelConfig& m, ParallelPlan& p) {
           "sequence chunk{} needs whole positions (MindSpeed's rule)",
           m.seq_length, unit, degree,
           sp > 1 ? " is split again over the sequence-parallel ranks and" : "");
-    // Features MindSpeed's Ampipe refuses to run beside (reference section 8).
-    const std::pair<bool, const char*> conflicts[] = {
-        {p.overlap_grad_reduce, "--overlap-grad-reduce"},
-        {p.overlap_param_gather, "--overlap-param-gather"},
-        {p.use_nanopipe, "--use-nanopipe"},
-        {p.recompute_in_bubble, "--recompute-in-bubble"},
-        {p.recompute_in_advance, "--recompute-in-advance"},
-        {p.adaptive_recompute_device_swap, "--adaptive-recompute-device-swap"}};
-    for (const auto& [on, flag] : conflicts)
-      if (on)
-        refuse(
-            "--ampipe-degree ({}) cannot run with {}: MindSpeed's Ampipe refuses it (its chunks' "
-            "schedule and that feature's reorder the same communication); drop one of them",
-            degree, flag);
     if (p.expert_parallel == 1)
       warnings.push_back(fmt::format(
           "--ampipe-degree {} with --expert-model-parallel-size 1 has no all-to-all to hide; "
           "MindSpeed refuses it (EP > 1), weave runs it (the chunks are exact either way)",
           degree));
   }
-  // Accepted as MindSpeed and Megatron scripts give them: weave always overlaps the gradient
-  // reductions with the backward and runs a blockwise (flash) attention.
-  if (p.ampipe_degree == 1 && (p.use_nanopipe || p.recompute_in_bubble || p.recompute_in_advance ||
-                               p.adaptive_recompute_device_swap))
-    warnings.push_back(
-        "--use-nanopipe, --recompute-in-bubble, --recompute-in-advance and "
-        "--adaptive-recompute-device-swap have no effect here: weave keeps every activation and "
-        "runs the pipeline schedules as given");
   if (p.ampipe_tp_sp_comm_overlap) {
     // It pipelines the split experts' all-gathers and reduce-scatters over (chunk, expert) items.
     std::string why;

@@ -17,11 +17,28 @@
 #include "train_options.hpp"
 #include "weave/devices/accelerator.hpp"
 #include "weave/devices/link_model.hpp"
+#include "weave/graphs/config_flags.hpp"
 #include "weave/graphs/mesh.hpp"
 #include "weave/graphs/prediction.hpp"
 #include "weave/runtime/chrome_trace.hpp"
 
 namespace weave::cli {
+
+namespace {
+
+// weave predict's own flags that shape a search: left out when the best plan is printed as a
+// command, beside the flag table's plan and advice flags.
+constexpr std::string_view kSearchFlags[] = {"--advise", "--advise-top", "--advise-limit",
+                                             "--every-rank"};
+
+}  // namespace
+
+bool left_out_of_advice(std::string_view flag) {
+  if (std::find(std::begin(kSearchFlags), std::end(kSearchFlags), flag) != std::end(kSearchFlags))
+    return true;
+  const graphs::ConfigFlag* f = graphs::find_config_flag(flag);
+  return f && (f->has(graphs::kChoosesPlan) || f->has(graphs::kNotRepeatedByAdvice));
+}
 
 namespace {
 
@@ -42,39 +59,6 @@ struct PredictOptions {
   bool advise_top_given = false, advise_limit_given = false;
 };
 
-// The flags that choose a plan, which --advise's candidates set themselves, and the advice
-// flags: left out when the best plan is printed as a command.
-constexpr std::string_view kPlanFlags[] = {
-    "--devices",
-    "--tensor-model-parallel-size",
-    "--sequence-parallel",
-    "--context-parallel-size",
-    "--expert-model-parallel-size",
-    "--expert-tensor-parallel-size",
-    "--pipeline-model-parallel-size",
-    "--pipeline-scheduler",
-    "--virtual-pipeline-model-parallel-size",
-    "--num-layers-per-virtual-pipeline-stage",
-    "--microbatch-group-size-per-virtual-pipeline-stage",
-    "--decoder-first-pipeline-num-layers",
-    "--decoder-last-pipeline-num-layers",
-    "--global-batch-size",
-    "--ampipe-degree",
-    "--recompute-granularity",
-    "--recompute-method",
-    "--recompute-num-layers",
-    "--recompute-activations",
-    "--advise",
-    "--advise-top",
-    "--advise-limit",
-    "--ampipe-advise",
-    "--ampipe-advise-fast",
-    "--pipeline-advise",
-    "--config",  // its flags were read onto the command line
-    "--trace",
-    "--every-rank",
-};
-
 // A word as a shell reads it back.
 std::string shell_word(const std::string& word) {
   if (!word.empty() && word.find_first_of(" \t\n'\"\\$`*?[]{}()<>|&;~#!") == std::string::npos)
@@ -91,8 +75,7 @@ std::string model_flags(const CLI::App& cmd) {
   for (const CLI::Option* opt : cmd.get_options()) {
     if (opt->count() == 0) continue;
     const std::string name = opt->get_name();
-    if (std::find(std::begin(kPlanFlags), std::end(kPlanFlags), name) != std::end(kPlanFlags))
-      continue;
+    if (left_out_of_advice(name)) continue;
     flags += (flags.empty() ? "" : " ") + name;
     if (opt->get_expected_max() != 0)  // a flag takes no value
       for (const std::string& value : opt->results())
