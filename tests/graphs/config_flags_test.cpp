@@ -4,10 +4,12 @@
 
 #include <algorithm>
 #include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
 #include "weave/graphs/config_flags.hpp"
+#include "weave/graphs/plan_search.hpp"
 
 namespace weave::graphs {
 namespace {
@@ -112,6 +114,34 @@ TEST(ConfigFlags, DescriptionsHoldTheValuesTheRunUses) {
   EXPECT_EQ(value("seed"), DescribedValue{c.model.seed});
   EXPECT_EQ(value("lr_decay_style"), DescribedValue{c.learning_rate.style});
   EXPECT_EQ(value("timing"), DescribedValue{std::string("wall")});
+}
+
+// The flags the plan search writes for a candidate are the table's plan flags, which `weave
+// predict --advise` leaves out of the command it prints for the best plan and writes anew.
+TEST(ConfigFlags, ThePlanSearchWritesOnlyPlanFlags) {
+  TrainerConfig c;
+  c.model.num_experts = 4;
+  c.model.recompute = {.granularity = RecomputeGranularity::full,
+                       .method = RecomputeMethod::uniform,
+                       .num_layers = 1};
+  c.plan = {.tensor_parallel = 2,
+            .sequence_parallel = true,
+            .expert_parallel = 2,
+            .expert_tensor_parallel = 2,
+            .pipeline_parallel = 2,
+            .virtual_pipeline = 2,
+            .pipeline_scheduler = "interleaved",
+            .ampipe_degree = 2};
+  std::istringstream words(plan_flags(c));
+  int flags = 0;
+  for (std::string word; words >> word;) {
+    if (word.rfind("--", 0) != 0) continue;
+    ++flags;
+    const ConfigFlag* f = find_config_flag(word);
+    ASSERT_NE(f, nullptr) << word;
+    EXPECT_TRUE(f->has(kChoosesPlan)) << word;
+  }
+  EXPECT_GE(flags, 12);
 }
 
 // A flag declared only in the table is described by every description, checkpointed or not.
