@@ -12,6 +12,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
+#include <type_traits>
 #include <variant>
 #include <vector>
 
@@ -152,6 +153,29 @@ Integer whole_number(const json& object, const char* key) {
   if (!value.is_number_integer())
     throw DamagedHeader(fmt::format("'{}' is {}, not a whole number", key, value.dump()));
   return value.get<Integer>();
+}
+
+// The checkpointed settings of `section` that are fields of their own (config_flags.hpp), read
+// back from `saved` into `config`. Those the program derives (--swiglu, --normalization, ...) are
+// read by the caller.
+void read_fields(const json& saved, DescribedSection section, TrainerConfig& config) {
+  for (const ConfigFlag& f : config_flags()) {
+    const FlagDescription& d = f.description;
+    if (d.section != section || !d.checkpointed) continue;
+    const std::string key(d.key);
+    std::visit(
+        [&](auto ref) {
+          if constexpr (!std::is_same_v<decltype(ref), std::monostate>) {
+            auto& field = ref(config);
+            using Value = std::remove_cvref_t<decltype(field)>;
+            if constexpr (std::is_integral_v<Value> && !std::is_same_v<Value, bool>)
+              field = whole_number<Value>(saved, key.c_str());
+            else
+              field = saved.at(key).template get<Value>();
+          }
+        },
+        f.field);
+  }
 }
 
 // Writes `magic`, the header text and the entries' values to `partial`, flushes it to disk and
@@ -490,46 +514,26 @@ SavedConfiguration read_checkpoint_config(const std::string& path) {
     const json p = plan_with_defaults(f.header.at("plan"));
     SavedConfiguration c;
     ModelConfig& model = c.model;
-    model.num_layers = whole_number<int>(m, "num_layers");
-    model.hidden_size = whole_number<int>(m, "hidden_size");
     model.num_attention_heads = whole_number<int>(m, "num_attention_heads");
-    model.ffn_hidden_size = whole_number<int>(m, "ffn_hidden_size");
-    model.seq_length = whole_number<int>(m, "seq_length");
-    model.max_position_embeddings = whole_number<int>(m, "max_position_embeddings");
-    model.vocab_size = whole_number<int>(m, "vocab_size");
-    model.make_vocab_size_divisible_by = whole_number<int>(m, "make_vocab_size_divisible_by");
-    model.activation = m.at("swiglu").get<bool>() ? Activation::swiglu : Activation::gelu;
-    model.num_experts = whole_number<int>(m, "num_experts");
-    model.moe_layer_freq = whole_number<int>(m, "moe_layer_freq");
     const json full = with_defaults(m, model);
+    TrainerConfig saved;
+    read_fields(full, DescribedSection::model, saved);
+    read_fields(p, DescribedSection::plan, saved);
+    model = saved.model;
+    model.activation = full.at("swiglu").get<bool>() ? Activation::swiglu : Activation::gelu;
     const std::string positions = full.at("position_embedding_type").get<std::string>();
     model.position_embedding = positions == "rope"   ? PositionEmbedding::rope
                                : positions == "none" ? PositionEmbedding::none
                                                      : PositionEmbedding::learned_absolute;
-    model.rotary_percent = full.at("rotary_percent").get<double>();
-    model.rotary_base = full.at("rotary_base").get<double>();
     model.normalization = full.at("normalization").get<std::string>() == "RMSNorm"
                               ? Normalization::rms_norm
                               : Normalization::layer_norm;
     const int groups = whole_number<int>(full, "num_query_groups");
     model.num_query_groups = groups == model.num_attention_heads ? 0 : groups;
-    model.untie_embeddings_and_output_weights =
-        full.at("untie_embeddings_and_output_weights").get<bool>();
     model.add_bias_linear = full.at("add_bias_linear").get<bool>();
-    model.moe_router_topk = whole_number<int>(full, "moe_router_topk");
-    model.layernorm_epsilon = full.at("norm_epsilon").get<double>();
     ParallelPlan& plan = c.plan;
-    plan.tensor_parallel = whole_number<int>(p, "tensor_model_parallel_size");
-    plan.sequence_parallel = p.at("sequence_parallel").get<bool>();
-    plan.context_parallel = whole_number<int>(p, "context_parallel_size");
-    plan.expert_parallel = whole_number<int>(p, "expert_model_parallel_size");
-    plan.expert_tensor_parallel = whole_number<int>(p, "expert_tensor_parallel_size");
+    plan = saved.plan;
     plan.data_parallel = whole_number<int>(p, "data_parallel_size");
-    plan.pipeline_parallel = whole_number<int>(p, "pipeline_model_parallel_size");
-    plan.virtual_pipeline = whole_number<int>(p, "virtual_pipeline_model_parallel_size");
-    plan.first_stage_layers = whole_number<int>(p, "decoder_first_pipeline_num_layers");
-    plan.last_stage_layers = whole_number<int>(p, "decoder_last_pipeline_num_layers");
-    plan.distributed_optimizer = p.at("use_distributed_optimizer").get<bool>();
     plan.pipeline_scheduler = f.header.value("pipeline_scheduler", std::string());
     c.processes = f.magic == kManifestMagic ? whole_number<int>(f.header, "processes") : 1;
     c.state = {whole_number<std::int64_t>(f.header, "iteration"),
