@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <type_traits>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -46,17 +47,25 @@ json describe(const ModelConfig& m) {
   return describe_section(config, DescribedSection::model);
 }
 
+// The settings of `section` in a header saved before some of them existed: each one the flag
+// table marks as added later, when missing, as `defaults` describe it.
+json with_defaults(json saved, DescribedSection section, const TrainerConfig& defaults) {
+  if (!saved.is_object()) return saved;
+  const json implied = describe_section(defaults, section);
+  for (const ConfigFlag& f : config_flags()) {
+    const FlagDescription& d = f.description;
+    if (d.section != section || !d.absent_from_older_checkpoints) continue;
+    const std::string key(d.key);
+    if (!saved.contains(key)) saved[key] = implied.at(key);
+  }
+  return saved;
+}
+
 // The model as a checkpoint saved before a field existed describes it: the field's default.
 json with_defaults(json saved, const ModelConfig& m) {
-  if (!saved.is_object()) return saved;
-  const ModelConfig defaults{.num_attention_heads = m.num_attention_heads};
-  const json implied = describe(defaults);
-  for (const char* key :
-       {"position_embedding_type", "rotary_percent", "rotary_base", "normalization",
-        "num_query_groups", "untie_embeddings_and_output_weights", "add_bias_linear",
-        "moe_router_topk", "norm_epsilon"})
-    if (!saved.contains(key)) saved[key] = implied[key];
-  return saved;
+  TrainerConfig defaults;
+  defaults.model = ModelConfig{.num_attention_heads = m.num_attention_heads};
+  return with_defaults(std::move(saved), DescribedSection::model, defaults);
 }
 
 json describe(const ParallelPlan& p) {
@@ -67,12 +76,7 @@ json describe(const ParallelPlan& p) {
 
 // The layout as a checkpoint saved before a field existed describes it: the field's default.
 json plan_with_defaults(json saved) {
-  if (!saved.is_object()) return saved;
-  const json implied = describe(ParallelPlan{});
-  for (const char* key : {"virtual_pipeline_model_parallel_size",
-                          "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"})
-    if (!saved.contains(key)) saved[key] = implied[key];
-  return saved;
+  return with_defaults(std::move(saved), DescribedSection::plan, TrainerConfig{});
 }
 
 std::uint64_t fnv1a(const char* data, std::size_t n, std::uint64_t h = 1469598103934665603ull) {

@@ -44,6 +44,12 @@ constexpr FlagDescription described(DescribedSection section, std::string_view k
   return {.section = section, .key = key, .checkpointed = saved};
 }
 
+// A checkpointed description that checkpoints saved before it existed lack.
+constexpr FlagDescription added_to_checkpoints(FlagDescription d) {
+  d.absent_from_older_checkpoints = true;
+  return d;
+}
+
 // Implemented flags, group by group (config_flags_model.cpp, config_flags_parallel.cpp,
 // config_flags_run.cpp).
 std::span<const ConfigFlag> config_file_flags();

@@ -67,12 +67,13 @@ constexpr ConfigFlag kModel[] = {
     {.name = "--position-embedding-type",
      .help = "learned_absolute: a learned table added to the input; rope: rotary embeddings of "
              "queries and keys; none",
-     .description = {.section = model,
-                     .key = "position_embedding_type",
-                     .checkpointed = true,
-                     .value = [](const TrainerConfig& c) -> DescribedValue {
-                       return std::string(position_embedding_name(c.model.position_embedding));
-                     }},
+     .description = added_to_checkpoints({.section = model,
+                                          .key = "position_embedding_type",
+                                          .checkpointed = true,
+                                          .value = [](const TrainerConfig& c) -> DescribedValue {
+                                            return std::string(position_embedding_name(
+                                                c.model.position_embedding));
+                                          }}),
      .properties = kShowsDefault},
     {.name = "--use-rotary-position-embeddings",
      .values = 0,
@@ -83,30 +84,31 @@ constexpr ConfigFlag kModel[] = {
     {.name = "--rotary-percent",
      .help = "Share of each head's dimensions RoPE rotates, in (0, 1]",
      .field = model_field<&M::rotary_percent>(),
-     .description = described(model, "rotary_percent", true),
+     .description = added_to_checkpoints(described(model, "rotary_percent", true)),
      .properties = kShowsDefault},
     {.name = "--rotary-base",
      .help = "RoPE's base: angle base^(-2i / dims) x position",
      .field = model_field<&M::rotary_base>(),
-     .description = described(model, "rotary_base", true),
+     .description = added_to_checkpoints(described(model, "rotary_base", true)),
      .properties = kShowsDefault},
     {.name = "--normalization",
      .help = "LayerNorm or RMSNorm, for every norm",
-     .description = {.section = model,
-                     .key = "normalization",
-                     .checkpointed = true,
-                     .value = [](const TrainerConfig& c) -> DescribedValue {
-                       return std::string(c.model.normalization == Normalization::rms_norm
-                                              ? "RMSNorm"
-                                              : "LayerNorm");
-                     }},
+     .description = added_to_checkpoints({.section = model,
+                                          .key = "normalization",
+                                          .checkpointed = true,
+                                          .value = [](const TrainerConfig& c) -> DescribedValue {
+                                            return std::string(c.model.normalization ==
+                                                                       Normalization::rms_norm
+                                                                   ? "RMSNorm"
+                                                                   : "LayerNorm");
+                                          }}),
      .properties = kShowsDefault},
     {.name = "--norm-epsilon",
      .aliases = "--layernorm-epsilon",
      .help = "The norms' epsilon",
      .field = model_field<&M::layernorm_epsilon>(),
      .check = kPositive,
-     .description = described(model, "norm_epsilon", true),
+     .description = added_to_checkpoints(described(model, "norm_epsilon", true)),
      .properties = kShowsDefault},
     {.name = "--group-query-attention",
      .values = 0,
@@ -115,26 +117,27 @@ constexpr ConfigFlag kModel[] = {
      .help = "Key/value heads with --group-query-attention, each shared by heads / groups query "
              "heads",
      .check = at_least(1),
-     .description = {.section = model,
-                     .key = "num_query_groups",
-                     .checkpointed = true,
-                     .value = [](const TrainerConfig& c) -> DescribedValue {
-                       return std::int64_t{c.model.query_groups()};
-                     }}},
+     .description = added_to_checkpoints({.section = model,
+                                          .key = "num_query_groups",
+                                          .checkpointed = true,
+                                          .value = [](const TrainerConfig& c) -> DescribedValue {
+                                            return std::int64_t{c.model.query_groups()};
+                                          }})},
     {.name = "--untie-embeddings-and-output-weights",
      .values = 0,
      .help = "An output layer of its own instead of the word embedding's transpose",
      .field = model_field<&M::untie_embeddings_and_output_weights>(),
-     .description = described(model, "untie_embeddings_and_output_weights", true)},
+     .description =
+         added_to_checkpoints(described(model, "untie_embeddings_and_output_weights", true))},
     {.name = "--disable-bias-linear",
      .values = 0,
      .help = "No biases in the attention's and the MLPs' linear layers",
-     .description = {.section = model,
-                     .key = "add_bias_linear",
-                     .checkpointed = true,
-                     .value = [](const TrainerConfig& c) -> DescribedValue {
-                       return c.model.add_bias_linear;
-                     }}},
+     .description = added_to_checkpoints({.section = model,
+                                          .key = "add_bias_linear",
+                                          .checkpointed = true,
+                                          .value = [](const TrainerConfig& c) -> DescribedValue {
+                                            return c.model.add_bias_linear;
+                                          }})},
     {.name = "--attention-dropout",
      .help = "Dropout on the attention probabilities, in [0, 1)",
      .field = model_field<&M::attention_dropout>(),
@@ -178,7 +181,7 @@ constexpr ConfigFlag kMoe[] = {
      .help = "Experts each token is routed to",
      .field = model_field<&M::moe_router_topk>(),
      .check = at_least(1),
-     .description = described(model, "moe_router_topk", true),
+     .description = added_to_checkpoints(described(model, "moe_router_topk", true)),
      .properties = kShowsDefault},
     {.name = "--moe-aux-loss-coeff",
      .group = FlagGroup::moe,

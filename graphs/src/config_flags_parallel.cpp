@@ -119,7 +119,8 @@ constexpr ConfigFlag kPipeline[] = {
      .help = "Model chunks per pipeline rank (instead of --num-layers-per-virtual-pipeline-stage)",
      .field = plan_field<&P::virtual_pipeline>(),
      .check = at_least(1),
-     .description = described(plan, "virtual_pipeline_model_parallel_size", true),
+     .description =
+         added_to_checkpoints(described(plan, "virtual_pipeline_model_parallel_size", true)),
      .properties = kChoosesPlan},
     {.name = "--microbatch-group-size-per-virtual-pipeline-stage",
      .group = FlagGroup::pipeline,
@@ -133,14 +134,15 @@ constexpr ConfigFlag kPipeline[] = {
      .help = "Layers of the first model chunk (the rest split evenly)",
      .field = plan_field<&P::first_stage_layers>(),
      .check = at_least(1),
-     .description = described(plan, "decoder_first_pipeline_num_layers", true),
+     .description =
+         added_to_checkpoints(described(plan, "decoder_first_pipeline_num_layers", true)),
      .properties = kChoosesPlan},
     {.name = "--decoder-last-pipeline-num-layers",
      .group = FlagGroup::pipeline,
      .help = "Layers of the last model chunk (the rest split evenly)",
      .field = plan_field<&P::last_stage_layers>(),
      .check = at_least(1),
-     .description = described(plan, "decoder_last_pipeline_num_layers", true),
+     .description = added_to_checkpoints(described(plan, "decoder_last_pipeline_num_layers", true)),
      .properties = kChoosesPlan},
 };
 

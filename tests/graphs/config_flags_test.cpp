@@ -96,6 +96,21 @@ TEST(ConfigFlags, TheCheckpointsDescriptionKeepsItsKeys) {
                       "decoder_last_pipeline_num_layers", "use_distributed_optimizer"}));
 }
 
+// The keys checkpoints saved before them lack, which loading reads as their defaults.
+TEST(ConfigFlags, CheckpointsSavedEarlierLackTheKeysAddedSince) {
+  std::set<std::string> later;
+  for (const ConfigFlag& f : config_flags())
+    if (f.description.absent_from_older_checkpoints) {
+      EXPECT_TRUE(f.description.checkpointed) << f.name;
+      later.insert(std::string(f.description.key));
+    }
+  EXPECT_EQ(later, (std::set<std::string>{
+                       "position_embedding_type", "rotary_percent", "rotary_base", "normalization",
+                       "num_query_groups", "untie_embeddings_and_output_weights", "add_bias_linear",
+                       "moe_router_topk", "norm_epsilon", "virtual_pipeline_model_parallel_size",
+                       "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"}));
+}
+
 TEST(ConfigFlags, DescriptionsHoldTheValuesTheRunUses) {
   TrainerConfig c;
   c.model.num_query_groups = 0;  // one per head: described as the heads

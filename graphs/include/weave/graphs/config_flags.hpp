@@ -91,6 +91,9 @@ struct FlagDescription {
   bool checkpointed = false;
   // The value described, when it is not the field's own (a derived or defaulted value).
   DescribedValue (*value)(const TrainerConfig&) = nullptr;
+  // Checkpointed after the first checkpoints were written: a header without it was saved before
+  // it existed, and means its default.
+  bool absent_from_older_checkpoints = false;
 };
 
 // Properties of a flag beyond its value.
