@@ -178,17 +178,21 @@ constexpr ConfigFlag kOutput[] = {
     {.name = "--ampipe-advise",
      .group = FlagGroup::advice,
      .values = 0,
-     .help = "Instead of training: predict one step at each Ampipe degree as weave predict does "
-             "(built without tensors, replicas folded, on the virtual clock of --link, "
-             "--device-flops or --accelerator) and name the fastest that fits a device's memory",
+     .help = "Instead of training: predict one step at each Ampipe degree as "
+             "weave predict does (built without tensors, data-parallel replicas "
+             "folded, on the virtual clock of --link, --device-flops or "
+             "--accelerator) and name the fastest that fits a device's memory "
+             "(the --accelerator's, else 80 GiB; weave predict takes "
+             "--device-memory); also accepted by weave predict",
      .properties = kNotRepeatedByAdvice},
     {.name = "--pipeline-advise",
      .group = FlagGroup::advice,
      .values = 0,
-     .help = "Instead of training: predict one step under every pipeline schedule as weave "
-             "predict does (--link, --device-flops or --accelerator): step time, bubble "
-             "predicted and in theory, memory per device and activation memory per stage; the "
-             "fastest that fits a device's memory named",
+     .help = "Instead of training: predict one step under every pipeline "
+             "schedule as weave predict does (--link, --device-flops or "
+             "--accelerator): step time, bubble predicted and in theory, memory "
+             "per device and activation memory per stage; the fastest that fits "
+             "a device's memory named; also accepted by weave predict",
      .properties = kNotRepeatedByAdvice},
 };
 
@@ -220,8 +224,12 @@ constexpr ConfigFlag kMachine[] = {
              "--network override them)"},
     {.name = "--devices-per-node",
      .group = FlagGroup::machine,
-     .help = "Devices in a node of the modelled cluster (--timing model, weave predict): rank r "
-             "sits on node r / N (default: the --accelerator's)",
+     .help = "Devices in a node of the modelled cluster (--timing model, weave "
+             "predict): rank r sits on node r / N, and collectives are costed "
+             "by the algorithm their group would use on the links it spans "
+             "(ring or tree in a node, hierarchical across nodes, all-to-all "
+             "messages in flight together); default the --accelerator's. "
+             "Without --accelerator, give --node-link and --network too",
      .check = at_least(1),
      .type_name = "N"},
     {.name = "--node-link",

@@ -190,15 +190,18 @@ TEST(FlagTable, EveryFlagOfTheProgramIsInTheTable) {
 }
 
 // Every name of every entry of the table, aliases too, is a row of docs/flags.md with the entry's
-// class: a flag declared in the table and left out of the documentation fails here.
-TEST(FlagTable, EveryFlagOfTheTableIsDocumentedWithItsClass) {
-  std::map<std::string, std::string> status;
+// class and its help (or its reason): a flag declared in the table and left out of the
+// documentation, or documented otherwise, fails here.
+TEST(FlagTable, EveryFlagOfTheTableIsDocumentedWithItsClassAndHelp) {
+  std::map<std::string, Row> rows;
   for (const Row& row : table())
-    status[row.flag] = row.status;
+    rows[row.flag] = row;
   for (const ConfigFlag& f : weave::graphs::config_flags())
-    for (const std::string& name : f.names())
-      EXPECT_EQ(status[name], weave::graphs::flag_status_name(f.status))
+    for (const std::string& name : f.names()) {
+      EXPECT_EQ(rows[name].status, weave::graphs::flag_status_name(f.status))
           << name << " in " << WEAVE_FLAG_TABLE;
+      EXPECT_EQ(rows[name].note, f.help) << name << " in " << WEAVE_FLAG_TABLE;
+    }
 }
 
 }  // namespace
