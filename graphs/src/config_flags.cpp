@@ -70,8 +70,8 @@ std::string_view flag_group_title(FlagGroup g) {
       return "Modelled machine";
     case FlagGroup::advice:
       return "Advice";
-    case FlagGroup::megatron:
-      return "Megatron-LM and MindSpeed flags accepted without effect";
+    case FlagGroup::not_implemented:
+      return "Flags accepted without effect (Megatron-LM's, MindSpeed's, older weave's)";
   }
   return "";
 }

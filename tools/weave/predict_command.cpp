@@ -6,8 +6,12 @@
 #include <algorithm>
 #include <iterator>
 #include <memory>
+#include <optional>
+#include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <variant>
 #include <vector>
 
 #include "advice.hpp"
@@ -318,37 +322,29 @@ void write_trace(const graphs::Prediction& p, const graphs::TrainerConfig& c,
   }
 }
 
+// Where the flags weave predict models write their values when the table names no field.
+std::optional<ProgramSetting> predicted_setting(const graphs::ConfigFlag& f, PredictOptions& o) {
+  if (!std::holds_alternative<std::monostate>(f.field)) return std::nullopt;
+  const std::pair<std::string_view, ProgramSetting> settings[] = {
+      {"--bf16", &o.bf16},
+      {"--fp16", &o.fp16},
+      {"--recompute-activations", &o.recompute_activations},
+      {"--recompute-granularity", &o.recompute_granularity},
+      {"--recompute-method", &o.recompute_method}};
+  for (const auto& [name, setting] : settings)
+    if (name == f.name) return setting;
+  throw std::logic_error(fmt::format(
+      "the flag table's {} is modelled by weave predict and has no field: give it one or a "
+      "setting of weave predict",
+      f.name));
+}
+
 // Megatron-LM's flags that weave train refuses (its kernels compute in fp32 and keep every
-// activation, its tokens are bytes) and a prediction models (the flag table marks them).
+// activation, its tokens are bytes) and a prediction models: the flag table marks them.
 void add_predicted_training_flags(CLI::App& cmd, PredictOptions& o) {
-  cmd.add_flag("--bf16", o.bf16,
-               "Predict a bf16 run: parameters, activations, communication and element-wise "
-               "traffic at 2 bytes; fp32 gradients, master weights and Adam moments (Megatron-LM's "
-               "18 bytes a parameter, 6 + 12/d with --use-distributed-optimizer)");
-  cmd.add_flag("--fp16", o.fp16,
-               "Predict an fp16 run: as --bf16 with fp16 gradients, and fp32 master weights, "
-               "gradients and moments in the optimizer (20 bytes a parameter, 4 + 16/d)");
-  cmd.add_option("--vocab-size", o.train.config.model.vocab_size,
-                 "A tokenizer's vocabulary (weave train's tokens are bytes: 256), padded to a "
-                 "multiple of --make-vocab-size-divisible-by x tp as Megatron-LM pads it")
-      ->check(at_least(1))
-      ->capture_default_str();
-  cmd.add_option("--recompute-granularity", o.recompute_granularity,
-                 "full: recomputed layers keep only their input and run their forward again "
-                 "before their backward (with --recompute-method, --recompute-num-layers); "
-                 "selective: the core attention is recomputed, as weave's blockwise attention "
-                 "always does (the same memory and time)")
-      ->check(CLI::IsMember({"full", "selective"}));
-  cmd.add_option("--recompute-method", o.recompute_method,
-                 "With --recompute-granularity full: uniform recomputes each model chunk's "
-                 "layers in groups of --recompute-num-layers, each keeping its input; block "
-                 "recomputes the first --recompute-num-layers layers of each chunk")
-      ->check(CLI::IsMember({"uniform", "block"}));
-  cmd.add_option("--recompute-num-layers", o.train.config.model.recompute.num_layers,
-                 "With --recompute-granularity full: layers per group (uniform) or layers "
-                 "recomputed per model chunk (block), 1 to the layers of a pipeline rank");
-  cmd.add_flag("--recompute-activations", o.recompute_activations,
-               "Megatron-LM's shorthand for --recompute-granularity selective");
+  for (const graphs::ConfigFlag& f : graphs::config_flags())
+    if (f.has(graphs::kModelledByPredict))
+      add_config_flag(cmd, f, f.predicted_help, o.train.config, predicted_setting(f, o));
 }
 
 int run_predict(PredictOptions& o, const CLI::App& cmd) {

@@ -4,7 +4,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <optional>
 #include <stdexcept>
+#include <type_traits>
 #include <variant>
 
 #include "commands.hpp"
@@ -16,9 +18,6 @@ namespace weave::cli {
 namespace {
 
 using graphs::ConfigFlag;
-
-// Where a flag the program keeps for itself writes its value.
-using ProgramSetting = std::variant<int*, bool*, std::string*>;
 
 struct ProgramFlag {
   std::string_view name;
@@ -91,35 +90,21 @@ CLI::Validator value_check(const graphs::ValueCheck& c) {
   return CLI::Validator();
 }
 
-// The option of an implemented flag, writing into `target` (a pointer to its value).
+// The option of a flag, writing into `target` (a pointer to its value).
 template <typename Value>
-CLI::Option* add_value(CLI::App& cmd, const std::string& names, const ConfigFlag& f,
+CLI::Option* add_value(CLI::App& cmd, const std::string& names, std::string_view help,
                        Value* target) {
   if constexpr (std::is_same_v<Value, bool>)
-    return cmd.add_flag(names, *target, std::string(f.help));
+    return cmd.add_flag(names, *target, std::string(help));
   else
-    return cmd.add_option(names, *target, std::string(f.help));
+    return cmd.add_option(names, *target, std::string(help));
 }
 
 CLI::Option* add_implemented(CLI::App& cmd, const ConfigFlag& f, TrainOptions& o) {
-  const std::vector<std::string> all = f.names();
-  const std::string names = fmt::format("{}", fmt::join(all, ","));
-  CLI::Option* opt =
-      std::holds_alternative<std::monostate>(f.field)
-          ? std::visit([&](auto* target) { return add_value(cmd, names, f, target); },
-                       program_setting(f, o))
-          : std::visit(
-                [&](auto ref) -> CLI::Option* {
-                  if constexpr (std::is_same_v<decltype(ref), std::monostate>)
-                    return nullptr;
-                  else
-                    return add_value(cmd, names, f, &ref(o.config));
-                },
-                f.field);
-  if (f.check.kind != graphs::ValueCheck::none) opt->check(value_check(f.check));
-  if (f.has(graphs::kShowsDefault)) opt->capture_default_str();
-  if (!f.type_name.empty()) opt->type_name(std::string(f.type_name));
-  return opt;
+  return add_config_flag(cmd, f, f.help, o.config,
+                         std::holds_alternative<std::monostate>(f.field)
+                             ? std::optional<ProgramSetting>(program_setting(f, o))
+                             : std::nullopt);
 }
 
 // A flag without effect: parsed, values and all, and named once when the run starts.
@@ -136,6 +121,28 @@ CLI::Option* add_without_effect(CLI::App& cmd, const ConfigFlag& f, TrainOptions
 }
 
 }  // namespace
+
+CLI::Option* add_config_flag(CLI::App& cmd, const ConfigFlag& f, std::string_view help,
+                             graphs::TrainerConfig& config, std::optional<ProgramSetting> setting) {
+  const std::vector<std::string> all = f.names();
+  const std::string names = fmt::format("{}", fmt::join(all, ","));
+  CLI::Option* opt =
+      setting
+          ? std::visit([&](auto* target) { return add_value(cmd, names, help, target); }, *setting)
+          : std::visit(
+                [&](auto ref) -> CLI::Option* {
+                  if constexpr (std::is_same_v<decltype(ref), std::monostate>)
+                    throw std::logic_error(fmt::format(
+                        "the flag table's {} has no field: bind it to a setting", f.name));
+                  else
+                    return add_value(cmd, names, help, &ref(config));
+                },
+                f.field);
+  if (f.check.kind != graphs::ValueCheck::none) opt->check(value_check(f.check));
+  if (f.has(graphs::kShowsDefault)) opt->capture_default_str();
+  if (!f.type_name.empty()) opt->type_name(std::string(f.type_name));
+  return opt;
+}
 
 void add_train_flags(CLI::App& cmd, TrainOptions& o) {
   // --config's values come first on the command line; a flag given again overrides them.

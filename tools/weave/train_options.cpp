@@ -43,10 +43,6 @@ double validation_share(const std::string& split) {
   return weights[1] / sum;
 }
 
-}  // namespace
-
-namespace {
-
 // The cluster's rules break as configuration errors, as every other flag's do.
 template <typename Build>
 devices::Cluster cluster_or_refuse(Build build) {
@@ -156,8 +152,8 @@ void derive_batch(TrainOptions& o) {
 
 void derive_config(TrainOptions& o) {
   graphs::TrainerConfig& c = o.config;
-  derive_model(o);
   derive_machine(o);
+  derive_model(o);
   derive_batch(o);
   c.timing = o.timing == "model" ? graphs::Timing::virtual_clock : graphs::Timing::wall;
   if (!o.trace_iteration_given) c.trace_iteration = std::min(c.trace_iteration, c.train_iters);

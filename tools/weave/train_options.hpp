@@ -6,10 +6,14 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
+#include <variant>
 #include <vector>
 
 #include "weave/devices/cluster.hpp"
+#include "weave/graphs/config_flags.hpp"
 #include "weave/graphs/trainer_config.hpp"
 
 namespace weave::cli {
@@ -45,6 +49,15 @@ struct TrainOptions {
   // The flags given that are accepted without effect (graphs/config_flags.hpp), each once.
   std::vector<std::string> no_effect;
 };
+
+// Where a flag of the table without a field of its own writes its value: a setting the program
+// keeps for itself (a word it maps onto the configuration, a file it reads or writes).
+using ProgramSetting = std::variant<int*, bool*, std::string*>;
+
+// Registers the flag table's entry `f` on cmd with `help`, with its names, the check of its value
+// and its default: its value goes to `setting` when given, else to its field of `config`.
+CLI::Option* add_config_flag(CLI::App& cmd, const graphs::ConfigFlag& f, std::string_view help,
+                             graphs::TrainerConfig& config, std::optional<ProgramSetting> setting);
 
 // Registers every flag of `weave train` on cmd from the flag table (graphs/config_flags.hpp),
 // each writing into o: implemented flags into o.config's field or o's setting of that name, flags

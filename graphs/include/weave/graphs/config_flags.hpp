@@ -43,7 +43,8 @@ enum class FlagGroup {
   logging,
   machine,
   advice,
-  megatron,  // Megatron-LM's and MindSpeed's flags that weave does not implement
+  // Megatron-LM's, MindSpeed's and older weave flags accepted without effect or refused.
+  not_implemented,
 };
 // The group's title in --help ("Model", "Mixture of Experts", ...).
 std::string_view flag_group_title(FlagGroup g);
@@ -122,6 +123,9 @@ struct ConfigFlag {
   FlagDescription description;
   unsigned properties = 0;
   std::string_view type_name;  // --help's name of the value ("" : CLI11's)
+  // kModelledByPredict: what `weave predict` models (its --help), its value going to `field` or
+  // to predict's setting of that name.
+  std::string_view predicted_help;
 
   bool has(FlagProperty p) const { return (properties & p) != 0; }
   // The name and every alias: "--norm-epsilon", "--layernorm-epsilon".
