@@ -6,6 +6,7 @@
 #include <cctype>
 #include <utility>
 
+#include "weave/graphs/config_flags.hpp"
 #include "weave/graphs/pipeline_layout.hpp"
 
 namespace weave::graphs {
@@ -114,6 +115,7 @@ PlanCandidates enumerate_plans(const TrainerConfig& base, const PlanSearchOption
                                          : Recompute{};
                 try {
                   validate(c);
+                  check_flag_rules(c.plan, options.flags_without_effect);
                 } catch (const ConfigError& e) {
                   count_refusal(out.refused, e.what());
                   continue;

@@ -10,6 +10,7 @@
 
 #include "memory_estimate.hpp"
 #include "weave/devices/link_model.hpp"
+#include "weave/graphs/config_flags.hpp"
 #include "weave/graphs/mesh.hpp"
 #include "weave/graphs/pipeline_layout.hpp"
 #include "weave/graphs/pipeline_schedule_generators.hpp"
@@ -51,7 +52,8 @@ double exposed_all_to_all_ms(const graphs::Prediction& p) {
 }  // namespace
 
 // Every Ampipe degree the rules allow, the fastest that fits named.
-int advise_ampipe(const graphs::TrainerConfig& config, std::int64_t device_memory_bytes) {
+int advise_ampipe(const graphs::TrainerConfig& config, std::int64_t device_memory_bytes,
+                  const std::vector<std::string>& flags_without_effect) {
   fmt::print(
       "Ampipe degrees for this configuration, predicted on the virtual clock ({}; steps built "
       "without tensors, all-to-alls timed for balanced routing):\n",
@@ -65,6 +67,7 @@ int advise_ampipe(const graphs::TrainerConfig& config, std::int64_t device_memor
     candidate.plan.ampipe_degree = degree;
     try {
       const std::vector<std::string> warnings = graphs::validate(candidate);
+      graphs::check_flag_rules(candidate.plan, flags_without_effect);
       const graphs::Prediction p = graphs::predict_step(candidate);
       const graphs::PlanOutcome o = graphs::outcome_of(candidate, p, device_memory_bytes);
       if (degree == 1) baseline = o.step_ms;
@@ -240,8 +243,9 @@ int advise_plans(const graphs::TrainerConfig& config, const PlanAdviceOptions& o
   // Tensor parallelism stays in a node: across nodes every layer's collectives would cross
   // the network.
   const int max_tp = config.machine.cluster ? config.machine.cluster->devices_per_node() : 0;
-  const graphs::PlanCandidates candidates =
-      graphs::enumerate_plans(config, {.max_tensor_parallel = max_tp});
+  const graphs::PlanCandidates candidates = graphs::enumerate_plans(
+      config,
+      {.max_tensor_parallel = max_tp, .flags_without_effect = options.flags_without_effect});
   print_candidates(config, candidates, max_tp, options);
   const graphs::PlanRanking ranking = rank_with_progress(candidates, options);
   int refused_building = 0;

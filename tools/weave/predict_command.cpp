@@ -366,14 +366,15 @@ int run_predict(PredictOptions& o, const CLI::App& cmd) {
     fmt::print("no effect here: {} (docs/flags.md says why)\n", fmt::join(o.train.no_effect, ", "));
   const std::int64_t device_memory =
       modelled_device_memory(o.train, o.device_memory_given ? o.device_memory_gib : 0);
-  if (o.train.ampipe_advise) return advise_ampipe(c, device_memory);
+  if (o.train.ampipe_advise) return advise_ampipe(c, device_memory, o.train.no_effect);
   if (o.train.pipeline_advise) return advise_pipeline(c, device_memory);
   if (o.advise)
     return advise_plans(c, {.device_memory_bytes = device_memory,
                             .top = o.advise_top,
                             .max_predictions = o.advise_limit,
                             .fold_data_parallel = !o.every_rank,
-                            .model_flags = model_flags(cmd)});
+                            .model_flags = model_flags(cmd),
+                            .flags_without_effect = o.train.no_effect});
   const graphs::Prediction p = graphs::predict_step(c, {.fold_data_parallel = !o.every_rank});
   print_configuration(c, accelerator);
   print_figures(p, c);
