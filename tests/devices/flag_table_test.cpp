@@ -189,6 +189,21 @@ TEST(FlagTable, EveryFlagOfTheProgramIsInTheTable) {
     EXPECT_EQ(status[std::string(f.name)], "refused") << f.name;
 }
 
+// The values the table says each flag takes are those the command line reads after it: none for
+// a switch, its count for the others.
+TEST(FlagTable, EachFlagTakesTheValuesTheTableSays) {
+  CLI::App app;
+  TrainOptions o;
+  CLI::App* train = app.add_subcommand("train");
+  weave::cli::add_train_flags(*train, o);
+  for (const ConfigFlag& f : weave::graphs::config_flags()) {
+    if (f.status == FlagStatus::refused) continue;
+    const CLI::Option* opt = train->get_option(std::string(f.name));
+    EXPECT_EQ(opt->get_expected_max() == 0, f.values == 0) << f.name;
+    if (f.values > 0) EXPECT_EQ(opt->get_expected_min(), f.values) << f.name;
+  }
+}
+
 // Every name of every entry of the table, aliases too, is a row of docs/flags.md with the entry's
 // class and its help (or its reason): a flag declared in the table and left out of the
 // documentation, or documented otherwise, fails here.
