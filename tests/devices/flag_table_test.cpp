@@ -1,7 +1,8 @@
-// docs/flags.md against `weave train`'s parser: every row is handled as the table says. An
-// implemented flag parses as a script writes it; a flag without effect is accepted, values and
-// all, and named in the run's "no effect here" list with the table's reason; a refused flag is
-// refused with the table's reason. Every flag the program knows of is in the table.
+// docs/flags.md against the flag table (graphs/config_flags.hpp) and `weave train`'s parser: every
+// row is handled as the table says. An implemented flag parses as a script writes it; a flag
+// without effect is accepted, values and all, and named in the run's "no effect here" list with
+// the table's reason; a refused flag is refused with the table's reason. Every flag of the
+// program and of the table is in docs/flags.md with the table's class.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -15,12 +16,22 @@
 #include <vector>
 
 #include "commands.hpp"
-#include "megatron_flags.hpp"
 #include "train_options.hpp"
+#include "weave/graphs/config_flags.hpp"
 
 namespace {
 
 using weave::cli::TrainOptions;
+using weave::graphs::ConfigFlag;
+using weave::graphs::FlagStatus;
+
+// The table's entries of one class.
+std::vector<ConfigFlag> table_flags(FlagStatus status) {
+  std::vector<ConfigFlag> out;
+  for (const ConfigFlag& f : weave::graphs::config_flags())
+    if (f.status == status) out.push_back(f);
+  return out;
+}
 
 struct Row {
   std::string flag;
@@ -122,11 +133,11 @@ TEST(FlagTable, FlagsWithoutEffectAreAcceptedAndNamedWithTheTablesReason) {
     TrainOptions o;
     EXPECT_NO_THROW(parse(command_line(row), o));
     EXPECT_EQ(o.no_effect, std::vector<std::string>{row.flag});
-    const auto flags = weave::cli::no_effect_flags();
+    const auto flags = table_flags(FlagStatus::no_effect);
     const auto f =
         std::find_if(flags.begin(), flags.end(), [&](const auto& x) { return x.name == row.flag; });
     ASSERT_NE(f, flags.end());
-    EXPECT_EQ(std::string(f->why), row.note);
+    EXPECT_EQ(std::string(f->help), row.note);
     EXPECT_EQ(static_cast<std::size_t>(f->values), row.values.size());
     const std::vector<std::string> args = command_line(row);
     all.insert(all.end(), args.begin(), args.end());
@@ -164,18 +175,48 @@ TEST(FlagTable, EveryFlagOfTheProgramIsInTheTable) {
   TrainOptions o;
   CLI::App* train = app.add_subcommand("train");
   weave::cli::add_train_flags(*train, o);
-  std::set<std::string> no_effect;
-  for (const auto& f : weave::cli::no_effect_flags())
-    no_effect.emplace(f.name);
   for (const CLI::Option* opt : train->get_options()) {
     for (const std::string& name : opt->get_lnames()) {
       const std::string flag = "--" + name;
       if (flag == "--help") continue;
-      EXPECT_EQ(status[flag], no_effect.count(flag) ? "no effect" : "implemented") << flag;
+      const ConfigFlag* f = weave::graphs::find_config_flag(flag);
+      ASSERT_NE(f, nullptr) << flag << " is not in the flag table";
+      EXPECT_NE(f->status, FlagStatus::refused) << flag;
+      EXPECT_EQ(status[flag], weave::graphs::flag_status_name(f->status)) << flag;
     }
   }
-  for (const auto& f : weave::cli::refused_flags())
+  for (const auto& f : table_flags(FlagStatus::refused))
     EXPECT_EQ(status[std::string(f.name)], "refused") << f.name;
+}
+
+// The values the table says each flag takes are those the command line reads after it: none for
+// a switch, its count for the others.
+TEST(FlagTable, EachFlagTakesTheValuesTheTableSays) {
+  CLI::App app;
+  TrainOptions o;
+  CLI::App* train = app.add_subcommand("train");
+  weave::cli::add_train_flags(*train, o);
+  for (const ConfigFlag& f : weave::graphs::config_flags()) {
+    if (f.status == FlagStatus::refused) continue;
+    const CLI::Option* opt = train->get_option(std::string(f.name));
+    EXPECT_EQ(opt->get_expected_max() == 0, f.values == 0) << f.name;
+    if (f.values > 0) EXPECT_EQ(opt->get_expected_min(), f.values) << f.name;
+  }
+}
+
+// Every name of every entry of the table, aliases too, is a row of docs/flags.md with the entry's
+// class and its help (or its reason): a flag declared in the table and left out of the
+// documentation, or documented otherwise, fails here.
+TEST(FlagTable, EveryFlagOfTheTableIsDocumentedWithItsClassAndHelp) {
+  std::map<std::string, Row> rows;
+  for (const Row& row : table())
+    rows[row.flag] = row;
+  for (const ConfigFlag& f : weave::graphs::config_flags())
+    for (const std::string& name : f.names()) {
+      EXPECT_EQ(rows[name].status, weave::graphs::flag_status_name(f.status))
+          << name << " in " << WEAVE_FLAG_TABLE;
+      EXPECT_EQ(rows[name].note, f.help) << name << " in " << WEAVE_FLAG_TABLE;
+    }
 }
 
 }  // namespace

@@ -154,6 +154,51 @@ TEST(Checkpoint, RecordsTheDecodersArchitecture) {
   std::filesystem::remove(path);
 }
 
+// A checkpoint saved before the settings added since existed (RoPE, the norms, query groups,
+// biases, virtual and uneven pipeline stages): its header lacks them, and they read as their
+// defaults.
+TEST(Checkpoint, AHeaderSavedBeforeLaterSettingsReadsThemAsTheirDefaults) {
+  const std::string header = R"({"model": {"num_layers": 4, "hidden_size": 32,
+      "num_attention_heads": 4, "ffn_hidden_size": 64, "seq_length": 16,
+      "max_position_embeddings": 16, "vocab_size": 256, "make_vocab_size_divisible_by": 128,
+      "swiglu": true, "num_experts": 0, "moe_layer_freq": 1},
+    "plan": {"tensor_model_parallel_size": 2, "sequence_parallel": true,
+      "context_parallel_size": 1, "expert_model_parallel_size": 1,
+      "expert_tensor_parallel_size": 1, "data_parallel_size": 3,
+      "pipeline_model_parallel_size": 1, "use_distributed_optimizer": false},
+    "iteration": 3, "consumed_samples": 6, "tensors": []})";
+  const std::string path = temp_path("old-header.ckpt");
+  {
+    std::ofstream out(path, std::ios::binary);
+    const std::uint64_t size = header.size();
+    out << "WEAVE-CHECKPOINT-1\n";
+    out.write(reinterpret_cast<const char*>(&size), sizeof size);
+    out << header;
+  }
+  const SavedConfiguration saved = read_checkpoint_config(path);
+  std::filesystem::remove(path);
+  const ModelConfig defaults;
+  const ModelConfig& m = saved.model;
+  EXPECT_EQ(m.num_layers, 4);
+  EXPECT_EQ(m.activation, Activation::swiglu);
+  EXPECT_EQ(m.position_embedding, defaults.position_embedding);
+  EXPECT_EQ(m.rotary_percent, defaults.rotary_percent);
+  EXPECT_EQ(m.rotary_base, defaults.rotary_base);
+  EXPECT_EQ(m.normalization, defaults.normalization);
+  EXPECT_EQ(m.num_query_groups, 0);
+  EXPECT_EQ(m.untie_embeddings_and_output_weights, false);
+  EXPECT_EQ(m.add_bias_linear, true);
+  EXPECT_EQ(m.moe_router_topk, defaults.moe_router_topk);
+  EXPECT_EQ(m.layernorm_epsilon, defaults.layernorm_epsilon);
+  EXPECT_EQ(saved.plan.tensor_parallel, 2);
+  EXPECT_TRUE(saved.plan.sequence_parallel);
+  EXPECT_EQ(saved.plan.data_parallel, 3);
+  EXPECT_EQ(saved.plan.virtual_pipeline, 1);
+  EXPECT_EQ(saved.plan.first_stage_layers, 0);
+  EXPECT_EQ(saved.plan.last_stage_layers, 0);
+  EXPECT_EQ(saved.state.iteration, 3);
+}
+
 TEST(LearningRate, WarmupThenCosineToTheMinimum) {
   const LearningRateSchedule s{.lr = 1.0, .min_lr = 0.1, .warmup_iters = 4, .decay_iters = 14};
   EXPECT_DOUBLE_EQ(s.at(1), 0.25);

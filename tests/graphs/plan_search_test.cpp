@@ -95,6 +95,24 @@ TEST(PlanSearch, DiscardsWhatDoesNotFit) {
             static_cast<int>(all.fitting.size()));
 }
 
+// A flag without effect keeps the rule the flag table declares with it: beside one MindSpeed's
+// Ampipe refuses, the Ampipe candidates are refused, as a run given it would be.
+TEST(PlanSearch, FlagsWithoutEffectKeepTheirRules) {
+  const TrainerConfig moe = base_config(8, 4, 8);
+  auto any_ampipe = [](const PlanCandidates& c) {
+    return std::any_of(c.configs.begin(), c.configs.end(),
+                       [](const TrainerConfig& x) { return x.plan.ampipe_degree == 2; });
+  };
+  const PlanCandidates overlap =
+      enumerate_plans(moe, {.flags_without_effect = {"--overlap-grad-reduce"}});
+  EXPECT_FALSE(any_ampipe(overlap));
+  EXPECT_TRUE(
+      std::any_of(overlap.refused.begin(), overlap.refused.end(), [](const RefusalCount& r) {
+        return r.reason.find("cannot run with --overlap-grad-reduce") != std::string::npos;
+      }));
+  EXPECT_TRUE(any_ampipe(enumerate_plans(moe, {.flags_without_effect = {"--use-flash-attn"}})));
+}
+
 TEST(PlanSearch, CountsRefusalsBySkippedAndLimited) {
   // 8 experts over 4 devices: expert-parallel sizes of 8 cannot be carved out of 4 ranks.
   const TrainerConfig moe = base_config(8, 4, 8);

@@ -10,6 +10,7 @@
 
 #include "memory_estimate.hpp"
 #include "weave/devices/link_model.hpp"
+#include "weave/graphs/config_flags.hpp"
 #include "weave/graphs/mesh.hpp"
 #include "weave/graphs/pipeline_layout.hpp"
 #include "weave/graphs/pipeline_schedule_generators.hpp"
@@ -51,7 +52,8 @@ double exposed_all_to_all_ms(const graphs::Prediction& p) {
 }  // namespace
 
 // Every Ampipe degree the rules allow, the fastest that fits named.
-int advise_ampipe(const graphs::TrainerConfig& config, std::int64_t device_memory_bytes) {
+int advise_ampipe(const graphs::TrainerConfig& config, std::int64_t device_memory_bytes,
+                  const std::vector<std::string>& flags_without_effect) {
   fmt::print(
       "Ampipe degrees for this configuration, predicted on the virtual clock ({}; steps built "
       "without tensors, all-to-alls timed for balanced routing):\n",
@@ -65,6 +67,7 @@ int advise_ampipe(const graphs::TrainerConfig& config, std::int64_t device_memor
     candidate.plan.ampipe_degree = degree;
     try {
       const std::vector<std::string> warnings = graphs::validate(candidate);
+      graphs::check_flag_rules(candidate.plan, flags_without_effect);
       const graphs::Prediction p = graphs::predict_step(candidate);
       const graphs::PlanOutcome o = graphs::outcome_of(candidate, p, device_memory_bytes);
       if (degree == 1) baseline = o.step_ms;
@@ -152,13 +155,12 @@ int advise_pipeline(const graphs::TrainerConfig& config, std::int64_t device_mem
   return 0;
 }
 
-int advise_plans(const graphs::TrainerConfig& config, const PlanAdviceOptions& options) {
+namespace {
+
+// The search's heading: the machine, what is searched and the candidates the rules left.
+void print_candidates(const graphs::TrainerConfig& config, const graphs::PlanCandidates& candidates,
+                      int max_tp, const PlanAdviceOptions& options) {
   const int devices = config.plan.devices();
-  // Tensor parallelism stays in a node: across nodes every layer's collectives would cross
-  // the network.
-  const int max_tp = config.machine.cluster ? config.machine.cluster->devices_per_node() : 0;
-  const graphs::PlanCandidates candidates =
-      graphs::enumerate_plans(config, {.max_tensor_parallel = max_tp});
   fmt::print(
       "Parallel plans over {} devices, predicted on the virtual clock ({}); global batch {}, "
       "micro-batch {}, each device {}:\n",
@@ -188,6 +190,11 @@ int advise_plans(const graphs::TrainerConfig& config, const PlanAdviceOptions& o
         "stopping at the candidate limit: predicting the {} of {} candidates that build the "
         "fewest ranks (raise --advise-limit to predict them all)\n",
         options.max_predictions, total);
+}
+
+// Predicts the candidates, reporting progress on stderr every two seconds.
+graphs::PlanRanking rank_with_progress(const graphs::PlanCandidates& candidates,
+                                       const PlanAdviceOptions& options) {
   std::fflush(stdout);  // the table's heading before the progress lines on stderr
   const auto start = std::chrono::steady_clock::now();
   auto last = start;
@@ -202,24 +209,16 @@ int advise_plans(const graphs::TrainerConfig& config, const PlanAdviceOptions& o
         fmt::print(stderr, "advise: predicted {} of {} candidates ({:.1f} s)\n", done, to_do,
                    std::chrono::duration<double>(now - start).count());
       }};
-  const graphs::PlanRanking ranking = graphs::rank_plans(candidates.configs, ranking_options);
-  int refused_building = 0;
-  for (const graphs::RefusalCount& r : ranking.refused)
-    refused_building += r.candidates;
-  fmt::print("predicted {}: {} fit, {} discarded for memory, {} refused{}\n", ranking.predicted,
-             ranking.fitting.size(), ranking.too_large, refused_building,
-             ranking.not_predicted > 0
-                 ? fmt::format(", {} not predicted (--advise-limit)", ranking.not_predicted)
-                 : std::string());
-  for (const graphs::RefusalCount& r : ranking.refused)
-    fmt::print("  refused {:>5} while building the step: {}\n", r.candidates, r.reason);
-  if (ranking.fitting.empty())
-    refuse_none_fits("predicted parallel plan", options.device_memory_bytes);
+  return graphs::rank_plans(candidates.configs, ranking_options);
+}
+
+// The fastest plans that fit, one line each.
+void print_fitting(const graphs::PlanRanking& ranking, int top) {
   fmt::print(
       "{:>4} {:>3} {:>3} {:>3} {:>3} {:>4} {:<12} {:>6} {:>9} {:>11} {:>13} {:>6} {:>8}  {}\n",
       "rank", "tp", "pp", "cp", "ep", "dp", "schedule", "ampipe", "recompute", "step (ms)",
       "tokens/s", "MFU %", "bubble", "memory per device");
-  const int shown = std::min(options.top, static_cast<int>(ranking.fitting.size()));
+  const int shown = std::min(top, static_cast<int>(ranking.fitting.size()));
   for (int i = 0; i < shown; ++i) {
     const graphs::PlanOutcome& o = ranking.fitting[static_cast<std::size_t>(i)];
     const graphs::ParallelPlan& p = o.config.plan;
@@ -236,6 +235,32 @@ int advise_plans(const graphs::TrainerConfig& config, const PlanAdviceOptions& o
         o.config.model.recompute.full() ? "full" : "none", o.step_ms, o.tokens_per_second,
         100 * o.mfu, o.bubble, bytes_text(o.memory_per_device));
   }
+}
+
+}  // namespace
+
+int advise_plans(const graphs::TrainerConfig& config, const PlanAdviceOptions& options) {
+  // Tensor parallelism stays in a node: across nodes every layer's collectives would cross
+  // the network.
+  const int max_tp = config.machine.cluster ? config.machine.cluster->devices_per_node() : 0;
+  const graphs::PlanCandidates candidates = graphs::enumerate_plans(
+      config,
+      {.max_tensor_parallel = max_tp, .flags_without_effect = options.flags_without_effect});
+  print_candidates(config, candidates, max_tp, options);
+  const graphs::PlanRanking ranking = rank_with_progress(candidates, options);
+  int refused_building = 0;
+  for (const graphs::RefusalCount& r : ranking.refused)
+    refused_building += r.candidates;
+  fmt::print("predicted {}: {} fit, {} discarded for memory, {} refused{}\n", ranking.predicted,
+             ranking.fitting.size(), ranking.too_large, refused_building,
+             ranking.not_predicted > 0
+                 ? fmt::format(", {} not predicted (--advise-limit)", ranking.not_predicted)
+                 : std::string());
+  for (const graphs::RefusalCount& r : ranking.refused)
+    fmt::print("  refused {:>5} while building the step: {}\n", r.candidates, r.reason);
+  if (ranking.fitting.empty())
+    refuse_none_fits("predicted parallel plan", options.device_memory_bytes);
+  print_fitting(ranking, options.top);
   const graphs::PlanOutcome& best = ranking.fitting.front();
   fmt::print("best: {:.3f} ms a step\n", best.step_ms);
   fmt::print("run it: weave predict {}{}{}\n", options.model_flags,

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "weave/graphs/plan_search.hpp"
 #include "weave/graphs/trainer_config.hpp"
@@ -16,7 +17,8 @@ namespace weave::cli {
 
 // `config` has passed graphs::validate. Return the program's exit code; throw ConfigError when
 // no candidate can run the configuration or none fits `device_memory_bytes`.
-int advise_ampipe(const graphs::TrainerConfig& config, std::int64_t device_memory_bytes);
+int advise_ampipe(const graphs::TrainerConfig& config, std::int64_t device_memory_bytes,
+                  const std::vector<std::string>& flags_without_effect);
 int advise_pipeline(const graphs::TrainerConfig& config, std::int64_t device_memory_bytes);
 
 struct PlanAdviceOptions {
@@ -26,6 +28,9 @@ struct PlanAdviceOptions {
   bool fold_data_parallel = true;
   // The command line's flags other than the plan's, to print the best plan as a command.
   std::string model_flags;
+  // The flags given that have no effect: the rules the flag table declares with them still
+  // refuse candidates (an Ampipe degree beside a feature MindSpeed's Ampipe refuses).
+  std::vector<std::string> flags_without_effect;
 };
 int advise_plans(const graphs::TrainerConfig& config, const PlanAdviceOptions& options);
 

@@ -6,6 +6,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace weave::cli {
@@ -27,6 +28,11 @@ void add_schedule_command(CLI::App& app);
 void add_generate_command(CLI::App& app);
 void add_predict_command(CLI::App& app);
 void add_calibrate_command(CLI::App& app);
+
+// Whether the command `weave predict --advise` prints for the best plan leaves `flag` out: the
+// flags that choose a plan (the candidates set them themselves, config_flags.hpp marks them),
+// another search, a file already read onto the command line, a trace of one step.
+bool left_out_of_advice(std::string_view flag);
 
 // The text of a --config file, or nothing when it cannot be read.
 using ConfigReader = std::function<std::optional<std::string>(const std::string& path)>;

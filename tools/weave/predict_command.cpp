@@ -6,8 +6,12 @@
 #include <algorithm>
 #include <iterator>
 #include <memory>
+#include <optional>
+#include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <variant>
 #include <vector>
 
 #include "advice.hpp"
@@ -17,11 +21,28 @@
 #include "train_options.hpp"
 #include "weave/devices/accelerator.hpp"
 #include "weave/devices/link_model.hpp"
+#include "weave/graphs/config_flags.hpp"
 #include "weave/graphs/mesh.hpp"
 #include "weave/graphs/prediction.hpp"
 #include "weave/runtime/chrome_trace.hpp"
 
 namespace weave::cli {
+
+namespace {
+
+// weave predict's own flags that shape a search: left out when the best plan is printed as a
+// command, beside the flag table's plan and advice flags.
+constexpr std::string_view kSearchFlags[] = {"--advise", "--advise-top", "--advise-limit",
+                                             "--every-rank"};
+
+}  // namespace
+
+bool left_out_of_advice(std::string_view flag) {
+  if (std::find(std::begin(kSearchFlags), std::end(kSearchFlags), flag) != std::end(kSearchFlags))
+    return true;
+  const graphs::ConfigFlag* f = graphs::find_config_flag(flag);
+  return f && (f->has(graphs::kChoosesPlan) || f->has(graphs::kNotRepeatedByAdvice));
+}
 
 namespace {
 
@@ -42,39 +63,6 @@ struct PredictOptions {
   bool advise_top_given = false, advise_limit_given = false;
 };
 
-// The flags that choose a plan, which --advise's candidates set themselves, and the advice
-// flags: left out when the best plan is printed as a command.
-constexpr std::string_view kPlanFlags[] = {
-    "--devices",
-    "--tensor-model-parallel-size",
-    "--sequence-parallel",
-    "--context-parallel-size",
-    "--expert-model-parallel-size",
-    "--expert-tensor-parallel-size",
-    "--pipeline-model-parallel-size",
-    "--pipeline-scheduler",
-    "--virtual-pipeline-model-parallel-size",
-    "--num-layers-per-virtual-pipeline-stage",
-    "--microbatch-group-size-per-virtual-pipeline-stage",
-    "--decoder-first-pipeline-num-layers",
-    "--decoder-last-pipeline-num-layers",
-    "--global-batch-size",
-    "--ampipe-degree",
-    "--recompute-granularity",
-    "--recompute-method",
-    "--recompute-num-layers",
-    "--recompute-activations",
-    "--advise",
-    "--advise-top",
-    "--advise-limit",
-    "--ampipe-advise",
-    "--ampipe-advise-fast",
-    "--pipeline-advise",
-    "--config",  // its flags were read onto the command line
-    "--trace",
-    "--every-rank",
-};
-
 // A word as a shell reads it back.
 std::string shell_word(const std::string& word) {
   if (!word.empty() && word.find_first_of(" \t\n'\"\\$`*?[]{}()<>|&;~#!") == std::string::npos)
@@ -91,8 +79,7 @@ std::string model_flags(const CLI::App& cmd) {
   for (const CLI::Option* opt : cmd.get_options()) {
     if (opt->count() == 0) continue;
     const std::string name = opt->get_name();
-    if (std::find(std::begin(kPlanFlags), std::end(kPlanFlags), name) != std::end(kPlanFlags))
-      continue;
+    if (left_out_of_advice(name)) continue;
     flags += (flags.empty() ? "" : " ") + name;
     if (opt->get_expected_max() != 0)  // a flag takes no value
       for (const std::string& value : opt->results())
@@ -222,41 +209,19 @@ std::vector<std::string> validate_model(const graphs::TrainerConfig& c) {
   return graphs::validate(one);
 }
 
-int run_predict(PredictOptions& o, const CLI::App& cmd) {
-  check_advice_flags(o);
-  derive_config(o.train);
-  apply_predicted_training(o);
-  graphs::TrainerConfig& c = o.train.config;
-  if (o.device_memory_gib > 1e9)
-    throw std::invalid_argument(fmt::format(
-        "--device-memory {} GiB is more than any device holds: give the device's memory in GiB",
-        o.device_memory_gib));
-  std::string accelerator;
-  if (!o.train.accelerator.empty()) {
-    const devices::Accelerator a = devices::Accelerator::load(o.train.accelerator);
-    accelerator = fmt::format("{} (peak {:.4g} FLOP/s, {} of memory), ", a.name, a.peak_flops,
-                              bytes_text(a.memory_bytes));
-    if (!o.device_memory_given)
-      o.device_memory_gib = static_cast<double>(a.memory_bytes) / (1024.0 * 1024 * 1024);
-  }
-  const std::vector<std::string> warnings = o.advise ? validate_model(c) : graphs::validate(c);
-  check_writable("--trace", c.trace_path);
-  const std::vector<rt::DeviceId> traced = parse_trace_ranks(o, c);
-  for (const std::string& w : warnings)
-    fmt::print("warning: {}\n", w);
-  if (!o.train.no_effect.empty())
-    fmt::print("no effect here: {} (docs/flags.md says why)\n", fmt::join(o.train.no_effect, ", "));
-  const std::int64_t device_memory =
-      modelled_device_memory(o.train, o.device_memory_given ? o.device_memory_gib : 0);
-  if (o.train.ampipe_advise) return advise_ampipe(c, device_memory);
-  if (o.train.pipeline_advise) return advise_pipeline(c, device_memory);
-  if (o.advise)
-    return advise_plans(c, {.device_memory_bytes = device_memory,
-                            .top = o.advise_top,
-                            .max_predictions = o.advise_limit,
-                            .fold_data_parallel = !o.every_rank,
-                            .model_flags = model_flags(cmd)});
-  const graphs::Prediction p = graphs::predict_step(c, {.fold_data_parallel = !o.every_rank});
+// The --accelerator's line ("h100-sxm (peak ...), "), its memory becoming the devices' unless
+// --device-memory is given.
+std::string accelerator_text(PredictOptions& o) {
+  if (o.train.accelerator.empty()) return {};
+  const devices::Accelerator a = devices::Accelerator::load(o.train.accelerator);
+  if (!o.device_memory_given)
+    o.device_memory_gib = static_cast<double>(a.memory_bytes) / (1024.0 * 1024 * 1024);
+  return fmt::format("{} (peak {:.4g} FLOP/s, {} of memory), ", a.name, a.peak_flops,
+                     bytes_text(a.memory_bytes));
+}
+
+// What is predicted: the model, the plan and the modelled machine.
+void print_configuration(const graphs::TrainerConfig& c, const std::string& accelerator) {
   const graphs::ModelConfig& m = c.model;
   const graphs::ParallelPlan& plan = c.plan;
   fmt::print(
@@ -286,6 +251,12 @@ int run_predict(PredictOptions& o, const CLI::App& cmd) {
         "cluster          {}: collectives by their algorithm (ring or tree in a node, "
         "hierarchical across nodes, all-to-all messages in flight together)\n",
         c.machine.cluster->describe(plan.devices()));
+}
+
+// The step's time, throughput, FLOPs, bubble and exposed communication.
+void print_figures(const graphs::Prediction& p, const graphs::TrainerConfig& c) {
+  const graphs::ModelConfig& m = c.model;
+  const graphs::ParallelPlan& plan = c.plan;
   fmt::print("replayed         {} of {} devices{}\n", p.replayed_devices, plan.devices(),
              p.replayed_devices < plan.devices()
                  ? " (data-parallel replicas folded into the first: the same work on other "
@@ -316,10 +287,14 @@ int run_predict(PredictOptions& o, const CLI::App& cmd) {
   for (const graphs::ExposedCommunication& e : p.exposed)
     exposed += fmt::format("{}{} {:.3f}", exposed.empty() ? "" : ", ", e.group, e.ms_per_device);
   fmt::print("exposed comm     {} ms a device\n", exposed.empty() ? "none" : exposed);
+}
+
+// Memory per device against the device's capacity, naming the devices that would run out.
+void print_memory(const graphs::Prediction& p, double device_memory_gib) {
   // Worded as weave train's estimate: the device that holds the most, by category.
   const MemoryEstimate memory{.by_category = p.memory, .peak = p.memory_total};
   const std::size_t largest = memory.largest_device();
-  const auto capacity = static_cast<std::int64_t>(o.device_memory_gib * 1024 * 1024 * 1024);
+  const auto capacity = static_cast<std::int64_t>(device_memory_gib * 1024 * 1024 * 1024);
   fmt::print("memory           {}, of {} a device\n", memory.describe(), bytes_text(capacity));
   int over = 0;
   for (const std::int64_t bytes : p.memory_total)
@@ -330,16 +305,81 @@ int run_predict(PredictOptions& o, const CLI::App& cmd) {
         "parallel sizes, lower --micro-batch-size or use --use-distributed-optimizer\n",
         over, p.memory_total.size(), largest, bytes_text(p.memory_total[largest]),
         bytes_text(capacity));
+}
+
+// --trace: the replay's trace, of every rank or of --trace-ranks'.
+void write_trace(const graphs::Prediction& p, const graphs::TrainerConfig& c,
+                 const std::vector<rt::DeviceId>& traced, const std::string& trace_ranks) {
   if (!c.trace_path.empty()) {
     if (traced.empty()) {
       rt::write_chrome_trace(p.trace, c.trace_path);
       fmt::print("trace of the replay: {}\n", c.trace_path);
     } else {
       rt::write_chrome_trace(p.trace.only_devices(traced), c.trace_path);
-      fmt::print("trace of the replay of {} rank(s) ({}): {}\n", traced.size(), o.trace_ranks,
+      fmt::print("trace of the replay of {} rank(s) ({}): {}\n", traced.size(), trace_ranks,
                  c.trace_path);
     }
   }
+}
+
+// Where the flags weave predict models write their values when the table names no field.
+std::optional<ProgramSetting> predicted_setting(const graphs::ConfigFlag& f, PredictOptions& o) {
+  if (!std::holds_alternative<std::monostate>(f.field)) return std::nullopt;
+  const std::pair<std::string_view, ProgramSetting> settings[] = {
+      {"--bf16", &o.bf16},
+      {"--fp16", &o.fp16},
+      {"--recompute-activations", &o.recompute_activations},
+      {"--recompute-granularity", &o.recompute_granularity},
+      {"--recompute-method", &o.recompute_method}};
+  for (const auto& [name, setting] : settings)
+    if (name == f.name) return setting;
+  throw std::logic_error(fmt::format(
+      "the flag table's {} is modelled by weave predict and has no field: give it one or a "
+      "setting of weave predict",
+      f.name));
+}
+
+// Megatron-LM's flags that weave train refuses (its kernels compute in fp32 and keep every
+// activation, its tokens are bytes) and a prediction models: the flag table marks them.
+void add_predicted_training_flags(CLI::App& cmd, PredictOptions& o) {
+  for (const graphs::ConfigFlag& f : graphs::config_flags())
+    if (f.has(graphs::kModelledByPredict))
+      add_config_flag(cmd, f, f.predicted_help, o.train.config, predicted_setting(f, o));
+}
+
+int run_predict(PredictOptions& o, const CLI::App& cmd) {
+  check_advice_flags(o);
+  derive_config(o.train);
+  apply_predicted_training(o);
+  graphs::TrainerConfig& c = o.train.config;
+  if (o.device_memory_gib > 1e9)
+    throw std::invalid_argument(fmt::format(
+        "--device-memory {} GiB is more than any device holds: give the device's memory in GiB",
+        o.device_memory_gib));
+  const std::string accelerator = accelerator_text(o);
+  const std::vector<std::string> warnings = o.advise ? validate_model(c) : graphs::validate(c);
+  check_writable("--trace", c.trace_path);
+  const std::vector<rt::DeviceId> traced = parse_trace_ranks(o, c);
+  for (const std::string& w : warnings)
+    fmt::print("warning: {}\n", w);
+  if (!o.train.no_effect.empty())
+    fmt::print("no effect here: {} (docs/flags.md says why)\n", fmt::join(o.train.no_effect, ", "));
+  const std::int64_t device_memory =
+      modelled_device_memory(o.train, o.device_memory_given ? o.device_memory_gib : 0);
+  if (o.train.ampipe_advise) return advise_ampipe(c, device_memory, o.train.no_effect);
+  if (o.train.pipeline_advise) return advise_pipeline(c, device_memory);
+  if (o.advise)
+    return advise_plans(c, {.device_memory_bytes = device_memory,
+                            .top = o.advise_top,
+                            .max_predictions = o.advise_limit,
+                            .fold_data_parallel = !o.every_rank,
+                            .model_flags = model_flags(cmd),
+                            .flags_without_effect = o.train.no_effect});
+  const graphs::Prediction p = graphs::predict_step(c, {.fold_data_parallel = !o.every_rank});
+  print_configuration(c, accelerator);
+  print_figures(p, c);
+  print_memory(p, o.device_memory_gib);
+  write_trace(p, c, traced, o.trace_ranks);
   return 0;
 }
 
@@ -358,37 +398,7 @@ void add_predict_command(CLI::App& app) {
                       "devices that would need more are named")
           ->check(positive())
           ->capture_default_str();
-  // Megatron-LM's flags that weave train refuses (its kernels compute in fp32 and keep every
-  // activation, its tokens are bytes) and a prediction models.
-  cmd->add_flag(
-      "--bf16", o->bf16,
-      "Predict a bf16 run: parameters, activations, communication and element-wise "
-      "traffic at 2 bytes; fp32 gradients, master weights and Adam moments (Megatron-LM's "
-      "18 bytes a parameter, 6 + 12/d with --use-distributed-optimizer)");
-  cmd->add_flag("--fp16", o->fp16,
-                "Predict an fp16 run: as --bf16 with fp16 gradients, and fp32 master weights, "
-                "gradients and moments in the optimizer (20 bytes a parameter, 4 + 16/d)");
-  cmd->add_option("--vocab-size", o->train.config.model.vocab_size,
-                  "A tokenizer's vocabulary (weave train's tokens are bytes: 256), padded to a "
-                  "multiple of --make-vocab-size-divisible-by x tp as Megatron-LM pads it")
-      ->check(at_least(1))
-      ->capture_default_str();
-  cmd->add_option("--recompute-granularity", o->recompute_granularity,
-                  "full: recomputed layers keep only their input and run their forward again "
-                  "before their backward (with --recompute-method, --recompute-num-layers); "
-                  "selective: the core attention is recomputed, as weave's blockwise attention "
-                  "always does (the same memory and time)")
-      ->check(CLI::IsMember({"full", "selective"}));
-  cmd->add_option("--recompute-method", o->recompute_method,
-                  "With --recompute-granularity full: uniform recomputes each model chunk's "
-                  "layers in groups of --recompute-num-layers, each keeping its input; block "
-                  "recomputes the first --recompute-num-layers layers of each chunk")
-      ->check(CLI::IsMember({"uniform", "block"}));
-  cmd->add_option("--recompute-num-layers", o->train.config.model.recompute.num_layers,
-                  "With --recompute-granularity full: layers per group (uniform) or layers "
-                  "recomputed per model chunk (block), 1 to the layers of a pipeline rank");
-  cmd->add_flag("--recompute-activations", o->recompute_activations,
-                "Megatron-LM's shorthand for --recompute-granularity selective");
+  add_predicted_training_flags(*cmd, *o);
   cmd->add_option("--trace-ranks", o->trace_ranks,
                   "With --trace: write only these ranks' replay, as a list of ranks and ranges "
                   "(0-7,64); a folded data-parallel replica's ranks need --every-rank");

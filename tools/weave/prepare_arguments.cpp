@@ -8,7 +8,7 @@
 #include <stdexcept>
 
 #include "commands.hpp"
-#include "megatron_flags.hpp"
+#include "weave/graphs/config_flags.hpp"
 #include "weave/runtime/closest_match.hpp"
 
 namespace weave::cli {
@@ -43,6 +43,16 @@ std::string suggestion(const std::string& word, const std::vector<std::string>& 
   constexpr std::size_t kTypo = 3;  // characters
   return word.size() - prefix - suffix <= kTypo && guess.size() - prefix - suffix <= kTypo ? guess
                                                                                            : "";
+}
+
+// The refusal of `flag` by `weave command` ("--bf16 is refused: ..."), or nothing when the flag
+// table does not refuse it or the command is neither `train` nor `predict`: predict takes train's
+// flags and registers the refused ones it models, so that they are never looked up here.
+std::optional<std::string> refusal(const std::string& command, const std::string& flag) {
+  if (command != "train" && command != "predict") return std::nullopt;
+  const graphs::ConfigFlag* f = graphs::find_config_flag(flag);
+  if (!f || f->status != graphs::FlagStatus::refused) return std::nullopt;
+  return fmt::format("{} is refused: {}", flag, f->help);
 }
 
 // What is wrong with flag `name` of `weave command`, or "" when the command takes it.

@@ -11,7 +11,8 @@
 
 namespace weave::cli {
 
-// Keys are the flags' names with underscores; the values those the run uses.
+// The flag table's description of the configuration (graphs::describe_configuration): keys are
+// the flags' names with underscores, the values those the run uses.
 nlohmann::json run_record(const graphs::TrainerConfig& config, const std::string& data,
                           const std::vector<std::string>& no_effect);
 

@@ -104,7 +104,8 @@ int run_train(TrainOptions o) {
       for (const std::string& w : warnings)
         fmt::print("warning: {}\n", w);
       const std::int64_t capacity = modelled_device_memory(o, 0);
-      return o.ampipe_advise ? advise_ampipe(c, capacity) : advise_pipeline(c, capacity);
+      return o.ampipe_advise ? advise_ampipe(c, capacity, o.no_effect)
+                             : advise_pipeline(c, capacity);
     }
     // Every file the run will write, before an hour of training finds one it cannot.
     check_writable("--save", c.save_path);

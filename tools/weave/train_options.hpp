@@ -6,10 +6,14 @@
 #include <CLI/CLI.hpp>
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
+#include <variant>
 #include <vector>
 
 #include "weave/devices/cluster.hpp"
+#include "weave/graphs/config_flags.hpp"
 #include "weave/graphs/trainer_config.hpp"
 
 namespace weave::cli {
@@ -38,16 +42,26 @@ struct TrainOptions {
   std::string timing = "wall";
   std::string config_file;  // read before parsing (see prepare_arguments)
   bool ampipe_advise = false;
-  bool ampipe_advise_fast = false;  // accepted for old scripts: every replay runs no kernels now
   bool pipeline_advise = false;
   std::string optimizer = "adam";
   std::string split;  // --split: train,valid,test weights ("" keeps valid_fraction)
   bool trace_iteration_given = false;
-  // The flags given that are accepted without effect (megatron_flags.hpp), each once.
+  // The flags given that are accepted without effect (graphs/config_flags.hpp), each once.
   std::vector<std::string> no_effect;
 };
 
-// Registers every flag of `weave train` on cmd, each writing into o.
+// Where a flag of the table without a field of its own writes its value: a setting the program
+// keeps for itself (a word it maps onto the configuration, a file it reads or writes).
+using ProgramSetting = std::variant<int*, bool*, std::string*>;
+
+// Registers the flag table's entry `f` on cmd with `help`, with its names, the check of its value
+// and its default: its value goes to `setting` when given, else to its field of `config`.
+CLI::Option* add_config_flag(CLI::App& cmd, const graphs::ConfigFlag& f, std::string_view help,
+                             graphs::TrainerConfig& config, std::optional<ProgramSetting> setting);
+
+// Registers every flag of `weave train` on cmd from the flag table (graphs/config_flags.hpp),
+// each writing into o: implemented flags into o.config's field or o's setting of that name, flags
+// without effect into o.no_effect. Refused flags are left to prepare_arguments.
 void add_train_flags(CLI::App& cmd, TrainOptions& o);
 
 // The flags' meaning that is the command line's own: --devices sets the data-parallel size, a

@@ -1,9 +1,10 @@
-// weave's training: the GPT-MoE model's configuration, the parallel plan and mesh, model
-// shards, pipeline schedules, the TrainingStep and the Trainer (the training loop), checkpoints
-// and data. See docs/api.md and docs/training_step.md.
+// weave's training: the GPT-MoE model's configuration and the table of its flags, the parallel
+// plan and mesh, model shards, pipeline schedules, the TrainingStep and the Trainer (the training
+// loop), checkpoints and data. See docs/api.md and docs/training_step.md.
 #pragma once
 
 #include "weave/graphs/checkpoint.hpp"
+#include "weave/graphs/config_flags.hpp"
 #include "weave/graphs/host_calibration.hpp"
 #include "weave/graphs/learning_rate.hpp"
 #include "weave/graphs/mesh.hpp"

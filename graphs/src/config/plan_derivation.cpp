@@ -56,18 +56,6 @@ void warn_ampipe_without_expert_parallelism(const ParallelPlan& p, Warnings& war
         p.ampipe_degree));
 }
 
-// Accepted as MindSpeed and Megatron scripts give them: weave always overlaps the gradient
-// reductions with the backward and runs a blockwise (flash) attention. Beside Ampipe they are
-// refused instead (refuse_features_ampipe_excludes).
-void warn_features_without_effect(const ParallelPlan& p, Warnings& warnings) {
-  if (p.ampipe_degree == 1 && (p.use_nanopipe || p.recompute_in_bubble || p.recompute_in_advance ||
-                               p.adaptive_recompute_device_swap))
-    warnings.push_back(
-        "--use-nanopipe, --recompute-in-bubble, --recompute-in-advance and "
-        "--adaptive-recompute-device-swap have no effect here: weave keeps every activation and "
-        "runs the pipeline schedules as given");
-}
-
 // It pipelines the split experts' all-gathers and reduce-scatters over (chunk, expert) items:
 // what the plan lacks for that, or "" when nothing is missing.
 std::string missing_for_ampipe_tp_sp_comm_overlap(const ParallelPlan& p) {
@@ -198,7 +186,6 @@ std::vector<std::string> derive_plan(const ModelConfig& m, ParallelPlan& p) {
   derive_virtual_stages(m, p);
   drop_scheduler_without_pipeline(p, warnings);
   warn_ampipe_without_expert_parallelism(p, warnings);
-  warn_features_without_effect(p, warnings);
   switch_off_ampipe_tp_sp_comm_overlap(p, warnings);
   switch_off_ampipe_cp_resend_kv(m, p, warnings);
   switch_off_pipe_experts_multi_stream(p, warnings);

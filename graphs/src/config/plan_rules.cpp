@@ -247,24 +247,6 @@ void check_ampipe(const ModelConfig& m, const ParallelPlan& p) {
         sp > 1 ? " is split again over the sequence-parallel ranks and" : "");
 }
 
-// Features MindSpeed's Ampipe refuses to run beside (reference section 8).
-void refuse_features_ampipe_excludes(const ParallelPlan& p) {
-  if (p.ampipe_degree < 2) return;
-  const std::pair<bool, const char*> conflicts[] = {
-      {p.overlap_grad_reduce, "--overlap-grad-reduce"},
-      {p.overlap_param_gather, "--overlap-param-gather"},
-      {p.use_nanopipe, "--use-nanopipe"},
-      {p.recompute_in_bubble, "--recompute-in-bubble"},
-      {p.recompute_in_advance, "--recompute-in-advance"},
-      {p.adaptive_recompute_device_swap, "--adaptive-recompute-device-swap"}};
-  for (const auto& [on, flag] : conflicts)
-    if (on)
-      refuse(
-          "--ampipe-degree ({}) cannot run with {}: MindSpeed's Ampipe refuses it (its chunks' "
-          "schedule and that feature's reorder the same communication); drop one of them",
-          p.ampipe_degree, flag);
-}
-
 // --use-pipe-experts as given needs experts; as derived (still on), no more capacity slices
 // than an expert takes tokens.
 void check_pipe_experts(const ModelConfig& m, const ParallelPlan& given, const ParallelPlan& p) {
@@ -370,7 +352,6 @@ void check_plan_rules(const ModelConfig& m, const ParallelPlan& given,
   check_virtual_stages(m, given);
   check_pipeline(m, given, derived);
   check_ampipe(m, derived);
-  refuse_features_ampipe_excludes(derived);
   check_pipe_experts(m, given, derived);
   check_dropout_and_norm(m);
   check_query_groups(m, derived);

@@ -6,6 +6,7 @@
 #include <cctype>
 #include <utility>
 
+#include "weave/graphs/config_flags.hpp"
 #include "weave/graphs/pipeline_layout.hpp"
 
 namespace weave::graphs {
@@ -109,7 +110,8 @@ TrainerConfig candidate(const TrainerConfig& base, MeshSizes sizes, int ep,
 
 // Every candidate of one layout: each expert-parallel size, schedule, Ampipe degree and
 // recomputation, kept when it validates and counted by its refusal when not.
-void add_candidates(const TrainerConfig& base, MeshSizes sizes, PlanCandidates& out) {
+void add_candidates(const TrainerConfig& base, MeshSizes sizes,
+                    const std::vector<std::string>& flags_without_effect, PlanCandidates& out) {
   const ModelConfig& m = base.model;
   const bool moe = m.num_experts > 0;
   const std::vector<int> expert_sizes = moe ? divisors(m.num_experts) : std::vector<int>{1};
@@ -121,6 +123,7 @@ void add_candidates(const TrainerConfig& base, MeshSizes sizes, PlanCandidates& 
           TrainerConfig c = candidate(base, sizes, ep, scheduler, chunks, ampipe, full);
           try {
             validate(c);
+            check_flag_rules(c.plan, flags_without_effect);
           } catch (const ConfigError& e) {
             count_refusal(out.refused, e.what());
             continue;
@@ -148,7 +151,8 @@ PlanCandidates enumerate_plans(const TrainerConfig& base, const PlanSearchOption
           ++out.skipped_global_batch;
           continue;
         }
-        add_candidates(base, {.tp = tp, .pp = pp, .cp = cp, .dp = dp}, out);
+        add_candidates(base, {.tp = tp, .pp = pp, .cp = cp, .dp = dp}, options.flags_without_effect,
+                       out);
       }
     }
   }

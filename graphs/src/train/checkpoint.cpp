@@ -12,7 +12,12 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
+#include <type_traits>
+#include <utility>
+#include <variant>
 #include <vector>
+
+#include "weave/graphs/config_flags.hpp"
 
 namespace weave::graphs {
 
@@ -28,65 +33,50 @@ constexpr char kManifestMagic[] = "WEAVE-CHECKPOINT-M\n";
 constexpr char kPartMagic[] = "WEAVE-CHECKPOINT-P\n";
 static_assert(sizeof(kManifestMagic) == sizeof(kMagic) && sizeof(kPartMagic) == sizeof(kMagic));
 
+// The settings of `section` that a checkpoint's header holds (config_flags.hpp marks them).
+json describe_section(const TrainerConfig& config, DescribedSection section) {
+  json out = json::object();
+  for (const DescribedSetting& s : describe_configuration(config, DescribedSettings::checkpointed))
+    if (s.section == section) std::visit([&](const auto& value) { out[s.key] = value; }, s.value);
+  return out;
+}
+
 json describe(const ModelConfig& m) {
-  return {{"num_layers", m.num_layers},
-          {"hidden_size", m.hidden_size},
-          {"num_attention_heads", m.num_attention_heads},
-          {"ffn_hidden_size", m.ffn_hidden_size},
-          {"seq_length", m.seq_length},
-          {"max_position_embeddings", m.positions()},
-          {"vocab_size", m.vocab_size},
-          {"make_vocab_size_divisible_by", m.make_vocab_size_divisible_by},
-          {"swiglu", m.activation == Activation::swiglu},
-          {"num_experts", m.num_experts},
-          {"moe_layer_freq", m.moe_layer_freq},
-          {"position_embedding_type", position_embedding_name(m.position_embedding)},
-          {"rotary_percent", m.rotary_percent},
-          {"rotary_base", m.rotary_base},
-          {"normalization", m.normalization == Normalization::rms_norm ? "RMSNorm" : "LayerNorm"},
-          {"num_query_groups", m.query_groups()},
-          {"qk_layernorm", m.qk_layernorm},
-          {"untie_embeddings_and_output_weights", m.untie_embeddings_and_output_weights},
-          {"add_bias_linear", m.add_bias_linear},
-          {"moe_router_topk", m.moe_router_topk},
-          {"norm_epsilon", m.layernorm_epsilon}};
+  TrainerConfig config;
+  config.model = m;
+  return describe_section(config, DescribedSection::model);
+}
+
+// The settings of `section` in a header saved before some of them existed: each one the flag
+// table marks as added later, when missing, as `defaults` describe it.
+json with_defaults(json saved, DescribedSection section, const TrainerConfig& defaults) {
+  if (!saved.is_object()) return saved;
+  const json implied = describe_section(defaults, section);
+  for (const ConfigFlag& f : config_flags()) {
+    const FlagDescription& d = f.description;
+    if (d.section != section || !d.absent_from_older_checkpoints) continue;
+    const std::string key(d.key);
+    if (!saved.contains(key)) saved[key] = implied.at(key);
+  }
+  return saved;
 }
 
 // The model as a checkpoint saved before a field existed describes it: the field's default.
 json with_defaults(json saved, const ModelConfig& m) {
-  if (!saved.is_object()) return saved;
-  const ModelConfig defaults{.num_attention_heads = m.num_attention_heads};
-  const json implied = describe(defaults);
-  for (const char* key :
-       {"position_embedding_type", "rotary_percent", "rotary_base", "normalization",
-        "num_query_groups", "qk_layernorm", "untie_embeddings_and_output_weights",
-        "add_bias_linear", "moe_router_topk", "norm_epsilon"})
-    if (!saved.contains(key)) saved[key] = implied[key];
-  return saved;
+  TrainerConfig defaults;
+  defaults.model = ModelConfig{.num_attention_heads = m.num_attention_heads};
+  return with_defaults(std::move(saved), DescribedSection::model, defaults);
 }
 
 json describe(const ParallelPlan& p) {
-  return {{"tensor_model_parallel_size", p.tensor_parallel},
-          {"sequence_parallel", p.sequence_parallel},
-          {"context_parallel_size", p.context_parallel},
-          {"expert_model_parallel_size", p.expert_parallel},
-          {"expert_tensor_parallel_size", p.expert_tensor_parallel},
-          {"data_parallel_size", p.data_parallel},
-          {"pipeline_model_parallel_size", p.pipeline_parallel},
-          {"virtual_pipeline_model_parallel_size", p.virtual_pipeline},
-          {"decoder_first_pipeline_num_layers", p.first_stage_layers},
-          {"decoder_last_pipeline_num_layers", p.last_stage_layers},
-          {"use_distributed_optimizer", p.distributed_optimizer}};
+  TrainerConfig config;
+  config.plan = p;
+  return describe_section(config, DescribedSection::plan);
 }
 
 // The layout as a checkpoint saved before a field existed describes it: the field's default.
 json plan_with_defaults(json saved) {
-  if (!saved.is_object()) return saved;
-  const json implied = describe(ParallelPlan{});
-  for (const char* key : {"virtual_pipeline_model_parallel_size",
-                          "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"})
-    if (!saved.contains(key)) saved[key] = implied[key];
-  return saved;
+  return with_defaults(std::move(saved), DescribedSection::plan, TrainerConfig{});
 }
 
 std::uint64_t fnv1a(const char* data, std::size_t n, std::uint64_t h = 1469598103934665603ull) {
@@ -167,6 +157,29 @@ Integer whole_number(const json& object, const char* key) {
   if (!value.is_number_integer())
     throw DamagedHeader(fmt::format("'{}' is {}, not a whole number", key, value.dump()));
   return value.get<Integer>();
+}
+
+// The checkpointed settings of `section` that are fields of their own (config_flags.hpp), read
+// back from `saved` into `config`. Those the program derives (--swiglu, --normalization, ...) are
+// read by the caller.
+void read_fields(const json& saved, DescribedSection section, TrainerConfig& config) {
+  for (const ConfigFlag& f : config_flags()) {
+    const FlagDescription& d = f.description;
+    if (d.section != section || !d.checkpointed) continue;
+    const std::string key(d.key);
+    std::visit(
+        [&](auto ref) {
+          if constexpr (!std::is_same_v<decltype(ref), std::monostate>) {
+            auto& field = ref(config);
+            using Value = std::remove_cvref_t<decltype(field)>;
+            if constexpr (std::is_integral_v<Value> && !std::is_same_v<Value, bool>)
+              field = whole_number<Value>(saved, key.c_str());
+            else
+              field = saved.at(key).template get<Value>();
+          }
+        },
+        f.field);
+  }
 }
 
 // Writes `magic`, the header text and the entries' values to `partial`, flushes it to disk and
@@ -505,47 +518,26 @@ SavedConfiguration read_checkpoint_config(const std::string& path) {
     const json p = plan_with_defaults(f.header.at("plan"));
     SavedConfiguration c;
     ModelConfig& model = c.model;
-    model.num_layers = whole_number<int>(m, "num_layers");
-    model.hidden_size = whole_number<int>(m, "hidden_size");
     model.num_attention_heads = whole_number<int>(m, "num_attention_heads");
-    model.ffn_hidden_size = whole_number<int>(m, "ffn_hidden_size");
-    model.seq_length = whole_number<int>(m, "seq_length");
-    model.max_position_embeddings = whole_number<int>(m, "max_position_embeddings");
-    model.vocab_size = whole_number<int>(m, "vocab_size");
-    model.make_vocab_size_divisible_by = whole_number<int>(m, "make_vocab_size_divisible_by");
-    model.activation = m.at("swiglu").get<bool>() ? Activation::swiglu : Activation::gelu;
-    model.num_experts = whole_number<int>(m, "num_experts");
-    model.moe_layer_freq = whole_number<int>(m, "moe_layer_freq");
     const json full = with_defaults(m, model);
+    TrainerConfig saved;
+    read_fields(full, DescribedSection::model, saved);
+    read_fields(p, DescribedSection::plan, saved);
+    model = saved.model;
+    model.activation = full.at("swiglu").get<bool>() ? Activation::swiglu : Activation::gelu;
     const std::string positions = full.at("position_embedding_type").get<std::string>();
     model.position_embedding = positions == "rope"   ? PositionEmbedding::rope
                                : positions == "none" ? PositionEmbedding::none
                                                      : PositionEmbedding::learned_absolute;
-    model.rotary_percent = full.at("rotary_percent").get<double>();
-    model.rotary_base = full.at("rotary_base").get<double>();
     model.normalization = full.at("normalization").get<std::string>() == "RMSNorm"
                               ? Normalization::rms_norm
                               : Normalization::layer_norm;
     const int groups = whole_number<int>(full, "num_query_groups");
     model.num_query_groups = groups == model.num_attention_heads ? 0 : groups;
-    model.qk_layernorm = full.at("qk_layernorm").get<bool>();
-    model.untie_embeddings_and_output_weights =
-        full.at("untie_embeddings_and_output_weights").get<bool>();
     model.add_bias_linear = full.at("add_bias_linear").get<bool>();
-    model.moe_router_topk = whole_number<int>(full, "moe_router_topk");
-    model.layernorm_epsilon = full.at("norm_epsilon").get<double>();
     ParallelPlan& plan = c.plan;
-    plan.tensor_parallel = whole_number<int>(p, "tensor_model_parallel_size");
-    plan.sequence_parallel = p.at("sequence_parallel").get<bool>();
-    plan.context_parallel = whole_number<int>(p, "context_parallel_size");
-    plan.expert_parallel = whole_number<int>(p, "expert_model_parallel_size");
-    plan.expert_tensor_parallel = whole_number<int>(p, "expert_tensor_parallel_size");
+    plan = saved.plan;
     plan.data_parallel = whole_number<int>(p, "data_parallel_size");
-    plan.pipeline_parallel = whole_number<int>(p, "pipeline_model_parallel_size");
-    plan.virtual_pipeline = whole_number<int>(p, "virtual_pipeline_model_parallel_size");
-    plan.first_stage_layers = whole_number<int>(p, "decoder_first_pipeline_num_layers");
-    plan.last_stage_layers = whole_number<int>(p, "decoder_last_pipeline_num_layers");
-    plan.distributed_optimizer = p.at("use_distributed_optimizer").get<bool>();
     plan.pipeline_scheduler = f.header.value("pipeline_scheduler", std::string());
     c.processes = f.magic == kManifestMagic ? whole_number<int>(f.header, "processes") : 1;
     c.state = {whole_number<std::int64_t>(f.header, "iteration"),

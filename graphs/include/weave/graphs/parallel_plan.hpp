@@ -61,16 +61,6 @@ struct ParallelPlan {
   bool pipe_experts_separate_streams = false;
   // --pipe-experts-multi-data N: each slot's local experts cut into N / degree capacity slices.
   int pipe_experts_multi_data = 1;
-  // Accepted as MindSpeed and Megatron scripts give them, and refused beside Ampipe as MindSpeed
-  // refuses them. Gradient reductions always overlap the backward and the attention is always
-  // blockwise (flash) here; the recompute and nanopipe features are not modelled.
-  bool overlap_grad_reduce = false;             // --overlap-grad-reduce
-  bool overlap_param_gather = false;            // --overlap-param-gather
-  bool use_flash_attn = false;                  // --use-flash-attn
-  bool use_nanopipe = false;                    // --use-nanopipe
-  bool recompute_in_bubble = false;             // --recompute-in-bubble
-  bool recompute_in_advance = false;            // --recompute-in-advance
-  bool adaptive_recompute_device_swap = false;  // --adaptive-recompute-device-swap
 
   int devices() const {
     return tensor_parallel * context_parallel * data_parallel * pipeline_parallel;

@@ -18,6 +18,9 @@ struct PlanSearchOptions {
   // devices per node is the sensible limit: tensor parallelism across nodes costs a collective
   // over the network in every layer.
   int max_tensor_parallel = 0;
+  // The flags given that have no effect (by their table names): candidates are refused by the
+  // rules the flag table declares with them (check_flag_rules), as a run with them would be.
+  std::vector<std::string> flags_without_effect;
 };
 
 // A reason validate gave, and how many candidates it refused for it.

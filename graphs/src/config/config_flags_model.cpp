@@ -1,0 +1,221 @@
+// The model's flags: the decoder's shape, its positions and norms, and its Mixture of Experts.
+#include "config/config_flag_groups.hpp"
+
+namespace weave::graphs::flag_groups {
+
+namespace {
+
+using enum DescribedSection;
+using M = ModelConfig;
+
+constexpr ConfigFlag kModel[] = {
+    {.name = "--num-layers",
+     .help = "Transformer layers",
+     .field = model_field<&M::num_layers>(),
+     .check = at_least(1),
+     .description = described(model, "num_layers", true),
+     .properties = kShowsDefault},
+    {.name = "--hidden-size",
+     .help = "Width of the hidden states",
+     .field = model_field<&M::hidden_size>(),
+     .check = at_least(1),
+     .description = described(model, "hidden_size", true),
+     .properties = kShowsDefault},
+    {.name = "--num-attention-heads",
+     .help = "Attention heads, each --hidden-size / heads wide",
+     .field = model_field<&M::num_attention_heads>(),
+     .check = at_least(1),
+     .description = described(model, "num_attention_heads", true),
+     .properties = kShowsDefault},
+    {.name = "--ffn-hidden-size",
+     .help = "Width of the MLPs' (and experts') hidden layer",
+     .field = model_field<&M::ffn_hidden_size>(),
+     .check = at_least(1),
+     .description = described(model, "ffn_hidden_size", true),
+     .properties = kShowsDefault},
+    {.name = "--seq-length",
+     .help = "Tokens per sample",
+     .field = model_field<&M::seq_length>(),
+     .check = at_least(1),
+     .description = described(model, "seq_length", true),
+     .properties = kShowsDefault},
+    {.name = "--max-position-embeddings",
+     .help = "Positions the position table holds (0: --seq-length)",
+     .field = model_field<&M::max_position_embeddings>(),
+     .description = {.section = model,
+                     .key = "max_position_embeddings",
+                     .checkpointed = true,
+                     .value = [](const TrainerConfig& c) -> DescribedValue {
+                       return std::int64_t{c.model.positions()};
+                     }},
+     .properties = kShowsDefault},
+    {.name = "--make-vocab-size-divisible-by",
+     .help = "Pad the vocabulary (256 byte tokens) to a multiple of this",
+     .field = model_field<&M::make_vocab_size_divisible_by>(),
+     .check = at_least(1),
+     .description = described(model, "make_vocab_size_divisible_by", true),
+     .properties = kShowsDefault},
+    {.name = "--swiglu",
+     .values = 0,
+     .help = "SwiGLU MLPs instead of GELU",
+     .description = {.section = model,
+                     .key = "swiglu",
+                     .checkpointed = true,
+                     .value = [](const TrainerConfig& c) -> DescribedValue {
+                       return c.model.activation == Activation::swiglu;
+                     }}},
+    {.name = "--position-embedding-type",
+     .help = "learned_absolute: a learned table added to the input; rope: rotary embeddings of "
+             "queries and keys; none",
+     .description = added_to_checkpoints({.section = model,
+                                          .key = "position_embedding_type",
+                                          .checkpointed = true,
+                                          .value = [](const TrainerConfig& c) -> DescribedValue {
+                                            return std::string(position_embedding_name(
+                                                c.model.position_embedding));
+                                          }}),
+     .properties = kShowsDefault},
+    {.name = "--use-rotary-position-embeddings",
+     .values = 0,
+     .help = "Megatron's older spelling of --position-embedding-type rope"},
+    {.name = "--no-position-embedding",
+     .values = 0,
+     .help = "No learned position table (with neither rope: --position-embedding-type none)"},
+    {.name = "--rotary-percent",
+     .help = "Share of each head's dimensions RoPE rotates, in (0, 1]",
+     .field = model_field<&M::rotary_percent>(),
+     .description = added_to_checkpoints(described(model, "rotary_percent", true)),
+     .properties = kShowsDefault},
+    {.name = "--rotary-base",
+     .help = "RoPE's base: angle base^(-2i / dims) x position",
+     .field = model_field<&M::rotary_base>(),
+     .description = added_to_checkpoints(described(model, "rotary_base", true)),
+     .properties = kShowsDefault},
+    {.name = "--normalization",
+     .help = "LayerNorm or RMSNorm, for every norm",
+     .description = added_to_checkpoints({.section = model,
+                                          .key = "normalization",
+                                          .checkpointed = true,
+                                          .value = [](const TrainerConfig& c) -> DescribedValue {
+                                            return std::string(c.model.normalization ==
+                                                                       Normalization::rms_norm
+                                                                   ? "RMSNorm"
+                                                                   : "LayerNorm");
+                                          }}),
+     .properties = kShowsDefault},
+    {.name = "--qk-layernorm",
+     .values = 0,
+     .help = "Norm (per --normalization) each head's queries and keys before attention",
+     .field = model_field<&M::qk_layernorm>(),
+     .description = added_to_checkpoints(described(model, "qk_layernorm", true))},
+    {.name = "--norm-epsilon",
+     .aliases = "--layernorm-epsilon",
+     .help = "The norms' epsilon",
+     .field = model_field<&M::layernorm_epsilon>(),
+     .check = kPositive,
+     .description = added_to_checkpoints(described(model, "norm_epsilon", true)),
+     .properties = kShowsDefault},
+    {.name = "--group-query-attention",
+     .values = 0,
+     .help = "Grouped-query attention with --num-query-groups key/value heads"},
+    {.name = "--num-query-groups",
+     .help = "Key/value heads with --group-query-attention, each shared by heads / groups query "
+             "heads",
+     .check = at_least(1),
+     .description = added_to_checkpoints({.section = model,
+                                          .key = "num_query_groups",
+                                          .checkpointed = true,
+                                          .value = [](const TrainerConfig& c) -> DescribedValue {
+                                            return std::int64_t{c.model.query_groups()};
+                                          }})},
+    {.name = "--untie-embeddings-and-output-weights",
+     .values = 0,
+     .help = "An output layer of its own instead of the word embedding's transpose",
+     .field = model_field<&M::untie_embeddings_and_output_weights>(),
+     .description =
+         added_to_checkpoints(described(model, "untie_embeddings_and_output_weights", true))},
+    {.name = "--disable-bias-linear",
+     .values = 0,
+     .help = "No biases in the attention's and the MLPs' linear layers",
+     .description = added_to_checkpoints({.section = model,
+                                          .key = "add_bias_linear",
+                                          .checkpointed = true,
+                                          .value = [](const TrainerConfig& c) -> DescribedValue {
+                                            return c.model.add_bias_linear;
+                                          }})},
+    {.name = "--attention-dropout",
+     .help = "Dropout on the attention probabilities, in [0, 1)",
+     .field = model_field<&M::attention_dropout>(),
+     .description = described(model, "attention_dropout"),
+     .properties = kShowsDefault},
+    {.name = "--hidden-dropout",
+     .help = "Dropout after the attention and the MLP, in [0, 1)",
+     .field = model_field<&M::hidden_dropout>(),
+     .description = described(model, "hidden_dropout"),
+     .properties = kShowsDefault},
+    {.name = "--init-method-std",
+     .help = "Standard deviation of the initial weights",
+     .field = model_field<&M::init_method_std>(),
+     .check = kPositive,
+     .description = described(model, "init_method_std"),
+     .properties = kShowsDefault},
+    {.name = "--seed",
+     .help = "Seed of the initial weights, dropout and mock data",
+     .field = model_field<&M::seed>(),
+     .description = described(model, "seed"),
+     .properties = kShowsDefault},
+};
+
+constexpr ConfigFlag kMoe[] = {
+    {.name = "--num-experts",
+     .group = FlagGroup::moe,
+     .help = "0: dense model",
+     .field = model_field<&M::num_experts>(),
+     .check = at_least(0),
+     .description = described(model, "num_experts", true),
+     .properties = kShowsDefault},
+    {.name = "--moe-layer-freq",
+     .group = FlagGroup::moe,
+     .help = "A MoE layer every this many layers",
+     .field = model_field<&M::moe_layer_freq>(),
+     .check = at_least(1),
+     .description = described(model, "moe_layer_freq", true),
+     .properties = kShowsDefault},
+    {.name = "--moe-router-topk",
+     .group = FlagGroup::moe,
+     .help = "Experts each token is routed to",
+     .field = model_field<&M::moe_router_topk>(),
+     .check = at_least(1),
+     .description = added_to_checkpoints(described(model, "moe_router_topk", true)),
+     .properties = kShowsDefault},
+    {.name = "--moe-aux-loss-coeff",
+     .group = FlagGroup::moe,
+     .help = "Weight of the load-balancing loss, >= 0",
+     .field = model_field<&M::moe_aux_loss_coeff>(),
+     .description = described(model, "moe_aux_loss_coeff"),
+     .properties = kShowsDefault},
+    {.name = "--moe-z-loss-coeff",
+     .group = FlagGroup::moe,
+     .help = "Weight of the router's z-loss, >= 0",
+     .field = model_field<&M::moe_z_loss_coeff>(),
+     .description = described(model, "moe_z_loss_coeff"),
+     .properties = kShowsDefault},
+    {.name = "--moe-expert-capacity-factor",
+     .group = FlagGroup::moe,
+     .help = "0: dropless",
+     .field = model_field<&M::moe_expert_capacity_factor>(),
+     .description = described(model, "moe_expert_capacity_factor"),
+     .properties = kShowsDefault},
+};
+
+}  // namespace
+
+std::span<const ConfigFlag> model_flags() {
+  return kModel;
+}
+
+std::span<const ConfigFlag> moe_flags() {
+  return kMoe;
+}
+
+}  // namespace weave::graphs::flag_groups

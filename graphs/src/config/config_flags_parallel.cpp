@@ -1,0 +1,219 @@
+// The parallel plan's flags: the parallel sizes, the pipeline's stages and schedule, and Ampipe
+// with MindSpeed's pipelined experts.
+#include "config/config_flag_groups.hpp"
+#include "weave/graphs/pipeline_layout.hpp"
+#include "weave/graphs/pipeline_schedule_generators.hpp"
+
+namespace weave::graphs::flag_groups {
+
+namespace {
+
+using enum DescribedSection;
+using P = ParallelPlan;
+constexpr unsigned kPlanSize = kShowsDefault | kChoosesPlan;
+
+constexpr ConfigFlag kParallelism[] = {
+    {.name = "--devices",
+     .group = FlagGroup::parallelism,
+     .help = "Simulated devices (default: tp x cp x pp)",
+     .check = at_least(1),
+     .description = {.section = plan,
+                     .key = "devices",
+                     .value = [](const TrainerConfig& c) -> DescribedValue {
+                       return std::int64_t{c.plan.devices()};
+                     }},
+     .properties = kChoosesPlan},
+    {.name = "--tensor-model-parallel-size",
+     .group = FlagGroup::parallelism,
+     .help = "Tensor-parallel ranks: each layer's matrices split over them",
+     .field = plan_field<&P::tensor_parallel>(),
+     .check = at_least(1),
+     .description = described(plan, "tensor_model_parallel_size", true),
+     .properties = kPlanSize},
+    {.name = "--sequence-parallel",
+     .group = FlagGroup::parallelism,
+     .values = 0,
+     .help = "With tensor parallelism: the norms and dropout split over the sequence too",
+     .field = plan_field<&P::sequence_parallel>(),
+     .description = described(plan, "sequence_parallel", true),
+     .properties = kChoosesPlan},
+    {.name = "--context-parallel-size",
+     .group = FlagGroup::parallelism,
+     .help = "Context-parallel ranks: each sample's sequence split over them (ring attention)",
+     .field = plan_field<&P::context_parallel>(),
+     .check = at_least(1),
+     .description = described(plan, "context_parallel_size", true),
+     .properties = kPlanSize},
+    {.name = "--expert-model-parallel-size",
+     .group = FlagGroup::parallelism,
+     .help = "Expert-parallel ranks: the experts divided among them",
+     .field = plan_field<&P::expert_parallel>(),
+     .check = at_least(1),
+     .description = described(plan, "expert_model_parallel_size", true),
+     .properties = kPlanSize},
+    {.name = "--expert-tensor-parallel-size",
+     .group = FlagGroup::parallelism,
+     .help = "1: every expert whole on one rank; the tensor-parallel size: every expert split "
+             "over the tensor-parallel group (fc1 by columns, fc2 by rows)",
+     .field = plan_field<&P::expert_tensor_parallel>(),
+     .check = at_least(1),
+     .description = described(plan, "expert_tensor_parallel_size", true),
+     .properties = kPlanSize},
+    {.name = "--moe-model-type",
+     .group = FlagGroup::parallelism,
+     .help = "megatron (experts whole) or deepspeed_moe (MindSpeed's layout: experts split over "
+             "the tensor-parallel group, expert-parallel groups of one tp rank)",
+     .field = plan_field<&P::moe_model_type>(),
+     .description = described(plan, "moe_model_type")},
+    {.name = "--use-distributed-optimizer",
+     .group = FlagGroup::parallelism,
+     .values = 0,
+     .help = "Shard optimizer state over data-parallel replicas (reduce-scatter + all-gather)",
+     .field = plan_field<&P::distributed_optimizer>(),
+     .description = described(plan, "use_distributed_optimizer", true)},
+    {.name = "--micro-batch-size",
+     .group = FlagGroup::parallelism,
+     .help = "Samples per micro-batch",
+     .field = plan_field<&P::micro_batch_size>(),
+     .check = at_least(1),
+     .description = described(plan, "micro_batch_size"),
+     .properties = kShowsDefault},
+    {.name = "--global-batch-size",
+     .group = FlagGroup::parallelism,
+     .help = "Default: micro-batch x data-parallel size",
+     .field = plan_field<&P::global_batch_size>(),
+     .check = at_least(1),
+     .description = described(plan, "global_batch_size"),
+     .properties = kChoosesPlan},
+};
+
+constexpr ConfigFlag kPipeline[] = {
+    {.name = "--pipeline-model-parallel-size",
+     .group = FlagGroup::pipeline,
+     .help = "Pipeline stages: the layers divided among them",
+     .field = plan_field<&P::pipeline_parallel>(),
+     .check = at_least(1),
+     .description = described(plan, "pipeline_model_parallel_size", true),
+     .properties = kPlanSize},
+    {.name = "--pipeline-scheduler",
+     .group = FlagGroup::pipeline,
+     .help = "gpipe, 1f1b, interleaved, interleaved-mem, zb-h1 or zb-v (default: 1f1b, "
+             "interleaved with virtual stages); `weave schedule` draws them",
+     .field = plan_field<&P::pipeline_scheduler>(),
+     .description = {.section = plan,
+                     .key = "pipeline_scheduler",
+                     .value = [](const TrainerConfig& c) -> DescribedValue {
+                       return c.plan.pipeline_parallel > 1
+                                  ? std::string(schedule_name(pipeline_schedule_kind(c.plan)))
+                                  : std::string();
+                     }},
+     .properties = kChoosesPlan},
+    {.name = "--num-layers-per-virtual-pipeline-stage",
+     .group = FlagGroup::pipeline,
+     .help = "Layers per model chunk: chunks per pipeline rank = layers / (pp x this)",
+     .field = plan_field<&P::layers_per_virtual_stage>(),
+     .check = at_least(1),
+     .properties = kChoosesPlan},
+    {.name = "--virtual-pipeline-model-parallel-size",
+     .group = FlagGroup::pipeline,
+     .help = "Model chunks per pipeline rank (instead of --num-layers-per-virtual-pipeline-stage)",
+     .field = plan_field<&P::virtual_pipeline>(),
+     .check = at_least(1),
+     .description =
+         added_to_checkpoints(described(plan, "virtual_pipeline_model_parallel_size", true)),
+     .properties = kChoosesPlan},
+    {.name = "--microbatch-group-size-per-virtual-pipeline-stage",
+     .group = FlagGroup::pipeline,
+     .help = "Interleaved schedule: micro-batches run on one chunk before the next (default: pp)",
+     .field = plan_field<&P::microbatch_group_size>(),
+     .check = at_least(1),
+     .description = described(plan, "microbatch_group_size_per_virtual_pipeline_stage"),
+     .properties = kChoosesPlan},
+    {.name = "--decoder-first-pipeline-num-layers",
+     .group = FlagGroup::pipeline,
+     .help = "Layers of the first model chunk (the rest split evenly)",
+     .field = plan_field<&P::first_stage_layers>(),
+     .check = at_least(1),
+     .description =
+         added_to_checkpoints(described(plan, "decoder_first_pipeline_num_layers", true)),
+     .properties = kChoosesPlan},
+    {.name = "--decoder-last-pipeline-num-layers",
+     .group = FlagGroup::pipeline,
+     .help = "Layers of the last model chunk (the rest split evenly)",
+     .field = plan_field<&P::last_stage_layers>(),
+     .check = at_least(1),
+     .description = added_to_checkpoints(described(plan, "decoder_last_pipeline_num_layers", true)),
+     .properties = kChoosesPlan},
+};
+
+constexpr ConfigFlag kAmpipe[] = {
+    {.name = "--ampipe-degree",
+     .group = FlagGroup::ampipe,
+     .help = "Sequence chunks pipelining attention with the MoE all-to-alls (Ampipe)",
+     .field = plan_field<&P::ampipe_degree>(),
+     .check = at_least(1),
+     .description = described(plan, "ampipe_degree"),
+     .properties = kPlanSize},
+    {.name = "--ampipe-tp-sp-comm-overlap",
+     .group = FlagGroup::ampipe,
+     .values = 0,
+     .help = "Pipeline the split experts' tensor-parallel all-gathers and reduce-scatters over "
+             "(chunk, local expert) items (MindSpeed; needs --ampipe-degree > 1, "
+             "--sequence-parallel, --moe-model-type deepspeed_moe and EP > 1)",
+     .field = plan_field<&P::ampipe_tp_sp_comm_overlap>(),
+     .description = described(plan, "ampipe_tp_sp_comm_overlap")},
+    {.name = "--ampipe-cp-resend-kv",
+     .group = FlagGroup::ampipe,
+     .values = 0,
+     .help = "Under CP: send the key/value blocks round the ring again in backward instead of "
+             "keeping them all from forward (less activation memory, cp - 1 more ring steps per "
+             "layer under the MoE backward)",
+     .field = plan_field<&P::ampipe_cp_resend_kv>(),
+     .description = described(plan, "ampipe_cp_resend_kv")},
+    {.name = "--use-pipe-experts",
+     .group = FlagGroup::ampipe,
+     .values = 0,
+     .help = "Run each MoE slot as items (local expert x capacity slice), each with its own "
+             "dispatch and combine all-to-all",
+     .field = plan_field<&P::pipe_experts>(),
+     .description = described(plan, "use_pipe_experts")},
+    {.name = "--pipe-experts-multi-stream",
+     .group = FlagGroup::ampipe,
+     .values = 0,
+     .help = "With --use-pipe-experts (MindSpeed's meaning): the items' all-to-alls and "
+             "tensor-parallel all-gathers and reduce-scatters in one strict order, so expert- "
+             "and tensor-parallel traffic never share the links; needs --sequence-parallel and "
+             "--moe-model-type deepspeed_moe",
+     .field = plan_field<&P::pipe_experts_multi_stream>(),
+     .description = described(plan, "pipe_experts_multi_stream")},
+    {.name = "--pipe-experts-separate-streams",
+     .group = FlagGroup::ampipe,
+     .values = 0,
+     .help = "With --use-pipe-experts: the items' dispatches and combines on streams of their "
+             "own (weave's)",
+     .field = plan_field<&P::pipe_experts_separate_streams>(),
+     .description = described(plan, "pipe_experts_separate_streams")},
+    {.name = "--pipe-experts-multi-data",
+     .group = FlagGroup::ampipe,
+     .help = "With --use-pipe-experts: capacity slices per expert (divided among Ampipe chunks)",
+     .field = plan_field<&P::pipe_experts_multi_data>(),
+     .check = at_least(1),
+     .description = described(plan, "pipe_experts_multi_data"),
+     .properties = kShowsDefault},
+};
+
+}  // namespace
+
+std::span<const ConfigFlag> parallelism_flags() {
+  return kParallelism;
+}
+
+std::span<const ConfigFlag> pipeline_flags() {
+  return kPipeline;
+}
+
+std::span<const ConfigFlag> ampipe_flags() {
+  return kAmpipe;
+}
+
+}  // namespace weave::graphs::flag_groups

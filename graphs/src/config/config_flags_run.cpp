@@ -1,0 +1,283 @@
+// The run's flags: the optimizer and its learning rate, how long to train and evaluate, the data,
+// checkpoints, what the run writes, the machine the virtual clock models, and the advice that
+// replaces a run.
+#include "config/config_flag_groups.hpp"
+
+namespace weave::graphs::flag_groups {
+
+namespace {
+
+using enum DescribedSection;
+using LR = LearningRateSchedule;
+using T = TrainerConfig;
+
+template <auto Member>
+constexpr ConfigField adamw() {
+  return config_field<&T::optimizer, &OptimizerConfig::adamw, Member>();
+}
+
+constexpr ConfigFlag kOptimizer[] = {
+    {.name = "--lr",
+     .group = FlagGroup::learning_rate,
+     .help = "Peak learning rate",
+     .field = learning_rate_field<&LR::lr>(),
+     .check = kNonNegative,
+     .description = described(DescribedSection::learning_rate, "lr"),
+     .properties = kShowsDefault},
+    {.name = "--min-lr",
+     .group = FlagGroup::learning_rate,
+     .help = "Learning rate at the end of the decay, at most --lr",
+     .field = learning_rate_field<&LR::min_lr>(),
+     .check = kNonNegative,
+     .description = described(DescribedSection::learning_rate, "min_lr"),
+     .properties = kShowsDefault},
+    {.name = "--lr-warmup-iters",
+     .group = FlagGroup::learning_rate,
+     .help = "Iterations of linear warm-up from 0 to --lr",
+     .field = learning_rate_field<&LR::warmup_iters>(),
+     .check = at_least(0),
+     .description = described(DescribedSection::learning_rate, "lr_warmup_iters"),
+     .properties = kShowsDefault},
+    {.name = "--lr-decay-iters",
+     .group = FlagGroup::learning_rate,
+     .help = "Default: --train-iters",
+     .field = learning_rate_field<&LR::decay_iters>(),
+     .check = at_least(0),
+     .description = described(DescribedSection::learning_rate, "lr_decay_iters")},
+    {.name = "--lr-decay-style",
+     .group = FlagGroup::learning_rate,
+     .help = "Decay from --lr to --min-lr after the warm-up",
+     .field = learning_rate_field<&LR::style>(),
+     .check = one_of("cosine,linear,constant"),
+     .description = described(DescribedSection::learning_rate, "lr_decay_style"),
+     .properties = kShowsDefault},
+    {.name = "--weight-decay",
+     .group = FlagGroup::optimizer,
+     .help = "AdamW's decoupled weight decay",
+     .field = adamw<&ops::AdamWOptions::weight_decay>(),
+     .check = kNonNegative,
+     .description = described(optimizer, "weight_decay"),
+     .properties = kShowsDefault},
+    {.name = "--optimizer",
+     .group = FlagGroup::optimizer,
+     .help = "adam: weave's optimizer is AdamW (Megatron's adam, decoupled weight decay)",
+     .check = one_of("adam"),
+     .properties = kShowsDefault},
+    {.name = "--adam-beta1",
+     .group = FlagGroup::optimizer,
+     .help = "AdamW's first-moment decay, in [0, 1)",
+     .field = adamw<&ops::AdamWOptions::beta1>(),
+     .description = described(optimizer, "adam_beta1"),
+     .properties = kShowsDefault},
+    {.name = "--adam-beta2",
+     .group = FlagGroup::optimizer,
+     .help = "AdamW's second-moment decay, in [0, 1)",
+     .field = adamw<&ops::AdamWOptions::beta2>(),
+     .description = described(optimizer, "adam_beta2"),
+     .properties = kShowsDefault},
+    {.name = "--adam-eps",
+     .group = FlagGroup::optimizer,
+     .help = "AdamW's epsilon, > 0",
+     .field = adamw<&ops::AdamWOptions::eps>(),
+     .description = described(optimizer, "adam_eps"),
+     .properties = kShowsDefault},
+    {.name = "--clip-grad",
+     .group = FlagGroup::optimizer,
+     .help = "0: no clipping",
+     .field = config_field<&T::optimizer, &OptimizerConfig::clip_grad>(),
+     .check = kNonNegative,
+     .description = described(optimizer, "clip_grad"),
+     .properties = kShowsDefault},
+};
+
+constexpr ConfigFlag kConfigFile[] = {
+    {.name = "--config",
+     .group = FlagGroup::config_file,
+     .help = "JSON file of flag names and values (flags given here win)",
+     .properties = kNotRepeatedByAdvice},
+};
+
+constexpr ConfigFlag kTraining[] = {
+    {.name = "--train-iters",
+     .group = FlagGroup::training,
+     .help = "Iterations to train",
+     .field = run_field<&T::train_iters>(),
+     .check = at_least(1),
+     .description = described(DescribedSection::run, "train_iters"),
+     .properties = kShowsDefault},
+    {.name = "--eval-interval",
+     .group = FlagGroup::training,
+     .help = "Evaluate on the held-out text every this many iterations",
+     .field = run_field<&T::eval_interval>(),
+     .check = at_least(0),
+     .description = described(DescribedSection::run, "eval_interval")},
+    {.name = "--eval-iters",
+     .group = FlagGroup::training,
+     .help = "Global batches each evaluation averages",
+     .field = run_field<&T::eval_iters>(),
+     .check = at_least(1),
+     .description = described(DescribedSection::run, "eval_iters"),
+     .properties = kShowsDefault},
+    {.name = "--data-path",
+     .group = FlagGroup::data,
+     .help = "A text file or a folder of them (byte tokens)",
+     .properties = kShowsDefault},
+    {.name = "--split",
+     .group = FlagGroup::data,
+     .help = "Weights of the text's train, validation and test parts, like 949,50,1: the "
+             "validation share is held out (default: 5 %); there is no test evaluation"},
+    {.name = "--mock-data",
+     .group = FlagGroup::data,
+     .values = 0,
+     .help = "Synthetic tokens instead of --data-path"},
+    {.name = "--save",
+     .group = FlagGroup::checkpoint,
+     .help = "Checkpoint file to write",
+     .field = run_field<&T::save_path>(),
+     .description = described(DescribedSection::run, "save")},
+    {.name = "--load",
+     .group = FlagGroup::checkpoint,
+     .help = "Checkpoint file to resume from",
+     .field = run_field<&T::load_path>(),
+     .description = described(DescribedSection::run, "load")},
+    {.name = "--save-interval",
+     .group = FlagGroup::checkpoint,
+     .help = "With --save: also save every this many iterations",
+     .field = run_field<&T::save_interval>(),
+     .check = at_least(0),
+     .description = described(DescribedSection::run, "save_interval")},
+};
+
+constexpr ConfigFlag kOutput[] = {
+    {.name = "--log-interval",
+     .group = FlagGroup::logging,
+     .help = "A progress line (and the communication measured) every this many iterations",
+     .field = run_field<&T::metrics_interval>(),
+     .check = at_least(1),
+     .description = described(DescribedSection::run, "log_interval"),
+     .properties = kShowsDefault},
+    {.name = "--log-json",
+     .group = FlagGroup::logging,
+     .help = "Write metrics as JSON lines to this file"},
+    {.name = "--trace",
+     .group = FlagGroup::logging,
+     .help = "Write the Chrome trace of one iteration here",
+     .field = run_field<&T::trace_path>(),
+     .description = described(DescribedSection::run, "trace"),
+     .properties = kNotRepeatedByAdvice},
+    {.name = "--trace-iteration",
+     .group = FlagGroup::logging,
+     .help = "Which iteration --trace records (default: 2, or the last of a shorter run)",
+     .field = run_field<&T::trace_iteration>(),
+     .check = at_least(1),
+     .description = described(DescribedSection::run, "trace_iteration"),
+     .properties = kShowsDefault},
+    {.name = "--dump-graph",
+     .group = FlagGroup::logging,
+     .help = "Write the step's task graph as GraphViz DOT here"},
+    {.name = "--ampipe-advise",
+     .group = FlagGroup::advice,
+     .values = 0,
+     .help = "Instead of training: predict one step at each Ampipe degree as "
+             "weave predict does (built without tensors, data-parallel replicas "
+             "folded, on the virtual clock of --link, --device-flops or "
+             "--accelerator) and name the fastest that fits a device's memory "
+             "(the --accelerator's, else 80 GiB; weave predict takes "
+             "--device-memory); also accepted by weave predict",
+     .properties = kNotRepeatedByAdvice},
+    {.name = "--pipeline-advise",
+     .group = FlagGroup::advice,
+     .values = 0,
+     .help = "Instead of training: predict one step under every pipeline "
+             "schedule as weave predict does (--link, --device-flops or "
+             "--accelerator): step time, bubble predicted and in theory, memory "
+             "per device and activation memory per stage; the fastest that fits "
+             "a device's memory named; also accepted by weave predict",
+     .properties = kNotRepeatedByAdvice},
+};
+
+constexpr ConfigFlag kMachine[] = {
+    {.name = "--timing",
+     .group = FlagGroup::machine,
+     .help = "wall: real threads; model: the virtual clock",
+     .check = one_of("wall,model"),
+     .description = {.section = DescribedSection::run,
+                     .key = "timing",
+                     .value = [](const TrainerConfig& c) -> DescribedValue {
+                       return std::string(c.timing == Timing::virtual_clock ? "model" : "wall");
+                     }},
+     .properties = kShowsDefault},
+    {.name = "--link",
+     .group = FlagGroup::machine,
+     .help = "Link model: a preset (see `weave topo --links`) or GBPS:MICROSECONDS",
+     .field = machine_field<&ModelledMachine::link>(),
+     .description = described(DescribedSection::run, "link"),
+     .properties = kShowsDefault},
+    {.name = "--accelerator",
+     .group = FlagGroup::machine,
+     .help = "Model the devices as this accelerator (--timing model, weave predict): a preset "
+             "(a100-80gb, h100-sxm, ascend-910b) or a JSON file (weave calibrate writes this "
+             "host's); prices matrix products by their shapes, attention and streaming at the "
+             "rates it states (--device-flops and --device-memory-bandwidth given are "
+             "overridden), --link to its node's link unless --link is given, and the cluster "
+             "collectives are costed on: its node and network (--devices-per-node, --node-link, "
+             "--network override them)"},
+    {.name = "--devices-per-node",
+     .group = FlagGroup::machine,
+     .help = "Devices in a node of the modelled cluster (--timing model, weave "
+             "predict): rank r sits on node r / N, and collectives are costed "
+             "by the algorithm their group would use on the links it spans "
+             "(ring or tree in a node, hierarchical across nodes, all-to-all "
+             "messages in flight together); default the --accelerator's. "
+             "Without --accelerator, give --node-link and --network too",
+     .check = at_least(1),
+     .type_name = "N"},
+    {.name = "--node-link",
+     .group = FlagGroup::machine,
+     .help = "The modelled cluster's link between the devices of a node, GBPS:MICROSECONDS per "
+             "device (default: the --accelerator's)",
+     .type_name = "GBPS:US"},
+    {.name = "--network",
+     .group = FlagGroup::machine,
+     .help = "The modelled cluster's network between nodes, GBPS:MICROSECONDS of each device's "
+             "NIC (default: the --accelerator's)",
+     .type_name = "GBPS:US"},
+    {.name = "--device-memory-bandwidth",
+     .group = FlagGroup::machine,
+     .help = "Modelled bytes/s a device streams (--timing model): prices norms, residuals, "
+             "dropout and the optimizer",
+     .field = machine_field<&ModelledMachine::device_memory_bandwidth>(),
+     .check = kPositive,
+     .properties = kShowsDefault},
+    {.name = "--device-flops",
+     .group = FlagGroup::machine,
+     .help = "Modelled FLOP/s of a device (--timing model)",
+     .field = machine_field<&ModelledMachine::device_flops>(),
+     .check = kPositive,
+     .description = described(DescribedSection::run, "device_flops"),
+     .properties = kShowsDefault},
+};
+
+}  // namespace
+
+std::span<const ConfigFlag> config_file_flags() {
+  return kConfigFile;
+}
+
+std::span<const ConfigFlag> optimizer_flags() {
+  return kOptimizer;
+}
+
+std::span<const ConfigFlag> training_flags() {
+  return kTraining;
+}
+
+std::span<const ConfigFlag> output_flags() {
+  return kOutput;
+}
+
+std::span<const ConfigFlag> machine_flags() {
+  return kMachine;
+}
+
+}  // namespace weave::graphs::flag_groups

@@ -1,0 +1,86 @@
+// A flag declared only in the flag table (graphs/config_flags.hpp) reaches every consumer:
+// `weave train`'s command line and --config, the run record, the checkpoint's description and
+// `weave predict --advise`'s plan flags. A binary of its own, as the entry it adds stays in the
+// table for the rest of the process.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "commands.hpp"
+#include "run_record.hpp"
+#include "train_options.hpp"
+#include "weave/graphs/config_flags.hpp"
+
+namespace {
+
+using namespace weave;
+
+// Parses `weave train FLAGS` as the program does, a --config file reading as `config`.
+cli::TrainOptions parse(const std::vector<std::string>& flags, const std::string& config = "{}") {
+  cli::TrainOptions o;
+  CLI::App app{"", "weave"};
+  cli::add_train_flags(*app.add_subcommand("train"), o);
+  std::vector<std::string> args{"train"};
+  args.insert(args.end(), flags.begin(), flags.end());
+  args = cli::prepare_arguments(app, args, [&](const std::string&) { return config; });
+  std::reverse(args.begin(), args.end());
+  app.parse(args);
+  return o;
+}
+
+class FlagConsumers : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    graphs::add_config_flag_for_testing(
+        {.name = "--test-only-ffn-width",
+         .aliases = "--test-only-mlp-width",
+         .group = graphs::FlagGroup::model,
+         .help = "A test's flag: the MLPs' width",
+         .field = graphs::config_field<&graphs::TrainerConfig::model,
+                                       &graphs::ModelConfig::ffn_hidden_size>(),
+         .check = {.kind = graphs::ValueCheck::at_least, .minimum = 1},
+         .description = {.section = graphs::DescribedSection::model,
+                         .key = "test_only_ffn_width",
+                         .checkpointed = true},
+         .properties = graphs::kChoosesPlan});
+  }
+};
+
+TEST_F(FlagConsumers, TheCommandLineTakesItWithItsAliasAndCheck) {
+  EXPECT_EQ(parse({"--test-only-ffn-width", "96"}).config.model.ffn_hidden_size, 96);
+  EXPECT_EQ(parse({"--test-only-mlp-width", "80"}).config.model.ffn_hidden_size, 80);
+  EXPECT_THROW(parse({"--test-only-ffn-width", "0"}), CLI::ValidationError);
+}
+
+TEST_F(FlagConsumers, ConfigFilesTakeItByItsKey) {
+  EXPECT_EQ(parse({"--config", "run.json"}, R"({"test_only_ffn_width": 72})")
+                .config.model.ffn_hidden_size,
+            72);
+  EXPECT_EQ(parse({"--config", "run.json"}, R"({"test-only-ffn-width": 40})")
+                .config.model.ffn_hidden_size,
+            40);
+}
+
+TEST_F(FlagConsumers, TheRunRecordAndTheCheckpointDescribeIt) {
+  cli::TrainOptions o = parse({"--test-only-ffn-width", "96"});
+  EXPECT_EQ(cli::run_record(o.config, "mock", {})["model"]["test_only_ffn_width"], 96);
+  bool checkpointed = false;
+  for (const graphs::DescribedSetting& s :
+       graphs::describe_configuration(o.config, graphs::DescribedSettings::checkpointed))
+    checkpointed |= s.key == "test_only_ffn_width" && s.section == graphs::DescribedSection::model;
+  EXPECT_TRUE(checkpointed);
+}
+
+TEST_F(FlagConsumers, PredictsAdviceChoosesItAsAPlanFlag) {
+  EXPECT_TRUE(cli::left_out_of_advice("--test-only-ffn-width"));
+  EXPECT_TRUE(cli::left_out_of_advice("--tensor-model-parallel-size"));
+  EXPECT_TRUE(cli::left_out_of_advice("--recompute-granularity"));
+  EXPECT_TRUE(cli::left_out_of_advice("--config"));
+  EXPECT_FALSE(cli::left_out_of_advice("--num-layers"));
+  EXPECT_FALSE(cli::left_out_of_advice("--micro-batch-size"));
+}
+
+}  // namespace

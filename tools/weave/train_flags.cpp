@@ -1,0 +1,162 @@
+// `weave train`'s flags on the command line: every entry of the flag table (config_flags.hpp)
+// bound to CLI11, its value going to the TrainerConfig field the table names or to the program's
+// own setting of the same name.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <optional>
+#include <stdexcept>
+#include <type_traits>
+#include <variant>
+
+#include "commands.hpp"
+#include "train_options.hpp"
+#include "weave/graphs/config_flags.hpp"
+
+namespace weave::cli {
+
+namespace {
+
+using graphs::ConfigFlag;
+
+struct ProgramFlag {
+  std::string_view name;
+  ProgramSetting (*setting)(TrainOptions&);
+};
+
+// The table's flags whose value is the program's: words it maps onto the configuration
+// (derive_config), files it reads or writes, and the machine it models.
+constexpr ProgramFlag kProgramFlags[] = {
+    {"--config", [](TrainOptions& o) -> ProgramSetting { return &o.config_file; }},
+    {"--swiglu", [](TrainOptions& o) -> ProgramSetting { return &o.swiglu; }},
+    {"--position-embedding-type",
+     [](TrainOptions& o) -> ProgramSetting { return &o.position_embedding_type; }},
+    {"--use-rotary-position-embeddings",
+     [](TrainOptions& o) -> ProgramSetting { return &o.use_rotary_position_embeddings; }},
+    {"--no-position-embedding",
+     [](TrainOptions& o) -> ProgramSetting { return &o.no_position_embedding; }},
+    {"--normalization", [](TrainOptions& o) -> ProgramSetting { return &o.normalization; }},
+    {"--group-query-attention",
+     [](TrainOptions& o) -> ProgramSetting { return &o.group_query_attention; }},
+    {"--num-query-groups", [](TrainOptions& o) -> ProgramSetting { return &o.num_query_groups; }},
+    {"--disable-bias-linear",
+     [](TrainOptions& o) -> ProgramSetting { return &o.disable_bias_linear; }},
+    {"--devices", [](TrainOptions& o) -> ProgramSetting { return &o.devices; }},
+    {"--optimizer", [](TrainOptions& o) -> ProgramSetting { return &o.optimizer; }},
+    {"--data-path", [](TrainOptions& o) -> ProgramSetting { return &o.data_path; }},
+    {"--split", [](TrainOptions& o) -> ProgramSetting { return &o.split; }},
+    {"--mock-data", [](TrainOptions& o) -> ProgramSetting { return &o.mock_data; }},
+    {"--log-json", [](TrainOptions& o) -> ProgramSetting { return &o.log_json; }},
+    {"--dump-graph", [](TrainOptions& o) -> ProgramSetting { return &o.dump_graph; }},
+    {"--timing", [](TrainOptions& o) -> ProgramSetting { return &o.timing; }},
+    {"--accelerator", [](TrainOptions& o) -> ProgramSetting { return &o.accelerator; }},
+    {"--devices-per-node",
+     [](TrainOptions& o) -> ProgramSetting { return &o.cluster.devices_per_node; }},
+    {"--node-link", [](TrainOptions& o) -> ProgramSetting { return &o.cluster.node_link; }},
+    {"--network", [](TrainOptions& o) -> ProgramSetting { return &o.cluster.network; }},
+    {"--ampipe-advise", [](TrainOptions& o) -> ProgramSetting { return &o.ampipe_advise; }},
+    {"--pipeline-advise", [](TrainOptions& o) -> ProgramSetting { return &o.pipeline_advise; }},
+};
+
+ProgramSetting program_setting(const ConfigFlag& f, TrainOptions& o) {
+  for (const ProgramFlag& p : kProgramFlags)
+    if (p.name == f.name) return p.setting(o);
+  throw std::logic_error(fmt::format(
+      "the flag table's {} has no field and weave train keeps no setting of that name: give the "
+      "entry a field (graphs::config_field) or bind it in kProgramFlags",
+      f.name));
+}
+
+CLI::Validator value_check(const graphs::ValueCheck& c) {
+  switch (c.kind) {
+    case graphs::ValueCheck::at_least:
+      return at_least(c.minimum);
+    case graphs::ValueCheck::positive:
+      return positive();
+    case graphs::ValueCheck::non_negative:
+      return CLI::NonNegativeNumber;
+    case graphs::ValueCheck::one_of: {
+      std::vector<std::string> choices;
+      for (std::size_t at = 0; at < c.choices.size();) {
+        const std::size_t comma = std::min(c.choices.find(',', at), c.choices.size());
+        choices.emplace_back(c.choices.substr(at, comma - at));
+        at = comma + 1;
+      }
+      return CLI::IsMember(choices);
+    }
+    case graphs::ValueCheck::none:
+      break;
+  }
+  return CLI::Validator();
+}
+
+// The option of a flag, writing into `target` (a pointer to its value).
+template <typename Value>
+CLI::Option* add_value(CLI::App& cmd, const std::string& names, std::string_view help,
+                       Value* target) {
+  if constexpr (std::is_same_v<Value, bool>)
+    return cmd.add_flag(names, *target, std::string(help));
+  else
+    return cmd.add_option(names, *target, std::string(help));
+}
+
+CLI::Option* add_implemented(CLI::App& cmd, const ConfigFlag& f, TrainOptions& o) {
+  return add_config_flag(cmd, f, f.help, o.config,
+                         std::holds_alternative<std::monostate>(f.field)
+                             ? std::optional<ProgramSetting>(program_setting(f, o))
+                             : std::nullopt);
+}
+
+// A flag without effect: parsed, values and all, and named once when the run starts.
+CLI::Option* add_without_effect(CLI::App& cmd, const ConfigFlag& f, TrainOptions& o) {
+  const std::string name(f.name);
+  CLI::Option* opt = f.values == 0 ? cmd.add_flag(name)
+                                   : cmd.add_option(name)->expected(f.values)->type_name("VALUE");
+  opt->description(std::string(f.help));
+  opt->each([&o, name](const std::string&) {
+    if (std::find(o.no_effect.begin(), o.no_effect.end(), name) == o.no_effect.end())
+      o.no_effect.push_back(name);
+  });
+  return opt;
+}
+
+}  // namespace
+
+CLI::Option* add_config_flag(CLI::App& cmd, const ConfigFlag& f, std::string_view help,
+                             graphs::TrainerConfig& config, std::optional<ProgramSetting> setting) {
+  const std::vector<std::string> all = f.names();
+  const std::string names = fmt::format("{}", fmt::join(all, ","));
+  CLI::Option* opt =
+      setting
+          ? std::visit([&](auto* target) { return add_value(cmd, names, help, target); }, *setting)
+          : std::visit(
+                [&](auto ref) -> CLI::Option* {
+                  if constexpr (std::is_same_v<decltype(ref), std::monostate>)
+                    throw std::logic_error(fmt::format(
+                        "the flag table's {} has no field: bind it to a setting", f.name));
+                  else
+                    return add_value(cmd, names, help, &ref(config));
+                },
+                f.field);
+  if (f.check.kind != graphs::ValueCheck::none) opt->check(value_check(f.check));
+  if (f.has(graphs::kShowsDefault)) opt->capture_default_str();
+  if (!f.type_name.empty()) opt->type_name(std::string(f.type_name));
+  return opt;
+}
+
+void add_train_flags(CLI::App& cmd, TrainOptions& o) {
+  // --config's values come first on the command line; a flag given again overrides them.
+  cmd.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  for (const ConfigFlag& f : graphs::config_flags()) {
+    // Refused flags are refused by name before parsing (prepare_arguments).
+    if (f.status == graphs::FlagStatus::refused) continue;
+    CLI::Option* opt = f.status == graphs::FlagStatus::implemented ? add_implemented(cmd, f, o)
+                                                                   : add_without_effect(cmd, f, o);
+    opt->group(std::string(graphs::flag_group_title(f.group)));
+  }
+  cmd.get_option("--trace-iteration")->each([&o](const std::string&) {
+    o.trace_iteration_given = true;
+  });
+}
+
+}  // namespace weave::cli
