@@ -39,13 +39,10 @@ struct TaskTags {
   Phase phase = Phase::none;
 };
 
-// The data movement of a collective member, named by what a cost model needs to price it. The
-// payload each pattern moves, from a member's CostHint::bytes (the ring's volume) over a group of
-// n: all_reduce, the buffer reduced, bytes n / (2 (n - 1)); all_gather, the gathered output, and
-// reduce_scatter, the input before scattering, bytes n / (n - 1); all_to_all, the member's send
-// buffer, bytes n / (n - 1); broadcast, the buffer (0 for the chain's last member, which
-// forwards nothing); point_to_point, the message (0 for the receiver: the sender pays); barrier,
-// nothing.
+// The data movement of a collective member, named by what a cost model needs to price it: a
+// group's algorithm moves a pattern's payload. What each pattern's payload is, and the ring factor
+// that turns it into CostHint::bytes, are stated beside the pattern's algorithms by the layer that
+// prices them (weave::devices' transfer patterns); the runtime only carries the pattern.
 enum class TransferPattern : std::uint8_t {
   none,
   all_reduce,
@@ -76,8 +73,8 @@ struct CostHint {
   // What a collective member takes part in, for a cost model that prices the group's algorithm
   // for where the group sits in a cluster (which links it spans) rather than as the ring over
   // one link that bytes and messages describe. Left at their defaults by every other task.
-  // The payload the pattern moves is bytes read back through the ring's factor (see
-  // TransferPattern). The group's devices are group_first_device + i * group_device_stride,
+  // The payload the pattern moves is bytes read back through the pattern's ring factor. The
+  // group's devices are group_first_device + i * group_device_stride,
   // i in [0, group_size) (stride 0: not evenly spaced, so a cost model reads the members it
   // has): given here because a replay that builds only some ranks (data-parallel folding)
   // holds only some members' tasks.
