@@ -3,6 +3,7 @@
 #include <cmath>
 #include <numeric>
 
+#include "step/comm_streams.hpp"
 #include "step/step_costs.hpp"
 #include "weave/ops/optimizer.hpp"
 
@@ -55,7 +56,10 @@ void build_optimizer(RankProgram& P) {
     std::iota(all.begin(), all.end(), 0u);
     summed = P.matcher.all_reduce(devices::ProcessGroup("world", all), P.rank,
                                   all_of(P.state.norm_sq), devices::ReduceOp::sum,
-                                  {.name = "grad_norm_sum", .tags = tags, .stream = "world"});
+                                  {.name = "grad_norm_sum",
+                                   .tags = tags,
+                                   .stream = "world",
+                                   .stream_kind = stream_kind(CommGroup::world)});
     P.after(norm, summed);
   }
   const TaskId step = P.compute("optimizer", tags, cost::streamed_bytes(7 * updated, 4), [p] {

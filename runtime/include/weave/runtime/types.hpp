@@ -23,6 +23,12 @@ inline constexpr GroupId kNoGroup = std::numeric_limits<GroupId>::max();
 inline constexpr StreamId kComputeStream = 0;
 inline constexpr StreamId kCommStream = 1;
 
+// What a stream is for, as the layer that names the stream classifies it (a training step: the
+// process group whose collectives run on it), so that reports group streams by that value and
+// never by parsing their names. The runtime carries it and gives it no meaning; 0 is unclassified.
+using StreamKind = std::uint8_t;
+inline constexpr StreamKind kUnclassifiedStream = 0;
+
 // What a task does, which decides how it is costed and drawn: compute runs kernels on the
 // device's cores; comm and copy move data (and are held by a link model); host is bookkeeping.
 enum class TaskKind : std::uint8_t { compute, comm, copy, host };
