@@ -29,13 +29,14 @@ inline constexpr rt::StreamKind stream_kind(CommGroup group) {
   return static_cast<rt::StreamKind>(group);
 }
 
-// How reports name a group's streams: "tp", "cp", "dp_cp", "ep", "edp", "tp_cp", "pipeline",
-// "embedding", "world"; "" for an unclassified stream.
+// How reports name a group's streams, by CommGroup: "" for an unclassified stream.
+inline constexpr std::array<std::string_view, 10> kCommGroupNames{
+    "", "tp", "cp", "dp_cp", "ep", "edp", "tp_cp", "pipeline", "embedding", "world"};
+static_assert(kCommGroupNames.size() == stream_kind(CommGroup::world) + 1u,
+              "a name for every CommGroup");
+
 inline std::string_view to_string(CommGroup group) {
-  constexpr std::array<std::string_view, 10> kNames{
-      "", "tp", "cp", "dp_cp", "ep", "edp", "tp_cp", "pipeline", "embedding", "world"};
-  const auto i = static_cast<std::size_t>(group);
-  return i < kNames.size() ? kNames[i] : std::string_view();
+  return kCommGroupNames[static_cast<std::size_t>(group)];
 }
 
 // The group a stream of `kind` serves: unclassified for a kind that names none.

@@ -50,8 +50,8 @@ struct StepInputs {
 class GroupHandle {
  public:
   GroupHandle() = default;
-  // `stream` is the group's stream on this rank, of kind `group` (CommGroup); `tails`: the rank's
-  // last task per communication stream, kept up to date.
+  // `stream`: the group's stream on this rank, made as a stream of `stream_group`; `tails`: the
+  // rank's last task per communication stream, kept up to date.
   GroupHandle(devices::CollectiveMatcher& matcher, rt::GraphBuilder& graph,
               const devices::ProcessGroup& group, int member, std::string stream,
               CommGroup stream_group, std::map<std::string, TaskId>* tails,
