@@ -686,10 +686,6 @@ class SpanningAllToAllV final : public SpanningCollective {
   std::vector<std::vector<float>> packed_, received_;
 };
 
-}  // namespace
-
-namespace {
-
 template <typename Spanning>
 std::shared_ptr<SpanningCollective> make_spanning(const Collective& c, MpiJob& job,
                                                   std::vector<int> process_of) {
