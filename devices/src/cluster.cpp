@@ -3,10 +3,11 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdlib>
 #include <stdexcept>
+
+#include "transfer_algorithms.hpp"
 
 namespace weave::devices {
 
@@ -27,39 +28,6 @@ ClusterLink from_network_link(const NetworkLink& link) {
   return {.name = link.name,
           .params = {.latency = static_cast<rt::Nanos>(std::llround(link.latency_us * 1e3)),
                      .bytes_per_second = link.bytes_per_second}};
-}
-
-// Seconds, per term of the alpha-beta model: `messages` latencies one after another and
-// `bytes` through one link.
-double alpha_beta(double messages, double bytes, const LinkParams& link) {
-  return messages * static_cast<double>(link.latency) * 1e-9 + bytes / link.bytes_per_second;
-}
-
-// Ring all-gather or reduce-scatter of `bytes` (the whole gathered buffer) over n members: n - 1
-// steps, each moving a 1/n share through every member's link (Patarasuk and Yuan 2009; NCCL's
-// ring: busBw = algBw (n - 1) / n).
-double ring_gather(int n, double bytes, const LinkParams& link) {
-  if (n <= 1) return 0;
-  return alpha_beta(n - 1, static_cast<double>(n - 1) / n * bytes, link);
-}
-
-// Ring all-reduce: a reduce-scatter then an all-gather, 2 (n - 1) steps of bytes / n.
-double ring_all_reduce(int n, double bytes, const LinkParams& link) {
-  return 2 * ring_gather(n, bytes, link);
-}
-
-// Double binary tree all-reduce (NCCL 2.4): a reduce up and a broadcast down, pipelined, each
-// tree carrying half the buffer; every member sends and receives about the whole buffer per
-// phase, and the depth is ceil(log2 n). Latency-bound sizes favour it, large ones the ring.
-double tree_all_reduce(int n, double bytes, const LinkParams& link) {
-  if (n <= 1) return 0;
-  const int depth = std::bit_width(static_cast<unsigned>(n - 1));  // ceil(log2 n)
-  return alpha_beta(2.0 * depth, 2 * bytes, link);
-}
-
-// The faster of ring and tree, as NCCL's tuner chooses between its algorithms' estimates.
-double best_all_reduce(int n, double bytes, const LinkParams& link) {
-  return std::min(ring_all_reduce(n, bytes, link), tree_all_reduce(n, bytes, link));
 }
 
 }  // namespace
@@ -146,58 +114,8 @@ GroupPlacement Cluster::place(std::vector<std::uint32_t> ranks) const {
 
 rt::Nanos Cluster::collective_duration(rt::TransferPattern pattern, double payload,
                                        const GroupPlacement& group) const {
-  const int n = group.size, nodes = group.nodes, k = group.per_node;
-  const LinkParams& intra = node_link_.params;
-  const LinkParams& inter = network_.params;
-  const bool spans = nodes > 1;
-  double seconds = 0;
-  switch (pattern) {
-    case rt::TransferPattern::none:
-      return 0;
-    case rt::TransferPattern::all_reduce:
-      if (n <= 1) return 0;
-      // One node: the faster of ring and tree over the node link. Across nodes (hierarchical):
-      // reduce-scatter inside the node, all-reduce of the node's 1/k share between the nodes'
-      // same local ranks (each over its own NIC), all-gather inside the node.
-      seconds =
-          !spans ? best_all_reduce(n, payload, intra)
-                 : ring_all_reduce(k, payload, intra) + best_all_reduce(nodes, payload / k, inter);
-      break;
-    case rt::TransferPattern::all_gather:
-    case rt::TransferPattern::reduce_scatter:
-      if (n <= 1) return 0;
-      // Ring inside the node; across nodes a ring between the nodes over 1/k of the buffer (each
-      // local rank's share) and a ring inside each node over the whole.
-      seconds = !spans ? ring_gather(n, payload, intra)
-                       : ring_gather(k, payload, intra) + ring_gather(nodes, payload / k, inter);
-      break;
-    case rt::TransferPattern::all_to_all: {
-      if (n <= 1) return 0;
-      // payload / n to each peer, every message in flight together: k - 1 peers over the node
-      // link, n - k over the member's NIC; the busier link, plus one latency, sets the time.
-      const double share = payload / n;
-      seconds = alpha_beta(1, (k - 1) * share, intra);
-      if (spans) seconds = std::max(seconds, alpha_beta(1, (n - k) * share, inter));
-      break;
-    }
-    case rt::TransferPattern::broadcast:
-      if (n <= 1 || payload == 0) return 0;  // the chain's last member forwards nothing
-      // A pipelined chain through the nodes in turn: n - nodes hops in a node, nodes - 1 across,
-      // the buffer streaming at the pace of the slowest link it crosses.
-      seconds = alpha_beta(n - nodes, 0, intra) + alpha_beta(nodes - 1, 0, inter) +
-                payload / (spans ? std::min(intra.bytes_per_second, inter.bytes_per_second)
-                                 : intra.bytes_per_second);
-      break;
-    case rt::TransferPattern::point_to_point:
-      if (payload == 0) return 0;  // the receiver: the sender pays the transfer
-      seconds = alpha_beta(1, payload, spans ? inter : intra);
-      break;
-    case rt::TransferPattern::barrier:
-      if (n <= 1) return 0;
-      // A dissemination barrier: ceil(log2 n) rounds, across the network when the group spans.
-      seconds = alpha_beta(std::bit_width(static_cast<unsigned>(n - 1)), 0, spans ? inter : intra);
-      break;
-  }
+  const double seconds = detail::transfer_algorithm(pattern).cluster_seconds(
+      payload, group, node_link_.params, network_.params);
   return static_cast<rt::Nanos>(std::llround(seconds * 1e9));
 }
 

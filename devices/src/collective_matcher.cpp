@@ -5,6 +5,8 @@
 
 #include <stdexcept>
 
+#include "collective_ops.hpp"
+
 namespace weave::devices {
 
 // A collective some members have issued: their tasks exist; the work is bound when the last
@@ -43,6 +45,16 @@ std::vector<rt::TaskId> issued_tasks(const std::vector<rt::TaskId>& tasks) {
   return out;
 }
 
+// Every op indexes the op table and the backends' tables: a value outside the enum is refused
+// before it reaches them.
+void check_op(CollectiveOp op, const ProcessGroup& group) {
+  if (static_cast<std::size_t>(op) >= detail::kCollectiveOpCount)
+    throw std::invalid_argument(fmt::format(
+        "collective over group '{}' issued op {}, which is not a CollectiveOp (there are {}): "
+        "issue one of CollectiveOp's values",
+        group.name(), static_cast<int>(op), detail::kCollectiveOpCount));
+}
+
 std::string task_prefix(CollectiveOp op, const ProcessGroup& group,
                         const CollectiveOptions& options) {
   return options.name.empty() ? fmt::format("{}:{}", to_string(op), group.name())
@@ -56,9 +68,11 @@ CollectiveMatcher::CollectiveMatcher(rt::GraphBuilder& graph, Communicator& back
 
 CollectiveMatcher::~CollectiveMatcher() = default;
 
-rt::TaskId CollectiveMatcher::issue(CollectiveOp op, const ProcessGroup& group, int member,
-                                    CollectiveMember buffers, ReduceOp reduce, int root,
-                                    std::int64_t row_elements, const CollectiveOptions& options) {
+rt::TaskId CollectiveMatcher::issue(const CollectiveCall& call, const ProcessGroup& group,
+                                    int member, const CollectiveMember& buffers,
+                                    const CollectiveOptions& options) {
+  const CollectiveOp op = call.op;
+  check_op(op, group);
   const int n = group.size();
   if (member < 0 || member >= n)
     throw std::invalid_argument(
@@ -78,9 +92,9 @@ rt::TaskId CollectiveMatcher::issue(CollectiveOp op, const ProcessGroup& group, 
     slot = std::make_unique<Pending>(
         Collective{.op = op,
                    .group = group,
-                   .reduce = reduce,
-                   .root = root,
-                   .row_elements = row_elements,
+                   .reduce = call.reduce,
+                   .root = call.root,
+                   .row_elements = call.row_elements,
                    .members = std::vector<CollectiveMember>(static_cast<std::size_t>(n)),
                    .name = prefix});
     slot->tasks.assign(static_cast<std::size_t>(n), rt::kNoTask);
@@ -89,8 +103,8 @@ rt::TaskId CollectiveMatcher::issue(CollectiveOp op, const ProcessGroup& group, 
   }
   Pending& p = *slot;
   const Collective& c = p.collective;
-  if (c.op != op || c.name != prefix || c.reduce != reduce || c.root != root ||
-      c.row_elements != row_elements)
+  if (c.op != op || c.name != prefix || c.reduce != call.reduce || c.root != call.root ||
+      c.row_elements != call.row_elements)
     throw std::invalid_argument(fmt::format(
         "collective {} over group '{}': member {} issued {} '{}' where another member issued {} "
         "'{}'; every member of a group must issue the same collectives in the same order",
@@ -98,11 +112,12 @@ rt::TaskId CollectiveMatcher::issue(CollectiveOp op, const ProcessGroup& group, 
   p.collective.members[static_cast<std::size_t>(member)] = buffers;
   const rt::TaskId task = graph_.add(
       {.device = group.device(member),
-       .stream = graph_.stream(options.stream),
+       .stream = graph_.stream(options.stream, options.stream_kind),
        .kind = rt::TaskKind::comm,
        .name = fmt::format("{}[{}]", prefix, member),
        .tags = options.tags,
-       .cost = member_cost(op, group, member, root, buffers, row_elements, options.element_bytes)},
+       .cost = member_cost(op, group, member, call.root, buffers, call.row_elements,
+                           options.element_bytes)},
       [work = p.work, complete = p.complete, member, name = prefix](rt::TaskContext& context) {
         if (!*complete)
           throw std::logic_error(fmt::format(
@@ -126,6 +141,7 @@ void CollectiveMatcher::complete(Pending& p) {
 
 Communicator::MemberTasks CollectiveMatcher::issue_whole(Collective c,
                                                          const CollectiveOptions& options) {
+  check_op(c.op, c.group);
   const int n = c.group.size();
   if (c.members.size() != static_cast<std::size_t>(n))
     throw std::invalid_argument(fmt::format("{} over group '{}' of {} ranks got {} members",
@@ -158,7 +174,7 @@ Communicator::MemberTasks CollectiveMatcher::issue_whole(Collective c,
     if (*work) fn = [work, r](rt::TaskContext& context) { (*work)(r, context); };
     ids.push_back(graph_.add(
         {.device = c.group.device(r),
-         .stream = graph_.stream(options.stream),
+         .stream = graph_.stream(options.stream, options.stream_kind),
          .kind = rt::TaskKind::comm,
          .name = fmt::format("{}[{}]", c.name, r),
          .tags = options.tags,
@@ -173,64 +189,65 @@ Communicator::MemberTasks CollectiveMatcher::issue_whole(Collective c,
 rt::TaskId CollectiveMatcher::all_reduce(const ProcessGroup& group, int member,
                                          std::span<float> buffer, ReduceOp op,
                                          const CollectiveOptions& options) {
-  return issue(CollectiveOp::all_reduce, group, member, {.output = buffer}, op, 0, 0, options);
+  return issue({.op = CollectiveOp::all_reduce, .reduce = op}, group, member, {.output = buffer},
+               options);
 }
 
 rt::TaskId CollectiveMatcher::all_gather(const ProcessGroup& group, int member,
                                          std::span<const float> input, std::span<float> output,
                                          const CollectiveOptions& options) {
-  return issue(CollectiveOp::all_gather, group, member, {.input = input, .output = output},
-               ReduceOp::sum, 0, 0, options);
+  return issue({.op = CollectiveOp::all_gather}, group, member, {.input = input, .output = output},
+               options);
 }
 
 rt::TaskId CollectiveMatcher::reduce_scatter(const ProcessGroup& group, int member,
                                              std::span<const float> input, std::span<float> output,
                                              ReduceOp op, const CollectiveOptions& options) {
-  return issue(CollectiveOp::reduce_scatter, group, member, {.input = input, .output = output}, op,
-               0, 0, options);
+  return issue({.op = CollectiveOp::reduce_scatter, .reduce = op}, group, member,
+               {.input = input, .output = output}, options);
 }
 
 rt::TaskId CollectiveMatcher::all_to_all(const ProcessGroup& group, int member,
                                          std::span<const float> input, std::span<float> output,
                                          const CollectiveOptions& options) {
-  return issue(CollectiveOp::all_to_all, group, member, {.input = input, .output = output},
-               ReduceOp::sum, 0, 0, options);
+  return issue({.op = CollectiveOp::all_to_all}, group, member, {.input = input, .output = output},
+               options);
 }
 
 rt::TaskId CollectiveMatcher::all_to_all_v(const ProcessGroup& group, int member,
                                            const VariableAllToAllBuffers& buffers,
                                            std::int64_t row_elements,
                                            const CollectiveOptions& options) {
-  return issue(CollectiveOp::all_to_all_v, group, member, {.variable = buffers}, ReduceOp::sum, 0,
-               row_elements, options);
+  return issue({.op = CollectiveOp::all_to_all_v, .row_elements = row_elements}, group, member,
+               {.variable = buffers}, options);
 }
 
 rt::TaskId CollectiveMatcher::all_gather_v(const ProcessGroup& group, int member,
                                            const VariableGatherBuffers& buffers,
                                            std::int64_t row_elements,
                                            const CollectiveOptions& options) {
-  return issue(CollectiveOp::all_gather_v, group, member, {.gather = buffers}, ReduceOp::sum, 0,
-               row_elements, options);
+  return issue({.op = CollectiveOp::all_gather_v, .row_elements = row_elements}, group, member,
+               {.gather = buffers}, options);
 }
 
 rt::TaskId CollectiveMatcher::reduce_scatter_v(const ProcessGroup& group, int member,
                                                const VariableScatterBuffers& buffers,
                                                std::int64_t row_elements,
                                                const CollectiveOptions& options) {
-  return issue(CollectiveOp::reduce_scatter_v, group, member, {.scatter = buffers}, ReduceOp::sum,
-               0, row_elements, options);
+  return issue({.op = CollectiveOp::reduce_scatter_v, .row_elements = row_elements}, group, member,
+               {.scatter = buffers}, options);
 }
 
 rt::TaskId CollectiveMatcher::broadcast(const ProcessGroup& group, int member,
                                         std::span<float> buffer, int root,
                                         const CollectiveOptions& options) {
-  return issue(CollectiveOp::broadcast, group, member, {.output = buffer}, ReduceOp::sum, root, 0,
+  return issue({.op = CollectiveOp::broadcast, .root = root}, group, member, {.output = buffer},
                options);
 }
 
 rt::TaskId CollectiveMatcher::barrier(const ProcessGroup& group, int member,
                                       const CollectiveOptions& options) {
-  return issue(CollectiveOp::barrier, group, member, {}, ReduceOp::sum, 0, 0, options);
+  return issue({.op = CollectiveOp::barrier}, group, member, {}, options);
 }
 
 namespace {
@@ -248,14 +265,14 @@ ProcessGroup transfer_pair(rt::DeviceId from, rt::DeviceId to) {
 
 rt::TaskId CollectiveMatcher::send(rt::DeviceId from, rt::DeviceId to, std::span<const float> data,
                                    const CollectiveOptions& options) {
-  return issue(CollectiveOp::send_recv, transfer_pair(from, to), 0, {.input = data}, ReduceOp::sum,
-               0, 0, options);
+  return issue({.op = CollectiveOp::send_recv}, transfer_pair(from, to), 0, {.input = data},
+               options);
 }
 
 rt::TaskId CollectiveMatcher::receive(rt::DeviceId from, rt::DeviceId to, std::span<float> into,
                                       const CollectiveOptions& options) {
-  return issue(CollectiveOp::send_recv, transfer_pair(from, to), 1, {.output = into}, ReduceOp::sum,
-               0, 0, options);
+  return issue({.op = CollectiveOp::send_recv}, transfer_pair(from, to), 1, {.output = into},
+               options);
 }
 
 std::vector<std::string> CollectiveMatcher::open_collectives() const {

@@ -6,6 +6,8 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "transfer_algorithms.hpp"
+
 namespace weave::devices {
 
 MachineModel::MachineModel(std::vector<int> numa_of_device, double flops_per_second,
@@ -55,16 +57,10 @@ rt::Nanos MachineModel::cluster_duration(const rt::TaskTable& tasks, rt::TaskId 
   const rt::CostHint& hint = tasks[task].cost;  // the build-time hint, which places the group
   const int n = static_cast<int>(hint.group_size);
   // The payload, read back from the ring's bytes (the hint's, or those a member reported at run
-  // time for the variable collectives' real split): see rt::TransferPattern.
-  double payload = cost.bytes;
-  if (n > 1) {
-    if (hint.pattern == rt::TransferPattern::all_reduce)
-      payload = cost.bytes * n / (2.0 * (n - 1));
-    else if (hint.pattern == rt::TransferPattern::all_gather ||
-             hint.pattern == rt::TransferPattern::reduce_scatter ||
-             hint.pattern == rt::TransferPattern::all_to_all)
-      payload = cost.bytes * n / (n - 1);
-  }
+  // time for the variable collectives' real split) by the pattern's own ring factor.
+  const double payload =
+      n > 1 ? detail::transfer_algorithm(hint.pattern).payload_of_ring_bytes(n, cost.bytes)
+            : cost.bytes;
   GroupPlacement group;
   if (hint.group_device_stride > 0 || n <= 1) {
     group = cluster_->place(hint.group_first_device, hint.group_device_stride, std::max(n, 1));

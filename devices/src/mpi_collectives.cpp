@@ -3,9 +3,11 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <stdexcept>
 
 #include "collective_kernels.hpp"
+#include "collective_ops.hpp"
 #include "mpi_job.hpp"
 
 namespace weave::devices::detail {
@@ -684,33 +686,36 @@ class SpanningAllToAllV final : public SpanningCollective {
   std::vector<std::vector<float>> packed_, received_;
 };
 
+template <typename Spanning>
+std::shared_ptr<SpanningCollective> make_spanning(const Collective& c, MpiJob& job,
+                                                  std::vector<int> process_of) {
+  return std::make_shared<Spanning>(c, job, std::move(process_of));
+}
+
+// Each op's spanning collective, in CollectiveOp's order.
+struct OpSpanning {
+  CollectiveOp op;
+  std::shared_ptr<SpanningCollective> (*make)(const Collective&, MpiJob&, std::vector<int>);
+};
+constexpr std::array kSpanning{
+    OpSpanning{CollectiveOp::all_reduce, make_spanning<SpanningAllReduce>},
+    OpSpanning{CollectiveOp::all_gather, make_spanning<SpanningAllGather>},
+    OpSpanning{CollectiveOp::reduce_scatter, make_spanning<SpanningReduceScatter>},
+    OpSpanning{CollectiveOp::all_to_all, make_spanning<SpanningAllToAll>},
+    OpSpanning{CollectiveOp::all_to_all_v, make_spanning<SpanningAllToAllV>},
+    OpSpanning{CollectiveOp::all_gather_v, make_spanning_all_gather_v},
+    OpSpanning{CollectiveOp::reduce_scatter_v, make_spanning_reduce_scatter_v},
+    OpSpanning{CollectiveOp::broadcast, make_spanning<SpanningBroadcast>},
+    OpSpanning{CollectiveOp::send_recv, make_spanning<SpanningSendRecv>},
+    OpSpanning{CollectiveOp::barrier, make_spanning<SpanningBarrier>},
+};
+static_assert(lists_every_op(kSpanning), "an MPI implementation of every collective op");
+
 }  // namespace
 
 std::shared_ptr<SpanningCollective> SpanningCollective::make(const Collective& c, MpiJob& job,
                                                              std::vector<int> process_of) {
-  switch (c.op) {
-    case CollectiveOp::all_reduce:
-      return std::make_shared<SpanningAllReduce>(c, job, std::move(process_of));
-    case CollectiveOp::all_gather:
-      return std::make_shared<SpanningAllGather>(c, job, std::move(process_of));
-    case CollectiveOp::reduce_scatter:
-      return std::make_shared<SpanningReduceScatter>(c, job, std::move(process_of));
-    case CollectiveOp::all_to_all:
-      return std::make_shared<SpanningAllToAll>(c, job, std::move(process_of));
-    case CollectiveOp::all_to_all_v:
-      return std::make_shared<SpanningAllToAllV>(c, job, std::move(process_of));
-    case CollectiveOp::all_gather_v:
-      return make_spanning_all_gather_v(c, job, std::move(process_of));
-    case CollectiveOp::reduce_scatter_v:
-      return make_spanning_reduce_scatter_v(c, job, std::move(process_of));
-    case CollectiveOp::broadcast:
-      return std::make_shared<SpanningBroadcast>(c, job, std::move(process_of));
-    case CollectiveOp::send_recv:
-      return std::make_shared<SpanningSendRecv>(c, job, std::move(process_of));
-    case CollectiveOp::barrier:
-      return std::make_shared<SpanningBarrier>(c, job, std::move(process_of));
-  }
-  throw std::logic_error("unknown collective operation");
+  return kSpanning[static_cast<std::size_t>(c.op)].make(c, job, std::move(process_of));
 }
 
 }  // namespace weave::devices::detail

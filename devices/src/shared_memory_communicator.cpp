@@ -3,11 +3,13 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <functional>
 #include <stdexcept>
 #include <string>
 
 #include "collective_kernels.hpp"
+#include "collective_ops.hpp"
 
 namespace weave::devices {
 
@@ -389,32 +391,33 @@ MemberWork plan_send_recv(const Collective& c) {
   };
 }
 
+MemberWork plan_barrier(const Collective&) {
+  return {};  // the rendezvous is the whole of it
+}
+
+// Each op's plan, in CollectiveOp's order.
+struct OpPlan {
+  CollectiveOp op;
+  MemberWork (*plan)(const Collective&);
+};
+constexpr std::array kPlans{
+    OpPlan{CollectiveOp::all_reduce, plan_all_reduce},
+    OpPlan{CollectiveOp::all_gather, plan_all_gather},
+    OpPlan{CollectiveOp::reduce_scatter, plan_reduce_scatter},
+    OpPlan{CollectiveOp::all_to_all, plan_all_to_all},
+    OpPlan{CollectiveOp::all_to_all_v, plan_all_to_all_v},
+    OpPlan{CollectiveOp::all_gather_v, plan_all_gather_v},
+    OpPlan{CollectiveOp::reduce_scatter_v, plan_reduce_scatter_v},
+    OpPlan{CollectiveOp::broadcast, plan_broadcast},
+    OpPlan{CollectiveOp::send_recv, plan_send_recv},
+    OpPlan{CollectiveOp::barrier, plan_barrier},
+};
+static_assert(detail::lists_every_op(kPlans), "a shared-memory plan for every collective op");
+
 }  // namespace
 
 MemberWork SharedMemoryCommunicator::plan(const Collective& c) {
-  switch (c.op) {
-    case CollectiveOp::all_reduce:
-      return plan_all_reduce(c);
-    case CollectiveOp::all_gather:
-      return plan_all_gather(c);
-    case CollectiveOp::reduce_scatter:
-      return plan_reduce_scatter(c);
-    case CollectiveOp::all_to_all:
-      return plan_all_to_all(c);
-    case CollectiveOp::all_to_all_v:
-      return plan_all_to_all_v(c);
-    case CollectiveOp::all_gather_v:
-      return plan_all_gather_v(c);
-    case CollectiveOp::reduce_scatter_v:
-      return plan_reduce_scatter_v(c);
-    case CollectiveOp::broadcast:
-      return plan_broadcast(c);
-    case CollectiveOp::send_recv:
-      return plan_send_recv(c);
-    case CollectiveOp::barrier:
-      return {};
-  }
-  return {};
+  return kPlans[static_cast<std::size_t>(c.op)].plan(c);
 }
 
 }  // namespace weave::devices

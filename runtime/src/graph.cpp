@@ -116,8 +116,8 @@ void GraphBuilder::reserve(std::size_t tasks, std::size_t edges) {
   impl_->edges.reserve(edges + tasks);
 }
 
-StreamId GraphBuilder::stream(std::string_view name) {
-  return impl_->table->stream(name);
+StreamId GraphBuilder::stream(std::string_view name, StreamKind kind) {
+  return impl_->table->stream(name, kind);
 }
 
 TaskId GraphBuilder::add(const TaskSpec& spec, TaskFn work) {

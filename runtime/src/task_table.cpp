@@ -10,17 +10,28 @@ namespace weave::rt {
 
 TaskTable::TaskTable()
     : stream_names_{"compute", "comm"},
+      stream_kinds_{kUnclassifiedStream, kUnclassifiedStream},
       stream_ids_{{"compute", kComputeStream}, {"comm", kCommStream}} {}
 
-StreamId TaskTable::stream(std::string_view name) {
+StreamId TaskTable::stream(std::string_view name, StreamKind kind) {
   if (name.empty()) throw std::invalid_argument("a stream needs a name");
-  if (auto it = stream_ids_.find(name); it != stream_ids_.end()) return it->second;
+  if (auto it = stream_ids_.find(name); it != stream_ids_.end()) {
+    StreamKind& given = stream_kinds_[it->second];
+    if (kind != kUnclassifiedStream && given != kUnclassifiedStream && kind != given)
+      throw std::invalid_argument(fmt::format(
+          "stream '{}' is of kind {} and was asked for as kind {}: a stream has one kind; give "
+          "streams of different kinds different names",
+          name, given, kind));
+    if (given == kUnclassifiedStream) given = kind;
+    return it->second;
+  }
   if (stream_names_.size() >= std::numeric_limits<StreamId>::max()) {
     throw std::length_error(fmt::format("too many streams: at most {} names per graph",
                                         std::numeric_limits<StreamId>::max()));
   }
   const auto id = static_cast<StreamId>(stream_names_.size());
   stream_names_.emplace_back(name);
+  stream_kinds_.push_back(kind);
   stream_ids_.emplace(stream_names_.back(), id);
   return id;
 }

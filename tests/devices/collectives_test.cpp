@@ -926,6 +926,39 @@ TEST(CollectiveMatcher, MembersIssuingDifferentCollectivesAreRefusedNamingBoth) 
                "issued by member 2: a member is its rank in the group, in [0, 2)");
 }
 
+// Every op goes through one call, a CollectiveCall with the buffers its op uses; the named calls
+// are that call. Its members' streams carry the kind the caller gives them.
+TEST(CollectiveMatcher, AnyOpIsIssuedThroughOneCall) {
+  Machine machine(1);
+  SharedMemoryCommunicator comm;
+  const ProcessGroup g = first_devices(3);
+  Buffers bufs = random_buffers(3, 40, 7);
+  const std::vector<float> want = reference_reduction(ReduceOp::max, bufs, 0, 40);
+  rt::GraphBuilder b;
+  CollectiveMatcher matcher(b, comm);
+  std::vector<rt::TaskId> ids;
+  for (int r = 0; r < 3; ++r)
+    ids.push_back(matcher.issue({.op = CollectiveOp::all_reduce, .reduce = ReduceOp::max}, g, r,
+                                {.output = bufs[static_cast<std::size_t>(r)]},
+                                {.name = "any", .stream = "kinded", .stream_kind = 5}));
+  matcher.finish();
+  rt::GraphBuilder named;
+  Buffers copies = bufs;
+  const auto named_ids = comm.all_reduce(named, g, spans<float>(copies), ReduceOp::max);
+  const rt::Graph graph = b.build(), named_graph = named.build();
+  EXPECT_EQ(graph.tasks().stream_kind(graph.tasks()[ids[0]].stream), 5);
+  EXPECT_EQ(graph.tasks()[ids[1]].cost.bytes, named_graph.tasks()[named_ids[1]].cost.bytes);
+  EXPECT_EQ(graph.tasks()[ids[1]].cost.messages, named_graph.tasks()[named_ids[1]].cost.messages);
+  machine.run(graph);
+  for (int r = 0; r < 3; ++r)
+    EXPECT_TRUE(same_bits(bufs[static_cast<std::size_t>(r)], want)) << r;
+  rt::GraphBuilder bad;
+  CollectiveMatcher bad_matcher(bad, comm);
+  EXPECT_ERROR([&] { bad_matcher.issue({.op = static_cast<CollectiveOp>(200)}, g, 0, {}); },
+               "issued op 200, which is not a CollectiveOp");
+  EXPECT_EQ(bad.size(), 0u);
+}
+
 TEST(CollectiveMatcher, AMemberThatNeverIssuesIsNamedAndItsCollectiveCannotRun) {
   Machine machine(1);
   SharedMemoryCommunicator comm;

@@ -57,6 +57,27 @@ TEST(Graph, NamedStreamsAreSharedAcrossDevicesAndNamesKept) {
   EXPECT_EQ(g.tasks().name(u), "task1");
 }
 
+// A stream carries the kind its maker gives it (a process group, for a training step), so
+// reports group streams without reading their names.
+TEST(Graph, AStreamKeepsTheKindItWasGiven) {
+  GraphBuilder b;
+  const StreamId tp = b.stream("tp", 1);
+  const StreamId grad = b.stream("tp_grad", 1);
+  const StreamId ep = b.stream("ep", 2);
+  EXPECT_EQ(b.stream("tp"), tp);     // unclassified asks for the stream whatever its kind
+  EXPECT_EQ(b.stream("tp", 1), tp);  // the same kind again
+  EXPECT_THROW(b.stream("ep", 1), std::invalid_argument);  // a stream has one kind
+  const StreamId later = b.stream("late");
+  EXPECT_EQ(b.stream("late", 3), later);  // an unclassified stream takes the first kind given
+  b.add({.stream = ep, .name = "x"});
+  const Graph g = b.build();
+  EXPECT_EQ(g.tasks().stream_kind(tp), 1);
+  EXPECT_EQ(g.tasks().stream_kind(grad), 1);
+  EXPECT_EQ(g.tasks().stream_kind(ep), 2);
+  EXPECT_EQ(g.tasks().stream_kind(later), 3);
+  EXPECT_EQ(g.tasks().stream_kind(kCommStream), kUnclassifiedStream);
+}
+
 TEST(Graph, TaskOnUnnamedStreamIsRefused) {
   GraphBuilder b;
   EXPECT_THROW(b.add({.stream = 7, .name = "bad"}), std::invalid_argument);

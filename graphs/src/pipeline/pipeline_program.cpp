@@ -1,6 +1,7 @@
 #include "pipeline/pipeline_program.hpp"
 
 #include "model/model_chunk.hpp"
+#include "step/comm_streams.hpp"
 #include "step/gradient_buckets.hpp"
 #include "step/step_costs.hpp"
 #include "weave/graphs/pipeline_transfers.hpp"
@@ -58,6 +59,7 @@ TransferEnds transfer(RankProgram& P, const StageTransfer& t, TaskId produced, c
       .name = name,
       .tags = transfer_tags(t),
       .stream = stream,
+      .stream_kind = stream_kind(CommGroup::pipeline),
       .element_bytes = static_cast<std::size_t>(P.shape.model.activation_bytes())};
   if (me == t.from_rank) {
     const TaskId send = P.matcher.send(static_cast<rt::DeviceId>(P.rank), peer(t.to_rank),
@@ -231,6 +233,7 @@ void reduce_embedding(RankProgram& P, TaskId word_grad_done) {
         {.name = "embedding_tie",
          .tags = {.phase = rt::Phase::backward},
          .stream = "embedding",
+         .stream_kind = stream_kind(CommGroup::embedding),
          .element_bytes =
              static_cast<std::size_t>(parameter_bytes(P.shape.model.precision).gradient)});
     P.track_comm("embedding", tied);

@@ -4,6 +4,7 @@
 #include <string_view>
 #include <utility>
 
+#include "step/comm_streams.hpp"
 #include "weave/devices/device_set.hpp"
 #include "weave/devices/folded_communicator.hpp"
 #include "weave/graphs/mesh.hpp"
@@ -89,19 +90,18 @@ void read_throughput(const TrainerConfig& config, rt::Nanos makespan, Prediction
   p.mfu = p.flops_per_device / peak;
 }
 
-// Each process group's exposed communication per replayed device, its streams found by the kind
-// they are named for: tp with its gradient stream, ep with its dispatch and combine streams, both
-// directions of every pipeline stage.
+// Each process group's exposed communication per replayed device, its streams found by the group
+// each was made for (its CommGroup): tp with its gradient stream, ep with its dispatch and combine
+// streams, both directions of every pipeline stage; an unclassified stream stands alone under its
+// own name.
 std::vector<ExposedCommunication> exposed_by_group(const rt::Trace& trace, int replayed_devices) {
   std::vector<std::pair<std::string, std::vector<std::string_view>>> groups;
   const rt::TaskTable& tasks = trace.tasks();
   for (rt::StreamId s = 0; s < tasks.stream_count(); ++s) {
     const std::string_view name = tasks.stream_name(s);
     if (name == "compute") continue;
-    const std::string group = name == "tp_grad"               ? "tp"
-                              : name.starts_with("ep_")       ? "ep"
-                              : name.starts_with("pipeline_") ? "pipeline"
-                                                              : std::string(name);
+    const CommGroup kind = comm_group_of(tasks.stream_kind(s));
+    const std::string group(kind != CommGroup::unclassified ? to_string(kind) : name);
     auto at =
         std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == group; });
     if (at == groups.end()) at = groups.insert(groups.end(), {group, {}});

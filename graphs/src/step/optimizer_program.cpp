@@ -3,6 +3,7 @@
 #include <cmath>
 #include <numeric>
 
+#include "step/comm_streams.hpp"
 #include "step/step_costs.hpp"
 #include "weave/ops/optimizer.hpp"
 
@@ -74,9 +75,12 @@ TaskId add_gradient_norm(RankProgram& P, const rt::TaskTags& tags, double gradie
   if (P.mesh.size() <= 1) return rt::kNoTask;
   std::vector<rt::DeviceId> all(static_cast<std::size_t>(P.mesh.size()));
   std::iota(all.begin(), all.end(), 0u);
-  const TaskId summed = P.matcher.all_reduce(
-      devices::ProcessGroup("world", all), P.rank, all_of(P.state.norm_sq), devices::ReduceOp::sum,
-      {.name = "grad_norm_sum", .tags = tags, .stream = "world"});
+  const TaskId summed = P.matcher.all_reduce(devices::ProcessGroup("world", all), P.rank,
+                                             all_of(P.state.norm_sq), devices::ReduceOp::sum,
+                                             {.name = "grad_norm_sum",
+                                              .tags = tags,
+                                              .stream = "world",
+                                              .stream_kind = stream_kind(CommGroup::world)});
   P.after(norm, summed);
   return summed;
 }

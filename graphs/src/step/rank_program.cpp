@@ -12,99 +12,40 @@ namespace weave::graphs {
 
 GroupHandle::GroupHandle(devices::CollectiveMatcher& matcher, rt::GraphBuilder& graph,
                          const devices::ProcessGroup& group, int member, std::string stream,
-                         std::map<std::string, TaskId>* tails, std::size_t element_bytes)
+                         CommGroup stream_group, std::map<std::string, TaskId>* tails,
+                         std::size_t element_bytes)
     : matcher_(&matcher),
       graph_(&graph),
       group_(&group),
       member_(member),
       stream_(std::move(stream)),
+      stream_group_(stream_group),
       tails_(tails),
       element_bytes_(element_bytes) {}
 
-devices::CollectiveOptions GroupHandle::options(const std::string& name, rt::TaskTags tags,
-                                                const std::string& stream) const {
-  return {.name = name,
-          .tags = tags,
-          .stream = stream.empty() ? stream_ : stream,
-          .element_bytes = element_bytes_};
-}
-
-TaskId GroupHandle::ordered(TaskId ready, TaskId member) const {
-  if (ready != rt::kNoTask) graph_->precede(ready, member);
-  return member;
-}
-
-TaskId GroupHandle::all_reduce(TaskId ready, std::span<float> buffer, devices::ReduceOp op,
-                               const std::string& name, rt::TaskTags tags) const {
-  if (size() == 1) return rt::kNoTask;
-  const TaskId t = matcher_->all_reduce(*group_, member_, buffer, op, options(name, tags, {}));
-  (*tails_)[stream_] = t;
-  return ordered(ready, t);
-}
-
-TaskId GroupHandle::all_gather(TaskId ready, std::span<const float> input, std::span<float> output,
-                               const std::string& name, rt::TaskTags tags) const {
-  if (size() == 1) return rt::kNoTask;
-  const TaskId t = matcher_->all_gather(*group_, member_, input, output, options(name, tags, {}));
-  (*tails_)[stream_] = t;
-  return ordered(ready, t);
-}
-
-TaskId GroupHandle::reduce_scatter(TaskId ready, std::span<const float> input,
-                                   std::span<float> output, const std::string& name,
-                                   rt::TaskTags tags) const {
-  if (size() == 1) return rt::kNoTask;
-  const TaskId t = matcher_->reduce_scatter(*group_, member_, input, output, devices::ReduceOp::sum,
-                                            options(name, tags, {}));
-  (*tails_)[stream_] = t;
-  return ordered(ready, t);
-}
-
-TaskId GroupHandle::all_to_all(TaskId ready, std::span<const float> input, std::span<float> output,
-                               const std::string& name, rt::TaskTags tags) const {
-  if (size() == 1) return rt::kNoTask;
-  const TaskId t = matcher_->all_to_all(*group_, member_, input, output, options(name, tags, {}));
-  (*tails_)[stream_] = t;
-  return ordered(ready, t);
-}
-
-TaskId GroupHandle::all_to_all_v(TaskId ready, const devices::VariableAllToAllBuffers& buffers,
-                                 std::int64_t row_elements, const std::string& name,
-                                 rt::TaskTags tags, const std::string& stream) const {
-  if (size() == 1) return rt::kNoTask;
-  const devices::CollectiveOptions o = options(name, tags, stream);
-  const TaskId t = matcher_->all_to_all_v(*group_, member_, buffers, row_elements, o);
-  (*tails_)[std::string(o.stream)] = t;
-  return ordered(ready, t);
-}
-
-TaskId GroupHandle::all_gather_v(TaskId ready, const devices::VariableGatherBuffers& buffers,
-                                 std::int64_t row_elements, const std::string& name,
-                                 rt::TaskTags tags, const std::string& stream) const {
-  if (size() == 1) return rt::kNoTask;
-  const devices::CollectiveOptions o = options(name, tags, stream);
-  const TaskId t = matcher_->all_gather_v(*group_, member_, buffers, row_elements, o);
-  (*tails_)[std::string(o.stream)] = t;
-  return ordered(ready, t);
-}
-
-TaskId GroupHandle::reduce_scatter_v(TaskId ready, const devices::VariableScatterBuffers& buffers,
-                                     std::int64_t row_elements, const std::string& name,
-                                     rt::TaskTags tags, const std::string& stream) const {
-  if (size() == 1) return rt::kNoTask;
-  const devices::CollectiveOptions o = options(name, tags, stream);
-  const TaskId t = matcher_->reduce_scatter_v(*group_, member_, buffers, row_elements, o);
-  (*tails_)[std::string(o.stream)] = t;
-  return ordered(ready, t);
+TaskId GroupHandle::issue(TaskId ready, const devices::CollectiveCall& call,
+                          const devices::CollectiveMember& buffers, const std::string& name,
+                          rt::TaskTags tags, const std::string& stream) const {
+  if (size() == 1) return rt::kNoTask;  // a group of one has nothing to do
+  const devices::CollectiveOptions options{.name = name,
+                                           .tags = tags,
+                                           .stream = stream.empty() ? stream_ : stream,
+                                           .stream_kind = stream_kind(stream_group_),
+                                           .element_bytes = element_bytes_};
+  const TaskId t = matcher_->issue(call, *group_, member_, buffers, options);
+  (*tails_)[std::string(options.stream)] = t;
+  if (ready != rt::kNoTask) graph_->precede(ready, t);
+  return t;
 }
 
 namespace {
 
-GroupHandle handle(RankProgram& P, GroupKind kind, const char* stream,
+GroupHandle handle(RankProgram& P, GroupKind kind, const char* stream, CommGroup stream_group,
                    std::map<std::string, TaskId>* tails) {
   const devices::ProcessGroup& g = P.mesh.group(kind, P.rank);
   return GroupHandle(P.matcher, P.graph, g, g.rank_of(static_cast<rt::DeviceId>(P.rank)), stream,
-                     tails, static_cast<std::size_t>(P.shape.model.activation_bytes()));
+                     stream_group, tails,
+                     static_cast<std::size_t>(P.shape.model.activation_bytes()));
 }
 
 }  // namespace
@@ -127,13 +68,14 @@ RankProgram::RankProgram(const StepShape& shape_, const Mesh& mesh_, const Pipel
       matcher(matcher_),
       graph(graph_) {
   // Each group's stream is named by its kind, as the mesh names the groups.
-  tensor = handle(*this, GroupKind::tensor, "tp", &comm_tails_);
-  context = handle(*this, GroupKind::context, "cp", &comm_tails_);
-  expert = handle(*this, GroupKind::expert, "ep", &comm_tails_);
-  expert_data = handle(*this, GroupKind::expert_data, "edp", &comm_tails_);
-  data = handle(*this, GroupKind::data_context, "dp_cp", &comm_tails_);
-  tensor_context = handle(*this, GroupKind::tensor_context, "tp_cp", &comm_tails_);
-  tensor_gradients = handle(*this, GroupKind::tensor, "tp_grad", &comm_tails_);
+  tensor = handle(*this, GroupKind::tensor, "tp", CommGroup::tensor, &comm_tails_);
+  context = handle(*this, GroupKind::context, "cp", CommGroup::context, &comm_tails_);
+  expert = handle(*this, GroupKind::expert, "ep", CommGroup::expert, &comm_tails_);
+  expert_data = handle(*this, GroupKind::expert_data, "edp", CommGroup::expert_data, &comm_tails_);
+  data = handle(*this, GroupKind::data_context, "dp_cp", CommGroup::data_context, &comm_tails_);
+  tensor_context =
+      handle(*this, GroupKind::tensor_context, "tp_cp", CommGroup::tensor_context, &comm_tails_);
+  tensor_gradients = handle(*this, GroupKind::tensor, "tp_grad", CommGroup::tensor, &comm_tails_);
   allocate();
 }
 

@@ -21,6 +21,7 @@
 #include "config/step_shape.hpp"
 #include "pipeline/activation_sets.hpp"
 #include "step/build_position.hpp"
+#include "step/comm_streams.hpp"
 #include "step/rank_state.hpp"
 #include "weave/devices/collective_matcher.hpp"
 #include "weave/devices/device.hpp"
@@ -49,10 +50,12 @@ struct StepInputs {
 class GroupHandle {
  public:
   GroupHandle() = default;
-  // `tails`: the rank's last task per communication stream, kept up to date.
+  // `stream`: the group's stream on this rank, made as a stream of `stream_group`; `tails`: the
+  // rank's last task per communication stream, kept up to date.
   GroupHandle(devices::CollectiveMatcher& matcher, rt::GraphBuilder& graph,
               const devices::ProcessGroup& group, int member, std::string stream,
-              std::map<std::string, TaskId>* tails, std::size_t element_bytes);
+              CommGroup stream_group, std::map<std::string, TaskId>* tails,
+              std::size_t element_bytes);
 
   // The same handle, its collectives costed at `bytes` an element: the gradient reductions in
   // the gradients' precision (ParameterBytes), not the activations'.
@@ -66,35 +69,60 @@ class GroupHandle {
   int member() const { return member_; }
   const std::string& stream() const { return stream_; }
 
+  // This rank's side of any collective op over the group, with the buffers its op uses
+  // (devices::CollectiveMember). `stream`: another stream of this group's (Ampipe's pipe experts
+  // keep dispatches and combines apart); empty: the group's. The calls below are this one.
+  TaskId issue(TaskId ready, const devices::CollectiveCall& call,
+               const devices::CollectiveMember& buffers, const std::string& name, rt::TaskTags tags,
+               const std::string& stream = {}) const;
+
   TaskId all_reduce(TaskId ready, std::span<float> buffer, devices::ReduceOp op,
-                    const std::string& name, rt::TaskTags tags) const;
+                    const std::string& name, rt::TaskTags tags) const {
+    return issue(ready, {.op = devices::CollectiveOp::all_reduce, .reduce = op}, {.output = buffer},
+                 name, tags);
+  }
   TaskId all_gather(TaskId ready, std::span<const float> input, std::span<float> output,
-                    const std::string& name, rt::TaskTags tags) const;
+                    const std::string& name, rt::TaskTags tags) const {
+    return issue(ready, {.op = devices::CollectiveOp::all_gather},
+                 {.input = input, .output = output}, name, tags);
+  }
   TaskId reduce_scatter(TaskId ready, std::span<const float> input, std::span<float> output,
-                        const std::string& name, rt::TaskTags tags) const;
+                        const std::string& name, rt::TaskTags tags) const {
+    return issue(ready, {.op = devices::CollectiveOp::reduce_scatter},
+                 {.input = input, .output = output}, name, tags);
+  }
   TaskId all_to_all(TaskId ready, std::span<const float> input, std::span<float> output,
-                    const std::string& name, rt::TaskTags tags) const;
-  // `stream`: another stream of this group's (Ampipe's pipe experts keep dispatches and combines
-  // apart); empty: the group's.
+                    const std::string& name, rt::TaskTags tags) const {
+    return issue(ready, {.op = devices::CollectiveOp::all_to_all},
+                 {.input = input, .output = output}, name, tags);
+  }
   TaskId all_to_all_v(TaskId ready, const devices::VariableAllToAllBuffers& buffers,
                       std::int64_t row_elements, const std::string& name, rt::TaskTags tags,
-                      const std::string& stream = {}) const;
+                      const std::string& stream = {}) const {
+    return issue(ready, {.op = devices::CollectiveOp::all_to_all_v, .row_elements = row_elements},
+                 {.variable = buffers}, name, tags, stream);
+  }
   TaskId all_gather_v(TaskId ready, const devices::VariableGatherBuffers& buffers,
                       std::int64_t row_elements, const std::string& name, rt::TaskTags tags,
-                      const std::string& stream = {}) const;
+                      const std::string& stream = {}) const {
+    return issue(ready, {.op = devices::CollectiveOp::all_gather_v, .row_elements = row_elements},
+                 {.gather = buffers}, name, tags, stream);
+  }
   TaskId reduce_scatter_v(TaskId ready, const devices::VariableScatterBuffers& buffers,
                           std::int64_t row_elements, const std::string& name, rt::TaskTags tags,
-                          const std::string& stream = {}) const;
+                          const std::string& stream = {}) const {
+    return issue(ready,
+                 {.op = devices::CollectiveOp::reduce_scatter_v, .row_elements = row_elements},
+                 {.scatter = buffers}, name, tags, stream);
+  }
 
  private:
-  devices::CollectiveOptions options(const std::string& name, rt::TaskTags tags,
-                                     const std::string& stream) const;
-  TaskId ordered(TaskId ready, TaskId member) const;
   devices::CollectiveMatcher* matcher_ = nullptr;
   rt::GraphBuilder* graph_ = nullptr;
   const devices::ProcessGroup* group_ = nullptr;
   int member_ = 0;
   std::string stream_;
+  CommGroup stream_group_ = CommGroup::unclassified;
   std::map<std::string, TaskId>* tails_ = nullptr;
   // Bytes an element moves (CollectiveOptions::element_bytes): the training precision's.
   std::size_t element_bytes_ = sizeof(float);

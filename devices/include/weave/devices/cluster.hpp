@@ -12,8 +12,8 @@
 //   - all-to-all with every message in flight at once: the largest volume any one link of the
 //     member carries (node link or NIC) over that link's bandwidth, plus one latency;
 //   - point to point: the node link inside a node, the network across.
-// The closed forms are in collective_duration's comments and checked in tests/devices/
-// cluster_test.cpp.
+// The closed forms are in the transfer patterns' table (devices/src/transfer_algorithms.cpp),
+// beside each pattern's ring over one link, and checked in tests/devices/cluster_test.cpp.
 #pragma once
 
 #include <optional>

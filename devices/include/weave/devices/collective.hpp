@@ -87,6 +87,15 @@ struct CollectiveMember {
   VariableScatterBuffers scatter;
 };
 
+// What a member issues besides its buffers: the op and the parameters some ops take. The members
+// of one collective issue the same call.
+struct CollectiveCall {
+  CollectiveOp op = CollectiveOp::barrier;
+  ReduceOp reduce = ReduceOp::sum;  // all_reduce, reduce_scatter
+  int root = 0;                     // broadcast: the root's rank in the group
+  std::int64_t row_elements = 0;    // all_to_all_v, all_gather_v, reduce_scatter_v
+};
+
 struct Collective {
   CollectiveOp op = CollectiveOp::barrier;
   ProcessGroup group;

@@ -35,8 +35,13 @@ class CollectiveMatcher {
   CollectiveMatcher(const CollectiveMatcher&) = delete;
   CollectiveMatcher& operator=(const CollectiveMatcher&) = delete;
 
-  // Member `member` (its rank in `group`) issues its side; each returns the member's task. The
-  // buffers mean what they mean in Communicator's calls of the same name.
+  // Member `member` (its rank in `group`) issues its side of `call`, with the buffers its op
+  // uses (see CollectiveMember), and gets its task. Every op is issued so; the calls below are
+  // this one with their op's buffers, which mean what they mean in Communicator's calls of the
+  // same name.
+  rt::TaskId issue(const CollectiveCall& call, const ProcessGroup& group, int member,
+                   const CollectiveMember& buffers, const CollectiveOptions& options = {});
+
   rt::TaskId all_reduce(const ProcessGroup& group, int member, std::span<float> buffer, ReduceOp op,
                         const CollectiveOptions& options = {});
   rt::TaskId all_gather(const ProcessGroup& group, int member, std::span<const float> input,
@@ -80,9 +85,6 @@ class CollectiveMatcher {
 
  private:
   struct Pending;
-  rt::TaskId issue(CollectiveOp op, const ProcessGroup& group, int member, CollectiveMember buffers,
-                   ReduceOp reduce, int root, std::int64_t row_elements,
-                   const CollectiveOptions& options);
   void complete(Pending& pending);
 
   rt::GraphBuilder& graph_;

@@ -42,6 +42,9 @@ struct CollectiveOptions {
   std::string_view name;             // tasks are "<name>[rank]"; empty: "<op>:<group>"
   rt::TaskTags tags;                 // copied to every member task
   std::string_view stream = "comm";  // the member devices' stream the tasks run on
+  // The stream's kind, given when the stream is first made (rt::StreamKind): what the caller
+  // classifies it as, such as the process group it serves.
+  rt::StreamKind stream_kind = rt::kUnclassifiedStream;
   // Bytes each element would move on the link, for the cost hints: the buffers hold fp32, a
   // prediction of a 16-bit run moves 2 bytes an element.
   std::size_t element_bytes = sizeof(float);

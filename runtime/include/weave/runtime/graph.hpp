@@ -71,7 +71,8 @@ class GraphBuilder {
   void reserve(std::size_t tasks, std::size_t edges);
 
   // The id of a named stream, the same on every device; "compute" and "comm" always exist.
-  StreamId stream(std::string_view name);
+  // `kind` classifies the stream for reports (see StreamKind and TaskTable::stream).
+  StreamId stream(std::string_view name, StreamKind kind = kUnclassifiedStream);
 
   TaskId add(const TaskSpec& spec, TaskFn work = {});
   // `after` starts only once `before` has completed.

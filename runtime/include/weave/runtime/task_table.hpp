@@ -42,8 +42,11 @@ class TaskTable {
 
   std::size_t stream_count() const { return stream_names_.size(); }
   std::string_view stream_name(StreamId id) const { return stream_names_[id]; }
-  // The stream's id, adding the name if it is new.
-  StreamId stream(std::string_view name);
+  StreamKind stream_kind(StreamId id) const { return stream_kinds_[id]; }
+  // The stream's id, adding the name if it is new. A stream has one kind: asking for it with
+  // another kind than it was given throws std::invalid_argument (kUnclassifiedStream asks for
+  // the stream whatever its kind, and an unclassified stream takes the first kind asked for).
+  StreamId stream(std::string_view name, StreamKind kind = kUnclassifiedStream);
 
   std::size_t group_count() const { return group_names_.size(); }
   std::string_view group_name(GroupId g) const { return group_names_[g]; }
@@ -58,6 +61,7 @@ class TaskTable {
   std::vector<TaskInfo> tasks_;
   std::string names_;
   std::vector<std::string> stream_names_;
+  std::vector<StreamKind> stream_kinds_;
   struct NameHash {
     using is_transparent = void;
     std::size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }

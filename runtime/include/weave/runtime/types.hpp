@@ -23,6 +23,12 @@ inline constexpr GroupId kNoGroup = std::numeric_limits<GroupId>::max();
 inline constexpr StreamId kComputeStream = 0;
 inline constexpr StreamId kCommStream = 1;
 
+// What a stream is for, as the layer that names the stream classifies it (a training step: the
+// process group whose collectives run on it), so that reports group streams by that value and
+// never by parsing their names. The runtime carries it and gives it no meaning; 0 is unclassified.
+using StreamKind = std::uint8_t;
+inline constexpr StreamKind kUnclassifiedStream = 0;
+
 // What a task does, which decides how it is costed and drawn: compute runs kernels on the
 // device's cores; comm and copy move data (and are held by a link model); host is bookkeeping.
 enum class TaskKind : std::uint8_t { compute, comm, copy, host };
@@ -39,13 +45,10 @@ struct TaskTags {
   Phase phase = Phase::none;
 };
 
-// The data movement of a collective member, named by what a cost model needs to price it. The
-// payload each pattern moves, from a member's CostHint::bytes (the ring's volume) over a group of
-// n: all_reduce, the buffer reduced, bytes n / (2 (n - 1)); all_gather, the gathered output, and
-// reduce_scatter, the input before scattering, bytes n / (n - 1); all_to_all, the member's send
-// buffer, bytes n / (n - 1); broadcast, the buffer (0 for the chain's last member, which
-// forwards nothing); point_to_point, the message (0 for the receiver: the sender pays); barrier,
-// nothing.
+// The data movement of a collective member, named by what a cost model needs to price it: a
+// group's algorithm moves a pattern's payload. What each pattern's payload is, and the ring factor
+// that turns it into CostHint::bytes, are stated beside the pattern's algorithms by the layer that
+// prices them (weave::devices' transfer patterns); the runtime only carries the pattern.
 enum class TransferPattern : std::uint8_t {
   none,
   all_reduce,
@@ -76,8 +79,8 @@ struct CostHint {
   // What a collective member takes part in, for a cost model that prices the group's algorithm
   // for where the group sits in a cluster (which links it spans) rather than as the ring over
   // one link that bytes and messages describe. Left at their defaults by every other task.
-  // The payload the pattern moves is bytes read back through the ring's factor (see
-  // TransferPattern). The group's devices are group_first_device + i * group_device_stride,
+  // The payload the pattern moves is bytes read back through the pattern's ring factor. The
+  // group's devices are group_first_device + i * group_device_stride,
   // i in [0, group_size) (stride 0: not evenly spaced, so a cost model reads the members it
   // has): given here because a replay that builds only some ranks (data-parallel folding)
   // holds only some members' tasks.
