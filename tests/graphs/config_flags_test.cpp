@@ -84,6 +84,7 @@ TEST(ConfigFlags, TheCheckpointsDescriptionKeepsItsKeys) {
                                           "rotary_base",
                                           "normalization",
                                           "num_query_groups",
+                                          "qk_layernorm",
                                           "untie_embeddings_and_output_weights",
                                           "add_bias_linear",
                                           "moe_router_topk",
@@ -106,9 +107,10 @@ TEST(ConfigFlags, CheckpointsSavedEarlierLackTheKeysAddedSince) {
     }
   EXPECT_EQ(later, (std::set<std::string>{
                        "position_embedding_type", "rotary_percent", "rotary_base", "normalization",
-                       "num_query_groups", "untie_embeddings_and_output_weights", "add_bias_linear",
-                       "moe_router_topk", "norm_epsilon", "virtual_pipeline_model_parallel_size",
-                       "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers"}));
+                       "num_query_groups", "qk_layernorm", "untie_embeddings_and_output_weights",
+                       "add_bias_linear", "moe_router_topk", "norm_epsilon",
+                       "virtual_pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
+                       "decoder_last_pipeline_num_layers"}));
 }
 
 TEST(ConfigFlags, DescriptionsHoldTheValuesTheRunUses) {
