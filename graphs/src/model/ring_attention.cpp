@@ -143,8 +143,8 @@ TaskId RingAttention::forward(const BuildPosition& pos, TaskId qkv) const {
                        ring.attend_half(set, mb, half, ring.block(set, t), ring.owner(t));
                      if (last)
                        ops::linear_forward(A.attention.attn.reshape({Sc, B, Hl * d}),
-                                           p->layer(layer).proj_weight->value, Tensor{},
-                                           A.attention.proj_partial);
+                                           p->attention_parameters(layer).proj_weight->value,
+                                           Tensor{}, A.attention.proj_partial);
                    });
     P->after(arrived, step);
     compute_prev2 = compute_prev;

@@ -6,7 +6,7 @@
 namespace weave::graphs {
 
 void MoeMlp::declare_parameters(ParameterDeclarer& declare, const LayerSpec&, int layer,
-                                LayerShard& L) {
+                                MoeMlpParameters& L) {
   const ModelConfig& m = declare.model;
   const std::int64_t h = m.hidden_size, f = m.ffn_hidden_size, E = m.num_experts;
   const bool swiglu = m.activation == Activation::swiglu;

@@ -62,7 +62,7 @@ SlotProgress MoeMlp::route(const BuildPosition& pos, int c, TaskId ready) const 
         MoeSlot& A = p->slot(set, layer, c);
         const ModelConfig& m = p->shape.model;
         A.moe_in.copy_from(slot_tokens(*p, c, p->acts(set, layer).ln2));
-        ops::linear_forward(A.moe_in, p->layer(layer).router_weight->value, Tensor{},
+        ops::linear_forward(A.moe_in, p->moe_parameters(layer).router_weight->value, Tensor{},
                             A.router_logits);
         const ops::RouterStatistics st = ops::router_forward(
             router_options(m), A.router_logits, A.probs, std::span(A.topk_index), A.topk_weight);
@@ -218,7 +218,7 @@ TaskId MoeMlp::router_backward(const BuildPosition& pos, int c, const SlotProgre
       slot_prefix(c) + "router_backward", pos.tags(rt::Phase::backward, l),
       2 * cost::router(z, tokens), [=] {
         MoeSlot& A = p->slot(set, layer, c);
-        const LayerShard& W = p->layer(layer);
+        const MoeMlpParameters& W = p->moe_parameters(layer);
         const StepShape& z = p->shape;
         for (const ExpertItem& I : A.items)  // each item's input gradients into the slot's rows
           for (std::size_t x = 0; x < I.rows.size(); ++x)
