@@ -117,21 +117,21 @@ TaskId MoeMlp::statistics(const BuildPosition& pos, TaskId ready) const {
     const double stats = static_cast<double>(z.ampipe + 1) * (2 * z.model.num_experts + 1);
     summed = P->compute(at + "router_statistics", tags, cost::streamed(z, stats), [p, layer, set] {
       LayerActivations& A = p->acts(set, layer);
-      A.moe.stats_total.fill(0.f);
-      for (const MoeSlot& S : A.moe.slots)
-        ops::accumulate(S.stats, A.moe.stats_total);
+      A.moe().stats_total.fill(0.f);
+      for (const MoeSlot& S : A.moe().slots)
+        ops::accumulate(S.stats, A.moe().stats_total);
     });
     P->after(ready, summed);
   }
   const TaskId reduced =
-      P->tensor_context.all_reduce(summed, all_of(P->acts(set, l).moe.stats_total),
+      P->tensor_context.all_reduce(summed, all_of(P->acts(set, l).moe().stats_total),
                                    devices::ReduceOp::sum, at + "router_stats", tags);
   const TaskId losses =
       P->compute(at + "router_losses", tags, cost::streamed(z, 2.0 * z.model.num_experts + 1),
                  [p, layer, set, mb] {
                    const ModelConfig& m = p->shape.model;
                    const ops::RouterStatistics st =
-                       unpack_stats(p->acts(set, layer).moe.stats_total, m.num_experts);
+                       unpack_stats(p->acts(set, layer).moe().stats_total, m.num_experts);
                    p->state.aux[static_cast<std::size_t>(mb)] +=
                        ops::aux_loss(router_options(m), st) + ops::z_loss(router_options(m), st);
                  });
@@ -226,7 +226,7 @@ TaskId MoeMlp::router_backward(const BuildPosition& pos, int c, const SlotProgre
         ops::permute_tokens_backward(A.dispatch, A.d_grouped.slice(0, 0, A.dispatch.rows()),
                                      A.d_moe_in);
         const ops::RouterStatistics st =
-            unpack_stats(p->acts(set, layer).moe.stats_total, z.model.num_experts);
+            unpack_stats(p->acts(set, layer).moe().stats_total, z.model.num_experts);
         const double scale = 1.0 / (z.M * z.plan.data_parallel);
         ops::router_backward<float>(router_options(z.model), A.router_logits, A.probs, A.topk_index,
                                     A.topk_weight, A.d_topk, st, scale, A.d_router_logits);

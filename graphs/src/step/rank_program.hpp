@@ -212,7 +212,7 @@ class RankProgram {
   OutputSet& oset(int out) { return state.outputs[static_cast<std::size_t>(out)]; }
   BackwardWorkspace& ws() { return state.ws; }
   MoeSlot& slot(int set, int l, int c) {
-    return acts(set, l).moe.slots[static_cast<std::size_t>(c)];
+    return acts(set, l).moe().slots[static_cast<std::size_t>(c)];
   }
 
   // The global position of row s of this rank's [Sl, B, ...] activations.

@@ -7,6 +7,7 @@
 #include <map>
 #include <memory>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "model/attention_activations.hpp"
@@ -20,8 +21,9 @@ namespace weave::graphs {
 using ops::Tensor;
 
 // Everything a layer's forward keeps for its backward, on one device, for one micro-batch in
-// flight (see ActivationSet): the residual stream and the MLP's norm, which the layer owns, and
-// each of its modules' own state (the one its LayerSpec does not use stays empty).
+// flight (see ActivationSet): the residual stream and the MLP's norm, which the layer owns, its
+// attention's state and the state of the one MLP its LayerSpec chooses (dense, or MoE for a MoE
+// or Ampipe layer), which that MLP's allocate sets.
 struct LayerActivations {
   Tensor x_in;  // [Sl, B, h]: the previous layer's output
   Tensor x_mid;
@@ -29,8 +31,10 @@ struct LayerActivations {
   Tensor mlp_out;  // [Sl, B, h]: the MLP's output, before bias and dropout
   Tensor x_out;
   AttentionActivations attention;
-  DenseMlpActivations dense;
-  MoeActivations moe;
+  std::variant<DenseMlpActivations, MoeActivations> mlp;
+
+  DenseMlpActivations& dense() { return std::get<DenseMlpActivations>(mlp); }
+  MoeActivations& moe() { return std::get<MoeActivations>(mlp); }
 };
 
 // Gradient workspace shared by all layers of a device: the backward runs layer after layer.
