@@ -89,7 +89,7 @@ void chunk_projection_backward(RankProgram& p, int set, int layer, int mb, int c
   if (z.t_sp == 1) chunk_residual_backward(p, set, layer, mb, c);
   const Tensor d_proj = chunk_d_proj_rows(p, c);
   ops::linear_backward_input(d_proj, W.attention.proj_weight->value,
-                             w.d_attn.reshape({z.Sc, B, Hl * d}).slice(0, c * n, n));
+                             w.attention.d_attn.reshape({z.Sc, B, Hl * d}).slice(0, c * n, n));
   ops::linear_backward_weight(A.attention.attn.slice(0, c * n, n).reshape({n, B, Hl * d}), d_proj,
                               W.attention.proj_weight->grad, Tensor{});
 }
@@ -103,13 +103,13 @@ void chunk_attention_backward(RankProgram& p, int set, int layer, int mb, int c)
   BackwardWorkspace& w = p.ws();
   // The chunks' attention accumulates dk and dv; zeroed here, not earlier, as the layer above's
   // deferred weight half reads d_qkv until this layer's combines are launched.
-  if (c == z.ampipe - 1) w.d_qkv.fill(0.f);
+  if (c == z.ampipe - 1) w.attention.d_qkv.fill(0.f);
   if (z.t_sp == 1) chunk_residual_backward(p, set, layer, mb, c);
   const LayerShard& W = p.layer(layer);
   for (int j = 0; j < z.t_sp; ++j) {
     const std::int64_t first = z.piece_start(c, j);
     const Tensor d_proj = chunk_d_proj_rows(p, c).slice(0, j * q, q);
-    const Tensor d_attn = w.d_attn.reshape({z.Sc, B, Hl * d}).slice(0, first, q);
+    const Tensor d_attn = w.attention.d_attn.reshape({z.Sc, B, Hl * d}).slice(0, first, q);
     ops::linear_backward_input(d_proj, W.attention.proj_weight->value, d_attn);
     ops::linear_backward_weight(A.attn.slice(0, first, q).reshape({q, B, Hl * d}), d_proj,
                                 W.attention.proj_weight->grad, Tensor{});
@@ -117,8 +117,9 @@ void chunk_attention_backward(RankProgram& p, int set, int layer, int mb, int c)
                             query_view(A.qkv.slice(0, first, q), z), key_view(A.qkv, z),
                             value_view(A.qkv, z), output_view(A.attn.slice(0, first, q), z),
                             A.lse.slice(0, c * z.t_sp + j, 1).reshape({B, Hl, q}),
-                            output_view(d_attn, z), query_view(w.d_qkv.slice(0, first, q), z),
-                            key_view(w.d_qkv, z), value_view(w.d_qkv, z));
+                            output_view(d_attn, z),
+                            query_view(w.attention.d_qkv.slice(0, first, q), z),
+                            key_view(w.attention.d_qkv, z), value_view(w.attention.d_qkv, z));
   }
 }
 
@@ -249,7 +250,7 @@ TaskId AmpipeBlock::backward(const BuildPosition& pos, TaskId ready, WeightHalve
                                     w.d_x_mid.copy_from(w.d_x);
                                     p->apply_dropout(true, mb, layer, 1, w.d_x, w.d_mlp);
                                     // The chunks' attention accumulates every block's dk, dv.
-                                    if (cp > 1) w.dkv_send.fill(0.f);
+                                    if (cp > 1) w.cp_ring.dkv_send.fill(0.f);
                                   });
   P->after(ready, start);
   // --ampipe-cp-resend-kv: the blocks travel again while the MoE backward computes.

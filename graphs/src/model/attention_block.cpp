@@ -309,20 +309,21 @@ TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHa
     BackwardWorkspace& w = p->ws();
     const AttentionParameters& W = p->attention_parameters(layer);
     const Tensor d_proj = sp ? w.d_mlp_full : w.d_mlp;
-    ops::linear_backward_input(d_proj, W.proj_weight->value, w.d_attn);
+    ops::linear_backward_input(d_proj, W.proj_weight->value, w.attention.d_attn);
     if (keep)
       A.attention.saved_d_proj.copy_from(d_proj);
     else  // the projection's weight half, folded in: nothing would overlap it
       ops::linear_backward_weight(A.attention.attn.reshape({Sc, B, Hl * d}), d_proj,
                                   W.proj_weight->grad, Tensor{});
-    w.d_qkv.fill(0.f);  // attention accumulates dk and dv
+    w.attention.d_qkv.fill(0.f);  // attention accumulates dk and dv
     const StepShape& z = p->shape;
     if (!ring)
       ops::attention_backward({.dropout = attention_dropout(*p, layer, mb)},
                               query_view(A.attention.qkv, z), key_view(A.attention.qkv, z),
                               value_view(A.attention.qkv, z), output_view(A.attention.attn, z),
-                              A.attention.lse.reshape({B, Hl, Sc}), output_view(w.d_attn, z),
-                              query_view(w.d_qkv, z), key_view(w.d_qkv, z), value_view(w.d_qkv, z));
+                              A.attention.lse.reshape({B, Hl, Sc}),
+                              output_view(w.attention.d_attn, z), query_view(w.attention.d_qkv, z),
+                              key_view(w.attention.d_qkv, z), value_view(w.attention.d_qkv, z));
   });
   P->after(gathered, attention);
   if (keep)
@@ -350,13 +351,13 @@ void qkv_input_gradient(RankProgram& P, int set, int layer, bool ring, bool keep
   AttentionActivations& A = P.acts(set, layer).attention;
   const std::int64_t d = z.d, keys = z.qpg * d, width = z.qkv_width();
   if (ring) {  // the block's gradients came home with the last turn of the ring
-    const Tensor& home = w.dring[z.cp % 2];
-    w.d_qkv.slice(3, keys, d).copy_from(home.slice(3, 0, d));
-    w.d_qkv.slice(3, keys + d, d).copy_from(home.slice(3, d, d));
+    const Tensor& home = w.cp_ring.dring[z.cp % 2];
+    w.attention.d_qkv.slice(3, keys, d).copy_from(home.slice(3, 0, d));
+    w.attention.d_qkv.slice(3, keys + d, d).copy_from(home.slice(3, d, d));
   }
-  project_qkv_backward(z.spec(layer), z.model, P.attention_parameters(layer), w.d_qkv,
+  project_qkv_backward(z.spec(layer), z.model, P.attention_parameters(layer), w.attention.d_qkv,
                        context_positions(P), A.qk_norm);
-  const Tensor d_out = w.d_qkv.reshape({z.Sc, z.B, width});
+  const Tensor d_out = w.attention.d_qkv.reshape({z.Sc, z.B, width});
   ops::linear_backward_input(d_out, P.attention_parameters(layer).qkv_weight->value, w.d_norm_full);
   if (keep) A.saved_d_qkv.copy_from(d_out);
 }
@@ -387,8 +388,8 @@ TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, We
     return p->compute(at + "qkv_weight_grad", t, cost::qkv(z), [=] {
       LayerActivations& A = p->acts(set, layer);
       const AttentionParameters& W = p->attention_parameters(layer);
-      const Tensor d_out =
-          keep ? A.attention.saved_d_qkv : p->ws().d_qkv.reshape({Sc, B, p->shape.qkv_width()});
+      const Tensor d_out = keep ? A.attention.saved_d_qkv
+                                : p->ws().attention.d_qkv.reshape({Sc, B, p->shape.qkv_width()});
       ops::linear_backward_weight(A.attention.ln1_full, d_out, W.qkv_weight->grad,
                                   grad_of(W.qkv_bias));
     });

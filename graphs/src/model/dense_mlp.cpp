@@ -109,14 +109,14 @@ TaskId DenseMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& 
     LayerActivations& A = p->acts(set, layer);
     BackwardWorkspace& w = p->ws();
     const DenseMlpParameters& W = p->dense_mlp_parameters(layer);
-    ops::linear_backward_input(w.d_mlp_full, W.fc2_weight->value, w.d_act);
+    ops::linear_backward_input(w.d_mlp_full, W.fc2_weight->value, w.dense_mlp.d_act);
     if (keep)
       A.dense().saved_d_fc2.copy_from(w.d_mlp_full);
     else  // fc2's weight half, folded in: nothing would overlap it
       ops::linear_backward_weight(A.dense().act, w.d_mlp_full, W.fc2_weight->grad, Tensor{});
-    mlp_activation_backward(p->shape.model, A.dense().fc1, w.d_act, w.d_fc1);
-    ops::linear_backward_input(w.d_fc1, W.fc1_weight->value, w.d_norm_full);
-    if (keep) A.dense().saved_d_fc1.copy_from(w.d_fc1);
+    mlp_activation_backward(p->shape.model, A.dense().fc1, w.dense_mlp.d_act, w.dense_mlp.d_fc1);
+    ops::linear_backward_input(w.dense_mlp.d_fc1, W.fc1_weight->value, w.d_norm_full);
+    if (keep) A.dense().saved_d_fc1.copy_from(w.dense_mlp.d_fc1);
   });
   P->after(gathered, mlp);
   const TaskId reduced =
@@ -140,8 +140,8 @@ TaskId DenseMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& 
     const TaskId weights = halves.place(WeightPlacement::immediate, [=] {
       return p->compute(at + "mlp_weight_grad", tags, fc1, [=] {
         const DenseMlpParameters& W = p->dense_mlp_parameters(layer);
-        ops::linear_backward_weight(p->acts(set, layer).ln2_full, p->ws().d_fc1, W.fc1_weight->grad,
-                                    grad_of(W.fc1_bias));
+        ops::linear_backward_weight(p->acts(set, layer).ln2_full, p->ws().dense_mlp.d_fc1,
+                                    W.fc1_weight->grad, grad_of(W.fc1_bias));
       });
     });
     if (reduced == rt::kNoTask) norm_ready = weights;

@@ -84,35 +84,35 @@ void RankProgram::allocate() {
   W.d_tmp = activation({Sl, B, h});
   W.d_mlp = activation({Sl, B, h});
   W.d_mlp_full = sp ? activation({Sc, B, h}) : W.d_mlp;
-  W.d_act = activation({Sc, B, z.fl});
-  W.d_fc1 = activation({Sc, B, z.f1l});
+  W.dense_mlp.d_act = activation({Sc, B, z.fl});
+  W.dense_mlp.d_fc1 = activation({Sc, B, z.f1l});
   W.d_norm_full = activation({Sc, B, h});
   W.d_norm = sp ? activation({Sl, B, h}) : W.d_norm_full;
-  W.d_attn = activation({Sc, B, Hl * d});
-  W.d_qkv = activation({Sc, B, z.Gl, z.qkv_group_width()});
+  W.attention.d_attn = activation({Sc, B, Hl * d});
+  W.attention.d_qkv = activation({Sc, B, z.Gl, z.qkv_group_width()});
   if (cp > 1) {
     for (int i = 0; i < 2; ++i) {
-      W.ring[i] = activation({Sc, B, z.Gl, 2 * d});
-      W.dring[i] = activation({Sc, B, z.Gl, 2 * d});
+      W.cp_ring.ring[i] = activation({Sc, B, z.Gl, 2 * d});
+      W.cp_ring.dring[i] = activation({Sc, B, z.Gl, 2 * d});
     }
     if (z.ampipe > 1) {
-      W.dkv_send = activation({cp * Sc, B, z.Gl, 2 * d});
-      W.dkv_recv = activation({cp * Sc, B, z.Gl, 2 * d});
+      W.cp_ring.dkv_send = activation({cp * Sc, B, z.Gl, 2 * d});
+      W.cp_ring.dkv_recv = activation({cp * Sc, B, z.Gl, 2 * d});
       if (z.plan.ampipe_cp_resend_kv) {
-        W.kv_forward = activation({(cp - 1) * Sc, B, z.Gl, 2 * d});
-        W.kv_backward = activation({(cp - 1) * Sc, B, z.Gl, 2 * d});
+        W.cp_ring.kv_forward = activation({(cp - 1) * Sc, B, z.Gl, 2 * d});
+        W.cp_ring.kv_backward = activation({(cp - 1) * Sc, B, z.Gl, 2 * d});
       }
     }
-    W.o_part = activation({z.chunk, B, Hl, d});
-    W.dq_part = activation({z.chunk, B, Hl, d});
-    W.lse_part = activation({B, Hl, z.chunk});
-    W.ring_send.assign(static_cast<std::size_t>(cp), 0);
-    W.ring_send[static_cast<std::size_t>((at.cp + 1) % cp)] = Sc;
-    W.ring_recv.assign(static_cast<std::size_t>(cp), 0);
+    W.cp_ring.o_part = activation({z.chunk, B, Hl, d});
+    W.cp_ring.dq_part = activation({z.chunk, B, Hl, d});
+    W.cp_ring.lse_part = activation({B, Hl, z.chunk});
+    W.cp_ring.ring_send.assign(static_cast<std::size_t>(cp), 0);
+    W.cp_ring.ring_send[static_cast<std::size_t>((at.cp + 1) % cp)] = Sc;
+    W.cp_ring.ring_recv.assign(static_cast<std::size_t>(cp), 0);
   }
   if (contents.output_layer) {
-    W.d_logits = activation({Sc * B, z.Vl});
-    W.d_final_full = activation({Sc, B, h});
+    W.output.d_logits = activation({Sc * B, z.Vl});
+    W.output.d_final_full = activation({Sc, B, h});
   }
 }
 

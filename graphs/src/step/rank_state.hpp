@@ -12,6 +12,8 @@
 
 #include "model/attention_activations.hpp"
 #include "model/dense_mlp_activations.hpp"
+#include "model/output_workspace.hpp"
+#include "model/ring_attention_workspace.hpp"
 #include "moe/moe_activations.hpp"
 #include "weave/graphs/model_shard.hpp"
 #include "weave/ops/tensor.hpp"
@@ -37,24 +39,18 @@ struct LayerActivations {
   MoeActivations& moe() { return std::get<MoeActivations>(mlp); }
 };
 
-// Gradient workspace shared by all layers of a device: the backward runs layer after layer.
+// Gradient workspace shared by all layers of a device: the backward runs layer after layer. The
+// layer's own (its residual stream's and norms' gradients, which its modules pass between them)
+// and each module's part.
 struct BackwardWorkspace {
-  Tensor d_x, d_x_mid, d_tmp;        // [Sl, B, h]
-  Tensor d_mlp, d_mlp_full;          // [Sl, B, h], [S, B, h]
-  Tensor d_act, d_fc1, d_norm_full;  // [S, B, f], [S, B, f1], [S, B, h]
-  Tensor d_norm;                     // [Sl, B, h]
-  Tensor d_attn, d_qkv;              // [S, B, Hl d], [S, B, Hl, 3d]
-  // Context parallelism: key/value blocks and their gradients travelling round the ring
-  // (double-buffered), and one block's partial attention.
-  Tensor ring[2], dring[2];   // [Sc, B, Hl, 2d]
-  Tensor dkv_send, dkv_recv;  // Ampipe under CP: block gradients by owner / by source [cp Sc, ...]
-  // Ampipe under CP with --ampipe-cp-resend-kv: the other cp ranks' blocks, in the order the
-  // forward's ring brings them and the backward's brings them again [(cp - 1) Sc, B, Hl, 2d].
-  Tensor kv_forward, kv_backward;
-  Tensor o_part, dq_part;                          // [chunk, B, Hl, d]
-  Tensor lse_part;                                 // [B, Hl, chunk]
-  std::vector<std::int64_t> ring_send, ring_recv;  // rows to each cp rank: all to the next
-  Tensor d_logits, d_final_full;                   // [S B, Vl], [S, B, h]
+  Tensor d_x, d_x_mid, d_tmp;  // [Sl, B, h]
+  Tensor d_mlp, d_mlp_full;    // [Sl, B, h], [S, B, h]
+  Tensor d_norm_full;          // [S, B, h]
+  Tensor d_norm;               // [Sl, B, h]
+  AttentionWorkspace attention;
+  DenseMlpWorkspace dense_mlp;
+  RingAttentionWorkspace cp_ring;  // context parallelism only
+  OutputWorkspace output;          // the last stage only
 };
 
 // The activations one model chunk keeps for one micro-batch, from its forward until its
