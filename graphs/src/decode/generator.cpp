@@ -68,7 +68,7 @@ struct RankDecode {
   Tensor final_norm, logits_local, logits_all;
   std::vector<std::int32_t> top_index, token_id{0};
   std::vector<std::int64_t> begin;
-  QkNormState qk;                        // the attention's (allocate_attention_decoding)
+  AttentionDecodeState attention;        // what project_qkv keeps beyond the QKV
   std::vector<Tensor> k_cache, v_cache;  // by model layer (held layers only)
   std::vector<float> token{0.f};         // the sampled token, broadcast as a float
 };
@@ -145,7 +145,7 @@ struct Generator::Impl {
       R.fc1 = buffer(r, {1, f1l});
       R.act = buffer(r, {1, model.ffn_hidden_size / plan.tensor_parallel});
       R.mlp_out = buffer(r, {1, h});
-      R.qk = allocate_attention_decoding(
+      R.attention = allocate_attention_decoding(
           specs.front(), [&](const ops::Shape& s) { return buffer(r, s); }, Gl, qpg, d);
       if (E > 0) {
         R.router_logits = buffer(r, {1, E});
@@ -299,7 +299,7 @@ struct Generator::Impl {
       const std::int64_t d = self->d, keys = self->qpg * d, pos = self->position;
       const std::int64_t positions[] = {pos};
       project_qkv(self->specs[static_cast<std::size_t>(l)], m, W.attention, r->norm, r->qkv,
-                  positions, r->qk);
+                  positions, r->attention);
       // The incremental part: this position's key and value join the cache, the query attends
       // to every cached position.
       const Tensor& kc = r->k_cache[static_cast<std::size_t>(l)];

@@ -70,10 +70,12 @@ QkNormState allocate_qk_norm(const std::function<Tensor(const ops::Shape&)>& all
 
 }  // namespace
 
-QkNormState allocate_attention_decoding(const LayerSpec& spec,
-                                        const std::function<Tensor(const ops::Shape&)>& allocate,
-                                        std::int64_t Gl, std::int64_t qpg, std::int64_t d) {
-  return spec.qk_norm ? allocate_qk_norm(allocate, 1, 1, Gl, qpg, d) : QkNormState{};
+AttentionDecodeState allocate_attention_decoding(
+    const LayerSpec& spec, const std::function<Tensor(const ops::Shape&)>& allocate,
+    std::int64_t Gl, std::int64_t qpg, std::int64_t d) {
+  AttentionDecodeState state;
+  if (spec.qk_norm) state.qk_norm = allocate_qk_norm(allocate, 1, 1, Gl, qpg, d);
+  return state;
 }
 
 std::vector<std::int64_t> context_positions(const RankProgram& rank) {

@@ -90,12 +90,22 @@ void project_qkv(const LayerSpec& spec, const ModelConfig& m, const AttentionPar
 void project_qkv_backward(const LayerSpec& spec, const ModelConfig& m, const AttentionParameters& W,
                           const Tensor& d_qkv, std::span<const std::int64_t> positions,
                           const QkNormState& qk);
-// Decoding one token at a time: what project_qkv keeps for the token's one row, as the layer's
-// spec says (the qk norms' inputs and statistics with --qk-layernorm, nothing otherwise), from
-// `allocate`. Every layer's attention has the same spec, so one state serves them all.
-QkNormState allocate_attention_decoding(const LayerSpec& spec,
-                                        const std::function<Tensor(const ops::Shape&)>& allocate,
-                                        std::int64_t Gl, std::int64_t qpg, std::int64_t d);
+// Decoding one token at a time: what project_qkv keeps for the token's one row beyond its QKV, as
+// the layer's spec says (the qk norms' inputs and statistics with --qk-layernorm).
+struct AttentionDecodeState {
+  QkNormState qk_norm;
+};
+// Its buffers, from `allocate`. Every layer's attention has the same spec, so one state serves
+// them all.
+AttentionDecodeState allocate_attention_decoding(
+    const LayerSpec& spec, const std::function<Tensor(const ops::Shape&)>& allocate,
+    std::int64_t Gl, std::int64_t qpg, std::int64_t d);
+// project_qkv of the token's one row at `positions` (one), as decoding runs it.
+inline void project_qkv(const LayerSpec& spec, const ModelConfig& m, const AttentionParameters& W,
+                        const Tensor& x, const Tensor& qkv, std::span<const std::int64_t> positions,
+                        const AttentionDecodeState& state) {
+  project_qkv(spec, m, W, x, qkv, positions, state.qk_norm);
+}
 // The global positions of this rank's Sc rows.
 std::vector<std::int64_t> context_positions(const RankProgram& rank);
 
