@@ -3,6 +3,7 @@
 // that module's, which it declares and reads; the layer only holds them.
 #pragma once
 
+#include <stdexcept>
 #include <variant>
 
 #include "model/attention_parameters.hpp"
@@ -18,8 +19,18 @@ struct LayerShard {
   std::variant<DenseMlpParameters, MoeMlpParameters> mlp;
 
   bool moe() const { return std::holds_alternative<MoeMlpParameters>(mlp); }
-  const DenseMlpParameters& dense_mlp() const { return std::get<DenseMlpParameters>(mlp); }
-  const MoeMlpParameters& moe_mlp() const { return std::get<MoeMlpParameters>(mlp); }
+  // The MLP's parameters, of the kind the layer's spec chose; asking for the other kind is a bug
+  // in the caller's dispatch on LayerSpec::mlp.
+  const DenseMlpParameters& dense_mlp() const {
+    if (const auto* dense = std::get_if<DenseMlpParameters>(&mlp)) return *dense;
+    throw std::logic_error(
+        "a MoE layer's dense MLP parameters were asked for: dispatch on the layer's LayerSpec");
+  }
+  const MoeMlpParameters& moe_mlp() const {
+    if (const auto* moe = std::get_if<MoeMlpParameters>(&mlp)) return *moe;
+    throw std::logic_error(
+        "a dense layer's MoE MLP parameters were asked for: dispatch on the layer's LayerSpec");
+  }
 };
 
 }  // namespace weave::graphs

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <stdexcept>
 #include <utility>
 #include <variant>
 #include <vector>
@@ -35,8 +36,19 @@ struct LayerActivations {
   AttentionActivations attention;
   std::variant<DenseMlpActivations, MoeActivations> mlp;
 
-  DenseMlpActivations& dense() { return std::get<DenseMlpActivations>(mlp); }
-  MoeActivations& moe() { return std::get<MoeActivations>(mlp); }
+  // The MLP's state, of the kind the layer's spec chose; asking for the other kind is a bug in
+  // the caller's dispatch on LayerSpec::mlp.
+  DenseMlpActivations& dense() {
+    if (auto* dense = std::get_if<DenseMlpActivations>(&mlp)) return *dense;
+    throw std::logic_error(
+        "a MoE layer's dense MLP activations were asked for: dispatch on the layer's LayerSpec");
+  }
+  MoeActivations& moe() {
+    if (auto* moe = std::get_if<MoeActivations>(&mlp)) return *moe;
+    throw std::logic_error(
+        "a dense layer's MoE activations were asked for (or before MoeMlp::allocate): dispatch "
+        "on the layer's LayerSpec");
+  }
 };
 
 // Gradient workspace shared by all layers of a device: the backward runs layer after layer. The
