@@ -21,7 +21,7 @@ void chunk_residual_norm(RankProgram& p, int set, int layer, int mb, int c, cons
   LayerActivations& A = p.acts(set, layer);
   const LayerShard& W = p.layer(layer);
   const std::int64_t q = p.shape.piece_rows(), B = p.shape.B, first = c * q;
-  p.bias_dropout_add(mb, layer, 0, proj, value_of(W.proj_bias), A.x_in.slice(0, first, q),
+  p.bias_dropout_add(mb, layer, 0, proj, value_of(W.attention.proj_bias), A.x_in.slice(0, first, q),
                      A.x_mid.slice(0, first, q), first);
   norm_forward(p.shape.model, A.x_mid.slice(0, first, q), *W.ln2_weight, W.ln2_bias,
                A.ln2.slice(0, first, q), A.ln2_mean.slice(0, first * B, q * B),
@@ -47,7 +47,7 @@ void chunk_attention_forward(RankProgram& p, int set, int layer, int mb, int c) 
                            value_view(A.qkv, z), output_view(A.attn.slice(0, first, q), z),
                            A.lse.slice(0, c * z.t_sp + j, 1).reshape({B, Hl, q}));
     ops::linear_forward(A.attn.slice(0, first, q).reshape({q, B, Hl * d}),
-                        p.layer(layer).proj_weight->value, Tensor{},
+                        p.attention_parameters(layer).proj_weight->value, Tensor{},
                         chunk_partial(p, set, layer, c).slice(0, j * q, q));
   }
   if (z.t_sp == 1) chunk_residual_norm(p, set, layer, mb, c, chunk_partial(p, set, layer, c));
@@ -67,7 +67,7 @@ void chunk_residual_backward(RankProgram& p, int set, int layer, int mb, int c) 
                 d_norm, d_tmp);
   ops::accumulate(d_tmp, d_mid);
   w.d_x.slice(0, first, q).copy_from(d_mid);  // the residual path to the layer input
-  p.bias_dropout_add_backward(mb, layer, 0, d_mid, d_proj, grad_of(W.proj_bias), first);
+  p.bias_dropout_add_backward(mb, layer, 0, d_mid, d_proj, grad_of(W.attention.proj_bias), first);
 }
 
 // The projection's gradient of chunk c's rows of the sequence, piece after piece (under SP
@@ -88,10 +88,10 @@ void chunk_projection_backward(RankProgram& p, int set, int layer, int mb, int c
   const LayerShard& W = p.layer(layer);
   if (z.t_sp == 1) chunk_residual_backward(p, set, layer, mb, c);
   const Tensor d_proj = chunk_d_proj_rows(p, c);
-  ops::linear_backward_input(d_proj, W.proj_weight->value,
-                             w.d_attn.reshape({z.Sc, B, Hl * d}).slice(0, c * n, n));
+  ops::linear_backward_input(d_proj, W.attention.proj_weight->value,
+                             w.attention.d_attn.reshape({z.Sc, B, Hl * d}).slice(0, c * n, n));
   ops::linear_backward_weight(A.attention.attn.slice(0, c * n, n).reshape({n, B, Hl * d}), d_proj,
-                              W.proj_weight->grad, Tensor{});
+                              W.attention.proj_weight->grad, Tensor{});
 }
 
 // Without CP: chunk c's projection and attention backward, piece after piece (without SP after
@@ -103,22 +103,23 @@ void chunk_attention_backward(RankProgram& p, int set, int layer, int mb, int c)
   BackwardWorkspace& w = p.ws();
   // The chunks' attention accumulates dk and dv; zeroed here, not earlier, as the layer above's
   // deferred weight half reads d_qkv until this layer's combines are launched.
-  if (c == z.ampipe - 1) w.d_qkv.fill(0.f);
+  if (c == z.ampipe - 1) w.attention.d_qkv.fill(0.f);
   if (z.t_sp == 1) chunk_residual_backward(p, set, layer, mb, c);
   const LayerShard& W = p.layer(layer);
   for (int j = 0; j < z.t_sp; ++j) {
     const std::int64_t first = z.piece_start(c, j);
     const Tensor d_proj = chunk_d_proj_rows(p, c).slice(0, j * q, q);
-    const Tensor d_attn = w.d_attn.reshape({z.Sc, B, Hl * d}).slice(0, first, q);
-    ops::linear_backward_input(d_proj, W.proj_weight->value, d_attn);
+    const Tensor d_attn = w.attention.d_attn.reshape({z.Sc, B, Hl * d}).slice(0, first, q);
+    ops::linear_backward_input(d_proj, W.attention.proj_weight->value, d_attn);
     ops::linear_backward_weight(A.attn.slice(0, first, q).reshape({q, B, Hl * d}), d_proj,
-                                W.proj_weight->grad, Tensor{});
+                                W.attention.proj_weight->grad, Tensor{});
     ops::attention_backward({.q_offset = first, .dropout = attention_dropout(p, layer, mb)},
                             query_view(A.qkv.slice(0, first, q), z), key_view(A.qkv, z),
                             value_view(A.qkv, z), output_view(A.attn.slice(0, first, q), z),
                             A.lse.slice(0, c * z.t_sp + j, 1).reshape({B, Hl, q}),
-                            output_view(d_attn, z), query_view(w.d_qkv.slice(0, first, q), z),
-                            key_view(w.d_qkv, z), value_view(w.d_qkv, z));
+                            output_view(d_attn, z),
+                            query_view(w.attention.d_qkv.slice(0, first, q), z),
+                            key_view(w.attention.d_qkv, z), value_view(w.attention.d_qkv, z));
   }
 }
 
@@ -157,7 +158,7 @@ TaskId AmpipeBlock::chunk_attention(const BuildPosition& pos, int c, TaskId qkv)
       const Tensor partial = chunk_partial(*p, set, layer, c);
       ops::linear_forward(
           p->acts(set, layer).attention.attn.slice(0, c * n, n).reshape({n, B, Hl * d}),
-          p->layer(layer).proj_weight->value, Tensor{}, partial);
+          p->attention_parameters(layer).proj_weight->value, Tensor{}, partial);
       if (p->shape.t_sp == 1) chunk_residual_norm(*p, set, layer, mb, c, partial);
     });
     P->after(attention, side);
@@ -249,7 +250,7 @@ TaskId AmpipeBlock::backward(const BuildPosition& pos, TaskId ready, WeightHalve
                                     w.d_x_mid.copy_from(w.d_x);
                                     p->apply_dropout(true, mb, layer, 1, w.d_x, w.d_mlp);
                                     // The chunks' attention accumulates every block's dk, dv.
-                                    if (cp > 1) w.dkv_send.fill(0.f);
+                                    if (cp > 1) w.cp_ring.dkv_send.fill(0.f);
                                   });
   P->after(ready, start);
   // --ampipe-cp-resend-kv: the blocks travel again while the MoE backward computes.

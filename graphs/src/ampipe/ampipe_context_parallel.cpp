@@ -68,7 +68,8 @@ Tensor kv_block(RankProgram& P, int set, int l, int owner, bool backward) {
   if (!P.shape.plan.ampipe_cp_resend_kv) return A.attention.kv_store.slice(0, owner * Sc, Sc);
   // The workspaces hold the blocks of ring steps 1 .. cp - 1.
   const int cp = P.shape.cp, step = ((P.at.cp - owner) % cp + cp) % cp;
-  return (backward ? P.ws().kv_backward : P.ws().kv_forward).slice(0, (step - 1) * Sc, Sc);
+  return (backward ? P.ws().cp_ring.kv_backward : P.ws().cp_ring.kv_forward)
+      .slice(0, (step - 1) * Sc, Sc);
 }
 
 TaskId resend_blocks(RankProgram& P, const BuildPosition& pos, int l, TaskId ready) {
@@ -146,14 +147,14 @@ TaskId ampipe_ring_attention_backward(RankProgram& P, const BuildPosition& pos, 
                   // Chunk 1's backward runs first: the chunks add dq, dk and dv from here on;
                   // zeroed here, not earlier, as the layer above's deferred weight half reads d_qkv
                   // until this layer's combines are launched.
-                  if (c == 1) w.d_qkv.fill(0.f);
+                  if (c == 1) w.attention.d_qkv.fill(0.f);
                   const RingAttention ring(*p, layer);
                   for (int owner = 0; owner < p->shape.cp; ++owner)
                     for (const Product& product : chunk_products(me, c, owner))
                       if (product_units(p->shape, me, owner, product) > 0)
                         ring.attend_piece_backward(
                             set, mb, product.query_half, kv_block(*p, set, layer, owner, true),
-                            w.dkv_send.slice(0, owner * Sc, Sc), owner, product.key_half);
+                            w.cp_ring.dkv_send.slice(0, owner * Sc, Sc), owner, product.key_half);
                 });
   P.after(ready, task);
   P.after(blocks, task);
@@ -168,16 +169,16 @@ TaskId AmpipeBlock::send_block_gradients_home(const BuildPosition& pos, TaskId r
   const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
   const std::string at = fmt::format("L{}.", l);
   BackwardWorkspace& w = P->ws();
-  const TaskId sent = P->context.all_to_all(ready, read_of(w.dkv_send), all_of(w.dkv_recv),
-                                            at + "cp_kv_grad", tags);
+  const TaskId sent = P->context.all_to_all(ready, read_of(w.cp_ring.dkv_send),
+                                            all_of(w.cp_ring.dkv_recv), at + "cp_kv_grad", tags);
   const double block = static_cast<double>(Sc * P->shape.B * P->shape.Gl * 2 * P->shape.d);
   const TaskId home =
       P->compute(at + "cp_kv_grad_sum", tags, cost::streamed(z, (cp + 1) * block), [p, cp, Sc] {
         BackwardWorkspace& w = p->ws();
-        const Tensor& sum = w.dring[cp % 2];
-        sum.copy_from(w.dkv_recv.slice(0, 0, Sc));
+        const Tensor& sum = w.cp_ring.dring[cp % 2];
+        sum.copy_from(w.cp_ring.dkv_recv.slice(0, 0, Sc));
         for (int source = 1; source < cp; ++source)
-          ops::accumulate(w.dkv_recv.slice(0, source * Sc, Sc), sum);
+          ops::accumulate(w.cp_ring.dkv_recv.slice(0, source * Sc, Sc), sum);
       });
   P->after(sent, home);
   return home;

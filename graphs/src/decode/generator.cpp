@@ -68,7 +68,7 @@ struct RankDecode {
   Tensor final_norm, logits_local, logits_all;
   std::vector<std::int32_t> top_index, token_id{0};
   std::vector<std::int64_t> begin;
-  QkNormState qk;                        // --qk-layernorm
+  AttentionDecodeState attention;        // what project_qkv keeps beyond the QKV
   std::vector<Tensor> k_cache, v_cache;  // by model layer (held layers only)
   std::vector<float> token{0.f};         // the sampled token, broadcast as a float
 };
@@ -145,9 +145,8 @@ struct Generator::Impl {
       R.fc1 = buffer(r, {1, f1l});
       R.act = buffer(r, {1, model.ffn_hidden_size / plan.tensor_parallel});
       R.mlp_out = buffer(r, {1, h});
-      if (model.qk_layernorm)
-        R.qk =
-            allocate_qk_norm([&](const ops::Shape& s) { return buffer(r, s); }, 1, 1, Gl, qpg, d);
+      R.attention = allocate_attention_decoding(
+          specs.front(), [&](const ops::Shape& s) { return buffer(r, s); }, Gl, qpg, d);
       if (E > 0) {
         R.router_logits = buffer(r, {1, E});
         R.probs = buffer(r, {1, E});
@@ -295,11 +294,12 @@ struct Generator::Impl {
     chain.compute(at + "attention_input", [r, self, l] {
       const ModelConfig& m = self->model;
       const LayerShard& W = r->shard->layer(l);
-      norm_forward(m, r->x, *W.ln1_weight, W.ln1_bias, r->norm, r->mean, r->rstd);
+      norm_forward(m, r->x, *W.attention.ln1_weight, W.attention.ln1_bias, r->norm, r->mean,
+                   r->rstd);
       const std::int64_t d = self->d, keys = self->qpg * d, pos = self->position;
       const std::int64_t positions[] = {pos};
-      project_qkv(self->specs[static_cast<std::size_t>(l)], m, W, r->norm, r->qkv, positions,
-                  r->qk);
+      project_qkv(self->specs[static_cast<std::size_t>(l)], m, W.attention, r->norm, r->qkv,
+                  positions, r->attention);
       // The incremental part: this position's key and value join the cache, the query attends
       // to every cached position.
       const Tensor& kc = r->k_cache[static_cast<std::size_t>(l)];
@@ -308,13 +308,14 @@ struct Generator::Impl {
       vc.slice(1, pos, 1).copy_from(r->qkv.slice(3, keys + d, d));
       ops::attention_forward({.q_offset = pos}, r->qkv.slice(3, 0, keys), kc.slice(1, 0, pos + 1),
                              vc.slice(1, 0, pos + 1), r->attn, r->lse);
-      ops::linear_forward(r->attn.reshape({1, self->Hl * d}), W.proj_weight->value, Tensor{},
-                          r->proj);
+      ops::linear_forward(r->attn.reshape({1, self->Hl * d}), W.attention.proj_weight->value,
+                          Tensor{}, r->proj);
     });
     chain.all_reduce(tensor, R.proj, at + "attention_reduce");
     chain.compute(at + "mlp_input", [r, self, l] {
       const LayerShard& W = r->shard->layer(l);
-      if (W.proj_bias) ops::accumulate(W.proj_bias->value.reshape({1, self->h}), r->proj);
+      if (W.attention.proj_bias)
+        ops::accumulate(W.attention.proj_bias->value.reshape({1, self->h}), r->proj);
       ops::accumulate(r->proj, r->x);
       norm_forward(self->model, r->x, *W.ln2_weight, W.ln2_bias, r->norm, r->mean, r->rstd);
     });
@@ -324,20 +325,22 @@ struct Generator::Impl {
       if (mesh.experts_split()) chain.all_reduce(tensor, R.mlp_out, at + "experts_tp_reduce");
     } else {
       chain.compute(at + "mlp", [r, self, l] {
-        dense_mlp_forward(self->model, r->shard->layer(l), r->norm, r->fc1, r->act, r->mlp_out);
+        dense_mlp_forward(self->model, r->shard->layer(l).dense_mlp(), r->norm, r->fc1, r->act,
+                          r->mlp_out);
       });
       chain.all_reduce(tensor, R.mlp_out, at + "mlp_reduce");
     }
     chain.compute(at + "mlp_residual", [r, self, l] {
       const LayerShard& W = r->shard->layer(l);
-      if (W.fc2_bias) ops::accumulate(W.fc2_bias->value.reshape({1, self->h}), r->mlp_out);
+      const Parameter* bias = W.moe() ? nullptr : W.dense_mlp().fc2_bias;  // MoE: no bias
+      if (bias) ops::accumulate(bias->value.reshape({1, self->h}), r->mlp_out);
       ops::accumulate(r->mlp_out, r->x);
     });
   }
 
   // The token's top-k experts that this rank holds, weighted: its share of the layer's output.
   void experts(RankDecode& R, int l) {
-    const LayerShard& W = R.shard->layer(l);
+    const MoeMlpParameters& W = R.shard->layer(l).moe_mlp();
     const int k = model.moe_router_topk, first = R.shard->first_expert(),
               local = R.shard->local_experts();
     ops::linear_forward(R.norm, W.router_weight->value, Tensor{}, R.router_logits);

@@ -1,4 +1,5 @@
-// What a layer's attention keeps for its backward, on one device, for one micro-batch in flight.
+// What a layer's attention keeps for its backward, on one device, for one micro-batch in flight,
+// and the gradient workspace its backward uses.
 #pragma once
 
 #include "weave/ops/tensor.hpp"
@@ -24,6 +25,12 @@ struct AttentionActivations {
   // kept from the input-gradient half (I) until the weight half (W) runs.
   Tensor saved_d_proj, saved_d_qkv;
   QkNormState qk_norm;
+};
+
+// The attention's share of the backward's workspace, one per device for all its layers (the
+// backward runs layer after layer): the attention output's and QKV's gradients.
+struct AttentionWorkspace {
+  Tensor d_attn, d_qkv;  // [S, B, Hl d], [S, B, Hl, 3d]
 };
 
 }  // namespace weave::graphs

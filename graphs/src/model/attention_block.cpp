@@ -43,7 +43,7 @@ struct QkNormPart {
 };
 
 // Part 0: the queries [s B, Gl, qpg, d]; part 1: the keys [s B, Gl, 1, d].
-QkNormPart qk_norm_part(const LayerShard& W, const Tensor& qkv, const QkNormState& qk,
+QkNormPart qk_norm_part(const AttentionParameters& W, const Tensor& qkv, const QkNormState& qk,
                         std::int64_t d, int part) {
   const std::int64_t qpg = qkv.dim(3) / d - 2;
   const Tensor heads = qkv.reshape({qkv.dim(0) * qkv.dim(1), qkv.dim(2), qpg + 2, d});
@@ -58,8 +58,7 @@ QkNormPart qk_norm_part(const LayerShard& W, const Tensor& qkv, const QkNormStat
           .bias = part == 0 ? W.q_norm_bias : W.k_norm_bias};
 }
 
-}  // namespace
-
+// --qk-layernorm: the saved state of s rows of B sequences.
 QkNormState allocate_qk_norm(const std::function<Tensor(const ops::Shape&)>& allocate,
                              std::int64_t s, std::int64_t B, std::int64_t Gl, std::int64_t qpg,
                              std::int64_t d) {
@@ -67,6 +66,16 @@ QkNormState allocate_qk_norm(const std::function<Tensor(const ops::Shape&)>& all
   return {.in = allocate({s * B, Gl, qpg + 1, d}),
           .mean = allocate({heads}),
           .rstd = allocate({heads})};
+}
+
+}  // namespace
+
+AttentionDecodeState allocate_attention_decoding(
+    const LayerSpec& spec, const std::function<Tensor(const ops::Shape&)>& allocate,
+    std::int64_t Gl, std::int64_t qpg, std::int64_t d) {
+  AttentionDecodeState state;
+  if (spec.qk_norm) state.qk_norm = allocate_qk_norm(allocate, 1, 1, Gl, qpg, d);
+  return state;
 }
 
 std::vector<std::int64_t> context_positions(const RankProgram& rank) {
@@ -77,8 +86,8 @@ std::vector<std::int64_t> context_positions(const RankProgram& rank) {
   return positions;
 }
 
-void project_qkv(const LayerSpec& spec, const ModelConfig& m, const LayerShard& W, const Tensor& x,
-                 const Tensor& qkv, std::span<const std::int64_t> positions,
+void project_qkv(const LayerSpec& spec, const ModelConfig& m, const AttentionParameters& W,
+                 const Tensor& x, const Tensor& qkv, std::span<const std::int64_t> positions,
                  const QkNormState& qk) {
   ops::linear_forward(x, W.qkv_weight->value, value_of(W.qkv_bias),
                       qkv.reshape(x.shape().with(-1, qkv.numel() / x.rows())));
@@ -94,7 +103,7 @@ void project_qkv(const LayerSpec& spec, const ModelConfig& m, const LayerShard& 
     rotate_queries_and_keys(m, qkv, positions, false);
 }
 
-void project_qkv_backward(const LayerSpec& spec, const ModelConfig& m, const LayerShard& W,
+void project_qkv_backward(const LayerSpec& spec, const ModelConfig& m, const AttentionParameters& W,
                           const Tensor& d_qkv, std::span<const std::int64_t> positions,
                           const QkNormState& qk) {
   if (m.position_embedding == PositionEmbedding::rope)
@@ -123,7 +132,7 @@ namespace {
 // --qk-layernorm's weights (and LayerNorm's biases), [d] each: every tp rank norms its own heads
 // with the whole weight, so its gradient is a partial sum over tp.
 void declare_qk_norms(ParameterDeclarer& declare, const LayerSpec& spec, const std::string& prefix,
-                      LayerShard& L) {
+                      AttentionParameters& L) {
   const std::int64_t d = declare.model.head_dim();
   auto norm = [&](const char* name, double value) {
     return &declare.replicated(
@@ -139,7 +148,7 @@ void declare_qk_norms(ParameterDeclarer& declare, const LayerSpec& spec, const s
 }  // namespace
 
 void AttentionBlock::declare_parameters(ParameterDeclarer& declare, const LayerSpec& spec,
-                                        int layer, LayerShard& L) {
+                                        int layer, AttentionParameters& L) {
   const ModelConfig& m = declare.model;
   const std::int64_t h = m.hidden_size, d = m.head_dim(), heads = m.num_attention_heads;
   const std::int64_t t = declare.at.tp, heads_local = heads / declare.tp;
@@ -223,7 +232,7 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
   const TaskId ln1 =
       P->compute(at + "input_norm", tags, cost::streamed(z, 2 * rows), [p, layer, set] {
         LayerActivations& A = p->acts(set, layer);
-        const LayerShard& W = p->layer(layer);
+        const AttentionParameters& W = p->attention_parameters(layer);
         norm_forward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.attention.ln1,
                      A.attention.ln1_mean, A.attention.ln1_rstd);
       });
@@ -236,8 +245,8 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
   const TaskId qkv = P->compute(at + "qkv", tags, cost::qkv(z) + qk_norm_cost(z, l, 4), [=] {
     LayerActivations& A = p->acts(set, layer);
     const StepShape& z = p->shape;
-    project_qkv(z.spec(layer), z.model, p->layer(layer), A.attention.ln1_full, A.attention.qkv,
-                context_positions(*p), A.attention.qk_norm);
+    project_qkv(z.spec(layer), z.model, p->attention_parameters(layer), A.attention.ln1_full,
+                A.attention.qkv, context_positions(*p), A.attention.qk_norm);
     if (ring) {  // keys and values, contiguous: the block this rank sends round the ring
       const std::int64_t keys = p->shape.qpg * d;
       A.attention.kv_local.slice(3, 0, d).copy_from(A.attention.qkv.slice(3, keys, d));
@@ -268,7 +277,7 @@ TaskId AttentionBlock::forward(const BuildPosition& pos, TaskId ready) const {
                                  value_view(A.attention.qkv, z), output_view(A.attention.attn, z),
                                  A.attention.lse.reshape({B, Hl, Sc}));
           ops::linear_forward(A.attention.attn.reshape({Sc, B, Hl * d}),
-                              p->layer(layer).proj_weight->value, Tensor{},
+                              p->attention_parameters(layer).proj_weight->value, Tensor{},
                               A.attention.proj_partial);
         });
     P->after(qkv, attention);
@@ -300,22 +309,23 @@ TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHa
   const TaskId attention = P->compute(at + "attention_backward", tags, flops, [=] {
     LayerActivations& A = p->acts(set, layer);
     BackwardWorkspace& w = p->ws();
-    const LayerShard& W = p->layer(layer);
+    const AttentionParameters& W = p->attention_parameters(layer);
     const Tensor d_proj = sp ? w.d_mlp_full : w.d_mlp;
-    ops::linear_backward_input(d_proj, W.proj_weight->value, w.d_attn);
+    ops::linear_backward_input(d_proj, W.proj_weight->value, w.attention.d_attn);
     if (keep)
       A.attention.saved_d_proj.copy_from(d_proj);
     else  // the projection's weight half, folded in: nothing would overlap it
       ops::linear_backward_weight(A.attention.attn.reshape({Sc, B, Hl * d}), d_proj,
                                   W.proj_weight->grad, Tensor{});
-    w.d_qkv.fill(0.f);  // attention accumulates dk and dv
+    w.attention.d_qkv.fill(0.f);  // attention accumulates dk and dv
     const StepShape& z = p->shape;
     if (!ring)
       ops::attention_backward({.dropout = attention_dropout(*p, layer, mb)},
                               query_view(A.attention.qkv, z), key_view(A.attention.qkv, z),
                               value_view(A.attention.qkv, z), output_view(A.attention.attn, z),
-                              A.attention.lse.reshape({B, Hl, Sc}), output_view(w.d_attn, z),
-                              query_view(w.d_qkv, z), key_view(w.d_qkv, z), value_view(w.d_qkv, z));
+                              A.attention.lse.reshape({B, Hl, Sc}),
+                              output_view(w.attention.d_attn, z), query_view(w.attention.d_qkv, z),
+                              key_view(w.attention.d_qkv, z), value_view(w.attention.d_qkv, z));
   });
   P->after(gathered, attention);
   if (keep)
@@ -323,9 +333,9 @@ TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHa
       return p->compute(at + "attention_weight_grad", pos.tags(rt::Phase::weight, layer),
                         cost::projection(z), [=] {
                           LayerActivations& A = p->acts(set, layer);
-                          ops::linear_backward_weight(A.attention.attn.reshape({Sc, B, Hl * d}),
-                                                      A.attention.saved_d_proj,
-                                                      p->layer(layer).proj_weight->grad, Tensor{});
+                          ops::linear_backward_weight(
+                              A.attention.attn.reshape({Sc, B, Hl * d}), A.attention.saved_d_proj,
+                              p->attention_parameters(layer).proj_weight->grad, Tensor{});
                         });
     });
   TaskId kv_grads = attention;
@@ -343,14 +353,14 @@ void qkv_input_gradient(RankProgram& P, int set, int layer, bool ring, bool keep
   AttentionActivations& A = P.acts(set, layer).attention;
   const std::int64_t d = z.d, keys = z.qpg * d, width = z.qkv_width();
   if (ring) {  // the block's gradients came home with the last turn of the ring
-    const Tensor& home = w.dring[z.cp % 2];
-    w.d_qkv.slice(3, keys, d).copy_from(home.slice(3, 0, d));
-    w.d_qkv.slice(3, keys + d, d).copy_from(home.slice(3, d, d));
+    const Tensor& home = w.cp_ring.dring[z.cp % 2];
+    w.attention.d_qkv.slice(3, keys, d).copy_from(home.slice(3, 0, d));
+    w.attention.d_qkv.slice(3, keys + d, d).copy_from(home.slice(3, d, d));
   }
-  project_qkv_backward(z.spec(layer), z.model, P.layer(layer), w.d_qkv, context_positions(P),
-                       A.qk_norm);
-  const Tensor d_out = w.d_qkv.reshape({z.Sc, z.B, width});
-  ops::linear_backward_input(d_out, P.layer(layer).qkv_weight->value, w.d_norm_full);
+  project_qkv_backward(z.spec(layer), z.model, P.attention_parameters(layer), w.attention.d_qkv,
+                       context_positions(P), A.qk_norm);
+  const Tensor d_out = w.attention.d_qkv.reshape({z.Sc, z.B, width});
+  ops::linear_backward_input(d_out, P.attention_parameters(layer).qkv_weight->value, w.d_norm_full);
   if (keep) A.saved_d_qkv.copy_from(d_out);
 }
 
@@ -379,9 +389,9 @@ TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, We
     const rt::TaskTags t = pos.tags(keep ? rt::Phase::weight : rt::Phase::backward, layer);
     return p->compute(at + "qkv_weight_grad", t, cost::qkv(z), [=] {
       LayerActivations& A = p->acts(set, layer);
-      const LayerShard& W = p->layer(layer);
-      const Tensor d_out =
-          keep ? A.attention.saved_d_qkv : p->ws().d_qkv.reshape({Sc, B, p->shape.qkv_width()});
+      const AttentionParameters& W = p->attention_parameters(layer);
+      const Tensor d_out = keep ? A.attention.saved_d_qkv
+                                : p->ws().attention.d_qkv.reshape({Sc, B, p->shape.qkv_width()});
       ops::linear_backward_weight(A.attention.ln1_full, d_out, W.qkv_weight->grad,
                                   grad_of(W.qkv_bias));
     });
@@ -407,7 +417,7 @@ TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, We
       P->compute(at + "input_norm_backward", tags, cost::streamed(z, 6.0 * z.Sl * z.B * z.h), [=] {
         LayerActivations& A = p->acts(set, layer);
         BackwardWorkspace& w = p->ws();
-        const LayerShard& W = p->layer(layer);
+        const AttentionParameters& W = p->attention_parameters(layer);
         norm_backward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.attention.ln1_mean,
                       A.attention.ln1_rstd, w.d_norm, w.d_tmp);
         ops::accumulate(w.d_tmp, w.d_x);

@@ -12,6 +12,7 @@
 #include <span>
 #include <vector>
 
+#include "model/attention_parameters.hpp"
 #include "model/parameter_declarer.hpp"
 #include "step/rank_program.hpp"
 #include "step/weight_halves.hpp"
@@ -46,7 +47,7 @@ class AttentionBlock {
 
   // Declares the input norm, QKV and output projection of layer `layer` into `L`.
   static void declare_parameters(ParameterDeclarer& declare, const LayerSpec& spec, int layer,
-                                 LayerShard& L);
+                                 AttentionParameters& L);
 
  private:
   RankProgram* P;
@@ -81,17 +82,30 @@ inline Tensor output_view(const Tensor& t, const StepShape& z) {
 // layer's spec says, every query and key head normed (--qk-layernorm; `qk` keeps the norms'
 // inputs and statistics) and rotated to `positions`, the global positions of the s rows
 // (--position-embedding-type rope).
-void project_qkv(const LayerSpec& spec, const ModelConfig& m, const LayerShard& W, const Tensor& x,
-                 const Tensor& qkv, std::span<const std::int64_t> positions, const QkNormState& qk);
+void project_qkv(const LayerSpec& spec, const ModelConfig& m, const AttentionParameters& W,
+                 const Tensor& x, const Tensor& qkv, std::span<const std::int64_t> positions,
+                 const QkNormState& qk);
 // Its backward up to the projection's output, in place on the QKV gradient d_qkv: the rotation
 // undone, then the norms' backward (their weights' gradients accumulated).
-void project_qkv_backward(const LayerSpec& spec, const ModelConfig& m, const LayerShard& W,
+void project_qkv_backward(const LayerSpec& spec, const ModelConfig& m, const AttentionParameters& W,
                           const Tensor& d_qkv, std::span<const std::int64_t> positions,
                           const QkNormState& qk);
-// --qk-layernorm: the saved state of s rows of B sequences.
-QkNormState allocate_qk_norm(const std::function<Tensor(const ops::Shape&)>& allocate,
-                             std::int64_t s, std::int64_t B, std::int64_t Gl, std::int64_t qpg,
-                             std::int64_t d);
+// Decoding one token at a time: what project_qkv keeps for the token's one row beyond its QKV, as
+// the layer's spec says (the qk norms' inputs and statistics with --qk-layernorm).
+struct AttentionDecodeState {
+  QkNormState qk_norm;
+};
+// Its buffers, from `allocate`. Every layer's attention has the same spec, so one state serves
+// them all.
+AttentionDecodeState allocate_attention_decoding(
+    const LayerSpec& spec, const std::function<Tensor(const ops::Shape&)>& allocate,
+    std::int64_t Gl, std::int64_t qpg, std::int64_t d);
+// project_qkv of the token's one row at `positions` (one), as decoding runs it.
+inline void project_qkv(const LayerSpec& spec, const ModelConfig& m, const AttentionParameters& W,
+                        const Tensor& x, const Tensor& qkv, std::span<const std::int64_t> positions,
+                        const AttentionDecodeState& state) {
+  project_qkv(spec, m, W, x, qkv, positions, state.qk_norm);
+}
 // The global positions of this rank's Sc rows.
 std::vector<std::int64_t> context_positions(const RankProgram& rank);
 

@@ -9,7 +9,7 @@
 namespace weave::graphs {
 
 void DenseMlp::declare_parameters(ParameterDeclarer& declare, const LayerSpec&, int layer,
-                                  LayerShard& L) {
+                                  DenseMlpParameters& L) {
   const ModelConfig& m = declare.model;
   const std::int64_t h = m.hidden_size, f = m.ffn_hidden_size, f_local = f / declare.tp;
   const std::int64_t t = declare.at.tp;
@@ -34,7 +34,7 @@ void DenseMlp::declare_parameters(ParameterDeclarer& declare, const LayerSpec&, 
                             declare.mesh.plan().sequence_parallel);
 }
 
-void dense_mlp_forward(const ModelConfig& m, const LayerShard& W, const Tensor& x,
+void dense_mlp_forward(const ModelConfig& m, const DenseMlpParameters& W, const Tensor& x,
                        const Tensor& fc1, const Tensor& act, const Tensor& out) {
   ops::linear_forward(x, W.fc1_weight->value, value_of(W.fc1_bias), fc1);
   mlp_activation_forward(m, fc1, act);
@@ -60,13 +60,14 @@ void DenseMlp::allocate(LayerActivations& A) const {
   const StepShape& z = P->shape;
   const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h;
   A.ln2_full = z.sp() ? P->activation({Sc, B, h}) : A.ln2;
-  A.dense.fc1 = P->activation({Sc, B, z.f1l});
-  A.dense.act = P->activation({Sc, B, z.fl});
-  A.dense.fc2_partial = P->activation({Sc, B, h});
-  A.mlp_out = z.sp() ? P->activation({Sl, B, h}) : A.dense.fc2_partial;
+  DenseMlpActivations& D = A.mlp.emplace<DenseMlpActivations>();
+  D.fc1 = P->activation({Sc, B, z.f1l});
+  D.act = P->activation({Sc, B, z.fl});
+  D.fc2_partial = P->activation({Sc, B, h});
+  A.mlp_out = z.sp() ? P->activation({Sl, B, h}) : D.fc2_partial;
   if (z.splits_backward) {
-    A.dense.saved_d_fc2 = P->activation({Sc, B, h});
-    A.dense.saved_d_fc1 = P->activation({Sc, B, z.f1l});
+    D.saved_d_fc2 = P->activation({Sc, B, h});
+    D.saved_d_fc1 = P->activation({Sc, B, z.f1l});
   }
 }
 
@@ -81,12 +82,12 @@ TaskId DenseMlp::forward(const BuildPosition& pos, TaskId ready) const {
   if (z.sp()) gathered = sp_gather(*P, ready, A.ln2, A.ln2_full, at + "sp_gather_mlp", tags);
   const TaskId mlp = P->compute(at + "mlp", tags, cost::mlp(z, z.Sc * z.B), [p, layer, set] {
     LayerActivations& A = p->acts(set, layer);
-    dense_mlp_forward(p->shape.model, p->layer(layer), A.ln2_full, A.dense.fc1, A.dense.act,
-                      A.dense.fc2_partial);
+    dense_mlp_forward(p->shape.model, p->dense_mlp_parameters(layer), A.ln2_full, A.dense().fc1,
+                      A.dense().act, A.dense().fc2_partial);
   });
   P->after(gathered, mlp);
   const TaskId reduced =
-      reduce_partial(*P, mlp, A.dense.fc2_partial, A.mlp_out, at + "mlp_reduce", tags);
+      reduce_partial(*P, mlp, A.dense().fc2_partial, A.mlp_out, at + "mlp_reduce", tags);
   return reduced != rt::kNoTask ? reduced : mlp;
 }
 
@@ -107,15 +108,15 @@ TaskId DenseMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& 
   const TaskId mlp = P->compute(at + "mlp_backward", tags, (keep ? 1 : 2) * fc2_weight + fc1, [=] {
     LayerActivations& A = p->acts(set, layer);
     BackwardWorkspace& w = p->ws();
-    const LayerShard& W = p->layer(layer);
-    ops::linear_backward_input(w.d_mlp_full, W.fc2_weight->value, w.d_act);
+    const DenseMlpParameters& W = p->dense_mlp_parameters(layer);
+    ops::linear_backward_input(w.d_mlp_full, W.fc2_weight->value, w.dense_mlp.d_act);
     if (keep)
-      A.dense.saved_d_fc2.copy_from(w.d_mlp_full);
+      A.dense().saved_d_fc2.copy_from(w.d_mlp_full);
     else  // fc2's weight half, folded in: nothing would overlap it
-      ops::linear_backward_weight(A.dense.act, w.d_mlp_full, W.fc2_weight->grad, Tensor{});
-    mlp_activation_backward(p->shape.model, A.dense.fc1, w.d_act, w.d_fc1);
-    ops::linear_backward_input(w.d_fc1, W.fc1_weight->value, w.d_norm_full);
-    if (keep) A.dense.saved_d_fc1.copy_from(w.d_fc1);
+      ops::linear_backward_weight(A.dense().act, w.d_mlp_full, W.fc2_weight->grad, Tensor{});
+    mlp_activation_backward(p->shape.model, A.dense().fc1, w.dense_mlp.d_act, w.dense_mlp.d_fc1);
+    ops::linear_backward_input(w.dense_mlp.d_fc1, W.fc1_weight->value, w.d_norm_full);
+    if (keep) A.dense().saved_d_fc1.copy_from(w.dense_mlp.d_fc1);
   });
   P->after(gathered, mlp);
   const TaskId reduced =
@@ -126,10 +127,10 @@ TaskId DenseMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& 
       return p->compute(at + "mlp_weight_grad", pos.tags(rt::Phase::weight, layer),
                         fc1 + fc2_weight, [=] {
                           LayerActivations& A = p->acts(set, layer);
-                          const LayerShard& W = p->layer(layer);
-                          ops::linear_backward_weight(A.dense.act, A.dense.saved_d_fc2,
+                          const DenseMlpParameters& W = p->dense_mlp_parameters(layer);
+                          ops::linear_backward_weight(A.dense().act, A.dense().saved_d_fc2,
                                                       W.fc2_weight->grad, Tensor{});
-                          ops::linear_backward_weight(A.ln2_full, A.dense.saved_d_fc1,
+                          ops::linear_backward_weight(A.ln2_full, A.dense().saved_d_fc1,
                                                       W.fc1_weight->grad, grad_of(W.fc1_bias));
                         });
     });
@@ -138,9 +139,9 @@ TaskId DenseMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& 
     // fc1's weight half runs while its input gradient is reduced.
     const TaskId weights = halves.place(WeightPlacement::immediate, [=] {
       return p->compute(at + "mlp_weight_grad", tags, fc1, [=] {
-        const LayerShard& W = p->layer(layer);
-        ops::linear_backward_weight(p->acts(set, layer).ln2_full, p->ws().d_fc1, W.fc1_weight->grad,
-                                    grad_of(W.fc1_bias));
+        const DenseMlpParameters& W = p->dense_mlp_parameters(layer);
+        ops::linear_backward_weight(p->acts(set, layer).ln2_full, p->ws().dense_mlp.d_fc1,
+                                    W.fc1_weight->grad, grad_of(W.fc1_bias));
       });
     });
     if (reduced == rt::kNoTask) norm_ready = weights;

@@ -5,6 +5,7 @@
 // activation [Sc, B, fl] -> fc2 partial sums [Sc, B, h] -> (reduce) mlp_out [Sl, B, h].
 #pragma once
 
+#include "model/dense_mlp_parameters.hpp"
 #include "model/parameter_declarer.hpp"
 #include "step/rank_program.hpp"
 #include "step/weight_halves.hpp"
@@ -28,7 +29,7 @@ class DenseMlp {
 
   // Declares fc1 (column-parallel) and fc2 (row-parallel) of layer `layer` into `L`.
   static void declare_parameters(ParameterDeclarer& declare, const LayerSpec& spec, int layer,
-                                 LayerShard& L);
+                                 DenseMlpParameters& L);
 
  private:
   RankProgram* P;
@@ -37,7 +38,7 @@ class DenseMlp {
 
 // The MLP's computation on normed rows x [.., h], shared by training and decoding: fc1 into `fc1`
 // [.., f1l], the nonlinearity into `act` [.., fl], and fc2's partial sums into `out` [.., h].
-void dense_mlp_forward(const ModelConfig& m, const LayerShard& W, const Tensor& x,
+void dense_mlp_forward(const ModelConfig& m, const DenseMlpParameters& W, const Tensor& x,
                        const Tensor& fc1, const Tensor& act, const Tensor& out);
 
 // The MLP's nonlinearity on a rank's [.., f1l] pre-activations (SwiGLU: gates, then values).

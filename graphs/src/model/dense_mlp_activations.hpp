@@ -1,4 +1,5 @@
-// What a dense layer's MLP keeps for its backward, on one device, for one micro-batch in flight.
+// What a dense layer's MLP keeps for its backward, on one device, for one micro-batch in flight,
+// and the gradient workspace its backward uses.
 #pragma once
 
 #include "weave/ops/tensor.hpp"
@@ -12,6 +13,12 @@ struct DenseMlpActivations {
   // A split backward (zero-bubble schedules): fc2's and fc1's output gradients, kept from the
   // input-gradient half (I) until the weight half (W) runs.
   Tensor saved_d_fc2, saved_d_fc1;
+};
+
+// The dense MLP's share of the backward's workspace, one per device for all its layers: the
+// activation's and fc1's output gradients.
+struct DenseMlpWorkspace {
+  Tensor d_act, d_fc1;  // [S, B, f], [S, B, f1]
 };
 
 }  // namespace weave::graphs

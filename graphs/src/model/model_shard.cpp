@@ -6,6 +6,7 @@
 #include <numbers>
 #include <numeric>
 
+#include "model/layer_shard.hpp"
 #include "model/parameter_declarer.hpp"
 #include "model/transformer_layer.hpp"
 #include "weave/ops/random.hpp"
@@ -124,11 +125,18 @@ ModelShard::ModelShard(const ModelConfig& m, const Mesh& mesh, int rank, devices
     LayerShard& L = layers_[static_cast<std::size_t>(l)];
     holding_ = holds_layer(l);
     TransformerLayer::declare_parameters(declarer, resolve_layer_spec(m, plan, l), l, L);
-    if (!holding_) L = LayerShard{.moe = L.moe};  // counted only: another stage holds it
+    // Counted only: another stage holds it; the layer keeps its kind of MLP.
+    if (!holding_) L = L.moe() ? LayerShard{.mlp = MoeMlpParameters{}} : LayerShard{};
   }
   declare_output_layer(declarer);
   holding_ = true;
   make_buckets(mesh, rank);
+}
+
+ModelShard::~ModelShard() = default;
+
+const LayerShard& ModelShard::layer(int l) const {
+  return layers_.at(static_cast<std::size_t>(l));
 }
 
 void ModelShard::declare_embedding(ParameterDeclarer& declare) {

@@ -97,23 +97,25 @@ TaskId OutputLoss::backward(const BuildPosition& pos, TaskId ready, WeightHalves
     OutputSet& X = p->oset(out);
     BackwardWorkspace& w = p->ws();
     ops::cross_entropy_backward<float>(X.logits, X.targets, vocab_shard(*p), X.lse,
-                                       cross_entropy_options(p->shape), 1.0, w.d_logits);
-    ops::linear_backward_input(w.d_logits, p->shard().output_weight().value,
-                               w.d_final_full.reshape({Sc * B, h}));
-    if (keep) X.saved_d_logits.copy_from(w.d_logits);
+                                       cross_entropy_options(p->shape), 1.0, w.output.d_logits);
+    ops::linear_backward_input(w.output.d_logits, p->shard().output_weight().value,
+                               w.output.d_final_full.reshape({Sc * B, h}));
+    if (keep) X.saved_d_logits.copy_from(w.output.d_logits);
   });
   P->after(ready, d_logits);
   BackwardWorkspace& w = P->ws();
-  const TaskId reduced = reduce_partial(*P, d_logits, w.d_final_full,
-                                        sp ? w.d_norm : w.d_final_full, "final_grad_reduce", tags);
+  const TaskId reduced =
+      reduce_partial(*P, d_logits, w.output.d_final_full, sp ? w.d_norm : w.output.d_final_full,
+                     "final_grad_reduce", tags);
   // The output layer's weight half overlaps the reduction above.
   halves.place(halves.immediate(), [=] {
     return p->compute("logits_weight_grad",
                       pos.tags(keep ? rt::Phase::weight : rt::Phase::backward), logits_flops, [=] {
                         OutputSet& X = p->oset(out);
-                        ops::linear_backward_weight(X.final_full.reshape({Sc * B, h}),
-                                                    keep ? X.saved_d_logits : p->ws().d_logits,
-                                                    p->shard().output_weight().grad, Tensor{});
+                        ops::linear_backward_weight(
+                            X.final_full.reshape({Sc * B, h}),
+                            keep ? X.saved_d_logits : p->ws().output.d_logits,
+                            p->shard().output_weight().grad, Tensor{});
                       });
   });
   const TaskId norm =
@@ -121,7 +123,7 @@ TaskId OutputLoss::backward(const BuildPosition& pos, TaskId ready, WeightHalves
         OutputSet& X = p->oset(out);
         BackwardWorkspace& w = p->ws();
         ModelShard& W = p->shard();
-        const Tensor d_in = sp ? w.d_norm : w.d_final_full;
+        const Tensor d_in = sp ? w.d_norm : w.output.d_final_full;
         norm_backward(p->shape.model, p->acts(set, last_layer).x_out, W.final_ln_weight(),
                       W.final_ln_bias(), X.final_mean, X.final_rstd, d_in, w.d_x);
       });

@@ -17,9 +17,9 @@ TaskId RingAttention::shift(TaskId ready, const Tensor& from, const Tensor& into
   const StepShape& z = P->shape;
   return P->context.all_to_all_v(ready,
                                  {.send = read_of(from),
-                                  .send_counts = &w.ring_send,
+                                  .send_counts = &w.cp_ring.ring_send,
                                   .recv = all_of(into),
-                                  .recv_counts = std::span<std::int64_t>(w.ring_recv)},
+                                  .recv_counts = std::span<std::int64_t>(w.cp_ring.ring_recv)},
                                  z.B * z.Gl * 2 * z.d, name, tags);
 }
 
@@ -29,7 +29,7 @@ int RingAttention::owner(int t) const {
 }
 
 Tensor RingAttention::block(int set, int t) const {
-  return t == 0 ? P->acts(set, l).attention.kv_local : P->ws().ring[t % 2];
+  return t == 0 ? P->acts(set, l).attention.kv_local : P->ws().cp_ring.ring[t % 2];
 }
 
 void RingAttention::merge_partial(const Tensor& o, const Tensor& lse, const Tensor& o_part,
@@ -71,11 +71,11 @@ void RingAttention::attend_piece(int set, int mb, std::int64_t half, const Tenso
                           .k_offset = z.context_position(from, key_half * chunk),
                           .dropout = attention_dropout(*P, l, mb)},
                          query_view(A.attention.qkv.slice(0, half * chunk, chunk), z),
-                         head_view(keys, d, 0), head_view(keys, d, 1), output_view(w.o_part, z),
-                         w.lse_part);
+                         head_view(keys, d, 0), head_view(keys, d, 1),
+                         output_view(w.cp_ring.o_part, z), w.cp_ring.lse_part);
   merge_partial(A.attention.attn.slice(0, half * chunk, chunk),
-                A.attention.lse.slice(0, half, 1).reshape({z.B, z.Hl, chunk}), w.o_part,
-                w.lse_part);
+                A.attention.lse.slice(0, half, 1).reshape({z.B, z.Hl, chunk}), w.cp_ring.o_part,
+                w.cp_ring.lse_part);
 }
 
 void RingAttention::attend_half_backward(int set, int mb, std::int64_t half, const Tensor& kv,
@@ -92,7 +92,7 @@ void RingAttention::attend_piece_backward(int set, int mb, std::int64_t half, co
   LayerActivations& A = P->acts(set, l);
   BackwardWorkspace& w = P->ws();
   const int me = P->at.cp;
-  const Tensor d_attn = w.d_attn.slice(0, half * chunk, chunk);
+  const Tensor d_attn = w.attention.d_attn.slice(0, half * chunk, chunk);
   const Tensor keys = kv.slice(0, key_half * chunk, chunk);
   const Tensor key_grads = grads.slice(0, key_half * chunk, chunk);
   // With the full (merged) output and log-sum-exp, each block's probabilities are the final
@@ -104,9 +104,9 @@ void RingAttention::attend_piece_backward(int set, int mb, std::int64_t half, co
       query_view(A.attention.qkv.slice(0, half * chunk, chunk), z), head_view(keys, d, 0),
       head_view(keys, d, 1), output_view(A.attention.attn.slice(0, half * chunk, chunk), z),
       A.attention.lse.slice(0, half, 1).reshape({z.B, z.Hl, chunk}), output_view(d_attn, z),
-      output_view(w.dq_part, z), head_view(key_grads, d, 0), head_view(key_grads, d, 1));
-  ops::accumulate(w.dq_part.reshape({chunk, z.B, z.Gl, z.qpg * d}),
-                  w.d_qkv.slice(0, half * chunk, chunk).slice(3, 0, z.qpg * d));
+      output_view(w.cp_ring.dq_part, z), head_view(key_grads, d, 0), head_view(key_grads, d, 1));
+  ops::accumulate(w.cp_ring.dq_part.reshape({chunk, z.B, z.Gl, z.qpg * d}),
+                  w.attention.d_qkv.slice(0, half * chunk, chunk).slice(3, 0, z.qpg * d));
 }
 
 TaskId RingAttention::forward(const BuildPosition& pos, TaskId qkv) const {
@@ -123,7 +123,7 @@ TaskId RingAttention::forward(const BuildPosition& pos, TaskId qkv) const {
     if (t > 0) {
       // Pass the block on while step t - 1 computes with it; the receiver's buffer is free
       // once its step t - 2 is done.
-      const TaskId moved = shift(arrived, block(set, t - 1), P->ws().ring[t % 2],
+      const TaskId moved = shift(arrived, block(set, t - 1), P->ws().cp_ring.ring[t % 2],
                                  at + fmt::format("cp_ring{}", t), tags);
       if (t >= 2) P->after(compute_prev2, moved);
       P->after(qkv, moved);
@@ -143,8 +143,8 @@ TaskId RingAttention::forward(const BuildPosition& pos, TaskId qkv) const {
                        ring.attend_half(set, mb, half, ring.block(set, t), ring.owner(t));
                      if (last)
                        ops::linear_forward(A.attention.attn.reshape({Sc, B, Hl * d}),
-                                           p->layer(layer).proj_weight->value, Tensor{},
-                                           A.attention.proj_partial);
+                                           p->attention_parameters(layer).proj_weight->value,
+                                           Tensor{}, A.attention.proj_partial);
                    });
     P->after(arrived, step);
     compute_prev2 = compute_prev;
@@ -166,27 +166,27 @@ TaskId RingAttention::backward(const BuildPosition& pos, TaskId start) const {
   for (int t = 0; t <= cp; ++t) {
     if (t > 0) {
       // The gradient of the block computed at step t - 1 moves on.
-      const TaskId moved = shift(compute_prev, w.dring[(t - 1) % 2], w.dring[t % 2],
+      const TaskId moved = shift(compute_prev, w.cp_ring.dring[(t - 1) % 2], w.cp_ring.dring[t % 2],
                                  at + fmt::format("cp_ring_grad{}", t), tags);
       if (t >= 2) P->after(compute_prev2, moved);
       grad_arrived = moved;
     }
     if (t == cp) break;
     if (t > 0) {
-      const TaskId moved = shift(kv_arrived, block(set, t - 1), w.ring[t % 2],
+      const TaskId moved = shift(kv_arrived, block(set, t - 1), w.cp_ring.ring[t % 2],
                                  at + fmt::format("cp_ring_kv{}", t), tags);
       if (t >= 2) P->after(compute_prev2, moved);
       kv_arrived = moved;
     }
-    const TaskId step = P->compute(at + "attention_backward_step", tags,
-                                   cost::causal_attention_backward(z) / cp, [=] {
-                                     const RingAttention ring(*p, layer);
-                                     BackwardWorkspace& w = p->ws();
-                                     if (t == 0) w.dring[0].fill(0.f);
-                                     for (std::int64_t half = 0; half < 2; ++half)
-                                       ring.attend_half_backward(set, mb, half, ring.block(set, t),
-                                                                 w.dring[t % 2], ring.owner(t));
-                                   });
+    const TaskId step = P->compute(
+        at + "attention_backward_step", tags, cost::causal_attention_backward(z) / cp, [=] {
+          const RingAttention ring(*p, layer);
+          BackwardWorkspace& w = p->ws();
+          if (t == 0) w.cp_ring.dring[0].fill(0.f);
+          for (std::int64_t half = 0; half < 2; ++half)
+            ring.attend_half_backward(set, mb, half, ring.block(set, t), w.cp_ring.dring[t % 2],
+                                      ring.owner(t));
+        });
     P->after(kv_arrived, step);
     P->after(grad_arrived, step);
     compute_prev2 = compute_prev;

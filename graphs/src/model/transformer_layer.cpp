@@ -32,16 +32,15 @@ void TransformerLayer::declare_parameters(ParameterDeclarer& declare, const Laye
                                           int layer, LayerShard& L) {
   const std::string prefix = fmt::format("layers.{}.", layer);
   declare.bucket(prefix + "attention");
-  AttentionBlock::declare_parameters(declare, spec, layer, L);
+  AttentionBlock::declare_parameters(declare, spec, layer, L.attention);
   declare.bucket(prefix + "mlp");
   L.ln2_weight = declare.norm(prefix + "mlp_norm.weight", 1);
   if (spec.norm == Normalization::layer_norm)
     L.ln2_bias = declare.norm(prefix + "mlp_norm.bias", 0);
-  L.moe = spec.moe();
   if (spec.moe())
-    MoeMlp::declare_parameters(declare, spec, layer, L);
+    MoeMlp::declare_parameters(declare, spec, layer, L.mlp.emplace<MoeMlpParameters>());
   else
-    DenseMlp::declare_parameters(declare, spec, layer, L);
+    DenseMlp::declare_parameters(declare, spec, layer, L.mlp.emplace<DenseMlpParameters>());
 }
 
 TaskId TransformerLayer::forward(const BuildPosition& pos, TaskId ready) const {
@@ -59,8 +58,8 @@ TaskId TransformerLayer::forward(const BuildPosition& pos, TaskId ready) const {
       P->compute(at + "attention_residual", tags, cost::streamed(z, 5 * rows), [=] {
         LayerActivations& A = p->acts(set, layer);
         const LayerShard& W = p->layer(layer);
-        p->bias_dropout_add(mb, layer, 0, A.attention.proj_out, value_of(W.proj_bias), A.x_in,
-                            A.x_mid);
+        p->bias_dropout_add(mb, layer, 0, A.attention.proj_out, value_of(W.attention.proj_bias),
+                            A.x_in, A.x_mid);
         norm_forward(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, A.ln2, A.ln2_mean,
                      A.ln2_rstd);
       });
@@ -71,7 +70,8 @@ TaskId TransformerLayer::forward(const BuildPosition& pos, TaskId ready) const {
     LayerActivations& A = p->acts(set, layer);
     const LayerShard& W = p->layer(layer);
     if (mlp_module == MlpModule::dense) {
-      p->bias_dropout_add(mb, layer, 1, A.mlp_out, value_of(W.fc2_bias), A.x_mid, A.x_out);
+      p->bias_dropout_add(mb, layer, 1, A.mlp_out, value_of(W.dense_mlp().fc2_bias), A.x_mid,
+                          A.x_out);
     } else {
       p->apply_dropout(false, mb, layer, 1, A.mlp_out, A.mlp_out);
       ops::add(A.x_mid, A.mlp_out, A.x_out);
@@ -101,7 +101,7 @@ TaskId TransformerLayer::backward(const BuildPosition& pos, TaskId ready, Weight
           p->apply_dropout(true, mb, layer, 1, w.d_x, w.d_mlp);
         else
           p->bias_dropout_add_backward(mb, layer, 1, w.d_x, w.d_mlp,
-                                       grad_of(p->layer(layer).fc2_bias));
+                                       grad_of(p->dense_mlp_parameters(layer).fc2_bias));
       });
   P->after(ready, residual);
   const TaskId mlp = moe ? MoeMlp(*P, l).backward(pos, residual, halves)
@@ -116,7 +116,7 @@ TaskId TransformerLayer::backward(const BuildPosition& pos, TaskId ready, Weight
     ops::accumulate(w.d_tmp, w.d_x_mid);
     // Attention half: d_x_mid -> d_proj_out (in d_mlp), and the residual's d_x.
     w.d_x.copy_from(w.d_x_mid);
-    p->bias_dropout_add_backward(mb, layer, 0, w.d_x_mid, w.d_mlp, grad_of(W.proj_bias));
+    p->bias_dropout_add_backward(mb, layer, 0, w.d_x_mid, w.d_mlp, grad_of(W.attention.proj_bias));
   });
   P->after(mlp, norm);
   if (last) reduce_buckets(*P, fmt::format("layers.{}.mlp", l), norm);

@@ -6,7 +6,7 @@
 namespace weave::graphs {
 
 void MoeMlp::declare_parameters(ParameterDeclarer& declare, const LayerSpec&, int layer,
-                                LayerShard& L) {
+                                MoeMlpParameters& L) {
   const ModelConfig& m = declare.model;
   const std::int64_t h = m.hidden_size, f = m.ffn_hidden_size, E = m.num_experts;
   const bool swiglu = m.activation == Activation::swiglu;
@@ -85,7 +85,7 @@ void allocate_items(RankProgram& P, MoeSlot& slot) {
 // MoE slot c of a layer: the tokens the rank routes at once (all of them, or an Ampipe chunk).
 void allocate_slot(RankProgram& P, LayerActivations& A, int c) {
   const StepShape& z = P.shape;
-  MoeSlot& S = A.moe.slots[static_cast<std::size_t>(c)];
+  MoeSlot& S = A.moe().slots[static_cast<std::size_t>(c)];
   const std::int64_t E = z.model.num_experts, k = z.model.moe_router_topk, h = z.h;
   const std::int64_t n = z.slot_tokens(), ep = z.ep;
   S.tokens = n;
@@ -97,7 +97,7 @@ void allocate_slot(RankProgram& P, LayerActivations& A, int c) {
   // Under EP the dispatch sends `grouped` framed by header rows.
   S.grouped = P.activation({n * k + (ep > 1 ? ep * z.header_rows() : 0), h});
   S.expert_out = P.activation({n * k, h});
-  S.stats = z.ampipe == 1 ? A.moe.stats_total : P.activation({2 * E + 2});
+  S.stats = z.ampipe == 1 ? A.moe().stats_total : P.activation({2 * E + 2});
   // The slot's output: its rows of the layer's MLP output, or (tensor parallelism without SP)
   // this rank's tokens before the all-gather.
   S.moe_out =
@@ -150,10 +150,11 @@ void allocate_slot(RankProgram& P, LayerActivations& A, int c) {
 void MoeMlp::allocate(LayerActivations& A) const {
   const StepShape& z = P->shape;
   const std::int64_t E = z.model.num_experts;
-  A.moe.stats_total = P->activation({2 * E + 2});
+  MoeActivations& M = A.mlp.emplace<MoeActivations>();
+  M.stats_total = P->activation({2 * E + 2});
   A.mlp_out =
       z.sp() || z.tp == 1 ? P->activation({z.Sl, z.B, z.h}) : P->activation({z.Sc, z.B, z.h});
-  A.moe.slots.resize(static_cast<std::size_t>(z.ampipe));
+  M.slots.resize(static_cast<std::size_t>(z.ampipe));
   for (int c = 0; c < z.ampipe; ++c)
     allocate_slot(*P, A, c);
 }

@@ -149,7 +149,7 @@ SlotProgress MoeMlp::experts(const BuildPosition& pos, int c, const SlotProgress
       slot_prefix(c) + "experts", pos.tags(rt::Phase::forward, l),
       cost::experts(z, static_cast<double>(z.slot_tokens())), [=] {
         MoeSlot& A = p->slot(set, layer, c);
-        const LayerShard& W = p->layer(layer);
+        const MoeMlpParameters& W = p->moe_parameters(layer);
         const ops::ExpertActivation act = expert_activation(p->shape.model);
         if (ep == 1) {
           const std::int64_t rows = A.dispatch.rows();
@@ -191,7 +191,7 @@ SlotProgress MoeMlp::experts_items(const BuildPosition& pos, int c,
         P->compute(slot_prefix(c) + fmt::format("i{}.experts", i), pos.tags(rt::Phase::forward, l),
                    per_item, [=] {
                      ExpertItem& I = p->slot(set, layer, c).items[i];
-                     const LayerShard& W = p->layer(layer);
+                     const MoeMlpParameters& W = p->moe_parameters(layer);
                      std::int64_t at = 0, rows = 0;
                      for (int q = 0; q < ep; ++q) {
                        const std::int64_t count = I.framed_recv_rows[q] - 1;
@@ -258,7 +258,7 @@ SlotProgress MoeMlp::experts_backward(const BuildPosition& pos, int c, const Slo
       at + "experts_backward", pos.tags(rt::Phase::backward, l), (keep ? 1 : 2) * experts_flops,
       [=] {
         MoeSlot& A = p->slot(set, layer, c);
-        const LayerShard& W = p->layer(layer);
+        const MoeMlpParameters& W = p->moe_parameters(layer);
         const ops::ExpertActivation act = expert_activation(p->shape.model);
         if (ep > 1)  // the gradient rows arrived by source: regroup them by expert
           for (std::size_t i = 0; i < A.source_row.size(); ++i)
@@ -283,7 +283,7 @@ SlotProgress MoeMlp::experts_backward(const BuildPosition& pos, int c, const Slo
       return p->compute(at + "experts_weight_grad", pos.tags(rt::Phase::weight, layer),
                         experts_flops, [=] {
                           MoeSlot& A = p->slot(set, layer, c);
-                          const LayerShard& W = p->layer(layer);
+                          const MoeMlpParameters& W = p->moe_parameters(layer);
                           const ExpertRows E = expert_rows(A);
                           ops::experts_backward_weight(E.x, E.begin, A.hidden.slice(0, 0, E.rows),
                                                        E.dy, A.saved_d_pre.slice(0, 0, E.rows),
@@ -310,7 +310,7 @@ SlotProgress MoeMlp::experts_backward_items(const BuildPosition& pos, int c,
         slot_prefix(c) + fmt::format("i{}.experts_backward", i), pos.tags(rt::Phase::backward, l),
         2 * per_item, [=] {
           ExpertItem& I = p->slot(set, layer, c).items[i];
-          const LayerShard& W = p->layer(layer);
+          const MoeMlpParameters& W = p->moe_parameters(layer);
           std::int64_t rows = 0;
           for (int q = 0; q < ep; ++q)
             rows += I.recv_rows[q];

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "model/parameter_declarer.hpp"
+#include "moe/moe_parameters.hpp"
 #include "step/rank_program.hpp"
 #include "step/weight_halves.hpp"
 #include "weave/ops/experts.hpp"
@@ -81,7 +82,7 @@ class MoeMlp {
 
   // Declares the router and this rank's experts of layer `layer` into `L`.
   static void declare_parameters(ParameterDeclarer& declare, const LayerSpec& spec, int layer,
-                                 LayerShard& L);
+                                 MoeMlpParameters& L);
 
   // Task names of slot c: "L<l>." or, for an Ampipe chunk, "L<l>.c<c>.".
   std::string slot_prefix(int c) const;

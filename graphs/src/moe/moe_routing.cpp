@@ -62,7 +62,7 @@ SlotProgress MoeMlp::route(const BuildPosition& pos, int c, TaskId ready) const 
         MoeSlot& A = p->slot(set, layer, c);
         const ModelConfig& m = p->shape.model;
         A.moe_in.copy_from(slot_tokens(*p, c, p->acts(set, layer).ln2));
-        ops::linear_forward(A.moe_in, p->layer(layer).router_weight->value, Tensor{},
+        ops::linear_forward(A.moe_in, p->moe_parameters(layer).router_weight->value, Tensor{},
                             A.router_logits);
         const ops::RouterStatistics st = ops::router_forward(
             router_options(m), A.router_logits, A.probs, std::span(A.topk_index), A.topk_weight);
@@ -117,21 +117,21 @@ TaskId MoeMlp::statistics(const BuildPosition& pos, TaskId ready) const {
     const double stats = static_cast<double>(z.ampipe + 1) * (2 * z.model.num_experts + 1);
     summed = P->compute(at + "router_statistics", tags, cost::streamed(z, stats), [p, layer, set] {
       LayerActivations& A = p->acts(set, layer);
-      A.moe.stats_total.fill(0.f);
-      for (const MoeSlot& S : A.moe.slots)
-        ops::accumulate(S.stats, A.moe.stats_total);
+      A.moe().stats_total.fill(0.f);
+      for (const MoeSlot& S : A.moe().slots)
+        ops::accumulate(S.stats, A.moe().stats_total);
     });
     P->after(ready, summed);
   }
   const TaskId reduced =
-      P->tensor_context.all_reduce(summed, all_of(P->acts(set, l).moe.stats_total),
+      P->tensor_context.all_reduce(summed, all_of(P->acts(set, l).moe().stats_total),
                                    devices::ReduceOp::sum, at + "router_stats", tags);
   const TaskId losses =
       P->compute(at + "router_losses", tags, cost::streamed(z, 2.0 * z.model.num_experts + 1),
                  [p, layer, set, mb] {
                    const ModelConfig& m = p->shape.model;
                    const ops::RouterStatistics st =
-                       unpack_stats(p->acts(set, layer).moe.stats_total, m.num_experts);
+                       unpack_stats(p->acts(set, layer).moe().stats_total, m.num_experts);
                    p->state.aux[static_cast<std::size_t>(mb)] +=
                        ops::aux_loss(router_options(m), st) + ops::z_loss(router_options(m), st);
                  });
@@ -218,7 +218,7 @@ TaskId MoeMlp::router_backward(const BuildPosition& pos, int c, const SlotProgre
       slot_prefix(c) + "router_backward", pos.tags(rt::Phase::backward, l),
       2 * cost::router(z, tokens), [=] {
         MoeSlot& A = p->slot(set, layer, c);
-        const LayerShard& W = p->layer(layer);
+        const MoeMlpParameters& W = p->moe_parameters(layer);
         const StepShape& z = p->shape;
         for (const ExpertItem& I : A.items)  // each item's input gradients into the slot's rows
           for (std::size_t x = 0; x < I.rows.size(); ++x)
@@ -226,7 +226,7 @@ TaskId MoeMlp::router_backward(const BuildPosition& pos, int c, const SlotProgre
         ops::permute_tokens_backward(A.dispatch, A.d_grouped.slice(0, 0, A.dispatch.rows()),
                                      A.d_moe_in);
         const ops::RouterStatistics st =
-            unpack_stats(p->acts(set, layer).moe.stats_total, z.model.num_experts);
+            unpack_stats(p->acts(set, layer).moe().stats_total, z.model.num_experts);
         const double scale = 1.0 / (z.M * z.plan.data_parallel);
         ops::router_backward<float>(router_options(z.model), A.router_logits, A.probs, A.topk_index,
                                     A.topk_weight, A.d_topk, st, scale, A.d_router_logits);

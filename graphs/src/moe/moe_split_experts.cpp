@@ -60,7 +60,7 @@ void run_gathered_experts(RankProgram& p, int set, int layer, int c) {
   const StepShape& z = p.shape;
   const std::int64_t H = z.header_rows(), L = z.local_experts();
   MoeSlot& A = p.slot(set, layer, c);
-  const LayerShard& W = p.layer(layer);
+  const MoeMlpParameters& W = p.moe_parameters(layer);
   const ops::ExpertActivation act = expert_activation(z.model);
   std::int64_t framed_at = 0, row = 0;
   for (int j = 0; j < z.tp; ++j) {
@@ -117,7 +117,7 @@ void group_output_gradients(RankProgram& p, int set, int layer, int c) {
 void run_gathered_experts_backward(RankProgram& p, int set, int layer, int c, bool keep) {
   const std::int64_t H = p.shape.header_rows();
   MoeSlot& A = p.slot(set, layer, c);
-  const LayerShard& W = p.layer(layer);
+  const MoeMlpParameters& W = p.moe_parameters(layer);
   const ops::ExpertActivation act = expert_activation(p.shape.model);
   if (A.tp_d_gathered_rows != A.tp_rows)
     throw std::logic_error(
@@ -144,7 +144,7 @@ void run_gathered_experts_backward(RankProgram& p, int set, int layer, int c, bo
 void gathered_experts_weight_grad(RankProgram& p, int set, int layer, int c) {
   const std::int64_t H = p.shape.header_rows();
   MoeSlot& A = p.slot(set, layer, c);
-  const LayerShard& W = p.layer(layer);
+  const MoeMlpParameters& W = p.moe_parameters(layer);
   const std::vector<Block> blocks = blocks_of(p.shape, A);
   for (std::size_t j = 0; j < blocks.size(); ++j) {
     const Block& b = blocks[j];

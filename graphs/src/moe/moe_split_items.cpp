@@ -141,7 +141,7 @@ std::vector<TaskId> issued_dispatches(const std::vector<ItemRef>& items,
 // Item i of slot c, forward: fc1 and the activation on every tp rank's gathered rows.
 void item_fc1(RankProgram& p, int set, int layer, int c, std::size_t i) {
   ExpertItem& I = p.slot(set, layer, c).items[i];
-  const LayerShard& W = p.layer(layer);
+  const MoeMlpParameters& W = p.moe_parameters(layer);
   const std::int64_t rows = gathered_rows(I);
   ops::linear_forward(I.tp_gathered.slice(0, 0, rows), weight_of(*W.expert_fc1, I), Tensor{},
                       I.hidden_pre.slice(0, 0, rows));
@@ -152,7 +152,7 @@ void item_fc1(RankProgram& p, int set, int layer, int c, std::size_t i) {
 void item_fc2(RankProgram& p, int set, int layer, int c, std::size_t i) {
   ExpertItem& I = p.slot(set, layer, c).items[i];
   const std::int64_t rows = gathered_rows(I);
-  ops::linear_forward(I.hidden.slice(0, 0, rows), weight_of(*p.layer(layer).expert_fc2, I),
+  ops::linear_forward(I.hidden.slice(0, 0, rows), weight_of(*p.moe_parameters(layer).expert_fc2, I),
                       Tensor{}, I.tp_partial.slice(0, 0, rows));
 }
 
@@ -160,7 +160,7 @@ void item_fc2(RankProgram& p, int set, int layer, int c, std::size_t i) {
 // sums.
 void item_input_gradient(RankProgram& p, int set, int layer, int c, std::size_t i) {
   ExpertItem& I = p.slot(set, layer, c).items[i];
-  const LayerShard& W = p.layer(layer);
+  const MoeMlpParameters& W = p.moe_parameters(layer);
   const std::int64_t rows = gathered_rows(I);
   if (I.tp_d_gathered_rows != I.tp_gathered_rows)
     throw std::logic_error(
@@ -176,7 +176,7 @@ void item_input_gradient(RankProgram& p, int set, int layer, int c, std::size_t 
 // The weight half: fc2's and fc1's weight gradients.
 void item_weight_gradient(RankProgram& p, int set, int layer, int c, std::size_t i) {
   ExpertItem& I = p.slot(set, layer, c).items[i];
-  const LayerShard& W = p.layer(layer);
+  const MoeMlpParameters& W = p.moe_parameters(layer);
   const std::int64_t rows = gathered_rows(I);
   ops::linear_backward_weight(I.hidden.slice(0, 0, rows), I.tp_d_gathered.slice(0, 0, rows),
                               grad_of(*W.expert_fc2, I), Tensor{});

@@ -53,6 +53,55 @@ void allocate_set(RankProgram& P, ActivationSet& X, int k) {
   }
 }
 
+// Context parallelism's ring: key/value blocks round the cp group, forward and backward.
+void allocate_ring_workspace(RankProgram& P, RingAttentionWorkspace& W) {
+  const StepShape& z = P.shape;
+  const std::int64_t Sc = z.Sc, B = z.B, Hl = z.Hl, d = z.d, cp = z.cp;
+  for (int i = 0; i < 2; ++i) {
+    W.ring[i] = P.activation({Sc, B, z.Gl, 2 * d});
+    W.dring[i] = P.activation({Sc, B, z.Gl, 2 * d});
+  }
+  if (z.ampipe > 1) {
+    W.dkv_send = P.activation({cp * Sc, B, z.Gl, 2 * d});
+    W.dkv_recv = P.activation({cp * Sc, B, z.Gl, 2 * d});
+    if (z.plan.ampipe_cp_resend_kv) {
+      W.kv_forward = P.activation({(cp - 1) * Sc, B, z.Gl, 2 * d});
+      W.kv_backward = P.activation({(cp - 1) * Sc, B, z.Gl, 2 * d});
+    }
+  }
+  W.o_part = P.activation({z.chunk, B, Hl, d});
+  W.dq_part = P.activation({z.chunk, B, Hl, d});
+  W.lse_part = P.activation({B, Hl, z.chunk});
+  W.ring_send.assign(static_cast<std::size_t>(cp), 0);
+  W.ring_send[static_cast<std::size_t>((P.at.cp + 1) % cp)] = Sc;
+  W.ring_recv.assign(static_cast<std::size_t>(cp), 0);
+}
+
+// The backward's workspace, shared by every layer of the rank: the layer's own gradients and
+// each module's part, in the order they have always been laid out (the dense MLP's between the
+// layer's residual and norm gradients).
+void allocate_workspace(RankProgram& P, BackwardWorkspace& W, bool output_layer) {
+  const StepShape& z = P.shape;
+  const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h, Hl = z.Hl, d = z.d;
+  const bool sp = z.sp();
+  W.d_x = P.activation({Sl, B, h});
+  W.d_x_mid = P.activation({Sl, B, h});
+  W.d_tmp = P.activation({Sl, B, h});
+  W.d_mlp = P.activation({Sl, B, h});
+  W.d_mlp_full = sp ? P.activation({Sc, B, h}) : W.d_mlp;
+  W.dense_mlp.d_act = P.activation({Sc, B, z.fl});
+  W.dense_mlp.d_fc1 = P.activation({Sc, B, z.f1l});
+  W.d_norm_full = P.activation({Sc, B, h});
+  W.d_norm = sp ? P.activation({Sl, B, h}) : W.d_norm_full;
+  W.attention.d_attn = P.activation({Sc, B, Hl * d});
+  W.attention.d_qkv = P.activation({Sc, B, z.Gl, z.qkv_group_width()});
+  if (z.cp > 1) allocate_ring_workspace(P, W.cp_ring);
+  if (output_layer) {
+    W.output.d_logits = P.activation({Sc * B, z.Vl});
+    W.output.d_final_full = P.activation({Sc, B, h});
+  }
+}
+
 }  // namespace
 
 void RankProgram::allocate() {
@@ -66,8 +115,6 @@ void RankProgram::allocate() {
   const int pp = at.pp;
   const StageContents contents = layout.contents(pp);
   R.shard = std::make_unique<ModelShard>(z.model, mesh, rank, device, contents, materialize);
-  const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h, Hl = z.Hl, d = z.d, cp = z.cp;
-  const bool sp = z.sp();
   const auto& chunks = set_plan.set_chunks[static_cast<std::size_t>(pp)];
   R.sets.resize(chunks.size());
   for (std::size_t i = 0; i < R.sets.size(); ++i)
@@ -78,42 +125,7 @@ void RankProgram::allocate() {
   R.norm_sq = activation({1});
   R.loss.assign(static_cast<std::size_t>(z.M), 0.0);
   R.aux.assign(static_cast<std::size_t>(z.M), 0.0);
-  BackwardWorkspace& W = R.ws;
-  W.d_x = activation({Sl, B, h});
-  W.d_x_mid = activation({Sl, B, h});
-  W.d_tmp = activation({Sl, B, h});
-  W.d_mlp = activation({Sl, B, h});
-  W.d_mlp_full = sp ? activation({Sc, B, h}) : W.d_mlp;
-  W.d_act = activation({Sc, B, z.fl});
-  W.d_fc1 = activation({Sc, B, z.f1l});
-  W.d_norm_full = activation({Sc, B, h});
-  W.d_norm = sp ? activation({Sl, B, h}) : W.d_norm_full;
-  W.d_attn = activation({Sc, B, Hl * d});
-  W.d_qkv = activation({Sc, B, z.Gl, z.qkv_group_width()});
-  if (cp > 1) {
-    for (int i = 0; i < 2; ++i) {
-      W.ring[i] = activation({Sc, B, z.Gl, 2 * d});
-      W.dring[i] = activation({Sc, B, z.Gl, 2 * d});
-    }
-    if (z.ampipe > 1) {
-      W.dkv_send = activation({cp * Sc, B, z.Gl, 2 * d});
-      W.dkv_recv = activation({cp * Sc, B, z.Gl, 2 * d});
-      if (z.plan.ampipe_cp_resend_kv) {
-        W.kv_forward = activation({(cp - 1) * Sc, B, z.Gl, 2 * d});
-        W.kv_backward = activation({(cp - 1) * Sc, B, z.Gl, 2 * d});
-      }
-    }
-    W.o_part = activation({z.chunk, B, Hl, d});
-    W.dq_part = activation({z.chunk, B, Hl, d});
-    W.lse_part = activation({B, Hl, z.chunk});
-    W.ring_send.assign(static_cast<std::size_t>(cp), 0);
-    W.ring_send[static_cast<std::size_t>((at.cp + 1) % cp)] = Sc;
-    W.ring_recv.assign(static_cast<std::size_t>(cp), 0);
-  }
-  if (contents.output_layer) {
-    W.d_logits = activation({Sc * B, z.Vl});
-    W.d_final_full = activation({Sc, B, h});
-  }
+  allocate_workspace(*this, R.ws, contents.output_layer);
 }
 
 }  // namespace weave::graphs

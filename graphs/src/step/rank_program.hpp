@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "config/step_shape.hpp"
+#include "model/layer_shard.hpp"
 #include "pipeline/activation_sets.hpp"
 #include "step/build_position.hpp"
 #include "step/comm_streams.hpp"
@@ -199,6 +200,10 @@ class RankProgram {
 
   ModelShard& shard() { return *state.shard; }
   const LayerShard& layer(int l) const { return state.shard->layer(l); }
+  // Layer l's modules' parameters (the MLP's as its spec makes it).
+  const AttentionParameters& attention_parameters(int l) const { return layer(l).attention; }
+  const DenseMlpParameters& dense_mlp_parameters(int l) const { return layer(l).dense_mlp(); }
+  const MoeMlpParameters& moe_parameters(int l) const { return layer(l).moe_mlp(); }
   ActivationSet& aset(int set) { return state.sets[static_cast<std::size_t>(set)]; }
   LayerActivations& acts(int set, int l) {
     const int k = set_plan.chunk_of_layer[static_cast<std::size_t>(l)];
@@ -207,7 +212,7 @@ class RankProgram {
   OutputSet& oset(int out) { return state.outputs[static_cast<std::size_t>(out)]; }
   BackwardWorkspace& ws() { return state.ws; }
   MoeSlot& slot(int set, int l, int c) {
-    return acts(set, l).moe.slots[static_cast<std::size_t>(c)];
+    return acts(set, l).moe().slots[static_cast<std::size_t>(c)];
   }
 
   // The global position of row s of this rank's [Sl, B, ...] activations.

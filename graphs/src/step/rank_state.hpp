@@ -6,11 +6,15 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <stdexcept>
 #include <utility>
+#include <variant>
 #include <vector>
 
 #include "model/attention_activations.hpp"
 #include "model/dense_mlp_activations.hpp"
+#include "model/output_workspace.hpp"
+#include "model/ring_attention_workspace.hpp"
 #include "moe/moe_activations.hpp"
 #include "weave/graphs/model_shard.hpp"
 #include "weave/ops/tensor.hpp"
@@ -20,8 +24,9 @@ namespace weave::graphs {
 using ops::Tensor;
 
 // Everything a layer's forward keeps for its backward, on one device, for one micro-batch in
-// flight (see ActivationSet): the residual stream and the MLP's norm, which the layer owns, and
-// each of its modules' own state (the one its LayerSpec does not use stays empty).
+// flight (see ActivationSet): the residual stream and the MLP's norm, which the layer owns, its
+// attention's state and the state of the one MLP its LayerSpec chooses (dense, or MoE for a MoE
+// or Ampipe layer), which that MLP's allocate sets.
 struct LayerActivations {
   Tensor x_in;  // [Sl, B, h]: the previous layer's output
   Tensor x_mid;
@@ -29,28 +34,35 @@ struct LayerActivations {
   Tensor mlp_out;  // [Sl, B, h]: the MLP's output, before bias and dropout
   Tensor x_out;
   AttentionActivations attention;
-  DenseMlpActivations dense;
-  MoeActivations moe;
+  std::variant<DenseMlpActivations, MoeActivations> mlp;
+
+  // The MLP's state, of the kind the layer's spec chose; asking for the other kind is a bug in
+  // the caller's dispatch on LayerSpec::mlp.
+  DenseMlpActivations& dense() {
+    if (auto* dense = std::get_if<DenseMlpActivations>(&mlp)) return *dense;
+    throw std::logic_error(
+        "a MoE layer's dense MLP activations were asked for: dispatch on the layer's LayerSpec");
+  }
+  MoeActivations& moe() {
+    if (auto* moe = std::get_if<MoeActivations>(&mlp)) return *moe;
+    throw std::logic_error(
+        "a dense layer's MoE activations were asked for (or before MoeMlp::allocate): dispatch "
+        "on the layer's LayerSpec");
+  }
 };
 
-// Gradient workspace shared by all layers of a device: the backward runs layer after layer.
+// Gradient workspace shared by all layers of a device: the backward runs layer after layer. The
+// layer's own (its residual stream's and norms' gradients, which its modules pass between them)
+// and each module's part.
 struct BackwardWorkspace {
-  Tensor d_x, d_x_mid, d_tmp;        // [Sl, B, h]
-  Tensor d_mlp, d_mlp_full;          // [Sl, B, h], [S, B, h]
-  Tensor d_act, d_fc1, d_norm_full;  // [S, B, f], [S, B, f1], [S, B, h]
-  Tensor d_norm;                     // [Sl, B, h]
-  Tensor d_attn, d_qkv;              // [S, B, Hl d], [S, B, Hl, 3d]
-  // Context parallelism: key/value blocks and their gradients travelling round the ring
-  // (double-buffered), and one block's partial attention.
-  Tensor ring[2], dring[2];   // [Sc, B, Hl, 2d]
-  Tensor dkv_send, dkv_recv;  // Ampipe under CP: block gradients by owner / by source [cp Sc, ...]
-  // Ampipe under CP with --ampipe-cp-resend-kv: the other cp ranks' blocks, in the order the
-  // forward's ring brings them and the backward's brings them again [(cp - 1) Sc, B, Hl, 2d].
-  Tensor kv_forward, kv_backward;
-  Tensor o_part, dq_part;                          // [chunk, B, Hl, d]
-  Tensor lse_part;                                 // [B, Hl, chunk]
-  std::vector<std::int64_t> ring_send, ring_recv;  // rows to each cp rank: all to the next
-  Tensor d_logits, d_final_full;                   // [S B, Vl], [S, B, h]
+  Tensor d_x, d_x_mid, d_tmp;  // [Sl, B, h]
+  Tensor d_mlp, d_mlp_full;    // [Sl, B, h], [S, B, h]
+  Tensor d_norm_full;          // [S, B, h]
+  Tensor d_norm;               // [Sl, B, h]
+  AttentionWorkspace attention;
+  DenseMlpWorkspace dense_mlp;
+  RingAttentionWorkspace cp_ring;  // context parallelism only
+  OutputWorkspace output;          // the last stage only
 };
 
 // The activations one model chunk keeps for one micro-batch, from its forward until its

@@ -67,35 +67,8 @@ struct GradientBucket {
   ops::Tensor master_state;
 };
 
-struct LayerShard {
-  // Biases are null with --disable-bias-linear, norm biases with RMSNorm.
-  Parameter* ln1_weight = nullptr;
-  Parameter* ln1_bias = nullptr;
-  // local [groups/tp x (heads/groups + 2) x head_dim, h]: per key/value group its query heads,
-  // its key, its value (per head q, k, v without grouped-query attention)
-  Parameter* qkv_weight = nullptr;
-  Parameter* qkv_bias = nullptr;
-  // --qk-layernorm: the norms of every query head and every key head, [head_dim] each, the same
-  // on every tp rank (biases with LayerNorm only).
-  Parameter* q_norm_weight = nullptr;
-  Parameter* q_norm_bias = nullptr;
-  Parameter* k_norm_weight = nullptr;
-  Parameter* k_norm_bias = nullptr;
-  Parameter* proj_weight = nullptr;  // local [h, h/tp]
-  Parameter* proj_bias = nullptr;
-  Parameter* ln2_weight = nullptr;
-  Parameter* ln2_bias = nullptr;
-  // Dense MLP
-  Parameter* fc1_weight = nullptr;  // local [f1/tp, h]; SwiGLU: this rank's gates, then values
-  Parameter* fc1_bias = nullptr;
-  Parameter* fc2_weight = nullptr;  // local [h, f/tp]
-  Parameter* fc2_bias = nullptr;
-  // MoE MLP
-  Parameter* router_weight = nullptr;  // [experts, h], replicated
-  Parameter* expert_fc1 = nullptr;     // local [local experts, f1, h]
-  Parameter* expert_fc2 = nullptr;     // local [local experts, h, f]
-  bool moe = false;
-};
+// One layer's parameters: each of its modules' own (graphs/src/model/layer_shard.hpp).
+struct LayerShard;
 
 // The parts of the model one pipeline stage holds; by default all of it.
 struct StageContents {
@@ -118,6 +91,7 @@ class ModelShard {
   // or initialised, and the device's tracker counts what it would hold.
   ModelShard(const ModelConfig& config, const Mesh& mesh, int rank, devices::Device& device,
              StageContents contents = {}, bool materialize = true);
+  ~ModelShard();
   ModelShard(const ModelShard&) = delete;
   ModelShard& operator=(const ModelShard&) = delete;
 
@@ -142,7 +116,7 @@ class ModelShard {
   }
   Parameter& final_ln_weight() { return *final_ln_weight_; }
   Parameter* final_ln_bias() { return final_ln_bias_; }  // null with RMSNorm
-  const LayerShard& layer(int l) const { return layers_.at(static_cast<std::size_t>(l)); }
+  const LayerShard& layer(int l) const;
   int vocab_start() const { return vocab_start_; }
   int first_expert() const { return first_expert_; }
   int local_experts() const { return local_experts_; }
