@@ -6,6 +6,7 @@
 #include <cmath>
 #include <filesystem>
 
+#include "decoder.hpp"
 #include "tiny_model.hpp"
 #include "weave/devices/device_set.hpp"
 #include "weave/devices/shared_memory_communicator.hpp"
@@ -14,12 +15,6 @@
 
 namespace weave::graphs {
 namespace {
-
-ModelConfig without_dropout(ModelConfig m) {
-  m.hidden_dropout = 0;
-  m.attention_dropout = 0;
-  return m;
-}
 
 // A Llama-style model (RoPE, RMSNorm, SwiGLU, grouped-query attention, no biases, untied).
 ModelConfig llama(int experts) {
@@ -33,20 +28,6 @@ ModelConfig llama(int experts) {
   m.add_bias_linear = false;
   return without_dropout(m);
 }
-
-// A step, its devices and a generator over its (freshly initialised) shards.
-struct Decoder {
-  ParallelPlan plan;
-  devices::DeviceSet set;
-  devices::SharedMemoryCommunicator comm;
-  TrainingStep step;
-  Generator generator;
-  Decoder(const ModelConfig& m, ParallelPlan p)
-      : plan((validate(m, p), p)),
-        set(plan.devices(), {.pin = false}),
-        step(m, plan, {}, set, comm),
-        generator(m, plan, step, set, comm) {}
-};
 
 // Mean cross-entropy of the next token over the sequence, from the logits decoding gives.
 double decoded_loss(Generator& g, const std::vector<std::int32_t>& tokens,

@@ -32,20 +32,6 @@ struct Case {
   ParallelPlan plan;
 };
 
-void expect_equals_one_device(const ModelConfig& m, const ParallelPlan& plan) {
-  const ParallelPlan serial{.micro_batch_size = plan.micro_batch_size,
-                            .global_batch_size = plan.global_batch_size};
-  const Outcome a = run(m, serial, 1, false), b = run(m, plan, 1, false);
-  EXPECT_NEAR(b.losses[0], a.losses[0], 1e-5 * a.losses[0]);
-  EXPECT_NEAR(b.aux[0], a.aux[0], 1e-5 * std::max(a.aux[0], 1e-3));
-  // The distributed optimizer keeps each replica's gradient shard only.
-  if (!plan.distributed_optimizer) expect_same_gradients(a, b);
-  const Outcome a10 = run(m, serial, 10, true), b10 = run(m, plan, 10, true);
-  for (std::size_t i = 0; i < a10.losses.size(); ++i)
-    EXPECT_NEAR(b10.losses[i], a10.losses[i], 1e-4 * a10.losses[i]) << "step " << i + 1;
-  EXPECT_LT(a10.losses.back(), a10.losses.front());  // it learns
-}
-
 class ModernDecoder : public ::testing::TestWithParam<Case> {};
 
 TEST_P(ModernDecoder, EqualsOneDevice) {

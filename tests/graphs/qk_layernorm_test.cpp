@@ -7,6 +7,7 @@
 
 #include <cmath>
 
+#include "decoder.hpp"
 #include "step_outcome.hpp"
 #include "tiny_model.hpp"
 #include "weave/graphs/generator.hpp"
@@ -28,19 +29,6 @@ ModelConfig qk_model(int experts, Normalization norm) {
     m.add_bias_linear = false;
   }
   return m;
-}
-
-void expect_equals_one_device(const ModelConfig& m, const ParallelPlan& plan) {
-  const ParallelPlan serial{.micro_batch_size = plan.micro_batch_size,
-                            .global_batch_size = plan.global_batch_size};
-  const Outcome a = run(m, serial, 1, false), b = run(m, plan, 1, false);
-  EXPECT_NEAR(b.losses[0], a.losses[0], 1e-5 * a.losses[0]);
-  EXPECT_NEAR(b.aux[0], a.aux[0], 1e-5 * std::max(a.aux[0], 1e-3));
-  expect_same_gradients(a, b);
-  const Outcome a10 = run(m, serial, 10, true), b10 = run(m, plan, 10, true);
-  for (std::size_t i = 0; i < a10.losses.size(); ++i)
-    EXPECT_NEAR(b10.losses[i], a10.losses[i], 1e-4 * a10.losses[i]) << "step " << i + 1;
-  EXPECT_LT(a10.losses.back(), a10.losses.front());  // it learns
 }
 
 struct Case {
@@ -146,26 +134,6 @@ TEST(QkLayerNorm, WholeModelGradientMatchesADirectionalDifference) {
     EXPECT_NEAR(along, numeric, 2e-2 * std::abs(numeric))
         << "analytic " << along << ", numeric " << numeric;
   }
-}
-
-// A step, its devices and a generator over its (freshly initialised) shards.
-struct Decoder {
-  ParallelPlan plan;
-  devices::DeviceSet set;
-  devices::SharedMemoryCommunicator comm;
-  TrainingStep step;
-  Generator generator;
-  Decoder(const ModelConfig& m, ParallelPlan p)
-      : plan((validate(m, p), p)),
-        set(plan.devices(), {.pin = false}),
-        step(m, plan, {}, set, comm),
-        generator(m, plan, step, set, comm) {}
-};
-
-ModelConfig without_dropout(ModelConfig m) {
-  m.hidden_dropout = 0;
-  m.attention_dropout = 0;
-  return m;
 }
 
 // Fed the training step's sequence token by token, decoding gives its loss.

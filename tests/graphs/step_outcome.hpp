@@ -1,6 +1,6 @@
 // Runs training steps of a plan and collects what the equivalence tests compare: losses, aux
-// losses and every gradient in the parameters' logical layout; and the whole model's gradient
-// along a direction, analytic and numeric.
+// losses and every gradient in the parameters' logical layout; a plan against one device; and the
+// whole model's gradient along a direction, analytic and numeric.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -70,6 +70,22 @@ inline void expect_same_gradients(const Outcome& serial, const Outcome& parallel
         break;
       }
   }
+}
+
+// The plan's loss, aux loss and every gradient equal the one device's after one step (the
+// distributed optimizer keeps each replica's gradient shard only: its gradients are not
+// compared), and its 10-step curve equals the one device's and falls.
+inline void expect_equals_one_device(const ModelConfig& m, const ParallelPlan& plan) {
+  const ParallelPlan serial{.micro_batch_size = plan.micro_batch_size,
+                            .global_batch_size = plan.global_batch_size};
+  const Outcome a = run(m, serial, 1, false), b = run(m, plan, 1, false);
+  EXPECT_NEAR(b.losses[0], a.losses[0], 1e-5 * a.losses[0]);
+  EXPECT_NEAR(b.aux[0], a.aux[0], 1e-5 * std::max(a.aux[0], 1e-3));
+  if (!plan.distributed_optimizer) expect_same_gradients(a, b);
+  const Outcome a10 = run(m, serial, 10, true), b10 = run(m, plan, 10, true);
+  for (std::size_t i = 0; i < a10.losses.size(); ++i)
+    EXPECT_NEAR(b10.losses[i], a10.losses[i], 1e-4 * a10.losses[i]) << "step " << i + 1;
+  EXPECT_LT(a10.losses.back(), a10.losses.front());  // it learns
 }
 
 // The whole model's gradient along a random direction: analytic (the gradients the step
