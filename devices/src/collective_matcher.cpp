@@ -90,11 +90,8 @@ rt::TaskId CollectiveMatcher::issue(const CollectiveCall& call, const ProcessGro
   const std::string prefix = task_prefix(op, group, options);
   if (!slot) {
     slot = std::make_unique<Pending>(
-        Collective{.op = op,
+        Collective{.call = call,
                    .group = group,
-                   .reduce = call.reduce,
-                   .root = call.root,
-                   .row_elements = call.row_elements,
                    .members = std::vector<CollectiveMember>(static_cast<std::size_t>(n)),
                    .name = prefix});
     slot->tasks.assign(static_cast<std::size_t>(n), rt::kNoTask);
@@ -103,12 +100,11 @@ rt::TaskId CollectiveMatcher::issue(const CollectiveCall& call, const ProcessGro
   }
   Pending& p = *slot;
   const Collective& c = p.collective;
-  if (c.op != op || c.name != prefix || c.reduce != call.reduce || c.root != call.root ||
-      c.row_elements != call.row_elements)
+  if (c.call != call || c.name != prefix)
     throw std::invalid_argument(fmt::format(
         "collective {} over group '{}': member {} issued {} '{}' where another member issued {} "
         "'{}'; every member of a group must issue the same collectives in the same order",
-        sequence, group.name(), member, to_string(op), prefix, to_string(c.op), c.name));
+        sequence, group.name(), member, to_string(op), prefix, to_string(c.call.op), c.name));
   p.collective.members[static_cast<std::size_t>(member)] = buffers;
   const rt::TaskId task = graph_.add(
       {.device = group.device(member),
@@ -141,12 +137,13 @@ void CollectiveMatcher::complete(Pending& p) {
 
 Communicator::MemberTasks CollectiveMatcher::issue_whole(Collective c,
                                                          const CollectiveOptions& options) {
-  check_op(c.op, c.group);
+  check_op(c.call.op, c.group);
   const int n = c.group.size();
   if (c.members.size() != static_cast<std::size_t>(n))
     throw std::invalid_argument(fmt::format("{} over group '{}' of {} ranks got {} members",
-                                            to_string(c.op), c.group.name(), n, c.members.size()));
-  c.name = task_prefix(c.op, c.group, options);
+                                            to_string(c.call.op), c.group.name(), n,
+                                            c.members.size()));
+  c.name = task_prefix(c.call.op, c.group, options);
   // The backend sees the buffers of the members this process holds only, as when they issue
   // one at a time; a process holding none of the group has no part in it.
   const int held = held_members(backend_, c.group);
@@ -168,19 +165,19 @@ Communicator::MemberTasks CollectiveMatcher::issue_whole(Collective c,
       throw std::logic_error(fmt::format(
           "{} over group '{}' issued whole while member {} still has a collective of that group "
           "open",
-          to_string(c.op), c.group.name(), r));
+          to_string(c.call.op), c.group.name(), r));
     ++issued_[{key, r}];
     rt::TaskFn fn;
     if (*work) fn = [work, r](rt::TaskContext& context) { (*work)(r, context); };
-    ids.push_back(graph_.add(
-        {.device = c.group.device(r),
-         .stream = graph_.stream(options.stream, options.stream_kind),
-         .kind = rt::TaskKind::comm,
-         .name = fmt::format("{}[{}]", c.name, r),
-         .tags = options.tags,
-         .cost = member_cost(c.op, c.group, r, c.root, c.members[static_cast<std::size_t>(r)],
-                             c.row_elements, options.element_bytes)},
-        std::move(fn)));
+    ids.push_back(graph_.add({.device = c.group.device(r),
+                              .stream = graph_.stream(options.stream, options.stream_kind),
+                              .kind = rt::TaskKind::comm,
+                              .name = fmt::format("{}[{}]", c.name, r),
+                              .tags = options.tags,
+                              .cost = member_cost(c.call.op, c.group, r, c.call.root,
+                                                  c.members[static_cast<std::size_t>(r)],
+                                                  c.call.row_elements, options.element_bytes)},
+                             std::move(fn)));
   }
   graph_.rendezvous(c.name, issued_tasks(ids));
   return ids;
@@ -281,11 +278,11 @@ std::vector<std::string> CollectiveMatcher::open_collectives() const {
     std::vector<int> issued;
     for (int r = 0; r < p->collective.group.size(); ++r)
       if (p->issued[static_cast<std::size_t>(r)]) issued.push_back(r);
-    out.push_back(
-        fmt::format("{} '{}' over group '{}' (collective {} of the group): members {} "
-                    "of {} issued it",
-                    to_string(p->collective.op), p->collective.name, p->collective.group.name(),
-                    key.second, fmt::join(issued, ", "), p->collective.group.size()));
+    out.push_back(fmt::format(
+        "{} '{}' over group '{}' (collective {} of the group): members {} "
+        "of {} issued it",
+        to_string(p->collective.call.op), p->collective.name, p->collective.group.name(),
+        key.second, fmt::join(issued, ", "), p->collective.group.size()));
   }
   return out;
 }

@@ -20,7 +20,7 @@ void check_count(CollectiveOp op, const ProcessGroup& g, std::size_t given, cons
 }
 
 Collective whole(CollectiveOp op, const ProcessGroup& group) {
-  return {.op = op,
+  return {.call = {.op = op},
           .group = group,
           .members = std::vector<CollectiveMember>(static_cast<std::size_t>(group.size()))};
 }
@@ -56,7 +56,7 @@ Communicator::MemberTasks Communicator::all_reduce(rt::GraphBuilder& graph,
                                                    ReduceOp op, const CollectiveOptions& options) {
   check_count(CollectiveOp::all_reduce, group, buffers.size(), "buffers");
   Collective c = whole(CollectiveOp::all_reduce, group);
-  c.reduce = op;
+  c.call.reduce = op;
   for (std::size_t r = 0; r < buffers.size(); ++r)
     c.members[r].output = buffers[r];
   return issue_whole(graph, std::move(c), options);
@@ -76,7 +76,7 @@ Communicator::MemberTasks Communicator::reduce_scatter(
     std::span<const std::span<const float>> inputs, std::span<const std::span<float>> outputs,
     ReduceOp op, const CollectiveOptions& options) {
   Collective c = with_inputs_and_outputs(CollectiveOp::reduce_scatter, group, inputs, outputs);
-  c.reduce = op;
+  c.call.reduce = op;
   return issue_whole(graph, std::move(c), options);
 }
 
@@ -95,7 +95,7 @@ Communicator::MemberTasks Communicator::all_to_all_v(
     const CollectiveOptions& options) {
   check_count(CollectiveOp::all_to_all_v, group, buffers.size(), "buffers");
   Collective c = whole(CollectiveOp::all_to_all_v, group);
-  c.row_elements = row_elements;
+  c.call.row_elements = row_elements;
   for (std::size_t r = 0; r < buffers.size(); ++r)
     c.members[r].variable = buffers[r];
   return issue_whole(graph, std::move(c), options);
@@ -108,7 +108,7 @@ Communicator::MemberTasks Communicator::all_gather_v(rt::GraphBuilder& graph,
                                                      const CollectiveOptions& options) {
   check_count(CollectiveOp::all_gather_v, group, buffers.size(), "buffers");
   Collective c = whole(CollectiveOp::all_gather_v, group);
-  c.row_elements = row_elements;
+  c.call.row_elements = row_elements;
   for (std::size_t r = 0; r < buffers.size(); ++r)
     c.members[r].gather = buffers[r];
   return issue_whole(graph, std::move(c), options);
@@ -120,7 +120,7 @@ Communicator::MemberTasks Communicator::reduce_scatter_v(
     const CollectiveOptions& options) {
   check_count(CollectiveOp::reduce_scatter_v, group, buffers.size(), "buffers");
   Collective c = whole(CollectiveOp::reduce_scatter_v, group);
-  c.row_elements = row_elements;
+  c.call.row_elements = row_elements;
   for (std::size_t r = 0; r < buffers.size(); ++r)
     c.members[r].scatter = buffers[r];
   return issue_whole(graph, std::move(c), options);
@@ -132,7 +132,7 @@ Communicator::MemberTasks Communicator::broadcast(rt::GraphBuilder& graph,
                                                   int root, const CollectiveOptions& options) {
   check_count(CollectiveOp::broadcast, group, buffers.size(), "buffers");
   Collective c = whole(CollectiveOp::broadcast, group);
-  c.root = root;
+  c.call.root = root;
   for (std::size_t r = 0; r < buffers.size(); ++r)
     c.members[r].output = buffers[r];
   return issue_whole(graph, std::move(c), options);

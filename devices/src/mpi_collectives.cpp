@@ -65,7 +65,7 @@ int SpanningCollective::process_index(int p) const {
 }
 
 std::string SpanningCollective::describe() const {
-  return fmt::format("{} '{}' over group '{}'", to_string(c_.op), c_.name, c_.group.name());
+  return fmt::format("{} '{}' over group '{}'", to_string(c_.call.op), c_.name, c_.group.name());
 }
 
 void SpanningCollective::commit(std::int64_t collective_id) {
@@ -150,7 +150,7 @@ void check_local_sizes(const Collective& c, const std::vector<int>& local, Pick 
       throw std::invalid_argument(fmt::format(
           "{} over group '{}': rank {} (device {}) has an {} of {} elements where {} "
           "are needed ({}); size every rank's buffers alike",
-          to_string(c.op), c.group.name(), r, c.group.device(r), what, size, expected, rule));
+          to_string(c.call.op), c.group.name(), r, c.group.device(r), what, size, expected, rule));
   }
 }
 
@@ -211,7 +211,7 @@ class SpanningAllReduce final : public SpanningCollective {
         std::vector<float*> targets;
         for (int r : local_)
           targets.push_back(buffer(r) + first);
-        reduce_to_all(c_.reduce, sources, 0, targets, 0, len, false);
+        reduce_to_all(c_.call.reduce, sources, 0, targets, 0, len, false);
         MpiRound round;
         const int lead = local_.front();
         for (int q : others_) {
@@ -307,7 +307,7 @@ class SpanningReduceScatter final : public BlockExchange {
       for (int j = 0; j < n_; ++j)
         sources.push_back(block(j, r, m_));
       float* const out[] = {c_.members[static_cast<std::size_t>(r)].output.data()};
-      reduce_to_all(c_.reduce, sources, 0, out, 0, m_, false);
+      reduce_to_all(c_.call.reduce, sources, 0, out, 0, m_, false);
     }
     return std::nullopt;
   }
@@ -414,11 +414,11 @@ class SpanningBroadcast final : public SpanningCollective {
  public:
   SpanningBroadcast(const Collective& c, MpiJob& job, std::vector<int> process_of)
       : SpanningCollective(c, job, std::move(process_of)) {
-    if (c.root < 0 || c.root >= n_)
+    if (c.call.root < 0 || c.call.root >= n_)
       throw std::invalid_argument(
           fmt::format("broadcast over group '{}': root rank {} is outside [0, {}); name the root "
                       "by its rank in the group, not its device",
-                      c.group.name(), c.root, n_));
+                      c.group.name(), c.call.root, n_));
     count_ = c.members[static_cast<std::size_t>(local_.front())].output.size();
     check_local_sizes(
         c, local_, [](const CollectiveMember& x) { return std::span<const float>(x.output); },
@@ -429,7 +429,7 @@ class SpanningBroadcast final : public SpanningCollective {
  private:
   void restart() override { stage_ = 0; }
   std::optional<MpiRound> next() override {
-    const int root = c_.root;
+    const int root = c_.call.root;
     const int source = is_local(root) ? root : local_.front();
     float* from = c_.members[static_cast<std::size_t>(source)].output.data();
     if (stage_++ == 0) {
@@ -506,11 +506,11 @@ class SpanningAllToAllV final : public SpanningCollective {
  public:
   SpanningAllToAllV(const Collective& c, MpiJob& job, std::vector<int> process_of)
       : SpanningCollective(c, job, std::move(process_of)) {
-    if (c.row_elements < 1)
+    if (c.call.row_elements < 1)
       throw std::invalid_argument(fmt::format(
           "all_to_all_v over group '{}': a row must hold at least 1 element, got {}; pass the "
           "number of floats per token row",
-          c.group.name(), c.row_elements));
+          c.group.name(), c.call.row_elements));
     for (int r : local_) {
       const VariableAllToAllBuffers& v = c.members[static_cast<std::size_t>(r)].variable;
       if (!v.send_counts)
@@ -524,7 +524,7 @@ class SpanningAllToAllV final : public SpanningCollective {
                         "counts; give it one per rank, {}",
                         c.group.name(), r, c.group.device(r), v.recv_counts.size(), n_));
     }
-    row_ = static_cast<std::size_t>(c.row_elements);
+    row_ = static_cast<std::size_t>(c.call.row_elements);
   }
 
  private:
@@ -715,7 +715,7 @@ static_assert(lists_every_op(kSpanning), "an MPI implementation of every collect
 
 std::shared_ptr<SpanningCollective> SpanningCollective::make(const Collective& c, MpiJob& job,
                                                              std::vector<int> process_of) {
-  return kSpanning[static_cast<std::size_t>(c.op)].make(c, job, std::move(process_of));
+  return kSpanning[static_cast<std::size_t>(c.call.op)].make(c, job, std::move(process_of));
 }
 
 }  // namespace weave::devices::detail

@@ -104,7 +104,7 @@ MemberWork MpiCommunicator::plan(const Collective& c) {
     if (d >= static_cast<rt::DeviceId>(impl_->devices))
       throw std::invalid_argument(
           fmt::format("{} over group '{}': rank {} is device {}, outside the job's {} devices",
-                      to_string(c.op), c.group.name(), r, d, impl_->devices));
+                      to_string(c.call.op), c.group.name(), r, d, impl_->devices));
     process_of_member.push_back(process_of(d));
     spans |= process_of_member.back() != impl_->job->rank();
   }

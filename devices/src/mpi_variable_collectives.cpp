@@ -19,12 +19,12 @@ MpiMessage floats(int peer, const float* data, std::size_t elements) {
 }
 
 std::size_t row_size(const Collective& c) {
-  if (c.row_elements < 1)
+  if (c.call.row_elements < 1)
     throw std::invalid_argument(fmt::format(
         "{} over group '{}': a row must hold at least 1 element, got {}; pass the number of "
         "floats per token row",
-        to_string(c.op), c.group.name(), c.row_elements));
-  return static_cast<std::size_t>(c.row_elements);
+        to_string(c.call.op), c.group.name(), c.call.row_elements));
+  return static_cast<std::size_t>(c.call.row_elements);
 }
 
 class SpanningAllGatherV final : public SpanningCollective {
@@ -259,7 +259,8 @@ class SpanningReduceScatterV final : public SpanningCollective {
       }
       // Offsets of the sources are already applied: reduce from offset 0.
       float* const out = buffers(r).recv.data();
-      reduce_to_all(c_.reduce, sources, 0, std::span<float* const>(&out, 1), 0, length(r), false);
+      reduce_to_all(c_.call.reduce, sources, 0, std::span<float* const>(&out, 1), 0, length(r),
+                    false);
     }
     return std::nullopt;
   }

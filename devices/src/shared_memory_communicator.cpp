@@ -51,7 +51,7 @@ void check_sizes(const Collective& c, Pick pick, std::size_t expected, const cha
       throw std::invalid_argument(
           fmt::format("{} over group '{}': rank {} (device {}) has an {} of {} elements where {} "
                       "are needed ({}); size every rank's buffers alike",
-                      to_string(c.op), g.name(), r, g.device(r), what, size, expected, rule));
+                      to_string(c.call.op), g.name(), r, g.device(r), what, size, expected, rule));
   }
 }
 
@@ -82,7 +82,7 @@ MemberWork plan_all_reduce(const Collective& c) {
   if (n == 1) return {};
   const std::vector<float*> data = output_pointers(c);
   const std::vector<const float*> sources(data.begin(), data.end());
-  const ReduceOp op = c.reduce;
+  const ReduceOp op = c.call.reduce;
   // Member r reduces its share of every rank's buffer and writes the result to every rank's
   // buffer. In place and still race-free: only member r touches its share, and the kernel
   // reads each element from every rank before writing it. Regular stores beat streaming ones
@@ -121,7 +121,7 @@ MemberWork plan_reduce_scatter(const Collective& c) {
   const std::vector<const float*> in = input_pointers(c);
   const std::vector<float*> out = output_pointers(c);
   const bool streaming = streams(bytes_of(m * n * (n + 1)));
-  const ReduceOp op = c.reduce;
+  const ReduceOp op = c.call.reduce;
   // Member r reduces block r of every input into its own output.
   return [=](int r, rt::TaskContext&) {
     const std::span<float* const> mine(&out[r], 1);
@@ -156,11 +156,11 @@ MemberWork plan_all_to_all(const Collective& c) {
 MemberWork plan_all_to_all_v(const Collective& c) {
   const int n = c.group.size();
   const ProcessGroup& group = c.group;
-  if (c.row_elements < 1)
+  if (c.call.row_elements < 1)
     throw std::invalid_argument(fmt::format(
         "all_to_all_v over group '{}': a row must hold at least 1 element, got {}; pass the "
         "number of floats per token row",
-        group.name(), c.row_elements));
+        group.name(), c.call.row_elements));
   std::vector<VariableAllToAllBuffers> b;
   for (int r = 0; r < n; ++r) {
     const VariableAllToAllBuffers& v = c.members[static_cast<std::size_t>(r)].variable;
@@ -176,7 +176,7 @@ MemberWork plan_all_to_all_v(const Collective& c) {
                       group.name(), r, group.device(r), v.recv_counts.size(), n));
     b.push_back(v);
   }
-  const auto row = static_cast<std::size_t>(c.row_elements);
+  const auto row = static_cast<std::size_t>(c.call.row_elements);
   const std::string group_name = group.name();
   return [=](int r, rt::TaskContext& context) {
     // Every member's counts are final here: the rendezvous started no member's transfer before
@@ -236,12 +236,12 @@ MemberWork plan_all_to_all_v(const Collective& c) {
 
 // The row size of a variable collective, checked.
 std::size_t row_size(const Collective& c) {
-  if (c.row_elements < 1)
+  if (c.call.row_elements < 1)
     throw std::invalid_argument(fmt::format(
         "{} over group '{}': a row must hold at least 1 element, got {}; pass the number of "
         "floats per token row",
-        to_string(c.op), c.group.name(), c.row_elements));
-  return static_cast<std::size_t>(c.row_elements);
+        to_string(c.call.op), c.group.name(), c.call.row_elements));
+  return static_cast<std::size_t>(c.call.row_elements);
 }
 
 MemberWork plan_all_gather_v(const Collective& c) {
@@ -310,7 +310,7 @@ MemberWork plan_reduce_scatter_v(const Collective& c) {
     b.push_back(s);
   }
   const std::string group_name = group.name();
-  const ReduceOp op = c.reduce;
+  const ReduceOp op = c.call.reduce;
   return [=](int r, rt::TaskContext& context) {
     const std::vector<std::int64_t>& rows = *b[r].rows;
     if (rows.size() != static_cast<std::size_t>(n))
@@ -358,7 +358,7 @@ MemberWork plan_reduce_scatter_v(const Collective& c) {
 
 MemberWork plan_broadcast(const Collective& c) {
   const int n = c.group.size();
-  const int root = c.root;
+  const int root = c.call.root;
   if (root < 0 || root >= n)
     throw std::invalid_argument(
         fmt::format("broadcast over group '{}': root rank {} is outside [0, {}); name the root "
@@ -417,7 +417,7 @@ static_assert(detail::lists_every_op(kPlans), "a shared-memory plan for every co
 }  // namespace
 
 MemberWork SharedMemoryCommunicator::plan(const Collective& c) {
-  return kPlans[static_cast<std::size_t>(c.op)].plan(c);
+  return kPlans[static_cast<std::size_t>(c.call.op)].plan(c);
 }
 
 }  // namespace weave::devices

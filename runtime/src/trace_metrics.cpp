@@ -79,6 +79,19 @@ Nanos exposed_comm_named(const Trace& trace, std::span<const std::string_view> n
   });
 }
 
+Nanos exposed_comm_on_stream_kinds(const Trace& trace, std::span<const StreamKind> kinds) {
+  return exposed_comm_of(trace, [&](TaskId t) {
+    const StreamKind kind = trace.tasks().stream_kind(trace.tasks()[t].stream);
+    return std::find(kinds.begin(), kinds.end(), kind) != kinds.end();
+  });
+}
+
+Nanos exposed_comm_on_stream_ids(const Trace& trace, std::span<const StreamId> streams) {
+  return exposed_comm_of(trace, [&](TaskId t) {
+    return std::find(streams.begin(), streams.end(), trace.tasks()[t].stream) != streams.end();
+  });
+}
+
 Nanos exposed_comm_on_streams(const Trace& trace, std::span<const std::string_view> prefixes) {
   return exposed_comm_of(trace, [&](TaskId t) {
     const std::string_view stream = trace.tasks().stream_name(trace.tasks()[t].stream);

@@ -1,7 +1,7 @@
 // A flag declared only in the flag table (graphs/config_flags.hpp) reaches every consumer:
 // `weave train`'s command line and --config, the run record, the checkpoint's description and
-// `weave predict --advise`'s plan flags. A binary of its own, as the entry it adds stays in the
-// table for the rest of the process.
+// `weave predict --advise`'s plan flags; one of `weave predict`'s own reaches its command line. A
+// binary of its own, as the entry it adds stays in the table for the rest of the process.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -46,6 +46,14 @@ class FlagConsumers : public ::testing::Test {
                          .key = "test_only_ffn_width",
                          .checkpointed = true},
          .properties = graphs::kChoosesPlan});
+    graphs::add_config_flag_for_testing(
+        {.name = "--test-only-predicted-width",
+         .group = graphs::FlagGroup::prediction,
+         .command = graphs::FlagCommand::predict,
+         .help = "A test's flag of weave predict: the MLPs' width",
+         .field = graphs::config_field<&graphs::TrainerConfig::model,
+                                       &graphs::ModelConfig::ffn_hidden_size>(),
+         .properties = graphs::kNotRepeatedByAdvice});
   }
 };
 
@@ -81,6 +89,27 @@ TEST_F(FlagConsumers, PredictsAdviceChoosesItAsAPlanFlag) {
   EXPECT_TRUE(cli::left_out_of_advice("--config"));
   EXPECT_FALSE(cli::left_out_of_advice("--num-layers"));
   EXPECT_FALSE(cli::left_out_of_advice("--micro-batch-size"));
+}
+
+// weave predict's own flags are left out of the best plan's command by the table's word, as the
+// search's settings and the replay of every rank are.
+TEST_F(FlagConsumers, PredictsAdviceLeavesOutTheSearchsOwnFlags) {
+  EXPECT_TRUE(cli::left_out_of_advice("--test-only-predicted-width"));
+  for (const char* flag : {"--advise", "--advise-top", "--advise-limit", "--every-rank"})
+    EXPECT_TRUE(cli::left_out_of_advice(flag)) << flag;
+  EXPECT_FALSE(cli::left_out_of_advice("--device-memory"));
+  EXPECT_FALSE(cli::left_out_of_advice("--trace-ranks"));
+}
+
+TEST_F(FlagConsumers, PredictsOwnFlagIsOnPredictsCommandLineOnly) {
+  CLI::App app{"", "weave"};
+  cli::add_predict_command(app);
+  const CLI::Option* own =
+      app.get_subcommand("predict")->get_option_no_throw("--test-only-predicted-width");
+  ASSERT_NE(own, nullptr);
+  EXPECT_EQ(own->get_group(), "Prediction");
+  EXPECT_EQ(own->get_description(), "A test's flag of weave predict: the MLPs' width");
+  EXPECT_THROW(parse({"--test-only-predicted-width", "96"}), std::invalid_argument);
 }
 
 }  // namespace

@@ -1,8 +1,9 @@
-// docs/flags.md against the flag table (graphs/config_flags.hpp) and `weave train`'s parser: every
-// row is handled as the table says. An implemented flag parses as a script writes it; a flag
-// without effect is accepted, values and all, and named in the run's "no effect here" list with
-// the table's reason; a refused flag is refused with the table's reason. Every flag of the
-// program and of the table is in docs/flags.md with the table's class.
+// docs/flags.md against the flag table (graphs/config_flags.hpp) and the parsers of `weave train`
+// and `weave predict`: every row is handled as the table says. An implemented flag parses as a
+// script writes it, by the command it belongs to; a flag without effect is accepted, values and
+// all, and named in the run's "no effect here" list with the table's reason; a refused flag is
+// refused with the table's reason. Every flag of both commands and of the table is in
+// docs/flags.md with the table's class.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -23,6 +24,7 @@ namespace {
 
 using weave::cli::TrainOptions;
 using weave::graphs::ConfigFlag;
+using weave::graphs::FlagCommand;
 using weave::graphs::FlagStatus;
 
 // The table's entries of one class.
@@ -90,6 +92,33 @@ void parse(const std::vector<std::string>& flags, TrainOptions& o) {
   app.parse(args);
 }
 
+// Thrown once `weave predict`'s command line is parsed and checked, before it predicts.
+struct Parsed {};
+
+// Parses `weave predict FLAGS` as the program does, without predicting.
+void parse_predict(const std::vector<std::string>& flags) {
+  CLI::App app{"", "weave"};
+  weave::cli::add_predict_command(app);
+  app.get_subcommand("predict")->parse_complete_callback([] { throw Parsed{}; });
+  std::vector<std::string> args{"predict"};
+  args.insert(args.end(), flags.begin(), flags.end());
+  args = weave::cli::prepare_arguments(
+      app, args, [](const std::string&) { return std::optional<std::string>("{}"); });
+  std::reverse(args.begin(), args.end());
+  try {
+    app.parse(args);
+  } catch (const Parsed&) {
+    return;
+  }
+  ADD_FAILURE() << "weave predict ran past its parsing";
+}
+
+// The command the table says a row's flag belongs to.
+FlagCommand command_of(const std::string& flag) {
+  const ConfigFlag* f = weave::graphs::find_config_flag(flag);
+  return f ? f->command : FlagCommand::train;
+}
+
 std::vector<std::string> command_line(const Row& row) {
   std::vector<std::string> args{row.flag};
   args.insert(args.end(), row.values.begin(), row.values.end());
@@ -114,6 +143,17 @@ TEST(FlagTable, ImplementedFlagsParseAsScriptsWriteThem) {
   for (const Row& row : table()) {
     if (row.status != "implemented") continue;
     SCOPED_TRACE(row.flag);
+    if (command_of(row.flag) == FlagCommand::predict) {
+      try {
+        parse_predict(command_line(row));
+      } catch (const std::exception& e) {
+        ADD_FAILURE() << fmt::format("{}: {}", fmt::join(command_line(row), " "), e.what());
+      }
+      TrainOptions o;
+      EXPECT_THROW(parse(command_line(row), o), std::invalid_argument)
+          << "weave predict's own flag taken by weave train";
+      continue;
+    }
     TrainOptions o;
     try {
       parse(command_line(row), o);
@@ -189,6 +229,35 @@ TEST(FlagTable, EveryFlagOfTheProgramIsInTheTable) {
     EXPECT_EQ(status[std::string(f.name)], "refused") << f.name;
 }
 
+// `weave predict` takes `weave train`'s flags, its own and the refused ones it models: each is in
+// the table, and each of its own only there.
+TEST(FlagTable, EveryFlagOfPredictIsInTheTable) {
+  std::map<std::string, std::string> status;
+  for (const Row& row : table())
+    status[row.flag] = row.status;
+  CLI::App app;
+  weave::cli::add_predict_command(app);
+  const CLI::App* predict = app.get_subcommand("predict");
+  int own = 0;
+  for (const CLI::Option* opt : predict->get_options()) {
+    for (const std::string& name : opt->get_lnames()) {
+      const std::string flag = "--" + name;
+      if (flag == "--help") continue;
+      const ConfigFlag* f = weave::graphs::find_config_flag(flag);
+      ASSERT_NE(f, nullptr) << flag << " is not in the flag table";
+      EXPECT_TRUE(f->status != FlagStatus::refused || f->has(weave::graphs::kModelledByPredict))
+          << flag;
+      EXPECT_EQ(status[flag], weave::graphs::flag_status_name(f->status)) << flag;
+      own += f->command == FlagCommand::predict;
+    }
+  }
+  int declared = 0;
+  for (const ConfigFlag& f : weave::graphs::config_flags())
+    declared += f.command == FlagCommand::predict;
+  EXPECT_EQ(own, declared) << "weave predict's own flags in the table and on its command line";
+  EXPECT_GE(own, 6);
+}
+
 // The values the table says each flag takes are those the command line reads after it: none for
 // a switch, its count for the others.
 TEST(FlagTable, EachFlagTakesTheValuesTheTableSays) {
@@ -196,9 +265,13 @@ TEST(FlagTable, EachFlagTakesTheValuesTheTableSays) {
   TrainOptions o;
   CLI::App* train = app.add_subcommand("train");
   weave::cli::add_train_flags(*train, o);
+  weave::cli::add_predict_command(app);
+  const CLI::App* predict = app.get_subcommand("predict");
   for (const ConfigFlag& f : weave::graphs::config_flags()) {
-    if (f.status == FlagStatus::refused) continue;
-    const CLI::Option* opt = train->get_option(std::string(f.name));
+    const bool predicts =
+        f.command == FlagCommand::predict || f.has(weave::graphs::kModelledByPredict);
+    if (f.status == FlagStatus::refused && !predicts) continue;
+    const CLI::Option* opt = (predicts ? predict : train)->get_option(std::string(f.name));
     EXPECT_EQ(opt->get_expected_max() == 0, f.values == 0) << f.name;
     if (f.values > 0) EXPECT_EQ(opt->get_expected_min(), f.values) << f.name;
   }

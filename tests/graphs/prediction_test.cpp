@@ -7,6 +7,8 @@
 #include <cmath>
 #include <optional>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "tiny_model.hpp"
 #include "weave/devices/shared_memory_communicator.hpp"
@@ -78,6 +80,36 @@ TEST(Prediction, EqualsTheMaterialisedStepOnTheVirtualClock) {
   }
   EXPECT_TRUE(tp);
   EXPECT_TRUE(pipeline);
+}
+
+// A group's exposed communication read from the replay by its name is the prediction's figure
+// of that group; groups together are their streams' union.
+TEST(Prediction, AGroupsExposedCommunicationIsReadFromTheReplay) {
+  TrainerConfig c;
+  c.model = tiny(4);
+  c.plan = {.tensor_parallel = 2,
+            .sequence_parallel = true,
+            .expert_parallel = 2,
+            .pipeline_parallel = 2,
+            .micro_batch_size = 1,
+            .global_batch_size = 4};
+  c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
+  const Prediction p = predict_step(c);
+  ASSERT_FALSE(p.exposed.empty());
+  rt::Nanos separately = 0;
+  std::vector<std::string_view> all;
+  for (const ExposedCommunication& e : p.exposed) {
+    const std::string_view group[] = {e.group};
+    const rt::Nanos ns = exposed_comm_of_groups(p.trace, group);
+    EXPECT_DOUBLE_EQ(static_cast<double>(ns) * 1e-6 / p.replayed_devices, e.ms_per_device)
+        << e.group;
+    separately += ns;
+    all.push_back(e.group);
+  }
+  EXPECT_LE(exposed_comm_of_groups(p.trace, all), separately);
+  EXPECT_GT(exposed_comm_of_groups(p.trace, all), 0);
+  const std::string_view none[] = {"no such group"};
+  EXPECT_EQ(exposed_comm_of_groups(p.trace, none), 0);
 }
 
 // Folding data-parallel replicas into the first: the same step time, exposed communication,

@@ -296,6 +296,55 @@ TEST(TraceMetrics, ExposedTimeOfAStreamsCommunication) {
   EXPECT_EQ(exposed_comm_on_streams(trace, kExpert), 30);
 }
 
+// The streams of one process group found by the kind they were made with, or by their ids: the
+// tensor group's two streams together, the expert group's apart.
+TEST(TraceMetrics, ExposedTimeOfAStreamKindsCommunication) {
+  // As above: device 0 computes [0,100); tp [50,150), tp_grad [160,170), ep [90,130).
+  constexpr StreamKind kTensorKind = 1, kExpertKind = 4;
+  auto table = std::make_shared<TaskTable>();
+  auto add = [&](const char* stream, StreamKind kind, TaskKind k) {
+    TaskInfo info;
+    info.stream = table->stream(stream, kind);
+    info.kind = k;
+    return table->add(info, "t");
+  };
+  const TaskId c = add("compute", kUnclassifiedStream, TaskKind::compute);
+  const TaskId tp = add("tp", kTensorKind, TaskKind::comm);
+  const TaskId grad = add("tp_grad", kTensorKind, TaskKind::comm);
+  const TaskId ep = add("ep", kExpertKind, TaskKind::comm);
+  const Trace trace(table, {{c, 0, 100}, {tp, 50, 150}, {grad, 160, 170}, {ep, 90, 130}},
+                    ClockKind::virtual_time);
+  constexpr StreamKind kTensor[] = {kTensorKind};
+  EXPECT_EQ(exposed_comm_on_stream_kinds(trace, kTensor), 50 + 10);
+  constexpr StreamKind kExpert[] = {kExpertKind};
+  EXPECT_EQ(exposed_comm_on_stream_kinds(trace, kExpert), 30);
+  const StreamId tensor_streams[] = {table->stream("tp"), table->stream("tp_grad")};
+  EXPECT_EQ(exposed_comm_on_stream_ids(trace, tensor_streams), 50 + 10);
+  const StreamId expert_streams[] = {table->stream("ep")};
+  EXPECT_EQ(exposed_comm_on_stream_ids(trace, expert_streams), 30);
+}
+
+// A kind keeps a group apart from another whose stream's name begins the same ("tp_cp").
+TEST(TraceMetrics, ExposedTimeOfAKindIsItsStreamsOnly) {
+  constexpr StreamKind kTensorKind = 1, kTensorContextKind = 6;
+  auto table = std::make_shared<TaskTable>();
+  auto add = [&](const char* stream, StreamKind kind, TaskKind k) {
+    TaskInfo info;
+    info.stream = table->stream(stream, kind);
+    info.kind = k;
+    return table->add(info, "t");
+  };
+  const TaskId c = add("compute", kUnclassifiedStream, TaskKind::compute);
+  const TaskId tp = add("tp", kTensorKind, TaskKind::comm);
+  const TaskId tp_cp = add("tp_cp", kTensorContextKind, TaskKind::comm);
+  const Trace trace(table, {{c, 0, 100}, {tp, 90, 120}, {tp_cp, 200, 240}},
+                    ClockKind::virtual_time);
+  constexpr StreamKind kTensor[] = {kTensorKind};
+  EXPECT_EQ(exposed_comm_on_stream_kinds(trace, kTensor), 20);
+  constexpr StreamKind kBoth[] = {kTensorKind, kTensorContextKind};
+  EXPECT_EQ(exposed_comm_on_stream_kinds(trace, kBoth), 20 + 40);
+}
+
 // Exact stream names keep a group apart from another whose name begins the same ("tp_cp").
 TEST(TraceMetrics, ExposedTimeOfNamedStreams) {
   auto table = std::make_shared<TaskTable>();

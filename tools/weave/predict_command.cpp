@@ -4,7 +4,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <iterator>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -28,18 +27,7 @@
 
 namespace weave::cli {
 
-namespace {
-
-// weave predict's own flags that shape a search: left out when the best plan is printed as a
-// command, beside the flag table's plan and advice flags.
-constexpr std::string_view kSearchFlags[] = {"--advise", "--advise-top", "--advise-limit",
-                                             "--every-rank"};
-
-}  // namespace
-
 bool left_out_of_advice(std::string_view flag) {
-  if (std::find(std::begin(kSearchFlags), std::end(kSearchFlags), flag) != std::end(kSearchFlags))
-    return true;
   const graphs::ConfigFlag* f = graphs::find_config_flag(flag);
   return f && (f->has(graphs::kChoosesPlan) || f->has(graphs::kNotRepeatedByAdvice));
 }
@@ -322,10 +310,17 @@ void write_trace(const graphs::Prediction& p, const graphs::TrainerConfig& c,
   }
 }
 
-// Where the flags weave predict models write their values when the table names no field.
-std::optional<ProgramSetting> predicted_setting(const graphs::ConfigFlag& f, PredictOptions& o) {
+// Where weave predict's own flags and the refused flags it models write their values when the
+// table names no field.
+std::optional<ProgramSetting> predict_setting(const graphs::ConfigFlag& f, PredictOptions& o) {
   if (!std::holds_alternative<std::monostate>(f.field)) return std::nullopt;
   const std::pair<std::string_view, ProgramSetting> settings[] = {
+      {"--device-memory", &o.device_memory_gib},
+      {"--trace-ranks", &o.trace_ranks},
+      {"--every-rank", &o.every_rank},
+      {"--advise", &o.advise},
+      {"--advise-top", &o.advise_top},
+      {"--advise-limit", &o.advise_limit},
       {"--bf16", &o.bf16},
       {"--fp16", &o.fp16},
       {"--recompute-activations", &o.recompute_activations},
@@ -334,17 +329,23 @@ std::optional<ProgramSetting> predicted_setting(const graphs::ConfigFlag& f, Pre
   for (const auto& [name, setting] : settings)
     if (name == f.name) return setting;
   throw std::logic_error(fmt::format(
-      "the flag table's {} is modelled by weave predict and has no field: give it one or a "
-      "setting of weave predict",
+      "the flag table's {} is weave predict's and has no field: give it one or a setting of "
+      "weave predict",
       f.name));
 }
 
-// Megatron-LM's flags that weave train refuses (its kernels compute in fp32 and keep every
-// activation, its tokens are bytes) and a prediction models: the flag table marks them.
-void add_predicted_training_flags(CLI::App& cmd, PredictOptions& o) {
+// weave predict's own flags (the flag table's FlagCommand::predict), then Megatron-LM's flags
+// that weave train refuses (its kernels compute in fp32 and keep every activation, its tokens are
+// bytes) and a prediction models: the flag table marks them. Registered in this order, the
+// command printed for the best plan keeps its flags in the order it always had.
+void add_predict_flags(CLI::App& cmd, PredictOptions& o) {
+  for (const graphs::ConfigFlag& f : graphs::config_flags())
+    if (f.command == graphs::FlagCommand::predict)
+      add_config_flag(cmd, f, f.help, o.train.config, predict_setting(f, o))
+          ->group(std::string(graphs::flag_group_title(f.group)));
   for (const graphs::ConfigFlag& f : graphs::config_flags())
     if (f.has(graphs::kModelledByPredict))
-      add_config_flag(cmd, f, f.predicted_help, o.train.config, predicted_setting(f, o));
+      add_config_flag(cmd, f, f.predicted_help, o.train.config, predict_setting(f, o));
 }
 
 int run_predict(PredictOptions& o, const CLI::App& cmd) {
@@ -392,47 +393,17 @@ void add_predict_command(CLI::App& app) {
       "Predict one training step on the virtual clock, from the step's graph built without "
       "tensors: nothing is allocated or computed");
   add_train_flags(*cmd, o->train);
-  CLI::Option* memory =
-      cmd->add_option("--device-memory", o->device_memory_gib,
-                      "GiB of memory a device has (default: the --accelerator's, else 80): "
-                      "devices that would need more are named")
-          ->check(positive())
-          ->capture_default_str();
-  add_predicted_training_flags(*cmd, *o);
-  cmd->add_option("--trace-ranks", o->trace_ranks,
-                  "With --trace: write only these ranks' replay, as a list of ranks and ranges "
-                  "(0-7,64); a folded data-parallel replica's ranks need --every-rank");
-  cmd->add_flag("--every-rank", o->every_rank,
-                "Build and replay every rank instead of folding data-parallel replicas into the "
-                "first (slower, the same figures)");
-  cmd->add_flag("--advise", o->advise,
-                "Instead of one prediction: predict every parallel plan over --devices (tp "
-                "dividing the heads and query groups, at most a node's devices with a modelled "
-                "cluster; pp dividing the layers; cp where the sequence allows; ep dividing the "
-                "experts; dp the rest, dividing --global-batch-size; for pp > 1 1f1b, "
-                "interleaved and zb-h1; Ampipe degree 1 and 2 with MoE; recomputation none or "
-                "full uniform 1; --sequence-parallel with tp > 1), discard what the rules refuse "
-                "(counted by reason) and what does not fit --device-memory, and print the "
-                "fastest with the flags that run the best");
-  CLI::Option* top =
-      cmd->add_option("--advise-top", o->advise_top, "With --advise: the plans printed")
-          ->check(at_least(1))
-          ->capture_default_str();
-  CLI::Option* limit = cmd->add_option("--advise-limit", o->advise_limit,
-                                       "With --advise: the most candidates predicted, those that "
-                                       "build the fewest ranks first; the rest are counted")
-                           ->check(at_least(1))
-                           ->capture_default_str();
+  add_predict_flags(*cmd, *o);
   cmd->footer(
       "Takes weave train's flags (--trace writes the replay). Example:\n"
       "  weave predict --num-layers 8 --hidden-size 1024 --num-attention-heads 16 \\\n"
       "                --seq-length 2048 --devices 16 --tensor-model-parallel-size 4 \\\n"
       "                --pipeline-model-parallel-size 2 --global-batch-size 32 \\\n"
       "                --device-flops 3e14 --device-memory-bandwidth 2e12 --link nvlink4");
-  cmd->callback([o, memory, top, limit, cmd] {
-    o->device_memory_given = memory->count() > 0;
-    o->advise_top_given = top->count() > 0;
-    o->advise_limit_given = limit->count() > 0;
+  cmd->callback([o, cmd] {
+    o->device_memory_given = cmd->get_option("--device-memory")->count() > 0;
+    o->advise_top_given = cmd->get_option("--advise-top")->count() > 0;
+    o->advise_limit_given = cmd->get_option("--advise-limit")->count() > 0;
     throw CommandExit{run_predict(*o, *cmd)};
   });
 }

@@ -148,8 +148,10 @@ void add_train_flags(CLI::App& cmd, TrainOptions& o) {
   // --config's values come first on the command line; a flag given again overrides them.
   cmd.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   for (const ConfigFlag& f : graphs::config_flags()) {
-    // Refused flags are refused by name before parsing (prepare_arguments).
-    if (f.status == graphs::FlagStatus::refused) continue;
+    // Refused flags are refused by name before parsing (prepare_arguments); `weave predict`
+    // registers its own.
+    if (f.status == graphs::FlagStatus::refused || f.command != graphs::FlagCommand::train)
+      continue;
     CLI::Option* opt = f.status == graphs::FlagStatus::implemented ? add_implemented(cmd, f, o)
                                                                    : add_without_effect(cmd, f, o);
     opt->group(std::string(graphs::flag_group_title(f.group)));

@@ -52,7 +52,7 @@ struct TrainOptions {
 
 // Where a flag of the table without a field of its own writes its value: a setting the program
 // keeps for itself (a word it maps onto the configuration, a file it reads or writes).
-using ProgramSetting = std::variant<int*, bool*, std::string*>;
+using ProgramSetting = std::variant<int*, double*, bool*, std::string*>;
 
 // Registers the flag table's entry `f` on cmd with `help`, with its names, the check of its value
 // and its default: its value goes to `setting` when given, else to its field of `config`.

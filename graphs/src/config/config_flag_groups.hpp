@@ -62,6 +62,8 @@ std::span<const ConfigFlag> optimizer_flags();
 std::span<const ConfigFlag> training_flags();
 std::span<const ConfigFlag> output_flags();
 std::span<const ConfigFlag> machine_flags();
+// `weave predict`'s own (config_flags_predict.cpp).
+std::span<const ConfigFlag> prediction_flags();
 // Megatron-LM's and MindSpeed's flags weave accepts without effect or refuses
 // (config_flags_unimplemented.cpp).
 std::span<const ConfigFlag> no_effect_flags();

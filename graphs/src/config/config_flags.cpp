@@ -19,7 +19,8 @@ std::vector<ConfigFlag>& table() {
           flag_groups::parallelism_flags(), flag_groups::pipeline_flags(),
           flag_groups::ampipe_flags(), flag_groups::optimizer_flags(),
           flag_groups::training_flags(), flag_groups::output_flags(), flag_groups::machine_flags(),
-          flag_groups::no_effect_flags(), flag_groups::refused_flags()})
+          flag_groups::prediction_flags(), flag_groups::no_effect_flags(),
+          flag_groups::refused_flags()})
       all.insert(all.end(), group.begin(), group.end());
     return all;
   }();
@@ -70,6 +71,8 @@ std::string_view flag_group_title(FlagGroup g) {
       return "Modelled machine";
     case FlagGroup::advice:
       return "Advice";
+    case FlagGroup::prediction:
+      return "Prediction";
     case FlagGroup::not_implemented:
       return "Flags accepted without effect (Megatron-LM's, MindSpeed's, older weave's)";
   }

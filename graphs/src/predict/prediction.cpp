@@ -90,26 +90,30 @@ void read_throughput(const TrainerConfig& config, rt::Nanos makespan, Prediction
   p.mfu = p.flops_per_device / peak;
 }
 
-// Each process group's exposed communication per replayed device, its streams found by the group
-// each was made for (its CommGroup): tp with its gradient stream, ep with its dispatch and combine
-// streams, both directions of every pipeline stage; an unclassified stream stands alone under its
-// own name.
-std::vector<ExposedCommunication> exposed_by_group(const rt::Trace& trace, int replayed_devices) {
-  std::vector<std::pair<std::string, std::vector<std::string_view>>> groups;
-  const rt::TaskTable& tasks = trace.tasks();
+// A trace's communication streams by the process group each was made for (its CommGroup), as
+// reports name the groups: tp with its gradient stream, ep with its dispatch and combine streams,
+// both directions of every pipeline stage; an unclassified stream stands alone under its own name.
+std::vector<std::pair<std::string, std::vector<rt::StreamId>>> streams_by_group(
+    const rt::TaskTable& tasks) {
+  std::vector<std::pair<std::string, std::vector<rt::StreamId>>> groups;
   for (rt::StreamId s = 0; s < tasks.stream_count(); ++s) {
-    const std::string_view name = tasks.stream_name(s);
-    if (name == "compute") continue;
+    if (s == rt::kComputeStream) continue;
     const CommGroup kind = comm_group_of(tasks.stream_kind(s));
-    const std::string group(kind != CommGroup::unclassified ? to_string(kind) : name);
+    const std::string group(kind != CommGroup::unclassified ? to_string(kind)
+                                                            : tasks.stream_name(s));
     auto at =
         std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == group; });
     if (at == groups.end()) at = groups.insert(groups.end(), {group, {}});
-    at->second.push_back(name);
+    at->second.push_back(s);
   }
+  return groups;
+}
+
+// Each process group's exposed communication per replayed device.
+std::vector<ExposedCommunication> exposed_by_group(const rt::Trace& trace, int replayed_devices) {
   std::vector<ExposedCommunication> exposed;
-  for (const auto& [group, names] : groups) {
-    const rt::Nanos ns = rt::exposed_comm_on_named_streams(trace, names);
+  for (const auto& [group, streams] : streams_by_group(trace.tasks())) {
+    const rt::Nanos ns = rt::exposed_comm_on_stream_ids(trace, streams);
     if (ns > 0) exposed.push_back({group, static_cast<double>(ns) * 1e-6 / replayed_devices});
   }
   return exposed;
@@ -156,6 +160,14 @@ Prediction predict_step(TrainerConfig config, const PredictionOptions& options) 
   read_memory(set, ranks.source, p);
   p.trace = std::move(run.trace);
   return p;
+}
+
+rt::Nanos exposed_comm_of_groups(const rt::Trace& trace, std::span<const std::string_view> groups) {
+  std::vector<rt::StreamId> chosen;
+  for (const auto& [name, streams] : streams_by_group(trace.tasks()))
+    if (std::find(groups.begin(), groups.end(), name) != groups.end())
+      chosen.insert(chosen.end(), streams.begin(), streams.end());
+  return rt::exposed_comm_on_stream_ids(trace, chosen);
 }
 
 }  // namespace weave::graphs

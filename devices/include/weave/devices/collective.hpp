@@ -94,14 +94,13 @@ struct CollectiveCall {
   ReduceOp reduce = ReduceOp::sum;  // all_reduce, reduce_scatter
   int root = 0;                     // broadcast: the root's rank in the group
   std::int64_t row_elements = 0;    // all_to_all_v, all_gather_v, reduce_scatter_v
+
+  friend bool operator==(const CollectiveCall&, const CollectiveCall&) = default;
 };
 
 struct Collective {
-  CollectiveOp op = CollectiveOp::barrier;
+  CollectiveCall call;  // the op and its parameters, as every member issued them
   ProcessGroup group;
-  ReduceOp reduce = ReduceOp::sum;        // all_reduce, reduce_scatter
-  int root = 0;                           // broadcast: the root's rank in the group
-  std::int64_t row_elements = 0;          // all_to_all_v, all_gather_v, reduce_scatter_v
   std::vector<CollectiveMember> members;  // by rank in the group
   std::string name;                       // the member tasks' name prefix
 };

@@ -43,11 +43,18 @@ enum class FlagGroup {
   logging,
   machine,
   advice,
+  prediction,  // what `weave predict` replays and reports
   // Megatron-LM's, MindSpeed's and older weave flags accepted without effect or refused.
   not_implemented,
 };
 // The group's title in --help ("Model", "Mixture of Experts", ...).
 std::string_view flag_group_title(FlagGroup g);
+
+// The command a flag belongs to.
+enum class FlagCommand {
+  train,    // `weave train`'s, which `weave predict` takes too
+  predict,  // `weave predict`'s own: what it replays, reports and searches; `weave train` lacks it
+};
 
 // Where a flag's value goes: a field of the TrainerConfig, reached by reference. std::monostate:
 // a setting of the program's own (a word it maps onto an enum, a file it reads or writes), which
@@ -102,7 +109,7 @@ enum FlagProperty : unsigned {
   kShowsDefault = 1u << 0,  // --help prints its default
   kChoosesPlan = 1u << 1,   // a parallel plan's choice: `weave predict --advise` sets it itself
   // Left out of the command `weave predict --advise` prints for the best plan (a file already
-  // read onto the command line, another search, a trace of one step).
+  // read onto the command line, a search and its settings, a trace of one step).
   kNotRepeatedByAdvice = 1u << 2,
   // Refused beside --ampipe-degree > 1, as MindSpeed's Ampipe refuses it.
   kRefusedBesideAmpipe = 1u << 3,
@@ -114,6 +121,7 @@ struct ConfigFlag {
   std::string_view name;     // "--norm-epsilon"
   std::string_view aliases;  // "--layernorm-epsilon" (comma-separated), or ""
   FlagGroup group = FlagGroup::model;
+  FlagCommand command = FlagCommand::train;
   FlagStatus status = FlagStatus::implemented;
   int values = 1;  // values that follow it on a command line; 0: a switch
   // Implemented: what it does (--help's text). No effect or refused: why, and what to do instead.
@@ -132,7 +140,7 @@ struct ConfigFlag {
   std::vector<std::string> names() const;
 };
 
-// Every flag of `weave train`, group by group, each once.
+// Every flag of `weave train` and `weave predict`'s own (FlagCommand), group by group, each once.
 std::span<const ConfigFlag> config_flags();
 // The flag named `name` (or one of its aliases), or nullptr.
 const ConfigFlag* find_config_flag(std::string_view name);

@@ -5,7 +5,9 @@
 
 #include <array>
 #include <cstdint>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "weave/graphs/trainer_config.hpp"
@@ -65,5 +67,11 @@ struct PredictionOptions {
 
 // Validates a copy of `config` (throws ConfigError) and predicts its step.
 Prediction predict_step(TrainerConfig config, const PredictionOptions& options = {});
+
+// The exposed communication, summed over the devices of a training step's trace, of the process
+// groups `groups` as ExposedCommunication names them ("tp", "ep", "cp", ...): the union of every
+// stream made for one of them (tp with its gradient stream, ep with its dispatch and combine
+// streams), the streams found by their kind. 0 when the trace has none of them.
+rt::Nanos exposed_comm_of_groups(const rt::Trace& trace, std::span<const std::string_view> groups);
 
 }  // namespace weave::graphs

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "weave/runtime/trace.hpp"
+#include "weave/runtime/types.hpp"
 
 namespace weave::rt {
 
@@ -41,10 +42,18 @@ TraceMetrics measure(const Trace& trace);
 // `name_parts` (say "dispatch" and "combine" for MoE all-to-alls): their union on each device
 // minus its overlap with the device's compute.
 Nanos exposed_comm_named(const Trace& trace, std::span<const std::string_view> name_parts);
-// The same for the comm and copy tasks on streams whose names start with one of `prefixes` (the
-// streams of one process group: "tp" gives tp and tp_grad, "ep" the expert group's).
+// The same for the comm and copy tasks on streams of one of `kinds` (StreamKind: the streams of
+// one process group, as the layer that made them classified them).
+Nanos exposed_comm_on_stream_kinds(const Trace& trace, std::span<const StreamKind> kinds);
+// The same for the comm and copy tasks on the streams `streams`.
+Nanos exposed_comm_on_stream_ids(const Trace& trace, std::span<const StreamId> streams);
+
+// The same, the streams chosen by their names, for a trace whose streams carry no kind: one read
+// back from a file (read_chrome_trace) or written by another program. A trace weave runs or
+// replays chooses its streams by kind or id above.
+// Streams whose names start with one of `prefixes` ("tp" gives tp, tp_grad and tp_cp).
 Nanos exposed_comm_on_streams(const Trace& trace, std::span<const std::string_view> prefixes);
-// The same for the streams named exactly `names` ("tp" alone, not "tp_cp").
+// Streams named exactly `names` ("tp" alone, not "tp_cp").
 Nanos exposed_comm_on_named_streams(const Trace& trace, std::span<const std::string_view> names);
 
 }  // namespace weave::rt
