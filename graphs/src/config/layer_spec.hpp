@@ -4,10 +4,17 @@
 // dispatch on this value instead of testing the configuration again.
 #pragma once
 
+#include <vector>
+
 #include "weave/graphs/model_config.hpp"
 #include "weave/graphs/parallel_plan.hpp"
 
 namespace weave::graphs {
+
+// The attention's stages on each head's queries and keys (model/query_key_stage.hpp), each
+// defined in a file of its own.
+class QueryKeyStage;
+const QueryKeyStage& qk_norm_stage();  // --qk-layernorm (model/qk_norm.cpp)
 
 // The attention's core: every key and value on the rank, or a ring of key/value blocks passed
 // round the context-parallel group.
@@ -21,7 +28,9 @@ struct LayerSpec {
   AttentionCore attention = AttentionCore::local;
   MlpModule mlp = MlpModule::dense;
   Normalization norm = Normalization::layer_norm;  // every norm of the layer
-  bool qk_norm = false;                            // --qk-layernorm: queries and keys normed
+  // What the attention does to each head's queries and keys after the QKV projection, in order,
+  // as Megatron-Core's SelfAttentionSubmodules name q_layernorm and k_layernorm.
+  std::vector<const QueryKeyStage*> query_key;
 
   bool moe() const { return mlp != MlpModule::dense; }
 };
@@ -32,7 +41,7 @@ inline LayerSpec resolve_layer_spec(const ModelConfig& model, const ParallelPlan
   if (model.is_moe_layer(layer))
     spec.mlp = plan.ampipe_degree > 1 ? MlpModule::ampipe : MlpModule::moe;
   spec.norm = model.normalization;
-  spec.qk_norm = model.qk_layernorm;
+  if (model.qk_layernorm) spec.query_key.push_back(&qk_norm_stage());
   return spec;
 }
 
