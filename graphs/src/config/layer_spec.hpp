@@ -24,9 +24,40 @@ enum class AttentionCore { local, ring };
 // --ampipe-degree > 1, whose attention and MoE MLP run as sequence chunks together).
 enum class MlpModule { dense, moe, ampipe };
 
+// A MoE MLP's token dispatcher: the permutation alone (one expert-parallel rank), one framed
+// all-to-all per slot each way, or one per item (--use-pipe-experts, or split experts under
+// --ampipe-tp-sp-comm-overlap).
+enum class TokenDispatcher { permute, all_to_all, item_all_to_all };
+// Its experts: each local expert whole on its rank, or split over the tensor-parallel group
+// (--expert-tensor-parallel-size).
+enum class ExpertsModule { local, tensor_split };
+
+// A MoE MLP's parts, as Megatron-Core's MoELayer is made of a TopKRouter (one kind here), the
+// token dispatcher its configuration chooses and the experts its MoESubmodules name.
+struct MoeSpec {
+  TokenDispatcher dispatcher = TokenDispatcher::permute;
+  ExpertsModule experts = ExpertsModule::local;
+};
+
+// The same predicates StepShape's experts_split(), pipe_experts() and tp_sp_overlap() answer.
+inline MoeSpec resolve_moe_spec(const ParallelPlan& plan) {
+  const int ep = plan.expert_parallel;
+  const bool split = plan.expert_tensor_parallel > 1 && plan.tensor_parallel > 1;
+  const bool pipe = plan.pipe_experts && ep > 1;
+  const bool overlap =
+      plan.ampipe_tp_sp_comm_overlap && split && plan.ampipe_degree > 1 && ep > 1 && !pipe;
+  MoeSpec moe;
+  if (ep > 1)
+    moe.dispatcher =
+        pipe || overlap ? TokenDispatcher::item_all_to_all : TokenDispatcher::all_to_all;
+  if (split) moe.experts = ExpertsModule::tensor_split;
+  return moe;
+}
+
 struct LayerSpec {
   AttentionCore attention = AttentionCore::local;
   MlpModule mlp = MlpModule::dense;
+  MoeSpec moe_mlp;                                 // a MoE (or Ampipe) layer's parts
   Normalization norm = Normalization::layer_norm;  // every norm of the layer
   // What the attention does to each head's queries and keys after the QKV projection, in order,
   // as Megatron-Core's SelfAttentionSubmodules name q_layernorm and k_layernorm.
@@ -38,8 +69,10 @@ struct LayerSpec {
 inline LayerSpec resolve_layer_spec(const ModelConfig& model, const ParallelPlan& plan, int layer) {
   LayerSpec spec;
   spec.attention = plan.context_parallel > 1 ? AttentionCore::ring : AttentionCore::local;
-  if (model.is_moe_layer(layer))
+  if (model.is_moe_layer(layer)) {
     spec.mlp = plan.ampipe_degree > 1 ? MlpModule::ampipe : MlpModule::moe;
+    spec.moe_mlp = resolve_moe_spec(plan);
+  }
   spec.norm = model.normalization;
   if (model.qk_layernorm) spec.query_key.push_back(&qk_norm_stage());
   return spec;

@@ -1,43 +1,8 @@
-// The MoE layer's parameters (the router and this rank's experts), and its buffers for one
-// micro-batch: each slot's routing, dispatch and expert rows (sized for the largest split the
-// routing allows), and the pipe-experts items'.
+// The MoE layer's buffers for one micro-batch: each slot's router, dispatcher and experts state
+// (sized for the largest split the routing allows), and the pipe-experts items'.
 #include "moe/moe_mlp.hpp"
 
 namespace weave::graphs {
-
-void MoeMlp::declare_parameters(ParameterDeclarer& declare, const LayerSpec&, int layer,
-                                MoeMlpParameters& L) {
-  const ModelConfig& m = declare.model;
-  const std::int64_t h = m.hidden_size, f = m.ffn_hidden_size, E = m.num_experts;
-  const bool swiglu = m.activation == Activation::swiglu;
-  const std::int64_t f1 = swiglu ? 2 * f : f;
-  const std::int64_t local = E / declare.mesh.plan().expert_parallel, first = declare.at.ep * local;
-  const std::string prefix = fmt::format("layers.{}.moe.", layer);
-  // The MoE layer routes this rank's share of the tokens: with tp > 1 the router's gradient is a
-  // partial sum over the tensor-parallel ranks.
-  L.router_weight = &declare.replicated(
-      declare.add(prefix + "router.weight", {E, h}, E, h, iota_from(0, E), 0, declare.std, 0),
-      true);
-  // Split over the tensor-parallel group (mesh.experts_split()), each local expert's fc1 holds
-  // this rank's columns of the hidden layer (SwiGLU: its gates, then its values) and fc2 the
-  // matching rows of the input dimension.
-  const bool split = declare.mesh.experts_split();
-  const std::int64_t etp = split ? declare.tp : 1, et = split ? declare.at.tp : 0;
-  const std::int64_t fe = f / etp, f1e = swiglu ? 2 * fe : fe;
-  std::vector<std::int64_t> fc1_rows;
-  for (std::int64_t e = first; e < first + local; ++e) {
-    for (std::int64_t i = 0; i < fe; ++i)
-      fc1_rows.push_back(e * f1 + et * fe + i);
-    if (swiglu)
-      for (std::int64_t i = 0; i < fe; ++i)
-        fc1_rows.push_back(e * f1 + f + et * fe + i);
-  }
-  L.expert_fc1 = &declare.add(prefix + "experts.fc1.weight", {local, f1e, h}, E * f1, h, fc1_rows,
-                              0, declare.std, 0);
-  L.expert_fc2 = &declare.add(prefix + "experts.fc2.weight", {local, h, fe}, E * h, f,
-                              iota_from(first * h, local * h), et * fe, declare.out_std, 0);
-  L.expert_fc1->expert = L.expert_fc2->expert = true;
-}
 
 namespace {
 
