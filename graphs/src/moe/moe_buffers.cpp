@@ -47,67 +47,91 @@ void allocate_items(RankProgram& P, MoeSlot& slot) {
     }
 }
 
-// MoE slot c of a layer: the tokens the rank routes at once (all of them, or an Ampipe chunk).
-void allocate_slot(RankProgram& P, LayerActivations& A, int c) {
+// The router's: each token's logits, probabilities and picks, and the slot's statistics (the
+// micro-batch's own without Ampipe).
+void allocate_router(RankProgram& P, const MoeActivations& M, MoeSlot& S) {
   const StepShape& z = P.shape;
-  MoeSlot& S = A.moe().slots[static_cast<std::size_t>(c)];
-  const std::int64_t E = z.model.num_experts, k = z.model.moe_router_topk, h = z.h;
-  const std::int64_t n = z.slot_tokens(), ep = z.ep;
-  S.tokens = n;
-  S.moe_in = P.activation({n, h});
+  const std::int64_t E = z.model.num_experts, k = z.model.moe_router_topk, n = z.slot_tokens();
   S.router_logits = P.activation({n, E});
   S.probs = P.activation({n, E});
   S.topk_weight = P.activation({n, k});
   S.topk_index.assign(static_cast<std::size_t>(n * k), 0);
+  S.stats = z.ampipe == 1 ? M.stats_total : P.activation({2 * E + 2});
+  S.d_topk = P.activation({n, k});
+  S.d_router_logits = P.activation({n, E});
+}
+
+// The dispatcher's: the picks grouped by expert and the experts' outputs in that order, and under
+// EP the all-to-alls' rows.
+void allocate_dispatch(RankProgram& P, MoeSlot& S) {
+  const StepShape& z = P.shape;
+  const std::int64_t k = z.model.moe_router_topk, h = z.h, n = z.slot_tokens(), ep = z.ep;
   // Under EP the dispatch sends `grouped` framed by header rows.
   S.grouped = P.activation({n * k + (ep > 1 ? ep * z.header_rows() : 0), h});
   S.expert_out = P.activation({n * k, h});
-  S.stats = z.ampipe == 1 ? A.moe().stats_total : P.activation({2 * E + 2});
-  // The slot's output: its rows of the layer's MLP output, or (tensor parallelism without SP)
-  // this rank's tokens before the all-gather.
-  S.moe_out =
-      (z.sp() || z.tp == 1) ? A.mlp_out.reshape({z.T, h}).slice(0, c * n, n) : P.activation({n, h});
+  S.d_grouped = P.activation({n * k, h});
+  S.d_expert_out = P.activation({n * k, h});
+  if (ep == 1) return;
   const std::int64_t capacity = z.slot_capacity();
+  S.counts_recv = P.activation({ep * z.local_experts()});
+  for (auto* v : {&S.send_rows, &S.recv_rows, &S.framed_send_rows, &S.framed_recv_rows})
+    v->assign(static_cast<std::size_t>(ep), 0);
+  S.arrived = P.activation({capacity + ep * z.header_rows(), h});
+  S.leaving = P.activation({capacity, h});
+  S.d_arrived = P.activation({capacity, h});
+  S.d_leaving = P.activation({capacity, h});
+}
+
+// The experts': their hidden layers, under EP the rows regrouped by expert, and split over tp
+// every tp rank's rows gathered.
+void allocate_experts(RankProgram& P, MoeSlot& S) {
+  const StepShape& z = P.shape;
+  const std::int64_t h = z.h, capacity = z.slot_capacity();
   // Split experts run every tensor-parallel rank's rows on this rank's share of the hidden layer.
   const std::int64_t expert_rows = z.experts_split() ? z.tp * capacity : capacity;
   S.hidden_pre = P.activation({expert_rows, z.expert_local_f1()});
   S.hidden = P.activation({expert_rows, z.expert_local_f()});
   if (z.splits_backward && !z.expert_items())
     S.saved_d_pre = P.activation({expert_rows, z.expert_local_f1()});
-  if (z.experts_split() && !z.expert_items()) {
-    const std::int64_t H = z.header_rows();
-    S.tp_send = P.activation({H + capacity, h});
-    S.tp_gathered = P.activation({z.tp * (H + capacity), h});
-    S.tp_partial = P.activation({expert_rows, h});
-    S.tp_result = P.activation({capacity, h});
-    S.tp_d_rows = P.activation({capacity, h});
-    S.tp_d_gathered = P.activation({expert_rows, h});
-    S.tp_d_in = P.activation({capacity, h});
-    for (auto* v : {&S.tp_gathered_rows, &S.tp_rows, &S.tp_d_gathered_rows})
-      v->assign(static_cast<std::size_t>(z.tp), 0);
-    S.tp_begin.assign(static_cast<std::size_t>(z.tp),
-                      std::vector<std::int64_t>(static_cast<std::size_t>(z.local_experts()) + 1));
-  }
-  if (ep > 1) {
-    S.counts_recv = P.activation({ep * z.local_experts()});
-    for (auto* v : {&S.send_rows, &S.recv_rows, &S.framed_send_rows, &S.framed_recv_rows})
-      v->assign(static_cast<std::size_t>(ep), 0);
-    S.arrived = P.activation({capacity + ep * z.header_rows(), h});
+  if (z.ep > 1) {
     S.expert_in = P.activation({capacity, h});
     S.expert_result = P.activation({capacity, h});
-    S.leaving = P.activation({capacity, h});
-    S.d_arrived = P.activation({capacity, h});
     S.d_expert_in = P.activation({capacity, h});
     S.d_expert_result = P.activation({capacity, h});
-    S.d_leaving = P.activation({capacity, h});
   }
-  if (z.expert_items()) allocate_items(P, S);
+  if (!z.experts_split() || z.expert_items()) return;
+  const std::int64_t H = z.header_rows();
+  S.tp_send = P.activation({H + capacity, h});
+  S.tp_gathered = P.activation({z.tp * (H + capacity), h});
+  S.tp_partial = P.activation({expert_rows, h});
+  S.tp_result = P.activation({capacity, h});
+  S.tp_d_rows = P.activation({capacity, h});
+  S.tp_d_gathered = P.activation({expert_rows, h});
+  S.tp_d_in = P.activation({capacity, h});
+  for (auto* v : {&S.tp_gathered_rows, &S.tp_rows, &S.tp_d_gathered_rows})
+    v->assign(static_cast<std::size_t>(z.tp), 0);
+  S.tp_begin.assign(static_cast<std::size_t>(z.tp),
+                    std::vector<std::int64_t>(static_cast<std::size_t>(z.local_experts()) + 1));
+}
+
+// MoE slot c of a layer: the tokens the rank routes at once (all of them, or an Ampipe chunk),
+// and each part's state of them.
+void allocate_slot(RankProgram& P, LayerActivations& A, int c) {
+  const StepShape& z = P.shape;
+  MoeSlot& S = A.moe().slots[static_cast<std::size_t>(c)];
+  const std::int64_t n = z.slot_tokens(), h = z.h;
+  S.tokens = n;
+  S.moe_in = P.activation({n, h});
+  // The slot's output: its rows of the layer's MLP output, or (tensor parallelism without SP)
+  // this rank's tokens before the all-gather.
+  S.moe_out =
+      (z.sp() || z.tp == 1) ? A.mlp_out.reshape({z.T, h}).slice(0, c * n, n) : P.activation({n, h});
   S.d_moe = P.activation({n, h});
-  S.d_grouped = P.activation({n * k, h});
-  S.d_expert_out = P.activation({n * k, h});
-  S.d_topk = P.activation({n, k});
-  S.d_router_logits = P.activation({n, E});
   S.d_moe_in = P.activation({n, h});
+  allocate_router(P, A.moe(), S);
+  allocate_dispatch(P, S);
+  allocate_experts(P, S);
+  if (z.expert_items()) allocate_items(P, S);
 }
 
 }  // namespace
