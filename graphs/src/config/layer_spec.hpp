@@ -39,18 +39,29 @@ struct MoeSpec {
   ExpertsModule experts = ExpertsModule::local;
 };
 
-// The same predicates StepShape's experts_split(), pipe_experts() and tp_sp_overlap() answer.
+// The plan's MoE layout, which the spec and StepShape both read: every expert split over the
+// tensor-parallel group (--expert-tensor-parallel-size); --use-pipe-experts with expert
+// parallelism; and --ampipe-tp-sp-comm-overlap (section 4 of MindSpeed's Ampipe), which runs
+// split experts as items of (chunk, local expert) with their tensor-parallel collectives
+// pipelined across the chunks.
+inline bool plan_splits_experts(const ParallelPlan& p) {
+  return p.expert_tensor_parallel > 1 && p.tensor_parallel > 1;
+}
+inline bool plan_pipes_experts(const ParallelPlan& p) {
+  return p.pipe_experts && p.expert_parallel > 1;
+}
+inline bool plan_overlaps_tp_sp(const ParallelPlan& p) {
+  return p.ampipe_tp_sp_comm_overlap && plan_splits_experts(p) && p.ampipe_degree > 1 &&
+         p.expert_parallel > 1 && !plan_pipes_experts(p);
+}
+
 inline MoeSpec resolve_moe_spec(const ParallelPlan& plan) {
-  const int ep = plan.expert_parallel;
-  const bool split = plan.expert_tensor_parallel > 1 && plan.tensor_parallel > 1;
-  const bool pipe = plan.pipe_experts && ep > 1;
-  const bool overlap =
-      plan.ampipe_tp_sp_comm_overlap && split && plan.ampipe_degree > 1 && ep > 1 && !pipe;
   MoeSpec moe;
-  if (ep > 1)
-    moe.dispatcher =
-        pipe || overlap ? TokenDispatcher::item_all_to_all : TokenDispatcher::all_to_all;
-  if (split) moe.experts = ExpertsModule::tensor_split;
+  if (plan.expert_parallel > 1)
+    moe.dispatcher = plan_pipes_experts(plan) || plan_overlaps_tp_sp(plan)
+                         ? TokenDispatcher::item_all_to_all
+                         : TokenDispatcher::all_to_all;
+  if (plan_splits_experts(plan)) moe.experts = ExpertsModule::tensor_split;
   return moe;
 }
 

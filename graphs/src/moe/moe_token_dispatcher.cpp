@@ -224,9 +224,10 @@ SlotProgress MoeMlp::combine_backward(const BuildPosition& pos, int c, TaskId re
                         I.d_back.row(static_cast<std::int64_t>(x)));
       });
   P->after(ready, combined);
-  if (P->shape.ep == 1) return {combined, {}};
+  const TokenDispatcher dispatcher = P->shape.spec(l).moe_mlp.dispatcher;
+  if (dispatcher == TokenDispatcher::permute) return {combined, {}};
   if (P->shape.chained_items()) return {combined, {}};  // issued in the item pipeline's chain
-  if (P->shape.expert_items()) {
+  if (dispatcher == TokenDispatcher::item_all_to_all) {
     SlotProgress out{combined, {}};
     const std::size_t count = P->slot(set, l, c).items.size();
     for (std::size_t i = 0; i < count; ++i)
