@@ -1,8 +1,9 @@
 // What a module sees while it declares its parameters on one rank's shard: the rank's place in
 // the mesh, the initialisation's scales, and `add`, which makes a parameter in the model's order
 // (the order is its random stream, so every split of the model starts from the same values)
-// into the gradient bucket last named. Each module (embedding, attention_block, dense_mlp, moe_mlp,
-// output_loss) declares its own parameters through it; ModelShard asks them in the model's order.
+// into the gradient bucket last named. Each module (embedding, attention_block and its query/key
+// stages, dense_mlp, the MoE MLP's router and experts, output_loss) declares its own parameters
+// through it; ModelShard asks them in the model's order.
 #pragma once
 
 #include <cstdint>

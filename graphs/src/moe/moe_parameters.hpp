@@ -1,6 +1,6 @@
 // The parameters of a layer's MoE MLP on one rank, one struct per part: the router's, declared by
-// MoeMlp::declare_router (moe_router.cpp), and this rank's experts', declared by
-// MoeMlp::declare_experts (moe_experts.cpp). The token dispatcher has none.
+// declare_router_parameters (moe_router.cpp), and this rank's experts', declared by
+// declare_experts_parameters (moe_experts.cpp). The token dispatcher has none.
 #pragma once
 
 #include "weave/graphs/model_shard.hpp"
