@@ -12,7 +12,7 @@ StepShape::StepShape(const ModelConfig& m, const ParallelPlan& p) : model(m), pl
   t_sp = p.sequence_parallel ? tp : 1;
   cp = p.context_parallel;
   ep = p.expert_parallel;
-  etp = p.expert_tensor_parallel > 1 && p.tensor_parallel > 1 ? p.tensor_parallel : 1;
+  etp = plan_splits_experts(p) ? p.tensor_parallel : 1;
   M = p.micro_batches();
   ampipe = p.ampipe_degree;
   S = m.seq_length;

@@ -48,13 +48,10 @@ struct StepShape {
   std::int64_t expert_local_f1() const { return expert_f1() / etp; }
   bool experts_split() const { return etp > 1; }
   std::int64_t local_experts() const { return model.num_experts / ep; }
-  bool pipe_experts() const { return plan.pipe_experts && ep > 1; }
+  bool pipe_experts() const { return plan_pipes_experts(plan); }
   // --ampipe-tp-sp-comm-overlap (section 4 of MindSpeed's Ampipe): split experts run as items
   // of (chunk, local expert), their tensor-parallel collectives pipelined across the chunks.
-  bool tp_sp_overlap() const {
-    return plan.ampipe_tp_sp_comm_overlap && experts_split() && ampipe > 1 && ep > 1 &&
-           !pipe_experts();
-  }
+  bool tp_sp_overlap() const { return plan_overlaps_tp_sp(plan); }
   // Whether a MoE slot's expert work runs as items with their own all-to-alls, and the
   // capacity slices per local expert it is cut into.
   bool expert_items() const { return pipe_experts() || tp_sp_overlap(); }

@@ -11,7 +11,9 @@
 #include "model/attention_block.hpp"
 #include "model/dense_mlp.hpp"
 #include "model/norm.hpp"
+#include "moe/moe_experts.hpp"
 #include "moe/moe_mlp.hpp"
+#include "moe/moe_router.hpp"
 #include "weave/devices/collective_matcher.hpp"
 #include "weave/graphs/mesh.hpp"
 #include "weave/graphs/pipeline_layout.hpp"
@@ -343,9 +345,7 @@ struct Generator::Impl {
     const MoeMlpParameters& W = R.shard->layer(l).moe_mlp();
     const int k = model.moe_router_topk, first = R.shard->first_expert(),
               local = R.shard->local_experts();
-    ops::linear_forward(R.norm, W.router_weight->value, Tensor{}, R.router_logits);
-    ops::router_forward<float>({.top_k = k, .renormalize = model.moe_router_renormalize},
-                               R.router_logits, R.probs, R.top_index, R.top_weight);
+    route_tokens(model, W.router, R.norm, R.router_logits, R.probs, R.top_index, R.top_weight);
     // The rows of this rank's picked experts, grouped by local expert.
     R.begin.assign(static_cast<std::size_t>(local) + 1, 0);
     std::vector<std::pair<int, float>> picked;  // (local expert, weight)
@@ -363,7 +363,7 @@ struct Generator::Impl {
     for (std::int64_t i = 0; i < n; ++i)
       R.rows_in.slice(0, i, 1).copy_from(R.norm);
     ops::experts_forward(expert_activation(model), R.rows_in.slice(0, 0, n), R.begin,
-                         W.expert_fc1->value, W.expert_fc2->value, R.rows_pre.slice(0, 0, n),
+                         W.experts.fc1->value, W.experts.fc2->value, R.rows_pre.slice(0, 0, n),
                          R.rows_hidden.slice(0, 0, n), R.rows_out.slice(0, 0, n));
     for (std::int64_t i = 0; i < n; ++i) {
       const float w = picked[static_cast<std::size_t>(i)].second;

@@ -2,17 +2,14 @@
 // and the gradient workspace its backward uses.
 #pragma once
 
+#include <vector>
+
+#include "model/query_key_stage.hpp"
 #include "weave/ops/tensor.hpp"
 
 namespace weave::graphs {
 
 using ops::Tensor;
-
-// --qk-layernorm: the queries and keys before their norms [s B, Gl, qpg + 1, d] and each
-// head's statistics [s B Gl (qpg + 1)], queries' first.
-struct QkNormState {
-  Tensor in, mean, rstd;
-};
 
 struct AttentionActivations {
   Tensor ln1, ln1_mean, ln1_rstd, ln1_full;
@@ -24,7 +21,7 @@ struct AttentionActivations {
   // A split backward (zero-bubble schedules): the out-projection's and QKV's output gradients,
   // kept from the input-gradient half (I) until the weight half (W) runs.
   Tensor saved_d_proj, saved_d_qkv;
-  QkNormState qk_norm;
+  std::vector<StageState> query_key;  // each of the spec's query/key stages' own
 };
 
 // The attention's share of the backward's workspace, one per device for all its layers (the

@@ -15,12 +15,6 @@ namespace weave::graphs {
 
 namespace {
 
-// --qk-layernorm's traffic: `passes` over every query and key element of the rank's rows.
-rt::CostHint qk_norm_cost(const StepShape& z, int layer, double passes) {
-  if (!z.spec(layer).qk_norm) return {};
-  return cost::streamed(z, passes * static_cast<double>(z.Sc * z.B * (z.Hl + z.Gl) * z.d));
-}
-
 // Rotary embeddings of the queries and the key of every group, in place; the values pass
 // unchanged. `backward` rotates a gradient back.
 void rotate_queries_and_keys(const ModelConfig& m, const Tensor& qkv,
@@ -34,48 +28,29 @@ void rotate_queries_and_keys(const ModelConfig& m, const Tensor& qkv,
     ops::rotary_forward<float>(spec, rotated, positions);
 }
 
-// One of the two qk norms: its heads in a [s, B, Gl, (qpg + 2) d] QKV tensor (or its gradient)
-// as rows of d, its saved inputs and statistics, and its parameters.
-struct QkNormPart {
-  Tensor heads, in, mean, rstd;
-  const Parameter* weight;
-  const Parameter* bias;
-};
-
-// Part 0: the queries [s B, Gl, qpg, d]; part 1: the keys [s B, Gl, 1, d].
-QkNormPart qk_norm_part(const AttentionParameters& W, const Tensor& qkv, const QkNormState& qk,
-                        std::int64_t d, int part) {
-  const std::int64_t qpg = qkv.dim(3) / d - 2;
-  const Tensor heads = qkv.reshape({qkv.dim(0) * qkv.dim(1), qkv.dim(2), qpg + 2, d});
-  const std::int64_t first = part == 0 ? 0 : qpg, count = part == 0 ? qpg : 1;
-  const std::int64_t stats = qk.rstd.numel() / (qpg + 1);  // s B Gl: one head of every group
-  const Tensor mean = qk.mean.defined() ? qk.mean.slice(0, first * stats, count * stats) : Tensor{};
-  return {.heads = heads.slice(2, first, count),
-          .in = qk.in.slice(2, first, count),
-          .mean = mean,
-          .rstd = qk.rstd.slice(0, first * stats, count * stats),
-          .weight = part == 0 ? W.q_norm_weight : W.k_norm_weight,
-          .bias = part == 0 ? W.q_norm_bias : W.k_norm_bias};
-}
-
-// --qk-layernorm: the saved state of s rows of B sequences.
-QkNormState allocate_qk_norm(const std::function<Tensor(const ops::Shape&)>& allocate,
-                             std::int64_t s, std::int64_t B, std::int64_t Gl, std::int64_t qpg,
-                             std::int64_t d) {
-  const std::int64_t heads = s * B * Gl * (qpg + 1);
-  return {.in = allocate({s * B, Gl, qpg + 1, d}),
-          .mean = allocate({heads}),
-          .rstd = allocate({heads})};
-}
-
 }  // namespace
+
+std::vector<StageState> allocate_query_key_stages(
+    const LayerSpec& spec, const std::function<Tensor(const ops::Shape&)>& allocate,
+    const QkvRows& at) {
+  std::vector<StageState> state;
+  for (const QueryKeyStage* stage : spec.query_key)
+    state.push_back(stage->allocate(allocate, at));
+  return state;
+}
+
+rt::CostHint query_key_stages_cost(const LayerSpec& spec, const StepShape& z, bool backward) {
+  rt::CostHint total;
+  for (const QueryKeyStage* stage : spec.query_key)
+    total = total + stage->cost(z, backward);
+  return total;
+}
 
 AttentionDecodeState allocate_attention_decoding(
     const LayerSpec& spec, const std::function<Tensor(const ops::Shape&)>& allocate,
     std::int64_t Gl, std::int64_t qpg, std::int64_t d) {
-  AttentionDecodeState state;
-  if (spec.qk_norm) state.qk_norm = allocate_qk_norm(allocate, 1, 1, Gl, qpg, d);
-  return state;
+  return {.query_key = allocate_query_key_stages(
+              spec, allocate, {.rows = 1, .groups = Gl, .queries_per_group = qpg, .head_dim = d})};
 }
 
 std::vector<std::int64_t> context_positions(const RankProgram& rank) {
@@ -88,31 +63,22 @@ std::vector<std::int64_t> context_positions(const RankProgram& rank) {
 
 void project_qkv(const LayerSpec& spec, const ModelConfig& m, const AttentionParameters& W,
                  const Tensor& x, const Tensor& qkv, std::span<const std::int64_t> positions,
-                 const QkNormState& qk) {
+                 const std::vector<StageState>& state) {
   ops::linear_forward(x, W.qkv_weight->value, value_of(W.qkv_bias),
                       qkv.reshape(x.shape().with(-1, qkv.numel() / x.rows())));
-  // As Megatron-Core's SelfAttention applies q_layernorm and k_layernorm: per head, before the
-  // rotary embedding.
-  if (spec.qk_norm)
-    for (int part = 0; part < 2; ++part) {
-      const QkNormPart q = qk_norm_part(W, qkv, qk, m.head_dim(), part);
-      q.in.copy_from(q.heads);
-      norm_forward(m, q.in, *q.weight, q.bias, q.heads, q.mean, q.rstd);
-    }
+  for (std::size_t i = 0; i < spec.query_key.size(); ++i)
+    spec.query_key[i]->forward(m, W.query_key[i], qkv, state[i]);
   if (m.position_embedding == PositionEmbedding::rope)
     rotate_queries_and_keys(m, qkv, positions, false);
 }
 
 void project_qkv_backward(const LayerSpec& spec, const ModelConfig& m, const AttentionParameters& W,
                           const Tensor& d_qkv, std::span<const std::int64_t> positions,
-                          const QkNormState& qk) {
+                          const std::vector<StageState>& state) {
   if (m.position_embedding == PositionEmbedding::rope)
     rotate_queries_and_keys(m, d_qkv, positions, true);
-  if (spec.qk_norm)
-    for (int part = 0; part < 2; ++part) {
-      const QkNormPart q = qk_norm_part(W, d_qkv, qk, m.head_dim(), part);
-      norm_backward(m, q.in, *q.weight, q.bias, q.mean, q.rstd, q.heads, q.heads);
-    }
+  for (std::size_t i = spec.query_key.size(); i-- > 0;)
+    spec.query_key[i]->backward(m, W.query_key[i], d_qkv, state[i]);
 }
 
 ops::AttentionDropout attention_dropout(const RankProgram& rank, int layer, int mb) {
@@ -126,26 +92,6 @@ ops::AttentionDropout attention_dropout(const RankProgram& rank, int layer, int 
           .batch_offset = rank.batch_offset(mb),
           .head_offset = static_cast<std::int64_t>(rank.at.tp) * z.Hl};
 }
-
-namespace {
-
-// --qk-layernorm's weights (and LayerNorm's biases), [d] each: every tp rank norms its own heads
-// with the whole weight, so its gradient is a partial sum over tp.
-void declare_qk_norms(ParameterDeclarer& declare, const LayerSpec& spec, const std::string& prefix,
-                      AttentionParameters& L) {
-  const std::int64_t d = declare.model.head_dim();
-  auto norm = [&](const char* name, double value) {
-    return &declare.replicated(
-        declare.add(prefix + "attention." + name, {d}, d, 1, iota_from(0, d), 0, 0, value), true);
-  };
-  const bool biases = spec.norm == Normalization::layer_norm;
-  L.q_norm_weight = norm("q_norm.weight", 1);
-  if (biases) L.q_norm_bias = norm("q_norm.bias", 0);
-  L.k_norm_weight = norm("k_norm.weight", 1);
-  if (biases) L.k_norm_bias = norm("k_norm.bias", 0);
-}
-
-}  // namespace
 
 void AttentionBlock::declare_parameters(ParameterDeclarer& declare, const LayerSpec& spec,
                                         int layer, AttentionParameters& L) {
@@ -180,7 +126,8 @@ void AttentionBlock::declare_parameters(ParameterDeclarer& declare, const LayerS
   if (m.add_bias_linear)
     L.qkv_bias =
         &declare.add(prefix + "attention.qkv.bias", {qkv_local}, qkv_logical, 1, qkv_rows, 0, 0, 0);
-  if (spec.qk_norm) declare_qk_norms(declare, spec, prefix, L);
+  for (const QueryKeyStage* stage : spec.query_key)
+    L.query_key.push_back(stage->declare_parameters(declare, spec, prefix + "attention."));
   L.proj_weight = &declare.add(prefix + "attention.proj.weight", {h, heads_local * d}, h, h,
                                iota_from(0, h), t * heads_local * d, declare.out_std, 0);
   if (m.add_bias_linear)
@@ -211,9 +158,9 @@ void AttentionBlock::allocate(LayerActivations& A) const {
     A.attention.kv_local = P->activation({Sc, B, z.Gl, 2 * d});
   }
   A.attention.proj_out = z.sp() ? P->activation({Sl, B, h}) : A.attention.proj_partial;
-  if (z.spec(l).qk_norm)
-    A.attention.qk_norm = allocate_qk_norm([this](const ops::Shape& s) { return P->activation(s); },
-                                           Sc, B, z.Gl, z.qpg, d);
+  A.attention.query_key = allocate_query_key_stages(
+      z.spec(l), [this](const ops::Shape& s) { return P->activation(s); },
+      {.rows = Sc * B, .groups = z.Gl, .queries_per_group = z.qpg, .head_dim = d});
   if (z.splits_backward) {
     A.attention.saved_d_proj = P->activation({Sc, B, h});
     A.attention.saved_d_qkv = P->activation({Sc, B, z.qkv_width()});
@@ -241,12 +188,12 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
   TaskId gathered = rt::kNoTask;
   if (z.sp())
     gathered = sp_gather(*P, ln1, A.attention.ln1, A.attention.ln1_full, at + "sp_gather", tags);
-  // The qk norms read and write each query and key once, and keep a copy (read 1, write 1).
-  const TaskId qkv = P->compute(at + "qkv", tags, cost::qkv(z) + qk_norm_cost(z, l, 4), [=] {
+  const rt::CostHint cost = cost::qkv(z) + query_key_stages_cost(z.spec(l), z, false);
+  const TaskId qkv = P->compute(at + "qkv", tags, cost, [=] {
     LayerActivations& A = p->acts(set, layer);
     const StepShape& z = p->shape;
     project_qkv(z.spec(layer), z.model, p->attention_parameters(layer), A.attention.ln1_full,
-                A.attention.qkv, context_positions(*p), A.attention.qk_norm);
+                A.attention.qkv, context_positions(*p), A.attention.query_key);
     if (ring) {  // keys and values, contiguous: the block this rank sends round the ring
       const std::int64_t keys = p->shape.qpg * d;
       A.attention.kv_local.slice(3, 0, d).copy_from(A.attention.qkv.slice(3, keys, d));
@@ -358,7 +305,7 @@ void qkv_input_gradient(RankProgram& P, int set, int layer, bool ring, bool keep
     w.attention.d_qkv.slice(3, keys + d, d).copy_from(home.slice(3, d, d));
   }
   project_qkv_backward(z.spec(layer), z.model, P.attention_parameters(layer), w.attention.d_qkv,
-                       context_positions(P), A.qk_norm);
+                       context_positions(P), A.query_key);
   const Tensor d_out = w.attention.d_qkv.reshape({z.Sc, z.B, width});
   ops::linear_backward_input(d_out, P.attention_parameters(layer).qkv_weight->value, w.d_norm_full);
   if (keep) A.saved_d_qkv.copy_from(d_out);
@@ -376,8 +323,8 @@ TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, We
   const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
   const std::string at = fmt::format("L{}.", l);
   const bool keep = halves.zero_bubble();
-  // The qk norms' backward reads the gradient and the saved input and writes the gradient.
-  const TaskId qkv_in = P->compute(at + "qkv_backward", tags, cost::qkv(z) + qk_norm_cost(z, l, 3),
+  const rt::CostHint cost = cost::qkv(z) + query_key_stages_cost(z.spec(l), z, true);
+  const TaskId qkv_in = P->compute(at + "qkv_backward", tags, cost,
                                    [=] { qkv_input_gradient(*p, set, layer, ring, keep); });
   P->after(ready, qkv_in);
   BackwardWorkspace& w = P->ws();

@@ -78,25 +78,30 @@ inline Tensor output_view(const Tensor& t, const StepShape& z) {
 }
 
 // The attention's input projection, shared by training and decoding: normed rows x [s, B, h]
-// (or [s, h]) projected into qkv [s, B, Gl, (qpg + 2) d] (or [s, 1, Gl, ...]), then, as the
-// layer's spec says, every query and key head normed (--qk-layernorm; `qk` keeps the norms'
-// inputs and statistics) and rotated to `positions`, the global positions of the s rows
-// (--position-embedding-type rope).
+// (or [s, h]) projected into qkv [s, B, Gl, (qpg + 2) d] (or [s, 1, Gl, ...]), then the layer's
+// query/key stages in the spec's order (`state`: each one's saved state) and the rotation of the
+// queries and keys to `positions`, the global positions of the s rows (--position-embedding-type
+// rope).
 void project_qkv(const LayerSpec& spec, const ModelConfig& m, const AttentionParameters& W,
                  const Tensor& x, const Tensor& qkv, std::span<const std::int64_t> positions,
-                 const QkNormState& qk);
+                 const std::vector<StageState>& state);
 // Its backward up to the projection's output, in place on the QKV gradient d_qkv: the rotation
-// undone, then the norms' backward (their weights' gradients accumulated).
+// undone, then the stages' backward in reverse order (their parameters' gradients accumulated).
 void project_qkv_backward(const LayerSpec& spec, const ModelConfig& m, const AttentionParameters& W,
                           const Tensor& d_qkv, std::span<const std::int64_t> positions,
-                          const QkNormState& qk);
-// Decoding one token at a time: what project_qkv keeps for the token's one row beyond its QKV, as
-// the layer's spec says (the qk norms' inputs and statistics with --qk-layernorm).
+                          const std::vector<StageState>& state);
+// The stages' saved state for `at`'s rows, from `allocate`.
+std::vector<StageState> allocate_query_key_stages(
+    const LayerSpec& spec, const std::function<Tensor(const ops::Shape&)>& allocate,
+    const QkvRows& at);
+// The stages' cost on the rank's rows, added to the QKV task's.
+rt::CostHint query_key_stages_cost(const LayerSpec& spec, const StepShape& z, bool backward);
+// Decoding one token at a time: what project_qkv keeps for the token's one row beyond its QKV,
+// each stage's saved state. Every layer's attention has the same spec, so one state serves them
+// all.
 struct AttentionDecodeState {
-  QkNormState qk_norm;
+  std::vector<StageState> query_key;
 };
-// Its buffers, from `allocate`. Every layer's attention has the same spec, so one state serves
-// them all.
 AttentionDecodeState allocate_attention_decoding(
     const LayerSpec& spec, const std::function<Tensor(const ops::Shape&)>& allocate,
     std::int64_t Gl, std::int64_t qpg, std::int64_t d);
@@ -104,7 +109,7 @@ AttentionDecodeState allocate_attention_decoding(
 inline void project_qkv(const LayerSpec& spec, const ModelConfig& m, const AttentionParameters& W,
                         const Tensor& x, const Tensor& qkv, std::span<const std::int64_t> positions,
                         const AttentionDecodeState& state) {
-  project_qkv(spec, m, W, x, qkv, positions, state.qk_norm);
+  project_qkv(spec, m, W, x, qkv, positions, state.query_key);
 }
 // The global positions of this rank's Sc rows.
 std::vector<std::int64_t> context_positions(const RankProgram& rank);

@@ -3,6 +3,9 @@
 // here and its declaration in AttentionBlock::declare_parameters.
 #pragma once
 
+#include <vector>
+
+#include "model/query_key_stage.hpp"
 #include "weave/graphs/model_shard.hpp"
 
 namespace weave::graphs {
@@ -15,12 +18,8 @@ struct AttentionParameters {
   // its key, its value (per head q, k, v without grouped-query attention)
   Parameter* qkv_weight = nullptr;
   Parameter* qkv_bias = nullptr;
-  // --qk-layernorm: the norms of every query head and every key head, [head_dim] each, the same
-  // on every tp rank (biases with LayerNorm only).
-  Parameter* q_norm_weight = nullptr;
-  Parameter* q_norm_bias = nullptr;
-  Parameter* k_norm_weight = nullptr;
-  Parameter* k_norm_bias = nullptr;
+  // Each of the spec's query/key stages' own, in the spec's order (LayerSpec::query_key).
+  std::vector<StageParameters> query_key;
   Parameter* proj_weight = nullptr;  // local [h, h/tp]
   Parameter* proj_bias = nullptr;    // added by the layer with its residual
 };

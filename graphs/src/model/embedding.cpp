@@ -83,4 +83,25 @@ TaskId Embedding::backward(const BuildPosition& pos, TaskId ready) const {
   return words;
 }
 
+void Embedding::declare_parameters(ParameterDeclarer& declare, const StageContents& contents,
+                                   EmbeddingParameters& E) {
+  const ModelConfig& m = declare.model;
+  const std::int64_t h = m.hidden_size, vocab = m.padded_vocab_size(declare.tp);
+  const std::int64_t v_local = vocab / declare.tp;
+  const bool tied = !m.untie_embeddings_and_output_weights;
+  declare.bucket("embedding");
+  const bool word_held = contents.input_embedding || (tied && contents.output_layer);
+  declare.hold(word_held);
+  E.word = &declare.add("embedding.word", {v_local, h}, vocab, h,
+                        iota_from(declare.vocab_start(), v_local), 0, declare.std, 0);
+  declare.hold(contents.input_embedding);
+  if (m.learned_positions())
+    E.positions =
+        &declare.replicated(declare.add("embedding.position", {m.positions(), h}, m.positions(), h,
+                                        iota_from(0, m.positions()), 0, declare.std, 0),
+                            declare.mesh.plan().sequence_parallel);
+  if (!contents.input_embedding) E.positions = nullptr;
+  if (!word_held) E.word = nullptr;
+}
+
 }  // namespace weave::graphs

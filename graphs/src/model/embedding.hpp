@@ -3,6 +3,8 @@
 // Shapes on a rank: tokens [Sc B] -> partial sums [Sc, B, h] -> (reduce) x_in [Sl, B, h].
 #pragma once
 
+#include "model/embedding_parameters.hpp"
+#include "model/parameter_declarer.hpp"
 #include "step/rank_program.hpp"
 
 namespace weave::graphs {
@@ -16,6 +18,12 @@ class Embedding {
   // From x_in's gradient in the workspace's d_x: the positions' and the word embedding's
   // gradients. Returns the task after which the word embedding's is complete.
   TaskId backward(const BuildPosition& pos, TaskId ready) const;
+
+  // Declares the word embedding (this rank's vocabulary shard) and the learned positions into
+  // the embedding bucket, held as `contents` says: the word embedding by the first stage and,
+  // tied, by the last.
+  static void declare_parameters(ParameterDeclarer& declare, const StageContents& contents,
+                                 EmbeddingParameters& E);
 
  private:
   RankProgram* P;

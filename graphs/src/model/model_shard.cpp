@@ -6,7 +6,9 @@
 #include <numbers>
 #include <numeric>
 
+#include "model/embedding.hpp"
 #include "model/layer_shard.hpp"
+#include "model/output_loss.hpp"
 #include "model/parameter_declarer.hpp"
 #include "model/transformer_layer.hpp"
 #include "weave/ops/random.hpp"
@@ -85,6 +87,14 @@ void ParameterDeclarer::bucket(std::string name) {
   shard_.current_bucket_ = std::move(name);
 }
 
+void ParameterDeclarer::hold(bool held) {
+  shard_.holding_ = held;
+}
+
+std::int64_t ParameterDeclarer::vocab_start() const {
+  return at.tp * (model.padded_vocab_size(tp) / tp);
+}
+
 Parameter& ParameterDeclarer::add(const std::string& name, const ops::Shape& local,
                                   std::int64_t logical_rows, std::int64_t logical_cols,
                                   std::vector<std::int64_t> row_map, std::int64_t col_offset,
@@ -107,29 +117,34 @@ Parameter* ParameterDeclarer::norm(const std::string& name, double value) {
 
 ModelShard::ModelShard(const ModelConfig& m, const Mesh& mesh, int rank, devices::Device& device,
                        StageContents contents, bool materialize)
-    : config_(m), device_(device), contents_(std::move(contents)), materialize_(materialize) {
+    : config_(m),
+      device_(device),
+      contents_(std::move(contents)),
+      materialize_(materialize),
+      embedding_(std::make_unique<EmbeddingParameters>()),
+      output_loss_(std::make_unique<OutputLossParameters>()) {
   if (!contents_.layers.empty() && static_cast<int>(contents_.layers.size()) != m.num_layers)
     throw std::logic_error(fmt::format("stage contents list {} layers of a {}-layer model",
                                        contents_.layers.size(), m.num_layers));
   const ParallelPlan& plan = mesh.plan();
   ParameterDeclarer declarer(*this, m, mesh, rank);
-  vocab_start_ =
-      static_cast<int>(declarer.at.tp * (m.padded_vocab_size(declarer.tp) / declarer.tp));
+  vocab_start_ = static_cast<int>(declarer.vocab_start());
   if (m.num_experts > 0) {
     local_experts_ = m.num_experts / plan.expert_parallel;
     first_expert_ = declarer.at.ep * local_experts_;
   }
-  declare_embedding(declarer);
+  // In the model's order, which is the parameters' random streams.
+  Embedding::declare_parameters(declarer, contents_, *embedding_);
   layers_.resize(static_cast<std::size_t>(m.num_layers));
   for (int l = 0; l < m.num_layers; ++l) {
     LayerShard& L = layers_[static_cast<std::size_t>(l)];
-    holding_ = holds_layer(l);
+    declarer.hold(holds_layer(l));
     TransformerLayer::declare_parameters(declarer, resolve_layer_spec(m, plan, l), l, L);
     // Counted only: another stage holds it; the layer keeps its kind of MLP.
     if (!holding_) L = L.moe() ? LayerShard{.mlp = MoeMlpParameters{}} : LayerShard{};
   }
-  declare_output_layer(declarer);
-  holding_ = true;
+  OutputLoss::declare_parameters(declarer, contents_, *output_loss_);
+  declarer.hold(true);
   make_buckets(mesh, rank);
 }
 
@@ -139,41 +154,20 @@ const LayerShard& ModelShard::layer(int l) const {
   return layers_.at(static_cast<std::size_t>(l));
 }
 
-void ModelShard::declare_embedding(ParameterDeclarer& declare) {
-  const ModelConfig& m = config_;
-  const std::int64_t h = m.hidden_size, vocab = m.padded_vocab_size(declare.tp);
-  const std::int64_t v_local = vocab / declare.tp;
-  const bool tied = !m.untie_embeddings_and_output_weights;
-  declare.bucket("embedding");
-  const bool word_held = contents_.input_embedding || (tied && contents_.output_layer);
-  holding_ = word_held;
-  word_ = &declare.add("embedding.word", {v_local, h}, vocab, h, iota_from(vocab_start_, v_local),
-                       0, declare.std, 0);
-  holding_ = contents_.input_embedding;
-  if (m.learned_positions())
-    positions_ =
-        &declare.replicated(declare.add("embedding.position", {m.positions(), h}, m.positions(), h,
-                                        iota_from(0, m.positions()), 0, declare.std, 0),
-                            declare.mesh.plan().sequence_parallel);
-  if (!contents_.input_embedding) positions_ = nullptr;
-  if (!word_held) word_ = nullptr;
+Parameter& ModelShard::embedding() {
+  return *embedding_->word;
 }
-
-void ModelShard::declare_output_layer(ParameterDeclarer& declare) {
-  const ModelConfig& m = config_;
-  const std::int64_t h = m.hidden_size, vocab = m.padded_vocab_size(declare.tp);
-  const std::int64_t v_local = vocab / declare.tp;
-  declare.bucket("final_norm");
-  holding_ = contents_.output_layer;
-  final_ln_weight_ = declare.norm("final_norm.weight", 1);
-  if (m.normalization == Normalization::layer_norm)
-    final_ln_bias_ = declare.norm("final_norm.bias", 0);
-  // Untied: the output layer's own weight, [vocabulary shard, h] like the word embedding.
-  declare.bucket("output");
-  if (m.untie_embeddings_and_output_weights)
-    output_ = &declare.add("output.weight", {v_local, h}, vocab, h,
-                           iota_from(vocab_start_, v_local), 0, declare.std, 0);
-  if (!holding_) final_ln_weight_ = final_ln_bias_ = output_ = nullptr;
+Parameter& ModelShard::positions() {
+  return *embedding_->positions;
+}
+Parameter& ModelShard::output_weight() {
+  return output_loss_->output_weight ? *output_loss_->output_weight : *embedding_->word;
+}
+Parameter& ModelShard::final_ln_weight() {
+  return *output_loss_->final_norm_weight;
+}
+Parameter* ModelShard::final_ln_bias() {
+  return output_loss_->final_norm_bias;
 }
 
 void ModelShard::make_buckets(const Mesh& mesh, int rank) {

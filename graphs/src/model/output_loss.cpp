@@ -131,4 +131,21 @@ TaskId OutputLoss::backward(const BuildPosition& pos, TaskId ready, WeightHalves
   return norm;
 }
 
+void OutputLoss::declare_parameters(ParameterDeclarer& declare, const StageContents& contents,
+                                    OutputLossParameters& O) {
+  const ModelConfig& m = declare.model;
+  const std::int64_t h = m.hidden_size, vocab = m.padded_vocab_size(declare.tp);
+  const std::int64_t v_local = vocab / declare.tp;
+  declare.hold(contents.output_layer);
+  declare.bucket("final_norm");
+  O.final_norm_weight = declare.norm("final_norm.weight", 1);
+  if (m.normalization == Normalization::layer_norm)
+    O.final_norm_bias = declare.norm("final_norm.bias", 0);
+  declare.bucket("output");
+  if (m.untie_embeddings_and_output_weights)
+    O.output_weight = &declare.add("output.weight", {v_local, h}, vocab, h,
+                                   iota_from(declare.vocab_start(), v_local), 0, declare.std, 0);
+  if (!contents.output_layer) O = OutputLossParameters{};
+}
+
 }  // namespace weave::graphs

@@ -4,6 +4,8 @@
 // [Sc B, Vl] -> loss (the micro-batch's share of the global batch's mean).
 #pragma once
 
+#include "model/output_loss_parameters.hpp"
+#include "model/parameter_declarer.hpp"
 #include "step/rank_program.hpp"
 #include "step/weight_halves.hpp"
 
@@ -21,6 +23,11 @@ class OutputLoss {
 
   // Lays out one micro-batch's loss buffers.
   void allocate(OutputSet& O) const;
+
+  // Declares the final norm (its own bucket) and, untied, the output layer's weight (the output
+  // bucket), held by the last stage (`contents`).
+  static void declare_parameters(ParameterDeclarer& declare, const StageContents& contents,
+                                 OutputLossParameters& O);
 
  private:
   RankProgram* P;

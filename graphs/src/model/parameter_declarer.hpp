@@ -1,8 +1,9 @@
 // What a module sees while it declares its parameters on one rank's shard: the rank's place in
 // the mesh, the initialisation's scales, and `add`, which makes a parameter in the model's order
 // (the order is its random stream, so every split of the model starts from the same values)
-// into the gradient bucket last named. Each module (attention_block, dense_mlp, moe_mlp) declares
-// its own parameters through it; ModelShard asks them in the layer's order.
+// into the gradient bucket last named. Each module (embedding, attention_block and its query/key
+// stages, dense_mlp, the MoE MLP's router and experts, output_loss) declares its own parameters
+// through it; ModelShard asks them in the model's order.
 #pragma once
 
 #include <cstdint>
@@ -27,6 +28,11 @@ class ParameterDeclarer {
 
   // The parameters declared next join bucket `name` ("layers.3.mlp").
   void bucket(std::string name);
+  // Whether this stage holds the parameters declared next; parameters it does not hold are
+  // counted (their index is their random stream) and `add` returns a placeholder.
+  void hold(bool held);
+  // The first logical row of this rank's vocabulary shard (word embedding, output layer).
+  std::int64_t vocab_start() const;
   // A parameter of local shape `local` whose local row r is logical row row_map[r] and local
   // column c logical column col_offset + c: normal(0, init_std) draws when init_std > 0,
   // otherwise every element `constant`.

@@ -31,14 +31,20 @@ struct ExpertItem {
   std::vector<std::int64_t> tp_gathered_rows, tp_d_gathered_rows;  // [tp]
 };
 
-// The routing and expert buffers of one MoE slot: the tokens a rank routes at once (all of its
-// T tokens, or one Ampipe chunk of them), forward and backward.
-struct MoeSlot {
-  std::int64_t tokens = 0;
-  Tensor moe_in, router_logits, probs, topk_weight, grouped, hidden_pre, hidden, expert_out,
-      moe_out, stats;
+// The router's state of a slot: each token's logits, probabilities and top-k picks and weights,
+// the slot's statistics for the losses, and their gradients.
+struct MoeRouterState {
+  Tensor router_logits, probs, topk_weight, stats;
   std::vector<std::int32_t> topk_index;
+  Tensor d_topk, d_router_logits;
+};
+
+// The token dispatcher's state of a slot: the plan that permutes the picks into expert order and
+// back, the rows grouped by expert (sent to the experts' ranks) and the experts' outputs in the
+// same order, and under expert parallelism the all-to-alls' rows and counts.
+struct MoeDispatchState {
   ops::DispatchPlan dispatch;
+  Tensor grouped, expert_out;
   // Expert parallelism: rows leave grouped by destination rank, arrive grouped by source rank
   // (each source's rows in local-expert order), and are regrouped by local expert to run. The
   // dispatch frames each destination's rows with header rows holding their per-expert counts,
@@ -47,13 +53,20 @@ struct MoeSlot {
   Tensor counts_recv;                              // [ep x local experts]: rows per expert
   std::vector<std::int64_t> send_rows, recv_rows;  // [ep]: rows per destination / source
   std::vector<std::int64_t> framed_send_rows, framed_recv_rows;  // the same plus headers
-  Tensor arrived, expert_in, expert_result, leaving;             // [ep tokens k (+ headers), h]
+  Tensor arrived, leaving;                                       // [ep tokens k (+ headers), h]
   std::vector<std::int64_t> local_begin;  // [local experts + 1] rows of expert_in
   std::vector<std::int64_t> source_row;   // expert_in row -> unframed arrival row
   std::vector<std::int64_t> arrived_row;  // expert_in row -> row of `arrived`
-  // Backward.
-  Tensor d_moe, d_grouped, d_expert_out, d_topk, d_router_logits, d_moe_in;
-  Tensor d_arrived, d_expert_in, d_expert_result, d_leaving;
+  Tensor d_grouped, d_expert_out, d_arrived, d_leaving;
+};
+
+// The experts' state of a slot: the rows they ran (regrouped by local expert under expert
+// parallelism), their hidden layer before and after the activation, their results, and the
+// gradients.
+struct MoeExpertsState {
+  Tensor hidden_pre, hidden;
+  Tensor expert_in, expert_result;  // [capacity, h], expert parallelism
+  Tensor d_expert_in, d_expert_result;
   // Experts split over the tensor-parallel group (StepShape::experts_split): the rows this rank
   // received framed with their per-local-expert counts, every tp rank's gathered (each block
   // framed), fc2's partial sums of all of them (in backward fc1's input-gradient partial sums),
@@ -72,8 +85,19 @@ struct MoeSlot {
   Tensor tp_d_gathered;                          // [tp capacity, h]
   std::vector<std::int64_t> tp_d_gathered_rows;  // [tp]
   Tensor tp_d_in;                                // [capacity, h]
-  std::vector<ExpertItem> items;                 // --use-pipe-experts
   Tensor saved_d_pre;  // a split backward: the experts' first-product gradient, for W
+};
+
+// One MoE slot: the tokens a rank routes at once (all of its T tokens, or one Ampipe chunk of
+// them), their input and output rows and gradients, and each part's state. The parts' fields
+// are the slot's own, so each part's code reads them by name.
+struct MoeSlot : MoeRouterState, MoeDispatchState, MoeExpertsState {
+  std::int64_t tokens = 0;
+  Tensor moe_in, moe_out;  // [n, h]
+  Tensor d_moe, d_moe_in;
+  // --use-pipe-experts or the tp-sp overlap: the slot's work cut into items, each with the
+  // dispatcher's and the experts' rows of its own.
+  std::vector<ExpertItem> items;
 };
 
 struct MoeActivations {

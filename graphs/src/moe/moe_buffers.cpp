@@ -1,43 +1,8 @@
-// The MoE layer's parameters (the router and this rank's experts), and its buffers for one
-// micro-batch: each slot's routing, dispatch and expert rows (sized for the largest split the
-// routing allows), and the pipe-experts items'.
+// The MoE layer's buffers for one micro-batch: each slot's router, dispatcher and experts state
+// (sized for the largest split the routing allows), and the pipe-experts items'.
 #include "moe/moe_mlp.hpp"
 
 namespace weave::graphs {
-
-void MoeMlp::declare_parameters(ParameterDeclarer& declare, const LayerSpec&, int layer,
-                                MoeMlpParameters& L) {
-  const ModelConfig& m = declare.model;
-  const std::int64_t h = m.hidden_size, f = m.ffn_hidden_size, E = m.num_experts;
-  const bool swiglu = m.activation == Activation::swiglu;
-  const std::int64_t f1 = swiglu ? 2 * f : f;
-  const std::int64_t local = E / declare.mesh.plan().expert_parallel, first = declare.at.ep * local;
-  const std::string prefix = fmt::format("layers.{}.moe.", layer);
-  // The MoE layer routes this rank's share of the tokens: with tp > 1 the router's gradient is a
-  // partial sum over the tensor-parallel ranks.
-  L.router_weight = &declare.replicated(
-      declare.add(prefix + "router.weight", {E, h}, E, h, iota_from(0, E), 0, declare.std, 0),
-      true);
-  // Split over the tensor-parallel group (mesh.experts_split()), each local expert's fc1 holds
-  // this rank's columns of the hidden layer (SwiGLU: its gates, then its values) and fc2 the
-  // matching rows of the input dimension.
-  const bool split = declare.mesh.experts_split();
-  const std::int64_t etp = split ? declare.tp : 1, et = split ? declare.at.tp : 0;
-  const std::int64_t fe = f / etp, f1e = swiglu ? 2 * fe : fe;
-  std::vector<std::int64_t> fc1_rows;
-  for (std::int64_t e = first; e < first + local; ++e) {
-    for (std::int64_t i = 0; i < fe; ++i)
-      fc1_rows.push_back(e * f1 + et * fe + i);
-    if (swiglu)
-      for (std::int64_t i = 0; i < fe; ++i)
-        fc1_rows.push_back(e * f1 + f + et * fe + i);
-  }
-  L.expert_fc1 = &declare.add(prefix + "experts.fc1.weight", {local, f1e, h}, E * f1, h, fc1_rows,
-                              0, declare.std, 0);
-  L.expert_fc2 = &declare.add(prefix + "experts.fc2.weight", {local, h, fe}, E * h, f,
-                              iota_from(first * h, local * h), et * fe, declare.out_std, 0);
-  L.expert_fc1->expert = L.expert_fc2->expert = true;
-}
 
 namespace {
 
@@ -82,67 +47,91 @@ void allocate_items(RankProgram& P, MoeSlot& slot) {
     }
 }
 
-// MoE slot c of a layer: the tokens the rank routes at once (all of them, or an Ampipe chunk).
-void allocate_slot(RankProgram& P, LayerActivations& A, int c) {
+// The router's: each token's logits, probabilities and picks, and the slot's statistics (the
+// micro-batch's own without Ampipe).
+void allocate_router(RankProgram& P, const MoeActivations& M, MoeSlot& S) {
   const StepShape& z = P.shape;
-  MoeSlot& S = A.moe().slots[static_cast<std::size_t>(c)];
-  const std::int64_t E = z.model.num_experts, k = z.model.moe_router_topk, h = z.h;
-  const std::int64_t n = z.slot_tokens(), ep = z.ep;
-  S.tokens = n;
-  S.moe_in = P.activation({n, h});
+  const std::int64_t E = z.model.num_experts, k = z.model.moe_router_topk, n = z.slot_tokens();
   S.router_logits = P.activation({n, E});
   S.probs = P.activation({n, E});
   S.topk_weight = P.activation({n, k});
   S.topk_index.assign(static_cast<std::size_t>(n * k), 0);
+  S.stats = z.ampipe == 1 ? M.stats_total : P.activation({2 * E + 2});
+  S.d_topk = P.activation({n, k});
+  S.d_router_logits = P.activation({n, E});
+}
+
+// The dispatcher's: the picks grouped by expert and the experts' outputs in that order, and under
+// EP the all-to-alls' rows.
+void allocate_dispatch(RankProgram& P, MoeSlot& S) {
+  const StepShape& z = P.shape;
+  const std::int64_t k = z.model.moe_router_topk, h = z.h, n = z.slot_tokens(), ep = z.ep;
   // Under EP the dispatch sends `grouped` framed by header rows.
   S.grouped = P.activation({n * k + (ep > 1 ? ep * z.header_rows() : 0), h});
   S.expert_out = P.activation({n * k, h});
-  S.stats = z.ampipe == 1 ? A.moe().stats_total : P.activation({2 * E + 2});
-  // The slot's output: its rows of the layer's MLP output, or (tensor parallelism without SP)
-  // this rank's tokens before the all-gather.
-  S.moe_out =
-      (z.sp() || z.tp == 1) ? A.mlp_out.reshape({z.T, h}).slice(0, c * n, n) : P.activation({n, h});
+  S.d_grouped = P.activation({n * k, h});
+  S.d_expert_out = P.activation({n * k, h});
+  if (ep == 1) return;
   const std::int64_t capacity = z.slot_capacity();
+  S.counts_recv = P.activation({ep * z.local_experts()});
+  for (auto* v : {&S.send_rows, &S.recv_rows, &S.framed_send_rows, &S.framed_recv_rows})
+    v->assign(static_cast<std::size_t>(ep), 0);
+  S.arrived = P.activation({capacity + ep * z.header_rows(), h});
+  S.leaving = P.activation({capacity, h});
+  S.d_arrived = P.activation({capacity, h});
+  S.d_leaving = P.activation({capacity, h});
+}
+
+// The experts': their hidden layers, under EP the rows regrouped by expert, and split over tp
+// every tp rank's rows gathered.
+void allocate_experts(RankProgram& P, MoeSlot& S) {
+  const StepShape& z = P.shape;
+  const std::int64_t h = z.h, capacity = z.slot_capacity();
   // Split experts run every tensor-parallel rank's rows on this rank's share of the hidden layer.
   const std::int64_t expert_rows = z.experts_split() ? z.tp * capacity : capacity;
   S.hidden_pre = P.activation({expert_rows, z.expert_local_f1()});
   S.hidden = P.activation({expert_rows, z.expert_local_f()});
   if (z.splits_backward && !z.expert_items())
     S.saved_d_pre = P.activation({expert_rows, z.expert_local_f1()});
-  if (z.experts_split() && !z.expert_items()) {
-    const std::int64_t H = z.header_rows();
-    S.tp_send = P.activation({H + capacity, h});
-    S.tp_gathered = P.activation({z.tp * (H + capacity), h});
-    S.tp_partial = P.activation({expert_rows, h});
-    S.tp_result = P.activation({capacity, h});
-    S.tp_d_rows = P.activation({capacity, h});
-    S.tp_d_gathered = P.activation({expert_rows, h});
-    S.tp_d_in = P.activation({capacity, h});
-    for (auto* v : {&S.tp_gathered_rows, &S.tp_rows, &S.tp_d_gathered_rows})
-      v->assign(static_cast<std::size_t>(z.tp), 0);
-    S.tp_begin.assign(static_cast<std::size_t>(z.tp),
-                      std::vector<std::int64_t>(static_cast<std::size_t>(z.local_experts()) + 1));
-  }
-  if (ep > 1) {
-    S.counts_recv = P.activation({ep * z.local_experts()});
-    for (auto* v : {&S.send_rows, &S.recv_rows, &S.framed_send_rows, &S.framed_recv_rows})
-      v->assign(static_cast<std::size_t>(ep), 0);
-    S.arrived = P.activation({capacity + ep * z.header_rows(), h});
+  if (z.ep > 1) {
     S.expert_in = P.activation({capacity, h});
     S.expert_result = P.activation({capacity, h});
-    S.leaving = P.activation({capacity, h});
-    S.d_arrived = P.activation({capacity, h});
     S.d_expert_in = P.activation({capacity, h});
     S.d_expert_result = P.activation({capacity, h});
-    S.d_leaving = P.activation({capacity, h});
   }
-  if (z.expert_items()) allocate_items(P, S);
+  if (!z.experts_split() || z.expert_items()) return;
+  const std::int64_t H = z.header_rows();
+  S.tp_send = P.activation({H + capacity, h});
+  S.tp_gathered = P.activation({z.tp * (H + capacity), h});
+  S.tp_partial = P.activation({expert_rows, h});
+  S.tp_result = P.activation({capacity, h});
+  S.tp_d_rows = P.activation({capacity, h});
+  S.tp_d_gathered = P.activation({expert_rows, h});
+  S.tp_d_in = P.activation({capacity, h});
+  for (auto* v : {&S.tp_gathered_rows, &S.tp_rows, &S.tp_d_gathered_rows})
+    v->assign(static_cast<std::size_t>(z.tp), 0);
+  S.tp_begin.assign(static_cast<std::size_t>(z.tp),
+                    std::vector<std::int64_t>(static_cast<std::size_t>(z.local_experts()) + 1));
+}
+
+// MoE slot c of a layer: the tokens the rank routes at once (all of them, or an Ampipe chunk),
+// and each part's state of them.
+void allocate_slot(RankProgram& P, LayerActivations& A, int c) {
+  const StepShape& z = P.shape;
+  MoeSlot& S = A.moe().slots[static_cast<std::size_t>(c)];
+  const std::int64_t n = z.slot_tokens(), h = z.h;
+  S.tokens = n;
+  S.moe_in = P.activation({n, h});
+  // The slot's output: its rows of the layer's MLP output, or (tensor parallelism without SP)
+  // this rank's tokens before the all-gather.
+  S.moe_out =
+      (z.sp() || z.tp == 1) ? A.mlp_out.reshape({z.T, h}).slice(0, c * n, n) : P.activation({n, h});
   S.d_moe = P.activation({n, h});
-  S.d_grouped = P.activation({n * k, h});
-  S.d_expert_out = P.activation({n * k, h});
-  S.d_topk = P.activation({n, k});
-  S.d_router_logits = P.activation({n, E});
   S.d_moe_in = P.activation({n, h});
+  allocate_router(P, A.moe(), S);
+  allocate_dispatch(P, S);
+  allocate_experts(P, S);
+  if (z.expert_items()) allocate_items(P, S);
 }
 
 }  // namespace

@@ -1,7 +1,11 @@
-// A Mixture-of-Experts layer's MLP, in Megatron-Core's parts: the router, the token dispatcher
-// (permutation and the expert-parallel all-to-alls, with explicit phases) and the experts. Its
-// work is cut into slots (all of a rank's tokens, or one Ampipe chunk of them) and each slot's
-// forward into three phases so that Ampipe can interleave slots:
+// A Mixture-of-Experts layer's MLP, made of the parts Megatron-Core's MoELayer is made of: the
+// router (moe_router.cpp), the token dispatcher (moe_token_dispatcher.cpp: permutation and the
+// expert-parallel all-to-alls, with explicit phases) and the experts (moe_experts.cpp, and split
+// over tp moe_split_experts.cpp and moe_split_items.cpp). The layer's spec names the dispatcher
+// and the experts it runs (LayerSpec::moe_mlp); each part's parameters and state are structs of its
+// own (moe_parameters.hpp, moe_activations.hpp). This class composes them: its work is cut into
+// slots (all of a rank's tokens, or one Ampipe chunk of them) and each slot's forward into three
+// phases so that Ampipe can interleave slots:
 //   route:   router, dispatch plan, permutation; the dispatch all-to-all launched
 //   experts: the local experts; the combine all-to-all launched
 //   combine: the weighted combine into the slot's output rows
@@ -20,8 +24,6 @@
 #include "moe/moe_parameters.hpp"
 #include "step/rank_program.hpp"
 #include "step/weight_halves.hpp"
-#include "weave/ops/experts.hpp"
-#include "weave/ops/router.hpp"
 
 namespace weave::graphs {
 
@@ -44,6 +46,9 @@ class MoeMlp {
 
   // The phases of slot c.
   SlotProgress route(const BuildPosition& pos, int c, TaskId ready) const;
+  // The dispatcher's launch of slot c's dispatch all-to-all(s) once the slot is permuted (none
+  // without expert parallelism, none yet when the item pipeline chains them).
+  SlotProgress dispatch(const BuildPosition& pos, int c, TaskId permuted) const;
   SlotProgress experts(const BuildPosition& pos, int c, const SlotProgress& routed) const;
   TaskId combine(const BuildPosition& pos, int c, const SlotProgress& computed) const;
   // The router's losses from the whole micro-batch's statistics: the slots' summed (Ampipe),
@@ -99,9 +104,9 @@ class MoeMlp {
                                       const SlotProgress& arrived) const;
   // The expert-parallel all-to-all of a slot's rows: outbound (to the experts' ranks: the slot's
   // send_rows leave `from`, recv_rows arrive in `into`) or back (the counts reversed).
-  TaskId slot_exchange(const BuildPosition& pos, int c, TaskId ready, Tensor MoeSlot::*from,
-                       Tensor MoeSlot::*into, bool outbound, const std::string& name, bool framed,
-                       rt::Phase phase) const;
+  TaskId slot_exchange(const BuildPosition& pos, int c, TaskId ready,
+                       Tensor MoeDispatchState::*from, Tensor MoeDispatchState::*into,
+                       bool outbound, const std::string& name, bool framed, rt::Phase phase) const;
   // Item i's all-to-all: outbound or back, framed or not; on a stream of its own per direction
   // with --pipe-experts-multi-stream.
   TaskId item_exchange(const BuildPosition& pos, int c, int i, TaskId ready,
@@ -111,21 +116,8 @@ class MoeMlp {
   int l;
 };
 
-// The router's top-k choice, renormalisation and losses, from the model's settings.
-ops::RouterOptions router_options(const ModelConfig& m);
-ops::ExpertActivation expert_activation(const ModelConfig& m);
 // This rank's tokens of MoE slot c: [n, h] rows of the layer's [Sl or Sc, B, h] activations
 // (its SP shard, or its 1/tp slice of a replicated sequence, and within that the Ampipe chunk).
 Tensor slot_tokens(const RankProgram& P, int c, const Tensor& sbh);
-
-// Frames a slot's rows for the dispatch all-to-all: for each destination rank, header rows with
-// the row counts of its local experts, then the rows themselves in expert order.
-void frame_dispatch(const StepShape& z, MoeSlot& slot);
-// The same per item: for each destination, a header row with the count, then the item's slice
-// of the rows for that rank's local expert.
-void frame_items(const StepShape& z, MoeSlot& slot);
-// Regroups rows that arrived grouped by source (each source's rows by local expert) into rows
-// grouped by local expert, reading the per-expert counts from each source's header rows.
-void regroup_by_expert(const StepShape& z, MoeSlot& slot);
 
 }  // namespace weave::graphs

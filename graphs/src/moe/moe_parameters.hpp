@@ -1,14 +1,24 @@
-// The parameters of a layer's MoE MLP on one rank, declared by MoeMlp::declare_parameters.
+// The parameters of a layer's MoE MLP on one rank, one struct per part: the router's, declared by
+// declare_router_parameters (moe_router.cpp), and this rank's experts', declared by
+// declare_experts_parameters (moe_experts.cpp). The token dispatcher has none.
 #pragma once
 
 #include "weave/graphs/model_shard.hpp"
 
 namespace weave::graphs {
 
+struct MoeRouterParameters {
+  Parameter* weight = nullptr;  // [experts, h], replicated
+};
+
+struct MoeExpertsParameters {
+  Parameter* fc1 = nullptr;  // local [local experts, f1, h]
+  Parameter* fc2 = nullptr;  // local [local experts, h, f]
+};
+
 struct MoeMlpParameters {
-  Parameter* router_weight = nullptr;  // [experts, h], replicated
-  Parameter* expert_fc1 = nullptr;     // local [local experts, f1, h]
-  Parameter* expert_fc2 = nullptr;     // local [local experts, h, f]
+  MoeRouterParameters router;
+  MoeExpertsParameters experts;
 };
 
 }  // namespace weave::graphs

@@ -4,7 +4,9 @@
 // per-expert counts, as they differ per rank when dropless) and fc2's partial sums are
 // reduce-scattered back to the rank that received them; the backward gathers the output
 // gradients and reduce-scatters fc1's input-gradient partial sums the same way.
+#include "moe/moe_experts.hpp"
 #include "moe/moe_mlp.hpp"
+#include "moe/moe_token_dispatcher.hpp"
 #include "step/step_costs.hpp"
 #include "weave/ops/experts.hpp"
 
@@ -76,8 +78,9 @@ void run_gathered_experts(RankProgram& p, int set, int layer, int c) {
                       rows, begin[L]));
     A.tp_rows[static_cast<std::size_t>(j)] = rows;
     ops::experts_forward(act, A.tp_gathered.slice(0, framed_at + H, rows), begin,
-                         W.expert_fc1->value, W.expert_fc2->value, A.hidden_pre.slice(0, row, rows),
-                         A.hidden.slice(0, row, rows), A.tp_partial.slice(0, row, rows));
+                         W.experts.fc1->value, W.experts.fc2->value,
+                         A.hidden_pre.slice(0, row, rows), A.hidden.slice(0, row, rows),
+                         A.tp_partial.slice(0, row, rows));
     framed_at += H + rows;
     row += rows;
   }
@@ -132,11 +135,11 @@ void run_gathered_experts_backward(RankProgram& p, int set, int layer, int c, bo
     const Tensor dy = A.tp_d_gathered.slice(0, b.row, b.rows);
     const Tensor dx = A.tp_partial.slice(0, b.row, b.rows);
     if (keep)
-      ops::experts_backward_input(act, x, A.tp_begin[j], W.expert_fc1->value, W.expert_fc2->value,
+      ops::experts_backward_input(act, x, A.tp_begin[j], W.experts.fc1->value, W.experts.fc2->value,
                                   pre, hid, dy, dx, A.saved_d_pre.slice(0, b.row, b.rows));
     else
-      ops::experts_backward(act, x, A.tp_begin[j], W.expert_fc1->value, W.expert_fc2->value, pre,
-                            hid, dy, dx, W.expert_fc1->grad, W.expert_fc2->grad);
+      ops::experts_backward(act, x, A.tp_begin[j], W.experts.fc1->value, W.experts.fc2->value, pre,
+                            hid, dy, dx, W.experts.fc1->grad, W.experts.fc2->grad);
   }
 }
 
@@ -151,7 +154,7 @@ void gathered_experts_weight_grad(RankProgram& p, int set, int layer, int c) {
     ops::experts_backward_weight(
         A.tp_gathered.slice(0, b.framed_at + H, b.rows), A.tp_begin[j],
         A.hidden.slice(0, b.row, b.rows), A.tp_d_gathered.slice(0, b.row, b.rows),
-        A.saved_d_pre.slice(0, b.row, b.rows), W.expert_fc1->grad, W.expert_fc2->grad);
+        A.saved_d_pre.slice(0, b.row, b.rows), W.experts.fc1->grad, W.experts.fc2->grad);
   }
 }
 

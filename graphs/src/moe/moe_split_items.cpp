@@ -9,6 +9,7 @@
 //   ep stream:  ...            combine(k-1) ~~~~~~~~~~~~
 // Backward, items in reverse: the output gradients' gather of the next item issued before this
 // item's input half, whose input-gradient reduce-scatter runs under its weight half.
+#include "moe/moe_experts.hpp"
 #include "moe/moe_mlp.hpp"
 #include "step/step_costs.hpp"
 #include "weave/ops/activation.hpp"
@@ -143,7 +144,7 @@ void item_fc1(RankProgram& p, int set, int layer, int c, std::size_t i) {
   ExpertItem& I = p.slot(set, layer, c).items[i];
   const MoeMlpParameters& W = p.moe_parameters(layer);
   const std::int64_t rows = gathered_rows(I);
-  ops::linear_forward(I.tp_gathered.slice(0, 0, rows), weight_of(*W.expert_fc1, I), Tensor{},
+  ops::linear_forward(I.tp_gathered.slice(0, 0, rows), weight_of(*W.experts.fc1, I), Tensor{},
                       I.hidden_pre.slice(0, 0, rows));
   activation_forward(p.shape.model, I.hidden_pre.slice(0, 0, rows), I.hidden.slice(0, 0, rows));
 }
@@ -152,8 +153,9 @@ void item_fc1(RankProgram& p, int set, int layer, int c, std::size_t i) {
 void item_fc2(RankProgram& p, int set, int layer, int c, std::size_t i) {
   ExpertItem& I = p.slot(set, layer, c).items[i];
   const std::int64_t rows = gathered_rows(I);
-  ops::linear_forward(I.hidden.slice(0, 0, rows), weight_of(*p.moe_parameters(layer).expert_fc2, I),
-                      Tensor{}, I.tp_partial.slice(0, 0, rows));
+  ops::linear_forward(I.hidden.slice(0, 0, rows),
+                      weight_of(*p.moe_parameters(layer).experts.fc2, I), Tensor{},
+                      I.tp_partial.slice(0, 0, rows));
 }
 
 // Backward, the input half: fc2's and the activation's backward, fc1's input-gradient partial
@@ -165,11 +167,11 @@ void item_input_gradient(RankProgram& p, int set, int layer, int c, std::size_t 
   if (I.tp_d_gathered_rows != I.tp_gathered_rows)
     throw std::logic_error(
         "expert items: the output gradients gathered over tp do not match the forward's rows");
-  ops::linear_backward_input(I.tp_d_gathered.slice(0, 0, rows), weight_of(*W.expert_fc2, I),
+  ops::linear_backward_input(I.tp_d_gathered.slice(0, 0, rows), weight_of(*W.experts.fc2, I),
                              I.d_hidden.slice(0, 0, rows));
   activation_backward(p.shape.model, I.hidden_pre.slice(0, 0, rows), I.d_hidden.slice(0, 0, rows),
                       I.d_pre.slice(0, 0, rows));
-  ops::linear_backward_input(I.d_pre.slice(0, 0, rows), weight_of(*W.expert_fc1, I),
+  ops::linear_backward_input(I.d_pre.slice(0, 0, rows), weight_of(*W.experts.fc1, I),
                              I.tp_partial.slice(0, 0, rows));
 }
 
@@ -179,9 +181,9 @@ void item_weight_gradient(RankProgram& p, int set, int layer, int c, std::size_t
   const MoeMlpParameters& W = p.moe_parameters(layer);
   const std::int64_t rows = gathered_rows(I);
   ops::linear_backward_weight(I.hidden.slice(0, 0, rows), I.tp_d_gathered.slice(0, 0, rows),
-                              grad_of(*W.expert_fc2, I), Tensor{});
+                              grad_of(*W.experts.fc2, I), Tensor{});
   ops::linear_backward_weight(I.tp_gathered.slice(0, 0, rows), I.d_pre.slice(0, 0, rows),
-                              grad_of(*W.expert_fc1, I), Tensor{});
+                              grad_of(*W.experts.fc1, I), Tensor{});
 }
 
 }  // namespace

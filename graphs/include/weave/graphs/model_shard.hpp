@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -69,6 +70,9 @@ struct GradientBucket {
 
 // One layer's parameters: each of its modules' own (graphs/src/model/layer_shard.hpp).
 struct LayerShard;
+// The embedding's and the model end's parameters, declared by those modules (graphs/src/model).
+struct EmbeddingParameters;
+struct OutputLossParameters;
 
 // The parts of the model one pipeline stage holds; by default all of it.
 struct StageContents {
@@ -99,11 +103,11 @@ class ModelShard {
   std::deque<Parameter>& parameters() { return parameters_; }
   const std::deque<Parameter>& parameters() const { return parameters_; }
   // The word embedding (input, and tied output); held by the first and, tied, the last stage.
-  Parameter& embedding() { return *word_; }
+  Parameter& embedding();
   // The learned position table (--position-embedding-type learned_absolute only).
-  Parameter& positions() { return *positions_; }
+  Parameter& positions();
   // The output layer's weight: the word embedding, or untied a parameter of its own.
-  Parameter& output_weight() { return output_ ? *output_ : *word_; }
+  Parameter& output_weight();
   const StageContents& contents() const { return contents_; }
   bool holds_layer(int l) const {
     return contents_.layers.empty() || contents_.layers.at(static_cast<std::size_t>(l));
@@ -114,8 +118,8 @@ class ModelShard {
     return contents_.output_layer && !contents_.input_embedding &&
            !config_.untie_embeddings_and_output_weights;
   }
-  Parameter& final_ln_weight() { return *final_ln_weight_; }
-  Parameter* final_ln_bias() { return final_ln_bias_; }  // null with RMSNorm
+  Parameter& final_ln_weight();
+  Parameter* final_ln_bias();  // null with RMSNorm
   const LayerShard& layer(int l) const;
   int vocab_start() const { return vocab_start_; }
   int first_expert() const { return first_expert_; }
@@ -128,10 +132,8 @@ class ModelShard {
   const GradientBucket& bucket_of(const Parameter& p) const;
 
  private:
-  // The modules of each layer declare their parameters through it (graphs/src).
+  // The modules declare their parameters through it (graphs/src).
   friend class ParameterDeclarer;
-  void declare_embedding(ParameterDeclarer& declare);
-  void declare_output_layer(ParameterDeclarer& declare);
   // Gradient buckets in the order the backward makes them ready, each parameter's value and
   // gradient moved into its bucket's flat storage.
   void make_buckets(const Mesh& mesh, int rank);
@@ -150,15 +152,12 @@ class ModelShard {
   std::uint32_t next_index_ = 0;
   bool holding_ = true;
   Parameter skipped_;
-  Parameter* word_ = nullptr;
-  Parameter* positions_ = nullptr;
+  std::unique_ptr<EmbeddingParameters> embedding_;
   std::deque<Parameter> parameters_;
   std::vector<GradientBucket> buckets_;
   std::string current_bucket_;
   std::vector<LayerShard> layers_;
-  Parameter* final_ln_weight_ = nullptr;
-  Parameter* final_ln_bias_ = nullptr;
-  Parameter* output_ = nullptr;
+  std::unique_ptr<OutputLossParameters> output_loss_;
   int vocab_start_ = 0;
   int first_expert_ = 0;
   int local_experts_ = 0;

@@ -1,0 +1,113 @@
+// The MoE layer's router (Megatron-Core's TopKRouter): each token's logits over the experts, its
+// top-k picks and their weights, the statistics of the routed tokens and the load-balancing and
+// z losses from them, and the backward of all of it. Decoding routes its token through the same
+// route_tokens.
+#include <cmath>
+
+#include "moe/moe_mlp.hpp"
+#include "moe/moe_router.hpp"
+#include "step/step_costs.hpp"
+#include "weave/ops/elementwise.hpp"
+#include "weave/ops/linear.hpp"
+
+namespace weave::graphs {
+
+ops::RouterOptions router_options(const ModelConfig& m) {
+  return {.top_k = m.moe_router_topk,
+          .renormalize = m.moe_router_renormalize,
+          .aux_loss_coeff = m.moe_aux_loss_coeff,
+          .z_loss_coeff = m.moe_z_loss_coeff};
+}
+
+namespace {
+
+ops::RouterStatistics unpack_stats(const Tensor& stats, std::int64_t E) {
+  ops::RouterStatistics s;
+  const float* p = stats.data();
+  s.assignments.assign(p, p + E);
+  s.probability.assign(p + E, p + 2 * E);
+  s.squared_lse = p[2 * E];
+  s.tokens = static_cast<std::int64_t>(std::llround(p[2 * E + 1]));
+  return s;
+}
+
+}  // namespace
+
+void declare_router_parameters(ParameterDeclarer& declare, const std::string& prefix,
+                               MoeRouterParameters& W) {
+  const ModelConfig& m = declare.model;
+  const std::int64_t h = m.hidden_size, E = m.num_experts;
+  // The MoE layer routes this rank's share of the tokens: with tp > 1 the router's gradient is a
+  // partial sum over the tensor-parallel ranks.
+  W.weight = &declare.replicated(
+      declare.add(prefix + "router.weight", {E, h}, E, h, iota_from(0, E), 0, declare.std, 0),
+      true);
+}
+
+ops::RouterStatistics route_tokens(const ModelConfig& m, const MoeRouterParameters& W,
+                                   const Tensor& x, const Tensor& logits, const Tensor& probs,
+                                   std::span<std::int32_t> topk_index, const Tensor& topk_weight) {
+  ops::linear_forward(x, W.weight->value, Tensor{}, logits);
+  return ops::router_forward(router_options(m), logits, probs, topk_index, topk_weight);
+}
+
+void route_slot(const ModelConfig& m, const MoeRouterParameters& W, MoeSlot& A) {
+  const std::int64_t E = m.num_experts;
+  const ops::RouterStatistics st = route_tokens(m, W, A.moe_in, A.router_logits, A.probs,
+                                                std::span(A.topk_index), A.topk_weight);
+  float* s = A.stats.data();
+  for (std::int64_t e = 0; e < E; ++e) {
+    s[e] = static_cast<float>(st.assignments[e]);
+    s[E + e] = static_cast<float>(st.probability[e]);
+  }
+  s[2 * E] = static_cast<float>(st.squared_lse);
+  s[2 * E + 1] = static_cast<float>(st.tokens);
+}
+
+void route_slot_backward(const StepShape& z, const MoeRouterParameters& W,
+                         const Tensor& stats_total, MoeSlot& A) {
+  const ops::RouterStatistics st = unpack_stats(stats_total, z.model.num_experts);
+  const double scale = 1.0 / (z.M * z.plan.data_parallel);
+  ops::router_backward<float>(router_options(z.model), A.router_logits, A.probs, A.topk_index,
+                              A.topk_weight, A.d_topk, st, scale, A.d_router_logits);
+  ops::linear_backward_weight(A.moe_in, A.d_router_logits, W.weight->grad, Tensor{});
+  // d_moe_in += d_logits W_router (d_moe is free again and holds the product).
+  ops::linear_backward_input(A.d_router_logits, W.weight->value, A.d_moe);
+  ops::accumulate(A.d_moe, A.d_moe_in);
+}
+
+TaskId MoeMlp::statistics(const BuildPosition& pos, TaskId ready) const {
+  RankProgram* p = P;
+  const int layer = l, set = pos.set, mb = pos.micro_batch;
+  const StepShape& z = P->shape;
+  const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
+  const std::string at = fmt::format("L{}.", l);
+  TaskId summed = ready;
+  if (z.ampipe > 1) {
+    const double stats = static_cast<double>(z.ampipe + 1) * (2 * z.model.num_experts + 1);
+    summed = P->compute(at + "router_statistics", tags, cost::streamed(z, stats), [p, layer, set] {
+      LayerActivations& A = p->acts(set, layer);
+      A.moe().stats_total.fill(0.f);
+      for (const MoeSlot& S : A.moe().slots)
+        ops::accumulate(S.stats, A.moe().stats_total);
+    });
+    P->after(ready, summed);
+  }
+  const TaskId reduced =
+      P->tensor_context.all_reduce(summed, all_of(P->acts(set, l).moe().stats_total),
+                                   devices::ReduceOp::sum, at + "router_stats", tags);
+  const TaskId losses =
+      P->compute(at + "router_losses", tags, cost::streamed(z, 2.0 * z.model.num_experts + 1),
+                 [p, layer, set, mb] {
+                   const ModelConfig& m = p->shape.model;
+                   const ops::RouterStatistics st =
+                       unpack_stats(p->acts(set, layer).moe().stats_total, m.num_experts);
+                   p->state.aux[static_cast<std::size_t>(mb)] +=
+                       ops::aux_loss(router_options(m), st) + ops::z_loss(router_options(m), st);
+                 });
+  P->after(reduced, losses);
+  P->after(summed, losses);
+  return losses;
+}
+
+}  // namespace weave::graphs
