@@ -273,7 +273,9 @@ TEST(FlagTable, EachFlagTakesTheValuesTheTableSays) {
     if (f.status == FlagStatus::refused && !predicts) continue;
     const CLI::Option* opt = (predicts ? predict : train)->get_option(std::string(f.name));
     EXPECT_EQ(opt->get_expected_max() == 0, f.values == 0) << f.name;
-    if (f.values > 0) EXPECT_EQ(opt->get_expected_min(), f.values) << f.name;
+    if (f.values > 0) {
+      EXPECT_EQ(opt->get_expected_min(), f.values) << f.name;
+    }
   }
 }
 
