@@ -66,6 +66,14 @@ IndexedDatasetWriter::IndexedDatasetWriter(const std::string& prefix, TokenType 
         "cannot create '{}.bin': check that its folder exists and is writable", prefix));
 }
 
+IndexedDatasetWriter::~IndexedDatasetWriter() {
+  if (finished_) return;
+  bin_.close();
+  std::error_code ignored;  // a destructor must not throw; the partial files are only litter
+  std::filesystem::remove(prefix_ + ".bin.partial", ignored);
+  std::filesystem::remove(prefix_ + ".idx.partial", ignored);
+}
+
 void IndexedDatasetWriter::add_document(std::span<const std::int32_t> tokens) {
   if (!tokens.empty()) {
     if (tokens.size() > static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()))
@@ -109,6 +117,7 @@ void IndexedDatasetWriter::finish() {
     throw std::runtime_error(fmt::format("writing '{}.idx' failed (is the disk full?)", prefix_));
   std::filesystem::rename(prefix_ + ".bin.partial", prefix_ + ".bin");
   std::filesystem::rename(prefix_ + ".idx.partial", prefix_ + ".idx");
+  finished_ = true;
 }
 
 }  // namespace weave::graphs

@@ -20,6 +20,10 @@ class IndexedDatasetWriter {
   // Throws std::invalid_argument for a float token type, std::runtime_error naming the path
   // when PREFIX.bin cannot be created.
   IndexedDatasetWriter(const std::string& prefix, TokenType type);
+  // Without finish(), removes the partial files.
+  ~IndexedDatasetWriter();
+  IndexedDatasetWriter(const IndexedDatasetWriter&) = delete;
+  IndexedDatasetWriter& operator=(const IndexedDatasetWriter&) = delete;
 
   // One document of tokens; an empty one adds a document with no sequence (as Megatron's
   // builder does for a document whose text tokenises to nothing). Throws std::invalid_argument
@@ -37,6 +41,7 @@ class IndexedDatasetWriter {
   std::vector<std::int32_t> lengths_;
   std::vector<std::int64_t> document_index_{0};
   std::vector<std::uint8_t> buffer_;
+  bool finished_ = false;
 };
 
 }  // namespace weave::graphs
