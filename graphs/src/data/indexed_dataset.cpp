@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <bit>
 #include <cstdint>
 #include <cstring>
@@ -216,6 +217,22 @@ void IndexedDataset::read(std::size_t sequence, std::size_t offset, std::size_t 
                       sequence, prefix_, t));
     to[i] = static_cast<std::int32_t>(t);
   }
+}
+
+std::int64_t IndexedDataset::max_token() const {
+  std::int64_t most = -1;
+  std::vector<std::int32_t> chunk;
+  constexpr std::size_t kChunk = 1 << 16;
+  for (std::size_t s = 0; s < sequences_; ++s) {
+    const auto length = static_cast<std::size_t>(sequence_length(s));
+    for (std::size_t at = 0; at < length; at += kChunk) {
+      chunk.clear();
+      read(s, at, std::min(kChunk, length - at), chunk);
+      for (const std::int32_t t : chunk)
+        most = std::max<std::int64_t>(most, t);
+    }
+  }
+  return most;
 }
 
 }  // namespace weave::graphs

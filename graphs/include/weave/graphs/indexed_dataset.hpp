@@ -66,6 +66,8 @@ class IndexedDataset {
   // Every sequence length, copied out (for building sample indices).
   std::vector<std::int32_t> sequence_lengths() const;
   std::uint64_t tokens() const { return tokens_; }
+  // The largest token id the sequences hold (-1 for none): a scan of the whole .bin.
+  std::int64_t max_token() const;
   // Appends tokens [offset, offset + length) of `sequence` to `out`. Throws std::out_of_range
   // for a range outside the sequence, std::runtime_error for a token outside int32.
   void read(std::size_t sequence, std::size_t offset, std::size_t length,
