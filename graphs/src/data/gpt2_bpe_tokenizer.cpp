@@ -153,8 +153,23 @@ void Gpt2BpeTokenizer::encode_piece(std::string_view piece, std::vector<std::int
 }
 
 void Gpt2BpeTokenizer::encode(std::string_view text, std::vector<std::int32_t>& out) const {
-  for (const std::string_view piece : gpt2_pieces(text))
-    encode_piece(piece, out);
+  // Text repeats its words: each thread remembers the ids of the pieces it has merged (as
+  // GPT-2's encoder caches them), without locks, for the tokenizer it last served.
+  struct Cache {
+    const Gpt2BpeTokenizer* owner = nullptr;
+    std::unordered_map<std::string, std::vector<std::int32_t>> ids;
+  };
+  thread_local Cache cache;
+  constexpr std::size_t kMaxEntries = 1 << 18;
+  if (cache.owner != this || cache.ids.size() > kMaxEntries) {
+    cache.ids.clear();
+    cache.owner = this;
+  }
+  for (const std::string_view piece : gpt2_pieces(text)) {
+    auto [it, added] = cache.ids.try_emplace(std::string(piece));
+    if (added) encode_piece(piece, it->second);
+    out.insert(out.end(), it->second.begin(), it->second.end());
+  }
 }
 
 std::string Gpt2BpeTokenizer::decode(std::span<const std::int32_t> ids) const {

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <unistd.h>
+
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -65,7 +67,8 @@ bool write_index(const std::string& path, const std::string& description,
                  const GptSampleIndex& index) {
   std::error_code ec;
   std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
-  const std::string partial = path + ".partial";
+  // Processes of one job may build the same index side by side: each writes its own file.
+  const std::string partial = fmt::format("{}.{}.partial", path, ::getpid());
   {
     std::ofstream out(partial, std::ios::binary | std::ios::trunc);
     if (!out) return false;
