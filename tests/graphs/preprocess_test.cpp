@@ -111,7 +111,8 @@ TEST(Preprocess, ABadLineIsRefusedByItsNumberAndNothingIsLeft) {
   const std::string input = (dir.path / "bad.jsonl").string();
   std::ofstream(input) << "{\"text\": \"fine\"}\n\n{\"text\": 3}\n";
   const auto tokenizer = make_tokenizer({.type = "ByteTokenizer"});
-  PreprocessOptions o{.input = input, .output_prefix = (dir.path / "out").string()};
+  // Two workers: the bad line is the second worker's, whose error must reach the caller.
+  PreprocessOptions o{.input = input, .output_prefix = (dir.path / "out").string(), .workers = 2};
   try {
     preprocess_jsonl(o, *tokenizer);
     FAIL() << "a number under \"text\" was accepted";

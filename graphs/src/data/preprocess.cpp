@@ -3,10 +3,13 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <atomic>
+#include <barrier>
 #include <fstream>
 #include <memory>
 #include <stdexcept>
 #include <thread>
+#include <utility>
 
 #include "weave/graphs/indexed_dataset.hpp"
 #include "weave/graphs/indexed_dataset_writer.hpp"
@@ -49,27 +52,60 @@ void tokenize_line(const PreprocessOptions& o, const Tokenizer& tokenizer, Batch
   }
 }
 
-// Tokenises the batch's lines, line i by worker i % workers.
-void tokenize(const PreprocessOptions& o, const Tokenizer& tokenizer, Batch& batch) {
-  batch.ids.resize(batch.lines.size() * o.json_keys.size());
-  std::vector<std::exception_ptr> errors(static_cast<std::size_t>(o.workers));
-  auto work = [&](std::size_t w) {
-    try {
-      for (std::size_t i = w; i < batch.lines.size(); i += errors.size())
-        tokenize_line(o, tokenizer, batch, i);
-    } catch (...) {
-      errors[w] = std::current_exception();
-    }
-  };
-  {
-    std::vector<std::jthread> threads;
-    for (std::size_t w = 1; w < errors.size(); ++w)
-      threads.emplace_back(work, w);
-    work(0);
+// Threads that live for the whole run, so each keeps what its tokenizer caches (GPT-2's merged
+// words), tokenising each batch side by side: line i by worker i % workers, worker 0 being the
+// calling thread. A barrier starts a batch and another ends it.
+class Workers {
+ public:
+  Workers(const PreprocessOptions& o, const Tokenizer& tokenizer)
+      : o_(o),
+        tokenizer_(tokenizer),
+        sync_(o.workers),
+        errors_(static_cast<std::size_t>(o.workers)) {
+    for (int w = 1; w < o.workers; ++w)
+      threads_.emplace_back([this, w] { loop(static_cast<std::size_t>(w)); });
   }
-  for (const auto& e : errors)
-    if (e) std::rethrow_exception(e);
-}
+  ~Workers() {
+    stop_ = true;
+    sync_.arrive_and_wait();  // releases the workers, which see stop_ and end
+  }
+
+  void tokenize(Batch& batch) {
+    batch.ids.resize(batch.lines.size() * o_.json_keys.size());
+    batch_ = &batch;
+    sync_.arrive_and_wait();
+    work(0);
+    sync_.arrive_and_wait();
+    for (auto& e : errors_)
+      if (e) std::rethrow_exception(std::exchange(e, nullptr));
+  }
+
+ private:
+  void loop(std::size_t w) {
+    for (;;) {
+      sync_.arrive_and_wait();
+      if (stop_) return;
+      work(w);
+      sync_.arrive_and_wait();
+    }
+  }
+  void work(std::size_t w) {
+    try {
+      for (std::size_t i = w; i < batch_->lines.size(); i += errors_.size())
+        tokenize_line(o_, tokenizer_, *batch_, i);
+    } catch (...) {
+      errors_[w] = std::current_exception();
+    }
+  }
+
+  const PreprocessOptions& o_;
+  const Tokenizer& tokenizer_;
+  Batch* batch_ = nullptr;
+  std::barrier<> sync_;
+  std::atomic<bool> stop_{false};
+  std::vector<std::exception_ptr> errors_;
+  std::vector<std::jthread> threads_;  // last: joined before the rest is destroyed
+};
 
 }  // namespace
 
@@ -87,6 +123,7 @@ PreprocessResult preprocess_jsonl(const PreprocessOptions& o, const Tokenizer& t
     result.prefixes.push_back(fmt::format("{}_{}_document", o.output_prefix, key));
     writers.push_back(std::make_unique<IndexedDatasetWriter>(result.prefixes.back(), type));
   }
+  Workers workers(o, tokenizer);
   Batch batch;
   std::string line;
   std::uint64_t number = 0;
@@ -100,7 +137,7 @@ PreprocessResult preprocess_jsonl(const PreprocessOptions& o, const Tokenizer& t
       batch.lines.push_back(line);
       batch.numbers.push_back(number);
     }
-    tokenize(o, tokenizer, batch);
+    workers.tokenize(batch);
     for (std::size_t i = 0; i < batch.ids.size(); ++i) {
       writers[i % writers.size()]->add_document(batch.ids[i]);
       result.tokens += batch.ids[i].size();
