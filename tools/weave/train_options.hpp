@@ -14,7 +14,6 @@
 
 #include "weave/devices/cluster.hpp"
 #include "weave/graphs/config_flags.hpp"
-#include "weave/graphs/tokenizer.hpp"
 #include "weave/graphs/trainer_config.hpp"
 
 namespace weave::cli {
@@ -39,8 +38,7 @@ struct TrainOptions {
   // --data-path's words: a prefix, weight-prefix pairs or a text path; one word holding spaces
   // (from --config) is split into words.
   std::vector<std::string> data_path{kDefaultCorpus};
-  graphs::TokenizerOptions tokenizer;  // --tokenizer-type, --vocab-file, --merge-file
-  std::string data_cache_path;         // --data-cache-path
+  std::string data_cache_path;  // --data-cache-path
   bool mock_data = false;
   double valid_fraction = 0.05;
   std::string log_json, dump_graph;

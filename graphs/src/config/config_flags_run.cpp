@@ -139,13 +139,20 @@ constexpr ConfigFlag kTraining[] = {
      .help = "The tokenizer an indexed dataset was made with, which gives the vocabulary: "
              "GPT2BPETokenizer (with --vocab-file and --merge-file) or ByteTokenizer (bytes and "
              "an end of document, 257 ids); text files are always bytes (256)",
+     .field = config_field<&T::model, &ModelConfig::tokenizer_type>(),
+     .description =
+         added_to_checkpoints(described(DescribedSection::model, "tokenizer_type", true)),
      .properties = kShowsDefault},
     {.name = "--vocab-file",
      .group = FlagGroup::data,
-     .help = "GPT2BPETokenizer's vocabulary, GPT-2's vocab.json"},
+     .help = "GPT2BPETokenizer's vocabulary, GPT-2's vocab.json",
+     .field = config_field<&T::model, &ModelConfig::vocab_file>(),
+     .description = added_to_checkpoints(described(DescribedSection::model, "vocab_file", true))},
     {.name = "--merge-file",
      .group = FlagGroup::data,
-     .help = "GPT2BPETokenizer's merges, GPT-2's merges.txt"},
+     .help = "GPT2BPETokenizer's merges, GPT-2's merges.txt",
+     .field = config_field<&T::model, &ModelConfig::merge_file>(),
+     .description = added_to_checkpoints(described(DescribedSection::model, "merge_file", true))},
     {.name = "--mock-data",
      .group = FlagGroup::data,
      .values = 0,
