@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <random>
 #include <string>
 #include <vector>
@@ -200,6 +201,20 @@ TEST(GptData, IndicesAreReadFromTheCacheAndRebuiltWhenTheDataChanges) {
   {
     const GptData data(o);  // a resumed run: the same samples, from the cache
     EXPECT_EQ(data.indices_from_cache(), 2);
+    data.sample(DataSplit::train, 3, again);
+    EXPECT_EQ(again, first);
+  }
+  // A damaged cache file (its last shuffle entry beyond the samples) is built again.
+  for (const auto& entry :
+       fs::directory_iterator(fs::path(prefix) / "cache" / "GPTDataset_indices")) {
+    std::fstream f(entry.path(), std::ios::binary | std::ios::in | std::ios::out);
+    f.seekp(-8, std::ios::end);
+    const std::int64_t beyond = 1 << 30;
+    f.write(reinterpret_cast<const char*>(&beyond), 8);
+  }
+  {
+    const GptData data(o);
+    EXPECT_EQ(data.indices_from_cache(), 0);
     data.sample(DataSplit::train, 3, again);
     EXPECT_EQ(again, first);
   }

@@ -2,7 +2,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <span>
 #include <stdexcept>
 
 #include "data/sample_index_cache.hpp"
@@ -24,6 +26,25 @@ std::string describe(const IndexedDataset& data, const GptSplitSpec& s) {
                      files, s.name, s.begin, s.end, s.num_samples, s.seq_length, s.seed);
 }
 
+// Whether every entry of a cached index points inside the split's documents and tokens, so a
+// damaged cache file cannot send a read astray.
+bool sound(const GptSampleIndex& index, std::span<const std::int32_t> lengths,
+           const GptSplitSpec& s) {
+  for (const std::int32_t d : index.documents)
+    if (d < s.begin || d >= s.end) return false;
+  const auto samples = static_cast<std::int64_t>(index.shuffle.size());
+  for (std::size_t i = 0; i + 1 < index.samples.size(); i += 2) {
+    const std::int64_t position = index.samples[i], offset = index.samples[i + 1];
+    if (position < 0 || position >= static_cast<std::int64_t>(index.documents.size())) return false;
+    const auto sequence =
+        static_cast<std::size_t>(index.documents[static_cast<std::size_t>(position)]);
+    if (offset < 0 || offset > std::max(0, lengths[sequence] - 1)) return false;
+  }
+  for (const std::int64_t j : index.shuffle)
+    if (j < 0 || j >= samples) return false;
+  return true;
+}
+
 }  // namespace
 
 GptSplitDataset::GptSplitDataset(std::shared_ptr<const IndexedDataset> data,
@@ -34,7 +55,9 @@ GptSplitDataset::GptSplitDataset(std::shared_ptr<const IndexedDataset> data,
     return build_gpt_sample_index(lengths, spec.begin, spec.end, spec.num_samples, spec.seq_length,
                                   spec.seed);
   };
-  CachedIndex cached = cached_gpt_sample_index(spec.cache_folder, describe(*data_, spec), build);
+  CachedIndex cached = cached_gpt_sample_index(
+      spec.cache_folder, describe(*data_, spec), build,
+      [&](const GptSampleIndex& index) { return sound(index, lengths, spec); });
   index_ = std::move(cached.index);
   from_cache_ = cached.from_cache;
 }

@@ -90,12 +90,13 @@ bool write_index(const std::string& path, const std::string& description,
 }  // namespace
 
 CachedIndex cached_gpt_sample_index(const std::string& folder, const std::string& description,
-                                    const std::function<GptSampleIndex()>& build) {
+                                    const std::function<GptSampleIndex()>& build,
+                                    const std::function<bool(const GptSampleIndex&)>& sound) {
   CachedIndex c;
   c.path = (std::filesystem::path(folder) /
             fmt::format("{:016x}-GPTDataset-indices.bin", fnv1a(description)))
                .string();
-  if (read_index(c.path, description, c.index)) {
+  if (read_index(c.path, description, c.index) && sound(c.index)) {
     c.from_cache = true;
     return c;
   }

@@ -19,9 +19,11 @@ struct CachedIndex {
   std::string path;  // the file, or "" when the folder cannot be written (then kept in memory)
 };
 
-// The index `description` names, read from `folder` when a file there holds it, else made by
-// `build` and written there (atomically; a folder that cannot be written is not an error).
+// The index `description` names, read from `folder` when a file there holds it and `sound`
+// accepts it (a damaged file is built again), else made by `build` and written there
+// (atomically; a folder that cannot be written is not an error).
 CachedIndex cached_gpt_sample_index(const std::string& folder, const std::string& description,
-                                    const std::function<GptSampleIndex()>& build);
+                                    const std::function<GptSampleIndex()>& build,
+                                    const std::function<bool(const GptSampleIndex&)>& sound);
 
 }  // namespace weave::graphs::data
