@@ -1,8 +1,9 @@
 // GPT-2's pre-tokenisation: text cut into the pieces the pattern
 //   's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
-// matches, left to right (the pattern of GPT-2's encoder.py and Megatron-LM's
-// gpt2_tokenization.py), so a word keeps its leading space and a run of spaces gives all but
-// its last to a piece of its own. BPE merges never cross these pieces.
+// matches, left to right (the pattern of GPT-2's own encoder, which Megatron-LM's
+// GPT2BPETokenizer applies through Hugging Face's gpt2 tokenizer), so a word keeps its leading
+// space and a run of spaces gives all but its last to a piece of its own. BPE merges never
+// cross these pieces.
 #pragma once
 
 #include <string>

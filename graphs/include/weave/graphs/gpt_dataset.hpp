@@ -27,9 +27,10 @@ struct DataBlend {
   std::vector<double> weights;  // empty for a single prefix given alone
 };
 
-// Megatron's reading of --data-path's words: one prefix, or weight-prefix pairs ("0.3 A 0.7 B").
-// Throws std::invalid_argument naming a weight that is not a number >= 0, weights summing to
-// 0, several prefixes without weights or a missing prefix.
+// --data-path's words as Megatron pairs them: one prefix, or weight-prefix pairs ("0.3 A 0.7 B"),
+// the weights normalised. Megatron's other form, several prefixes without weights (each used
+// once over), is refused. Throws std::invalid_argument naming a weight that is not a number
+// >= 0, weights summing to 0, or several prefixes without weights.
 DataBlend parse_data_blend(const std::vector<std::string>& words);
 
 // Megatron's --split: up to three weights ("949,50,1", "98,2,0"; missing ones 0), normalised.
