@@ -358,7 +358,7 @@ TEST(CliFlags, FlagsWithoutEffectAreNamedOnceInOneLine) {
   const Result r = weave(fmt::format(
       "train {} --mock-data --train-iters 1 --use-mcore-models --transformer-impl local "
       "--distributed-backend nccl --DDP-impl local --no-masked-softmax-fusion --tensorboard-dir tb "
-      "--tokenizer-type GPT2BPETokenizer --vocab-file gpt2-vocab.json --use-mcore-models",
+      "--tokenizer-model tokenizer.model --num-workers 2 --use-mcore-models",
       kTinyModel));
   ASSERT_EQ(r.status, 0) << r.out;
   EXPECT_EQ(occurrences(r.out, "no effect here"), 1) << r.out;
@@ -366,11 +366,11 @@ TEST(CliFlags, FlagsWithoutEffectAreNamedOnceInOneLine) {
   const std::string first = line.substr(0, line.find('\n'));
   for (const char* flag :
        {"--use-mcore-models", "--transformer-impl", "--distributed-backend", "--DDP-impl",
-        "--no-masked-softmax-fusion", "--tensorboard-dir", "--tokenizer-type", "--vocab-file"})
+        "--no-masked-softmax-fusion", "--tensorboard-dir", "--tokenizer-model", "--num-workers"})
     EXPECT_EQ(occurrences(first, std::string(flag) + ","),
-              flag == std::string("--vocab-file") ? 0 : 1)
+              flag == std::string("--num-workers") ? 0 : 1)
         << flag << " in " << first;
-  EXPECT_TRUE(has(first, "--vocab-file (docs/flags.md says why)")) << first;
+  EXPECT_TRUE(has(first, "--num-workers (docs/flags.md says why)")) << first;
 }
 
 TEST(CliFlags, EveryUnknownAndRefusedFlagIsReportedAtOnceWithCloseSuggestionsOnly) {

@@ -4,6 +4,7 @@
 // without new code.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -12,6 +13,7 @@
 #include <vector>
 
 #include "checkpoint_input.hpp"
+#include "indexed_dataset_input.hpp"
 #include "schedule_csv_input.hpp"
 #include "token_dataset_input.hpp"
 #include "train_flags_input.hpp"
@@ -86,6 +88,39 @@ TEST(FuzzRegressions, MicroBatchTimesDataParallelBeyondAnIntIsRefused) {
   }
 }
 
+// The indexed_dataset fuzz target's seeds (valid datasets) read, and every prefix of them and
+// every one-byte change of its .idx is read or refused by rule, never a crash or a wrong read.
+TEST(FuzzRegressions, IndexedDatasetSeedsReadAndTheirDamageIsRefused) {
+  IndexedFiles files;
+  const auto seeds = kRegressions.parent_path() / "corpus" / "indexed_dataset";
+  int seen = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(seeds)) {
+    SCOPED_TRACE(entry.path().string());
+    std::string bytes = read(entry.path());
+    const auto* data = reinterpret_cast<const std::uint8_t*>(bytes.data());
+    EXPECT_NO_THROW(read_indexed_dataset(data, bytes.size(), files));
+    for (std::size_t cut = 0; cut < bytes.size(); ++cut) {
+      try {
+        read_indexed_dataset(data, cut, files);
+      } catch (const std::runtime_error&) {
+      }
+    }
+    std::uint32_t idx_size = 0;
+    std::memcpy(&idx_size, data, 4);
+    for (std::size_t at = 4; at < 4 + std::size_t{idx_size}; ++at) {
+      const char kept = bytes[at];
+      bytes[at] = static_cast<char>(kept ^ 0x81);
+      try {
+        read_indexed_dataset(data, bytes.size(), files);
+      } catch (const std::runtime_error&) {
+      }
+      bytes[at] = kept;
+    }
+    ++seen;
+  }
+  EXPECT_GE(seen, 3);
+}
+
 // The documented refusals only: anything else escapes and fails the test, an abort kills it.
 TEST(FuzzRegressions, EveryRecordedInputIsRefusedOrReadWithoutHarm) {
   TinyCheckpointStep step;
@@ -99,6 +134,16 @@ TEST(FuzzRegressions, EveryRecordedInputIsRefusedOrReadWithoutHarm) {
       read_text(read(path));
     } catch (const std::runtime_error&) {
     } catch (const std::invalid_argument&) {
+    }
+  }
+  IndexedFiles indexed;
+  for (const auto& path : inputs("indexed_dataset")) {
+    SCOPED_TRACE(path.string());
+    const std::string bytes = read(path);
+    try {
+      read_indexed_dataset(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size(),
+                           indexed);
+    } catch (const std::runtime_error&) {
     }
   }
   for (const auto& path : inputs("train_flags")) {

@@ -88,7 +88,10 @@ TEST(ConfigFlags, TheCheckpointsDescriptionKeepsItsKeys) {
                                           "untie_embeddings_and_output_weights",
                                           "add_bias_linear",
                                           "moe_router_topk",
-                                          "norm_epsilon"}));
+                                          "norm_epsilon",
+                                          "tokenizer_type",
+                                          "vocab_file",
+                                          "merge_file"}));
   EXPECT_EQ(plan, (std::set<std::string>{
                       "tensor_model_parallel_size", "sequence_parallel", "context_parallel_size",
                       "expert_model_parallel_size", "expert_tensor_parallel_size",
@@ -105,12 +108,13 @@ TEST(ConfigFlags, CheckpointsSavedEarlierLackTheKeysAddedSince) {
       EXPECT_TRUE(f.description.checkpointed) << f.name;
       later.insert(std::string(f.description.key));
     }
-  EXPECT_EQ(later, (std::set<std::string>{
-                       "position_embedding_type", "rotary_percent", "rotary_base", "normalization",
-                       "num_query_groups", "qk_layernorm", "untie_embeddings_and_output_weights",
-                       "add_bias_linear", "moe_router_topk", "norm_epsilon",
-                       "virtual_pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
-                       "decoder_last_pipeline_num_layers"}));
+  EXPECT_EQ(later,
+            (std::set<std::string>{
+                "position_embedding_type", "rotary_percent", "rotary_base", "normalization",
+                "num_query_groups", "qk_layernorm", "untie_embeddings_and_output_weights",
+                "add_bias_linear", "moe_router_topk", "norm_epsilon",
+                "virtual_pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
+                "decoder_last_pipeline_num_layers", "tokenizer_type", "vocab_file", "merge_file"}));
 }
 
 TEST(ConfigFlags, DescriptionsHoldTheValuesTheRunUses) {

@@ -28,6 +28,7 @@ void add_schedule_command(CLI::App& app);
 void add_generate_command(CLI::App& app);
 void add_predict_command(CLI::App& app);
 void add_calibrate_command(CLI::App& app);
+void add_preprocess_command(CLI::App& app);
 
 // Whether the command `weave predict --advise` prints for the best plan leaves `flag` out: the
 // flags that choose a plan (the candidates set them themselves, config_flags.hpp marks them),

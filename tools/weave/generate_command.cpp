@@ -3,6 +3,9 @@
 
 #include <cstdio>
 #include <memory>
+#include <span>
+#include <string>
+#include <vector>
 
 #include "commands.hpp"
 #include "weave/devices/device_set.hpp"
@@ -10,6 +13,7 @@
 #include "weave/graphs/checkpoint.hpp"
 #include "weave/graphs/generator.hpp"
 #include "weave/graphs/parallel_plan.hpp"
+#include "weave/graphs/tokenizer.hpp"
 
 namespace weave::cli {
 
@@ -34,15 +38,16 @@ void generate(const GenerateOptions& o) {
   plan.micro_batch_size = 1;
   plan.global_batch_size = plan.data_parallel * plan.pipeline_parallel;
   graphs::validate(model, plan);
-  std::vector<std::int32_t> prompt;
-  for (const unsigned char byte : o.prompt) {
-    if (byte >= model.vocab_size)
+  const auto tokenizer = graphs::make_tokenizer({.type = model.tokenizer_type,
+                                                 .vocab_file = model.vocab_file,
+                                                 .merge_file = model.merge_file});
+  const std::vector<std::int32_t> prompt = tokenizer->encode(o.prompt);
+  for (const std::int32_t id : prompt)
+    if (id >= model.vocab_size)
       throw std::invalid_argument(fmt::format(
-          "--prompt holds byte {} and the model's vocabulary has {} tokens (byte tokens below "
-          "{}): use text the model was trained on",
-          byte, model.vocab_size, model.vocab_size));
-    prompt.push_back(byte);
-  }
+          "--prompt holds token {} ({}) and the model's vocabulary has {} tokens: use text the "
+          "model was trained on",
+          id, tokenizer->type(), model.vocab_size));
   if (prompt.empty()) throw std::invalid_argument("--prompt must hold at least one character");
   devices::DeviceSet set(plan.devices(), {.pin = false});
   devices::SharedMemoryCommunicator comm;
@@ -51,14 +56,19 @@ void generate(const GenerateOptions& o) {
   graphs::Generator generator(model, plan, step, set, comm);
   fmt::print(stderr,
              "weave generate: {} after {} iterations, {} layers, hidden {}, on {} devices (tp {}, "
-             "pp {}, ep {}, cp {}, dp {})\n",
+             "pp {}, ep {}, cp {}, dp {}), {}\n",
              o.load, state.iteration, model.num_layers, model.hidden_size, plan.devices(),
              plan.tensor_parallel, plan.pipeline_parallel, plan.expert_parallel,
-             plan.context_parallel, plan.data_parallel);
+             plan.context_parallel, plan.data_parallel, tokenizer->type());
   std::fwrite(o.prompt.data(), 1, o.prompt.size(), stdout);
   std::fflush(stdout);
-  generator.generate(prompt, o.sampling, [](std::int32_t token) {
-    std::fputc(token, stdout);
+  generator.generate(prompt, o.sampling, [&](std::int32_t token) {
+    // A byte-level token is whole bytes: each is written as it comes. Ids of the padded
+    // vocabulary beyond the tokenizer's have no text.
+    if (token < tokenizer->vocab_size()) {
+      const std::string text = tokenizer->decode(std::span<const std::int32_t>(&token, 1));
+      std::fwrite(text.data(), 1, text.size(), stdout);
+    }
     std::fflush(stdout);
     return true;
   });
@@ -78,7 +88,8 @@ void add_generate_command(CLI::App& app) {
       "  weave generate --load model.ckpt --prompt \"The \" --max-new-tokens 80 --top-k 5");
   cmd->add_option("--load", options->load, "Checkpoint to sample from (weave train --save)")
       ->required();
-  cmd->add_option("--prompt", options->prompt, "Text the sample continues (byte tokens)")
+  cmd->add_option("--prompt", options->prompt,
+                  "Text the sample continues, tokenised by the checkpoint's tokenizer")
       ->required();
   cmd->add_option("--max-new-tokens", options->sampling.max_new_tokens, "Tokens to sample")
       ->check(at_least(0))

@@ -24,6 +24,7 @@ int main(int argc, char** argv) {
   weave::cli::add_generate_command(app);
   weave::cli::add_predict_command(app);
   weave::cli::add_calibrate_command(app);
+  weave::cli::add_preprocess_command(app);
   try {
     std::vector<std::string> args =
         weave::cli::prepare_arguments(app, std::vector<std::string>(argv + 1, argv + argc));

@@ -94,6 +94,28 @@ bool takes_next_value(const CLI::App& cmd, const std::string& arg) {
   throw std::invalid_argument(text);
 }
 
+// Drops every occurrence of `flag` and its values but the last: a flag taking several values
+// (--data-path's blend) would otherwise gather them all, where a flag given again must win as
+// every other flag does (--config's values come first).
+std::vector<std::string> keep_last(std::vector<std::string> args, const std::string& flag) {
+  std::size_t last = args.size();
+  for (std::size_t i = 0; i < args.size() && args[i] != "--"; ++i)
+    if (args[i] == flag || args[i].rfind(flag + "=", 0) == 0) last = i;
+  std::vector<std::string> kept;
+  for (std::size_t i = 0; i < args.size(); ++i) {
+    const bool earlier =
+        i < last && last < args.size() && (args[i] == flag || args[i].rfind(flag + "=", 0) == 0);
+    if (!earlier) {
+      kept.push_back(args[i]);
+      continue;
+    }
+    if (args[i] == flag)  // skip its values, up to the next flag
+      while (i + 1 < args.size() && args[i + 1].rfind("--", 0) != 0)
+        ++i;
+  }
+  return kept;
+}
+
 }  // namespace
 
 std::optional<std::string> read_config_file(const std::string& path) {
@@ -138,7 +160,7 @@ std::vector<std::string> prepare_arguments(CLI::App& app, std::vector<std::strin
                                                 : (i + 1 < args.size() ? args[i + 1] : "");
   }
   if (!problems.empty()) refuse(problems, command, "");
-  if (config.empty()) return args;
+  if (config.empty()) return keep_last(std::move(args), "--data-path");
   const std::optional<std::string> text = read(config);
   if (!text) throw std::invalid_argument(fmt::format("--config: cannot read '{}'", config));
   nlohmann::json j;
@@ -177,7 +199,7 @@ std::vector<std::string> prepare_arguments(CLI::App& app, std::vector<std::strin
   }
   if (!problems.empty()) refuse(problems, command, fmt::format(" (in --config '{}')", config));
   expanded.insert(expanded.end(), args.begin() + 1, args.end());
-  return expanded;
+  return keep_last(std::move(expanded), "--data-path");
 }
 
 }  // namespace weave::cli

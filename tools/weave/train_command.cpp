@@ -20,6 +20,7 @@
 #include "output_paths.hpp"
 #include "progress_reporter.hpp"
 #include "run_record.hpp"
+#include "train_data.hpp"
 #include "train_options.hpp"
 #include "weave/devices/device_set.hpp"
 #include "weave/devices/mpi_communicator.hpp"
@@ -78,7 +79,8 @@ struct ProcessRun {
   std::unique_ptr<devices::DeviceSet> set;
 };
 
-int train(TrainOptions& o, ProgressReporter& progress, ProcessRun* processes);
+int train(TrainOptions& o, ProgressReporter& progress, ProcessRun* processes,
+          std::shared_ptr<graphs::GptData> indexed);
 int run_trainer(TrainOptions& o, ProgressReporter& progress, graphs::Trainer& trainer);
 
 int run_train(TrainOptions o) {
@@ -90,6 +92,7 @@ int run_train(TrainOptions o) {
   const bool first = launched_rank() == 0;
   std::unique_ptr<ProcessRun> processes;
   std::unique_ptr<ProgressReporter> progress;
+  std::shared_ptr<graphs::GptData> indexed;
   try {
     if (launched && (o.ampipe_advise || o.pipeline_advise))
       throw std::invalid_argument(
@@ -98,6 +101,8 @@ int run_train(TrainOptions o) {
     if (o.ampipe_advise && o.pipeline_advise)
       throw std::invalid_argument(
           "--ampipe-advise and --pipeline-advise are two searches: give one");
+    // Indexed data sets the vocabulary (its tokenizer's) that the checks below count.
+    indexed = open_indexed_data(o);
     const std::vector<std::string> warnings = graphs::validate(c);
     // Advice predicts the steps on the modelled machine and allocates nothing here.
     if (o.ampipe_advise || o.pipeline_advise) {
@@ -129,16 +134,14 @@ int run_train(TrainOptions o) {
     if (!first) throw CommandExit{1};
     throw;
   }
-  return train(o, *progress, processes.get());
+  return train(o, *progress, processes.get(), std::move(indexed));
 }
 
-int train(TrainOptions& o, ProgressReporter& progress, ProcessRun* processes) {
+int train(TrainOptions& o, ProgressReporter& progress, ProcessRun* processes,
+          std::shared_ptr<graphs::GptData> indexed) {
   graphs::TrainerConfig& c = o.config;
   const bool first = launched_rank() == 0;
-  graphs::TrainingData data = graphs::TrainingData::from(
-      o.mock_data
-          ? graphs::TokenDataset::mock(c.model.seq_length, c.model.seed)
-          : graphs::TokenDataset::from_text(o.data_path, c.model.seq_length, o.valid_fraction));
+  graphs::TrainingData data = training_data(o, std::move(indexed));
 
   std::unique_ptr<graphs::Trainer> built;
   try {

@@ -45,6 +45,7 @@ constexpr ProgramFlag kProgramFlags[] = {
     {"--optimizer", [](TrainOptions& o) -> ProgramSetting { return &o.optimizer; }},
     {"--data-path", [](TrainOptions& o) -> ProgramSetting { return &o.data_path; }},
     {"--split", [](TrainOptions& o) -> ProgramSetting { return &o.split; }},
+    {"--data-cache-path", [](TrainOptions& o) -> ProgramSetting { return &o.data_cache_path; }},
     {"--mock-data", [](TrainOptions& o) -> ProgramSetting { return &o.mock_data; }},
     {"--log-json", [](TrainOptions& o) -> ProgramSetting { return &o.log_json; }},
     {"--dump-graph", [](TrainOptions& o) -> ProgramSetting { return &o.dump_graph; }},

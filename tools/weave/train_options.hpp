@@ -35,7 +35,10 @@ struct TrainOptions {
   int num_query_groups = 0;
   bool disable_bias_linear = false;
   int devices = 0;  // 0: tp x cp x pp (one data-parallel replica)
-  std::string data_path = kDefaultCorpus;
+  // --data-path's words: a prefix, weight-prefix pairs or a text path; one word holding spaces
+  // (from --config) is split into words.
+  std::vector<std::string> data_path{kDefaultCorpus};
+  std::string data_cache_path;  // --data-cache-path
   bool mock_data = false;
   double valid_fraction = 0.05;
   std::string log_json, dump_graph;
@@ -52,7 +55,7 @@ struct TrainOptions {
 
 // Where a flag of the table without a field of its own writes its value: a setting the program
 // keeps for itself (a word it maps onto the configuration, a file it reads or writes).
-using ProgramSetting = std::variant<int*, double*, bool*, std::string*>;
+using ProgramSetting = std::variant<int*, double*, bool*, std::string*, std::vector<std::string>*>;
 
 // Registers the flag table's entry `f` on cmd with `help`, with its names, the check of its value
 // and its default: its value goes to `setting` when given, else to its field of `config`.

@@ -50,7 +50,7 @@ constexpr ConfigFlag kModel[] = {
                      }},
      .properties = kShowsDefault},
     {.name = "--make-vocab-size-divisible-by",
-     .help = "Pad the vocabulary (256 byte tokens) to a multiple of this",
+     .help = "Pad the tokenizer's vocabulary to a multiple of this x tp, as Megatron pads it",
      .field = model_field<&M::make_vocab_size_divisible_by>(),
      .check = at_least(1),
      .description = described(model, "make_vocab_size_divisible_by", true),

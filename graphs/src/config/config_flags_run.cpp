@@ -120,12 +120,39 @@ constexpr ConfigFlag kTraining[] = {
      .properties = kShowsDefault},
     {.name = "--data-path",
      .group = FlagGroup::data,
-     .help = "A text file or a folder of them (byte tokens)",
+     .help = "An indexed dataset's prefix (PREFIX.bin and PREFIX.idx, from weave preprocess or "
+             "Megatron's preprocess_data.py), a blend of them as weight and prefix pairs (0.3 A "
+             "0.7 B), or a text file or a folder of them (byte tokens)",
      .properties = kShowsDefault},
     {.name = "--split",
      .group = FlagGroup::data,
-     .help = "Weights of the text's train, validation and test parts, like 949,50,1: the "
-             "validation share is held out (default: 5 %); there is no test evaluation"},
+     .help = "Weights of the train, validation and test parts, like 949,50,1: an indexed "
+             "dataset's documents split as Megatron splits them (default 969,30,1); a text's "
+             "validation share held out (default: 5 %); there is no test evaluation"},
+    {.name = "--data-cache-path",
+     .group = FlagGroup::data,
+     .help = "Folder for an indexed dataset's sample indices (default: PREFIX/cache/"
+             "GPTDataset_indices, beside the data); they are built once and rebuilt when the "
+             "data or a setting changes"},
+    {.name = "--tokenizer-type",
+     .group = FlagGroup::data,
+     .help = "The tokenizer an indexed dataset was made with, which gives the vocabulary: "
+             "GPT2BPETokenizer (with --vocab-file and --merge-file) or ByteTokenizer (bytes and "
+             "an end of document, 257 ids); text files are always bytes (256)",
+     .field = config_field<&T::model, &ModelConfig::tokenizer_type>(),
+     .description =
+         added_to_checkpoints(described(DescribedSection::model, "tokenizer_type", true)),
+     .properties = kShowsDefault},
+    {.name = "--vocab-file",
+     .group = FlagGroup::data,
+     .help = "GPT2BPETokenizer's vocabulary, GPT-2's vocab.json",
+     .field = config_field<&T::model, &ModelConfig::vocab_file>(),
+     .description = added_to_checkpoints(described(DescribedSection::model, "vocab_file", true))},
+    {.name = "--merge-file",
+     .group = FlagGroup::data,
+     .help = "GPT2BPETokenizer's merges, GPT-2's merges.txt",
+     .field = config_field<&T::model, &ModelConfig::merge_file>(),
+     .description = added_to_checkpoints(described(DescribedSection::model, "merge_file", true))},
     {.name = "--mock-data",
      .group = FlagGroup::data,
      .values = 0,

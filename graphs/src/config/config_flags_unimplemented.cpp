@@ -42,14 +42,15 @@ constexpr std::string_view kLoggers =
 constexpr std::string_view kReports =
     "the progress line and --log-json report what weave measures (tokens/s, grad norm, exposed "
     "communication, pipeline bubble)";
-constexpr std::string_view kTokenizer =
-    "weave's tokens are the bytes of --data-path's text (a vocabulary of 256): no tokenizer is "
-    "read";
+constexpr std::string_view kTokenizerModel =
+    "weave's tokenizers (--tokenizer-type GPT2BPETokenizer, ByteTokenizer) read no "
+    "SentencePiece or Hugging Face model";
 constexpr std::string_view kDataLoader =
-    "weave reads --data-path as text itself: there is no dataloader or indexed dataset to "
-    "configure";
+    "weave reads --data-path itself, memory-mapped in the training process: there is no "
+    "dataloader to configure";
 constexpr std::string_view kDocuments =
-    "byte tokens have no end-of-document token: there is nothing to mask or reset at";
+    "weave neither masks the loss nor resets positions or attention at end-of-document tokens: "
+    "the run is the one Megatron makes without it";
 constexpr std::string_view kCheckpoints =
     "weave writes its own checkpoint format, one file written atomically when --save is due";
 constexpr std::string_view kRandomness =
@@ -156,13 +157,9 @@ constexpr ConfigFlag kNoEffect[] = {
     without_effect("--log-params-norm", 0, kReports),
     without_effect("--timing-log-level", 1, kReports),
     without_effect("--moe-per-layer-logging", 0, kReports),
-    without_effect("--tokenizer-type", 1, kTokenizer),
-    without_effect("--tokenizer-model", 1, kTokenizer),
-    without_effect("--vocab-file", 1, kTokenizer),
-    without_effect("--merge-file", 1, kTokenizer),
+    without_effect("--tokenizer-model", 1, kTokenizerModel),
     without_effect("--data-impl", 1, kDataLoader),
     without_effect("--num-workers", 1, kDataLoader),
-    without_effect("--data-cache-path", 1, kDataLoader),
     without_effect("--no-mmap-bin-files", 0, kDataLoader),
     without_effect("--no-create-attention-mask-in-dataloader", 0, kDataLoader),
     without_effect("--eod-mask-loss", 0, kDocuments),
@@ -289,14 +286,14 @@ constexpr ConfigFlag kRefused[] = {
     {.name = "--vocab-size",
      .group = FlagGroup::not_implemented,
      .status = FlagStatus::refused,
-     .help = "weave train's tokens are bytes, a vocabulary of 256 padded to "
-             "--make-vocab-size-divisible-by: drop it, or give it to weave predict, which models a "
-             "tokenizer's vocabulary",
+     .help = "weave train takes the vocabulary from the data's tokenizer (--tokenizer-type; "
+             "text files: 256 bytes), padded to --make-vocab-size-divisible-by x tp: drop it, or "
+             "give it to weave predict, which models a tokenizer's vocabulary",
      .field = model_field<&ModelConfig::vocab_size>(),
      .check = at_least(1),
      .description = described(DescribedSection::model, "vocab_size", true),
      .properties = kModelledByPredict | kShowsDefault,
-     .predicted_help = "A tokenizer's vocabulary (weave train's tokens are bytes: 256), padded to "
+     .predicted_help = "A tokenizer's vocabulary (weave train takes --tokenizer-type's), padded to "
                        "a multiple of --make-vocab-size-divisible-by x tp as Megatron-LM pads "
                        "it"},
     refused(

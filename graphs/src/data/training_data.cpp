@@ -21,6 +21,20 @@ TrainingData TrainingData::from(TokenDataset dataset) {
   return data;
 }
 
+TrainingData TrainingData::from(GptData dataset) {
+  auto shared = std::make_shared<const GptData>(std::move(dataset));
+  TrainingData data;
+  data.description = shared->description();
+  data.train = [shared](std::uint64_t index, std::vector<std::int32_t>& window) {
+    shared->sample(DataSplit::train, index, window);
+  };
+  if (shared->size(DataSplit::valid) > 0)
+    data.valid = [shared](std::uint64_t index, std::vector<std::int32_t>& window) {
+      shared->sample(DataSplit::valid, index, window);
+    };
+  return data;
+}
+
 void fill_micro_batches(TrainingStep& step, const ModelConfig& model, const ParallelPlan& plan,
                         const SampleSource& samples, std::uint64_t first_sample) {
   const int M = plan.micro_batches(), B = plan.micro_batch_size;

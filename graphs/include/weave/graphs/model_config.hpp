@@ -93,6 +93,12 @@ struct ModelConfig {
 
   std::uint64_t seed = 1234;  // --seed
 
+  // The tokenizer the data was made with (--tokenizer-type, --vocab-file, --merge-file): what
+  // the vocabulary's ids mean. Checkpoints record it, so weave generate encodes and decodes with
+  // it. Text files are bytes, as ByteTokenizer's first 256 ids.
+  std::string tokenizer_type = "ByteTokenizer";
+  std::string vocab_file, merge_file;
+
   Precision precision = Precision::fp32;  // --bf16, --fp16 (predicted only: see Precision)
   Recompute recompute;                    // predicted only: weave train keeps every activation
 

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "weave/graphs/gpt_dataset.hpp"
 #include "weave/graphs/model_config.hpp"
 #include "weave/graphs/parallel_plan.hpp"
 #include "weave/graphs/token_dataset.hpp"
@@ -28,6 +29,9 @@ struct TrainingData {
   // A dataset's two splits; the validation source is left empty when that split is too short
   // for one sample. The dataset is moved into the sources (they share it).
   static TrainingData from(TokenDataset dataset);
+  // Megatron's GPT samples of indexed datasets: the training and validation splits (the
+  // validation source empty when that split has no samples).
+  static TrainingData from(GptData data);
 };
 
 // Fills every micro-batch of `step` (plan: the one the step was built with) with consecutive
