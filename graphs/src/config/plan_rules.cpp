@@ -320,6 +320,14 @@ void check_recomputation(const ModelConfig& m, const ParallelPlan& p) {
         "--num-layers {} / --pipeline-model-parallel-size {}) with --recompute-granularity full "
         "(Megatron-LM's rule), got {}",
         per_rank, m.num_layers, p.pipeline_parallel, r.num_layers);
+  const ScheduleKind kind = pipeline_schedule_kind(p);
+  if (kind == ScheduleKind::ZeroBubbleH1 || kind == ScheduleKind::ZeroBubbleV)
+    refuse(
+        "--recompute-granularity full is not done with --pipeline-scheduler {}: its W actions "
+        "compute the weight gradients after the input gradients, from the activations a "
+        "recomputed layer frees for the next recomputed layer as soon as its input gradient is "
+        "done. Choose --pipeline-scheduler 1f1b or interleaved, or drop --recompute-granularity",
+        schedule_name(kind));
 }
 
 void check_rotary_embedding(const ModelConfig& m) {

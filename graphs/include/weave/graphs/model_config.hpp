@@ -94,7 +94,7 @@ struct ModelConfig {
   std::uint64_t seed = 1234;  // --seed
 
   Precision precision = Precision::fp32;  // --bf16, --fp16 (predicted only: see Precision)
-  Recompute recompute;                    // predicted only: weave train keeps every activation
+  Recompute recompute;                    // full: trained and predicted; selective: predicted only
 
   // Bytes of one activation, communicated value or element-wise operand in this precision.
   int activation_bytes() const { return precision == Precision::fp32 ? 4 : 2; }
