@@ -86,11 +86,41 @@ TEST(PredictCli, ModelsHalfPrecisionVocabularyAndRecomputation) {
 }
 
 TEST(PredictCli, TrainRefusesWhatOnlyPredictModels) {
-  for (const char* flag : {"--bf16", "--recompute-granularity full", "--vocab-size 50257"}) {
+  for (const char* flag : {"--bf16", "--recompute-activations", "--vocab-size 50257"}) {
     const Result r = weave(fmt::format("train --mock-data --train-iters 1 {}", flag));
     EXPECT_NE(r.status, 0) << flag;
     EXPECT_NE(r.out.find("weave predict, which models"), std::string::npos) << r.out;
   }
+}
+
+// weave train recomputes layers in full: the losses are those of the run keeping every
+// activation, and the memory estimate holds fewer activations; selective recomputation is
+// refused, naming what to give instead.
+TEST(PredictCli, TrainRecomputesLayersInFull) {
+  const std::string run =
+      "train --mock-data --train-iters 2 --num-layers 4 --hidden-size 64 --num-attention-heads 4 "
+      "--seq-length 64 --micro-batch-size 2 --global-batch-size 4 --hidden-dropout 0.1 "
+      "--tensor-model-parallel-size 2 --sequence-parallel --devices 2";
+  const Result kept = weave(run);
+  const Result recomputed = weave(run +
+                                  " --recompute-granularity full --recompute-method uniform "
+                                  "--recompute-num-layers 1");
+  ASSERT_EQ(kept.status, 0) << kept.out;
+  ASSERT_EQ(recomputed.status, 0) << recomputed.out;
+  const std::regex done("done: loss ([0-9.]+) -> ([0-9.]+)"),
+      activations("activations ([0-9.]+) (KiB|MiB)");
+  std::smatch a, b;
+  ASSERT_TRUE(std::regex_search(kept.out, a, done)) << kept.out;
+  ASSERT_TRUE(std::regex_search(recomputed.out, b, done)) << recomputed.out;
+  EXPECT_EQ(a.str(), b.str());
+  ASSERT_TRUE(std::regex_search(kept.out, a, activations)) << kept.out;
+  ASSERT_TRUE(std::regex_search(recomputed.out, b, activations)) << recomputed.out;
+  EXPECT_EQ(a[2], "MiB");
+  EXPECT_LT(std::stod(b[1]), std::stod(a[1]));
+  const Result selective = weave(run + " --recompute-granularity selective");
+  EXPECT_NE(selective.status, 0);
+  EXPECT_NE(selective.out.find("use --recompute-granularity full"), std::string::npos)
+      << selective.out;
 }
 
 TEST(PredictCli, AnAcceleratorPresetSetsTheMachine) {

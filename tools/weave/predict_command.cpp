@@ -43,7 +43,6 @@ struct PredictOptions {
   // What weave predict models beyond weave train (which refuses these flags).
   bool bf16 = false, fp16 = false;
   bool recompute_activations = false;  // Megatron-LM's shorthand for selective
-  std::string recompute_granularity, recompute_method;
   // --advise: search the parallel plans instead of predicting the one given.
   bool advise = false;
   int advise_top = 10;
@@ -76,8 +75,9 @@ std::string model_flags(const CLI::App& cmd) {
   return flags;
 }
 
-// --bf16 / --fp16 and the recomputation flags into the model's configuration, by Megatron-LM's
-// meanings; graphs::validate checks the combinations.
+// --bf16 / --fp16 and --recompute-activations into the model's configuration, by Megatron-LM's
+// meanings (derive_config read the other recomputation flags); graphs::validate checks the
+// combinations.
 void apply_predicted_training(PredictOptions& o) {
   graphs::ModelConfig& m = o.train.config.model;
   if (o.bf16 && o.fp16)
@@ -86,21 +86,14 @@ void apply_predicted_training(PredictOptions& o) {
   m.precision = o.bf16   ? graphs::Precision::bf16
                 : o.fp16 ? graphs::Precision::fp16
                          : graphs::Precision::fp32;
-  graphs::Recompute& r = m.recompute;
-  if (o.recompute_activations) {
-    if (!o.recompute_granularity.empty() && o.recompute_granularity != "selective")
-      throw graphs::ConfigError(fmt::format(
-          "--recompute-activations means --recompute-granularity selective (Megatron-LM's "
-          "shorthand) and --recompute-granularity is {}: give one of them",
-          o.recompute_granularity));
-    o.recompute_granularity = "selective";
-  }
-  r.granularity = o.recompute_granularity == "full"        ? graphs::RecomputeGranularity::full
-                  : o.recompute_granularity == "selective" ? graphs::RecomputeGranularity::selective
-                                                           : graphs::RecomputeGranularity::none;
-  r.method = o.recompute_method == "uniform" ? graphs::RecomputeMethod::uniform
-             : o.recompute_method == "block" ? graphs::RecomputeMethod::block
-                                             : graphs::RecomputeMethod::none;
+  if (!o.recompute_activations) return;
+  const std::string& given = o.train.recompute_granularity;
+  if (!given.empty() && given != "selective")
+    throw graphs::ConfigError(fmt::format(
+        "--recompute-activations means --recompute-granularity selective (Megatron-LM's "
+        "shorthand) and --recompute-granularity is {}: give one of them",
+        given));
+  m.recompute.granularity = graphs::RecomputeGranularity::selective;
 }
 
 std::string recompute_text(const graphs::Recompute& r) {
@@ -323,9 +316,7 @@ std::optional<ProgramSetting> predict_setting(const graphs::ConfigFlag& f, Predi
       {"--advise-limit", &o.advise_limit},
       {"--bf16", &o.bf16},
       {"--fp16", &o.fp16},
-      {"--recompute-activations", &o.recompute_activations},
-      {"--recompute-granularity", &o.recompute_granularity},
-      {"--recompute-method", &o.recompute_method}};
+      {"--recompute-activations", &o.recompute_activations}};
   for (const auto& [name, setting] : settings)
     if (name == f.name) return setting;
   throw std::logic_error(fmt::format(

@@ -116,6 +116,18 @@ void derive_model(TrainOptions& o) {
   m.add_bias_linear = !o.disable_bias_linear;
 }
 
+// --recompute-granularity and --recompute-method's words into the model's configuration, by
+// Megatron-LM's meanings; graphs::validate checks the combinations.
+void derive_recompute(TrainOptions& o) {
+  graphs::Recompute& r = o.config.model.recompute;
+  r.granularity = o.recompute_granularity == "full"        ? graphs::RecomputeGranularity::full
+                  : o.recompute_granularity == "selective" ? graphs::RecomputeGranularity::selective
+                                                           : graphs::RecomputeGranularity::none;
+  r.method = o.recompute_method == "uniform" ? graphs::RecomputeMethod::uniform
+             : o.recompute_method == "block" ? graphs::RecomputeMethod::block
+                                             : graphs::RecomputeMethod::none;
+}
+
 // --devices into the data-parallel size, and the global batch's default.
 void derive_batch(TrainOptions& o) {
   graphs::ParallelPlan& plan = o.config.plan;
@@ -154,6 +166,7 @@ void derive_config(TrainOptions& o) {
   graphs::TrainerConfig& c = o.config;
   derive_machine(o);
   derive_model(o);
+  derive_recompute(o);
   derive_batch(o);
   c.timing = o.timing == "model" ? graphs::Timing::virtual_clock : graphs::Timing::wall;
   if (!o.trace_iteration_given) c.trace_iteration = std::min(c.trace_iteration, c.train_iters);

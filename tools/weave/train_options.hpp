@@ -34,6 +34,8 @@ struct TrainOptions {
   bool group_query_attention = false;
   int num_query_groups = 0;
   bool disable_bias_linear = false;
+  // --recompute-granularity (full, selective) and --recompute-method (uniform, block); "": none.
+  std::string recompute_granularity, recompute_method;
   int devices = 0;  // 0: tp x cp x pp (one data-parallel replica)
   std::string data_path = kDefaultCorpus;
   bool mock_data = false;
