@@ -1,10 +1,12 @@
-// Full activation recomputation (--recompute-granularity full, --recompute-method uniform|block)
-// changes what a step keeps, never what it computes: with dropout on, the losses, aux losses,
-// dropped picks and every gradient are bitwise those of the step that keeps every activation,
-// under every strategy it runs with; the materialised step's activation memory is the prediction's
-// to the byte; and the schedules it is not done for are refused by name.
+// Activation recomputation (--recompute-granularity full with --recompute-method uniform|block,
+// and selective with --recompute-modules core_attn and mlp) changes what a step keeps, never what
+// it computes: with dropout on, the losses, aux losses, dropped picks and every gradient are
+// bitwise those of the step that keeps every activation, under every strategy it runs with; the
+// materialised step's activation memory is the prediction's to the byte; and what is not done is
+// refused by name.
 #include <gtest/gtest.h>
 
+#include <numeric>
 #include <string>
 
 #include "step_outcome.hpp"
@@ -73,12 +75,20 @@ const Case kCases[] = {
       .global_batch_size = 4}},
 };
 
-// Each method with groups of one and of two layers (a chunk of one layer under interleaving
-// makes the group of two one layer: Megatron-LM's last group is what remains of the chunk).
-const Recompute kMethods[] = {full(RecomputeMethod::uniform, 1), full(RecomputeMethod::uniform, 2),
-                              full(RecomputeMethod::block, 1)};
+Recompute selective(unsigned modules) {
+  return {.granularity = RecomputeGranularity::selective, .modules = modules};
+}
+
+// Each full method with groups of one and of two layers (a chunk of one layer under interleaving
+// makes the group of two one layer: Megatron-LM's last group is what remains of the chunk); the
+// selective modules alone and together (0: Megatron-Core's default, core_attn).
+const Recompute kMethods[] = {
+    full(RecomputeMethod::uniform, 1), full(RecomputeMethod::uniform, 2),
+    full(RecomputeMethod::block, 1),   selective(0),
+    selective(kRecomputeMlp),          selective(kRecomputeCoreAttention | kRecomputeMlp)};
 
 std::string method_name(const Recompute& r) {
+  if (!r.full()) return "selective " + std::to_string(r.modules);
   return std::string(r.method == RecomputeMethod::uniform ? "uniform " : "block ") +
          std::to_string(r.num_layers);
 }
@@ -99,11 +109,11 @@ void expect_bitwise_equal(const Outcome& kept, const Outcome& recomputed) {
   }
 }
 
-class FullRecomputation : public ::testing::TestWithParam<Case> {};
+class Recomputation : public ::testing::TestWithParam<Case> {};
 
 // Two steps (the second after an update), so the gradients compared are of updated parameters
 // and the dropout masks of another iteration.
-TEST_P(FullRecomputation, IsBitwiseTheStepThatKeepsEveryActivation) {
+TEST_P(Recomputation, IsBitwiseTheStepThatKeepsEveryActivation) {
   const Case& c = GetParam();
   ModelConfig m = model(c.experts);
   const Outcome kept = run(m, c.plan, 2, true);
@@ -117,7 +127,7 @@ TEST_P(FullRecomputation, IsBitwiseTheStepThatKeepsEveryActivation) {
 // The materialised step holds, after it ran, the activation memory its prediction counts, device
 // by device, and recomputation holds no more than keeping (less where more than one set is in
 // flight).
-TEST_P(FullRecomputation, MeasuredActivationMemoryIsThePredictedOne) {
+TEST_P(Recomputation, MeasuredActivationMemoryIsThePredictedOne) {
   const Case& c = GetParam();
   auto measured = [&](const ModelConfig& m) {
     ParallelPlan plan = c.plan;
@@ -151,6 +161,14 @@ TEST_P(FullRecomputation, MeasuredActivationMemoryIsThePredictedOne) {
     EXPECT_EQ(recomputed, predicted(m));
     for (std::size_t d = 0; d < kept.size(); ++d)
       EXPECT_LE(recomputed[d], kept[d]) << "device " << d;
+    // core_attn alone frees nothing (the blockwise attention keeps no scores); uniform groups and
+    // the MLP free some device's memory (block 1 recomputes one layer a chunk: with one set in
+    // flight its working set is what it frees).
+    if (r.recomputes(kRecomputeCoreAttention) && !r.recomputes(kRecomputeMlp))
+      EXPECT_EQ(recomputed, kept);
+    else if (r.method != RecomputeMethod::block)
+      EXPECT_LT(std::accumulate(recomputed.begin(), recomputed.end(), std::int64_t{0}),
+                std::accumulate(kept.begin(), kept.end(), std::int64_t{0}));
   }
 }
 
@@ -177,7 +195,36 @@ TEST(FullRecomputationRefusal, NamesTheZeroBubbleSchedules) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Plans, FullRecomputation, ::testing::ValuesIn(kCases),
+// Selective recomputation of the MLP under a zero-bubble schedule, and the modules weave does not
+// recompute (moe, moe_act, layernorm), are refused by name; core_attn is taken there.
+TEST(SelectiveRecomputationRefusal, NamesWhatIsNotDone) {
+  auto refusal = [](const Recompute& r, const char* scheduler) -> std::string {
+    ModelConfig m = model(4);
+    m.recompute = r;
+    ParallelPlan plan{.pipeline_parallel = 2,
+                      .pipeline_scheduler = scheduler,
+                      .micro_batch_size = 1,
+                      .global_batch_size = 4};
+    try {
+      validate(m, plan);
+    } catch (const ConfigError& e) {
+      return e.what();
+    }
+    return "accepted";
+  };
+  EXPECT_EQ(refusal(selective(kRecomputeCoreAttention), "zb-h1"), "accepted");
+  EXPECT_PRED_FORMAT2(::testing::IsSubstring,
+                      "--recompute-modules mlp is not done with --pipeline-scheduler zb-h1",
+                      refusal(selective(kRecomputeMlp), "zb-h1"));
+  for (const unsigned module : {kRecomputeMoe, kRecomputeMoeActivation, kRecomputeLayerNorm})
+    EXPECT_PRED_FORMAT2(::testing::IsSubstring,
+                        "--recompute-modules moe, moe_act and layernorm are not done here",
+                        refusal(selective(kRecomputeMlp | module), "1f1b"));
+  EXPECT_PRED_FORMAT2(::testing::IsSubstring, "--recompute-modules names what",
+                      refusal({.modules = kRecomputeMlp}, "1f1b"));
+}
+
+INSTANTIATE_TEST_SUITE_P(Plans, Recomputation, ::testing::ValuesIn(kCases),
                          [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace
