@@ -86,16 +86,16 @@ TEST(PredictCli, ModelsHalfPrecisionVocabularyAndRecomputation) {
 }
 
 TEST(PredictCli, TrainRefusesWhatOnlyPredictModels) {
-  for (const char* flag : {"--bf16", "--recompute-activations", "--vocab-size 50257"}) {
+  for (const char* flag : {"--bf16", "--vocab-size 50257"}) {
     const Result r = weave(fmt::format("train --mock-data --train-iters 1 {}", flag));
     EXPECT_NE(r.status, 0) << flag;
     EXPECT_NE(r.out.find("weave predict, which models"), std::string::npos) << r.out;
   }
 }
 
-// weave train recomputes layers in full: the losses are those of the run keeping every
-// activation, and the memory estimate holds fewer activations; selective recomputation is
-// refused, naming what to give instead.
+// weave train recomputes layers in full and MLPs selectively: the losses are those of the run
+// keeping every activation, and the memory estimate holds fewer activations; the modules not
+// done are refused by name.
 TEST(PredictCli, TrainRecomputesLayersInFull) {
   const std::string run =
       "train --mock-data --train-iters 2 --num-layers 4 --hidden-size 64 --num-attention-heads 4 "
@@ -117,10 +117,18 @@ TEST(PredictCli, TrainRecomputesLayersInFull) {
   ASSERT_TRUE(std::regex_search(recomputed.out, b, activations)) << recomputed.out;
   EXPECT_EQ(a[2], "MiB");
   EXPECT_LT(std::stod(b[1]), std::stod(a[1]));
-  const Result selective = weave(run + " --recompute-granularity selective");
-  EXPECT_NE(selective.status, 0);
-  EXPECT_NE(selective.out.find("use --recompute-granularity full"), std::string::npos)
-      << selective.out;
+  const Result mlp = weave(run + " --recompute-activations --recompute-modules core_attn mlp");
+  ASSERT_EQ(mlp.status, 0) << mlp.out;
+  ASSERT_TRUE(std::regex_search(kept.out, a, done)) << kept.out;
+  ASSERT_TRUE(std::regex_search(mlp.out, b, done)) << mlp.out;
+  EXPECT_EQ(a.str(), b.str());
+  ASSERT_TRUE(std::regex_search(kept.out, a, activations)) << kept.out;
+  ASSERT_TRUE(std::regex_search(mlp.out, b, activations)) << mlp.out;
+  EXPECT_LT(std::stod(b[1]), std::stod(a[1]));
+  const Result moe = weave(run + " --recompute-granularity selective --recompute-modules moe");
+  EXPECT_NE(moe.status, 0);
+  EXPECT_NE(moe.out.find("moe, moe_act and layernorm are not done here"), std::string::npos)
+      << moe.out;
 }
 
 TEST(PredictCli, AnAcceleratorPresetSetsTheMachine) {

@@ -42,7 +42,6 @@ struct PredictOptions {
   std::string trace_ranks;  // --trace-ranks: "0-7,64"
   // What weave predict models beyond weave train (which refuses these flags).
   bool bf16 = false, fp16 = false;
-  bool recompute_activations = false;  // Megatron-LM's shorthand for selective
   // --advise: search the parallel plans instead of predicting the one given.
   bool advise = false;
   int advise_top = 10;
@@ -75,9 +74,8 @@ std::string model_flags(const CLI::App& cmd) {
   return flags;
 }
 
-// --bf16 / --fp16 and --recompute-activations into the model's configuration, by Megatron-LM's
-// meanings (derive_config read the other recomputation flags); graphs::validate checks the
-// combinations.
+// --bf16 / --fp16 into the model's configuration, by Megatron-LM's meanings (derive_config read
+// the recomputation flags); graphs::validate checks the combinations.
 void apply_predicted_training(PredictOptions& o) {
   graphs::ModelConfig& m = o.train.config.model;
   if (o.bf16 && o.fp16)
@@ -86,14 +84,6 @@ void apply_predicted_training(PredictOptions& o) {
   m.precision = o.bf16   ? graphs::Precision::bf16
                 : o.fp16 ? graphs::Precision::fp16
                          : graphs::Precision::fp32;
-  if (!o.recompute_activations) return;
-  const std::string& given = o.train.recompute_granularity;
-  if (!given.empty() && given != "selective")
-    throw graphs::ConfigError(fmt::format(
-        "--recompute-activations means --recompute-granularity selective (Megatron-LM's "
-        "shorthand) and --recompute-granularity is {}: give one of them",
-        given));
-  m.recompute.granularity = graphs::RecomputeGranularity::selective;
 }
 
 std::string recompute_text(const graphs::Recompute& r) {
@@ -103,7 +93,8 @@ std::string recompute_text(const graphs::Recompute& r) {
                          r.method == graphs::RecomputeMethod::uniform ? "uniform" : "block",
                          r.num_layers);
     case graphs::RecomputeGranularity::selective:
-      return ", selective recomputation";
+      return r.recomputes(graphs::kRecomputeMlp) ? ", selective recomputation of the MLPs"
+                                                 : ", selective recomputation";
     case graphs::RecomputeGranularity::none:
       break;
   }
@@ -315,8 +306,7 @@ std::optional<ProgramSetting> predict_setting(const graphs::ConfigFlag& f, Predi
       {"--advise-top", &o.advise_top},
       {"--advise-limit", &o.advise_limit},
       {"--bf16", &o.bf16},
-      {"--fp16", &o.fp16},
-      {"--recompute-activations", &o.recompute_activations}};
+      {"--fp16", &o.fp16}};
   for (const auto& [name, setting] : settings)
     if (name == f.name) return setting;
   throw std::logic_error(fmt::format(

@@ -107,11 +107,6 @@ int run_train(TrainOptions o) {
       return o.ampipe_advise ? advise_ampipe(c, capacity, o.no_effect)
                              : advise_pipeline(c, capacity);
     }
-    if (c.model.recompute.granularity == graphs::RecomputeGranularity::selective)
-      throw graphs::ConfigError(
-          "--recompute-granularity selective: weave train recomputes whole layers, not parts of "
-          "them; use --recompute-granularity full with --recompute-method uniform or block, or "
-          "give it to weave predict, which models selective recomputation");
     // Every file the run will write, before an hour of training finds one it cannot.
     check_writable("--save", c.save_path);
     check_writable("--trace", c.trace_path);

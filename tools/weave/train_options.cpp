@@ -116,16 +116,35 @@ void derive_model(TrainOptions& o) {
   m.add_bias_linear = !o.disable_bias_linear;
 }
 
-// --recompute-granularity and --recompute-method's words into the model's configuration, by
-// Megatron-LM's meanings; graphs::validate checks the combinations.
+// The recomputation flags' words into the model's configuration, by Megatron-LM's meanings
+// (--recompute-activations: --recompute-granularity selective); graphs::validate checks the
+// combinations.
 void derive_recompute(TrainOptions& o) {
   graphs::Recompute& r = o.config.model.recompute;
+  if (o.recompute_activations) {
+    if (!o.recompute_granularity.empty() && o.recompute_granularity != "selective")
+      throw graphs::ConfigError(fmt::format(
+          "--recompute-activations means --recompute-granularity selective (Megatron-LM's "
+          "shorthand) and --recompute-granularity is {}: give one of them",
+          o.recompute_granularity));
+    o.recompute_granularity = "selective";
+  }
   r.granularity = o.recompute_granularity == "full"        ? graphs::RecomputeGranularity::full
                   : o.recompute_granularity == "selective" ? graphs::RecomputeGranularity::selective
                                                            : graphs::RecomputeGranularity::none;
   r.method = o.recompute_method == "uniform" ? graphs::RecomputeMethod::uniform
              : o.recompute_method == "block" ? graphs::RecomputeMethod::block
                                              : graphs::RecomputeMethod::none;
+  const std::pair<std::string_view, graphs::RecomputeModule> modules[] = {
+      {"core_attn", graphs::kRecomputeCoreAttention},
+      {"mlp", graphs::kRecomputeMlp},
+      {"moe", graphs::kRecomputeMoe},
+      {"moe_act", graphs::kRecomputeMoeActivation},
+      {"layernorm", graphs::kRecomputeLayerNorm}};
+  r.modules = 0;
+  for (const std::string& given : o.recompute_modules)
+    for (const auto& [name, bit] : modules)
+      if (given == name) r.modules |= bit;
 }
 
 // --devices into the data-parallel size, and the global batch's default.

@@ -36,7 +36,9 @@ struct TrainOptions {
   bool disable_bias_linear = false;
   // --recompute-granularity (full, selective) and --recompute-method (uniform, block); "": none.
   std::string recompute_granularity, recompute_method;
-  int devices = 0;  // 0: tp x cp x pp (one data-parallel replica)
+  bool recompute_activations = false;          // Megatron-LM's shorthand for selective
+  std::vector<std::string> recompute_modules;  // --recompute-modules: Megatron-Core's names
+  int devices = 0;                             // 0: tp x cp x pp (one data-parallel replica)
   std::string data_path = kDefaultCorpus;
   bool mock_data = false;
   double valid_fraction = 0.05;
@@ -54,7 +56,7 @@ struct TrainOptions {
 
 // Where a flag of the table without a field of its own writes its value: a setting the program
 // keeps for itself (a word it maps onto the configuration, a file it reads or writes).
-using ProgramSetting = std::variant<int*, double*, bool*, std::string*>;
+using ProgramSetting = std::variant<int*, double*, bool*, std::string*, std::vector<std::string>*>;
 
 // Registers the flag table's entry `f` on cmd with `help`, with its names, the check of its value
 // and its default: its value goes to `setting` when given, else to its field of `config`.

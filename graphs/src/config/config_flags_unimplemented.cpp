@@ -199,10 +199,6 @@ constexpr std::string_view kHalfPrecision =
     "weave's kernels compute in fp32, so weave train cannot train in half precision: drop the flag "
     "and the run trains in fp32 (4-byte values, as the memory estimate counts), or give it to "
     "weave predict, which models a 16-bit run's memory and traffic";
-constexpr std::string_view kSelectiveRecompute =
-    "weave train recomputes whole layers (--recompute-granularity full with --recompute-method), "
-    "not parts of them: use those, or give it to weave predict, which models selective "
-    "recomputation";
 constexpr std::string_view kIterations =
     "weave counts training in iterations: give the iteration count instead (samples / "
     "--global-batch-size)";
@@ -230,13 +226,6 @@ constexpr ConfigFlag kRefused[] = {
     refused("--fp8-format", 1,
             "weave trains in fp32 and predicts fp32, bf16 (--bf16) and fp16 (--fp16) runs; fp8 is "
             "neither: drop it"),
-    {.name = "--recompute-activations",
-     .group = FlagGroup::not_implemented,
-     .status = FlagStatus::refused,
-     .values = 0,
-     .help = kSelectiveRecompute,
-     .properties = kModelledByPredict | kChoosesPlan,
-     .predicted_help = "Megatron-LM's shorthand for --recompute-granularity selective"},
     refused(
         "--rampup-batch-size", 3,
         "weave trains every iteration at --global-batch-size: drop it, or set the batch you want "
