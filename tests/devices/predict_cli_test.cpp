@@ -70,6 +70,16 @@ TEST(PredictCli, ModelsHalfPrecisionVocabularyAndRecomputation) {
       << r.out;
   EXPECT_GT(std::stod(rates[2]), std::stod(rates[1]));
   EXPECT_LT(std::stod(rates[2]), 4.0 / 3 * std::stod(rates[1]) * 1.0001);
+  // Selective recomputation of the MLPs adds their forward to this run's FLOPs; core_attn alone
+  // adds nothing (the blockwise attention recomputes its scores anyway).
+  const Result mlp =
+      weave(std::string(kConfig) + " --recompute-granularity selective --recompute-modules mlp");
+  ASSERT_EQ(mlp.status, 0) << mlp.out;
+  EXPECT_NE(mlp.out.find("selective recomputation of the MLPs"), std::string::npos) << mlp.out;
+  EXPECT_NE(mlp.out.find("with this run's"), std::string::npos) << mlp.out;
+  const Result core = weave(std::string(kConfig) + " --recompute-activations");
+  ASSERT_EQ(core.status, 0) << core.out;
+  EXPECT_EQ(core.out.find("with this run's"), std::string::npos) << core.out;
   const Result both = weave(std::string(kConfig) + " --bf16 --fp16");
   EXPECT_NE(both.status, 0);
   EXPECT_NE(both.out.find("--bf16 and --fp16 are two precisions: give one"), std::string::npos)

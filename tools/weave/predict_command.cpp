@@ -227,7 +227,6 @@ void print_configuration(const graphs::TrainerConfig& c, const std::string& acce
 
 // The step's time, throughput, FLOPs, bubble and exposed communication.
 void print_figures(const graphs::Prediction& p, const graphs::TrainerConfig& c) {
-  const graphs::ModelConfig& m = c.model;
   const graphs::ParallelPlan& plan = c.plan;
   fmt::print("replayed         {} of {} devices{}\n", p.replayed_devices, plan.devices(),
              p.replayed_devices < plan.devices()
@@ -239,13 +238,13 @@ void print_figures(const graphs::Prediction& p, const graphs::TrainerConfig& c) 
   fmt::print(
       "model FLOPs      {:.4g} a step (Megatron-LM's count; {:.4g} with full recomputation{})\n",
       p.model_flops, p.model_flops_recompute,
-      m.recompute.full()
+      p.flops_recomputed > 0
           ? fmt::format(", {:.4g} with this run's", p.model_flops + p.flops_recomputed)
           : std::string());
   const double peak = c.machine.peak_flops > 0 ? c.machine.peak_flops : c.machine.device_flops;
   // With recomputation, also what Megatron-LM's papers report: the recomputed forward counted.
   std::string with_recomputation;
-  if (m.recompute.full()) {
+  if (p.flops_recomputed > 0) {
     const double counted =
         p.flops_per_device * (p.model_flops + p.flops_recomputed) / p.model_flops;
     with_recomputation = fmt::format("; {:.4g} FLOP/s, {:.1f} % counting the recomputed forward",
