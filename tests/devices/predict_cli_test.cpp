@@ -70,6 +70,16 @@ TEST(PredictCli, ModelsHalfPrecisionVocabularyAndRecomputation) {
       << r.out;
   EXPECT_GT(std::stod(rates[2]), std::stod(rates[1]));
   EXPECT_LT(std::stod(rates[2]), 4.0 / 3 * std::stod(rates[1]) * 1.0001);
+  // Selective recomputation of the MLPs adds their forward to this run's FLOPs; core_attn alone
+  // adds nothing (the blockwise attention recomputes its scores anyway).
+  const Result mlp =
+      weave(std::string(kConfig) + " --recompute-granularity selective --recompute-modules mlp");
+  ASSERT_EQ(mlp.status, 0) << mlp.out;
+  EXPECT_NE(mlp.out.find("selective recomputation of the MLPs"), std::string::npos) << mlp.out;
+  EXPECT_NE(mlp.out.find("with this run's"), std::string::npos) << mlp.out;
+  const Result core = weave(std::string(kConfig) + " --recompute-activations");
+  ASSERT_EQ(core.status, 0) << core.out;
+  EXPECT_EQ(core.out.find("with this run's"), std::string::npos) << core.out;
   const Result both = weave(std::string(kConfig) + " --bf16 --fp16");
   EXPECT_NE(both.status, 0);
   EXPECT_NE(both.out.find("--bf16 and --fp16 are two precisions: give one"), std::string::npos)
@@ -86,11 +96,49 @@ TEST(PredictCli, ModelsHalfPrecisionVocabularyAndRecomputation) {
 }
 
 TEST(PredictCli, TrainRefusesWhatOnlyPredictModels) {
-  for (const char* flag : {"--bf16", "--recompute-granularity full", "--vocab-size 50257"}) {
+  for (const char* flag : {"--bf16", "--vocab-size 50257"}) {
     const Result r = weave(fmt::format("train --mock-data --train-iters 1 {}", flag));
     EXPECT_NE(r.status, 0) << flag;
     EXPECT_NE(r.out.find("weave predict, which models"), std::string::npos) << r.out;
   }
+}
+
+// weave train recomputes layers in full and MLPs selectively: the losses are those of the run
+// keeping every activation, and the memory estimate holds fewer activations; the modules not
+// done are refused by name.
+TEST(PredictCli, TrainRecomputesLayersInFull) {
+  const std::string run =
+      "train --mock-data --train-iters 2 --num-layers 4 --hidden-size 64 --num-attention-heads 4 "
+      "--seq-length 64 --micro-batch-size 2 --global-batch-size 4 --hidden-dropout 0.1 "
+      "--tensor-model-parallel-size 2 --sequence-parallel --devices 2";
+  const Result kept = weave(run);
+  const Result recomputed = weave(run +
+                                  " --recompute-granularity full --recompute-method uniform "
+                                  "--recompute-num-layers 1");
+  ASSERT_EQ(kept.status, 0) << kept.out;
+  ASSERT_EQ(recomputed.status, 0) << recomputed.out;
+  const std::regex done("done: loss ([0-9.]+) -> ([0-9.]+)"),
+      activations("activations ([0-9.]+) (KiB|MiB)");
+  std::smatch a, b;
+  ASSERT_TRUE(std::regex_search(kept.out, a, done)) << kept.out;
+  ASSERT_TRUE(std::regex_search(recomputed.out, b, done)) << recomputed.out;
+  EXPECT_EQ(a.str(), b.str());
+  ASSERT_TRUE(std::regex_search(kept.out, a, activations)) << kept.out;
+  ASSERT_TRUE(std::regex_search(recomputed.out, b, activations)) << recomputed.out;
+  EXPECT_EQ(a[2], "MiB");
+  EXPECT_LT(std::stod(b[1]), std::stod(a[1]));
+  const Result mlp = weave(run + " --recompute-activations --recompute-modules core_attn mlp");
+  ASSERT_EQ(mlp.status, 0) << mlp.out;
+  ASSERT_TRUE(std::regex_search(kept.out, a, done)) << kept.out;
+  ASSERT_TRUE(std::regex_search(mlp.out, b, done)) << mlp.out;
+  EXPECT_EQ(a.str(), b.str());
+  ASSERT_TRUE(std::regex_search(kept.out, a, activations)) << kept.out;
+  ASSERT_TRUE(std::regex_search(mlp.out, b, activations)) << mlp.out;
+  EXPECT_LT(std::stod(b[1]), std::stod(a[1]));
+  const Result moe = weave(run + " --recompute-granularity selective --recompute-modules moe");
+  EXPECT_NE(moe.status, 0);
+  EXPECT_NE(moe.out.find("moe, moe_act and layernorm are not done here"), std::string::npos)
+      << moe.out;
 }
 
 TEST(PredictCli, AnAcceleratorPresetSetsTheMachine) {

@@ -14,7 +14,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "weave/devices/device_set.hpp"
+#include "weave/devices/shared_memory_communicator.hpp"
 #include "weave/graphs/prediction.hpp"
+#include "weave/graphs/training_step.hpp"
 #include "weave/ops/cross_entropy.hpp"
 
 namespace weave::graphs {
@@ -158,6 +161,36 @@ TEST(ActivationMemory, KorthikantiWithFullRecomputation) {
     const std::int64_t working_set = weave_layer(t, sp) - kBytes * r * b * h;
     const std::int64_t expected = L * paper_checkpoint + working_set + outside_layers(t, sp);
     EXPECT_EQ(predicted_activation_bytes(gpt(t, sp, full)), expected);
+  }
+}
+
+// The step weave train runs (fp32, with tensors) holds the paper's figure too, measured on its
+// devices: every term above at 4 bytes where it counted 2 (the 1-element norm buffer still one
+// 64-byte line), with every activation kept and with full recomputation.
+TEST(ActivationMemory, MeasuredStepWithTensorsHoldsThePapersFigureInFp32) {
+  const Recompute full{.granularity = RecomputeGranularity::full,
+                       .method = RecomputeMethod::uniform,
+                       .num_layers = 1};
+  auto measured = [](TrainerConfig c) {
+    c.model.precision = Precision::fp32;
+    validate(c.model, c.plan);
+    devices::DeviceSet set(c.plan.devices(), {.pin = false});
+    devices::SharedMemoryCommunicator comm;
+    const TrainingStep step(c.model, c.plan, {}, set, comm);
+    const std::int64_t first = set.memory().peak(0, rt::MemoryCategory::activations);
+    for (int d = 1; d < c.plan.devices(); ++d)  // every tp rank holds the same
+      EXPECT_EQ(set.memory().peak(static_cast<rt::DeviceId>(d), rt::MemoryCategory::activations),
+                first);
+    return first;
+  };
+  auto in_fp32 = [](std::int64_t bf16_bytes) { return 2 * (bf16_bytes - 64) + 64; };
+  for (const auto& [t, sp] : {std::pair{1, false}, std::pair{2, true}}) {
+    SCOPED_TRACE(testing::Message() << "t " << t << (sp ? " sp" : ""));
+    const std::int64_t r = sp ? s / t : s;
+    EXPECT_EQ(measured(gpt(t, sp)), in_fp32(L * weave_layer(t, sp) + outside_layers(t, sp)));
+    const std::int64_t working_set = weave_layer(t, sp) - kBytes * r * b * h;
+    EXPECT_EQ(measured(gpt(t, sp, full)),
+              in_fp32(L * 2 * r * b * h + working_set + outside_layers(t, sp)));
   }
 }
 

@@ -24,6 +24,7 @@ struct Case {
   const char* name;
   int experts;
   ParallelPlan plan;
+  Recompute recompute = {};
 };
 
 const Case kCases[] = {
@@ -72,11 +73,41 @@ const Case kCases[] = {
       .pipe_experts = true,
       .pipe_experts_separate_streams = true,
       .pipe_experts_multi_data = 2}},
+    // Full recomputation: the recomputed forwards' tasks and collectives, and the working sets.
+    {"pp2_interleaved_ep2_dp2_recompute_uniform",
+     4,
+     {.expert_parallel = 2,
+      .data_parallel = 2,
+      .pipeline_parallel = 2,
+      .virtual_pipeline = 2,
+      .micro_batch_size = 1,
+      .global_batch_size = 8},
+     {.granularity = RecomputeGranularity::full,
+      .method = RecomputeMethod::uniform,
+      .num_layers = 1}},
+    {"ampipe2_tp2_sp_ep2_recompute_block",
+     4,
+     {.tensor_parallel = 2,
+      .sequence_parallel = true,
+      .expert_parallel = 2,
+      .micro_batch_size = 2,
+      .global_batch_size = 4,
+      .ampipe_degree = 2},
+     {.granularity = RecomputeGranularity::full,
+      .method = RecomputeMethod::block,
+      .num_layers = 2}},
+    {"cp2_dp2_recompute_uniform2",
+     0,
+     {.context_parallel = 2, .data_parallel = 2, .micro_batch_size = 1, .global_batch_size = 4},
+     {.granularity = RecomputeGranularity::full,
+      .method = RecomputeMethod::uniform,
+      .num_layers = 2}},
 };
 
 ModelConfig model_of(const Case& c) {
   ModelConfig m = tiny(c.experts);
   m.num_layers = 4;  // two chunks per rank under interleaving
+  m.recompute = c.recompute;
   return m;
 }
 

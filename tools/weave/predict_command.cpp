@@ -42,8 +42,6 @@ struct PredictOptions {
   std::string trace_ranks;  // --trace-ranks: "0-7,64"
   // What weave predict models beyond weave train (which refuses these flags).
   bool bf16 = false, fp16 = false;
-  bool recompute_activations = false;  // Megatron-LM's shorthand for selective
-  std::string recompute_granularity, recompute_method;
   // --advise: search the parallel plans instead of predicting the one given.
   bool advise = false;
   int advise_top = 10;
@@ -76,8 +74,8 @@ std::string model_flags(const CLI::App& cmd) {
   return flags;
 }
 
-// --bf16 / --fp16 and the recomputation flags into the model's configuration, by Megatron-LM's
-// meanings; graphs::validate checks the combinations.
+// --bf16 / --fp16 into the model's configuration, by Megatron-LM's meanings (derive_config read
+// the recomputation flags); graphs::validate checks the combinations.
 void apply_predicted_training(PredictOptions& o) {
   graphs::ModelConfig& m = o.train.config.model;
   if (o.bf16 && o.fp16)
@@ -86,21 +84,6 @@ void apply_predicted_training(PredictOptions& o) {
   m.precision = o.bf16   ? graphs::Precision::bf16
                 : o.fp16 ? graphs::Precision::fp16
                          : graphs::Precision::fp32;
-  graphs::Recompute& r = m.recompute;
-  if (o.recompute_activations) {
-    if (!o.recompute_granularity.empty() && o.recompute_granularity != "selective")
-      throw graphs::ConfigError(fmt::format(
-          "--recompute-activations means --recompute-granularity selective (Megatron-LM's "
-          "shorthand) and --recompute-granularity is {}: give one of them",
-          o.recompute_granularity));
-    o.recompute_granularity = "selective";
-  }
-  r.granularity = o.recompute_granularity == "full"        ? graphs::RecomputeGranularity::full
-                  : o.recompute_granularity == "selective" ? graphs::RecomputeGranularity::selective
-                                                           : graphs::RecomputeGranularity::none;
-  r.method = o.recompute_method == "uniform" ? graphs::RecomputeMethod::uniform
-             : o.recompute_method == "block" ? graphs::RecomputeMethod::block
-                                             : graphs::RecomputeMethod::none;
 }
 
 std::string recompute_text(const graphs::Recompute& r) {
@@ -110,7 +93,8 @@ std::string recompute_text(const graphs::Recompute& r) {
                          r.method == graphs::RecomputeMethod::uniform ? "uniform" : "block",
                          r.num_layers);
     case graphs::RecomputeGranularity::selective:
-      return ", selective recomputation";
+      return r.recomputes(graphs::kRecomputeMlp) ? ", selective recomputation of the MLPs"
+                                                 : ", selective recomputation";
     case graphs::RecomputeGranularity::none:
       break;
   }
@@ -243,7 +227,6 @@ void print_configuration(const graphs::TrainerConfig& c, const std::string& acce
 
 // The step's time, throughput, FLOPs, bubble and exposed communication.
 void print_figures(const graphs::Prediction& p, const graphs::TrainerConfig& c) {
-  const graphs::ModelConfig& m = c.model;
   const graphs::ParallelPlan& plan = c.plan;
   fmt::print("replayed         {} of {} devices{}\n", p.replayed_devices, plan.devices(),
              p.replayed_devices < plan.devices()
@@ -255,13 +238,13 @@ void print_figures(const graphs::Prediction& p, const graphs::TrainerConfig& c) 
   fmt::print(
       "model FLOPs      {:.4g} a step (Megatron-LM's count; {:.4g} with full recomputation{})\n",
       p.model_flops, p.model_flops_recompute,
-      m.recompute.full()
+      p.flops_recomputed > 0
           ? fmt::format(", {:.4g} with this run's", p.model_flops + p.flops_recomputed)
           : std::string());
   const double peak = c.machine.peak_flops > 0 ? c.machine.peak_flops : c.machine.device_flops;
   // With recomputation, also what Megatron-LM's papers report: the recomputed forward counted.
   std::string with_recomputation;
-  if (m.recompute.full()) {
+  if (p.flops_recomputed > 0) {
     const double counted =
         p.flops_per_device * (p.model_flops + p.flops_recomputed) / p.model_flops;
     with_recomputation = fmt::format("; {:.4g} FLOP/s, {:.1f} % counting the recomputed forward",
@@ -322,10 +305,7 @@ std::optional<ProgramSetting> predict_setting(const graphs::ConfigFlag& f, Predi
       {"--advise-top", &o.advise_top},
       {"--advise-limit", &o.advise_limit},
       {"--bf16", &o.bf16},
-      {"--fp16", &o.fp16},
-      {"--recompute-activations", &o.recompute_activations},
-      {"--recompute-granularity", &o.recompute_granularity},
-      {"--recompute-method", &o.recompute_method}};
+      {"--fp16", &o.fp16}};
   for (const auto& [name, setting] : settings)
     if (name == f.name) return setting;
   throw std::logic_error(fmt::format(

@@ -116,6 +116,37 @@ void derive_model(TrainOptions& o) {
   m.add_bias_linear = !o.disable_bias_linear;
 }
 
+// The recomputation flags' words into the model's configuration, by Megatron-LM's meanings
+// (--recompute-activations: --recompute-granularity selective); graphs::validate checks the
+// combinations.
+void derive_recompute(TrainOptions& o) {
+  graphs::Recompute& r = o.config.model.recompute;
+  if (o.recompute_activations) {
+    if (!o.recompute_granularity.empty() && o.recompute_granularity != "selective")
+      throw graphs::ConfigError(fmt::format(
+          "--recompute-activations means --recompute-granularity selective (Megatron-LM's "
+          "shorthand) and --recompute-granularity is {}: give one of them",
+          o.recompute_granularity));
+    o.recompute_granularity = "selective";
+  }
+  r.granularity = o.recompute_granularity == "full"        ? graphs::RecomputeGranularity::full
+                  : o.recompute_granularity == "selective" ? graphs::RecomputeGranularity::selective
+                                                           : graphs::RecomputeGranularity::none;
+  r.method = o.recompute_method == "uniform" ? graphs::RecomputeMethod::uniform
+             : o.recompute_method == "block" ? graphs::RecomputeMethod::block
+                                             : graphs::RecomputeMethod::none;
+  const std::pair<std::string_view, graphs::RecomputeModule> modules[] = {
+      {"core_attn", graphs::kRecomputeCoreAttention},
+      {"mlp", graphs::kRecomputeMlp},
+      {"moe", graphs::kRecomputeMoe},
+      {"moe_act", graphs::kRecomputeMoeActivation},
+      {"layernorm", graphs::kRecomputeLayerNorm}};
+  r.modules = 0;
+  for (const std::string& given : o.recompute_modules)
+    for (const auto& [name, bit] : modules)
+      if (given == name) r.modules |= bit;
+}
+
 // --devices into the data-parallel size, and the global batch's default.
 void derive_batch(TrainOptions& o) {
   graphs::ParallelPlan& plan = o.config.plan;
@@ -154,6 +185,7 @@ void derive_config(TrainOptions& o) {
   graphs::TrainerConfig& c = o.config;
   derive_machine(o);
   derive_model(o);
+  derive_recompute(o);
   derive_batch(o);
   c.timing = o.timing == "model" ? graphs::Timing::virtual_clock : graphs::Timing::wall;
   if (!o.trace_iteration_given) c.trace_iteration = std::min(c.trace_iteration, c.train_iters);

@@ -34,7 +34,11 @@ struct TrainOptions {
   bool group_query_attention = false;
   int num_query_groups = 0;
   bool disable_bias_linear = false;
-  int devices = 0;  // 0: tp x cp x pp (one data-parallel replica)
+  // --recompute-granularity (full, selective) and --recompute-method (uniform, block); "": none.
+  std::string recompute_granularity, recompute_method;
+  bool recompute_activations = false;          // Megatron-LM's shorthand for selective
+  std::vector<std::string> recompute_modules;  // --recompute-modules: Megatron-Core's names
+  int devices = 0;                             // 0: tp x cp x pp (one data-parallel replica)
   // --data-path's words: a prefix, weight-prefix pairs or a text path; one word holding spaces
   // (from --config) is split into words.
   std::vector<std::string> data_path{kDefaultCorpus};

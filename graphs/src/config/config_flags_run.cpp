@@ -98,6 +98,41 @@ constexpr ConfigFlag kConfigFile[] = {
 };
 
 constexpr ConfigFlag kTraining[] = {
+    {.name = "--recompute-granularity",
+     .group = FlagGroup::training,
+     .help = "full: recomputed layers keep only their input and run their forward again right "
+             "before their backward (with --recompute-method and --recompute-num-layers); "
+             "selective: the modules --recompute-modules names are recomputed",
+     .check = one_of("full,selective"),
+     .properties = kChoosesPlan},
+    {.name = "--recompute-activations",
+     .group = FlagGroup::training,
+     .values = 0,
+     .help = "Megatron-LM's shorthand for --recompute-granularity selective",
+     .properties = kChoosesPlan},
+    {.name = "--recompute-modules",
+     .group = FlagGroup::training,
+     .help = "With --recompute-granularity selective, Megatron-Core's modules: core_attn (the "
+             "default; weave's blockwise attention recomputes its scores in every backward "
+             "anyway), mlp (each dense MLP keeps its input and runs its forward again before its "
+             "backward); moe, moe_act and layernorm are refused",
+     .check = one_of("core_attn,mlp,moe,moe_act,layernorm"),
+     .properties = kChoosesPlan,
+     .type_name = "MODULE ..."},
+    {.name = "--recompute-method",
+     .group = FlagGroup::training,
+     .help = "With --recompute-granularity full: uniform recomputes each model chunk's layers in "
+             "groups of --recompute-num-layers, each keeping its input; block recomputes the "
+             "first --recompute-num-layers layers of each chunk",
+     .check = one_of("uniform,block"),
+     .properties = kChoosesPlan},
+    {.name = "--recompute-num-layers",
+     .group = FlagGroup::training,
+     .help = "With --recompute-granularity full: layers per group (uniform) or layers recomputed "
+             "per model chunk (block), 1 to the layers of a pipeline rank",
+     .field =
+         config_field<&TrainerConfig::model, &ModelConfig::recompute, &Recompute::num_layers>(),
+     .properties = kChoosesPlan},
     {.name = "--train-iters",
      .group = FlagGroup::training,
      .help = "Iterations to train",

@@ -196,9 +196,6 @@ constexpr std::string_view kHalfPrecision =
     "weave's kernels compute in fp32, so weave train cannot train in half precision: drop the flag "
     "and the run trains in fp32 (4-byte values, as the memory estimate counts), or give it to "
     "weave predict, which models a 16-bit run's memory and traffic";
-constexpr std::string_view kRecompute =
-    "weave train keeps every activation instead of recomputing it (the losses are the same, the "
-    "memory is not): drop it, or give it to weave predict, which models recomputation";
 constexpr std::string_view kIterations =
     "weave counts training in iterations: give the iteration count instead (samples / "
     "--global-batch-size)";
@@ -226,41 +223,6 @@ constexpr ConfigFlag kRefused[] = {
     refused("--fp8-format", 1,
             "weave trains in fp32 and predicts fp32, bf16 (--bf16) and fp16 (--fp16) runs; fp8 is "
             "neither: drop it"),
-    {.name = "--recompute-activations",
-     .group = FlagGroup::not_implemented,
-     .status = FlagStatus::refused,
-     .values = 0,
-     .help = kRecompute,
-     .properties = kModelledByPredict | kChoosesPlan,
-     .predicted_help = "Megatron-LM's shorthand for --recompute-granularity selective"},
-    {.name = "--recompute-granularity",
-     .group = FlagGroup::not_implemented,
-     .status = FlagStatus::refused,
-     .help = kRecompute,
-     .check = one_of("full,selective"),
-     .properties = kModelledByPredict | kChoosesPlan,
-     .predicted_help = "full: recomputed layers keep only their input and run their forward again "
-                       "before their backward (with --recompute-method, --recompute-num-layers); "
-                       "selective: the core attention is recomputed, as weave's blockwise "
-                       "attention always does (the same memory and time)"},
-    {.name = "--recompute-method",
-     .group = FlagGroup::not_implemented,
-     .status = FlagStatus::refused,
-     .help = kRecompute,
-     .check = one_of("uniform,block"),
-     .properties = kModelledByPredict | kChoosesPlan,
-     .predicted_help = "With --recompute-granularity full: uniform recomputes each model chunk's "
-                       "layers in groups of --recompute-num-layers, each keeping its input; block "
-                       "recomputes the first --recompute-num-layers layers of each chunk"},
-    {.name = "--recompute-num-layers",
-     .group = FlagGroup::not_implemented,
-     .status = FlagStatus::refused,
-     .help = kRecompute,
-     .field =
-         config_field<&TrainerConfig::model, &ModelConfig::recompute, &Recompute::num_layers>(),
-     .properties = kModelledByPredict | kChoosesPlan,
-     .predicted_help = "With --recompute-granularity full: layers per group (uniform) or layers "
-                       "recomputed per model chunk (block), 1 to the layers of a pipeline rank"},
     refused(
         "--rampup-batch-size", 3,
         "weave trains every iteration at --global-batch-size: drop it, or set the batch you want "

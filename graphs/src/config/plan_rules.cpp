@@ -286,6 +286,25 @@ void check_query_groups(const ModelConfig& m, const ParallelPlan& p) {
         m.query_groups(), p.tensor_parallel);
 }
 
+// The modules weave recomputes selectively: core_attn (which its blockwise attention recomputes
+// in every backward already) and mlp, without the zero-bubble schedules.
+void check_selective_recomputation(const Recompute& r, const ParallelPlan& p) {
+  const unsigned not_done = kRecomputeMoe | kRecomputeMoeActivation | kRecomputeLayerNorm;
+  if ((r.modules & not_done) != 0)
+    refuse(
+        "--recompute-modules moe, moe_act and layernorm are not done here (weave recomputes "
+        "core_attn and mlp): drop them, or use --recompute-granularity full, which recomputes "
+        "whole layers, MoE ones too");
+  const ScheduleKind kind = pipeline_schedule_kind(p);
+  if (r.recomputes(kRecomputeMlp) &&
+      (kind == ScheduleKind::ZeroBubbleH1 || kind == ScheduleKind::ZeroBubbleV))
+    refuse(
+        "--recompute-modules mlp is not done with --pipeline-scheduler {}: its W actions compute "
+        "the MLP's weight gradients after its input gradient, from activations the recomputed "
+        "MLP hands to the next one. Choose --pipeline-scheduler 1f1b or interleaved, or drop mlp",
+        schedule_name(kind));
+}
+
 // Megatron-LM's rules for activation recomputation (TransformerConfig's checks): full needs a
 // method and a layer count of 1 to the layers of a pipeline rank; selective takes neither.
 void check_recomputation(const ModelConfig& m, const ParallelPlan& p) {
@@ -297,6 +316,11 @@ void check_recomputation(const ModelConfig& m, const ParallelPlan& p) {
         refuse(
             "--recompute-method and --recompute-num-layers apply with --recompute-granularity "
             "full (Megatron-LM's rule): add --recompute-granularity full, or drop them");
+      if (r.modules != 0)
+        refuse(
+            "--recompute-modules names what --recompute-granularity selective recomputes "
+            "(Megatron-LM ignores it otherwise): add --recompute-granularity selective, or drop "
+            "it");
       return;
     case RecomputeGranularity::selective:
       if (method || r.num_layers != 0)
@@ -304,10 +328,16 @@ void check_recomputation(const ModelConfig& m, const ParallelPlan& p) {
             "--recompute-granularity selective recomputes the core attention of every layer and "
             "takes no --recompute-method or --recompute-num-layers (Megatron-LM's rule): drop "
             "them, or use --recompute-granularity full");
+      check_selective_recomputation(r, p);
       return;
     case RecomputeGranularity::full:
       break;
   }
+  if (r.modules != 0)
+    refuse(
+        "--recompute-modules names what --recompute-granularity selective recomputes "
+        "(Megatron-LM ignores it otherwise); --recompute-granularity full recomputes whole "
+        "layers: drop one of them");
   if (!method)
     refuse(
         "--recompute-granularity full needs --recompute-method uniform or block (Megatron-LM's "
@@ -320,6 +350,14 @@ void check_recomputation(const ModelConfig& m, const ParallelPlan& p) {
         "--num-layers {} / --pipeline-model-parallel-size {}) with --recompute-granularity full "
         "(Megatron-LM's rule), got {}",
         per_rank, m.num_layers, p.pipeline_parallel, r.num_layers);
+  const ScheduleKind kind = pipeline_schedule_kind(p);
+  if (kind == ScheduleKind::ZeroBubbleH1 || kind == ScheduleKind::ZeroBubbleV)
+    refuse(
+        "--recompute-granularity full is not done with --pipeline-scheduler {}: its W actions "
+        "compute the weight gradients after the input gradients, from the activations a "
+        "recomputed layer frees for the next recomputed layer as soon as its input gradient is "
+        "done. Choose --pipeline-scheduler 1f1b or interleaved, or drop --recompute-granularity",
+        schedule_name(kind));
 }
 
 void check_rotary_embedding(const ModelConfig& m) {

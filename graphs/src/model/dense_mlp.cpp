@@ -61,9 +61,20 @@ void DenseMlp::allocate(LayerActivations& A) const {
   const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h;
   A.ln2_full = z.sp() ? P->activation({Sc, B, h}) : A.ln2;
   DenseMlpActivations& D = A.mlp.emplace<DenseMlpActivations>();
-  D.fc1 = P->activation({Sc, B, z.f1l});
-  D.act = P->activation({Sc, B, z.fl});
-  D.fc2_partial = P->activation({Sc, B, h});
+  auto products = [&](DenseMlpActivations& into) {
+    into.fc1 = P->activation({Sc, B, z.f1l});
+    into.act = P->activation({Sc, B, z.fl});
+    into.fc2_partial = P->activation({Sc, B, h});
+  };
+  if (z.model.recompute.recomputes(kRecomputeMlp)) {
+    // A recomputed MLP keeps its input (ln2_full); its products are the rank's working set,
+    // which its forward fills again right before its backward.
+    DenseMlpActivations& W = P->state.recomputed_dense_mlp;
+    if (!W.fc1.defined()) products(W);
+    D = W;
+  } else {
+    products(D);
+  }
   A.mlp_out = z.sp() ? P->activation({Sl, B, h}) : D.fc2_partial;
   if (z.splits_backward) {
     D.saved_d_fc2 = P->activation({Sc, B, h});

@@ -41,9 +41,15 @@ TaskId ModelChunk::backward(const BuildPosition& pos, TaskId ready, WeightHalves
     // again from its kept input (its collectives included, as Megatron-LM's checkpointed
     // forward does) before the backward of its last layer.
     const RecomputeGroup group = recompute_group(P->shape.model.recompute, P->layout, l);
-    if (!group.empty() && l + 1 == group.end)
+    if (!group.empty() && l + 1 == group.end) {
+      // The group's forward rewrites the working set the layers above may share with it: their
+      // deferred weight halves read it, so they run first.
+      halves.flush();
+      BuildPosition again = pos;
+      again.recomputing = true;
       for (int j = group.begin; j < group.end; ++j)
-        prev = TransformerLayer(*P, j).forward(pos, prev);
+        prev = TransformerLayer(*P, j).forward(again, prev);
+    }
     prev = TransformerLayer(*P, l).backward(pos, prev, halves, last);
   }
   halves.flush();

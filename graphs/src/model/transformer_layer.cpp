@@ -104,8 +104,16 @@ TaskId TransformerLayer::backward(const BuildPosition& pos, TaskId ready, Weight
                                        grad_of(p->dense_mlp_parameters(layer).fc2_bias));
       });
   P->after(ready, residual);
+  TaskId mlp_ready = residual;
+  if (!moe && z.model.recompute.recomputes(kRecomputeMlp)) {
+    // Selective recomputation: the MLP's forward again from its kept input (its SP gather and
+    // its reduction included, as Megatron-LM's checkpointed MLP runs them), into the working set.
+    BuildPosition again = pos;
+    again.recomputing = true;
+    mlp_ready = DenseMlp(*P, l).forward(again, residual);
+  }
   const TaskId mlp = moe ? MoeMlp(*P, l).backward(pos, residual, halves)
-                         : DenseMlp(*P, l).backward(pos, residual, halves);
+                         : DenseMlp(*P, l).backward(pos, mlp_ready, halves);
   // The norm's backward, the residual's sum, the copy and the bias-dropout backward.
   const TaskId norm = P->compute(at + "mlp_norm_backward", tags, cost::streamed(z, 10 * rows), [=] {
     LayerActivations& A = p->acts(set, layer);

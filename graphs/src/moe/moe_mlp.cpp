@@ -32,6 +32,7 @@ std::string MoeMlp::slot_prefix(int c) const {
 SlotProgress MoeMlp::route(const BuildPosition& pos, int c, TaskId ready) const {
   RankProgram* p = P;
   const int layer = l, set = pos.set;
+  const bool counted = !pos.recomputing;
   const StepShape& z = P->shape;
   const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
   const TaskId router = P->compute(
@@ -39,7 +40,7 @@ SlotProgress MoeMlp::route(const BuildPosition& pos, int c, TaskId ready) const 
         MoeSlot& A = p->slot(set, layer, c);
         A.moe_in.copy_from(slot_tokens(*p, c, p->acts(set, layer).ln2));
         route_slot(p->shape.model, p->moe_parameters(layer).router, A);
-        permute_slot(*p, layer, A);
+        permute_slot(*p, layer, A, counted);
       });
   P->after(ready, router);
   return dispatch(pos, c, router);

@@ -79,6 +79,7 @@ void route_slot_backward(const StepShape& z, const MoeRouterParameters& W,
 TaskId MoeMlp::statistics(const BuildPosition& pos, TaskId ready) const {
   RankProgram* p = P;
   const int layer = l, set = pos.set, mb = pos.micro_batch;
+  const bool counted = !pos.recomputing;
   const StepShape& z = P->shape;
   const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
   const std::string at = fmt::format("L{}.", l);
@@ -98,12 +99,13 @@ TaskId MoeMlp::statistics(const BuildPosition& pos, TaskId ready) const {
                                    devices::ReduceOp::sum, at + "router_stats", tags);
   const TaskId losses =
       P->compute(at + "router_losses", tags, cost::streamed(z, 2.0 * z.model.num_experts + 1),
-                 [p, layer, set, mb] {
+                 [p, layer, set, mb, counted] {
                    const ModelConfig& m = p->shape.model;
                    const ops::RouterStatistics st =
                        unpack_stats(p->acts(set, layer).moe().stats_total, m.num_experts);
-                   p->state.aux[static_cast<std::size_t>(mb)] +=
+                   const double aux =
                        ops::aux_loss(router_options(m), st) + ops::z_loss(router_options(m), st);
+                   if (counted) p->state.aux[static_cast<std::size_t>(mb)] += aux;
                  });
   P->after(reduced, losses);
   P->after(summed, losses);

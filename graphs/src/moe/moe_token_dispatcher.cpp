@@ -9,15 +9,17 @@
 
 namespace weave::graphs {
 
-void permute_slot(RankProgram& P, int layer, MoeSlot& A) {
+void permute_slot(RankProgram& P, int layer, MoeSlot& A, bool counted) {
   const StepShape& z = P.shape;
   const ModelConfig& m = z.model;
   // Capacity applies per slot (per Ampipe chunk, as MindSpeed does).
   A.dispatch = ops::plan_dispatch(A.topk_index, A.tokens, m.moe_router_topk, m.num_experts,
                                   {.capacity_factor = m.moe_expert_capacity_factor});
   // Every rank routes different tokens (its SP shard, tp slice, cp chunks, dp batch).
-  P.state.routed_picks += A.tokens * m.moe_router_topk;
-  P.state.dropped_picks += A.dispatch.dropped;
+  if (counted) {
+    P.state.routed_picks += A.tokens * m.moe_router_topk;
+    P.state.dropped_picks += A.dispatch.dropped;
+  }
   switch (z.spec(layer).moe_mlp.dispatcher) {
     case TokenDispatcher::permute:
       ops::permute_tokens(A.dispatch, A.moe_in, A.grouped.slice(0, 0, A.dispatch.rows()));

@@ -7,9 +7,10 @@
 namespace weave::graphs {
 
 // After the router: the slot's dispatch plan (capacity per slot), the rank's routed and dropped
-// picks counted, and the rows permuted into expert order or framed for the dispatch all-to-all
-// (per item under --use-pipe-experts), as layer `layer`'s spec says.
-void permute_slot(RankProgram& P, int layer, MoeSlot& A);
+// picks counted (unless `counted` is false: a recomputed forward's were counted the first time),
+// and the rows permuted into expert order or framed for the dispatch all-to-all (per item under
+// --use-pipe-experts), as layer `layer`'s spec says.
+void permute_slot(RankProgram& P, int layer, MoeSlot& A, bool counted);
 // Before the router's backward: the items' input gradients back into the slot's rows, and the
 // permutation undone into d_moe_in.
 void unpermute_gradients(const StepShape& z, MoeSlot& A);

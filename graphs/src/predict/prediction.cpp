@@ -19,11 +19,16 @@ namespace weave::graphs {
 namespace {
 
 // Forward FLOPs of layer l per token, as Megatron-LM counts them.
+// A dense MLP's (or one expert's) forward FLOPs per token.
+double mlp_forward_flops(const ModelConfig& m) {
+  const double matrices = m.activation == Activation::swiglu ? 3 : 2;
+  return 2.0 * m.hidden_size * m.ffn_hidden_size * matrices;
+}
+
 double layer_forward_flops(const ModelConfig& m, int l) {
   const double h = m.hidden_size, s = m.seq_length, d = m.head_dim();
   const double heads = m.num_attention_heads, groups = m.query_groups();
-  const double f = m.ffn_hidden_size, matrices = m.activation == Activation::swiglu ? 3 : 2;
-  const double mlp = 2 * h * f * matrices;
+  const double mlp = mlp_forward_flops(m);
   const double attention = 2 * h * (heads + 2 * groups) * d + 4 * s * heads * d + 2 * heads * d * h;
   const double ffn = m.is_moe_layer(l) ? 2 * h * m.num_experts + m.moe_router_topk * mlp : mlp;
   return attention + ffn;
@@ -45,7 +50,10 @@ double recomputed_flops_per_step(const ModelConfig& m, const ParallelPlan& plan)
   const PipelineLayout layout = make_pipeline_layout(m, plan);
   double layers = 0;
   for (int l = 0; l < m.num_layers; ++l)
-    if (!recompute_group(m.recompute, layout, l).empty()) layers += layer_forward_flops(m, l);
+    if (!recompute_group(m.recompute, layout, l).empty())
+      layers += layer_forward_flops(m, l);
+    else if (!m.is_moe_layer(l) && m.recompute.recomputes(kRecomputeMlp))
+      layers += mlp_forward_flops(m);
   return static_cast<double>(plan.global_batch_size) * m.seq_length * layers;
 }
 

@@ -15,6 +15,10 @@ struct BuildPosition {
   int set = 0;             // the activation set the chunk's forward filled
   int output = 0;          // the output set (the last chunk's loss buffers)
   bool tag_chunk = false;  // whether tasks carry the chunk as their virtual stage
+  // Full recomputation's second forward, run in the backward: it writes the layer's saved state
+  // again, but the step's totals (aux losses, routed and dropped picks) were counted by the
+  // first forward and are not counted twice.
+  bool recomputing = false;
 
   rt::TaskTags tags(rt::Phase phase, int layer = -1) const {
     return {.layer = layer,

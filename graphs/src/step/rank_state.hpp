@@ -98,6 +98,10 @@ struct RankState {
   // recomputed at a time), by (position in the group, MoE layer). The sets' recomputed layers
   // are views of it but for their input and the group's output.
   std::map<std::pair<int, bool>, LayerActivations> recompute_working_set;
+  // Selective recomputation of the dense MLP (--recompute-modules mlp): fc1's output, the
+  // activation and fc2's partial sums, shared by every recomputed MLP of the rank (one is
+  // recomputed at a time, right before its backward).
+  DenseMlpActivations recomputed_dense_mlp;
   std::vector<OutputSet> outputs;
   BackwardWorkspace ws;
   Tensor norm_sq;                 // [1]: this rank's share of the squared grad norm

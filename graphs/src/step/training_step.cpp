@@ -63,10 +63,6 @@ TrainingStep::Impl::Impl(const ModelConfig& model, const ParallelPlan& plan,
         "a step built with tensors computes in fp32 (weave's kernels), not {}: build it with "
         "StepBuildOptions::materialize = false to predict a {} run",
         precision_name(model.precision), precision_name(model.precision)));
-  if (materialize && model.recompute.granularity != RecomputeGranularity::none)
-    throw std::invalid_argument(
-        "a step built with tensors keeps every activation: activation recomputation is "
-        "predicted only (StepBuildOptions::materialize = false)");
   inputs.batches.assign(static_cast<std::size_t>(plan.data_parallel),
                         std::vector<MicroBatch>(static_cast<std::size_t>(shape.M)));
   // A step built without tensors reads no tokens: with thousands of micro-batches of long

@@ -40,19 +40,36 @@ struct ParameterBytes {
 ParameterBytes parameter_bytes(Precision p);
 
 // --recompute-granularity: Megatron-LM's activation recomputation. full: a recomputed layer keeps
-// only its input and runs its forward again before its backward; selective: only the core
-// attention (the softmax of the scores) is recomputed.
+// only its input and runs its forward again before its backward; selective: the modules
+// --recompute-modules names are (by default the core attention, the softmax of the scores).
 enum class RecomputeGranularity { none, full, selective };
 // --recompute-method for full recomputation: uniform splits each model chunk's layers into groups
 // of --recompute-num-layers, each keeping only the group's input; block recomputes the first
 // --recompute-num-layers layers of each model chunk one by one and keeps the rest.
 enum class RecomputeMethod { none, uniform, block };
 
+// --recompute-modules for selective recomputation: Megatron-Core's names (TransformerConfig's
+// recompute_modules), one bit each.
+enum RecomputeModule : unsigned {
+  kRecomputeCoreAttention = 1u << 0,  // core_attn
+  kRecomputeMlp = 1u << 1,            // mlp: the dense MLP
+  kRecomputeMoe = 1u << 2,            // moe
+  kRecomputeMoeActivation = 1u << 3,  // moe_act
+  kRecomputeLayerNorm = 1u << 4,      // layernorm
+};
+
 struct Recompute {
   RecomputeGranularity granularity = RecomputeGranularity::none;
   RecomputeMethod method = RecomputeMethod::none;
   int num_layers = 0;  // --recompute-num-layers; 0: not given
+  // RecomputeModule bits; 0: Megatron-Core's default, core_attn alone.
+  unsigned modules = 0;
   bool full() const { return granularity == RecomputeGranularity::full; }
+  // Whether selective recomputation recomputes `module`.
+  bool recomputes(RecomputeModule module) const {
+    const unsigned chosen = modules != 0 ? modules : kRecomputeCoreAttention;
+    return granularity == RecomputeGranularity::selective && (chosen & module) != 0;
+  }
 };
 
 struct ModelConfig {
@@ -100,7 +117,7 @@ struct ModelConfig {
   std::string vocab_file, merge_file;
 
   Precision precision = Precision::fp32;  // --bf16, --fp16 (predicted only: see Precision)
-  Recompute recompute;                    // predicted only: weave train keeps every activation
+  Recompute recompute;                    // --recompute-granularity and the flags it takes
 
   // Bytes of one activation, communicated value or element-wise operand in this precision.
   int activation_bytes() const { return precision == Precision::fp32 ? 4 : 2; }

@@ -26,9 +26,9 @@ namespace weave::graphs {
 // layer's forward is recomputed.
 double model_flops_per_step(const ModelConfig& model, const ParallelPlan& plan, bool recompute);
 // The FLOPs a step's recomputation adds: a forward of every layer model.recompute recomputes in
-// full (recompute_group), counted as model_flops_per_step counts a layer; 0 without full
-// recomputation (selective recomputation adds none here: weave's blockwise attention recomputes
-// its scores in every backward already, recomputation or not).
+// full (recompute_group), counted as model_flops_per_step counts a layer, and under selective
+// recomputation of the mlp a forward of every dense MLP (core_attn adds none here: weave's
+// blockwise attention recomputes its scores in every backward already, recomputation or not).
 double recomputed_flops_per_step(const ModelConfig& model, const ParallelPlan& plan);
 
 struct ExposedCommunication {
