@@ -145,7 +145,10 @@ TEST_P(Recomputation, MeasuredActivationMemoryIsThePredictedOne) {
     return bytes;
   };
   auto predicted = [&](const ModelConfig& m) {
-    const Prediction p = predict_step({.model = m, .plan = c.plan});
+    TrainerConfig config;
+    config.model = m;
+    config.plan = c.plan;
+    const Prediction p = predict_step(config);
     std::vector<std::int64_t> bytes;
     for (const auto& device : p.memory)
       bytes.push_back(device[static_cast<std::size_t>(rt::MemoryCategory::activations)]);
@@ -164,11 +167,12 @@ TEST_P(Recomputation, MeasuredActivationMemoryIsThePredictedOne) {
     // core_attn alone frees nothing (the blockwise attention keeps no scores); uniform groups and
     // the MLP free some device's memory (block 1 recomputes one layer a chunk: with one set in
     // flight its working set is what it frees).
-    if (r.recomputes(kRecomputeCoreAttention) && !r.recomputes(kRecomputeMlp))
+    if (r.recomputes(kRecomputeCoreAttention) && !r.recomputes(kRecomputeMlp)) {
       EXPECT_EQ(recomputed, kept);
-    else if (r.method != RecomputeMethod::block)
+    } else if (r.method != RecomputeMethod::block) {
       EXPECT_LT(std::accumulate(recomputed.begin(), recomputed.end(), std::int64_t{0}),
                 std::accumulate(kept.begin(), kept.end(), std::int64_t{0}));
+    }
   }
 }
 
