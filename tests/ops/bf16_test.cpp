@@ -1,5 +1,12 @@
-// bf16 storage: the conversion on exact cases (ties, overflow, NaN, infinities, subnormals) and
-// against oneDNN's own reorder.
+// bf16 storage and bf16 matrix products.
+//
+// The conversion is checked on exact cases (ties, overflow, NaN, infinities, subnormals) and
+// against oneDNN's own reorder. The products are checked against a double-precision product of
+// the unrounded fp32 inputs, within a bound derived below, and on integer data where any fp32
+// summation order is exact but a bf16 accumulator is not.
+//
+// The same program runs a second time with DNNL_MAX_CPU_ISA=AVX512_CORE (tests/ops/CMakeLists.txt)
+// so the fp32 fallback of a CPU without AVX512_BF16 passes the same checks.
 #include <gtest/gtest.h>
 #include <tbb/task_arena.h>
 
@@ -14,6 +21,7 @@
 #include <vector>
 
 #include "weave/ops/bfloat16.hpp"
+#include "weave/ops/gemm_bf16.hpp"
 
 namespace weave::ops {
 namespace {
@@ -116,6 +124,216 @@ TEST(Bf16Conversion, AgreesWithOneDnnReorder) {
     EXPECT_TRUE(dst[i] == bits_of(src[i]) || dst[i] == flushed)
         << std::hex << "fp32 bits 0x" << all[i] << " gave 0x" << dst[i];
   }
+}
+
+// ---- Products ----
+//
+// Tolerance. The reference is the product of the unrounded fp32 inputs a, b computed in double
+// (its own error, ~k 2^-53, is negligible). The bf16 product sees a' = a(1 + d1), b' = b(1 + d2)
+// with |d1|, |d2| <= u = 2^-8 (round to nearest with 8 significant bits), so each term differs
+// by |a'b' - ab| <= (2u + u^2) |a||b|. The term a'b' itself is exact in fp32 (8 + 8 significant
+// bits <= 24). Summing k terms in fp32, in any order (a blocked or tiled kernel's), adds at most
+// gamma_k sum |a'b'| with gamma_k = k 2^-24 / (1 - k 2^-24) (Higham, Accuracy and Stability of
+// Numerical Algorithms, 2nd ed., eq. 3.5). So per element of C = alpha op(A) op(B) + beta C0:
+//   |C - ref| <= |alpha| [(2u + u^2) + gamma_k (1 + u)^2] S + 2^-24 |ref|,  S = sum_p |a_ip||b_pj|,
+// the last term for adding beta C0 in fp32. Rounding C to bf16 adds u (|ref| + that bound). The
+// input rounding dominates: 2u = 2^-7 per unit of S; k 2^-24 is 2^-14 at k = 1024. A bf16
+// accumulator would add up to k u S instead (the Accumulation test below fails it).
+double tolerance(std::int64_t k, double s, double ref, float alpha, bool bf16_out) {
+  const double u = 0x1p-8, kk = static_cast<double>(k) * 0x1p-24;
+  const double gamma = kk / (1 - kk);
+  double bound =
+      std::abs(alpha) * ((2 * u + u * u) + gamma * (1 + u) * (1 + u)) * s + 0x1p-24 * std::abs(ref);
+  if (bf16_out) bound += u * (std::abs(ref) + bound);
+  return bound;
+}
+
+struct Stored {
+  std::vector<float> f;  // fp32 values as generated
+  std::vector<bf16> h;   // the same rounded to bf16
+  std::int64_t rows, cols, stride;
+  float at(std::int64_t r, std::int64_t c) const {
+    return f[static_cast<std::size_t>(r * stride + c)];
+  }
+  MatrixView<const bf16> view() const { return {h.data(), rows, cols, stride}; }
+};
+
+// A rows x cols matrix in a buffer with `pad` extra columns per row (a strided view).
+Stored random_matrix(std::int64_t rows, std::int64_t cols, std::int64_t pad, std::mt19937& gen) {
+  std::normal_distribution<float> dist(0.f, 1.f);
+  Stored m{{}, {}, rows, cols, cols + pad};
+  m.f.resize(static_cast<std::size_t>(rows * m.stride));
+  for (float& x : m.f)
+    x = dist(gen);
+  m.h.resize(m.f.size());
+  to_bf16(m.f, m.h);
+  return m;
+}
+
+struct Case {
+  std::int64_t m, n, k;
+  bool ta, tb;
+  float alpha, beta;
+};
+
+template <typename Out>
+void check_product(const Case& c, std::int64_t pad, unsigned seed) {
+  std::mt19937 gen(seed);
+  // op(A) [m, k] is A [m, k] or A^T with A [k, m]; likewise op(B) [k, n].
+  const Stored a = c.ta ? random_matrix(c.k, c.m, pad, gen) : random_matrix(c.m, c.k, pad, gen);
+  const Stored b = c.tb ? random_matrix(c.n, c.k, pad, gen) : random_matrix(c.k, c.n, pad, gen);
+  const Stored c0 = random_matrix(c.m, c.n, pad, gen);
+  std::vector<Out> out(c0.f.size());
+  for (std::size_t i = 0; i < out.size(); ++i)
+    out[i] = Out(c0.f[i]);
+  // C0 as the kernel sees it (rounded when C is bf16).
+  auto c0_at = [&](std::int64_t i, std::int64_t j) {
+    return static_cast<double>(
+        static_cast<float>(out[static_cast<std::size_t>(i * c0.stride + j)]));
+  };
+  std::vector<double> c0_seen(static_cast<std::size_t>(c.m * c.n));
+  for (std::int64_t i = 0; i < c.m; ++i)
+    for (std::int64_t j = 0; j < c.n; ++j)
+      c0_seen[static_cast<std::size_t>(i * c.n + j)] = c0_at(i, j);
+  tbb::task_arena(2).execute([&] {
+    gemm_bf16(c.ta ? Transpose::yes : Transpose::no, c.tb ? Transpose::yes : Transpose::no, c.alpha,
+              a.view(), b.view(), c.beta, MatrixView<Out>{out.data(), c.m, c.n, c0.stride});
+  });
+  auto op_a = [&](std::int64_t i, std::int64_t p) { return c.ta ? a.at(p, i) : a.at(i, p); };
+  auto op_b = [&](std::int64_t p, std::int64_t j) { return c.tb ? b.at(j, p) : b.at(p, j); };
+  double worst = 0;
+  for (std::int64_t i = 0; i < c.m; ++i)
+    for (std::int64_t j = 0; j < c.n; ++j) {
+      double dot = 0, s = 0;
+      for (std::int64_t p = 0; p < c.k; ++p) {
+        dot += static_cast<double>(op_a(i, p)) * op_b(p, j);
+        s += std::abs(static_cast<double>(op_a(i, p)) * op_b(p, j));
+      }
+      const double ref = c.alpha * dot + c.beta * c0_seen[static_cast<std::size_t>(i * c.n + j)];
+      const double got = static_cast<float>(out[static_cast<std::size_t>(i * c0.stride + j)]);
+      const double tol = tolerance(c.k, s, ref, c.alpha, std::is_same_v<Out, bf16>);
+      ASSERT_LE(std::abs(got - ref), tol)
+          << "C(" << i << ", " << j << ") of m=" << c.m << " n=" << c.n << " k=" << c.k
+          << " ta=" << c.ta << " tb=" << c.tb;
+      worst = std::max(worst, std::abs(got - ref) / tol);
+    }
+  // The bound is not vacuous: the inputs' rounding shows (a product of the unrounded fp32 inputs
+  // would be far tighter), yet stays inside it.
+  EXPECT_GT(worst, 0.01);
+}
+
+// The layouts of a linear layer: forward y = x w^T (no, yes), input gradient dx = dy w (no, no),
+// weight gradient dw += dy^T x (yes, no); and (yes, yes) for completeness. Sizes include odd
+// ones, views with padded rows, and products large enough to be split over two threads.
+TEST(GemmBf16, MatchesFp32ReferenceWithinDerivedBound) {
+  const std::vector<Case> cases = {
+      {7, 5, 3, false, true, 1.f, 0.f},          {64, 96, 128, false, true, 1.f, 0.f},
+      {200, 136, 96, false, false, 1.f, 0.f},    {96, 80, 300, true, false, 1.f, 1.f},
+      {33, 47, 65, true, true, 0.5f, -2.f},      {256, 192, 160, false, true, 1.f, 1.f},
+      {160, 256, 200, false, false, -1.5f, 0.f}, {128, 320, 256, true, false, 1.f, 1.f},
+  };
+  unsigned seed = 1;
+  for (const Case& c : cases) {
+    check_product<float>(c, 0, seed++);
+    check_product<float>(c, 3, seed++);
+    check_product<bf16>(c, 0, seed++);
+  }
+}
+
+// Small integers are exact in bf16, their products and every partial sum below 2^24 exact in
+// fp32: whatever the order, an fp32 accumulator gives exactly the integer result. A bf16
+// accumulator cannot: 8 significant bits hold the integers only up to 256.
+TEST(GemmBf16, AccumulatesInFp32) {
+  const std::int64_t m = 48, n = 40, k = 1024;
+  std::mt19937 gen(7);
+  std::uniform_int_distribution<int> small(-3, 3);
+  std::vector<bf16> a(static_cast<std::size_t>(m * k)), b(static_cast<std::size_t>(k * n));
+  for (auto& x : a)
+    x = bf16(static_cast<float>(small(gen)));
+  for (auto& x : b)
+    x = bf16(static_cast<float>(small(gen)));
+  std::vector<float> c(static_cast<std::size_t>(m * n));
+  gemm_bf16(Transpose::no, Transpose::no, 1.f, {a.data(), m, k, k}, {b.data(), k, n, n}, 0.f,
+            MatrixView<float>{c.data(), m, n, n});
+  std::vector<bf16> ch(c.size());
+  gemm_bf16(Transpose::no, Transpose::no, 1.f, {a.data(), m, k, k}, {b.data(), k, n, n}, 0.f,
+            MatrixView<bf16>{ch.data(), m, n, n});
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j) {
+      std::int64_t exact = 0;
+      for (std::int64_t p = 0; p < k; ++p)
+        exact += static_cast<std::int64_t>(static_cast<float>(a[i * k + p])) *
+                 static_cast<std::int64_t>(static_cast<float>(b[p * n + j]));
+      ASSERT_EQ(c[i * n + j], static_cast<float>(exact)) << i << ", " << j;
+      // A bf16 C is the exact sum rounded once.
+      ASSERT_EQ(ch[i * n + j], bf16(static_cast<float>(exact))) << i << ", " << j;
+    }
+  // k ones sum to k exactly; a bf16 accumulator stalls at 256 (256 + 1 rounds back to 256).
+  std::vector<bf16> ones(static_cast<std::size_t>(k), bf16(1.f));
+  float sum = 0;
+  gemm_bf16(Transpose::no, Transpose::no, 1.f, {ones.data(), 1, k, k}, {ones.data(), k, 1, 1}, 0.f,
+            MatrixView<float>{&sum, 1, 1, 1});
+  EXPECT_EQ(sum, static_cast<float>(k));
+}
+
+TEST(GemmBf16, BetaZeroIgnoresNaNsAndEmptyKScales) {
+  std::vector<bf16> a(6, bf16(1.f)), b(6, bf16(2.f));
+  std::vector<float> c(4, std::numeric_limits<float>::quiet_NaN());
+  gemm_bf16(Transpose::no, Transpose::no, 1.f, {a.data(), 2, 3, 3}, {b.data(), 3, 2, 2}, 0.f,
+            MatrixView<float>{c.data(), 2, 2, 2});
+  EXPECT_EQ(c, std::vector<float>(4, 6.f));
+  gemm_bf16(Transpose::no, Transpose::no, 1.f, {a.data(), 2, 0, 3}, {b.data(), 0, 2, 2}, 0.5f,
+            MatrixView<float>{c.data(), 2, 2, 2});
+  EXPECT_EQ(c, std::vector<float>(4, 3.f));
+}
+
+TEST(GemmBf16, RejectsMismatchedShapesByName) {
+  std::vector<bf16> a(6), b(6);
+  std::vector<float> c(4);
+  try {
+    gemm_bf16(Transpose::no, Transpose::no, 1.f, {a.data(), 2, 3, 3}, {b.data(), 2, 3, 3}, 0.f,
+              MatrixView<float>{c.data(), 2, 2, 2});
+    FAIL() << "no exception";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("op(B) [k, n]"), std::string::npos) << e.what();
+  }
+}
+
+std::size_t thread_count() {
+  std::size_t n = 0;
+  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator("/proc/self/task"))
+    ++n;
+  return n;
+}
+
+// oneDNN runs on the threads of the caller's arena, starting no OpenMP team of its own: after
+// products on both threads of a two-thread arena the process has the threads an fp32 product
+// there leaves, TBB's only. (ctest runs each test in a process of its own.)
+TEST(GemmBf16, StartsNoThreadsOfItsOwn) {
+  tbb::task_arena arena(2);
+  std::mt19937 gen(3);
+  const std::int64_t n = 256;
+  const Stored a = random_matrix(n, n, 0, gen), b = random_matrix(n, n, 0, gen);
+  std::vector<float> c(static_cast<std::size_t>(n * n));
+  arena.execute([&] {
+    gemm<float>(Transpose::no, Transpose::yes, 1.f, {a.f.data(), n, n, n}, {b.f.data(), n, n, n},
+                0.f, {c.data(), n, n, n});
+  });
+  const std::size_t with_tbb = thread_count();
+  for (int i = 0; i < 3; ++i)
+    arena.execute([&] {
+      gemm_bf16(Transpose::no, Transpose::yes, 1.f, a.view(), b.view(), 0.f,
+                MatrixView<float>{c.data(), n, n, n});
+    });
+  EXPECT_EQ(thread_count(), with_tbb);
+}
+
+TEST(GemmBf16, KernelFollowsTheCpu) {
+  const char* limit = std::getenv("DNNL_MAX_CPU_ISA");
+  if (limit && std::string(limit) == "AVX512_CORE") {
+    EXPECT_EQ(bf16_kernel(), Bf16Kernel::fp32_fallback);
+  }
+  std::printf("bf16 kernels: %s\n", to_string(bf16_kernel()).c_str());
 }
 
 }  // namespace
