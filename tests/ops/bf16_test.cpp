@@ -22,6 +22,7 @@
 
 #include "weave/ops/bfloat16.hpp"
 #include "weave/ops/gemm_bf16.hpp"
+#include "weave/ops/linear.hpp"
 
 namespace weave::ops {
 namespace {
@@ -334,6 +335,95 @@ TEST(GemmBf16, KernelFollowsTheCpu) {
     EXPECT_EQ(bf16_kernel(), Bf16Kernel::fp32_fallback);
   }
   std::printf("bf16 kernels: %s\n", to_string(bf16_kernel()).c_str());
+}
+
+// ---- Linear layers in bf16 ----
+//
+// The reference is the double linear layer on the same bf16 values widened (exactly), so input
+// rounding is out of the comparison and the bound is the fp32 summation's alone:
+// |sum - ref| <= gamma_k S (S = the sum of |terms|, k terms; gamma_k as above), plus u (|ref| +
+// gamma_k S) where the result is rounded to bf16, plus 2^-24 |ref| where it is added into an
+// fp32 gradient. The bias's k is the number of rows of dy (its sum runs in fp32 too).
+BasicTensor<double> widened(const Bf16Tensor& t) {
+  BasicTensor<double> out = BasicTensor<double>::empty(t.shape());
+  const std::vector<bf16> v = t.to_vector();
+  for (std::size_t i = 0; i < v.size(); ++i)
+    out.data()[i] = static_cast<float>(v[i]);
+  return out;
+}
+
+Bf16Tensor random_bf16(const Shape& shape, std::mt19937& gen) {
+  std::normal_distribution<float> dist(0.f, 1.f);
+  Bf16Tensor t = Bf16Tensor::empty(shape);
+  for (std::int64_t i = 0; i < t.numel(); ++i)
+    t.data()[i] = bf16(dist(gen));
+  return t;
+}
+
+// Per element, S of the double product computed on absolute values.
+template <typename Got>
+void expect_within_sum_bound(const BasicTensor<Got>& got, const BasicTensor<double>& ref,
+                             const BasicTensor<double>& abs_sum, std::int64_t k, bool rounded,
+                             bool accumulated, const char* what) {
+  const double u = 0x1p-8, kk = static_cast<double>(k) * 0x1p-24, gamma = kk / (1 - kk);
+  const auto g = got.to_vector();
+  const auto r = ref.to_vector();
+  const auto s = abs_sum.to_vector();
+  for (std::size_t i = 0; i < g.size(); ++i) {
+    double tol = gamma * s[i] + (accumulated ? 0x1p-24 * std::abs(r[i]) : 0.0);
+    if (rounded) tol += u * (std::abs(r[i]) + tol);
+    ASSERT_LE(std::abs(static_cast<double>(static_cast<float>(g[i])) - r[i]), tol)
+        << what << " element " << i;
+  }
+}
+
+BasicTensor<double> abs_of(const BasicTensor<double>& t) {
+  BasicTensor<double> out = t.clone();
+  for (std::int64_t i = 0; i < out.numel(); ++i)
+    out.data()[i] = std::abs(out.data()[i]);
+  return out;
+}
+
+TEST(LinearBf16, MatchesDoubleLayerOnTheSameValues) {
+  std::mt19937 gen(11);
+  const std::int64_t batch = 2, seq = 96, in = 160, out = 192;
+  const Bf16Tensor x = random_bf16({batch, seq, in}, gen), w = random_bf16({out, in}, gen),
+                   b = random_bf16({out}, gen), dy = random_bf16({batch, seq, out}, gen);
+  const Bf16Tensor y = Bf16Tensor::empty({batch, seq, out}), dx = Bf16Tensor::empty(x.shape());
+  const Tensor dw = Tensor::zeros(w.shape()), db = Tensor::zeros(b.shape());
+  tbb::task_arena(2).execute([&] {
+    linear_forward(x, w, b, y);
+    linear_backward_input(dy, w, dx);
+    linear_backward_weight(x, dy, dw, db);
+  });
+  using D = BasicTensor<double>;
+  const D xd = widened(x), wd = widened(w), bd = widened(b), dyd = widened(dy);
+  const D yd = D::empty(y.shape()), dxd = D::empty(x.shape()), dwd = D::zeros(w.shape()),
+          dbd = D::zeros(b.shape());
+  linear_forward(xd, wd, bd, yd);
+  linear_backward_input(dyd, wd, dxd);
+  linear_backward_weight(xd, dyd, dwd, dbd);
+  // The same on absolute values: S per element.
+  const D ys = D::empty(y.shape()), dxs = D::empty(x.shape()), dws = D::zeros(w.shape()),
+          dbs = D::zeros(b.shape());
+  linear_forward(abs_of(xd), abs_of(wd), abs_of(bd), ys);
+  linear_backward_input(abs_of(dyd), abs_of(wd), dxs);
+  linear_backward_weight(abs_of(xd), abs_of(dyd), dws, dbs);
+  expect_within_sum_bound(y, yd, ys, in + 1, true, false, "y");
+  expect_within_sum_bound(dx, dxd, dxs, out, true, false, "dx");
+  expect_within_sum_bound(dw, dwd, dws, batch * seq, false, true, "dw");
+  expect_within_sum_bound(db, dbd, dbs, batch * seq, false, true, "db");
+}
+
+TEST(LinearBf16, RejectsMismatchedWeightByName) {
+  const Bf16Tensor x = Bf16Tensor::zeros({4, 8}), w = Bf16Tensor::zeros({6, 7}),
+                   y = Bf16Tensor::empty({4, 6});
+  try {
+    linear_forward(x, w, Bf16Tensor{}, y);
+    FAIL() << "no exception";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("linear input"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace
