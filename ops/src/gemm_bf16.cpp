@@ -178,7 +178,10 @@ void gemm_bf16_impl(Transpose trans_a, Transpose trans_b, float alpha, MatrixVie
   }
   const int threads = tbb::this_task_arena::max_concurrency();
   const double macs = static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
-  const bool split_rows = m >= n;
+  // Split C by rows whenever there are enough: a block of rows keeps every operand's rows dense,
+  // while a block of columns is a strided view of B and C, which oneDNN's fast matmuls (brgemm,
+  // AMX) do not take: it falls back to a kernel several times slower.
+  const bool split_rows = m >= n || m >= 2 * kMinPiece;
   const std::int64_t extent = split_rows ? m : n;
   const std::int64_t pieces =
       std::min<std::int64_t>(threads, std::max<std::int64_t>(1, extent / kMinPiece));
