@@ -191,6 +191,42 @@ void BM_Attention(benchmark::State& state) {
   state.counters["GFLOP/s"] = flops * 1e-9 * static_cast<double>(state.iterations()) / seconds;
 }
 
+// The same in bf16 (q, k, v, o, do, dq bf16; lse, dk, dv fp32): gemm_bf16 products on chunks of
+// 128 queries against the keys they see.
+void BM_AttentionBf16(benchmark::State& state) {
+  const std::int64_t s = state.range(0), heads = 8, d = 64;
+  const int threads = static_cast<int>(state.range(1));
+  tbb::global_control limit(tbb::global_control::max_allowed_parallelism, threads);
+  tbb::task_arena arena(threads, 0);
+  const ops::Shape shape{1, s, heads, d};
+  auto bf16_tensor = [&](unsigned seed) {
+    const ops::Tensor f = random_tensor(shape, seed);
+    ops::Bf16Tensor t = ops::Bf16Tensor::empty(shape);
+    ops::to_bf16({f.data(), static_cast<std::size_t>(f.numel())},
+                 {t.data(), static_cast<std::size_t>(t.numel())});
+    return t;
+  };
+  const ops::Bf16Tensor q = bf16_tensor(1), k = bf16_tensor(2), v = bf16_tensor(3),
+                        d_o = bf16_tensor(4);
+  const ops::Bf16Tensor o = ops::Bf16Tensor::empty(shape), dq = ops::Bf16Tensor::empty(shape);
+  const ops::Tensor lse = ops::Tensor::empty({1, heads, s}), dk = ops::Tensor::zeros(shape),
+                    dv = ops::Tensor::zeros(shape);
+  auto once = [&] {
+    arena.execute([&] {
+      ops::attention_forward({}, q, k, v, o, lse);
+      ops::attention_backward({}, q, k, v, o, lse, d_o, dq, dk, dv);
+    });
+  };
+  once();
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto _ : state)
+    once();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double flops = 7.0 * static_cast<double>(s * s * d) * heads;
+  state.counters["GFLOP/s"] = flops * 1e-9 * static_cast<double>(state.iterations()) / seconds;
+}
+
 }  // namespace
 
 BENCHMARK(BM_GemmSquare)
@@ -204,6 +240,11 @@ BENCHMARK(BM_GemmLayer)
     ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 BENCHMARK(BM_Attention)
+    ->ArgsProduct({{512, 2048}, {1, 2}})
+    ->ArgNames({"seq", "threads"})
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime();
+BENCHMARK(BM_AttentionBf16)
     ->ArgsProduct({{512, 2048}, {1, 2}})
     ->ArgNames({"seq", "threads"})
     ->Unit(benchmark::kMillisecond)

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "weave/ops/attention.hpp"
 #include "weave/ops/bfloat16.hpp"
 #include "weave/ops/gemm_bf16.hpp"
 #include "weave/ops/linear.hpp"
@@ -424,6 +425,238 @@ TEST(LinearBf16, RejectsMismatchedWeightByName) {
   } catch (const std::invalid_argument& e) {
     EXPECT_NE(std::string(e.what()).find("linear input"), std::string::npos) << e.what();
   }
+}
+
+// ---- Attention in bf16 ----
+//
+// The reference is the fp32 kernel on the same bf16 values widened, so input rounding is out of
+// the comparison; what remains is bf16's rounding of P, dS and the outputs (u = 2^-8 relative
+// each), the fp32 sums (gamma_k), and fp32 noise in the scores, exp and log, which two fp32
+// kernels summing in different orders share (< 2^-14 relative here: d = 32 products of normal
+// values, scale 1/sqrt(32)). Per element, with Vmax, Kmax, Qmax, Omax the largest |v|, |k|,
+// |q|, |o| and P the probabilities (kept ones scaled by 1/(1 - p) under dropout, factor f):
+//   o:  o = sum_j P_j v_j / l with P rounded: |error| <= (2u + gamma_sk + 2^-14) Vmax
+//       (u for P, u for the rounded output, both relative to sum_j P_j |v_j| / l <= Vmax);
+//   dv: sum_i P_ij dO_i with P rounded: (u + gamma_sq n + 2^-14) sum_i P_ij |dO_i|, the last
+//       factor the fp32 backward's dv for |dO|;
+//   dq: scale sum_j dS_ij K_j, dS = P (dP - D) rounded to bf16 (u), dP and D fp32 sums of d terms
+//       (gamma_d each): |dS_ij| <= P_ij R_i with R_i = ||dO_i||_1 (Vmax + Omax), so
+//       |error| <= scale Kmax (2u + gamma_sk + 2 gamma_d + 2^-14) f R_i + u |dq|;
+//   dk: scale sum_i dS_ij Q_i, likewise: scale Qmax (2u + gamma_sq n + 2 gamma_d + 2^-14)
+//       f sum_i P_ij R_i, the last factor the fp32 backward's dv for rows of dO set to R_i.
+struct AttentionData {
+  Bf16Tensor q, k, v, d_o;
+};
+
+double max_abs(const Bf16Tensor& t) {
+  double m = 0;
+  for (const bf16 x : t.to_vector())
+    m = std::max(m, std::abs(static_cast<double>(static_cast<float>(x))));
+  return m;
+}
+
+Tensor widened_f(const Bf16Tensor& t) {
+  Tensor out = Tensor::empty(t.shape());
+  const std::vector<bf16> v = t.to_vector();
+  for (std::size_t i = 0; i < v.size(); ++i)
+    out.data()[i] = static_cast<float>(v[i]);
+  return out;
+}
+
+void check_attention_bf16(const AttentionOptions& opt) {
+  std::mt19937 gen(21);
+  const std::int64_t b = 2, s = 200, g = 2, n = 2, d = 32;
+  const AttentionData in{random_bf16({b, s, g, n * d}, gen), random_bf16({b, s, g, d}, gen),
+                         random_bf16({b, s, g, d}, gen), random_bf16({b, s, g, n * d}, gen)};
+  const Bf16Tensor o = Bf16Tensor::empty(in.q.shape()), dq = Bf16Tensor::empty(in.q.shape());
+  const Tensor lse = Tensor::empty({b, g * n, s}), dk = Tensor::zeros(in.k.shape()),
+               dv = Tensor::zeros(in.v.shape());
+  tbb::task_arena(2).execute([&] {
+    attention_forward(opt, in.q, in.k, in.v, o, lse);
+    attention_backward(opt, in.q, in.k, in.v, o, lse, in.d_o, dq, dk, dv);
+  });
+  const Tensor qf = widened_f(in.q), kf = widened_f(in.k), vf = widened_f(in.v),
+               dof = widened_f(in.d_o), of = widened_f(o);
+  const Tensor o_ref = Tensor::empty(qf.shape()), lse_ref = Tensor::empty(lse.shape());
+  attention_forward(opt, qf, kf, vf, o_ref, lse_ref);
+  // The backward reference from the same (bf16) o, so D is the same.
+  const Tensor dq_ref = Tensor::empty(qf.shape()), dk_ref = Tensor::zeros(kf.shape()),
+               dv_ref = Tensor::zeros(vf.shape());
+  attention_backward(opt, qf, kf, vf, of, lse_ref, dof, dq_ref, dk_ref, dv_ref);
+  // sum_i P_ij |dO_i| and sum_i P_ij R_i from the fp32 backward's dv for |dO| and for R.
+  const double vmax = max_abs(in.v), kmax = max_abs(in.k), qmax = max_abs(in.q), omax = max_abs(o);
+  const Tensor abs_do = dof.clone(), r_do = dof.clone();
+  std::vector<double> r(static_cast<std::size_t>(b * s * g * n));
+  for (std::int64_t row = 0; row < b * s * g; ++row)
+    for (std::int64_t head = 0; head < n; ++head) {
+      double l1 = 0;
+      for (std::int64_t c = 0; c < d; ++c) {
+        float& x = abs_do.data()[row * n * d + head * d + c];
+        x = std::abs(x);
+        l1 += x;
+      }
+      const double ri = l1 * (vmax + omax);
+      r[static_cast<std::size_t>(row * n + head)] = ri;
+      for (std::int64_t c = 0; c < d; ++c)
+        r_do.data()[row * n * d + head * d + c] = static_cast<float>(ri);
+    }
+  const Tensor unused_dq = Tensor::empty(qf.shape()), unused_dk = Tensor::zeros(kf.shape());
+  const Tensor dv_abs = Tensor::zeros(vf.shape()), dv_r = Tensor::zeros(vf.shape());
+  attention_backward(opt, qf, kf, vf, of, lse_ref, abs_do, unused_dq, unused_dk, dv_abs);
+  attention_backward(opt, qf, kf, vf, of, lse_ref, r_do, unused_dq, unused_dk, dv_r);
+
+  const double u = 0x1p-8, noise = 0x1p-14;
+  auto gamma = [](double k) { return k * 0x1p-24 / (1 - k * 0x1p-24); };
+  const double f = 1.0 / (1.0 - opt.dropout.probability);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const auto o_got = o.to_vector();
+  const auto o_want = o_ref.to_vector();
+  for (std::size_t i = 0; i < o_got.size(); ++i)
+    ASSERT_LE(std::abs(static_cast<float>(o_got[i]) - o_want[i]),
+              (2 * u + gamma(s) + noise) * f * vmax)
+        << "o element " << i;
+  const auto lse_got = lse.to_vector(), lse_want = lse_ref.to_vector();
+  for (std::size_t i = 0; i < lse_got.size(); ++i)
+    ASSERT_LE(std::abs(lse_got[i] - lse_want[i]), noise * (1 + std::abs(lse_want[i])))
+        << "lse element " << i;
+  const auto dv_got = dv.to_vector(), dv_want = dv_ref.to_vector(), dv_s = dv_abs.to_vector();
+  for (std::size_t i = 0; i < dv_got.size(); ++i)
+    ASSERT_LE(std::abs(dv_got[i] - dv_want[i]), (u + gamma(s * n) + noise) * dv_s[i] + 1e-30)
+        << "dv element " << i;
+  const auto dq_got = dq.to_vector();
+  const auto dq_want = dq_ref.to_vector();
+  for (std::size_t i = 0; i < dq_got.size(); ++i) {
+    const double ri = r[i / static_cast<std::size_t>(d)];
+    const double tol = scale * kmax * (2 * u + gamma(s) + 2 * gamma(d) + noise) * f * ri +
+                       u * std::abs(dq_want[i]);
+    ASSERT_LE(std::abs(static_cast<float>(dq_got[i]) - dq_want[i]), tol) << "dq element " << i;
+  }
+  const auto dk_got = dk.to_vector(), dk_want = dk_ref.to_vector(), dk_s = dv_r.to_vector();
+  for (std::size_t i = 0; i < dk_got.size(); ++i) {
+    const double tol =
+        scale * qmax * (2 * u + gamma(s * n) + 2 * gamma(d) + noise) * f * dk_s[i] + 1e-30;
+    ASSERT_LE(std::abs(dk_got[i] - dk_want[i]), tol) << "dk element " << i;
+  }
+}
+
+// A tight check without dropout: a plain double-precision attention on the same bf16 values
+// gives P, dP, D and dS exactly, and each error term above per element rather than through
+// maxima. With the kernel's rounding of dS (u), its fp32 sums (gamma) and the fp32 noise of the
+// scores and exp (2^-14 relative, twice: forward lse and backward P):
+//   o_ic:  (2u + gamma_s + 2^-14) sum_j P_ij |v_jc|
+//   dv_jc: (u + gamma_sn + 2^-13) sum_i P_ij |dO_ic|
+//   dq_ic: scale sum_j [(u + gamma_s + 2^-13) |dS_ij| + gamma_d P_ij (A_ij + B_i)] |k_jc| + u
+//   |dq_ic| dk_jc: scale sum_i [(u + gamma_sn + 2^-13) |dS_ij| + gamma_d P_ij (A_ij + B_i)] |q_ic|
+// with A_ij = sum_c |dO_ic||v_jc| and B_i = sum_c |dO_ic||o_ic| bounding dP's and D's fp32 sums.
+TEST(AttentionBf16, MatchesExactAttentionWithinPerElementBounds) {
+  std::mt19937 gen(23);
+  const std::int64_t B = 2, s = 200, G = 2, n = 2, d = 32, q_offset = 37;
+  AttentionOptions opt;
+  opt.q_offset = q_offset;
+  const Bf16Tensor q = random_bf16({B, s, G, n * d}, gen), k = random_bf16({B, s, G, d}, gen),
+                   v = random_bf16({B, s, G, d}, gen), d_o = random_bf16({B, s, G, n * d}, gen);
+  const Bf16Tensor o = Bf16Tensor::empty(q.shape()), dq = Bf16Tensor::empty(q.shape());
+  const Tensor lse = Tensor::empty({B, G * n, s}), dk = Tensor::zeros(k.shape()),
+               dv = Tensor::zeros(v.shape());
+  tbb::task_arena(2).execute([&] {
+    attention_forward(opt, q, k, v, o, lse);
+    attention_backward(opt, q, k, v, o, lse, d_o, dq, dk, dv);
+  });
+  const double u = 0x1p-8, noise = 0x1p-14, scale = 1.0 / std::sqrt(static_cast<double>(d));
+  auto gamma = [](double m) { return m * 0x1p-24 / (1 - m * 0x1p-24); };
+  auto at = [](const Bf16Tensor& t, std::int64_t b, std::int64_t i, std::int64_t g,
+               std::int64_t c) { return static_cast<double>(static_cast<float>(t(b, i, g, c))); };
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t g = 0; g < G; ++g) {
+      std::vector<double> dk_want(static_cast<std::size_t>(s * d)), dk_tol(dk_want.size());
+      std::vector<double> dv_want(dk_want.size()), dv_tol(dk_want.size());
+      for (std::int64_t head = 0; head < n; ++head)
+        for (std::int64_t i = 0; i < s; ++i) {
+          const std::int64_t seen = std::clamp<std::int64_t>(q_offset + i + 1, 0, s);
+          const std::int64_t qc = head * d;
+          std::vector<double> p(static_cast<std::size_t>(seen));
+          double m = -std::numeric_limits<double>::infinity(), l = 0;
+          for (std::int64_t j = 0; j < seen; ++j) {
+            double dot = 0;
+            for (std::int64_t c = 0; c < d; ++c)
+              dot += at(q, b, i, g, qc + c) * at(k, b, j, g, c);
+            p[static_cast<std::size_t>(j)] = scale * dot;
+            m = std::max(m, scale * dot);
+          }
+          for (double& x : p) {
+            x = std::exp(x - m);
+            l += x;
+          }
+          for (double& x : p)
+            x /= l;
+          double D = 0, Bi = 0;
+          for (std::int64_t c = 0; c < d; ++c) {
+            D += at(d_o, b, i, g, qc + c) * at(o, b, i, g, qc + c);
+            Bi += std::abs(at(d_o, b, i, g, qc + c) * at(o, b, i, g, qc + c));
+          }
+          std::vector<double> ds(p.size()), ds_tol(p.size());
+          for (std::int64_t j = 0; j < seen; ++j) {
+            double dp = 0, A = 0;
+            for (std::int64_t c = 0; c < d; ++c) {
+              dp += at(d_o, b, i, g, qc + c) * at(v, b, j, g, c);
+              A += std::abs(at(d_o, b, i, g, qc + c) * at(v, b, j, g, c));
+            }
+            const double pj = p[static_cast<std::size_t>(j)];
+            ds[static_cast<std::size_t>(j)] = pj * (dp - D);
+            ds_tol[static_cast<std::size_t>(j)] = gamma(d) * pj * (A + Bi);
+          }
+          for (std::int64_t c = 0; c < d; ++c) {
+            double o_want = 0, o_s = 0, dq_want = 0, dq_tol = 0;
+            for (std::int64_t j = 0; j < seen; ++j) {
+              const double pj = p[static_cast<std::size_t>(j)], vj = at(v, b, j, g, c);
+              const double kj = at(k, b, j, g, c), dsj = ds[static_cast<std::size_t>(j)];
+              o_want += pj * vj;
+              o_s += pj * std::abs(vj);
+              dq_want += scale * dsj * kj;
+              dq_tol += scale *
+                        ((u + gamma(s) + 2 * noise) * std::abs(dsj) +
+                         ds_tol[static_cast<std::size_t>(j)]) *
+                        std::abs(kj);
+              const auto jc = static_cast<std::size_t>(j * d + c);
+              const double qi = at(q, b, i, g, qc + c), doi = at(d_o, b, i, g, qc + c);
+              dk_want[jc] += scale * dsj * qi;
+              dk_tol[jc] += scale *
+                            ((u + gamma(s * n) + 2 * noise) * std::abs(dsj) +
+                             ds_tol[static_cast<std::size_t>(j)]) *
+                            std::abs(qi);
+              dv_want[jc] += pj * doi;
+              dv_tol[jc] += (u + gamma(s * n) + 2 * noise) * pj * std::abs(doi);
+            }
+            ASSERT_LE(std::abs(at(o, b, i, g, qc + c) - o_want), (2 * u + gamma(s) + noise) * o_s)
+                << "o " << b << " " << i << " " << g << " " << qc + c;
+            dq_tol += u * std::abs(dq_want);
+            ASSERT_LE(std::abs(at(dq, b, i, g, qc + c) - dq_want), dq_tol)
+                << "dq " << b << " " << i << " " << g << " " << qc + c;
+          }
+          ASSERT_NEAR(lse(b, g * n + head, i), m + std::log(l), noise * (1 + std::abs(m)));
+        }
+      for (std::int64_t j = 0; j < s; ++j)
+        for (std::int64_t c = 0; c < d; ++c) {
+          const auto jc = static_cast<std::size_t>(j * d + c);
+          ASSERT_LE(std::abs(dk(b, j, g, c) - dk_want[jc]), dk_tol[jc] + 1e-30)
+              << "dk " << b << " " << j << " " << g << " " << c;
+          ASSERT_LE(std::abs(dv(b, j, g, c) - dv_want[jc]), dv_tol[jc] + 1e-30)
+              << "dv " << b << " " << j << " " << g << " " << c;
+        }
+    }
+}
+
+TEST(AttentionBf16, CausalGroupedQueryMatchesFp32WithinDerivedBounds) {
+  check_attention_bf16({});
+}
+
+TEST(AttentionBf16, OffsetsAndDropoutMatchFp32WithinDerivedBounds) {
+  AttentionOptions opt;
+  opt.q_offset = 37;  // a chunk of queries further along than its keys start
+  opt.dropout.probability = 0.1;
+  opt.dropout.key = RandomKey{5, 1, 2};
+  opt.dropout.sequence_length = 300;
+  check_attention_bf16(opt);
 }
 
 }  // namespace
