@@ -11,6 +11,13 @@ find_package(Eigen3 3.4 REQUIRED NO_MODULE)
 find_path(RANDOM123_INCLUDE_DIR Random123/philox.h REQUIRED)
 add_library(Random123 INTERFACE IMPORTED)
 target_include_directories(Random123 INTERFACE ${RANDOM123_INCLUDE_DIR})
+# oneDNN (libdnnl-dev) for the 16-bit matrix products. Debian's dnnl-config.cmake also asks for
+# OpenCL's development files (its GPU runtime, which weave does not use), so the library is found
+# directly and given the target name oneDNN's own package uses.
+include(${CMAKE_CURRENT_LIST_DIR}/WeaveFindDnnl.cmake)
+# Debian's oneDNN threads with OpenMP: weave sets the OpenMP thread count of the threads that call
+# it (ops/src/gemm_bf16.cpp), so it links the OpenMP runtime itself.
+find_package(OpenMP REQUIRED COMPONENTS CXX)
 find_package(PkgConfig REQUIRED)
 pkg_check_modules(HWLOC REQUIRED IMPORTED_TARGET hwloc)
 # Open MPI (libopenmpi-dev) for the multi-process backend: used when found, unless WEAVE_MPI is

@@ -37,6 +37,7 @@ configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/weaveConfig.cmake.in
 write_basic_package_version_file(${PROJECT_BINARY_DIR}/weaveConfigVersion.cmake
                                  VERSION ${PROJECT_VERSION} COMPATIBILITY SameMinorVersion)
 install(FILES ${PROJECT_BINARY_DIR}/weaveConfig.cmake ${PROJECT_BINARY_DIR}/weaveConfigVersion.cmake
+              ${PROJECT_SOURCE_DIR}/cmake/WeaveFindDnnl.cmake
         DESTINATION ${WEAVE_CMAKE_DIR})
 
 if(PROJECT_IS_TOP_LEVEL)
@@ -50,7 +51,7 @@ if(PROJECT_IS_TOP_LEVEL)
   set(CPACK_DEBIAN_PACKAGE_SECTION devel)
   # What the installed package's CMake configuration and headers need.
   set(CPACK_DEBIAN_PACKAGE_DEPENDS
-      "libtbb-dev, libhwloc-dev, libfmt-dev, nlohmann-json3-dev, pkg-config, cmake (>= 3.25)")
+      "libtbb-dev, libhwloc-dev, libfmt-dev, nlohmann-json3-dev, libdnnl-dev, pkg-config, cmake (>= 3.25)")
   if(WEAVE_MPI)
     string(APPEND CPACK_DEBIAN_PACKAGE_DEPENDS ", libopenmpi-dev")
   endif()

@@ -9,6 +9,7 @@
 #include <stdexcept>
 #include <vector>
 
+#include "weave/ops/gemm_bf16.hpp"
 #include "weave/runtime/parallel_for.hpp"
 
 namespace weave::ops {
@@ -305,5 +306,221 @@ void attention_backward(const AttentionOptions& opt, const BasicTensor<T>& q,
       const BasicTensor<T>&, const BasicTensor<T>&, const BasicTensor<T>&);
 WEAVE_INSTANTIATE(float)
 WEAVE_INSTANTIATE(double)
+
+// ---- bf16 ----
+//
+// The same attention with bf16 q, k, v, o: the two forward products (scores Q K^T, context P V)
+// and the five backward ones are gemm_bf16 products (bf16 values, fp32 sums); the softmax, the
+// log-sum-exp and D = rowsum(dO * O) run in fp32, and P and dS are rounded to bf16 only as
+// operands of the products that follow them, as flash-attention does with 16-bit inputs. Queries
+// go in chunks of kBf16QueryChunk rows against all the keys they see at once: products large
+// enough for oneDNN's kernels, an fp32 score block of chunk x keys per task.
+
+namespace {
+
+constexpr std::int64_t kBf16QueryChunk = 128;
+
+// Head `head` of group g of batch entry b, rows [first, first + count), of a [b, s, g, n d]
+// tensor, as a matrix view (d columns, the sequence stride between rows).
+template <typename T>
+MatrixView<T> head_rows(const BasicTensor<T>& t, std::int64_t b, std::int64_t g, std::int64_t head,
+                        std::int64_t d, std::int64_t first, std::int64_t count) {
+  return {t.data() + b * t.stride(0) + first * t.stride(1) + g * t.stride(2) + head * d, count, d,
+          t.stride(1)};
+}
+template <typename T>
+MatrixView<const T> const_view(MatrixView<T> m) {
+  return {m.data, m.rows, m.cols, m.stride};
+}
+
+// The matrix with dense rows: itself, or a copy in `buffer`. A head's rows in a [b, s, h, d]
+// tensor are h d apart, and oneDNN's AMX and AVX512_BF16 matmuls (brgemm) take only dense rows;
+// its fallback for strided ones runs several times slower than the copy costs.
+MatrixView<const bf16> dense(MatrixView<const bf16> m, std::vector<bf16>& buffer) {
+  if (m.stride == m.cols) return m;
+  buffer.resize(static_cast<std::size_t>(m.rows * m.cols));
+  for (std::int64_t r = 0; r < m.rows; ++r)
+    std::copy_n(m.data + r * m.stride, m.cols, buffer.data() + r * m.cols);
+  return {buffer.data(), m.rows, m.cols, m.cols};
+}
+
+void check_attention_bf16(const AttentionOptions& opt, const Bf16Tensor& q, const Bf16Tensor& k,
+                          const Bf16Tensor& v, const Bf16Tensor& o, const Tensor& lse) {
+  // The shape rules are the fp32 kernel's: checked on shape-only stand-ins.
+  auto like = [](const Bf16Tensor& t) {
+    check_rows("attention tensor", t);
+    return Tensor::shape_only(t.shape());
+  };
+  check_attention<float>(opt, like(q), like(k), like(v), like(o), lse);
+}
+
+}  // namespace
+
+void attention_forward(const AttentionOptions& opt, const Bf16Tensor& q, const Bf16Tensor& k,
+                       const Bf16Tensor& v, const Bf16Tensor& o, const Tensor& lse) {
+  check_attention_bf16(opt, q, k, v, o, lse);
+  const std::int64_t n = q.dim(3) / k.dim(3);
+  const std::int64_t B = q.dim(0), sq = q.dim(1), H = q.dim(2) * n, d = k.dim(3), sk = k.dim(1);
+  const float scale = scale_of<float>(opt, d);
+  const std::int64_t chunks = (sq + kBf16QueryChunk - 1) / kBf16QueryChunk;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const DropoutMask<float> mask(opt);
+  auto chunk = [&](std::int64_t index) {
+    const std::int64_t c = index % chunks, bh = index / chunks;
+    const std::int64_t b = bh / H, h = bh % H, g = h / n, head = h % n;
+    const std::int64_t i0 = c * kBf16QueryChunk, rows = std::min(kBf16QueryChunk, sq - i0);
+    const std::int64_t keys = visible_keys(opt, i0 + rows - 1, sk);
+    const auto out = head_rows(o, b, g, head, d, i0, rows);
+    float* lse_row = lse.data() + (b * H + h) * sq + i0;
+    std::vector<float> ctx(static_cast<std::size_t>(rows * d), 0.f);
+    std::vector<float> s(static_cast<std::size_t>(rows * keys));
+    std::vector<bf16> p(s.size());
+    std::vector<float> l(static_cast<std::size_t>(rows), 0.f), keep(static_cast<std::size_t>(keys));
+    std::vector<bf16> q_rows, k_rows, v_rows;
+    if (keys > 0) {
+      gemm_bf16(Transpose::no, Transpose::yes, scale,
+                dense(const_view(head_rows(q, b, g, head, d, i0, rows)), q_rows),
+                dense(const_view(head_rows(k, b, g, 0, d, 0, keys)), k_rows), 0.f,
+                MatrixView<float>{s.data(), rows, keys, keys});
+    }
+    for (std::int64_t i = 0; i < rows; ++i) {
+      float* si = s.data() + i * keys;
+      bf16* pi = p.data() + i * keys;
+      const std::int64_t seen = visible_keys(opt, i0 + i, sk);
+      // Eigen's vectorised exp over the keys the row sees; the rest are masked to 0.
+      Eigen::Map<Eigen::ArrayXf> row(si, seen);
+      const float m = seen > 0 ? row.maxCoeff() : kNegInf;
+      if (seen > 0) row = (row - m).exp();
+      std::fill(si + seen, si + keys, 0.f);
+      const float sum = seen > 0 ? row.sum() : 0.f;
+      l[static_cast<std::size_t>(i)] = sum;
+      lse_row[i] = seen > 0 ? m + std::log(sum) : kNegInf;
+      // The normaliser sums every probability; only the context sees the dropped ones go.
+      if (mask.active() && seen > 0) {
+        mask.row(b, h, i0 + i, 0, seen, keep.data());
+        for (std::int64_t j = 0; j < seen; ++j)
+          si[j] *= keep[static_cast<std::size_t>(j)];
+      }
+      for (std::int64_t j = 0; j < keys; ++j)
+        pi[j] = bf16(si[j]);
+    }
+    if (keys > 0) {
+      gemm_bf16(Transpose::no, Transpose::no, 1.f,
+                MatrixView<const bf16>{p.data(), rows, keys, keys},
+                dense(const_view(head_rows(v, b, g, 0, d, 0, keys)), v_rows), 0.f,
+                MatrixView<float>{ctx.data(), rows, d, d});
+    }
+    for (std::int64_t i = 0; i < rows; ++i) {
+      const float li = l[static_cast<std::size_t>(i)];
+      for (std::int64_t c2 = 0; c2 < d; ++c2)
+        out.data[i * out.stride + c2] =
+            bf16(li > 0.f ? ctx[static_cast<std::size_t>(i * d + c2)] / li : 0.f);
+    }
+  };
+  rt::parallel_for(std::int64_t{0}, B * H * chunks, chunk);
+}
+
+void attention_backward(const AttentionOptions& opt, const Bf16Tensor& q, const Bf16Tensor& k,
+                        const Bf16Tensor& v, const Bf16Tensor& o, const Tensor& lse,
+                        const Bf16Tensor& d_o, const Bf16Tensor& dq, const Tensor& dk,
+                        const Tensor& dv) {
+  check_attention_bf16(opt, q, k, v, o, lse);
+  check_rows("attention output gradient", d_o);
+  check_rows("attention query gradient", dq);
+  check_bshd("key gradient", dk);
+  check_bshd("value gradient", dv);
+  check_shape("attention output gradient", d_o.shape(), q.shape());
+  check_shape("attention query gradient", dq.shape(), q.shape());
+  check_shape("attention key gradient", dk.shape(), k.shape());
+  check_shape("attention value gradient", dv.shape(), v.shape());
+  const std::int64_t n = q.dim(3) / k.dim(3);
+  const std::int64_t B = q.dim(0), sq = q.dim(1), G = q.dim(2), H = G * n, d = k.dim(3);
+  const std::int64_t sk = k.dim(1);
+  const float scale = scale_of<float>(opt, d);
+  const DropoutMask<float> mask(opt);
+  // One (batch, key/value head) per task, its query heads and chunks in order: dK and dV, shared
+  // by the group's query heads, are summed in a fixed order.
+  auto group = [&](std::int64_t bg) {
+    const std::int64_t b = bg / G, g = bg % G;
+    std::vector<float> s, dp, keep;
+    std::vector<bf16> p, ds, k_rows, v_rows, q_rows, do_rows, dq_rows;
+    // The group's keys and values with dense rows, and its key and value gradients summed
+    // densely before they are added to dk and dv.
+    const auto K_all = dense(const_view(head_rows(k, b, g, 0, d, 0, sk)), k_rows);
+    const auto V_all = dense(const_view(head_rows(v, b, g, 0, d, 0, sk)), v_rows);
+    std::vector<float> dk_sum(static_cast<std::size_t>(sk * d), 0.f), dv_sum(dk_sum.size(), 0.f);
+    for (std::int64_t head = 0; head < n; ++head) {
+      const std::int64_t h = g * n + head;
+      const float* lse_row = lse.data() + (b * H + h) * sq;
+      for (std::int64_t i0 = 0; i0 < sq; i0 += kBf16QueryChunk) {
+        const std::int64_t rows = std::min(kBf16QueryChunk, sq - i0);
+        const std::int64_t keys = visible_keys(opt, i0 + rows - 1, sk);
+        const auto Q = dense(const_view(head_rows(q, b, g, head, d, i0, rows)), q_rows);
+        const auto dO = dense(const_view(head_rows(d_o, b, g, head, d, i0, rows)), do_rows);
+        const auto O = const_view(head_rows(o, b, g, head, d, i0, rows));
+        const auto dQ = head_rows(dq, b, g, head, d, i0, rows);
+        if (keys == 0) {
+          for (std::int64_t i = 0; i < rows; ++i)
+            std::fill_n(dQ.data + i * dQ.stride, d, bf16(0.f));
+          continue;
+        }
+        const MatrixView<const bf16> K{K_all.data, keys, d, K_all.stride};
+        const MatrixView<const bf16> V{V_all.data, keys, d, V_all.stride};
+        s.assign(static_cast<std::size_t>(rows * keys), 0.f);
+        dp.assign(s.size(), 0.f);
+        p.resize(s.size());
+        ds.resize(s.size());
+        keep.resize(static_cast<std::size_t>(keys));
+        gemm_bf16(Transpose::no, Transpose::yes, scale, Q, K, 0.f,
+                  MatrixView<float>{s.data(), rows, keys, keys});
+        gemm_bf16(Transpose::no, Transpose::yes, 1.f, dO, V, 0.f,
+                  MatrixView<float>{dp.data(), rows, keys, keys});
+        for (std::int64_t i = 0; i < rows; ++i) {
+          // D_i = rowsum(dO_i * O_i) in fp32: the softmax backward's correction term.
+          float D = 0;
+          for (std::int64_t c = 0; c < d; ++c)
+            D += static_cast<float>(dO.data[i * dO.stride + c]) *
+                 static_cast<float>(O.data[i * O.stride + c]);
+          const std::int64_t seen = visible_keys(opt, i0 + i, sk);
+          const float l = lse_row[i0 + i];
+          float* si = s.data() + i * keys;
+          float* dpi = dp.data() + i * keys;
+          // P from the saved lse, over the keys the row sees (none if it sees none).
+          const std::int64_t sees =
+              l == -std::numeric_limits<float>::infinity() ? std::int64_t{0} : seen;
+          Eigen::Map<Eigen::ArrayXf> row(si, sees);
+          row = (row - l).exp();
+          std::fill(si + sees, si + keys, 0.f);
+          if (mask.active() && sees > 0) mask.row(b, h, i0 + i, 0, sees, keep.data());
+          for (std::int64_t j = 0; j < keys; ++j) {
+            const float pj = si[j];
+            const float kj = mask.active() && j < sees ? keep[static_cast<std::size_t>(j)] : 1.f;
+            // P's dropped form feeds V's gradient; the mask scales dP the same way.
+            p[static_cast<std::size_t>(i * keys + j)] = bf16(pj * kj);
+            ds[static_cast<std::size_t>(i * keys + j)] = bf16(pj * (dpi[j] * kj - D));
+          }
+        }
+        const MatrixView<const bf16> P{p.data(), rows, keys, keys};
+        const MatrixView<const bf16> dS{ds.data(), rows, keys, keys};
+        gemm_bf16(Transpose::yes, Transpose::no, 1.f, P, dO, 1.f,
+                  MatrixView<float>{dv_sum.data(), keys, d, d});
+        gemm_bf16(Transpose::yes, Transpose::no, scale, dS, Q, 1.f,
+                  MatrixView<float>{dk_sum.data(), keys, d, d});
+        dq_rows.resize(static_cast<std::size_t>(rows * d));
+        gemm_bf16(Transpose::no, Transpose::no, scale, dS, K, 0.f,
+                  MatrixView<bf16>{dq_rows.data(), rows, d, d});
+        for (std::int64_t i = 0; i < rows; ++i)
+          std::copy_n(dq_rows.data() + i * d, d, dQ.data + i * dQ.stride);
+      }
+    }
+    const auto dK = head_rows(dk, b, g, 0, d, 0, sk), dV = head_rows(dv, b, g, 0, d, 0, sk);
+    for (std::int64_t j = 0; j < sk; ++j)
+      for (std::int64_t c = 0; c < d; ++c) {
+        dK.data[j * dK.stride + c] += dk_sum[static_cast<std::size_t>(j * d + c)];
+        dV.data[j * dV.stride + c] += dv_sum[static_cast<std::size_t>(j * d + c)];
+      }
+  };
+  rt::parallel_for(std::int64_t{0}, B * G, group);
+}
 
 }  // namespace weave::ops

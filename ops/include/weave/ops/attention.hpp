@@ -60,4 +60,16 @@ void attention_backward(const AttentionOptions& options, const BasicTensor<T>& q
                         const BasicTensor<T>& dq, const BasicTensor<T>& dk,
                         const BasicTensor<T>& dv);
 
+// bf16 attention: q, k, v, o, do and dq in bf16; lse in fp32; dk and dv in fp32, ACCUMULATED as
+// above (the sums of many query chunks and ring steps, rounded once by the caller). The scores
+// and context products, forward and backward, are bf16 products with fp32 sums (gemm_bf16); the
+// softmax, lse and D = rowsum(do * o) are fp32; P and dS are rounded to bf16 as operands of the
+// products they feed. Same options, masks and dropout draws as the fp32 kernel.
+void attention_forward(const AttentionOptions& options, const Bf16Tensor& q, const Bf16Tensor& k,
+                       const Bf16Tensor& v, const Bf16Tensor& o, const Tensor& lse);
+void attention_backward(const AttentionOptions& options, const Bf16Tensor& q, const Bf16Tensor& k,
+                        const Bf16Tensor& v, const Bf16Tensor& o, const Tensor& lse,
+                        const Bf16Tensor& d_o, const Bf16Tensor& dq, const Tensor& dk,
+                        const Tensor& dv);
+
 }  // namespace weave::ops

@@ -28,4 +28,17 @@ template <typename T>
 void linear_backward_weight(const BasicTensor<T>& x, const BasicTensor<T>& dy,
                             const BasicTensor<T>& dw, const BasicTensor<T>& db);
 
+// bf16 linear layers (gemm_bf16: products of bf16 values summed in fp32), as mixed-precision
+// training stores them: parameters and activations in bf16, parameter gradients in fp32.
+
+// y = x w^T + b, rounded to bf16 once after the fp32 sum (the bias added in fp32 too).
+void linear_forward(const Bf16Tensor& x, const Bf16Tensor& w, const Bf16Tensor& b,
+                    const Bf16Tensor& y);
+// dx = dy w, rounded to bf16 once.
+void linear_backward_input(const Bf16Tensor& dy, const Bf16Tensor& w, const Bf16Tensor& dx);
+// dw [out, in] += dy^T x and db [out] += the sum of dy's rows, in fp32 (the gradients the
+// optimizer's fp32 main parameters take; db may be undefined).
+void linear_backward_weight(const Bf16Tensor& x, const Bf16Tensor& dy, const Tensor& dw,
+                            const Tensor& db);
+
 }  // namespace weave::ops

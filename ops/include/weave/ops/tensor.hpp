@@ -15,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "weave/ops/bfloat16.hpp"
 #include "weave/ops/shape.hpp"
 #include "weave/runtime/memory_tracker.hpp"
 
@@ -105,9 +106,12 @@ class BasicTensor {
 };
 
 using Tensor = BasicTensor<float>;
+// 16-bit storage of parameters and activations (issue 24's bf16 training).
+using Bf16Tensor = BasicTensor<bf16>;
 
 extern template class BasicTensor<float>;
 extern template class BasicTensor<double>;
+extern template class BasicTensor<bf16>;
 
 // Throws std::invalid_argument unless `got` equals `want`, naming both shapes and `what`
 // (e.g. "layer_norm weight").
