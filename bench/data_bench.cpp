@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "demo_config.hpp"
 #include "weave/graphs/gpt_dataset.hpp"
 #include "weave/graphs/indexed_dataset_writer.hpp"
 #include "weave/graphs/preprocess.hpp"
@@ -51,25 +52,7 @@ std::string write_dataset(const fs::path& dir, double megabytes) {
 
 // The demo's configuration (tools/demo) on mock data: its tokens/s here, after a warm-up.
 double demo_tokens_per_second() {
-  TrainerConfig c;
-  c.model = {.num_layers = 4,
-             .hidden_size = 128,
-             .num_attention_heads = 8,
-             .ffn_hidden_size = 256,
-             .seq_length = 128,
-             .num_experts = 4,
-             .moe_layer_freq = 2,
-             .moe_router_topk = 2,
-             .moe_aux_loss_coeff = 0.01};
-  c.plan = {.tensor_parallel = 2,
-            .sequence_parallel = true,
-            .expert_parallel = 2,
-            .data_parallel = 2,
-            .micro_batch_size = 4,
-            .global_batch_size = 16,
-            .ampipe_degree = 2};
-  c.learning_rate = {.lr = 3e-3, .min_lr = 3e-4, .warmup_iters = 2};
-  c.train_iters = 8;
+  TrainerConfig c = weave::bench::demo_config(8);
   Trainer trainer(c, TrainingData::from(TokenDataset::mock(128, 1)));
   double seconds = 0;
   std::int64_t tokens = 0;

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "demo_config.hpp"
 #include "weave/graphs/token_dataset.hpp"
 #include "weave/graphs/trainer.hpp"
 
@@ -48,27 +49,9 @@ double median(std::vector<double> values) {
   return n % 2 ? values[n / 2] : 0.5 * (values[n / 2 - 1] + values[n / 2]);
 }
 
-// tools/demo's configuration, as `weave train` makes it from the demo's flags.
+// tools/demo's run: its model and plan, and its evaluation, logging and checkpoints.
 TrainerConfig demo_config(std::int64_t iterations, const std::string& checkpoint) {
-  TrainerConfig c;
-  c.model = {.num_layers = 4,
-             .hidden_size = 128,
-             .num_attention_heads = 8,
-             .ffn_hidden_size = 256,
-             .seq_length = 128,
-             .num_experts = 4,
-             .moe_layer_freq = 2,
-             .moe_router_topk = 2,
-             .moe_aux_loss_coeff = 0.01};
-  c.plan = {.tensor_parallel = 2,
-            .sequence_parallel = true,
-            .expert_parallel = 2,
-            .data_parallel = 2,
-            .micro_batch_size = 4,
-            .global_batch_size = 16,
-            .ampipe_degree = 2};
-  c.learning_rate = {.lr = 3e-3, .min_lr = 3e-4, .warmup_iters = 20};
-  c.train_iters = iterations;
+  TrainerConfig c = weave::bench::demo_config(iterations);
   c.eval_interval = 150;
   c.eval_iters = 2;
   c.metrics_interval = 30;

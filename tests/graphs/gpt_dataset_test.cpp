@@ -17,20 +17,12 @@
 #include "weave/graphs/gpt_dataset.hpp"
 #include "weave/graphs/indexed_dataset_writer.hpp"
 
+#include "temp_dir.hpp"
+
 namespace fs = std::filesystem;
 using namespace weave::graphs;
 
 namespace {
-
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() /
-           fmt::format("weave_gpt_data_{}_{}", ::getpid(), std::random_device{}());
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-};
 
 using Documents = std::vector<std::vector<std::int32_t>>;
 
@@ -137,7 +129,7 @@ TEST(GptData, TheDerivationsShuffleIsNumpys) {
 }
 
 TEST(GptData, SamplesAreMegatronsOverOneOrSeveralEpochs) {
-  TempDir dir;
+  TempDir dir("gpt_data");
   const Documents docs = corpus(1, 0);
   const std::string prefix = write(dir.path, "a", docs);
   constexpr int S = 16;
@@ -158,7 +150,7 @@ TEST(GptData, SamplesAreMegatronsOverOneOrSeveralEpochs) {
 }
 
 TEST(GptData, ABlendInterleavesItsPrefixesByMegatronsRule) {
-  TempDir dir;
+  TempDir dir("gpt_data");
   const Documents a = corpus(2, 0), b = corpus(3, 5000);
   const std::string pa = write(dir.path, "a", a), pb = write(dir.path, "b", b);
   constexpr int S = 16;
@@ -187,7 +179,7 @@ TEST(GptData, ABlendInterleavesItsPrefixesByMegatronsRule) {
 }
 
 TEST(GptData, IndicesAreReadFromTheCacheAndRebuiltWhenTheDataChanges) {
-  TempDir dir;
+  TempDir dir("gpt_data");
   const std::string prefix = write(dir.path, "a", corpus(1, 0));
   GptDataOptions o{
       .blend = {{prefix}, {}}, .split = "8,2,0", .seq_length = 16, .num_samples = {50, 5, 0}};
@@ -242,7 +234,7 @@ TEST(GptData, BadBlendsAndSplitsAreRefusedNamingTheValue) {
   EXPECT_NE(message([] { parse_data_split("0,100,0"); }).find("nothing to train on"),
             std::string::npos);
   EXPECT_NE(message([] { parse_data_split("90,x"); }).find("'90,x'"), std::string::npos);
-  TempDir dir;
+  TempDir dir("gpt_data");
   const std::string prefix = write(dir.path, "tiny", {{1}, {2}, {3}, {4}});
   GptDataOptions o{
       .blend = {{prefix}, {}}, .split = "1,3", .seq_length = 4, .num_samples = {5, 5, 0}};

@@ -18,23 +18,15 @@
 #include "weave/graphs/indexed_dataset.hpp"
 #include "weave/graphs/indexed_dataset_writer.hpp"
 
+#include "temp_dir.hpp"
+
 namespace fs = std::filesystem;
 using weave::graphs::IndexedDataset;
 using weave::graphs::IndexedDatasetWriter;
+using weave::graphs::TempDir;
 using weave::graphs::TokenType;
 
 namespace {
-
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() /
-           fmt::format("weave_indexed_{}_{}", ::getpid(), std::random_device{}());
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-  std::string prefix(const std::string& name) const { return (path / name).string(); }
-};
 
 // Documents of random lengths (some empty, one long) with ids below `vocab`.
 std::vector<std::vector<std::int32_t>> documents(std::uint32_t seed, std::int32_t vocab) {
@@ -95,7 +87,7 @@ std::string refusal(const std::string& prefix) {
 }  // namespace
 
 TEST(IndexedDataset, WhatIsWrittenReadsBack) {
-  TempDir dir;
+  TempDir dir("indexed");
   for (const auto& [type, vocab] : {std::pair{TokenType::uint16, 50257},
                                     {TokenType::int32, 1 << 20},
                                     {TokenType::uint8, 256},
@@ -114,7 +106,7 @@ TEST(IndexedDataset, WhatIsWrittenReadsBack) {
 }
 
 TEST(IndexedDataset, AnIndependentWritersFilesReadTheSameAndMatchByteForByte) {
-  TempDir dir;
+  TempDir dir("indexed");
   const auto docs = documents(7, 50257);
   const std::string json_path = (dir.path / "docs.json").string();
   std::ofstream(json_path) << nlohmann::json(docs).dump();
@@ -132,7 +124,7 @@ TEST(IndexedDataset, AnIndependentWritersFilesReadTheSameAndMatchByteForByte) {
 }
 
 TEST(IndexedDataset, ForeignOrDamagedFilesAreRefusedNamingTheRule) {
-  TempDir dir;
+  TempDir dir("indexed");
   const auto docs = documents(3, 1000);
   const std::string p = dir.prefix("d");
   auto fresh = [&] { write(p, TokenType::uint16, docs); };
@@ -174,7 +166,7 @@ TEST(IndexedDataset, ForeignOrDamagedFilesAreRefusedNamingTheRule) {
 }
 
 TEST(IndexedDataset, ReadsOutsideASequenceAndTokensTooWideForTheTypeAreRefused) {
-  TempDir dir;
+  TempDir dir("indexed");
   const std::string p = dir.prefix("d");
   write(p, TokenType::uint16, {{1, 2, 3}});
   IndexedDataset data(p);

@@ -17,20 +17,12 @@
 #include "weave/graphs/preprocess.hpp"
 #include "weave/graphs/tokenizer.hpp"
 
+#include "temp_dir.hpp"
+
 namespace fs = std::filesystem;
 using namespace weave::graphs;
 
 namespace {
-
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    path = fs::temp_directory_path() /
-           fmt::format("weave_preprocess_{}_{}", ::getpid(), std::random_device{}());
-    fs::create_directories(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-};
 
 // Texts of many lengths, one empty, some non-ASCII; more lines than one batch of the workers.
 std::vector<std::string> texts() {
@@ -61,7 +53,7 @@ std::string bytes_of(const std::string& path) {
 }  // namespace
 
 TEST(Preprocess, EachDocumentIsOneSequenceOfItsTokensEndingWithEod) {
-  TempDir dir;
+  TempDir dir("preprocess");
   const auto t = texts();
   const auto tokenizer = make_tokenizer({.type = "ByteTokenizer"});
   PreprocessOptions o{.input = write_jsonl(dir.path, t),
@@ -91,7 +83,7 @@ TEST(Preprocess, EachDocumentIsOneSequenceOfItsTokensEndingWithEod) {
 }
 
 TEST(Preprocess, WorkersWriteTheSameFilesAsOneAndEachKeyItsOwnDataset) {
-  TempDir dir;
+  TempDir dir("preprocess");
   const auto tokenizer = make_tokenizer({.type = "ByteTokenizer"});
   PreprocessOptions o{.input = write_jsonl(dir.path, texts()), .json_keys = {"text", "title"}};
   o.output_prefix = (dir.path / "one").string();
@@ -107,7 +99,7 @@ TEST(Preprocess, WorkersWriteTheSameFilesAsOneAndEachKeyItsOwnDataset) {
 }
 
 TEST(Preprocess, ABadLineIsRefusedByItsNumberAndNothingIsLeft) {
-  TempDir dir;
+  TempDir dir("preprocess");
   const std::string input = (dir.path / "bad.jsonl").string();
   std::ofstream(input) << "{\"text\": \"fine\"}\n\n{\"text\": 3}\n";
   const auto tokenizer = make_tokenizer({.type = "ByteTokenizer"});
