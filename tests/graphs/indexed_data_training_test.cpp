@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "temp_dir.hpp"
 #include "tiny_model.hpp"
 #include "weave/graphs/gpt_dataset.hpp"
 #include "weave/graphs/preprocess.hpp"
@@ -58,40 +59,58 @@ TokenizerOptions tokenizer_options() {
           .merge_file = (kPackage / "vocab.bpe").string()};
 }
 
-std::vector<double> train_losses(const TrainerConfig& c, const std::string& prefix) {
-  GptData data({.blend = {{prefix}, {}},
-                .split = "98,2,0",
-                .seq_length = static_cast<int>(c.model.seq_length),
-                .num_samples = {static_cast<std::uint64_t>(c.train_iters) *
-                                    static_cast<std::uint64_t>(c.plan.global_batch_size),
-                                0, 0}});
-  Trainer trainer(c, TrainingData::from(std::move(data)));
+GptData samples_for(const TrainerConfig& c, const std::string& prefix) {
+  return GptData({.blend = {{prefix}, {}},
+                  .split = "98,2,0",
+                  .seq_length = static_cast<int>(c.model.seq_length),
+                  .num_samples = {static_cast<std::uint64_t>(c.train_iters) *
+                                      static_cast<std::uint64_t>(c.plan.global_batch_size),
+                                  0, 0}});
+}
+
+// Trains `trainer` to its end or until `stop_after` iterations, returning each iteration's loss.
+std::vector<double> run_losses(Trainer& trainer, std::int64_t stop_after = 0) {
   std::vector<double> losses;
   trainer.run({.iteration = [&](const IterationMetrics& m) {
     losses.push_back(m.loss);
-    return TrainingControl::proceed;
+    return m.iteration == stop_after ? TrainingControl::stop : TrainingControl::proceed;
   }});
   return losses;
 }
 
+std::vector<double> train_losses(const TrainerConfig& c, const std::string& prefix) {
+  Trainer trainer(c, TrainingData::from(samples_for(c, prefix)));
+  return run_losses(trainer);
+}
+
+// The fortunes preprocessed into `dir` with GPT-2's BPE (or the byte tokenizer), and a tiny model
+// of its vocabulary.
+struct PreprocessedCorpus {
+  std::string prefix;
+  TrainerConfig config;
+
+  explicit PreprocessedCorpus(const fs::path& dir) {
+    write_corpus(dir / "corpus.jsonl");
+    const auto tokenizer = make_tokenizer(tokenizer_options());
+    prefix = preprocess_jsonl({.input = (dir / "corpus.jsonl").string(),
+                               .output_prefix = (dir / "corpus").string(),
+                               .append_eod = true},
+                              *tokenizer)
+                 .prefixes[0];
+    config.model = tiny(0);
+    config.model.vocab_size = tokenizer->vocab_size();
+    config.learning_rate = {.lr = 1e-2, .min_lr = 1e-3, .warmup_iters = 2};
+    config.train_iters = 8;
+    config.pin_devices = false;
+    config.plan = {.micro_batch_size = 2, .global_batch_size = 4};
+  }
+};
+
 TEST(IndexedDataTraining, TensorSequenceAndPipelineParallelEqualOneDeviceAndTheLossFalls) {
-  const fs::path dir = fs::temp_directory_path() / fmt::format("weave_indexed_training_{}_{}",
-                                                               ::getpid(), std::random_device{}());
-  fs::create_directories(dir);
-  write_corpus(dir / "corpus.jsonl");
-  const auto tokenizer = make_tokenizer(tokenizer_options());
-  const PreprocessResult written = preprocess_jsonl({.input = (dir / "corpus.jsonl").string(),
-                                                     .output_prefix = (dir / "corpus").string(),
-                                                     .append_eod = true},
-                                                    *tokenizer);
-  TrainerConfig c;
-  c.model = tiny(0);
-  c.model.vocab_size = tokenizer->vocab_size();
-  c.learning_rate = {.lr = 1e-2, .min_lr = 1e-3, .warmup_iters = 2};
-  c.train_iters = 8;
-  c.pin_devices = false;
-  c.plan = {.micro_batch_size = 2, .global_batch_size = 4};
-  const std::vector<double> one = train_losses(c, written.prefixes[0]);
+  const TempDir dir("indexed_training");
+  const PreprocessedCorpus corpus(dir.path);
+  TrainerConfig c = corpus.config;
+  const std::vector<double> one = train_losses(c, corpus.prefix);
   for (const ParallelPlan& plan :
        {ParallelPlan{.tensor_parallel = 2,
        .sequence_parallel = true,
@@ -99,7 +118,7 @@ TEST(IndexedDataTraining, TensorSequenceAndPipelineParallelEqualOneDeviceAndTheL
        .global_batch_size = 4},
         ParallelPlan{.pipeline_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4}}) {
     c.plan = plan;
-    const std::vector<double> parallel = train_losses(c, written.prefixes[0]);
+    const std::vector<double> parallel = train_losses(c, corpus.prefix);
     ASSERT_EQ(parallel.size(), one.size());
     for (std::size_t i = 0; i < one.size(); ++i)
       EXPECT_NEAR(parallel[i], one[i], 1e-4 * one[i])
@@ -107,7 +126,29 @@ TEST(IndexedDataTraining, TensorSequenceAndPipelineParallelEqualOneDeviceAndTheL
           << plan.pipeline_parallel;
   }
   EXPECT_LT(one.back(), one.front());  // it learns
-  fs::remove_all(dir);
+}
+
+// A run saved and resumed half-way takes Megatron's samples on from where it stopped: its losses
+// are the uninterrupted run's, bit for bit.
+TEST(IndexedDataTraining, AResumedRunTakesTheSamplesOnBitForBit) {
+  const TempDir dir("indexed_resume");
+  const PreprocessedCorpus corpus(dir.path);
+  const TrainerConfig c = corpus.config;
+  const std::vector<double> all = train_losses(c, corpus.prefix);
+  ASSERT_EQ(all.size(), 8u);
+
+  TrainerConfig saving = c;
+  saving.save_path = dir.prefix("half.ckpt");
+  saving.save_interval = 4;
+  {
+    Trainer trainer(saving, TrainingData::from(samples_for(saving, corpus.prefix)));
+    EXPECT_EQ(run_losses(trainer, 4), std::vector<double>(all.begin(), all.begin() + 4));
+  }
+  TrainerConfig resuming = c;
+  resuming.load_path = saving.save_path;
+  Trainer trainer(resuming, TrainingData::from(samples_for(resuming, corpus.prefix)));
+  EXPECT_EQ(trainer.consumed_samples(), 4u * 4);
+  EXPECT_EQ(run_losses(trainer), std::vector<double>(all.begin() + 4, all.end()));
 }
 
 }  // namespace
