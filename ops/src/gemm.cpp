@@ -1,12 +1,11 @@
 #include "weave/ops/gemm.hpp"
 
-#include <fmt/format.h>
 #include <tbb/task_arena.h>
 
 #include <Eigen/Core>
 #include <algorithm>
-#include <stdexcept>
 
+#include "gemm_views.hpp"
 #include "weave/runtime/parallel_for.hpp"
 
 namespace weave::ops {
@@ -54,32 +53,14 @@ void serial_gemm(bool ta, bool tb, T alpha, MatrixView<const T> a, MatrixView<co
   if (ta && tb) C.noalias() += alpha * A.transpose() * B.transpose();
 }
 
-// Rows [r0, r1) of op(A): a sub-view of A.
-template <typename T>
-MatrixView<const T> op_rows(MatrixView<const T> a, bool trans, std::int64_t r0, std::int64_t r1) {
-  if (!trans) return {a.data + r0 * a.stride, r1 - r0, a.cols, a.stride};
-  return {a.data + r0, a.rows, r1 - r0, a.stride};
-}
-// Columns [c0, c1) of op(B).
-template <typename T>
-MatrixView<const T> op_cols(MatrixView<const T> b, bool trans, std::int64_t c0, std::int64_t c1) {
-  if (!trans) return {b.data + c0, b.rows, c1 - c0, b.stride};
-  return {b.data + c0 * b.stride, c1 - c0, b.cols, b.stride};
-}
-
 }  // namespace
 
 template <typename T>
 void gemm(Transpose trans_a, Transpose trans_b, T alpha, MatrixView<const T> a,
           MatrixView<const T> b, T beta, MatrixView<T> c) {
   const bool ta = trans_a == Transpose::yes, tb = trans_b == Transpose::yes;
-  const std::int64_t m = ta ? a.cols : a.rows, k = ta ? a.rows : a.cols;
-  const std::int64_t kb = tb ? b.cols : b.rows, n = tb ? b.rows : b.cols;
-  if (k != kb || c.rows != m || c.cols != n)
-    throw std::invalid_argument(fmt::format(
-        "gemm: op(A) is [{}, {}], op(B) is [{}, {}] and C is [{}, {}]: need op(A) [m, k], "
-        "op(B) [k, n], C [m, n]",
-        m, k, kb, n, c.rows, c.cols));
+  const GemmShape shape = gemm_shape("gemm", ta, tb, a, b, c);
+  const std::int64_t m = shape.m, n = shape.n, k = shape.k;
   const int threads = tbb::this_task_arena::max_concurrency();
   const double macs = static_cast<double>(m) * static_cast<double>(n) * static_cast<double>(k);
   const bool split_rows = m >= n;

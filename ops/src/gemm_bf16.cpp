@@ -1,6 +1,5 @@
 #include "weave/ops/gemm_bf16.hpp"
 
-#include <fmt/format.h>
 #include <omp.h>
 #include <tbb/task_arena.h>
 
@@ -8,10 +7,10 @@
 #include <cstdio>
 #include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
-#include <stdexcept>
 #include <type_traits>
 #include <vector>
 
+#include "gemm_views.hpp"
 #include "weave/runtime/parallel_for.hpp"
 
 namespace weave::ops {
@@ -147,28 +146,12 @@ void serial_gemm(bool ta, bool tb, float alpha, MatrixView<const bf16> a, Matrix
     fallback_gemm<Out>(ta, tb, alpha, a, b, beta, c);
 }
 
-template <typename T>
-MatrixView<const T> op_rows(MatrixView<const T> a, bool trans, std::int64_t r0, std::int64_t r1) {
-  if (!trans) return {a.data + r0 * a.stride, r1 - r0, a.cols, a.stride};
-  return {a.data + r0, a.rows, r1 - r0, a.stride};
-}
-template <typename T>
-MatrixView<const T> op_cols(MatrixView<const T> b, bool trans, std::int64_t c0, std::int64_t c1) {
-  if (!trans) return {b.data + c0, b.rows, c1 - c0, b.stride};
-  return {b.data + c0 * b.stride, c1 - c0, b.cols, b.stride};
-}
-
 template <typename Out>
 void gemm_bf16_impl(Transpose trans_a, Transpose trans_b, float alpha, MatrixView<const bf16> a,
                     MatrixView<const bf16> b, float beta, MatrixView<Out> c) {
   const bool ta = trans_a == Transpose::yes, tb = trans_b == Transpose::yes;
-  const std::int64_t m = ta ? a.cols : a.rows, k = ta ? a.rows : a.cols;
-  const std::int64_t kb = tb ? b.cols : b.rows, n = tb ? b.rows : b.cols;
-  if (k != kb || c.rows != m || c.cols != n)
-    throw std::invalid_argument(fmt::format(
-        "gemm_bf16: op(A) is [{}, {}], op(B) is [{}, {}] and C is [{}, {}]: need op(A) [m, k], "
-        "op(B) [k, n], C [m, n]",
-        m, k, kb, n, c.rows, c.cols));
+  const GemmShape shape = gemm_shape("gemm_bf16", ta, tb, a, b, c);
+  const std::int64_t m = shape.m, n = shape.n, k = shape.k;
   const bool native = bf16_kernel() != Bf16Kernel::fp32_fallback;
   if (!native) {
     note_fallback_once();
