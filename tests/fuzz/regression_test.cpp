@@ -88,6 +88,18 @@ TEST(FuzzRegressions, MicroBatchTimesDataParallelBeyondAnIntIsRefused) {
   }
 }
 
+TEST(FuzzRegressions, IndexedSequenceWhosePointerNearsInt64MaxIsRefusedAsOutsideTheBin) {
+  IndexedFiles files;
+  const std::string bytes = read(kRegressions / "indexed_dataset/pointer_near_int64_max");
+  try {
+    read_indexed_dataset(reinterpret_cast<const std::uint8_t*>(bytes.data()), bytes.size(), files);
+    FAIL() << "a sequence at byte 9223372036854775800 of a 16-byte .bin was read";
+  } catch (const std::runtime_error& e) {
+    EXPECT_TRUE(contains(e.what(), "from byte 9223372036854775800")) << e.what();
+    EXPECT_TRUE(contains(e.what(), "truncated")) << e.what();
+  }
+}
+
 // The indexed_dataset fuzz target's seeds (valid datasets) read, and every prefix of them and
 // every one-byte change of its .idx is read or refused by rule, never a crash or a wrong read.
 TEST(FuzzRegressions, IndexedDatasetSeedsReadAndTheirDamageIsRefused) {

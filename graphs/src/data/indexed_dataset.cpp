@@ -149,9 +149,10 @@ void IndexedDataset::check_sequences() {
           path, i, length, pointer, item));
     if (pointer > bin_size || length > (bin_size - pointer) / item)
       throw std::runtime_error(fmt::format(
-          "'{}' holds {} bytes but sequence {} of '{}' needs bytes {} to {}: the .bin is truncated "
-          "or belongs to another .idx (write both again with weave preprocess)",
-          bin_->path(), bin_size, i, path, pointer, pointer + length * item));
+          "'{}' holds {} bytes but sequence {} of '{}' needs {} tokens of {} bytes from byte {}: "
+          "the .bin is truncated or belongs to another .idx (write both again with weave "
+          "preprocess)",
+          bin_->path(), bin_size, i, path, length, item, pointer));
     tokens_ += static_cast<std::uint64_t>(length);
   }
 }
