@@ -155,13 +155,89 @@ TEST(Prediction, FoldedReplicasPredictWhatEveryRankDoes) {
                    .device_memory_bandwidth = 1e11,
                    .link = "nvlink4",
                    .cluster = cluster};
-      const Prediction folded = predict_step(c),
-                       every = predict_step(c, {.fold_data_parallel = false});
+      const Prediction folded = predict_step(c, {.fold_tensor_parallel = false}),
+                       every = predict_step(
+                           c, {.fold_data_parallel = false, .fold_tensor_parallel = false});
       EXPECT_EQ(every.replayed_devices, plan.devices()) << name;
       EXPECT_EQ(folded.replayed_devices * plan.data_parallel, plan.devices()) << name;
       EXPECT_DOUBLE_EQ(folded.step_ms, every.step_ms) << name;
       EXPECT_DOUBLE_EQ(folded.bubble, every.bubble) << name;
       EXPECT_EQ(folded.memory, every.memory) << name;
+      ASSERT_EQ(folded.exposed.size(), every.exposed.size()) << name;
+      for (std::size_t i = 0; i < every.exposed.size(); ++i) {
+        EXPECT_EQ(folded.exposed[i].group, every.exposed[i].group) << name;
+        EXPECT_NEAR(folded.exposed[i].ms_per_device, every.exposed[i].ms_per_device,
+                    1e-9 * every.exposed[i].ms_per_device)
+            << name << " " << every.exposed[i].group;
+      }
+    }
+}
+
+// Folding tensor-parallel peers too (the default): the same figures as replaying every rank,
+// from the first tensor-parallel rank of the first replica's ranks, for every way a tp group
+// shares its work (SP, split experts with Ampipe's tp-sp overlap, expert parallelism over tp,
+// context parallelism, interleaved pipelines), on one node and across nodes.
+TEST(Prediction, FoldedTensorParallelPeersPredictWhatEveryRankDoes) {
+  const std::pair<const char*, ParallelPlan> plans[] = {
+      {"dense tp4 dp2 pp2 interleaved",
+       {.tensor_parallel = 4,
+        .data_parallel = 2,
+        .pipeline_parallel = 2,
+        .virtual_pipeline = 2,
+        .micro_batch_size = 1,
+        .global_batch_size = 8}},
+      {"moe tp2+sp ep2 over tp, distributed optimizer",
+       {.tensor_parallel = 2,
+        .sequence_parallel = true,
+        .expert_parallel = 2,
+        .data_parallel = 2,
+        .micro_batch_size = 1,
+        .global_batch_size = 4,
+        .distributed_optimizer = true}},
+      {"moe tp2+sp split experts ep2 ampipe 2 tp-sp overlap",
+       {.tensor_parallel = 2,
+        .sequence_parallel = true,
+        .expert_parallel = 2,
+        .expert_tensor_parallel = 2,
+        .moe_model_type = "deepspeed_moe",
+        .data_parallel = 2,
+        .micro_batch_size = 1,
+        .global_batch_size = 4,
+        .ampipe_degree = 2,
+        .ampipe_tp_sp_comm_overlap = true}},
+      {"dense tp2 cp2 dp2",
+       {.tensor_parallel = 2,
+        .context_parallel = 2,
+        .data_parallel = 2,
+        .micro_batch_size = 1,
+        .global_batch_size = 4}},
+  };
+  const std::optional<devices::Cluster> clusters[] = {
+      std::nullopt,
+      devices::Cluster(2, {.name = "node link", .params = {3'000, 450e9}},
+                       {.name = "network", .params = {10'000, 5e9}}),
+  };
+  for (const auto& cluster : clusters)
+    for (const auto& [plan_name, plan] : plans) {
+      const std::string name = fmt::format("{} on {} devices a node", plan_name,
+                                           cluster ? cluster->devices_per_node() : 0);
+      TrainerConfig c;
+      c.model = tiny(4);
+      c.model.num_layers = 4;  // two chunks on each of two stages
+      c.plan = plan;
+      c.machine = {.device_flops = 1e12,
+                   .device_memory_bandwidth = 1e11,
+                   .link = "nvlink4",
+                   .cluster = cluster};
+      const Prediction folded = predict_step(c),
+                       every = predict_step(
+                           c, {.fold_data_parallel = false, .fold_tensor_parallel = false});
+      EXPECT_EQ(folded.replayed_devices * plan.data_parallel * plan.tensor_parallel, plan.devices())
+          << name;
+      EXPECT_DOUBLE_EQ(folded.step_ms, every.step_ms) << name;
+      EXPECT_DOUBLE_EQ(folded.bubble, every.bubble) << name;
+      EXPECT_EQ(folded.memory, every.memory) << name;
+      EXPECT_EQ(folded.memory_total, every.memory_total) << name;
       ASSERT_EQ(folded.exposed.size(), every.exposed.size()) << name;
       for (std::size_t i = 0; i < every.exposed.size(); ++i) {
         EXPECT_EQ(folded.exposed[i].group, every.exposed[i].group) << name;

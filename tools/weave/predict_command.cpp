@@ -101,9 +101,16 @@ std::string recompute_text(const graphs::Recompute& r) {
   return {};
 }
 
+// Folding data-parallel replicas and tensor-parallel peers, unless --every-rank. A trace keeps
+// every rank of replica 0, tensor-parallel peers included, as a reader expects to see them.
+graphs::PredictionOptions folding(const PredictOptions& o, const graphs::TrainerConfig& c) {
+  return {.fold_data_parallel = !o.every_rank,
+          .fold_tensor_parallel = !o.every_rank && c.trace_path.empty()};
+}
+
 // The ranks --trace-ranks names ("0-7,64"), each checked against the plan before anything is
-// predicted: in range, and built (a folded data-parallel replica's rank is not: it runs its
-// replica 0 rank's program).
+// predicted: in range, and built (a folded rank is not: it runs the program of the rank it is
+// folded into).
 std::vector<rt::DeviceId> parse_trace_ranks(const PredictOptions& o,
                                             const graphs::TrainerConfig& c) {
   std::vector<rt::DeviceId> ranks;
@@ -230,8 +237,8 @@ void print_figures(const graphs::Prediction& p, const graphs::TrainerConfig& c) 
   const graphs::ParallelPlan& plan = c.plan;
   fmt::print("replayed         {} of {} devices{}\n", p.replayed_devices, plan.devices(),
              p.replayed_devices < plan.devices()
-                 ? " (data-parallel replicas folded into the first: the same work on other "
-                   "samples)"
+                 ? " (data-parallel replicas and tensor-parallel peers folded into the first: "
+                   "the same work on other samples and shards)"
                  : "");
   fmt::print("step             {:.3f} ms\n", p.step_ms);
   fmt::print("throughput       {:.0f} tokens/s\n", p.tokens_per_second);
@@ -353,10 +360,10 @@ int run_predict(PredictOptions& o, const CLI::App& cmd) {
     return advise_plans(c, {.device_memory_bytes = device_memory,
                             .top = o.advise_top,
                             .max_predictions = o.advise_limit,
-                            .fold_data_parallel = !o.every_rank,
+                            .fold = !o.every_rank,
                             .model_flags = model_flags(cmd),
                             .flags_without_effect = o.train.no_effect});
-  const graphs::Prediction p = graphs::predict_step(c, {.fold_data_parallel = !o.every_rank});
+  const graphs::Prediction p = graphs::predict_step(c, folding(o, c));
   print_configuration(c, accelerator);
   print_figures(p, c);
   print_memory(p, o.device_memory_gib);

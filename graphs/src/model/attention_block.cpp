@@ -109,14 +109,13 @@ void AttentionBlock::declare_parameters(ParameterDeclarer& declare, const LayerS
   // group's query heads, then its key, then its value (one query head per group without
   // grouped-query attention); logical rows: every query head, then every key, then every value
   // head, d rows each.
-  std::vector<std::int64_t> qkv_rows;
+  RowMap qkv_rows;
   for (std::int64_t gl = 0; gl < groups_local; ++gl) {
     const std::int64_t g = t * groups_local + gl;
     for (std::int64_t which = 0; which < per_group + 2; ++which) {
       const std::int64_t first = which < per_group ? (g * per_group + which) * d
                                                    : (heads + (which - per_group) * groups + g) * d;
-      for (std::int64_t i = 0; i < d; ++i)
-        qkv_rows.push_back(first + i);
+      qkv_rows.append(first, d);
     }
   }
   const std::int64_t qkv_local = (heads_local + 2 * groups_local) * d;
@@ -129,10 +128,10 @@ void AttentionBlock::declare_parameters(ParameterDeclarer& declare, const LayerS
   for (const QueryKeyStage* stage : spec.query_key)
     L.query_key.push_back(stage->declare_parameters(declare, spec, prefix + "attention."));
   L.proj_weight = &declare.add(prefix + "attention.proj.weight", {h, heads_local * d}, h, h,
-                               iota_from(0, h), t * heads_local * d, declare.out_std, 0);
+                               RowMap::range(0, h), t * heads_local * d, declare.out_std, 0);
   if (m.add_bias_linear)
     L.proj_bias = &declare.replicated(
-        declare.add(prefix + "attention.proj.bias", {h}, h, 1, iota_from(0, h), 0, 0, 0),
+        declare.add(prefix + "attention.proj.bias", {h}, h, 1, RowMap::range(0, h), 0, 0, 0),
         declare.mesh.plan().sequence_parallel);
 }
 

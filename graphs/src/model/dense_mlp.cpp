@@ -16,22 +16,19 @@ void DenseMlp::declare_parameters(ParameterDeclarer& declare, const LayerSpec&, 
   const bool swiglu = m.activation == Activation::swiglu;
   const std::string prefix = fmt::format("layers.{}.mlp.", layer);
   // SwiGLU: this rank's gates, then its values.
-  std::vector<std::int64_t> fc1_rows = iota_from(t * f_local, f_local);
-  if (swiglu) {
-    const auto values = iota_from(f + t * f_local, f_local);
-    fc1_rows.insert(fc1_rows.end(), values.begin(), values.end());
-  }
+  RowMap fc1_rows = RowMap::range(t * f_local, f_local);
+  if (swiglu) fc1_rows.append(f + t * f_local, f_local);
   const std::int64_t f1 = swiglu ? 2 * f : f, f1_local = swiglu ? 2 * f_local : f_local;
   L.fc1_weight =
       &declare.add(prefix + "fc1.weight", {f1_local, h}, f1, h, fc1_rows, 0, declare.std, 0);
   if (m.add_bias_linear)
     L.fc1_bias = &declare.add(prefix + "fc1.bias", {f1_local}, f1, 1, fc1_rows, 0, 0, 0);
-  L.fc2_weight = &declare.add(prefix + "fc2.weight", {h, f_local}, h, f, iota_from(0, h),
+  L.fc2_weight = &declare.add(prefix + "fc2.weight", {h, f_local}, h, f, RowMap::range(0, h),
                               t * f_local, declare.out_std, 0);
   if (m.add_bias_linear)
-    L.fc2_bias =
-        &declare.replicated(declare.add(prefix + "fc2.bias", {h}, h, 1, iota_from(0, h), 0, 0, 0),
-                            declare.mesh.plan().sequence_parallel);
+    L.fc2_bias = &declare.replicated(
+        declare.add(prefix + "fc2.bias", {h}, h, 1, RowMap::range(0, h), 0, 0, 0),
+        declare.mesh.plan().sequence_parallel);
 }
 
 void dense_mlp_forward(const ModelConfig& m, const DenseMlpParameters& W, const Tensor& x,

@@ -93,12 +93,12 @@ void Embedding::declare_parameters(ParameterDeclarer& declare, const StageConten
   const bool word_held = contents.input_embedding || (tied && contents.output_layer);
   declare.hold(word_held);
   E.word = &declare.add("embedding.word", {v_local, h}, vocab, h,
-                        iota_from(declare.vocab_start(), v_local), 0, declare.std, 0);
+                        RowMap::range(declare.vocab_start(), v_local), 0, declare.std, 0);
   declare.hold(contents.input_embedding);
   if (m.learned_positions())
     E.positions =
         &declare.replicated(declare.add("embedding.position", {m.positions(), h}, m.positions(), h,
-                                        iota_from(0, m.positions()), 0, declare.std, 0),
+                                        RowMap::range(0, m.positions()), 0, declare.std, 0),
                             declare.mesh.plan().sequence_parallel);
   if (!contents.input_embedding) E.positions = nullptr;
   if (!word_held) E.word = nullptr;

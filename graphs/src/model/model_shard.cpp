@@ -22,12 +22,6 @@ std::int64_t local_rows(const Parameter& p) {
   return p.value.numel() / local_cols(p);
 }
 
-std::vector<std::int64_t> iota_from(std::int64_t first, std::int64_t count) {
-  std::vector<std::int64_t> v(static_cast<std::size_t>(count));
-  std::iota(v.begin(), v.end(), first);
-  return v;
-}
-
 namespace {
 
 // Standard normal for (key, row, col) by Box-Muller over two counter-based uniforms.
@@ -41,8 +35,8 @@ double normal(const ops::RandomKey& key, std::int64_t row, std::int64_t col) {
 }  // namespace
 
 Parameter& ModelShard::add(std::string name, const ops::Shape& local, std::int64_t logical_rows,
-                           std::int64_t logical_cols, std::vector<std::int64_t> row_map,
-                           std::int64_t col_offset, double std, double constant) {
+                           std::int64_t logical_cols, RowMap row_map, std::int64_t col_offset,
+                           double std, double constant) {
   const std::uint32_t index = next_index_++;
   if (!holding_) {
     skipped_ = Parameter{};
@@ -58,7 +52,7 @@ Parameter& ModelShard::add(std::string name, const ops::Shape& local, std::int64
   p.row_map = std::move(row_map);
   p.col_offset = col_offset;
   const std::int64_t rows = local_rows(p), cols = local_cols(p);
-  if (static_cast<std::int64_t>(p.row_map.size()) != rows)
+  if (p.row_map.size() != rows)
     throw std::logic_error(fmt::format("parameter {}: {} row mappings for {} local rows", p.name,
                                        p.row_map.size(), rows));
   // The parameter's index in the model is its random stream: the same on every device.
@@ -97,8 +91,8 @@ std::int64_t ParameterDeclarer::vocab_start() const {
 
 Parameter& ParameterDeclarer::add(const std::string& name, const ops::Shape& local,
                                   std::int64_t logical_rows, std::int64_t logical_cols,
-                                  std::vector<std::int64_t> row_map, std::int64_t col_offset,
-                                  double init_std, double constant) {
+                                  RowMap row_map, std::int64_t col_offset, double init_std,
+                                  double constant) {
   return shard_.add(name, local, logical_rows, logical_cols, std::move(row_map), col_offset,
                     init_std, constant);
 }
@@ -111,7 +105,7 @@ Parameter& ParameterDeclarer::replicated(Parameter& p, bool sees_split_tokens) c
 
 Parameter* ParameterDeclarer::norm(const std::string& name, double value) {
   const std::int64_t h = model.hidden_size;
-  return &replicated(add(name, {h}, h, 1, iota_from(0, h), 0, 0, value),
+  return &replicated(add(name, {h}, h, 1, RowMap::range(0, h), 0, 0, value),
                      mesh.plan().sequence_parallel);
 }
 

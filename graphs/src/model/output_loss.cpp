@@ -143,8 +143,9 @@ void OutputLoss::declare_parameters(ParameterDeclarer& declare, const StageConte
     O.final_norm_bias = declare.norm("final_norm.bias", 0);
   declare.bucket("output");
   if (m.untie_embeddings_and_output_weights)
-    O.output_weight = &declare.add("output.weight", {v_local, h}, vocab, h,
-                                   iota_from(declare.vocab_start(), v_local), 0, declare.std, 0);
+    O.output_weight =
+        &declare.add("output.weight", {v_local, h}, vocab, h,
+                     RowMap::range(declare.vocab_start(), v_local), 0, declare.std, 0);
   if (!contents.output_layer) O = OutputLossParameters{};
 }
 

@@ -37,8 +37,8 @@ class ParameterDeclarer {
   // column c logical column col_offset + c: normal(0, init_std) draws when init_std > 0,
   // otherwise every element `constant`.
   Parameter& add(const std::string& name, const ops::Shape& local, std::int64_t logical_rows,
-                 std::int64_t logical_cols, std::vector<std::int64_t> row_map,
-                 std::int64_t col_offset, double init_std, double constant);
+                 std::int64_t logical_cols, RowMap row_map, std::int64_t col_offset,
+                 double init_std, double constant);
   // `p` is the same on every tensor-parallel rank; `sees_split_tokens`: each tp rank computed its
   // gradient from other tokens or heads, so the gradients are summed over tp.
   Parameter& replicated(Parameter& p, bool sees_split_tokens) const;
@@ -48,8 +48,5 @@ class ParameterDeclarer {
  private:
   ModelShard& shard_;
 };
-
-// [first, first + count).
-std::vector<std::int64_t> iota_from(std::int64_t first, std::int64_t count);
 
 }  // namespace weave::graphs

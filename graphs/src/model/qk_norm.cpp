@@ -57,7 +57,7 @@ class QkNorm final : public QueryKeyStage {
     // Every tp rank norms other heads with the same weight: its gradient is a partial sum.
     auto norm = [&](const char* name, double value) {
       return &declare.replicated(
-          declare.add(prefix + name, {d}, d, 1, iota_from(0, d), 0, 0, value), true);
+          declare.add(prefix + name, {d}, d, 1, RowMap::range(0, d), 0, 0, value), true);
     };
     const bool biases = spec.norm == Normalization::layer_norm;
     StageParameters W(slots, nullptr);

@@ -30,18 +30,15 @@ void declare_experts_parameters(ParameterDeclarer& declare, const std::string& p
   const bool split = declare.mesh.experts_split();
   const std::int64_t etp = split ? declare.tp : 1, et = split ? declare.at.tp : 0;
   const std::int64_t fe = f / etp, f1e = swiglu ? 2 * fe : fe;
-  std::vector<std::int64_t> fc1_rows;
+  RowMap fc1_rows;
   for (std::int64_t e = first; e < first + local; ++e) {
-    for (std::int64_t i = 0; i < fe; ++i)
-      fc1_rows.push_back(e * f1 + et * fe + i);
-    if (swiglu)
-      for (std::int64_t i = 0; i < fe; ++i)
-        fc1_rows.push_back(e * f1 + f + et * fe + i);
+    fc1_rows.append(e * f1 + et * fe, fe);
+    if (swiglu) fc1_rows.append(e * f1 + f + et * fe, fe);
   }
   W.fc1 = &declare.add(prefix + "experts.fc1.weight", {local, f1e, h}, E * f1, h, fc1_rows, 0,
                        declare.std, 0);
   W.fc2 = &declare.add(prefix + "experts.fc2.weight", {local, h, fe}, E * h, f,
-                       iota_from(first * h, local * h), et * fe, declare.out_std, 0);
+                       RowMap::range(first * h, local * h), et * fe, declare.out_std, 0);
   W.fc1->expert = W.fc2->expert = true;
 }
 

@@ -40,7 +40,7 @@ void declare_router_parameters(ParameterDeclarer& declare, const std::string& pr
   // The MoE layer routes this rank's share of the tokens: with tp > 1 the router's gradient is a
   // partial sum over the tensor-parallel ranks.
   W.weight = &declare.replicated(
-      declare.add(prefix + "router.weight", {E, h}, E, h, iota_from(0, E), 0, declare.std, 0),
+      declare.add(prefix + "router.weight", {E, h}, E, h, RowMap::range(0, E), 0, declare.std, 0),
       true);
 }
 

@@ -156,12 +156,14 @@ PlanCandidates enumerate_plans(const TrainerConfig& base, const PlanSearchOption
       }
     }
   }
-  // A folded prediction builds tp x cp x pp ranks (ep is carved out of the folded replicas):
-  // the cheap ones first, so a candidate limit cuts the costly tail.
-  std::stable_sort(
-      out.configs.begin(), out.configs.end(), [](const TrainerConfig& a, const TrainerConfig& b) {
-        return a.plan.devices() / a.plan.data_parallel < b.plan.devices() / b.plan.data_parallel;
-      });
+  // A folded prediction builds cp x pp ranks (data-parallel replicas and tensor-parallel peers
+  // folded, ep carved out of them): the cheap ones first, so a candidate limit cuts the costly
+  // tail.
+  std::stable_sort(out.configs.begin(), out.configs.end(),
+                   [](const TrainerConfig& a, const TrainerConfig& b) {
+                     return a.plan.context_parallel * a.plan.pipeline_parallel <
+                            b.plan.context_parallel * b.plan.pipeline_parallel;
+                   });
   sort_by_count(out.refused);
   return out;
 }

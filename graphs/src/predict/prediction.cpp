@@ -60,20 +60,19 @@ double recomputed_flops_per_step(const ModelConfig& m, const ParallelPlan& plan)
 namespace {
 
 // The ranks a prediction builds, and the rank each device's figures are read from: with folding,
-// a data-parallel replica reads its first replica's.
+// a data-parallel replica reads its first replica's, a tensor-parallel rank its group's first.
 struct ReplayedRanks {
   std::vector<int> built, source;
   std::vector<bool> held;  // per device: built here
 };
 
-ReplayedRanks ranks_to_replay(const ParallelPlan& plan, const Mesh& mesh, bool fold_data_parallel) {
+ReplayedRanks ranks_to_replay(const ParallelPlan& plan, const Mesh& mesh,
+                              const PredictionOptions& options) {
   ReplayedRanks ranks;
   ranks.source.resize(static_cast<std::size_t>(plan.devices()));
   ranks.held.assign(static_cast<std::size_t>(plan.devices()), false);
   for (int r = 0; r < plan.devices(); ++r) {
-    const MeshCoordinates at = mesh.coordinates(r);
-    const bool fold = fold_data_parallel && plan.data_parallel > 1;
-    ranks.source[static_cast<std::size_t>(r)] = fold ? mesh.rank_of(at.tp, at.cp, 0, at.pp) : r;
+    ranks.source[static_cast<std::size_t>(r)] = replayed_rank(mesh, r, options);
     if (ranks.source[static_cast<std::size_t>(r)] == r) {
       ranks.built.push_back(r);
       ranks.held[static_cast<std::size_t>(r)] = true;
@@ -141,12 +140,18 @@ void read_memory(devices::DeviceSet& set, const std::vector<int>& source, Predic
 
 }  // namespace
 
+int replayed_rank(const Mesh& mesh, int rank, const PredictionOptions& options) {
+  const MeshCoordinates at = mesh.coordinates(rank);
+  return mesh.rank_of(options.fold_tensor_parallel ? 0 : at.tp, at.cp,
+                      options.fold_data_parallel ? 0 : at.dp, at.pp);
+}
+
 Prediction predict_step(TrainerConfig config, const PredictionOptions& options) {
   validate(config);
   const ModelConfig& m = config.model;
   const ParallelPlan& plan = config.plan;
   const Mesh mesh(plan);
-  const ReplayedRanks ranks = ranks_to_replay(plan, mesh, options.fold_data_parallel);
+  const ReplayedRanks ranks = ranks_to_replay(plan, mesh, options);
   std::vector<rt::DeviceId> ids(ranks.built.begin(), ranks.built.end());
   devices::DeviceSet set(plan.devices(), {.pin = false, .held = ids});
   devices::FoldedCommunicator comm(ranks.held);

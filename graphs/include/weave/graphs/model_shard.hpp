@@ -19,6 +19,7 @@
 #include "weave/devices/device.hpp"
 #include "weave/graphs/mesh.hpp"
 #include "weave/graphs/model_config.hpp"
+#include "weave/graphs/row_map.hpp"
 #include "weave/ops/tensor.hpp"
 
 namespace weave::graphs {
@@ -34,10 +35,10 @@ struct Parameter {
   ops::Tensor value, grad;  // local shapes
   ops::Tensor exp_avg, exp_avg_sq;
   std::int64_t logical_rows = 0, logical_cols = 0;
-  std::vector<std::int64_t> row_map;  // local row -> logical row
-  std::int64_t col_offset = 0;        // local column c is logical column col_offset + c
-  bool expert = false;                // reduced over the expert-data-parallel group, not dp
-  bool tensor_replicated = false;     // the same on every tensor-parallel rank
+  RowMap row_map;                  // local row -> logical row
+  std::int64_t col_offset = 0;     // local column c is logical column col_offset + c
+  bool expert = false;             // reduced over the expert-data-parallel group, not dp
+  bool tensor_replicated = false;  // the same on every tensor-parallel rank
   GradientReduction reduction = GradientReduction::none;
   std::string bucket;  // the gradient bucket it is reduced with
 };
@@ -141,8 +142,8 @@ class ModelShard {
   // std > 0: normal(0, std) draws; otherwise every element is `constant`. While !holding_, only
   // counts the parameter and returns a placeholder.
   Parameter& add(std::string name, const ops::Shape& local, std::int64_t logical_rows,
-                 std::int64_t logical_cols, std::vector<std::int64_t> row_map,
-                 std::int64_t col_offset, double std, double constant);
+                 std::int64_t logical_cols, RowMap row_map, std::int64_t col_offset, double std,
+                 double constant);
   const ModelConfig& config_;
   devices::Device& device_;
   StageContents contents_;

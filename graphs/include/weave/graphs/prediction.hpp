@@ -10,6 +10,7 @@
 #include <string_view>
 #include <vector>
 
+#include "weave/graphs/mesh.hpp"
 #include "weave/graphs/trainer_config.hpp"
 #include "weave/runtime/memory_tracker.hpp"
 #include "weave/runtime/trace.hpp"
@@ -55,15 +56,21 @@ struct Prediction {
   rt::Trace trace;                         // the replay
 };
 
-// Folding: data-parallel replicas run the same program on other samples, so only the first
-// replica's ranks (dp = 0) are built and replayed, each collective costed for its whole group
-// (devices::FoldedCommunicator) and waiting only for the members built. Exact when the replicas'
-// work is the same, as it is on the virtual clock without running kernels (MoE routing is then
-// timed as balanced): the folded prediction equals the unfolded one (tests/graphs/
-// prediction_test.cpp). Every other rank (tensor, context, expert, pipeline) is built.
+// Folding: data-parallel replicas run the same program on other samples, and the ranks of a
+// tensor-parallel group the same program on other shards of the same shapes, so only the first
+// replica's (dp = 0) and the first tensor-parallel rank's (tp = 0) ranks are built and replayed,
+// each collective costed for its whole group (devices::FoldedCommunicator) and waiting only for
+// the members built. Exact when the folded ranks' work is the same, as it is on the virtual clock
+// without running kernels (MoE routing is then timed as balanced): the folded prediction equals
+// the unfolded one (tests/graphs/prediction_test.cpp). Context-parallel, expert-parallel (carved
+// out of the data-parallel and tensor-parallel ranks) and pipeline ranks are built.
 struct PredictionOptions {
   bool fold_data_parallel = true;
+  bool fold_tensor_parallel = true;
 };
+
+// The rank whose replay stands for `rank`'s under `options` (itself when it is built).
+int replayed_rank(const Mesh& mesh, int rank, const PredictionOptions& options);
 
 // Validates a copy of `config` (throws ConfigError) and predicts its step.
 Prediction predict_step(TrainerConfig config, const PredictionOptions& options = {});
