@@ -25,8 +25,13 @@ struct CollectiveMatcher::Pending {
 
 namespace {
 
-// Groups are told apart by name and devices: two groups of one name are different groups.
+// Groups are told apart by name and devices: two groups of one name are different groups. An
+// evenly spaced group (every group of a mesh) is named by its first device, stride and size,
+// which its devices determine, so the key stays short for groups of thousands of devices.
 std::string group_key(const ProcessGroup& group) {
+  if (group.device_stride() != 0)
+    return fmt::format("{}({}+{}x{})", group.name(), group.device(0), group.device_stride(),
+                       group.size());
   return fmt::format("{}({})", group.name(), fmt::join(group.devices(), ","));
 }
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <utility>
 
 namespace weave::devices {
 
@@ -12,13 +13,18 @@ ProcessGroup::ProcessGroup(std::string name, std::vector<rt::DeviceId> devices)
     : name_(std::move(name)), devices_(std::move(devices)) {
   if (devices_.empty())
     throw std::invalid_argument(fmt::format("process group '{}' has no devices", name_));
+  // Sorted (device, rank) pairs: a device listed twice sits next to itself, found in n log n
+  // for groups of thousands of devices.
+  std::vector<std::pair<rt::DeviceId, std::size_t>> by_device(devices_.size());
   for (std::size_t i = 0; i < devices_.size(); ++i)
-    for (std::size_t j = i + 1; j < devices_.size(); ++j)
-      if (devices_[i] == devices_[j])
-        throw std::invalid_argument(fmt::format(
-            "process group '{}' lists device {} twice (ranks {} and {}): each device may hold one "
-            "rank of a group",
-            name_, devices_[i], i, j));
+    by_device[i] = {devices_[i], i};
+  std::sort(by_device.begin(), by_device.end());
+  for (std::size_t k = 1; k < by_device.size(); ++k)
+    if (by_device[k].first == by_device[k - 1].first)
+      throw std::invalid_argument(fmt::format(
+          "process group '{}' lists device {} twice (ranks {} and {}): each device may hold one "
+          "rank of a group",
+          name_, by_device[k].first, by_device[k - 1].second, by_device[k].second));
   if (devices_.size() > 1 && devices_[1] > devices_[0]) {
     stride_ = devices_[1] - devices_[0];
     for (std::size_t i = 2; i < devices_.size() && stride_ != 0; ++i)

@@ -92,6 +92,36 @@ Nanos exposed_comm_on_stream_ids(const Trace& trace, std::span<const StreamId> s
   });
 }
 
+std::vector<Nanos> exposed_comm_on_stream_sets(const Trace& trace,
+                                               std::span<const std::vector<StreamId>> sets) {
+  const TaskTable& tasks = trace.tasks();
+  std::vector<std::vector<std::size_t>> sets_of(tasks.stream_count());
+  for (std::size_t k = 0; k < sets.size(); ++k)
+    for (StreamId s : sets[k])
+      if (s < sets_of.size()) sets_of[s].push_back(k);
+  const std::size_t devices = tasks.device_count();
+  std::vector<Intervals> compute(devices), named(devices * sets.size());
+  for (const Span& s : trace.spans()) {
+    const TaskInfo& info = tasks[s.task];
+    if (info.kind == TaskKind::compute) {
+      compute[info.device].emplace_back(s.start, s.end);
+    } else if (info.kind == TaskKind::comm || info.kind == TaskKind::copy) {
+      for (std::size_t k : sets_of[info.stream])
+        named[k * devices + info.device].emplace_back(s.start, s.end);
+    }
+  }
+  for (Intervals& c : compute)
+    merge(c);
+  std::vector<Nanos> exposed(sets.size(), 0);
+  for (std::size_t k = 0; k < sets.size(); ++k)
+    for (std::size_t d = 0; d < devices; ++d) {
+      Intervals& n = named[k * devices + d];
+      merge(n);
+      exposed[k] += length(n) - overlap(n, compute[d]);
+    }
+  return exposed;
+}
+
 Nanos exposed_comm_on_streams(const Trace& trace, std::span<const std::string_view> prefixes) {
   return exposed_comm_of(trace, [&](TaskId t) {
     const std::string_view stream = trace.tasks().stream_name(trace.tasks()[t].stream);

@@ -322,6 +322,13 @@ TEST(TraceMetrics, ExposedTimeOfAStreamKindsCommunication) {
   EXPECT_EQ(exposed_comm_on_stream_ids(trace, tensor_streams), 50 + 10);
   const StreamId expert_streams[] = {table->stream("ep")};
   EXPECT_EQ(exposed_comm_on_stream_ids(trace, expert_streams), 30);
+  // Several sets in one pass, a stream in two of them: each set's figure as alone.
+  const std::vector<StreamId> sets[] = {{table->stream("tp"), table->stream("tp_grad")},
+                                        {table->stream("ep")},
+                                        {table->stream("tp_grad"), table->stream("ep")},
+                                        {}};
+  EXPECT_EQ(exposed_comm_on_stream_sets(trace, sets),
+            (std::vector<Nanos>{50 + 10, 30, 10 + 30, 0}));
 }
 
 // A kind keeps a group apart from another whose stream's name begins the same ("tp_cp").

@@ -2,8 +2,14 @@
 
 #include <fmt/format.h>
 
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+#include <tbb/task_arena.h>
+
 #include <algorithm>
 #include <cctype>
+#include <mutex>
+#include <optional>
 #include <utility>
 
 #include "weave/graphs/config_flags.hpp"
@@ -217,20 +223,44 @@ PlanRanking rank_plans(const std::vector<TrainerConfig>& candidates,
   const int to_predict =
       options.max_predictions > 0 ? std::min(total, options.max_predictions) : total;
   ranking.not_predicted = total - to_predict;
-  for (int i = 0; i < to_predict; ++i) {
-    const TrainerConfig& c = candidates[static_cast<std::size_t>(i)];
+  // Each candidate's outcome or refusal in its own slot, gathered in candidate order below so the
+  // ranking does not depend on which prediction finished first.
+  std::vector<std::optional<PlanOutcome>> outcomes(static_cast<std::size_t>(to_predict));
+  std::vector<std::string> refusals(static_cast<std::size_t>(to_predict));
+  std::mutex progress_mutex;
+  int done = 0;
+  auto predict_one = [&](std::size_t i) {
+    const TrainerConfig& c = candidates[i];
     try {
-      PlanOutcome o =
-          outcome_of(c, predict_step(c, options.prediction), options.device_memory_bytes);
-      ++ranking.predicted;
-      if (o.fits)
-        ranking.fitting.push_back(std::move(o));
-      else
-        ++ranking.too_large;
+      outcomes[i] = outcome_of(c, predict_step(c, options.prediction), options.device_memory_bytes);
     } catch (const ConfigError& e) {
-      count_refusal(ranking.refused, e.what());
+      refusals[i] = e.what();
     }
-    if (options.progress) options.progress(i + 1, to_predict);
+    const std::lock_guard lock(progress_mutex);
+    ++done;
+    if (options.progress) options.progress(done, to_predict);
+  };
+  const int concurrency = options.concurrent_predictions > 0
+                              ? options.concurrent_predictions
+                              : tbb::this_task_arena::max_concurrency();
+  tbb::task_arena arena(concurrency);
+  arena.execute([&] {
+    tbb::parallel_for(tbb::blocked_range<std::size_t>(0, outcomes.size(), 1),
+                      [&](const tbb::blocked_range<std::size_t>& r) {
+                        for (std::size_t i = r.begin(); i < r.end(); ++i)
+                          predict_one(i);
+                      });
+  });
+  for (std::size_t i = 0; i < outcomes.size(); ++i) {
+    if (!outcomes[i]) {
+      count_refusal(ranking.refused, refusals[i]);
+      continue;
+    }
+    ++ranking.predicted;
+    if (outcomes[i]->fits)
+      ranking.fitting.push_back(std::move(*outcomes[i]));
+    else
+      ++ranking.too_large;
   }
   sort_by_count(ranking.refused);
   // Stable: among equal times the cheaper candidate (enumerated first) stays ahead.

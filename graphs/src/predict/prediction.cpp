@@ -118,11 +118,15 @@ std::vector<std::pair<std::string, std::vector<rt::StreamId>>> streams_by_group(
 
 // Each process group's exposed communication per replayed device.
 std::vector<ExposedCommunication> exposed_by_group(const rt::Trace& trace, int replayed_devices) {
+  const auto groups = streams_by_group(trace.tasks());
+  std::vector<std::vector<rt::StreamId>> sets;
+  for (const auto& group : groups)
+    sets.push_back(group.second);
+  const std::vector<rt::Nanos> ns = rt::exposed_comm_on_stream_sets(trace, sets);
   std::vector<ExposedCommunication> exposed;
-  for (const auto& [group, streams] : streams_by_group(trace.tasks())) {
-    const rt::Nanos ns = rt::exposed_comm_on_stream_ids(trace, streams);
-    if (ns > 0) exposed.push_back({group, static_cast<double>(ns) * 1e-6 / replayed_devices});
-  }
+  for (std::size_t g = 0; g < groups.size(); ++g)
+    if (ns[g] > 0)
+      exposed.push_back({groups[g].first, static_cast<double>(ns[g]) * 1e-6 / replayed_devices});
   return exposed;
 }
 

@@ -47,6 +47,10 @@ Nanos exposed_comm_named(const Trace& trace, std::span<const std::string_view> n
 Nanos exposed_comm_on_stream_kinds(const Trace& trace, std::span<const StreamKind> kinds);
 // The same for the comm and copy tasks on the streams `streams`.
 Nanos exposed_comm_on_stream_ids(const Trace& trace, std::span<const StreamId> streams);
+// exposed_comm_on_stream_ids of each set of streams, from one pass over the trace (the compute
+// intervals sorted once for every set).
+std::vector<Nanos> exposed_comm_on_stream_sets(const Trace& trace,
+                                               std::span<const std::vector<StreamId>> sets);
 
 // The same, the streams chosen by their names, for a trace whose streams carry no kind: one read
 // back from a file (read_chrome_trace) or written by another program. A trace weave runs or
