@@ -33,9 +33,9 @@ TEST(PlanSearch, RanksByThePredictionOfEachCandidate) {
   for (const TrainerConfig& c : candidates.configs) {
     EXPECT_EQ(c.plan.devices(), 4);
     EXPECT_EQ(c.plan.global_batch_size, 8);
-    // Cheapest to predict first: the ranks a folded prediction builds (data-parallel replicas
-    // and tensor-parallel peers folded) never decrease.
-    const int ranks = c.plan.devices() / (c.plan.data_parallel * c.plan.tensor_parallel);
+    // Cheapest to predict first: the ranks a folded prediction builds (data-parallel replicas,
+    // tensor- and context-parallel peers folded) never decrease.
+    const int ranks = c.plan.pipeline_parallel;
     EXPECT_GE(ranks, built);
     built = ranks;
     try {

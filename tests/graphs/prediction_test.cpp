@@ -155,9 +155,11 @@ TEST(Prediction, FoldedReplicasPredictWhatEveryRankDoes) {
                    .device_memory_bandwidth = 1e11,
                    .link = "nvlink4",
                    .cluster = cluster};
-      const Prediction folded = predict_step(c, {.fold_tensor_parallel = false}),
-                       every = predict_step(
-                           c, {.fold_data_parallel = false, .fold_tensor_parallel = false});
+      const Prediction folded = predict_step(
+                           c, {.fold_tensor_parallel = false, .fold_context_parallel = false}),
+                       every = predict_step(c, {.fold_data_parallel = false,
+                                                .fold_tensor_parallel = false,
+                                                .fold_context_parallel = false});
       EXPECT_EQ(every.replayed_devices, plan.devices()) << name;
       EXPECT_EQ(folded.replayed_devices * plan.data_parallel, plan.devices()) << name;
       EXPECT_DOUBLE_EQ(folded.step_ms, every.step_ms) << name;
@@ -173,11 +175,12 @@ TEST(Prediction, FoldedReplicasPredictWhatEveryRankDoes) {
     }
 }
 
-// Folding tensor-parallel peers too (the default): the same figures as replaying every rank,
-// from the first tensor-parallel rank of the first replica's ranks, for every way a tp group
+// Folding tensor- and context-parallel peers too (the default): the same figures as replaying
+// every rank, from the ranks with tp = cp = 0 of the first replica, for every way a tp group
 // shares its work (SP, split experts with Ampipe's tp-sp overlap, expert parallelism over tp,
-// context parallelism, interleaved pipelines), on one node and across nodes.
-TEST(Prediction, FoldedTensorParallelPeersPredictWhatEveryRankDoes) {
+// interleaved pipelines) and a cp ring (with tp, with Ampipe and experts), on one node and across
+// nodes.
+TEST(Prediction, FoldedTensorAndContextParallelPeersPredictWhatEveryRankDoes) {
   const std::pair<const char*, ParallelPlan> plans[] = {
       {"dense tp4 dp2 pp2 interleaved",
        {.tensor_parallel = 4,
@@ -211,6 +214,13 @@ TEST(Prediction, FoldedTensorParallelPeersPredictWhatEveryRankDoes) {
         .data_parallel = 2,
         .micro_batch_size = 1,
         .global_batch_size = 4}},
+      {"moe cp4 ep2 ampipe 2 pp2",
+       {.context_parallel = 4,
+        .expert_parallel = 2,
+        .pipeline_parallel = 2,
+        .micro_batch_size = 1,
+        .global_batch_size = 4,
+        .ampipe_degree = 2}},
   };
   const std::optional<devices::Cluster> clusters[] = {
       std::nullopt,
@@ -230,10 +240,10 @@ TEST(Prediction, FoldedTensorParallelPeersPredictWhatEveryRankDoes) {
                    .link = "nvlink4",
                    .cluster = cluster};
       const Prediction folded = predict_step(c),
-                       every = predict_step(
-                           c, {.fold_data_parallel = false, .fold_tensor_parallel = false});
-      EXPECT_EQ(folded.replayed_devices * plan.data_parallel * plan.tensor_parallel, plan.devices())
-          << name;
+                       every = predict_step(c, {.fold_data_parallel = false,
+                                                .fold_tensor_parallel = false,
+                                                .fold_context_parallel = false});
+      EXPECT_EQ(folded.replayed_devices, plan.pipeline_parallel) << name;
       EXPECT_DOUBLE_EQ(folded.step_ms, every.step_ms) << name;
       EXPECT_DOUBLE_EQ(folded.bubble, every.bubble) << name;
       EXPECT_EQ(folded.memory, every.memory) << name;
@@ -244,6 +254,79 @@ TEST(Prediction, FoldedTensorParallelPeersPredictWhatEveryRankDoes) {
         EXPECT_NEAR(folded.exposed[i].ms_per_device, every.exposed[i].ms_per_device,
                     1e-9 * every.exposed[i].ms_per_device)
             << name << " " << every.exposed[i].group;
+      }
+    }
+}
+
+// Folding micro-batches: three replays with fewer micro-batches, extrapolated, predict what the
+// whole step's replay does, for every schedule's steady phase (1F1B, interleaved, GPipe, zero
+// bubble, gradient accumulation without a pipeline), with MoE, recomputation and a cluster.
+TEST(Prediction, FoldedMicroBatchesPredictWhatEveryMicroBatchDoes) {
+  struct Case {
+    const char* name;
+    ParallelPlan plan;
+    int experts = 0;
+    bool recompute = false;
+  };
+  const Case cases[] = {
+      {"1f1b pp2", {.pipeline_parallel = 2, .micro_batch_size = 1, .global_batch_size = 16}},
+      {"interleaved pp2 x 2",
+       {.pipeline_parallel = 2,
+        .virtual_pipeline = 2,
+        .micro_batch_size = 1,
+        .global_batch_size = 20}},
+      {"gpipe pp2",
+       {.pipeline_parallel = 2,
+        .pipeline_scheduler = "gpipe",
+        .micro_batch_size = 1,
+        .global_batch_size = 15}},
+      {"zb-h1 pp2",
+       {.pipeline_parallel = 2,
+        .pipeline_scheduler = "zb-h1",
+        .micro_batch_size = 1,
+        .global_batch_size = 16}},
+      {"accumulation without a pipeline", {.micro_batch_size = 2, .global_batch_size = 18}},
+      {"moe tp2+sp ep2 pp2 dp2, full recomputation",
+       {.tensor_parallel = 2,
+        .sequence_parallel = true,
+        .expert_parallel = 2,
+        .data_parallel = 2,
+        .pipeline_parallel = 2,
+        .micro_batch_size = 1,
+        .global_batch_size = 32},
+       4,
+       true},
+  };
+  for (const bool cluster : {false, true})
+    for (const Case& k : cases) {
+      const std::string name = fmt::format("{}{}", k.name, cluster ? " on nodes of 2" : "");
+      TrainerConfig c;
+      c.model = tiny(k.experts);
+      c.model.num_layers = 4;
+      if (k.recompute)
+        c.model.recompute = {.granularity = RecomputeGranularity::full,
+                             .method = RecomputeMethod::uniform,
+                             .num_layers = 1};
+      c.plan = k.plan;
+      c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
+      if (cluster)
+        c.machine.cluster = devices::Cluster(2, {.name = "node link", .params = {3'000, 450e9}},
+                                             {.name = "network", .params = {10'000, 5e9}});
+      const Prediction folded = predict_step(c, {.fold_micro_batches = true}),
+                       whole = predict_step(c);
+      ASSERT_EQ(folded.micro_batches_replayed.size(), 3u) << name << ": not folded";
+      EXPECT_LT(folded.micro_batches_replayed[2], c.plan.micro_batches()) << name;
+      EXPECT_EQ(whole.micro_batches_replayed, std::vector<int>{c.plan.micro_batches()}) << name;
+      EXPECT_DOUBLE_EQ(folded.step_ms, whole.step_ms) << name;
+      EXPECT_DOUBLE_EQ(folded.bubble, whole.bubble) << name;
+      EXPECT_DOUBLE_EQ(folded.exposed_ms_per_device, whole.exposed_ms_per_device) << name;
+      EXPECT_EQ(folded.memory, whole.memory) << name;
+      EXPECT_EQ(folded.memory_total, whole.memory_total) << name;
+      ASSERT_EQ(folded.exposed.size(), whole.exposed.size()) << name;
+      for (std::size_t i = 0; i < whole.exposed.size(); ++i) {
+        EXPECT_EQ(folded.exposed[i].group, whole.exposed[i].group) << name;
+        EXPECT_DOUBLE_EQ(folded.exposed[i].ms_per_device, whole.exposed[i].ms_per_device)
+            << name << " " << whole.exposed[i].group;
       }
     }
 }

@@ -201,7 +201,10 @@ graphs::PlanRanking rank_with_progress(const graphs::PlanCandidates& candidates,
   graphs::PlanRankingOptions ranking_options{
       .device_memory_bytes = options.device_memory_bytes,
       .max_predictions = options.max_predictions,
-      .prediction = {.fold_data_parallel = options.fold, .fold_tensor_parallel = options.fold},
+      .prediction = {.fold_data_parallel = options.fold,
+                     .fold_tensor_parallel = options.fold,
+                     .fold_context_parallel = options.fold,
+                     .fold_micro_batches = options.fold},
       .progress = [&](int done, int to_do) {
         const auto now = std::chrono::steady_clock::now();
         if (done < to_do && now - last < std::chrono::seconds(2)) return;

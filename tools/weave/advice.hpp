@@ -25,7 +25,7 @@ struct PlanAdviceOptions {
   std::int64_t device_memory_bytes = 0;
   int top = 10;               // --advise-top: rows printed
   int max_predictions = 500;  // --advise-limit
-  bool fold = true;  // fold data-parallel replicas and tensor-parallel peers (not --every-rank)
+  bool fold = true;           // fold replicas, tensor- and context-parallel peers, micro-batches
   // The command line's flags other than the plan's, to print the best plan as a command.
   std::string model_flags;
   // The flags given that have no effect: the rules the flag table declares with them still

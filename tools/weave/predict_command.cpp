@@ -101,11 +101,14 @@ std::string recompute_text(const graphs::Recompute& r) {
   return {};
 }
 
-// Folding data-parallel replicas and tensor-parallel peers, unless --every-rank. A trace keeps
-// every rank of replica 0, tensor-parallel peers included, as a reader expects to see them.
+// Folding data-parallel replicas, tensor- and context-parallel peers and micro-batches, unless
+// --every-rank. A trace keeps every rank of replica 0, the peers included, and every
+// micro-batch, as a reader expects to see them.
 graphs::PredictionOptions folding(const PredictOptions& o, const graphs::TrainerConfig& c) {
   return {.fold_data_parallel = !o.every_rank,
-          .fold_tensor_parallel = !o.every_rank && c.trace_path.empty()};
+          .fold_tensor_parallel = !o.every_rank && c.trace_path.empty(),
+          .fold_context_parallel = !o.every_rank && c.trace_path.empty(),
+          .fold_micro_batches = !o.every_rank && c.trace_path.empty()};
 }
 
 // The ranks --trace-ranks names ("0-7,64"), each checked against the plan before anything is
@@ -237,9 +240,15 @@ void print_figures(const graphs::Prediction& p, const graphs::TrainerConfig& c) 
   const graphs::ParallelPlan& plan = c.plan;
   fmt::print("replayed         {} of {} devices{}\n", p.replayed_devices, plan.devices(),
              p.replayed_devices < plan.devices()
-                 ? " (data-parallel replicas and tensor-parallel peers folded into the first: "
-                   "the same work on other samples and shards)"
+                 ? " (data-parallel replicas, tensor- and context-parallel peers folded into the "
+                   "first: the same work on other samples, shards and chunks)"
                  : "");
+  if (p.micro_batches_replayed.size() == 3)
+    fmt::print(
+        "micro-batches    {} a replica, extrapolated from replays of {}, {} and {} (each period "
+        "of the steady phase adds the same time and memory)\n",
+        c.plan.micro_batches(), p.micro_batches_replayed[0], p.micro_batches_replayed[1],
+        p.micro_batches_replayed[2]);
   fmt::print("step             {:.3f} ms\n", p.step_ms);
   fmt::print("throughput       {:.0f} tokens/s\n", p.tokens_per_second);
   fmt::print(

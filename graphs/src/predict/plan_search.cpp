@@ -162,13 +162,12 @@ PlanCandidates enumerate_plans(const TrainerConfig& base, const PlanSearchOption
       }
     }
   }
-  // A folded prediction builds cp x pp ranks (data-parallel replicas and tensor-parallel peers
-  // folded, ep carved out of them): the cheap ones first, so a candidate limit cuts the costly
-  // tail.
+  // A folded prediction builds pp ranks (data-parallel replicas, tensor- and context-parallel
+  // peers folded, ep carved out of them): the cheap ones first, so a candidate limit cuts the
+  // costly tail.
   std::stable_sort(out.configs.begin(), out.configs.end(),
                    [](const TrainerConfig& a, const TrainerConfig& b) {
-                     return a.plan.context_parallel * a.plan.pipeline_parallel <
-                            b.plan.context_parallel * b.plan.pipeline_parallel;
+                     return a.plan.pipeline_parallel < b.plan.pipeline_parallel;
                    });
   sort_by_count(out.refused);
   return out;

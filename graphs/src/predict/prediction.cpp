@@ -1,9 +1,12 @@
 #include "weave/graphs/prediction.hpp"
 
 #include <algorithm>
+#include <numeric>
+#include <optional>
 #include <string_view>
 #include <utility>
 
+#include "replay_figures.hpp"
 #include "step/comm_streams.hpp"
 #include "weave/devices/device_set.hpp"
 #include "weave/devices/folded_communicator.hpp"
@@ -60,7 +63,8 @@ double recomputed_flops_per_step(const ModelConfig& m, const ParallelPlan& plan)
 namespace {
 
 // The ranks a prediction builds, and the rank each device's figures are read from: with folding,
-// a data-parallel replica reads its first replica's, a tensor-parallel rank its group's first.
+// a data-parallel replica reads its first replica's, a tensor- or context-parallel rank its
+// group's first.
 struct ReplayedRanks {
   std::vector<int> built, source;
   std::vector<bool> held;  // per device: built here
@@ -116,67 +120,138 @@ std::vector<std::pair<std::string, std::vector<rt::StreamId>>> streams_by_group(
   return groups;
 }
 
-// Each process group's exposed communication per replayed device.
-std::vector<ExposedCommunication> exposed_by_group(const rt::Trace& trace, int replayed_devices) {
+// Each process group's exposed communication, summed over the replayed devices.
+void read_exposed_by_group(const rt::Trace& trace, ReplayFigures& f) {
   const auto groups = streams_by_group(trace.tasks());
   std::vector<std::vector<rt::StreamId>> sets;
-  for (const auto& group : groups)
-    sets.push_back(group.second);
-  const std::vector<rt::Nanos> ns = rt::exposed_comm_on_stream_sets(trace, sets);
-  std::vector<ExposedCommunication> exposed;
-  for (std::size_t g = 0; g < groups.size(); ++g)
-    if (ns[g] > 0)
-      exposed.push_back({groups[g].first, static_cast<double>(ns[g]) * 1e-6 / replayed_devices});
-  return exposed;
+  for (const auto& [name, streams] : groups) {
+    f.groups.push_back(name);
+    sets.push_back(streams);
+  }
+  f.exposed = rt::exposed_comm_on_stream_sets(trace, sets);
 }
 
 // Each device's peak memory by category and in total, read from the rank it was folded onto.
-void read_memory(devices::DeviceSet& set, const std::vector<int>& source, Prediction& p) {
+void read_memory(devices::DeviceSet& set, const std::vector<int>& source, ReplayFigures& f) {
   for (std::size_t d = 0; d < set.size(); ++d) {
     const auto id = static_cast<rt::DeviceId>(source[d]);
     std::array<std::int64_t, rt::kMemoryCategoryCount> bytes{};
     for (std::size_t c = 0; c < rt::kMemoryCategoryCount; ++c)
       bytes[c] = set.memory().peak(id, static_cast<rt::MemoryCategory>(c));
-    p.memory.push_back(bytes);
-    p.memory_total.push_back(set.memory().peak_total(id));
+    f.memory.push_back(bytes);
+    f.memory_total.push_back(set.memory().peak_total(id));
   }
 }
 
-}  // namespace
-
-int replayed_rank(const Mesh& mesh, int rank, const PredictionOptions& options) {
-  const MeshCoordinates at = mesh.coordinates(rank);
-  return mesh.rank_of(options.fold_tensor_parallel ? 0 : at.tp, at.cp,
-                      options.fold_data_parallel ? 0 : at.dp, at.pp);
-}
-
-Prediction predict_step(TrainerConfig config, const PredictionOptions& options) {
-  validate(config);
-  const ModelConfig& m = config.model;
+// The step of a validated `config` built without tensors and replayed on the virtual clock.
+ReplayFigures replay(const TrainerConfig& config, const PredictionOptions& options) {
   const ParallelPlan& plan = config.plan;
   const Mesh mesh(plan);
   const ReplayedRanks ranks = ranks_to_replay(plan, mesh, options);
   std::vector<rt::DeviceId> ids(ranks.built.begin(), ranks.built.end());
   devices::DeviceSet set(plan.devices(), {.pin = false, .held = ids});
   devices::FoldedCommunicator comm(ranks.held);
-  TrainingStep step(m, plan, config.optimizer, set, comm,
+  TrainingStep step(config.model, plan, config.optimizer, set, comm,
                     {.ranks = ranks.built, .materialize = false});
   step.prepare(1, config.learning_rate.at(1));
   const devices::MachineModel machine = machine_model(set, config.machine);
   rt::VirtualClock clock(machine, {.execute = false, .record_trace = true});
   rt::VirtualRunResult run = clock.run(step.graph());
 
-  Prediction p;
-  read_throughput(config, run.makespan, p);
-  p.replayed_devices = static_cast<int>(ranks.built.size());
+  ReplayFigures f;
+  f.makespan = run.makespan;
+  f.replayed_devices = static_cast<int>(ranks.built.size());
   const rt::TraceMetrics metrics = rt::measure(run.trace);
-  p.bubble = metrics.compute_bubble();  // over the devices replayed
-  p.exposed_ms_per_device = static_cast<double>(metrics.total_exposed_comm()) * 1e-6 /
-                            static_cast<int>(ranks.built.size());
-  p.exposed = exposed_by_group(run.trace, p.replayed_devices);
-  read_memory(set, ranks.source, p);
-  p.trace = std::move(run.trace);
+  for (const rt::DeviceMetrics& d : metrics.devices) {
+    if (d.busy == 0) continue;  // a device built elsewhere or folded: no task in the trace
+    f.compute_busy += d.compute_busy;
+    f.compute_idle += metrics.makespan - d.compute_busy;
+  }
+  f.exposed_total = metrics.total_exposed_comm();
+  read_exposed_by_group(run.trace, f);
+  read_memory(set, ranks.source, f);
+  f.trace = std::move(run.trace);
+  return f;
+}
+
+// The micro-batch counts a folded prediction replays: m1, m1 + k and m1 + 2k, k a whole number
+// of pipeline rounds (and of interleaving's micro-batch groups), m1 past two rounds of every
+// virtual stage's warm-up and m1 = m (mod k); none when that saves less than a replay.
+std::optional<std::array<int, 3>> micro_batches_to_replay(const ParallelPlan& plan) {
+  const int m = plan.micro_batches();
+  int k = plan.pipeline_parallel;
+  if (plan.microbatch_group_size > 0) k = std::lcm(k, plan.microbatch_group_size);
+  const int warm_up = 2 * plan.pipeline_parallel * plan.virtual_pipeline;
+  int m1 = m % k;
+  while (m1 < warm_up || m1 == 0)
+    m1 += k;
+  if (m1 + 3 * k > m) return std::nullopt;
+  return std::array<int, 3>{m1, m1 + k, m1 + 2 * k};
+}
+
+// Replays of the step with three smaller micro-batch counts, extrapolated to the configured
+// count when every figure grows by the same amount each period; none when they do not or a
+// smaller count is refused.
+std::optional<ReplayFigures> replay_folding_micro_batches(const TrainerConfig& config,
+                                                          const PredictionOptions& options) {
+  const ParallelPlan& plan = config.plan;
+  const auto counts = micro_batches_to_replay(plan);
+  if (!counts) return std::nullopt;
+  std::vector<ReplayFigures> replays;
+  for (const int count : *counts) {
+    TrainerConfig fewer = config;
+    fewer.plan.global_batch_size = count * plan.micro_batch_size * plan.data_parallel;
+    try {
+      validate(fewer);
+    } catch (const ConfigError&) {
+      return std::nullopt;
+    }
+    replays.push_back(replay(fewer, options));
+  }
+  const int period = (*counts)[1] - (*counts)[0];
+  std::optional<ReplayFigures> folded = extrapolate(replays[0], replays[1], replays[2],
+                                                    (plan.micro_batches() - (*counts)[0]) / period);
+  if (folded) folded->micro_batches.assign(counts->begin(), counts->end());
+  return folded;
+}
+
+// A prediction's figures from its replay's.
+Prediction prediction_of(const TrainerConfig& config, ReplayFigures f) {
+  Prediction p;
+  read_throughput(config, f.makespan, p);
+  p.replayed_devices = f.replayed_devices;
+  p.micro_batches_replayed =
+      f.micro_batches.empty() ? std::vector<int>{config.plan.micro_batches()} : f.micro_batches;
+  // Compute idle over compute busy, over the devices replayed.
+  p.bubble = f.compute_busy > 0
+                 ? static_cast<double>(f.compute_idle) / static_cast<double>(f.compute_busy)
+                 : 0;
+  p.exposed_ms_per_device = static_cast<double>(f.exposed_total) * 1e-6 / f.replayed_devices;
+  for (std::size_t g = 0; g < f.groups.size(); ++g)
+    if (f.exposed[g] > 0)
+      p.exposed.push_back(
+          {f.groups[g], static_cast<double>(f.exposed[g]) * 1e-6 / f.replayed_devices});
+  p.memory = std::move(f.memory);
+  p.memory_total = std::move(f.memory_total);
+  p.trace = std::move(f.trace);
   return p;
+}
+
+}  // namespace
+
+int replayed_rank(const Mesh& mesh, int rank, const PredictionOptions& options) {
+  const MeshCoordinates at = mesh.coordinates(rank);
+  return mesh.rank_of(options.fold_tensor_parallel ? 0 : at.tp,
+                      options.fold_context_parallel ? 0 : at.cp,
+                      options.fold_data_parallel ? 0 : at.dp, at.pp);
+}
+
+Prediction predict_step(TrainerConfig config, const PredictionOptions& options) {
+  validate(config);
+  if (options.fold_micro_batches)
+    if (std::optional<ReplayFigures> folded = replay_folding_micro_batches(config, options))
+      return prediction_of(config, std::move(*folded));
+  return prediction_of(config, replay(config, options));
 }
 
 rt::Nanos exposed_comm_of_groups(const rt::Trace& trace, std::span<const std::string_view> groups) {

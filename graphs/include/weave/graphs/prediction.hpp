@@ -53,20 +53,33 @@ struct Prediction {
   std::vector<std::array<std::int64_t, rt::kMemoryCategoryCount>> memory;
   std::vector<std::int64_t> memory_total;  // per device (a folded replica: its first replica's)
   int replayed_devices = 0;                // the devices built and replayed
-  rt::Trace trace;                         // the replay
+  // The micro-batch counts replayed: the configured one, or the three a micro-batch fold
+  // extrapolated from.
+  std::vector<int> micro_batches_replayed;
+  rt::Trace trace;  // the replay
 };
 
-// Folding: data-parallel replicas run the same program on other samples, and the ranks of a
-// tensor-parallel group the same program on other shards of the same shapes, so only the first
-// replica's (dp = 0) and the first tensor-parallel rank's (tp = 0) ranks are built and replayed,
-// each collective costed for its whole group (devices::FoldedCommunicator) and waiting only for
-// the members built. Exact when the folded ranks' work is the same, as it is on the virtual clock
-// without running kernels (MoE routing is then timed as balanced): the folded prediction equals
-// the unfolded one (tests/graphs/prediction_test.cpp). Context-parallel, expert-parallel (carved
-// out of the data-parallel and tensor-parallel ranks) and pipeline ranks are built.
+// Folding: data-parallel replicas run the same program on other samples, the ranks of a
+// tensor-parallel group the same program on other shards of the same shapes, and the ranks of a
+// context-parallel group the same ring on other chunks of the sequence (each ring step costs
+// every rank the same: the causal load balancing), so only the ranks with dp = tp = cp = 0 are
+// built and replayed, each collective costed for its whole group (devices::FoldedCommunicator)
+// and waiting only for the members built. Exact when the folded ranks' work is the same, as it
+// is on the virtual clock without running kernels (MoE routing is then timed as balanced): the
+// folded prediction equals the unfolded one (tests/graphs/prediction_test.cpp). Pipeline ranks
+// are built; expert-parallel ranks are carved out of the folded ones.
+//
+// Folding micro-batches (fold_micro_batches): the step is replayed with three smaller micro-batch
+// counts m1, m1 + k, m1 + 2k (k a whole number of pipeline rounds, m1 past the warm-up) and, when
+// every figure (step time, compute busy and idle, each group's exposed time, each device's
+// memory by category) grows by the same amount from the first to the second as from the second
+// to the third, as it does once a pipeline's steady phase repeats, extrapolated to the
+// configured count; otherwise the whole step is replayed. The prediction's trace is then empty.
 struct PredictionOptions {
   bool fold_data_parallel = true;
   bool fold_tensor_parallel = true;
+  bool fold_context_parallel = true;
+  bool fold_micro_batches = false;
 };
 
 // The rank whose replay stands for `rank`'s under `options` (itself when it is built).
