@@ -41,7 +41,9 @@ class DotWriter {
   }
 
   std::string write() {
-    buf_ += "digraph weave {\n  rankdir=LR;\n  compound=true;\n";
+    // newrank: ranks across clusters in one pass (without it GraphViz fails with "trouble in
+    // init_rank" on clusters joined by many edges).
+    buf_ += "digraph weave {\n  rankdir=LR;\n  compound=true;\n  newrank=true;\n";
     buf_ += "  node [shape=box, style=\"rounded,filled\", fontname=\"Helvetica\", fontsize=10];\n";
     buf_ += "  edge [fontname=\"Helvetica\", fontsize=8];\n";
     write_clusters();

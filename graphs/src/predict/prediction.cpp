@@ -13,6 +13,7 @@
 #include "weave/graphs/virtual_replay.hpp"
 #include "weave/runtime/trace_metrics.hpp"
 #include "weave/runtime/virtual_clock.hpp"
+#include "weave/runtime/what_if.hpp"
 
 namespace weave::graphs {
 
@@ -167,6 +168,11 @@ Prediction predict_step(TrainerConfig config, const PredictionOptions& options) 
   p.exposed = exposed_by_group(run.trace, p.replayed_devices);
   read_memory(set, ranks.source, p);
   p.trace = std::move(run.trace);
+  if (!options.what_if.empty()) {
+    const rt::WhatIfCostModel changed(machine, options.what_if);
+    p.what_if_trace = rt::VirtualClock(changed, {.execute = false}).run(step.graph()).trace;
+  }
+  p.graph = step.graph();
   return p;
 }
 

@@ -11,8 +11,10 @@
 #include <vector>
 
 #include "weave/graphs/trainer_config.hpp"
+#include "weave/runtime/graph.hpp"
 #include "weave/runtime/memory_tracker.hpp"
 #include "weave/runtime/trace.hpp"
+#include "weave/runtime/what_if.hpp"
 
 namespace weave::graphs {
 
@@ -53,6 +55,9 @@ struct Prediction {
   std::vector<std::int64_t> memory_total;  // per device (a folded replica: its first replica's)
   int replayed_devices = 0;                // the devices built and replayed
   rt::Trace trace;                         // the replay
+  rt::Graph graph;                         // the graph replayed (the critical path's, a DOT's)
+  // The same graph replayed with PredictionOptions::what_if's costs (empty when none).
+  rt::Trace what_if_trace;
 };
 
 // Folding: data-parallel replicas run the same program on other samples, so only the first
@@ -63,6 +68,8 @@ struct Prediction {
 // prediction_test.cpp). Every other rank (tensor, context, expert, pipeline) is built.
 struct PredictionOptions {
   bool fold_data_parallel = true;
+  // Also replay the step with these costs changed (rt::WhatIfCostModel) into what_if_trace.
+  std::vector<rt::CostChange> what_if;
 };
 
 // Validates a copy of `config` (throws ConfigError) and predicts its step.
