@@ -107,6 +107,14 @@ WhatIfCostModel::WhatIfCostModel(const CostModel& base, std::vector<CostChange> 
     : base_(base), changes_(std::move(changes)) {}
 
 Nanos WhatIfCostModel::duration(const TaskTable& tasks, TaskId task, const CostHint& cost) const {
+  // Free is free whatever the base model prices beside bytes and messages (a cluster model
+  // prices a collective's latency by its group and pattern).
+  const TaskInfo& info = tasks[task];
+  if (info.kind == TaskKind::comm || info.kind == TaskKind::copy)
+    for (const CostChange& c : changes_)
+      if (c.target == CostChange::Target::stream && c.factor == 0 &&
+          tasks.stream_name(info.stream) == c.stream)
+        return 0;
   return base_.duration(tasks, task, changed_cost(tasks, task, cost, changes_));
 }
 

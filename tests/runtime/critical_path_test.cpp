@@ -171,6 +171,36 @@ TEST(WhatIf, EqualsReplayingTheGraphBuiltWithTheChangedCosts) {
   }
 }
 
+// A model that charges every transfer a latency whatever its hint says, as a cluster model
+// prices a collective by its group.
+class FixedLatencyModel : public CostModel {
+ public:
+  using CostModel::duration;
+  Nanos duration(const TaskTable& tasks, TaskId task, const CostHint& cost) const override {
+    return tasks[task].kind == TaskKind::compute ? static_cast<Nanos>(cost.flops)
+                                                 : 1000 + static_cast<Nanos>(cost.bytes);
+  }
+};
+
+TEST(WhatIf, AFreeStreamTakesNoTimeWhateverTheModelCharges) {
+  GraphBuilder b;
+  const StreamId ep = b.stream("ep");
+  const TaskId x =
+      b.add({.device = 0, .kind = TaskKind::compute, .name = "x", .cost = {.flops = 10}});
+  const TaskId a = b.add({.device = 0, .stream = ep, .kind = TaskKind::comm, .name = "a2a"});
+  const TaskId y =
+      b.add({.device = 0, .kind = TaskKind::compute, .name = "y", .cost = {.flops = 10}});
+  b.precede(x, a);
+  b.precede(a, y);
+  const Graph g = b.build();
+  const FixedLatencyModel model;
+  EXPECT_EQ(VirtualClock(model).run(g).makespan, 1020);
+  const WhatIfCostModel free(model, parse_cost_changes("ep=free"));
+  EXPECT_EQ(VirtualClock(free).run(g).makespan, 20);
+  const WhatIfCostModel other(model, parse_cost_changes("tp=free"));
+  EXPECT_EQ(VirtualClock(other).run(g).makespan, 1020);
+}
+
 TEST(WhatIf, WrongChangesAreRefusedNamingTheForms) {
   for (const char* bad : {"ep=slow", "tp", "tp*-1", "tp*x", "*2", ""}) {
     try {

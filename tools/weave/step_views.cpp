@@ -14,8 +14,8 @@ namespace weave::cli {
 
 namespace {
 
-// Above this many tasks GraphViz takes minutes to lay a graph out one node per task.
-constexpr std::size_t kMostTasksDrawnOneByOne = 400;
+// Above about this many nodes GraphViz takes more than seconds to lay a step's view out.
+constexpr std::size_t kMostNodesDrawn = 400;
 
 double ms(rt::Nanos t) {
   return static_cast<double>(t) * 1e-6;
@@ -33,34 +33,39 @@ void print_shares(std::string_view title, const std::vector<rt::PathShare>& shar
                percent(s.time, length));
 }
 
-// Consecutive steps on one device and stream, printed as one run.
+// Consecutive steps on one device, printed as one run with its compute and communication time:
+// the path moving between devices is where it waits for another stage or rank.
 void print_runs(const rt::CriticalPath& path, const rt::TaskTable& tasks) {
   constexpr double kShownShare = 1.0;  // percent: shorter runs are counted, not listed
   std::size_t hidden = 0;
   rt::Nanos hidden_time = 0;
-  fmt::print("  the chain, in time order (runs of {:.0f} % of the step or more):\n", kShownShare);
+  fmt::print(
+      "  the chain, in time order, a line per stay on one device ({:.0f} % of the step or "
+      "more):\n",
+      kShownShare);
   for (std::size_t i = 0; i < path.steps.size();) {
-    const rt::TaskInfo& first = tasks[path.steps[i].task];
+    const rt::DeviceId device = tasks[path.steps[i].task].device;
     std::size_t j = i;
-    while (j < path.steps.size() && tasks[path.steps[j].task].device == first.device &&
-           tasks[path.steps[j].task].stream == first.stream)
-      ++j;
+    rt::Nanos compute = 0;
+    for (; j < path.steps.size() && tasks[path.steps[j].task].device == device; ++j)
+      if (tasks[path.steps[j].task].kind == rt::TaskKind::compute)
+        compute += path.steps[j].end - path.steps[j].begin;
     const rt::Nanos time = path.steps[j - 1].end - path.steps[i].begin;
     if (percent(time, path.length) < kShownShare) {
       ++hidden;
       hidden_time += time;
     } else {
-      fmt::print("    {:>10.3f} ms  {:>5.1f} %  device {} {}: {} task{} '{}'{}{}{}, after {}\n",
-                 ms(path.steps[i].begin), percent(time, path.length), first.device,
-                 tasks.stream_name(first.stream), j - i, j - i == 1 ? "" : "s",
-                 tasks.name(path.steps[i].task), j - i > 1 ? " .. '" : "",
-                 j - i > 1 ? tasks.name(path.steps[j - 1].task) : "", j - i > 1 ? "'" : "",
-                 rt::to_string(path.steps[i].waited_for));
+      fmt::print(
+          "    {:>10.3f} ms  {:>5.1f} %  device {}: {} task{}, {:.3f} ms compute, {:.3f} ms "
+          "other; '{}' .. '{}', after {}\n",
+          ms(path.steps[i].begin), percent(time, path.length), device, j - i, j - i == 1 ? "" : "s",
+          ms(compute), ms(time - compute), tasks.name(path.steps[i].task),
+          tasks.name(path.steps[j - 1].task), rt::to_string(path.steps[i].waited_for));
     }
     i = j;
   }
   if (hidden > 0)
-    fmt::print("    and {} shorter runs, {:.3f} ms ({:.1f} %)\n", hidden, ms(hidden_time),
+    fmt::print("    and {} shorter stays, {:.3f} ms ({:.1f} %)\n", hidden, ms(hidden_time),
                percent(hidden_time, path.length));
 }
 
@@ -126,6 +131,27 @@ StepViewRequest step_view_request(const TrainOptions& o) {
   return r;
 }
 
+namespace {
+
+// --graph-level auto: the finest level whose view has at most kMostNodesDrawn nodes (step
+// level, a node per device and stream, when none has).
+rt::DetailLevel finest_drawable_level(const rt::Graph& graph, const rt::GraphFilter& filter) {
+  for (rt::DetailLevel level :
+       {rt::DetailLevel::task, rt::DetailLevel::layer, rt::DetailLevel::stage_micro_batch}) {
+    std::size_t nodes = 0;
+    if (level == rt::DetailLevel::task) {
+      for (rt::TaskId t = 0; t < graph.size(); ++t)
+        nodes += filter.selects(graph.tasks(), t) ? 1 : 0;
+    } else {
+      nodes = rt::view_graph(graph, {.filter = filter, .level = level}).nodes.size();
+    }
+    if (nodes <= kMostNodesDrawn) return level;
+  }
+  return rt::DetailLevel::step;
+}
+
+}  // namespace
+
 rt::Trace replay_costs(const rt::Graph& graph, const rt::CostModel& model) {
   rt::VirtualClock clock(model, {.execute = false, .record_trace = true});
   return clock.run(graph).trace;
@@ -151,9 +177,8 @@ std::string write_graph_view(const rt::Graph& graph, const StepViewRequest& requ
   std::size_t shown = 0;
   for (rt::TaskId t = 0; t < graph.size(); ++t)
     shown += request.filter.selects(graph.tasks(), t) ? 1 : 0;
-  options.view.level = request.level != "auto"            ? rt::parse_detail_level(request.level)
-                       : shown <= kMostTasksDrawnOneByOne ? rt::DetailLevel::task
-                                                          : rt::DetailLevel::layer;
+  options.view.level = request.level == "auto" ? finest_drawable_level(graph, request.filter)
+                                               : rt::parse_detail_level(request.level);
   std::ofstream dot(request.dump_path, std::ios::trunc);
   rt::write_dot(graph, dot, options);
   dot.close();

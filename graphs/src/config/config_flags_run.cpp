@@ -246,7 +246,7 @@ constexpr ConfigFlag kOutput[] = {
      .group = FlagGroup::logging,
      .help = "With --dump-graph: a node per task, layer (device, stream, layer, phase), "
              "stage-micro-batch (device, stream, micro-batch, phase) or step (device and "
-             "stream); auto: task when at most 400 tasks are drawn, else layer",
+             "stream); auto: the finest level that draws at most 400 nodes",
      .properties = kShowsDefault},
     {.name = "--critical-path",
      .group = FlagGroup::logging,

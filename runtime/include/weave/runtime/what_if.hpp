@@ -1,13 +1,14 @@
 // What-if replays: the same graph on the virtual clock with some tasks' costs changed.
 //
 // A change names what it changes and how (several are joined by commas):
-//   <stream>=free     the transfers on that stream (a process group's, e.g. ep, tp, dp, or the
-//                     pipeline's p2p-send / p2p-recv) cost nothing: no bytes, no latency
+//   <stream>=free     the transfers on that stream (a process group's, e.g. ep, tp, dp_cp, as
+//                     the trace names its streams) take no time at all
 //   <stream>*<f>      they move f times the bytes (latency unchanged)
 //   compute*<f>       compute tasks do f times the work (flops, bytes streamed, kernel shapes)
 //   attention*<f>     the attention part of compute tasks' flops is f times what it was
-// '×' may be written for '*'. Changes apply to the cost hint a task gives the cost model, so a
-// what-if replay equals replaying a graph built with those hints.
+// '×' may be written for '*'. Scaling changes apply to the cost hint a task gives the cost
+// model, so a what-if replay equals replaying a graph built with those hints (and "free" one
+// whose transfers have no bytes and no messages, under a model that prices only those).
 #pragma once
 
 #include <string>
