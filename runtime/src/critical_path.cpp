@@ -52,14 +52,14 @@ class PathWalk {
       if (current == kNoTask || end_[t] > end_[current]) current = t;
     if (current == kNoTask) return path;
     path.length = end_[current];
-    std::vector<bool> on_path(tasks_.size(), false);
+    on_path_.assign(tasks_.size(), false);
     while (current != kNoTask) {
-      if (on_path[current])
+      if (on_path_[current])
         throw std::logic_error(fmt::format(
             "critical path: task '{}' reached twice: the trace does not follow the graph's "
             "rules (a replay of another graph?)",
             tasks_.name(current)));
-      on_path[current] = true;
+      on_path_[current] = true;
       current = step_back(current, path.steps);
     }
     std::reverse(path.steps.begin(), path.steps.end());
@@ -114,17 +114,20 @@ class PathWalk {
     return engine_holder(t, step.begin);
   }
 
-  // The compute task that freed `t`'s device engine at `time`: the one that started last.
+  // The compute task that freed `t`'s device engine at `time`: the one that started last before
+  // `t` (a task that takes no time may have started at `time` too, just before `t`).
   TaskId engine_holder(TaskId t, Nanos time) const {
     const auto found = compute_by_end_.find(tasks_[t].device);
     TaskId holder = kNoTask;
     if (found != compute_by_end_.end()) {
       const auto& ends = found->second;
       for (auto it = std::lower_bound(ends.begin(), ends.end(), std::pair{time, TaskId{0}});
-           it != ends.end() && it->first == time; ++it)
-        if (it->second != t && start_[it->second] < start_[t] &&
-            (holder == kNoTask || start_[it->second] > start_[holder]))
-          holder = it->second;
+           it != ends.end() && it->first == time; ++it) {
+        const TaskId h = it->second;
+        if (h != t && !on_path_[h] && start_[h] <= start_[t] &&
+            (holder == kNoTask || start_[h] > start_[holder]))
+          holder = h;
+      }
     }
     if (holder == kNoTask)
       throw std::logic_error(fmt::format(
@@ -139,6 +142,7 @@ class PathWalk {
   std::vector<Nanos> end_;
   std::vector<std::vector<Pred>> preds_;
   std::map<DeviceId, std::vector<std::pair<Nanos, TaskId>>> compute_by_end_;
+  std::vector<bool> on_path_;
   CriticalLink pending_link_ = CriticalLink::start;
 };
 

@@ -17,7 +17,7 @@ namespace {
 const UniformCostModel kModel(1e9, 100, 1e9);
 
 TEST(CriticalPath, LengthIsTheStepTimeAndStepsTileIt) {
-  for (unsigned seed = 1; seed <= 20; ++seed) {
+  for (unsigned seed = 1; seed <= 60; ++seed) {
     const Graph g = testing::random_step_graph(seed);
     for (bool one_engine : {true, false}) {
       VirtualClock clock(kModel, {.one_compute_engine_per_device = one_engine});

@@ -48,7 +48,7 @@ inline Graph random_step_graph(unsigned seed, int tasks_per_device = 20, int dev
     for (int d = 0; d < devices; ++d) {
       const int s = pick(4);
       const TaskKind kind = s < 2 ? TaskKind::compute : TaskKind::comm;
-      const double flops = 4.0 * (1 + pick(100));
+      const double flops = 4.0 * pick(100);  // some take no time at all
       CostHint cost =
           kind == TaskKind::compute
               ? CostHint{.flops = flops, .attention_flops = static_cast<float>(flops / 2)}
