@@ -5,6 +5,10 @@
 
 #include <cctype>
 #include <cmath>
+#include <map>
+#include <regex>
+#include <set>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -601,6 +605,46 @@ TEST(PipelineSchedule, SvgIsWellFormedWithOneCellPerAction) {
   EXPECT_EQ(count(svg, "class=\"action\""), 8);
   EXPECT_TRUE(mentions(svg, "deadlock"));
   EXPECT_TRUE(mentions(svg, "broken &amp; &lt;odd&gt;"));
+}
+
+// At p=8, m=32 every box carries its own micro-batch's number (primed for later chunks) in a
+// legible size, and colour follows the phase only: one fill per kind of action.
+TEST(PipelineSchedule, SvgNumbersEveryBoxAndColoursByPhaseAtEightByThirtyTwo) {
+  const std::regex box(
+      "<g><title>rank ([0-9]+) step ([0-9]+):.*?fill=\"(#[0-9a-f]{6})\".*?class=\"micro-batch\""
+      "[^>]*font-size=\"([0-9.]+)\"[^>]*>([^<]*)</text></g>");
+  for (const std::string name : {"1f1b", "interleaved", "zb-h1", "zb-v"}) {
+    const ScheduleKind kind = schedule_kind(name);
+    const int v = chunks_of(kind);
+    const auto s = make_schedule(kind, {.ranks = 8, .micro_batches = 32, .chunks = v});
+    const std::string svg = render_schedule_svg(s, simulate_schedule(s));
+    EXPECT_EQ(xml_problem(svg), "") << name;
+    std::map<ActionType, std::set<std::string>> fills;
+    int boxes = 0;
+    std::istringstream lines(svg);
+    std::string line;
+    std::smatch m;
+    while (std::getline(lines, line)) {
+      if (line.rfind("<g><title>", 0) != 0) continue;
+      ASSERT_TRUE(std::regex_search(line, m, box))
+          << name << ": a box without its number: " << line;
+      const Action& a = s.actions[std::stoul(m[1])][std::stoul(m[2])];
+      const std::string expected =
+          std::to_string(a.micro_batch) + std::string(static_cast<std::size_t>(a.chunk), '\'');
+      EXPECT_EQ(m[5].str(), expected) << name << ": " << m[0];
+      EXPECT_GE(std::stod(m[4]), 7.0) << name << ": " << m[0];
+      fills[a.type].insert(m[3]);
+      ++boxes;
+    }
+    EXPECT_EQ(boxes, s.compute_actions()) << name;
+    std::set<std::string> all;
+    for (const auto& [type, set] : fills) {
+      EXPECT_EQ(set.size(), 1u) << name;
+      all.insert(set.begin(), set.end());
+    }
+    EXPECT_EQ(all.size(), fills.size()) << name;  // each phase its own colour
+    EXPECT_GE(fills.size(), 2u) << name;
+  }
 }
 
 TEST(PipelineSchedule, SvgCellWidthsFollowTheSimulatedTimes) {

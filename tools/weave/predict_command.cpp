@@ -17,6 +17,7 @@
 #include "commands.hpp"
 #include "memory_estimate.hpp"
 #include "output_paths.hpp"
+#include "step_views.hpp"
 #include "train_options.hpp"
 #include "weave/devices/accelerator.hpp"
 #include "weave/devices/link_model.hpp"
@@ -372,11 +373,22 @@ int run_predict(PredictOptions& o, const CLI::App& cmd) {
                             .fold = !o.every_rank,
                             .model_flags = model_flags(cmd),
                             .flags_without_effect = o.train.no_effect});
-  const graphs::Prediction p = graphs::predict_step(c, folding(o, c));
+  const StepViewRequest views = step_view_request(o.train);
+  check_writable("--dump-graph", views.dump_path);
+  graphs::PredictionOptions options = folding(o, c);
+  options.what_if = views.what_if;
+  // A graph to walk or draw is one step's: micro-batches are not folded.
+  if (views.critical_path || !views.dump_path.empty() || !views.what_if.empty())
+    options.fold_micro_batches = false;
+  const graphs::Prediction p = graphs::predict_step(c, options);
   print_configuration(c, accelerator);
   print_figures(p, c);
   print_memory(p, o.device_memory_gib);
   write_trace(p, c, traced, o.trace_ranks);
+  std::vector<rt::TaskId> path;
+  if (views.critical_path)
+    path = print_critical_path(p.graph, p.trace, views.what_if, p.what_if_trace);
+  if (!views.dump_path.empty()) fmt::print("{}\n", write_graph_view(p.graph, views, path));
   return 0;
 }
 

@@ -20,6 +20,7 @@
 #include "output_paths.hpp"
 #include "progress_reporter.hpp"
 #include "run_record.hpp"
+#include "step_views.hpp"
 #include "train_data.hpp"
 #include "train_options.hpp"
 #include "weave/devices/device_set.hpp"
@@ -28,7 +29,7 @@
 #include "weave/graphs/pipeline_schedule_generators.hpp"
 #include "weave/graphs/token_dataset.hpp"
 #include "weave/graphs/trainer.hpp"
-#include "weave/runtime/dot_writer.hpp"
+#include "weave/graphs/virtual_replay.hpp"
 
 namespace weave::cli {
 
@@ -116,6 +117,7 @@ int run_train(TrainOptions o) {
     check_writable("--save", c.save_path);
     check_writable("--trace", c.trace_path);
     check_writable("--dump-graph", o.dump_graph);
+    (void)step_view_request(o);  // a wrong --graph-filter, --graph-level or --what-if
     check_writable("--log-json", o.log_json);
     // What the devices will hold, before any of it is allocated.
     const MemoryEstimate memory = estimate_memory(c);
@@ -181,6 +183,25 @@ std::optional<double> bubble_theory(const graphs::ParallelPlan& plan) {
       .bubble_over_ideal;
 }
 
+// --critical-path (and --what-if) on the virtual clock of the modelled machine, then --dump-graph
+// with that path drawn heavy.
+void show_step(const TrainOptions& o, graphs::Trainer& trainer, ProgressReporter& progress) {
+  const StepViewRequest request = step_view_request(o);
+  std::vector<rt::TaskId> path;
+  if (request.critical_path) {
+    const devices::MachineModel machine =
+        graphs::machine_model(trainer.devices(), trainer.config().machine);
+    const rt::Graph& graph = trainer.step().graph();
+    const rt::Trace changed =
+        request.what_if.empty()
+            ? rt::Trace()
+            : replay_costs(graph, rt::WhatIfCostModel(machine, request.what_if));
+    path = print_critical_path(graph, replay_costs(graph, machine), request.what_if, changed);
+  }
+  if (!request.dump_path.empty())
+    progress.note(write_graph_view(trainer.step().graph(), request, path));
+}
+
 int run_trainer(TrainOptions& o, ProgressReporter& progress, graphs::Trainer& trainer) {
   graphs::TrainerConfig& c = o.config;
   progress.note(describe(trainer.config(), trainer.data().description));
@@ -193,15 +214,7 @@ int run_trainer(TrainOptions& o, ProgressReporter& progress, graphs::Trainer& tr
   const std::optional<double> theory = bubble_theory(trainer.config().plan);
   if (theory) progress.set_bubble_theory(*theory);
   progress.record("run", run_record(trainer.config(), trainer.data().description, o.no_effect));
-  if (!o.dump_graph.empty() && trainer.processes().index() == 0) {
-    std::ofstream dot(o.dump_graph, std::ios::trunc);
-    rt::write_dot(trainer.step().graph(), dot);
-    dot.close();
-    if (!dot)
-      throw std::runtime_error(fmt::format("--dump-graph: writing '{}' failed", o.dump_graph));
-    progress.note(
-        fmt::format("graph: {} tasks, written to {}", trainer.step().graph().size(), o.dump_graph));
-  }
+  if (trainer.processes().index() == 0) show_step(o, trainer, progress);
   if (!c.load_path.empty())
     progress.note(fmt::format("resumed from {} at iteration {}", c.load_path, trainer.iteration()));
 

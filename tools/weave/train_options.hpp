@@ -46,6 +46,8 @@ struct TrainOptions {
   bool mock_data = false;
   double valid_fraction = 0.05;
   std::string log_json, dump_graph;
+  std::string graph_filter, graph_level = "auto", what_if;  // --graph-filter, --graph-level
+  bool critical_path = false;                               // --critical-path
   std::string timing = "wall";
   std::string config_file;  // read before parsing (see prepare_arguments)
   bool ampipe_advise = false;

@@ -236,7 +236,32 @@ constexpr ConfigFlag kOutput[] = {
      .properties = kShowsDefault},
     {.name = "--dump-graph",
      .group = FlagGroup::logging,
-     .help = "Write the step's task graph as GraphViz DOT here"},
+     .help = "Write the step's task graph as GraphViz DOT here (--graph-filter and "
+             "--graph-level choose what it draws)"},
+    {.name = "--graph-filter",
+     .group = FlagGroup::logging,
+     .help = "With --dump-graph: draw only these tasks, e.g. device=0,layer=3,phase=F (keys "
+             "device, stream, layer, micro-batch, chunk, phase F/B/W; a key may repeat)"},
+    {.name = "--graph-level",
+     .group = FlagGroup::logging,
+     .help = "With --dump-graph: a node per task, layer (device, stream, layer, phase), "
+             "stage-micro-batch (device, stream, micro-batch, phase) or step (device and "
+             "stream); auto: the finest level that draws at most 400 nodes",
+     .properties = kShowsDefault},
+    {.name = "--critical-path",
+     .group = FlagGroup::logging,
+     .values = 0,
+     .help = "Replay the step on the virtual clock of --link, --device-flops or --accelerator "
+             "and print the chain of tasks that sets its time, by kind and by what each waited "
+             "for (drawn heavy in --dump-graph)",
+     .properties = kNotRepeatedByAdvice},
+    {.name = "--what-if",
+     .group = FlagGroup::logging,
+     .help = "With --critical-path: replay the same step with costs changed and print the new "
+             "step time and what moved: ep=free, tp*2, compute*0.5, attention*0.5 (a stream's "
+             "transfers free or moving f times the bytes; compute or its attention part f times "
+             "the work), joined by commas",
+     .properties = kNotRepeatedByAdvice},
     {.name = "--ampipe-advise",
      .group = FlagGroup::advice,
      .values = 0,

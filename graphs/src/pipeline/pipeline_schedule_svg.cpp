@@ -43,25 +43,26 @@ std::string escape(std::string_view text) {
   return out;
 }
 
-// Neighbouring micro-batches get far-apart hues (steps of the golden angle).
-double hue(int micro_batch) {
-  return std::fmod(micro_batch * 137.508, 360.0);
-}
-
-double lightness(ActionType type) {
+// Colour says the phase (the micro-batch is the number in the box): light blue forwards, dark
+// blue full backwards, orange input gradients, green weight gradients.
+const char* fill(ActionType type) {
   switch (type) {
     case ActionType::Forward:
-      return 82;
+      return "#9ecae1";
     case ActionType::BackwardInput:
-      return 58;
+      return "#fd8d3c";
     case ActionType::Backward:
-      return 40;
+      return "#3182bd";
     case ActionType::BackwardWeight:
-      return 28;
+      return "#31a354";
     case ActionType::Idle:
       break;
   }
-  return 100;
+  return "#fff";
+}
+
+bool dark(ActionType type) {
+  return type == ActionType::Backward || type == ActionType::BackwardWeight;
 }
 
 struct Placed {
@@ -173,28 +174,41 @@ std::string rows(const PipelineSchedule& s, const Frame& f) {
   return svg;
 }
 
-// One action's rectangle with its tooltip, its chunk's hatch and its label if it fits.
+// The micro-batch's number (primed for later chunks) in every box, as large as the box allows:
+// across it when it fits, else turned upright along the row's height.
+std::string number(const Placed& c, double cx, double cw, double cy) {
+  const std::string label =
+      std::to_string(c.action.micro_batch) +
+      std::string(static_cast<std::size_t>(std::max(0, c.action.chunk)), '\'');
+  const double chars = static_cast<double>(label.size());
+  constexpr double kGlyph = 0.62;  // a digit's width in ems, about
+  const double across = std::min(11.0, (cw - 2) / (kGlyph * chars));
+  const double upright = std::min({11.0, (kRowHeight - 4) / (kGlyph * chars), cw - 1});
+  const bool turned = upright > across && across < 8;
+  const double size = std::max(5.0, turned ? upright : across);
+  const double mx = cx + cw / 2, my = cy + kRowHeight / 2;
+  return fmt::format(
+      "<text class=\"micro-batch\" x=\"{:.2f}\" y=\"{:.1f}\" font-size=\"{:.1f}\" "
+      "text-anchor=\"middle\" dominant-baseline=\"central\" fill=\"{}\"{}>{}</text>",
+      mx, my, size, dark(c.action.type) ? "#fff" : "#000",
+      turned ? fmt::format(" transform=\"rotate(-90 {:.2f} {:.1f})\"", mx, my) : "", label);
+}
+
+// One action's rectangle with its tooltip, its chunk's hatch and its micro-batch's number.
 std::string cell(const PipelineSchedule& s, const Placed& c, const Frame& f) {
   const double cx = f.x(c.start), cw = (c.end - c.start) * f.unit, cy = Frame::y(c.rank);
-  const double l = lightness(c.action.type);
   std::string svg = fmt::format(
       "<g><title>rank {} step {}: {} (stage {}), time {:g} to {:g}</title>"
       "<rect class=\"action\" x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" height=\"{}\" "
-      "fill=\"hsl({:.0f},65%,{:.0f}%)\" stroke=\"#333\" stroke-width=\"0.6\"/>",
+      "fill=\"{}\" stroke=\"#333\" stroke-width=\"0.6\"/>",
       c.rank, c.step, to_string(c.action), s.stage(c.rank, c.action.chunk), c.start, c.end, cx, cy,
-      cw, kRowHeight, hue(c.action.micro_batch), l);
+      cw, kRowHeight, fill(c.action.type));
   if (c.action.chunk > 0)
     svg += fmt::format(
         "<rect class=\"chunk-mark\" x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" height=\"{}\" "
         "fill=\"url(#chunk{})\"/>",
         cx, cy, cw, kRowHeight, c.action.chunk);
-  // A label wider than its cell would spill over the neighbours: the tooltip still names it.
-  const std::string label = to_string(c.action);
-  if (cw >= 6.0 * static_cast<double>(label.size()) + 2)
-    svg += fmt::format(
-        "<text x=\"{:.2f}\" y=\"{:.1f}\" font-size=\"10\" text-anchor=\"middle\" "
-        "dominant-baseline=\"middle\" fill=\"{}\">{}</text>",
-        cx + cw / 2, cy + kRowHeight / 2, l > 60 ? "#000" : "#fff", escape(label));
+  svg += number(c, cx, cw, cy);
   svg += "</g>\n";
   return svg;
 }
@@ -215,7 +229,7 @@ std::string time_axis(const ScheduleReport& report, const Frame& f) {
   return svg;
 }
 
-// Action kinds in a neutral hue, the chunk hatch, and what colour means; `reach` grows to how
+// The phases' colours, the chunk hatch, and what colour and number mean; `reach` grows to how
 // far right the legend goes.
 std::string legend(const Frame& f, double& reach) {
   std::string svg;
@@ -228,18 +242,16 @@ std::string legend(const Frame& f, double& reach) {
         lx, f.legend_y, fill, lx + 18, f.legend_y + 11, label);
     lx += 18 + 6.6 * static_cast<double>(label.size()) + 16;
   };
-  swatch(fmt::format("hsl(210,65%,{:.0f}%)", lightness(ActionType::Forward)), "F forward");
-  swatch(fmt::format("hsl(210,65%,{:.0f}%)", lightness(ActionType::Backward)), "B backward");
-  swatch(fmt::format("hsl(210,65%,{:.0f}%)", lightness(ActionType::BackwardInput)),
-         "I input gradient");
-  swatch(fmt::format("hsl(210,65%,{:.0f}%)", lightness(ActionType::BackwardWeight)),
-         "W weight gradient");
+  swatch(fill(ActionType::Forward), "forward");
+  swatch(fill(ActionType::Backward), "backward");
+  swatch(fill(ActionType::BackwardInput), "input gradient");
+  swatch(fill(ActionType::BackwardWeight), "weight gradient");
   swatch("url(#chunk1)", "later chunk (')");
   svg += fmt::format(
-      "<text x=\"{:.1f}\" y=\"{:.1f}\" font-size=\"11\">colour: micro-batch; blank: "
-      "bubble</text>\n",
+      "<text x=\"{:.1f}\" y=\"{:.1f}\" font-size=\"11\">colour: phase; number: "
+      "micro-batch; blank: bubble</text>\n",
       lx, f.legend_y + 11);
-  reach = std::max(reach, lx + 6.6 * 34);
+  reach = std::max(reach, lx + 6.6 * 44);
   return svg;
 }
 

@@ -16,6 +16,7 @@
 #include "weave/graphs/virtual_replay.hpp"
 #include "weave/runtime/trace_metrics.hpp"
 #include "weave/runtime/virtual_clock.hpp"
+#include "weave/runtime/what_if.hpp"
 
 namespace weave::graphs {
 
@@ -171,6 +172,11 @@ ReplayFigures replay(const TrainerConfig& config, const PredictionOptions& optio
   read_exposed_by_group(run.trace, f);
   read_memory(set, ranks.source, f);
   f.trace = std::move(run.trace);
+  if (!options.what_if.empty()) {
+    const rt::WhatIfCostModel changed(machine, options.what_if);
+    f.what_if_trace = rt::VirtualClock(changed, {.execute = false}).run(step.graph()).trace;
+  }
+  f.graph = step.graph();
   return f;
 }
 
@@ -234,6 +240,8 @@ Prediction prediction_of(const TrainerConfig& config, ReplayFigures f) {
   p.memory = std::move(f.memory);
   p.memory_total = std::move(f.memory_total);
   p.trace = std::move(f.trace);
+  p.graph = std::move(f.graph);
+  p.what_if_trace = std::move(f.what_if_trace);
   return p;
 }
 
@@ -248,7 +256,7 @@ int replayed_rank(const Mesh& mesh, int rank, const PredictionOptions& options) 
 
 Prediction predict_step(TrainerConfig config, const PredictionOptions& options) {
   validate(config);
-  if (options.fold_micro_batches)
+  if (options.fold_micro_batches && options.what_if.empty())
     if (std::optional<ReplayFigures> folded = replay_folding_micro_batches(config, options))
       return prediction_of(config, std::move(*folded));
   return prediction_of(config, replay(config, options));

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "weave/runtime/graph.hpp"
 #include "weave/runtime/memory_tracker.hpp"
 #include "weave/runtime/trace.hpp"
 #include "weave/runtime/types.hpp"
@@ -27,12 +28,14 @@ struct ReplayFigures {
   int replayed_devices = 0;
   std::vector<int> micro_batches;  // set by a fold: the counts it extrapolated from
   rt::Trace trace;
+  rt::Graph graph;          // the graph replayed
+  rt::Trace what_if_trace;  // the graph replayed with PredictionOptions::what_if's costs
 };
 
 // The figures of a step with `steps` more periods than `first`, when `first`, `second` and `third`
 // are replays of the same step `period` micro-batches apart and every figure grows by the same
 // amount from `first` to `second` as from `second` to `third` (the pipeline's steady phase
-// repeats); std::nullopt otherwise. The trace is left empty.
+// repeats); std::nullopt otherwise. The trace and graph are left empty.
 std::optional<ReplayFigures> extrapolate(const ReplayFigures& first, const ReplayFigures& second,
                                          const ReplayFigures& third, std::int64_t steps);
 

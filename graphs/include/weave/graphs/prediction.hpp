@@ -12,8 +12,10 @@
 
 #include "weave/graphs/mesh.hpp"
 #include "weave/graphs/trainer_config.hpp"
+#include "weave/runtime/graph.hpp"
 #include "weave/runtime/memory_tracker.hpp"
 #include "weave/runtime/trace.hpp"
+#include "weave/runtime/what_if.hpp"
 
 namespace weave::graphs {
 
@@ -56,7 +58,10 @@ struct Prediction {
   // The micro-batch counts replayed: the configured one, or the three a micro-batch fold
   // extrapolated from.
   std::vector<int> micro_batches_replayed;
-  rt::Trace trace;  // the replay
+  rt::Trace trace;  // the replay (empty when micro-batches were folded)
+  rt::Graph graph;  // the graph replayed (the critical path's, a DOT's; empty when folded)
+  // The same graph replayed with PredictionOptions::what_if's costs (empty when none).
+  rt::Trace what_if_trace;
 };
 
 // Folding: data-parallel replicas run the same program on other samples, the ranks of a
@@ -74,12 +79,15 @@ struct Prediction {
 // every figure (step time, compute busy and idle, each group's exposed time, each device's
 // memory by category) grows by the same amount from the first to the second as from the second
 // to the third, as it does once a pipeline's steady phase repeats, extrapolated to the
-// configured count; otherwise the whole step is replayed. The prediction's trace is then empty.
+// configured count; otherwise (and whenever what_if is given) the whole step is replayed. A
+// folded prediction has no trace and no graph.
 struct PredictionOptions {
   bool fold_data_parallel = true;
   bool fold_tensor_parallel = true;
   bool fold_context_parallel = true;
   bool fold_micro_batches = false;
+  // Also replay the step with these costs changed (rt::WhatIfCostModel) into what_if_trace.
+  std::vector<rt::CostChange> what_if;
 };
 
 // The rank whose replay stands for `rank`'s under `options` (itself when it is built).

@@ -1,0 +1,85 @@
+// `weave predict` and `weave train` showing a step: the critical path equals the step time the
+// prediction reports, a what-if prints the replay of the changed step, --dump-graph draws the
+// view the filter and level choose, and wrong views are refused before any work.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <sstream>
+
+#include "run_weave.hpp"
+
+namespace weave::cli_test {
+namespace {
+
+const char* kPredict =
+    "predict --num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 "
+    "--seq-length 64 --num-experts 4 --moe-layer-freq 2 --devices 4 "
+    "--tensor-model-parallel-size 2 --sequence-parallel --expert-model-parallel-size 2 "
+    "--ampipe-degree 2 --global-batch-size 4 --device-flops 1e12 --link nvlink4";
+
+std::filesystem::path scratch(const std::string& name) {
+  const auto dir =
+      std::filesystem::temp_directory_path() / fmt::format("weave-views-{}", ::getpid());
+  std::filesystem::create_directories(dir);
+  return dir / name;
+}
+
+double number_after(const std::string& out, const std::string& pattern) {
+  std::smatch m;
+  EXPECT_TRUE(std::regex_search(out, m, std::regex(pattern))) << pattern << "\n" << out;
+  return m.size() > 1 ? std::stod(m[1]) : -1;
+}
+
+TEST(StepViewsCli, CriticalPathIsThePredictedStepAndWhatIfReplaysTheChangedStep) {
+  const Result r = weave(std::string(kPredict) + " --critical-path --what-if ep=free");
+  ASSERT_EQ(r.status, 0) << r.out;
+  const double step = number_after(r.out, "\nstep +([0-9.]+) ms");
+  const double path = number_after(r.out, "critical path: [0-9]+ steps, ([0-9.]+) ms");
+  EXPECT_DOUBLE_EQ(path, step);
+  EXPECT_NE(r.out.find("compute "), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("communication "), std::string::npos) << r.out;
+  const double before = number_after(r.out, "what-if ep=free: step ([0-9.]+) ms");
+  const double after = number_after(r.out, "what-if ep=free: step [0-9.]+ ms -> ([0-9.]+) ms");
+  EXPECT_DOUBLE_EQ(before, step);
+  EXPECT_LT(after, before) << r.out;  // the Ampipe chunks' all-to-alls are on the path
+}
+
+TEST(StepViewsCli, DumpGraphDrawsTheFilteredViewAtTheChosenLevel) {
+  const auto dot = scratch("layer.dot");
+  const Result r = weave(fmt::format(
+      "{} --dump-graph {} --graph-filter device=1 --graph-level layer", kPredict, dot.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("at layer level, written to"), std::string::npos) << r.out;
+  std::stringstream text;
+  text << std::ifstream(dot).rdbuf();
+  const std::string s = text.str();
+  EXPECT_EQ(s.rfind("digraph", 0), 0u);
+  EXPECT_NE(s.find("cluster_d1 "), std::string::npos);
+  for (int d : {0, 2, 3})
+    EXPECT_EQ(s.find(fmt::format("cluster_d{} ", d)), std::string::npos) << d;
+  EXPECT_NE(s.find("layer 1 F"), std::string::npos);
+  EXPECT_EQ(s.find(" t0 "), std::string::npos);  // no node per task
+  std::filesystem::remove_all(dot.parent_path());
+}
+
+TEST(StepViewsCli, WrongViewsAreRefusedNamingTheFlag) {
+  Result r = weave(std::string(kPredict) + " --dump-graph x.dot --graph-filter colour=red");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("--graph-filter"), std::string::npos) << r.out;
+  r = weave(std::string(kPredict) + " --dump-graph x.dot --graph-level stage");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("stage-micro-batch"), std::string::npos) << r.out;
+  r = weave(std::string(kPredict) + " --what-if ep=free");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("add --critical-path"), std::string::npos) << r.out;
+  r = weave(std::string(kPredict) + " --critical-path --what-if ep=cheap");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("<stream>=free"), std::string::npos) << r.out;
+}
+
+}  // namespace
+}  // namespace weave::cli_test

@@ -1,0 +1,45 @@
+// What `weave train` and `weave predict` show of a step's graph: its DOT view (--dump-graph,
+// --graph-filter, --graph-level) and its critical path on the virtual clock (--critical-path,
+// --what-if).
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "weave/runtime/cost_model.hpp"
+#include "weave/runtime/critical_path.hpp"
+#include "weave/runtime/graph.hpp"
+#include "weave/runtime/graph_view.hpp"
+#include "weave/runtime/what_if.hpp"
+
+namespace weave::cli {
+
+struct TrainOptions;
+
+// The flags read and checked before any work starts: a wrong filter, level or what-if is
+// refused (std::invalid_argument naming the flag) before a step is built.
+struct StepViewRequest {
+  std::string dump_path;
+  rt::GraphFilter filter;
+  std::string level = "auto";
+  bool critical_path = false;
+  std::vector<rt::CostChange> what_if;
+};
+StepViewRequest step_view_request(const TrainOptions& o);
+
+// `graph` replayed on `model` without running its work: the virtual-clock trace.
+rt::Trace replay_costs(const rt::Graph& graph, const rt::CostModel& model);
+
+// Prints the critical path of `trace` (a virtual-clock replay of `graph`); with what-ifs, and
+// `changed` the replay of the same graph with those costs changed, the new step time and what
+// moved. Returns the path's tasks, for the DOT.
+std::vector<rt::TaskId> print_critical_path(const rt::Graph& graph, const rt::Trace& trace,
+                                            const std::vector<rt::CostChange>& what_if,
+                                            const rt::Trace& changed);
+
+// Writes the view of `graph` the request chooses, the critical path drawn heavy; returns what to
+// tell the user ("graph: N tasks (layer level), written to PATH").
+std::string write_graph_view(const rt::Graph& graph, const StepViewRequest& request,
+                             const std::vector<rt::TaskId>& critical_path);
+
+}  // namespace weave::cli
