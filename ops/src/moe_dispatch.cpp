@@ -33,7 +33,11 @@ DispatchPlan plan_dispatch(std::span<const std::int32_t> topk_index, std::int64_
   plan.tokens = tokens;
   plan.top_k = top_k;
   plan.experts = experts;
-  plan.capacity = options.capacity_factor > 0
+  if (options.capacity < 0)
+    throw std::invalid_argument(
+        fmt::format("expert capacity must be >= 0 (0: from the factor), got {}", options.capacity));
+  plan.capacity = options.capacity > 0 ? options.capacity
+                  : options.capacity_factor > 0
                       ? static_cast<std::int64_t>(std::ceil(options.capacity_factor *
                                                             static_cast<double>(tokens * top_k) /
                                                             static_cast<double>(experts)))
@@ -56,14 +60,17 @@ DispatchPlan plan_dispatch(std::span<const std::int32_t> topk_index, std::int64_
   plan.row_token.assign(static_cast<std::size_t>(plan.rows()), 0);
   plan.pick_row.assign(topk_index.size(), -1);
   std::vector<std::int64_t> next(plan.expert_begin.begin(), plan.expert_begin.end() - 1);
-  for (std::size_t i = 0; i < topk_index.size(); ++i) {
+  const std::size_t k = static_cast<std::size_t>(top_k), n = static_cast<std::size_t>(tokens);
+  for (std::size_t order = 0; order < topk_index.size(); ++order) {
+    // The order-th pick considered: token-major, or choice-major for first choices first.
+    const std::size_t i = options.first_choices_first ? (order % n) * k + order / n : order;
     const std::int32_t e = topk_index[i];
     if (next[e] == plan.expert_begin[e + 1]) {
       ++plan.dropped;
       continue;
     }
     const std::int64_t row = next[e]++;
-    plan.row_token[row] = static_cast<std::int32_t>(i / static_cast<std::size_t>(top_k));
+    plan.row_token[row] = static_cast<std::int32_t>(i / k);
     plan.pick_row[i] = static_cast<std::int32_t>(row);
   }
   return plan;
