@@ -75,8 +75,25 @@ void derive_machine(TrainOptions& o) {
       cluster_or_refuse([&] { return devices::Cluster::from_accelerator(a, o.cluster); });
 }
 
-// The model's words (--position-embedding-type, --normalization) and switches (--swiglu,
-// --group-query-attention, --disable-bias-linear) into the model's configuration.
+// --moe-router-load-balancing-type by Megatron-Core's meanings; MindSpeed's deepspeed_moe gate
+// never reads it.
+void derive_load_balancing(const std::string& type, graphs::ModelConfig& m) {
+  if (m.moe_gate == graphs::MoeGate::deepspeed || type == "aux_loss") return;
+  if (type == "none") {
+    m.moe_aux_loss_coeff = 0;  // Megatron-Core adds no balancing loss whatever the coefficient
+    return;
+  }
+  throw graphs::ConfigError(fmt::format(
+      "--moe-router-load-balancing-type {} is not implemented here ({}): give aux_loss with "
+      "--moe-aux-loss-coeff, or none",
+      type,
+      type == "sinkhorn" ? "Megatron-Core's Sinkhorn-balanced top-1 routing"
+                         : "Megatron-Core's per-sequence balancing loss"));
+}
+
+// The model's words (--position-embedding-type, --normalization, --moe-model-type's gate) and
+// switches (--swiglu, --group-query-attention, --disable-bias-linear) into the model's
+// configuration.
 void derive_model(TrainOptions& o) {
   graphs::ModelConfig& m = o.config.model;
   m.activation = o.swiglu ? graphs::Activation::swiglu : graphs::Activation::gelu;
@@ -114,6 +131,11 @@ void derive_model(TrainOptions& o) {
         "--group-query-attention needs --num-query-groups: the number of key/value heads");
   m.num_query_groups = o.group_query_attention ? o.num_query_groups : 0;
   m.add_bias_linear = !o.disable_bias_linear;
+  // MindSpeed's --moe-model-type deepspeed_moe is its layer as a whole: the experts' layout (the
+  // plan's) and its gate (the model's).
+  m.moe_gate = o.config.plan.moe_model_type == "deepspeed_moe" ? graphs::MoeGate::deepspeed
+                                                               : graphs::MoeGate::megatron;
+  derive_load_balancing(o.moe_router_load_balancing_type, m);
 }
 
 // The recomputation flags' words into the model's configuration, by Megatron-LM's meanings

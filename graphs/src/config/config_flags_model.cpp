@@ -206,6 +206,26 @@ constexpr ConfigFlag kMoe[] = {
      .field = model_field<&M::moe_expert_capacity_factor>(),
      .description = described(model, "moe_expert_capacity_factor"),
      .properties = kShowsDefault},
+    {.name = "--moe-router-load-balancing-type",
+     .group = FlagGroup::moe,
+     .help = "Megatron-Core's load balancing: aux_loss (the loss weighted by --moe-aux-loss-"
+             "coeff) or none (no balancing loss, the coefficient ignored); seq_aux_loss and "
+             "sinkhorn are refused. MindSpeed's deepspeed_moe gate ignores it, as weave's does",
+     .check = one_of("aux_loss,seq_aux_loss,sinkhorn,none"),
+     .properties = kShowsDefault},
+    {.name = "--moe-train-capacity-factor",
+     .group = FlagGroup::moe,
+     .help = "With --moe-model-type deepspeed_moe (MindSpeed's gate): each expert takes at most "
+             "ceil(tokens / experts x top-k x factor) picks of each gate call, at least 4",
+     .field = model_field<&M::moe_train_capacity_factor>(),
+     .description = described(model, "moe_train_capacity_factor"),
+     .properties = kShowsDefault},
+    {.name = "--moe-no-drop",
+     .group = FlagGroup::moe,
+     .values = 0,
+     .help = "With --moe-model-type deepspeed_moe (MindSpeed's gate): no capacity, no pick dropped",
+     .field = model_field<&M::moe_no_drop>(),
+     .description = described(model, "moe_no_drop")},
 };
 
 }  // namespace
