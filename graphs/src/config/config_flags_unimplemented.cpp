@@ -156,6 +156,7 @@ constexpr ConfigFlag kNoEffect[] = {
     without_effect("--log-num-zeros-in-grad", 0, kReports),
     without_effect("--log-params-norm", 0, kReports),
     without_effect("--timing-log-level", 1, kReports),
+    without_effect("--timing-log-option", 1, kReports),
     without_effect("--moe-per-layer-logging", 0, kReports),
     without_effect("--tokenizer-model", 1, kTokenizerModel),
     without_effect("--data-impl", 1, kDataLoader),
