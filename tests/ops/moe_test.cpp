@@ -101,6 +101,28 @@ TEST(Dispatch, CapacityDropsLatePicksInTokenOrder) {
   EXPECT_THROW(dropless.rows_per_rank(3), std::invalid_argument);
 }
 
+TEST(Dispatch, ProbsPolicyKeepsEachExpertsLargestWeightsInTokenOrder) {
+  // 4 tokens, top-1, 2 experts; capacity 2; expert 0 is picked by tokens 0, 1 and 3 with weights
+  // 0.5, 0.9, 0.7: Megatron-Core's probs policy keeps tokens 1 and 3 (rows in token order).
+  const std::vector<std::int32_t> picks{0, 0, 1, 0};
+  const std::vector<float> weight{0.5f, 0.9f, 0.6f, 0.7f};
+  const DispatchPlan plan =
+      plan_dispatch(picks, 4, 1, 2, {.capacity_factor = 1.0, .pick_priority = weight});
+  EXPECT_EQ(plan.dropped, 1);
+  EXPECT_EQ(plan.expert_begin, (std::vector<std::int64_t>{0, 2, 3}));
+  EXPECT_EQ(plan.row_token, (std::vector<std::int32_t>{1, 3, 2}));
+  EXPECT_EQ(plan.pick_row, (std::vector<std::int32_t>{-1, 0, 2, 1}));
+  // Equal weights: the earlier pick wins, as the position policy would keep it.
+  const std::vector<float> equal(4, 0.5f);
+  const DispatchPlan tied =
+      plan_dispatch(picks, 4, 1, 2, {.capacity_factor = 1.0, .pick_priority = equal});
+  EXPECT_EQ(tied.pick_row, (std::vector<std::int32_t>{0, 1, 2, -1}));
+  const std::vector<float> short_priority(3, 0.5f);
+  EXPECT_THROW(
+      plan_dispatch(picks, 4, 1, 2, {.capacity_factor = 1.0, .pick_priority = short_priority}),
+      std::invalid_argument);
+}
+
 TEST(Dispatch, BadExpertIndexNamesTheToken) {
   const std::vector<std::int32_t> picks{0, 1, 1, 7};
   try {

@@ -136,6 +136,8 @@ void derive_model(TrainOptions& o) {
   m.moe_gate = o.config.plan.moe_model_type == "deepspeed_moe" ? graphs::MoeGate::deepspeed
                                                                : graphs::MoeGate::megatron;
   derive_load_balancing(o.moe_router_load_balancing_type, m);
+  m.moe_token_drop_by_probability =
+      m.moe_gate == graphs::MoeGate::megatron && o.moe_token_drop_policy == "probs";
 }
 
 // The recomputation flags' words into the model's configuration, by Megatron-LM's meanings

@@ -213,6 +213,14 @@ constexpr ConfigFlag kMoe[] = {
              "sinkhorn are refused. MindSpeed's deepspeed_moe gate ignores it, as weave's does",
      .check = one_of("aux_loss,seq_aux_loss,sinkhorn,none"),
      .properties = kShowsDefault},
+    {.name = "--moe-token-drop-policy",
+     .group = FlagGroup::moe,
+     .help = "Megatron-Core's choice of the picks an expert over --moe-expert-capacity-"
+             "factor's capacity keeps: probs (Megatron-Core's default: those of the largest "
+             "weight) or position (the earliest tokens'). MindSpeed's deepspeed_moe gate "
+             "ignores it, as weave's does",
+     .check = one_of("probs,position"),
+     .properties = kShowsDefault},
     {.name = "--moe-train-capacity-factor",
      .group = FlagGroup::moe,
      .help = "With --moe-model-type deepspeed_moe (MindSpeed's gate): each expert takes at most "

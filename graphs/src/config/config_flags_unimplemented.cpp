@@ -183,6 +183,9 @@ constexpr ConfigFlag kNoEffect[] = {
     without_effect("--use-mc2", 0, kTpOverlap),
     without_effect("--use-ascend-mc2", 0, kTpOverlap),
     without_effect("--use-ascend-coc", 0, kTpOverlap),
+    without_effect("--moe-pad-expert-input-to-capacity", 0,
+                   "Megatron-Core pads each expert's rows to the capacity with picks of weight "
+                   "0, whose outputs and gradients are 0: the same training without it"),
     without_effect(
         "--moe-dynamic-padding", 0,
         "with --moe-no-drop, MindSpeed pads each expert's buffer to a capacity it "

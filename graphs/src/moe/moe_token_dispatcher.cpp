@@ -24,8 +24,13 @@ void permute_slot(RankProgram& P, int layer, MoeSlot& A, bool counted) {
                                     {.capacity = capacity, .first_choices_first = true});
     ops::gate_weights_after_drops(A.dispatch, A.topk_weight);
   } else {
-    A.dispatch = ops::plan_dispatch(A.topk_index, A.tokens, m.moe_router_topk, m.num_experts,
-                                    {.capacity_factor = m.moe_expert_capacity_factor});
+    // Megatron-Core's probs policy ranks an expert's picks by their (renormalised) weights.
+    std::span<const float> priority;
+    if (m.moe_token_drop_by_probability)
+      priority = {A.topk_weight.data(), static_cast<std::size_t>(A.tokens * m.moe_router_topk)};
+    A.dispatch = ops::plan_dispatch(
+        A.topk_index, A.tokens, m.moe_router_topk, m.num_experts,
+        {.capacity_factor = m.moe_expert_capacity_factor, .pick_priority = priority});
   }
   // Every rank routes different tokens (its SP shard, tp slice, cp chunks, dp batch).
   if (counted) {

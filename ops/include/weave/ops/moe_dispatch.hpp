@@ -22,6 +22,10 @@ struct CapacityOptions {
   // Fill each expert with every token's first choice before any second choice (the DeepSpeed
   // gate's order); otherwise picks come in token order, a token's picks together.
   bool first_choices_first = false;
+  // [tokens * k] or empty: an expert over capacity keeps its picks of the highest priority (ties
+  // to the earlier pick) instead of the earliest (Megatron-Core's --moe-token-drop-policy probs,
+  // the priority being the pick's weight); its rows stay in token order.
+  std::span<const float> pick_priority;
 };
 
 // Picks beyond an expert's capacity are dropped in the order the options say (token order, or
