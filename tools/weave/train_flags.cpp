@@ -36,6 +36,8 @@ constexpr ProgramFlag kProgramFlags[] = {
     {"--no-position-embedding",
      [](TrainOptions& o) -> ProgramSetting { return &o.no_position_embedding; }},
     {"--normalization", [](TrainOptions& o) -> ProgramSetting { return &o.normalization; }},
+    {"--moe-router-pre-softmax",
+     [](TrainOptions& o) -> ProgramSetting { return &o.moe_router_pre_softmax; }},
     {"--moe-token-drop-policy",
      [](TrainOptions& o) -> ProgramSetting { return &o.moe_token_drop_policy; }},
     {"--moe-router-load-balancing-type",

@@ -136,6 +136,9 @@ void derive_model(TrainOptions& o) {
   m.moe_gate = o.config.plan.moe_model_type == "deepspeed_moe" ? graphs::MoeGate::deepspeed
                                                                : graphs::MoeGate::megatron;
   derive_load_balancing(o.moe_router_load_balancing_type, m);
+  // Megatron-Core's post-softmax weights (its default) are the picks' probabilities renormalised
+  // over the k picks; pre-softmax leaves them the softmax over all experts.
+  if (m.moe_gate == graphs::MoeGate::megatron) m.moe_router_renormalize = !o.moe_router_pre_softmax;
   m.moe_token_drop_by_probability =
       m.moe_gate == graphs::MoeGate::megatron && o.moe_token_drop_policy == "probs";
 }

@@ -213,6 +213,12 @@ constexpr ConfigFlag kMoe[] = {
              "sinkhorn are refused. MindSpeed's deepspeed_moe gate ignores it, as weave's does",
      .check = one_of("aux_loss,seq_aux_loss,sinkhorn,none"),
      .properties = kShowsDefault},
+    {.name = "--moe-router-pre-softmax",
+     .group = FlagGroup::moe,
+     .values = 0,
+     .help = "Megatron-Core's pre-softmax routing: the top-k weights are the softmax over all "
+             "experts, not renormalised over the k picks. MindSpeed's deepspeed_moe gate "
+             "ignores it, as weave's does"},
     {.name = "--moe-token-drop-policy",
      .group = FlagGroup::moe,
      .help = "Megatron-Core's choice of the picks an expert over --moe-expert-capacity-"
