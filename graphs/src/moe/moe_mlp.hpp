@@ -69,7 +69,7 @@ class MoeMlp {
   // every item collective is chained in one strict order, so expert- and tensor-parallel
   // traffic never share the links at once (MindSpeed chains them so without Ampipe only). `routed`
   // / `arrived`: per slot, the items' dispatches or combine gradients. `gathered`: item 0's gather,
-  // if already issued (Ampipe issues it under the last chunk's attention). Returns per slot the
+  // if already issued (Ampipe issues it after the last chunk's projection). Returns per slot the
   // items' combines (dispatch gradients).
   std::vector<SlotProgress> split_item_pipeline(const BuildPosition& pos,
                                                 const std::vector<int>& slots,
