@@ -213,6 +213,14 @@ constexpr ConfigFlag kMoe[] = {
              "sinkhorn are refused. MindSpeed's deepspeed_moe gate ignores it, as weave's does",
      .check = one_of("aux_loss,seq_aux_loss,sinkhorn,none"),
      .properties = kShowsDefault},
+    {.name = "--moe-router-topk-scaling-factor",
+     .group = FlagGroup::moe,
+     .help = "Megatron-Core's factor on the top-k weights (after renormalisation), as "
+             "DeepSeek-V3's routed scaling factor; 1: none. MindSpeed's deepspeed_moe gate "
+             "ignores it, as weave's does",
+     .field = model_field<&M::moe_router_topk_scaling_factor>(),
+     .description = described(model, "moe_router_topk_scaling_factor"),
+     .properties = kShowsDefault},
     {.name = "--moe-router-pre-softmax",
      .group = FlagGroup::moe,
      .values = 0,

@@ -121,6 +121,9 @@ void check_moe_model(const ModelConfig& m, const ParallelPlan& p) {
         "--num-experts ({}) must be divisible by --expert-model-parallel-size ({}): each "
         "expert-parallel rank holds the same number of experts",
         m.num_experts, p.expert_parallel);
+  if (!(m.moe_router_topk_scaling_factor > 0) || !std::isfinite(m.moe_router_topk_scaling_factor))
+    refuse("--moe-router-topk-scaling-factor must be a finite number > 0, got {}",
+           m.moe_router_topk_scaling_factor);
   if (m.moe_expert_capacity_factor < 0)
     refuse("--moe-expert-capacity-factor must be >= 0 (0: dropless), got {}",
            m.moe_expert_capacity_factor);

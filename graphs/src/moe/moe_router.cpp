@@ -21,7 +21,9 @@ ops::RouterOptions router_options(const ModelConfig& m) {
   return {.top_k = m.moe_router_topk,
           .renormalize = renormalize,
           .aux_loss_coeff = m.moe_aux_loss_coeff,
-          .z_loss_coeff = m.moe_z_loss_coeff};
+          .z_loss_coeff = m.moe_z_loss_coeff,
+          .topk_scaling_factor =
+              m.moe_gate == MoeGate::deepspeed ? 1.0 : m.moe_router_topk_scaling_factor};
 }
 
 namespace {

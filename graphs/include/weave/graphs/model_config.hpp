@@ -119,6 +119,7 @@ struct ModelConfig {
   double moe_z_loss_coeff = 0.0;    // --moe-z-loss-coeff
   double moe_expert_capacity_factor = 0.0;  // --moe-expert-capacity-factor; 0: dropless
   bool moe_router_renormalize = true;
+  double moe_router_topk_scaling_factor = 1.0;  // --moe-router-topk-scaling-factor (1: none)
   // --moe-model-type deepspeed_moe on the command line routes by MindSpeed's gate; the embedding
   // API chooses the gate here and the experts' layout in ParallelPlan::moe_model_type.
   MoeGate moe_gate = MoeGate::megatron;
