@@ -146,6 +146,24 @@ TEST(CliTrain, RouterFlagsTakeMegatronCoresAndMindSpeedsMeanings) {
       first_moe_iteration("--moe-model-type deepspeed_moe --moe-train-capacity-factor 8")["loss"]);
 }
 
+TEST(CliTrain, MindSpeedsRulesOverFlagsWithoutEffectAreKept) {
+  const Result padding = weave(fmt::format(
+      "train {} --mock-data --num-experts 4 --moe-model-type deepspeed_moe --moe-dynamic-padding",
+      kTinyModel));
+  EXPECT_NE(padding.status, 0);
+  EXPECT_NE(padding.out.find("--moe-dynamic-padding applies with --moe-no-drop"), std::string::npos)
+      << padding.out;
+  const Result mc2 =
+      weave(fmt::format("train {} --mock-data --num-experts 4 --use-ascend-mc2", kTinyModel));
+  EXPECT_NE(mc2.status, 0);
+  EXPECT_NE(mc2.out.find("not compatible with MoE models"), std::string::npos) << mc2.out;
+  const Result both = weave(fmt::format(
+      "train {} --mock-data --train-iters 1 --num-experts 4 --moe-model-type deepspeed_moe "
+      "--moe-no-drop --moe-dynamic-padding",
+      kTinyModel));
+  EXPECT_EQ(both.status, 0) << both.out;
+}
+
 TEST(CliTrain, UnknownFlagsAndKeysGetASuggestion) {
   Result r = weave(fmt::format("train {} --mock-data --num-layer 3", kTinyModel));
   EXPECT_NE(r.status, 0);

@@ -208,6 +208,27 @@ void derive_batch(TrainOptions& o) {
 
 }  // namespace
 
+namespace {
+
+// MindSpeed's rules over flags weave accepts without effect (mindspeed/arguments.py): they would
+// stop a MindSpeed run, so they stop this one.
+void check_mindspeed_flag_rules(const TrainOptions& o) {
+  const auto given = [&](std::string_view name) {
+    return std::find(o.no_effect.begin(), o.no_effect.end(), name) != o.no_effect.end();
+  };
+  const graphs::ModelConfig& m = o.config.model;
+  if (given("--moe-dynamic-padding") && !m.moe_no_drop)
+    throw graphs::ConfigError(
+        "--moe-dynamic-padding applies with --moe-no-drop (MindSpeed's rule): add --moe-no-drop "
+        "and --moe-model-type deepspeed_moe, or drop it");
+  for (const char* flag : {"--use-ascend-mc2", "--use-ascend-coc"})
+    if (given(flag) && m.num_experts > 0)
+      throw graphs::ConfigError(
+          fmt::format("{} is not compatible with MoE models (MindSpeed's rule): drop it", flag));
+}
+
+}  // namespace
+
 void derive_config(TrainOptions& o) {
   graphs::TrainerConfig& c = o.config;
   derive_machine(o);
@@ -218,6 +239,7 @@ void derive_config(TrainOptions& o) {
   if (!o.trace_iteration_given) c.trace_iteration = std::min(c.trace_iteration, c.train_iters);
   if (!o.split.empty()) o.valid_fraction = validation_share(o.split);
   graphs::check_flag_rules(c.plan, o.no_effect);
+  check_mindspeed_flag_rules(o);
 }
 
 std::int64_t modelled_device_memory(const TrainOptions& o, double given_gib) {

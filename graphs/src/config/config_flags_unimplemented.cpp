@@ -190,7 +190,7 @@ constexpr ConfigFlag kNoEffect[] = {
         "--moe-dynamic-padding", 0,
         "with --moe-no-drop, MindSpeed pads each expert's buffer to a capacity it "
         "estimates over a sliding window; nothing is dropped either way, and weave sends "
-        "only the routed rows"),
+        "only the routed rows (it needs --moe-no-drop, MindSpeed's rule)"),
     without_effect("--enable-token-rearrange-opt", 0,
                    "MindSpeed's index_select layout of the same dispatch and combine: the same "
                    "tokens reach the same experts with the same weights"),
