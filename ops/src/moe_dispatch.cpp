@@ -19,6 +19,50 @@ std::vector<std::int64_t> DispatchPlan::rows_per_rank(int ranks) const {
   return rows;
 }
 
+namespace {
+
+// plan_dispatch's rows when an expert over capacity keeps its highest-priority picks: each
+// expert's picks ranked by priority (then by pick), the first `capacity` kept, rows in pick order.
+void plan_by_priority(DispatchPlan& plan, std::span<const std::int32_t> topk_index,
+                      const CapacityOptions& options, const std::vector<std::int64_t>& count) {
+  const std::span<const float> priority = options.pick_priority;
+  if (priority.size() != topk_index.size())
+    throw std::invalid_argument(fmt::format("dispatch: {} pick priorities for {} picks",
+                                            priority.size(), topk_index.size()));
+  std::vector<std::vector<std::int32_t>> picks(count.size());
+  for (std::size_t i = 0; i < topk_index.size(); ++i)
+    picks[static_cast<std::size_t>(topk_index[i])].push_back(static_cast<std::int32_t>(i));
+  std::vector<bool> keep(topk_index.size(), true);
+  for (auto& of_expert : picks) {
+    if (plan.capacity == 0 || static_cast<std::int64_t>(of_expert.size()) <= plan.capacity)
+      continue;
+    std::vector<std::int32_t> ranked = of_expert;
+    std::stable_sort(ranked.begin(), ranked.end(),
+                     [&](std::int32_t a, std::int32_t b) { return priority[a] > priority[b]; });
+    for (std::size_t r = static_cast<std::size_t>(plan.capacity); r < ranked.size(); ++r)
+      keep[static_cast<std::size_t>(ranked[r])] = false;
+  }
+  const auto experts = static_cast<std::int64_t>(count.size());
+  plan.expert_begin.assign(static_cast<std::size_t>(experts) + 1, 0);
+  for (std::int64_t e = 0; e < experts; ++e)
+    plan.expert_begin[e + 1] =
+        plan.expert_begin[e] + (plan.capacity > 0 ? std::min(count[e], plan.capacity) : count[e]);
+  plan.row_token.assign(static_cast<std::size_t>(plan.rows()), 0);
+  plan.pick_row.assign(topk_index.size(), -1);
+  std::vector<std::int64_t> next(plan.expert_begin.begin(), plan.expert_begin.end() - 1);
+  for (std::size_t i = 0; i < topk_index.size(); ++i) {
+    if (!keep[i]) {
+      ++plan.dropped;
+      continue;
+    }
+    const std::int64_t row = next[topk_index[i]]++;
+    plan.row_token[row] = static_cast<std::int32_t>(i / static_cast<std::size_t>(plan.top_k));
+    plan.pick_row[i] = static_cast<std::int32_t>(row);
+  }
+}
+
+}  // namespace
+
 DispatchPlan plan_dispatch(std::span<const std::int32_t> topk_index, std::int64_t tokens, int top_k,
                            std::int64_t experts, const CapacityOptions& options) {
   if (tokens < 0 || top_k < 1 || experts < 1 ||
@@ -33,7 +77,11 @@ DispatchPlan plan_dispatch(std::span<const std::int32_t> topk_index, std::int64_
   plan.tokens = tokens;
   plan.top_k = top_k;
   plan.experts = experts;
-  plan.capacity = options.capacity_factor > 0
+  if (options.capacity < 0)
+    throw std::invalid_argument(
+        fmt::format("expert capacity must be >= 0 (0: from the factor), got {}", options.capacity));
+  plan.capacity = options.capacity > 0 ? options.capacity
+                  : options.capacity_factor > 0
                       ? static_cast<std::int64_t>(std::ceil(options.capacity_factor *
                                                             static_cast<double>(tokens * top_k) /
                                                             static_cast<double>(experts)))
@@ -46,6 +94,10 @@ DispatchPlan plan_dispatch(std::span<const std::int32_t> topk_index, std::int64_
                                               i / static_cast<std::size_t>(top_k), e, experts));
     ++count[e];
   }
+  if (!options.pick_priority.empty()) {
+    plan_by_priority(plan, topk_index, options, count);
+    return plan;
+  }
   std::vector<std::int64_t> kept(count);
   if (plan.capacity > 0)
     for (auto& c : kept)
@@ -56,14 +108,17 @@ DispatchPlan plan_dispatch(std::span<const std::int32_t> topk_index, std::int64_
   plan.row_token.assign(static_cast<std::size_t>(plan.rows()), 0);
   plan.pick_row.assign(topk_index.size(), -1);
   std::vector<std::int64_t> next(plan.expert_begin.begin(), plan.expert_begin.end() - 1);
-  for (std::size_t i = 0; i < topk_index.size(); ++i) {
+  const std::size_t k = static_cast<std::size_t>(top_k), n = static_cast<std::size_t>(tokens);
+  for (std::size_t order = 0; order < topk_index.size(); ++order) {
+    // The order-th pick considered: token-major, or choice-major for first choices first.
+    const std::size_t i = options.first_choices_first ? (order % n) * k + order / n : order;
     const std::int32_t e = topk_index[i];
     if (next[e] == plan.expert_begin[e + 1]) {
       ++plan.dropped;
       continue;
     }
     const std::int64_t row = next[e]++;
-    plan.row_token[row] = static_cast<std::int32_t>(i / static_cast<std::size_t>(top_k));
+    plan.row_token[row] = static_cast<std::int32_t>(i / k);
     plan.pick_row[i] = static_cast<std::int32_t>(row);
   }
   return plan;

@@ -20,6 +20,9 @@ void check_router(const RouterOptions& o, const BasicTensor<T>& logits, const Ba
     throw std::invalid_argument(
         fmt::format("router logits must be [tokens, experts], got {}", logits.shape().str()));
   const std::int64_t t = logits.dim(0), e = logits.dim(1);
+  if (!(o.topk_scaling_factor > 0) || !std::isfinite(o.topk_scaling_factor))
+    throw std::invalid_argument(fmt::format(
+        "router top-k scaling factor must be a finite number > 0, got {}", o.topk_scaling_factor));
   if (o.top_k < 1 || o.top_k > e)
     throw std::invalid_argument(fmt::format(
         "router top-k must be between 1 and the number of experts ({}), got {}", e, o.top_k));
@@ -94,6 +97,9 @@ RouterStatistics router_forward(const RouterOptions& o, const BasicTensor<T>& lo
     if (o.renormalize)
       for (std::int64_t s = 0; s < k; ++s)
         w[s] /= chosen;
+    if (o.topk_scaling_factor != 1)
+      for (std::int64_t s = 0; s < k; ++s)
+        w[s] = static_cast<T>(w[s] * o.topk_scaling_factor);
   }
   return stats;
 }
@@ -134,10 +140,17 @@ void router_backward(const RouterOptions& o, const BasicTensor<T>& logits,
                                  (total.assignments[j] / (tokens * k)) / tokens);
   const T z_scale = static_cast<T>(loss_scale * o.z_loss_coeff * 2.0 / tokens);
   std::vector<T> dp(static_cast<std::size_t>(e));
+  // The weights before the scaling factor and their gradient: w = f u, so du = f dw.
+  const T f = static_cast<T>(o.topk_scaling_factor);
+  std::vector<T> unscaled(static_cast<std::size_t>(k)), d_unscaled(static_cast<std::size_t>(k));
   for (std::int64_t i = 0; i < t; ++i) {
     const T* p = probs.row(i);
-    const T* w = topk_weight.row(i);
-    const T* dw = d_topk_weight.row(i);
+    for (std::int64_t s = 0; s < k; ++s) {
+      unscaled[s] = topk_weight.row(i)[s] / f;
+      d_unscaled[s] = d_topk_weight.row(i)[s] * f;
+    }
+    const T* w = unscaled.data();
+    const T* dw = d_unscaled.data();
     std::copy(aux_grad.begin(), aux_grad.end(), dp.begin());
     if (o.renormalize) {
       // w_s = p_s / sum(p_chosen): dp_s = (dw_s - sum_r dw_r w_r) / sum(p_chosen).

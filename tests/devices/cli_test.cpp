@@ -114,6 +114,56 @@ TEST(CliTrain, MockDataTrainsAndWritesMetricsAndTrace) {
   EXPECT_GT(t["traceEvents"].size(), 100u);
 }
 
+// The first iteration's record of a one-iteration MoE run with `flags` added.
+nlohmann::json first_moe_iteration(const std::string& flags) {
+  const auto metrics = scratch("router.jsonl");
+  const Result r =
+      weave(fmt::format("train {} --mock-data --train-iters 1 --num-experts 4 --moe-aux-loss-coeff "
+                        "0.01 --log-json {} {}",
+                        kTinyModel, metrics.string(), flags));
+  EXPECT_EQ(r.status, 0) << r.out;
+  std::ifstream in(metrics);
+  std::string line;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j["type"] == "iteration") return j;
+  }
+  ADD_FAILURE() << "no iteration in " << r.out;
+  return {};
+}
+
+TEST(CliTrain, RouterFlagsTakeMegatronCoresAndMindSpeedsMeanings) {
+  const auto plain = first_moe_iteration("");
+  EXPECT_GT(plain["aux_loss"].get<double>(), 0);
+  // none: no balancing loss whatever the coefficient.
+  EXPECT_EQ(first_moe_iteration("--moe-router-load-balancing-type none")["aux_loss"], 0.0);
+  // Pre-softmax weights are not renormalised: another loss.
+  EXPECT_NE(first_moe_iteration("--moe-router-pre-softmax")["loss"], plain["loss"]);
+  // MindSpeed's gate: another loss (its drops at factor 1, its loss per gate call).
+  EXPECT_NE(first_moe_iteration("--moe-model-type deepspeed_moe")["loss"], plain["loss"]);
+  EXPECT_EQ(
+      first_moe_iteration("--moe-model-type deepspeed_moe --moe-no-drop")["loss"],
+      first_moe_iteration("--moe-model-type deepspeed_moe --moe-train-capacity-factor 8")["loss"]);
+}
+
+TEST(CliTrain, MindSpeedsRulesOverFlagsWithoutEffectAreKept) {
+  const Result padding = weave(fmt::format(
+      "train {} --mock-data --num-experts 4 --moe-model-type deepspeed_moe --moe-dynamic-padding",
+      kTinyModel));
+  EXPECT_NE(padding.status, 0);
+  EXPECT_NE(padding.out.find("--moe-dynamic-padding applies with --moe-no-drop"), std::string::npos)
+      << padding.out;
+  const Result mc2 =
+      weave(fmt::format("train {} --mock-data --num-experts 4 --use-ascend-mc2", kTinyModel));
+  EXPECT_NE(mc2.status, 0);
+  EXPECT_NE(mc2.out.find("not compatible with MoE models"), std::string::npos) << mc2.out;
+  const Result both = weave(fmt::format(
+      "train {} --mock-data --train-iters 1 --num-experts 4 --moe-model-type deepspeed_moe "
+      "--moe-no-drop --moe-dynamic-padding",
+      kTinyModel));
+  EXPECT_EQ(both.status, 0) << both.out;
+}
+
 TEST(CliTrain, UnknownFlagsAndKeysGetASuggestion) {
   Result r = weave(fmt::format("train {} --mock-data --num-layer 3", kTinyModel));
   EXPECT_NE(r.status, 0);

@@ -45,6 +45,39 @@ TEST_P(RouterGradient, MatchesFiniteDifferences) {
 
 INSTANTIATE_TEST_SUITE_P(Renormalize, RouterGradient, ::testing::Bool());
 
+TEST(Router, ScaledWeightsGradientMatchesFiniteDifferences) {
+  for (const bool renormalize : {true, false}) {
+    std::mt19937 gen(5);
+    const std::int64_t T = 5, E = 4;
+    const RouterOptions opt{.top_k = 2,
+                            .renormalize = renormalize,
+                            .aux_loss_coeff = 0.2,
+                            .z_loss_coeff = 0.03,
+                            .topk_scaling_factor = 2.5};
+    const TensorD logits = random_tensor({T, E}, gen, -2, 2), r = random_tensor({T, 2}, gen);
+    const TensorD probs = TensorD::empty({T, E}), w = TensorD::empty({T, 2});
+    std::vector<std::int32_t> index(T * 2);
+    RouterStatistics stats;
+    auto loss = [&] {
+      stats = router_forward(opt, logits, probs, std::span(index), w);
+      return dot(w, r) + aux_loss(opt, stats) + z_loss(opt, stats);
+    };
+    loss();
+    // The weights are the unscaled ones times 2.5.
+    RouterOptions unscaled = opt;
+    unscaled.topk_scaling_factor = 1;
+    const TensorD w1 = TensorD::empty({T, 2});
+    router_forward(unscaled, logits, probs, std::span(index), w1);
+    for (std::int64_t i = 0; i < T * 2; ++i)
+      EXPECT_NEAR(w.data()[i], 2.5 * w1.data()[i], 1e-12);
+    loss();
+    const TensorD dlogits = TensorD::empty({T, E});
+    router_backward(opt, logits, probs, std::span<const std::int32_t>(index), w, r, stats, 1.0,
+                    dlogits);
+    expect_gradient(renormalize ? "renormalised" : "not renormalised", logits, loss, dlogits);
+  }
+}
+
 TEST(Router, PicksTheLargestProbabilitiesInOrder) {
   const TensorD logits = TensorD::from(std::vector<double>{0.1, 2.0, -1.0, 1.5}, {1, 4});
   const TensorD probs = TensorD::empty({1, 4}), w = TensorD::empty({1, 2});
@@ -99,6 +132,28 @@ TEST(Dispatch, CapacityDropsLatePicksInTokenOrder) {
   EXPECT_EQ(dropless.expert_begin, (std::vector<std::int64_t>{0, 3, 4}));
   EXPECT_EQ(dropless.rows_per_rank(2), (std::vector<std::int64_t>{3, 1}));
   EXPECT_THROW(dropless.rows_per_rank(3), std::invalid_argument);
+}
+
+TEST(Dispatch, ProbsPolicyKeepsEachExpertsLargestWeightsInTokenOrder) {
+  // 4 tokens, top-1, 2 experts; capacity 2; expert 0 is picked by tokens 0, 1 and 3 with weights
+  // 0.5, 0.9, 0.7: Megatron-Core's probs policy keeps tokens 1 and 3 (rows in token order).
+  const std::vector<std::int32_t> picks{0, 0, 1, 0};
+  const std::vector<float> weight{0.5f, 0.9f, 0.6f, 0.7f};
+  const DispatchPlan plan =
+      plan_dispatch(picks, 4, 1, 2, {.capacity_factor = 1.0, .pick_priority = weight});
+  EXPECT_EQ(plan.dropped, 1);
+  EXPECT_EQ(plan.expert_begin, (std::vector<std::int64_t>{0, 2, 3}));
+  EXPECT_EQ(plan.row_token, (std::vector<std::int32_t>{1, 3, 2}));
+  EXPECT_EQ(plan.pick_row, (std::vector<std::int32_t>{-1, 0, 2, 1}));
+  // Equal weights: the earlier pick wins, as the position policy would keep it.
+  const std::vector<float> equal(4, 0.5f);
+  const DispatchPlan tied =
+      plan_dispatch(picks, 4, 1, 2, {.capacity_factor = 1.0, .pick_priority = equal});
+  EXPECT_EQ(tied.pick_row, (std::vector<std::int32_t>{0, 1, 2, -1}));
+  const std::vector<float> short_priority(3, 0.5f);
+  EXPECT_THROW(
+      plan_dispatch(picks, 4, 1, 2, {.capacity_factor = 1.0, .pick_priority = short_priority}),
+      std::invalid_argument);
 }
 
 TEST(Dispatch, BadExpertIndexNamesTheToken) {

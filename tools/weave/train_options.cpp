@@ -75,8 +75,25 @@ void derive_machine(TrainOptions& o) {
       cluster_or_refuse([&] { return devices::Cluster::from_accelerator(a, o.cluster); });
 }
 
-// The model's words (--position-embedding-type, --normalization) and switches (--swiglu,
-// --group-query-attention, --disable-bias-linear) into the model's configuration.
+// --moe-router-load-balancing-type by Megatron-Core's meanings; MindSpeed's deepspeed_moe gate
+// never reads it.
+void derive_load_balancing(const std::string& type, graphs::ModelConfig& m) {
+  if (m.moe_gate == graphs::MoeGate::deepspeed || type == "aux_loss") return;
+  if (type == "none") {
+    m.moe_aux_loss_coeff = 0;  // Megatron-Core adds no balancing loss whatever the coefficient
+    return;
+  }
+  throw graphs::ConfigError(fmt::format(
+      "--moe-router-load-balancing-type {} is not implemented here ({}): give aux_loss with "
+      "--moe-aux-loss-coeff, or none",
+      type,
+      type == "sinkhorn" ? "Megatron-Core's Sinkhorn-balanced top-1 routing"
+                         : "Megatron-Core's per-sequence balancing loss"));
+}
+
+// The model's words (--position-embedding-type, --normalization, --moe-model-type's gate) and
+// switches (--swiglu, --group-query-attention, --disable-bias-linear) into the model's
+// configuration.
 void derive_model(TrainOptions& o) {
   graphs::ModelConfig& m = o.config.model;
   m.activation = o.swiglu ? graphs::Activation::swiglu : graphs::Activation::gelu;
@@ -114,6 +131,16 @@ void derive_model(TrainOptions& o) {
         "--group-query-attention needs --num-query-groups: the number of key/value heads");
   m.num_query_groups = o.group_query_attention ? o.num_query_groups : 0;
   m.add_bias_linear = !o.disable_bias_linear;
+  // MindSpeed's --moe-model-type deepspeed_moe is its layer as a whole: the experts' layout (the
+  // plan's) and its gate (the model's).
+  m.moe_gate = o.config.plan.moe_model_type == "deepspeed_moe" ? graphs::MoeGate::deepspeed
+                                                               : graphs::MoeGate::megatron;
+  derive_load_balancing(o.moe_router_load_balancing_type, m);
+  // Megatron-Core's post-softmax weights (its default) are the picks' probabilities renormalised
+  // over the k picks; pre-softmax leaves them the softmax over all experts.
+  if (m.moe_gate == graphs::MoeGate::megatron) m.moe_router_renormalize = !o.moe_router_pre_softmax;
+  m.moe_token_drop_by_probability =
+      m.moe_gate == graphs::MoeGate::megatron && o.moe_token_drop_policy == "probs";
 }
 
 // The recomputation flags' words into the model's configuration, by Megatron-LM's meanings
@@ -181,6 +208,27 @@ void derive_batch(TrainOptions& o) {
 
 }  // namespace
 
+namespace {
+
+// MindSpeed's rules over flags weave accepts without effect (mindspeed/arguments.py): they would
+// stop a MindSpeed run, so they stop this one.
+void check_mindspeed_flag_rules(const TrainOptions& o) {
+  const auto given = [&](std::string_view name) {
+    return std::find(o.no_effect.begin(), o.no_effect.end(), name) != o.no_effect.end();
+  };
+  const graphs::ModelConfig& m = o.config.model;
+  if (given("--moe-dynamic-padding") && !m.moe_no_drop)
+    throw graphs::ConfigError(
+        "--moe-dynamic-padding applies with --moe-no-drop (MindSpeed's rule): add --moe-no-drop "
+        "and --moe-model-type deepspeed_moe, or drop it");
+  for (const char* flag : {"--use-ascend-mc2", "--use-ascend-coc"})
+    if (given(flag) && m.num_experts > 0)
+      throw graphs::ConfigError(
+          fmt::format("{} is not compatible with MoE models (MindSpeed's rule): drop it", flag));
+}
+
+}  // namespace
+
 void derive_config(TrainOptions& o) {
   graphs::TrainerConfig& c = o.config;
   derive_machine(o);
@@ -191,6 +239,7 @@ void derive_config(TrainOptions& o) {
   if (!o.trace_iteration_given) c.trace_iteration = std::min(c.trace_iteration, c.train_iters);
   if (!o.split.empty()) o.valid_fraction = validation_share(o.split);
   graphs::check_flag_rules(c.plan, o.no_effect);
+  check_mindspeed_flag_rules(o);
 }
 
 std::int64_t modelled_device_memory(const TrainOptions& o, double given_gib) {

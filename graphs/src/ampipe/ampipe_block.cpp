@@ -134,8 +134,8 @@ TaskId AmpipeBlock::forward(const BuildPosition& pos, TaskId ready) const {
   TaskId first_gathered = rt::kNoTask;
   for (int c = 0; c < N; ++c) {
     const TaskId side = chunk_attention(pos, c, qkv);
-    // --ampipe-tp-sp-comm-overlap: the first item's gather goes out under the last chunk's
-    // projection, norm and router.
+    // --ampipe-tp-sp-comm-overlap: the first item's gather goes out after the last chunk's
+    // projection (behind its reduce-scatter on the tp stream), under its norm and router.
     if (z.tp_sp_overlap() && c == N - 1)
       first_gathered = moe.gather_item(pos, 0, 0, routed[0].items[0]);
     routed[c] = moe.route(pos, c, chunk_residual(pos, c, side));

@@ -1,7 +1,8 @@
 // Ampipe under context parallelism. Rank r holds query halves a (piece r of the 2 cp pieces)
 // and b (piece 2 cp - 1 - r), so its causal attention is 2 cp - 1 full (query half, key piece)
-// products and 2 diagonal ones: 2 cp units of a full product. The chunks split them as MindSpeed
-// does, cp units each on every rank:
+// products and 2 diagonal ones: 2 cp units of a full product. Each chunk does cp units on every
+// rank, half the rank's attention; which products go to which chunk, and the backward, are
+// weave's own choice:
 //   chunk 0 runs the key/value ring and, at each step, one unit against the block in hand: a
 //     against the a pieces up to its own (its diagonal at step 0, with b's), b against the a
 //     pieces of the ranks after r; every block it brings stays in kv_store by owner;

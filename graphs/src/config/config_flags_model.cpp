@@ -206,6 +206,48 @@ constexpr ConfigFlag kMoe[] = {
      .field = model_field<&M::moe_expert_capacity_factor>(),
      .description = described(model, "moe_expert_capacity_factor"),
      .properties = kShowsDefault},
+    {.name = "--moe-router-load-balancing-type",
+     .group = FlagGroup::moe,
+     .help = "Megatron-Core's load balancing: aux_loss (the loss weighted by --moe-aux-loss-"
+             "coeff) or none (no balancing loss, the coefficient ignored); seq_aux_loss and "
+             "sinkhorn are refused. MindSpeed's deepspeed_moe gate ignores it, as weave's does",
+     .check = one_of("aux_loss,seq_aux_loss,sinkhorn,none"),
+     .properties = kShowsDefault},
+    {.name = "--moe-router-topk-scaling-factor",
+     .group = FlagGroup::moe,
+     .help = "Megatron-Core's factor on the top-k weights (after renormalisation), as "
+             "DeepSeek-V3's routed scaling factor; 1: none. MindSpeed's deepspeed_moe gate "
+             "ignores it, as weave's does",
+     .field = model_field<&M::moe_router_topk_scaling_factor>(),
+     .description = described(model, "moe_router_topk_scaling_factor"),
+     .properties = kShowsDefault},
+    {.name = "--moe-router-pre-softmax",
+     .group = FlagGroup::moe,
+     .values = 0,
+     .help = "Megatron-Core's pre-softmax routing: the top-k weights are the softmax over all "
+             "experts, not renormalised over the k picks. MindSpeed's deepspeed_moe gate "
+             "ignores it, as weave's does"},
+    {.name = "--moe-token-drop-policy",
+     .group = FlagGroup::moe,
+     .help = "Megatron-Core's choice of the picks an expert over --moe-expert-capacity-"
+             "factor's capacity keeps: probs (Megatron-Core's default: those of the largest "
+             "weight) or position (the earliest tokens'). MindSpeed's deepspeed_moe gate "
+             "ignores it, as weave's does",
+     .check = one_of("probs,position"),
+     .properties = kShowsDefault},
+    {.name = "--moe-train-capacity-factor",
+     .group = FlagGroup::moe,
+     .help = "With --moe-model-type deepspeed_moe (MindSpeed's gate): each expert takes at most "
+             "ceil(tokens / experts x top-k x factor) picks of each gate call, at least 4",
+     .field = model_field<&M::moe_train_capacity_factor>(),
+     .description = described(model, "moe_train_capacity_factor"),
+     .properties = kShowsDefault},
+    {.name = "--moe-no-drop",
+     .group = FlagGroup::moe,
+     .values = 0,
+     .help = "With --moe-model-type deepspeed_moe (MindSpeed's gate): no capacity, no pick dropped",
+     .field = model_field<&M::moe_no_drop>(),
+     .description = described(model, "moe_no_drop")},
 };
 
 }  // namespace

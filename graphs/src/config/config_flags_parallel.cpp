@@ -61,8 +61,9 @@ constexpr ConfigFlag kParallelism[] = {
      .properties = kPlanSize},
     {.name = "--moe-model-type",
      .group = FlagGroup::parallelism,
-     .help = "megatron (experts whole) or deepspeed_moe (MindSpeed's layout: experts split over "
-             "the tensor-parallel group, expert-parallel groups of one tp rank)",
+     .help = "megatron (Megatron-Core's router, experts whole) or deepspeed_moe (MindSpeed's: "
+             "its gate, and experts split over the tensor-parallel group with expert-parallel "
+             "groups of one tp rank)",
      .field = plan_field<&P::moe_model_type>(),
      .description = described(plan, "moe_model_type")},
     {.name = "--use-distributed-optimizer",
@@ -180,10 +181,11 @@ constexpr ConfigFlag kAmpipe[] = {
     {.name = "--pipe-experts-multi-stream",
      .group = FlagGroup::ampipe,
      .values = 0,
-     .help = "With --use-pipe-experts (MindSpeed's meaning): the items' all-to-alls and "
-             "tensor-parallel all-gathers and reduce-scatters in one strict order, so expert- "
-             "and tensor-parallel traffic never share the links; needs --sequence-parallel and "
-             "--moe-model-type deepspeed_moe",
+     .help = "With --use-pipe-experts: the items' all-to-alls and tensor-parallel all-gathers "
+             "and reduce-scatters in one strict order, so expert- and tensor-parallel traffic "
+             "never share the links; needs --sequence-parallel and --moe-model-type "
+             "deepspeed_moe (MindSpeed chains them so without Ampipe only; weave under Ampipe "
+             "too)",
      .field = plan_field<&P::pipe_experts_multi_stream>(),
      .description = described(plan, "pipe_experts_multi_stream")},
     {.name = "--pipe-experts-separate-streams",

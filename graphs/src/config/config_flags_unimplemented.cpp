@@ -156,6 +156,7 @@ constexpr ConfigFlag kNoEffect[] = {
     without_effect("--log-num-zeros-in-grad", 0, kReports),
     without_effect("--log-params-norm", 0, kReports),
     without_effect("--timing-log-level", 1, kReports),
+    without_effect("--timing-log-option", 1, kReports),
     without_effect("--moe-per-layer-logging", 0, kReports),
     without_effect("--tokenizer-model", 1, kTokenizerModel),
     without_effect("--data-impl", 1, kDataLoader),
@@ -172,9 +173,6 @@ constexpr ConfigFlag kNoEffect[] = {
     without_effect("--no-save-rng", 0, kRandomness),
     without_effect("--moe-token-dispatcher-type", 1,
                    "tokens always reach their experts by all-to-all (Megatron's alltoall)"),
-    without_effect(
-        "--moe-router-load-balancing-type", 1,
-        "the router is balanced by the auxiliary loss, --moe-aux-loss-coeff (Megatron's aux_loss)"),
     without_effect("--cp-comm-type", 1, kContextParallel),
     without_effect("--context-parallel-algo", 1, kContextParallel),
     without_effect("--use-cp-send-recv-overlap", 0,
@@ -185,6 +183,21 @@ constexpr ConfigFlag kNoEffect[] = {
     without_effect("--use-mc2", 0, kTpOverlap),
     without_effect("--use-ascend-mc2", 0, kTpOverlap),
     without_effect("--use-ascend-coc", 0, kTpOverlap),
+    without_effect("--moe-pad-expert-input-to-capacity", 0,
+                   "Megatron-Core pads each expert's rows to the capacity with picks of weight "
+                   "0, whose outputs and gradients are 0: the same training without it"),
+    without_effect(
+        "--moe-dynamic-padding", 0,
+        "with --moe-no-drop, MindSpeed pads each expert's buffer to a capacity it "
+        "estimates over a sliding window; nothing is dropped either way, and weave sends "
+        "only the routed rows (it needs --moe-no-drop, MindSpeed's rule)"),
+    without_effect("--enable-token-rearrange-opt", 0,
+                   "MindSpeed's index_select layout of the same dispatch and combine: the same "
+                   "tokens reach the same experts with the same weights"),
+    without_effect("--no-use-rts", 0,
+                   "MindSpeed's parser leaves random token selection off with or without it "
+                   "(store_false onto a default of False); weave's top-1 gate keeps each expert's "
+                   "earliest tokens"),
     without_effect("--moe-permutation-async-comm", 0, kMoeOverlap),
     without_effect("--moe-alltoall-overlap-comm", 0, kMoeOverlap),
     without_effect("--calculate-per-token-loss", 0,
@@ -232,9 +245,9 @@ constexpr ConfigFlag kRefused[] = {
     refused("--lr-warmup-samples", 1, kIterations),
     refused("--lr-warmup-fraction", 1,
             "give --lr-warmup-iters instead (the fraction x --lr-decay-iters)"),
-    refused("--moe-train-capacity-factor", 1,
-            "MindSpeed's DeepSpeed-style capacity: give Megatron's --moe-expert-capacity-factor "
-            "instead"),
+    refused("--moe-use-sinkhorn", 0,
+            "MindSpeed's gate then routes on Sinkhorn-balanced logits and back-propagates through "
+            "the Sinkhorn iterations; weave's gate does not: drop it"),
     refused("--noisy-gate-policy", 1, "weave's router adds no noise to its gate: drop it"),
     refused("--moe-input-jitter-eps", 1, "weave's router adds no jitter to its input: drop it"),
     refused("--moe-ffn-hidden-size", 1,

@@ -65,7 +65,12 @@ std::string missing_for_ampipe_tp_sp_comm_overlap(const ParallelPlan& p) {
            "experts are whole: set --moe-model-type deepspeed_moe (or "
            "--expert-tensor-parallel-size "
            "= --tensor-model-parallel-size) with --tensor-model-parallel-size > 1";
-  if (!p.sequence_parallel) return "it needs --sequence-parallel (MindSpeed's rule)";
+  // MindSpeed without sequence parallelism overlaps the experts' tensor-parallel all-reduce
+  // instead; weave pipelines the gathers and scatters of sequence parallelism only.
+  if (!p.sequence_parallel)
+    return "weave pipelines sequence parallelism's all-gathers and reduce-scatters: add "
+           "--sequence-parallel (MindSpeed without it overlaps the experts' all-reduce, which "
+           "weave does not)";
   if (p.expert_parallel < 2)
     return "with --expert-model-parallel-size 1 there are no all-to-alls to pipeline with";
   return "";

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <utility>
 
 #include "config/plan_derivation.hpp"
@@ -120,9 +121,53 @@ void check_moe_model(const ModelConfig& m, const ParallelPlan& p) {
         "--num-experts ({}) must be divisible by --expert-model-parallel-size ({}): each "
         "expert-parallel rank holds the same number of experts",
         m.num_experts, p.expert_parallel);
+  if (!(m.moe_router_topk_scaling_factor > 0) || !std::isfinite(m.moe_router_topk_scaling_factor))
+    refuse("--moe-router-topk-scaling-factor must be a finite number > 0, got {}",
+           m.moe_router_topk_scaling_factor);
   if (m.moe_expert_capacity_factor < 0)
     refuse("--moe-expert-capacity-factor must be >= 0 (0: dropless), got {}",
            m.moe_expert_capacity_factor);
+}
+
+// The DeepSpeed-style gate's settings (MindSpeed's deepspeed_moe), and Megatron's router's.
+void check_moe_gate(const ModelConfig& m, const ParallelPlan& p) {
+  if (m.num_experts == 0) return;
+  if (m.moe_gate != MoeGate::deepspeed) {
+    if (m.moe_no_drop || m.moe_train_capacity_factor != 1.0)
+      refuse(
+          "--moe-no-drop and --moe-train-capacity-factor ({}) set MindSpeed's deepspeed_moe gate: "
+          "add --moe-model-type deepspeed_moe, or give Megatron's --moe-expert-capacity-factor",
+          m.moe_train_capacity_factor);
+    return;
+  }
+  if (m.moe_router_topk != 1 && m.moe_router_topk != 2)
+    refuse(
+        "--moe-model-type deepspeed_moe routes top-1 or top-2 (MindSpeed's gate), got "
+        "--moe-router-topk {}",
+        m.moe_router_topk);
+  if (!(m.moe_train_capacity_factor > 0) || !std::isfinite(m.moe_train_capacity_factor))
+    refuse("--moe-train-capacity-factor must be > 0 (MindSpeed's rule), got {}",
+           m.moe_train_capacity_factor);
+  if (m.moe_expert_capacity_factor != 0)
+    refuse(
+        "--moe-expert-capacity-factor ({}) is Megatron's; MindSpeed's deepspeed_moe gate takes "
+        "its capacity from --moe-train-capacity-factor: give that instead",
+        m.moe_expert_capacity_factor);
+  if (m.moe_z_loss_coeff != 0)
+    refuse(
+        "--moe-z-loss-coeff ({}) has no effect in MindSpeed's deepspeed_moe layer, which builds "
+        "its gate without it: drop it, or use --moe-model-type megatron",
+        m.moe_z_loss_coeff);
+  if (m.moe_no_drop && p.pipeline_parallel > 1)
+    refuse(
+        "--moe-no-drop is not compatible with pipeline parallelism (MindSpeed's rule): drop "
+        "it, or set --pipeline-model-parallel-size 1");
+  if (p.tensor_parallel > 1 && !p.sequence_parallel)
+    refuse(
+        "--moe-model-type deepspeed_moe with --tensor-model-parallel-size {} needs "
+        "--sequence-parallel here: without it each MindSpeed rank gates all of the group's "
+        "tokens, and weave's ranks each route a share",
+        p.tensor_parallel);
 }
 
 // --moe-model-type as given: deepspeed_moe splits the experts, so a different split contradicts
@@ -384,6 +429,7 @@ void check_plan_rules(const ModelConfig& m, const ParallelPlan& given,
   check_context_parallel(m, derived);
   check_moe_model(m, derived);
   check_moe_model_type(given);
+  check_moe_gate(m, derived);
   check_expert_tensor_parallel(m, derived);
   check_expert_parallel_groups(derived);
   check_global_batch(derived);

@@ -67,9 +67,10 @@ class MoeMlp {
   // item k and item k-1's combine after its reduce-scatter, so both run under item k's GEMMs
   // (MindSpeed's --ampipe-tp-sp-comm-overlap and pipe experts). With --pipe-experts-multi-stream
   // every item collective is chained in one strict order, so expert- and tensor-parallel
-  // traffic never share the links at once. `routed` / `arrived`: per slot, the items' dispatches
-  // or combine gradients. `gathered`: item 0's gather, if already issued (Ampipe issues it under
-  // the last chunk's attention). Returns per slot the items' combines (dispatch gradients).
+  // traffic never share the links at once (MindSpeed chains them so without Ampipe only). `routed`
+  // / `arrived`: per slot, the items' dispatches or combine gradients. `gathered`: item 0's gather,
+  // if already issued (Ampipe issues it after the last chunk's projection). Returns per slot the
+  // items' combines (dispatch gradients).
   std::vector<SlotProgress> split_item_pipeline(const BuildPosition& pos,
                                                 const std::vector<int>& slots,
                                                 const std::vector<SlotProgress>& routed,
@@ -108,7 +109,7 @@ class MoeMlp {
                        Tensor MoeDispatchState::*from, Tensor MoeDispatchState::*into,
                        bool outbound, const std::string& name, bool framed, rt::Phase phase) const;
   // Item i's all-to-all: outbound or back, framed or not; on a stream of its own per direction
-  // with --pipe-experts-multi-stream.
+  // (ep_dispatch, ep_combine) with --pipe-experts-separate-streams.
   TaskId item_exchange(const BuildPosition& pos, int c, int i, TaskId ready,
                        Tensor ExpertItem::*from, Tensor ExpertItem::*into, bool outbound,
                        bool framed, const std::string& name, rt::Phase phase) const;

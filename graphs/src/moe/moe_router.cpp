@@ -1,25 +1,42 @@
-// The MoE layer's router (Megatron-Core's TopKRouter): each token's logits over the experts, its
-// top-k picks and their weights, the statistics of the routed tokens and the load-balancing and
-// z losses from them, and the backward of all of it. Decoding routes its token through the same
-// route_tokens.
+// The MoE layer's router (Megatron-Core's TopKRouter, or MindSpeed's deepspeed_moe gate with
+// ModelConfig::moe_gate): each token's logits over the experts, its top-k picks and their
+// weights, the statistics of the routed tokens and the load-balancing and z losses from them, and
+// the backward of all of it. Decoding routes its token through the same route_tokens.
 #include <cmath>
 
 #include "moe/moe_mlp.hpp"
 #include "moe/moe_router.hpp"
 #include "step/step_costs.hpp"
+#include "weave/ops/deepspeed_gate.hpp"
 #include "weave/ops/elementwise.hpp"
 #include "weave/ops/linear.hpp"
 
 namespace weave::graphs {
 
 ops::RouterOptions router_options(const ModelConfig& m) {
+  // MindSpeed's gate renormalises top-2's weights (after its drops; a lone decoded token drops
+  // nothing) and leaves top-1's its probability.
+  const bool renormalize =
+      m.moe_gate == MoeGate::deepspeed ? m.moe_router_topk == 2 : m.moe_router_renormalize;
   return {.top_k = m.moe_router_topk,
-          .renormalize = m.moe_router_renormalize,
+          .renormalize = renormalize,
           .aux_loss_coeff = m.moe_aux_loss_coeff,
-          .z_loss_coeff = m.moe_z_loss_coeff};
+          .z_loss_coeff = m.moe_z_loss_coeff,
+          .topk_scaling_factor =
+              m.moe_gate == MoeGate::deepspeed ? 1.0 : m.moe_router_topk_scaling_factor};
 }
 
 namespace {
+
+// A layer's DeepSpeed-style gate losses on this rank: one per gate call (slot).
+double gate_losses(const ModelConfig& m, const MoeActivations& A) {
+  // MindSpeed's top-1 gate computes its loss and its layer discards it: only top-2's trains.
+  if (m.moe_router_topk != 2) return 0;
+  double sum = 0;
+  for (const MoeSlot& S : A.slots)
+    sum += ops::gate_balance_loss(S.probs, S.topk_index, m.moe_router_topk, m.moe_aux_loss_coeff);
+  return sum;
+}
 
 ops::RouterStatistics unpack_stats(const Tensor& stats, std::int64_t E) {
   ops::RouterStatistics s;
@@ -53,8 +70,12 @@ ops::RouterStatistics route_tokens(const ModelConfig& m, const MoeRouterParamete
 
 void route_slot(const ModelConfig& m, const MoeRouterParameters& W, MoeSlot& A) {
   const std::int64_t E = m.num_experts;
-  const ops::RouterStatistics st = route_tokens(m, W, A.moe_in, A.router_logits, A.probs,
-                                                std::span(A.topk_index), A.topk_weight);
+  ops::linear_forward(A.moe_in, W.weight->value, Tensor{}, A.router_logits);
+  ops::RouterOptions options = router_options(m);
+  // The DeepSpeed-style gate takes its weights after the dispatch plan's drops (permute_slot).
+  if (m.moe_gate == MoeGate::deepspeed) options.renormalize = false;
+  const ops::RouterStatistics st = ops::router_forward(options, A.router_logits, A.probs,
+                                                       std::span(A.topk_index), A.topk_weight);
   float* s = A.stats.data();
   for (std::int64_t e = 0; e < E; ++e) {
     s[e] = static_cast<float>(st.assignments[e]);
@@ -66,10 +87,20 @@ void route_slot(const ModelConfig& m, const MoeRouterParameters& W, MoeSlot& A) 
 
 void route_slot_backward(const StepShape& z, const MoeRouterParameters& W,
                          const Tensor& stats_total, MoeSlot& A) {
-  const ops::RouterStatistics st = unpack_stats(stats_total, z.model.num_experts);
-  const double scale = 1.0 / (z.M * z.plan.data_parallel);
-  ops::router_backward<float>(router_options(z.model), A.router_logits, A.probs, A.topk_index,
-                              A.topk_weight, A.d_topk, st, scale, A.d_router_logits);
+  const ModelConfig& m = z.model;
+  if (m.moe_gate == MoeGate::deepspeed) {
+    // MindSpeed back-propagates each gate call's loss unscaled (its own loss scaler's scale is
+    // never set), and Megatron's data-parallel reduction averages the gradients.
+    const double balance =
+        m.moe_router_topk == 2 ? m.moe_aux_loss_coeff / z.plan.data_parallel : 0.0;
+    ops::gate_backward<float>(A.dispatch, A.probs, A.topk_index, A.d_topk, balance,
+                              A.d_router_logits);
+  } else {
+    const ops::RouterStatistics st = unpack_stats(stats_total, m.num_experts);
+    const double scale = 1.0 / (z.M * z.plan.data_parallel);
+    ops::router_backward<float>(router_options(m), A.router_logits, A.probs, A.topk_index,
+                                A.topk_weight, A.d_topk, st, scale, A.d_router_logits);
+  }
   ops::linear_backward_weight(A.moe_in, A.d_router_logits, W.weight->grad, Tensor{});
   // d_moe_in += d_logits W_router (d_moe is free again and holds the product).
   ops::linear_backward_input(A.d_router_logits, W.weight->value, A.d_moe);
@@ -97,16 +128,20 @@ TaskId MoeMlp::statistics(const BuildPosition& pos, TaskId ready) const {
   const TaskId reduced =
       P->tensor_context.all_reduce(summed, all_of(P->acts(set, l).moe().stats_total),
                                    devices::ReduceOp::sum, at + "router_stats", tags);
-  const TaskId losses =
-      P->compute(at + "router_losses", tags, cost::streamed(z, 2.0 * z.model.num_experts + 1),
-                 [p, layer, set, mb, counted] {
-                   const ModelConfig& m = p->shape.model;
-                   const ops::RouterStatistics st =
-                       unpack_stats(p->acts(set, layer).moe().stats_total, m.num_experts);
-                   const double aux =
-                       ops::aux_loss(router_options(m), st) + ops::z_loss(router_options(m), st);
-                   if (counted) p->state.aux[static_cast<std::size_t>(mb)] += aux;
-                 });
+  const TaskId losses = P->compute(
+      at + "router_losses", tags, cost::streamed(z, 2.0 * z.model.num_experts + 1),
+      [p, layer, set, mb, counted] {
+        const ModelConfig& m = p->shape.model;
+        const MoeActivations& A = p->acts(set, layer).moe();
+        double aux = 0;
+        if (m.moe_gate == MoeGate::deepspeed) {
+          aux = gate_losses(m, A);  // this rank's gate calls, each on its own tokens
+        } else {
+          const ops::RouterStatistics st = unpack_stats(A.stats_total, m.num_experts);
+          aux = ops::aux_loss(router_options(m), st) + ops::z_loss(router_options(m), st);
+        }
+        if (counted) p->state.aux[static_cast<std::size_t>(mb)] += aux;
+      });
   P->after(reduced, losses);
   P->after(summed, losses);
   return losses;

@@ -4,9 +4,10 @@
 // --ampipe-tp-sp-comm-overlap (items of every Ampipe chunk) and pipe experts with tensor-
 // parallel experts (items of one slot).
 //
-// Forward, item k:   gather(k+1) issued | fc1(k) | combine(k-1) issued | act + fc2(k) | RS(k)
-//   tp stream:  ... AG(k+1) ~~~~~~~~~~~~~~~~~~~~~~~~~~~~ RS(k) ~~~ AG(k+2) ...
-//   ep stream:  ...            combine(k-1) ~~~~~~~~~~~~
+// Forward, item k:   gather(k+1) issued | fc1 + act(k) | combine(k-1) issued | fc2(k) | RS(k)
+//   tp stream:  ... AG(k+1) ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~ RS(k) ~~~ AG(k+2) ...
+//   ep stream:  ...                  combine(k-1) ~~~~~~~~
+// (the activation runs in fc1's task, so the previous item's combine hides under fc2 only).
 // Backward, items in reverse: the output gradients' gather of the next item issued before this
 // item's input half, whose input-gradient reduce-scatter runs under its weight half.
 #include "moe/moe_experts.hpp"

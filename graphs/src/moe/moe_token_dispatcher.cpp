@@ -6,15 +6,32 @@
 #include "moe/moe_token_dispatcher.hpp"
 #include "moe/moe_mlp.hpp"
 #include "step/step_costs.hpp"
+#include "weave/ops/deepspeed_gate.hpp"
 
 namespace weave::graphs {
 
 void permute_slot(RankProgram& P, int layer, MoeSlot& A, bool counted) {
   const StepShape& z = P.shape;
   const ModelConfig& m = z.model;
-  // Capacity applies per slot (per Ampipe chunk, as MindSpeed does).
-  A.dispatch = ops::plan_dispatch(A.topk_index, A.tokens, m.moe_router_topk, m.num_experts,
-                                  {.capacity_factor = m.moe_expert_capacity_factor});
+  // Capacity applies per slot: per rank and Ampipe chunk, where each gate call of MindSpeed's
+  // sees its tokens.
+  if (m.moe_gate == MoeGate::deepspeed) {
+    const std::int64_t capacity =
+        m.moe_no_drop ? 0
+                      : ops::gate_capacity(A.tokens, m.num_experts, m.moe_router_topk,
+                                           m.moe_train_capacity_factor);
+    A.dispatch = ops::plan_dispatch(A.topk_index, A.tokens, m.moe_router_topk, m.num_experts,
+                                    {.capacity = capacity, .first_choices_first = true});
+    ops::gate_weights_after_drops(A.dispatch, A.topk_weight);
+  } else {
+    // Megatron-Core's probs policy ranks an expert's picks by their (renormalised) weights.
+    std::span<const float> priority;
+    if (m.moe_token_drop_by_probability)
+      priority = {A.topk_weight.data(), static_cast<std::size_t>(A.tokens * m.moe_router_topk)};
+    A.dispatch = ops::plan_dispatch(
+        A.topk_index, A.tokens, m.moe_router_topk, m.num_experts,
+        {.capacity_factor = m.moe_expert_capacity_factor, .pick_priority = priority});
+  }
   // Every rank routes different tokens (its SP shard, tp slice, cp chunks, dp batch).
   if (counted) {
     P.state.routed_picks += A.tokens * m.moe_router_topk;

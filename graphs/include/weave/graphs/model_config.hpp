@@ -21,6 +21,18 @@ const char* position_embedding_name(PositionEmbedding p);
 // fp32, so a step built with tensors is fp32; a prediction (built without tensors) counts the
 // bytes a half-precision run holds and moves, as Megatron-LM keeps them.
 enum class Precision { fp32, bf16, fp16 };
+
+// The rule a MoE layer routes its tokens by.
+enum class MoeGate {
+  // Megatron-Core's TopKRouter: top-k of the softmax, weights renormalised over the k picks,
+  // capacity (if any) from --moe-expert-capacity-factor over the micro-batch's picks in token
+  // order, the load-balancing and z losses over the whole micro-batch's statistics.
+  megatron,
+  // MindSpeed's deepspeed_moe gate (top-1 or top-2): capacity per gate call (per rank and Ampipe
+  // chunk) from --moe-train-capacity-factor with a minimum of 4, first choices before second
+  // choices, weights after the drops, and top-2's load-balancing loss over the call's own tokens.
+  deepspeed,
+};
 // "fp32", "bf16" or "fp16".
 const char* precision_name(Precision p);
 
@@ -107,6 +119,15 @@ struct ModelConfig {
   double moe_z_loss_coeff = 0.0;    // --moe-z-loss-coeff
   double moe_expert_capacity_factor = 0.0;  // --moe-expert-capacity-factor; 0: dropless
   bool moe_router_renormalize = true;
+  double moe_router_topk_scaling_factor = 1.0;  // --moe-router-topk-scaling-factor (1: none)
+  // --moe-model-type deepspeed_moe on the command line routes by MindSpeed's gate; the embedding
+  // API chooses the gate here and the experts' layout in ParallelPlan::moe_model_type.
+  MoeGate moe_gate = MoeGate::megatron;
+  double moe_train_capacity_factor = 1.0;  // --moe-train-capacity-factor (MoeGate::deepspeed)
+  bool moe_no_drop = false;                // --moe-no-drop (MoeGate::deepspeed): capacity unbounded
+  // --moe-token-drop-policy probs (MoeGate::megatron): an expert over capacity keeps its picks of
+  // the largest weight; false (position): its earliest tokens'.
+  bool moe_token_drop_by_probability = false;
 
   std::uint64_t seed = 1234;  // --seed
 

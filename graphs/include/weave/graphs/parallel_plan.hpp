@@ -51,10 +51,11 @@ struct ParallelPlan {
   // --use-pipe-experts: each MoE slot's work as items (local expert x capacity slice), each with
   // its own dispatch and combine all-to-all, so one item's experts run while another's rows move.
   bool pipe_experts = false;
-  // --pipe-experts-multi-stream (MindSpeed's meaning): the items' all-to-alls and tensor-parallel
-  // all-gathers and reduce-scatters chained in one strict order on two streams, so expert- and
-  // tensor-parallel traffic never share the links at once; needs --sequence-parallel and split
-  // experts.
+  // --pipe-experts-multi-stream: the items' all-to-alls and tensor-parallel all-gathers and
+  // reduce-scatters chained in one strict order on two streams, so expert- and tensor-parallel
+  // traffic never share the links at once; needs --sequence-parallel and split experts. weave
+  // keeps the order under Ampipe too; MindSpeed chains each item's dispatch after the previous
+  // item's gather only without Ampipe (under Ampipe its dispatches are issued unchained).
   bool pipe_experts_multi_stream = false;
   // --pipe-experts-separate-streams (weave's): the items' dispatches and combines on streams of
   // their own (ep_dispatch, ep_combine), so a combine never waits behind a dispatch.

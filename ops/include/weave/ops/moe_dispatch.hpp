@@ -16,10 +16,21 @@ struct CapacityOptions {
   // Megatron's --moe-expert-capacity-factor: each expert takes at most
   // ceil(factor * tokens * k / experts) picks; 0 means dropless (no limit).
   double capacity_factor = 0;
+  // A capacity fixed by the caller (the DeepSpeed-style gate's rule): used instead of the factor
+  // when > 0.
+  std::int64_t capacity = 0;
+  // Fill each expert with every token's first choice before any second choice (the DeepSpeed
+  // gate's order); otherwise picks come in token order, a token's picks together.
+  bool first_choices_first = false;
+  // [tokens * k] or empty: an expert over capacity keeps its picks of the highest priority (ties
+  // to the earlier pick) instead of the earliest (Megatron-Core's --moe-token-drop-policy probs,
+  // the priority being the pick's weight); its rows stay in token order.
+  std::span<const float> pick_priority;
 };
 
-// Picks beyond an expert's capacity are dropped in token order (first come, first served:
-// GShard's policy): a dropped pick contributes nothing to its token's output.
+// Picks beyond an expert's capacity are dropped in the order the options say (token order, or
+// first choices first; first come, first served within each): a dropped pick contributes nothing
+// to its token's output. An expert's rows are its kept picks in that order.
 struct DispatchPlan {
   std::int64_t tokens = 0;
   std::int64_t top_k = 0;

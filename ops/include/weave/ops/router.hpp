@@ -21,6 +21,9 @@ struct RouterOptions {
   bool renormalize = true;    // divide the top-k probabilities by their sum (Mixtral, DeepSeek)
   double aux_loss_coeff = 0;  // Megatron's --moe-aux-loss-coeff
   double z_loss_coeff = 0;    // Megatron's --moe-z-loss-coeff
+  // Megatron-Core's --moe-router-topk-scaling-factor: the weights (after any renormalisation)
+  // multiplied by it; 1 leaves them.
+  double topk_scaling_factor = 1;
 };
 
 struct RouterStatistics {
@@ -35,7 +38,7 @@ struct RouterStatistics {
 
 // logits [t, e] -> probs [t, e] (the full softmax, kept for the backward), topk_index [t * k]
 // (experts of token i at [i*k, i*k + k), highest probability first, ties to the lower index),
-// topk_weight [t, k] (renormalised or not).
+// topk_weight [t, k] (renormalised or not, then scaled by topk_scaling_factor).
 template <typename T>
 RouterStatistics router_forward(const RouterOptions& options, const BasicTensor<T>& logits,
                                 const BasicTensor<T>& probs, std::span<std::int32_t> topk_index,

@@ -1,0 +1,120 @@
+// MindSpeed's deepspeed_moe gate (ModelConfig::moe_gate = deepspeed) in training: a parallel plan
+// whose ranks' gate calls see the same tokens as one device's gives that device's loss, dropped
+// picks and every gradient. The gate's capacity comes from each call's own tokens, so the one
+// device is given the Ampipe chunks that make its calls the parallel ranks' calls: a
+// sequence-parallel rank's shard is one of its chunks. Its load-balancing loss is back-propagated
+// unscaled per call and averaged over data-parallel replicas (MindSpeed's), so cases with data
+// parallelism route top-1, whose loss MindSpeed discards.
+#include <gtest/gtest.h>
+
+#include "step_outcome.hpp"
+#include "tiny_model.hpp"
+
+namespace weave::graphs {
+namespace {
+
+ModelConfig gate_model(int top_k) {
+  ModelConfig m = tiny(4);
+  m.moe_layer_freq = 1;
+  m.seq_length = 32;
+  m.moe_router_topk = top_k;
+  m.moe_z_loss_coeff = 0;  // MindSpeed's deepspeed_moe layer has none
+  m.moe_gate = MoeGate::deepspeed;
+  return m;
+}
+
+struct Case {
+  const char* name;
+  int top_k;
+  ParallelPlan serial, plan;
+};
+
+class DeepSpeedGateTraining : public ::testing::TestWithParam<Case> {};
+
+TEST_P(DeepSpeedGateTraining, EqualsOneDeviceWithTheSameGateCalls) {
+  const Case c = GetParam();
+  const ModelConfig m = gate_model(c.top_k);
+  const Outcome a = run(m, c.serial, 1, false), b = run(m, c.plan, 1, false);
+  // The default capacity factor (1, MindSpeed's) drops picks of these tiny calls.
+  ASSERT_GT(a.dropped[0], 0);
+  EXPECT_EQ(b.dropped[0], a.dropped[0]);
+  EXPECT_NEAR(b.losses[0], a.losses[0], 1e-5 * a.losses[0]);
+  expect_same_gradients(a, b);
+}
+
+const Case kCases[] = {
+    {"top2_tp2_sp",
+     2,
+     {.micro_batch_size = 2, .global_batch_size = 4, .ampipe_degree = 2},
+     {.tensor_parallel = 2,
+      .sequence_parallel = true,
+      .moe_model_type = "deepspeed_moe",
+      .micro_batch_size = 2,
+      .global_batch_size = 4}},
+    {"top2_tp2_sp_ampipe2_tp_sp_overlap",
+     2,
+     {.micro_batch_size = 1, .global_batch_size = 2, .ampipe_degree = 4},
+     {.tensor_parallel = 2,
+      .sequence_parallel = true,
+      .moe_model_type = "deepspeed_moe",
+      .micro_batch_size = 1,
+      .global_batch_size = 2,
+      .ampipe_degree = 2,
+      .ampipe_tp_sp_comm_overlap = true}},
+    {"top1_ep2_dp2",
+     1,
+     {.micro_batch_size = 1, .global_batch_size = 4},
+     {.expert_parallel = 2, .data_parallel = 2, .micro_batch_size = 1, .global_batch_size = 4}},
+    {"top1_tp2_sp_ep2_dp2_ampipe2",
+     1,
+     {.micro_batch_size = 1, .global_batch_size = 4, .ampipe_degree = 4},
+     {.tensor_parallel = 2,
+      .sequence_parallel = true,
+      .expert_parallel = 2,
+      .moe_model_type = "deepspeed_moe",
+      .data_parallel = 2,
+      .micro_batch_size = 1,
+      .global_batch_size = 4,
+      .ampipe_degree = 2}},
+};
+
+INSTANTIATE_TEST_SUITE_P(Plans, DeepSpeedGateTraining, ::testing::ValuesIn(kCases),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+TEST(DeepSpeedGate, NoDropKeepsEveryPickAndTheCapacityFactorSetsTheDrops) {
+  ModelConfig m = gate_model(2);
+  const ParallelPlan plan{.micro_batch_size = 2, .global_batch_size = 2};
+  const std::int64_t at_one = run(m, plan, 1, false).dropped[0];
+  m.moe_train_capacity_factor = 0.5;
+  const std::int64_t at_half = run(m, plan, 1, false).dropped[0];
+  EXPECT_GT(at_half, at_one);
+  m.moe_no_drop = true;
+  EXPECT_EQ(run(m, plan, 1, false).dropped[0], 0);
+}
+
+TEST(DeepSpeedGate, SettingsMindSpeedRefusesAreRefused) {
+  auto refused = [](const ModelConfig& m, ParallelPlan plan) {
+    EXPECT_THROW(validate(m, plan), ConfigError);
+  };
+  const ParallelPlan one{.micro_batch_size = 1, .global_batch_size = 1};
+  ModelConfig m = gate_model(2);
+  m.moe_z_loss_coeff = 0.001;
+  refused(m, one);
+  m = gate_model(2);
+  m.moe_router_topk = 3;
+  refused(m, one);
+  m = gate_model(2);
+  m.moe_expert_capacity_factor = 1.0;
+  refused(m, one);
+  m = gate_model(2);
+  refused(m, {.tensor_parallel = 2, .micro_batch_size = 1, .global_batch_size = 1});
+  m.moe_no_drop = true;
+  refused(m, {.pipeline_parallel = 2, .micro_batch_size = 1, .global_batch_size = 2});
+  // Megatron's router has neither setting.
+  m = tiny(4);
+  m.moe_no_drop = true;
+  refused(m, one);
+}
+
+}  // namespace
+}  // namespace weave::graphs
