@@ -142,6 +142,9 @@ bool DeviceQueues::linger(const DeviceQueue& q, const std::function<bool()>* sto
       }
       if (polling) {
         idle_poll_now();
+        // Give the core to any thread that wants it (another device laid on it): polling
+        // only when nobody else runs costs them nothing.
+        std::this_thread::yield();
         spin = 63;  // poll again on the next turn
         continue;
       }
