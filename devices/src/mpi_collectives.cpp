@@ -18,7 +18,8 @@ namespace {
 // How long the task that posts a collective's messages polls for them before it returns.
 constexpr auto kPollInTask = std::chrono::microseconds(10);
 
-// An all-reduce of at most this many bytes exchanges whole buffers in one round.
+// An all-reduce of at most this many bytes, or between 2 processes, exchanges whole buffers in
+// one round (measured against Open MPI over 2 processes here: as fast or faster at every size).
 constexpr std::size_t kWholeExchangeBytes = std::size_t{64} << 10;
 
 constexpr std::size_t bytes_of(std::size_t elements) {
@@ -187,12 +188,13 @@ class SpanningAllReduce final : public SpanningCollective {
     return c_.members[static_cast<std::size_t>(member)].output.data();
   }
   std::optional<MpiRound> next() override {
-    return bytes_of(count_) <= kWholeExchangeBytes ? next_whole() : next_shared();
+    return processes_.size() == 2 || bytes_of(count_) <= kWholeExchangeBytes ? next_whole()
+                                                                             : next_shared();
   }
 
-  // Small buffers: one round, every process sending its members' whole buffers to every other
-  // and each folding all of them. For 2 processes it moves as many bytes as the shares do, in
-  // one message each way instead of two.
+  // One round, every process sending its members' whole buffers to every other and each
+  // folding all of them. For 2 processes it moves as many bytes as the shares do, in one
+  // message each way instead of two; for more, (P - 1) buffers each, so small ones only.
   std::optional<MpiRound> next_whole() {
     const std::size_t kl = local_.size();
     if (stage_++ > 0) {
