@@ -101,14 +101,16 @@ void MpiProgress::poll() noexcept {
 
 void MpiProgress::tell(Finished& done) {
   for (auto& [op, error] : done) {
+    // Over before it is told: what finished() releases may submit the same operation again
+    // (the next run of a graph), which must find it no longer in flight.
+    op->in_flight.store(false, std::memory_order_release);
+    in_flight_.fetch_sub(1, std::memory_order_seq_cst);
     try {
       op->finished(error);
     } catch (...) {
       // Completing a task cannot fail but by running out of memory; the run's watchdog ends
       // a run that lost a completion.
     }
-    op->in_flight.store(false, std::memory_order_release);
-    in_flight_.fetch_sub(1, std::memory_order_seq_cst);
   }
   done.clear();
 }

@@ -62,7 +62,7 @@ class MpiOperation {
 
   MPI_Comm comm = MPI_COMM_NULL;
   std::int64_t id = 0;
-  // From submit() until finished() has returned.
+  // From submit() until finished() is called.
   std::atomic<bool> in_flight{false};
 };
 
@@ -75,8 +75,9 @@ class MpiProgress final : public rt::IdlePoll {
 
   // Posts op's first round on the calling thread and returns; polling drives it from then on.
   void submit(std::shared_ptr<MpiOperation> op);
-  // Polls on the calling thread until `op` is over or `budget` has passed; true when over.
-  // When not, the engine's thread takes over (so an operation submitted is always driven).
+  // Polls on the calling thread until `op` is over (its finished() called or being called) or
+  // `budget` has passed; true when over. When not, the engine's thread takes over (so an
+  // operation submitted is always driven).
   bool drive(const MpiOperation& op, std::chrono::nanoseconds budget);
 
   // rt::IdlePoll: any thread may poll; a poll that another thread is making is skipped.

@@ -22,8 +22,11 @@ constexpr Nanos kHelperSpin = 30'000;
 // How long a drainer waits for more work on its own queue before it leaves the arena.
 constexpr Nanos kDrainerLinger = 20'000;
 // How long a thread with nothing to run keeps polling transfers in flight (IdlePoll) before it
-// leaves or sleeps: a transfer it completes lets its device go on without waking a thread.
-constexpr Nanos kPollLinger = 1'000'000;
+// leaves or sleeps: a transfer it completes lets its device go on without waking a thread. It
+// spins rather than yields between polls: on a core shared with another program a yield hands
+// that program the core for a whole time slice (milliseconds), which the transfer's completion
+// would wait for. Bounded, since a device laid on the same core may want it meanwhile.
+constexpr Nanos kPollLinger = 200'000;
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -142,10 +145,7 @@ bool DeviceQueues::linger(const DeviceQueue& q, const std::function<bool()>* sto
       }
       if (polling) {
         idle_poll_now();
-        // Give the core to any thread that wants it (another device laid on it): polling
-        // only when nobody else runs costs them nothing.
-        std::this_thread::yield();
-        spin = 63;  // poll again on the next turn
+        spin = 48;  // poll again after a few spins
         continue;
       }
     }
@@ -250,10 +250,12 @@ void DeviceQueues::help_until(const std::function<bool()>& done, const std::func
       if (any_helpable() || done()) break;
       const Nanos waited = steady_now() - spin_start;
       if (waited < kPollLinger && idle_poll_busy()) {
-        idle_poll_now();  // as a lingering drainer does
-      } else if (waited >= kHelperSpin) {
-        break;
+        idle_poll_now();  // as a lingering drainer does, spinning between polls
+        for (int i = 0; i < 16; ++i)
+          cpu_relax();
+        continue;
       }
+      if (waited >= kHelperSpin) break;
       std::this_thread::yield();
     }
     if (!any_helpable() && !done()) {
