@@ -22,11 +22,12 @@ constexpr Nanos kHelperSpin = 30'000;
 // How long a drainer waits for more work on its own queue before it leaves the arena.
 constexpr Nanos kDrainerLinger = 20'000;
 // How long a thread with nothing to run keeps polling transfers in flight (IdlePoll) before it
-// leaves or sleeps: a transfer it completes lets its device go on without waking a thread. It
-// spins rather than yields between polls: on a core shared with another program a yield hands
-// that program the core for a whole time slice (milliseconds), which the transfer's completion
-// would wait for. Bounded, since a device laid on the same core may want it meanwhile.
-constexpr Nanos kPollLinger = 200'000;
+// leaves or sleeps: a transfer it completes lets its device go on without waking a thread. About
+// what waking a thread costs here (tens of microseconds): spinning that long, then sleeping, never
+// wastes more than twice the best choice made knowing when the transfer ends. It spins rather
+// than yields between polls: on a core shared with another program a yield hands that program
+// the core for a whole time slice (milliseconds), which the transfer's completion would wait for.
+constexpr Nanos kPollLinger = 100'000;
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)

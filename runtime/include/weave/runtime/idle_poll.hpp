@@ -13,9 +13,9 @@ namespace weave::rt {
 class IdlePoll {
  public:
   virtual ~IdlePoll() = default;
-  // Whether transfers are in flight. While true, a thread with nothing to run keeps polling,
-  // yielding its core between polls, for a while before it leaves or sleeps. Called often: a
-  // load of an atomic, no more.
+  // Whether transfers are in flight. While true, a thread with nothing to run keeps polling
+  // for a while (about what waking a thread costs) before it leaves or sleeps. Called often:
+  // a load of an atomic, no more.
   virtual bool busy() const noexcept = 0;
   // Moves the transfers in flight on, and completes those that are over. Never blocks (a poll
   // that another thread is making is skipped) and never throws.
