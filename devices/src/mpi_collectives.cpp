@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <stdexcept>
 
 #include "collective_kernels.hpp"
@@ -13,6 +14,15 @@
 namespace weave::devices::detail {
 
 namespace {
+
+// How long the task that posts a collective's messages polls for them before it returns.
+constexpr auto kPollInTask = std::chrono::microseconds(10);
+
+// An all-reduce of at most this many bytes exchanges whole buffers in one round; between 2
+// processes, up to the larger bound (the same bytes as the shares in one message each way, but
+// twice the folding, which past it costs more than the second round saves).
+constexpr std::size_t kWholeExchangeBytes = std::size_t{64} << 10;
+constexpr std::size_t kWholeExchangeBytesOfTwo = std::size_t{256} << 10;
 
 constexpr std::size_t bytes_of(std::size_t elements) {
   return elements * sizeof(float);
@@ -116,9 +126,15 @@ void SpanningCollective::arrive(rt::TaskContext& context) {
     return;
   }
   if (submit) {
-    // Every local member has arrived (the rendezvous), so their buffers are ready.
+    // Every local member has arrived (the rendezvous), so their buffers are ready. This thread
+    // posts the process's messages and polls a moment: peers that are ready answer within
+    // microseconds, and the collective then completes here without waking any thread. Past
+    // that the device's thread goes on with its other work, polling between tasks and while
+    // idle, and the engine's thread polls too.
     restart();
-    job_.progress().submit(shared_from_this());
+    MpiProgress& progress = job_.progress();
+    progress.submit(shared_from_this());
+    progress.drive(*this, kPollInTask);
   }
 }
 
@@ -174,6 +190,55 @@ class SpanningAllReduce final : public SpanningCollective {
     return c_.members[static_cast<std::size_t>(member)].output.data();
   }
   std::optional<MpiRound> next() override {
+    const std::size_t bytes = bytes_of(count_);
+    const bool whole =
+        bytes <= (processes_.size() == 2 ? kWholeExchangeBytesOfTwo : kWholeExchangeBytes);
+    return whole ? next_whole() : next_shared();
+  }
+
+  // One round, every process sending its members' whole buffers to every other and each
+  // folding all of them. For 2 processes it moves as many bytes as the shares do, in one
+  // message each way instead of two; for more, (P - 1) buffers each, so small ones only.
+  std::optional<MpiRound> next_whole() {
+    const std::size_t kl = local_.size();
+    if (stage_++ > 0) {
+      std::vector<const float*> sources;
+      for (int r = 0; r < n_; ++r) {
+        if (is_local(r)) {
+          sources.push_back(buffer(r));
+        } else {
+          const auto o = static_cast<std::size_t>(
+              std::lower_bound(others_.begin(), others_.end(), process_of_[r]) - others_.begin());
+          sources.push_back(received_[o].data() + static_cast<std::size_t>(slot_[r]) * count_);
+        }
+      }
+      std::vector<float*> targets;
+      for (int r : local_)
+        targets.push_back(buffer(r));
+      reduce_to_all(c_.call.reduce, sources, 0, targets, 0, count_, false);
+      return std::nullopt;
+    }
+    MpiRound round;
+    const float* mine = buffer(local_.front());
+    if (kl > 1) {  // the local members' buffers side by side, in rank order
+      packed_.resize(1);
+      packed_[0].resize(kl * count_);
+      for (std::size_t i = 0; i < kl; ++i)
+        std::copy_n(buffer(local_[i]), count_,
+                    packed_[0].begin() + static_cast<std::ptrdiff_t>(i * count_));
+      mine = packed_[0].data();
+    }
+    received_.resize(others_.size());
+    for (std::size_t o = 0; o < others_.size(); ++o) {
+      const int q = others_[o];
+      round.sends.push_back(message(q, mine, kl * count_));
+      received_[o].resize(members_of_[static_cast<std::size_t>(process_index(q))].size() * count_);
+      round.receives.push_back(message(q, received_[o].data(), received_[o].size()));
+    }
+    return round;
+  }
+
+  std::optional<MpiRound> next_shared() {
     const int k = static_cast<int>(processes_.size());
     const int mine = process_index(me_);
     const auto [first, last] = share(count_, k, mine);
@@ -186,11 +251,17 @@ class SpanningAllReduce final : public SpanningCollective {
         for (std::size_t o = 0; o < others_.size(); ++o) {
           const int q = others_[o], iq = process_index(q);
           const auto [f, l] = share(count_, k, iq);
-          packed_[o].resize(kl * (l - f));
-          for (std::size_t i = 0; i < kl; ++i)
-            std::copy(buffer(local_[i]) + f, buffer(local_[i]) + l,
-                      packed_[o].begin() + static_cast<std::ptrdiff_t>(i * (l - f)));
-          round.sends.push_back(message(q, packed_[o].data(), packed_[o].size()));
+          if (kl == 1) {
+            // One member: its piece goes straight from its buffer (this round writes only
+            // this process's own share).
+            round.sends.push_back(message(q, buffer(local_.front()) + f, l - f));
+          } else {
+            packed_[o].resize(kl * (l - f));
+            for (std::size_t i = 0; i < kl; ++i)
+              std::copy(buffer(local_[i]) + f, buffer(local_[i]) + l,
+                        packed_[o].begin() + static_cast<std::ptrdiff_t>(i * (l - f)));
+            round.sends.push_back(message(q, packed_[o].data(), packed_[o].size()));
+          }
           received_[o].resize(members_of_[static_cast<std::size_t>(iq)].size() * (last - first));
           round.receives.push_back(message(q, received_[o].data(), received_[o].size()));
         }
@@ -246,9 +317,24 @@ class BlockExchange : public SpanningCollective {
     return static_cast<std::size_t>(std::lower_bound(others_.begin(), others_.end(), process) -
                                     others_.begin());
   }
+  // Whether ranks `members` (ascending) follow each other: their blocks are then one run.
+  static bool consecutive(const std::vector<int>& members) {
+    return members.back() - members.front() + 1 == static_cast<int>(members.size());
+  }
+  // With one member here, the blocks for each other process go straight from its input when
+  // that process's members are consecutive ranks, and (with `direct` set) the blocks from it
+  // straight to `direct` at its first member's block: no copies around the messages.
+  bool sends_direct() const { return local_.size() == 1; }
+  bool receives_direct(const float* direct) const {
+    if (!direct || local_.size() != 1) return false;
+    for (int q : others_)
+      if (!consecutive(members_of_[static_cast<std::size_t>(process_index(q))])) return false;
+    return true;
+  }
   // Sends, to each other process q, block r of every local member j's input for each member r
-  // of q (j outer, r inner); receives from q the blocks its members have for the local ones.
-  MpiRound exchange_blocks(std::size_t m) {
+  // of q (j outer, r inner); receives from q the blocks its members have for the local ones,
+  // into `direct` when receives_direct(direct).
+  MpiRound exchange_blocks(std::size_t m, float* direct = nullptr) {
     MpiRound round;
     packed_.resize(others_.size());
     received_.resize(others_.size());
@@ -256,19 +342,29 @@ class BlockExchange : public SpanningCollective {
     for (std::size_t o = 0; o < others_.size(); ++o) {
       const int q = others_[o];
       const auto& theirs = members_of_[static_cast<std::size_t>(process_index(q))];
-      packed_[o].resize(kl * theirs.size() * m);
-      float* at = packed_[o].data();
-      for (int j : local_) {
-        const float* in = c_.members[static_cast<std::size_t>(j)].input.data();
-        for (int r : theirs) {
-          std::copy(in + static_cast<std::size_t>(r) * m, in + static_cast<std::size_t>(r) * m + m,
-                    at);
-          at += m;
+      const auto first = static_cast<std::size_t>(theirs.front()) * m;
+      if (sends_direct() && consecutive(theirs)) {
+        const float* in = c_.members[static_cast<std::size_t>(local_.front())].input.data();
+        round.sends.push_back(message(q, in + first, theirs.size() * m));
+      } else {
+        packed_[o].resize(kl * theirs.size() * m);
+        float* at = packed_[o].data();
+        for (int j : local_) {
+          const float* in = c_.members[static_cast<std::size_t>(j)].input.data();
+          for (int r : theirs) {
+            std::copy(in + static_cast<std::size_t>(r) * m,
+                      in + static_cast<std::size_t>(r) * m + m, at);
+            at += m;
+          }
         }
+        round.sends.push_back(message(q, packed_[o].data(), packed_[o].size()));
       }
-      round.sends.push_back(message(q, packed_[o].data(), packed_[o].size()));
-      received_[o].resize(theirs.size() * kl * m);
-      round.receives.push_back(message(q, received_[o].data(), received_[o].size()));
+      if (receives_direct(direct)) {
+        round.receives.push_back(message(q, direct + first, theirs.size() * m));
+      } else {
+        received_[o].resize(theirs.size() * kl * m);
+        round.receives.push_back(message(q, received_[o].data(), received_[o].size()));
+      }
     }
     return round;
   }
@@ -338,12 +434,24 @@ class SpanningAllToAll final : public BlockExchange {
 
  private:
   void restart() override { stage_ = 0; }
+  // The single local member's output, when the other processes' blocks can land in it
+  // directly (it does not overlap the input they are sent from).
+  float* direct_output() const {
+    const CollectiveMember& x = c_.members[static_cast<std::size_t>(local_.front())];
+    const float* in = x.input.data();
+    float* out = x.output.data();
+    const std::size_t total = x.input.size();
+    const bool apart = out + total <= in || in + total <= out;
+    return apart && receives_direct(out) ? out : nullptr;
+  }
   std::optional<MpiRound> next() override {
-    if (stage_++ == 0) return exchange_blocks(m_);
+    if (stage_++ == 0) return exchange_blocks(m_, direct_output());
+    const bool direct = direct_output() != nullptr;
     for (int r : local_) {
       float* out = c_.members[static_cast<std::size_t>(r)].output.data();
       for (int j = 0; j < n_; ++j)
-        copy_floats(out + static_cast<std::size_t>(j) * m_, block(j, r, m_), m_, false);
+        if (is_local(j) || !direct)
+          copy_floats(out + static_cast<std::size_t>(j) * m_, block(j, r, m_), m_, false);
     }
     return std::nullopt;
   }
@@ -367,20 +475,43 @@ class SpanningAllGather final : public SpanningCollective {
 
  private:
   void restart() override { stage_ = 0; }
+  // With one member here, process q's blocks land straight in its output when q's members are
+  // consecutive ranks and their place in the output does not overlap the input sent from.
+  bool lands_direct(int q) const {
+    if (local_.size() != 1) return false;
+    const auto& theirs = members_of_[static_cast<std::size_t>(process_index(q))];
+    if (theirs.back() - theirs.front() + 1 != static_cast<int>(theirs.size())) return false;
+    const CollectiveMember& x = c_.members[static_cast<std::size_t>(local_.front())];
+    const float* in = x.input.data();
+    const float* at = x.output.data() + static_cast<std::size_t>(theirs.front()) * m_;
+    return at + theirs.size() * m_ <= in || in + m_ <= at;
+  }
   std::optional<MpiRound> next() override {
+    const bool one = local_.size() == 1;
     if (stage_++ == 0) {
-      packed_.resize(local_.size() * m_);
-      for (std::size_t i = 0; i < local_.size(); ++i) {
-        const float* in = c_.members[static_cast<std::size_t>(local_[i])].input.data();
-        std::copy(in, in + m_, packed_.begin() + static_cast<std::ptrdiff_t>(i * m_));
+      const float* mine = c_.members[static_cast<std::size_t>(local_.front())].input.data();
+      if (!one) {
+        packed_.resize(local_.size() * m_);
+        for (std::size_t i = 0; i < local_.size(); ++i) {
+          const float* in = c_.members[static_cast<std::size_t>(local_[i])].input.data();
+          std::copy(in, in + m_, packed_.begin() + static_cast<std::ptrdiff_t>(i * m_));
+        }
+        mine = packed_.data();
       }
       MpiRound round;
       received_.resize(others_.size());
       for (std::size_t o = 0; o < others_.size(); ++o) {
         const int q = others_[o];
-        round.sends.push_back(message(q, packed_.data(), packed_.size()));
-        received_[o].resize(members_of_[static_cast<std::size_t>(process_index(q))].size() * m_);
-        round.receives.push_back(message(q, received_[o].data(), received_[o].size()));
+        const auto& theirs = members_of_[static_cast<std::size_t>(process_index(q))];
+        round.sends.push_back(message(q, mine, local_.size() * m_));
+        if (lands_direct(q)) {
+          float* out = c_.members[static_cast<std::size_t>(local_.front())].output.data();
+          round.receives.push_back(
+              message(q, out + static_cast<std::size_t>(theirs.front()) * m_, theirs.size() * m_));
+        } else {
+          received_[o].resize(theirs.size() * m_);
+          round.receives.push_back(message(q, received_[o].data(), received_[o].size()));
+        }
       }
       return round;
     }
@@ -389,10 +520,13 @@ class SpanningAllGather final : public SpanningCollective {
       for (int j = 0; j < n_; ++j) {
         const float* from;
         if (is_local(j)) {
-          from = packed_.data() +
-                 static_cast<std::size_t>(std::lower_bound(local_.begin(), local_.end(), j) -
-                                          local_.begin()) *
-                     m_;
+          from = one ? c_.members[static_cast<std::size_t>(j)].input.data()
+                     : packed_.data() +
+                           static_cast<std::size_t>(
+                               std::lower_bound(local_.begin(), local_.end(), j) - local_.begin()) *
+                               m_;
+        } else if (lands_direct(process_of_[j])) {
+          continue;
         } else {
           const auto o = static_cast<std::size_t>(
               std::lower_bound(others_.begin(), others_.end(), process_of_[j]) - others_.begin());

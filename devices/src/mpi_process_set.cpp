@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <chrono>
 #include <cstring>
 #include <functional>
 
@@ -53,7 +54,11 @@ void MpiProcessSet::run(const std::string& what, std::vector<std::function<MpiRo
   op->comm = job_.host();
   op->id = sequence_++;
   std::future<void> done = op->done();
-  job_.progress().submit(op);
+  MpiProgress& progress = job_.progress();
+  progress.submit(op);
+  // Poll here a moment (the peers are usually at the same point); the engine's thread drives
+  // what is left, watching for peers that end.
+  progress.drive(*op, std::chrono::microseconds(100));
   done.get();
 }
 

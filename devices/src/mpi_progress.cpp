@@ -9,6 +9,7 @@
 #include <stdexcept>
 
 #include "mpi_job.hpp"
+#include "weave/runtime/idle_poll.hpp"
 
 namespace weave::devices::detail {
 
@@ -19,10 +20,12 @@ using Clock = std::chrono::steady_clock;
 // A message larger than MPI's int count goes as pieces of this size, in order, under one tag.
 constexpr std::size_t kPiece = std::size_t{1} << 30;
 
-// While operations are in flight the thread keeps polling, yielding the core between polls to
-// any device thread that wants it: MPI moves a large message's fragments only when it is
-// polled, so a thread that slept between polls would cut its bandwidth to a fragment per nap.
-// With nothing in flight it sleeps until an operation is submitted.
+// While operations are in flight the engine's thread keeps polling, yielding the core between
+// polls to any device thread that wants it: MPI moves a large message's fragments only when it
+// is polled, so a thread that slept between polls would cut its bandwidth to a fragment per
+// nap. With nothing in flight it polls on a little (the next operation is often a few
+// microseconds away), then sleeps until a submitter hands an operation over.
+constexpr auto kIdleSpin = std::chrono::microseconds(50);
 // How often the peers a waiting operation needs are checked for having ended.
 constexpr auto kPeerCheck = std::chrono::milliseconds(100);
 // How long a shutdown waits for operations still in flight.
@@ -34,14 +37,18 @@ struct MpiProgress::Active {
   std::shared_ptr<MpiOperation> op;
   int round = -1;
   std::vector<MPI_Request> requests;
+  std::vector<MPI_Status> statuses;
   std::vector<std::size_t> expected;  // bytes, per request; receives only (sends: SIZE_MAX)
   std::vector<int> peers;             // per request
   bool over = false;
 };
 
-MpiProgress::MpiProgress(MpiJob& job) : job_(job), thread_([this] { loop(); }) {}
+MpiProgress::MpiProgress(MpiJob& job) : job_(job), thread_([this] { loop(); }) {
+  rt::set_idle_poll(this);
+}
 
 MpiProgress::~MpiProgress() {
+  rt::set_idle_poll(nullptr);  // no executor thread polls this engine from here on
   {
     std::lock_guard lock(mutex_);
     stop_ = true;
@@ -51,56 +58,116 @@ MpiProgress::~MpiProgress() {
 }
 
 void MpiProgress::submit(std::shared_ptr<MpiOperation> op) {
+  op->in_flight.store(true, std::memory_order_seq_cst);
+  in_flight_.fetch_add(1, std::memory_order_seq_cst);
+  Finished done;
   {
-    std::lock_guard lock(mutex_);
-    queue_.push_back(std::move(op));
+    std::lock_guard lock(job_.lock());
+    active_.push_back(Active{.op = std::move(op)});
+    start_round(active_.back(), done);
+    if (active_.back().over) active_.pop_back();
   }
-  wake_.notify_all();
+  tell(done);
 }
 
-void MpiProgress::fail(Active& a, std::exception_ptr error) {
+bool MpiProgress::drive(const MpiOperation& op, std::chrono::nanoseconds budget) {
+  const auto until = Clock::now() + budget;
+  for (;;) {
+    if (!op.in_flight.load(std::memory_order_acquire)) return true;
+    poll();
+    if (!op.in_flight.load(std::memory_order_acquire)) return true;
+    if (Clock::now() >= until) break;
+  }
+  wake();
+  return false;
+}
+
+void MpiProgress::wake() {
+  if (!sleeping_.load(std::memory_order_seq_cst)) return;
+  std::lock_guard lock(mutex_);
+  wake_.notify_one();
+}
+
+void MpiProgress::poll() noexcept {
+  if (!busy()) return;
+  Finished done;
+  {
+    std::unique_lock lock(job_.lock(), std::try_to_lock);
+    if (!lock.owns_lock()) return;  // another thread is polling
+    pass(done);
+  }
+  tell(done);
+}
+
+void MpiProgress::tell(Finished& done) {
+  for (auto& [op, error] : done) {
+    // Over before it is told: what finished() releases may submit the same operation again
+    // (the next run of a graph), which must find it no longer in flight.
+    op->in_flight.store(false, std::memory_order_release);
+    in_flight_.fetch_sub(1, std::memory_order_seq_cst);
+    try {
+      op->finished(error);
+    } catch (...) {
+      // Completing a task cannot fail but by running out of memory; the run's watchdog ends
+      // a run that lost a completion.
+    }
+  }
+  done.clear();
+}
+
+void MpiProgress::pass(Finished& done) {
+  // start_round may not add operations, so the references stay valid.
+  for (Active& a : active_)
+    if (!a.over) test(a, done);
+  std::erase_if(active_, [](const Active& a) { return a.over; });
+}
+
+void MpiProgress::fail(Active& a, std::exception_ptr error, Finished& done) {
   a.over = true;
   // Requests still posted are left to MPI: the job cannot go on after a failed collective.
   a.requests.clear();
-  a.op->finished(std::move(error));
+  done.emplace_back(a.op, std::move(error));
 }
 
-bool MpiProgress::start_round(Active& a) {
+bool MpiProgress::start_round(Active& a, Finished& done) {
   for (;;) {
     std::optional<MpiRound> round;
     try {
       round = a.op->next();
     } catch (...) {
-      fail(a, std::current_exception());
+      fail(a, std::current_exception(), done);
       return true;
     }
     if (!round) {
       a.over = true;
-      a.op->finished(nullptr);
+      done.emplace_back(a.op, nullptr);
       return true;
     }
     ++a.round;
     if (a.round >= MpiOperation::kRounds) {
-      fail(a, std::make_exception_ptr(
-                  std::logic_error(fmt::format("{} needs more than {} rounds of messages",
-                                               a.op->describe(), MpiOperation::kRounds))));
+      fail(a,
+           std::make_exception_ptr(
+               std::logic_error(fmt::format("{} needs more than {} rounds of messages",
+                                            a.op->describe(), MpiOperation::kRounds))),
+           done);
       return true;
     }
     a.requests.clear();
     a.expected.clear();
     a.peers.clear();
+    // Peers already found gone (check_peers finds the others while the round waits).
     for (const MpiMessage& m : round->receives)
-      if (ended_.count(m.peer) || job_.has_ended(m.peer)) {
-        ended_.insert(m.peer);
-        fail(a, std::make_exception_ptr(std::runtime_error(
-                    fmt::format("{} needs {}, which has ended; the job cannot go on without it",
-                                a.op->describe(), job_.describe(m.peer)))));
+      if (ended_.count(m.peer)) {
+        fail(a,
+             std::make_exception_ptr(std::runtime_error(
+                 fmt::format("{} needs {}, which has ended; the job cannot go on without it",
+                             a.op->describe(), job_.describe(m.peer)))),
+             done);
         return true;
       }
     const long long bound = job_.tag_bound();
     const long long sequence = a.op->id * MpiOperation::kRounds + a.round;
     const int tag = static_cast<int>((sequence % bound + bound) % bound);
-    std::lock_guard lock(job_.lock());
     try {
       // Receives first, so that a peer's message finds its buffer posted.
       for (const MpiMessage& m : round->receives) {
@@ -130,23 +197,20 @@ bool MpiProgress::start_round(Active& a) {
         }
       }
     } catch (...) {
-      fail(a, std::current_exception());
+      fail(a, std::current_exception(), done);
       return true;
     }
+    a.statuses.resize(a.requests.size());
     if (!a.requests.empty()) return false;
     // A round with no messages (a process with nothing to exchange): go straight on.
   }
 }
 
-bool MpiProgress::poll(Active& a) {
-  int done = 0;
-  std::vector<MPI_Status> statuses(a.requests.size());
-  int code;
-  {
-    std::lock_guard lock(job_.lock());
-    code =
-        MPI_Testall(static_cast<int>(a.requests.size()), a.requests.data(), &done, statuses.data());
-  }
+void MpiProgress::test(Active& a, Finished& done) {
+  int complete = 0;
+  std::vector<MPI_Status>& statuses = a.statuses;
+  const int code = MPI_Testall(static_cast<int>(a.requests.size()), a.requests.data(), &complete,
+                               statuses.data());
   if (code != MPI_SUCCESS) {
     // Name the peer whose request failed, when MPI says which.
     std::string peer = "a peer";
@@ -161,88 +225,95 @@ bool MpiProgress::poll(Active& a) {
     char text[MPI_MAX_ERROR_STRING];
     int length = 0;
     MPI_Error_string(error, text, &length);
-    fail(a, std::make_exception_ptr(std::runtime_error(
-                fmt::format("{}: the transfer with {} failed: {}", a.op->describe(), peer,
-                            std::string(text, static_cast<std::size_t>(length))))));
-    return true;
+    fail(a,
+         std::make_exception_ptr(std::runtime_error(
+             fmt::format("{}: the transfer with {} failed: {}", a.op->describe(), peer,
+                         std::string(text, static_cast<std::size_t>(length))))),
+         done);
+    return;
   }
-  if (!done) return false;
+  if (!complete) return;
   for (std::size_t i = 0; i < statuses.size(); ++i) {
     if (a.expected[i] == SIZE_MAX) continue;
     int count = 0;
     MPI_Get_count(&statuses[i], MPI_BYTE, &count);
     if (static_cast<std::size_t>(count) != a.expected[i]) {
-      fail(a, std::make_exception_ptr(std::runtime_error(fmt::format(
-                  "{}: {} sent {} bytes where this process expected {}; every process must "
-                  "issue the collective with the same sizes",
-                  a.op->describe(), job_.describe(a.peers[i]), count, a.expected[i]))));
-      return true;
+      fail(a,
+           std::make_exception_ptr(std::runtime_error(fmt::format(
+               "{}: {} sent {} bytes where this process expected {}; every process must "
+               "issue the collective with the same sizes",
+               a.op->describe(), job_.describe(a.peers[i]), count, a.expected[i]))),
+           done);
+      return;
     }
   }
-  start_round(a);
-  return true;
+  start_round(a, done);
 }
 
-void MpiProgress::check_peers(std::vector<Active>& active) {
-  for (Active& a : active) {
+void MpiProgress::check_peers(Finished& done) {
+  for (Active& a : active_) {
     if (a.over) continue;
     for (int peer : a.peers) {
       if (!ended_.count(peer) && !job_.has_ended(peer)) continue;
       ended_.insert(peer);
       job_.mark_failed();
-      fail(a, std::make_exception_ptr(std::runtime_error(fmt::format(
-                  "{} has ended while this process waited for it in {}; stopping: the job "
-                  "cannot go on without it",
-                  job_.describe(peer), a.op->describe()))));
+      fail(a,
+           std::make_exception_ptr(std::runtime_error(
+               fmt::format("{} has ended while this process waited for it in {}; stopping: the job "
+                           "cannot go on without it",
+                           job_.describe(peer), a.op->describe()))),
+           done);
       break;
     }
   }
+  std::erase_if(active_, [](const Active& a) { return a.over; });
 }
 
 void MpiProgress::loop() {
-  std::vector<Active> active;
   auto last_check = Clock::now();
   std::optional<Clock::time_point> stopping;
+  Finished done;
   for (;;) {
-    std::deque<std::shared_ptr<MpiOperation>> incoming;
-    {
-      std::unique_lock lock(mutex_);
-      if (stop_ && !stopping) stopping = Clock::now();
-      if (active.empty()) {
-        wake_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-        if (queue_.empty()) return;  // stopped with nothing left
+    if (busy()) {
+      poll();
+      const auto now = Clock::now();
+      if (now - last_check > kPeerCheck) {
+        last_check = now;
+        {
+          std::lock_guard lock(job_.lock());
+          check_peers(done);
+          if (!stopping) {
+            std::lock_guard guard(mutex_);
+            if (stop_) stopping = now;
+          }
+          if (stopping && now - *stopping > kGiveUp) {
+            // Destroyed with operations whose peers never answered: fail them rather than hang.
+            for (Active& a : active_)
+              if (!a.over)
+                fail(a,
+                     std::make_exception_ptr(std::runtime_error(
+                         fmt::format("{} was still waiting for its peers when MPI was shut down",
+                                     a.op->describe()))),
+                     done);
+            active_.clear();
+          }
+        }
+        tell(done);
       }
-      incoming.swap(queue_);
-    }
-    bool moved = !incoming.empty();
-    for (auto& op : incoming) {
-      active.push_back(Active{.op = std::move(op)});
-      start_round(active.back());
-    }
-    for (Active& a : active)
-      if (!a.over && poll(a)) moved = true;
-    std::erase_if(active, [](const Active& a) { return a.over; });
-    const auto now = Clock::now();
-    if (moved) {
-      last_check = now;
+      std::this_thread::yield();
       continue;
     }
-    if (stopping && now - *stopping > kGiveUp) {
-      // Destroyed with operations whose peers never answered: fail them rather than hang.
-      for (Active& a : active)
-        if (!a.over)
-          fail(
-              a,
-              std::make_exception_ptr(std::runtime_error(fmt::format(
-                  "{} was still waiting for its peers when MPI was shut down", a.op->describe()))));
-      return;
-    }
-    if (now - last_check > kPeerCheck) {
-      last_check = now;
-      check_peers(active);
-      std::erase_if(active, [](const Active& a) { return a.over; });
-    }
-    std::this_thread::yield();
+    // Nothing in flight: poll on a little for the next operation, then sleep.
+    const auto idle_since = Clock::now();
+    while (!busy() && Clock::now() - idle_since < kIdleSpin)
+      std::this_thread::yield();
+    if (busy()) continue;
+    std::unique_lock lock(mutex_);
+    sleeping_.store(true, std::memory_order_seq_cst);
+    wake_.wait(lock, [&] { return stop_ || busy(); });
+    sleeping_.store(false, std::memory_order_seq_cst);
+    if (stop_ && !busy()) return;
+    last_check = Clock::now();
   }
 }
 

@@ -1,16 +1,22 @@
-// The thread that moves a process's MPI traffic: operations (a collective's part in this
-// process, a host exchange) are handed to it as rounds of non-blocking sends and receives,
-// which it posts, polls and follows with the operation's next round, so no device's worker
-// thread ever waits on MPI. It also watches the peers an operation waits for: one that has
-// ended fails the operation at once, naming it, instead of leaving the job to hang.
+// The progress engine of a process's MPI traffic. Operations (a collective's part in this
+// process, a host exchange) are rounds of non-blocking sends and receives; whichever thread
+// polls the engine tests them, starts each operation's next round and finishes the operations
+// that are over. The thread that submits an operation posts its first round itself and polls
+// for a few microseconds: a small collective whose peers are ready completes there, on the
+// device's own thread, with no hand-off. One that is not over by then is polled by the
+// executor's idle threads (the engine is their rt::IdlePoll, so a device waiting for its
+// transfer completes it itself) and by the engine's own thread, woken then, which also polls
+// while the devices compute and watches the peers an operation waits for: one that has ended
+// fails the operation, naming it, instead of leaving the job to hang.
 #pragma once
 
 #include <mpi.h>
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
-#include <deque>
 #include <exception>
 #include <memory>
 #include <mutex>
@@ -19,6 +25,8 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "weave/runtime/idle_poll.hpp"
 
 namespace weave::devices::detail {
 
@@ -42,43 +50,63 @@ class MpiOperation {
   static constexpr int kRounds = 4;
 
   virtual ~MpiOperation() = default;
-  // The next round: called on the progress thread, first when the operation is submitted and
-  // then each time the previous round has completed. std::nullopt: the operation is over. May
-  // throw: the operation fails with that error.
+  // The next round: called by the thread polling the engine, first when the operation is
+  // submitted and then each time the previous round has completed. std::nullopt: the operation
+  // is over. May throw: the operation fails with that error.
   virtual std::optional<MpiRound> next() = 0;
-  // Called once, on the progress thread, when the operation is over (error null) or failed.
+  // Called once, by the thread polling the engine (outside its lock), when the operation is
+  // over (error null) or failed.
   virtual void finished(std::exception_ptr error) = 0;
   // What it is, for messages: "all_reduce 'grads' over group 'dp'".
   virtual std::string describe() const = 0;
 
   MPI_Comm comm = MPI_COMM_NULL;
   std::int64_t id = 0;
+  // From submit() until finished() is called.
+  std::atomic<bool> in_flight{false};
 };
 
-class MpiProgress {
+class MpiProgress final : public rt::IdlePoll {
  public:
   explicit MpiProgress(MpiJob& job);
-  ~MpiProgress();  // finishes what was submitted, then stops the thread
+  ~MpiProgress() override;  // finishes what was submitted, then stops the thread
   MpiProgress(const MpiProgress&) = delete;
   MpiProgress& operator=(const MpiProgress&) = delete;
 
-  // Runs `op` on the progress thread; returns at once.
+  // Posts op's first round on the calling thread and returns; polling drives it from then on.
   void submit(std::shared_ptr<MpiOperation> op);
+  // Polls on the calling thread until `op` is over (its finished() called or being called) or
+  // `budget` has passed; true when over. When not, the engine's thread takes over (so an
+  // operation submitted is always driven).
+  bool drive(const MpiOperation& op, std::chrono::nanoseconds budget);
+
+  // rt::IdlePoll: any thread may poll; a poll that another thread is making is skipped.
+  bool busy() const noexcept override { return in_flight_.load(std::memory_order_seq_cst) > 0; }
+  void poll() noexcept override;
 
  private:
   struct Active;
+  using Finished = std::vector<std::pair<std::shared_ptr<MpiOperation>, std::exception_ptr>>;
   void loop();
-  bool start_round(Active& a);
-  bool poll(Active& a);
-  void fail(Active& a, std::exception_ptr error);
-  void check_peers(std::vector<Active>& active);
+  void wake();
+  // One pass over the operations in flight, under the job's lock (held by the caller): those
+  // that ended go to `done`, to be told once the lock is released.
+  void pass(Finished& done);
+  bool start_round(Active& a, Finished& done);
+  void test(Active& a, Finished& done);
+  void fail(Active& a, std::exception_ptr error, Finished& done);
+  void check_peers(Finished& done);
+  void tell(Finished& done);
 
   MpiJob& job_;
+  std::vector<Active> active_;  // under job_.lock()
+  std::set<int> ended_;         // peers found gone (under job_.lock())
+  std::atomic<int> in_flight_{0};
+  // The engine's thread sleeps on this when nothing is in flight.
   std::mutex mutex_;
   std::condition_variable wake_;
-  std::deque<std::shared_ptr<MpiOperation>> queue_;
+  std::atomic<bool> sleeping_{false};
   bool stop_ = false;
-  std::set<int> ended_;  // peers found gone (progress thread only)
   std::thread thread_;
 };
 

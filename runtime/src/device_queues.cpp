@@ -6,6 +6,7 @@
 #include <chrono>
 
 #include "clock.hpp"
+#include "idle_polling.hpp"
 #include "weave/runtime/thread_handoff.hpp"
 
 namespace weave::rt::detail {
@@ -20,6 +21,13 @@ constexpr std::size_t kHelpBudget = 256;
 constexpr Nanos kHelperSpin = 30'000;
 // How long a drainer waits for more work on its own queue before it leaves the arena.
 constexpr Nanos kDrainerLinger = 20'000;
+// How long a thread with nothing to run keeps polling transfers in flight (IdlePoll) before it
+// leaves or sleeps: a transfer it completes lets its device go on without waking a thread. About
+// what waking a thread costs here (tens of microseconds): spinning that long, then sleeping, never
+// wastes more than twice the best choice made knowing when the transfer ends. It spins rather
+// than yields between polls: on a core shared with another program a yield hands that program
+// the core for a whole time slice (milliseconds), which the transfer's completion would wait for.
+constexpr Nanos kPollLinger = 100'000;
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -117,6 +125,8 @@ void DeviceQueues::drain(DeviceQueue& q, std::size_t budget) {
     for (std::size_t i = 0; i < n; ++i)
       batch[i].run(batch[i].target, batch[i].arg);
     budget -= n;
+    // Transfers move while some thread polls: between tasks too, not only when idle.
+    if (idle_poll_busy()) idle_poll_now();
   }
 }
 
@@ -125,10 +135,19 @@ bool DeviceQueues::linger(const DeviceQueue& q, const std::function<bool()>* sto
   for (unsigned spin = 1;; ++spin) {
     if (q.queued.load(std::memory_order_acquire) > 0) return true;
     if (spin % 64 == 0) {
-      if (steady_now() - start > kDrainerLinger || (stop && (*stop)())) return false;
+      const Nanos waited = steady_now() - start;
+      // With transfers in flight, stay and poll them: the one this device waits for then
+      // completes here, and what follows it runs at once.
+      const bool polling = waited < kPollLinger && idle_poll_busy();
+      if ((!polling && waited > kDrainerLinger) || (stop && (*stop)())) return false;
       for (const auto& other : queues_) {
         // Work another device's own thread will take is no reason to leave.
         if (other.get() != &q && helpable(*other)) return false;
+      }
+      if (polling) {
+        idle_poll_now();
+        spin = 48;  // poll again after a few spins
+        continue;
       }
     }
     cpu_relax();
@@ -228,7 +247,16 @@ void DeviceQueues::help_until(const std::function<bool()>& done, const std::func
     const Nanos spin_start = steady_now();
     // Work another thread is draining is not ours to wait for: sleep until helpable work or
     // the end of the run wakes this thread.
-    while (!any_helpable() && !done() && steady_now() - spin_start < kHelperSpin) {
+    for (;;) {
+      if (any_helpable() || done()) break;
+      const Nanos waited = steady_now() - spin_start;
+      if (waited < kPollLinger && idle_poll_busy()) {
+        idle_poll_now();  // as a lingering drainer does, spinning between polls
+        for (int i = 0; i < 16; ++i)
+          cpu_relax();
+        continue;
+      }
+      if (waited >= kHelperSpin) break;
       std::this_thread::yield();
     }
     if (!any_helpable() && !done()) {

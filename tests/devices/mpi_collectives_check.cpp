@@ -1,9 +1,9 @@
 // Run by mpi_test under `mpirun -np P`: every collective across processes against a serial
 // reference, bitwise. N = 3P devices (every process holds 3), with groups that span every
 // process, some processes or one (odd sizes, devices out of order, pairs), buffers of zero,
-// odd and multi-KiB lengths, issued over groups in a different order in every process and run
-// twice with fresh data. Prints "mpi collectives: C cases, F failed" on process 0 and exits 1
-// when any failed.
+// odd and multi-KiB lengths (up to 80 KB, past the one-round all-reduce of more than 2
+// processes), issued over groups in a different order in every process and run twice with fresh
+// data. Prints "mpi collectives: C cases, F failed" on process 0 and exits 1 when any failed.
 //
 //   --size-mismatch  one all-reduce whose buffer is larger on process 1: the run must fail on
 //                    every process with weave's message naming the peer and the sizes
@@ -398,7 +398,7 @@ int check_all(int processes, int process) {
   // pair across processes; devices out of rank order spanning the first and last process.
   const std::vector<std::vector<rt::DeviceId>> groups = {
       all, {1, 2, 3}, {0, 1, 2}, {2, 4}, {static_cast<rt::DeviceId>(last), 0, 4}};
-  const std::size_t sizes[] = {0, 1, 37, 3000};
+  const std::size_t sizes[] = {0, 1, 37, 3000, 20000};
   for (const auto& g : groups) {
     for (std::size_t s : sizes) {
       check.add(CollectiveOp::all_reduce, g, s * 3, ReduceOp::sum);

@@ -53,7 +53,7 @@ TEST(MpiCollectives, SizesThatDifferBetweenProcessesFailTheRunNamingThePeer) {
   const RunResult r = mpirun(2, collectives("--size-mismatch"));
   EXPECT_EQ(r.status, 0) << r.out;
   EXPECT_NE(r.out.find("process 0 failed as expected: task 'sum[0]'"), std::string::npos) << r.out;
-  EXPECT_NE(r.out.find("sent 128 bytes where this process expected 256"), std::string::npos)
+  EXPECT_NE(r.out.find("sent 256 bytes where this process expected 512"), std::string::npos)
       << r.out;
 #endif
 }

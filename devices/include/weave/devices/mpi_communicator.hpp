@@ -5,13 +5,16 @@
 //
 // A collective whose members are all in this process is planned as the shared-memory backend
 // plans it. One whose members sit in several processes meets its local members in shared
-// memory; the first of them to run hands the process's part to a progress thread, which moves
-// one message per peer process with non-blocking MPI calls and completes the local members'
-// tasks when it is done (deferred completion: no device's worker thread waits on MPI, and the
-// executor's link model holds them as in one process). Reductions gather every member's data
-// for a share of the elements and fold it in rank order, so a run over any number of processes
-// gives bitwise what the same graph gives in one process. Every collective weave has is
-// supported; a new one is a class in devices/src/mpi_collectives.cpp with its rounds of messages.
+// memory; the first of them to run posts the process's part, one message per peer process with
+// non-blocking MPI calls, and polls it a few microseconds: a collective whose peers are ready
+// completes there, on the device's own thread. One that takes longer completes the local
+// members' tasks later (deferred completion: no device's worker thread waits on MPI, and the
+// executor's link model holds them as in one process), polled by whichever thread is idle: the
+// devices' own threads between and instead of tasks, and the backend's progress thread. Reductions
+// gather every member's data for a share of the elements and fold it in rank order, so a run over
+// any number of processes gives bitwise what the same graph gives in one process. Every collective
+// weave has is supported; a new one is a class in devices/src/mpi_collectives.cpp with its rounds
+// of messages.
 //
 // Errors are weave's: MPI's error handler is replaced by error codes, a message whose size
 // differs from what this process expects fails the collective naming the peer, and a peer
