@@ -103,13 +103,17 @@ std::string recompute_text(const graphs::Recompute& r) {
 }
 
 // Folding data-parallel replicas, tensor- and context-parallel peers and micro-batches, unless
-// --every-rank. A trace keeps every rank of replica 0, the peers included, and every
-// micro-batch, as a reader expects to see them.
-graphs::PredictionOptions folding(const PredictOptions& o, const graphs::TrainerConfig& c) {
+// --every-rank. A step shown (--trace, --dump-graph, --critical-path, --what-if) keeps every rank
+// of replica 0, the peers included, and every micro-batch, as a reader expects to see them.
+graphs::PredictionOptions folding(const PredictOptions& o, const graphs::TrainerConfig& c,
+                                  const StepViewRequest& views) {
+  const bool shown = !c.trace_path.empty() || views.critical_path || !views.dump_path.empty() ||
+                     !views.what_if.empty();
   return {.fold_data_parallel = !o.every_rank,
-          .fold_tensor_parallel = !o.every_rank && c.trace_path.empty(),
-          .fold_context_parallel = !o.every_rank && c.trace_path.empty(),
-          .fold_micro_batches = !o.every_rank && c.trace_path.empty()};
+          .fold_tensor_parallel = !o.every_rank && !shown,
+          .fold_context_parallel = !o.every_rank && !shown,
+          .fold_micro_batches = !o.every_rank && !shown,
+          .what_if = views.what_if};
 }
 
 // The ranks --trace-ranks names ("0-7,64"), each checked against the plan before anything is
@@ -375,12 +379,7 @@ int run_predict(PredictOptions& o, const CLI::App& cmd) {
                             .flags_without_effect = o.train.no_effect});
   const StepViewRequest views = step_view_request(o.train);
   check_writable("--dump-graph", views.dump_path);
-  graphs::PredictionOptions options = folding(o, c);
-  options.what_if = views.what_if;
-  // A graph to walk or draw is one step's: micro-batches are not folded.
-  if (views.critical_path || !views.dump_path.empty() || !views.what_if.empty())
-    options.fold_micro_batches = false;
-  const graphs::Prediction p = graphs::predict_step(c, options);
+  const graphs::Prediction p = graphs::predict_step(c, folding(o, c, views));
   print_configuration(c, accelerator);
   print_figures(p, c);
   print_memory(p, o.device_memory_gib);

@@ -26,8 +26,10 @@ constexpr ConfigFlag kPrediction[] = {
      .group = FlagGroup::prediction,
      .command = FlagCommand::predict,
      .values = 0,
-     .help = "Build and replay every rank instead of folding data-parallel replicas into the "
-             "first (slower, the same figures)",
+     .help = "Build and replay every rank and micro-batch instead of folding data-parallel "
+             "replicas, tensor- and context-parallel peers into the first and extrapolating "
+             "micro-batches (slower, the same figures; --trace and the step views build every "
+             "rank of the first replica and every micro-batch)",
      .properties = kNotRepeatedByAdvice},
     {.name = "--advise",
      .group = FlagGroup::advice,
