@@ -112,6 +112,23 @@ TEST(Prediction, AGroupsExposedCommunicationIsReadFromTheReplay) {
   EXPECT_EQ(exposed_comm_of_groups(p.trace, none), 0);
 }
 
+// The figures a fold must keep: step time, bubble, memory, each group's exposed time.
+void expect_same_figures(const Prediction& folded, const Prediction& every,
+                         const std::string& name) {
+  EXPECT_DOUBLE_EQ(folded.step_ms, every.step_ms) << name;
+  EXPECT_DOUBLE_EQ(folded.bubble, every.bubble) << name;
+  EXPECT_DOUBLE_EQ(folded.exposed_ms_per_device, every.exposed_ms_per_device) << name;
+  EXPECT_EQ(folded.memory, every.memory) << name;
+  EXPECT_EQ(folded.memory_total, every.memory_total) << name;
+  ASSERT_EQ(folded.exposed.size(), every.exposed.size()) << name;
+  for (std::size_t i = 0; i < every.exposed.size(); ++i) {
+    EXPECT_EQ(folded.exposed[i].group, every.exposed[i].group) << name;
+    EXPECT_NEAR(folded.exposed[i].ms_per_device, every.exposed[i].ms_per_device,
+                1e-9 * every.exposed[i].ms_per_device)
+        << name << " " << every.exposed[i].group;
+  }
+}
+
 // Folding data-parallel replicas into the first: the same step time, exposed communication,
 // bubble and memory as replaying every rank, from a fraction of the ranks.
 TEST(Prediction, FoldedReplicasPredictWhatEveryRankDoes) {
@@ -162,16 +179,7 @@ TEST(Prediction, FoldedReplicasPredictWhatEveryRankDoes) {
                                                 .fold_context_parallel = false});
       EXPECT_EQ(every.replayed_devices, plan.devices()) << name;
       EXPECT_EQ(folded.replayed_devices * plan.data_parallel, plan.devices()) << name;
-      EXPECT_DOUBLE_EQ(folded.step_ms, every.step_ms) << name;
-      EXPECT_DOUBLE_EQ(folded.bubble, every.bubble) << name;
-      EXPECT_EQ(folded.memory, every.memory) << name;
-      ASSERT_EQ(folded.exposed.size(), every.exposed.size()) << name;
-      for (std::size_t i = 0; i < every.exposed.size(); ++i) {
-        EXPECT_EQ(folded.exposed[i].group, every.exposed[i].group) << name;
-        EXPECT_NEAR(folded.exposed[i].ms_per_device, every.exposed[i].ms_per_device,
-                    1e-9 * every.exposed[i].ms_per_device)
-            << name << " " << every.exposed[i].group;
-      }
+      expect_same_figures(folded, every, name);
     }
 }
 
@@ -244,17 +252,7 @@ TEST(Prediction, FoldedTensorAndContextParallelPeersPredictWhatEveryRankDoes) {
                                                 .fold_tensor_parallel = false,
                                                 .fold_context_parallel = false});
       EXPECT_EQ(folded.replayed_devices, plan.pipeline_parallel) << name;
-      EXPECT_DOUBLE_EQ(folded.step_ms, every.step_ms) << name;
-      EXPECT_DOUBLE_EQ(folded.bubble, every.bubble) << name;
-      EXPECT_EQ(folded.memory, every.memory) << name;
-      EXPECT_EQ(folded.memory_total, every.memory_total) << name;
-      ASSERT_EQ(folded.exposed.size(), every.exposed.size()) << name;
-      for (std::size_t i = 0; i < every.exposed.size(); ++i) {
-        EXPECT_EQ(folded.exposed[i].group, every.exposed[i].group) << name;
-        EXPECT_NEAR(folded.exposed[i].ms_per_device, every.exposed[i].ms_per_device,
-                    1e-9 * every.exposed[i].ms_per_device)
-            << name << " " << every.exposed[i].group;
-      }
+      expect_same_figures(folded, every, name);
     }
 }
 
@@ -317,17 +315,7 @@ TEST(Prediction, FoldedMicroBatchesPredictWhatEveryMicroBatchDoes) {
       ASSERT_EQ(folded.micro_batches_replayed.size(), 3u) << name << ": not folded";
       EXPECT_LT(folded.micro_batches_replayed[2], c.plan.micro_batches()) << name;
       EXPECT_EQ(whole.micro_batches_replayed, std::vector<int>{c.plan.micro_batches()}) << name;
-      EXPECT_DOUBLE_EQ(folded.step_ms, whole.step_ms) << name;
-      EXPECT_DOUBLE_EQ(folded.bubble, whole.bubble) << name;
-      EXPECT_DOUBLE_EQ(folded.exposed_ms_per_device, whole.exposed_ms_per_device) << name;
-      EXPECT_EQ(folded.memory, whole.memory) << name;
-      EXPECT_EQ(folded.memory_total, whole.memory_total) << name;
-      ASSERT_EQ(folded.exposed.size(), whole.exposed.size()) << name;
-      for (std::size_t i = 0; i < whole.exposed.size(); ++i) {
-        EXPECT_EQ(folded.exposed[i].group, whole.exposed[i].group) << name;
-        EXPECT_DOUBLE_EQ(folded.exposed[i].ms_per_device, whole.exposed[i].ms_per_device)
-            << name << " " << whole.exposed[i].group;
-      }
+      expect_same_figures(folded, whole, name);
     }
 }
 
