@@ -2,8 +2,6 @@
 
 #include <fmt/format.h>
 
-#include <tbb/blocked_range.h>
-#include <tbb/parallel_for.h>
 #include <tbb/task_arena.h>
 
 #include <algorithm>
@@ -14,6 +12,7 @@
 
 #include "weave/graphs/config_flags.hpp"
 #include "weave/graphs/pipeline_layout.hpp"
+#include "weave/runtime/parallel_for.hpp"
 
 namespace weave::graphs {
 
@@ -243,13 +242,7 @@ PlanRanking rank_plans(const std::vector<TrainerConfig>& candidates,
                               ? options.concurrent_predictions
                               : tbb::this_task_arena::max_concurrency();
   tbb::task_arena arena(concurrency);
-  arena.execute([&] {
-    tbb::parallel_for(tbb::blocked_range<std::size_t>(0, outcomes.size(), 1),
-                      [&](const tbb::blocked_range<std::size_t>& r) {
-                        for (std::size_t i = r.begin(); i < r.end(); ++i)
-                          predict_one(i);
-                      });
-  });
+  arena.execute([&] { rt::parallel_for(std::size_t{0}, outcomes.size(), predict_one); });
   for (std::size_t i = 0; i < outcomes.size(); ++i) {
     if (!outcomes[i]) {
       count_refusal(ranking.refused, refusals[i]);
