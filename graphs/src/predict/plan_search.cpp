@@ -238,9 +238,11 @@ PlanRanking rank_plans(const std::vector<TrainerConfig>& candidates,
     ++done;
     if (options.progress) options.progress(done, to_predict);
   };
-  const int concurrency = options.concurrent_predictions > 0
-                              ? options.concurrent_predictions
-                              : tbb::this_task_arena::max_concurrency();
+  // At most the cores TBB may use: an arena asking for more workers than that only draws a
+  // warning from TBB.
+  const int cores = tbb::this_task_arena::max_concurrency();
+  const int concurrency =
+      options.concurrent_predictions > 0 ? std::min(options.concurrent_predictions, cores) : cores;
   tbb::task_arena arena(concurrency);
   arena.execute([&] { rt::parallel_for(std::size_t{0}, outcomes.size(), predict_one); });
   for (std::size_t i = 0; i < outcomes.size(); ++i) {

@@ -64,7 +64,8 @@ struct PlanRankingOptions {
   std::int64_t device_memory_bytes = 0;  // each device's capacity
   int max_predictions = 0;               // 0: no limit; else predict only the first this many
   PredictionOptions prediction;
-  // Predictions run side by side (each builds and replays its own step): 0 takes every core.
+  // Predictions run side by side (each builds and replays its own step), at most one a core:
+  // 0 takes every core.
   // The ranking is the same whatever the count.
   int concurrent_predictions = 0;
   // Called after each prediction with the count done and the count to do (from one thread at
