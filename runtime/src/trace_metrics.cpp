@@ -207,14 +207,16 @@ double TraceMetrics::exposed_comm_share() const {
   return busy > 0 ? static_cast<double>(total_exposed_comm()) / static_cast<double>(busy) : 0;
 }
 
+Nanos TraceMetrics::total_compute_idle() const {
+  Nanos idle = 0;
+  for (const auto& d : devices)
+    if (d.busy > 0) idle += makespan - d.compute_busy;
+  return idle;
+}
+
 double TraceMetrics::compute_bubble() const {
-  double busy = 0, idle = 0;
-  for (const auto& d : devices) {
-    if (d.busy == 0) continue;  // a device with no task in the trace (built elsewhere, or folded)
-    busy += static_cast<double>(d.compute_busy);
-    idle += static_cast<double>(makespan - d.compute_busy);
-  }
-  return busy > 0 ? idle / busy : 0;
+  const Nanos busy = total_compute();
+  return busy > 0 ? static_cast<double>(total_compute_idle()) / static_cast<double>(busy) : 0;
 }
 
 }  // namespace weave::rt

@@ -112,6 +112,12 @@ TEST(Prediction, AGroupsExposedCommunicationIsReadFromTheReplay) {
   EXPECT_EQ(exposed_comm_of_groups(p.trace, none), 0);
 }
 
+// Nodes of `devices_per_node` devices joined by a fast node link, the nodes by a slow network.
+devices::Cluster nodes_of(int devices_per_node) {
+  return devices::Cluster(devices_per_node, {.name = "node link", .params = {3'000, 450e9}},
+                          {.name = "network", .params = {10'000, 5e9}});
+}
+
 // The figures a fold must keep: step time, bubble, memory, each group's exposed time.
 void expect_same_figures(const Prediction& folded, const Prediction& every,
                          const std::string& name) {
@@ -156,10 +162,8 @@ TEST(Prediction, FoldedReplicasPredictWhatEveryRankDoes) {
   // groups (and some expert and pipeline groups) cross.
   const std::optional<devices::Cluster> clusters[] = {
       std::nullopt,
-      devices::Cluster(2, {.name = "node link", .params = {3'000, 450e9}},
-                       {.name = "network", .params = {10'000, 5e9}}),
-      devices::Cluster(4, {.name = "node link", .params = {3'000, 450e9}},
-                       {.name = "network", .params = {10'000, 5e9}}),
+      nodes_of(2),
+      nodes_of(4),
   };
   for (const auto& cluster : clusters)
     for (const auto& [plan_name, plan] : plans) {
@@ -232,8 +236,7 @@ TEST(Prediction, FoldedTensorAndContextParallelPeersPredictWhatEveryRankDoes) {
   };
   const std::optional<devices::Cluster> clusters[] = {
       std::nullopt,
-      devices::Cluster(2, {.name = "node link", .params = {3'000, 450e9}},
-                       {.name = "network", .params = {10'000, 5e9}}),
+      nodes_of(2),
   };
   for (const auto& cluster : clusters)
     for (const auto& [plan_name, plan] : plans) {
@@ -307,9 +310,7 @@ TEST(Prediction, FoldedMicroBatchesPredictWhatEveryMicroBatchDoes) {
                              .num_layers = 1};
       c.plan = k.plan;
       c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
-      if (cluster)
-        c.machine.cluster = devices::Cluster(2, {.name = "node link", .params = {3'000, 450e9}},
-                                             {.name = "network", .params = {10'000, 5e9}});
+      if (cluster) c.machine.cluster = nodes_of(2);
       const Prediction folded = predict_step(c, {.fold_micro_batches = true}),
                        whole = predict_step(c);
       ASSERT_EQ(folded.micro_batches_replayed.size(), 3u) << name << ": not folded";
@@ -328,9 +329,7 @@ TEST(Prediction, AClusterPricesGroupsByTheLinksTheySpan) {
       .tensor_parallel = 2, .data_parallel = 4, .micro_batch_size = 1, .global_batch_size = 8};
   c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
   auto step_ms = [&](int devices_per_node) {
-    c.machine.cluster =
-        devices::Cluster(devices_per_node, {.name = "node link", .params = {3'000, 450e9}},
-                         {.name = "network", .params = {10'000, 5e9}});
+    c.machine.cluster = nodes_of(devices_per_node);
     return predict_step(c);
   };
   const Prediction one_node = step_ms(8), two_a_node = step_ms(2);

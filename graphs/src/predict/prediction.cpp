@@ -163,11 +163,8 @@ ReplayFigures replay(const TrainerConfig& config, const PredictionOptions& optio
   f.makespan = run.makespan;
   f.replayed_devices = static_cast<int>(ranks.built.size());
   const rt::TraceMetrics metrics = rt::measure(run.trace);
-  for (const rt::DeviceMetrics& d : metrics.devices) {
-    if (d.busy == 0) continue;  // a device built elsewhere or folded: no task in the trace
-    f.compute_busy += d.compute_busy;
-    f.compute_idle += metrics.makespan - d.compute_busy;
-  }
+  f.compute_busy = metrics.total_compute();
+  f.compute_idle = metrics.total_compute_idle();
   f.exposed_total = metrics.total_exposed_comm();
   read_exposed_by_group(run.trace, f);
   read_memory(set, ranks.source, f);
@@ -228,7 +225,7 @@ Prediction prediction_of(const TrainerConfig& config, ReplayFigures f) {
   p.replayed_devices = f.replayed_devices;
   p.micro_batches_replayed =
       f.micro_batches.empty() ? std::vector<int>{config.plan.micro_batches()} : f.micro_batches;
-  // Compute idle over compute busy, over the devices replayed.
+  // As rt::TraceMetrics::compute_bubble, from the (possibly extrapolated) sums.
   p.bubble = f.compute_busy > 0
                  ? static_cast<double>(f.compute_idle) / static_cast<double>(f.compute_busy)
                  : 0;

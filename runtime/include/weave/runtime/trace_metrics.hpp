@@ -30,9 +30,11 @@ struct TraceMetrics {
   // Exposed communication over the sum of device busy time: the share of the step that
   // waits on data movement.
   double exposed_comm_share() const;
-  // Compute idle time (makespan minus compute busy) over compute busy time, summed over the
-  // devices with a task in the trace: a pipeline's bubble as the schedules' formulas define it
-  // ((p - 1) / m for 1F1B).
+  // Compute idle time (makespan minus compute busy), summed over the devices with a task in the
+  // trace (a device built elsewhere or folded has none).
+  Nanos total_compute_idle() const;
+  // total_compute_idle() over total_compute(): a pipeline's bubble as the schedules' formulas
+  // define it ((p - 1) / m for 1F1B).
   double compute_bubble() const;
 };
 
