@@ -73,6 +73,13 @@ constexpr ProgramFlag kProgramFlags[] = {
     {"--network", [](TrainOptions& o) -> ProgramSetting { return &o.cluster.network; }},
     {"--ampipe-advise", [](TrainOptions& o) -> ProgramSetting { return &o.ampipe_advise; }},
     {"--pipeline-advise", [](TrainOptions& o) -> ProgramSetting { return &o.pipeline_advise; }},
+    {"--rampup-batch-size", [](TrainOptions& o) -> ProgramSetting { return &o.rampup_batch_size; }},
+    {"--deepspeed", [](TrainOptions& o) -> ProgramSetting { return &o.deepspeed; }},
+    {"--deepspeed_config", [](TrainOptions& o) -> ProgramSetting { return &o.deepspeed_config; }},
+    {"--zero-stage", [](TrainOptions& o) -> ProgramSetting { return &o.zero_stage; }},
+    {"--use-custom-fsdp", [](TrainOptions& o) -> ProgramSetting { return &o.use_custom_fsdp; }},
+    {"--data-parallel-sharding-strategy",
+     [](TrainOptions& o) -> ProgramSetting { return &o.data_parallel_sharding_strategy; }},
 };
 
 ProgramSetting program_setting(const ConfigFlag& f, TrainOptions& o) {
@@ -155,6 +162,7 @@ CLI::Option* add_config_flag(CLI::App& cmd, const ConfigFlag& f, std::string_vie
                     return add_value(cmd, names, help, &ref(config));
                 },
                 f.field);
+  if (f.values > 1) opt->expected(f.values);
   if (f.check.kind != graphs::ValueCheck::none) opt->check(value_check(f.check));
   if (f.has(graphs::kShowsDefault)) opt->capture_default_str();
   if (!f.type_name.empty()) opt->type_name(std::string(f.type_name));
@@ -171,6 +179,11 @@ void add_train_flags(CLI::App& cmd, TrainOptions& o) {
       continue;
     CLI::Option* opt = f.status == graphs::FlagStatus::implemented ? add_implemented(cmd, f, o)
                                                                    : add_without_effect(cmd, f, o);
+    if (f.status == graphs::FlagStatus::implemented)
+      opt->each([&o, name = std::string(f.name)](const std::string&) {
+        if (std::find(o.given.begin(), o.given.end(), name) == o.given.end())
+          o.given.push_back(name);
+      });
     opt->group(std::string(graphs::flag_group_title(f.group)));
   }
   cmd.get_option("--trace-iteration")->each([&o](const std::string&) {
