@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cctype>
 #include <optional>
 #include <stdexcept>
 #include <type_traits>
@@ -114,12 +115,34 @@ CLI::Validator value_check(const graphs::ValueCheck& c) {
   return CLI::Validator();
 }
 
+// Megatron-LM's whole-number flags are read by Python's int(), which takes underscores between
+// digits ("9_765_625"): they are dropped before CLI11 reads the number.
+CLI::Validator digit_separators() {
+  return CLI::Validator(
+      [](std::string& word) {
+        const std::size_t first = !word.empty() && (word[0] == '-' || word[0] == '+') ? 1 : 0;
+        bool digit_before = false;
+        for (std::size_t i = first; i < word.size(); ++i) {
+          const bool digit = std::isdigit(static_cast<unsigned char>(word[i])) != 0;
+          const bool separator = word[i] == '_' && digit_before && i + 1 < word.size() &&
+                                 std::isdigit(static_cast<unsigned char>(word[i + 1])) != 0;
+          if (!digit && !separator) return std::string();  // not a number: left to CLI11
+          digit_before = digit;
+        }
+        word.erase(std::remove(word.begin(), word.end(), '_'), word.end());
+        return std::string();
+      },
+      "", "digit separators");
+}
+
 // The option of a flag, writing into `target` (a pointer to its value).
 template <typename Value>
 CLI::Option* add_value(CLI::App& cmd, const std::string& names, std::string_view help,
                        Value* target) {
   if constexpr (std::is_same_v<Value, bool>)
     return cmd.add_flag(names, *target, std::string(help));
+  else if constexpr (std::is_integral_v<Value>)
+    return cmd.add_option(names, *target, std::string(help))->transform(digit_separators());
   else
     return cmd.add_option(names, *target, std::string(help));
 }
