@@ -1,6 +1,8 @@
 // The run's flags: the optimizer and its learning rate, how long to train and evaluate, the data,
 // checkpoints, what the run writes, the machine the virtual clock models, and the advice that
 // replaces a run.
+#include <string>
+
 #include "config/config_flag_groups.hpp"
 
 namespace weave::graphs::flag_groups {
@@ -182,6 +184,14 @@ constexpr ConfigFlag kTraining[] = {
      .help = "START INCREMENT SAMPLES: the global batch grows from START by INCREMENT to "
              "--global-batch-size over SAMPLES samples, as Megatron-LM ramps it (with "
              "--train-samples); each batch's step is built once",
+     .description = {.section = DescribedSection::run,
+                     .key = "rampup_batch_size",
+                     .value = [](const TrainerConfig& c) -> DescribedValue {
+                       const BatchRampup& r = c.rampup;
+                       if (!r.enabled()) return std::string();
+                       return std::to_string(r.start) + " " + std::to_string(r.increment) + " " +
+                              std::to_string(r.samples);
+                     }},
      .type_name = "START INCREMENT SAMPLES"},
     {.name = "--eval-interval",
      .group = FlagGroup::training,
