@@ -125,12 +125,21 @@ TEST(DeepSpeedConfig, RefusesEveryDisagreementNamingBoth) {
 }
 
 TEST(DeepSpeedConfig, RefusesWhatWouldChangeTrainingInOneMessage) {
-  const DeepSpeedFile f(R"({"bf16": {"enabled": true}, "scheduler": {"type": "WarmupLR"},
-      "optimizer": {"type": "Lamb"}, "zero_optimization": {"stage": 1}})");
+  const DeepSpeedFile f(R"({"bf16": {"enabled": true}, "curriculum_learning": {"enabled": true},
+      "fp16": {"enabled": false}})");
   const std::string e = refusal(with_file(f));
   for (const char* part :
-       {"bf16.enabled", "scheduler", "optimizer.type \"Lamb\"", "fp32", "--lr-warmup-*"})
+       {"bf16.enabled (weave's kernels compute in fp32", ", curriculum_learning. "})
     EXPECT_NE(e.find(part), std::string::npos) << e << "\n  lacks: " << part;
+  // What Megatron-DeepSpeed leaves unused (it hands DeepSpeed its own optimizer and schedule) is
+  // named, not refused.
+  for (const char* optimizer :
+       {R"({"type": "Lamb"})", R"({"type": "Adam", "params": {"adam_w_mode": false}})"}) {
+    const DeepSpeedFile unused(
+        fmt::format(R"({{"scheduler": {{"type": "WarmupLR"}}, "optimizer": {}}})", optimizer));
+    EXPECT_EQ(parsed(with_file(unused)).deepspeed_unhonoured,
+              (std::vector<std::string>{"optimizer", "scheduler"}));
+  }
   EXPECT_NE(refusal({"--deepspeed_config", f.path}).find("is read with --deepspeed"),
             std::string::npos);
   const DeepSpeedFile broken("{\"train_batch_size\": ");

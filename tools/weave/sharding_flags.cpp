@@ -128,22 +128,21 @@ void read_precision(Reading& r, const json& ds) {
 }
 
 // The optimizer section: Adam or AdamW (DeepSpeed's Adam is AdamW unless adam_w_mode is false)
-// with its parameters onto --lr, --adam-beta1/2, --adam-eps and --weight-decay.
+// with its parameters onto --lr, --adam-beta1/2, --adam-eps and --weight-decay. Megatron-DeepSpeed
+// hands deepspeed.initialize its own optimizer, built from these flags, so DeepSpeed leaves the
+// section unused there; weave reads an Adam section's values so that they cannot differ silently
+// from the flags, and names another optimizer's section as without effect.
 void read_optimizer(TrainOptions& o, Reading& r, const json& section) {
+  if (!section.is_object()) refuse(fmt::format("{}: optimizer must be an object", r.file));
   std::string type = section.value("type", std::string());
   std::transform(type.begin(), type.end(), type.begin(),
                  [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
   const json params = section.value("params", json::object());
-  if (type != "adam" && type != "adamw") {
-    r.refused.push_back(fmt::format(
-        "optimizer.type {} (weave's optimizer is AdamW: give Adam or AdamW, or drop the section)",
-        section.value("type", json()).dump()));
-    return;
-  }
-  if (type == "adam" && params.value("adam_w_mode", true) != true) {
-    r.refused.push_back(
-        "optimizer.params.adam_w_mode false (Adam with L2 regularisation; weave's optimizer is "
-        "AdamW: drop it)");
+  // Another optimizer than AdamW (Adam with L2 regularisation, or without bias correction).
+  if ((type != "adam" && type != "adamw") || !params.is_object() ||
+      (type == "adam" && params.value("adam_w_mode", true) != true) ||
+      params.value("bias_correction", true) != true) {
+    r.unhonoured.push_back("optimizer");
     return;
   }
   graphs::TrainerConfig& c = o.config;
@@ -161,9 +160,8 @@ void read_optimizer(TrainOptions& o, Reading& r, const json& section) {
     } else if (key == "weight_decay") {
       set_or_check(o, r, "--weight-decay", name, c.optimizer.adamw.weight_decay,
                    number(r, value, name));
-    } else if (key == "adam_w_mode" || key == "bias_correction") {
-      if (value != true) r.refused.push_back(fmt::format("{} {}", name, value.dump()));
-    } else if (key != "torch_adam" && key != "fused") {
+    } else if (key != "adam_w_mode" && key != "bias_correction" && key != "torch_adam" &&
+               key != "fused") {
       r.unhonoured.push_back(name);
     }
   }
@@ -210,11 +208,12 @@ void read_batch(TrainOptions& o, const Reading& r, const json& ds) {
                static_cast<int>(*train));
 }
 
-// The file's fields that would change what is trained, beyond those read above.
-constexpr std::string_view kChangesTraining[] = {
-    "scheduler",       "sparse_attention",     "curriculum_learning",
-    "data_efficiency", "compression_training", "progressive_layer_drop",
-    "pipeline"};
+// The file's fields that would change what is trained, beyond those read above. (The scheduler
+// is not among them: Megatron-DeepSpeed hands deepspeed.initialize its own schedule, which
+// DeepSpeed then uses instead.)
+constexpr std::string_view kChangesTraining[] = {"sparse_attention", "curriculum_learning",
+                                                 "data_efficiency", "compression_training",
+                                                 "progressive_layer_drop"};
 
 void read_deepspeed_config(TrainOptions& o) {
   Reading r{.file = o.deepspeed_config};
@@ -266,9 +265,8 @@ void read_deepspeed_config(TrainOptions& o) {
   }
   if (!r.refused.empty())
     refuse(fmt::format(
-        "{} asks for what weave cannot train: {}. The learning-rate schedule is Megatron-LM's "
-        "flags' (--lr, --lr-warmup-*, --lr-decay-*) and weave trains the model its flags "
-        "describe: drop these fields",
+        "{} asks for what weave cannot train: {}. weave trains the model and the batches its "
+        "flags describe, in fp32: drop these fields",
         r.file, fmt::join(r.refused, ", ")));
   o.deepspeed_unhonoured = std::move(r.unhonoured);
 }

@@ -120,9 +120,9 @@ constexpr ConfigFlag kConfigFile[] = {
      .aliases = "--deepspeed-config",
      .group = FlagGroup::config_file,
      .help = "DeepSpeed's JSON (with --deepspeed): batch sizes, gradient_clipping, "
-             "zero_optimization.stage, optimizer (Adam/AdamW) onto weave's flags, checked against "
-             "those given; half precision, scheduler and fields that change training refused; the "
-             "rest named once as without effect",
+             "zero_optimization.stage, an Adam/AdamW optimizer's values onto weave's flags, "
+             "checked against those given; half precision and fields that change training "
+             "refused; the rest named once as without effect",
      .properties = kNotRepeatedByAdvice,
      .type_name = "FILE"},
 };
