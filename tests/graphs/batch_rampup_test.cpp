@@ -1,8 +1,8 @@
 // Batch ramp-up (--rampup-batch-size) as Megatron-LM's RampupBatchsizeNumMicroBatchesCalculator
 // grows the batch: each iteration's global batch against the rule worked out here step by step,
 // the learning rate counting samples, a step's first loss at the ramp's first batch the same as a
-// run at that batch, a run resumed mid-ramp bitwise the uninterrupted one, and every bad value
-// refused naming the rule and the fix.
+// run at that batch, a checkpoint saved when the batch grows, a run resumed mid-ramp bitwise the
+// uninterrupted one, and every bad value refused naming the rule and the fix.
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
@@ -142,6 +142,19 @@ TEST(BatchRampup, AResumeMidRampContinuesBitwise) {
   TrainerConfig fresh = full;
   fresh.load_path.clear();
   EXPECT_NE(Trainer(fresh, mock_data(fresh)).evaluate(), evaluated);
+  // Saved when the batch grows, as Megatron-LM saves when the micro-batches change: before
+  // iterations 3 (batch 4), 4 (batch 6) and 5 (batch 8), then at the end.
+  TrainerConfig saving = c;
+  saving.save_path = path + ".saves";
+  std::vector<std::int64_t> saves;
+  {
+    Trainer t(saving, mock_data(saving));
+    t.run(
+        {.saved = [&](const std::string&, std::int64_t iteration) { saves.push_back(iteration); }});
+  }
+  std::filesystem::remove(saving.save_path);
+  EXPECT_EQ(saves, (std::vector<std::int64_t>{2, 3, 4, 7}));
+
   TrainerConfig second = c;
   second.load_path = path;
   Trainer resumed(second, mock_data(second));

@@ -365,7 +365,13 @@ TrainingSummary Trainer::run(const TrainerCallbacks& callbacks) {
     saved_at = t.state.iteration;
     if (callbacks.saved) callbacks.saved(path, t.state.iteration);
   };
+  // A ramp-up saves before each iteration whose batch differs from the one before (with --save),
+  // as Megatron-LM saves whenever the number of micro-batches changes.
+  int batch = t.batch_at(t.state.consumed_samples);
   while (t.state.iteration < c.train_iters) {
+    const int next = t.batch_at(t.state.consumed_samples);
+    if (next != batch && !c.save_path.empty() && saved_at != t.state.iteration) save(c.save_path);
+    batch = next;
     const IterationMetrics m = t.train_iteration();
     if (summary.iterations++ == 0) summary.first_loss = m.loss;
     summary.last_loss = m.loss;

@@ -128,7 +128,8 @@ class Trainer {
   const TrainingData& data() const;
 
   // Trains iterations iteration() + 1 to config().train_iters (none when already there),
-  // evaluating every eval_interval iterations, saving every save_interval and at the end, and
+  // evaluating every eval_interval iterations, saving every save_interval, before each iteration
+  // whose ramp-up batch grows and at the end, and
   // writing the trace of trace_iteration when it is among them. Throws std::runtime_error when
   // the loss stops being finite (after reporting that iteration), and whatever a step's task or
   // a callback throws; the iterations done so far stay done.

@@ -79,7 +79,8 @@ struct TrainerConfig {
   int eval_interval = 0;
   int eval_iters = 2;
   // --save: the checkpoint written at the end of run() and, with save_interval > 0
-  // (--save-interval), every save_interval iterations. "": no checkpoints.
+  // (--save-interval), every save_interval iterations; with a batch ramp-up also before each
+  // iteration whose batch grows, as Megatron-LM saves. "": no checkpoints.
   std::string save_path;
   int save_interval = 0;
   // --load: a checkpoint to resume from when the Trainer is built (its iteration and consumed
