@@ -305,6 +305,13 @@ devices::Communicator* checked(devices::Communicator& comm, const devices::Devic
           "DeviceSet with DeviceSetOptions::held = the devices the communicator holds",
           d, comm.holds(static_cast<rt::DeviceId>(d)) ? "held" : "not held",
           devices.holds(static_cast<rt::DeviceId>(d)) ? "held" : "not held"));
+  // Each batch of a ramp builds a step of its own, and the processes' backends agree on one
+  // graph's collectives at a time (Communicator::commit): not tried across processes yet.
+  if (comm.processes().size() > 1 && config.rampup.enabled())
+    throw ConfigError(
+        "--rampup-batch-size builds a step for each batch of the ramp, which a run across "
+        "processes (mpirun) does not do yet: run the ramp without mpirun, or train at "
+        "--global-batch-size");
   if (comm.processes().size() > 1 && config.timing == Timing::virtual_clock)
     throw ConfigError(
         "--timing model replays the whole step on one virtual clock in one process, and this run "
