@@ -28,13 +28,13 @@ TEST(SeedScript, TrainsAsPastedWithItsRampAndDeepSpeedFile) {
       "gradient_clipping": 1.0, "zero_optimization": {"stage": 1,
       "reduce_bucket_size": 50000000, "allgather_bucket_size": 50000000},
       "bf16": {"enabled": false}, "steps_per_print": 2000, "wall_clock_breakdown": false})";
-  // The seed's flags, as pasted (--rampup-batch-size 192 16 9_765_625 scaled to 4 2 1_00).
+  // The seed's flags, as pasted (--rampup-batch-size 192 16 9_765_625 scaled to 4 2 40).
   const weave::cli_test::Result r = weave(fmt::format(
       "train --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
       "--max-position-embeddings 32 --devices 4 --tensor-model-parallel-size 2 "
-      "--micro-batch-size 1 --global-batch-size 16 --train-samples 2_00 --lr 6e-4 --min-lr 6e-5 "
+      "--micro-batch-size 1 --global-batch-size 16 --train-samples 1_00 --lr 6e-4 --min-lr 6e-5 "
       "--lr-decay-style cosine --lr-warmup-samples 20 --clip-grad 1.0 --mock-data "
-      "--rampup-batch-size 4 2 1_00 --deepspeed --deepspeed_config {} --zero-stage 1 "
+      "--rampup-batch-size 4 2 40 --deepspeed --deepspeed_config {} --zero-stage 1 "
       "--deepspeed-activation-checkpointing --distributed-backend nccl --sequence-parallel "
       "--log-interval 4 --log-json {}",
       ds, log));
@@ -47,17 +47,17 @@ TEST(SeedScript, TrainsAsPastedWithItsRampAndDeepSpeedFile) {
             std::string::npos)
       << r.out;
 
-  // Megatron-LM's ramp, worked out: (16 - 4) / 2 = 6 increments over 100 samples.
+  // Megatron-LM's ramp, worked out: (16 - 4) / 2 = 6 increments over 40 samples.
   std::vector<long long> batches;
   long long consumed = 0;
-  while (consumed <= 100 && consumed <= 200) {
-    batches.push_back(4 + static_cast<long long>(static_cast<double>(consumed) / (100.0 / 6)) * 2);
+  while (consumed <= 40 && consumed <= 100) {
+    batches.push_back(4 + static_cast<long long>(static_cast<double>(consumed) / (40.0 / 6)) * 2);
     consumed += batches.back();
   }
-  for (; consumed + 16 <= 200; consumed += 16)
+  for (; consumed + 16 <= 100; consumed += 16)
     batches.push_back(16);
   EXPECT_NE(r.out.find(fmt::format("batch ramp-up: global batch 4 (2 micro-batches) growing by 2 "
-                                   "to 16 over 100 samples; 200 samples in {} iterations",
+                                   "to 16 over 40 samples; 100 samples in {} iterations",
                                    batches.size())),
             std::string::npos)
       << r.out;
@@ -71,8 +71,8 @@ TEST(SeedScript, TrainsAsPastedWithItsRampAndDeepSpeedFile) {
     if (j["type"] == "run") run = j;
   }
   EXPECT_EQ(run["plan"]["use_distributed_optimizer"], true);  // ZeRO stage 1
-  EXPECT_EQ(run["rampup_batch_size"], "4 2 100");
-  EXPECT_EQ(run["train_samples"], 200);
+  EXPECT_EQ(run["rampup_batch_size"], "4 2 40");
+  EXPECT_EQ(run["train_samples"], 100);
   ASSERT_EQ(iterations.size(), batches.size());
   long long samples = 0;
   for (std::size_t i = 0; i < batches.size(); ++i) {
