@@ -424,10 +424,10 @@ TEST(CliFlags, FlagsWithoutEffectAreNamedOnceInOneLine) {
 }
 
 TEST(CliFlags, EveryUnknownAndRefusedFlagIsReportedAtOnceWithCloseSuggestionsOnly) {
-  const Result r = weave(
-      fmt::format("train {} --mock-data --num-layer 3 --bf16 --rampup-batch-size 16 16 5859375 "
-                  "--moe-router-dtype fp32 --expert-tensr-parallel-size 2 --frobnicate",
-                  kTinyModel));
+  const Result r =
+      weave(fmt::format("train {} --mock-data --num-layer 3 --bf16 --lr-warmup-fraction 0.01 "
+                        "--moe-router-dtype fp32 --expert-tensr-parallel-size 2 --frobnicate",
+                        kTinyModel));
   EXPECT_NE(r.status, 0);
   EXPECT_TRUE(has(r.out, "6 flags of `weave train`")) << r.out;
   EXPECT_TRUE(has(r.out, "unknown flag '--num-layer' (did you mean '--num-layers'?)")) << r.out;
@@ -436,7 +436,7 @@ TEST(CliFlags, EveryUnknownAndRefusedFlagIsReportedAtOnceWithCloseSuggestionsOnl
                   "'--expert-tensor-parallel-size'?)"))
       << r.out;
   EXPECT_TRUE(has(r.out, "--bf16 is refused: weave's kernels compute in fp32")) << r.out;
-  EXPECT_TRUE(has(r.out, "--rampup-batch-size is refused")) << r.out;
+  EXPECT_TRUE(has(r.out, "--lr-warmup-fraction is refused")) << r.out;
   // Not a typo of anything: no misleading guess.
   EXPECT_TRUE(has(r.out, "unknown flag '--moe-router-dtype'\n")) << r.out;
   EXPECT_TRUE(has(r.out, "unknown flag '--frobnicate'")) << r.out;

@@ -85,7 +85,10 @@ void ProgressReporter::iteration(const graphs::IterationMetrics& r) {
   const double rate = seconds_ > 0 ? tokens_ / seconds_ : 0;
   const double eta =
       rate > 0 ? static_cast<double>(total_ - r.iteration) * (tokens_ / r.iteration) / rate : 0;
-  std::string extras = exposed_ ? fmt::format(" | exposed comm {:.0f}%", 100 * *exposed_) : "";
+  std::string extras = samples_ ? fmt::format(" | global batch {} | consumed samples {}",
+                                              r.global_batch_size, r.consumed_samples)
+                                : "";
+  if (exposed_) extras += fmt::format(" | exposed comm {:.0f}%", 100 * *exposed_);
   // Idle over busy compute, the scale of `weave schedule`'s "bubble / ideal".
   if (bubble_)
     extras += fmt::format(
@@ -103,6 +106,10 @@ void ProgressReporter::iteration(const graphs::IterationMetrics& r) {
                      {"lr", r.learning_rate},
                      {"seconds", r.seconds},
                      {"tokens_per_second", r.seconds > 0 ? tokens / r.seconds : 0.0}};
+    if (samples_) {
+      j["global_batch_size"] = r.global_batch_size;
+      j["consumed_samples"] = r.consumed_samples;
+    }
     if (r.exposed_comm_share) j["exposed_comm_share"] = *r.exposed_comm_share;
     if (r.pipeline_bubble) j["pipeline_bubble"] = *r.pipeline_bubble;
     if (r.dropped_picks) {

@@ -33,6 +33,9 @@ class ProgressReporter {
                    bool shown = true);
   // The pipeline schedule's bubble over ideal in theory, shown beside the measured one.
   void set_bubble_theory(double bubble) { bubble_theory_ = bubble; }
+  // A run trained by samples (--train-samples): each line also shows the iteration's global
+  // batch and the samples consumed, as Megatron-LM's log line does.
+  void show_samples() { samples_ = true; }
   // Writes a record of this type ("run", "summary") to the JSON lines.
   void record(const std::string& type, nlohmann::json fields);
   void iteration(const graphs::IterationMetrics& r);
@@ -48,6 +51,7 @@ class ProgressReporter {
   int columns_ = 80;
   bool line_open_ = false;
   bool shown_ = true;
+  bool samples_ = false;
   std::ofstream json_;
   double tokens_ = 0, seconds_ = 0;
   std::optional<double> exposed_, bubble_, bubble_theory_;

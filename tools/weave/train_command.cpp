@@ -59,6 +59,17 @@ std::string describe(const graphs::TrainerConfig& c, const std::string& data) {
       plan.micro_batch_size, plan.global_batch_size, plan.micro_batches(), data);
 }
 
+// A ramp-up's line: the batches it trains at and over how many samples.
+std::string describe_rampup(const graphs::TrainerConfig& c) {
+  const graphs::BatchRampup& r = c.rampup;
+  const int per_replica = c.plan.micro_batch_size * c.plan.data_parallel;
+  return fmt::format(
+      "batch ramp-up: global batch {} ({} micro-batches) growing by {} to {} over {} samples; {} "
+      "samples in {} iterations",
+      r.start, r.start / per_replica, r.increment, c.plan.global_batch_size, r.samples,
+      c.train_samples, c.train_iters);
+}
+
 // This process's place in an MPI job, from the launcher's environment (0 without one).
 int launched_rank() {
   for (const char* name : {"OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"})
@@ -128,6 +139,10 @@ int run_train(TrainOptions o) {
     if (!o.no_effect.empty())
       progress->note(
           fmt::format("no effect here: {} (docs/flags.md says why)", fmt::join(o.no_effect, ", ")));
+    if (!o.deepspeed_unhonoured.empty())
+      progress->note(fmt::format("{}: without effect here: {}", o.deepspeed_config,
+                                 fmt::join(o.deepspeed_unhonoured, ", ")));
+    if (c.train_samples > 0) progress->show_samples();
     for (const std::string& w : warnings)
       progress->note("warning: " + w);
     progress->note(fmt::format("memory (estimate): {}, of this host's {}", memory.describe(),
@@ -205,6 +220,7 @@ void show_step(const TrainOptions& o, graphs::Trainer& trainer, ProgressReporter
 int run_trainer(TrainOptions& o, ProgressReporter& progress, graphs::Trainer& trainer) {
   graphs::TrainerConfig& c = o.config;
   progress.note(describe(trainer.config(), trainer.data().description));
+  if (trainer.config().rampup.enabled()) progress.note(describe_rampup(trainer.config()));
   if (!c.trace_path.empty() && c.trace_iteration <= trainer.iteration())
     throw graphs::ConfigError(fmt::format(
         "--trace-iteration {} was trained before the checkpoint --load '{}' (it resumes after "

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cctype>
 #include <optional>
 #include <stdexcept>
 #include <type_traits>
@@ -73,6 +74,13 @@ constexpr ProgramFlag kProgramFlags[] = {
     {"--network", [](TrainOptions& o) -> ProgramSetting { return &o.cluster.network; }},
     {"--ampipe-advise", [](TrainOptions& o) -> ProgramSetting { return &o.ampipe_advise; }},
     {"--pipeline-advise", [](TrainOptions& o) -> ProgramSetting { return &o.pipeline_advise; }},
+    {"--rampup-batch-size", [](TrainOptions& o) -> ProgramSetting { return &o.rampup_batch_size; }},
+    {"--deepspeed", [](TrainOptions& o) -> ProgramSetting { return &o.deepspeed; }},
+    {"--deepspeed_config", [](TrainOptions& o) -> ProgramSetting { return &o.deepspeed_config; }},
+    {"--zero-stage", [](TrainOptions& o) -> ProgramSetting { return &o.zero_stage; }},
+    {"--use-custom-fsdp", [](TrainOptions& o) -> ProgramSetting { return &o.use_custom_fsdp; }},
+    {"--data-parallel-sharding-strategy",
+     [](TrainOptions& o) -> ProgramSetting { return &o.data_parallel_sharding_strategy; }},
 };
 
 ProgramSetting program_setting(const ConfigFlag& f, TrainOptions& o) {
@@ -107,12 +115,34 @@ CLI::Validator value_check(const graphs::ValueCheck& c) {
   return CLI::Validator();
 }
 
+// Megatron-LM's whole-number flags are read by Python's int(), which takes underscores between
+// digits ("9_765_625"): they are dropped before CLI11 reads the number.
+CLI::Validator digit_separators() {
+  return CLI::Validator(
+      [](std::string& word) {
+        const std::size_t first = !word.empty() && (word[0] == '-' || word[0] == '+') ? 1 : 0;
+        bool digit_before = false;
+        for (std::size_t i = first; i < word.size(); ++i) {
+          const bool digit = std::isdigit(static_cast<unsigned char>(word[i])) != 0;
+          const bool separator = word[i] == '_' && digit_before && i + 1 < word.size() &&
+                                 std::isdigit(static_cast<unsigned char>(word[i + 1])) != 0;
+          if (!digit && !separator) return std::string();  // not a number: left to CLI11
+          digit_before = digit;
+        }
+        word.erase(std::remove(word.begin(), word.end(), '_'), word.end());
+        return std::string();
+      },
+      "", "digit separators");
+}
+
 // The option of a flag, writing into `target` (a pointer to its value).
 template <typename Value>
 CLI::Option* add_value(CLI::App& cmd, const std::string& names, std::string_view help,
                        Value* target) {
   if constexpr (std::is_same_v<Value, bool>)
     return cmd.add_flag(names, *target, std::string(help));
+  else if constexpr (std::is_integral_v<Value>)
+    return cmd.add_option(names, *target, std::string(help))->transform(digit_separators());
   else
     return cmd.add_option(names, *target, std::string(help));
 }
@@ -155,6 +185,7 @@ CLI::Option* add_config_flag(CLI::App& cmd, const ConfigFlag& f, std::string_vie
                     return add_value(cmd, names, help, &ref(config));
                 },
                 f.field);
+  if (f.values > 1) opt->expected(f.values);
   if (f.check.kind != graphs::ValueCheck::none) opt->check(value_check(f.check));
   if (f.has(graphs::kShowsDefault)) opt->capture_default_str();
   if (!f.type_name.empty()) opt->type_name(std::string(f.type_name));
@@ -171,6 +202,11 @@ void add_train_flags(CLI::App& cmd, TrainOptions& o) {
       continue;
     CLI::Option* opt = f.status == graphs::FlagStatus::implemented ? add_implemented(cmd, f, o)
                                                                    : add_without_effect(cmd, f, o);
+    if (f.status == graphs::FlagStatus::implemented)
+      opt->each([&o, name = std::string(f.name)](const std::string&) {
+        if (std::find(o.given.begin(), o.given.end(), name) == o.given.end())
+          o.given.push_back(name);
+      });
     opt->group(std::string(graphs::flag_group_title(f.group)));
   }
   cmd.get_option("--trace-iteration")->each([&o](const std::string&) {

@@ -3,11 +3,14 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <sstream>
 
 #include "commands.hpp"
+#include "sharding_flags.hpp"
 #include "weave/devices/accelerator.hpp"
 #include "weave/graphs/config_flags.hpp"
 #include "weave/graphs/parallel_plan.hpp"
@@ -206,6 +209,59 @@ void derive_batch(TrainOptions& o) {
   }
 }
 
+// A whole number as Megatron-LM's int() reads it: digits, single underscores between them
+// ("9_765_625"), an optional sign.
+std::optional<long long> python_int(const std::string& word) {
+  std::size_t at = word.empty() || (word[0] != '-' && word[0] != '+') ? 0 : 1;
+  if (at == word.size()) return std::nullopt;
+  long long value = 0;
+  bool digit_before = false;
+  for (; at < word.size(); ++at) {
+    const char ch = word[at];
+    if (ch == '_' && digit_before && at + 1 < word.size() &&
+        std::isdigit(static_cast<unsigned char>(word[at + 1]))) {
+      digit_before = false;
+      continue;
+    }
+    if (!std::isdigit(static_cast<unsigned char>(ch))) return std::nullopt;
+    if (value > (std::numeric_limits<long long>::max() - (ch - '0')) / 10) return std::nullopt;
+    value = value * 10 + (ch - '0');
+    digit_before = true;
+  }
+  return word[0] == '-' ? -value : value;
+}
+
+// --rampup-batch-size's words, and training by samples (--train-samples) beside the iteration
+// flags, by Megatron-LM's rules.
+void derive_sample_training(TrainOptions& o) {
+  graphs::TrainerConfig& c = o.config;
+  const auto given = [&](std::string_view flag) {
+    return std::find(o.given.begin(), o.given.end(), flag) != o.given.end();
+  };
+  if (!o.rampup_batch_size.empty()) {
+    std::vector<long long> values;
+    for (const std::string& word : o.rampup_batch_size) {
+      const std::optional<long long> v = python_int(word);
+      if (!v || o.rampup_batch_size.size() != 3)
+        throw graphs::ConfigError(fmt::format(
+            "--rampup-batch-size {} must be three whole numbers, START INCREMENT SAMPLES, like "
+            "--rampup-batch-size 32 32 1_000_000",
+            fmt::join(o.rampup_batch_size, " ")));
+      values.push_back(*v);
+    }
+    c.rampup = {.start = values[0], .increment = values[1], .samples = values[2]};
+  }
+  if (!given("--train-samples")) return;
+  if (given("--train-iters"))
+    throw graphs::ConfigError(fmt::format(
+        "--train-samples {} and --train-iters {} are two lengths for one run, which Megatron-LM "
+        "refuses: give one of them",
+        c.train_samples, c.train_iters));
+  // The schedule counts samples: the iteration counts' defaults step aside.
+  if (!given("--lr-warmup-iters")) c.learning_rate.warmup_iters = 0;
+  if (!given("--lr-decay-iters")) c.learning_rate.decay_iters = 0;
+}
+
 }  // namespace
 
 namespace {
@@ -235,6 +291,8 @@ void derive_config(TrainOptions& o) {
   derive_model(o);
   derive_recompute(o);
   derive_batch(o);
+  derive_sample_training(o);
+  apply_sharding_flags(o);
   c.timing = o.timing == "model" ? graphs::Timing::virtual_clock : graphs::Timing::wall;
   if (!o.trace_iteration_given) c.trace_iteration = std::min(c.trace_iteration, c.train_iters);
   if (!o.split.empty()) o.valid_fraction = validation_share(o.split);

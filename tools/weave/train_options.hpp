@@ -58,6 +58,18 @@ struct TrainOptions {
   std::string optimizer = "adam";
   std::string split;  // --split: train,valid,test weights ("" keeps valid_fraction)
   bool trace_iteration_given = false;
+  // --rampup-batch-size's three words (Python's int() syntax: 9_765_625 is a number).
+  std::vector<std::string> rampup_batch_size;
+  bool deepspeed = false;        // --deepspeed
+  std::string deepspeed_config;  // --deepspeed_config: DeepSpeed's JSON (sharding_flags.hpp)
+  int zero_stage = -1;           // --zero-stage; -1: not given
+  bool use_custom_fsdp = false;  // --use-custom-fsdp, --use-megatron-fsdp
+  std::string data_parallel_sharding_strategy;  // "": not given
+  // The implemented flags the command line (with --config's) gave, by their table names, so
+  // that a DeepSpeed file's values fill only what it left out.
+  std::vector<std::string> given;
+  // The DeepSpeed file's fields without effect here, named once when the run starts.
+  std::vector<std::string> deepspeed_unhonoured;
   // The flags given that are accepted without effect (graphs/config_flags.hpp), each once.
   std::vector<std::string> no_effect;
 };

@@ -72,6 +72,26 @@ constexpr ConfigFlag kParallelism[] = {
      .help = "Shard optimizer state over data-parallel replicas (reduce-scatter + all-gather)",
      .field = plan_field<&P::distributed_optimizer>(),
      .description = described(plan, "use_distributed_optimizer", true)},
+    {.name = "--zero-stage",
+     .group = FlagGroup::parallelism,
+     .help = "DeepSpeed's ZeRO stage: 0 plain data parallelism; 1 optimizer state sharded over "
+             "the data-parallel group (weave's distributed optimizer); 2 and 3 (gradients, "
+             "parameters sharded) are refused, not built yet",
+     .check = at_least(0),
+     .type_name = "N"},
+    {.name = "--use-custom-fsdp",
+     .aliases = "--use-megatron-fsdp",
+     .group = FlagGroup::parallelism,
+     .values = 0,
+     .help = "Megatron-Core's fully sharded data parallelism, by "
+             "--data-parallel-sharding-strategy (default no_shard, as in Megatron-Core 0.12 to "
+             "0.15)"},
+    {.name = "--data-parallel-sharding-strategy",
+     .group = FlagGroup::parallelism,
+     .help = "With --use-custom-fsdp: no_shard (plain data parallelism) or optim (optimizer state "
+             "sharded: weave's distributed optimizer); optim_grads and optim_grads_params are "
+             "refused, not built yet",
+     .check = one_of("no_shard,optim,optim_grads,optim_grads_params")},
     {.name = "--micro-batch-size",
      .group = FlagGroup::parallelism,
      .help = "Samples per micro-batch",

@@ -1,6 +1,8 @@
 // The run's flags: the optimizer and its learning rate, how long to train and evaluate, the data,
 // checkpoints, what the run writes, the machine the virtual clock models, and the advice that
 // replaces a run.
+#include <string>
+
 #include "config/config_flag_groups.hpp"
 
 namespace weave::graphs::flag_groups {
@@ -44,6 +46,20 @@ constexpr ConfigFlag kOptimizer[] = {
      .field = learning_rate_field<&LR::decay_iters>(),
      .check = at_least(0),
      .description = described(DescribedSection::learning_rate, "lr_decay_iters")},
+    {.name = "--lr-warmup-samples",
+     .group = FlagGroup::learning_rate,
+     .help = "With --train-samples: samples of linear warm-up from 0 to --lr (Megatron-LM's "
+             "scheduler counts samples)",
+     .field = learning_rate_field<&LR::warmup_samples>(),
+     .check = at_least(0),
+     .description = described(DescribedSection::learning_rate, "lr_warmup_samples")},
+    {.name = "--lr-decay-samples",
+     .group = FlagGroup::learning_rate,
+     .help = "With --train-samples: the samples over which the rate decays; default: "
+             "--train-samples",
+     .field = learning_rate_field<&LR::decay_samples>(),
+     .check = at_least(0),
+     .description = described(DescribedSection::learning_rate, "lr_decay_samples")},
     {.name = "--lr-decay-style",
      .group = FlagGroup::learning_rate,
      .help = "Decay from --lr to --min-lr after the warm-up",
@@ -95,6 +111,20 @@ constexpr ConfigFlag kConfigFile[] = {
      .group = FlagGroup::config_file,
      .help = "JSON file of flag names and values (flags given here win)",
      .properties = kNotRepeatedByAdvice},
+    {.name = "--deepspeed",
+     .group = FlagGroup::config_file,
+     .values = 0,
+     .help = "Megatron-DeepSpeed's switch to train under DeepSpeed's engine; weave is its own "
+             "engine, so here it means: read --deepspeed_config and map it onto weave's flags"},
+    {.name = "--deepspeed_config",
+     .aliases = "--deepspeed-config",
+     .group = FlagGroup::config_file,
+     .help = "DeepSpeed's JSON (with --deepspeed): batch sizes, gradient_clipping, "
+             "zero_optimization.stage, an Adam/AdamW optimizer's values onto weave's flags, "
+             "checked against those given; half precision and fields that change training "
+             "refused; the rest named once as without effect",
+     .properties = kNotRepeatedByAdvice,
+     .type_name = "FILE"},
 };
 
 constexpr ConfigFlag kTraining[] = {
@@ -140,6 +170,29 @@ constexpr ConfigFlag kTraining[] = {
      .check = at_least(1),
      .description = described(DescribedSection::run, "train_iters"),
      .properties = kShowsDefault},
+    {.name = "--train-samples",
+     .group = FlagGroup::training,
+     .help = "Samples to train, in place of --train-iters: the iterations follow from the batch "
+             "(and its ramp-up) as in Megatron-LM, and the learning rate counts samples "
+             "(--lr-warmup-samples, --lr-decay-samples)",
+     .field = run_field<&T::train_samples>(),
+     .check = at_least(1),
+     .description = described(DescribedSection::run, "train_samples")},
+    {.name = "--rampup-batch-size",
+     .group = FlagGroup::training,
+     .values = 3,
+     .help = "START INCREMENT SAMPLES: the global batch grows from START by INCREMENT to "
+             "--global-batch-size over SAMPLES samples, as Megatron-LM ramps it (with "
+             "--train-samples); each batch's step is built once",
+     .description = {.section = DescribedSection::run,
+                     .key = "rampup_batch_size",
+                     .value = [](const TrainerConfig& c) -> DescribedValue {
+                       const BatchRampup& r = c.rampup;
+                       if (!r.enabled()) return std::string();
+                       return std::to_string(r.start) + " " + std::to_string(r.increment) + " " +
+                              std::to_string(r.samples);
+                     }},
+     .type_name = "START INCREMENT SAMPLES"},
     {.name = "--eval-interval",
      .group = FlagGroup::training,
      .help = "Evaluate on the held-out text every this many iterations",

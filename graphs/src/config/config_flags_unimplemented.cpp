@@ -96,6 +96,13 @@ constexpr ConfigFlag kNoEffect[] = {
     without_effect("--attention-backend", 1,
                    "attention is always weave's blockwise kernel with an online softmax"),
     without_effect("--distributed-backend", 1, kBackend),
+    without_effect(
+        "--deepspeed-activation-checkpointing", 0,
+        "Megatron-DeepSpeed then runs the recomputation --checkpoint-activations or "
+        "--recompute-granularity full asks for with DeepSpeed's checkpoint function; weave's "
+        "recomputation is its own: --recompute-granularity full --recompute-method uniform "
+        "--recompute-num-layers N (its --checkpoint-num-layers) recomputes the same groups of "
+        "layers"),
     without_effect("--DDP-impl", 1,
                    "gradients are reduced by weave's own tasks, overlapping the backward"),
     without_effect("--distributed-timeout-minutes", 1,
@@ -209,9 +216,6 @@ constexpr std::string_view kHalfPrecision =
     "weave's kernels compute in fp32, so weave train cannot train in half precision: drop the flag "
     "and the run trains in fp32 (4-byte values, as the memory estimate counts), or give it to "
     "weave predict, which models a 16-bit run's memory and traffic";
-constexpr std::string_view kIterations =
-    "weave counts training in iterations: give the iteration count instead (samples / "
-    "--global-batch-size)";
 
 constexpr ConfigFlag kRefused[] = {
     {.name = "--fp16",
@@ -236,13 +240,6 @@ constexpr ConfigFlag kRefused[] = {
     refused("--fp8-format", 1,
             "weave trains in fp32 and predicts fp32, bf16 (--bf16) and fp16 (--fp16) runs; fp8 is "
             "neither: drop it"),
-    refused(
-        "--rampup-batch-size", 3,
-        "weave trains every iteration at --global-batch-size: drop it, or set the batch you want "
-        "with --global-batch-size"),
-    refused("--train-samples", 1, kIterations),
-    refused("--lr-decay-samples", 1, kIterations),
-    refused("--lr-warmup-samples", 1, kIterations),
     refused("--lr-warmup-fraction", 1,
             "give --lr-warmup-iters instead (the fraction x --lr-decay-iters)"),
     refused("--moe-use-sinkhorn", 0,

@@ -17,7 +17,64 @@ template <typename... Args>
 
 // A decay length of 0 (not given) decays over the whole run.
 void derive_decay_iters(TrainerConfig& c) {
+  if (c.train_samples > 0) {
+    if (c.learning_rate.decay_samples == 0) c.learning_rate.decay_samples = c.train_samples;
+    return;
+  }
   if (c.learning_rate.decay_iters == 0) c.learning_rate.decay_iters = c.train_iters;
+}
+
+// Training by samples (Megatron-LM's rules of --train-samples beside the iteration flags), and a
+// batch ramp-up, which needs it; fills train_iters from the samples.
+void derive_sample_training(TrainerConfig& c) {
+  const LearningRateSchedule& lr = c.learning_rate;
+  if (c.train_samples < 0) refuse("--train-samples must be >= 1, got {}", c.train_samples);
+  if (lr.warmup_samples < 0 || lr.decay_samples < 0)
+    refuse("--lr-warmup-samples ({}) and --lr-decay-samples ({}) must be >= 0", lr.warmup_samples,
+           lr.decay_samples);
+  if (c.train_samples == 0) {
+    if (c.rampup.enabled())
+      refuse(
+          "--rampup-batch-size {} {} {} needs a run trained by samples, as Megatron-LM requires "
+          "(it refuses ramp-up with --train-iters): give --train-samples, and the schedule in "
+          "samples (--lr-warmup-samples, --lr-decay-samples), instead of --train-iters",
+          c.rampup.start, c.rampup.increment, c.rampup.samples);
+    if (lr.warmup_samples > 0 || lr.decay_samples > 0)
+      refuse(
+          "--lr-warmup-samples ({}) and --lr-decay-samples ({}) apply to a run trained by "
+          "samples: give --train-samples, or the schedule in iterations (--lr-warmup-iters, "
+          "--lr-decay-iters)",
+          lr.warmup_samples, lr.decay_samples);
+    return;
+  }
+  if (lr.warmup_iters != 0 || lr.decay_iters != 0)
+    refuse(
+        "--train-samples {} trains by samples and the schedule is given in iterations "
+        "(--lr-warmup-iters {}, --lr-decay-iters {}), which Megatron-LM refuses: give "
+        "--lr-warmup-samples and --lr-decay-samples instead",
+        c.train_samples, lr.warmup_iters, lr.decay_iters);
+  const ParallelPlan& p = c.plan;
+  if (c.rampup.enabled()) {
+    check_batch_rampup(c.rampup, p.global_batch_size,
+                       std::int64_t{p.micro_batch_size} * p.data_parallel);
+    // Every batch of the ramp must suit the plan (a pipeline schedule's micro-batch rules).
+    for (std::int64_t b = c.rampup.start; b < p.global_batch_size; b += c.rampup.increment) {
+      TrainerConfig at = c;
+      at.plan.global_batch_size = static_cast<int>(b);
+      try {
+        (void)validate(at.model, at.plan);
+      } catch (const ConfigError& e) {
+        refuse("--rampup-batch-size {} {} {}: the ramp's global batch {} breaks a rule: {}",
+               c.rampup.start, c.rampup.increment, c.rampup.samples, b, e.what());
+      }
+    }
+  }
+  c.train_iters = iterations_for_samples(c.rampup, p.global_batch_size, c.train_samples);
+  if (c.train_iters < 1)
+    refuse(
+        "--train-samples {} is less than one global batch ({}): train at least one batch's "
+        "samples",
+        c.train_samples, c.rampup.enabled() ? c.rampup.start : p.global_batch_size);
 }
 
 void check_train_iters(const TrainerConfig& c) {
@@ -116,6 +173,7 @@ void check_machine(const ModelledMachine& machine) {
 
 std::vector<std::string> validate(TrainerConfig& c) {
   std::vector<std::string> warnings = validate(c.model, c.plan);
+  derive_sample_training(c);
   check_train_iters(c);
   derive_decay_iters(c);
   check_learning_rate(c.learning_rate);

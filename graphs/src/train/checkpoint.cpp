@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 
 #include <cstdio>
@@ -504,6 +505,21 @@ CheckpointState load_checkpoint(const std::string& path, const ModelConfig& mode
     throw std::runtime_error(
         fmt::format("checkpoint '{}' is damaged: its header is not as saved ({})", path, e.what()));
   }
+}
+
+void copy_checkpointed_state(TrainingStep& from, TrainingStep& to) {
+  const std::vector<Entry> source = entries_of(from), target = entries_of(to);
+  const auto same = [&](std::size_t i) {
+    return source[i].rank == target[i].rank && source[i].name == target[i].name &&
+           source[i].part == target[i].part && source[i].tensor.numel() == target[i].tensor.numel();
+  };
+  for (std::size_t i = 0; i < std::max(source.size(), target.size()); ++i)
+    if (i >= source.size() || i >= target.size() || !same(i))
+      throw std::invalid_argument(
+          "the two steps hold different tensors: state is copied only between steps of the same "
+          "model and parallel layout");
+  for (std::size_t i = 0; i < source.size(); ++i)
+    target[i].tensor.copy_from(source[i].tensor);
 }
 
 SavedConfiguration read_checkpoint_config(const std::string& path) {

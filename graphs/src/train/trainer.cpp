@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <map>
 #include <sstream>
 #include <stdexcept>
 #include <utility>
@@ -117,21 +118,63 @@ struct Trainer::Impl {
         devices(given ? *given : *owned_devices),
         owned_comm(given_comm ? nullptr : std::make_unique<devices::SharedMemoryCommunicator>()),
         comm(given_comm ? *given_comm : *owned_comm),
-        step(config.model, config.plan, config.optimizer, devices, comm,
-             held_ranks(comm, config.plan)),
         machine(machine_model(devices, config.machine)),
-        clock(machine, {.execute = true, .record_trace = true}),
-        flops(step_flops(step.graph())) {
+        clock(machine, {.execute = true, .record_trace = true}) {
+    current = &built(batch_at(0)).step;
     if (!config.load_path.empty()) load(config.load_path);
   }
 
-  void fill(const SampleSource& samples, std::uint64_t first_sample) {
-    fill_micro_batches(step, config.model, config.plan, samples, first_sample);
+  // The global batch of the iteration after `consumed` samples: the ramp's, or the plan's.
+  int batch_at(std::uint64_t consumed) const {
+    return static_cast<int>(config.rampup.batch_at(consumed, config.plan.global_batch_size));
+  }
+
+  // The step of global batch `batch`, built once: a ramp-up trains at a few batches, each for
+  // many iterations, and evaluates at the full one.
+  struct BatchStep {
+    BatchStep(const TrainerConfig& c, ParallelPlan p, devices::DeviceSet& devices,
+              devices::Communicator& comm)
+        : plan(std::move(p)),
+          step(c.model, plan, c.optimizer, devices, comm, held_ranks(comm, plan)),
+          flops(step_flops(step.graph())) {}
+    ParallelPlan plan;
+    TrainingStep step;
+    double flops;
+  };
+  BatchStep& built(int batch) {
+    auto found = steps.find(batch);
+    if (found != steps.end()) return *found->second;
+    ParallelPlan plan = config.plan;
+    plan.global_batch_size = batch;
+    if (batch != config.plan.global_batch_size) (void)validate(config.model, plan);
+    return *steps.emplace(batch, std::make_unique<BatchStep>(config, plan, devices, comm))
+                .first->second;
+  }
+
+  // The step of global batch `batch` holding the model's state: the state moves to it from the
+  // step that trained last when `trains` (steps of smaller batches are then dropped, a ramp never
+  // returning to them); an evaluation's step gets a copy.
+  BatchStep& use(int batch, bool trains) {
+    BatchStep& s = built(batch);
+    if (&s.step != current) {
+      copy_checkpointed_state(*current, s.step);
+      if (trains) {
+        current = &s.step;
+        std::erase_if(steps, [&](const auto& entry) { return entry.first < batch; });
+      }
+    }
+    return s;
+  }
+
+  TrainingStep& step() { return *current; }
+
+  void fill(BatchStep& s, const SampleSource& samples, std::uint64_t first_sample) {
+    fill_micro_batches(s.step, config.model, s.plan, samples, first_sample);
   }
 
   // Runs the prepared step once on the configured clock. `traced`: measure it from a trace (the
   // virtual clock records one anyway); `trace_path`: also write that trace there.
-  StepTiming run_step(bool traced, const std::string& trace_path) {
+  StepTiming run_step(TrainingStep& step, bool traced, const std::string& trace_path) {
     devices::ProcessSet& processes = comm.processes();
     if (config.timing == Timing::virtual_clock) {
       const rt::VirtualRunResult r = clock.run(step.graph());
@@ -153,26 +196,35 @@ struct Trainer::Impl {
 
   IterationMetrics train_iteration() {
     const std::int64_t it = state.iteration + 1;
-    fill(data.train, state.consumed_samples);
-    const double lr = config.learning_rate.at(it);
+    const int batch = batch_at(state.consumed_samples);
+    BatchStep& s = use(batch, true);
+    TrainingStep& step = s.step;
+    fill(s, data.train, state.consumed_samples);
+    const std::uint64_t consumed = state.consumed_samples + static_cast<std::uint64_t>(batch);
+    // Trained by samples, the schedule counts the samples consumed with this iteration's batch.
+    const double lr = config.train_samples > 0
+                          ? config.learning_rate.at_samples(static_cast<std::int64_t>(consumed))
+                          : config.learning_rate.at(it);
     step.prepare(it, lr);
     step.set_update_parameters(true);
     const bool traced = config.timing == Timing::virtual_clock || it == config.trace_iteration ||
                         it % config.metrics_interval == 0;
     const StepTiming timing =
-        run_step(traced, it == config.trace_iteration ? config.trace_path : std::string());
+        run_step(step, traced, it == config.trace_iteration ? config.trace_path : std::string());
     const StepResult r = step.result();
     state.iteration = it;
-    state.consumed_samples += static_cast<std::uint64_t>(config.plan.global_batch_size);
-    IterationMetrics m{
-        .iteration = it,
-        .loss = r.loss,
-        .aux_loss = r.aux_loss,
-        .grad_norm = r.grad_norm,
-        .learning_rate = lr,
-        .seconds = timing.seconds,
-        .tokens = std::int64_t{config.model.seq_length} * config.plan.global_batch_size,
-        .routed_picks = r.routed_picks};
+    state.consumed_samples = consumed;
+    flops_done += s.flops;
+    IterationMetrics m{.iteration = it,
+                       .loss = r.loss,
+                       .aux_loss = r.aux_loss,
+                       .grad_norm = r.grad_norm,
+                       .learning_rate = lr,
+                       .seconds = timing.seconds,
+                       .tokens = std::int64_t{config.model.seq_length} * batch,
+                       .global_batch_size = batch,
+                       .consumed_samples = consumed,
+                       .routed_picks = r.routed_picks};
     if (timing.exposed_comm_share) {
       m.exposed_comm_share = timing.exposed_comm_share;
       // With pipeline stages the time a stage waits for its next receive is the bubble, not
@@ -190,14 +242,21 @@ struct Trainer::Impl {
           "evaluate() needs validation samples and the data has none: give TrainingData::valid");
     // The step as last prepared (the iteration keys dropout), so an evaluation between
     // iterations sees the model as it was trained.
+    // Evaluation batches are full global batches, during a ramp-up too (as Megatron-LM's
+    // evaluate takes --global-batch-size).
     const std::int64_t it = std::max<std::int64_t>(state.iteration, 1);
-    step.prepare(it, config.learning_rate.at(it));
+    BatchStep& s = use(config.plan.global_batch_size, false);
+    TrainingStep& step = s.step;
+    step.prepare(
+        it, config.train_samples > 0
+                ? config.learning_rate.at_samples(static_cast<std::int64_t>(state.consumed_samples))
+                : config.learning_rate.at(it));
     step.set_update_parameters(false);
     double sum = 0;
     for (int e = 0; e < config.eval_iters; ++e) {
-      fill(data.valid, static_cast<std::uint64_t>(e) *
-                           static_cast<std::uint64_t>(config.plan.global_batch_size));
-      run_step(false, {});
+      fill(s, data.valid,
+           static_cast<std::uint64_t>(e) * static_cast<std::uint64_t>(s.plan.global_batch_size));
+      run_step(step, false, {});
       sum += step.result().loss;
     }
     step.set_update_parameters(true);
@@ -205,10 +264,10 @@ struct Trainer::Impl {
   }
 
   void save(const std::string& path) {
-    save_checkpoint(path, config.model, config.plan, step, state);
+    save_checkpoint(path, config.model, config.plan, step(), state);
   }
   void load(const std::string& path) {
-    state = load_checkpoint(path, config.model, config.plan, step);
+    state = load_checkpoint(path, config.model, config.plan, step());
   }
 
   TrainerConfig config;
@@ -218,10 +277,11 @@ struct Trainer::Impl {
   devices::DeviceSet& devices;
   std::unique_ptr<devices::Communicator> owned_comm;
   devices::Communicator& comm;
-  TrainingStep step;
   devices::MachineModel machine;
   rt::VirtualClock clock;
-  double flops;
+  std::map<int, std::unique_ptr<BatchStep>> steps;  // by global batch
+  TrainingStep* current = nullptr;                  // the step holding the trained state
+  double flops_done = 0;  // the FLOPs of the iterations trained by this Trainer
   CheckpointState state;
 };
 
@@ -245,6 +305,13 @@ devices::Communicator* checked(devices::Communicator& comm, const devices::Devic
           "DeviceSet with DeviceSetOptions::held = the devices the communicator holds",
           d, comm.holds(static_cast<rt::DeviceId>(d)) ? "held" : "not held",
           devices.holds(static_cast<rt::DeviceId>(d)) ? "held" : "not held"));
+  // Each batch of a ramp builds a step of its own, and the processes' backends agree on one
+  // graph's collectives at a time (Communicator::commit): not tried across processes yet.
+  if (comm.processes().size() > 1 && config.rampup.enabled())
+    throw ConfigError(
+        "--rampup-batch-size builds a step for each batch of the ramp, which a run across "
+        "processes (mpirun) does not do yet: run the ramp without mpirun, or train at "
+        "--global-batch-size");
   if (comm.processes().size() > 1 && config.timing == Timing::virtual_clock)
     throw ConfigError(
         "--timing model replays the whole step on one virtual clock in one process, and this run "
@@ -298,13 +365,20 @@ TrainingSummary Trainer::run(const TrainerCallbacks& callbacks) {
   Impl& t = *impl_;
   const TrainerConfig& c = t.config;
   TrainingSummary summary;
+  const double flops_before = t.flops_done;
   std::int64_t saved_at = -1;
   auto save = [&](const std::string& path) {
     t.save(path);
     saved_at = t.state.iteration;
     if (callbacks.saved) callbacks.saved(path, t.state.iteration);
   };
+  // A ramp-up saves before each iteration whose batch differs from the one before (with --save),
+  // as Megatron-LM saves whenever the number of micro-batches changes.
+  int batch = t.batch_at(t.state.consumed_samples);
   while (t.state.iteration < c.train_iters) {
+    const int next = t.batch_at(t.state.consumed_samples);
+    if (next != batch && !c.save_path.empty() && saved_at != t.state.iteration) save(c.save_path);
+    batch = next;
     const IterationMetrics m = t.train_iteration();
     if (summary.iterations++ == 0) summary.first_loss = m.loss;
     summary.last_loss = m.loss;
@@ -331,8 +405,7 @@ TrainingSummary Trainer::run(const TrainerCallbacks& callbacks) {
   if (!c.save_path.empty() && saved_at != t.state.iteration) save(c.save_path);
   if (summary.seconds > 0) {
     summary.tokens_per_second = static_cast<double>(summary.tokens) / summary.seconds;
-    summary.gflops_per_second =
-        t.flops * static_cast<double>(summary.iterations) / summary.seconds * 1e-9;
+    summary.gflops_per_second = (t.flops_done - flops_before) / summary.seconds * 1e-9;
   }
   return summary;
 }
@@ -353,7 +426,7 @@ std::uint64_t Trainer::consumed_samples() const {
   return impl_->state.consumed_samples;
 }
 TrainingStep& Trainer::step() {
-  return impl_->step;
+  return impl_->step();
 }
 devices::DeviceSet& Trainer::devices() {
   return impl_->devices;

@@ -35,6 +35,12 @@ void save_checkpoint(const std::string& path, const ModelConfig& model, const Pa
 CheckpointState load_checkpoint(const std::string& path, const ModelConfig& model,
                                 const ParallelPlan& plan, TrainingStep& step);
 
+// Copies what a checkpoint holds (every built rank's parameters and AdamW moments) from `from`
+// into `to`, a step of the same model and layout built for another global batch (a batch
+// ramp-up's next step), so that `to` continues bitwise where `from` stopped. Throws
+// std::invalid_argument when their ranks or tensors differ.
+void copy_checkpointed_state(TrainingStep& from, TrainingStep& to);
+
 // What a checkpoint was saved with: the model, the parallel layout (its saved fields; the rest
 // as ParallelPlan's defaults), the processes that saved it and how far training had come. Reads
 // the header only. Throws std::runtime_error for a missing or damaged file.

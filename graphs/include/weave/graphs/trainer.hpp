@@ -45,6 +45,10 @@ struct IterationMetrics {
   double learning_rate = 0;    // the schedule's rate for this iteration
   double seconds = 0;          // the step's time: measured (wall) or modelled (virtual clock)
   std::int64_t tokens = 0;     // trained on: global batch x seq_length
+  // The iteration's global batch (with --rampup-batch-size, the ramp's) and the samples consumed
+  // with it, over the whole run (Megatron-LM's "consumed samples").
+  std::int64_t global_batch_size = 0;
+  std::uint64_t consumed_samples = 0;
   // Exposed communication over the devices' busy time, on iterations measured from a trace
   // (TrainerConfig::metrics_interval).
   std::optional<double> exposed_comm_share;
@@ -124,7 +128,8 @@ class Trainer {
   const TrainingData& data() const;
 
   // Trains iterations iteration() + 1 to config().train_iters (none when already there),
-  // evaluating every eval_interval iterations, saving every save_interval and at the end, and
+  // evaluating every eval_interval iterations, saving every save_interval, before each iteration
+  // whose ramp-up batch grows and at the end, and
   // writing the trace of trace_iteration when it is among them. Throws std::runtime_error when
   // the loss stops being finite (after reporting that iteration), and whatever a step's task or
   // a callback throws; the iterations done so far stay done.
@@ -144,7 +149,8 @@ class Trainer {
   std::int64_t iteration() const;  // iterations completed, loaded ones included
   std::uint64_t consumed_samples() const;
 
-  // The step the Trainer runs, for what the loop does not do (its graph, shards, activations).
+  // The step the Trainer runs, for what the loop does not do (its graph, shards, activations):
+  // with a batch ramp-up, the step of the batch trained last (the ramp's first before any).
   TrainingStep& step();
   devices::DeviceSet& devices();
   // The processes of the run (the communicator's): one unless it spans processes.

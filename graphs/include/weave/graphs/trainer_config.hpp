@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "weave/devices/cluster.hpp"
+#include "weave/graphs/batch_rampup.hpp"
 #include "weave/graphs/learning_rate.hpp"
 #include "weave/graphs/model_config.hpp"
 #include "weave/graphs/parallel_plan.hpp"
@@ -66,12 +67,20 @@ struct TrainerConfig {
   LearningRateSchedule learning_rate{.lr = 3e-3, .min_lr = 3e-4, .warmup_iters = 10};
 
   std::int64_t train_iters = 100;  // --train-iters: the last iteration to train (from 1)
+  // --train-samples: > 0 trains by samples, as Megatron-LM does: train_iters is derived from it
+  // (iterations_for_samples of batch_rampup.hpp) and the learning rate follows the samples
+  // consumed (warmup_samples and decay_samples; warmup_iters and decay_iters must be 0).
+  std::int64_t train_samples = 0;
+  // --rampup-batch-size START INCREMENT SAMPLES: the global batch grows from START to
+  // plan.global_batch_size (batch_rampup.hpp); needs train_samples, as in Megatron-LM.
+  BatchRampup rampup;
   // --eval-interval: evaluate every this many iterations (0: never); each evaluation runs
   // eval_iters global batches of the validation data (--eval-iters) and reports their mean loss.
   int eval_interval = 0;
   int eval_iters = 2;
   // --save: the checkpoint written at the end of run() and, with save_interval > 0
-  // (--save-interval), every save_interval iterations. "": no checkpoints.
+  // (--save-interval), every save_interval iterations; with a batch ramp-up also before each
+  // iteration whose batch grows, as Megatron-LM saves. "": no checkpoints.
   std::string save_path;
   int save_interval = 0;
   // --load: a checkpoint to resume from when the Trainer is built (its iteration and consumed
@@ -95,9 +104,11 @@ struct TrainerConfig {
 // Checks every rule of a training run before anything runs: the plan's size rules (validate of
 // parallel_plan.hpp, which also derives the virtual stages and switches off what cannot apply),
 // the learning-rate schedule, the iteration counts and intervals, the link preset and the device
-// rate. Fills learning_rate.decay_iters when 0. Returns the warnings (what was switched off);
-// throws ConfigError naming the rule, the value and the setting to change. Idempotent: a second
-// call finds nothing more to switch off and returns no warnings.
+// rate, and a batch ramp-up's rules with each of its batches' plan. Fills learning_rate.decay_iters
+// when 0; trained by samples, fills train_iters and learning_rate.decay_samples (when 0). Returns
+// the warnings (what was switched off); throws ConfigError naming the rule, the value and the
+// setting to change. Idempotent: a second call finds nothing more to switch off and returns no
+// warnings.
 std::vector<std::string> validate(TrainerConfig& config);
 
 }  // namespace weave::graphs

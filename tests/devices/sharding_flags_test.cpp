@@ -1,0 +1,197 @@
+// DeepSpeed's and Megatron-Core's sharding flags and the DeepSpeed JSON through `weave train`'s
+// parsing: the file's values set what the command line left out, DeepSpeed's batch rule is checked
+// as DeepSpeed checks it, every disagreement with the command line is refused naming both, the
+// stages and strategies weave has map onto its distributed optimizer and the others are refused
+// naming what is not built.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "commands.hpp"
+#include "train_options.hpp"
+
+namespace {
+
+using weave::cli::TrainOptions;
+
+// A DeepSpeed file holding `json`, removed when the test ends.
+struct DeepSpeedFile {
+  explicit DeepSpeedFile(const std::string& json)
+      : path((std::filesystem::temp_directory_path() /
+              fmt::format("weave-{}-{}-ds.json", ::getpid(), ++count))
+                 .string()) {
+    std::ofstream(path) << json;
+  }
+  ~DeepSpeedFile() { std::filesystem::remove(path); }
+  std::string path;
+  static inline int count = 0;
+};
+
+// `weave train FLAGS` parsed and derived as the program does, without running.
+TrainOptions parsed(std::vector<std::string> flags) {
+  TrainOptions o;
+  CLI::App app{"", "weave"};
+  weave::cli::add_train_flags(*app.add_subcommand("train"), o);
+  flags.insert(flags.begin(), "train");
+  std::vector<std::string> args = weave::cli::prepare_arguments(app, flags);
+  std::reverse(args.begin(), args.end());
+  app.parse(args);
+  weave::cli::derive_config(o);
+  return o;
+}
+
+// The refusal of FLAGS, or "" when they are taken.
+std::string refusal(const std::vector<std::string>& flags) {
+  try {
+    parsed(flags);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return {};
+}
+
+// Four devices, tensor parallel 2: two data-parallel replicas.
+std::vector<std::string> with_file(const DeepSpeedFile& f, std::vector<std::string> more = {}) {
+  std::vector<std::string> flags{"--devices", "4",           "--tensor-model-parallel-size",
+                                 "2",         "--deepspeed", "--deepspeed_config",
+                                 f.path};
+  flags.insert(flags.end(), more.begin(), more.end());
+  return flags;
+}
+
+TEST(DeepSpeedConfig, SetsWhatTheCommandLineLeftOut) {
+  const DeepSpeedFile f(R"({"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 3,
+      "gradient_clipping": 0.5, "zero_optimization": {"stage": 1, "reduce_bucket_size": 5e8},
+      "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.8, 0.99], "eps": 1e-6,
+      "weight_decay": 0.05}}, "bf16": {"enabled": false}, "steps_per_print": 10})");
+  const TrainOptions o = parsed(with_file(f));
+  const weave::graphs::TrainerConfig& c = o.config;
+  EXPECT_EQ(c.plan.micro_batch_size, 2);
+  EXPECT_EQ(c.plan.global_batch_size, 2 * 3 * 2);  // DeepSpeed's micro x accumulation x dp
+  EXPECT_EQ(c.plan.micro_batches(), 3);
+  EXPECT_EQ(c.optimizer.clip_grad, 0.5);
+  EXPECT_TRUE(c.plan.distributed_optimizer);
+  EXPECT_EQ(c.learning_rate.lr, 3e-4);
+  EXPECT_EQ(c.optimizer.adamw.beta1, 0.8);
+  EXPECT_EQ(c.optimizer.adamw.beta2, 0.99);
+  EXPECT_EQ(c.optimizer.adamw.eps, 1e-6);
+  EXPECT_EQ(c.optimizer.adamw.weight_decay, 0.05);
+  EXPECT_EQ(o.deepspeed_unhonoured,
+            (std::vector<std::string>{"steps_per_print", "zero_optimization.reduce_bucket_size"}));
+}
+
+TEST(DeepSpeedConfig, ChecksDeepSpeedsBatchRule) {
+  const DeepSpeedFile f(
+      R"({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
+          "gradient_accumulation_steps": 3})");
+  const std::string e = refusal(with_file(f));
+  EXPECT_NE(e.find("train_batch_size (16) must equal train_micro_batch_size_per_gpu x "
+                   "gradient_accumulation_steps x data-parallel size (2 x 3 x 2 = 12)"),
+            std::string::npos)
+      << e;
+  // DeepSpeed's completion: train and micro give the accumulation (16 / 2 / 2 = 4).
+  const DeepSpeedFile g(R"({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2})");
+  EXPECT_EQ(parsed(with_file(g)).config.plan.micro_batches(), 4);
+}
+
+TEST(DeepSpeedConfig, RefusesEveryDisagreementNamingBoth) {
+  const DeepSpeedFile f(R"({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 2,
+      "gradient_clipping": 1.0, "zero_optimization": {"stage": 1},
+      "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "betas": [0.9, 0.95]}}})");
+  EXPECT_EQ(refusal(with_file(f, {"--micro-batch-size", "2", "--global-batch-size", "16",
+                                  "--clip-grad", "1.0", "--zero-stage", "1", "--lr", "1e-3"})),
+            "");
+  const std::pair<std::vector<std::string>, std::string> cases[] = {
+      {{"--micro-batch-size", "4"},
+       "--micro-batch-size 4 and {}'s train_micro_batch_size_per_gpu 2"},
+      {{"--global-batch-size", "32"}, "--global-batch-size 32 and {}'s train_batch_size 16"},
+      {{"--clip-grad", "0.5"}, "--clip-grad 0.5 and {}'s gradient_clipping 1"},
+      {{"--zero-stage", "0"}, "--zero-stage 0 and {}'s zero_optimization.stage 1 disagree"},
+      {{"--lr", "2e-3"}, "--lr 0.002 and {}'s optimizer.params.lr 0.001"},
+      {{"--adam-beta2", "0.999"}, "--adam-beta2 0.999 and {}'s optimizer.params.betas[1] 0.95"},
+  };
+  for (const auto& [flags, expected] : cases) {
+    const std::string e = refusal(with_file(f, flags));
+    EXPECT_NE(e.find(fmt::format(fmt::runtime(expected), f.path)), std::string::npos) << e;
+    EXPECT_NE(e.find("give the same"), std::string::npos) << e;
+  }
+}
+
+TEST(DeepSpeedConfig, RefusesWhatWouldChangeTrainingInOneMessage) {
+  const DeepSpeedFile f(R"({"bf16": {"enabled": true}, "curriculum_learning": {"enabled": true},
+      "fp16": {"enabled": false}})");
+  const std::string e = refusal(with_file(f));
+  for (const char* part :
+       {"bf16.enabled (weave's kernels compute in fp32", ", curriculum_learning. "})
+    EXPECT_NE(e.find(part), std::string::npos) << e << "\n  lacks: " << part;
+  // What Megatron-DeepSpeed leaves unused (it hands DeepSpeed its own optimizer and schedule) is
+  // named, not refused.
+  for (const char* optimizer :
+       {R"({"type": "Lamb"})", R"({"type": "Adam", "params": {"adam_w_mode": false}})"}) {
+    const DeepSpeedFile unused(
+        fmt::format(R"({{"scheduler": {{"type": "WarmupLR"}}, "optimizer": {}}})", optimizer));
+    EXPECT_EQ(parsed(with_file(unused)).deepspeed_unhonoured,
+              (std::vector<std::string>{"optimizer", "scheduler"}));
+  }
+  EXPECT_NE(refusal({"--deepspeed_config", f.path}).find("is read with --deepspeed"),
+            std::string::npos);
+  const DeepSpeedFile broken("{\"train_batch_size\": ");
+  EXPECT_NE(refusal(with_file(broken)).find("is not JSON"), std::string::npos);
+}
+
+TEST(ShardingFlags, MapStageOneOntoTheDistributedOptimizerAndRefuseWhatIsNotBuilt) {
+  const std::vector<std::string> dp2{"--devices", "2"};
+  const auto with = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), dp2.begin(), dp2.end());
+    return more;
+  };
+  EXPECT_TRUE(parsed(with({"--zero-stage", "1"})).config.plan.distributed_optimizer);
+  EXPECT_FALSE(parsed(with({"--zero-stage", "0"})).config.plan.distributed_optimizer);
+  EXPECT_TRUE(parsed(with({"--use-custom-fsdp", "--data-parallel-sharding-strategy", "optim"}))
+                  .config.plan.distributed_optimizer);
+  EXPECT_FALSE(parsed(with({"--use-megatron-fsdp"})).config.plan.distributed_optimizer);
+  for (const auto& flags :
+       {std::vector<std::string>{"--zero-stage", "2"},
+        std::vector<std::string>{"--zero-stage", "3"},
+        std::vector<std::string>{"--use-custom-fsdp", "--data-parallel-sharding-strategy",
+                                 "optim_grads"},
+        std::vector<std::string>{"--use-custom-fsdp", "--data-parallel-sharding-strategy",
+                                 "optim_grads_params"}}) {
+    const std::string e = refusal(with(flags));
+    EXPECT_NE(e.find("is not built in weave yet"), std::string::npos) << e;
+    EXPECT_NE(e.find("--zero-stage 1"), std::string::npos) << e;
+  }
+  EXPECT_NE(refusal(with({"--zero-stage", "0", "--use-distributed-optimizer"})).find("disagree"),
+            std::string::npos);
+  EXPECT_NE(
+      refusal(with({"--data-parallel-sharding-strategy", "optim"})).find("add --use-custom-fsdp"),
+      std::string::npos);
+  EXPECT_NE(refusal(with({"--zero-stage", "1", "--use-custom-fsdp",
+                          "--data-parallel-sharding-strategy", "no_shard"}))
+                .find("disagree"),
+            std::string::npos);
+}
+
+TEST(RampupFlags, ReadMegatronsNumbersAndRules) {
+  const weave::graphs::TrainerConfig c =
+      parsed({"--devices", "2", "--global-batch-size", "2048", "--train-samples", "20_000_000",
+              "--rampup-batch-size", "192", "16", "9_765_625"})
+          .config;
+  EXPECT_EQ(c.rampup.start, 192);
+  EXPECT_EQ(c.rampup.increment, 16);
+  EXPECT_EQ(c.rampup.samples, 9'765'625);
+  EXPECT_EQ(c.train_samples, 20'000'000);
+  EXPECT_NE(refusal({"--rampup-batch-size", "192", "1x", "9"}).find("three whole numbers"),
+            std::string::npos);
+  EXPECT_NE(refusal({"--train-samples", "100", "--train-iters", "10"}).find("give one of them"),
+            std::string::npos);
+}
+
+}  // namespace
