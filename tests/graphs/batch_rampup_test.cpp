@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "tiny_model.hpp"
+#include "weave/graphs/batch_rampup.hpp"
 #include "weave/graphs/token_dataset.hpp"
 #include "weave/graphs/trainer.hpp"
 
@@ -98,6 +99,16 @@ TEST(BatchRampup, EachIterationTrainsMegatronsBatchAndRate) {
   EXPECT_EQ(trainer.consumed_samples(), static_cast<std::uint64_t>(samples));
   // The last step built is the full batch's: 8 / (1 x 2) = 4 micro-batches a replica.
   EXPECT_NO_THROW(trainer.step().micro_batch(1, 3));
+}
+
+// --train-samples reached inside the ramp: Megatron-LM's update_train_iters leaves its loop past
+// the samples (batches 2, 2, 4: 8 consumed of 7) and adds (7 - 8) // 8, Python's floor division,
+// which takes the overshooting iteration back.
+TEST(BatchRampup, TrainSamplesReachedInsideTheRampCountAsMegatronCountsThem) {
+  const BatchRampup ramp{.start = 2, .increment = 2, .samples = 12};
+  EXPECT_EQ(iterations_for_samples(ramp, 8, 7), 3 + (-1));
+  EXPECT_EQ(iterations_for_samples(ramp, 8, 8), 3);
+  EXPECT_EQ(iterations_for_samples(ramp, 8, 40), 7);
 }
 
 TEST(BatchRampup, TheRampsFirstStepIsARunAtItsBatch) {

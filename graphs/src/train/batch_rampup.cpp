@@ -60,7 +60,11 @@ std::int64_t iterations_for_samples(const BatchRampup& ramp, std::int64_t global
     consumed += ramp.batch_at(static_cast<std::uint64_t>(consumed), global_batch_size);
     ++iterations;
   }
-  if (train_samples > consumed) iterations += (train_samples - consumed) / global_batch_size;
+  // Python's floor division, as Megatron-LM adds (train_samples - consumed) // global_batch_size:
+  // a ramp that passed --train-samples gives back the iterations it overshot by.
+  const std::int64_t rest = train_samples - consumed;
+  iterations +=
+      rest >= 0 ? rest / global_batch_size : -((-rest + global_batch_size - 1) / global_batch_size);
   return iterations;
 }
 
