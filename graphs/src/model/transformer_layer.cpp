@@ -1,4 +1,5 @@
 #include "model/transformer_layer.hpp"
+#include "model/half_precision.hpp"
 #include "model/norm.hpp"
 #include "step/step_costs.hpp"
 
@@ -18,7 +19,10 @@ void TransformerLayer::allocate(LayerActivations& A, const Tensor& x_in) const {
   A.x_in = x_in;
   AttentionBlock(*P, l).allocate(A);
   A.x_mid = P->activation({Sl, B, h});
-  A.ln2 = P->activation({Sl, B, h});
+  if (P->bf16())
+    A.ln2_16 = P->activation16({Sl, B, h});
+  else
+    A.ln2 = P->activation({Sl, B, h});
   A.ln2_mean = P->activation({Sl * B});
   A.ln2_rstd = P->activation({Sl * B});
   if (z.spec(l).moe())
@@ -60,6 +64,12 @@ TaskId TransformerLayer::forward(const BuildPosition& pos, TaskId ready) const {
         const LayerShard& W = p->layer(layer);
         p->bias_dropout_add(mb, layer, 0, A.attention.proj_out, value_of(W.attention.proj_bias),
                             A.x_in, A.x_mid);
+        if (p->bf16()) {  // in fp32, rounded once into the bf16 input of fc1
+          norm_forward(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, p->ws().half.norm_out,
+                       A.ln2_mean, A.ln2_rstd);
+          round_to_bf16(p->ws().half.norm_out, A.ln2_16);
+          return;
+        }
         norm_forward(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, A.ln2, A.ln2_mean,
                      A.ln2_rstd);
       });
