@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "step_outcome.hpp"
 #include "tiny_model.hpp"
 #include "weave/devices/device_set.hpp"
 #include "weave/devices/shared_memory_communicator.hpp"
@@ -182,18 +183,86 @@ TEST(Bf16Training, MainParametersTakeAnFp32AdamWStep) {
   EXPECT_GT(off_bf16_grid, total * 9 / 10);
 }
 
+// Relative difference of two gradients in norm.
+double relative_difference(const std::vector<double>& got, const std::vector<double>& want) {
+  double diff = 0, norm = 0;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    diff += (got[i] - want[i]) * (got[i] - want[i]);
+    norm += want[i] * want[i];
+  }
+  return std::sqrt(diff / norm);
+}
+
+struct ParallelTolerance {
+  double first_loss;  // relative, the first step's loss (no update yet)
+  double gradient;    // relative in norm, every parameter's gradient of the first step
+  double later_loss;  // relative, the losses of steps 2 and 3 (with updates)
+};
+
+// Tensor parallelism in bf16 rounds where Megatron-LM's does: each rank's partial sums of a
+// row-parallel product (the projection and fc2 forward, QKV's and fc1's input gradients
+// backward) and of the output layer's input gradient are bf16 values before they are summed
+// over tp, and the sum is rounded again. So a value meets up to r = 4 L + 1 = 9 roundings
+// that one device does not: the gradients differ by at most sqrt(r) u = 1.2 % of their norm.
+// The loss at the first step moves with the logits' error: at most 2 max |dz| with |dz| <=
+// sqrt(r) u |z| and |z| < 0.2 for weights drawn at std 0.02 (hidden 64): below 1e-3 of the
+// loss (~4.2); the later steps are allowed 1e-2, what AdamW's normalised updates amplify the
+// first step's gradient differences to in two steps at most (|update| <= lr per element).
+constexpr ParallelTolerance kTensorParallel{1e-3, 3.0 / 256, 1e-2};  // sqrt(9) u
+// Data parallelism changes nothing but the order of the fp32 sums of the replicas' gradients
+// (relative 2^-24 per addition, a few additions): the first loss is bitwise the one device's,
+// the gradients agree to 1e-6, and the later steps' parameters differ by fp32 ulps, which
+// flip a bf16 copy's rounding for a rare element (probability ~2^-16 each): 1e-4.
+constexpr ParallelTolerance kDataParallel{0, 1e-6, 1e-4};
+
+void expect_parallel_equals_one_device(const ModelConfig& m, const ParallelPlan& plan,
+                                       const ParallelTolerance& tolerance) {
+  const Outcome a = run(m, kOneDevice, 1, false), b = run(m, plan, 1, false);
+  EXPECT_LE(std::abs(b.losses[0] - a.losses[0]), tolerance.first_loss * a.losses[0]);
+  for (const auto& [name, want] : a.grads)
+    EXPECT_LE(relative_difference(b.grads.at(name), want), tolerance.gradient) << name;
+  const Outcome a3 = run(m, kOneDevice, 3, true), b3 = run(m, plan, 3, true);
+  for (std::size_t i = 1; i < a3.losses.size(); ++i)
+    EXPECT_NEAR(b3.losses[i], a3.losses[i], tolerance.later_loss * a3.losses[i])
+        << "step " << i + 1;
+  EXPECT_LT(b3.losses.back(), b3.losses.front());
+}
+
+TEST(Bf16Training, LlamaTp2SpEqualsOneDevice) {
+  expect_parallel_equals_one_device(in(llama(), Precision::bf16),
+                                    {.tensor_parallel = 2,
+                                     .sequence_parallel = true,
+                                     .micro_batch_size = 2,
+                                     .global_batch_size = 4},
+                                    kTensorParallel);
+}
+
+TEST(Bf16Training, GptTp2EqualsOneDevice) {
+  expect_parallel_equals_one_device(
+      in(gpt(), Precision::bf16),
+      {.tensor_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4}, kTensorParallel);
+}
+
+TEST(Bf16Training, GptDp2EqualsOneDevice) {
+  expect_parallel_equals_one_device(
+      in(gpt(), Precision::bf16),
+      {.data_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4}, kDataParallel);
+}
+
 // Combinations not built yet are refused by name, with what works.
 TEST(Bf16Training, RefusesWhatIsNotBuilt) {
   const ModelConfig m = in(gpt(), Precision::bf16);
   devices::SharedMemoryCommunicator comm;
-  const ParallelPlan tp2{.tensor_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4};
+  const ParallelPlan cp2{.context_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4};
   devices::DeviceSet two(2, {.pin = false});
   try {
-    TrainingStep step(m, tp2, kOptimizer, two, comm);
-    FAIL() << "tp2 bf16 was built";
+    TrainingStep step(m, cp2, kOptimizer, two, comm);
+    FAIL() << "cp2 bf16 was built";
   } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("one device"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("2 devices"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("context parallelism"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("tensor (and sequence) and data parallelism"),
+              std::string::npos)
+        << e.what();
   }
   devices::DeviceSet one(1, {.pin = false});
   ModelConfig fp16 = in(gpt(), Precision::fp16);
@@ -201,7 +270,7 @@ TEST(Bf16Training, RefusesWhatIsNotBuilt) {
   ModelConfig moe = in(tiny(4), Precision::bf16);
   EXPECT_THROW(TrainingStep(moe, kOneDevice, kOptimizer, one, comm), ConfigError);
   // Predicted (no tensors), every combination is modelled.
-  EXPECT_NO_THROW(TrainingStep(m, tp2, kOptimizer, two, comm, {.materialize = false}));
+  EXPECT_NO_THROW(TrainingStep(m, cp2, kOptimizer, two, comm, {.materialize = false}));
 }
 
 }  // namespace

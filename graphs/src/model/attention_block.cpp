@@ -155,7 +155,7 @@ void AttentionBlock::allocate(LayerActivations& A) const {
   const bool ampipe = z.spec(l).mlp == MlpModule::ampipe;
   const bool ring = z.spec(l).attention == AttentionCore::ring;
   if (P->bf16()) {  // one device, local attention (check_bf16_step)
-    A.attention.ln1_16 = P->activation16({Sl, B, h});
+    A.attention.ln1_16 = P->activation16({Sc, B, h});
     A.attention.ln1_mean = P->activation({Sl * B});
     A.attention.ln1_rstd = P->activation({Sl * B});
     A.attention.qkv16 = P->activation16({Sc, B, z.Gl, z.qkv_group_width()});
@@ -205,7 +205,11 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
           const Tensor& y = p->ws().half.norm_out;
           norm_forward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, y, A.attention.ln1_mean,
                        A.attention.ln1_rstd);
-          round_to_bf16(y, A.attention.ln1_16);
+          // Under SP the bf16 values are gathered (in fp32 buffers) before QKV keeps them.
+          if (p->shape.sp())
+            round_in_place(y);
+          else
+            round_to_bf16(y, A.attention.ln1_16);
           return;
         }
         norm_forward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.attention.ln1,
@@ -214,13 +218,17 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
   P->after(ready, ln1);
   LayerActivations& A = P->acts(set, layer);
   TaskId gathered = rt::kNoTask;
-  if (z.sp())
+  if (z.sp() && P->bf16())
+    gathered =
+        sp_gather(*P, ln1, P->ws().half.norm_out, P->ws().half.gathered, at + "sp_gather", tags);
+  else if (z.sp())
     gathered = sp_gather(*P, ln1, A.attention.ln1, A.attention.ln1_full, at + "sp_gather", tags);
   const rt::CostHint cost = cost::qkv(z) + query_key_stages_cost(z.spec(l), z, false);
   const TaskId qkv = P->compute(at + "qkv", tags, cost, [=] {
     LayerActivations& A = p->acts(set, layer);
     const StepShape& z = p->shape;
     if (p->bf16()) {
+      if (z.sp()) round_to_bf16(p->ws().half.gathered, A.attention.ln1_16);
       project_qkv_bf16(z.model, p->attention_parameters(layer), A.attention.ln1_16,
                        A.attention.qkv16, p->ws().half.qkv32, context_positions(*p));
       return;
@@ -457,6 +465,8 @@ TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, We
         LayerActivations& A = p->acts(set, layer);
         BackwardWorkspace& w = p->ws();
         const AttentionParameters& W = p->attention_parameters(layer);
+        // The reduced gradient is a bf16 value, as the bf16 collective would leave it.
+        if (p->bf16() && p->shape.tp > 1) round_in_place(w.d_norm);
         norm_backward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.attention.ln1_mean,
                       A.attention.ln1_rstd, w.d_norm, w.d_tmp);
         ops::accumulate(w.d_tmp, w.d_x);

@@ -90,7 +90,7 @@ void dense_mlp_backward_bf16(const ModelConfig& m, const DenseMlpParameters& W,
 void DenseMlp::allocate(LayerActivations& A) const {
   const StepShape& z = P->shape;
   const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h;
-  A.ln2_full = z.sp() ? P->activation({Sc, B, h}) : A.ln2;
+  if (!P->bf16()) A.ln2_full = z.sp() ? P->activation({Sc, B, h}) : A.ln2;
   DenseMlpActivations& D = A.mlp.emplace<DenseMlpActivations>();
   auto products = [&](DenseMlpActivations& into) {
     if (P->bf16()) {
@@ -126,10 +126,15 @@ TaskId DenseMlp::forward(const BuildPosition& pos, TaskId ready) const {
   const std::string at = fmt::format("L{}.", l);
   LayerActivations& A = P->acts(set, l);
   TaskId gathered = rt::kNoTask;
-  if (z.sp()) gathered = sp_gather(*P, ready, A.ln2, A.ln2_full, at + "sp_gather_mlp", tags);
+  if (z.sp() && P->bf16())
+    gathered = sp_gather(*P, ready, P->ws().half.norm_out, P->ws().half.gathered,
+                         at + "sp_gather_mlp", tags);
+  else if (z.sp())
+    gathered = sp_gather(*P, ready, A.ln2, A.ln2_full, at + "sp_gather_mlp", tags);
   const TaskId mlp = P->compute(at + "mlp", tags, cost::mlp(z, z.Sc * z.B), [p, layer, set] {
     LayerActivations& A = p->acts(set, layer);
     if (p->bf16()) {
+      if (p->shape.sp()) round_to_bf16(p->ws().half.gathered, A.ln2_16);
       dense_mlp_forward_bf16(p->shape.model, p->dense_mlp_parameters(layer), A.ln2_16, A.dense(),
                              p->ws().half);
       return;

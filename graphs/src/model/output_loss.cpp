@@ -29,12 +29,12 @@ void OutputLoss::allocate(OutputSet& O) const {
   const StepShape& z = P->shape;
   const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h;
   if (P->bf16())
-    O.final16 = P->activation16({Sl, B, h});
+    O.final16 = P->activation16({Sc, B, h});
   else
     O.final_ln = P->activation({Sl, B, h});
   O.final_mean = P->activation({Sl * B});
   O.final_rstd = P->activation({Sl * B});
-  O.final_full = z.sp() ? P->activation({Sc, B, h}) : O.final_ln;
+  if (!P->bf16()) O.final_full = z.sp() ? P->activation({Sc, B, h}) : O.final_ln;
   O.logits = P->activation({Sc * B, z.Vl});
   O.row_max = P->activation({Sc * B});
   O.partials = P->activation({Sc * B, ops::kCrossEntropyPartials});
@@ -56,7 +56,10 @@ TaskId OutputLoss::forward(const BuildPosition& pos, TaskId ready) const {
     if (p->bf16()) {  // in fp32, rounded once into the bf16 input of the output layer
       norm_forward(p->shape.model, p->acts(set, last_layer).x_out, W.final_ln_weight(),
                    W.final_ln_bias(), p->ws().half.norm_out, X.final_mean, X.final_rstd);
-      round_to_bf16(p->ws().half.norm_out, X.final16);
+      if (p->shape.sp())  // gathered first
+        round_in_place(p->ws().half.norm_out);
+      else
+        round_to_bf16(p->ws().half.norm_out, X.final16);
       return;
     }
     norm_forward(p->shape.model, p->acts(set, last_layer).x_out, W.final_ln_weight(),
@@ -65,11 +68,16 @@ TaskId OutputLoss::forward(const BuildPosition& pos, TaskId ready) const {
   P->after(ready, norm);
   OutputSet& X = P->oset(out);
   TaskId gathered = rt::kNoTask;
-  if (z.sp()) gathered = sp_gather(*P, norm, X.final_ln, X.final_full, "final_gather", tags);
+  if (z.sp() && P->bf16())
+    gathered =
+        sp_gather(*P, norm, P->ws().half.norm_out, P->ws().half.gathered, "final_gather", tags);
+  else if (z.sp())
+    gathered = sp_gather(*P, norm, X.final_ln, X.final_full, "final_gather", tags);
   const TaskId logits = P->compute("logits", tags, cost::matmul(Sc * B, h, z.Vl), [=] {
     OutputSet& X = p->oset(out);
     if (p->bf16()) {  // bf16 logits, widened: the loss is fp32
       const ops::Bf16Tensor& logits16 = p->ws().half.logits16;
+      if (p->shape.sp()) round_to_bf16(p->ws().half.gathered, X.final16);
       ops::linear_forward(X.final16.reshape({Sc * B, h}), p->shard().output_weight().value16,
                           ops::Bf16Tensor{}, logits16);
       widen_to_fp32(logits16, X.logits);
@@ -154,6 +162,7 @@ TaskId OutputLoss::backward(const BuildPosition& pos, TaskId ready, WeightHalves
         BackwardWorkspace& w = p->ws();
         ModelShard& W = p->shard();
         const Tensor d_in = sp ? w.d_norm : w.output.d_final_full;
+        if (p->bf16() && p->shape.tp > 1) round_in_place(d_in);
         norm_backward(p->shape.model, p->acts(set, last_layer).x_out, W.final_ln_weight(),
                       W.final_ln_bias(), X.final_mean, X.final_rstd, d_in, w.d_x);
       });

@@ -104,6 +104,7 @@ void allocate_workspace(RankProgram& P, BackwardWorkspace& W, bool output_layer)
     HalfWorkspace& H = W.half;
     const std::int64_t qkv = z.qkv_group_width();
     H.norm_out = P.activation({Sl, B, h});
+    if (sp) H.gathered = P.activation({Sc, B, h});
     H.qkv32 = P.activation({Sc, B, z.Gl, qkv});
     H.pre32 = P.activation({Sc, B, z.f1l});
     H.act32 = P.activation({Sc, B, z.fl});

@@ -59,6 +59,7 @@ struct LayerActivations {
 // gradients to the weight halves as d_fc1, d_qkv and d_logits do.
 struct HalfWorkspace {
   Tensor norm_out;                       // [Sl, B, h]
+  Tensor gathered;                       // sequence parallelism: norm_out's gather [Sc, B, h]
   Tensor qkv32;                          // [Sc, B, Gl, qkv group width]
   Tensor pre32, act32;                   // [Sc, B, f1l], [Sc, B, fl]
   ops::Bf16Tensor out16, d_out16;        // [Sc, B, h]

@@ -47,19 +47,18 @@ void check_devices(const ParallelPlan& plan, const devices::DeviceSet& set) {
 void check_half_precision_step(const ModelConfig& model, const ParallelPlan& plan) {
   const auto refuse = [&](std::string_view what) {
     throw ConfigError(fmt::format(
-        "a step built with tensors trains in {} only on one device with dense layers, local "
-        "attention and every activation kept (bf16 mixed precision: bf16 products and saved "
-        "activations, fp32 main parameters, gradients, norms, softmax and loss); this run has {}: "
-        "train it in fp32 (drop --{}), or build it with StepBuildOptions::materialize = false "
-        "(weave predict) to predict the {} run",
+        "a step built with tensors trains in {} with tensor (and sequence) and data parallelism "
+        "only, dense layers and every activation kept (bf16 mixed precision: bf16 products and "
+        "saved activations, fp32 main parameters, gradients, norms, softmax and loss); this run "
+        "has {}: train it in fp32 (drop --{}), or build it with StepBuildOptions::materialize = "
+        "false (weave predict) to predict the {} run",
         "bf16", what, precision_name(model.precision), precision_name(model.precision)));
   };
   if (model.precision == Precision::fp16)
     refuse("fp16, which needs a dynamic loss scaler weave does not have yet");
-  if (plan.devices() != 1)
-    refuse(fmt::format("{} devices (tp {} x cp {} x dp {} x pp {})", plan.devices(),
-                       plan.tensor_parallel, plan.context_parallel, plan.data_parallel,
-                       plan.pipeline_parallel));
+  if (plan.context_parallel > 1) refuse("context parallelism (--context-parallel-size)");
+  if (plan.pipeline_parallel > 1) refuse("pipeline parallelism (--pipeline-model-parallel-size)");
+  if (plan.distributed_optimizer) refuse("--use-distributed-optimizer");
   if (model.num_experts > 0) refuse("MoE layers (--num-experts)");
   if (model.qk_layernorm) refuse("--qk-layernorm");
   if (model.recompute.granularity != RecomputeGranularity::none)
