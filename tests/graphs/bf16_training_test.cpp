@@ -11,9 +11,12 @@
 #include "step_outcome.hpp"
 #include "tiny_model.hpp"
 #include "weave/devices/device_set.hpp"
+#include "weave/devices/machine_model.hpp"
 #include "weave/devices/shared_memory_communicator.hpp"
 #include "weave/graphs/model_shard.hpp"
 #include "weave/graphs/training_step.hpp"
+#include "weave/ops/cross_entropy.hpp"
+#include "weave/runtime/virtual_clock.hpp"
 
 namespace weave::graphs {
 namespace {
@@ -247,6 +250,43 @@ TEST(Bf16Training, GptDp2EqualsOneDevice) {
   expect_parallel_equals_one_device(
       in(gpt(), Precision::bf16),
       {.data_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4}, kDataParallel);
+}
+
+// The materialised bf16 step replays as the prediction of the same bf16 step does and holds
+// what it counts: the parameters at 2 bytes, the fp32 gradients, and the fp32 main parameters
+// with the two moments as optimizer state (Megatron-LM's 2 + 4 + 12 bytes a parameter) exactly. Its activations
+// differ by two named terms, computed here from the model's sizes:
+//  - what stays fp32 in the step (the prediction counts every activation at 2 bytes): the
+//    residual stream (the chunk's input, each layer's middle and output), the norms' statistics,
+//    the attention's log-sum-exp, the projection's and fc2's outputs, the loss's logits, maxima,
+//    partial sums and log-sum-exp, and the backward's fp32 gradient workspace: 2 more bytes each;
+//  - the conversions' workspace, one per device (HalfWorkspace): a norm's fp32 output, QKV,
+//    fc1's output and the activation widened for RoPE and the activation's fp32 kernels, and
+//    the bf16 operands of the products' backward and the bf16 logits and their gradient.
+// (The squared gradient norm, one value, fills its 64-byte line in either precision.)
+TEST(Bf16Training, MemoryIsThePredictionsPlusTheFp32Terms) {
+  const ModelConfig m = in(gpt(), Precision::bf16);
+  devices::SharedMemoryCommunicator comm;
+  devices::DeviceSet with(1, {.pin = false}), without(1, {.pin = false});
+  const TrainingStep real(m, kOneDevice, kOptimizer, with, comm);
+  const TrainingStep shapes(m, kOneDevice, kOptimizer, without, comm, {.materialize = false});
+  for (auto category : {rt::MemoryCategory::parameters, rt::MemoryCategory::gradients,
+                        rt::MemoryCategory::optimizer_state})
+    EXPECT_EQ(with.memory().current(0, category), without.memory().current(0, category))
+        << to_string(category);
+  const std::int64_t T = std::int64_t{m.seq_length} * kOneDevice.micro_batch_size;
+  const std::int64_t h = m.hidden_size, f = m.ffn_hidden_size, L = m.num_layers;
+  const std::int64_t heads = m.num_attention_heads, qkv = 3 * h, V = m.padded_vocab_size(1);
+  const std::int64_t per_layer = 2 * T + T * heads + T * h + T * h + 2 * T + T * h + T * h;
+  const std::int64_t outputs = 2 * T + T * V + T + T * ops::kCrossEntropyPartials + T;
+  const std::int64_t workspace =
+      4 * T * h + T * f + T * f + T * h + T * h + T * qkv + T * V + T * h;
+  const std::int64_t fp32_kept = T * h + L * per_layer + outputs + workspace;
+  const std::int64_t conversions = 4 * (T * h + T * qkv + T * f + T * f) +
+                                   2 * (2 * T * h + T * f + T * f + T * h + T * qkv + 2 * T * V);
+  EXPECT_EQ(
+      with.memory().current(0, rt::MemoryCategory::activations),
+      without.memory().current(0, rt::MemoryCategory::activations) + 2 * fp32_kept + conversions);
 }
 
 // Combinations not built yet are refused by name, with what works.
