@@ -50,8 +50,8 @@ void check_half_precision_step(const ModelConfig& model, const ParallelPlan& pla
         "a step built with tensors trains in {} with tensor (and sequence) and data parallelism "
         "only, dense layers and every activation kept (bf16 mixed precision: bf16 products and "
         "saved activations, fp32 main parameters, gradients, norms, softmax and loss); this run "
-        "has {}: train it in fp32 (drop --{}), or build it with StepBuildOptions::materialize = "
-        "false (weave predict) to predict the {} run",
+        "has {}: train it in fp32 (drop --{}), or predict the {} run (weave predict, or "
+        "StepBuildOptions::materialize = false)",
         "bf16", what, precision_name(model.precision), precision_name(model.precision)));
   };
   if (model.precision == Precision::fp16)
