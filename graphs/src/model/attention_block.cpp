@@ -154,7 +154,7 @@ void AttentionBlock::allocate(LayerActivations& A) const {
   const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h, Hl = z.Hl, d = z.d, cp = z.cp;
   const bool ampipe = z.spec(l).mlp == MlpModule::ampipe;
   const bool ring = z.spec(l).attention == AttentionCore::ring;
-  if (P->bf16()) {  // one device, local attention (check_bf16_step)
+  if (P->bf16()) {  // local attention, no query/key stages (check_half_precision_step)
     A.attention.ln1_16 = P->activation16({Sc, B, h});
     A.attention.ln1_mean = P->activation({Sl * B});
     A.attention.ln1_rstd = P->activation({Sl * B});
