@@ -19,6 +19,13 @@ namespace weave::graphs {
 std::int64_t local_cols(const Parameter& p) {
   return p.value.rank() == 1 ? 1 : p.value.dim(-1);
 }
+ops::Tensor compute_value(const Parameter& p) {
+  if (!p.value16.defined()) return p.value;
+  const ops::Tensor wide = ops::Tensor::empty(p.value16.shape());
+  widen_to_fp32(p.value16, wide);
+  return wide;
+}
+
 std::int64_t local_rows(const Parameter& p) {
   return p.value.numel() / local_cols(p);
 }

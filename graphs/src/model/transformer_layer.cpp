@@ -64,8 +64,8 @@ TaskId TransformerLayer::forward(const BuildPosition& pos, TaskId ready) const {
         const LayerShard& W = p->layer(layer);
         // The reduced projection is a bf16 value, as the bf16 collective would leave it.
         if (p->bf16() && p->shape.tp > 1) round_in_place(A.attention.proj_out);
-        p->bias_dropout_add(mb, layer, 0, A.attention.proj_out, value_of(W.attention.proj_bias),
-                            A.x_in, A.x_mid);
+        p->bias_dropout_add(mb, layer, 0, A.attention.proj_out,
+                            compute_value_of(W.attention.proj_bias), A.x_in, A.x_mid);
         if (p->bf16()) {  // in fp32, rounded once into the bf16 input of fc1
           norm_forward(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, p->ws().half.norm_out,
                        A.ln2_mean, A.ln2_rstd);
@@ -86,8 +86,8 @@ TaskId TransformerLayer::forward(const BuildPosition& pos, TaskId ready) const {
     const LayerShard& W = p->layer(layer);
     if (p->bf16() && p->shape.tp > 1) round_in_place(A.mlp_out);
     if (mlp_module == MlpModule::dense) {
-      p->bias_dropout_add(mb, layer, 1, A.mlp_out, value_of(W.dense_mlp().fc2_bias), A.x_mid,
-                          A.x_out);
+      p->bias_dropout_add(mb, layer, 1, A.mlp_out, compute_value_of(W.dense_mlp().fc2_bias),
+                          A.x_mid, A.x_out);
     } else {
       p->apply_dropout(false, mb, layer, 1, A.mlp_out, A.mlp_out);
       ops::add(A.x_mid, A.mlp_out, A.x_out);

@@ -184,6 +184,12 @@ inline ops::Tensor grad_of(const Parameter* p) {
 inline ops::Bf16Tensor value16_of(const Parameter* p) {
   return p ? p->value16 : ops::Bf16Tensor{};
 }
+// The value the model computes with: `value`, or in a bf16 run its bf16 copy widened into a heap
+// tensor (for the fp32 kernels that read the small parameters: norms' weights, residual biases).
+ops::Tensor compute_value(const Parameter& p);
+inline ops::Tensor compute_value_of(const Parameter* p) {
+  return p ? compute_value(*p) : ops::Tensor{};
+}
 
 // The local rows and columns a parameter's storage is read as: [numel / last, last] for rank
 // >= 2, [n, 1] for a vector.
