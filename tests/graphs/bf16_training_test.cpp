@@ -1,6 +1,8 @@
-// bf16 mixed-precision training on one device: bf16 products and saved activations, fp32 main
-// parameters, gradients, norms, softmax and loss. Its losses track the fp32 model's within
-// bf16's rounding, fall, and its main parameters take an fp32 AdamW step.
+// bf16 mixed-precision training: bf16 products and saved activations, fp32 main parameters,
+// gradients, norms, softmax and loss. On one device its losses and gradients track the fp32
+// model's within bf16's rounding and the losses fall; its main parameters take an fp32 AdamW
+// step; tp2 (+ SP) and dp2 equal one device in bf16 within what their roundings allow; its
+// memory is the prediction's plus named fp32 terms; what is not built is refused by name.
 #include <gtest/gtest.h>
 
 #include <cmath>
