@@ -425,7 +425,7 @@ TEST(CliFlags, FlagsWithoutEffectAreNamedOnceInOneLine) {
 
 TEST(CliFlags, EveryUnknownAndRefusedFlagIsReportedAtOnceWithCloseSuggestionsOnly) {
   const Result r =
-      weave(fmt::format("train {} --mock-data --num-layer 3 --bf16 --lr-warmup-fraction 0.01 "
+      weave(fmt::format("train {} --mock-data --num-layer 3 --fp16 --lr-warmup-fraction 0.01 "
                         "--moe-router-dtype fp32 --expert-tensr-parallel-size 2 --frobnicate",
                         kTinyModel));
   EXPECT_NE(r.status, 0);
@@ -435,7 +435,7 @@ TEST(CliFlags, EveryUnknownAndRefusedFlagIsReportedAtOnceWithCloseSuggestionsOnl
                   "unknown flag '--expert-tensr-parallel-size' (did you mean "
                   "'--expert-tensor-parallel-size'?)"))
       << r.out;
-  EXPECT_TRUE(has(r.out, "--bf16 is refused: weave's kernels compute in fp32")) << r.out;
+  EXPECT_TRUE(has(r.out, "--fp16 is refused: weave trains in fp32 or bf16")) << r.out;
   EXPECT_TRUE(has(r.out, "--lr-warmup-fraction is refused")) << r.out;
   // Not a typo of anything: no misleading guess.
   EXPECT_TRUE(has(r.out, "unknown flag '--moe-router-dtype'\n")) << r.out;
@@ -443,14 +443,25 @@ TEST(CliFlags, EveryUnknownAndRefusedFlagIsReportedAtOnceWithCloseSuggestionsOnl
   EXPECT_FALSE(has(r.out, "weave train: ")) << r.out;  // the run's first line
 }
 
-TEST(CliFlags, HalfPrecisionIsRefusedSayingHowToProceed) {
-  for (const char* flag : {"--bf16", "--fp16"}) {
-    const Result r = weave(fmt::format("train {} --mock-data {}", kTinyModel, flag));
-    EXPECT_NE(r.status, 0);
-    EXPECT_TRUE(has(r.out, fmt::format("{} is refused: weave's kernels compute in fp32", flag)))
-        << r.out;
-    EXPECT_TRUE(has(r.out, "drop the flag and the run trains in fp32")) << r.out;
-  }
+// --bf16 trains (bf16 mixed precision) where it is built and is refused by name elsewhere;
+// --fp16 is refused, pointing to --bf16.
+TEST(CliFlags, HalfPrecisionTrainsInBf16AndRefusesWhatIsNotBuilt) {
+  const Result fp16 = weave(fmt::format("train {} --mock-data --fp16", kTinyModel));
+  EXPECT_NE(fp16.status, 0);
+  EXPECT_TRUE(has(fp16.out, "--fp16 is refused: weave trains in fp32 or bf16 (--bf16)"))
+      << fp16.out;
+  EXPECT_TRUE(has(fp16.out, "give --bf16 instead")) << fp16.out;
+  const Result bf16 = weave(fmt::format("train {} --mock-data --bf16 --train-iters 2", kTinyModel));
+  EXPECT_EQ(bf16.status, 0) << bf16.out;
+  EXPECT_TRUE(has(bf16.out, "bf16 mixed precision |")) << bf16.out;
+  const Result cp2 = weave(fmt::format(
+      "train {} --mock-data --bf16 --train-iters 2 --devices 2 --context-parallel-size 2",
+      kTinyModel));
+  EXPECT_NE(cp2.status, 0);
+  EXPECT_TRUE(has(cp2.out,
+                  "this run has context parallelism (--context-parallel-size): train it "
+                  "in fp32 (drop --bf16)"))
+      << cp2.out;
 }
 
 TEST(CliFlags, AOneDashLongFlagIsRefusedNamingTheTwoDashForm) {

@@ -96,7 +96,7 @@ TEST(PredictCli, ModelsHalfPrecisionVocabularyAndRecomputation) {
 }
 
 TEST(PredictCli, TrainRefusesWhatOnlyPredictModels) {
-  for (const char* flag : {"--bf16", "--vocab-size 50257"}) {
+  for (const char* flag : {"--fp16", "--vocab-size 50257"}) {
     const Result r = weave(fmt::format("train --mock-data --train-iters 1 {}", flag));
     EXPECT_NE(r.status, 0) << flag;
     EXPECT_NE(r.out.find("weave predict, which models"), std::string::npos) << r.out;

@@ -124,12 +124,28 @@ TEST(DeepSpeedConfig, RefusesEveryDisagreementNamingBoth) {
   }
 }
 
+// An enabled bf16 section is --bf16: DeepSpeed's engine and the model train in bf16 together.
+TEST(DeepSpeedConfig, AnEnabledBf16SectionTrainsInBf16) {
+  const DeepSpeedFile on(R"({"bf16": {"enabled": true}})");
+  EXPECT_EQ(parsed(with_file(on)).config.model.precision, weave::graphs::Precision::bf16);
+  std::vector<std::string> with_flag = with_file(on);
+  with_flag.push_back("--bf16");
+  EXPECT_EQ(parsed(with_flag).config.model.precision, weave::graphs::Precision::bf16);
+  const DeepSpeedFile off(R"({"bf16": {"enabled": false}})");
+  EXPECT_EQ(parsed(with_file(off)).config.model.precision, weave::graphs::Precision::fp32);
+  std::vector<std::string> disagreeing = with_file(off);
+  disagreeing.push_back("--bf16");
+  const std::string e = refusal(disagreeing);
+  EXPECT_NE(e.find("--bf16 and"), std::string::npos) << e;
+  EXPECT_NE(e.find("bf16.enabled false disagree"), std::string::npos) << e;
+}
+
 TEST(DeepSpeedConfig, RefusesWhatWouldChangeTrainingInOneMessage) {
-  const DeepSpeedFile f(R"({"bf16": {"enabled": true}, "curriculum_learning": {"enabled": true},
-      "fp16": {"enabled": false}})");
+  const DeepSpeedFile f(R"({"fp16": {"enabled": true}, "curriculum_learning": {"enabled": true},
+      "bf16": {"enabled": false}})");
   const std::string e = refusal(with_file(f));
   for (const char* part :
-       {"bf16.enabled (weave's kernels compute in fp32", ", curriculum_learning. "})
+       {"fp16.enabled (fp16 needs a dynamic loss scaler", ", curriculum_learning. "})
     EXPECT_NE(e.find(part), std::string::npos) << e << "\n  lacks: " << part;
   // What Megatron-DeepSpeed leaves unused (it hands DeepSpeed its own optimizer and schedule) is
   // named, not refused.

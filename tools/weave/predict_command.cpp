@@ -41,8 +41,8 @@ struct PredictOptions {
   bool device_memory_given = false;
   bool every_rank = false;
   std::string trace_ranks;  // --trace-ranks: "0-7,64"
-  // What weave predict models beyond weave train (which refuses these flags).
-  bool bf16 = false, fp16 = false;
+  // What weave predict models beyond weave train (which refuses it).
+  bool fp16 = false;
   // --advise: search the parallel plans instead of predicting the one given.
   bool advise = false;
   int advise_top = 10;
@@ -79,12 +79,12 @@ std::string model_flags(const CLI::App& cmd) {
 // the recomputation flags); graphs::validate checks the combinations.
 void apply_predicted_training(PredictOptions& o) {
   graphs::ModelConfig& m = o.train.config.model;
-  if (o.bf16 && o.fp16)
+  if (o.train.bf16 && o.fp16)
     throw graphs::ConfigError(
         "--bf16 and --fp16 are two precisions: give one (Megatron-LM refuses both, too)");
-  m.precision = o.bf16   ? graphs::Precision::bf16
-                : o.fp16 ? graphs::Precision::fp16
-                         : graphs::Precision::fp32;
+  m.precision = o.train.bf16 ? graphs::Precision::bf16
+                : o.fp16     ? graphs::Precision::fp16
+                             : graphs::Precision::fp32;
 }
 
 std::string recompute_text(const graphs::Recompute& r) {
@@ -325,7 +325,6 @@ std::optional<ProgramSetting> predict_setting(const graphs::ConfigFlag& f, Predi
       {"--advise", &o.advise},
       {"--advise-top", &o.advise_top},
       {"--advise-limit", &o.advise_limit},
-      {"--bf16", &o.bf16},
       {"--fp16", &o.fp16}};
   for (const auto& [name, setting] : settings)
     if (name == f.name) return setting;

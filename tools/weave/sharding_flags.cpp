@@ -111,17 +111,32 @@ void set_or_check(const TrainOptions& o, const Reading& r, std::string_view flag
         flag, target, r.file, key, value));
 }
 
-// The half-precision sections: an enabled one is refused, as --bf16 and --fp16 are.
-void read_precision(Reading& r, const json& ds) {
+// The half-precision sections. DeepSpeed's engine and Megatron-DeepSpeed's --bf16 must agree for
+// a run to train in bf16, so an enabled bf16 section is weave's --bf16 (set where the command line
+// left it out); an explicitly disabled one beside --bf16 is a disagreement. fp16 and amp need a
+// loss scaler weave does not have, and are refused as --fp16 is.
+void read_precision(TrainOptions& o, Reading& r, const json& ds) {
   for (const char* section : {"bf16", "fp16", "amp"}) {
     if (!ds.contains(section)) continue;
     const json& s = ds[section];
     const bool enabled = s.is_object() && s.contains("enabled") && s["enabled"] != false;
-    if (enabled)
+    if (std::string_view(section) == "bf16") {
+      if (enabled && !given(o, "--bf16")) {
+        o.bf16 = true;
+        o.config.model.precision = graphs::Precision::bf16;
+      } else if (!enabled && given(o, "--bf16") && s.is_object() && s.contains("enabled")) {
+        refuse(fmt::format(
+            "--bf16 and {}'s bf16.enabled false disagree: give the same value in both, or leave "
+            "one of them out",
+            r.file));
+      }
+    } else if (enabled) {
       r.refused.push_back(fmt::format(
-          "{}.enabled (weave's kernels compute in fp32: set it false or drop the section)",
+          "{}.enabled (fp16 needs a dynamic loss scaler weave does not have: use the bf16 "
+          "section or --bf16, or set it false)",
           section));
-    else if (s.is_object())
+    }
+    if (s.is_object())
       for (const auto& [key, value] : s.items())
         if (key != "enabled") r.unhonoured.push_back(fmt::format("{}.{}", section, key));
   }
@@ -231,7 +246,7 @@ void read_deepspeed_config(TrainOptions& o) {
     refuse(fmt::format("--deepspeed_config '{}' must hold a JSON object of DeepSpeed's settings",
                        o.deepspeed_config));
   read_batch(o, r, ds);
-  read_precision(r, ds);
+  read_precision(o, r, ds);
   for (const auto& [key, value] : ds.items()) {
     if (key == "train_batch_size" || key == "train_micro_batch_size_per_gpu" ||
         key == "gradient_accumulation_steps" || key == "bf16" || key == "fp16" || key == "amp")

@@ -30,6 +30,7 @@ struct ProgramFlag {
 constexpr ProgramFlag kProgramFlags[] = {
     {"--config", [](TrainOptions& o) -> ProgramSetting { return &o.config_file; }},
     {"--swiglu", [](TrainOptions& o) -> ProgramSetting { return &o.swiglu; }},
+    {"--bf16", [](TrainOptions& o) -> ProgramSetting { return &o.bf16; }},
     {"--position-embedding-type",
      [](TrainOptions& o) -> ProgramSetting { return &o.position_embedding_type; }},
     {"--use-rotary-position-embeddings",

@@ -100,6 +100,7 @@ void derive_load_balancing(const std::string& type, graphs::ModelConfig& m) {
 void derive_model(TrainOptions& o) {
   graphs::ModelConfig& m = o.config.model;
   m.activation = o.swiglu ? graphs::Activation::swiglu : graphs::Activation::gelu;
+  m.precision = o.bf16 ? graphs::Precision::bf16 : graphs::Precision::fp32;
   if (o.position_embedding_type == "learned_absolute")
     m.position_embedding = graphs::PositionEmbedding::learned_absolute;
   else if (o.position_embedding_type == "rope")

@@ -25,6 +25,7 @@ struct TrainOptions {
   // global_batch_size 0: micro-batch x data-parallel size
   graphs::TrainerConfig config{.plan = {.global_batch_size = 0}};
   bool swiglu = false;
+  bool bf16 = false;        // --bf16
   std::string accelerator;  // --accelerator: a preset's name or a JSON file
   // --devices-per-node, --node-link, --network: the cluster's figures over --accelerator's.
   devices::ClusterOverrides cluster;

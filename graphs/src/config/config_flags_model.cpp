@@ -108,6 +108,12 @@ constexpr ConfigFlag kModel[] = {
      .help = "Norm (per --normalization) each head's queries and keys before attention",
      .field = model_field<&M::qk_layernorm>(),
      .description = added_to_checkpoints(described(model, "qk_layernorm", true))},
+    {.name = "--bf16",
+     .values = 0,
+     .help = "bf16 mixed precision, as Megatron-LM trains it: bf16 products and saved "
+             "activations, fp32 main parameters, gradients (reduced in fp32), norms, softmax and "
+             "loss; the residual stream in fp32. With tensor (+ sequence) and data parallelism "
+             "and dense layers; the other combinations are refused, naming what works"},
     {.name = "--norm-epsilon",
      .aliases = "--layernorm-epsilon",
      .help = "The norms' epsilon",

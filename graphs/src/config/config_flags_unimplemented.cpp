@@ -213,9 +213,9 @@ constexpr ConfigFlag kNoEffect[] = {
 };
 
 constexpr std::string_view kHalfPrecision =
-    "weave's kernels compute in fp32, so weave train cannot train in half precision: drop the flag "
-    "and the run trains in fp32 (4-byte values, as the memory estimate counts), or give it to "
-    "weave predict, which models a 16-bit run's memory and traffic";
+    "weave trains in fp32 or bf16 (--bf16), not fp16, which needs a dynamic loss scaler weave does "
+    "not have: give --bf16 instead, or drop the flag and the run trains in fp32, or give it to "
+    "weave predict, which models an fp16 run's memory and traffic";
 
 constexpr ConfigFlag kRefused[] = {
     {.name = "--fp16",
@@ -227,19 +227,9 @@ constexpr ConfigFlag kRefused[] = {
      .predicted_help = "Predict an fp16 run: as --bf16 with fp16 gradients, and fp32 master "
                        "weights, gradients and moments in the optimizer (20 bytes a parameter, 4 "
                        "+ 16/d)"},
-    {.name = "--bf16",
-     .group = FlagGroup::not_implemented,
-     .status = FlagStatus::refused,
-     .values = 0,
-     .help = kHalfPrecision,
-     .properties = kModelledByPredict,
-     .predicted_help = "Predict a bf16 run: parameters, activations, communication and "
-                       "element-wise traffic at 2 bytes; fp32 gradients, master weights and Adam "
-                       "moments (Megatron-LM's 18 bytes a parameter, 6 + 12/d with "
-                       "--use-distributed-optimizer)"},
     refused("--fp8-format", 1,
-            "weave trains in fp32 and predicts fp32, bf16 (--bf16) and fp16 (--fp16) runs; fp8 is "
-            "neither: drop it"),
+            "weave trains fp32 and bf16 (--bf16) runs and predicts fp16 (--fp16) ones too; fp8 is "
+            "none of them: drop it"),
     refused("--lr-warmup-fraction", 1,
             "give --lr-warmup-iters instead (the fraction x --lr-decay-iters)"),
     refused("--moe-use-sinkhorn", 0,

@@ -22,6 +22,9 @@ struct AttentionActivations {
   // kept from the input-gradient half (I) until the weight half (W) runs.
   Tensor saved_d_proj, saved_d_qkv;
   std::vector<StageState> query_key;  // each of the spec's query/key stages' own
+  // A bf16 run keeps the products' inputs in bf16 instead of ln1_full, qkv and attn (undefined
+  // then): the norm's output, the queries, keys and values, the attention's output.
+  ops::Bf16Tensor ln1_16, qkv16, attn16;
 };
 
 // The attention's share of the backward's workspace, one per device for all its layers (the

@@ -1,4 +1,5 @@
 #include "model/attention_block.hpp"
+#include "model/half_precision.hpp"
 #include "model/norm.hpp"
 
 #include "model/ring_attention.hpp"
@@ -26,6 +27,19 @@ void rotate_queries_and_keys(const ModelConfig& m, const Tensor& qkv,
     ops::rotary_backward<float>(spec, rotated, positions);
   else
     ops::rotary_forward<float>(spec, rotated, positions);
+}
+
+// A bf16 run's QKV product: bf16 from the norm's bf16 output, RoPE in fp32 on the widened
+// queries and keys, rounded back once.
+void project_qkv_bf16(const ModelConfig& m, const AttentionParameters& W, const ops::Bf16Tensor& x,
+                      const ops::Bf16Tensor& qkv16, const Tensor& qkv32,
+                      std::span<const std::int64_t> positions) {
+  ops::linear_forward(x, W.qkv_weight->value16, value16_of(W.qkv_bias),
+                      qkv16.reshape(x.shape().with(-1, qkv16.numel() / x.rows())));
+  if (m.position_embedding != PositionEmbedding::rope) return;
+  widen_to_fp32(qkv16, qkv32);
+  rotate_queries_and_keys(m, qkv32, positions, false);
+  round_to_bf16(qkv32, qkv16);
 }
 
 }  // namespace
@@ -140,12 +154,20 @@ void AttentionBlock::allocate(LayerActivations& A) const {
   const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h, Hl = z.Hl, d = z.d, cp = z.cp;
   const bool ampipe = z.spec(l).mlp == MlpModule::ampipe;
   const bool ring = z.spec(l).attention == AttentionCore::ring;
-  A.attention.ln1 = P->activation({Sl, B, h});
-  A.attention.ln1_mean = P->activation({Sl * B});
-  A.attention.ln1_rstd = P->activation({Sl * B});
-  A.attention.ln1_full = z.sp() ? P->activation({Sc, B, h}) : A.attention.ln1;
-  A.attention.qkv = P->activation({Sc, B, z.Gl, z.qkv_group_width()});
-  A.attention.attn = P->activation({Sc, B, Hl, d});
+  if (P->bf16()) {  // local attention, no query/key stages (check_half_precision_step)
+    A.attention.ln1_16 = P->activation16({Sc, B, h});
+    A.attention.ln1_mean = P->activation({Sl * B});
+    A.attention.ln1_rstd = P->activation({Sl * B});
+    A.attention.qkv16 = P->activation16({Sc, B, z.Gl, z.qkv_group_width()});
+    A.attention.attn16 = P->activation16({Sc, B, Hl, d});
+  } else {
+    A.attention.ln1 = P->activation({Sl, B, h});
+    A.attention.ln1_mean = P->activation({Sl * B});
+    A.attention.ln1_rstd = P->activation({Sl * B});
+    A.attention.ln1_full = z.sp() ? P->activation({Sc, B, h}) : A.attention.ln1;
+    A.attention.qkv = P->activation({Sc, B, z.Gl, z.qkv_group_width()});
+    A.attention.attn = P->activation({Sc, B, Hl, d});
+  }
   // Ampipe without CP: one [B, Hl, q] block per (chunk, piece); under CP one per half.
   A.attention.lse = ampipe && !ring ? P->activation({z.ampipe * z.t_sp, B, Hl, z.piece_rows()})
                                     : P->activation({ring ? 2 : 1, B, Hl, z.chunk});
@@ -179,18 +201,38 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
       P->compute(at + "input_norm", tags, cost::streamed(z, 2 * rows), [p, layer, set] {
         LayerActivations& A = p->acts(set, layer);
         const AttentionParameters& W = p->attention_parameters(layer);
+        if (p->bf16()) {  // in fp32, rounded once into the bf16 input of the QKV product
+          const Tensor& y = p->ws().half.norm_out;
+          norm_forward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, y, A.attention.ln1_mean,
+                       A.attention.ln1_rstd);
+          // Under SP the bf16 values are gathered (in fp32 buffers) before QKV keeps them.
+          if (p->shape.sp())
+            round_in_place(y);
+          else
+            round_to_bf16(y, A.attention.ln1_16);
+          return;
+        }
         norm_forward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.attention.ln1,
                      A.attention.ln1_mean, A.attention.ln1_rstd);
       });
   P->after(ready, ln1);
   LayerActivations& A = P->acts(set, layer);
   TaskId gathered = rt::kNoTask;
-  if (z.sp())
+  if (z.sp() && P->bf16())
+    gathered =
+        sp_gather(*P, ln1, P->ws().half.norm_out, P->ws().half.gathered, at + "sp_gather", tags);
+  else if (z.sp())
     gathered = sp_gather(*P, ln1, A.attention.ln1, A.attention.ln1_full, at + "sp_gather", tags);
   const rt::CostHint cost = cost::qkv(z) + query_key_stages_cost(z.spec(l), z, false);
   const TaskId qkv = P->compute(at + "qkv", tags, cost, [=] {
     LayerActivations& A = p->acts(set, layer);
     const StepShape& z = p->shape;
+    if (p->bf16()) {
+      if (z.sp()) round_to_bf16(p->ws().half.gathered, A.attention.ln1_16);
+      project_qkv_bf16(z.model, p->attention_parameters(layer), A.attention.ln1_16,
+                       A.attention.qkv16, p->ws().half.qkv32, context_positions(*p));
+      return;
+    }
     project_qkv(z.spec(layer), z.model, p->attention_parameters(layer), A.attention.ln1_full,
                 A.attention.qkv, context_positions(*p), A.attention.query_key);
     if (ring) {  // keys and values, contiguous: the block this rank sends round the ring
@@ -218,6 +260,20 @@ TaskId AttentionBlock::forward(const BuildPosition& pos, TaskId ready) const {
         P->compute(at + "attention", tags, cost::causal_attention(z) + cost::projection(z), [=] {
           LayerActivations& A = p->acts(set, layer);
           const StepShape& z = p->shape;
+          if (p->bf16()) {
+            const HalfWorkspace& half = p->ws().half;
+            const AttentionActivations& S = A.attention;
+            ops::attention_forward({.dropout = attention_dropout(*p, layer, mb)},
+                                   query_view(S.qkv16, z), key_view(S.qkv16, z),
+                                   value_view(S.qkv16, z), output_view(S.attn16, z),
+                                   S.lse.reshape({B, Hl, Sc}));
+            // The projection's bf16 output joins the fp32 residual stream.
+            ops::linear_forward(S.attn16.reshape({Sc, B, Hl * d}),
+                                p->attention_parameters(layer).proj_weight->value16,
+                                ops::Bf16Tensor{}, half.out16);
+            widen_to_fp32(half.out16, S.proj_partial);
+            return;
+          }
           ops::attention_forward({.dropout = attention_dropout(*p, layer, mb)},
                                  query_view(A.attention.qkv, z), key_view(A.attention.qkv, z),
                                  value_view(A.attention.qkv, z), output_view(A.attention.attn, z),
@@ -235,6 +291,33 @@ TaskId AttentionBlock::forward(const BuildPosition& pos, TaskId ready) const {
                                         A.attention.proj_out, at + "attention_reduce", tags);
   return reduced != rt::kNoTask ? reduced : attention;
 }
+
+namespace {
+
+// A bf16 run's attention backward (local attention, the projection's weight half folded in):
+// the output gradient rounded to bf16 for the projection's products, then the bf16 attention
+// backward into d_qkv: dq in bf16 (widened), dk and dv accumulated in fp32.
+void attention_backward_bf16(RankProgram& p, const AttentionActivations& S,
+                             const AttentionParameters& W, const ops::AttentionDropout& dropout,
+                             const Tensor& d_proj) {
+  const StepShape& z = p.shape;
+  const std::int64_t Sc = z.Sc, B = z.B, Hl = z.Hl, d = z.d;
+  BackwardWorkspace& w = p.ws();
+  const HalfWorkspace& half = w.half;
+  round_to_bf16(d_proj, half.d_out16);
+  ops::linear_backward_input(half.d_out16, W.proj_weight->value16, half.d_attn16);
+  ops::linear_backward_weight(S.attn16.reshape({Sc, B, Hl * d}), half.d_out16, W.proj_weight->grad,
+                              Tensor{});
+  w.attention.d_qkv.fill(0.f);  // attention accumulates dk and dv
+  ops::attention_backward({.dropout = dropout}, query_view(S.qkv16, z), key_view(S.qkv16, z),
+                          value_view(S.qkv16, z), output_view(S.attn16, z),
+                          S.lse.reshape({B, Hl, Sc}), output_view(half.d_attn16, z),
+                          query_view(half.d_qkv16, z), key_view(w.attention.d_qkv, z),
+                          value_view(w.attention.d_qkv, z));
+  widen_to_fp32(query_view(half.d_qkv16, z), query_view(w.attention.d_qkv, z));
+}
+
+}  // namespace
 
 TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHalves& halves,
                                 bool last, WeightPlacement qkv_weights) const {
@@ -257,6 +340,10 @@ TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHa
     BackwardWorkspace& w = p->ws();
     const AttentionParameters& W = p->attention_parameters(layer);
     const Tensor d_proj = sp ? w.d_mlp_full : w.d_mlp;
+    if (p->bf16()) {
+      attention_backward_bf16(*p, A.attention, W, attention_dropout(*p, layer, mb), d_proj);
+      return;
+    }
     ops::linear_backward_input(d_proj, W.proj_weight->value, w.attention.d_attn);
     if (keep)
       A.attention.saved_d_proj.copy_from(d_proj);
@@ -305,6 +392,14 @@ void qkv_input_gradient(RankProgram& P, int set, int layer, bool ring, bool keep
   }
   project_qkv_backward(z.spec(layer), z.model, P.attention_parameters(layer), w.attention.d_qkv,
                        context_positions(P), A.query_key);
+  if (P.bf16()) {  // the gradients the QKV product takes, in bf16
+    const HalfWorkspace& half = w.half;
+    round_to_bf16(w.attention.d_qkv, half.d_qkv16);
+    ops::linear_backward_input(half.d_qkv16.reshape({z.Sc, z.B, width}),
+                               P.attention_parameters(layer).qkv_weight->value16, half.out16);
+    widen_to_fp32(half.out16, w.d_norm_full);
+    return;
+  }
   const Tensor d_out = w.attention.d_qkv.reshape({z.Sc, z.B, width});
   ops::linear_backward_input(d_out, P.attention_parameters(layer).qkv_weight->value, w.d_norm_full);
   if (keep) A.saved_d_qkv.copy_from(d_out);
@@ -336,6 +431,12 @@ TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, We
     return p->compute(at + "qkv_weight_grad", t, cost::qkv(z), [=] {
       LayerActivations& A = p->acts(set, layer);
       const AttentionParameters& W = p->attention_parameters(layer);
+      if (p->bf16()) {
+        ops::linear_backward_weight(A.attention.ln1_16,
+                                    p->ws().half.d_qkv16.reshape({Sc, B, p->shape.qkv_width()}),
+                                    W.qkv_weight->grad, grad_of(W.qkv_bias));
+        return;
+      }
       const Tensor d_out = keep ? A.attention.saved_d_qkv
                                 : p->ws().attention.d_qkv.reshape({Sc, B, p->shape.qkv_width()});
       ops::linear_backward_weight(A.attention.ln1_full, d_out, W.qkv_weight->grad,
@@ -364,6 +465,8 @@ TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, We
         LayerActivations& A = p->acts(set, layer);
         BackwardWorkspace& w = p->ws();
         const AttentionParameters& W = p->attention_parameters(layer);
+        // The reduced gradient is a bf16 value, as the bf16 collective would leave it.
+        if (p->bf16() && p->shape.tp > 1) round_in_place(w.d_norm);
         norm_backward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.attention.ln1_mean,
                       A.attention.ln1_rstd, w.d_norm, w.d_tmp);
         ops::accumulate(w.d_tmp, w.d_x);

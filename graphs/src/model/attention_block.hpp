@@ -62,18 +62,22 @@ inline Tensor head_view(const Tensor& t, std::int64_t d, std::int64_t part) {
 
 // The [s, B, Gl, (qpg + 2) d] QKV tensor (or its gradient) as the attention kernel reads it:
 // the queries [B, s, Gl, qpg d], the keys and the values [B, s, Gl, d].
-inline Tensor query_view(const Tensor& qkv, const StepShape& z) {
+template <typename T>
+ops::BasicTensor<T> query_view(const ops::BasicTensor<T>& qkv, const StepShape& z) {
   return qkv.slice(3, 0, z.qpg * z.d).transpose(0, 1);
 }
-inline Tensor key_view(const Tensor& qkv, const StepShape& z) {
+template <typename T>
+ops::BasicTensor<T> key_view(const ops::BasicTensor<T>& qkv, const StepShape& z) {
   return qkv.slice(3, z.qpg * z.d, z.d).transpose(0, 1);
 }
-inline Tensor value_view(const Tensor& qkv, const StepShape& z) {
+template <typename T>
+ops::BasicTensor<T> value_view(const ops::BasicTensor<T>& qkv, const StepShape& z) {
   return qkv.slice(3, (z.qpg + 1) * z.d, z.d).transpose(0, 1);
 }
 // An attention output (or its gradient) of s rows, stored [s, B, Hl, d] (or [s, B, Hl d]), as the
 // kernel reads it: [B, s, Gl, qpg d], each group's query heads side by side.
-inline Tensor output_view(const Tensor& t, const StepShape& z) {
+template <typename T>
+ops::BasicTensor<T> output_view(const ops::BasicTensor<T>& t, const StepShape& z) {
   return t.reshape({t.dim(0), z.B, z.Gl, z.qpg * z.d}).transpose(0, 1);
 }
 

@@ -1,6 +1,7 @@
 #include "model/dense_mlp.hpp"
 
 #include "model/attention_block.hpp"
+#include "model/half_precision.hpp"
 #include "model/sequence_parallel.hpp"
 #include "step/step_costs.hpp"
 #include "weave/ops/activation.hpp"
@@ -53,14 +54,52 @@ void mlp_activation_backward(const ModelConfig& m, const Tensor& pre, const Tens
     ops::gelu_backward(ops::GeluForm::tanh, pre, d_out, d_pre);
 }
 
+namespace {
+
+// A bf16 run's MLP forward: fc1 and fc2 as bf16 products, the activation in fp32 on fc1's
+// widened output, rounded once; fc2's bf16 output joins the fp32 residual stream.
+void dense_mlp_forward_bf16(const ModelConfig& m, const DenseMlpParameters& W,
+                            const ops::Bf16Tensor& x, const DenseMlpActivations& D,
+                            const HalfWorkspace& half) {
+  ops::linear_forward(x, W.fc1_weight->value16, value16_of(W.fc1_bias), D.fc1_16);
+  widen_to_fp32(D.fc1_16, half.pre32);
+  mlp_activation_forward(m, half.pre32, half.act32);
+  round_to_bf16(half.act32, D.act16);
+  ops::linear_forward(D.act16, W.fc2_weight->value16, ops::Bf16Tensor{}, half.out16);
+  widen_to_fp32(half.out16, D.fc2_partial);
+}
+
+// Its backward (fc2's weight half folded in; fc1's runs after, from half.d_fc1_16): the output
+// gradient rounded to bf16 for the products, the activation's backward in fp32.
+void dense_mlp_backward_bf16(const ModelConfig& m, const DenseMlpParameters& W,
+                             const DenseMlpActivations& D, BackwardWorkspace& w) {
+  const HalfWorkspace& half = w.half;
+  round_to_bf16(w.d_mlp_full, half.d_out16);
+  ops::linear_backward_input(half.d_out16, W.fc2_weight->value16, half.d_act16);
+  ops::linear_backward_weight(D.act16, half.d_out16, W.fc2_weight->grad, Tensor{});
+  widen_to_fp32(D.fc1_16, half.pre32);
+  widen_to_fp32(half.d_act16, half.act32);
+  mlp_activation_backward(m, half.pre32, half.act32, w.dense_mlp.d_fc1);
+  round_to_bf16(w.dense_mlp.d_fc1, half.d_fc1_16);
+  ops::linear_backward_input(half.d_fc1_16, W.fc1_weight->value16, half.out16);
+  widen_to_fp32(half.out16, w.d_norm_full);
+}
+
+}  // namespace
+
 void DenseMlp::allocate(LayerActivations& A) const {
   const StepShape& z = P->shape;
   const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h;
-  A.ln2_full = z.sp() ? P->activation({Sc, B, h}) : A.ln2;
+  if (!P->bf16()) A.ln2_full = z.sp() ? P->activation({Sc, B, h}) : A.ln2;
   DenseMlpActivations& D = A.mlp.emplace<DenseMlpActivations>();
   auto products = [&](DenseMlpActivations& into) {
-    into.fc1 = P->activation({Sc, B, z.f1l});
-    into.act = P->activation({Sc, B, z.fl});
+    if (P->bf16()) {
+      into.fc1_16 = P->activation16({Sc, B, z.f1l});
+      into.act16 = P->activation16({Sc, B, z.fl});
+    } else {
+      into.fc1 = P->activation({Sc, B, z.f1l});
+      into.act = P->activation({Sc, B, z.fl});
+    }
     into.fc2_partial = P->activation({Sc, B, h});
   };
   if (z.model.recompute.recomputes(kRecomputeMlp)) {
@@ -87,9 +126,19 @@ TaskId DenseMlp::forward(const BuildPosition& pos, TaskId ready) const {
   const std::string at = fmt::format("L{}.", l);
   LayerActivations& A = P->acts(set, l);
   TaskId gathered = rt::kNoTask;
-  if (z.sp()) gathered = sp_gather(*P, ready, A.ln2, A.ln2_full, at + "sp_gather_mlp", tags);
+  if (z.sp() && P->bf16())
+    gathered = sp_gather(*P, ready, P->ws().half.norm_out, P->ws().half.gathered,
+                         at + "sp_gather_mlp", tags);
+  else if (z.sp())
+    gathered = sp_gather(*P, ready, A.ln2, A.ln2_full, at + "sp_gather_mlp", tags);
   const TaskId mlp = P->compute(at + "mlp", tags, cost::mlp(z, z.Sc * z.B), [p, layer, set] {
     LayerActivations& A = p->acts(set, layer);
+    if (p->bf16()) {
+      if (p->shape.sp()) round_to_bf16(p->ws().half.gathered, A.ln2_16);
+      dense_mlp_forward_bf16(p->shape.model, p->dense_mlp_parameters(layer), A.ln2_16, A.dense(),
+                             p->ws().half);
+      return;
+    }
     dense_mlp_forward(p->shape.model, p->dense_mlp_parameters(layer), A.ln2_full, A.dense().fc1,
                       A.dense().act, A.dense().fc2_partial);
   });
@@ -117,6 +166,10 @@ TaskId DenseMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& 
     LayerActivations& A = p->acts(set, layer);
     BackwardWorkspace& w = p->ws();
     const DenseMlpParameters& W = p->dense_mlp_parameters(layer);
+    if (p->bf16()) {
+      dense_mlp_backward_bf16(p->shape.model, W, A.dense(), w);
+      return;
+    }
     ops::linear_backward_input(w.d_mlp_full, W.fc2_weight->value, w.dense_mlp.d_act);
     if (keep)
       A.dense().saved_d_fc2.copy_from(w.d_mlp_full);
@@ -148,6 +201,11 @@ TaskId DenseMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& 
     const TaskId weights = halves.place(WeightPlacement::immediate, [=] {
       return p->compute(at + "mlp_weight_grad", tags, fc1, [=] {
         const DenseMlpParameters& W = p->dense_mlp_parameters(layer);
+        if (p->bf16()) {
+          ops::linear_backward_weight(p->acts(set, layer).ln2_16, p->ws().half.d_fc1_16,
+                                      W.fc1_weight->grad, grad_of(W.fc1_bias));
+          return;
+        }
         ops::linear_backward_weight(p->acts(set, layer).ln2_full, p->ws().dense_mlp.d_fc1,
                                     W.fc1_weight->grad, grad_of(W.fc1_bias));
       });

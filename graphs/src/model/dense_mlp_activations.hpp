@@ -13,6 +13,8 @@ struct DenseMlpActivations {
   // A split backward (zero-bubble schedules): fc2's and fc1's output gradients, kept from the
   // input-gradient half (I) until the weight half (W) runs.
   Tensor saved_d_fc2, saved_d_fc1;
+  // A bf16 run keeps fc1's output and the activation in bf16 instead (fc1, act undefined).
+  ops::Bf16Tensor fc1_16, act16;
 };
 
 // The dense MLP's share of the backward's workspace, one per device for all its layers: the

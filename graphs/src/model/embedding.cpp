@@ -1,6 +1,7 @@
 #include "model/embedding.hpp"
 
 #include "model/attention_block.hpp"
+#include "model/half_precision.hpp"
 #include "model/sequence_parallel.hpp"
 #include "step/step_costs.hpp"
 #include "weave/ops/embedding.hpp"
@@ -40,6 +41,9 @@ TaskId Embedding::forward(const BuildPosition& pos, TaskId ready) const {
             row[c] += q[c];
         }
     p->apply_dropout(false, mb, p->shape.model.num_layers, 2, X.x_in, X.x_in);
+    // A bf16 run's embedding output is a bf16 value (the lookup of the bf16 table, up to the
+    // dropout's and positions' one rounding), carried in the fp32 residual stream.
+    if (p->bf16()) round_in_place(X.x_in);
   });
   P->after(reduced, positions);
   return positions;

@@ -7,6 +7,7 @@
 #include <numeric>
 
 #include "model/embedding.hpp"
+#include "model/half_precision.hpp"
 #include "model/layer_shard.hpp"
 #include "model/output_loss.hpp"
 #include "model/parameter_declarer.hpp"
@@ -18,6 +19,13 @@ namespace weave::graphs {
 std::int64_t local_cols(const Parameter& p) {
   return p.value.rank() == 1 ? 1 : p.value.dim(-1);
 }
+ops::Tensor compute_value(const Parameter& p) {
+  if (!p.value16.defined()) return p.value;
+  const ops::Tensor wide = ops::Tensor::empty(p.value16.shape());
+  widen_to_fp32(p.value16, wide);
+  return wide;
+}
+
 std::int64_t local_rows(const Parameter& p) {
   return p.value.numel() / local_cols(p);
 }
@@ -30,6 +38,11 @@ double normal(const ops::RandomKey& key, std::int64_t row, std::int64_t col) {
   ops::uniform4(key, static_cast<std::uint64_t>(row), static_cast<std::uint64_t>(col), u);
   const double u1 = 1.0 - u[0], u2 = u[1];  // u1 in (0, 1]
   return std::sqrt(-2.0 * std::log(u1)) * std::cos(2 * std::numbers::pi * u2);
+}
+
+// A bf16 run's parameters: the bucket's fp32 main values rounded into its bf16 copy.
+void refresh(GradientBucket& bucket) {
+  round_to_bf16(bucket.values, bucket.values16);
 }
 
 }  // namespace
@@ -211,7 +224,14 @@ void ModelShard::make_bucket(const Mesh& mesh, int rank, std::string name,
                         : ops::Tensor::shape_only({n}, device_, category,
                                                   static_cast<std::size_t>(element_bytes));
   };
-  bucket.values = zeros(padded, rt::MemoryCategory::parameters, bytes.parameter);
+  const bool bf16 = materialize_ && config_.precision == Precision::bf16;
+  // A materialized bf16 run holds the fp32 main values in the optimizer and a bf16 copy as the
+  // model's parameters.
+  bucket.values =
+      zeros(padded, bf16 ? rt::MemoryCategory::optimizer_state : rt::MemoryCategory::parameters,
+            bytes.parameter);
+  if (bf16)
+    bucket.values16 = ops::Bf16Tensor::zeros({padded}, device_, rt::MemoryCategory::parameters);
   bucket.grads = zeros(padded, rt::MemoryCategory::gradients, bytes.gradient);
   std::int64_t at = 0;
   for (Parameter* p : bucket.params) {
@@ -220,6 +240,7 @@ void ModelShard::make_bucket(const Mesh& mesh, int rank, std::string name,
     if (materialize_) value.copy_from(p->value);
     p->value = value;
     p->grad = bucket.grads.slice(0, at, p->value.numel()).reshape(p->value.shape());
+    if (bf16) p->value16 = bucket.values16.slice(0, at, p->value.numel()).reshape(p->value.shape());
     p->bucket = bucket.name;
     at += p->value.numel();
   }
@@ -230,10 +251,16 @@ void ModelShard::make_bucket(const Mesh& mesh, int rank, std::string name,
   bucket.exp_avg_sq = zeros(bucket.shard_size, rt::MemoryCategory::optimizer_state, 4);
   // 16-bit training: the fp32 master weights (and for fp16 the fp32 gradients) of the shard,
   // beside the two moments.
+  if (bf16) refresh(bucket);
   if (!materialize_ && bytes.optimizer_state > 8)
     bucket.master_state =
         zeros(bucket.shard_size, rt::MemoryCategory::optimizer_state, bytes.optimizer_state - 8);
   buckets_.push_back(std::move(bucket));
+}
+
+void ModelShard::refresh_bf16_copies() {
+  for (GradientBucket& b : buckets_)
+    if (b.values16.defined()) refresh(b);
 }
 
 void ModelShard::zero_grads() {

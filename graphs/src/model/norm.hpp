@@ -8,14 +8,16 @@
 
 namespace weave::graphs {
 
-// y = norm(x); mean is unused by RMSNorm, bias is null there.
+// y = norm(x); mean is unused by RMSNorm, bias is null there. A bf16 run's norms read the bf16
+// parameters (widened), computing in fp32.
 inline void norm_forward(const ModelConfig& m, const ops::Tensor& x, const Parameter& weight,
                          const Parameter* bias, const ops::Tensor& y, const ops::Tensor& mean,
                          const ops::Tensor& rstd) {
   if (m.normalization == Normalization::rms_norm)
-    ops::rms_norm_forward(x, weight.value, m.layernorm_epsilon, y, rstd);
+    ops::rms_norm_forward(x, compute_value(weight), m.layernorm_epsilon, y, rstd);
   else
-    ops::layer_norm_forward(x, weight.value, bias->value, m.layernorm_epsilon, y, mean, rstd);
+    ops::layer_norm_forward(x, compute_value(weight), compute_value(*bias), m.layernorm_epsilon, y,
+                            mean, rstd);
 }
 
 // dx written, the weight's (and bias's) gradients accumulated.
@@ -23,9 +25,9 @@ inline void norm_backward(const ModelConfig& m, const ops::Tensor& x, const Para
                           const Parameter* bias, const ops::Tensor& mean, const ops::Tensor& rstd,
                           const ops::Tensor& dy, const ops::Tensor& dx) {
   if (m.normalization == Normalization::rms_norm)
-    ops::rms_norm_backward(x, weight.value, rstd, dy, dx, weight.grad);
+    ops::rms_norm_backward(x, compute_value(weight), rstd, dy, dx, weight.grad);
   else
-    ops::layer_norm_backward(x, weight.value, mean, rstd, dy, dx, weight.grad, bias->grad);
+    ops::layer_norm_backward(x, compute_value(weight), mean, rstd, dy, dx, weight.grad, bias->grad);
 }
 
 }  // namespace weave::graphs

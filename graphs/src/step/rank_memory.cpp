@@ -100,6 +100,25 @@ void allocate_workspace(RankProgram& P, BackwardWorkspace& W, bool output_layer)
     W.output.d_logits = P.activation({Sc * B, z.Vl});
     W.output.d_final_full = P.activation({Sc, B, h});
   }
+  if (P.bf16()) {
+    HalfWorkspace& H = W.half;
+    const std::int64_t qkv = z.qkv_group_width();
+    H.norm_out = P.activation({Sl, B, h});
+    if (sp) H.gathered = P.activation({Sc, B, h});
+    H.qkv32 = P.activation({Sc, B, z.Gl, qkv});
+    H.pre32 = P.activation({Sc, B, z.f1l});
+    H.act32 = P.activation({Sc, B, z.fl});
+    H.out16 = P.activation16({Sc, B, h});
+    H.d_out16 = P.activation16({Sc, B, h});
+    H.d_act16 = P.activation16({Sc, B, z.fl});
+    H.d_fc1_16 = P.activation16({Sc, B, z.f1l});
+    H.d_attn16 = P.activation16({Sc, B, Hl * d});
+    H.d_qkv16 = P.activation16({Sc, B, z.Gl, qkv});
+    if (output_layer) {
+      H.logits16 = P.activation16({Sc * B, z.Vl});
+      H.d_logits16 = P.activation16({Sc * B, z.Vl});
+    }
+  }
 }
 
 }  // namespace

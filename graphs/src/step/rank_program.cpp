@@ -180,6 +180,9 @@ void RankProgram::build() {
   compute("zero_grads", {},
           cost::streamed_bytes(gradients, parameter_bytes(shape.model.precision).gradient), [this] {
             state.shard->zero_grads();
+            // A bf16 run's products read the main parameters as the last update (or a loaded
+            // checkpoint) left them, rounded to bf16.
+            if (bf16()) state.shard->refresh_bf16_copies();
             std::fill(state.loss.begin(), state.loss.end(), 0.0);
             std::fill(state.aux.begin(), state.aux.end(), 0.0);
             state.routed_picks = state.dropped_picks = 0;

@@ -197,6 +197,14 @@ class RankProgram {
                : Tensor::shape_only(s, device, rt::MemoryCategory::activations,
                                     static_cast<std::size_t>(shape.model.activation_bytes()));
   }
+  // A materialized bf16 run: products in bf16 (gemm_bf16), the parameters' bf16 copies, the
+  // products' inputs kept in bf16, the residual stream, norms, softmax and loss in fp32. A step
+  // built without tensors models bf16 by its byte counts alone and takes the fp32 code paths.
+  bool bf16() const { return materialize && shape.model.precision == Precision::bf16; }
+  // A bf16 activation of a bf16 run.
+  ops::Bf16Tensor activation16(const ops::Shape& s) {
+    return ops::Bf16Tensor::empty(s, device, rt::MemoryCategory::activations);
+  }
 
   ModelShard& shard() { return *state.shard; }
   const LayerShard& layer(int l) const { return state.shard->layer(l); }

@@ -31,7 +31,8 @@ struct LayerActivations {
   Tensor x_in;  // [Sl, B, h]: the previous layer's output
   Tensor x_mid;
   Tensor ln2, ln2_mean, ln2_rstd, ln2_full;
-  Tensor mlp_out;  // [Sl, B, h]: the MLP's output, before bias and dropout
+  ops::Bf16Tensor ln2_16;  // a bf16 run: the MLP norm's output, kept in bf16 (ln2 undefined)
+  Tensor mlp_out;          // [Sl, B, h]: the MLP's output, before bias and dropout
   Tensor x_out;
   AttentionActivations attention;
   std::variant<DenseMlpActivations, MoeActivations> mlp;
@@ -51,6 +52,22 @@ struct LayerActivations {
   }
 };
 
+// A bf16 run's conversions: fp32 values on their way into bf16 (a norm's output, the activation,
+// RoPE's rotation, the gradients the products take) and the bf16 results of products on their
+// way into the fp32 residual stream and loss. Shared by every layer of the device; each tensor
+// is used within one task but for d_fc1_16, d_qkv16 and d_logits16, which carry the output
+// gradients to the weight halves as d_fc1, d_qkv and d_logits do.
+struct HalfWorkspace {
+  Tensor norm_out;                       // [Sl, B, h]
+  Tensor gathered;                       // sequence parallelism: norm_out's gather [Sc, B, h]
+  Tensor qkv32;                          // [Sc, B, Gl, qkv group width]
+  Tensor pre32, act32;                   // [Sc, B, f1l], [Sc, B, fl]
+  ops::Bf16Tensor out16, d_out16;        // [Sc, B, h]
+  ops::Bf16Tensor d_act16, d_fc1_16;     // [Sc, B, fl], [Sc, B, f1l]
+  ops::Bf16Tensor d_attn16, d_qkv16;     // [Sc, B, Hl d], [Sc, B, Gl, qkv group width]
+  ops::Bf16Tensor logits16, d_logits16;  // [Sc B, Vl]
+};
+
 // Gradient workspace shared by all layers of a device: the backward runs layer after layer. The
 // layer's own (its residual stream's and norms' gradients, which its modules pass between them)
 // and each module's part.
@@ -63,6 +80,7 @@ struct BackwardWorkspace {
   DenseMlpWorkspace dense_mlp;
   RingAttentionWorkspace cp_ring;  // context parallelism only
   OutputWorkspace output;          // the last stage only
+  HalfWorkspace half;              // bf16 runs only
 };
 
 // The activations one model chunk keeps for one micro-batch, from its forward until its
@@ -88,6 +106,7 @@ struct OutputSet {
   Tensor row_max, partials, lse;
   std::vector<std::int32_t> targets;  // [Sc B]
   Tensor saved_d_logits;              // a split backward: the output layer's gradient, for W
+  ops::Bf16Tensor final16;            // a bf16 run: the final norm's output (final_ln undefined)
 };
 
 struct RankState {

@@ -42,6 +42,29 @@ void check_devices(const ParallelPlan& plan, const devices::DeviceSet& set) {
                     plan.pipeline_parallel, set.size()));
 }
 
+// What a step built with tensors trains in 16 bits so far: bf16 on one device, dense layers with
+// local attention, every activation kept. The rest is modelled by a prediction only.
+void check_half_precision_step(const ModelConfig& model, const ParallelPlan& plan) {
+  const auto refuse = [&](std::string_view what) {
+    throw ConfigError(fmt::format(
+        "a step built with tensors trains in {} with tensor (and sequence) and data parallelism "
+        "only, dense layers and every activation kept (bf16 mixed precision: bf16 products and "
+        "saved activations, fp32 main parameters, gradients, norms, softmax and loss); this run "
+        "has {}: train it in fp32 (drop --{}), or predict the {} run (weave predict, or "
+        "StepBuildOptions::materialize = false)",
+        "bf16", what, precision_name(model.precision), precision_name(model.precision)));
+  };
+  if (model.precision == Precision::fp16)
+    refuse("fp16, which needs a dynamic loss scaler weave does not have yet");
+  if (plan.context_parallel > 1) refuse("context parallelism (--context-parallel-size)");
+  if (plan.pipeline_parallel > 1) refuse("pipeline parallelism (--pipeline-model-parallel-size)");
+  if (plan.distributed_optimizer) refuse("--use-distributed-optimizer");
+  if (model.num_experts > 0) refuse("MoE layers (--num-experts)");
+  if (model.qk_layernorm) refuse("--qk-layernorm");
+  if (model.recompute.granularity != RecomputeGranularity::none)
+    refuse("activation recomputation (--recompute-granularity)");
+}
+
 }  // namespace
 
 TrainingStep::Impl::Impl(const ModelConfig& model, const ParallelPlan& plan,
@@ -56,13 +79,7 @@ TrainingStep::Impl::Impl(const ModelConfig& model, const ParallelPlan& plan,
       materialize(options.materialize),
       processes(comm.processes()) {
   shape.splits_backward = set_plan.splits_backward;
-  // weave's kernels compute in fp32 and keep every activation: a step that runs them trains in
-  // fp32 without recomputation; one built without tensors models either.
-  if (materialize && model.precision != Precision::fp32)
-    throw std::invalid_argument(fmt::format(
-        "a step built with tensors computes in fp32 (weave's kernels), not {}: build it with "
-        "StepBuildOptions::materialize = false to predict a {} run",
-        precision_name(model.precision), precision_name(model.precision)));
+  if (materialize && model.precision != Precision::fp32) check_half_precision_step(model, plan);
   inputs.batches.assign(static_cast<std::size_t>(plan.data_parallel),
                         std::vector<MicroBatch>(static_cast<std::size_t>(shape.M)));
   // A step built without tensors reads no tokens: with thousands of micro-batches of long

@@ -33,6 +33,10 @@ enum class GradientReduction {
 struct Parameter {
   std::string name;         // "layers.0.attention.qkv.weight"
   ops::Tensor value, grad;  // local shapes
+  // A bf16 run: the bf16 copy of `value` the products read (the model's parameter, as
+  // Megatron-LM's Float16Module holds it); `value` is then the fp32 main parameter the optimizer
+  // updates and `grad` its fp32 main gradient. Undefined in an fp32 run.
+  ops::Bf16Tensor value16;
   ops::Tensor exp_avg, exp_avg_sq;
   std::int64_t logical_rows = 0, logical_cols = 0;
   RowMap row_map;                  // local row -> logical row
@@ -56,6 +60,10 @@ struct GradientBucket {
   std::string name;  // "layers.3.mlp/dense"
   std::vector<Parameter*> params;
   ops::Tensor values, grads;  // flat; every parameter's value and grad is a view into them
+  // A bf16 run: the flat bf16 copy of `values` (every parameter's value16 is a view into it),
+  // refreshed from the fp32 main values before each step's forward. Counted as parameters, and
+  // `values` (the main parameters) as optimizer state, as the prediction counts them.
+  ops::Bf16Tensor values16;
   bool expert = false;
   GradientReduction reduction = GradientReduction::none;
   int replicas = 1;              // data-parallel copies of these values
@@ -127,6 +135,8 @@ class ModelShard {
   int local_experts() const { return local_experts_; }
 
   void zero_grads();
+  // A bf16 run: rounds the fp32 main parameters into their bf16 copies (nothing in fp32).
+  void refresh_bf16_copies();
   // In the order the backward pass makes them ready.
   std::vector<GradientBucket>& buckets() { return buckets_; }
   // The bucket that holds parameter `p`'s gradient.
@@ -170,6 +180,15 @@ inline ops::Tensor value_of(const Parameter* p) {
 }
 inline ops::Tensor grad_of(const Parameter* p) {
   return p ? p->grad : ops::Tensor{};
+}
+inline ops::Bf16Tensor value16_of(const Parameter* p) {
+  return p ? p->value16 : ops::Bf16Tensor{};
+}
+// The value the model computes with: `value`, or in a bf16 run its bf16 copy widened into a heap
+// tensor (for the fp32 kernels that read the small parameters: norms' weights, residual biases).
+ops::Tensor compute_value(const Parameter& p);
+inline ops::Tensor compute_value_of(const Parameter* p) {
+  return p ? compute_value(*p) : ops::Tensor{};
 }
 
 // The local rows and columns a parameter's storage is read as: [numel / last, last] for rank
