@@ -39,6 +39,14 @@ struct ExposedCommunication {
   double ms_per_device = 0;
 };
 
+// What a step's compute time goes to: matrix products (their shapes' overhead included),
+// attention kernels, element-wise work in the layers (norms, softmax and dropout of
+// materialised scores, residuals, copies), and the optimizer step (zeroing the gradients, their
+// norm, the update).
+enum class ComputeKind : std::uint8_t { products, attention, elementwise, optimizer };
+inline constexpr std::size_t kComputeKindCount = 4;
+std::string_view to_string(ComputeKind kind);
+
 struct Prediction {
   double step_ms = 0;
   double tokens_per_second = 0;
@@ -51,6 +59,9 @@ struct Prediction {
   std::vector<ExposedCommunication> exposed;  // groups with any exposed time
   // Every group's together, a time two groups leave exposed at once counted once.
   double exposed_ms_per_device = 0;
+  // Compute busy per device by ComputeKind, in ms (summed over the replayed devices, divided by
+  // their count, as exposed_ms_per_device).
+  std::array<double, kComputeKindCount> compute_ms_per_device{};
   // Per device, by category (rt::MemoryCategory): what it would hold at its peak.
   std::vector<std::array<std::int64_t, rt::kMemoryCategoryCount>> memory;
   std::vector<std::int64_t> memory_total;  // per device (a folded replica: its first replica's)
