@@ -54,11 +54,17 @@ double model_flops_per_step(const ModelConfig& m, const ParallelPlan& plan, bool
 double recomputed_flops_per_step(const ModelConfig& m, const ParallelPlan& plan) {
   const PipelineLayout layout = make_pipeline_layout(m, plan);
   double layers = 0;
-  for (int l = 0; l < m.num_layers; ++l)
-    if (!recompute_group(m.recompute, layout, l).empty())
+  for (int l = 0; l < m.num_layers; ++l) {
+    if (!recompute_group(m.recompute, layout, l).empty()) {
       layers += layer_forward_flops(m, l);
-    else if (!m.is_moe_layer(l) && m.recompute.recomputes(kRecomputeMlp))
-      layers += mlp_forward_flops(m);
+      continue;
+    }
+    if (!m.is_moe_layer(l) && m.recompute.recomputes(kRecomputeMlp)) layers += mlp_forward_flops(m);
+    // Materialised scores recomputed: QK^T and the product with V over the square, as
+    // Megatron-LM counts them.
+    if (m.materialised_scores() && m.recompute.recomputes(kRecomputeCoreAttention))
+      layers += 4.0 * m.seq_length * m.num_attention_heads * m.head_dim();
+  }
   return static_cast<double>(plan.global_batch_size) * m.seq_length * layers;
 }
 

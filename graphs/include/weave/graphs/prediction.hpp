@@ -30,8 +30,9 @@ namespace weave::graphs {
 double model_flops_per_step(const ModelConfig& model, const ParallelPlan& plan, bool recompute);
 // The FLOPs a step's recomputation adds: a forward of every layer model.recompute recomputes in
 // full (recompute_group), counted as model_flops_per_step counts a layer, and under selective
-// recomputation of the mlp a forward of every dense MLP (core_attn adds none here: weave's
-// blockwise attention recomputes its scores in every backward already, recomputation or not).
+// recomputation of the mlp a forward of every dense MLP, and of core_attn the products of the
+// materialised scores (--attention-backend unfused or local; with a fused kernel core_attn adds
+// none: it recomputes its scores in every backward already, recomputation or not).
 double recomputed_flops_per_step(const ModelConfig& model, const ParallelPlan& plan);
 
 struct ExposedCommunication {
