@@ -52,9 +52,14 @@ void reduce_buckets(RankProgram& P, const std::string& point, TaskId after) {
 void reduce_deferred_buckets(RankProgram& P) {
   if (P.deferred_buckets.empty()) return;
   // Last on the compute stream, whose tasks run in the order they were added: after every
-  // backward task of the step, and after the tasks that completed each bucket.
-  const TaskId backward_done =
-      P.compute("grad_sync_start", {.phase = rt::Phase::backward}, rt::CostHint{}, [] {});
+  // backward task of the step, and after the tasks that completed each bucket. A host task: it
+  // marks the point and costs nothing.
+  const TaskId backward_done = P.graph.add({.device = static_cast<rt::DeviceId>(P.rank),
+                                            .stream = rt::kComputeStream,
+                                            .kind = rt::TaskKind::host,
+                                            .name = "grad_sync_start",
+                                            .tags = {.phase = rt::Phase::backward}},
+                                           [](rt::TaskContext&) {});
   for (const auto& [bucket, after] : P.deferred_buckets)
     P.after(after, backward_done);
   for (const auto& [bucket, after] : P.deferred_buckets)
