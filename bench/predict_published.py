@@ -95,8 +95,8 @@ AMPIPE = [
 # stages 4, ep 32, dp 16, micro-batch 1, global batch 2048, sequence 4096, recomputation of the
 # norms and activations. Assumed: SwiGLU, RoPE, RMSNorm, QK-norm, untied embeddings, vocabulary
 # 151,936 (Qwen3's), sequence parallelism, the distributed optimizer with overlapped gradient
-# reduction and parameter gathers, the first and last stage one layer short (94 = 8 x 12 - 2),
-# flash attention, and, where weave cannot follow the run: 32 heads of 128 instead of 64 (weave's
+# reduction and parameter gathers, the first and last model chunk one layer short (94 = 2 + 30 x
+# 3 + 2 over the 8 x 4 chunks), flash attention, and, where weave cannot follow the run: 32 heads of 128 instead of 64 (weave's
 # heads are --hidden-size / heads wide and it refuses --kv-channels; the real 64 x 128 queries
 # are twice the hidden size), so the attention's products are those of 32 heads, and the experts
 # --ffn-hidden-size wide (every layer is MoE: weave's experts take that width), and no
@@ -109,10 +109,15 @@ QWEN3 = ("--accelerator h100-sxm --num-layers 94 --hidden-size 4096 --num-attent
          "--disable-bias-linear --untie-embeddings-and-output-weights --vocab-size 151936 "
          "--seq-length 4096 --max-position-embeddings 4096 --devices 256 "
          "--tensor-model-parallel-size 2 --sequence-parallel --pipeline-model-parallel-size 8 "
-         "--decoder-first-pipeline-num-layers 11 --decoder-last-pipeline-num-layers 11 "
+         "--virtual-pipeline-model-parallel-size 4 --decoder-first-pipeline-num-layers 2 "
+         "--decoder-last-pipeline-num-layers 2 "
          "--expert-model-parallel-size 32 --micro-batch-size 1 --global-batch-size 2048 --bf16 "
          "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather "
          "--attention-backend flash")
+# The overlap (Megatron-Core's --overlap-moe-expert-parallel-comm, which weave does not take) is
+# predicted with MindSpeed's --moe-alltoall-overlap-comm, which weave accepts without effect: its
+# all-to-alls already overlap whatever the data allows, so the row shows what the 1F1B overlap's
+# reordering of two micro-batches would add.
 QWEN3_ROWS = [("without overlap", "", 19.7), ("1F1B all-to-all overlap",
                                                 "--moe-alltoall-overlap-comm", 17.6)]
 

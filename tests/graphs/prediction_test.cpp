@@ -155,6 +155,34 @@ TEST(Prediction, GradientReductionsWaitForTheBackwardWithoutOverlapGradReduce) {
   }
 }
 
+// The compute time by kind (products, attention, element-wise, optimizer) splits each device's
+// compute busy time, so the kinds add up to it (busy = step x devices / (1 + bubble)); each kind
+// is there with the kernel model; a micro-batch fold extrapolates them to what a whole replay
+// gives.
+TEST(Prediction, ComputeByKindAddsUpToTheComputeBusyTime) {
+  TrainerConfig c;
+  c.model = tiny(0);
+  c.plan = {.pipeline_parallel = 2, .micro_batch_size = 1, .global_batch_size = 12};
+  c.machine = {.device_flops = 1e12,
+               .device_memory_bandwidth = 1e11,
+               .attention_flops = 5e11,
+               .matmul_overhead_dimension = 16,
+               .link = "nvlink4"};
+  const Prediction every = predict_step(c);
+  const Prediction folded = predict_step(c, {.fold_micro_batches = true});
+  ASSERT_EQ(folded.micro_batches_replayed.size(), 3u);
+  double kinds = 0;
+  for (std::size_t k = 0; k < kComputeKindCount; ++k) {
+    SCOPED_TRACE(std::string(to_string(static_cast<ComputeKind>(k))));
+    EXPECT_GT(every.compute_ms_per_device[k], 0);
+    EXPECT_NEAR(folded.compute_ms_per_device[k], every.compute_ms_per_device[k],
+                1e-9 * every.step_ms);
+    kinds += every.compute_ms_per_device[k];
+  }
+  const double busy = every.step_ms / (1 + every.bubble);  // per device, as the bubble counts it
+  EXPECT_NEAR(kinds, busy, 1e-6 * busy);
+}
+
 // A group's exposed communication read from the replay by its name is the prediction's figure
 // of that group; groups together are their streams' union.
 TEST(Prediction, AGroupsExposedCommunicationIsReadFromTheReplay) {
