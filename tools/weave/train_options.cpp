@@ -4,8 +4,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <sstream>
+#include <string_view>
+#include <utility>
 
 #include "commands.hpp"
 #include "weave/devices/accelerator.hpp"
