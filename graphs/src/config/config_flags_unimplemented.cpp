@@ -87,7 +87,8 @@ constexpr ConfigFlag kNoEffect[] = {
     without_effect("--transformer-impl", 1, kImplementation),
     without_effect("--distributed-backend", 1, kBackend),
     without_effect("--DDP-impl", 1,
-                   "gradients are reduced by weave's own tasks, overlapping the backward"),
+                   "gradients are reduced by weave's own tasks (after the backward, or during it "
+                   "with --overlap-grad-reduce)"),
     without_effect("--distributed-timeout-minutes", 1,
                    "weave's collectives have no process-group timeout"),
     without_effect("--no-masked-softmax-fusion", 0, kFusion),
