@@ -145,6 +145,36 @@ TEST(ActivationMemory, KorthikantiWithTensorAndSequenceParallelism) {
   }
 }
 
+// Megatron's materialised core attention (--attention-backend unfused or local) with attention
+// dropout keeps what the paper's 5as^2b/t counts, term by term: the softmax's output (2as^2b/t),
+// the dropout's mask (as^2b/t, one byte a score) and the dropout's output (2as^2b/t), which
+// weave_layer takes off for the blockwise attention; weave keeps the log-sum-exp besides, as with
+// the fused kernel. Selective recomputation of the core attention keeps none of them again.
+TEST(ActivationMemory, KorthikantiWithMaterialisedScores) {
+  for (const auto& [t, sp] : {std::pair{1, false}, std::pair{2, false}, std::pair{2, true}}) {
+    SCOPED_TRACE(testing::Message() << "t " << t << (sp ? " sp" : ""));
+    const std::int64_t softmax = kBytes * a * s * s * b / t;
+    const std::int64_t mask = a * s * s * b / t;
+    const std::int64_t dropped = kBytes * a * s * s * b / t;
+    EXPECT_EQ(softmax + mask + dropped, 5 * a * s * s * b / t);  // the paper's term
+    for (const AttentionBackend backend : {AttentionBackend::unfused, AttentionBackend::local}) {
+      TrainerConfig c = gpt(t, sp);
+      c.model.attention_backend = backend;
+      c.model.attention_dropout = 0.1;
+      const std::int64_t expected =
+          L * (weave_layer(t, sp) + softmax + mask + dropped) + outside_layers(t, sp);
+      EXPECT_EQ(predicted_activation_bytes(c), expected);
+      c.model.recompute = {.granularity = RecomputeGranularity::selective};  // core_attn
+      EXPECT_EQ(predicted_activation_bytes(c), L * weave_layer(t, sp) + outside_layers(t, sp));
+    }
+    // Without attention dropout only the softmax's output is kept.
+    TrainerConfig c = gpt(t, sp);
+    c.model.attention_backend = AttentionBackend::unfused;
+    EXPECT_EQ(predicted_activation_bytes(c),
+              L * (weave_layer(t, sp) + softmax) + outside_layers(t, sp));
+  }
+}
+
 // Full recomputation of every layer (uniform, one layer a group): each layer keeps its input,
 // 2sbh (2sbh/t under sequence parallelism) as the paper counts, and the rank holds one layer's
 // working set besides while that layer is recomputed and its backward runs (the paper's

@@ -6,6 +6,7 @@
 #include <set>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "weave/graphs/config_flags.hpp"
@@ -36,12 +37,26 @@ TEST(ConfigFlags, AmpipeRefusesTheFeaturesMindSpeedRefusesBesideIt) {
     SCOPED_TRACE(flag);
     const ConfigFlag* f = find_config_flag(flag);
     ASSERT_NE(f, nullptr);
-    EXPECT_EQ(f->status, FlagStatus::no_effect);
+    const bool overlap = std::string_view(flag).rfind("--overlap-", 0) == 0;
+    EXPECT_EQ(f->status, overlap ? FlagStatus::implemented : FlagStatus::no_effect);
     EXPECT_TRUE(f->has(kRefusedBesideAmpipe));
     EXPECT_TRUE(mentions(ampipe_rule(2, flag), "cannot run with --")) << ampipe_rule(2, flag);
     EXPECT_TRUE(
         mentions(ampipe_rule(2, flag), std::string("--ampipe-degree (2) cannot run with ") + flag));
     EXPECT_EQ(ampipe_rule(1, flag), "accepted");
+  }
+  // The overlaps the plan holds are refused beside Ampipe as when given by name.
+  for (const bool param_gather : {false, true}) {
+    ParallelPlan plan{.ampipe_degree = 2};
+    plan.overlap_grad_reduce = true;
+    plan.overlap_param_gather = param_gather;
+    try {
+      check_flag_rules(plan, {});
+      ADD_FAILURE() << "Ampipe accepted with the overlaps";
+    } catch (const ConfigError& e) {
+      EXPECT_TRUE(mentions(e.what(), "--ampipe-degree (2) cannot run with --overlap-grad-reduce"))
+          << e.what();
+    }
   }
   EXPECT_EQ(find_config_flag("--use-flash-attn")->status, FlagStatus::no_effect);
   EXPECT_EQ(ampipe_rule(2, "--use-flash-attn"), "accepted");

@@ -100,18 +100,20 @@ TEST(PlanSearch, DiscardsWhatDoesNotFit) {
 // Ampipe refuses, the Ampipe candidates are refused, as a run given it would be.
 TEST(PlanSearch, FlagsWithoutEffectKeepTheirRules) {
   const TrainerConfig moe = base_config(8, 4, 8);
+  TrainerConfig overlapped = moe;  // --overlap-grad-reduce, which the plan holds
+  overlapped.plan.overlap_grad_reduce = true;
   auto any_ampipe = [](const PlanCandidates& c) {
     return std::any_of(c.configs.begin(), c.configs.end(),
                        [](const TrainerConfig& x) { return x.plan.ampipe_degree == 2; });
   };
-  const PlanCandidates overlap =
-      enumerate_plans(moe, {.flags_without_effect = {"--overlap-grad-reduce"}});
+  const PlanCandidates overlap = enumerate_plans(overlapped, {});
   EXPECT_FALSE(any_ampipe(overlap));
   EXPECT_TRUE(
       std::any_of(overlap.refused.begin(), overlap.refused.end(), [](const RefusalCount& r) {
         return r.reason.find("cannot run with --overlap-grad-reduce") != std::string::npos;
       }));
   EXPECT_TRUE(any_ampipe(enumerate_plans(moe, {.flags_without_effect = {"--use-flash-attn"}})));
+  EXPECT_FALSE(any_ampipe(enumerate_plans(moe, {.flags_without_effect = {"--use-nanopipe"}})));
 }
 
 TEST(PlanSearch, CountsRefusalsBySkippedAndLimited) {

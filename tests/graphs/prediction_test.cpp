@@ -4,7 +4,9 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -80,6 +82,105 @@ TEST(Prediction, EqualsTheMaterialisedStepOnTheVirtualClock) {
   }
   EXPECT_TRUE(tp);
   EXPECT_TRUE(pipeline);
+}
+
+// The materialised step and its prediction agree too with the options that change the graph's
+// order and prices: data-parallel reductions after the backward (no --overlap-grad-reduce) or
+// during it, and the materialised scores' tasks and memory (--attention-backend unfused).
+TEST(Prediction, EqualsTheMaterialisedStepWithEachOverlapAndAttentionBackend) {
+  for (const bool overlap : {false, true}) {
+    SCOPED_TRACE(overlap ? "overlap" : "after the backward");
+    TrainerConfig c;
+    c.model = tiny(0);
+    c.model.attention_backend = AttentionBackend::unfused;
+    c.model.attention_dropout = 0.1;
+    c.plan = {.tensor_parallel = 2,
+              .sequence_parallel = true,
+              .data_parallel = 2,
+              .micro_batch_size = 1,
+              .global_batch_size = 4,
+              .distributed_optimizer = true};
+    c.plan.overlap_grad_reduce = overlap;
+    c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
+    const Prediction p = predict_step(c);
+    std::vector<std::int64_t> memory;
+    const rt::VirtualRunResult r =
+        replay_step(c, {}, false, [&](TrainingStep&, devices::DeviceSet& set) {
+          for (std::size_t d = 0; d < set.size(); ++d)
+            memory.push_back(set.memory().peak_total(static_cast<rt::DeviceId>(d)));
+        });
+    EXPECT_DOUBLE_EQ(p.step_ms, static_cast<double>(r.makespan) * 1e-6);
+    EXPECT_EQ(p.memory_total, memory);
+  }
+}
+
+// Without --overlap-grad-reduce every data-parallel gradient reduction starts after the rank's
+// last backward compute task ends (Megatron-LM's finish_grad_sync after the backward); with it
+// the first reductions start while the backward still runs. Read on the virtual clock, device by
+// device.
+TEST(Prediction, GradientReductionsWaitForTheBackwardWithoutOverlapGradReduce) {
+  for (const bool overlap : {false, true}) {
+    SCOPED_TRACE(overlap ? "overlap" : "after the backward");
+    TrainerConfig c;
+    c.model = tiny(0);
+    c.model.num_layers = 4;
+    c.plan = {.data_parallel = 2, .micro_batch_size = 1, .global_batch_size = 4};
+    c.plan.overlap_grad_reduce = overlap;
+    c.machine = {.device_flops = 1e11, .device_memory_bandwidth = 1e10, .link = "nvlink4"};
+    const Prediction p = predict_step(c, {.fold_data_parallel = false});
+    const rt::TaskTable& tasks = p.trace.tasks();
+    for (rt::DeviceId device = 0; device < 2; ++device) {
+      rt::Nanos backward_end = 0, first_reduction = std::numeric_limits<rt::Nanos>::max();
+      int reductions = 0;
+      for (const rt::Span& span : p.trace.spans()) {
+        const rt::TaskInfo& t = tasks[span.task];
+        if (t.device != device) continue;
+        const std::string_view name = tasks.name(span.task);
+        // The backward's tasks: its input and weight halves (the optimizer's weight-phase tasks
+        // belong to no micro-batch).
+        if (t.kind == rt::TaskKind::compute && t.tags.micro_batch >= 0 &&
+            (t.tags.phase == rt::Phase::backward || t.tags.phase == rt::Phase::weight))
+          backward_end = std::max(backward_end, span.end);
+        if (t.kind == rt::TaskKind::comm && name.find(".dp[") != std::string_view::npos) {
+          first_reduction = std::min(first_reduction, span.start);
+          ++reductions;
+        }
+      }
+      EXPECT_GT(reductions, 2) << device;
+      if (overlap)
+        EXPECT_LT(first_reduction, backward_end) << device;
+      else
+        EXPECT_GE(first_reduction, backward_end) << device;
+    }
+  }
+}
+
+// The compute time by kind (products, attention, element-wise, optimizer) splits each device's
+// compute busy time, so the kinds add up to it (busy = step x devices / (1 + bubble)); each kind
+// is there with the kernel model; a micro-batch fold extrapolates them to what a whole replay
+// gives.
+TEST(Prediction, ComputeByKindAddsUpToTheComputeBusyTime) {
+  TrainerConfig c;
+  c.model = tiny(0);
+  c.plan = {.pipeline_parallel = 2, .micro_batch_size = 1, .global_batch_size = 12};
+  c.machine = {.device_flops = 1e12,
+               .device_memory_bandwidth = 1e11,
+               .attention_flops = 5e11,
+               .matmul_overhead_dimension = 16,
+               .link = "nvlink4"};
+  const Prediction every = predict_step(c);
+  const Prediction folded = predict_step(c, {.fold_micro_batches = true});
+  ASSERT_EQ(folded.micro_batches_replayed.size(), 3u);
+  double kinds = 0;
+  for (std::size_t k = 0; k < kComputeKindCount; ++k) {
+    SCOPED_TRACE(std::string(to_string(static_cast<ComputeKind>(k))));
+    EXPECT_GT(every.compute_ms_per_device[k], 0);
+    EXPECT_NEAR(folded.compute_ms_per_device[k], every.compute_ms_per_device[k],
+                1e-9 * every.step_ms);
+    kinds += every.compute_ms_per_device[k];
+  }
+  const double busy = every.step_ms / (1 + every.bubble);  // per device, as the bubble counts it
+  EXPECT_NEAR(kinds, busy, 1e-6 * busy);
 }
 
 // A group's exposed communication read from the replay by its name is the prediction's figure

@@ -101,6 +101,29 @@ TEST(StepCosts, ElementWiseWorkStreamsAtTheMemoryBandwidth) {
   EXPECT_TRUE(seen_optimizer);
 }
 
+// The optimizer step streams AdamW's fp32 traffic (value, gradient and two moments read, three
+// written: 28 bytes an element) and, in 16-bit runs, Megatron-LM's mixed-precision copies: the
+// fp32 main parameters into the 16-bit ones (4 read, 2 written), and under fp16 the fp16
+// gradients into fp32 main gradients (2 and 4) and their unscaling (4 and 4). The elements are
+// the gradients zero_grads clears (4 bytes each in fp32).
+TEST(StepCosts, TheOptimizerStreamsAdamWAndTheMixedPrecisionCopies) {
+  auto bytes_of = [](Precision precision, std::string_view task) {
+    ModelConfig m = tiny(0);
+    m.precision = precision;
+    Built b(m, {.micro_batch_size = 2, .global_batch_size = 2});
+    const rt::TaskTable& tasks = b.step.graph().tasks();
+    for (rt::TaskId t = 0; t < tasks.size(); ++t)
+      if (tasks.name(t) == task) return tasks[t].cost.bytes;
+    ADD_FAILURE() << "no task " << task;
+    return 0.0;
+  };
+  const double elements = bytes_of(Precision::fp32, "zero_grads") / 4;
+  EXPECT_DOUBLE_EQ(bytes_of(Precision::fp32, "optimizer"), elements * 7 * 4);
+  EXPECT_DOUBLE_EQ(bytes_of(Precision::bf16, "optimizer"), elements * (7 * 4 + 4 + 2));
+  EXPECT_DOUBLE_EQ(bytes_of(Precision::fp16, "optimizer"),
+                   elements * (7 * 4 + (4 + 2) + (2 + 4) + (4 + 4)));
+}
+
 // The kernel model's inputs reach every task: over a dense one-device step the attention FLOPs
 // are the causal attention's (forward, and 2.5 times it backward) of every layer and micro-batch,
 // and the products' edges are those of every linear layer's forward and two backward halves.
@@ -128,6 +151,58 @@ TEST(StepCosts, TheStepCarriesItsAttentionAndProductShapes) {
   // Each product three times: forward, input gradient, weight gradient; the output layer too.
   EXPECT_NEAR(edges, 3 * M * (L * per_layer + edge(rows, h, V)), 1e-6 * edges);
   EXPECT_GT(flops, attention);
+}
+
+// Megatron's materialised core attention (--attention-backend unfused): per micro-batch and head,
+// QK^T ([S, d] x [d, S]) and the product with V ([S, S] x [S, d]) over the whole square as
+// products with their shapes' edges, no attention FLOPs, and the scores' softmax and dropout by
+// their bytes (forward: softmax reads and writes, dropout reads and writes and writes a one-byte
+// mask; backward: dropout reads the gradient and mask and writes, softmax reads the output and
+// the gradient and writes); the backward's four products twice the forward's. Selective
+// recomputation of the core attention adds the forward again to the backward.
+TEST(StepCosts, MaterialisedScoresArePricedAsProductsAndTraffic) {
+  ModelConfig m = tiny(0);
+  m.attention_backend = AttentionBackend::unfused;
+  m.attention_dropout = 0.1;
+  m.precision = Precision::bf16;
+  const int B = 2;
+  const double S = m.seq_length, h = m.hidden_size, heads = m.num_attention_heads, d = h / heads;
+  auto edge = [](double m, double k, double n) { return 2 * (m * k + k * n + m * n); };
+  const double products = B * heads * 2 * (2 * S * d * S);
+  const double edges = B * heads * (edge(S, d, S) + edge(S, S, d));
+  const double scores = B * heads * S * S, a = 2;  // bf16
+  const double forward_bytes = scores * (2 * a + 2 * a + 1);
+  const double backward_bytes = scores * (2 * a + 1 + 3 * a);
+  const double projection = 2 * S * B * h * h, projection_edges = edge(S * B, h, h);
+  for (const bool selective : {false, true}) {
+    SCOPED_TRACE(selective ? "selective" : "none");
+    ModelConfig mm = m;
+    if (selective) mm.recompute = {.granularity = RecomputeGranularity::selective};
+    Built b(mm, {.micro_batch_size = B, .global_batch_size = B});
+    const rt::TaskTable& tasks = b.step.graph().tasks();
+    bool seen_forward = false, seen_backward = false;
+    for (rt::TaskId t = 0; t < tasks.size(); ++t) {
+      const rt::CostHint& c = tasks[t].cost;
+      if (tasks.name(t) == "L0.attention") {
+        EXPECT_EQ(c.attention_flops, 0);
+        EXPECT_NEAR(c.flops, products + projection, 1e-9 * c.flops);
+        EXPECT_NEAR(c.matmul_edges, edges + projection_edges, 1e-6 * c.matmul_edges);
+        EXPECT_NEAR(c.bytes, forward_bytes, 1e-9 * c.bytes);
+        seen_forward = true;
+      }
+      if (tasks.name(t) == "L0.attention_backward") {
+        // The projection's input and weight gradients, then the core attention's backward.
+        const double again = selective ? 1 : 0;
+        EXPECT_EQ(c.attention_flops, 0);
+        EXPECT_NEAR(c.flops, 2 * projection + (2 + again) * products, 1e-9 * c.flops);
+        EXPECT_NEAR(c.matmul_edges, 2 * projection_edges + (2 + again) * edges,
+                    1e-6 * c.matmul_edges);
+        EXPECT_NEAR(c.bytes, backward_bytes + again * forward_bytes, 1e-9 * c.bytes);
+        seen_backward = true;
+      }
+    }
+    EXPECT_TRUE(seen_forward && seen_backward);
+  }
 }
 
 // With kernel rates a task's time is its products' time (slowed by their small dimensions), its

@@ -3,6 +3,8 @@
 // per process group, the pipeline's bubble and each device's memory.
 #include <fmt/format.h>
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <memory>
 #include <optional>
@@ -40,6 +42,7 @@ struct PredictOptions {
   double device_memory_gib = 80;
   bool device_memory_given = false;
   bool every_rank = false;
+  bool json = false;        // --json: the prediction as one JSON object
   std::string trace_ranks;  // --trace-ranks: "0-7,64"
   // What weave predict models beyond weave train (which refuses it).
   bool fp16 = false;
@@ -279,6 +282,12 @@ void print_figures(const graphs::Prediction& p, const graphs::TrainerConfig& c) 
   for (const graphs::ExposedCommunication& e : p.exposed)
     exposed += fmt::format("{}{} {:.3f}", exposed.empty() ? "" : ", ", e.group, e.ms_per_device);
   fmt::print("exposed comm     {} ms a device\n", exposed.empty() ? "none" : exposed);
+  std::string compute;
+  for (std::size_t k = 0; k < graphs::kComputeKindCount; ++k)
+    compute += fmt::format("{}{} {:.3f}", k == 0 ? "" : ", ",
+                           graphs::to_string(static_cast<graphs::ComputeKind>(k)),
+                           p.compute_ms_per_device[k]);
+  fmt::print("compute          {} ms a device\n", compute);
 }
 
 // Memory per device against the device's capacity, naming the devices that would run out.
@@ -297,6 +306,45 @@ void print_memory(const graphs::Prediction& p, double device_memory_gib) {
         "parallel sizes, lower --micro-batch-size or use --use-distributed-optimizer\n",
         over, p.memory_total.size(), largest, bytes_text(p.memory_total[largest]),
         bytes_text(capacity));
+}
+
+// --json: the figures print_figures and print_memory give, as one object a script reads.
+void print_json(const graphs::Prediction& p, const graphs::TrainerConfig& c,
+                const std::vector<std::string>& warnings,
+                const std::vector<std::string>& no_effect) {
+  nlohmann::json j;
+  j["step_ms"] = p.step_ms;
+  j["tokens_per_second"] = p.tokens_per_second;
+  j["model_flops"] = p.model_flops;
+  j["flops_recomputed"] = p.flops_recomputed;
+  j["flops_per_device"] = p.flops_per_device;
+  j["mfu"] = p.mfu;
+  j["bubble"] = p.bubble;
+  j["devices"] = c.plan.devices();
+  j["replayed_devices"] = p.replayed_devices;
+  j["micro_batches"] = c.plan.micro_batches();
+  j["micro_batches_replayed"] = p.micro_batches_replayed;
+  nlohmann::json compute = nlohmann::json::object();
+  double busy = 0;
+  for (std::size_t k = 0; k < graphs::kComputeKindCount; ++k) {
+    compute[std::string(graphs::to_string(static_cast<graphs::ComputeKind>(k)))] =
+        p.compute_ms_per_device[k];
+    busy += p.compute_ms_per_device[k];
+  }
+  j["compute_ms_per_device"] = compute;
+  j["compute_busy_ms_per_device"] = busy;
+  nlohmann::json exposed = nlohmann::json::object();
+  for (const graphs::ExposedCommunication& e : p.exposed)
+    exposed[e.group] = e.ms_per_device;
+  j["exposed_ms_per_device"] = exposed;
+  j["exposed_total_ms_per_device"] = p.exposed_ms_per_device;
+  std::int64_t peak = 0;
+  for (const std::int64_t bytes : p.memory_total)
+    peak = std::max(peak, bytes);
+  j["peak_memory_bytes"] = peak;
+  j["warnings"] = warnings;
+  j["no_effect"] = no_effect;
+  fmt::print("{}\n", j.dump(2));
 }
 
 // --trace: the replay's trace, of every rank or of --trace-ranks'.
@@ -322,6 +370,7 @@ std::optional<ProgramSetting> predict_setting(const graphs::ConfigFlag& f, Predi
       {"--device-memory", &o.device_memory_gib},
       {"--trace-ranks", &o.trace_ranks},
       {"--every-rank", &o.every_rank},
+      {"--json", &o.json},
       {"--advise", &o.advise},
       {"--advise-top", &o.advise_top},
       {"--advise-limit", &o.advise_limit},
@@ -362,8 +411,8 @@ int run_predict(PredictOptions& o, const CLI::App& cmd) {
   check_writable("--trace", c.trace_path);
   const std::vector<rt::DeviceId> traced = parse_trace_ranks(o, c);
   for (const std::string& w : warnings)
-    fmt::print("warning: {}\n", w);
-  if (!o.train.no_effect.empty())
+    if (!o.json) fmt::print("warning: {}\n", w);
+  if (!o.json && !o.train.no_effect.empty())
     fmt::print("no effect here: {} (docs/flags.md says why)\n", fmt::join(o.train.no_effect, ", "));
   const std::int64_t device_memory =
       modelled_device_memory(o.train, o.device_memory_given ? o.device_memory_gib : 0);
@@ -379,6 +428,11 @@ int run_predict(PredictOptions& o, const CLI::App& cmd) {
   const StepViewRequest views = step_view_request(o.train);
   check_writable("--dump-graph", views.dump_path);
   const graphs::Prediction p = graphs::predict_step(c, folding(o, c, views));
+  if (o.json) {
+    print_json(p, c, warnings, o.train.no_effect);
+    write_trace(p, c, traced, o.trace_ranks);
+    return 0;
+  }
   print_configuration(c, accelerator);
   print_figures(p, c);
   print_memory(p, o.device_memory_gib);

@@ -38,6 +38,7 @@ constexpr ProgramFlag kProgramFlags[] = {
     {"--no-position-embedding",
      [](TrainOptions& o) -> ProgramSetting { return &o.no_position_embedding; }},
     {"--normalization", [](TrainOptions& o) -> ProgramSetting { return &o.normalization; }},
+    {"--attention-backend", [](TrainOptions& o) -> ProgramSetting { return &o.attention_backend; }},
     {"--moe-router-pre-softmax",
      [](TrainOptions& o) -> ProgramSetting { return &o.moe_router_pre_softmax; }},
     {"--moe-token-drop-policy",

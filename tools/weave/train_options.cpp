@@ -5,9 +5,12 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <optional>
 #include <sstream>
+#include <string_view>
+#include <utility>
 
 #include "commands.hpp"
 #include "sharding_flags.hpp"
@@ -120,6 +123,21 @@ void derive_model(TrainOptions& o) {
     throw graphs::ConfigError(fmt::format(
         "--normalization must be LayerNorm or RMSNorm (spelt as Megatron-LM spells them), got '{}'",
         o.normalization));
+  using graphs::AttentionBackend;
+  const std::pair<std::string_view, AttentionBackend> backends[] = {
+      {"flash", AttentionBackend::flash},
+      {"fused", AttentionBackend::fused},
+      {"unfused", AttentionBackend::unfused},
+      {"local", AttentionBackend::local},
+      {"auto", AttentionBackend::automatic}};
+  const auto backend = std::find_if(std::begin(backends), std::end(backends),
+                                    [&](const auto& b) { return b.first == o.attention_backend; });
+  if (backend == std::end(backends))
+    throw graphs::ConfigError(fmt::format(
+        "--attention-backend must be flash, fused, unfused, local or auto (Megatron-Core's "
+        "AttnBackend), got '{}'",
+        o.attention_backend));
+  m.attention_backend = backend->second;
   if (o.use_rotary_position_embeddings)
     m.position_embedding = graphs::PositionEmbedding::rope;
   else if (o.no_position_embedding &&

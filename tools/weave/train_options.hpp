@@ -31,6 +31,7 @@ struct TrainOptions {
   devices::ClusterOverrides cluster;
   std::string position_embedding_type = "learned_absolute";  // or rope, none
   std::string normalization = "LayerNorm";                   // or RMSNorm
+  std::string attention_backend = "flash";  // or fused, unfused, local, auto (Megatron-Core's)
   bool moe_router_pre_softmax = false;
   std::string moe_token_drop_policy = "probs";              // or position (Megatron-Core's names)
   std::string moe_router_load_balancing_type = "aux_loss";  // or none (seq_aux_loss, sinkhorn)

@@ -124,7 +124,11 @@ void add_config_flag_for_testing(const ConfigFlag& flag) {
 
 void check_flag_rules(const ParallelPlan& plan, std::span<const std::string> given) {
   if (plan.ampipe_degree <= 1) return;
-  for (const std::string& name : given) {
+  // The flags the plan holds, beside those given without effect.
+  std::vector<std::string> named(given.begin(), given.end());
+  if (plan.overlap_grad_reduce) named.emplace_back("--overlap-grad-reduce");
+  if (plan.overlap_param_gather) named.emplace_back("--overlap-param-gather");
+  for (const std::string& name : named) {
     const ConfigFlag* f = find_config_flag(name);
     if (f && f->has(kRefusedBesideAmpipe))
       throw ConfigError(fmt::format(

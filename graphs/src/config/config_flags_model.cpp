@@ -75,6 +75,19 @@ constexpr ConfigFlag kModel[] = {
                                                 c.model.position_embedding));
                                           }}),
      .properties = kShowsDefault},
+    {.name = "--attention-backend",
+     .help = "The core attention's kernel, Megatron-Core's names: flash, fused or auto (a fused "
+             "kernel that never holds the scores) or unfused or local (the s x s scores "
+             "materialised: their products, softmax and dropout priced by their FLOPs and memory "
+             "traffic, and held for the backward); weave's own kernel computes the same either "
+             "way",
+     .description = {.section = model,
+                     .key = "attention_backend",
+                     .value = [](const TrainerConfig& c) -> DescribedValue {
+                       return std::string(attention_backend_name(c.model.attention_backend));
+                     }},
+     .properties = kShowsDefault,
+     .type_name = "flash|fused|unfused|local|auto"},
     {.name = "--use-rotary-position-embeddings",
      .values = 0,
      .help = "Megatron's older spelling of --position-embedding-type rope"},

@@ -92,6 +92,25 @@ constexpr ConfigFlag kParallelism[] = {
              "sharded: weave's distributed optimizer); optim_grads and optim_grads_params are "
              "refused, not built yet",
      .check = one_of("no_shard,optim,optim_grads,optim_grads_params")},
+    {.name = "--overlap-grad-reduce",
+     .group = FlagGroup::parallelism,
+     .values = 0,
+     .help = "Reduce each bucket's data-parallel gradients as soon as the backward has produced "
+             "them, overlapping the rest of the backward; without it they are reduced after the "
+             "step's last backward task, as Megatron-LM does by default (refused with Ampipe, as "
+             "MindSpeed does)",
+     .field = plan_field<&P::overlap_grad_reduce>(),
+     .description = described(plan, "overlap_grad_reduce"),
+     .properties = kRefusedBesideAmpipe},
+    {.name = "--overlap-param-gather",
+     .group = FlagGroup::parallelism,
+     .values = 0,
+     .help = "With --use-distributed-optimizer and --overlap-grad-reduce (Megatron-LM requires "
+             "both): accepted; the updated shards' gathers run on their group's stream after the "
+             "update either way, where a step ends (refused with Ampipe, as MindSpeed does)",
+     .field = plan_field<&P::overlap_param_gather>(),
+     .description = described(plan, "overlap_param_gather"),
+     .properties = kRefusedBesideAmpipe},
     {.name = "--micro-batch-size",
      .group = FlagGroup::parallelism,
      .help = "Samples per micro-batch",

@@ -31,6 +31,14 @@ constexpr ConfigFlag kPrediction[] = {
              "micro-batches (slower, the same figures; --trace and the step views build every "
              "rank of the first replica and every micro-batch)",
      .properties = kNotRepeatedByAdvice},
+    {.name = "--json",
+     .group = FlagGroup::prediction,
+     .command = FlagCommand::predict,
+     .values = 0,
+     .help = "Print the prediction as one JSON object instead of text: the step, throughput, MFU, "
+             "bubble, exposed communication by group, compute time by kind (products, attention, "
+             "elementwise, optimizer) and peak memory",
+     .properties = kNotRepeatedByAdvice},
     {.name = "--advise",
      .group = FlagGroup::advice,
      .command = FlagCommand::predict,

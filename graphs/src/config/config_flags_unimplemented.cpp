@@ -80,21 +80,11 @@ constexpr std::string_view kFastAmpipeAdvice =
     "all-to-alls timed as for balanced routing";
 
 constexpr ConfigFlag kNoEffect[] = {
-    without_effect("--overlap-grad-reduce", 0,
-                   "gradient reductions always overlap the backward here (refused with Ampipe, "
-                   "as MindSpeed does)",
-                   kRefusedBesideAmpipe),
-    without_effect("--overlap-param-gather", 0,
-                   "the distributed optimizer's gathers run on their group's stream (refused "
-                   "with Ampipe, as MindSpeed does)",
-                   kRefusedBesideAmpipe),
     without_effect("--use-flash-attn", 0, "attention is always blockwise with online softmax here"),
     without_effect("--ampipe-advise-fast", 0, kFastAmpipeAdvice, kNotRepeatedByAdvice),
     without_effect("--use-mcore-models", 0, kImplementation),
     without_effect("--use-legacy-models", 0, kImplementation),
     without_effect("--transformer-impl", 1, kImplementation),
-    without_effect("--attention-backend", 1,
-                   "attention is always weave's blockwise kernel with an online softmax"),
     without_effect("--distributed-backend", 1, kBackend),
     without_effect(
         "--deepspeed-activation-checkpointing", 0,
@@ -104,7 +94,8 @@ constexpr ConfigFlag kNoEffect[] = {
         "--recompute-num-layers N (its --checkpoint-num-layers) recomputes the same groups of "
         "layers"),
     without_effect("--DDP-impl", 1,
-                   "gradients are reduced by weave's own tasks, overlapping the backward"),
+                   "gradients are reduced by weave's own tasks (after the backward, or during it "
+                   "with --overlap-grad-reduce)"),
     without_effect("--distributed-timeout-minutes", 1,
                    "weave's collectives have no process-group timeout"),
     without_effect("--no-masked-softmax-fusion", 0, kFusion),

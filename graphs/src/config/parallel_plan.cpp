@@ -19,6 +19,22 @@ const char* position_embedding_name(PositionEmbedding p) {
   return "none";
 }
 
+const char* attention_backend_name(AttentionBackend b) {
+  switch (b) {
+    case AttentionBackend::flash:
+      return "flash";
+    case AttentionBackend::fused:
+      return "fused";
+    case AttentionBackend::unfused:
+      return "unfused";
+    case AttentionBackend::local:
+      return "local";
+    case AttentionBackend::automatic:
+      break;
+  }
+  return "auto";
+}
+
 const char* precision_name(Precision p) {
   switch (p) {
     case Precision::bf16:

@@ -6,6 +6,7 @@
 #include <utility>
 
 #include "config/plan_derivation.hpp"
+#include "weave/graphs/config_flags.hpp"
 #include "weave/graphs/pipeline_layout.hpp"
 
 namespace weave::graphs {
@@ -258,9 +259,26 @@ void check_pipeline(const ModelConfig& m, const ParallelPlan& given, const Paral
   make_pipeline_layout(m, p);  // refuses splits and schedules it cannot make
 }
 
+// Megatron-LM's rules for the overlaps: the parameter gathers overlap only the distributed
+// optimizer's, behind overlapped reductions; the materialised scores only beside the attention
+// kernels that have them (context parallelism's ring and Ampipe's chunks run fused kernels).
+void check_overlaps(const ModelConfig& m, const ParallelPlan& p) {
+  if (p.overlap_param_gather && !(p.distributed_optimizer && p.overlap_grad_reduce))
+    refuse(
+        "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce "
+        "(Megatron-LM asserts both): add them or drop it");
+  if (m.materialised_scores() && (p.context_parallel > 1 || p.ampipe_degree > 1))
+    refuse(
+        "--attention-backend {} materialises the scores, but context parallelism's ring and "
+        "Ampipe's chunks run a fused attention kernel (Megatron-Core's and MindSpeed's need "
+        "flash or fused there): use --attention-backend flash",
+        attention_backend_name(m.attention_backend));
+}
+
 // Ampipe's chunks need MoE layers to overlap with, and whole positions in every chunk.
 void check_ampipe(const ModelConfig& m, const ParallelPlan& p) {
   require_positive("--ampipe-degree", p.ampipe_degree);
+  check_flag_rules(p, {});  // the overlaps MindSpeed refuses beside Ampipe
   const int degree = p.ampipe_degree, tp = p.tensor_parallel, cp = p.context_parallel;
   const int sp = p.sequence_parallel ? tp : 1;
   if (degree == 1) return;
@@ -436,6 +454,7 @@ void check_plan_rules(const ModelConfig& m, const ParallelPlan& given,
   check_virtual_stages(m, given);
   check_pipeline(m, given, derived);
   check_ampipe(m, derived);
+  check_overlaps(m, derived);
   check_pipe_experts(m, given, derived);
   check_dropout_and_norm(m);
   check_query_groups(m, derived);

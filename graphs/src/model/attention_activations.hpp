@@ -14,6 +14,10 @@ using ops::Tensor;
 struct AttentionActivations {
   Tensor ln1, ln1_mean, ln1_rstd, ln1_full;
   Tensor qkv, attn, lse, proj_partial, proj_out;
+  // --attention-backend unfused or local: the scores' softmax output, dropout output and mask
+  // [B, Hl, Sc, S] (the mask one byte a score), held for the backward; weave's own kernel
+  // recomputes what it needs, so these are held and counted, not written.
+  Tensor probabilities, dropped_probabilities, dropout_mask;
   Tensor kv_local;  // context parallelism: this rank's keys and values [Sc, B, Gl, 2d]
   // Ampipe under CP, unless the blocks are sent again in backward: every cp rank's block, by
   // owner [cp Sc, B, Gl, 2d] (kv_local is this rank's slot).

@@ -179,6 +179,19 @@ void AttentionBlock::allocate(LayerActivations& A) const {
     A.attention.kv_local = P->activation({Sc, B, z.Gl, 2 * d});
   }
   A.attention.proj_out = z.sp() ? P->activation({Sl, B, h}) : A.attention.proj_partial;
+  // Materialised scores kept for the backward (Korthikanti et al. 2022's 5as^2b with dropout):
+  // the softmax's output, and with attention dropout its one-byte mask and its output; none
+  // when selective recomputation recomputes the core attention.
+  if (z.model.materialised_scores() && !z.model.recompute.recomputes(kRecomputeCoreAttention)) {
+    const std::int64_t S = z.S;
+    A.attention.probabilities = P->activation({B, Hl, Sc, S});
+    if (z.model.attention_dropout > 0) {
+      A.attention.dropped_probabilities = P->activation({B, Hl, Sc, S});
+      // One byte a score, in elements of the activations' size.
+      const std::int64_t a = z.model.activation_bytes();
+      A.attention.dropout_mask = P->activation({B, Hl, Sc, (S + a - 1) / a});
+    }
+  }
   A.attention.query_key = allocate_query_key_stages(
       z.spec(l), [this](const ops::Shape& s) { return P->activation(s); },
       {.rows = Sc * B, .groups = z.Gl, .queries_per_group = z.qpg, .head_dim = d});
@@ -257,7 +270,7 @@ TaskId AttentionBlock::forward(const BuildPosition& pos, TaskId ready) const {
   TaskId attention;
   if (z.spec(l).attention == AttentionCore::local) {
     attention =
-        P->compute(at + "attention", tags, cost::causal_attention(z) + cost::projection(z), [=] {
+        P->compute(at + "attention", tags, cost::core_attention(z) + cost::projection(z), [=] {
           LayerActivations& A = p->acts(set, layer);
           const StepShape& z = p->shape;
           if (p->bf16()) {
@@ -334,7 +347,7 @@ TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHa
     gathered = sp_gather(*P, ready, w.d_mlp, w.d_mlp_full, at + "attention_grad_gather", tags);
   const bool keep = halves.zero_bubble();
   const rt::CostHint flops = (keep ? 1 : 2) * cost::projection(z) +
-                             (ring ? rt::CostHint{} : cost::causal_attention_backward(z));
+                             (ring ? rt::CostHint{} : cost::core_attention_backward(z));
   const TaskId attention = P->compute(at + "attention_backward", tags, flops, [=] {
     LayerActivations& A = p->acts(set, layer);
     BackwardWorkspace& w = p->ws();

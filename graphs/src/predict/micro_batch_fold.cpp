@@ -31,6 +31,9 @@ std::optional<ReplayFigures> extrapolate(const ReplayFigures& first, const Repla
                    out.compute_idle) &&
             affine(first.exposed_total, second.exposed_total, third.exposed_total, steps,
                    out.exposed_total);
+  for (std::size_t k = 0; ok && k < kComputeKindCount; ++k)
+    ok = affine(first.compute_by_kind[k], second.compute_by_kind[k], third.compute_by_kind[k],
+                steps, out.compute_by_kind[k]);
   out.exposed.resize(first.exposed.size());
   for (std::size_t g = 0; ok && g < out.exposed.size(); ++g)
     ok = affine(first.exposed[g], second.exposed[g], third.exposed[g], steps, out.exposed[g]);

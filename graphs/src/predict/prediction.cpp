@@ -1,6 +1,7 @@
 #include "weave/graphs/prediction.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 #include <optional>
 #include <string_view>
@@ -53,11 +54,17 @@ double model_flops_per_step(const ModelConfig& m, const ParallelPlan& plan, bool
 double recomputed_flops_per_step(const ModelConfig& m, const ParallelPlan& plan) {
   const PipelineLayout layout = make_pipeline_layout(m, plan);
   double layers = 0;
-  for (int l = 0; l < m.num_layers; ++l)
-    if (!recompute_group(m.recompute, layout, l).empty())
+  for (int l = 0; l < m.num_layers; ++l) {
+    if (!recompute_group(m.recompute, layout, l).empty()) {
       layers += layer_forward_flops(m, l);
-    else if (!m.is_moe_layer(l) && m.recompute.recomputes(kRecomputeMlp))
-      layers += mlp_forward_flops(m);
+      continue;
+    }
+    if (!m.is_moe_layer(l) && m.recompute.recomputes(kRecomputeMlp)) layers += mlp_forward_flops(m);
+    // Materialised scores recomputed: QK^T and the product with V over the square, as
+    // Megatron-LM counts them.
+    if (m.materialised_scores() && m.recompute.recomputes(kRecomputeCoreAttention))
+      layers += 4.0 * m.seq_length * m.num_attention_heads * m.head_dim();
+  }
   return static_cast<double>(plan.global_batch_size) * m.seq_length * layers;
 }
 
@@ -132,6 +139,57 @@ void read_exposed_by_group(const rt::Trace& trace, ReplayFigures& f) {
   f.exposed = rt::exposed_comm_on_stream_sets(trace, sets);
 }
 
+// Each compute task's span split into ComputeKind by the time each part of its cost takes on the
+// modelled device, as devices::MachineModel prices them (the kernel model: products, attention
+// and streamed bytes one after another; the roofline: whichever bounds the task). The optimizer's
+// tasks count whole as the optimizer.
+std::array<rt::Nanos, kComputeKindCount> compute_by_kind(const rt::Trace& trace,
+                                                         const ModelledMachine& m) {
+  std::array<rt::Nanos, kComputeKindCount> out{};
+  const rt::TaskTable& tasks = trace.tasks();
+  const auto at = [](ComputeKind k) { return static_cast<std::size_t>(k); };
+  for (const rt::Span& span : trace.spans()) {
+    const rt::TaskInfo& t = tasks[span.task];
+    if (t.kind != rt::TaskKind::compute) continue;
+    const rt::Nanos duration = span.end - span.start;
+    const std::string_view name = tasks.name(span.task);
+    if (name == "zero_grads" || name == "grad_norm" || name == "optimizer") {
+      out[at(ComputeKind::optimizer)] += duration;
+      continue;
+    }
+    const rt::CostHint& c = t.cost;
+    const double bytes = m.device_memory_bandwidth > 0 ? c.bytes / m.device_memory_bandwidth : 0;
+    double products = 0, attention = 0;
+    if (m.attention_flops > 0) {
+      const bool backward =
+          t.tags.phase == rt::Phase::backward || t.tags.phase == rt::Phase::weight;
+      const double rate = backward && m.attention_backward_flops > 0 ? m.attention_backward_flops
+                                                                     : m.attention_flops;
+      products = (std::max(c.flops - c.attention_flops, 0.0) +
+                  m.matmul_overhead_dimension * c.matmul_edges) /
+                 m.device_flops;
+      attention = c.attention_flops / rate;
+    } else {
+      products = c.flops / m.device_flops;
+    }
+    const double total =
+        m.attention_flops > 0 ? products + attention + bytes : std::max(products, bytes);
+    if (!(total > 0)) {
+      out[at(ComputeKind::elementwise)] += duration;
+      continue;
+    }
+    const double d = static_cast<double>(duration);
+    const bool roofline = m.attention_flops <= 0;
+    const auto product_ns = static_cast<rt::Nanos>(
+        std::llround(roofline ? (products >= bytes ? d : 0) : d * products / total));
+    const auto attention_ns = static_cast<rt::Nanos>(std::llround(d * attention / total));
+    out[at(ComputeKind::products)] += product_ns;
+    out[at(ComputeKind::attention)] += attention_ns;
+    out[at(ComputeKind::elementwise)] += duration - product_ns - attention_ns;
+  }
+  return out;
+}
+
 // Each device's peak memory by category and in total, read from the rank it was folded onto.
 void read_memory(devices::DeviceSet& set, const std::vector<int>& source, ReplayFigures& f) {
   for (std::size_t d = 0; d < set.size(); ++d) {
@@ -167,6 +225,7 @@ ReplayFigures replay(const TrainerConfig& config, const PredictionOptions& optio
   f.compute_idle = metrics.total_compute_idle();
   f.exposed_total = metrics.total_exposed_comm();
   read_exposed_by_group(run.trace, f);
+  f.compute_by_kind = compute_by_kind(run.trace, config.machine);
   read_memory(set, ranks.source, f);
   f.trace = std::move(run.trace);
   if (!options.what_if.empty()) {
@@ -230,6 +289,9 @@ Prediction prediction_of(const TrainerConfig& config, ReplayFigures f) {
                  ? static_cast<double>(f.compute_idle) / static_cast<double>(f.compute_busy)
                  : 0;
   p.exposed_ms_per_device = static_cast<double>(f.exposed_total) * 1e-6 / f.replayed_devices;
+  for (std::size_t k = 0; k < kComputeKindCount; ++k)
+    p.compute_ms_per_device[k] =
+        static_cast<double>(f.compute_by_kind[k]) * 1e-6 / f.replayed_devices;
   for (std::size_t g = 0; g < f.groups.size(); ++g)
     if (f.exposed[g] > 0)
       p.exposed.push_back(
@@ -243,6 +305,20 @@ Prediction prediction_of(const TrainerConfig& config, ReplayFigures f) {
 }
 
 }  // namespace
+
+std::string_view to_string(ComputeKind kind) {
+  switch (kind) {
+    case ComputeKind::products:
+      return "products";
+    case ComputeKind::attention:
+      return "attention";
+    case ComputeKind::elementwise:
+      return "elementwise";
+    case ComputeKind::optimizer:
+      return "optimizer";
+  }
+  return "unknown";
+}
 
 int replayed_rank(const Mesh& mesh, int rank, const PredictionOptions& options) {
   const MeshCoordinates at = mesh.coordinates(rank);

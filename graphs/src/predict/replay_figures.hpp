@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "weave/graphs/prediction.hpp"
 #include "weave/runtime/graph.hpp"
 #include "weave/runtime/memory_tracker.hpp"
 #include "weave/runtime/trace.hpp"
@@ -20,7 +21,10 @@ struct ReplayFigures {
   rt::Nanos makespan = 0;
   // Summed over the devices with any task: compute busy, and compute idle (makespan - busy).
   rt::Nanos compute_busy = 0, compute_idle = 0;
-  rt::Nanos exposed_total = 0;      // every group's together, summed over devices
+  rt::Nanos exposed_total = 0;  // every group's together, summed over devices
+  // Compute busy by kind of work (ComputeKind), summed over devices: each compute task's span
+  // split by the shares its cost's parts take on the modelled device.
+  std::array<rt::Nanos, kComputeKindCount> compute_by_kind{};
   std::vector<std::string> groups;  // the process groups with communication streams
   std::vector<rt::Nanos> exposed;   // per group, summed over devices
   std::vector<std::array<std::int64_t, rt::kMemoryCategoryCount>> memory;  // per device

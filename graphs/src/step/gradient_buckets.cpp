@@ -2,7 +2,11 @@
 
 namespace weave::graphs {
 
-void reduce_buckets(RankProgram& P, const std::string& point, TaskId after) {
+namespace {
+
+// Reduces bucket b of this rank's shard after `ready`: its sequence-parallel partials over tp,
+// then its replicas.
+void reduce_bucket(RankProgram& P, GradientBucket& bucket, TaskId ready) {
   const rt::TaskTags tags{.phase = rt::Phase::backward};
   // The gradients are reduced in the precision they are accumulated in (ParameterBytes).
   const auto gradient_bytes =
@@ -10,26 +14,57 @@ void reduce_buckets(RankProgram& P, const std::string& point, TaskId after) {
   const GroupHandle tensor = P.tensor_gradients.with_element_bytes(gradient_bytes);
   const GroupHandle data = P.data.with_element_bytes(gradient_bytes);
   const GroupHandle expert_data = P.expert_data.with_element_bytes(gradient_bytes);
-  for (GradientBucket& bucket : P.shard().buckets()) {
-    if (bucket.name.rfind(point + "/", 0) != 0) continue;
-    TaskId ready = after;
-    auto chain = [&ready](TaskId reduced) {
-      if (reduced != rt::kNoTask) ready = reduced;
-    };
-    if (bucket.reduction == GradientReduction::tensor_partial)
-      chain(tensor.all_reduce(ready, all_of(bucket.grads), devices::ReduceOp::sum,
-                              bucket.name + ".tp", tags));
-    const GroupHandle& replicas = bucket.expert ? expert_data : data;
-    if (!bucket.sharded) {
-      replicas.all_reduce(ready, all_of(bucket.grads), devices::ReduceOp::sum, bucket.name + ".dp",
-                          tags);
-      continue;
-    }
-    // Distributed optimizer: each replica receives only its shard, reduced.
-    replicas.reduce_scatter(ready, read_of(bucket.grads),
-                            all_of(bucket.grads.slice(0, bucket.shard_begin, bucket.shard_size)),
-                            bucket.name + ".dp", tags);
+  auto chain = [&ready](TaskId reduced) {
+    if (reduced != rt::kNoTask) ready = reduced;
+  };
+  if (bucket.reduction == GradientReduction::tensor_partial)
+    chain(tensor.all_reduce(ready, all_of(bucket.grads), devices::ReduceOp::sum,
+                            bucket.name + ".tp", tags));
+  const GroupHandle& replicas = bucket.expert ? expert_data : data;
+  if (!bucket.sharded) {
+    replicas.all_reduce(ready, all_of(bucket.grads), devices::ReduceOp::sum, bucket.name + ".dp",
+                        tags);
+    return;
   }
+  // Distributed optimizer: each replica receives only its shard, reduced.
+  replicas.reduce_scatter(ready, read_of(bucket.grads),
+                          all_of(bucket.grads.slice(0, bucket.shard_begin, bucket.shard_size)),
+                          bucket.name + ".dp", tags);
+}
+
+}  // namespace
+
+void reduce_buckets(RankProgram& P, const std::string& point, TaskId after) {
+  std::vector<GradientBucket>& buckets = P.shard().buckets();
+  for (std::size_t b = 0; b < buckets.size(); ++b) {
+    GradientBucket& bucket = buckets[b];
+    if (bucket.name.rfind(point + "/", 0) != 0) continue;
+    const GroupHandle& replicas = bucket.expert ? P.expert_data : P.data;
+    // Without --overlap-grad-reduce a bucket that has replicas to reduce with waits, with its
+    // tensor-parallel partials, for the end of the backward (Megatron-LM's finish_grad_sync).
+    if (!P.shape.plan.overlap_grad_reduce && replicas.size() > 1)
+      P.deferred_buckets.emplace_back(b, after);
+    else
+      reduce_bucket(P, bucket, after);
+  }
+}
+
+void reduce_deferred_buckets(RankProgram& P) {
+  if (P.deferred_buckets.empty()) return;
+  // Last on the compute stream, whose tasks run in the order they were added: after every
+  // backward task of the step, and after the tasks that completed each bucket. A host task: it
+  // marks the point and costs nothing.
+  const TaskId backward_done = P.graph.add({.device = static_cast<rt::DeviceId>(P.rank),
+                                            .stream = rt::kComputeStream,
+                                            .kind = rt::TaskKind::host,
+                                            .name = "grad_sync_start",
+                                            .tags = {.phase = rt::Phase::backward}},
+                                           [](rt::TaskContext&) {});
+  for (const auto& [bucket, after] : P.deferred_buckets)
+    P.after(after, backward_done);
+  for (const auto& [bucket, after] : P.deferred_buckets)
+    reduce_bucket(P, P.shard().buckets()[bucket], backward_done);
+  P.deferred_buckets.clear();
 }
 
 }  // namespace weave::graphs

@@ -60,6 +60,27 @@ void clip_and_update(RankProgram& p) {
   }
 }
 
+// The bytes the optimizer step streams for each element it updates. AdamW reads value, gradient
+// and two moments and writes three, in fp32 whatever the training precision (28 bytes). A 16-bit
+// run keeps fp32 main parameters beside its 16-bit ones, as Megatron-LM's
+// Float16OptimizerWithFloat16Params does: after the update _copy_main_params_to_model_params
+// reads each fp32 value and writes its 16-bit copy (6 bytes); fp16 gradients (ParameterBytes) are
+// first copied to fp32 main gradients (_copy_model_grads_to_main_grads: 2 read, 4 written) and
+// unscaled in place with the check for inf (_unscale_main_grads_and_check_for_nan: 4 and 4);
+// bf16 gradients are accumulated in fp32 already, which .float() leaves uncopied.
+double optimizer_bytes_per_element(Precision precision) {
+  const double adam = 7 * 4;
+  switch (precision) {
+    case Precision::bf16:
+      return adam + (4 + 2);
+    case Precision::fp16:
+      return adam + (4 + 2) + (2 + 4) + (4 + 4);
+    case Precision::fp32:
+      break;
+  }
+  return adam;
+}
+
 // The rank's part of the norm, after everything its communication streams carry is in; then its
 // sum over every rank (kNoTask on one device).
 TaskId add_gradient_norm(RankProgram& P, const rt::TaskTags& tags, double gradients) {
@@ -110,8 +131,10 @@ void build_optimizer(RankProgram& P) {
   const TaskId summed = add_gradient_norm(P, tags, gradients);
   // AdamW reads value, gradient and two moments and writes three, in fp32 whatever the training
   // precision (a 16-bit run updates its fp32 master weights).
-  const TaskId step = P.compute("optimizer", tags, cost::streamed_bytes(7 * updated, 4),
-                                [p] { clip_and_update(*p); });
+  const TaskId step =
+      P.compute("optimizer", tags,
+                cost::streamed_bytes(updated, optimizer_bytes_per_element(P.shape.model.precision)),
+                [p] { clip_and_update(*p); });
   P.after(summed, step);
   if (P.shape.plan.distributed_optimizer) gather_updated_shards(P, step, tags);
 }

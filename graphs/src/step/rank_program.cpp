@@ -3,6 +3,7 @@
 #include "step/rank_program.hpp"
 
 #include "pipeline/pipeline_program.hpp"
+#include "step/gradient_buckets.hpp"
 #include "step/optimizer_program.hpp"
 #include "step/step_costs.hpp"
 #include "weave/ops/dropout.hpp"
@@ -188,6 +189,7 @@ void RankProgram::build() {
             state.routed_picks = state.dropped_picks = 0;
           });
   build_pipeline(*this);
+  reduce_deferred_buckets(*this);
   build_optimizer(*this);
 }
 

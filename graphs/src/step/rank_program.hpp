@@ -187,6 +187,10 @@ class RankProgram {
   // Records a task this rank issued on communication stream `stream`; the optimizer waits for
   // the last of each.
   void track_comm(const std::string& stream, TaskId task) { comm_tails_[stream] = task; }
+  // Gradient buckets whose data-parallel reduction waits for the step's last backward task
+  // (ParallelPlan::overlap_grad_reduce off), each with the task that completed its gradients;
+  // reduce_deferred_buckets issues them.
+  std::vector<std::pair<std::size_t, TaskId>> deferred_buckets;
   const std::map<std::string, TaskId>& comm_tails() const { return comm_tails_; }
 
   // Activations and workspace of this rank; shapes only when the step is not materialized,

@@ -74,6 +74,55 @@ inline rt::CostHint causal_attention_backward(const StepShape& z) {
   return 2.5 * causal_attention(z);
 }
 
+// Megatron's materialised core attention (--attention-backend unfused or local) of a rank's Sc
+// query rows (B sequences, Hl heads) against the sequence's S keys: QK^T and the product with V
+// as B Hl batched products each over the whole S x S square (baddbmm and bmm compute the masked
+// half too), priced as products of their shapes ([Sc, d] x [d, S] and [Sc, S] x [S, d]: the
+// small inner dimension d makes their edges, the scores they write and read, count).
+inline rt::CostHint materialised_attention_products(const StepShape& z) {
+  const double batches = static_cast<double>(z.B * z.Hl);
+  return batches * (matmul(z.Sc, z.d, z.S) + matmul(z.Sc, z.S, z.d));
+}
+
+// The scores' element-wise passes in the forward, by their memory traffic: the fused
+// scale-mask-softmax reads the scores and writes the probabilities, and with attention dropout
+// the dropout reads them and writes its output and its one-byte mask.
+inline rt::CostHint materialised_scores_forward(const StepShape& z) {
+  const double scores = static_cast<double>(z.B * z.Hl * z.Sc) * static_cast<double>(z.S);
+  const double a = z.model.activation_bytes();
+  const double dropout = z.model.attention_dropout > 0 ? 2 * a + 1 : 0;
+  return {.bytes = scores * (2 * a + dropout)};
+}
+
+// Their backward: the dropout's reads the gradient and the mask and writes the gradient; the
+// softmax's reads the probabilities and the gradient and writes the gradient.
+inline rt::CostHint materialised_scores_backward(const StepShape& z) {
+  const double scores = static_cast<double>(z.B * z.Hl * z.Sc) * static_cast<double>(z.S);
+  const double a = z.model.activation_bytes();
+  const double dropout = z.model.attention_dropout > 0 ? 2 * a + 1 : 0;
+  return {.bytes = scores * (3 * a + dropout)};
+}
+
+// The core attention's forward as the backend prices it: the fused kernel's causal half, or the
+// materialised scores' products and passes.
+inline rt::CostHint core_attention(const StepShape& z) {
+  return z.model.materialised_scores()
+             ? materialised_attention_products(z) + materialised_scores_forward(z)
+             : causal_attention(z);
+}
+
+// Its backward: the fused kernel's five products of the causal half (it recomputes the scores);
+// the materialised scores' four products (dV, dP, dQ, dK: twice the forward's) and backward
+// passes, with the forward again first when selective recomputation recomputes the core
+// attention (its scores were not kept).
+inline rt::CostHint core_attention_backward(const StepShape& z) {
+  if (!z.model.materialised_scores()) return causal_attention_backward(z);
+  const rt::CostHint backward =
+      2 * materialised_attention_products(z) + materialised_scores_backward(z);
+  return z.model.recompute.recomputes(kRecomputeCoreAttention) ? core_attention(z) + backward
+                                                               : backward;
+}
+
 // The share of the causal attention's (query, key) pairs that Ampipe chunk c's queries take: a
 // piece of q queries from sequence row `first` sees q (2 first + q) / Sc^2 of them.
 inline double ampipe_causal_share(const StepShape& z, int c) {

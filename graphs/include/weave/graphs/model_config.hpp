@@ -17,6 +17,19 @@ enum class Normalization { layer_norm, rms_norm };
 // "learned_absolute", "rope" or "none", as the flag spells them.
 const char* position_embedding_name(PositionEmbedding p);
 
+// --attention-backend: Megatron-Core's AttnBackend, the kernel the core attention runs. flash and
+// fused (FlashAttention's and cuDNN's fused kernels) and auto (Transformer Engine's choice among
+// them) never hold the s x s scores; unfused (Transformer Engine's) and local (Megatron-Core's own
+// DotProductAttention, the core attention of Megatron-LM's 2021-2022 releases) materialise them:
+// QK^T and the product with V as batched matrix products over the whole square, a fused
+// scale-mask-softmax and the dropout on the scores as element-wise passes over s^2 values, and
+// the softmax's output, the dropout's mask and its output kept for the backward. weave's own
+// kernel computes the same attention either way; the backend sets how the step is priced and
+// what it holds.
+enum class AttentionBackend { flash, fused, unfused, local, automatic };
+// "flash", "fused", "unfused", "local" or "auto", as the flag spells them.
+const char* attention_backend_name(AttentionBackend b);
+
 // The precision a run trains in (--bf16, --fp16; fp32 without either). weave's kernels compute in
 // fp32, so a step built with tensors is fp32; a prediction (built without tensors) counts the
 // bytes a half-precision run holds and moves, as Megatron-LM keeps them.
@@ -108,8 +121,9 @@ struct ModelConfig {
   bool untie_embeddings_and_output_weights = false;  // an output layer of its own
   bool add_bias_linear = true;                       // false: --disable-bias-linear
   double attention_dropout = 0.0;                    // --attention-dropout, on the probabilities
-  double hidden_dropout = 0.0;                       // --hidden-dropout
-  double init_method_std = 0.02;                     // --init-method-std
+  AttentionBackend attention_backend = AttentionBackend::flash;  // --attention-backend
+  double hidden_dropout = 0.0;                                   // --hidden-dropout
+  double init_method_std = 0.02;                                 // --init-method-std
 
   // Mixture of Experts
   int num_experts = 0;              // --num-experts; 0: dense MLPs everywhere
@@ -147,6 +161,11 @@ struct ModelConfig {
     return max_position_embeddings > 0 ? max_position_embeddings : seq_length;
   }
   int head_dim() const { return hidden_size / num_attention_heads; }
+  // The core attention holds its s x s scores (AttentionBackend unfused or local).
+  bool materialised_scores() const {
+    return attention_backend == AttentionBackend::unfused ||
+           attention_backend == AttentionBackend::local;
+  }
   int query_groups() const { return num_query_groups > 0 ? num_query_groups : num_attention_heads; }
   // The dimensions of each head that RoPE rotates: an even count.
   int rotary_dims() const { return static_cast<int>(head_dim() * rotary_percent) / 2 * 2; }

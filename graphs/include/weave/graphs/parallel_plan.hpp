@@ -38,6 +38,14 @@ struct ParallelPlan {
   int micro_batch_size = 1;            // --micro-batch-size
   int global_batch_size = 1;           // --global-batch-size
   bool distributed_optimizer = false;  // --use-distributed-optimizer: shard optimizer state over dp
+  // --overlap-grad-reduce: each bucket's data-parallel gradient reduction starts once the
+  // backward has produced its gradients, overlapping the rest of the backward. Without it (as in
+  // Megatron-LM, whose finish_grad_sync then starts the reductions) they wait for the rank's last
+  // backward task.
+  bool overlap_grad_reduce = false;
+  // --overlap-param-gather (with the distributed optimizer and overlap_grad_reduce, as
+  // Megatron-LM requires): accepted; the updated shards are gathered after the update either way.
+  bool overlap_param_gather = false;
   int ampipe_degree = 1;  // --ampipe-degree: sequence chunks of the attention-to-MoE region
   // --ampipe-tp-sp-comm-overlap: pipeline the split experts' tensor-parallel collectives over
   // (chunk, local expert) items (validate() switches it off, with a warning naming what is

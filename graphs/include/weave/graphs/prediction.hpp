@@ -30,14 +30,23 @@ namespace weave::graphs {
 double model_flops_per_step(const ModelConfig& model, const ParallelPlan& plan, bool recompute);
 // The FLOPs a step's recomputation adds: a forward of every layer model.recompute recomputes in
 // full (recompute_group), counted as model_flops_per_step counts a layer, and under selective
-// recomputation of the mlp a forward of every dense MLP (core_attn adds none here: weave's
-// blockwise attention recomputes its scores in every backward already, recomputation or not).
+// recomputation of the mlp a forward of every dense MLP, and of core_attn the products of the
+// materialised scores (--attention-backend unfused or local; with a fused kernel core_attn adds
+// none: it recomputes its scores in every backward already, recomputation or not).
 double recomputed_flops_per_step(const ModelConfig& model, const ParallelPlan& plan);
 
 struct ExposedCommunication {
   std::string group;  // the streams' kind: tp, cp, ep, dp_cp, ...
   double ms_per_device = 0;
 };
+
+// What a step's compute time goes to: matrix products (their shapes' overhead included),
+// attention kernels, element-wise work in the layers (norms, softmax and dropout of
+// materialised scores, residuals, copies), and the optimizer step (zeroing the gradients, their
+// norm, the update).
+enum class ComputeKind : std::uint8_t { products, attention, elementwise, optimizer };
+inline constexpr std::size_t kComputeKindCount = 4;
+std::string_view to_string(ComputeKind kind);
 
 struct Prediction {
   double step_ms = 0;
@@ -51,6 +60,9 @@ struct Prediction {
   std::vector<ExposedCommunication> exposed;  // groups with any exposed time
   // Every group's together, a time two groups leave exposed at once counted once.
   double exposed_ms_per_device = 0;
+  // Compute busy per device by ComputeKind, in ms (summed over the replayed devices, divided by
+  // their count, as exposed_ms_per_device).
+  std::array<double, kComputeKindCount> compute_ms_per_device{};
   // Per device, by category (rt::MemoryCategory): what it would hold at its peak.
   std::vector<std::array<std::int64_t, rt::kMemoryCategoryCount>> memory;
   std::vector<std::int64_t> memory_total;  // per device (a folded replica: its first replica's)
