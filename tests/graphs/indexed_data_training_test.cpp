@@ -99,6 +99,10 @@ struct PreprocessedCorpus {
                  .prefixes[0];
     config.model = tiny(0);
     config.model.vocab_size = tokenizer->vocab_size();
+    // Padded to two halves at tp 1 and tp 2 alike (a multiple of this x tp), so every plan trains
+    // the same model: with the default 128 the padded columns, which enter the softmax, would
+    // differ in number between the plans.
+    config.model.make_vocab_size_divisible_by = static_cast<int>((config.model.vocab_size + 1) / 2);
     config.learning_rate = {.lr = 1e-2, .min_lr = 1e-3, .warmup_iters = 2};
     config.train_iters = 8;
     config.pin_devices = false;
