@@ -42,8 +42,9 @@ void check_devices(const ParallelPlan& plan, const devices::DeviceSet& set) {
                     plan.pipeline_parallel, set.size()));
 }
 
-// What a step built with tensors trains in 16 bits so far: bf16 on one device, dense layers with
-// local attention, every activation kept. The rest is modelled by a prediction only.
+// What a step built with tensors trains in 16 bits so far: bf16, with tensor (and sequence) and
+// data parallelism, dense layers with local attention, every activation kept. The rest is
+// modelled by a prediction only.
 void check_half_precision_step(const ModelConfig& model, const ParallelPlan& plan) {
   const auto refuse = [&](std::string_view what) {
     throw ConfigError(fmt::format(
