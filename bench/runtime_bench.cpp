@@ -115,26 +115,25 @@ rt::Graph build_weave(Shape shape) {
     for (int i = 0; i < kChain; ++i)
       b.add({.name = "c"}, work);  // stream order chains them
   } else if (shape == fanout || shape == fanout8) {
-    std::vector<rt::StreamId> streams(shape == fanout ? kFan : 8);
-    for (std::size_t s = 0; s < streams.size(); ++s)
-      streams[s] = b.stream(fmt::format("s{}", s));
+    const int stream_count = shape == fanout ? kFan : 8;
+    const rt::StreamId first = b.streams("s", stream_count);  // "s0", "s1", ...
     const rt::TaskId source = b.add({.stream = rt::kComputeStream, .name = "source"}, work);
     std::vector<rt::TaskId> leaves(kFan);
     for (int i = 0; i < kFan; ++i) {
-      leaves[i] = b.add({.stream = streams[i % streams.size()], .name = "f"}, work);
+      leaves[i] =
+          b.add({.stream = static_cast<rt::StreamId>(first + i % stream_count), .name = "f"}, work);
       b.precede(source, leaves[i]);
     }
     const rt::TaskId sink = b.add({.stream = rt::kCommStream, .name = "sink"}, work);
     for (rt::TaskId t : leaves)
       b.precede(t, sink);
   } else {
-    std::vector<rt::StreamId> column(kSide);
-    for (int j = 0; j < kSide; ++j)
-      column[j] = b.stream(fmt::format("c{}", j));
+    const rt::StreamId column = b.streams("c", kSide);  // column j on stream "c<j>"
     for (int i = 0; i < kSide; ++i) {
       rt::TaskId left = rt::kNoTask;
       for (int j = 0; j < kSide; ++j) {
-        const rt::TaskId t = b.add({.stream = column[j], .name = "w"}, work);
+        const rt::TaskId t =
+            b.add({.stream = static_cast<rt::StreamId>(column + j), .name = "w"}, work);
         if (left != rt::kNoTask) b.precede(left, t);  // (i-1, j) is the stream's previous task
         left = t;
       }
@@ -344,14 +343,12 @@ void BM_VirtualClock(benchmark::State& state) {
   constexpr int kRows = 1000, kCols = 1000, kDevices = 8;
   rt::GraphBuilder b;
   b.reserve(static_cast<std::size_t>(kRows) * kCols, static_cast<std::size_t>(kRows) * kCols);
-  std::vector<rt::StreamId> column(kCols);
-  for (int j = 0; j < kCols; ++j)
-    column[j] = b.stream(fmt::format("c{}", j));
+  const rt::StreamId column = b.streams("c", kCols);
   for (int i = 0; i < kRows; ++i) {
     rt::TaskId left = rt::kNoTask;
     for (int j = 0; j < kCols; ++j) {
       const rt::TaskId t = b.add({.device = static_cast<rt::DeviceId>(j / (kCols / kDevices)),
-                                  .stream = column[j],
+                                  .stream = static_cast<rt::StreamId>(column + j),
                                   .name = "w",
                                   .cost = {.flops = 1e6 * (1 + (i + j) % 3)}});
       if (left != rt::kNoTask) b.precede(left, t);

@@ -85,6 +85,11 @@ struct GraphBuilder::Impl {
   std::vector<std::string> event_names;
   std::vector<EventUse> signals;
   std::vector<EventUse> waits;
+  // Whether an edge runs from a task to one added before it. Without such edges (and without
+  // rendezvous, which merge tasks into one node) the order tasks were added in is a
+  // topological order, so the graph is acyclic and build() skips the search for a cycle.
+  // Stream order always runs forward.
+  bool backward_edges = false;
 
   void check_task(TaskId t, const char* what) const {
     if (t >= table->size()) {
@@ -120,6 +125,14 @@ StreamId GraphBuilder::stream(std::string_view name, StreamKind kind) {
   return impl_->table->stream(name, kind);
 }
 
+StreamId GraphBuilder::streams(std::string_view prefix, std::size_t count, StreamKind kind) {
+  return impl_->table->streams(prefix, count, kind);
+}
+
+StreamId GraphBuilder::anonymous_streams(std::size_t count, StreamKind kind) {
+  return impl_->table->anonymous_streams(count, kind);
+}
+
 TaskId GraphBuilder::add(const TaskSpec& spec, TaskFn work) {
   Impl& b = *impl_;
   TaskInfo info;
@@ -147,6 +160,7 @@ void GraphBuilder::precede(TaskId before, TaskId after) {
         fmt::format("precede: task '{}' cannot depend on itself", impl_->table->name(before)));
   }
   impl_->edges.push_back({before, after, EdgeKind::explicit_dependency});
+  if (before > after) impl_->backward_edges = true;
 }
 
 EventId GraphBuilder::event(std::string_view name) {
@@ -214,6 +228,7 @@ void GraphBuilder::Impl::resolve_events() {
                                    table->name(w.task), event_names[w.event], w.value));
     }
     edges.push_back({it->task, w.task, EdgeKind::event});
+    if (it->task > w.task) backward_edges = true;
   }
 }
 
@@ -267,6 +282,7 @@ std::string GraphBuilder::Impl::describe_node(std::size_t node) const {
 // rendezvous start together, so an edge into any member gates all of them.
 void GraphBuilder::Impl::check_acyclic(const detail::GraphData& g) const {
   const std::size_t n = table->size();
+  if (table->group_count() == 0 && !backward_edges) return;
   if (table->group_count() == 0) {
     // Common case, and the one that must be fast: plain Kahn over the compiled rows.
     std::vector<std::uint32_t> indeg(g.in_degree);
