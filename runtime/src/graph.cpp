@@ -78,8 +78,8 @@ struct EventUse {
 
 struct GraphBuilder::Impl {
   std::shared_ptr<TaskTable> table = std::make_shared<TaskTable>();
-  std::vector<TaskFn> work;
-  std::vector<Edge> edges;
+  detail::LargeArray<TaskFn> work;
+  detail::LargeArray<Edge> edges;
   // Last task added on each (device, stream), to chain stream order as tasks arrive.
   std::vector<std::vector<TaskId>> last_on_stream;
   std::vector<std::string> event_names;
@@ -285,7 +285,7 @@ void GraphBuilder::Impl::check_acyclic(const detail::GraphData& g) const {
   if (table->group_count() == 0 && !backward_edges) return;
   if (table->group_count() == 0) {
     // Common case, and the one that must be fast: plain Kahn over the compiled rows.
-    std::vector<std::uint32_t> indeg(g.in_degree);
+    std::vector<std::uint32_t> indeg(g.in_degree.begin(), g.in_degree.end());
     std::vector<TaskId> ready(g.sources);
     ready.reserve(n);
     for (std::size_t head = 0; head < ready.size(); ++head) {

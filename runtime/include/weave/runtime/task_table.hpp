@@ -7,6 +7,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "weave/runtime/huge_page_allocator.hpp"
 #include "weave/runtime/types.hpp"
 
 namespace weave::rt {
@@ -75,7 +76,7 @@ class TaskTable {
   void check_stream_room(std::size_t count) const;
   StreamId find_numbered(std::string_view name) const;
 
-  std::vector<TaskInfo> tasks_;
+  std::vector<TaskInfo, HugePageAllocator<TaskInfo>> tasks_;
   std::string names_;
   // The last name added, which a run of tasks with the same name shares (a name is kept once
   // per run, not once per task).
