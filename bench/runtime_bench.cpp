@@ -35,6 +35,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <deque>
 #include <memory>
@@ -395,8 +396,12 @@ BENCHMARK(BM_VirtualClock)->Unit(benchmark::kMillisecond);
 // building graphs in memory it already owns; without it, a process building a graph afresh.
 int main(int argc, char** argv) {
   if (const char* retain = std::getenv("WEAVE_BENCH_RETAIN_MEMORY"); retain && *retain == '1') {
-    mallopt(M_MMAP_THRESHOLD, 1 << 30);
-    mallopt(M_TRIM_THRESHOLD, 1 << 30);
+    // glibc refuses an mmap threshold above 32 MiB (HEAP_MAX_SIZE / 2) and keeps its default
+    // then, so ask for that maximum rather than more.
+    if (mallopt(M_MMAP_THRESHOLD, 32 << 20) != 1 || mallopt(M_TRIM_THRESHOLD, 1 << 30) != 1) {
+      std::fprintf(stderr, "WEAVE_BENCH_RETAIN_MEMORY: mallopt refused the thresholds\n");
+      return 1;
+    }
   }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
