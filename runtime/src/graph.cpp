@@ -135,17 +135,15 @@ StreamId GraphBuilder::anonymous_streams(std::size_t count, StreamKind kind) {
 
 TaskId GraphBuilder::add(const TaskSpec& spec, TaskFn work) {
   Impl& b = *impl_;
-  TaskInfo info;
-  info.device = spec.device;
-  info.stream = spec.stream;
+  const auto id = static_cast<TaskId>(b.table->size());
+  TaskInfo& info = b.table->append(spec.device, spec.stream, spec.name);
   info.kind = spec.kind;
   info.tags = spec.tags;
   info.cost = spec.cost;
-  const TaskId id = b.table->add(info, spec.name);
   b.work.push_back(std::move(work));
   if (b.last_on_stream.size() <= spec.device) b.last_on_stream.resize(spec.device + 1);
   auto& lasts = b.last_on_stream[spec.device];
-  if (lasts.size() <= spec.stream) lasts.resize(spec.stream + 1, kNoTask);
+  if (lasts.size() <= spec.stream) lasts.resize(b.table->stream_count(), kNoTask);
   if (lasts[spec.stream] != kNoTask)
     b.edges.push_back({lasts[spec.stream], id, EdgeKind::stream_order});
   lasts[spec.stream] = id;

@@ -163,17 +163,27 @@ StreamId TaskTable::anonymous_streams(std::size_t count, StreamKind kind) {
 }
 
 TaskId TaskTable::add(const TaskInfo& info, std::string_view name) {
+  const auto id = static_cast<TaskId>(tasks_.size());
+  TaskInfo& t = append(info.device, info.stream, name);
+  t.cost = info.cost;
+  t.tags = info.tags;
+  t.kind = info.kind;
+  return id;
+}
+
+TaskInfo& TaskTable::append(DeviceId device, StreamId stream, std::string_view name) {
   if (tasks_.size() >= kNoTask) [[unlikely]] {
     throw std::length_error(fmt::format("too many tasks: at most {} per graph", kNoTask - 1));
   }
-  if (info.stream >= stream_count()) [[unlikely]] {
+  if (stream >= stream_count()) [[unlikely]] {
     throw std::invalid_argument(fmt::format(
         "task '{}' is on stream {}, but only {} streams are named; get stream ids from stream()",
-        name, info.stream, stream_count()));
+        name, stream, stream_count()));
   }
   const auto id = static_cast<TaskId>(tasks_.size());
-  TaskInfo& t = tasks_.emplace_back(info);
-  t.group = kNoGroup;
+  TaskInfo& t = tasks_.emplace_back();
+  t.device = device;
+  t.stream = stream;
   if (name.empty()) {
     t.name_offset = static_cast<std::uint32_t>(names_.size());
     names_ += "task";
@@ -190,8 +200,8 @@ TaskId TaskTable::add(const TaskInfo& info, std::string_view name) {
     names_.append(name);
     has_last_name_ = true;
   }
-  device_count_ = std::max(device_count_, info.device + 1);
-  return id;
+  device_count_ = std::max(device_count_, device + 1);
+  return t;
 }
 
 GroupId TaskTable::add_group(std::string_view name, std::span<const TaskId> members) {

@@ -70,6 +70,10 @@ class TaskTable {
   }
 
   TaskId add(const TaskInfo& info, std::string_view name);
+  // Appends a task on (device, stream) with the other fields at their defaults, for the caller
+  // to fill in place: a graph builder writes each field once instead of building a TaskInfo
+  // and copying it. The reference is valid until the next task is added.
+  TaskInfo& append(DeviceId device, StreamId stream, std::string_view name);
   GroupId add_group(std::string_view name, std::span<const TaskId> members);
 
  private:
