@@ -42,7 +42,7 @@ struct HugePageAllocator {
     if (bytes >= detail::kHugePageThreshold) {
       detail::deallocate_huge(p, bytes);
     } else {
-      ::operator delete(p, bytes);
+      ::operator delete(p);
     }
   }
 
