@@ -35,6 +35,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <deque>
 #include <memory>
@@ -115,26 +116,25 @@ rt::Graph build_weave(Shape shape) {
     for (int i = 0; i < kChain; ++i)
       b.add({.name = "c"}, work);  // stream order chains them
   } else if (shape == fanout || shape == fanout8) {
-    std::vector<rt::StreamId> streams(shape == fanout ? kFan : 8);
-    for (std::size_t s = 0; s < streams.size(); ++s)
-      streams[s] = b.stream(fmt::format("s{}", s));
+    const int stream_count = shape == fanout ? kFan : 8;
+    const rt::StreamId first = b.streams("s", stream_count);  // "s0", "s1", ...
     const rt::TaskId source = b.add({.stream = rt::kComputeStream, .name = "source"}, work);
     std::vector<rt::TaskId> leaves(kFan);
     for (int i = 0; i < kFan; ++i) {
-      leaves[i] = b.add({.stream = streams[i % streams.size()], .name = "f"}, work);
+      leaves[i] =
+          b.add({.stream = static_cast<rt::StreamId>(first + i % stream_count), .name = "f"}, work);
       b.precede(source, leaves[i]);
     }
     const rt::TaskId sink = b.add({.stream = rt::kCommStream, .name = "sink"}, work);
     for (rt::TaskId t : leaves)
       b.precede(t, sink);
   } else {
-    std::vector<rt::StreamId> column(kSide);
-    for (int j = 0; j < kSide; ++j)
-      column[j] = b.stream(fmt::format("c{}", j));
+    const rt::StreamId column = b.streams("c", kSide);  // column j on stream "c<j>"
     for (int i = 0; i < kSide; ++i) {
       rt::TaskId left = rt::kNoTask;
       for (int j = 0; j < kSide; ++j) {
-        const rt::TaskId t = b.add({.stream = column[j], .name = "w"}, work);
+        const rt::TaskId t =
+            b.add({.stream = static_cast<rt::StreamId>(column + j), .name = "w"}, work);
         if (left != rt::kNoTask) b.precede(left, t);  // (i-1, j) is the stream's previous task
         left = t;
       }
@@ -344,14 +344,12 @@ void BM_VirtualClock(benchmark::State& state) {
   constexpr int kRows = 1000, kCols = 1000, kDevices = 8;
   rt::GraphBuilder b;
   b.reserve(static_cast<std::size_t>(kRows) * kCols, static_cast<std::size_t>(kRows) * kCols);
-  std::vector<rt::StreamId> column(kCols);
-  for (int j = 0; j < kCols; ++j)
-    column[j] = b.stream(fmt::format("c{}", j));
+  const rt::StreamId column = b.streams("c", kCols);
   for (int i = 0; i < kRows; ++i) {
     rt::TaskId left = rt::kNoTask;
     for (int j = 0; j < kCols; ++j) {
       const rt::TaskId t = b.add({.device = static_cast<rt::DeviceId>(j / (kCols / kDevices)),
-                                  .stream = column[j],
+                                  .stream = static_cast<rt::StreamId>(column + j),
                                   .name = "w",
                                   .cost = {.flops = 1e6 * (1 + (i + j) % 3)}});
       if (left != rt::kNoTask) b.precede(left, t);
@@ -398,8 +396,12 @@ BENCHMARK(BM_VirtualClock)->Unit(benchmark::kMillisecond);
 // building graphs in memory it already owns; without it, a process building a graph afresh.
 int main(int argc, char** argv) {
   if (const char* retain = std::getenv("WEAVE_BENCH_RETAIN_MEMORY"); retain && *retain == '1') {
-    mallopt(M_MMAP_THRESHOLD, 1 << 30);
-    mallopt(M_TRIM_THRESHOLD, 1 << 30);
+    // glibc refuses an mmap threshold above 32 MiB (HEAP_MAX_SIZE / 2) and keeps its default
+    // then, so ask for that maximum rather than more.
+    if (mallopt(M_MMAP_THRESHOLD, 32 << 20) != 1 || mallopt(M_TRIM_THRESHOLD, 1 << 30) != 1) {
+      std::fprintf(stderr, "WEAVE_BENCH_RETAIN_MEMORY: mallopt refused the thresholds\n");
+      return 1;
+    }
   }
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;

@@ -78,13 +78,18 @@ struct EventUse {
 
 struct GraphBuilder::Impl {
   std::shared_ptr<TaskTable> table = std::make_shared<TaskTable>();
-  std::vector<TaskFn> work;
-  std::vector<Edge> edges;
+  detail::LargeArray<TaskFn> work;
+  detail::LargeArray<Edge> edges;
   // Last task added on each (device, stream), to chain stream order as tasks arrive.
   std::vector<std::vector<TaskId>> last_on_stream;
   std::vector<std::string> event_names;
   std::vector<EventUse> signals;
   std::vector<EventUse> waits;
+  // Whether an edge runs from a task to one added before it. Without such edges (and without
+  // rendezvous, which merge tasks into one node) the order tasks were added in is a
+  // topological order, so the graph is acyclic and build() skips the search for a cycle.
+  // Stream order always runs forward.
+  bool backward_edges = false;
 
   void check_task(TaskId t, const char* what) const {
     if (t >= table->size()) {
@@ -120,19 +125,25 @@ StreamId GraphBuilder::stream(std::string_view name, StreamKind kind) {
   return impl_->table->stream(name, kind);
 }
 
+StreamId GraphBuilder::streams(std::string_view prefix, std::size_t count, StreamKind kind) {
+  return impl_->table->streams(prefix, count, kind);
+}
+
+StreamId GraphBuilder::anonymous_streams(std::size_t count, StreamKind kind) {
+  return impl_->table->anonymous_streams(count, kind);
+}
+
 TaskId GraphBuilder::add(const TaskSpec& spec, TaskFn work) {
   Impl& b = *impl_;
-  TaskInfo info;
-  info.device = spec.device;
-  info.stream = spec.stream;
+  const auto id = static_cast<TaskId>(b.table->size());
+  TaskInfo& info = b.table->append(spec.device, spec.stream, spec.name);
   info.kind = spec.kind;
   info.tags = spec.tags;
   info.cost = spec.cost;
-  const TaskId id = b.table->add(info, spec.name);
   b.work.push_back(std::move(work));
   if (b.last_on_stream.size() <= spec.device) b.last_on_stream.resize(spec.device + 1);
   auto& lasts = b.last_on_stream[spec.device];
-  if (lasts.size() <= spec.stream) lasts.resize(spec.stream + 1, kNoTask);
+  if (lasts.size() <= spec.stream) lasts.resize(b.table->stream_count(), kNoTask);
   if (lasts[spec.stream] != kNoTask)
     b.edges.push_back({lasts[spec.stream], id, EdgeKind::stream_order});
   lasts[spec.stream] = id;
@@ -147,6 +158,7 @@ void GraphBuilder::precede(TaskId before, TaskId after) {
         fmt::format("precede: task '{}' cannot depend on itself", impl_->table->name(before)));
   }
   impl_->edges.push_back({before, after, EdgeKind::explicit_dependency});
+  if (before > after) impl_->backward_edges = true;
 }
 
 EventId GraphBuilder::event(std::string_view name) {
@@ -214,6 +226,7 @@ void GraphBuilder::Impl::resolve_events() {
                                    table->name(w.task), event_names[w.event], w.value));
     }
     edges.push_back({it->task, w.task, EdgeKind::event});
+    if (it->task > w.task) backward_edges = true;
   }
 }
 
@@ -267,9 +280,10 @@ std::string GraphBuilder::Impl::describe_node(std::size_t node) const {
 // rendezvous start together, so an edge into any member gates all of them.
 void GraphBuilder::Impl::check_acyclic(const detail::GraphData& g) const {
   const std::size_t n = table->size();
+  if (table->group_count() == 0 && !backward_edges) return;
   if (table->group_count() == 0) {
     // Common case, and the one that must be fast: plain Kahn over the compiled rows.
-    std::vector<std::uint32_t> indeg(g.in_degree);
+    std::vector<std::uint32_t> indeg(g.in_degree.begin(), g.in_degree.end());
     std::vector<TaskId> ready(g.sources);
     ready.reserve(n);
     for (std::size_t head = 0; head < ready.size(); ++head) {

@@ -5,17 +5,22 @@
 #include <vector>
 
 #include "weave/runtime/graph.hpp"
+#include "weave/runtime/huge_page_allocator.hpp"
 
 namespace weave::rt::detail {
 
+// The arrays that grow with the task or edge count.
+template <class T>
+using LargeArray = std::vector<T, HugePageAllocator<T>>;
+
 struct GraphData {
   std::shared_ptr<TaskTable> table;
-  std::vector<TaskFn> work;
+  LargeArray<TaskFn> work;
   // Successors in compressed rows: task t's are succ[succ_begin[t] .. succ_begin[t + 1]).
-  std::vector<std::uint32_t> succ_begin;
-  std::vector<TaskId> succ;
-  std::vector<EdgeKind> succ_kind;
-  std::vector<std::uint32_t> in_degree;
+  LargeArray<std::uint32_t> succ_begin;
+  LargeArray<TaskId> succ;
+  LargeArray<EdgeKind> succ_kind;
+  LargeArray<std::uint32_t> in_degree;
   std::vector<TaskId> sources;
   std::uint32_t sinks = 0;
 };

@@ -3,59 +3,205 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <charconv>
 #include <limits>
 #include <stdexcept>
 
 namespace weave::rt {
 
-TaskTable::TaskTable()
-    : stream_names_{"compute", "comm"},
-      stream_kinds_{kUnclassifiedStream, kUnclassifiedStream},
-      stream_ids_{{"compute", kComputeStream}, {"comm", kCommStream}} {}
+namespace {
+
+constexpr std::string_view kAnonymousPrefix = "stream#";
+
+bool is_digit(char c) {
+  return c >= '0' && c <= '9';
+}
+
+// Splits "name<n>" into the name and n, if it ends in a number written without leading zeros
+// (the form streams() and anonymous_streams() write).
+bool split_number(std::string_view name, std::string_view& prefix, std::size_t& n) {
+  std::size_t digits = 0;
+  while (digits < name.size() && is_digit(name[name.size() - 1 - digits]))
+    ++digits;
+  if (digits == 0 || digits > 9) return false;
+  const std::string_view number = name.substr(name.size() - digits);
+  if (number.size() > 1 && number[0] == '0') return false;
+  n = 0;
+  for (char c : number)
+    n = n * 10 + static_cast<std::size_t>(c - '0');
+  prefix = name.substr(0, name.size() - digits);
+  return true;
+}
+
+void append_number(std::string& text, std::size_t n) {
+  char digits[20];
+  const auto end = std::to_chars(digits, digits + sizeof digits, n).ptr;
+  text.append(digits, end);
+}
+
+}  // namespace
+
+TaskTable::TaskTable() {
+  stream("compute");
+  stream("comm");
+}
+
+void TaskTable::check_stream_room(std::size_t count) const {
+  if (count > std::numeric_limits<StreamId>::max() - stream_count()) {
+    throw std::length_error(fmt::format(
+        "too many streams: {} exist and {} more were asked for, but a graph has at most {}",
+        stream_count(), count, std::numeric_limits<StreamId>::max()));
+  }
+}
+
+// A stream named by streams() or anonymous_streams(), found from its name without a map entry.
+StreamId TaskTable::find_numbered(std::string_view name) const {
+  std::string_view prefix;
+  std::size_t n = 0;
+  if (!split_number(name, prefix, n)) return std::numeric_limits<StreamId>::max();
+  if (prefix == kAnonymousPrefix) {
+    if (n < stream_count() && stream_name(static_cast<StreamId>(n)) == name)
+      return static_cast<StreamId>(n);
+    return std::numeric_limits<StreamId>::max();
+  }
+  for (const NumberedStreams& r : numbered_) {
+    if (r.prefix == prefix && n < r.count) return static_cast<StreamId>(r.first + n);
+  }
+  return std::numeric_limits<StreamId>::max();
+}
 
 StreamId TaskTable::stream(std::string_view name, StreamKind kind) {
   if (name.empty()) throw std::invalid_argument("a stream needs a name");
+  StreamId id = std::numeric_limits<StreamId>::max();
   if (auto it = stream_ids_.find(name); it != stream_ids_.end()) {
-    StreamKind& given = stream_kinds_[it->second];
+    id = it->second;
+  } else if (!numbered_.empty() || name.starts_with(kAnonymousPrefix)) {
+    id = find_numbered(name);
+  }
+  if (id != std::numeric_limits<StreamId>::max()) {
+    StreamKind& given = stream_kinds_[id];
     if (kind != kUnclassifiedStream && given != kUnclassifiedStream && kind != given)
       throw std::invalid_argument(fmt::format(
           "stream '{}' is of kind {} and was asked for as kind {}: a stream has one kind; give "
           "streams of different kinds different names",
           name, given, kind));
     if (given == kUnclassifiedStream) given = kind;
-    return it->second;
+    return id;
   }
-  if (stream_names_.size() >= std::numeric_limits<StreamId>::max()) {
-    throw std::length_error(fmt::format("too many streams: at most {} names per graph",
-                                        std::numeric_limits<StreamId>::max()));
-  }
-  const auto id = static_cast<StreamId>(stream_names_.size());
-  stream_names_.emplace_back(name);
+  check_stream_room(1);
+  id = static_cast<StreamId>(stream_count());
+  stream_text_.append(name);
+  stream_begin_.push_back(static_cast<std::uint32_t>(stream_text_.size()));
   stream_kinds_.push_back(kind);
-  stream_ids_.emplace(stream_names_.back(), id);
+  stream_ids_.emplace(name, id);
   return id;
 }
 
+StreamId TaskTable::streams(std::string_view prefix, std::size_t count, StreamKind kind) {
+  if (count == 0) {
+    throw std::invalid_argument(
+        fmt::format("streams('{}', 0): asked for no streams; ask for at least one", prefix));
+  }
+  if (!prefix.empty() && is_digit(prefix.back())) {
+    throw std::invalid_argument(fmt::format(
+        "streams('{}', {}): the prefix ends in a digit, so '{}10' would also read as another "
+        "prefix's stream; end the prefix with a non-digit (e.g. '{}_')",
+        prefix, count, prefix, prefix));
+  }
+  if (prefix == kAnonymousPrefix) {
+    throw std::invalid_argument(
+        fmt::format("streams('{}', {}): '{}' names anonymous streams; use anonymous_streams() or "
+                    "another prefix",
+                    prefix, count, prefix));
+  }
+  for (const NumberedStreams& r : numbered_) {
+    if (r.prefix == prefix) {
+      throw std::invalid_argument(fmt::format(
+          "streams('{}', {}): streams with this prefix exist already ({} of them, from id {}); "
+          "ask for all of a prefix's streams in one call, or use another prefix",
+          prefix, count, r.count, r.first));
+    }
+  }
+  for (const auto& [name, id] : stream_ids_) {
+    std::string_view p;
+    std::size_t n = 0;
+    if (split_number(name, p, n) && p == prefix && n < count) {
+      throw std::invalid_argument(fmt::format(
+          "streams('{}', {}): stream '{}' exists already; name it another way or use another "
+          "prefix",
+          prefix, count, name));
+    }
+  }
+  check_stream_room(count);
+  const auto first = static_cast<StreamId>(stream_count());
+  numbered_.push_back({std::string(prefix), first, count});
+  stream_text_.reserve(stream_text_.size() + count * (prefix.size() + 5));
+  stream_begin_.reserve(stream_begin_.size() + count);
+  for (std::size_t i = 0; i < count; ++i) {
+    stream_text_.append(prefix);
+    append_number(stream_text_, i);
+    stream_begin_.push_back(static_cast<std::uint32_t>(stream_text_.size()));
+  }
+  stream_kinds_.resize(stream_kinds_.size() + count, kind);
+  return first;
+}
+
+StreamId TaskTable::anonymous_streams(std::size_t count, StreamKind kind) {
+  if (count == 0) {
+    throw std::invalid_argument("anonymous_streams(0): asked for no streams; ask for at least one");
+  }
+  check_stream_room(count);
+  const auto first = static_cast<StreamId>(stream_count());
+  stream_begin_.reserve(stream_begin_.size() + count);
+  for (std::size_t i = 0; i < count; ++i) {
+    stream_text_.append(kAnonymousPrefix);
+    append_number(stream_text_, first + i);
+    stream_begin_.push_back(static_cast<std::uint32_t>(stream_text_.size()));
+  }
+  stream_kinds_.resize(stream_kinds_.size() + count, kind);
+  return first;
+}
+
 TaskId TaskTable::add(const TaskInfo& info, std::string_view name) {
-  if (tasks_.size() >= kNoTask) {
+  const auto id = static_cast<TaskId>(tasks_.size());
+  TaskInfo& t = append(info.device, info.stream, name);
+  t.cost = info.cost;
+  t.tags = info.tags;
+  t.kind = info.kind;
+  return id;
+}
+
+TaskInfo& TaskTable::append(DeviceId device, StreamId stream, std::string_view name) {
+  if (tasks_.size() >= kNoTask) [[unlikely]] {
     throw std::length_error(fmt::format("too many tasks: at most {} per graph", kNoTask - 1));
   }
-  if (info.stream >= stream_names_.size()) {
+  if (stream >= stream_count()) [[unlikely]] {
     throw std::invalid_argument(fmt::format(
         "task '{}' is on stream {}, but only {} streams are named; get stream ids from stream()",
-        name, info.stream, stream_names_.size()));
+        name, stream, stream_count()));
   }
-  TaskInfo& t = tasks_.emplace_back(info);
-  t.group = kNoGroup;
-  t.name_offset = static_cast<std::uint32_t>(names_.size());
+  const auto id = static_cast<TaskId>(tasks_.size());
+  TaskInfo& t = tasks_.emplace_back();
+  t.device = device;
+  t.stream = stream;
   if (name.empty()) {
-    fmt::format_to(std::back_inserter(names_), "task{}", tasks_.size() - 1);
+    t.name_offset = static_cast<std::uint32_t>(names_.size());
+    names_ += "task";
+    append_number(names_, id);
+    t.name_size = static_cast<std::uint32_t>(names_.size() - t.name_offset);
+    has_last_name_ = false;
+  } else if (has_last_name_ && name.size() == last_name_size_ &&
+             std::string_view(names_).substr(last_name_offset_, last_name_size_) == name) {
+    t.name_offset = last_name_offset_;
+    t.name_size = last_name_size_;
   } else {
+    t.name_offset = last_name_offset_ = static_cast<std::uint32_t>(names_.size());
+    t.name_size = last_name_size_ = static_cast<std::uint32_t>(name.size());
     names_.append(name);
+    has_last_name_ = true;
   }
-  t.name_size = static_cast<std::uint32_t>(names_.size() - t.name_offset);
-  device_count_ = std::max(device_count_, info.device + 1);
-  return static_cast<TaskId>(tasks_.size() - 1);
+  device_count_ = std::max(device_count_, device + 1);
+  return t;
 }
 
 GroupId TaskTable::add_group(std::string_view name, std::span<const TaskId> members) {

@@ -73,7 +73,7 @@ class Replay {
         model_(model),
         options_(options),
         run_index_(run_index),
-        pending_(g.in_degree),
+        pending_(g.in_degree.begin(), g.in_degree.end()),
         start_(table_.size(), -1),
         end_(table_.size(), -1),
         group_arrived_(table_.group_count(), 0),

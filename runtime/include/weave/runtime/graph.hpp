@@ -73,6 +73,13 @@ class GraphBuilder {
   // The id of a named stream, the same on every device; "compute" and "comm" always exist.
   // `kind` classifies the stream for reports (see StreamKind and TaskTable::stream).
   StreamId stream(std::string_view name, StreamKind kind = kUnclassifiedStream);
+  // Many streams at once, for graphs over thousands of them: `count` streams named prefix0 ..
+  // prefix<count-1> with consecutive ids (the first is returned), or anonymous ones, called
+  // "stream#<id>" in traces and dumps. Neither formats, allocates or hashes a name per stream
+  // (see TaskTable::streams).
+  StreamId streams(std::string_view prefix, std::size_t count,
+                   StreamKind kind = kUnclassifiedStream);
+  StreamId anonymous_streams(std::size_t count = 1, StreamKind kind = kUnclassifiedStream);
 
   TaskId add(const TaskSpec& spec, TaskFn work = {});
   // `after` starts only once `before` has completed.

@@ -7,6 +7,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "weave/runtime/huge_page_allocator.hpp"
 #include "weave/runtime/types.hpp"
 
 namespace weave::rt {
@@ -25,8 +26,9 @@ struct TaskInfo {
 };
 static_assert(sizeof(TaskInfo) <= 88);
 
-// Tasks, stream names and rendezvous groups. Names live in one pool so that adding a task
-// allocates nothing per task.
+// Tasks, stream names and rendezvous groups. Task and stream names live in pools (one string
+// each), so that adding a task or a stream allocates nothing of its own: graphs of millions of
+// tasks over tens of thousands of streams are built in arrays that grow geometrically.
 class TaskTable {
  public:
   TaskTable();
@@ -40,13 +42,26 @@ class TaskTable {
   // One past the highest device any task is placed on.
   DeviceId device_count() const { return device_count_; }
 
-  std::size_t stream_count() const { return stream_names_.size(); }
-  std::string_view stream_name(StreamId id) const { return stream_names_[id]; }
+  std::size_t stream_count() const { return stream_kinds_.size(); }
+  std::string_view stream_name(StreamId id) const {
+    return std::string_view(stream_text_)
+        .substr(stream_begin_[id], stream_begin_[id + 1] - stream_begin_[id]);
+  }
   StreamKind stream_kind(StreamId id) const { return stream_kinds_[id]; }
   // The stream's id, adding the name if it is new. A stream has one kind: asking for it with
   // another kind than it was given throws std::invalid_argument (kUnclassifiedStream asks for
   // the stream whatever its kind, and an unclassified stream takes the first kind asked for).
+  // Finds streams named by streams() and anonymous_streams() too ("s17", "stream#4").
   StreamId stream(std::string_view name, StreamKind kind = kUnclassifiedStream);
+  // `count` new streams named prefix0 .. prefix<count-1>, with consecutive ids; returns the
+  // first. The names are written into the pool at once (no map entry or string of their own),
+  // and stream(prefix + "7") finds the eighth. The prefix must not end in a digit ("s1" + "0"
+  // would read as "s" + "10"), and no stream of that form may exist yet.
+  StreamId streams(std::string_view prefix, std::size_t count,
+                   StreamKind kind = kUnclassifiedStream);
+  // `count` new streams the caller never looks up by name; each is called "stream#<id>" in
+  // traces and dumps, which stays the same as long as the streams are made in the same order.
+  StreamId anonymous_streams(std::size_t count = 1, StreamKind kind = kUnclassifiedStream);
 
   std::size_t group_count() const { return group_names_.size(); }
   std::string_view group_name(GroupId g) const { return group_names_[g]; }
@@ -55,18 +70,41 @@ class TaskTable {
   }
 
   TaskId add(const TaskInfo& info, std::string_view name);
+  // Appends a task on (device, stream) with the other fields at their defaults, for the caller
+  // to fill in place: a graph builder writes each field once instead of building a TaskInfo
+  // and copying it. The reference is valid until the next task is added.
+  TaskInfo& append(DeviceId device, StreamId stream, std::string_view name);
   GroupId add_group(std::string_view name, std::span<const TaskId> members);
 
  private:
-  std::vector<TaskInfo> tasks_;
+  void check_stream_room(std::size_t count) const;
+  StreamId find_numbered(std::string_view name) const;
+
+  std::vector<TaskInfo, HugePageAllocator<TaskInfo>> tasks_;
   std::string names_;
-  std::vector<std::string> stream_names_;
+  // The last name added, which a run of tasks with the same name shares (a name is kept once
+  // per run, not once per task).
+  std::uint32_t last_name_offset_ = 0;
+  std::uint32_t last_name_size_ = 0;
+  bool has_last_name_ = false;
+
+  // Stream s is called stream_text_[stream_begin_[s] .. stream_begin_[s + 1]).
+  std::string stream_text_;
+  std::vector<std::uint32_t> stream_begin_{0};
   std::vector<StreamKind> stream_kinds_;
   struct NameHash {
     using is_transparent = void;
     std::size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
   };
+  // Streams named one at a time; streams() ranges are found through their prefix instead.
   std::unordered_map<std::string, StreamId, NameHash, std::equal_to<>> stream_ids_;
+  struct NumberedStreams {
+    std::string prefix;
+    StreamId first;
+    std::size_t count;
+  };
+  std::vector<NumberedStreams> numbered_;
+
   std::vector<std::string> group_names_;
   std::vector<std::uint32_t> group_begin_{0};
   std::vector<TaskId> group_members_;
