@@ -31,8 +31,9 @@ constexpr ConfigFlag refused(std::string_view name, int values, std::string_view
 
 constexpr std::string_view kFusion =
     "a kernel fusion switch: weave's kernels are its own and compute the same values either way";
-constexpr std::string_view kFp32 = "weave computes in fp32 throughout";
-constexpr std::string_view kLossScale = "loss scaling is for fp16 training; weave trains in fp32";
+constexpr std::string_view kLossScale =
+    "loss scaling is for fp16 training, which weave train refuses (--fp16); bf16 and fp32 need "
+    "none";
 constexpr std::string_view kAmpipeRule =
     "a MindSpeed memory or pipeline switch for NPUs: the run is the same without it (refused "
     "beside --ampipe-degree, as MindSpeed does)";
@@ -111,10 +112,16 @@ constexpr ConfigFlag kNoEffect[] = {
     without_effect("--use-fused-swiglu", 0, kFusion),
     without_effect("--use-fused-rotary-pos-emb", 0, kFusion),
     without_effect("--use-fused-ring-attention-update", 0, kFusion),
-    without_effect("--attention-softmax-in-fp32", 0, kFp32),
-    without_effect("--accumulate-allreduce-grads-in-fp32", 0, kFp32),
-    without_effect("--fp32-residual-connection", 0, kFp32),
-    without_effect("--reuse-fp32-param", 0, kFp32),
+    without_effect("--attention-softmax-in-fp32", 0,
+                   "the softmax computes in fp32 in every precision here"),
+    without_effect("--accumulate-allreduce-grads-in-fp32", 0,
+                   "gradients are accumulated and reduced in fp32 in every precision here"),
+    without_effect("--fp32-residual-connection", 0,
+                   "the residual stream is fp32 in every precision here"),
+    without_effect(
+        "--reuse-fp32-param", 0,
+        "MindSpeed's memory saving for bf16 runs (its optimizer frees the fp32 parameter "
+        "copies); weave keeps fp32 main parameters and their bf16 copies apart"),
     without_effect("--apply-query-key-layer-scaling", 0,
                    "a guard against fp16 overflow: in fp32 the attention is the same"),
     without_effect("--loss-scale", 1, kLossScale),
