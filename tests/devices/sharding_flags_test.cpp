@@ -140,6 +140,24 @@ TEST(DeepSpeedConfig, AnEnabledBf16SectionTrainsInBf16) {
   EXPECT_NE(e.find("bf16.enabled false disagree"), std::string::npos) << e;
 }
 
+// ZeRO's overlap_comm reduces the gradients during the backward: weave's --overlap-grad-reduce
+// under its stage 1; without ZeRO DeepSpeed's engine reduces after the backward and the field is
+// named as without effect.
+TEST(DeepSpeedConfig, ZeroOverlapCommIsOverlapGradReduce) {
+  const DeepSpeedFile stage1(R"({"zero_optimization": {"stage": 1, "overlap_comm": true}})");
+  EXPECT_TRUE(parsed(with_file(stage1)).config.plan.overlap_grad_reduce);
+  const DeepSpeedFile stage0(R"({"zero_optimization": {"stage": 0, "overlap_comm": true}})");
+  const TrainOptions o = parsed(with_file(stage0));
+  EXPECT_FALSE(o.config.plan.overlap_grad_reduce);
+  EXPECT_NE(std::find(o.deepspeed_unhonoured.begin(), o.deepspeed_unhonoured.end(),
+                      "zero_optimization.overlap_comm"),
+            o.deepspeed_unhonoured.end());
+  const DeepSpeedFile off(R"({"zero_optimization": {"stage": 1, "overlap_comm": false}})");
+  const std::string e = refusal(with_file(off, {"--overlap-grad-reduce"}));
+  EXPECT_NE(e.find("zero_optimization.overlap_comm"), std::string::npos) << e;
+  EXPECT_NE(e.find("disagree"), std::string::npos) << e;
+}
+
 TEST(DeepSpeedConfig, RefusesWhatWouldChangeTrainingInOneMessage) {
   const DeepSpeedFile f(R"({"fp16": {"enabled": true}, "curriculum_learning": {"enabled": true},
       "bf16": {"enabled": false}})");

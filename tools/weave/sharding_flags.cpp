@@ -6,6 +6,7 @@
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string_view>
 
 namespace weave::cli {
@@ -256,7 +257,12 @@ void read_deepspeed_config(TrainOptions& o) {
     } else if (key == "zero_optimization") {
       if (!value.is_object())
         refuse(fmt::format("{}: zero_optimization must be an object", r.file));
+      std::optional<bool> overlap_comm;
       for (const auto& [zkey, zvalue] : value.items()) {
+        if (zkey == "overlap_comm" && zvalue.is_boolean()) {
+          overlap_comm = zvalue.get<bool>();
+          continue;
+        }
         if (zkey != "stage") {
           r.unhonoured.push_back("zero_optimization." + zkey);
           continue;
@@ -269,6 +275,14 @@ void read_deepspeed_config(TrainOptions& o) {
               o.zero_stage, r.file, stage));
         apply_zero_stage(o, stage, fmt::format("{}'s zero_optimization.stage", r.file));
       }
+      // DeepSpeed's ZeRO optimizer reduces each bucket's gradients during the backward with
+      // overlap_comm (stage_1_and_2.py); without ZeRO its engine reduces them after the backward
+      // and the field does nothing. weave's stage 1 is its distributed optimizer.
+      if (overlap_comm && o.config.plan.distributed_optimizer)
+        set_or_check(o, r, "--overlap-grad-reduce", "zero_optimization.overlap_comm",
+                     o.config.plan.overlap_grad_reduce, *overlap_comm);
+      else if (overlap_comm)
+        r.unhonoured.push_back("zero_optimization.overlap_comm");
     } else if (key == "optimizer") {
       read_optimizer(o, r, value);
     } else if (std::find(std::begin(kChangesTraining), std::end(kChangesTraining), key) !=
@@ -281,7 +295,7 @@ void read_deepspeed_config(TrainOptions& o) {
   if (!r.refused.empty())
     refuse(fmt::format(
         "{} asks for what weave cannot train: {}. weave trains the model and the batches its "
-        "flags describe, in fp32: drop these fields",
+        "flags describe: drop these fields",
         r.file, fmt::join(r.refused, ", ")));
   o.deepspeed_unhonoured = std::move(r.unhonoured);
 }
