@@ -11,12 +11,14 @@
 #include <array>
 #include <map>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "tiny_model.hpp"
 #include "weave/devices/device_set.hpp"
 #include "weave/devices/shared_memory_communicator.hpp"
 #include "weave/graphs/training_step.hpp"
+#include "weave/runtime/graph_view.hpp"
 
 namespace weave::graphs {
 namespace {
@@ -51,6 +53,69 @@ ModelConfig one_moe_layer(std::int64_t seq_length) {
   m.moe_layer_freq = 1;
   m.seq_length = seq_length;
   return m;
+}
+
+// The Ampipe chunk a task's name places it in ("L<l>.c<k>."), or -1.
+int chunk_in_name(std::string_view name) {
+  const std::size_t dot = name.find('.');
+  if (dot == std::string_view::npos || name.substr(dot + 1, 1) != "c") return -1;
+  std::size_t end = dot + 2;
+  while (end < name.size() && name[end] >= '0' && name[end] <= '9')
+    ++end;
+  if (end == dot + 2 || end >= name.size() || name[end] != '.') return -1;
+  return std::stoi(std::string(name.substr(dot + 2, end - dot - 2)));
+}
+
+// Every task of an Ampipe chunk carries the chunk as its tag (what --graph-filter chunk=K and the
+// traces select by), and no other task does: through the attention chunks, the routers, the
+// dispatch and combine all-to-alls, the experts (whole, split over tp, or in items under the
+// tp-sp overlap), the ring attention's chunks and every backward.
+TEST(AmpipeChunks, EveryChunksTasksCarryTheChunkAsTheirTag) {
+  ParallelPlan overlap{.tensor_parallel = 2,
+                       .sequence_parallel = true,
+                       .expert_parallel = 2,
+                       .data_parallel = 2,
+                       .micro_batch_size = 1,
+                       .global_batch_size = 4,
+                       .ampipe_degree = 2,
+                       .ampipe_tp_sp_comm_overlap = true};
+  overlap.moe_model_type = "deepspeed_moe";
+  const std::vector<ParallelPlan> plans{
+      {.tensor_parallel = 2,
+       .sequence_parallel = true,
+       .expert_parallel = 2,
+       .data_parallel = 2,
+       .micro_batch_size = 1,
+       .global_batch_size = 2,
+       .ampipe_degree = 2},
+      {.context_parallel = 2,
+       .expert_parallel = 2,
+       .micro_batch_size = 1,
+       .global_batch_size = 1,
+       .ampipe_degree = 2},
+      overlap,
+      {.expert_parallel = 2, .data_parallel = 2, .micro_batch_size = 1, .global_batch_size = 2}};
+  for (ParallelPlan plan : plans) {
+    const ModelConfig m = one_moe_layer(64);
+    validate(m, plan);
+    devices::DeviceSet set(plan.devices(), {.pin = false});
+    devices::SharedMemoryCommunicator comm;
+    const TrainingStep step(m, plan, {}, set, comm, {.materialize = false});
+    const rt::TaskTable& tasks = step.graph().tasks();
+    const rt::GraphFilter chunk1 = rt::parse_graph_filter("chunk=1");
+    std::size_t tagged = 0;
+    for (rt::TaskId id = 0; id < tasks.size(); ++id) {
+      const int expected = chunk_in_name(tasks.name(id));
+      EXPECT_EQ(tasks[id].tags.chunk, expected) << tasks.name(id);
+      EXPECT_EQ(chunk1.selects(tasks, id), expected == 1) << tasks.name(id);
+      tagged += expected >= 0 ? 1 : 0;
+    }
+    // Without Ampipe nothing is a chunk's; with it both chunks' tasks are there.
+    if (plan.ampipe_degree == 1)
+      EXPECT_EQ(tagged, 0u);
+    else
+      EXPECT_GT(tagged, 20u);
+  }
 }
 
 TEST(AmpipeChunks, UnderSequenceParallelismChunksAreContiguous) {

@@ -149,7 +149,7 @@ TaskId AmpipeBlock::chunk_attention(const BuildPosition& pos, int c, TaskId qkv)
   const StepShape& z = P->shape;
   const std::int64_t n = z.t_sp * z.piece_rows(), B = z.B, Hl = z.Hl, d = z.d;
   const int N = z.ampipe;
-  const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
+  const rt::TaskTags tags = pos.chunk_tags(rt::Phase::forward, l, c);
   const std::string chunk = fmt::format("L{}.c{}.", l, c);
   if (z.cp > 1) {
     // The chunk's half of the rank's sequence: n rows from c n.
@@ -180,7 +180,7 @@ TaskId AmpipeBlock::chunk_residual(const BuildPosition& pos, int c, TaskId side)
   RankProgram* p = P;
   const int layer = l, set = pos.set, mb = pos.micro_batch;
   const std::int64_t q = z.piece_rows();
-  const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
+  const rt::TaskTags tags = pos.chunk_tags(rt::Phase::forward, l, c);
   const std::string chunk = fmt::format("L{}.c{}.", l, c);
   // Each rank's piece of the summed projection comes home, on the tp stream.
   const TaskId reduced =
@@ -204,7 +204,6 @@ TaskId AmpipeBlock::moe_forward(const BuildPosition& pos, const std::vector<Slot
   const StepShape& z = P->shape;
   const std::int64_t q = z.piece_rows();
   const int N = z.ampipe;
-  const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
   const MoeMlp moe(*P, l);
   std::vector<SlotProgress> computed(static_cast<std::size_t>(N));
   if (z.tp_sp_overlap()) {  // every chunk's items in one pipeline
@@ -220,15 +219,15 @@ TaskId AmpipeBlock::moe_forward(const BuildPosition& pos, const std::vector<Slot
   TaskId last = rt::kNoTask;
   for (int c = 0; c < N; ++c) {
     const TaskId combined = moe.combine(pos, c, computed[c]);
-    const TaskId residual =
-        P->compute(fmt::format("L{}.c{}.mlp_residual", l, c), tags,
-                   cost::streamed(z, 4.0 * q * z.B * z.h), [=] {
-                     LayerActivations& A = p->acts(set, layer);
-                     const std::int64_t first = c * q;
-                     const Tensor y = A.mlp_out.slice(0, first, q);
-                     p->apply_dropout(false, mb, layer, 1, y, y, first);
-                     ops::add(A.x_mid.slice(0, first, q), y, A.x_out.slice(0, first, q));
-                   });
+    const TaskId residual = P->compute(
+        fmt::format("L{}.c{}.mlp_residual", l, c), pos.chunk_tags(rt::Phase::forward, l, c),
+        cost::streamed(z, 4.0 * q * z.B * z.h), [=] {
+          LayerActivations& A = p->acts(set, layer);
+          const std::int64_t first = c * q;
+          const Tensor y = A.mlp_out.slice(0, first, q);
+          p->apply_dropout(false, mb, layer, 1, y, y, first);
+          ops::add(A.x_mid.slice(0, first, q), y, A.x_out.slice(0, first, q));
+        });
     P->after(combined, residual);
     P->after(stats, residual);
     last = residual;
@@ -302,7 +301,7 @@ TaskId AmpipeBlock::chunk_backward(const BuildPosition& pos, int c, const SlotPr
   const StepShape& z = P->shape;
   const std::int64_t q = z.piece_rows();
   const int N = z.ampipe;
-  const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
+  const rt::TaskTags tags = pos.chunk_tags(rt::Phase::backward, l, c);
   const std::string chunk = fmt::format("L{}.c{}.", l, c);
   const TaskId router = MoeMlp(*P, l).router_backward(pos, c, experts);
   TaskId attention_ready = router;

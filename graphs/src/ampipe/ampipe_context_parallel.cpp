@@ -89,7 +89,7 @@ TaskId AmpipeBlock::ring_attention(const BuildPosition& pos, int c, TaskId qkv) 
   const int layer = l, set = pos.set, me = P->at.cp, mb = pos.micro_batch;
   const StepShape& z = P->shape;
   const int cp = z.cp;
-  const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
+  const rt::TaskTags tags = pos.chunk_tags(rt::Phase::forward, l, c);
   const std::string at = fmt::format("L{}.c{}.", l, c);
   // A full product is 1/(2 cp) of the rank's causal attention.
   const rt::CostHint unit = cost::causal_attention(z) / (2.0 * cp);
@@ -141,22 +141,22 @@ TaskId ampipe_ring_attention_backward(RankProgram& P, const BuildPosition& pos, 
   const StepShape& z = P.shape;
   const std::int64_t Sc = z.Sc;
   const rt::CostHint unit = cost::causal_attention_backward(z) / (2.0 * z.cp);
-  const TaskId task =
-      P.compute(fmt::format("L{}.c{}.attention_backward", l, c), pos.tags(rt::Phase::backward, l),
-                unit * chunk_units(z, me, c), [p, layer, set, me, c, Sc, mb] {
-                  BackwardWorkspace& w = p->ws();
-                  // Chunk 1's backward runs first: the chunks add dq, dk and dv from here on;
-                  // zeroed here, not earlier, as the layer above's deferred weight half reads d_qkv
-                  // until this layer's combines are launched.
-                  if (c == 1) w.attention.d_qkv.fill(0.f);
-                  const RingAttention ring(*p, layer);
-                  for (int owner = 0; owner < p->shape.cp; ++owner)
-                    for (const Product& product : chunk_products(me, c, owner))
-                      if (product_units(p->shape, me, owner, product) > 0)
-                        ring.attend_piece_backward(
-                            set, mb, product.query_half, kv_block(*p, set, layer, owner, true),
-                            w.cp_ring.dkv_send.slice(0, owner * Sc, Sc), owner, product.key_half);
-                });
+  const TaskId task = P.compute(
+      fmt::format("L{}.c{}.attention_backward", l, c), pos.chunk_tags(rt::Phase::backward, l, c),
+      unit * chunk_units(z, me, c), [p, layer, set, me, c, Sc, mb] {
+        BackwardWorkspace& w = p->ws();
+        // Chunk 1's backward runs first: the chunks add dq, dk and dv from here on;
+        // zeroed here, not earlier, as the layer above's deferred weight half reads d_qkv
+        // until this layer's combines are launched.
+        if (c == 1) w.attention.d_qkv.fill(0.f);
+        const RingAttention ring(*p, layer);
+        for (int owner = 0; owner < p->shape.cp; ++owner)
+          for (const Product& product : chunk_products(me, c, owner))
+            if (product_units(p->shape, me, owner, product) > 0)
+              ring.attend_piece_backward(
+                  set, mb, product.query_half, kv_block(*p, set, layer, owner, true),
+                  w.cp_ring.dkv_send.slice(0, owner * Sc, Sc), owner, product.key_half);
+      });
   P.after(ready, task);
   P.after(blocks, task);
   return task;

@@ -54,7 +54,7 @@ SlotProgress MoeMlp::experts(const BuildPosition& pos, int c, const SlotProgress
   const int ep = z.ep;
   const std::int64_t h = z.h;
   const TaskId experts =
-      P->compute(slot_prefix(c) + "experts", pos.tags(rt::Phase::forward, l),
+      P->compute(slot_prefix(c) + "experts", pos.chunk_tags(rt::Phase::forward, l, slot_chunk(c)),
                  cost::experts(z, static_cast<double>(z.slot_tokens())), [=] {
                    MoeSlot& A = p->slot(set, layer, c);
                    const MoeMlpParameters& W = p->moe_parameters(layer);
@@ -97,8 +97,8 @@ SlotProgress MoeMlp::experts_items(const BuildPosition& pos, int c,
   SlotProgress out{routed.task, {}};
   for (std::size_t i = 0; i < routed.items.size(); ++i) {
     const TaskId experts =
-        P->compute(slot_prefix(c) + fmt::format("i{}.experts", i), pos.tags(rt::Phase::forward, l),
-                   per_item, [=] {
+        P->compute(slot_prefix(c) + fmt::format("i{}.experts", i),
+                   pos.chunk_tags(rt::Phase::forward, l, slot_chunk(c)), per_item, [=] {
                      ExpertItem& I = p->slot(set, layer, c).items[i];
                      const MoeMlpParameters& W = p->moe_parameters(layer);
                      std::int64_t at = 0, rows = 0;
@@ -164,8 +164,8 @@ SlotProgress MoeMlp::experts_backward(const BuildPosition& pos, int c, const Slo
   const rt::CostHint experts_flops = cost::experts(z, static_cast<double>(z.slot_tokens()));
   const std::string at = slot_prefix(c);
   const TaskId experts = P->compute(
-      at + "experts_backward", pos.tags(rt::Phase::backward, l), (keep ? 1 : 2) * experts_flops,
-      [=] {
+      at + "experts_backward", pos.chunk_tags(rt::Phase::backward, l, slot_chunk(c)),
+      (keep ? 1 : 2) * experts_flops, [=] {
         MoeSlot& A = p->slot(set, layer, c);
         const MoeMlpParameters& W = p->moe_parameters(layer);
         const ops::ExpertActivation act = expert_activation(p->shape.model);
@@ -188,8 +188,8 @@ SlotProgress MoeMlp::experts_backward(const BuildPosition& pos, int c, const Slo
       });
   P->after(arrived.task, experts);
   if (keep)
-    halves.place(WeightPlacement::zero_bubble, [=] {
-      return p->compute(at + "experts_weight_grad", pos.tags(rt::Phase::weight, layer),
+    halves.place(WeightPlacement::zero_bubble, [=, chunk = slot_chunk(c)] {
+      return p->compute(at + "experts_weight_grad", pos.chunk_tags(rt::Phase::weight, layer, chunk),
                         experts_flops, [=] {
                           MoeSlot& A = p->slot(set, layer, c);
                           const MoeMlpParameters& W = p->moe_parameters(layer);
@@ -217,7 +217,7 @@ SlotProgress MoeMlp::experts_backward_items(const BuildPosition& pos, int c,
   for (std::size_t i = 0; i < arrived.items.size(); ++i) {
     const TaskId experts =
         P->compute(slot_prefix(c) + fmt::format("i{}.experts_backward", i),
-                   pos.tags(rt::Phase::backward, l), 2 * per_item, [=] {
+                   pos.chunk_tags(rt::Phase::backward, l, slot_chunk(c)), 2 * per_item, [=] {
                      ExpertItem& I = p->slot(set, layer, c).items[i];
                      const MoeMlpParameters& W = p->moe_parameters(layer);
                      std::int64_t rows = 0;

@@ -34,7 +34,7 @@ SlotProgress MoeMlp::route(const BuildPosition& pos, int c, TaskId ready) const 
   const int layer = l, set = pos.set;
   const bool counted = !pos.recomputing;
   const StepShape& z = P->shape;
-  const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
+  const rt::TaskTags tags = pos.chunk_tags(rt::Phase::forward, l, slot_chunk(c));
   const TaskId router = P->compute(
       slot_prefix(c) + "router", tags, cost::router(z, static_cast<double>(z.slot_tokens())), [=] {
         MoeSlot& A = p->slot(set, layer, c);
@@ -64,14 +64,14 @@ TaskId MoeMlp::router_backward(const BuildPosition& pos, int c, const SlotProgre
   const int layer = l, set = pos.set;
   const StepShape& z = P->shape;
   const double tokens = static_cast<double>(z.slot_tokens());
-  const TaskId router =
-      P->compute(slot_prefix(c) + "router_backward", pos.tags(rt::Phase::backward, l),
-                 2 * cost::router(z, tokens), [=] {
-                   MoeSlot& A = p->slot(set, layer, c);
-                   unpermute_gradients(p->shape, A);
-                   route_slot_backward(p->shape, p->moe_parameters(layer).router,
-                                       p->acts(set, layer).moe().stats_total, A);
-                 });
+  const TaskId router = P->compute(slot_prefix(c) + "router_backward",
+                                   pos.chunk_tags(rt::Phase::backward, l, slot_chunk(c)),
+                                   2 * cost::router(z, tokens), [=] {
+                                     MoeSlot& A = p->slot(set, layer, c);
+                                     unpermute_gradients(p->shape, A);
+                                     route_slot_backward(p->shape, p->moe_parameters(layer).router,
+                                                         p->acts(set, layer).moe().stats_total, A);
+                                   });
   P->after(home.task, router);
   for (TaskId item : home.items)
     P->after(item, router);

@@ -92,6 +92,8 @@ class MoeMlp {
 
   // Task names of slot c: "L<l>." or, for an Ampipe chunk, "L<l>.c<c>.".
   std::string slot_prefix(int c) const;
+  // Slot c's Ampipe chunk for its tasks' tags: c, or -1 without Ampipe (one slot, no chunks).
+  int slot_chunk(int c) const { return P->shape.ampipe > 1 ? c : -1; }
 
  private:
   SlotProgress experts_items(const BuildPosition& pos, int c, const SlotProgress& routed) const;

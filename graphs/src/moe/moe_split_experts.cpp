@@ -179,7 +179,7 @@ SlotProgress MoeMlp::split_experts(const BuildPosition& pos, int c,
   const int layer = l, set = pos.set;
   const StepShape& z = P->shape;
   const std::int64_t h = z.h, H = z.header_rows();
-  const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
+  const rt::TaskTags tags = pos.chunk_tags(rt::Phase::forward, l, slot_chunk(c));
   const std::string at = slot_prefix(c);
   const TaskId framed =
       P->compute(at + "experts_frame", tags, cost::streamed(z, cost::regrouped_elements(z)),
@@ -224,7 +224,7 @@ SlotProgress MoeMlp::split_experts_backward(const BuildPosition& pos, int c,
   const int layer = l, set = pos.set;
   const StepShape& z = P->shape;
   const std::int64_t h = z.h;
-  const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
+  const rt::TaskTags tags = pos.chunk_tags(rt::Phase::backward, l, slot_chunk(c));
   const std::string at = slot_prefix(c);
   const TaskId grouped = P->compute(at + "experts_backward_frame", tags,
                                     cost::streamed(z, cost::regrouped_elements(z)),
@@ -248,9 +248,9 @@ SlotProgress MoeMlp::split_experts_backward(const BuildPosition& pos, int c,
   });
   P->after(gathered, experts);
   if (keep)
-    halves.place(WeightPlacement::zero_bubble, [=] {
-      return p->compute(at + "experts_weight_grad", pos.tags(rt::Phase::weight, layer), flops,
-                        [=] { gathered_experts_weight_grad(*p, set, layer, c); });
+    halves.place(WeightPlacement::zero_bubble, [=, chunk = slot_chunk(c)] {
+      return p->compute(at + "experts_weight_grad", pos.chunk_tags(rt::Phase::weight, layer, chunk),
+                        flops, [=] { gathered_experts_weight_grad(*p, set, layer, c); });
     });
   const TaskId reduced = P->tensor.reduce_scatter_v(experts,
                                                     {.send = read_of(S.tp_partial),

@@ -86,7 +86,7 @@ TaskId MoeMlp::gather_item(const BuildPosition& pos, int c, int i, TaskId dispat
   RankProgram* p = P;
   const int layer = l, set = pos.set, ep = P->shape.ep;
   const std::int64_t h = P->shape.h;
-  const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
+  const rt::TaskTags tags = pos.chunk_tags(rt::Phase::forward, l, slot_chunk(c));
   const std::string at = slot_prefix(c) + fmt::format("i{}.", i);
   // One item's share of the slot's regrouped rows.
   const double share = cost::regrouped_elements(P->shape) /
@@ -197,7 +197,7 @@ std::vector<SlotProgress> MoeMlp::split_item_pipeline(const BuildPosition& pos,
   const int layer = l, set = pos.set;
   const StepShape& z = P->shape;
   const std::int64_t h = z.h;
-  const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
+  const auto tags = [&](int c) { return pos.chunk_tags(rt::Phase::forward, l, slot_chunk(c)); };
   const std::vector<ItemRef> items = items_of(*P, set, l, slots);
   auto slot_index = [&](int c) { return index_of(slots, c); };
   // Each item's dispatch: issued after the router, or here, where the chain reaches it.
@@ -244,11 +244,11 @@ std::vector<SlotProgress> MoeMlp::split_item_pipeline(const BuildPosition& pos,
     const std::string at = slot_prefix(c) + fmt::format("i{}.", i);
     gather(k);
     if (k + 1 < items.size()) gather(k + 1);
-    const TaskId first = P->compute(at + "fc1", tags, per_item * f1 / (f1 + f),
+    const TaskId first = P->compute(at + "fc1", tags(c), per_item * f1 / (f1 + f),
                                     [=] { item_fc1(*p, set, layer, c, i); });
     P->after(gathered[k], first);
     if (k > 0) combine(k - 1);
-    const TaskId second = P->compute(at + "fc2", tags, per_item * f / (f1 + f),
+    const TaskId second = P->compute(at + "fc2", tags(c), per_item * f / (f1 + f),
                                      [=] { item_fc2(*p, set, layer, c, i); });
     ExpertItem& I = P->slot(set, l, c).items[i];
     reduced[k] = P->tensor.reduce_scatter_v(second,
@@ -256,7 +256,7 @@ std::vector<SlotProgress> MoeMlp::split_item_pipeline(const BuildPosition& pos,
                                              .rows = &I.tp_gathered_rows,
                                              .recv = all_of(I.expert_result),
                                              .expected_rows = expected},
-                                            h, at + "experts_scatter", tags);
+                                            h, at + "experts_scatter", tags(c));
     chain.link(reduced[k]);
   }
   if (!items.empty()) combine(items.size() - 1);
@@ -276,7 +276,7 @@ std::vector<SlotProgress> MoeMlp::split_item_pipeline_backward(
   const int layer = l, set = pos.set;
   const StepShape& z = P->shape;
   const std::int64_t h = z.h;
-  const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
+  const auto tags = [&](int c) { return pos.chunk_tags(rt::Phase::backward, l, slot_chunk(c)); };
   std::vector<ItemRef> items = items_of(*P, set, l, slots);
   auto slot_index = [&](int c) { return index_of(slots, c); };
   const rt::CostHint per_item =
@@ -305,7 +305,8 @@ std::vector<SlotProgress> MoeMlp::split_item_pipeline_backward(
          .recv = all_of(I.tp_d_gathered),
          .recv_rows = std::span<std::int64_t>(I.tp_d_gathered_rows),
          .expected_rows = expected},
-        h, slot_prefix(ref.slot) + fmt::format("i{}.experts_grad_gather", ref.item), tags));
+        h, slot_prefix(ref.slot) + fmt::format("i{}.experts_grad_gather", ref.item),
+        tags(ref.slot)));
   };
   if (chain.on)
     for (std::size_t k = 0; k < items.size(); ++k)
@@ -321,7 +322,7 @@ std::vector<SlotProgress> MoeMlp::split_item_pipeline_backward(
     gather(k);
     if (k + 1 < items.size()) gather(k + 1);
     // The input half: fc2's and the activation's backward, fc1's input-gradient partial sums.
-    const TaskId input = P->compute(at + "experts_backward", tags, per_item,
+    const TaskId input = P->compute(at + "experts_backward", tags(c), per_item,
                                     [=] { item_input_gradient(*p, set, layer, c, i); });
     P->after(gathered[k], input);
     ExpertItem& I = P->slot(set, l, c).items[i];
@@ -331,12 +332,13 @@ std::vector<SlotProgress> MoeMlp::split_item_pipeline_backward(
                                                .rows = &I.tp_gathered_rows,
                                                .recv = all_of(I.d_expert_in),
                                                .expected_rows = expected},
-                                              h, at + "experts_grad_scatter", tags));
+                                              h, at + "experts_grad_scatter", tags(c)));
     // The weight half runs while the input gradient is reduce-scattered (or waits for W).
-    halves.place(halves.immediate(), [=] {
-      return p->compute(at + "experts_weight_grad",
-                        pos.tags(keep ? rt::Phase::weight : rt::Phase::backward, layer), per_item,
-                        [=] { item_weight_gradient(*p, set, layer, c, i); });
+    halves.place(halves.immediate(), [=, chunk = slot_chunk(c)] {
+      return p->compute(
+          at + "experts_weight_grad",
+          pos.chunk_tags(keep ? rt::Phase::weight : rt::Phase::backward, layer, chunk), per_item,
+          [=] { item_weight_gradient(*p, set, layer, c, i); });
     });
     out[slot_index(c)].items.push_back(chain.link(item_exchange(
         pos, c, static_cast<int>(i), reduced, &ExpertItem::d_expert_in, &ExpertItem::d_home, false,

@@ -155,7 +155,8 @@ TaskId MoeMlp::slot_exchange(const BuildPosition& pos, int c, TaskId ready,
                                  .recv = all_of(S.*into),
                                  .recv_counts = std::span<std::int64_t>(*received),
                                  .expected_rows = expected_rows},
-                                z.h, slot_prefix(c) + name, pos.tags(phase, l));
+                                z.h, slot_prefix(c) + name,
+                                pos.chunk_tags(phase, l, slot_chunk(c)));
 }
 
 TaskId MoeMlp::item_exchange(const BuildPosition& pos, int c, int i, TaskId ready,
@@ -180,7 +181,7 @@ TaskId MoeMlp::item_exchange(const BuildPosition& pos, int c, int i, TaskId read
                                  .recv_counts = std::span<std::int64_t>(*received),
                                  .expected_rows = expected_rows},
                                 z.h, slot_prefix(c) + fmt::format("i{}.", i) + name,
-                                pos.tags(phase, l), stream);
+                                pos.chunk_tags(phase, l, slot_chunk(c)), stream);
 }
 
 SlotProgress MoeMlp::dispatch(const BuildPosition& pos, int c, TaskId permuted) const {
@@ -209,7 +210,7 @@ TaskId MoeMlp::combine(const BuildPosition& pos, int c, const SlotProgress& comp
   const int layer = l, set = pos.set;
   const std::int64_t h = P->shape.h;
   const TaskId combined = P->compute(
-      slot_prefix(c) + "combine", pos.tags(rt::Phase::forward, l),
+      slot_prefix(c) + "combine", pos.chunk_tags(rt::Phase::forward, l, slot_chunk(c)),
       cost::streamed(P->shape, cost::combine_elements(P->shape)), [=] {
         MoeSlot& A = p->slot(set, layer, c);
         for (const ExpertItem& I : A.items)  // the items' results back into the slot's rows
@@ -229,7 +230,7 @@ SlotProgress MoeMlp::combine_backward(const BuildPosition& pos, int c, TaskId re
   const int layer = l, set = pos.set;
   const std::int64_t h = P->shape.h;
   const TaskId combined = P->compute(
-      slot_prefix(c) + "combine_backward", pos.tags(rt::Phase::backward, l),
+      slot_prefix(c) + "combine_backward", pos.chunk_tags(rt::Phase::backward, l, slot_chunk(c)),
       cost::streamed(P->shape, 2 * cost::combine_elements(P->shape)), [=] {
         MoeSlot& A = p->slot(set, layer, c);
         // This slot's tokens' output gradient.

@@ -26,6 +26,13 @@ struct BuildPosition {
             .virtual_stage = tag_chunk ? chunk : -1,
             .phase = phase};
   }
+  // The tags of a task of one Ampipe chunk (chunk -1: the layer is not split into chunks), which
+  // --graph-filter chunk=C and the traces select by.
+  rt::TaskTags chunk_tags(rt::Phase phase, int layer, int chunk) const {
+    rt::TaskTags t = tags(phase, layer);
+    t.chunk = chunk;
+    return t;
+  }
 };
 
 }  // namespace weave::graphs
