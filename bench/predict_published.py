@@ -195,6 +195,16 @@ class Table:
         return mean, worst
 
 
+def seconds_row(t, name, prediction, published):
+    """A row of seconds a step: the prediction (or why it failed) against the published time."""
+    p, why = prediction
+    if p is None:
+        t.failed(name, why)
+        return
+    s = p["step_ms"] / 1e3
+    t.row(name, s, published, 100 * (s / published - 1), "%", p)
+
+
 def table_korthikanti(weave, quick):
     t = Table("1. Korthikanti et al. 2022, Table 5: seconds per iteration, A100 (a100-80gb)")
     for row in KORTHIKANTI:
@@ -202,12 +212,7 @@ def table_korthikanti(weave, quick):
             continue
         for selective, published in ((False, row[10]), (True, row[11])):
             name = f"{row[0]} {'seq+sel' if selective else 'full'}"
-            p, why = predict(weave, korthikanti_flags(row, selective))
-            if p is None:
-                t.failed(name, why)
-                continue
-            s = p["step_ms"] / 1e3
-            t.row(name, s, published, 100 * (s / published - 1), "%", p)
+            seconds_row(t, name, predict(weave, korthikanti_flags(row, selective)), published)
     return t.summary()
 
 
@@ -247,12 +252,7 @@ def table_ampipe(weave):
 def table_qwen3(weave):
     t = Table("4. Qwen3-235B-A22B, 256 H100 (h100-sxm): seconds a step")
     for name, extra, published in QWEN3_ROWS:
-        p, why = predict(weave, f"{QWEN3} {extra}")
-        if p is None:
-            t.failed(name, why)
-            continue
-        s = p["step_ms"] / 1e3
-        t.row(name, s, published, 100 * (s / published - 1), "%", p)
+        seconds_row(t, name, predict(weave, f"{QWEN3} {extra}"), published)
     return t.summary()
 
 

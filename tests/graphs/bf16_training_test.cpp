@@ -33,16 +33,7 @@ ModelConfig gpt() {
 }
 
 ModelConfig llama() {
-  ModelConfig m = gpt();
-  m.activation = Activation::swiglu;
-  m.position_embedding = PositionEmbedding::rope;
-  m.normalization = Normalization::rms_norm;
-  m.layernorm_epsilon = 1e-6;
-  m.num_query_groups = 2;
-  m.untie_embeddings_and_output_weights = true;
-  m.add_bias_linear = false;
-  m.attention_dropout = 0.1;
-  return m;
+  return with_modern_decoder(gpt());
 }
 
 ModelConfig in(ModelConfig m, Precision p) {
@@ -256,8 +247,8 @@ TEST(Bf16Training, GptDp2EqualsOneDevice) {
 
 // The materialised bf16 step replays as the prediction of the same bf16 step does and holds
 // what it counts: the parameters at 2 bytes, the fp32 gradients, and the fp32 main parameters
-// with the two moments as optimizer state (Megatron-LM's 2 + 4 + 12 bytes a parameter) exactly. Its activations
-// differ by two named terms, computed here from the model's sizes:
+// with the two moments as optimizer state (Megatron-LM's 2 + 4 + 12 bytes a parameter) exactly. Its
+// activations differ by two named terms, computed here from the model's sizes:
 //  - what stays fp32 in the step (the prediction counts every activation at 2 bytes): the
 //    residual stream (the chunk's input, each layer's middle and output), the norms' statistics,
 //    the attention's log-sum-exp, the projection's and fc2's outputs, the loss's logits, maxima,

@@ -13,16 +13,8 @@ namespace {
 // A Llama-style model: 4 layers (every second one MoE with experts), 4 query heads sharing 2
 // key/value heads.
 ModelConfig llama(int experts) {
-  ModelConfig m = tiny(experts);
+  ModelConfig m = with_modern_decoder(tiny(experts));
   m.num_layers = 4;
-  m.activation = Activation::swiglu;
-  m.position_embedding = PositionEmbedding::rope;
-  m.normalization = Normalization::rms_norm;
-  m.layernorm_epsilon = 1e-6;
-  m.num_query_groups = 2;
-  m.untie_embeddings_and_output_weights = true;
-  m.add_bias_linear = false;
-  m.attention_dropout = 0.1;
   return m;
 }
 

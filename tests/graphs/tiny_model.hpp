@@ -24,6 +24,20 @@ inline ModelConfig tiny(int experts) {
   return m;
 }
 
+// `m` with Llama's decoder in place of GPT-2's: RMSNorm, SwiGLU, RoPE, 2 key/value heads shared by
+// the query heads, no biases, an untied output layer, attention dropout.
+inline ModelConfig with_modern_decoder(ModelConfig m) {
+  m.activation = Activation::swiglu;
+  m.position_embedding = PositionEmbedding::rope;
+  m.normalization = Normalization::rms_norm;
+  m.layernorm_epsilon = 1e-6;
+  m.num_query_groups = 2;
+  m.untie_embeddings_and_output_weights = true;
+  m.add_bias_linear = false;
+  m.attention_dropout = 0.1;
+  return m;
+}
+
 // Tokens of global sample j at position s: a fixed pseudo-random text.
 inline std::int32_t token(std::int64_t sample, std::int64_t position, int vocab) {
   std::uint64_t x = static_cast<std::uint64_t>(sample * 1009 + position * 7919 + 17);

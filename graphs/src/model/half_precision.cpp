@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <span>
+#include <string_view>
 
 #include "weave/runtime/parallel_for.hpp"
 
@@ -29,28 +30,31 @@ void for_rows(std::int64_t rows, std::int64_t cols, Fn&& fn) {
   rt::parallel_for(std::int64_t{0}, blocks, run);
 }
 
-}  // namespace
-
-void round_to_bf16(const ops::Tensor& from, const ops::Bf16Tensor& to) {
-  ops::check_shape("round_to_bf16", to.shape(), from.shape());
-  ops::check_rows("round_to_bf16 input", from);
-  ops::check_rows("round_to_bf16 output", to);
+// to = convert(from), row by row (same shape; views whose last dimension is contiguous).
+template <typename From, typename To>
+void convert_rows(std::string_view what, std::string_view input, std::string_view output,
+                  const ops::BasicTensor<From>& from, const ops::BasicTensor<To>& to,
+                  void (*convert)(std::span<const From>, std::span<To>)) {
+  ops::check_shape(what, to.shape(), from.shape());
+  ops::check_rows(input, from);
+  ops::check_rows(output, to);
   const std::int64_t cols = from.dim(from.rank() - 1);
   const auto n = static_cast<std::size_t>(cols);
   for_rows(from.rows(), cols, [&](std::int64_t r) {
-    ops::to_bf16({from.row(r), n}, {to.row(r), n});
+    convert(std::span<const From>(from.row(r), n), std::span<To>(to.row(r), n));
   });
 }
 
+}  // namespace
+
+void round_to_bf16(const ops::Tensor& from, const ops::Bf16Tensor& to) {
+  convert_rows<float, ops::bf16>("round_to_bf16", "round_to_bf16 input", "round_to_bf16 output",
+                                 from, to, ops::to_bf16);
+}
+
 void widen_to_fp32(const ops::Bf16Tensor& from, const ops::Tensor& to) {
-  ops::check_shape("widen_to_fp32", to.shape(), from.shape());
-  ops::check_rows("widen_to_fp32 input", from);
-  ops::check_rows("widen_to_fp32 output", to);
-  const std::int64_t cols = from.dim(from.rank() - 1);
-  const auto n = static_cast<std::size_t>(cols);
-  for_rows(from.rows(), cols, [&](std::int64_t r) {
-    ops::to_float({from.row(r), n}, {to.row(r), n});
-  });
+  convert_rows<ops::bf16, float>("widen_to_fp32", "widen_to_fp32 input", "widen_to_fp32 output",
+                                 from, to, ops::to_float);
 }
 
 void round_in_place(const ops::Tensor& x) {
