@@ -34,6 +34,15 @@ bool mentions(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
 }
 
+// The warnings beside the note on what MindSpeed's Ampipe refuses (AmpipeNamesWhereMindSpeedStops
+// tests the note).
+std::vector<std::string> validate_beside_mindspeed_note(const ModelConfig& m, ParallelPlan& p) {
+  std::vector<std::string> warnings = validate(m, p);
+  std::erase_if(warnings,
+                [](const std::string& w) { return mentions(w, "where MindSpeed's Ampipe stops"); });
+  return warnings;
+}
+
 TEST(ParallelPlan, EverySizeRuleIsRefusedWithItsNumbers) {
   const ModelConfig m{.num_layers = 4,
                       .hidden_size = 64,
@@ -216,6 +225,37 @@ TEST(ParallelPlan, AmpipeFollowsMindSpeedsSequenceRulesAndConflicts) {
   EXPECT_TRUE(mentions(warnings[0], "MindSpeed refuses it (EP > 1), weave runs it"));
 }
 
+// MindSpeed's arguments.py asserts EP > 1, deepspeed_moe and no linear biases beside Ampipe;
+// weave runs such a plan and names each difference in one warning.
+TEST(ParallelPlan, AmpipeNamesWhereMindSpeedStops) {
+  ModelConfig unbiased = small_moe();
+  unbiased.add_bias_linear = false;
+  ParallelPlan mindspeeds{.expert_parallel = 2,
+                          .moe_model_type = "deepspeed_moe",
+                          .data_parallel = 2,
+                          .global_batch_size = 2,
+                          .ampipe_degree = 2};
+  EXPECT_TRUE(validate(unbiased, mindspeeds).empty());
+  ParallelPlan megatrons{.expert_parallel = 2,
+                         .moe_model_type = "megatron_moe",
+                         .data_parallel = 2,
+                         .global_batch_size = 2,
+                         .ampipe_degree = 2};
+  const auto router = validate(unbiased, megatrons);
+  ASSERT_EQ(router.size(), 1u);
+  EXPECT_TRUE(mentions(router[0], "needs --moe-model-type deepspeed_moe")) << router[0];
+  EXPECT_FALSE(mentions(router[0], "--disable-bias-linear")) << router[0];
+  const auto biased = validate(small_moe(), mindspeeds);
+  ASSERT_EQ(biased.size(), 1u);
+  EXPECT_TRUE(mentions(biased[0], "refuses biased linear layers (add --disable-bias-linear)"))
+      << biased[0];
+  EXPECT_FALSE(mentions(biased[0], "--moe-model-type")) << biased[0];
+  // Without Ampipe, nothing to say.
+  ParallelPlan plain = megatrons;
+  plain.ampipe_degree = 1;
+  EXPECT_TRUE(validate(small_moe(), plain).empty());
+}
+
 TEST(ParallelPlan, ResendingKeyValueBlocksNeedsAmpipeUnderContextParallelism) {
   const ModelConfig moe = small_moe();
   ParallelPlan without_cp{.expert_parallel = 2,
@@ -223,20 +263,20 @@ TEST(ParallelPlan, ResendingKeyValueBlocksNeedsAmpipeUnderContextParallelism) {
                           .global_batch_size = 2,
                           .ampipe_degree = 2,
                           .ampipe_cp_resend_kv = true};
-  const auto warnings = validate(moe, without_cp);
+  const auto warnings = validate_beside_mindspeed_note(moe, without_cp);
   ASSERT_EQ(warnings.size(), 1u);
   EXPECT_TRUE(mentions(warnings[0], "--ampipe-cp-resend-kv has no effect")) << warnings[0];
   EXPECT_FALSE(without_cp.ampipe_cp_resend_kv);
   ParallelPlan with_cp{
       .context_parallel = 2, .expert_parallel = 2, .ampipe_degree = 2, .ampipe_cp_resend_kv = true};
   // Two MoE layers: what the layers free, the rings' workspaces take.
-  const auto two = validate(moe, with_cp);
+  const auto two = validate_beside_mindspeed_note(moe, with_cp);
   ASSERT_EQ(two.size(), 1u);
   EXPECT_TRUE(mentions(two[0], "saves no memory with 2 MoE layers")) << two[0];
   EXPECT_TRUE(with_cp.ampipe_cp_resend_kv);
   ModelConfig deeper = moe;
   deeper.num_layers = 3;
-  EXPECT_TRUE(validate(deeper, with_cp).empty());
+  EXPECT_TRUE(validate_beside_mindspeed_note(deeper, with_cp).empty());
 }
 
 TEST(ParallelPlan, PipeExpertsFollowMindSpeedsRules) {
@@ -244,7 +284,7 @@ TEST(ParallelPlan, PipeExpertsFollowMindSpeedsRules) {
   auto check = [&](ParallelPlan p) {
     p.data_parallel = p.expert_parallel;
     p.global_batch_size = p.data_parallel;
-    const auto warnings = validate(moe, p);
+    const auto warnings = validate_beside_mindspeed_note(moe, p);
     return std::pair{p, warnings.empty() ? std::string("on") : warnings.front()};
   };
   // Multi-data divisible by the degree and above it (or equal with multi-stream) stays on.
@@ -311,7 +351,7 @@ TEST(ParallelPlan, PipeExpertsFollowMindSpeedsRules) {
                        .global_batch_size = 2,
                        .ampipe_degree = 2,
                        .ampipe_tp_sp_comm_overlap = true};
-  EXPECT_TRUE(validate(moe, overlap).empty());
+  EXPECT_TRUE(validate_beside_mindspeed_note(moe, overlap).empty());
   EXPECT_TRUE(overlap.ampipe_tp_sp_comm_overlap);
   ModelConfig capped = moe;
   capped.moe_expert_capacity_factor = 0.1;  // ceil(0.1 x 48 x 2 / 4) = 3 picks per expert
@@ -536,7 +576,9 @@ TEST(ParallelPlan, ExpertTensorParallelRules) {
       "must divide context x data parallel (1 x 1 = 1) when experts are split"));
   EXPECT_TRUE(mentions(
       refusal(moe, {.tensor_parallel = 2, .expert_tensor_parallel = 1, .moe_model_type = "tutel"}),
-      "--moe-model-type must be megatron or deepspeed_moe, got 'tutel'"));
+      "--moe-model-type must be megatron or deepspeed_moe (or megatron_moe, MindSpeed's name for "
+      "megatron), got 'tutel'"));
+  EXPECT_EQ(refusal(moe, {.tensor_parallel = 2, .moe_model_type = "megatron_moe"}), "accepted");
   ModelConfig dense = moe;
   dense.num_experts = 0;
   EXPECT_TRUE(mentions(refusal(dense, {.tensor_parallel = 2, .expert_tensor_parallel = 2}),

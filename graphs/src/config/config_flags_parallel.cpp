@@ -61,9 +61,9 @@ constexpr ConfigFlag kParallelism[] = {
      .properties = kPlanSize},
     {.name = "--moe-model-type",
      .group = FlagGroup::parallelism,
-     .help = "megatron (Megatron-Core's router, experts whole) or deepspeed_moe (MindSpeed's: "
-             "its gate, and experts split over the tensor-parallel group with expert-parallel "
-             "groups of one tp rank)",
+     .help = "megatron_moe (MindSpeed's default; weave also reads megatron: Megatron-Core's "
+             "router, experts whole) or deepspeed_moe (MindSpeed's: its gate, and experts split "
+             "over the tensor-parallel group with expert-parallel groups of one tp rank)",
      .field = plan_field<&P::moe_model_type>(),
      .description = described(plan, "moe_model_type")},
     {.name = "--use-distributed-optimizer",
@@ -189,7 +189,9 @@ constexpr ConfigFlag kPipeline[] = {
 constexpr ConfigFlag kAmpipe[] = {
     {.name = "--ampipe-degree",
      .group = FlagGroup::ampipe,
-     .help = "Sequence chunks pipelining attention with the MoE all-to-alls (Ampipe)",
+     .help = "Sequence chunks pipelining attention with the MoE all-to-alls (Ampipe); what "
+             "MindSpeed refuses beside it (EP 1, experts other than deepspeed_moe, biased linear "
+             "layers) runs with a warning that names it",
      .field = plan_field<&P::ampipe_degree>(),
      .check = at_least(1),
      .description = described(plan, "ampipe_degree"),

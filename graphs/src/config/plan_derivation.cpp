@@ -48,12 +48,29 @@ void drop_scheduler_without_pipeline(ParallelPlan& p, Warnings& warnings) {
   p.pipeline_scheduler.clear();
 }
 
-void warn_ampipe_without_expert_parallelism(const ParallelPlan& p, Warnings& warnings) {
-  if (p.ampipe_degree > 1 && p.expert_parallel == 1)
-    warnings.push_back(fmt::format(
-        "--ampipe-degree {} with --expert-model-parallel-size 1 has no all-to-all to hide; "
-        "MindSpeed refuses it (EP > 1), weave runs it (the chunks are exact either way)",
-        p.ampipe_degree));
+// MindSpeed's arguments.py asserts these beside Ampipe; weave's chunks are exact without them, so
+// a run that breaks them is kept and the difference named, in one warning.
+void warn_ampipe_beyond_mindspeeds_rules(const ModelConfig& m, const ParallelPlan& p,
+                                         Warnings& warnings) {
+  if (p.ampipe_degree <= 1) return;
+  std::vector<std::string> broken;
+  if (p.expert_parallel == 1)
+    broken.emplace_back(
+        "--expert-model-parallel-size 1 has no all-to-all to hide: MindSpeed refuses it (EP > "
+        "1), weave runs it");
+  if (m.num_experts > 0 && p.moe_model_type != "deepspeed_moe")
+    broken.emplace_back(
+        "MindSpeed's Ampipe needs --moe-model-type deepspeed_moe (its gate, experts split "
+        "over tp), weave also runs Megatron-Core's router with whole experts");
+  if (m.add_bias_linear)
+    broken.emplace_back(
+        "MindSpeed's Ampipe refuses biased linear layers (add --disable-bias-linear), weave "
+        "runs them");
+  if (broken.empty()) return;
+  warnings.push_back(
+      fmt::format("--ampipe-degree {} where MindSpeed's Ampipe stops (the chunks "
+                  "are exact either way): {}",
+                  p.ampipe_degree, fmt::join(broken, "; ")));
 }
 
 // It pipelines the split experts' all-gathers and reduce-scatters over (chunk, expert) items:
@@ -190,7 +207,7 @@ std::vector<std::string> derive_plan(const ModelConfig& m, ParallelPlan& p) {
   split_experts_for_deepspeed_moe(p);
   derive_virtual_stages(m, p);
   drop_scheduler_without_pipeline(p, warnings);
-  warn_ampipe_without_expert_parallelism(p, warnings);
+  warn_ampipe_beyond_mindspeeds_rules(m, p, warnings);
   switch_off_ampipe_tp_sp_comm_overlap(p, warnings);
   switch_off_ampipe_cp_resend_kv(m, p, warnings);
   switch_off_pipe_experts_multi_stream(p, warnings);

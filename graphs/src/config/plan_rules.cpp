@@ -180,8 +180,12 @@ void check_moe_model_type(const ParallelPlan& given) {
           "--moe-model-type deepspeed_moe splits every expert over the tensor-parallel group: "
           "--expert-tensor-parallel-size ({}) must be --tensor-model-parallel-size ({}) or unset",
           given.expert_tensor_parallel, given.tensor_parallel);
-  } else if (!given.moe_model_type.empty() && given.moe_model_type != "megatron") {
-    refuse("--moe-model-type must be megatron or deepspeed_moe, got '{}'", given.moe_model_type);
+  } else if (!given.moe_model_type.empty() && given.moe_model_type != "megatron_moe" &&
+             given.moe_model_type != "megatron") {
+    refuse(
+        "--moe-model-type must be megatron or deepspeed_moe (or megatron_moe, MindSpeed's name "
+        "for megatron), got '{}'",
+        given.moe_model_type);
   }
 }
 

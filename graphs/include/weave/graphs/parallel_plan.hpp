@@ -19,7 +19,8 @@ struct ParallelPlan {
   // by columns, fc2 by rows) with expert-parallel groups of ranks that share a tensor-parallel
   // rank: MindSpeed's deepspeed_moe layout, which --moe-model-type deepspeed_moe selects.
   int expert_tensor_parallel = 1;
-  std::string moe_model_type;  // --moe-model-type: "" or megatron (experts whole), deepspeed_moe
+  std::string moe_model_type;  // --moe-model-type: "", megatron_moe or megatron (experts
+                               // whole), deepspeed_moe
   int data_parallel = 1;       // devices / (tp * cp * pp)
   int pipeline_parallel = 1;   // --pipeline-model-parallel-size
   // Model chunks (virtual stages) per pipeline rank: --virtual-pipeline-model-parallel-size, or
