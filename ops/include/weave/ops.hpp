@@ -18,5 +18,6 @@
 #include "weave/ops/random.hpp"
 #include "weave/ops/router.hpp"
 #include "weave/ops/shape.hpp"
+#include "weave/ops/sinkhorn.hpp"
 #include "weave/ops/softmax.hpp"
 #include "weave/ops/tensor.hpp"
