@@ -384,8 +384,8 @@ std::optional<ProgramSetting> predict_setting(const graphs::ConfigFlag& f, Predi
 }
 
 // weave predict's own flags (the flag table's FlagCommand::predict), then Megatron-LM's flags
-// that weave train refuses (its kernels compute in fp32 and keep every activation, its tokens are
-// bytes) and a prediction models: the flag table marks them. Registered in this order, the
+// that weave train refuses or takes without effect and a prediction models: the flag table marks
+// them. Registered in this order, the
 // command printed for the best plan keeps its flags in the order it always had.
 void add_predict_flags(CLI::App& cmd, PredictOptions& o) {
   for (const graphs::ConfigFlag& f : graphs::config_flags())
@@ -393,8 +393,13 @@ void add_predict_flags(CLI::App& cmd, PredictOptions& o) {
       add_config_flag(cmd, f, f.help, o.train.config, predict_setting(f, o))
           ->group(std::string(graphs::flag_group_title(f.group)));
   for (const graphs::ConfigFlag& f : graphs::config_flags())
-    if (f.has(graphs::kModelledByPredict))
+    if (f.has(graphs::kModelledByPredict)) {
+      // One weave train takes without effect, registered as such with train's flags, is
+      // registered again as what it models here.
+      if (CLI::Option* trains = cmd.get_option_no_throw(std::string(f.name)))
+        cmd.remove_option(trains);
       add_config_flag(cmd, f, f.predicted_help, o.train.config, predict_setting(f, o));
+    }
 }
 
 int run_predict(PredictOptions& o, const CLI::App& cmd) {

@@ -208,6 +208,21 @@ constexpr ConfigFlag kNoEffect[] = {
     without_effect("--calculate-per-token-loss", 0,
                    "the loss is already the mean over the global batch's tokens"),
     without_effect("--optimizer-selection", 1, "the optimizer is weave's AdamW kernel"),
+    {.name = "--vocab-size",
+     .group = FlagGroup::not_implemented,
+     .status = FlagStatus::no_effect,
+     .values = 1,
+     .help = "Megatron-LM reads it only for its NullTokenizer and TikTokenizer, which weave does "
+             "not have: the vocabulary is the data's tokenizer's (--tokenizer-type; text files: "
+             "256 bytes), padded to --make-vocab-size-divisible-by x tp, as Megatron-LM's other "
+             "tokenizers give theirs; weave predict models a vocabulary of this size",
+     .field = model_field<&ModelConfig::vocab_size>(),
+     .check = at_least(1),
+     .description = described(DescribedSection::model, "vocab_size", true),
+     .properties = kModelledByPredict | kShowsDefault,
+     .predicted_help = "A tokenizer's vocabulary (weave train takes --tokenizer-type's), padded to "
+                       "a multiple of --make-vocab-size-divisible-by x tp as Megatron-LM pads "
+                       "it"},
 };
 
 constexpr std::string_view kHalfPrecision =
@@ -243,19 +258,6 @@ constexpr ConfigFlag kRefused[] = {
         "--kv-channels", 1,
         "an attention head is --hidden-size / --num-attention-heads wide here: drop it and choose "
         "those two"),
-    {.name = "--vocab-size",
-     .group = FlagGroup::not_implemented,
-     .status = FlagStatus::refused,
-     .help = "weave train takes the vocabulary from the data's tokenizer (--tokenizer-type; "
-             "text files: 256 bytes), padded to --make-vocab-size-divisible-by x tp: drop it, or "
-             "give it to weave predict, which models a tokenizer's vocabulary",
-     .field = model_field<&ModelConfig::vocab_size>(),
-     .check = at_least(1),
-     .description = described(DescribedSection::model, "vocab_size", true),
-     .properties = kModelledByPredict | kShowsDefault,
-     .predicted_help = "A tokenizer's vocabulary (weave train takes --tokenizer-type's), padded to "
-                       "a multiple of --make-vocab-size-divisible-by x tp as Megatron-LM pads "
-                       "it"},
     refused(
         "--no-load-optim", 0,
         "--load resumes the optimizer state with the weights, as an uninterrupted run would have "

@@ -113,7 +113,8 @@ enum FlagProperty : unsigned {
   kNotRepeatedByAdvice = 1u << 2,
   // Refused beside --ampipe-degree > 1, as MindSpeed's Ampipe refuses it.
   kRefusedBesideAmpipe = 1u << 3,
-  // Refused by `weave train` and modelled by `weave predict`, which registers it itself.
+  // Refused by `weave train` (or without effect there) and modelled by `weave predict`, which
+  // registers it itself.
   kModelledByPredict = 1u << 4,
 };
 
