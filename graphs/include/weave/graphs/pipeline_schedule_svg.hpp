@@ -16,6 +16,15 @@ namespace weave::graphs {
 // cell. Chunks after a rank's first are hatched and their numbers primed (3'). The title gives
 // the schedule and its simulated bubble. A schedule the simulation refused is drawn step by step
 // instead, with the first problem under the title.
-std::string render_schedule_svg(const PipelineSchedule& schedule, const ScheduleReport& report);
+//
+// The SVG is at most 1600 px wide, so p=8, m=32 reads at that width with no scaling. A timeline
+// that is not in the dry run's units (a replayed step's, in ms) names its unit in `time_axis`
+// and is stretched to the full width instead of 26 px per unit.
+struct ScheduleSvgOptions {
+  std::string time_axis;  // the axis's caption; empty: the dry run's units
+  bool fill_width = false;
+};
+std::string render_schedule_svg(const PipelineSchedule& schedule, const ScheduleReport& report,
+                                const ScheduleSvgOptions& options = {});
 
 }  // namespace weave::graphs
