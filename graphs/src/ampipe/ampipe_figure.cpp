@@ -70,7 +70,8 @@ Role role_of(std::string_view kind, rt::TaskKind task_kind) {
   return Role::other;
 }
 
-// The task's name after "L<l>." and "c<k>.": what it does within the layer's chunk.
+// The task's name after "L<l>." and "c<k>." and without a collective member's "[i]": what it
+// does within the layer's chunk.
 std::string_view kind_of(std::string_view name) {
   const auto skip = [&](char letter) {
     if (name.size() < 2 || name[0] != letter) return;
@@ -81,6 +82,8 @@ std::string_view kind_of(std::string_view name) {
   };
   skip('L');
   skip('c');
+  // A collective member's index ("[0]") says nothing of what the task does.
+  if (name.ends_with(']')) name = name.substr(0, std::min(name.size(), name.rfind('[')));
   return name;
 }
 
