@@ -201,8 +201,15 @@ std::string box_label(const Box& b, double x, double w, double y) {
   std::string text = full;
   double size = size_for(full);
   if (size < 7) {
-    text = chunk;
-    size = size_for(chunk);
+    // The kind cut short at 8 px ("combi… F0") while four of its letters fit, else the chunk alone.
+    const auto fits = static_cast<std::size_t>(std::max(0.0, (w - 3) / (kGlyph * 8)));
+    if (fits >= chunk.size() + 6) {
+      text = fmt::format("{}\u2026 {}", b.kind.substr(0, fits - chunk.size() - 2), chunk);
+      size = 8;
+    } else {
+      text = chunk;
+      size = size_for(chunk);
+    }
   }
   if (size < 5) return {};
   return fmt::format(

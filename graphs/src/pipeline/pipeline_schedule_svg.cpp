@@ -14,8 +14,9 @@ constexpr double kTop = 56;   // room for the title
 constexpr double kRowHeight = 28;
 constexpr double kRowGap = 4;
 constexpr double kRight = 20;
-constexpr double kMaxPlotWidth = 1510;  // the SVG 1600 px wide at most
-constexpr double kUnitWidth = 26;       // pixels per time unit when the step is short
+constexpr double kMaxPlotWidth = 1800;
+constexpr double kFilledPlotWidth = 1510;  // ScheduleSvgOptions::fill_width: the SVG 1600 px wide
+constexpr double kUnitWidth = 26;          // pixels per time unit when the step is short
 
 std::string escape(std::string_view text) {
   std::string out;
@@ -115,7 +116,7 @@ Frame frame_of(const PipelineSchedule& s, const std::vector<Placed>& cells, bool
   for (const Placed& c : cells)
     f.span = std::max(f.span, c.end);
   if (f.span <= 0) f.span = 1;
-  f.unit = fill_width ? kMaxPlotWidth / f.span : std::min(kUnitWidth, kMaxPlotWidth / f.span);
+  f.unit = fill_width ? kFilledPlotWidth / f.span : std::min(kUnitWidth, kMaxPlotWidth / f.span);
   f.plot_width = f.span * f.unit;
   const double rows_bottom = kTop + s.ranks * (kRowHeight + kRowGap);
   f.axis_y = rows_bottom + 4;

@@ -17,9 +17,9 @@ namespace weave::graphs {
 // the schedule and its simulated bubble. A schedule the simulation refused is drawn step by step
 // instead, with the first problem under the title.
 //
-// The SVG is at most 1600 px wide, so p=8, m=32 reads at that width with no scaling. A timeline
-// that is not in the dry run's units (a replayed step's, in ms) names its unit in `time_axis`
-// and is stretched to the full width instead of 26 px per unit.
+// A timeline that is not in the dry run's units (a replayed step's, in ms) names its unit in
+// `time_axis` and, with `fill_width`, is stretched over a plot that makes the SVG 1600 px wide
+// instead of 26 px per unit (1,800 px of plot at most).
 struct ScheduleSvgOptions {
   std::string time_axis;  // the axis's caption; empty: the dry run's units
   bool fill_width = false;
