@@ -124,6 +124,7 @@ TEST(StepViewsCli, WrongFiguresAreRefusedNamingTheFlagAndTheFix) {
       {" --layer 1", "add --figure ampipe"},
       {" --figure pipeline --layer 1", "--figure pipeline draws every stage"},
       {" --figure ampipe --layer 0 --figure-out /nonexistent-dir/a.svg", "does not exist"},
+      {" --figure ampipe --layer 0 --ampipe-advise", "--figure draws one step's replay"},
   };
   for (const auto& [flags, message] : cases) {
     const Result r = weave(std::string(kPredict) + flags);

@@ -295,6 +295,16 @@ TEST(StepFigures, PipelineFigureOfAReplayedStepNumbersEveryMicroBatchByPhase) {
   EXPECT_EQ(fills['B'].size(), 1u);
   EXPECT_NE(*fills['F'].begin(), *fills['B'].begin());
   EXPECT_NE(svg.find("width=\"1600\""), std::string::npos);
+
+  // A stage device the replay has no micro-batch's task of is named.
+  pipeline.stage_devices.back() = 99;
+  try {
+    (void)replayed_schedule(p.trace, pipeline);
+    ADD_FAILURE() << "not refused";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("pipeline rank 7 (device 99)"), std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace
