@@ -5,7 +5,10 @@
 // micro-batch in every stage's row at the replayed times, coloured by phase.
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include <algorithm>
+#include <array>
 #include <map>
 #include <regex>
 #include <set>
@@ -199,6 +202,29 @@ TEST(StepFigures, AmpipeFigurePlacesEveryChunksTasksAtTheirReplayedTimes) {
       }
   EXPECT_GT(expected_hatch, 0);
   EXPECT_NEAR(hatched, expected_hatch, 0.02 * static_cast<double>(drawn.size()));
+}
+
+// Under full recomputation the second forward runs within the backward and is drawn there: the
+// forward panel holds the first forward alone and ends before the backward panel starts.
+TEST(StepFigures, AmpipeFigureDrawsTheRecomputedForwardWithTheBackward) {
+  ModelConfig m = one_moe_layer();
+  const std::string plain = render_ampipe_figure(replay(m, ampipe_plan(2)).trace, {});
+  m.recompute = {.granularity = RecomputeGranularity::full,
+                 .method = RecomputeMethod::uniform,
+                 .num_layers = 1};
+  const std::string recomputed = render_ampipe_figure(replay(m, ampipe_plan(2)).trace, {});
+  const auto numbers = [](const std::string& svg, const char* name) {
+    std::smatch m;
+    const std::string pattern = fmt::format(
+        "class=\"panel\"[^>]*>{} \\(([0-9]+) tasks, ([0-9.]+) ms from ([0-9.]+) ms", name);
+    EXPECT_TRUE(std::regex_search(svg, m, std::regex(pattern))) << name;
+    return std::array<double, 3>{std::stod(m[1]), std::stod(m[2]), std::stod(m[3])};
+  };
+  const auto forward = numbers(recomputed, "Forward"), backward = numbers(recomputed, "Backward");
+  EXPECT_EQ(forward[0], numbers(plain, "Forward")[0]);
+  EXPECT_GT(backward[0], numbers(plain, "Backward")[0]);
+  EXPECT_LE(forward[2] + forward[1], backward[2] + 0.0015);
+  EXPECT_GT(boxes_in(recomputed).size(), boxes_in(plain).size());
 }
 
 // Without Ampipe the layer is drawn as one chunk; a layer or a device the replay does not have is

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <limits>
 #include <set>
 #include <stdexcept>
 #include <string_view>
@@ -225,10 +226,17 @@ struct Panel {
   rt::Nanos first = 0, last = 1;
 };
 
+// The forward panel holds the forward tasks that start before the layer's first backward task;
+// the backward panel the rest: the backward, the weight gradients and a recomputation's second
+// forward, which runs within the backward.
 Panel panel_of(const char* name, const std::vector<Box>& boxes, bool forward) {
   Panel p{name, {}, {}, 0, 1};
+  rt::Nanos backward_start = std::numeric_limits<rt::Nanos>::max();
   for (const Box& b : boxes)
-    if ((b.phase == rt::Phase::forward) == forward) p.boxes.push_back(&b);
+    if (b.phase != rt::Phase::forward) backward_start = std::min(backward_start, b.start);
+  for (const Box& b : boxes)
+    if ((b.phase == rt::Phase::forward && b.start < backward_start) == forward)
+      p.boxes.push_back(&b);
   std::sort(p.boxes.begin(), p.boxes.end(), [](const Box* a, const Box* b) {
     return std::pair(a->start, a->task) < std::pair(b->start, b->task);
   });

@@ -21,16 +21,17 @@ struct AmpipeFigureRequest {
   int micro_batch = 0;
 };
 
-// The figure as SVG, 1600 px wide: a forward panel and a backward panel (weight gradients with
-// the backward), each with a lane per stream that the layer's tasks of `micro_batch` used on
-// `device` (the compute stream first, then the others by first use, named by their streams).
-// Every task is a box (class "task", its id, kind, phase and chunk as data- attributes) placed at
-// its replayed start and end and labelled with its kind (its name after "L<l>." and "c<k>.") and
-// its phase and chunk ("F0", "B1"; the phase alone outside the chunks); colour says what the kind
-// is (attention, router, dispatch, experts, combine, other communication). Communication during
-// which the device computes nothing is hatched red (class "exposed"). A layer without chunks (no
-// Ampipe, or not an MoE layer) is drawn as one chunk. Throws std::invalid_argument naming the
-// devices or the layers there are when `device` ran nothing or no task of `layer`.
+// The figure as SVG, 1600 px wide: a forward panel and a backward panel (weight gradients and a
+// full recomputation's second forward with the backward), each with a lane per stream that the
+// layer's tasks of `micro_batch` used on `device` (the compute stream first, then the others by
+// first use, named by their streams). Every task is a box (class "task", its id, kind, phase and
+// chunk as data- attributes) placed at its replayed start and end and labelled with its kind (its
+// name after "L<l>." and "c<k>.") and its phase and chunk ("F0", "B1"; the phase alone outside the
+// chunks); colour says what the kind is (attention, router, dispatch, experts, combine, other
+// communication). Communication during which the device computes nothing is hatched red (class
+// "exposed"). A layer without chunks (no Ampipe, or not an MoE layer) is drawn as one chunk. Throws
+// std::invalid_argument naming the devices or the layers there are when `device` ran nothing or no
+// task of `layer`.
 std::string render_ampipe_figure(const rt::Trace& trace, const AmpipeFigureRequest& request);
 
 }  // namespace weave::graphs
