@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <limits>
 #include <set>
 #include <stdexcept>
 #include <string_view>
@@ -226,17 +225,32 @@ struct Panel {
   rt::Nanos first = 0, last = 1;
 };
 
-// The forward panel holds the forward tasks that start before the layer's first backward task;
-// the backward panel the rest: the backward, the weight gradients and a recomputation's second
-// forward, which runs within the backward.
-Panel panel_of(const char* name, const std::vector<Box>& boxes, bool forward) {
+// Whether each box is a forward task run a second time (a full recomputation's forward, within
+// the backward, its tasks named as the first forward's): a forward whose name an earlier forward
+// task already has.
+std::vector<bool> recomputed(const std::vector<Box>& boxes, const rt::TaskTable& tasks) {
+  std::vector<std::size_t> order(boxes.size());
+  for (std::size_t i = 0; i < order.size(); ++i)
+    order[i] = i;
+  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    return std::pair(boxes[a].start, boxes[a].task) < std::pair(boxes[b].start, boxes[b].task);
+  });
+  std::set<std::string_view> seen;
+  std::vector<bool> again(boxes.size(), false);
+  for (const std::size_t i : order)
+    if (boxes[i].phase == rt::Phase::forward)
+      again[i] = !seen.insert(tasks.name(boxes[i].task)).second;
+  return again;
+}
+
+// The forward panel holds the first forward; the backward panel the rest: the backward, the
+// weight gradients and a recomputation's second forward, which runs within the backward.
+Panel panel_of(const char* name, const std::vector<Box>& boxes, const std::vector<bool>& again,
+               bool forward) {
   Panel p{name, {}, {}, 0, 1};
-  rt::Nanos backward_start = std::numeric_limits<rt::Nanos>::max();
-  for (const Box& b : boxes)
-    if (b.phase != rt::Phase::forward) backward_start = std::min(backward_start, b.start);
-  for (const Box& b : boxes)
-    if ((b.phase == rt::Phase::forward && b.start < backward_start) == forward)
-      p.boxes.push_back(&b);
+  for (std::size_t i = 0; i < boxes.size(); ++i)
+    if ((boxes[i].phase == rt::Phase::forward && !again[i]) == forward)
+      p.boxes.push_back(&boxes[i]);
   std::sort(p.boxes.begin(), p.boxes.end(), [](const Box* a, const Box* b) {
     return std::pair(a->start, a->task) < std::pair(b->start, b->task);
   });
@@ -371,8 +385,9 @@ std::string render_ampipe_figure(const rt::Trace& trace, const AmpipeFigureReque
       kAmpipeFigureLeft, r.layer, r.device, r.micro_batch, escape(chunk_text), kAmpipeFigureLeft,
       ms(communication), ms(exposed));
   double y = kTop;
+  const std::vector<bool> again = recomputed(boxes, trace.tasks());
   for (const bool forward : {true, false}) {
-    const Panel p = panel_of(forward ? "Forward" : "Backward", boxes, forward);
+    const Panel p = panel_of(forward ? "Forward" : "Backward", boxes, again, forward);
     if (p.boxes.empty()) continue;
     y += draw_panel(body, p, trace, y, compute) + 10;
   }
