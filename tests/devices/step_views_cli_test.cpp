@@ -81,5 +81,57 @@ TEST(StepViewsCli, WrongViewsAreRefusedNamingTheFlag) {
   EXPECT_NE(r.out.find("<stream>=free"), std::string::npos) << r.out;
 }
 
+// --figure ampipe writes the layer's figure (both chunks' attention, dispatch, experts and
+// combine, forward and backward) where --figure-out says; --figure pipeline the stages' boxes.
+TEST(StepViewsCli, FigureWritesTheAmpipeAndPipelineFiguresOfTheReplay) {
+  const auto svg = scratch("ampipe.svg");
+  Result r =
+      weave(fmt::format("{} --figure ampipe --layer 0 --figure-out {}", kPredict, svg.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("figure: Ampipe figure of layer 0 on device 0 (virtual clock), written to"),
+            std::string::npos)
+      << r.out;
+  std::stringstream text;
+  text << std::ifstream(svg).rdbuf();
+  const std::string s = text.str();
+  for (const char* kind : {"attention", "dispatch", "experts", "combine"})
+    for (const char* chunk : {"F0", "F1", "B0", "B1"})
+      EXPECT_TRUE(std::regex_search(
+          s, std::regex(fmt::format("data-kind=\"[a-z_]*{}[a-z_]*\" data-phase=\"{}\" "
+                                    "data-chunk=\"{}\"",
+                                    kind, chunk[0], chunk[1]))))
+          << kind << " " << chunk;
+  const auto pipeline = scratch("pipeline.svg");
+  r = weave(fmt::format(
+      "predict --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+      "--pipeline-model-parallel-size 2 --global-batch-size 4 --device-flops 1e12 --link nvlink4 "
+      "--figure pipeline --figure-out {}",
+      pipeline.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  std::stringstream ptext;
+  ptext << std::ifstream(pipeline).rdbuf();
+  EXPECT_NE(ptext.str().find(">rank 1</text>"), std::string::npos);
+  EXPECT_NE(ptext.str().find("class=\"micro-batch\""), std::string::npos);
+  std::filesystem::remove_all(svg.parent_path());
+}
+
+TEST(StepViewsCli, WrongFiguresAreRefusedNamingTheFlagAndTheFix) {
+  const std::pair<const char*, const char*> cases[] = {
+      {" --figure ampipe", "add --layer L, L from 0 to 1"},
+      {" --figure ampipe --layer 2", "--layer 2 is not a layer of the model: give one from 0 to 1"},
+      {" --figure ampipe --layer 0 --figure-device 4", "give one from 0 to 3 (4 devices)"},
+      {" --figure gantt", "--figure"},
+      {" --layer 1", "add --figure ampipe"},
+      {" --figure pipeline --layer 1", "--figure pipeline draws every stage"},
+      {" --figure ampipe --layer 0 --figure-out /nonexistent-dir/a.svg", "does not exist"},
+      {" --figure ampipe --layer 0 --ampipe-advise", "--figure draws one step's replay"},
+  };
+  for (const auto& [flags, message] : cases) {
+    const Result r = weave(std::string(kPredict) + flags);
+    EXPECT_NE(r.status, 0) << flags;
+    EXPECT_NE(r.out.find(message), std::string::npos) << flags << "\n" << r.out;
+  }
+}
+
 }  // namespace
 }  // namespace weave::cli_test

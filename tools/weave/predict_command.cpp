@@ -19,6 +19,7 @@
 #include "commands.hpp"
 #include "memory_estimate.hpp"
 #include "output_paths.hpp"
+#include "step_figures.hpp"
 #include "step_views.hpp"
 #include "train_options.hpp"
 #include "weave/devices/accelerator.hpp"
@@ -106,12 +107,13 @@ std::string recompute_text(const graphs::Recompute& r) {
 }
 
 // Folding data-parallel replicas, tensor- and context-parallel peers and micro-batches, unless
-// --every-rank. A step shown (--trace, --dump-graph, --critical-path, --what-if) keeps every rank
-// of replica 0, the peers included, and every micro-batch, as a reader expects to see them.
+// --every-rank. A step shown (--trace, --dump-graph, --critical-path, --what-if, --figure) keeps
+// every rank of replica 0, the peers included, and every micro-batch, as a reader expects to see
+// them.
 graphs::PredictionOptions folding(const PredictOptions& o, const graphs::TrainerConfig& c,
-                                  const StepViewRequest& views) {
+                                  const StepViewRequest& views, const FigureRequest& figure) {
   const bool shown = !c.trace_path.empty() || views.critical_path || !views.dump_path.empty() ||
-                     !views.what_if.empty();
+                     !views.what_if.empty() || !figure.kind.empty();
   return {.fold_data_parallel = !o.every_rank,
           .fold_tensor_parallel = !o.every_rank && !shown,
           .fold_context_parallel = !o.every_rank && !shown,
@@ -180,6 +182,10 @@ void check_advice_flags(const PredictOptions& o) {
     throw std::invalid_argument(
         fmt::format("{} shapes --advise's search: add --advise",
                     o.advise_top_given ? "--advise-top" : "--advise-limit"));
+  if (advice > 0 && !o.train.figure.empty())
+    throw std::invalid_argument(
+        "--figure draws one step's replay and advice predicts many: run weave predict with the "
+        "best's flags and --figure");
   if (advice > 0 && !o.train.config.trace_path.empty())
     throw std::invalid_argument(
         "--trace writes one step's replay and advice predicts many: run weave predict with the "
@@ -432,10 +438,12 @@ int run_predict(PredictOptions& o, const CLI::App& cmd) {
                             .flags_without_effect = o.train.no_effect});
   const StepViewRequest views = step_view_request(o.train);
   check_writable("--dump-graph", views.dump_path);
-  const graphs::Prediction p = graphs::predict_step(c, folding(o, c, views));
+  const FigureRequest figure = figure_request(o.train, c);
+  const graphs::Prediction p = graphs::predict_step(c, folding(o, c, views, figure));
   if (o.json) {
     print_json(p, c, warnings, o.train.no_effect);
     write_trace(p, c, traced, o.trace_ranks);
+    if (!figure.kind.empty()) (void)write_figure(figure, p.trace, c);
     return 0;
   }
   print_configuration(c, accelerator);
@@ -446,6 +454,7 @@ int run_predict(PredictOptions& o, const CLI::App& cmd) {
   if (views.critical_path)
     path = print_critical_path(p.graph, p.trace, views.what_if, p.what_if_trace);
   if (!views.dump_path.empty()) fmt::print("{}\n", write_graph_view(p.graph, views, path));
+  if (!figure.kind.empty()) fmt::print("{}\n", write_figure(figure, p.trace, c));
   return 0;
 }
 

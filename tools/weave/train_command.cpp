@@ -20,6 +20,7 @@
 #include "output_paths.hpp"
 #include "progress_reporter.hpp"
 #include "run_record.hpp"
+#include "step_figures.hpp"
 #include "step_views.hpp"
 #include "train_data.hpp"
 #include "train_options.hpp"
@@ -130,6 +131,7 @@ int run_train(TrainOptions o) {
     check_writable("--trace", c.trace_path);
     check_writable("--dump-graph", o.dump_graph);
     (void)step_view_request(o);  // a wrong --graph-filter, --graph-level or --what-if
+    (void)figure_request(o, c);  // a wrong --figure, --layer, --figure-device or --figure-out
     check_writable("--log-json", o.log_json);
     // What the devices will hold, before any of it is allocated.
     const MemoryEstimate memory = estimate_memory(c);
@@ -199,20 +201,25 @@ std::optional<double> bubble_theory(const graphs::ParallelPlan& plan) {
       .bubble_over_ideal;
 }
 
-// --critical-path (and --what-if) on the virtual clock of the modelled machine, then --dump-graph
-// with that path drawn heavy.
+// --critical-path (and --what-if) and --figure on the virtual clock of the modelled machine, then
+// --dump-graph with that path drawn heavy.
 void show_step(const TrainOptions& o, graphs::Trainer& trainer, ProgressReporter& progress) {
   const StepViewRequest request = step_view_request(o);
+  const FigureRequest figure = figure_request(o, trainer.config());
   std::vector<rt::TaskId> path;
-  if (request.critical_path) {
+  if (request.critical_path || !figure.kind.empty()) {
     const devices::MachineModel machine =
         graphs::machine_model(trainer.devices(), trainer.config().machine);
     const rt::Graph& graph = trainer.step().graph();
-    const rt::Trace changed =
-        request.what_if.empty()
-            ? rt::Trace()
-            : replay_costs(graph, rt::WhatIfCostModel(machine, request.what_if));
-    path = print_critical_path(graph, replay_costs(graph, machine), request.what_if, changed);
+    const rt::Trace replay = replay_costs(graph, machine);
+    if (request.critical_path) {
+      const rt::Trace changed =
+          request.what_if.empty()
+              ? rt::Trace()
+              : replay_costs(graph, rt::WhatIfCostModel(machine, request.what_if));
+      path = print_critical_path(graph, replay, request.what_if, changed);
+    }
+    if (!figure.kind.empty()) progress.note(write_figure(figure, replay, trainer.config()));
   }
   if (!request.dump_path.empty())
     progress.note(write_graph_view(trainer.step().graph(), request, path));

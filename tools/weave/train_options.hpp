@@ -53,6 +53,10 @@ struct TrainOptions {
   std::string log_json, dump_graph;
   std::string graph_filter, graph_level = "auto", what_if;  // --graph-filter, --graph-level
   bool critical_path = false;                               // --critical-path
+  // --figure ampipe|pipeline drawn from the step's replay into --figure-out; --layer and
+  // --figure-device choose the Ampipe figure's layer and device (-1: not given).
+  std::string figure, figure_out;
+  int figure_layer = -1, figure_device = -1;
   std::string timing = "wall";
   std::string config_file;  // read before parsing (see prepare_arguments)
   bool ampipe_advise = false;

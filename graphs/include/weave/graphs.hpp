@@ -3,6 +3,7 @@
 // loop), checkpoints and data. See docs/api.md and docs/training_step.md.
 #pragma once
 
+#include "weave/graphs/ampipe_figure.hpp"
 #include "weave/graphs/checkpoint.hpp"
 #include "weave/graphs/config_flags.hpp"
 #include "weave/graphs/host_calibration.hpp"
@@ -13,6 +14,7 @@
 #include "weave/graphs/parallel_plan.hpp"
 #include "weave/graphs/pipeline_layout.hpp"
 #include "weave/graphs/pipeline_lowering.hpp"
+#include "weave/graphs/pipeline_replay_figure.hpp"
 #include "weave/graphs/pipeline_schedule.hpp"
 #include "weave/graphs/pipeline_schedule_csv.hpp"
 #include "weave/graphs/pipeline_schedule_generators.hpp"

@@ -315,6 +315,28 @@ constexpr ConfigFlag kOutput[] = {
              "transfers free or moving f times the bytes; compute or its attention part f times "
              "the work), joined by commas",
      .properties = kNotRepeatedByAdvice},
+    {.name = "--figure",
+     .group = FlagGroup::logging,
+     .help = "Replay the step on the virtual clock and draw it as SVG into --figure-out: ampipe "
+             "(one layer's Ampipe pipeline on one device: --layer, --figure-device) or pipeline "
+             "(every stage's micro-batches by phase)",
+     .check = one_of("ampipe,pipeline"),
+     .properties = kNotRepeatedByAdvice},
+    {.name = "--figure-out",
+     .group = FlagGroup::logging,
+     .help = "With --figure: the SVG file to write (default: ampipe.svg or pipeline.svg)",
+     .properties = kNotRepeatedByAdvice},
+    {.name = "--layer",
+     .group = FlagGroup::logging,
+     .help = "With --figure ampipe: the layer to draw (0 .. --num-layers - 1)",
+     .check = at_least(0),
+     .properties = kNotRepeatedByAdvice},
+    {.name = "--figure-device",
+     .group = FlagGroup::logging,
+     .help = "With --figure ampipe: the device whose streams are drawn (default: the first "
+             "device of the pipeline stage holding --layer)",
+     .check = at_least(0),
+     .properties = kNotRepeatedByAdvice},
     {.name = "--ampipe-advise",
      .group = FlagGroup::advice,
      .values = 0,

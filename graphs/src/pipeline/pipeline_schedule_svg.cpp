@@ -15,7 +15,8 @@ constexpr double kRowHeight = 28;
 constexpr double kRowGap = 4;
 constexpr double kRight = 20;
 constexpr double kMaxPlotWidth = 1800;
-constexpr double kUnitWidth = 26;  // pixels per time unit when the step is short
+constexpr double kFilledPlotWidth = 1510;  // ScheduleSvgOptions::fill_width: the SVG 1600 px wide
+constexpr double kUnitWidth = 26;          // pixels per time unit when the step is short
 
 std::string escape(std::string_view text) {
   std::string out;
@@ -88,9 +89,10 @@ std::vector<Placed> place(const PipelineSchedule& s, const ScheduleReport& repor
   return out;
 }
 
-// A tick spacing of 1, 2 or 5 times a power of ten giving at most 25 ticks.
+// A tick spacing of 1, 2 or 5 times a power of ten giving at most 25 ticks (from 1e-6: a
+// replayed step's milliseconds may span less than one).
 double tick_step(double span) {
-  for (double power = 1;; power *= 10)
+  for (double power = 1e-6;; power *= 10)
     for (double mantissa : {1.0, 2.0, 5.0})
       if (span / (mantissa * power) <= 25) return mantissa * power;
 }
@@ -108,11 +110,13 @@ struct Frame {
   static double y(int rank) { return kTop + rank * (kRowHeight + kRowGap); }
 };
 
-Frame frame_of(const PipelineSchedule& s, const std::vector<Placed>& cells) {
+Frame frame_of(const PipelineSchedule& s, const std::vector<Placed>& cells, bool fill_width) {
   Frame f;
+  f.span = fill_width ? 0 : 1;
   for (const Placed& c : cells)
     f.span = std::max(f.span, c.end);
-  f.unit = std::min(kUnitWidth, kMaxPlotWidth / f.span);
+  if (f.span <= 0) f.span = 1;
+  f.unit = fill_width ? kFilledPlotWidth / f.span : std::min(kUnitWidth, kMaxPlotWidth / f.span);
   f.plot_width = f.span * f.unit;
   const double rows_bottom = kTop + s.ranks * (kRowHeight + kRowGap);
   f.axis_y = rows_bottom + 4;
@@ -213,7 +217,7 @@ std::string cell(const PipelineSchedule& s, const Placed& c, const Frame& f) {
   return svg;
 }
 
-std::string time_axis(const ScheduleReport& report, const Frame& f) {
+std::string time_axis(const ScheduleReport& report, const Frame& f, const std::string& caption) {
   std::string svg =
       fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{:.1f}\" y2=\"{:.1f}\" stroke=\"#000\"/>\n",
                   kLeft, f.axis_y, f.x(f.span), f.axis_y);
@@ -223,9 +227,11 @@ std::string time_axis(const ScheduleReport& report, const Frame& f) {
         "<line x1=\"{0:.2f}\" y1=\"{1:.1f}\" x2=\"{0:.2f}\" y2=\"{2:.1f}\" stroke=\"#000\"/>"
         "<text x=\"{0:.2f}\" y=\"{3:.1f}\" font-size=\"10\" text-anchor=\"middle\">{4:g}</text>\n",
         f.x(t), f.axis_y, f.axis_y + 4, f.axis_y + 15, t);
-  svg += fmt::format(
-      "<text x=\"{}\" y=\"{:.1f}\" font-size=\"11\">{}</text>\n", kLeft, f.axis_y + 29,
-      report.simulated ? "time (one forward of one chunk = 1 by default)" : "step (not simulated)");
+  svg +=
+      fmt::format("<text x=\"{}\" y=\"{:.1f}\" font-size=\"11\">{}</text>\n", kLeft, f.axis_y + 29,
+                  !caption.empty()   ? escape(caption)
+                  : report.simulated ? std::string("time (one forward of one chunk = 1 by default)")
+                                     : std::string("step (not simulated)"));
   return svg;
 }
 
@@ -257,15 +263,16 @@ std::string legend(const Frame& f, double& reach) {
 
 }  // namespace
 
-std::string render_schedule_svg(const PipelineSchedule& s, const ScheduleReport& report) {
+std::string render_schedule_svg(const PipelineSchedule& s, const ScheduleReport& report,
+                                const ScheduleSvgOptions& options) {
   const std::vector<Placed> cells = place(s, report);
-  const Frame f = frame_of(s, cells);
+  const Frame f = frame_of(s, cells, options.fill_width);
   // The body first: the width depends on how far the title and the legend reach.
   double reach = 0;
   std::string svg = hatches(s) + title(s, report, reach) + rows(s, f);
   for (const Placed& c : cells)
     if (c.action.type != ActionType::Idle) svg += cell(s, c, f);
-  svg += time_axis(report, f);
+  svg += time_axis(report, f, options.time_axis);
   svg += legend(f, reach);
   const double width = std::max(kLeft + f.plot_width, reach) + kRight;
   return fmt::format(

@@ -16,6 +16,15 @@ namespace weave::graphs {
 // cell. Chunks after a rank's first are hatched and their numbers primed (3'). The title gives
 // the schedule and its simulated bubble. A schedule the simulation refused is drawn step by step
 // instead, with the first problem under the title.
-std::string render_schedule_svg(const PipelineSchedule& schedule, const ScheduleReport& report);
+//
+// A timeline that is not in the dry run's units (a replayed step's, in ms) names its unit in
+// `time_axis` and, with `fill_width`, is stretched over a plot that makes the SVG 1600 px wide
+// instead of 26 px per unit (1,800 px of plot at most).
+struct ScheduleSvgOptions {
+  std::string time_axis;  // the axis's caption; empty: the dry run's units
+  bool fill_width = false;
+};
+std::string render_schedule_svg(const PipelineSchedule& schedule, const ScheduleReport& report,
+                                const ScheduleSvgOptions& options = {});
 
 }  // namespace weave::graphs
