@@ -12,6 +12,8 @@
 #include "tiny_model.hpp"
 #include "weave/graphs/moe_layer_freq.hpp"
 #include "weave/graphs/prediction.hpp"
+#include "weave/graphs/virtual_replay.hpp"
+#include "weave/runtime/virtual_clock.hpp"
 
 namespace weave::graphs {
 namespace {
@@ -165,7 +167,7 @@ TEST(MoeLayerShapes, PatternReaderRefusesOtherExpressionsNamingTheForms) {
 }
 
 TEST(MoeLayerShapes, PlanRulesCheckThePatternAndTheExpertWidth) {
-  auto refused = [](const ModelConfig& m, const ParallelPlan& plan) -> std::string {
+  auto refused = [](const ModelConfig& m, ParallelPlan plan) -> std::string {
     try {
       validate(m, plan);
     } catch (const ConfigError& e) {

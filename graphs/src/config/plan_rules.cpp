@@ -113,7 +113,8 @@ void check_moe_model(const ModelConfig& m, const ParallelPlan& p) {
   if (m.num_experts == 0) {
     if (p.expert_parallel > 1)
       refuse("--expert-model-parallel-size ({}) needs --num-experts > 0", p.expert_parallel);
-    // Megatron-Core's rule (TransformerConfig): an expert width without experts.
+    // An expert width without experts: Megatron-Core's TransformerConfig refuses it (or, when
+    // --moe-layer-freq leaves dense layers, ignores it with a warning); weave refuses it.
     if (m.moe_ffn_hidden_size > 0)
       refuse(
           "--moe-ffn-hidden-size ({}) sets the routed experts' width and the model has none: set "
