@@ -53,6 +53,26 @@ TEST(MoeLayerShapes, DenseFirstLayersAndNarrowExpertsEqualOneDevice) {
   EXPECT_EQ(a.grads.count("layers.0.moe.router.weight"), 0u);
 }
 
+// Experts split over the tensor-parallel group (--expert-tensor-parallel-size) take their share
+// of --moe-ffn-hidden-size, SwiGLU's gates and values each split.
+TEST(MoeLayerShapes, SplitSwigluExpertsOfTheirOwnWidthEqualOneDevice) {
+  ModelConfig m = dense_first_layers();
+  m.activation = Activation::swiglu;
+  const ParallelPlan split{.tensor_parallel = 2,
+                           .sequence_parallel = true,
+                           .expert_parallel = 2,
+                           .expert_tensor_parallel = 2,
+                           .data_parallel = 2,
+                           .micro_batch_size = 1,
+                           .global_batch_size = 2};
+  const ParallelPlan serial{.micro_batch_size = 1, .global_batch_size = 2};
+  const Outcome a = run(m, serial, 1, false), b = run(m, split, 1, false);
+  EXPECT_NEAR(b.losses[0], a.losses[0], 1e-5 * a.losses[0]);
+  EXPECT_NEAR(b.aux[0], a.aux[0], 1e-5 * a.aux[0]);
+  expect_same_gradients(a, b);
+  EXPECT_EQ(a.grads.at("layers.3.moe.experts.fc1.weight").size(), 4u * 2 * 32 * 32);
+}
+
 // Megatron-LM's count (6 N per token and parameter, the attention's scores besides): the dense
 // layers' MLPs of --ffn-hidden-size, the MoE layers' router and top-k experts of
 // --moe-ffn-hidden-size; and each device's parameters as the layers it holds sum them.
