@@ -230,6 +230,7 @@ TEST(Checkpoint, AHeaderSavedBeforeLaterSettingsReadsThemAsTheirDefaults) {
   EXPECT_EQ(m.add_bias_linear, true);
   EXPECT_EQ(m.moe_router_topk, defaults.moe_router_topk);
   EXPECT_EQ(m.expert_ffn_hidden_size(), 64);  // before --moe-ffn-hidden-size: --ffn-hidden-size
+  EXPECT_EQ(m.moe_ffn_hidden_size, 0);        // unset, as a dense model must have it
   EXPECT_EQ(m.layernorm_epsilon, defaults.layernorm_epsilon);
   EXPECT_EQ(saved.plan.tensor_parallel, 2);
   EXPECT_TRUE(saved.plan.sequence_parallel);

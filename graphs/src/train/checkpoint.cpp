@@ -545,6 +545,10 @@ SavedConfiguration read_checkpoint_config(const std::string& path) {
     read_fields(full, DescribedSection::model, saved);
     read_fields(p, DescribedSection::plan, saved);
     model = saved.model;
+    // The header records the experts' width as used (--ffn-hidden-size when unset, and in a
+    // dense model): as wide as the dense MLPs, it reads back as unset.
+    if (model.num_experts == 0 || model.moe_ffn_hidden_size == model.ffn_hidden_size)
+      model.moe_ffn_hidden_size = 0;
     model.activation = full.at("swiglu").get<bool>() ? Activation::swiglu : Activation::gelu;
     const std::string positions = full.at("position_embedding_type").get<std::string>();
     model.position_embedding = positions == "rope"   ? PositionEmbedding::rope
