@@ -48,6 +48,24 @@ TEST(PredictCli, RefusesWhatTrainRefuses) {
   EXPECT_NE(r.out.find("--num-attention-heads (3)"), std::string::npos) << r.out;
 }
 
+// DeepSeek-V3's shapes on the command line: a dense first layer by Megatron's pattern, experts
+// of their own width; a pattern in another Python form is refused naming the forms read.
+TEST(PredictCli, TakesMegatronsMoeLayerPatternAndExpertWidth) {
+  const Result r =
+      weave(std::string(kConfig) + " --moe-layer-freq '([0]*1+[1]*3)' --moe-ffn-hidden-size 512");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("8 experts top-2, 512 wide, in 3 of 4 layers"), std::string::npos) << r.out;
+  const Result other = weave(std::string(kConfig) + " --moe-layer-freq '([1]*2+[0]*2)*1'");
+  EXPECT_EQ(other.status, 1) << other.out;
+  EXPECT_NE(other.out.find("a sum of bracketed lists each times a count"), std::string::npos)
+      << other.out;
+  const Result short_pattern = weave(std::string(kConfig) + " --moe-layer-freq '[0,1,1]'");
+  EXPECT_EQ(short_pattern.status, 1) << short_pattern.out;
+  EXPECT_NE(short_pattern.out.find("pattern has 3 entries and --num-layers is 4"),
+            std::string::npos)
+      << short_pattern.out;
+}
+
 // What weave train refuses and weave predict models: 16-bit training, a tokenizer's vocabulary
 // and activation recomputation.
 TEST(PredictCli, ModelsHalfPrecisionVocabularyAndRecomputation) {

@@ -13,6 +13,7 @@
 #include "weave/devices/shared_memory_communicator.hpp"
 #include "weave/graphs/checkpoint.hpp"
 #include "weave/graphs/learning_rate.hpp"
+#include "weave/graphs/moe_layer_freq.hpp"
 
 namespace weave::graphs {
 namespace {
@@ -112,6 +113,45 @@ TEST(Checkpoint, DamagedOrMismatchedFilesAreRefusedAndChangeNothing) {
   std::filesystem::remove(path);
 }
 
+// The experts' width and the MoE layers' pattern are part of the model a checkpoint holds: a run
+// whose experts are another width, or whose pattern picks other layers, is refused naming the
+// setting; the same pattern spelt as --moe-layer-freq N loads.
+TEST(Checkpoint, ExpertWidthAndMoeLayersMustMatch) {
+  const ParallelPlan plan{.micro_batch_size = 2, .global_batch_size = 2};
+  const std::string path = temp_path("moe-shape.ckpt");
+  ModelConfig narrow = tiny(4);
+  narrow.num_layers = 4;
+  narrow.moe_ffn_hidden_size = 32;
+  set_moe_layer_freq(narrow, "[1,0,1,0]");
+  Trainer a(narrow, plan);
+  save_checkpoint(path, a.model(), a.plan(), a.step(), {.iteration = 1});
+  const SavedConfiguration saved = read_checkpoint_config(path);
+  EXPECT_EQ(saved.model.expert_ffn_hidden_size(), 32);
+  EXPECT_EQ(saved.model.moe_layer_freq, 2);  // [1,0,1,0] is every second layer
+  ModelConfig every_second = narrow;
+  set_moe_layer_freq(every_second, "2");
+  Trainer same(every_second, plan);
+  EXPECT_NO_THROW(load_checkpoint(path, same.model(), same.plan(), same.step()));
+  const std::pair<std::string, std::string> changes[] = {
+      {"moe_ffn_hidden_size", "moe_ffn_hidden_size is 32 in the checkpoint but 64 now"},
+      {"pattern", "moe_layer_freq is 2 in the checkpoint but \"[0,1,1,0]\" now"}};
+  for (const auto& [change, message] : changes) {
+    ModelConfig other = narrow;
+    if (change == "pattern")
+      set_moe_layer_freq(other, "[0]+[1]*2+[0]");
+    else
+      other.moe_ffn_hidden_size = 0;  // --ffn-hidden-size wide
+    Trainer b(other, plan);
+    try {
+      load_checkpoint(path, b.model(), b.plan(), b.step());
+      ADD_FAILURE() << change << ": a checkpoint of another model was accepted";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+  }
+  std::filesystem::remove(path);
+}
+
 // The modern decoder's choices are part of the model a checkpoint holds: a run resumes bitwise
 // with them, and loading under another choice is refused, naming it.
 TEST(Checkpoint, RecordsTheDecodersArchitecture) {
@@ -189,6 +229,8 @@ TEST(Checkpoint, AHeaderSavedBeforeLaterSettingsReadsThemAsTheirDefaults) {
   EXPECT_EQ(m.untie_embeddings_and_output_weights, false);
   EXPECT_EQ(m.add_bias_linear, true);
   EXPECT_EQ(m.moe_router_topk, defaults.moe_router_topk);
+  EXPECT_EQ(m.expert_ffn_hidden_size(), 64);  // before --moe-ffn-hidden-size: --ffn-hidden-size
+  EXPECT_EQ(m.moe_ffn_hidden_size, 0);        // unset, as a dense model must have it
   EXPECT_EQ(m.layernorm_epsilon, defaults.layernorm_epsilon);
   EXPECT_EQ(saved.plan.tensor_parallel, 2);
   EXPECT_TRUE(saved.plan.sequence_parallel);

@@ -94,6 +94,7 @@ TEST(ConfigFlags, TheCheckpointsDescriptionKeepsItsKeys) {
                                           "swiglu",
                                           "num_experts",
                                           "moe_layer_freq",
+                                          "moe_ffn_hidden_size",
                                           "position_embedding_type",
                                           "rotary_percent",
                                           "rotary_base",
@@ -127,7 +128,7 @@ TEST(ConfigFlags, CheckpointsSavedEarlierLackTheKeysAddedSince) {
             (std::set<std::string>{
                 "position_embedding_type", "rotary_percent", "rotary_base", "normalization",
                 "num_query_groups", "qk_layernorm", "untie_embeddings_and_output_weights",
-                "add_bias_linear", "moe_router_topk", "norm_epsilon",
+                "add_bias_linear", "moe_router_topk", "moe_ffn_hidden_size", "norm_epsilon",
                 "virtual_pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
                 "decoder_last_pipeline_num_layers", "tokenizer_type", "vocab_file", "merge_file"}));
 }
@@ -145,6 +146,8 @@ TEST(ConfigFlags, DescriptionsHoldTheValuesTheRunUses) {
   };
   EXPECT_EQ(value("num_query_groups"), DescribedValue{std::int64_t{c.model.num_attention_heads}});
   EXPECT_EQ(value("max_position_embeddings"), DescribedValue{std::int64_t{c.model.seq_length}});
+  // Unset, the experts are --ffn-hidden-size wide, as Megatron-Core defaults them.
+  EXPECT_EQ(value("moe_ffn_hidden_size"), DescribedValue{std::int64_t{c.model.ffn_hidden_size}});
   EXPECT_EQ(value("padded_vocab_size"), DescribedValue{std::int64_t{c.model.padded_vocab_size(2)}});
   EXPECT_EQ(value("tensor_model_parallel_size"), DescribedValue{std::int64_t{2}});
   EXPECT_EQ(value("seed"), DescribedValue{c.model.seed});

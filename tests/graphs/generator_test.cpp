@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <vector>
 
 #include "decoder.hpp"
 #include "tiny_model.hpp"
@@ -12,6 +13,7 @@
 #include "weave/devices/shared_memory_communicator.hpp"
 #include "weave/graphs/checkpoint.hpp"
 #include "weave/graphs/generator.hpp"
+#include "weave/graphs/moe_layer_freq.hpp"
 
 namespace weave::graphs {
 namespace {
@@ -48,8 +50,18 @@ double decoded_loss(Generator& g, const std::vector<std::int32_t>& tokens,
 
 class KeyValueCache : public ::testing::TestWithParam<int> {};
 
+// DeepSeek-V3's shapes on the Llama-style model: a dense first layer, experts of their own width.
+ModelConfig dense_first_narrow_experts() {
+  ModelConfig m = llama(4);
+  m.moe_ffn_hidden_size = 32;
+  set_moe_layer_freq(m, "([0]*1+[1]*3)");
+  return m;
+}
+
 TEST_P(KeyValueCache, DecodingTokenByTokenGivesTheTrainingStepsLoss) {
-  for (const ModelConfig& m : {without_dropout(tiny(GetParam())), llama(GetParam())}) {
+  std::vector<ModelConfig> models{without_dropout(tiny(GetParam())), llama(GetParam())};
+  if (GetParam() > 0) models.push_back(dense_first_narrow_experts());
+  for (const ModelConfig& m : models) {
     const ParallelPlan plan{.micro_batch_size = 1, .global_batch_size = 1};
     Decoder decoder(m, plan);
     decoder.step.set_update_parameters(false);

@@ -9,6 +9,8 @@
 #include <string_view>
 #include <vector>
 
+#include "weave/graphs/model_config.hpp"
+
 namespace weave::cli {
 
 // Thrown by a subcommand's callback to end the program with this exit code.
@@ -20,6 +22,10 @@ struct CommandExit {
 CLI::Validator at_least(long minimum);
 // A validator for rates and sizes: a finite number > 0.
 CLI::Validator positive();
+
+// The model's MLPs as a run's first line names them: "dense", or "8 experts top-2, 512 wide, in
+// 3 of 4 layers".
+std::string moe_text(const graphs::ModelConfig& m);
 
 void add_topo_command(CLI::App& app);
 void add_simulate_command(CLI::App& app);

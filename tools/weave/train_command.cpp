@@ -43,9 +43,7 @@ std::string describe(const graphs::TrainerConfig& c, const std::string& data) {
   return fmt::format(
       "weave train: {} layers, hidden {}, {} heads, {}{}{} | {} devices: tp {}{}, cp {}, ep {}, dp "
       "{}{}{} | micro-batch {}, global batch {} ({} micro-batches) | data: {}",
-      m.num_layers, m.hidden_size, m.num_attention_heads,
-      m.num_experts > 0 ? fmt::format("{} experts top-{}", m.num_experts, m.moe_router_topk)
-                        : "dense",
+      m.num_layers, m.hidden_size, m.num_attention_heads, moe_text(m),
       m.activation == graphs::Activation::swiglu ? ", SwiGLU" : "",
       m.precision == graphs::Precision::bf16 ? ", bf16 mixed precision" : "", plan.devices(),
       plan.tensor_parallel, plan.sequence_parallel ? " + sp" : "", plan.context_parallel,

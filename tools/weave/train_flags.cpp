@@ -39,6 +39,7 @@ constexpr ProgramFlag kProgramFlags[] = {
      [](TrainOptions& o) -> ProgramSetting { return &o.no_position_embedding; }},
     {"--normalization", [](TrainOptions& o) -> ProgramSetting { return &o.normalization; }},
     {"--attention-backend", [](TrainOptions& o) -> ProgramSetting { return &o.attention_backend; }},
+    {"--moe-layer-freq", [](TrainOptions& o) -> ProgramSetting { return &o.moe_layer_freq; }},
     {"--moe-router-pre-softmax",
      [](TrainOptions& o) -> ProgramSetting { return &o.moe_router_pre_softmax; }},
     {"--moe-token-drop-policy",

@@ -16,6 +16,7 @@
 #include "sharding_flags.hpp"
 #include "weave/devices/accelerator.hpp"
 #include "weave/graphs/config_flags.hpp"
+#include "weave/graphs/moe_layer_freq.hpp"
 #include "weave/graphs/parallel_plan.hpp"
 
 namespace weave::cli {
@@ -158,6 +159,7 @@ void derive_model(TrainOptions& o) {
   m.moe_gate = o.config.plan.moe_model_type == "deepspeed_moe" ? graphs::MoeGate::deepspeed
                                                                : graphs::MoeGate::megatron;
   derive_load_balancing(o.moe_router_load_balancing_type, m);
+  graphs::set_moe_layer_freq(m, o.moe_layer_freq);
   // Megatron-Core's post-softmax weights (its default) are the picks' probabilities renormalised
   // over the k picks; pre-softmax leaves them the softmax over all experts.
   if (m.moe_gate == graphs::MoeGate::megatron) m.moe_router_renormalize = !o.moe_router_pre_softmax;
@@ -282,6 +284,15 @@ void derive_sample_training(TrainOptions& o) {
 }
 
 }  // namespace
+
+std::string moe_text(const graphs::ModelConfig& m) {
+  if (m.num_experts == 0) return "dense";
+  int moe_layers = 0;
+  for (int l = 0; l < m.num_layers; ++l)
+    moe_layers += m.is_moe_layer(l) ? 1 : 0;
+  return fmt::format("{} experts top-{}, {} wide, in {} of {} layers", m.num_experts,
+                     m.moe_router_topk, m.expert_ffn_hidden_size(), moe_layers, m.num_layers);
+}
 
 namespace {
 

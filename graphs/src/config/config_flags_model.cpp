@@ -1,5 +1,8 @@
 // The model's flags: the decoder's shape, its positions and norms, and its Mixture of Experts.
+#include <vector>
+
 #include "config/config_flag_groups.hpp"
+#include "weave/graphs/moe_layer_freq.hpp"
 
 namespace weave::graphs::flag_groups {
 
@@ -185,6 +188,22 @@ constexpr ConfigFlag kModel[] = {
      .properties = kShowsDefault},
 };
 
+// --moe-layer-freq as a checkpoint records it: a pattern that every N-th layer also gives is
+// described as N, so a run spelling it either way loads the other's checkpoint (and checkpoints
+// saved before patterns existed, which hold N).
+DescribedValue describe_moe_layer_freq(const TrainerConfig& c) {
+  const ModelConfig& m = c.model;
+  const std::vector<int>& pattern = m.moe_layer_pattern;
+  if (pattern.empty()) return std::int64_t{m.moe_layer_freq};
+  for (int every = 1; every <= static_cast<int>(pattern.size()); ++every) {
+    bool same = true;
+    for (std::size_t l = 0; l < pattern.size() && same; ++l)
+      same = pattern[l] == (static_cast<int>(l) % every == 0 ? 1 : 0);
+    if (same) return std::int64_t{every};
+  }
+  return moe_layer_freq_text(m);
+}
+
 constexpr ConfigFlag kMoe[] = {
     {.name = "--num-experts",
      .group = FlagGroup::moe,
@@ -195,11 +214,27 @@ constexpr ConfigFlag kMoe[] = {
      .properties = kShowsDefault},
     {.name = "--moe-layer-freq",
      .group = FlagGroup::moe,
-     .help = "A MoE layer every this many layers",
-     .field = model_field<&M::moe_layer_freq>(),
-     .check = at_least(1),
-     .description = described(model, "moe_layer_freq", true),
-     .properties = kShowsDefault},
+     .help = "Megatron-Core's MoE layers: N, one every N layers from the first; or a pattern of "
+             "one 0 (dense) or 1 (MoE) per layer, as a list \"[0,1,1,0]\" or a sum of lists "
+             "times counts \"([0]*3+[1]*5)\" (other Python expressions are refused)",
+     .description = {.section = model,
+                     .key = "moe_layer_freq",
+                     .checkpointed = true,
+                     .value = describe_moe_layer_freq},
+     .properties = kShowsDefault,
+     .type_name = "N|PATTERN"},
+    {.name = "--moe-ffn-hidden-size",
+     .group = FlagGroup::moe,
+     .help = "Megatron-Core's hidden size of each routed expert's MLP, apart from the dense "
+             "layers' --ffn-hidden-size; unset: --ffn-hidden-size",
+     .field = model_field<&M::moe_ffn_hidden_size>(),
+     .check = kPositive,
+     .description = added_to_checkpoints({.section = model,
+                                          .key = "moe_ffn_hidden_size",
+                                          .checkpointed = true,
+                                          .value = [](const TrainerConfig& c) -> DescribedValue {
+                                            return std::int64_t{c.model.expert_ffn_hidden_size()};
+                                          }})},
     {.name = "--moe-router-topk",
      .group = FlagGroup::moe,
      .help = "Experts each token is routed to",

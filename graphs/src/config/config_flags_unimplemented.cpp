@@ -250,8 +250,6 @@ constexpr ConfigFlag kRefused[] = {
             "the Sinkhorn iterations; weave's gate does not: drop it"),
     refused("--noisy-gate-policy", 1, "weave's router adds no noise to its gate: drop it"),
     refused("--moe-input-jitter-eps", 1, "weave's router adds no jitter to its input: drop it"),
-    refused("--moe-ffn-hidden-size", 1,
-            "weave's experts are --ffn-hidden-size wide: set that instead"),
     refused("--moe-shared-expert-intermediate-size", 1,
             "weave's MoE layers have no shared expert: drop it"),
     refused(

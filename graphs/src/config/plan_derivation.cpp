@@ -101,10 +101,18 @@ void switch_off_ampipe_tp_sp_comm_overlap(ParallelPlan& p, Warnings& warnings) {
   warnings.push_back("--ampipe-tp-sp-comm-overlap is switched off: " + missing);
 }
 
-// The layers ModelConfig::is_moe_layer picks (0, freq, 2 freq, ...), counted without a loop; 0
-// when --num-experts or --moe-layer-freq breaks its rule.
+// The layers ModelConfig::is_moe_layer picks: the pattern's ones, or 0, freq, 2 freq, ...
+// counted without a loop over --num-layers; 0 when --num-experts or --moe-layer-freq breaks its
+// rule.
 int moe_layer_count(const ModelConfig& m) {
-  if (m.num_experts <= 0 || m.moe_layer_freq < 1 || m.num_layers < 1) return 0;
+  if (m.num_experts <= 0 || m.num_layers < 1) return 0;
+  if (!m.moe_layer_pattern.empty()) {
+    int count = 0;
+    for (const int moe : m.moe_layer_pattern)
+      count += moe == 1 ? 1 : 0;
+    return count;
+  }
+  if (m.moe_layer_freq < 1) return 0;
   return (m.num_layers - 1) / m.moe_layer_freq + 1;
 }
 

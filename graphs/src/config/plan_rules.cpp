@@ -108,12 +108,38 @@ void check_context_parallel(const ModelConfig& m, const ParallelPlan& p) {
 // The experts, their routing, and expert parallelism only with experts.
 void check_moe_model(const ModelConfig& m, const ParallelPlan& p) {
   if (m.num_experts < 0) refuse("--num-experts must be >= 0, got {}", m.num_experts);
+  if (m.moe_ffn_hidden_size < 0)
+    refuse("--moe-ffn-hidden-size must be >= 1, got {}", m.moe_ffn_hidden_size);
   if (m.num_experts == 0) {
     if (p.expert_parallel > 1)
       refuse("--expert-model-parallel-size ({}) needs --num-experts > 0", p.expert_parallel);
+    // An expert width without experts: Megatron-Core's TransformerConfig refuses it (or, when
+    // --moe-layer-freq leaves dense layers, ignores it with a warning); weave refuses it.
+    if (m.moe_ffn_hidden_size > 0)
+      refuse(
+          "--moe-ffn-hidden-size ({}) sets the routed experts' width and the model has none: set "
+          "--num-experts or drop it",
+          m.moe_ffn_hidden_size);
     return;
   }
-  require_positive("--moe-layer-freq", m.moe_layer_freq);
+  if (p.expert_tensor_parallel > 1 && p.expert_tensor_parallel == p.tensor_parallel &&
+      m.expert_ffn_hidden_size() % p.expert_tensor_parallel != 0)
+    refuse(
+        "the experts' hidden size (--moe-ffn-hidden-size, else --ffn-hidden-size: {}) must be "
+        "divisible by --expert-tensor-parallel-size ({}): each expert's first linear is split "
+        "by columns",
+        m.expert_ffn_hidden_size(), p.expert_tensor_parallel);
+  if (m.moe_layer_pattern.empty()) require_positive("--moe-layer-freq", m.moe_layer_freq);
+  // Megatron-Core's rule (gpt_layer_specs): the pattern names every layer.
+  if (!m.moe_layer_pattern.empty() &&
+      m.moe_layer_pattern.size() != static_cast<std::size_t>(m.num_layers))
+    refuse(
+        "--moe-layer-freq's pattern has {} entries and --num-layers is {}: give one entry per "
+        "layer (1: MoE, 0: dense)",
+        m.moe_layer_pattern.size(), m.num_layers);
+  for (const int moe : m.moe_layer_pattern)
+    if (moe != 0 && moe != 1)
+      refuse("--moe-layer-freq's pattern holds {}: its entries are 1 (MoE) or 0 (dense)", moe);
   if (m.moe_router_topk < 1 || m.moe_router_topk > m.num_experts)
     refuse("--moe-router-topk ({}) must be between 1 and --num-experts ({})", m.moe_router_topk,
            m.num_experts);

@@ -28,6 +28,7 @@ StepShape::StepShape(const ModelConfig& m, const ParallelPlan& p) : model(m), pl
   f = m.ffn_hidden_size;
   fl = f / tp;
   f1l = m.activation == Activation::swiglu ? 2 * fl : fl;
+  fe = m.expert_ffn_hidden_size();
   Vl = m.padded_vocab_size(tp) / tp;
   T = Sc / tp * B;
   for (int l = 0; l < m.num_layers; ++l)

@@ -6,6 +6,7 @@
 //   Hl   attention heads of a tp rank      f   ffn hidden size    fl  its tp rank's share
 //   Gl   key/value heads (query groups) of a tp rank, each shared by qpg query heads
 //   f1l  the first MLP linear's local outputs (2 fl for SwiGLU)   Vl  vocabulary rows of a tp rank
+//   fe   a routed expert's hidden size (--moe-ffn-hidden-size)
 //   T    the tokens a rank routes through a MoE layer (Sc / tp x B)
 //   M    micro-batches a data-parallel rank runs per step
 #pragma once
@@ -26,7 +27,7 @@ struct StepShape {
   ParallelPlan plan;
   int tp, t_sp, cp, ep, M, ampipe;
   int etp;  // expert tensor parallelism: 1, or tp when every expert is split over the tp group
-  std::int64_t S, Sc, chunk, B, Sl, h, d, Hl, Gl, qpg, f, fl, f1l, Vl, T;
+  std::int64_t S, Sc, chunk, B, Sl, h, d, Hl, Gl, qpg, f, fl, f1l, fe, Vl, T;
   // Whether the schedule splits backwards into input and weight halves (zero-bubble): the
   // activation sets then keep the output gradients the weight halves need.
   bool splits_backward = false;
@@ -41,10 +42,10 @@ struct StepShape {
   // The QKV projection's local outputs: (Hl + 2 Gl) d.
   std::int64_t qkv_width() const { return Gl * qkv_group_width(); }
   // The experts' hidden size times the first linear's outputs per hidden unit (SwiGLU: 2).
-  std::int64_t expert_f1() const { return model.activation == Activation::swiglu ? 2 * f : f; }
+  std::int64_t expert_f1() const { return model.activation == Activation::swiglu ? 2 * fe : fe; }
   // Experts split over the tensor-parallel group (etp ranks): each rank's share of an expert's
   // hidden layer, and of fc1's outputs.
-  std::int64_t expert_local_f() const { return f / etp; }
+  std::int64_t expert_local_f() const { return fe / etp; }
   std::int64_t expert_local_f1() const { return expert_f1() / etp; }
   bool experts_split() const { return etp > 1; }
   std::int64_t local_experts() const { return model.num_experts / ep; }

@@ -127,7 +127,7 @@ struct Generator::Impl {
     const std::int64_t f1l = (model.activation == Activation::swiglu ? 2 : 1) *
                              (model.ffn_hidden_size / plan.tensor_parallel);
     const int etp = mesh.experts_split() ? plan.tensor_parallel : 1;
-    const std::int64_t fe = E > 0 ? model.ffn_hidden_size / etp : 0;
+    const std::int64_t fe = E > 0 ? model.expert_ffn_hidden_size() / etp : 0;
     const std::int64_t f1e = (model.activation == Activation::swiglu ? 2 : 1) * fe;
     ranks.resize(static_cast<std::size_t>(plan.devices()));
     for (int r = 0; r < plan.devices(); ++r) {

@@ -20,7 +20,7 @@ ops::ExpertActivation expert_activation(const ModelConfig& m) {
 void declare_experts_parameters(ParameterDeclarer& declare, const std::string& prefix,
                                 MoeExpertsParameters& W) {
   const ModelConfig& m = declare.model;
-  const std::int64_t h = m.hidden_size, f = m.ffn_hidden_size, E = m.num_experts;
+  const std::int64_t h = m.hidden_size, f = m.expert_ffn_hidden_size(), E = m.num_experts;
   const bool swiglu = m.activation == Activation::swiglu;
   const std::int64_t f1 = swiglu ? 2 * f : f;
   const std::int64_t local = E / declare.mesh.plan().expert_parallel, first = declare.at.ep * local;

@@ -211,7 +211,7 @@ std::vector<SlotProgress> MoeMlp::split_item_pipeline(const BuildPosition& pos,
   };
   const rt::CostHint per_item =
       cost::expert_item(z, static_cast<double>(z.slot_tokens()), z.item_slices());
-  const double f1 = static_cast<double>(z.expert_f1()), f = static_cast<double>(z.f);
+  const double f1 = static_cast<double>(z.expert_f1()), f = static_cast<double>(z.fe);
   const std::int64_t expected = expected_item_rows(z);
   Chain chain{P, z.plan.pipe_experts_multi_stream};
   // Under the chain every dispatch waits for the gather before it, so gathers are issued in

@@ -23,19 +23,28 @@ namespace weave::graphs {
 
 namespace {
 
-// Forward FLOPs of layer l per token, as Megatron-LM counts them.
-// A dense MLP's (or one expert's) forward FLOPs per token.
-double mlp_forward_flops(const ModelConfig& m) {
+// An MLP's forward FLOPs per token for a hidden size of `ffn` (the dense MLP's, or one routed
+// expert's), as Megatron-LM counts them.
+double mlp_forward_flops(const ModelConfig& m, int ffn) {
   const double matrices = m.activation == Activation::swiglu ? 3 : 2;
-  return 2.0 * m.hidden_size * m.ffn_hidden_size * matrices;
+  return 2.0 * m.hidden_size * ffn * matrices;
 }
+
+double mlp_forward_flops(const ModelConfig& m) {
+  return mlp_forward_flops(m, m.ffn_hidden_size);
+}
+
+// Forward FLOPs of layer l per token, as Megatron-LM counts them: a MoE layer's router and the
+// top-k experts each token passes through (--moe-ffn-hidden-size wide).
 
 double layer_forward_flops(const ModelConfig& m, int l) {
   const double h = m.hidden_size, s = m.seq_length, d = m.head_dim();
   const double heads = m.num_attention_heads, groups = m.query_groups();
-  const double mlp = mlp_forward_flops(m);
   const double attention = 2 * h * (heads + 2 * groups) * d + 4 * s * heads * d + 2 * heads * d * h;
-  const double ffn = m.is_moe_layer(l) ? 2 * h * m.num_experts + m.moe_router_topk * mlp : mlp;
+  const double ffn = m.is_moe_layer(l)
+                         ? 2 * h * m.num_experts +
+                               m.moe_router_topk * mlp_forward_flops(m, m.expert_ffn_hidden_size())
+                         : mlp_forward_flops(m);
   return attention + ffn;
 }
 

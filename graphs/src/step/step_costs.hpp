@@ -150,7 +150,7 @@ inline rt::CostHint qkv(const StepShape& z) {
 inline rt::CostHint experts(const StepShape& z, double tokens) {
   const double rows = tokens * static_cast<double>(z.model.moe_router_topk);
   const double h = static_cast<double>(z.h), f1 = static_cast<double>(z.expert_f1()),
-               f = static_cast<double>(z.f);
+               f = static_cast<double>(z.fe);
   const double experts = static_cast<double>(std::max<std::int64_t>(z.local_experts(), 1));
   const double per_expert = rows / experts;
   return {.flops = 2 * tokens * static_cast<double>(z.model.moe_router_topk) * h * (f1 + f),
@@ -164,7 +164,7 @@ inline rt::CostHint expert_item(const StepShape& z, double tokens, std::int64_t 
   const double items = static_cast<double>(z.local_experts() * slices);
   const double rows = tokens * static_cast<double>(z.model.moe_router_topk) / items;
   const double h = static_cast<double>(z.h), f1 = static_cast<double>(z.expert_f1()),
-               f = static_cast<double>(z.f);
+               f = static_cast<double>(z.fe);
   return {.flops = experts(z, tokens).flops / items,
           .matmul_edges = static_cast<float>(matmul_edges(rows, h, f1) + matmul_edges(rows, f, h))};
 }

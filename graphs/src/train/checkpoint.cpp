@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "weave/graphs/config_flags.hpp"
+#include "weave/graphs/moe_layer_freq.hpp"
 
 namespace weave::graphs {
 
@@ -66,6 +67,10 @@ json with_defaults(json saved, DescribedSection section, const TrainerConfig& de
 json with_defaults(json saved, const ModelConfig& m) {
   TrainerConfig defaults;
   defaults.model = ModelConfig{.num_attention_heads = m.num_attention_heads};
+  // Before --moe-ffn-hidden-size the experts were --ffn-hidden-size wide: the saved one's.
+  if (saved.is_object() && !saved.contains("moe_ffn_hidden_size") &&
+      saved.contains("ffn_hidden_size") && saved["ffn_hidden_size"].is_number_integer())
+    defaults.model.ffn_hidden_size = saved["ffn_hidden_size"].get<int>();
   return with_defaults(std::move(saved), DescribedSection::model, defaults);
 }
 
@@ -540,6 +545,10 @@ SavedConfiguration read_checkpoint_config(const std::string& path) {
     read_fields(full, DescribedSection::model, saved);
     read_fields(p, DescribedSection::plan, saved);
     model = saved.model;
+    // The header records the experts' width as used (--ffn-hidden-size when unset, and in a
+    // dense model): as wide as the dense MLPs, it reads back as unset.
+    if (model.num_experts == 0 || model.moe_ffn_hidden_size == model.ffn_hidden_size)
+      model.moe_ffn_hidden_size = 0;
     model.activation = full.at("swiglu").get<bool>() ? Activation::swiglu : Activation::gelu;
     const std::string positions = full.at("position_embedding_type").get<std::string>();
     model.position_embedding = positions == "rope"   ? PositionEmbedding::rope
@@ -551,6 +560,11 @@ SavedConfiguration read_checkpoint_config(const std::string& path) {
     const int groups = whole_number<int>(full, "num_query_groups");
     model.num_query_groups = groups == model.num_attention_heads ? 0 : groups;
     model.add_bias_linear = full.at("add_bias_linear").get<bool>();
+    const json& freq = full.at("moe_layer_freq");
+    if (freq.is_string())
+      set_moe_layer_freq(model, freq.get<std::string>());
+    else
+      model.moe_layer_freq = whole_number<int>(full, "moe_layer_freq");
     ParallelPlan& plan = c.plan;
     plan = saved.plan;
     plan.data_parallel = whole_number<int>(p, "data_parallel_size");

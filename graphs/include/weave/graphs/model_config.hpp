@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace weave::graphs {
 
@@ -101,7 +102,7 @@ struct ModelConfig {
   int num_layers = 2;                      // --num-layers
   int hidden_size = 64;                    // --hidden-size
   int num_attention_heads = 4;             // --num-attention-heads
-  int ffn_hidden_size = 256;               // --ffn-hidden-size (per expert for MoE layers)
+  int ffn_hidden_size = 256;               // --ffn-hidden-size: the dense MLPs' hidden size
   int seq_length = 64;                     // --seq-length
   int max_position_embeddings = 0;         // --max-position-embeddings; 0: seq_length
   int vocab_size = 256;                    // the tokenizer's (byte-level: 256)
@@ -126,11 +127,17 @@ struct ModelConfig {
   double init_method_std = 0.02;                                 // --init-method-std
 
   // Mixture of Experts
-  int num_experts = 0;              // --num-experts; 0: dense MLPs everywhere
-  int moe_layer_freq = 1;           // --moe-layer-freq: every k-th layer is MoE (from layer 0)
-  int moe_router_topk = 2;          // --moe-router-topk
-  double moe_aux_loss_coeff = 0.0;  // --moe-aux-loss-coeff
-  double moe_z_loss_coeff = 0.0;    // --moe-z-loss-coeff
+  int num_experts = 0;     // --num-experts; 0: dense MLPs everywhere
+  int moe_layer_freq = 1;  // --moe-layer-freq N: every N-th layer is MoE (from layer 0)
+  // --moe-layer-freq as Megatron-Core's list (moe_layer_freq.hpp): one entry per layer, 1 for a
+  // MoE layer and 0 for a dense one; empty: every moe_layer_freq-th layer.
+  std::vector<int> moe_layer_pattern;
+  // --moe-ffn-hidden-size: each routed expert's hidden size; 0: --ffn-hidden-size, as
+  // Megatron-Core defaults it.
+  int moe_ffn_hidden_size = 0;
+  int moe_router_topk = 2;                  // --moe-router-topk
+  double moe_aux_loss_coeff = 0.0;          // --moe-aux-loss-coeff
+  double moe_z_loss_coeff = 0.0;            // --moe-z-loss-coeff
   double moe_expert_capacity_factor = 0.0;  // --moe-expert-capacity-factor; 0: dropless
   bool moe_router_renormalize = true;
   double moe_router_topk_scaling_factor = 1.0;  // --moe-router-topk-scaling-factor (1: none)
@@ -174,7 +181,17 @@ struct ModelConfig {
   }
   // The vocabulary padded to a multiple of make_vocab_size_divisible_by x tp, as Megatron does.
   int padded_vocab_size(int tensor_parallel) const;
-  bool is_moe_layer(int layer) const { return num_experts > 0 && layer % moe_layer_freq == 0; }
+  // The routed experts' hidden size (moe_ffn_hidden_size, or ffn_hidden_size when unset).
+  int expert_ffn_hidden_size() const {
+    return moe_ffn_hidden_size > 0 ? moe_ffn_hidden_size : ffn_hidden_size;
+  }
+  bool is_moe_layer(int layer) const {
+    if (num_experts <= 0) return false;
+    if (!moe_layer_pattern.empty())
+      return layer >= 0 && layer < static_cast<int>(moe_layer_pattern.size()) &&
+             moe_layer_pattern[static_cast<std::size_t>(layer)] == 1;
+    return layer % moe_layer_freq == 0;
+  }
 };
 
 }  // namespace weave::graphs
