@@ -150,6 +150,10 @@ TEST(MoeLayerShapes, PatternReaderTakesMegatronsForms) {
   EXPECT_EQ(pattern_of("[0,1,1,0]"), (std::vector<int>{0, 1, 1, 0}));
   EXPECT_EQ(pattern_of(" [1, 0] * 2 + [0] "), (std::vector<int>{1, 0, 1, 0, 0}));
   EXPECT_EQ(pattern_of("[0]*0+[1]"), (std::vector<int>{1}));
+  // Megatron-LM's own example of the flag: a group repeated.
+  EXPECT_EQ(pattern_of("([1]*3+[0]*1)*3"), (std::vector<int>{1, 1, 1, 0, 1, 1, 1, 0, 1, 1, 1, 0}));
+  EXPECT_EQ(pattern_of("[0]+([1]+([0,1])*2)*2"),
+            (std::vector<int>{0, 1, 0, 1, 0, 1, 1, 0, 1, 0, 1}));
   ModelConfig m;
   set_moe_layer_freq(m, "3");
   EXPECT_EQ(m.moe_layer_freq, 3);
@@ -163,16 +167,18 @@ TEST(MoeLayerShapes, PatternReaderTakesMegatronsForms) {
 TEST(MoeLayerShapes, PatternReaderRefusesOtherExpressionsNamingTheForms) {
   const std::string forms =
       "it takes a whole number N (a MoE layer every N layers), a list of 0s and 1s such as "
-      "\"[0,1,1,0]\", or a sum of bracketed lists each times a count such as \"([0]*3+[1]*5)\"";
+      "\"[0,1,1,0]\", or a sum of bracketed lists and parenthesised sums, each times a count, "
+      "such as \"([0]*3+[1]*5)\" or \"([1]*3+[0]*1)*3\"";
   const std::pair<const char*, const char*> cases[] = {
-      {"([1]*3+[0]*1)*3", "'*' where the end was expected at character 14"},
-      {"3*[0]", "'3' where '[' opening a list was expected"},
+      {"([1]*3+[0]*1)*n", "'n' where a count was expected at character 15"},
+      {"3*[0]", "'3' where '[' opening a list or '(' a group was expected"},
       {"[0]*3-[1]", "'-' where '+' or the end was expected at character 6"},
       {"[0,2]", "an entry 2, not 0 or 1"},
       {"[0,1", "the end where ',' or ']' was expected"},
       {"[]", "']' where 0 or 1 was expected"},
       {"[0]*n", "'n' where a count was expected"},
-      {"([0]*3", "the end where ')' closing the '(' at the start was expected"},
+      {"([0]*3", "the end where '+' or ')' was expected"},
+      {"[0])", "')' where '+' or the end was expected at character 4"},
       {"[0]+[1]*2000000", "a number above 1048576"},
       {"[x for x in range(4)]", "'x' where 0 or 1 was expected"},
       {"two", "neither a whole number nor a pattern"},

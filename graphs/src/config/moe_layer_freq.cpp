@@ -19,8 +19,8 @@ constexpr std::int64_t kMaxPatternLayers = 1 << 20;
 
 constexpr const char* kAcceptedForms =
     "a whole number N (a MoE layer every N layers), a list of 0s and 1s such as \"[0,1,1,0]\", "
-    "or a sum of bracketed lists each times a count such as \"([0]*3+[1]*5)\" (1: a MoE layer, "
-    "0: a dense one)";
+    "or a sum of bracketed lists and parenthesised sums, each times a count, such as "
+    "\"([0]*3+[1]*5)\" or \"([1]*3+[0]*1)*3\" (1: a MoE layer, 0: a dense one)";
 
 // A recursive-descent reader of the accepted forms over `text`, failing with the position and
 // what it expected there.
@@ -29,12 +29,9 @@ class PatternReader {
   explicit PatternReader(std::string_view text) : text_(text) {}
 
   std::vector<int> read() {
-    skip_spaces();
-    const bool parenthesised = take('(');
     std::vector<int> pattern = sum();
-    if (parenthesised && !take(')')) fail("')' closing the '(' at the start");
     skip_spaces();
-    if (at_ < text_.size()) fail(parenthesised ? "the end" : "'+' or the end");
+    if (at_ < text_.size()) fail("'+' or the end");
     return pattern;
   }
 
@@ -49,16 +46,21 @@ class PatternReader {
     return out;
   }
 
-  // '[' entry (',' entry)* ']' ('*' count)?
+  // ('[' entry (',' entry)* ']' | '(' sum ')') ('*' count)?
   std::vector<int> term() {
-    if (!take('[')) fail("'[' opening a list");
     std::vector<int> list;
-    do {
-      const std::int64_t entry = number("0 or 1");
-      if (entry != 0 && entry != 1) fail_at(fmt::format("an entry {}, not 0 or 1", entry));
-      list.push_back(static_cast<int>(entry));
-    } while (take(','));
-    if (!take(']')) fail("',' or ']'");
+    if (take('(')) {
+      list = sum();
+      if (!take(')')) fail("'+' or ')'");
+    } else {
+      if (!take('[')) fail("'[' opening a list or '(' a group");
+      do {
+        const std::int64_t entry = number("0 or 1");
+        if (entry != 0 && entry != 1) fail_at(fmt::format("an entry {}, not 0 or 1", entry));
+        list.push_back(static_cast<int>(entry));
+      } while (take(','));
+      if (!take(']')) fail("',' or ']'");
+    }
     std::int64_t count = 1;
     if (take('*')) count = number("a count");
     if (static_cast<std::int64_t>(list.size()) * count > kMaxPatternLayers)

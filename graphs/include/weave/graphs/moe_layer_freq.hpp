@@ -14,6 +14,7 @@ namespace weave::graphs {
 //   a list of 0s and 1s                          [0,1,1,0]
 //   a list times a count                         [0]*3
 //   a sum of those, optionally in parentheses    ([0]*3+[1]*5)
+//   a parenthesised sum times a count            ([1]*3+[0]*1)*3
 // Anything else throws ConfigError naming the accepted forms. The pattern's length is checked
 // against --num-layers with the plan's rules (validate).
 void set_moe_layer_freq(ModelConfig& m, std::string_view text);
