@@ -8,6 +8,7 @@
 #include <cmath>
 #include <limits>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -86,10 +87,15 @@ TEST(Prediction, EqualsTheMaterialisedStepOnTheVirtualClock) {
 
 // The materialised step and its prediction agree too with the options that change the graph's
 // order and prices: data-parallel reductions after the backward (no --overlap-grad-reduce) or
-// during it, and the materialised scores' tasks and memory (--attention-backend unfused).
+// during it, the distributed optimizer's gathers after the update or at the next step's start
+// (--overlap-param-gather), and the materialised scores' tasks and memory (--attention-backend
+// unfused).
 TEST(Prediction, EqualsTheMaterialisedStepWithEachOverlapAndAttentionBackend) {
-  for (const bool overlap : {false, true}) {
-    SCOPED_TRACE(overlap ? "overlap" : "after the backward");
+  for (const int overlaps : {0, 1, 2}) {
+    SCOPED_TRACE(overlaps == 0   ? "after the backward"
+                 : overlaps == 1 ? "overlap grad reduce"
+                                 : "overlap grad reduce and param gather");
+    const bool overlap = overlaps > 0;
     TrainerConfig c;
     c.model = tiny(0);
     c.model.attention_backend = AttentionBackend::unfused;
@@ -101,6 +107,7 @@ TEST(Prediction, EqualsTheMaterialisedStepWithEachOverlapAndAttentionBackend) {
               .global_batch_size = 4,
               .distributed_optimizer = true};
     c.plan.overlap_grad_reduce = overlap;
+    c.plan.overlap_param_gather = overlaps == 2;
     c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
     const Prediction p = predict_step(c);
     std::vector<std::int64_t> memory;
@@ -153,6 +160,73 @@ TEST(Prediction, GradientReductionsWaitForTheBackwardWithoutOverlapGradReduce) {
         EXPECT_GE(first_reduction, backward_end) << device;
     }
   }
+}
+
+// The distributed optimizer's parameter gathers: without --overlap-param-gather they follow the
+// shards' update, where the step ends; with it they open the step (gathering the last update),
+// each layer's forward waits for its own bucket's gather only, and the step ends after the
+// update, as Megatron-LM's forward pre-hooks overlap them with the next forward. On a slow
+// data-parallel link the step is then shorter. Read on the virtual clock, device by device.
+TEST(Prediction, ParameterGathersOverlapTheNextForwardWithOverlapParamGather) {
+  double step_ms[2] = {0, 0};
+  for (const bool gather_early : {false, true}) {
+    SCOPED_TRACE(gather_early ? "overlap param gather" : "gathers after the update");
+    TrainerConfig c;
+    c.model = tiny(0);
+    c.model.num_layers = 4;
+    c.plan = {.data_parallel = 2,
+              .micro_batch_size = 1,
+              .global_batch_size = 8,
+              .distributed_optimizer = true};
+    c.plan.overlap_grad_reduce = true;
+    c.plan.overlap_param_gather = gather_early;
+    c.machine = {.device_flops = 1e11, .device_memory_bandwidth = 1e10, .link = "pcie4"};
+    const Prediction p = predict_step(c, {.fold_data_parallel = false});
+    step_ms[gather_early] = p.step_ms;
+    const rt::TaskTable& tasks = p.trace.tasks();
+    for (rt::DeviceId device = 0; device < 2; ++device) {
+      SCOPED_TRACE(device);
+      const rt::Span* optimizer = nullptr;
+      const rt::Span* last_layer_gather = nullptr;  // layers.3.attention's
+      const rt::Span* first_forward[4] = {};        // each layer's first forward task
+      int gathers = 0;
+      for (const rt::Span& span : p.trace.spans()) {
+        const rt::TaskInfo& t = tasks[span.task];
+        if (t.device != device) continue;
+        const std::string_view name = tasks.name(span.task);
+        if (name == "optimizer") optimizer = &span;
+        if (t.kind == rt::TaskKind::comm && name.find(".gather[") != std::string_view::npos) {
+          ++gathers;
+          if (name.starts_with("layers.3.attention/")) last_layer_gather = &span;
+        }
+        if (t.kind == rt::TaskKind::compute && t.tags.phase == rt::Phase::forward &&
+            t.tags.layer >= 0 && t.tags.layer < 4) {
+          const rt::Span*& first = first_forward[t.tags.layer];
+          if (!first || span.start < first->start) first = &span;
+        }
+      }
+      ASSERT_NE(optimizer, nullptr);
+      ASSERT_NE(last_layer_gather, nullptr);
+      ASSERT_NE(first_forward[0], nullptr);
+      ASSERT_NE(first_forward[3], nullptr);
+      // The embeddings', the 8 layer halves' and the final norm's buckets (the output layer is
+      // the tied word embedding), each sharded over dp 2.
+      EXPECT_EQ(gathers, 10);
+      if (!gather_early) {
+        EXPECT_GE(last_layer_gather->start, optimizer->end);
+        continue;
+      }
+      // The last layer's first forward task waits for its bucket's gather, by an edge...
+      const std::span<const rt::TaskId> next = p.graph.successors(last_layer_gather->task);
+      EXPECT_NE(std::find(next.begin(), next.end(), first_forward[3]->task), next.end());
+      EXPECT_GE(first_forward[3]->start, last_layer_gather->end);
+      // ...while the first layer's forward starts before it ends: the gathers overlap the forward.
+      EXPECT_LT(first_forward[0]->start, last_layer_gather->end);
+      // The update ends the step; no gather follows it.
+      EXPECT_LE(last_layer_gather->end, optimizer->start);
+    }
+  }
+  EXPECT_LT(step_ms[1], step_ms[0]);
 }
 
 // The compute time by kind (products, attention, element-wise, optimizer) splits each device's

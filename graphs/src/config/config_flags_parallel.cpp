@@ -106,8 +106,10 @@ constexpr ConfigFlag kParallelism[] = {
      .group = FlagGroup::parallelism,
      .values = 0,
      .help = "With --use-distributed-optimizer and --overlap-grad-reduce (Megatron-LM requires "
-             "both): accepted; the updated shards' gathers run on their group's stream after the "
-             "update either way, where a step ends (refused with Ampipe, as MindSpeed does)",
+             "both): the updated shards are gathered at the start of the next step instead of "
+             "after the update, each layer's forward waiting only for its own bucket's gather, "
+             "as Megatron-LM's forward pre-hooks do; the parameters are gathered before a save, "
+             "an evaluation and the run's end (refused with Ampipe, as MindSpeed does)",
      .field = plan_field<&P::overlap_param_gather>(),
      .description = described(plan, "overlap_param_gather"),
      .properties = kRefusedBesideAmpipe},

@@ -14,6 +14,7 @@ TaskId Embedding::forward(const BuildPosition& pos, TaskId ready) const {
   const StepShape& z = P->shape;
   const std::int64_t Sl = z.Sl, B = z.B, h = z.h;
   const rt::TaskTags tags = pos.tags(rt::Phase::forward);
+  P->wait_for_parameters("embedding");  // --overlap-param-gather: the lookup waits for the gather
   // Each rank looks up its vocabulary shard; the group sums (or reduce-scatters) the partials.
   const TaskId lookup =
       P->compute("embedding", tags, cost::streamed(z, 2.0 * z.Sc * B * h), [p, set, mb] {

@@ -49,6 +49,10 @@ TaskId OutputLoss::forward(const BuildPosition& pos, TaskId ready) const {
   const std::int64_t Sc = z.Sc, B = z.B, h = z.h;
   const int last_layer = z.model.num_layers - 1;
   const rt::TaskTags tags = pos.tags(rt::Phase::forward);
+  // --overlap-param-gather: the final norm, the first task of the model's end, waits for the
+  // gathers of the norm's, the output layer's and (tied weights) the word embedding's buckets.
+  for (const char* point : {"final_norm", "output", "embedding"})
+    P->wait_for_parameters(point);
   const TaskId norm = P->compute("final_norm", tags, cost::streamed(z, 2.0 * z.Sl * B * h), [=] {
     OutputSet& X = p->oset(out);
     ModelShard& W = p->shard();

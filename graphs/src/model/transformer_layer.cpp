@@ -50,13 +50,20 @@ void TransformerLayer::declare_parameters(ParameterDeclarer& declare, const Laye
 TaskId TransformerLayer::forward(const BuildPosition& pos, TaskId ready) const {
   const StepShape& z = P->shape;
   const MlpModule mlp_module = z.spec(l).mlp;
-  if (mlp_module == MlpModule::ampipe) return AmpipeBlock(*P, l).forward(pos, ready);
+  // --overlap-param-gather: the attention half's first task waits for its parameters' gather.
+  P->wait_for_parameters(fmt::format("layers.{}.attention", l));
+  if (mlp_module == MlpModule::ampipe) {
+    P->wait_for_parameters(fmt::format("layers.{}.mlp", l));
+    return AmpipeBlock(*P, l).forward(pos, ready);
+  }
   RankProgram* p = P;
   const int layer = l, set = pos.set, mb = pos.micro_batch;
   const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
   const std::string at = fmt::format("L{}.", l);
   const TaskId attention = AttentionBlock(*P, l).forward(pos, ready);
   const double rows = static_cast<double>(z.Sl * z.B * z.h);
+  // The residual's norm is the MLP half's first reader of its parameters.
+  P->wait_for_parameters(fmt::format("layers.{}.mlp", l));
   // Bias, dropout and residual (read 2, write 1), then the norm (read 1, write 1).
   const TaskId residual =
       P->compute(at + "attention_residual", tags, cost::streamed(z, 5 * rows), [=] {

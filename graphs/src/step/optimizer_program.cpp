@@ -106,16 +106,27 @@ TaskId add_gradient_norm(RankProgram& P, const rt::TaskTags& tags, double gradie
   return summed;
 }
 
+// Distributed optimizer: bucket's shard on each replica gathered whole, over `data` (dense
+// buckets) or `expert_data` (the experts'), after `ready`; kNoTask for a bucket not sharded.
+TaskId gather_shard(GradientBucket& bucket, const GroupHandle& data, const GroupHandle& expert_data,
+                    TaskId ready, const rt::TaskTags& tags) {
+  if (!bucket.sharded) return rt::kNoTask;
+  const GroupHandle& replicas = bucket.expert ? expert_data : data;
+  return replicas.all_gather(
+      ready,
+      {bucket.values.data() + bucket.shard_begin, static_cast<std::size_t>(bucket.shard_size)},
+      all_of(bucket.values), bucket.name + ".gather", tags);
+}
+
 // Distributed optimizer: each replica updated its shard; gather the whole values back.
 void gather_updated_shards(RankProgram& P, TaskId step, const rt::TaskTags& tags) {
-  for (GradientBucket& bucket : P.shard().buckets()) {
-    if (!bucket.sharded) continue;
-    const GroupHandle& replicas = bucket.expert ? P.expert_data : P.data;
-    replicas.all_gather(
-        step,
-        {bucket.values.data() + bucket.shard_begin, static_cast<std::size_t>(bucket.shard_size)},
-        all_of(bucket.values), bucket.name + ".gather", tags);
-  }
+  for (GradientBucket& bucket : P.shard().buckets())
+    gather_shard(bucket, P.data, P.expert_data, step, tags);
+}
+
+// The point a bucket is named after: "layers.3.attention" of "layers.3.attention/dense".
+std::string point_of(const GradientBucket& bucket) {
+  return bucket.name.substr(0, bucket.name.find('/'));
 }
 
 }  // namespace
@@ -136,7 +147,43 @@ void build_optimizer(RankProgram& P) {
                 cost::streamed_bytes(updated, optimizer_bytes_per_element(P.shape.model.precision)),
                 [p] { clip_and_update(*p); });
   P.after(summed, step);
-  if (P.shape.plan.distributed_optimizer) gather_updated_shards(P, step, tags);
+  if (!P.shape.plan.distributed_optimizer) return;
+  if (!P.shape.plan.overlap_param_gather) {
+    gather_updated_shards(P, step, tags);
+    return;
+  }
+  // The step's gathers write the whole values, the rank's shard included: the update comes after.
+  for (const auto& [point, gathers] : P.parameter_gathers)
+    for (const TaskId gather : gathers)
+      P.after(gather, step);
+}
+
+void start_parameter_gathers(RankProgram& P) {
+  if (!P.shape.plan.distributed_optimizer || !P.shape.plan.overlap_param_gather) return;
+  // The buckets are kept in backward order; the forward reads them the other way round. One
+  // group's stream runs its collectives in issue order, so the first layers' gathers end first.
+  std::vector<GradientBucket>& buckets = P.shard().buckets();
+  for (auto b = buckets.rbegin(); b != buckets.rend(); ++b) {
+    const TaskId gather =
+        gather_shard(*b, P.data, P.expert_data, rt::kNoTask, {.phase = rt::Phase::forward});
+    if (gather != rt::kNoTask) P.parameter_gathers[point_of(*b)].push_back(gather);
+  }
+}
+
+void add_parameter_gathers(RankProgram& P, devices::CollectiveMatcher& matcher,
+                           rt::GraphBuilder& graph) {
+  std::map<std::string, TaskId> tails;
+  const auto handle = [&](GroupKind kind, const char* stream, CommGroup stream_group) {
+    const devices::ProcessGroup& group = P.mesh.group(kind, P.rank);
+    return GroupHandle(matcher, graph, group, group.rank_of(static_cast<rt::DeviceId>(P.rank)),
+                       stream, stream_group, &tails,
+                       static_cast<std::size_t>(P.shape.model.activation_bytes()));
+  };
+  const GroupHandle data = handle(GroupKind::data_context, "dp_cp", CommGroup::data_context);
+  const GroupHandle expert_data = handle(GroupKind::expert_data, "edp", CommGroup::expert_data);
+  std::vector<GradientBucket>& buckets = P.shard().buckets();
+  for (auto b = buckets.rbegin(); b != buckets.rend(); ++b)
+    gather_shard(*b, data, expert_data, rt::kNoTask, {.phase = rt::Phase::weight});
 }
 
 }  // namespace weave::graphs

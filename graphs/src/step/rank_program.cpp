@@ -90,13 +90,23 @@ TaskId RankProgram::compute(const std::string& name, rt::TaskTags tags, rt::Cost
           "it on the virtual clock without running the work (VirtualClockOptions::execute = "
           "false), or build it with tensors to run it");
     };
-  return graph.add({.device = static_cast<rt::DeviceId>(rank),
-                    .stream = rt::kComputeStream,
-                    .kind = rt::TaskKind::compute,
-                    .name = name,
-                    .tags = tags,
-                    .cost = cost},
-                   std::move(work));
+  const TaskId t = graph.add({.device = static_cast<rt::DeviceId>(rank),
+                              .stream = rt::kComputeStream,
+                              .kind = rt::TaskKind::compute,
+                              .name = name,
+                              .tags = tags,
+                              .cost = cost},
+                             std::move(work));
+  for (const TaskId gather : awaited_gathers_)
+    graph.precede(gather, t);
+  awaited_gathers_.clear();
+  return t;
+}
+
+void RankProgram::wait_for_parameters(const std::string& point) {
+  const auto found = parameter_gathers.find(point);
+  if (found == parameter_gathers.end()) return;
+  awaited_gathers_.insert(awaited_gathers_.end(), found->second.begin(), found->second.end());
 }
 
 void RankProgram::load_tokens(int mb, std::vector<std::int32_t>& into, bool targets) const {
@@ -178,6 +188,12 @@ void RankProgram::build() {
   double gradients = 0;
   for (const GradientBucket& b : shard().buckets())
     gradients += static_cast<double>(b.grads.numel());
+  // With --overlap-param-gather the step opens with the gathers of the last update's shards.
+  start_parameter_gathers(*this);
+  // A bf16 run refreshes its bf16 copies from the main parameters below: from gathered ones.
+  if (bf16())
+    for (const auto& [point, gathers] : parameter_gathers)
+      awaited_gathers_.insert(awaited_gathers_.end(), gathers.begin(), gathers.end());
   compute("zero_grads", {},
           cost::streamed_bytes(gradients, parameter_bytes(shape.model.precision).gradient), [this] {
             state.shard->zero_grads();

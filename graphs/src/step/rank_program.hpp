@@ -191,6 +191,15 @@ class RankProgram {
   // (ParallelPlan::overlap_grad_reduce off), each with the task that completed its gradients;
   // reduce_deferred_buckets issues them.
   std::vector<std::pair<std::size_t, TaskId>> deferred_buckets;
+  // --overlap-param-gather: the step-start all-gathers of the buckets' updated shards, by the
+  // point the buckets are named after ("layers.3.attention", "embedding").
+  std::map<std::string, std::vector<TaskId>> parameter_gathers;
+  // The next compute task this rank adds waits for the gathers of the buckets of `point` (none
+  // without --overlap-param-gather): the first task of a module's forward, as Megatron-LM's
+  // forward pre-hook waits for the gather of the bucket holding the module's parameters. The
+  // compute stream runs its tasks in the order they were added, so every later task reading
+  // those parameters waits too.
+  void wait_for_parameters(const std::string& point);
   const std::map<std::string, TaskId>& comm_tails() const { return comm_tails_; }
 
   // Activations and workspace of this rank; shapes only when the step is not materialized,
@@ -254,6 +263,7 @@ class RankProgram {
  private:
   void allocate();
   std::map<std::string, TaskId> comm_tails_;  // the last task of each communication stream
+  std::vector<TaskId> awaited_gathers_;       // what the next compute task waits for
 };
 
 }  // namespace weave::graphs

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "step/optimizer_program.hpp"
 #include "step/rank_program.hpp"
 
 namespace weave::graphs {
@@ -27,6 +28,11 @@ struct TrainingStep::Impl {
   devices::CollectiveMatcher matcher;
   std::vector<std::unique_ptr<RankProgram>> programs;  // by rank; null where not built here
   rt::Graph graph;
+  // --overlap-param-gather: the step's parameter gathers alone (TrainingStep's
+  // parameter_gather_graph); empty otherwise.
+  rt::GraphBuilder gather_builder;
+  std::unique_ptr<devices::CollectiveMatcher> gather_matcher;
+  rt::Graph gather_graph;
   bool materialize = true;
   devices::ProcessSet& processes;
 };
@@ -117,6 +123,14 @@ TrainingStep::Impl::Impl(const ModelConfig& model, const ParallelPlan& plan,
                 comm.holds(static_cast<rt::DeviceId>(r));
   if (complete) matcher.finish();
   graph = builder.build();
+  if (plan.distributed_optimizer && plan.overlap_param_gather) {
+    gather_matcher = std::make_unique<devices::CollectiveMatcher>(gather_builder, comm);
+    for (int r : ranks)
+      add_parameter_gathers(*programs[static_cast<std::size_t>(r)], *gather_matcher,
+                            gather_builder);
+    if (complete) gather_matcher->finish();
+  }
+  gather_graph = gather_builder.build();
 }
 
 RankProgram& TrainingStep::Impl::program(int rank) const {
@@ -217,6 +231,9 @@ int TrainingStep::activation_sets(int rank) const {
 }
 void TrainingStep::set_update_parameters(bool update) {
   impl_->inputs.update = update;
+}
+const rt::Graph& TrainingStep::parameter_gather_graph() const {
+  return impl_->gather_graph;
 }
 
 }  // namespace weave::graphs

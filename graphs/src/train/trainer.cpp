@@ -207,6 +207,9 @@ struct Trainer::Impl {
                           : config.learning_rate.at(it);
     step.prepare(it, lr);
     step.set_update_parameters(true);
+    // With --overlap-param-gather the step gathers the last update's shards first and leaves
+    // its own ungathered (finish_parameter_gathers).
+    gathers_pending = config.plan.distributed_optimizer && config.plan.overlap_param_gather;
     const bool traced = config.timing == Timing::virtual_clock || it == config.trace_iteration ||
                         it % config.metrics_interval == 0;
     const StepTiming timing =
@@ -236,10 +239,24 @@ struct Trainer::Impl {
     return m;
   }
 
+  // Gathers the shards the last step updated onto every replica, if that step left them
+  // ungathered, as Megatron-LM finishes its parameter gathers before it evaluates or saves.
+  void finish_parameter_gathers() {
+    if (!gathers_pending) return;
+    const rt::Graph& graph = step().parameter_gather_graph();
+    if (config.timing == Timing::virtual_clock)
+      (void)clock.run(graph);
+    else
+      (void)devices.executor().run(graph,
+                                   {.link_model = machine.links().enabled() ? &machine : nullptr});
+    gathers_pending = false;
+  }
+
   double evaluate() {
     if (!data.valid)
       throw std::logic_error(
           "evaluate() needs validation samples and the data has none: give TrainingData::valid");
+    finish_parameter_gathers();
     // The step as last prepared (the iteration keys dropout), so an evaluation between
     // iterations sees the model as it was trained.
     // Evaluation batches are full global batches, during a ramp-up too (as Megatron-LM's
@@ -264,6 +281,7 @@ struct Trainer::Impl {
   }
 
   void save(const std::string& path) {
+    finish_parameter_gathers();
     save_checkpoint(path, config.model, config.plan, step(), state);
   }
   void load(const std::string& path) {
@@ -281,7 +299,8 @@ struct Trainer::Impl {
   rt::VirtualClock clock;
   std::map<int, std::unique_ptr<BatchStep>> steps;  // by global batch
   TrainingStep* current = nullptr;                  // the step holding the trained state
-  double flops_done = 0;  // the FLOPs of the iterations trained by this Trainer
+  double flops_done = 0;         // the FLOPs of the iterations trained by this Trainer
+  bool gathers_pending = false;  // the last step's updated shards are not gathered yet
   CheckpointState state;
 };
 
@@ -403,6 +422,8 @@ TrainingSummary Trainer::run(const TrainerCallbacks& callbacks) {
     }
   }
   if (!c.save_path.empty() && saved_at != t.state.iteration) save(c.save_path);
+  // Whatever reads the parameters next (the caller, a decoder) reads them gathered.
+  t.finish_parameter_gathers();
   if (summary.seconds > 0) {
     summary.tokens_per_second = static_cast<double>(summary.tokens) / summary.seconds;
     summary.gflops_per_second = (t.flops_done - flops_before) / summary.seconds * 1e-9;

@@ -45,7 +45,9 @@ struct ParallelPlan {
   // backward task.
   bool overlap_grad_reduce = false;
   // --overlap-param-gather (with the distributed optimizer and overlap_grad_reduce, as
-  // Megatron-LM requires): accepted; the updated shards are gathered after the update either way.
+  // Megatron-LM requires): the updated shards are gathered at the start of the next step, each
+  // layer's forward waiting for its bucket's gather only, instead of after the update
+  // (TrainingStep::parameter_gather_graph gathers them after the last step).
   bool overlap_param_gather = false;
   int ampipe_degree = 1;  // --ampipe-degree: sequence chunks of the attention-to-MoE region
   // --ampipe-tp-sp-comm-overlap: pipeline the split experts' tensor-parallel collectives over

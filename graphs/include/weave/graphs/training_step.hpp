@@ -104,6 +104,14 @@ class TrainingStep {
   int activation_sets(int rank) const;
   // When false, the graph skips the optimizer step (for gradient checks).
   void set_update_parameters(bool update);
+  // With --overlap-param-gather (and the distributed optimizer) a step opens with the
+  // all-gathers of the shards the previous step's update produced, each layer's forward waiting
+  // for its own, and ends after the update without gathering, as Megatron-LM's does: after a run
+  // a data-parallel replica holds up to date only the shards it updates. This graph is those
+  // gathers alone; run it before reading the parameters other than by running the step (saving,
+  // comparing, decoding), as Megatron-LM finishes its parameter gathers before saving and
+  // evaluating. Without the flag it is empty.
+  const rt::Graph& parameter_gather_graph() const;
 
  private:
   struct Impl;
