@@ -16,14 +16,21 @@ namespace weave::graphs {
 ops::RouterOptions router_options(const ModelConfig& m) {
   // MindSpeed's gate renormalises top-2's weights (after its drops; a lone decoded token drops
   // nothing) and leaves top-1's its probability.
-  const bool renormalize =
-      m.moe_gate == MoeGate::deepspeed ? m.moe_router_topk == 2 : m.moe_router_renormalize;
+  if (m.moe_gate == MoeGate::deepspeed)
+    return {.top_k = m.moe_router_topk,
+            .renormalize = m.moe_router_topk == 2,
+            .aux_loss_coeff = m.moe_aux_loss_coeff,
+            .z_loss_coeff = m.moe_z_loss_coeff};
+  // Megatron-Core divides sigmoid scores by the picks' sum whenever top-k > 1, pre-softmax or not.
+  const bool sigmoid = m.moe_router_score_function == "sigmoid";
   return {.top_k = m.moe_router_topk,
-          .renormalize = renormalize,
+          .score = sigmoid ? ops::RouterScore::sigmoid : ops::RouterScore::softmax,
+          .renormalize = sigmoid ? m.moe_router_topk > 1 : m.moe_router_renormalize,
           .aux_loss_coeff = m.moe_aux_loss_coeff,
           .z_loss_coeff = m.moe_z_loss_coeff,
-          .topk_scaling_factor =
-              m.moe_gate == MoeGate::deepspeed ? 1.0 : m.moe_router_topk_scaling_factor};
+          .topk_scaling_factor = m.moe_router_topk_scaling_factor,
+          .num_groups = m.moe_router_group_topk != 0 ? m.moe_router_num_groups : 0,
+          .group_topk = m.moe_router_group_topk};
 }
 
 namespace {
