@@ -293,6 +293,22 @@ void router_backward(const RouterOptions& o, const BasicTensor<T>& logits,
   }
 }
 
+void update_expert_bias(std::span<const float> loads, std::span<float> bias, double rate) {
+  if (loads.size() != bias.size() || loads.empty())
+    throw std::invalid_argument(
+        fmt::format("expert bias update: {} loads for {} biases; need one load per expert",
+                    loads.size(), bias.size()));
+  float total = 0;
+  for (float n : loads)
+    total += n;
+  const float mean = total / static_cast<float>(loads.size());
+  const auto step = static_cast<float>(rate);
+  for (std::size_t e = 0; e < bias.size(); ++e) {
+    const float offset = mean - loads[e];
+    bias[e] += static_cast<float>((offset > 0) - (offset < 0)) * step;
+  }
+}
+
 template RouterStatistics router_forward(const RouterOptions&, const BasicTensor<float>&,
                                          const BasicTensor<float>&, std::span<std::int32_t>,
                                          const BasicTensor<float>&);

@@ -107,6 +107,16 @@ TEST(RouterRouting, ExpertBiasChoosesButDoesNotWeigh) {
   EXPECT_EQ(r.stats.assignments, (std::vector<double>{0, 0, 1, 1}));
 }
 
+TEST(RouterRouting, ExpertBiasMovesTowardsTheMeanLoad) {
+  // Loads 10, 2, 6, 6: mean 6. Under the mean up, over it down, at it unchanged.
+  const std::vector<float> loads{10, 2, 6, 6};
+  std::vector<float> bias{0.f, 0.f, 0.5f, 0.f};
+  update_expert_bias(loads, bias, 1e-3);
+  EXPECT_EQ(bias, (std::vector<float>{-1e-3f, 1e-3f, 0.5f, 0.f}));
+  std::vector<float> short_bias(3);
+  EXPECT_THROW(update_expert_bias(loads, short_bias, 1e-3), std::invalid_argument);
+}
+
 TEST(RouterRouting, RulesAreRefusedWithTheirValues) {
   const std::vector<float> bias(4, 0.f);
   EXPECT_THROW(route({.top_k = 2, .expert_bias = bias}, {0, 1, 2, 3}), std::invalid_argument);

@@ -265,6 +265,23 @@ constexpr ConfigFlag kMoe[] = {
      .field = model_field<&M::moe_router_group_topk>(),
      .check = at_least(0),
      .description = added_to_checkpoints(described(model, "moe_router_group_topk", true))},
+    {.name = "--moe-router-enable-expert-bias",
+     .group = FlagGroup::moe,
+     .values = 0,
+     .help = "Megatron-Core's aux-loss-free load balancing (sigmoid scores only): a per-expert "
+             "bias added to the scores to choose the experts, not to weigh them, moved after "
+             "every step by --moe-router-bias-update-rate towards the mean load of the step's "
+             "tokens over every replica; saved in checkpoints",
+     .field = model_field<&M::moe_router_enable_expert_bias>(),
+     .description = added_to_checkpoints(described(model, "moe_router_enable_expert_bias", true))},
+    {.name = "--moe-router-bias-update-rate",
+     .group = FlagGroup::moe,
+     .help = "Megatron-Core's step of the expert bias: each step it grows by this for the "
+             "experts that took fewer picks than the mean and shrinks by it for those that took "
+             "more",
+     .field = model_field<&M::moe_router_bias_update_rate>(),
+     .description = described(model, "moe_router_bias_update_rate"),
+     .properties = kShowsDefault},
     {.name = "--moe-router-pre-softmax",
      .group = FlagGroup::moe,
      .values = 0,

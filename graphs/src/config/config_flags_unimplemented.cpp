@@ -233,13 +233,6 @@ constexpr ConfigFlag kRefused[] = {
     refused("--moe-use-sinkhorn", 0,
             "MindSpeed's gate then routes on Sinkhorn-balanced logits and back-propagates through "
             "the Sinkhorn iterations; weave's gate does not: drop it"),
-    refused("--moe-router-enable-expert-bias", 0,
-            "Megatron-Core's aux-loss-free expert bias is state the step would update from every "
-            "replica's loads after each step and checkpoints would keep; weave's step does not "
-            "yet: balance with --moe-aux-loss-coeff instead"),
-    refused("--moe-router-bias-update-rate", 1,
-            "it moves Megatron-Core's expert bias (--moe-router-enable-expert-bias), which weave "
-            "does not train yet: drop it"),
     refused("--noisy-gate-policy", 1, "weave's router adds no noise to its gate: drop it"),
     refused("--moe-input-jitter-eps", 1, "weave's router adds no jitter to its input: drop it"),
     refused("--moe-ffn-hidden-size", 1,

@@ -130,13 +130,21 @@ void check_moe_model(const ModelConfig& m, const ParallelPlan& p) {
            m.moe_expert_capacity_factor);
 }
 
-// Megatron-Core's sigmoid scores and group-limited routing: its rules
+// Megatron-Core's sigmoid scores, group-limited routing and expert bias: its rules
 // (TransformerConfig's checks), plus those its top-k calls would fail on.
 void check_router_routing(const ModelConfig& m) {
   const bool sigmoid = m.moe_router_score_function == "sigmoid";
   if (!sigmoid && m.moe_router_score_function != "softmax")
     refuse("--moe-router-score-function must be softmax or sigmoid, got '{}'",
            m.moe_router_score_function);
+  if (m.moe_router_enable_expert_bias && !sigmoid)
+    refuse(
+        "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
+        "(Megatron-Core's rule), got {}: add --moe-router-score-function sigmoid or drop the bias",
+        m.moe_router_score_function);
+  if (!(m.moe_router_bias_update_rate >= 0) || !std::isfinite(m.moe_router_bias_update_rate))
+    refuse("--moe-router-bias-update-rate must be a finite number >= 0, got {}",
+           m.moe_router_bias_update_rate);
   if (m.moe_router_num_groups < 0 || m.moe_router_group_topk < 0)
     refuse("--moe-router-num-groups ({}) and --moe-router-group-topk ({}) must be >= 0",
            m.moe_router_num_groups, m.moe_router_group_topk);
@@ -173,12 +181,12 @@ void check_router_routing(const ModelConfig& m) {
 void check_moe_gate(const ModelConfig& m, const ParallelPlan& p) {
   if (m.num_experts == 0) return;
   if (m.moe_gate == MoeGate::deepspeed &&
-      (m.moe_router_score_function != "softmax" || m.moe_router_group_topk != 0))
+      (m.moe_router_score_function != "softmax" || m.moe_router_group_topk != 0 ||
+       m.moe_router_enable_expert_bias))
     refuse(
-        "--moe-router-score-function {} and --moe-router-group-topk are Megatron-Core's router's; "
-        "MindSpeed's deepspeed_moe gate takes softmax top-k only: drop them or use "
-        "--moe-model-type "
-        "megatron",
+        "--moe-router-score-function {}, --moe-router-group-topk and "
+        "--moe-router-enable-expert-bias are Megatron-Core's router's; MindSpeed's deepspeed_moe "
+        "gate takes softmax top-k only: drop them or use --moe-model-type megatron",
         m.moe_router_score_function);
   if (m.moe_gate != MoeGate::deepspeed) {
     check_router_routing(m);

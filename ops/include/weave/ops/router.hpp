@@ -83,4 +83,9 @@ void router_backward(const RouterOptions& options, const BasicTensor<T>& logits,
                      const RouterStatistics& total, double loss_scale,
                      const BasicTensor<T>& dlogits);
 
+// Megatron-Core's update of the aux-loss-free expert bias from the loads (picks each expert kept,
+// summed over the step and the replicas): bias_e += rate x sign(mean load - load_e), in fp32 as
+// its get_updated_expert_bias; an expert at the mean keeps its bias.
+void update_expert_bias(std::span<const float> loads, std::span<float> bias, double rate);
+
 }  // namespace weave::ops
