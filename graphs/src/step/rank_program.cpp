@@ -188,8 +188,8 @@ void RankProgram::build() {
             std::fill(state.loss.begin(), state.loss.end(), 0.0);
             std::fill(state.aux.begin(), state.aux.end(), 0.0);
             state.routed_picks = state.dropped_picks = 0;
-            for (auto& [layer, loads] : state.expert_loads)
-              loads.fill(0.f);
+            for (auto& loads : state.expert_loads)
+              loads.second.fill(0.f);
           });
   build_pipeline(*this);
   reduce_deferred_buckets(*this);
