@@ -39,6 +39,9 @@ void build_expert_bias_update(RankProgram& P) {
     }
     const TaskId update =
         P.compute(at + "expert_bias_update", tags, cost::streamed(z, 3 * experts), [p, layer] {
+          // An evaluation's step (TrainingStep::set_update_parameters(false)) leaves the bias,
+          // as Megatron-Core updates it only when it trains.
+          if (!p->inputs.update) return;
           const auto e = static_cast<std::size_t>(p->shape.model.num_experts);
           ops::update_expert_bias({p->state.expert_loads.at(layer).data(), e},
                                   {p->moe_parameters(layer).router.expert_bias->value.data(), e},
