@@ -32,7 +32,9 @@ Biases biases_of(TrainingStep& step, const ParallelPlan& plan) {
     for (const ModelState& s : step.shard(r).states()) {
       const std::vector<float> v(s.value.data(), s.value.data() + s.value.numel());
       const auto [it, first] = out.emplace(s.name, v);
-      if (!first) EXPECT_EQ(it->second, v) << s.name << " differs on rank " << r;
+      if (!first) {
+        EXPECT_EQ(it->second, v) << s.name << " differs on rank " << r;
+      }
     }
   return out;
 }
@@ -42,7 +44,7 @@ struct BiasedRun {
   std::vector<Biases> biases;  // after each step
 };
 
-BiasedRun train(const ModelConfig& m, const ParallelPlan& plan, int steps) {
+BiasedRun train(const ModelConfig& m, ParallelPlan plan, int steps) {
   validate(m, plan);
   devices::DeviceSet set(plan.devices(), {.pin = false});
   devices::SharedMemoryCommunicator comm;
@@ -74,27 +76,32 @@ TEST(ExpertBias, MovesTowardsTheMeanLoadAlikeOnEveryRankAsOnOneDevice) {
     ASSERT_EQ(a.biases[s].size(), 1u);  // one MoE layer of two
     for (const auto& [name, want] : a.biases[s]) {
       const std::vector<float>& got = b.biases[s].at(name);
-      int above = 0, below = 0;
+      int up = 0, down = 0;
       for (std::size_t e = 0; e < want.size(); ++e) {
         EXPECT_NEAR(got[e], want[e], 1e-7) << name << " expert " << e << " step " << s + 1;
         // Each step moves each expert's bias by -rate, 0 or +rate.
-        const double steps = want[e] / rate;
-        EXPECT_NEAR(steps, std::round(steps), 1e-4);
-        EXPECT_LE(std::abs(steps), s + 1.0 + 1e-4);
-        above += want[e] > 0;
-        below += want[e] < 0;
+        const double before = s == 0 ? 0.0 : a.biases[s - 1].at(name)[e];
+        const double moved = (want[e] - before) / rate;
+        EXPECT_TRUE(std::abs(moved) < 1e-4 || std::abs(std::abs(moved) - 1) < 1e-4)
+            << name << " expert " << e << " step " << s + 1 << " moved " << moved << " x rate";
+        up += moved > 0.5;
+        down += moved < -0.5;
       }
-      // 4 x 16 tokens x 2 picks over 8 experts: some experts are under the mean, some over.
-      EXPECT_GT(above, 0);
-      EXPECT_GT(below, 0);
+      // 4 x 16 tokens x 2 picks over 8 experts: some experts under the mean, some over.
+      EXPECT_GT(up, 0) << "step " << s + 1;
+      EXPECT_GT(down, 0) << "step " << s + 1;
     }
   }
   EXPECT_NE(a.biases[1], a.biases[0]);
+  // The moved bias steers the routing: the third step differs from one with a still bias.
+  ModelConfig still = m;
+  still.moe_router_bias_update_rate = 0;
+  EXPECT_NE(train(still, serial, 3).losses[2], a.losses[2]);
 }
 
 TEST(ExpertBias, CheckpointKeepsIt) {
   const ModelConfig m = biased_model();
-  const ParallelPlan plan{
+  ParallelPlan plan{
       .expert_parallel = 2, .data_parallel = 2, .micro_batch_size = 1, .global_batch_size = 2};
   validate(m, plan);
   TempDir dir("expert_bias");
