@@ -32,10 +32,8 @@ void check_router(const RouterOptions& o, const BasicTensor<T>& logits, const Ba
         "router expert bias needs sigmoid scores, as Megatron-Core's: route with sigmoid scores "
         "or without the bias");
   if (!o.expert_bias.empty() && static_cast<std::int64_t>(o.expert_bias.size()) != e)
-    throw std::invalid_argument(
-        fmt::format("router expert bias holds {} values, need one per "
-                    "expert ({})",
-                    o.expert_bias.size(), e));
+    throw std::invalid_argument(fmt::format(
+        "router expert bias holds {} values, need one per expert ({})", o.expert_bias.size(), e));
   if (o.group_topk != 0) {
     const std::int64_t g = o.num_groups;
     if (g < 1 || e % g != 0 || o.group_topk < 1 || o.group_topk > g)
