@@ -99,6 +99,25 @@ TEST(ExpertBias, MovesTowardsTheMeanLoadAlikeOnEveryRankAsOnOneDevice) {
   EXPECT_NE(train(still, serial, 3).losses[2], a.losses[2]);
 }
 
+TEST(ExpertBias, AStepThatDoesNotUpdateLeavesIt) {
+  // An evaluation's step (no update) leaves the bias, as Megatron-Core moves it only in training.
+  const ModelConfig m = biased_model();
+  ParallelPlan plan{.micro_batch_size = 1, .global_batch_size = 2};
+  validate(m, plan);
+  devices::DeviceSet set(1, {.pin = false});
+  devices::SharedMemoryCommunicator comm;
+  TrainingStep step(m, plan, {}, set, comm);
+  const Biases zero = biases_of(step, plan);
+  fill_batches(step, m, plan);
+  step.prepare(1, 1e-2);
+  step.set_update_parameters(false);
+  set.executor().run(step.graph());
+  EXPECT_EQ(biases_of(step, plan), zero);
+  step.set_update_parameters(true);
+  set.executor().run(step.graph());
+  EXPECT_NE(biases_of(step, plan), zero);
+}
+
 TEST(ExpertBias, CheckpointKeepsIt) {
   const ModelConfig m = biased_model();
   ParallelPlan plan{
