@@ -94,6 +94,9 @@ TEST(ParallelPlan, EverySizeRuleIsRefusedWithItsNumbers) {
   ModelConfig score = m;
   score.moe_router_score_function = "sqrtsoftplus";
   EXPECT_TRUE(mentions(refusal(score, {}), "softmax or sigmoid, got 'sqrtsoftplus'"));
+  ModelConfig dtype = m;
+  dtype.moe_router_dtype = "fp64";
+  EXPECT_TRUE(mentions(refusal(dtype, {}), "--moe-router-dtype fp64: weave's router computes"));
   ModelConfig bias = m;
   bias.moe_router_enable_expert_bias = true;
   EXPECT_TRUE(mentions(refusal(bias, {}),

@@ -282,6 +282,13 @@ constexpr ConfigFlag kMoe[] = {
      .field = model_field<&M::moe_router_bias_update_rate>(),
      .description = described(model, "moe_router_bias_update_rate"),
      .properties = kShowsDefault},
+    {.name = "--moe-router-dtype",
+     .group = FlagGroup::moe,
+     .help = "Megatron-Core's precision of the router's scores and of the weighted sum of the "
+             "experts' outputs: weave computes both in fp32, so fp32 (fp64 is refused)",
+     .field = model_field<&M::moe_router_dtype>(),
+     .check = one_of("fp32,fp64"),
+     .properties = kShowsDefault},
     {.name = "--moe-router-pre-softmax",
      .group = FlagGroup::moe,
      .values = 0,

@@ -180,6 +180,11 @@ void check_router_routing(const ModelConfig& m) {
 // The DeepSpeed-style gate's settings (MindSpeed's deepspeed_moe), and Megatron's router's.
 void check_moe_gate(const ModelConfig& m, const ParallelPlan& p) {
   if (m.num_experts == 0) return;
+  if (m.moe_router_dtype != "fp32")
+    refuse(
+        "--moe-router-dtype {}: weave's router computes its scores and weighs the experts' outputs "
+        "in fp32 only: give fp32 or drop the flag",
+        m.moe_router_dtype);
   if (m.moe_gate == MoeGate::deepspeed &&
       (m.moe_router_score_function != "softmax" || m.moe_router_group_topk != 0 ||
        m.moe_router_enable_expert_bias))

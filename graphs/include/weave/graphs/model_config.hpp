@@ -143,6 +143,9 @@ struct ModelConfig {
   int moe_router_group_topk = 0;
   bool moe_router_enable_expert_bias = false;
   double moe_router_bias_update_rate = 1e-3;
+  // --moe-router-dtype: Megatron-Core's precision of the routing; weave routes in fp32 (MoE layers
+  // train in fp32), so fp32 only.
+  std::string moe_router_dtype = "fp32";
   // --moe-model-type deepspeed_moe on the command line routes by MindSpeed's gate; the embedding
   // API chooses the gate here and the experts' layout in ParallelPlan::moe_model_type.
   MoeGate moe_gate = MoeGate::megatron;
