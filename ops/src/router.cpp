@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <numeric>
 #include <stdexcept>
@@ -26,6 +27,26 @@ void check_router(const RouterOptions& o, const BasicTensor<T>& logits, const Ba
   if (o.top_k < 1 || o.top_k > e)
     throw std::invalid_argument(fmt::format(
         "router top-k must be between 1 and the number of experts ({}), got {}", e, o.top_k));
+  if (!o.expert_bias.empty() && o.score != RouterScore::sigmoid)
+    throw std::invalid_argument(
+        "router expert bias needs sigmoid scores, as Megatron-Core's: route with sigmoid scores "
+        "or without the bias");
+  if (!o.expert_bias.empty() && static_cast<std::int64_t>(o.expert_bias.size()) != e)
+    throw std::invalid_argument(fmt::format(
+        "router expert bias holds {} values, need one per expert ({})", o.expert_bias.size(), e));
+  if (o.group_topk != 0) {
+    const std::int64_t g = o.num_groups;
+    if (g < 1 || e % g != 0 || o.group_topk < 1 || o.group_topk > g)
+      throw std::invalid_argument(fmt::format(
+          "router groups: {} experts in {} groups choosing {}; the groups must divide the "
+          "experts and the chosen groups be between 1 and the groups",
+          e, g, o.group_topk));
+    if (o.group_topk > o.top_k || o.top_k > o.group_topk * (e / g))
+      throw std::invalid_argument(fmt::format(
+          "router groups: top-{} from {} groups of {} experts needs a group top-k between 1 and "
+          "top-k whose groups hold at least top-k experts",
+          o.top_k, o.group_topk, e / g));
+  }
   check_rows("router probabilities", probs);
   check_shape("router probabilities", probs.shape(), logits.shape());
   check_rows("router top-k weights", weight);
@@ -62,14 +83,58 @@ RouterStatistics& RouterStatistics::operator+=(const RouterStatistics& other) {
   return *this;
 }
 
+namespace {
+
+// Megatron-Core adds this to the sum of the chosen sigmoid scores before dividing by it.
+constexpr double kSigmoidSumEpsilon = 1e-20;
+
+// The k experts of the largest keys among those with eligible[j] (all when empty), largest
+// first, ties to the lower index, into order[0, k).
+template <typename T>
+void top_experts(const std::vector<T>& key, const std::vector<char>& eligible, std::int64_t k,
+                 std::vector<std::int32_t>& order) {
+  order.clear();
+  for (std::int32_t j = 0; j < static_cast<std::int32_t>(key.size()); ++j)
+    if (eligible.empty() || eligible[j]) order.push_back(j);
+  std::partial_sort(order.begin(), order.begin() + k, order.end(),
+                    [&key](std::int32_t a, std::int32_t b) {
+                      return key[a] > key[b] || (key[a] == key[b] && a < b);
+                    });
+}
+
+// Megatron-Core's group-limited choice: eligible[j] set for the experts of the group_topk groups
+// whose top (top_k / group_topk) keys sum highest (ties to the lower group).
+template <typename T>
+void eligible_groups(const RouterOptions& o, const std::vector<T>& key, std::vector<char>& eligible,
+                     std::vector<T>& group_score, std::vector<T>& scratch) {
+  const std::int64_t e = static_cast<std::int64_t>(key.size()), g = o.num_groups, size = e / g;
+  const std::int64_t best = o.top_k / o.group_topk;
+  for (std::int64_t q = 0; q < g; ++q) {
+    scratch.assign(key.begin() + q * size, key.begin() + (q + 1) * size);
+    std::partial_sort(scratch.begin(), scratch.begin() + best, scratch.end(), std::greater<T>());
+    group_score[q] = std::accumulate(scratch.begin(), scratch.begin() + best, T{0});
+  }
+  std::vector<std::int32_t> groups;
+  top_experts(group_score, {}, o.group_topk, groups);
+  eligible.assign(static_cast<std::size_t>(e), 0);
+  for (std::int64_t r = 0; r < o.group_topk; ++r)
+    std::fill_n(eligible.begin() + groups[r] * size, size, char{1});
+}
+
+}  // namespace
+
 template <typename T>
 RouterStatistics router_forward(const RouterOptions& o, const BasicTensor<T>& logits,
                                 const BasicTensor<T>& probs, std::span<std::int32_t> topk_index,
                                 const BasicTensor<T>& topk_weight) {
   check_router(o, logits, probs, topk_index.size(), topk_weight);
   const std::int64_t t = logits.dim(0), e = logits.dim(1), k = o.top_k;
+  const bool sigmoid = o.score == RouterScore::sigmoid;
+  const bool grouped = o.group_topk != 0, biased = !o.expert_bias.empty();
   RouterStatistics stats{t, std::vector<double>(e, 0.0), std::vector<double>(e, 0.0), 0.0};
-  std::vector<std::int32_t> order(static_cast<std::size_t>(e));
+  std::vector<std::int32_t> order, plain;
+  std::vector<T> key(static_cast<std::size_t>(e)), group_key, group_score(o.num_groups), scratch;
+  std::vector<char> eligible;
   for (std::int64_t i = 0; i < t; ++i) {
     const T* x = logits.row(i);
     T* p = probs.row(i);
@@ -79,24 +144,50 @@ RouterStatistics router_forward(const RouterOptions& o, const BasicTensor<T>& lo
       sum += (p[j] = std::exp(x[j] - m));
     const double lse = static_cast<double>(m) + std::log(sum);
     stats.squared_lse += lse * lse;
-    for (std::int64_t j = 0; j < e; ++j) {
-      p[j] = static_cast<T>(p[j] / sum);
-      stats.probability[j] += p[j];
+    if (sigmoid) {
+      double score_sum = 0;
+      for (std::int64_t j = 0; j < e; ++j)
+        score_sum += (p[j] = static_cast<T>(1 / (1 + std::exp(-static_cast<double>(x[j])))));
+      for (std::int64_t j = 0; j < e; ++j)
+        stats.probability[j] += p[j] / (score_sum + kSigmoidSumEpsilon);
+    } else {
+      for (std::int64_t j = 0; j < e; ++j) {
+        p[j] = static_cast<T>(p[j] / sum);
+        stats.probability[j] += p[j];
+      }
     }
-    std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(
-        order.begin(), order.begin() + k, order.end(),
-        [p](std::int32_t a, std::int32_t b) { return p[a] > p[b] || (p[a] == p[b] && a < b); });
+    // The routing scores: the scores plus the bias. Megatron-Core's softmax routing without
+    // pre-softmax takes the top-k of the logits (the same order as the probabilities') and so
+    // also scores the groups by the logits.
+    for (std::int64_t j = 0; j < e; ++j)
+      key[j] = biased ? static_cast<T>(p[j] + o.expert_bias[j]) : p[j];
+    if (grouped) {
+      if (!sigmoid && o.renormalize) {
+        group_key.assign(x, x + e);
+        eligible_groups(o, group_key, eligible, group_score, scratch);
+      } else {
+        eligible_groups(o, key, eligible, group_score, scratch);
+      }
+    }
+    top_experts(key, eligible, k, order);
+    if (grouped || biased) {
+      // The load-balancing loss counts the plain top-k of the scores.
+      key.assign(p, p + e);
+      top_experts(key, {}, k, plain);
+    }
+    const std::vector<std::int32_t>& counted = grouped || biased ? plain : order;
     T* w = topk_weight.row(i);
     T chosen = 0;
     for (std::int64_t s = 0; s < k; ++s) {
       topk_index[i * k + s] = order[s];
-      stats.assignments[order[s]] += 1;
+      stats.assignments[counted[s]] += 1;
       chosen += (w[s] = p[order[s]]);
     }
-    if (o.renormalize)
+    if (o.renormalize) {
+      const T divisor = sigmoid ? static_cast<T>(chosen + kSigmoidSumEpsilon) : chosen;
       for (std::int64_t s = 0; s < k; ++s)
-        w[s] /= chosen;
+        w[s] /= divisor;
+    }
     if (o.topk_scaling_factor != 1)
       for (std::int64_t s = 0; s < k; ++s)
         w[s] = static_cast<T>(w[s] * o.topk_scaling_factor);
@@ -131,6 +222,7 @@ void router_backward(const RouterOptions& o, const BasicTensor<T>& logits,
   check_rows("router logits gradient", dlogits);
   check_shape("router logits gradient", dlogits.shape(), logits.shape());
   const std::int64_t t = logits.dim(0), e = logits.dim(1), k = o.top_k;
+  const bool sigmoid = o.score == RouterScore::sigmoid;
   check_total(total, e);
   const double tokens = static_cast<double>(total.tokens);
   // d aux / d p[i, j] = coeff E f_j / tokens, the same for every token.
@@ -151,10 +243,21 @@ void router_backward(const RouterOptions& o, const BasicTensor<T>& logits,
     }
     const T* w = unscaled.data();
     const T* dw = d_unscaled.data();
-    std::copy(aux_grad.begin(), aux_grad.end(), dp.begin());
+    if (sigmoid) {
+      // The loss takes q_j = p_j / S, S = sum_j p_j + 1e-20: dp_j = a_j / S - sum_r a_r p_r / S^2.
+      T score_sum = static_cast<T>(kSigmoidSumEpsilon), weighted = 0;
+      for (std::int64_t j = 0; j < e; ++j) {
+        score_sum += p[j];
+        weighted += aux_grad[j] * p[j];
+      }
+      for (std::int64_t j = 0; j < e; ++j)
+        dp[j] = aux_grad[j] / score_sum - weighted / (score_sum * score_sum);
+    } else {
+      std::copy(aux_grad.begin(), aux_grad.end(), dp.begin());
+    }
     if (o.renormalize) {
       // w_s = p_s / sum(p_chosen): dp_s = (dw_s - sum_r dw_r w_r) / sum(p_chosen).
-      T chosen = 0, dot = 0;
+      T chosen = sigmoid ? static_cast<T>(kSigmoidSumEpsilon) : T{0}, dot = 0;
       for (std::int64_t s = 0; s < k; ++s) {
         chosen += p[topk_index[i * k + s]];
         dot += dw[s] * w[s];
@@ -165,19 +268,42 @@ void router_backward(const RouterOptions& o, const BasicTensor<T>& logits,
       for (std::int64_t s = 0; s < k; ++s)
         dp[topk_index[i * k + s]] += dw[s];
     }
-    // Softmax backward, plus the z-loss: d lse^2 / d logit_j = 2 lse p_j.
+    // Softmax backward, plus the z-loss: d lse^2 / d logit_j = 2 lse softmax_j.
     const T* x = logits.row(i);
     const T m = *std::max_element(x, x + e);
     double sum = 0;
     for (std::int64_t j = 0; j < e; ++j)
       sum += std::exp(static_cast<double>(x[j] - m));
     const T lse = static_cast<T>(static_cast<double>(m) + std::log(sum));
-    T inner = 0;
-    for (std::int64_t j = 0; j < e; ++j)
-      inner += dp[j] * p[j];
     T* g = dlogits.row(i);
-    for (std::int64_t j = 0; j < e; ++j)
-      g[j] = p[j] * (dp[j] - inner) + z_scale * lse * p[j];
+    if (sigmoid) {
+      // d sigmoid_j / d logit_j = p_j (1 - p_j).
+      for (std::int64_t j = 0; j < e; ++j)
+        g[j] = dp[j] * p[j] * (1 - p[j]) +
+               z_scale * lse * static_cast<T>(std::exp(static_cast<double>(x[j]) - lse));
+    } else {
+      T inner = 0;
+      for (std::int64_t j = 0; j < e; ++j)
+        inner += dp[j] * p[j];
+      for (std::int64_t j = 0; j < e; ++j)
+        g[j] = p[j] * (dp[j] - inner) + z_scale * lse * p[j];
+    }
+  }
+}
+
+void update_expert_bias(std::span<const float> loads, std::span<float> bias, double rate) {
+  if (loads.size() != bias.size() || loads.empty())
+    throw std::invalid_argument(
+        fmt::format("expert bias update: {} loads for {} biases; need one load per expert",
+                    loads.size(), bias.size()));
+  float total = 0;
+  for (float n : loads)
+    total += n;
+  const float mean = total / static_cast<float>(loads.size());
+  const auto step = static_cast<float>(rate);
+  for (std::size_t e = 0; e < bias.size(); ++e) {
+    const float offset = mean - loads[e];
+    bias[e] += static_cast<float>((offset > 0) - (offset < 0)) * step;
   }
 }
 

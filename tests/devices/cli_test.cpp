@@ -428,7 +428,7 @@ TEST(CliFlags, FlagsWithoutEffectAreNamedOnceInOneLine) {
 TEST(CliFlags, EveryUnknownAndRefusedFlagIsReportedAtOnceWithCloseSuggestionsOnly) {
   const Result r =
       weave(fmt::format("train {} --mock-data --num-layer 3 --fp16 --lr-warmup-fraction 0.01 "
-                        "--moe-router-dtype fp32 --expert-tensr-parallel-size 2 --frobnicate",
+                        "--moe-router-fusion --expert-tensr-parallel-size 2 --frobnicate",
                         kTinyModel));
   EXPECT_NE(r.status, 0);
   EXPECT_TRUE(has(r.out, "6 flags of `weave train`")) << r.out;
@@ -440,7 +440,7 @@ TEST(CliFlags, EveryUnknownAndRefusedFlagIsReportedAtOnceWithCloseSuggestionsOnl
   EXPECT_TRUE(has(r.out, "--fp16 is refused: weave trains in fp32 or bf16")) << r.out;
   EXPECT_TRUE(has(r.out, "--lr-warmup-fraction is refused")) << r.out;
   // Not a typo of anything: no misleading guess.
-  EXPECT_TRUE(has(r.out, "unknown flag '--moe-router-dtype'\n")) << r.out;
+  EXPECT_TRUE(has(r.out, "unknown flag '--moe-router-fusion'\n")) << r.out;
   EXPECT_TRUE(has(r.out, "unknown flag '--frobnicate'")) << r.out;
   EXPECT_FALSE(has(r.out, "weave train: ")) << r.out;  // the run's first line
 }

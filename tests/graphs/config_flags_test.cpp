@@ -104,6 +104,10 @@ TEST(ConfigFlags, TheCheckpointsDescriptionKeepsItsKeys) {
                                           "untie_embeddings_and_output_weights",
                                           "add_bias_linear",
                                           "moe_router_topk",
+                                          "moe_router_score_function",
+                                          "moe_router_num_groups",
+                                          "moe_router_group_topk",
+                                          "moe_router_enable_expert_bias",
                                           "norm_epsilon",
                                           "tokenizer_type",
                                           "vocab_file",
@@ -124,13 +128,27 @@ TEST(ConfigFlags, CheckpointsSavedEarlierLackTheKeysAddedSince) {
       EXPECT_TRUE(f.description.checkpointed) << f.name;
       later.insert(std::string(f.description.key));
     }
-  EXPECT_EQ(later,
-            (std::set<std::string>{
-                "position_embedding_type", "rotary_percent", "rotary_base", "normalization",
-                "num_query_groups", "qk_layernorm", "untie_embeddings_and_output_weights",
-                "add_bias_linear", "moe_router_topk", "moe_ffn_hidden_size", "norm_epsilon",
-                "virtual_pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
-                "decoder_last_pipeline_num_layers", "tokenizer_type", "vocab_file", "merge_file"}));
+  EXPECT_EQ(later, (std::set<std::string>{"position_embedding_type",
+                                          "rotary_percent",
+                                          "rotary_base",
+                                          "normalization",
+                                          "num_query_groups",
+                                          "qk_layernorm",
+                                          "untie_embeddings_and_output_weights",
+                                          "add_bias_linear",
+                                          "moe_router_topk",
+                                          "moe_ffn_hidden_size",
+                                          "norm_epsilon",
+                                          "virtual_pipeline_model_parallel_size",
+                                          "decoder_first_pipeline_num_layers",
+                                          "decoder_last_pipeline_num_layers",
+                                          "tokenizer_type",
+                                          "vocab_file",
+                                          "merge_file",
+                                          "moe_router_score_function",
+                                          "moe_router_num_groups",
+                                          "moe_router_group_topk",
+                                          "moe_router_enable_expert_bias"}));
 }
 
 TEST(ConfigFlags, DescriptionsHoldTheValuesTheRunUses) {

@@ -82,6 +82,37 @@ TEST(ParallelPlan, EverySizeRuleIsRefusedWithItsNumbers) {
   ModelConfig topk = m;
   topk.moe_router_topk = 5;
   EXPECT_TRUE(mentions(refusal(topk, {}), "--moe-router-topk (5)"));
+  // Megatron-Core's group-limited routing rules, each naming its values (m has 4 experts, top-2).
+  ModelConfig groups = m;
+  groups.moe_router_group_topk = 1;
+  EXPECT_TRUE(mentions(refusal(groups, {}), "needs --moe-router-num-groups"));
+  groups.moe_router_num_groups = 3;
+  EXPECT_TRUE(mentions(refusal(groups, {}),
+                       "--num-experts (4) must be divisible by --moe-router-num-groups (3)"));
+  groups.moe_router_num_groups = 2;
+  EXPECT_EQ(refusal(groups, {}), "accepted");
+  groups.moe_router_group_topk = 3;
+  EXPECT_TRUE(mentions(refusal(groups, {}),
+                       "--moe-router-group-topk (3) must be at most "
+                       "--moe-router-num-groups (2)"));
+  groups.moe_router_num_groups = 4;
+  EXPECT_TRUE(mentions(refusal(groups, {}),
+                       "--moe-router-group-topk (3) must be at most --moe-router-topk (2)"));
+  groups.moe_router_group_topk = 1;
+  EXPECT_TRUE(mentions(refusal(groups, {}), "--moe-router-topk (2) needs at least"));
+  ModelConfig score = m;
+  score.moe_router_score_function = "sqrtsoftplus";
+  EXPECT_TRUE(mentions(refusal(score, {}), "softmax or sigmoid, got 'sqrtsoftplus'"));
+  ModelConfig dtype = m;
+  dtype.moe_router_dtype = "fp64";
+  EXPECT_TRUE(mentions(refusal(dtype, {}), "--moe-router-dtype fp64: weave's router computes"));
+  ModelConfig bias = m;
+  bias.moe_router_enable_expert_bias = true;
+  EXPECT_TRUE(mentions(refusal(bias, {}),
+                       "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
+                       "(Megatron-Core's rule), got softmax"));
+  bias.moe_router_score_function = "sigmoid";
+  EXPECT_EQ(refusal(bias, {}), "accepted");
   EXPECT_TRUE(
       mentions(refusal(m, {.data_parallel = 2, .micro_batch_size = 2, .global_batch_size = 6}),
                "--global-batch-size (6) must be divisible by --micro-batch-size x "

@@ -275,6 +275,55 @@ constexpr ConfigFlag kMoe[] = {
      .field = model_field<&M::moe_router_topk_scaling_factor>(),
      .description = described(model, "moe_router_topk_scaling_factor"),
      .properties = kShowsDefault},
+    {.name = "--moe-router-score-function",
+     .group = FlagGroup::moe,
+     .help = "Megatron-Core's router scores: softmax over the experts, or each expert's sigmoid "
+             "(DeepSeek-V3's), divided by the picks' sum when top-k > 1 (--moe-router-pre-softmax "
+             "then has no effect), and by the sum over every expert for the load-balancing loss. "
+             "MindSpeed's deepspeed_moe gate takes softmax only",
+     .field = model_field<&M::moe_router_score_function>(),
+     .check = one_of("softmax,sigmoid"),
+     .description = added_to_checkpoints(described(model, "moe_router_score_function", true)),
+     .properties = kShowsDefault},
+    {.name = "--moe-router-num-groups",
+     .group = FlagGroup::moe,
+     .help = "Megatron-Core's group-limited routing: the experts in this many equal groups of "
+             "consecutive experts (e.g. the expert-parallel size: device-limited routing); no "
+             "effect without --moe-router-group-topk, as in Megatron-Core",
+     .field = model_field<&M::moe_router_num_groups>(),
+     .check = at_least(0),
+     .description = added_to_checkpoints(described(model, "moe_router_num_groups", true))},
+    {.name = "--moe-router-group-topk",
+     .group = FlagGroup::moe,
+     .help = "Megatron-Core's group-limited routing: each token picks its experts from this many "
+             "groups, those whose top (top-k / group-topk) routing scores sum highest",
+     .field = model_field<&M::moe_router_group_topk>(),
+     .check = at_least(0),
+     .description = added_to_checkpoints(described(model, "moe_router_group_topk", true))},
+    {.name = "--moe-router-enable-expert-bias",
+     .group = FlagGroup::moe,
+     .values = 0,
+     .help = "Megatron-Core's aux-loss-free load balancing (sigmoid scores only): a per-expert "
+             "bias added to the scores to choose the experts, not to weigh them, moved after "
+             "every step by --moe-router-bias-update-rate towards the mean load of the step's "
+             "tokens over every replica; saved in checkpoints",
+     .field = model_field<&M::moe_router_enable_expert_bias>(),
+     .description = added_to_checkpoints(described(model, "moe_router_enable_expert_bias", true))},
+    {.name = "--moe-router-bias-update-rate",
+     .group = FlagGroup::moe,
+     .help = "Megatron-Core's step of the expert bias: each step it grows by this for the "
+             "experts that took fewer picks than the mean and shrinks by it for those that took "
+             "more",
+     .field = model_field<&M::moe_router_bias_update_rate>(),
+     .description = described(model, "moe_router_bias_update_rate"),
+     .properties = kShowsDefault},
+    {.name = "--moe-router-dtype",
+     .group = FlagGroup::moe,
+     .help = "Megatron-Core's precision of the router's scores and of the weighted sum of the "
+             "experts' outputs: weave computes both in fp32, so fp32 (fp64 is refused)",
+     .field = model_field<&M::moe_router_dtype>(),
+     .check = one_of("fp32,fp64"),
+     .properties = kShowsDefault},
     {.name = "--moe-router-pre-softmax",
      .group = FlagGroup::moe,
      .values = 0,

@@ -156,10 +156,71 @@ void check_moe_model(const ModelConfig& m, const ParallelPlan& p) {
            m.moe_expert_capacity_factor);
 }
 
+// Megatron-Core's sigmoid scores, group-limited routing and expert bias: its rules
+// (TransformerConfig's checks), plus those its top-k calls would fail on.
+void check_router_routing(const ModelConfig& m) {
+  const bool sigmoid = m.moe_router_score_function == "sigmoid";
+  if (!sigmoid && m.moe_router_score_function != "softmax")
+    refuse("--moe-router-score-function must be softmax or sigmoid, got '{}'",
+           m.moe_router_score_function);
+  if (m.moe_router_enable_expert_bias && !sigmoid)
+    refuse(
+        "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
+        "(Megatron-Core's rule), got {}: add --moe-router-score-function sigmoid or drop the bias",
+        m.moe_router_score_function);
+  if (!(m.moe_router_bias_update_rate >= 0) || !std::isfinite(m.moe_router_bias_update_rate))
+    refuse("--moe-router-bias-update-rate must be a finite number >= 0, got {}",
+           m.moe_router_bias_update_rate);
+  if (m.moe_router_num_groups < 0 || m.moe_router_group_topk < 0)
+    refuse("--moe-router-num-groups ({}) and --moe-router-group-topk ({}) must be >= 0",
+           m.moe_router_num_groups, m.moe_router_group_topk);
+  if (m.moe_router_group_topk == 0) return;
+  const int groups = m.moe_router_num_groups;
+  if (groups == 0)
+    refuse(
+        "--moe-router-group-topk ({}) needs --moe-router-num-groups (Megatron-Core's rule): give "
+        "the number of expert groups, e.g. the expert-parallel size",
+        m.moe_router_group_topk);
+  if (m.num_experts % groups != 0)
+    refuse(
+        "--num-experts ({}) must be divisible by --moe-router-num-groups ({}) (Megatron-Core's "
+        "rule): choose a number of groups that divides the experts",
+        m.num_experts, groups);
+  if (m.moe_router_group_topk > groups)
+    refuse(
+        "--moe-router-group-topk ({}) must be at most --moe-router-num-groups ({}) "
+        "(Megatron-Core's rule)",
+        m.moe_router_group_topk, groups);
+  if (m.moe_router_group_topk > m.moe_router_topk)
+    refuse(
+        "--moe-router-group-topk ({}) must be at most --moe-router-topk ({}): each chosen group is "
+        "scored by its top (topk / group-topk) experts, none when group-topk exceeds topk",
+        m.moe_router_group_topk, m.moe_router_topk);
+  if (m.moe_router_topk > m.moe_router_group_topk * (m.num_experts / groups))
+    refuse(
+        "--moe-router-topk ({}) needs at least that many experts in the {} chosen groups of {} "
+        "experts: raise --moe-router-group-topk or lower --moe-router-topk",
+        m.moe_router_topk, m.moe_router_group_topk, m.num_experts / groups);
+}
+
 // The DeepSpeed-style gate's settings (MindSpeed's deepspeed_moe), and Megatron's router's.
 void check_moe_gate(const ModelConfig& m, const ParallelPlan& p) {
   if (m.num_experts == 0) return;
+  if (m.moe_router_dtype != "fp32")
+    refuse(
+        "--moe-router-dtype {}: weave's router computes its scores and weighs the experts' outputs "
+        "in fp32 only: give fp32 or drop the flag",
+        m.moe_router_dtype);
+  if (m.moe_gate == MoeGate::deepspeed &&
+      (m.moe_router_score_function != "softmax" || m.moe_router_group_topk != 0 ||
+       m.moe_router_enable_expert_bias))
+    refuse(
+        "--moe-router-score-function {}, --moe-router-group-topk and "
+        "--moe-router-enable-expert-bias are Megatron-Core's router's; MindSpeed's deepspeed_moe "
+        "gate takes softmax top-k only: drop them or use --moe-model-type megatron",
+        m.moe_router_score_function);
   if (m.moe_gate != MoeGate::deepspeed) {
+    check_router_routing(m);
     if (m.moe_no_drop || m.moe_train_capacity_factor != 1.0)
       refuse(
           "--moe-no-drop and --moe-train-capacity-factor ({}) set MindSpeed's deepspeed_moe gate: "

@@ -80,6 +80,15 @@ Parameter& ModelShard::add(std::string name, const ops::Shape& local, std::int64
   return p;
 }
 
+ModelState& ModelShard::add_state(std::string name, const ops::Shape& local) {
+  if (!holding_) {
+    skipped_state_ = ModelState{};
+    return skipped_state_;
+  }
+  return states_.emplace_back(ModelState{
+      std::move(name), materialize_ ? ops::Tensor::zeros(local) : ops::Tensor::shape_only(local)});
+}
+
 ParameterDeclarer::ParameterDeclarer(ModelShard& shard, const ModelConfig& m, const Mesh& mesh,
                                      int rank)
     : model(m),
@@ -108,6 +117,10 @@ Parameter& ParameterDeclarer::add(const std::string& name, const ops::Shape& loc
                                   double constant) {
   return shard_.add(name, local, logical_rows, logical_cols, std::move(row_map), col_offset,
                     init_std, constant);
+}
+
+ModelState& ParameterDeclarer::state(const std::string& name, const ops::Shape& local) {
+  return shard_.add_state(name, local);
 }
 
 Parameter& ParameterDeclarer::replicated(Parameter& p, bool sees_split_tokens) const {

@@ -39,6 +39,9 @@ class ParameterDeclarer {
   Parameter& add(const std::string& name, const ops::Shape& local, std::int64_t logical_rows,
                  std::int64_t logical_cols, RowMap row_map, std::int64_t col_offset,
                  double init_std, double constant);
+  // A state tensor of local shape `local`, zero at the start, that checkpoints keep and the
+  // optimizer leaves (ModelState).
+  ModelState& state(const std::string& name, const ops::Shape& local);
   // `p` is the same on every tensor-parallel rank; `sees_split_tokens`: each tp rank computed its
   // gradient from other tokens or heads, so the gradients are summed over tp.
   Parameter& replicated(Parameter& p, bool sees_split_tokens) const;

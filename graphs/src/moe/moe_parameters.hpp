@@ -9,6 +9,8 @@ namespace weave::graphs {
 
 struct MoeRouterParameters {
   Parameter* weight = nullptr;  // [experts, h], replicated
+  // --moe-router-enable-expert-bias: [experts], the same on every rank; null without it.
+  ModelState* expert_bias = nullptr;
 };
 
 struct MoeExpertsParameters {

@@ -4,6 +4,7 @@
 // the backward of all of it. Decoding routes its token through the same route_tokens.
 #include <cmath>
 
+#include "moe/moe_expert_bias.hpp"
 #include "moe/moe_mlp.hpp"
 #include "moe/moe_router.hpp"
 #include "step/step_costs.hpp"
@@ -16,17 +17,33 @@ namespace weave::graphs {
 ops::RouterOptions router_options(const ModelConfig& m) {
   // MindSpeed's gate renormalises top-2's weights (after its drops; a lone decoded token drops
   // nothing) and leaves top-1's its probability.
-  const bool renormalize =
-      m.moe_gate == MoeGate::deepspeed ? m.moe_router_topk == 2 : m.moe_router_renormalize;
+  if (m.moe_gate == MoeGate::deepspeed)
+    return {.top_k = m.moe_router_topk,
+            .renormalize = m.moe_router_topk == 2,
+            .aux_loss_coeff = m.moe_aux_loss_coeff,
+            .z_loss_coeff = m.moe_z_loss_coeff};
+  // Megatron-Core divides sigmoid scores by the picks' sum whenever top-k > 1, pre-softmax or not.
+  const bool sigmoid = m.moe_router_score_function == "sigmoid";
   return {.top_k = m.moe_router_topk,
-          .renormalize = renormalize,
+          .score = sigmoid ? ops::RouterScore::sigmoid : ops::RouterScore::softmax,
+          .renormalize = sigmoid ? m.moe_router_topk > 1 : m.moe_router_renormalize,
           .aux_loss_coeff = m.moe_aux_loss_coeff,
           .z_loss_coeff = m.moe_z_loss_coeff,
-          .topk_scaling_factor =
-              m.moe_gate == MoeGate::deepspeed ? 1.0 : m.moe_router_topk_scaling_factor};
+          .topk_scaling_factor = m.moe_router_topk_scaling_factor,
+          .num_groups = m.moe_router_group_topk != 0 ? m.moe_router_num_groups : 0,
+          .group_topk = m.moe_router_group_topk};
 }
 
 namespace {
+
+// The router's options with the layer's expert bias, when it has one.
+ops::RouterOptions biased_router_options(const ModelConfig& m, const MoeRouterParameters& W) {
+  ops::RouterOptions options = router_options(m);
+  if (W.expert_bias != nullptr)
+    options.expert_bias = {W.expert_bias->value.data(),
+                           static_cast<std::size_t>(W.expert_bias->value.numel())};
+  return options;
+}
 
 // A layer's DeepSpeed-style gate losses on this rank: one per gate call (slot).
 double gate_losses(const ModelConfig& m, const MoeActivations& A) {
@@ -59,19 +76,20 @@ void declare_router_parameters(ParameterDeclarer& declare, const std::string& pr
   W.weight = &declare.replicated(
       declare.add(prefix + "router.weight", {E, h}, E, h, RowMap::range(0, E), 0, declare.std, 0),
       true);
+  if (uses_expert_bias(m)) W.expert_bias = &declare.state(prefix + "router.expert_bias", {E});
 }
 
 ops::RouterStatistics route_tokens(const ModelConfig& m, const MoeRouterParameters& W,
                                    const Tensor& x, const Tensor& logits, const Tensor& probs,
                                    std::span<std::int32_t> topk_index, const Tensor& topk_weight) {
   ops::linear_forward(x, W.weight->value, Tensor{}, logits);
-  return ops::router_forward(router_options(m), logits, probs, topk_index, topk_weight);
+  return ops::router_forward(biased_router_options(m, W), logits, probs, topk_index, topk_weight);
 }
 
 void route_slot(const ModelConfig& m, const MoeRouterParameters& W, MoeSlot& A) {
   const std::int64_t E = m.num_experts;
   ops::linear_forward(A.moe_in, W.weight->value, Tensor{}, A.router_logits);
-  ops::RouterOptions options = router_options(m);
+  ops::RouterOptions options = biased_router_options(m, W);
   // The DeepSpeed-style gate takes its weights after the dispatch plan's drops (permute_slot).
   if (m.moe_gate == MoeGate::deepspeed) options.renormalize = false;
   const ops::RouterStatistics st = ops::router_forward(options, A.router_logits, A.probs,

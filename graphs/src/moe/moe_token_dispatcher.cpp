@@ -4,6 +4,7 @@
 // per-expert counts) and back, the regrouping by local expert, and the weighted combine into the
 // slot's output rows; forward and backward, per slot or per --use-pipe-experts item.
 #include "moe/moe_token_dispatcher.hpp"
+#include "moe/moe_expert_bias.hpp"
 #include "moe/moe_mlp.hpp"
 #include "step/step_costs.hpp"
 #include "weave/ops/deepspeed_gate.hpp"
@@ -36,6 +37,7 @@ void permute_slot(RankProgram& P, int layer, MoeSlot& A, bool counted) {
   if (counted) {
     P.state.routed_picks += A.tokens * m.moe_router_topk;
     P.state.dropped_picks += A.dispatch.dropped;
+    count_expert_loads(P, layer, A.dispatch);
   }
   switch (z.spec(layer).moe_mlp.dispatcher) {
     case TokenDispatcher::permute:

@@ -3,6 +3,7 @@
 // layers share.
 #include "model/output_loss.hpp"
 #include "model/transformer_layer.hpp"
+#include "moe/moe_expert_bias.hpp"
 #include "step/rank_program.hpp"
 
 namespace weave::graphs {
@@ -142,6 +143,10 @@ void RankProgram::allocate() {
   for (OutputSet& O : R.outputs)
     OutputLoss(*this).allocate(O);
   R.norm_sq = activation({1});
+  if (uses_expert_bias(z.model))
+    for (int l = 0; l < z.model.num_layers; ++l)
+      if (R.shard->holds_layer(l) && R.shard->layer(l).moe())
+        R.expert_loads[l] = activation({z.model.num_experts});
   R.loss.assign(static_cast<std::size_t>(z.M), 0.0);
   R.aux.assign(static_cast<std::size_t>(z.M), 0.0);
   allocate_workspace(*this, R.ws, contents.output_layer);

@@ -2,6 +2,7 @@
 // outline of its step (zero the gradients, the schedule's actions, the optimizer).
 #include "step/rank_program.hpp"
 
+#include "moe/moe_expert_bias.hpp"
 #include "pipeline/pipeline_program.hpp"
 #include "step/gradient_buckets.hpp"
 #include "step/optimizer_program.hpp"
@@ -203,10 +204,13 @@ void RankProgram::build() {
             std::fill(state.loss.begin(), state.loss.end(), 0.0);
             std::fill(state.aux.begin(), state.aux.end(), 0.0);
             state.routed_picks = state.dropped_picks = 0;
+            for (auto& loads : state.expert_loads)
+              loads.second.fill(0.f);
           });
   build_pipeline(*this);
   reduce_deferred_buckets(*this);
   build_optimizer(*this);
+  build_expert_bias_update(*this);
 }
 
 }  // namespace weave::graphs

@@ -126,6 +126,9 @@ struct RankState {
   Tensor norm_sq;                 // [1]: this rank's share of the squared grad norm
   std::vector<double> loss, aux;  // per micro-batch
   std::int64_t routed_picks = 0, dropped_picks = 0;  // this rank's tokens, the whole step
+  // --moe-router-enable-expert-bias: by MoE layer of the stage, [experts] picks each expert kept
+  // (after drops) of this rank's tokens over the step, as Megatron-Core's local_tokens_per_expert.
+  std::map<int, Tensor> expert_loads;
 };
 
 }  // namespace weave::graphs

@@ -120,6 +120,8 @@ std::vector<Entry> entries_of(TrainingStep& step) {
     if (!step.holds(r)) continue;
     for (Parameter& p : step.shard(r).parameters())
       out.push_back({r, p.name, "value", p.value});
+    for (ModelState& s : step.shard(r).states())
+      out.push_back({r, s.name, "value", s.value});
     for (GradientBucket& b : step.shard(r).buckets()) {
       out.push_back({r, b.name, "exp_avg", b.exp_avg});
       out.push_back({r, b.name, "exp_avg_sq", b.exp_avg_sq});

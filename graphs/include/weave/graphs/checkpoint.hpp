@@ -1,5 +1,6 @@
-// Checkpoints of a training step's model shards: parameters and optimizer state of every
-// device, with the configuration they belong to.
+// Checkpoints of a training step's model shards: parameters, model state (ModelState: the
+// routers' expert biases) and optimizer state of every device, with the configuration they
+// belong to.
 //
 // One file, written atomically (to "<path>.partial", flushed to disk, then renamed), so a save
 // interrupted by an error, a killed process or a power loss never leaves a damaged checkpoint
@@ -35,9 +36,9 @@ void save_checkpoint(const std::string& path, const ModelConfig& model, const Pa
 CheckpointState load_checkpoint(const std::string& path, const ModelConfig& model,
                                 const ParallelPlan& plan, TrainingStep& step);
 
-// Copies what a checkpoint holds (every built rank's parameters and AdamW moments) from `from`
-// into `to`, a step of the same model and layout built for another global batch (a batch
-// ramp-up's next step), so that `to` continues bitwise where `from` stopped. Throws
+// Copies what a checkpoint holds (every built rank's parameters, model state and AdamW moments)
+// from `from` into `to`, a step of the same model and layout built for another global batch (a
+// batch ramp-up's next step), so that `to` continues bitwise where `from` stopped. Throws
 // std::invalid_argument when their ranks or tensors differ.
 void copy_checkpointed_state(TrainingStep& from, TrainingStep& to);
 

@@ -141,6 +141,18 @@ struct ModelConfig {
   double moe_expert_capacity_factor = 0.0;  // --moe-expert-capacity-factor; 0: dropless
   bool moe_router_renormalize = true;
   double moe_router_topk_scaling_factor = 1.0;  // --moe-router-topk-scaling-factor (1: none)
+  // Megatron-Core's DeepSeek-V3 style routing (MoeGate::megatron): --moe-router-score-function
+  // (softmax or sigmoid), group-limited top-k (--moe-router-num-groups, --moe-router-group-topk;
+  // group_topk 0: no groups) and the aux-loss-free expert bias (--moe-router-enable-expert-bias,
+  // moved by --moe-router-bias-update-rate after every step).
+  std::string moe_router_score_function = "softmax";
+  int moe_router_num_groups = 0;
+  int moe_router_group_topk = 0;
+  bool moe_router_enable_expert_bias = false;
+  double moe_router_bias_update_rate = 1e-3;
+  // --moe-router-dtype: Megatron-Core's precision of the routing; weave routes in fp32 (MoE layers
+  // train in fp32), so fp32 only.
+  std::string moe_router_dtype = "fp32";
   // --moe-model-type deepspeed_moe on the command line routes by MindSpeed's gate; the embedding
   // API chooses the gate here and the experts' layout in ParallelPlan::moe_model_type.
   MoeGate moe_gate = MoeGate::megatron;

@@ -47,6 +47,14 @@ struct Parameter {
   std::string bucket;  // the gradient bucket it is reduced with
 };
 
+// A tensor of the model that training updates by a rule of its own, not by the optimizer, and
+// that checkpoints keep: Megatron-Core's router expert bias (a registered buffer there). The same
+// on every rank that holds it.
+struct ModelState {
+  std::string name;  // "layers.1.moe.router.expert_bias"
+  ops::Tensor value;
+};
+
 // Gradients that become ready together and are reduced the same way, stored contiguously so
 // one collective reduces them all: a layer's MLP half, its attention half, the final norm, the
 // embeddings — each split by how it is reduced (dense, partial over tp, expert).
@@ -111,6 +119,8 @@ class ModelShard {
   // In the same order on every device; addresses are stable.
   std::deque<Parameter>& parameters() { return parameters_; }
   const std::deque<Parameter>& parameters() const { return parameters_; }
+  // The model's non-trained state (ModelState), in the same order on every device.
+  std::deque<ModelState>& states() { return states_; }
   // The word embedding (input, and tied output); held by the first and, tied, the last stage.
   Parameter& embedding();
   // The learned position table (--position-embedding-type learned_absolute only).
@@ -154,6 +164,9 @@ class ModelShard {
   Parameter& add(std::string name, const ops::Shape& local, std::int64_t logical_rows,
                  std::int64_t logical_cols, RowMap row_map, std::int64_t col_offset, double std,
                  double constant);
+  // A zero-filled state tensor of `local` shape (shape only without materialize); while
+  // !holding_, a placeholder.
+  ModelState& add_state(std::string name, const ops::Shape& local);
   const ModelConfig& config_;
   devices::Device& device_;
   StageContents contents_;
@@ -165,6 +178,8 @@ class ModelShard {
   Parameter skipped_;
   std::unique_ptr<EmbeddingParameters> embedding_;
   std::deque<Parameter> parameters_;
+  std::deque<ModelState> states_;
+  ModelState skipped_state_;
   std::vector<GradientBucket> buckets_;
   std::string current_bucket_;
   std::vector<LayerShard> layers_;

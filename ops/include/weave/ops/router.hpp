@@ -1,5 +1,7 @@
-// Mixture-of-Experts router: softmax over experts, then top-k, with the Switch/GShard
-// auxiliary load-balancing loss and the optional router z-loss.
+// Mixture-of-Experts router: scores over experts (softmax, or Megatron-Core's sigmoid), then
+// top-k (optionally limited to the best groups of experts, and chosen by the scores plus a
+// per-expert bias), with the Switch/GShard auxiliary load-balancing loss and the optional router
+// z-loss, as Megatron-Core's TopKRouter routes.
 //
 // Both losses are functions of statistics summed over tokens (expert assignment counts,
 // probability sums, squared log-sum-exps). router_forward returns this call's statistics;
@@ -16,29 +18,51 @@
 
 namespace weave::ops {
 
+// How a token's logits become its scores: softmax over the experts, or each expert's sigmoid
+// (DeepSeek-V3's, Megatron-Core's --moe-router-score-function sigmoid).
+enum class RouterScore { softmax, sigmoid };
+
 struct RouterOptions {
   int top_k = 2;
-  bool renormalize = true;    // divide the top-k probabilities by their sum (Mixtral, DeepSeek)
+  RouterScore score = RouterScore::softmax;
+  // Divide the top-k scores by their sum (Mixtral, DeepSeek). Megatron-Core's sigmoid scores are
+  // divided by their sum plus 1e-20 whenever top_k > 1: the caller sets it so.
+  bool renormalize = true;
   double aux_loss_coeff = 0;  // Megatron's --moe-aux-loss-coeff
   double z_loss_coeff = 0;    // Megatron's --moe-z-loss-coeff
   // Megatron-Core's --moe-router-topk-scaling-factor: the weights (after any renormalisation)
   // multiplied by it; 1 leaves them.
   double topk_scaling_factor = 1;
+  // Megatron-Core's group-limited routing (--moe-router-num-groups, --moe-router-group-topk):
+  // the experts split into num_groups equal groups of consecutive experts; each token's group
+  // score is the sum of its top (top_k / group_topk) routing scores in the group, and only the
+  // experts of its group_topk best groups can be picked. group_topk = 0: no groups.
+  int num_groups = 0;
+  int group_topk = 0;
+  // Megatron-Core's aux-loss-free expert bias (sigmoid scores only): [experts] values added to
+  // the scores for the choice of the experts (and of the groups) only; the weights are the scores
+  // themselves. Empty: no bias.
+  std::span<const float> expert_bias;
 };
 
 struct RouterStatistics {
   std::int64_t tokens = 0;
-  std::vector<double> assignments;  // [experts]: top-k picks of each expert
-  std::vector<double> probability;  // [experts]: sum over tokens of softmax probabilities
-  double squared_lse = 0;           // sum over tokens of logsumexp(logits)^2
+  // [experts]: picks of each expert by the plain top-k of the scores (no groups, no bias), the
+  // counts Megatron-Core's load-balancing loss takes; without groups and bias, the picks.
+  std::vector<double> assignments;
+  // [experts]: sum over tokens of the scores the loss takes: the softmax probabilities, or the
+  // sigmoid scores divided by their sum over the experts (plus 1e-20).
+  std::vector<double> probability;
+  double squared_lse = 0;  // sum over tokens of logsumexp(logits)^2
 
   // Adds another part's statistics (same number of experts).
   RouterStatistics& operator+=(const RouterStatistics& other);
 };
 
-// logits [t, e] -> probs [t, e] (the full softmax, kept for the backward), topk_index [t * k]
-// (experts of token i at [i*k, i*k + k), highest probability first, ties to the lower index),
-// topk_weight [t, k] (renormalised or not, then scaled by topk_scaling_factor).
+// logits [t, e] -> probs [t, e] (every expert's score, softmax or sigmoid, kept for the
+// backward), topk_index [t * k] (experts of token i at [i*k, i*k + k), highest routing score
+// first, ties to the lower index), topk_weight [t, k] (the picks' scores, renormalised or not,
+// then scaled by topk_scaling_factor).
 template <typename T>
 RouterStatistics router_forward(const RouterOptions& options, const BasicTensor<T>& logits,
                                 const BasicTensor<T>& probs, std::span<std::int32_t> topk_index,
@@ -58,5 +82,10 @@ void router_backward(const RouterOptions& options, const BasicTensor<T>& logits,
                      const BasicTensor<T>& topk_weight, const BasicTensor<T>& d_topk_weight,
                      const RouterStatistics& total, double loss_scale,
                      const BasicTensor<T>& dlogits);
+
+// Megatron-Core's update of the aux-loss-free expert bias from the loads (picks each expert kept,
+// summed over the step and the replicas): bias_e += rate x sign(mean load - load_e), in fp32 as
+// its get_updated_expert_bias; an expert at the mean keeps its bias.
+void update_expert_bias(std::span<const float> loads, std::span<float> bias, double rate);
 
 }  // namespace weave::ops
