@@ -110,10 +110,33 @@ TEST(DeepSpeedGate, SettingsMindSpeedRefusesAreRefused) {
   refused(m, {.tensor_parallel = 2, .micro_batch_size = 1, .global_batch_size = 1});
   m.moe_no_drop = true;
   refused(m, {.pipeline_parallel = 2, .micro_batch_size = 1, .global_batch_size = 2});
-  // Megatron's router has neither setting.
+  // Megatron's router has none of these settings.
   m = tiny(4);
   m.moe_no_drop = true;
   refused(m, one);
+  m = tiny(4);
+  m.moe_use_sinkhorn = true;
+  refused(m, one);
+}
+
+// --moe-use-sinkhorn: each gate call routes on its own Sinkhorn-balanced logits (the rounds'
+// gradient is checked against finite differences in ops/sinkhorn_test.cpp), so ranks whose calls
+// see one device's calls still give its loss, drops and gradients; and the balance changes the
+// routing.
+TEST(DeepSpeedGate, SinkhornBalancedCallsEqualOneDevice) {
+  for (const Case& c : {kCases[0], kCases[3]}) {
+    ModelConfig m = gate_model(c.top_k);
+    const Outcome plain = run(m, c.serial, 1, false);
+    m.moe_use_sinkhorn = true;
+    const Outcome a = run(m, c.serial, 1, false), b = run(m, c.plan, 1, false);
+    EXPECT_EQ(b.dropped[0], a.dropped[0]) << c.name;
+    EXPECT_NEAR(b.losses[0], a.losses[0], 1e-5 * a.losses[0]) << c.name;
+    expect_same_gradients(a, b);
+    EXPECT_NE(a.losses[0], plain.losses[0]) << c.name;
+    EXPECT_NE(a.grads.at("layers.0.moe.router.weight"),
+              plain.grads.at("layers.0.moe.router.weight"))
+        << c.name;
+  }
 }
 
 }  // namespace

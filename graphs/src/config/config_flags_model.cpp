@@ -351,6 +351,14 @@ constexpr ConfigFlag kMoe[] = {
      .help = "With --moe-model-type deepspeed_moe (MindSpeed's gate): no capacity, no pick dropped",
      .field = model_field<&M::moe_no_drop>(),
      .description = described(model, "moe_no_drop")},
+    {.name = "--moe-use-sinkhorn",
+     .group = FlagGroup::moe,
+     .values = 0,
+     .help = "With --moe-model-type deepspeed_moe (MindSpeed's gate): each gate call's logits "
+             "Sinkhorn-balanced over its tokens and experts before the softmax, and the gradient "
+             "taken back through every round",
+     .field = model_field<&M::moe_use_sinkhorn>(),
+     .description = described(model, "moe_use_sinkhorn")},
 };
 
 }  // namespace

@@ -245,9 +245,6 @@ constexpr ConfigFlag kRefused[] = {
             "none of them: drop it"),
     refused("--lr-warmup-fraction", 1,
             "give --lr-warmup-iters instead (the fraction x --lr-decay-iters)"),
-    refused("--moe-use-sinkhorn", 0,
-            "MindSpeed's gate then routes on Sinkhorn-balanced logits and back-propagates through "
-            "the Sinkhorn iterations; weave's gate does not: drop it"),
     refused("--noisy-gate-policy", 1, "weave's router adds no noise to its gate: drop it"),
     refused("--moe-input-jitter-eps", 1, "weave's router adds no jitter to its input: drop it"),
     refused("--moe-shared-expert-intermediate-size", 1,

@@ -221,10 +221,11 @@ void check_moe_gate(const ModelConfig& m, const ParallelPlan& p) {
         m.moe_router_score_function);
   if (m.moe_gate != MoeGate::deepspeed) {
     check_router_routing(m);
-    if (m.moe_no_drop || m.moe_train_capacity_factor != 1.0)
+    if (m.moe_no_drop || m.moe_train_capacity_factor != 1.0 || m.moe_use_sinkhorn)
       refuse(
-          "--moe-no-drop and --moe-train-capacity-factor ({}) set MindSpeed's deepspeed_moe gate: "
-          "add --moe-model-type deepspeed_moe, or give Megatron's --moe-expert-capacity-factor",
+          "--moe-no-drop, --moe-use-sinkhorn and --moe-train-capacity-factor ({}) set MindSpeed's "
+          "deepspeed_moe gate: add --moe-model-type deepspeed_moe, or give Megatron's "
+          "--moe-expert-capacity-factor",
           m.moe_train_capacity_factor);
     return;
   }

@@ -35,6 +35,9 @@ struct ExpertItem {
 // the slot's statistics for the losses, and their gradients.
 struct MoeRouterState {
   Tensor router_logits, probs, topk_weight, stats;
+  // --moe-use-sinkhorn: the gate's Sinkhorn-balanced logits, which it routes on (router_logits
+  // keeps the product's, which the backward reruns the rounds from).
+  Tensor balanced_logits;
   std::vector<std::int32_t> topk_index;
   Tensor d_topk, d_router_logits;
 };

@@ -53,6 +53,7 @@ void allocate_router(RankProgram& P, const MoeActivations& M, MoeSlot& S) {
   const StepShape& z = P.shape;
   const std::int64_t E = z.model.num_experts, k = z.model.moe_router_topk, n = z.slot_tokens();
   S.router_logits = P.activation({n, E});
+  if (z.model.moe_use_sinkhorn) S.balanced_logits = P.activation({n, E});
   S.probs = P.activation({n, E});
   S.topk_weight = P.activation({n, k});
   S.topk_index.assign(static_cast<std::size_t>(n * k), 0);

@@ -11,6 +11,7 @@
 #include "weave/ops/deepspeed_gate.hpp"
 #include "weave/ops/elementwise.hpp"
 #include "weave/ops/linear.hpp"
+#include "weave/ops/sinkhorn.hpp"
 
 namespace weave::graphs {
 
@@ -83,6 +84,8 @@ ops::RouterStatistics route_tokens(const ModelConfig& m, const MoeRouterParamete
                                    const Tensor& x, const Tensor& logits, const Tensor& probs,
                                    std::span<std::int32_t> topk_index, const Tensor& topk_weight) {
   ops::linear_forward(x, W.weight->value, Tensor{}, logits);
+  // MindSpeed's gate balances whatever tokens it is given: a decoded token alone too.
+  if (m.moe_use_sinkhorn) ops::sinkhorn_forward(logits, logits);
   return ops::router_forward(biased_router_options(m, W), logits, probs, topk_index, topk_weight);
 }
 
@@ -92,8 +95,11 @@ void route_slot(const ModelConfig& m, const MoeRouterParameters& W, MoeSlot& A) 
   ops::RouterOptions options = biased_router_options(m, W);
   // The DeepSpeed-style gate takes its weights after the dispatch plan's drops (permute_slot).
   if (m.moe_gate == MoeGate::deepspeed) options.renormalize = false;
-  const ops::RouterStatistics st = ops::router_forward(options, A.router_logits, A.probs,
-                                                       std::span(A.topk_index), A.topk_weight);
+  // MindSpeed's gate with --moe-use-sinkhorn routes on the call's balanced logits.
+  const Tensor& routed = m.moe_use_sinkhorn ? A.balanced_logits : A.router_logits;
+  if (m.moe_use_sinkhorn) ops::sinkhorn_forward(A.router_logits, A.balanced_logits);
+  const ops::RouterStatistics st =
+      ops::router_forward(options, routed, A.probs, std::span(A.topk_index), A.topk_weight);
   float* s = A.stats.data();
   for (std::int64_t e = 0; e < E; ++e) {
     s[e] = static_cast<float>(st.assignments[e]);
@@ -113,6 +119,10 @@ void route_slot_backward(const StepShape& z, const MoeRouterParameters& W,
         m.moe_router_topk == 2 ? m.moe_aux_loss_coeff / z.plan.data_parallel : 0.0;
     ops::gate_backward<float>(A.dispatch, A.probs, A.topk_index, A.d_topk, balance,
                               A.d_router_logits);
+    // Back through the Sinkhorn rounds (MindSpeed's autograd takes them), rerun from the
+    // product's logits.
+    if (m.moe_use_sinkhorn)
+      ops::sinkhorn_backward(A.router_logits, A.d_router_logits, A.d_router_logits);
   } else {
     const ops::RouterStatistics st = unpack_stats(stats_total, m.num_experts);
     const double scale = 1.0 / (z.M * z.plan.data_parallel);

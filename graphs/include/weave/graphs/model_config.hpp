@@ -158,6 +158,8 @@ struct ModelConfig {
   MoeGate moe_gate = MoeGate::megatron;
   double moe_train_capacity_factor = 1.0;  // --moe-train-capacity-factor (MoeGate::deepspeed)
   bool moe_no_drop = false;                // --moe-no-drop (MoeGate::deepspeed): capacity unbounded
+  // --moe-use-sinkhorn (MoeGate::deepspeed): the gate routes on Sinkhorn-balanced logits.
+  bool moe_use_sinkhorn = false;
   // --moe-token-drop-policy probs (MoeGate::megatron): an expert over capacity keeps its picks of
   // the largest weight; false (position): its earliest tokens'.
   bool moe_token_drop_by_probability = false;

@@ -22,14 +22,15 @@ inline constexpr double kSinkhornEpsilon = 1e-8;    // added to every sum before
 // scales' invariance under d0 c, d1 / c) keeps d1 drifting by about that much a round.
 inline constexpr int kSinkhornMaxRounds = 10000;
 
-// out [t, e] = the balanced logits (out may not be logits). Returns the rounds taken. Throws
+// out [t, e] = the balanced logits (out may be logits). Returns the rounds taken. Throws
 // std::runtime_error naming the change left when kSinkhornMaxRounds do not converge.
 template <typename T>
 int sinkhorn_forward(const BasicTensor<T>& logits, const BasicTensor<T>& out,
                      double tolerance = kSinkhornTolerance);
 
-// d_logits [t, e] (written) from d_out through every round of the forward, which it recomputes
-// from `logits`: the gradient autograd takes through the loop, not that of the fixed point.
+// d_logits [t, e] (written; it may be d_out) from d_out through every round of the forward, which
+// it recomputes from `logits`: the gradient autograd takes through the loop, not that of the fixed
+// point.
 template <typename T>
 void sinkhorn_backward(const BasicTensor<T>& logits, const BasicTensor<T>& d_out,
                        const BasicTensor<T>& d_logits, double tolerance = kSinkhornTolerance);
