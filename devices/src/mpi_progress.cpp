@@ -46,6 +46,7 @@ struct MpiProgress::Active {
   std::shared_ptr<MpiOperation> op;
   int round = -1;             // the last round posted
   std::deque<Posted> posted;  // the rounds in flight, oldest first
+  Posted spare;               // the last one completed, its vectors kept for the next round
   bool over = false;
 };
 
@@ -65,11 +66,11 @@ MpiProgress::~MpiProgress() {
 
 void MpiProgress::submit(std::shared_ptr<MpiOperation> op) {
   op->in_flight.store(true, std::memory_order_seq_cst);
-  op->completed_rounds = 0;
   in_flight_.fetch_add(1, std::memory_order_seq_cst);
   Finished done;
   {
     std::lock_guard lock(job_.lock());
+    op->completed_rounds = 0;
     active_.push_back(Active{.op = std::move(op)});
     start_rounds(active_.back(), done);
     if (active_.back().over) active_.pop_back();
@@ -174,7 +175,10 @@ void MpiProgress::start_rounds(Active& a, Finished& done) {
     const long long bound = job_.tag_bound();
     const long long sequence = a.op->id * MpiOperation::kRounds + a.round;
     const int tag = static_cast<int>((sequence % bound + bound) % bound);
-    Posted p;
+    Posted p = std::move(a.spare);
+    p.requests.clear();
+    p.expected.clear();
+    p.peers.clear();
     try {
       // Receives first, so that a peer's message finds its buffer posted.
       for (const MpiMessage& m : round->receives) {
@@ -262,6 +266,7 @@ void MpiProgress::test(Active& a, Finished& done) {
         return;
       }
     }
+    a.spare = std::move(a.posted.front());
     a.posted.pop_front();
     ++a.op->completed_rounds;
     start_rounds(a, done);

@@ -1,6 +1,7 @@
 // The progress engine of a process's MPI traffic. Operations (a collective's part in this
-// process, a host exchange) are rounds of non-blocking sends and receives; whichever thread
-// polls the engine tests them, starts each operation's next round and finishes the operations
+// process, a host exchange) are rounds of non-blocking sends and receives, one round in flight
+// at a time or, for a pipelined one (a large all-reduce by segments), several; whichever thread
+// polls the engine tests them, starts each operation's next rounds and finishes the operations
 // that are over. The thread that submits an operation posts its first round itself and polls
 // for a few microseconds: a small collective whose peers are ready completes there, on the
 // device's own thread, with no hand-off. One that is not over by then is polled by the
