@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <chrono>
 #include <climits>
-#include <deque>
 #include <stdexcept>
 
 #include "mpi_job.hpp"
@@ -44,9 +43,11 @@ struct Posted {
 
 struct MpiProgress::Active {
   std::shared_ptr<MpiOperation> op;
-  int round = -1;             // the last round posted
-  std::deque<Posted> posted;  // the rounds in flight, oldest first
-  Posted spare;               // the last one completed, its vectors kept for the next round
+  int round = -1;  // the last round posted
+  // The rounds in flight, oldest first (a vector: at most depth() of them, and unlike a deque
+  // it allocates nothing until a round is posted).
+  std::vector<Posted> posted;
+  Posted spare;  // the last one completed, its vectors kept for the next round
   bool over = false;
 };
 
@@ -267,7 +268,7 @@ void MpiProgress::test(Active& a, Finished& done) {
       }
     }
     a.spare = std::move(a.posted.front());
-    a.posted.pop_front();
+    a.posted.erase(a.posted.begin());
     ++a.op->completed_rounds;
     start_rounds(a, done);
   }
