@@ -24,6 +24,13 @@ constexpr auto kPollInTask = std::chrono::microseconds(10);
 constexpr std::size_t kWholeExchangeBytes = std::size_t{64} << 10;
 constexpr std::size_t kWholeExchangeBytesOfTwo = std::size_t{256} << 10;
 
+// Past those, an all-reduce goes by segments of this many bytes, kPipeline rounds of them in
+// flight at once (bench/mpi_collectives_bench between 2 processes: at 2 MiB, segments of 128 or
+// 256 KiB took about 400 us where whole shares took 450 and 1 MiB segments no less; with one
+// round in flight, 8 MiB took longer than with two).
+constexpr std::size_t kSegmentBytes = std::size_t{256} << 10;
+constexpr int kPipeline = 2;
+
 constexpr std::size_t bytes_of(std::size_t elements) {
   return elements * sizeof(float);
 }
@@ -182,19 +189,26 @@ class SpanningAllReduce final : public SpanningCollective {
         c, local_, [](const CollectiveMember& m) { return m.output; }, count_,
         "input/output buffer",
         fmt::format("every rank reduces a buffer of the same size, {} elements", count_));
+    whole_ = bytes_of(count_) <=
+             (processes_.size() == 2 ? kWholeExchangeBytesOfTwo : kWholeExchangeBytes);
+    if (!whole_) {
+      // Segments of kSegmentBytes, fewer and larger when there would be more than the rounds
+      // allow (whole cache lines, so that every share starts on a line).
+      const std::size_t most = MpiOperation::kRounds - kPipeline;
+      std::size_t elements = std::max(kSegmentBytes / sizeof(float), (count_ + most - 1) / most);
+      elements = (elements + kLineElements - 1) / kLineElements * kLineElements;
+      segment_elements_ = elements;
+      segments_ = static_cast<int>((count_ + elements - 1) / elements);
+      pipeline_ = std::min(kPipeline, segments_);
+    }
   }
 
  private:
-  void restart() override { stage_ = 0; }
+  void restart() override { stage_ = posted_ = folded_ = spread_ = 0; }
   float* buffer(int member) const {
     return c_.members[static_cast<std::size_t>(member)].output.data();
   }
-  std::optional<MpiRound> next() override {
-    const std::size_t bytes = bytes_of(count_);
-    const bool whole =
-        bytes <= (processes_.size() == 2 ? kWholeExchangeBytesOfTwo : kWholeExchangeBytes);
-    return whole ? next_whole() : next_shared();
-  }
+  std::optional<MpiRound> next() override { return whole_ ? next_whole() : next_segmented(); }
 
   // One round, every process sending its members' whole buffers to every other and each
   // folding all of them. For 2 processes it moves as many bytes as the shares do, in one
@@ -209,7 +223,8 @@ class SpanningAllReduce final : public SpanningCollective {
         } else {
           const auto o = static_cast<std::size_t>(
               std::lower_bound(others_.begin(), others_.end(), process_of_[r]) - others_.begin());
-          sources.push_back(received_[o].data() + static_cast<std::size_t>(slot_[r]) * count_);
+          sources.push_back(received_whole_[o].data() +
+                            static_cast<std::size_t>(slot_[r]) * count_);
         }
       }
       std::vector<float*> targets;
@@ -221,92 +236,144 @@ class SpanningAllReduce final : public SpanningCollective {
     MpiRound round;
     const float* mine = buffer(local_.front());
     if (kl > 1) {  // the local members' buffers side by side, in rank order
-      packed_.resize(1);
-      packed_[0].resize(kl * count_);
+      packed_whole_.resize(1);
+      packed_whole_[0].resize(kl * count_);
       for (std::size_t i = 0; i < kl; ++i)
         std::copy_n(buffer(local_[i]), count_,
-                    packed_[0].begin() + static_cast<std::ptrdiff_t>(i * count_));
-      mine = packed_[0].data();
+                    packed_whole_[0].begin() + static_cast<std::ptrdiff_t>(i * count_));
+      mine = packed_whole_[0].data();
     }
-    received_.resize(others_.size());
+    received_whole_.resize(others_.size());
     for (std::size_t o = 0; o < others_.size(); ++o) {
       const int q = others_[o];
       round.sends.push_back(message(q, mine, kl * count_));
-      received_[o].resize(members_of_[static_cast<std::size_t>(process_index(q))].size() * count_);
-      round.receives.push_back(message(q, received_[o].data(), received_[o].size()));
+      received_whole_[o].resize(members_of_[static_cast<std::size_t>(process_index(q))].size() *
+                                count_);
+      round.receives.push_back(message(q, received_whole_[o].data(), received_whole_[o].size()));
     }
     return round;
   }
 
-  std::optional<MpiRound> next_shared() {
-    const int k = static_cast<int>(processes_.size());
-    const int mine = process_index(me_);
-    const auto [first, last] = share(count_, k, mine);
+  // Larger buffers go by segments, each reduced and gathered like a whole buffer of its
+  // size (every process folds its share of the segment over all the members, in rank order,
+  // then the shares are gathered), pipelined: round t carries the reduce-scatter messages of
+  // segment t and the all-gather messages of segment t - depth, and depth rounds are in flight
+  // at once. A process folds a segment as soon as its pieces are in, while the next segments'
+  // pieces are on their way, and sends the result while it is still in cache; what it receives
+  // per segment fits in the core's cache, where the whole buffer's share does not.
+  int depth() const override { return pipeline_; }
+
+  std::optional<MpiRound> next_segmented() {
+    const int done = completed_rounds, segments = segments_, lag = pipeline_;
+    while (folded_ < segments && folded_ < done)
+      fold(folded_++);
+    while (spread_ < segments && spread_ + lag < done)
+      spread(spread_++);
+    if (posted_ == segments + lag || posted_ - lag >= done) return std::nullopt;
+    const int t = posted_++;
+    MpiRound round;
+    if (t < segments) scatter(t, round);
+    if (t >= lag && t - lag < segments) gather(t - lag, round);
+    return round;
+  }
+
+  // Segment s: [first, last) of the buffer.
+  std::pair<std::size_t, std::size_t> segment(int s) const {
+    const std::size_t first = static_cast<std::size_t>(s) * segment_elements_;
+    return {first, std::min(count_, first + segment_elements_)};
+  }
+  // Process index i's share of segment s, in elements of the buffer.
+  std::pair<std::size_t, std::size_t> share_of(int s, int i) const {
+    const auto [first, last] = segment(s);
+    const auto [f, l] = share(last - first, static_cast<int>(processes_.size()), i);
+    return {first + f, first + l};
+  }
+  std::size_t other_index(int process) const {
+    return static_cast<std::size_t>(std::lower_bound(others_.begin(), others_.end(), process) -
+                                    others_.begin());
+  }
+
+  // Every local member's piece of each other process's share of segment s goes to that
+  // process; the members' pieces of this process's share come in.
+  void scatter(int s, MpiRound& round) {
+    const auto [first, last] = share_of(s, process_index(me_));
     const std::size_t kl = local_.size();
-    switch (stage_++) {
-      case 0: {  // every member's piece of each process's share goes to that process
-        MpiRound round;
-        packed_.resize(others_.size());
-        received_.resize(others_.size());
-        for (std::size_t o = 0; o < others_.size(); ++o) {
-          const int q = others_[o], iq = process_index(q);
-          const auto [f, l] = share(count_, k, iq);
-          if (kl == 1) {
-            // One member: its piece goes straight from its buffer (this round writes only
-            // this process's own share).
-            round.sends.push_back(message(q, buffer(local_.front()) + f, l - f));
-          } else {
-            packed_[o].resize(kl * (l - f));
-            for (std::size_t i = 0; i < kl; ++i)
-              std::copy(buffer(local_[i]) + f, buffer(local_[i]) + l,
-                        packed_[o].begin() + static_cast<std::ptrdiff_t>(i * (l - f)));
-            round.sends.push_back(message(q, packed_[o].data(), packed_[o].size()));
-          }
-          received_[o].resize(members_of_[static_cast<std::size_t>(iq)].size() * (last - first));
-          round.receives.push_back(message(q, received_[o].data(), received_[o].size()));
-        }
-        return round;
+    auto& packed = packed_[static_cast<std::size_t>(s % pipeline_)];
+    auto& received = received_[static_cast<std::size_t>(s % pipeline_)];
+    packed.resize(others_.size());
+    received.resize(others_.size());
+    for (std::size_t o = 0; o < others_.size(); ++o) {
+      const int q = others_[o], iq = process_index(q);
+      const auto [f, l] = share_of(s, iq);
+      if (kl == 1) {
+        // One member: its piece goes straight from its buffer (until the all-gather of this
+        // segment, rounds later, only this process's own share of it is written).
+        round.sends.push_back(message(q, buffer(local_.front()) + f, l - f));
+      } else {
+        packed[o].resize(kl * (l - f));
+        for (std::size_t i = 0; i < kl; ++i)
+          std::copy(buffer(local_[i]) + f, buffer(local_[i]) + l,
+                    packed[o].begin() + static_cast<std::ptrdiff_t>(i * (l - f)));
+        round.sends.push_back(message(q, packed[o].data(), packed[o].size()));
       }
-      case 1: {  // this process's share, folded over the members in rank order
-        const std::size_t len = last - first;
-        std::vector<const float*> sources;
-        for (int r = 0; r < n_; ++r) {
-          if (is_local(r)) {
-            sources.push_back(buffer(r) + first);
-          } else {
-            const auto o = static_cast<std::size_t>(
-                std::lower_bound(others_.begin(), others_.end(), process_of_[r]) - others_.begin());
-            sources.push_back(received_[o].data() + static_cast<std::size_t>(slot_[r]) * len);
-          }
-        }
-        std::vector<float*> targets;
-        for (int r : local_)
-          targets.push_back(buffer(r) + first);
-        reduce_to_all(c_.call.reduce, sources, 0, targets, 0, len, false);
-        MpiRound round;
-        const int lead = local_.front();
-        for (int q : others_) {
-          const auto [f, l] = share(count_, k, process_index(q));
-          round.sends.push_back(message(q, buffer(lead) + first, len));
-          round.receives.push_back(message(q, buffer(lead) + f, l - f));
-        }
-        return round;
-      }
-      case 2: {  // the other processes' shares, from the first local member to the rest
-        for (std::size_t i = 1; i < kl; ++i)
-          for (int q : others_) {
-            const auto [f, l] = share(count_, k, process_index(q));
-            copy_floats(buffer(local_[i]) + f, buffer(local_.front()) + f, l - f, false);
-          }
-        return std::nullopt;
-      }
+      received[o].resize(members_of_[static_cast<std::size_t>(iq)].size() * (last - first));
+      round.receives.push_back(message(q, received[o].data(), received[o].size()));
     }
-    return std::nullopt;
+  }
+
+  // This process's share of segment s, folded over the members in rank order into every local
+  // member's buffer (its scatter round has completed).
+  void fold(int s) {
+    const auto [first, last] = share_of(s, process_index(me_));
+    const std::size_t len = last - first;
+    const auto& received = received_[static_cast<std::size_t>(s % pipeline_)];
+    std::vector<const float*> sources;
+    for (int r = 0; r < n_; ++r) {
+      if (is_local(r))
+        sources.push_back(buffer(r) + first);
+      else
+        sources.push_back(received[other_index(process_of_[r])].data() +
+                          static_cast<std::size_t>(slot_[r]) * len);
+    }
+    std::vector<float*> targets;
+    for (int r : local_)
+      targets.push_back(buffer(r) + first);
+    reduce_to_all(c_.call.reduce, sources, 0, targets, 0, len, false);
+  }
+
+  // This process's folded share of segment s to every other process, theirs into the first
+  // local member's buffer.
+  void gather(int s, MpiRound& round) {
+    const auto [first, last] = share_of(s, process_index(me_));
+    const int lead = local_.front();
+    for (int q : others_) {
+      const auto [f, l] = share_of(s, process_index(q));
+      round.sends.push_back(message(q, buffer(lead) + first, last - first));
+      round.receives.push_back(message(q, buffer(lead) + f, l - f));
+    }
+  }
+
+  // The other processes' shares of segment s, from the first local member to the rest (its
+  // gather round has completed).
+  void spread(int s) {
+    for (std::size_t i = 1; i < local_.size(); ++i)
+      for (int q : others_) {
+        const auto [f, l] = share_of(s, process_index(q));
+        copy_floats(buffer(local_[i]) + f, buffer(local_.front()) + f, l - f, false);
+      }
   }
 
   std::size_t count_ = 0;
+  bool whole_ = true;
   int stage_ = 0;
-  std::vector<std::vector<float>> packed_, received_;  // by other process
+  std::vector<std::vector<float>> packed_whole_, received_whole_;  // by other process
+  // The segmented path: its segments, how many rounds are in flight at once, and by then how
+  // many rounds it posted, segments it folded and spread; its buffers, by s % pipeline_ and
+  // other process.
+  std::size_t segment_elements_ = 0;
+  int segments_ = 1, pipeline_ = 1;
+  int posted_ = 0, folded_ = 0, spread_ = 0;
+  std::array<std::vector<std::vector<float>>, kPipeline> packed_, received_;
 };
 
 // Rows exchanged by the block collectives: member j's block for member r, `m` elements.

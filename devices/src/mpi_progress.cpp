@@ -33,13 +33,21 @@ constexpr auto kGiveUp = std::chrono::seconds(2);
 
 }  // namespace
 
-struct MpiProgress::Active {
-  std::shared_ptr<MpiOperation> op;
-  int round = -1;
+// One round's messages as posted.
+struct Posted {
   std::vector<MPI_Request> requests;
   std::vector<MPI_Status> statuses;
   std::vector<std::size_t> expected;  // bytes, per request; receives only (sends: SIZE_MAX)
   std::vector<int> peers;             // per request
+};
+
+struct MpiProgress::Active {
+  std::shared_ptr<MpiOperation> op;
+  int round = -1;  // the last round posted
+  // The rounds in flight, oldest first (a vector: at most depth() of them, and unlike a deque
+  // it allocates nothing until a round is posted).
+  std::vector<Posted> posted;
+  Posted spare;  // the last one completed, its vectors kept for the next round
   bool over = false;
 };
 
@@ -63,8 +71,9 @@ void MpiProgress::submit(std::shared_ptr<MpiOperation> op) {
   Finished done;
   {
     std::lock_guard lock(job_.lock());
+    op->completed_rounds = 0;
     active_.push_back(Active{.op = std::move(op)});
-    start_round(active_.back(), done);
+    start_rounds(active_.back(), done);
     if (active_.back().over) active_.pop_back();
   }
   tell(done);
@@ -116,7 +125,7 @@ void MpiProgress::tell(Finished& done) {
 }
 
 void MpiProgress::pass(Finished& done) {
-  // start_round may not add operations, so the references stay valid.
+  // start_rounds may not add operations, so the references stay valid.
   for (Active& a : active_)
     if (!a.over) test(a, done);
   std::erase_if(active_, [](const Active& a) { return a.over; });
@@ -125,23 +134,25 @@ void MpiProgress::pass(Finished& done) {
 void MpiProgress::fail(Active& a, std::exception_ptr error, Finished& done) {
   a.over = true;
   // Requests still posted are left to MPI: the job cannot go on after a failed collective.
-  a.requests.clear();
+  a.posted.clear();
   done.emplace_back(a.op, std::move(error));
 }
 
-bool MpiProgress::start_round(Active& a, Finished& done) {
-  for (;;) {
+void MpiProgress::start_rounds(Active& a, Finished& done) {
+  while (!a.over && static_cast<int>(a.posted.size()) < a.op->depth()) {
     std::optional<MpiRound> round;
     try {
       round = a.op->next();
     } catch (...) {
       fail(a, std::current_exception(), done);
-      return true;
+      return;
     }
     if (!round) {
-      a.over = true;
-      done.emplace_back(a.op, nullptr);
-      return true;
+      if (a.posted.empty()) {
+        a.over = true;
+        done.emplace_back(a.op, nullptr);
+      }
+      return;  // over, or waiting for a round in flight
     }
     ++a.round;
     if (a.round >= MpiOperation::kRounds) {
@@ -150,11 +161,8 @@ bool MpiProgress::start_round(Active& a, Finished& done) {
                std::logic_error(fmt::format("{} needs more than {} rounds of messages",
                                             a.op->describe(), MpiOperation::kRounds))),
            done);
-      return true;
+      return;
     }
-    a.requests.clear();
-    a.expected.clear();
-    a.peers.clear();
     // Peers already found gone (check_peers finds the others while the round waits).
     for (const MpiMessage& m : round->receives)
       if (ended_.count(m.peer)) {
@@ -163,11 +171,15 @@ bool MpiProgress::start_round(Active& a, Finished& done) {
                  fmt::format("{} needs {}, which has ended; the job cannot go on without it",
                              a.op->describe(), job_.describe(m.peer)))),
              done);
-        return true;
+        return;
       }
     const long long bound = job_.tag_bound();
     const long long sequence = a.op->id * MpiOperation::kRounds + a.round;
     const int tag = static_cast<int>((sequence % bound + bound) % bound);
+    Posted p = std::move(a.spare);
+    p.requests.clear();
+    p.expected.clear();
+    p.peers.clear();
     try {
       // Receives first, so that a peer's message finds its buffer posted.
       for (const MpiMessage& m : round->receives) {
@@ -177,9 +189,9 @@ bool MpiProgress::start_round(Active& a, Finished& done) {
           MpiJob::check(MPI_Irecv(static_cast<char*>(m.data) + at, static_cast<int>(n), MPI_BYTE,
                                   m.peer, tag, a.op->comm, &r),
                         "MPI_Irecv");
-          a.requests.push_back(r);
-          a.expected.push_back(n);
-          a.peers.push_back(m.peer);
+          p.requests.push_back(r);
+          p.expected.push_back(n);
+          p.peers.push_back(m.peer);
           if (m.bytes == 0) break;
         }
       }
@@ -190,81 +202,94 @@ bool MpiProgress::start_round(Active& a, Finished& done) {
           MpiJob::check(MPI_Isend(static_cast<char*>(m.data) + at, static_cast<int>(n), MPI_BYTE,
                                   m.peer, tag, a.op->comm, &r),
                         "MPI_Isend");
-          a.requests.push_back(r);
-          a.expected.push_back(SIZE_MAX);
-          a.peers.push_back(m.peer);
+          p.requests.push_back(r);
+          p.expected.push_back(SIZE_MAX);
+          p.peers.push_back(m.peer);
           if (m.bytes == 0) break;
         }
       }
     } catch (...) {
       fail(a, std::current_exception(), done);
-      return true;
+      return;
     }
-    a.statuses.resize(a.requests.size());
-    if (!a.requests.empty()) return false;
-    // A round with no messages (a process with nothing to exchange): go straight on.
+    if (p.requests.empty() && a.posted.empty()) {
+      // A round with no messages (a process with nothing to exchange) is over at once; after
+      // rounds still in flight, once they are (test() finds it complete then).
+      ++a.op->completed_rounds;
+      continue;
+    }
+    p.statuses.resize(p.requests.size());
+    a.posted.push_back(std::move(p));
   }
 }
 
 void MpiProgress::test(Active& a, Finished& done) {
-  int complete = 0;
-  std::vector<MPI_Status>& statuses = a.statuses;
-  const int code = MPI_Testall(static_cast<int>(a.requests.size()), a.requests.data(), &complete,
-                               statuses.data());
-  if (code != MPI_SUCCESS) {
-    // Name the peer whose request failed, when MPI says which.
-    std::string peer = "a peer";
-    int error = code;
-    for (std::size_t i = 0; i < statuses.size(); ++i)
-      if (code == MPI_ERR_IN_STATUS && statuses[i].MPI_ERROR != MPI_SUCCESS &&
-          statuses[i].MPI_ERROR != MPI_ERR_PENDING) {
-        peer = job_.describe(a.peers[i]);
-        error = statuses[i].MPI_ERROR;
-        break;
-      }
-    char text[MPI_MAX_ERROR_STRING];
-    int length = 0;
-    MPI_Error_string(error, text, &length);
-    fail(a,
-         std::make_exception_ptr(std::runtime_error(
-             fmt::format("{}: the transfer with {} failed: {}", a.op->describe(), peer,
-                         std::string(text, static_cast<std::size_t>(length))))),
-         done);
-    return;
-  }
-  if (!complete) return;
-  for (std::size_t i = 0; i < statuses.size(); ++i) {
-    if (a.expected[i] == SIZE_MAX) continue;
-    int count = 0;
-    MPI_Get_count(&statuses[i], MPI_BYTE, &count);
-    if (static_cast<std::size_t>(count) != a.expected[i]) {
+  // The oldest round first: rounds complete in the order they were posted.
+  while (!a.over && !a.posted.empty()) {
+    Posted& p = a.posted.front();
+    int complete = 0;
+    std::vector<MPI_Status>& statuses = p.statuses;
+    const int code = MPI_Testall(static_cast<int>(p.requests.size()), p.requests.data(), &complete,
+                                 statuses.data());
+    if (code != MPI_SUCCESS) {
+      // Name the peer whose request failed, when MPI says which.
+      std::string peer = "a peer";
+      int error = code;
+      for (std::size_t i = 0; i < statuses.size(); ++i)
+        if (code == MPI_ERR_IN_STATUS && statuses[i].MPI_ERROR != MPI_SUCCESS &&
+            statuses[i].MPI_ERROR != MPI_ERR_PENDING) {
+          peer = job_.describe(p.peers[i]);
+          error = statuses[i].MPI_ERROR;
+          break;
+        }
+      char text[MPI_MAX_ERROR_STRING];
+      int length = 0;
+      MPI_Error_string(error, text, &length);
       fail(a,
-           std::make_exception_ptr(std::runtime_error(fmt::format(
-               "{}: {} sent {} bytes where this process expected {}; every process must "
-               "issue the collective with the same sizes",
-               a.op->describe(), job_.describe(a.peers[i]), count, a.expected[i]))),
+           std::make_exception_ptr(std::runtime_error(
+               fmt::format("{}: the transfer with {} failed: {}", a.op->describe(), peer,
+                           std::string(text, static_cast<std::size_t>(length))))),
            done);
       return;
     }
+    if (!complete) return;
+    for (std::size_t i = 0; i < statuses.size(); ++i) {
+      if (p.expected[i] == SIZE_MAX) continue;
+      int count = 0;
+      MPI_Get_count(&statuses[i], MPI_BYTE, &count);
+      if (static_cast<std::size_t>(count) != p.expected[i]) {
+        fail(a,
+             std::make_exception_ptr(std::runtime_error(fmt::format(
+                 "{}: {} sent {} bytes where this process expected {}; every process must "
+                 "issue the collective with the same sizes",
+                 a.op->describe(), job_.describe(p.peers[i]), count, p.expected[i]))),
+             done);
+        return;
+      }
+    }
+    a.spare = std::move(a.posted.front());
+    a.posted.erase(a.posted.begin());
+    ++a.op->completed_rounds;
+    start_rounds(a, done);
   }
-  start_round(a, done);
 }
 
 void MpiProgress::check_peers(Finished& done) {
   for (Active& a : active_) {
     if (a.over) continue;
-    for (int peer : a.peers) {
-      if (!ended_.count(peer) && !job_.has_ended(peer)) continue;
-      ended_.insert(peer);
-      job_.mark_failed();
-      fail(a,
-           std::make_exception_ptr(std::runtime_error(
-               fmt::format("{} has ended while this process waited for it in {}; stopping: the job "
-                           "cannot go on without it",
-                           job_.describe(peer), a.op->describe()))),
-           done);
-      break;
-    }
+    std::optional<int> gone;
+    for (const Posted& p : a.posted)
+      for (int peer : p.peers)
+        if (!gone && (ended_.count(peer) || job_.has_ended(peer))) gone = peer;
+    if (!gone) continue;
+    ended_.insert(*gone);
+    job_.mark_failed();
+    fail(a,
+         std::make_exception_ptr(std::runtime_error(
+             fmt::format("{} has ended while this process waited for it in {}; stopping: the job "
+                         "cannot go on without it",
+                         job_.describe(*gone), a.op->describe()))),
+         done);
   }
   std::erase_if(active_, [](const Active& a) { return a.over; });
 }

@@ -1,6 +1,7 @@
 // The progress engine of a process's MPI traffic. Operations (a collective's part in this
-// process, a host exchange) are rounds of non-blocking sends and receives; whichever thread
-// polls the engine tests them, starts each operation's next round and finishes the operations
+// process, a host exchange) are rounds of non-blocking sends and receives, one round in flight
+// at a time or, for a pipelined one (a large all-reduce by segments), several; whichever thread
+// polls the engine tests them, starts each operation's next rounds and finishes the operations
 // that are over. The thread that submits an operation posts its first round itself and polls
 // for a few microseconds: a small collective whose peers are ready completes there, on the
 // device's own thread, with no hand-off. One that is not over by then is polled by the
@@ -47,13 +48,19 @@ class MpiOperation {
  public:
   // Rounds per operation at most: round r's messages carry tag (id * kRounds + r) mod the
   // job's tag bound, so operations of different ids never match each other's messages.
-  static constexpr int kRounds = 4;
+  static constexpr int kRounds = 64;
 
   virtual ~MpiOperation() = default;
   // The next round: called by the thread polling the engine, first when the operation is
-  // submitted and then each time the previous round has completed. std::nullopt: the operation
-  // is over. May throw: the operation fails with that error.
+  // submitted and then each time one of its rounds has completed, again and again while fewer
+  // than depth() of its rounds are in flight and it returns one. std::nullopt: nothing to post
+  // yet; the operation is over when it says so with none of its rounds in flight. May throw:
+  // the operation fails with that error.
   virtual std::optional<MpiRound> next() = 0;
+  // How many of its rounds may be in flight at once. 1: each round starts once the previous
+  // one has completed. More: a pipeline, whose next() tells by completed_rounds which rounds'
+  // buffers it may read or reuse.
+  virtual int depth() const { return 1; }
   // Called once, by the thread polling the engine (outside its lock), when the operation is
   // over (error null) or failed.
   virtual void finished(std::exception_ptr error) = 0;
@@ -64,6 +71,9 @@ class MpiOperation {
   std::int64_t id = 0;
   // From submit() until finished() is called.
   std::atomic<bool> in_flight{false};
+  // Rounds of this submission whose messages have all completed (they complete in the order
+  // they were posted); set by the engine before each next(), under its lock.
+  int completed_rounds = 0;
 };
 
 class MpiProgress final : public rt::IdlePoll {
@@ -92,7 +102,7 @@ class MpiProgress final : public rt::IdlePoll {
   // One pass over the operations in flight, under the job's lock (held by the caller): those
   // that ended go to `done`, to be told once the lock is released.
   void pass(Finished& done);
-  bool start_round(Active& a, Finished& done);
+  void start_rounds(Active& a, Finished& done);
   void test(Active& a, Finished& done);
   void fail(Active& a, std::exception_ptr error, Finished& done);
   void check_peers(Finished& done);

@@ -2,8 +2,10 @@
 // reference, bitwise. N = 3P devices (every process holds 3), with groups that span every
 // process, some processes or one (odd sizes, devices out of order, pairs), buffers of zero,
 // odd and multi-KiB lengths (up to 80 KB, past the one-round all-reduce of more than 2
-// processes), issued over groups in a different order in every process and run twice with fresh
-// data. Prints "mpi collectives: C cases, F failed" on process 0 and exits 1 when any failed.
+// processes), all-reduces pipelined by segments (three segments, the last a part one, and over
+// 2 processes one of 16 MB whose segments grow to stay within an operation's rounds), issued over
+// groups in a different order in every process and run twice with fresh data. Prints "mpi
+// collectives: C cases, F failed" on process 0 and exits 1 when any failed.
 //
 //   --size-mismatch  one all-reduce whose buffer is larger on process 1: the run must fail on
 //                    every process with weave's message naming the peer and the sizes
@@ -414,6 +416,15 @@ int check_all(int processes, int process) {
     check.add(CollectiveOp::reduce_scatter, g, 101, ReduceOp::max);
     check.add(CollectiveOp::barrier, g, 0);
   }
+  // Past 256 KiB an all-reduce goes by segments of 256 KiB (65536 floats), two in flight:
+  // two and a part (the third reuses the first's buffers), over everyone (several members per
+  // process), an odd group and a pair (one member per process: the pieces go straight from its
+  // buffer); and, over 2 processes, one that would take 63 segments, more than an operation's 64
+  // rounds allow with two in flight.
+  for (std::size_t g : {0, 1, 3})
+    check.add(CollectiveOp::all_reduce, groups[g], 2 * 65536 + 26003, ReduceOp::sum);
+  if (processes == 2)
+    check.add(CollectiveOp::all_reduce, groups[3], 62 * 65536 + 4099, ReduceOp::sum);
   for (std::size_t s : sizes) {
     check.add(CollectiveOp::send_recv, {0, static_cast<rt::DeviceId>(last)}, s);
     check.add(CollectiveOp::send_recv, {static_cast<rt::DeviceId>(last), 1}, s);
