@@ -55,9 +55,10 @@ TEST(PredictCli, TakesMegatronsMoeLayerPatternAndExpertWidth) {
       weave(std::string(kConfig) + " --moe-layer-freq '([0]*1+[1]*3)' --moe-ffn-hidden-size 512");
   ASSERT_EQ(r.status, 0) << r.out;
   EXPECT_NE(r.out.find("8 experts top-2, 512 wide, in 3 of 4 layers"), std::string::npos) << r.out;
-  const Result other = weave(std::string(kConfig) + " --moe-layer-freq '([1]*2+[0]*2)*1'");
+  const Result other = weave(std::string(kConfig) + " --moe-layer-freq '2*([1]*2+[0]*2)'");
   EXPECT_EQ(other.status, 1) << other.out;
-  EXPECT_NE(other.out.find("a sum of bracketed lists each times a count"), std::string::npos)
+  EXPECT_NE(other.out.find("a sum of bracketed lists and parenthesised sums, each times a count"),
+            std::string::npos)
       << other.out;
   const Result short_pattern = weave(std::string(kConfig) + " --moe-layer-freq '[0,1,1]'");
   EXPECT_EQ(short_pattern.status, 1) << short_pattern.out;
