@@ -94,6 +94,40 @@ const char* kTinyModel =
     "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --ffn-hidden-size 64 --seq-length 32 "
     "--micro-batch-size 2 --log-interval 5 --lr-warmup-iters 2";
 
+// A script's --lr makes the schedule flags it leaves out Megatron-LM's defaults (no warm-up,
+// linear decay to 0 over the run); without --lr, weave's own apply.
+TEST(CliTrain, ScheduleFlagsLeftOutBesideLrAreMegatrons) {
+  const auto rates = [](const std::string& flags) {
+    const auto metrics = scratch("lr.jsonl");
+    const Result r = weave(
+        fmt::format("train --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 "
+                    "--mock-data --train-iters 4 --log-interval 1 --log-json {} {}",
+                    metrics.string(), flags));
+    EXPECT_EQ(r.status, 0) << r.out;
+    std::ifstream in(metrics);
+    std::string line;
+    std::vector<double> lr;
+    while (std::getline(in, line)) {
+      const auto j = nlohmann::json::parse(line);
+      if (j.contains("lr") && j.contains("loss")) lr.push_back(j["lr"]);
+    }
+    return lr;
+  };
+  // (--min-lr 3e-4, weave's default, would be above this --lr: it was refused.)
+  const std::vector<double> megatron = rates("--lr 5e-7");
+  ASSERT_EQ(megatron.size(), 4u);
+  for (int i = 0; i < 4; ++i)
+    EXPECT_NEAR(megatron[static_cast<std::size_t>(i)], 5e-7 * (3 - i) / 4.0, 1e-15) << i;
+  // What the script gives stays: a warm-up of 2 to 5e-7, then cosine to 1e-7.
+  const std::vector<double> given =
+      rates("--lr 5e-7 --lr-warmup-iters 2 --lr-decay-style cosine --min-lr 1e-7");
+  ASSERT_EQ(given.size(), 4u);
+  EXPECT_NEAR(given[0], 2.5e-7, 1e-15);
+  EXPECT_NEAR(given[1], 5e-7, 1e-15);
+  EXPECT_GT(given[2], 1e-7);
+  EXPECT_NEAR(given[3], 1e-7, 1e-15);
+}
+
 TEST(CliTrain, MockDataTrainsAndWritesMetricsAndTrace) {
   const auto metrics = scratch("metrics.jsonl"), trace = scratch("trace.json");
   const Result r = weave(

@@ -252,6 +252,21 @@ std::optional<long long> python_int(const std::string& word) {
   return word[0] == '-' ? -value : value;
 }
 
+// A run that sets --lr, as every Megatron-LM script does, is that script's: the schedule flags it
+// leaves out mean Megatron-LM's defaults (arguments.py: --min-lr 0.0, --lr-warmup-iters 0,
+// --lr-decay-style linear). weave's own, which suit its small models, apply when --lr is not given
+// either.
+void derive_learning_rate(TrainOptions& o) {
+  const auto given = [&](std::string_view flag) {
+    return std::find(o.given.begin(), o.given.end(), flag) != o.given.end();
+  };
+  if (!given("--lr")) return;
+  graphs::LearningRateSchedule& lr = o.config.learning_rate;
+  if (!given("--min-lr")) lr.min_lr = 0;
+  if (!given("--lr-warmup-iters")) lr.warmup_iters = 0;
+  if (!given("--lr-decay-style")) lr.style = "linear";
+}
+
 // --rampup-batch-size's words, and training by samples (--train-samples) beside the iteration
 // flags, by Megatron-LM's rules.
 void derive_sample_training(TrainOptions& o) {
@@ -321,6 +336,7 @@ void derive_config(TrainOptions& o) {
   derive_model(o);
   derive_recompute(o);
   derive_batch(o);
+  derive_learning_rate(o);
   derive_sample_training(o);
   apply_sharding_flags(o);
   c.timing = o.timing == "model" ? graphs::Timing::virtual_clock : graphs::Timing::wall;

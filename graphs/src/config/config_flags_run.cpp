@@ -21,7 +21,9 @@ constexpr ConfigField adamw() {
 constexpr ConfigFlag kOptimizer[] = {
     {.name = "--lr",
      .group = FlagGroup::learning_rate,
-     .help = "Peak learning rate",
+     .help = "Peak learning rate. Given, the schedule flags left out take Megatron-LM's "
+             "defaults (--min-lr 0, --lr-warmup-iters 0, --lr-decay-style linear); not given, "
+             "weave's (3e-3 to 3e-4 by cosine after 10 warm-up iterations)",
      .field = learning_rate_field<&LR::lr>(),
      .check = kNonNegative,
      .description = described(DescribedSection::learning_rate, "lr"),
