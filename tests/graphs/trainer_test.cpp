@@ -363,12 +363,16 @@ TEST(TrainerConfig, EveryRunRuleIsRefusedWithItsValue) {
             "--eval-interval must be >= 0 (0: no evaluation), got -1");
   EXPECT_EQ(refusal([](TrainerConfig& c) { c.save_interval = -1; }),
             "--save-interval must be >= 0 (0: save at the end only), got -1");
-  EXPECT_EQ(refusal([](TrainerConfig& c) {
-              c.save_interval = 5;
-              c.save_path.clear();
-            }),
-            "--save-interval 5 saves a checkpoint every 5 iterations, but there is no --save: "
-            "name the checkpoint file with --save, or drop --save-interval");
+  // Without --save the interval saves nothing, as in Megatron-LM: named in a warning.
+  TrainerConfig unsaved = tiny_config(0, 2);
+  unsaved.save_interval = 5;
+  unsaved.save_path.clear();
+  const std::vector<std::string> warnings = validate(unsaved);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_EQ(warnings[0],
+            "--save-interval 5 has no effect without --save, as in Megatron-LM: name the "
+            "checkpoint file with --save to save every 5 iterations");
+  EXPECT_EQ(unsaved.save_interval, 0);
   EXPECT_EQ(refusal([](TrainerConfig& c) { c.metrics_interval = 0; }),
             "--log-interval must be >= 1, got 0");
   EXPECT_EQ(refusal([](TrainerConfig& c) { c.trace_iteration = 0; }),

@@ -94,6 +94,17 @@ void check_learning_rate(const LearningRateSchedule& schedule) {
     refuse("--lr-warmup-iters must be >= 0, got {}", schedule.warmup_iters);
 }
 
+// Megatron-LM saves at --save-interval only with --save (training.py): a script giving the
+// interval without the path saves nothing, and runs.
+void drop_save_interval_without_save(TrainerConfig& c, std::vector<std::string>& warnings) {
+  if (c.save_interval <= 0 || !c.save_path.empty()) return;
+  warnings.push_back(fmt::format(
+      "--save-interval {} has no effect without --save, as in Megatron-LM: name the checkpoint "
+      "file with --save to save every {} iterations",
+      c.save_interval, c.save_interval));
+  c.save_interval = 0;
+}
+
 void check_eval_and_save_intervals(const TrainerConfig& c) {
   if (c.eval_interval < 0)
     refuse("--eval-interval must be >= 0 (0: no evaluation), got {}", c.eval_interval);
@@ -102,11 +113,6 @@ void check_eval_and_save_intervals(const TrainerConfig& c) {
            c.eval_iters);
   if (c.save_interval < 0)
     refuse("--save-interval must be >= 0 (0: save at the end only), got {}", c.save_interval);
-  if (c.save_interval > 0 && c.save_path.empty())
-    refuse(
-        "--save-interval {} saves a checkpoint every {} iterations, but there is no --save: "
-        "name the checkpoint file with --save, or drop --save-interval",
-        c.save_interval, c.save_interval);
 }
 
 void check_log_and_trace(const TrainerConfig& c) {
@@ -178,6 +184,7 @@ std::vector<std::string> validate(TrainerConfig& c) {
   derive_decay_iters(c);
   check_learning_rate(c.learning_rate);
   check_eval_and_save_intervals(c);
+  drop_save_interval_without_save(c, warnings);
   check_log_and_trace(c);
   check_optimizer(c.optimizer);
   check_loss_weights_and_init(c.model);
