@@ -656,9 +656,7 @@ TEST(CliOutputs, OptionValuesAreValidatedBeforeTheRun) {
       {"--adam-eps 0", "--adam-eps must be a finite number > 0, got 0"},
       {"--moe-aux-loss-coeff -0.1", "--moe-aux-loss-coeff must be >= 0, got -0.1"},
       {"--moe-z-loss-coeff -1", "--moe-z-loss-coeff must be >= 0, got -1"},
-      {"--save-interval 5",
-       "--save-interval 5 saves a checkpoint every 5 iterations, but there "
-       "is no --save"},
+      {"--save-interval -1", "--save-interval: must be a whole number of at least 0 (got '-1')"},
       {"--split 0,5,5", "--split '0,5,5' leaves nothing to train on"},
       {"--optimizer sgd", "--optimizer"},
   };

@@ -48,6 +48,22 @@ TEST(PredictCli, RefusesWhatTrainRefuses) {
   EXPECT_NE(r.out.find("--num-attention-heads (3)"), std::string::npos) << r.out;
 }
 
+// Left out, --ffn-hidden-size is Megatron-LM's for the hidden size: 4 h, or 2/3 of it rounded
+// down to a multiple of 64 with SwiGLU (4 x 1000 x 2/3 = 2666.7: 2624).
+TEST(PredictCli, FfnHiddenSizeLeftOutIsMegatronsForTheHiddenSize) {
+  const std::string model =
+      "predict --num-layers 2 --hidden-size 1000 --num-attention-heads 8 --seq-length 256 "
+      "--num-experts 4 --global-batch-size 2 --device-flops 1e14";
+  const Result gelu = weave(model);
+  ASSERT_EQ(gelu.status, 0) << gelu.out;
+  EXPECT_NE(gelu.out.find("4 experts top-2, 4000 wide"), std::string::npos) << gelu.out;
+  const Result swiglu = weave(model + " --swiglu");
+  ASSERT_EQ(swiglu.status, 0) << swiglu.out;
+  EXPECT_NE(swiglu.out.find("4 experts top-2, 2624 wide"), std::string::npos) << swiglu.out;
+  const Result given = weave(model + " --swiglu --ffn-hidden-size 512");
+  EXPECT_NE(given.out.find("4 experts top-2, 512 wide"), std::string::npos) << given.out;
+}
+
 // DeepSeek-V3's shapes on the command line: a dense first layer by Megatron's pattern, experts
 // of their own width; a pattern in another Python form is refused naming the forms read.
 TEST(PredictCli, TakesMegatronsMoeLayerPatternAndExpertWidth) {

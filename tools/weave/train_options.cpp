@@ -104,6 +104,11 @@ void derive_load_balancing(const std::string& type, graphs::ModelConfig& m) {
 void derive_model(TrainOptions& o) {
   graphs::ModelConfig& m = o.config.model;
   m.activation = o.swiglu ? graphs::Activation::swiglu : graphs::Activation::gelu;
+  // Left out, the MLP is Megatron-LM's width for the hidden size (arguments.py): 4 h, or with
+  // SwiGLU's two input products 2/3 of it rounded down to a multiple of 64.
+  if (std::find(o.given.begin(), o.given.end(), "--ffn-hidden-size") == o.given.end())
+    m.ffn_hidden_size =
+        o.swiglu ? static_cast<int>(4.0 * m.hidden_size * 2 / 3 / 64) * 64 : 4 * m.hidden_size;
   m.precision = o.bf16 ? graphs::Precision::bf16 : graphs::Precision::fp32;
   if (o.position_embedding_type == "learned_absolute")
     m.position_embedding = graphs::PositionEmbedding::learned_absolute;
