@@ -1,7 +1,8 @@
-// The sequence-parallelism seed's Megatron-DeepSpeed command line, sizes scaled down, through
-// `weave train` as a user pastes it (with a DeepSpeed file written here): it trains, names the
-// flags and fields without effect once, shards the optimizer state (ZeRO stage 1), and ramps the
-// batch as Megatron-LM's rule, worked out here, says.
+// Scripts users paste, sizes scaled down, through `weave train` and `weave predict`. The
+// sequence-parallelism seed's Megatron-DeepSpeed command line (with a DeepSpeed file written here)
+// trains, names the flags and fields without effect once, shards the optimizer state (ZeRO stage
+// 1), and ramps the batch as Megatron-LM's rule, worked out here, says; MindSpeed's Ampipe test
+// script is known flag by flag.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -84,6 +85,60 @@ TEST(SeedScript, TrainsAsPastedWithItsRampAndDeepSpeedFile) {
   std::filesystem::remove_all(dir);
   // What it printed, for the record of the run.
   std::printf("%s", r.out.c_str());
+}
+
+// MindSpeed's own Ampipe test script (tests_extend/system_tests/feature_tests/deepspeed_moe.sh on
+// its core_r0.8.0 branch): GPT_ARGS, MOE_ARGS, RECOMPUTE_ARGS, OUTPUT_ARGS and DATA_ARGS' sizes as
+// pasted, --mock-data for its corpus. Every flag is known; at its published sizes weave predict
+// models it (bf16, full recomputation, 4 h wide experts); scaled down in sizes only, weave train
+// names the one limit left (a materialised bf16 step has no context parallelism) and trains the
+// same run in fp32.
+TEST(SeedScript, MindSpeedsAmpipeScriptIsKnownFlagByFlag) {
+  const std::string script =
+      "--use-legacy-models --tensor-model-parallel-size 2 --context-parallel-size 2 "
+      "--context-parallel-algo megatron_cp_algo --use-cp-send-recv-overlap --reuse-fp32-param "
+      "--sequence-parallel --use-fused-rotary-pos-emb --use-flash-attn "
+      "--use-distributed-optimizer --num-layers 2 --micro-batch-size 1 --global-batch-size 4 "
+      "--lr-decay-iters 320000 --lr 5.0e-7 --lr-decay-style cosine --clip-grad 1.0 "
+      "--weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 --init-method-std 0.006 "
+      "--no-gradient-accumulation-fusion --position-embedding-type rope --no-bias-gelu-fusion "
+      "--no-bias-dropout-fusion --attention-dropout 0.0 --hidden-dropout 0.0 "
+      "--disable-bias-linear --expert-model-parallel-size 2 --moe-model-type deepspeed_moe "
+      "--num-experts 2 --moe-router-topk 2 --enable-token-rearrange-opt --use-pipe-experts "
+      "--pipe-experts-multi-stream --pipe-experts-multi-data 4 --ampipe-degree 2 "
+      "--ampipe-tp-sp-comm-overlap --moe-no-drop --moe-use-sinkhorn --moe-dynamic-padding "
+      "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1 "
+      "--vocab-size 50257 --num-workers 4 --split 949,50,1 --log-interval 1 "
+      "--save-interval 10000 --eval-interval 10000 --eval-iters 10 --log-throughput "
+      "--timing-log-option max --devices 8";
+  const weave::cli_test::Result published =
+      weave("predict " + script +
+            " --hidden-size 12288 --num-attention-heads 96 --seq-length 16384 "
+            "--max-position-embeddings 16384 --train-iters 1000 --bf16 --accelerator ascend-910b");
+  ASSERT_EQ(published.status, 0) << published.out;
+  EXPECT_NE(published.out.find("2 experts top-2, 49152 wide, in 2 of 2 layers, vocabulary 50257 "
+                               "(padded 50432), bf16, full recomputation (uniform 1)"),
+            std::string::npos)
+      << published.out;
+  EXPECT_NE(published.out.find("tp 2 + sp, cp 2, ep 2, dp 2, pp 1"), std::string::npos)
+      << published.out;
+
+  const std::string scaled = script +
+                             " --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+                             "--max-position-embeddings 64 --train-iters 2 --mock-data";
+  const weave::cli_test::Result pasted = weave("train " + scaled + " --bf16");
+  EXPECT_NE(pasted.status, 0);
+  EXPECT_NE(pasted.out.find("trains in bf16 with tensor (and sequence) and data parallelism "
+                            "only"),
+            std::string::npos)
+      << pasted.out;
+  EXPECT_NE(pasted.out.find("this run has context parallelism"), std::string::npos) << pasted.out;
+  EXPECT_EQ(pasted.out.find("cannot be taken"), std::string::npos) << pasted.out;
+  const weave::cli_test::Result fp32 = weave("train " + scaled);
+  ASSERT_EQ(fp32.status, 0) << fp32.out;
+  EXPECT_NE(fp32.out.find("tp 2 + sp, cp 2, ep 2, dp 2, ampipe 2"), std::string::npos) << fp32.out;
+  EXPECT_NE(fp32.out.find("iteration      2/2"), std::string::npos) << fp32.out;
+  EXPECT_EQ(fp32.out.find("pipe-experts is switched off"), std::string::npos) << fp32.out;
 }
 
 }  // namespace
