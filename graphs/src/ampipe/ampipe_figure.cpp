@@ -9,6 +9,8 @@
 #include <utility>
 #include <vector>
 
+#include "pipeline/svg_text.hpp"
+
 namespace weave::graphs {
 
 namespace {
@@ -20,29 +22,6 @@ constexpr double kLaneGap = 6;
 constexpr double kPanelTitle = 26;  // the panel's name above its lanes
 constexpr double kAxis = 34;        // the time axis under the lanes
 constexpr double kGlyph = 0.6;      // a character's width in ems, about
-
-std::string escape(std::string_view text) {
-  std::string out;
-  for (const char c : text) {
-    switch (c) {
-      case '&':
-        out += "&amp;";
-        break;
-      case '<':
-        out += "&lt;";
-        break;
-      case '>':
-        out += "&gt;";
-        break;
-      case '"':
-        out += "&quot;";
-        break;
-      default:
-        out += c;
-    }
-  }
-  return out;
-}
 
 // What a kind of task is, for its colour: the parts of an Ampipe layer the figure is about.
 enum class Role { attention, router, dispatch, experts, combine, communication, other };
@@ -215,7 +194,7 @@ std::string box_label(const Box& b, double x, double w, double y) {
   return fmt::format(
       "<text class=\"label\" x=\"{:.2f}\" y=\"{:.1f}\" font-size=\"{:.1f}\" "
       "text-anchor=\"middle\" dominant-baseline=\"central\">{}</text>",
-      x + w / 2, y + kLaneHeight / 2, size, escape(text));
+      x + w / 2, y + kLaneHeight / 2, size, svg_escape(text));
 }
 
 struct Panel {
@@ -293,7 +272,8 @@ double draw_panel(std::string& svg, const Panel& p, const rt::Trace& trace, doub
     svg += fmt::format(
         "<text class=\"lane\" x=\"{}\" y=\"{:.1f}\" font-size=\"12\" text-anchor=\"end\" "
         "dominant-baseline=\"middle\">{}</text>\n",
-        kAmpipeFigureLeft - 8, lane_y(s) + kLaneHeight / 2, escape(trace.tasks().stream_name(s)));
+        kAmpipeFigureLeft - 8, lane_y(s) + kLaneHeight / 2,
+        svg_escape(trace.tasks().stream_name(s)));
     svg +=
         fmt::format("<rect x=\"{}\" y=\"{:.1f}\" width=\"{}\" height=\"{}\" fill=\"#f4f4f4\"/>\n",
                     kAmpipeFigureLeft, lane_y(s), kAmpipeFigurePlotWidth, kLaneHeight);
@@ -304,9 +284,9 @@ double draw_panel(std::string& svg, const Panel& p, const rt::Trace& trace, doub
         "<g><title>{} ({}, {:.3f} ms to {:.3f} ms)</title><rect class=\"task\" data-task=\"{}\" "
         "data-kind=\"{}\" data-phase=\"{}\" data-chunk=\"{}\" x=\"{:.2f}\" y=\"{:.1f}\" "
         "width=\"{:.2f}\" height=\"{}\" fill=\"{}\" stroke=\"#333\" stroke-width=\"0.5\"/>",
-        escape(trace.tasks().name(b->task)), escape(trace.tasks().stream_name(b->stream)),
-        ms(b->start), ms(b->end), b->task, escape(b->kind), rt::to_string(b->phase), b->chunk, bx,
-        by, bw, kLaneHeight, kRoles[static_cast<int>(b->role)].fill);
+        svg_escape(trace.tasks().name(b->task)), svg_escape(trace.tasks().stream_name(b->stream)),
+        ms(b->start), ms(b->end), b->task, svg_escape(b->kind), rt::to_string(b->phase), b->chunk,
+        bx, by, bw, kLaneHeight, kRoles[static_cast<int>(b->role)].fill);
     if (b->communication)
       for (const auto& [from, to] : uncovered(b->start, b->end, compute))
         svg += fmt::format(
@@ -343,7 +323,7 @@ std::string legend(double y) {
     svg += fmt::format(
         "<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"14\" height=\"14\" fill=\"{}\" stroke=\"{}\"/>"
         "<text class=\"legend\" x=\"{:.1f}\" y=\"{:.1f}\" font-size=\"11\">{}</text>\n",
-        lx, y, fill, stroke, lx + 18, y + 11, escape(label));
+        lx, y, fill, stroke, lx + 18, y + 11, svg_escape(label));
     lx += 18 + 6.2 * static_cast<double>(label.size()) + 14;
   };
   for (const RoleStyle& r : kRoles)
@@ -382,8 +362,8 @@ std::string render_ampipe_figure(const rt::Trace& trace, const AmpipeFigureReque
       "micro-batch {}: {} (virtual clock)</text>\n"
       "<text x=\"{}\" y=\"42\" font-size=\"12\">communication {:.3f} ms, of which {:.3f} ms "
       "exposed (the device computing nothing meanwhile)</text>\n",
-      kAmpipeFigureLeft, r.layer, r.device, r.micro_batch, escape(chunk_text), kAmpipeFigureLeft,
-      ms(communication), ms(exposed));
+      kAmpipeFigureLeft, r.layer, r.device, r.micro_batch, svg_escape(chunk_text),
+      kAmpipeFigureLeft, ms(communication), ms(exposed));
   double y = kTop;
   const std::vector<bool> again = recomputed(boxes, trace.tasks());
   for (const bool forward : {true, false}) {

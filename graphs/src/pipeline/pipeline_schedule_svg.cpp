@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "svg_text.hpp"
+
 namespace weave::graphs {
 
 namespace {
@@ -17,32 +19,6 @@ constexpr double kRight = 20;
 constexpr double kMaxPlotWidth = 1800;
 constexpr double kFilledPlotWidth = 1510;  // ScheduleSvgOptions::fill_width: the SVG 1600 px wide
 constexpr double kUnitWidth = 26;          // pixels per time unit when the step is short
-
-std::string escape(std::string_view text) {
-  std::string out;
-  for (char c : text) {
-    switch (c) {
-      case '&':
-        out += "&amp;";
-        break;
-      case '<':
-        out += "&lt;";
-        break;
-      case '>':
-        out += "&gt;";
-        break;
-      case '"':
-        out += "&quot;";
-        break;
-      case '\'':
-        out += "&apos;";
-        break;
-      default:
-        out += c;
-    }
-  }
-  return out;
-}
 
 // Colour says the phase (the micro-batch is the number in the box): light blue forwards, dark
 // blue full backwards, orange input gradients, green weight gradients.
@@ -148,15 +124,15 @@ std::string title(const PipelineSchedule& s, const ScheduleReport& report, doubl
           ? fmt::format("bubble {:.3f} of the ideal time, {:.1f}% idle, makespan {:g}",
                         report.bubble_over_ideal, 100 * report.idle_over_total, report.makespan)
           : std::string("not simulated");
-  const std::string text = fmt::format("{}: p={}, m={}, v={} &#8212; {}", escape(s.name), s.ranks,
-                                       s.micro_batches, s.chunks, escape(bubble));
+  const std::string text = fmt::format("{}: p={}, m={}, v={} &#8212; {}", svg_escape(s.name),
+                                       s.ranks, s.micro_batches, s.chunks, svg_escape(bubble));
   std::string svg = fmt::format(
       "<text x=\"{}\" y=\"22\" font-size=\"16\" font-weight=\"bold\">{}</text>\n", kLeft, text);
   // Rough text widths: about 0.6 em per character.
   reach = kLeft + 9.6 * static_cast<double>(text.size());
   if (!report.problems.empty())
     svg += fmt::format("<text x=\"{}\" y=\"42\" font-size=\"12\" fill=\"#b00\">{}{}</text>\n",
-                       kLeft, escape(report.problems.front()),
+                       kLeft, svg_escape(report.problems.front()),
                        report.problems.size() > 1
                            ? fmt::format(" (and {} more)", report.problems.size() - 1)
                            : std::string());
@@ -229,7 +205,7 @@ std::string time_axis(const ScheduleReport& report, const Frame& f, const std::s
         f.x(t), f.axis_y, f.axis_y + 4, f.axis_y + 15, t);
   svg +=
       fmt::format("<text x=\"{}\" y=\"{:.1f}\" font-size=\"11\">{}</text>\n", kLeft, f.axis_y + 29,
-                  !caption.empty()   ? escape(caption)
+                  !caption.empty()   ? svg_escape(caption)
                   : report.simulated ? std::string("time (one forward of one chunk = 1 by default)")
                                      : std::string("step (not simulated)"));
   return svg;
