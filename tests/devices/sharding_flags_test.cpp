@@ -79,6 +79,10 @@ TEST(DeepSpeedConfig, SetsWhatTheCommandLineLeftOut) {
   EXPECT_EQ(c.optimizer.clip_grad, 0.5);
   EXPECT_TRUE(c.plan.distributed_optimizer);
   EXPECT_EQ(c.learning_rate.lr, 3e-4);
+  // The file's rate is a script's --lr: the schedule flags left out are Megatron-LM's defaults.
+  EXPECT_EQ(c.learning_rate.min_lr, 0);
+  EXPECT_EQ(c.learning_rate.warmup_iters, 0);
+  EXPECT_EQ(c.learning_rate.style, "linear");
   EXPECT_EQ(c.optimizer.adamw.beta1, 0.8);
   EXPECT_EQ(c.optimizer.adamw.beta2, 0.99);
   EXPECT_EQ(c.optimizer.adamw.eps, 1e-6);

@@ -166,6 +166,9 @@ void read_optimizer(TrainOptions& o, Reading& r, const json& section) {
     const std::string name = "optimizer.params." + key;
     if (key == "lr") {
       set_or_check(o, r, "--lr", name, c.learning_rate.lr, number(r, value, name));
+      // The file's rate is the script's: the schedule's other defaults are Megatron-LM's.
+      if (std::find(o.given.begin(), o.given.end(), "--lr") == o.given.end())
+        o.given.emplace_back("--lr");
     } else if (key == "betas" && value.is_array() && value.size() == 2) {
       set_or_check(o, r, "--adam-beta1", name + "[0]", c.optimizer.adamw.beta1,
                    number(r, value[0], name));

@@ -341,9 +341,9 @@ void derive_config(TrainOptions& o) {
   derive_model(o);
   derive_recompute(o);
   derive_batch(o);
-  derive_learning_rate(o);
   derive_sample_training(o);
-  apply_sharding_flags(o);
+  apply_sharding_flags(o);  // a DeepSpeed file's optimizer.params.lr is a script's --lr
+  derive_learning_rate(o);
   c.timing = o.timing == "model" ? graphs::Timing::virtual_clock : graphs::Timing::wall;
   if (!o.trace_iteration_given) c.trace_iteration = std::min(c.trace_iteration, c.train_iters);
   if (!o.split.empty()) o.valid_fraction = validation_share(o.split);
