@@ -126,6 +126,9 @@ std::string ranges_text(const std::set<int>& values) {
 
 // The layer's tasks of the micro-batch on the device, checked against what the trace holds.
 std::vector<Box> boxes_of(const rt::Trace& trace, const AmpipeFigureRequest& r) {
+  // (An empty trace may hold no task table at all.)
+  if (trace.empty())
+    throw std::invalid_argument("the step has no replay to draw: replay it on the virtual clock");
   const rt::TaskTable& tasks = trace.tasks();
   std::set<int> devices, layers;
   std::vector<Box> boxes;
@@ -141,8 +144,6 @@ std::vector<Box> boxes_of(const rt::Trace& trace, const AmpipeFigureRequest& r) 
     boxes.push_back({s.task, t.stream, s.start, s.end, kind, role_of(kind, t.kind), t.tags.chunk,
                      t.tags.phase, communication});
   }
-  if (trace.empty())
-    throw std::invalid_argument("the step has no replay to draw: replay it on the virtual clock");
   if (!devices.contains(static_cast<int>(r.device)))
     throw std::invalid_argument(
         fmt::format("device {} ran no task of the replayed step; its "
