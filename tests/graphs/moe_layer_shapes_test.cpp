@@ -8,6 +8,7 @@
 
 #include <string>
 
+#include "materialised_step.hpp"
 #include "step_outcome.hpp"
 #include "tiny_model.hpp"
 #include "weave/graphs/moe_layer_freq.hpp"
@@ -114,19 +115,9 @@ TEST(MoeLayerShapes, PredictionEqualsTheMaterialisedStep) {
   c.plan = kParallel;
   c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
   const Prediction p = predict_step(c);
-  std::vector<std::array<std::int64_t, rt::kMemoryCategoryCount>> memory;
-  const rt::VirtualRunResult r =
-      replay_step(c, {}, false, [&](TrainingStep&, devices::DeviceSet& set) {
-        for (std::size_t d = 0; d < set.size(); ++d) {
-          std::array<std::int64_t, rt::kMemoryCategoryCount> bytes{};
-          for (std::size_t i = 0; i < rt::kMemoryCategoryCount; ++i)
-            bytes[i] =
-                set.memory().peak(static_cast<rt::DeviceId>(d), static_cast<rt::MemoryCategory>(i));
-          memory.push_back(bytes);
-        }
-      });
-  EXPECT_DOUBLE_EQ(p.step_ms, static_cast<double>(r.makespan) * 1e-6);
-  EXPECT_EQ(p.memory, memory);
+  const MaterialisedStep r = materialised_step(c);
+  EXPECT_DOUBLE_EQ(p.step_ms, static_cast<double>(r.replay.makespan) * 1e-6);
+  EXPECT_EQ(p.memory, r.memory);
 }
 
 std::vector<int> pattern_of(const std::string& text) {

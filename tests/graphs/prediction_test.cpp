@@ -13,6 +13,7 @@
 #include <string_view>
 #include <vector>
 
+#include "materialised_step.hpp"
 #include "tiny_model.hpp"
 #include "weave/devices/shared_memory_communicator.hpp"
 #include "weave/graphs/prediction.hpp"
@@ -57,19 +58,9 @@ TEST(Prediction, EqualsTheMaterialisedStepOnTheVirtualClock) {
   c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
   const Prediction p = predict_step(c);
   // The same step built with tensors, replayed without running its kernels.
-  std::vector<std::array<std::int64_t, rt::kMemoryCategoryCount>> memory;
-  const rt::VirtualRunResult r =
-      replay_step(c, {}, false, [&](TrainingStep&, devices::DeviceSet& set) {
-        for (std::size_t d = 0; d < set.size(); ++d) {
-          std::array<std::int64_t, rt::kMemoryCategoryCount> bytes{};
-          for (std::size_t k = 0; k < rt::kMemoryCategoryCount; ++k)
-            bytes[k] =
-                set.memory().peak(static_cast<rt::DeviceId>(d), static_cast<rt::MemoryCategory>(k));
-          memory.push_back(bytes);
-        }
-      });
-  EXPECT_DOUBLE_EQ(p.step_ms, static_cast<double>(r.makespan) * 1e-6);
-  EXPECT_EQ(p.memory, memory);
+  const MaterialisedStep r = materialised_step(c);
+  EXPECT_DOUBLE_EQ(p.step_ms, static_cast<double>(r.replay.makespan) * 1e-6);
+  EXPECT_EQ(p.memory, r.memory);
   EXPECT_DOUBLE_EQ(p.tokens_per_second, 4 * 16 / (p.step_ms * 1e-3));
   // tp 2 x pp 2 devices (ep 2 folds over tp).
   EXPECT_NEAR(p.flops_per_device, p.model_flops / (p.step_ms * 1e-3) / 4, 1e-9 * p.model_flops);
