@@ -19,10 +19,6 @@ using nlohmann::json;
   throw graphs::ConfigError(std::move(message));
 }
 
-bool given(const TrainOptions& o, std::string_view flag) {
-  return std::find(o.given.begin(), o.given.end(), flag) != o.given.end();
-}
-
 // What ZeRO stages 2 and 3 and the strategies sharding gradients or parameters would need.
 constexpr std::string_view kNotBuilt =
     "sharding gradients (ZeRO stage 2, optim_grads) and parameters (stage 3, optim_grads_params) "
@@ -40,7 +36,7 @@ void apply_zero_stage(TrainOptions& o, int stage, std::string_view source) {
                     source, stage));
   if (stage >= 2) refuse(fmt::format("{} {}: {}", source, stage, kNotBuilt));
   graphs::ParallelPlan& plan = o.config.plan;
-  if (stage == 0 && given(o, "--use-distributed-optimizer") && plan.distributed_optimizer)
+  if (stage == 0 && o.gave("--use-distributed-optimizer") && plan.distributed_optimizer)
     refuse(fmt::format(
         "{} 0 (plain data parallelism) and --use-distributed-optimizer (ZeRO stage 1) disagree: "
         "give one of them",
@@ -71,7 +67,7 @@ void apply_fsdp(TrainOptions& o) {
         o.zero_stage, chosen));
   if (chosen == "optim")
     o.config.plan.distributed_optimizer = true;
-  else if (given(o, "--use-distributed-optimizer") && o.config.plan.distributed_optimizer)
+  else if (o.gave("--use-distributed-optimizer") && o.config.plan.distributed_optimizer)
     refuse(
         "--data-parallel-sharding-strategy no_shard (nothing sharded) and "
         "--use-distributed-optimizer (optimizer state sharded) disagree: give optim to shard the "
@@ -102,7 +98,7 @@ double number(const Reading& r, const json& value, std::string_view key) {
 template <typename T>
 void set_or_check(const TrainOptions& o, const Reading& r, std::string_view flag,
                   std::string_view key, T& target, T value) {
-  if (!given(o, flag)) {
+  if (!o.gave(flag)) {
     target = value;
     return;
   }
@@ -122,10 +118,10 @@ void read_precision(TrainOptions& o, Reading& r, const json& ds) {
     const json& s = ds[section];
     const bool enabled = s.is_object() && s.contains("enabled") && s["enabled"] != false;
     if (std::string_view(section) == "bf16") {
-      if (enabled && !given(o, "--bf16")) {
+      if (enabled && !o.gave("--bf16")) {
         o.bf16 = true;
         o.config.model.precision = graphs::Precision::bf16;
-      } else if (!enabled && given(o, "--bf16") && s.is_object() && s.contains("enabled")) {
+      } else if (!enabled && o.gave("--bf16") && s.is_object() && s.contains("enabled")) {
         refuse(fmt::format(
             "--bf16 and {}'s bf16.enabled false disagree: give the same value in both, or leave "
             "one of them out",
@@ -167,8 +163,7 @@ void read_optimizer(TrainOptions& o, Reading& r, const json& section) {
     if (key == "lr") {
       set_or_check(o, r, "--lr", name, c.learning_rate.lr, number(r, value, name));
       // The file's rate is the script's: the schedule's other defaults are Megatron-LM's.
-      if (std::find(o.given.begin(), o.given.end(), "--lr") == o.given.end())
-        o.given.emplace_back("--lr");
+      if (!o.gave("--lr")) o.given.emplace_back("--lr");
     } else if (key == "betas" && value.is_array() && value.size() == 2) {
       set_or_check(o, r, "--adam-beta1", name + "[0]", c.optimizer.adamw.beta1,
                    number(r, value[0], name));

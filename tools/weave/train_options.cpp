@@ -106,7 +106,7 @@ void derive_model(TrainOptions& o) {
   m.activation = o.swiglu ? graphs::Activation::swiglu : graphs::Activation::gelu;
   // Left out, the MLP is Megatron-LM's width for the hidden size (arguments.py): 4 h, or with
   // SwiGLU's two input products 2/3 of it rounded down to a multiple of 64.
-  if (std::find(o.given.begin(), o.given.end(), "--ffn-hidden-size") == o.given.end())
+  if (!o.gave("--ffn-hidden-size"))
     m.ffn_hidden_size =
         o.swiglu ? static_cast<int>(4.0 * m.hidden_size * 2 / 3 / 64) * 64 : 4 * m.hidden_size;
   m.precision = o.bf16 ? graphs::Precision::bf16 : graphs::Precision::fp32;
@@ -262,23 +262,17 @@ std::optional<long long> python_int(const std::string& word) {
 // --lr-decay-style linear). weave's own, which suit its small models, apply when --lr is not given
 // either.
 void derive_learning_rate(TrainOptions& o) {
-  const auto given = [&](std::string_view flag) {
-    return std::find(o.given.begin(), o.given.end(), flag) != o.given.end();
-  };
-  if (!given("--lr")) return;
+  if (!o.gave("--lr")) return;
   graphs::LearningRateSchedule& lr = o.config.learning_rate;
-  if (!given("--min-lr")) lr.min_lr = 0;
-  if (!given("--lr-warmup-iters")) lr.warmup_iters = 0;
-  if (!given("--lr-decay-style")) lr.style = "linear";
+  if (!o.gave("--min-lr")) lr.min_lr = 0;
+  if (!o.gave("--lr-warmup-iters")) lr.warmup_iters = 0;
+  if (!o.gave("--lr-decay-style")) lr.style = "linear";
 }
 
 // --rampup-batch-size's words, and training by samples (--train-samples) beside the iteration
 // flags, by Megatron-LM's rules.
 void derive_sample_training(TrainOptions& o) {
   graphs::TrainerConfig& c = o.config;
-  const auto given = [&](std::string_view flag) {
-    return std::find(o.given.begin(), o.given.end(), flag) != o.given.end();
-  };
   if (!o.rampup_batch_size.empty()) {
     std::vector<long long> values;
     for (const std::string& word : o.rampup_batch_size) {
@@ -292,15 +286,15 @@ void derive_sample_training(TrainOptions& o) {
     }
     c.rampup = {.start = values[0], .increment = values[1], .samples = values[2]};
   }
-  if (!given("--train-samples")) return;
-  if (given("--train-iters"))
+  if (!o.gave("--train-samples")) return;
+  if (o.gave("--train-iters"))
     throw graphs::ConfigError(fmt::format(
         "--train-samples {} and --train-iters {} are two lengths for one run, which Megatron-LM "
         "refuses: give one of them",
         c.train_samples, c.train_iters));
   // The schedule counts samples: the iteration counts' defaults step aside.
-  if (!given("--lr-warmup-iters")) c.learning_rate.warmup_iters = 0;
-  if (!given("--lr-decay-iters")) c.learning_rate.decay_iters = 0;
+  if (!o.gave("--lr-warmup-iters")) c.learning_rate.warmup_iters = 0;
+  if (!o.gave("--lr-decay-iters")) c.learning_rate.decay_iters = 0;
 }
 
 }  // namespace

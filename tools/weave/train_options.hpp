@@ -5,6 +5,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -75,6 +76,10 @@ struct TrainOptions {
   // The implemented flags the command line (with --config's) gave, by their table names, so
   // that a DeepSpeed file's values fill only what it left out.
   std::vector<std::string> given;
+  // Whether `flag` (a table name) is among them.
+  bool gave(std::string_view flag) const {
+    return std::find(given.begin(), given.end(), flag) != given.end();
+  }
   // The DeepSpeed file's fields without effect here, named once when the run starts.
   std::vector<std::string> deepspeed_unhonoured;
   // The flags given that are accepted without effect (graphs/config_flags.hpp), each once.
