@@ -5,16 +5,20 @@
 // memory is the prediction's plus named fp32 terms; what is not built is refused by name.
 #include <gtest/gtest.h>
 
+#include <fmt/format.h>
+
 #include <cmath>
 #include <map>
 #include <string>
 #include <vector>
 
 #include "step_outcome.hpp"
+#include "temp_dir.hpp"
 #include "tiny_model.hpp"
 #include "weave/devices/device_set.hpp"
 #include "weave/devices/machine_model.hpp"
 #include "weave/devices/shared_memory_communicator.hpp"
+#include "weave/graphs/checkpoint.hpp"
 #include "weave/graphs/model_shard.hpp"
 #include "weave/graphs/training_step.hpp"
 #include "weave/ops/cross_entropy.hpp"
@@ -245,6 +249,194 @@ TEST(Bf16Training, GptDp2EqualsOneDevice) {
       {.data_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4}, kDataParallel);
 }
 
+// Four layers (two a stage under pp2, one a model chunk with two chunks a rank).
+ModelConfig four_layers(ModelConfig m) {
+  m.num_layers = 4;
+  return m;
+}
+
+// The plan against one device with the same micro-batches (so the fp32 sums over them are the
+// same), as expect_parallel_equals_one_device compares.
+void expect_equals_one_device_of_its_batches(const ModelConfig& m, const ParallelPlan& plan,
+                                             const ParallelTolerance& tolerance) {
+  const ParallelPlan serial{.micro_batch_size = plan.micro_batch_size,
+                            .global_batch_size = plan.global_batch_size};
+  const Outcome a = run(m, serial, 1, false), b = run(m, plan, 1, false);
+  EXPECT_LE(std::abs(b.losses[0] - a.losses[0]), tolerance.first_loss * a.losses[0]);
+  if (!plan.distributed_optimizer) {  // a replica keeps its shard of the reduced gradients only
+    for (const auto& [name, want] : a.grads)
+      EXPECT_LE(relative_difference(b.grads.at(name), want), tolerance.gradient) << name;
+  }
+  const Outcome a3 = run(m, serial, 3, true), b3 = run(m, plan, 3, true);
+  for (std::size_t i = 1; i < a3.losses.size(); ++i)
+    EXPECT_NEAR(b3.losses[i], a3.losses[i], tolerance.later_loss * a3.losses[i])
+        << "step " << i + 1;
+  EXPECT_LT(b3.losses.back(), b3.losses.front());
+}
+
+// Pipeline parallelism in bf16 sends the stage's output and its gradient as bf16 values, as
+// Megatron-LM's bf16 pipeline does (its pipeline_dtype is the parameters' bf16): each boundary a
+// micro-batch crosses rounds the residual stream once forward and its gradient once backward,
+// which one device keeps in fp32. pp2 has one boundary, two chunks a rank three: r = 2 or 6
+// roundings more, each of u relative to the value it rounds. So the gradients differ by at most
+// sqrt(6) u = 1.0 % of their norm, and the first loss by 2 max |dz| <= 2 sqrt(6) u |z| with
+// |z| < 0.2 (the tensor-parallel argument): 9e-4 of the loss (~4.2), under 1e-3; the later
+// steps as tensor parallelism's, 1e-2.
+constexpr ParallelTolerance kPipelineParallel{1e-3, 2.45 / 256, 1e-2};  // sqrt(6) u
+
+struct Schedule {
+  const char* scheduler;
+  int virtual_pipeline;
+};
+
+TEST(Bf16Training, GptPp2EqualsOneDeviceUnderEverySchedule) {
+  for (const Schedule& s : {Schedule{"1f1b", 1}, Schedule{"gpipe", 1}, Schedule{"interleaved", 2},
+                            Schedule{"zb-h1", 1}, Schedule{"zb-v", 2}}) {
+    SCOPED_TRACE(s.scheduler);
+    expect_equals_one_device_of_its_batches(in(four_layers(gpt()), Precision::bf16),
+                                            {.pipeline_parallel = 2,
+                                             .virtual_pipeline = s.virtual_pipeline,
+                                             .pipeline_scheduler = s.scheduler,
+                                             .micro_batch_size = 1,
+                                             .global_batch_size = 4},
+                                            kPipelineParallel);
+  }
+}
+
+// The distributed optimizer in bf16: gradients reduce-scattered in fp32, each replica's AdamW
+// step of its shard of the fp32 main parameters, the updated shards gathered. The sums over the
+// replicas are dp's (two fp32 addends, the same bits in either order), and the update is the
+// element-wise one: the first loss is bitwise one device's and later steps differ only where
+// the gradient norm's fp32 sum, taken shard by shard, flips a bf16 copy's rounding: dp's 1e-4.
+TEST(Bf16Training, LlamaDistributedOptimizerDp2EqualsOneDevice) {
+  expect_equals_one_device_of_its_batches(in(llama(), Precision::bf16),
+                                          {.data_parallel = 2,
+                                           .micro_batch_size = 2,
+                                           .global_batch_size = 4,
+                                           .distributed_optimizer = true},
+                                          kDataParallel);
+}
+
+// A bf16 run with the distributed optimizer saved after 2 steps and loaded into a new step
+// continues with bitwise the losses of the run that went on; the checkpoint holds the fp32 main
+// values (most fall between bf16's), not their bf16 copies.
+TEST(Bf16Training, DistributedOptimizerCheckpointResumesBitwise) {
+  const ModelConfig m = in(gpt(), Precision::bf16);
+  const ParallelPlan plan{.data_parallel = 2,
+                          .micro_batch_size = 2,
+                          .global_batch_size = 4,
+                          .distributed_optimizer = true};
+  const TempDir dir("bf16_checkpoint");
+  const std::string path = dir.prefix("step.ckpt");
+  struct Run {
+    devices::DeviceSet set{2, {.pin = false}};
+    devices::SharedMemoryCommunicator comm;
+    TrainingStep step;
+    Run(const ModelConfig& m, const ParallelPlan& plan) : step(m, plan, kOptimizer, set, comm) {}
+    double train(const ModelConfig& m, const ParallelPlan& plan, int it) {
+      fill_batches(step, m, plan, it * plan.global_batch_size);
+      step.prepare(it, kLearningRate);
+      set.executor().run(step.graph());
+      return step.result().loss;
+    }
+  };
+  Run a(m, plan);
+  for (int it = 1; it <= 2; ++it)
+    a.train(m, plan, it);
+  save_checkpoint(path, m, plan, a.step, {.iteration = 2, .consumed_samples = 8});
+  const double a3 = a.train(m, plan, 3), a4 = a.train(m, plan, 4);
+  Run b(m, plan);
+  load_checkpoint(path, m, plan, b.step);
+  std::size_t off_grid = 0, total = 0;
+  for (int r = 0; r < 2; ++r)
+    for (const Parameter& p : b.step.shard(r).parameters())
+      for (float v : p.value.to_vector()) {
+        off_grid += static_cast<float>(ops::bf16(v)) != v;
+        ++total;
+      }
+  EXPECT_GT(off_grid, total * 9 / 10);
+  EXPECT_EQ(b.train(m, plan, 3), a3);
+  EXPECT_EQ(b.train(m, plan, 4), a4);
+}
+
+// --qk-layernorm in bf16: the norms of the heads' queries and keys compute in fp32 on the QKV
+// product's widened bf16 output and round once with RoPE into the bf16 the attention reads,
+// adding no rounding to those the one-device bounds count: its gradients and losses are within
+// them of the fp32 model's, and tp2 + SP within tensor parallelism's of one device in bf16.
+ModelConfig with_qk_layernorm(ModelConfig m) {
+  m.qk_layernorm = true;
+  return m;
+}
+
+TEST(Bf16Training, QkLayernormNearFp32AndTp2SpEqualsOneDevice) {
+  expect_gradients_near_fp32(with_qk_layernorm(llama()));
+  expect_tracks_fp32(with_qk_layernorm(llama()));
+  expect_parallel_equals_one_device(in(with_qk_layernorm(llama()), Precision::bf16),
+                                    {.tensor_parallel = 2,
+                                     .sequence_parallel = true,
+                                     .micro_batch_size = 2,
+                                     .global_batch_size = 4},
+                                    kTensorParallel);
+}
+
+// Recomputation in bf16 runs the same forward again from the same kept values (the fp32 group
+// input, the MLP's bf16 input), with the same dropout masks: its losses and gradients are
+// bitwise the bf16 run's that keeps every activation, alone, under pp2 (1F1B and interleaved)
+// and under tp2 + SP; two steps, the second after an update.
+void expect_bitwise(const Outcome& kept, const Outcome& recomputed) {
+  EXPECT_EQ(recomputed.losses, kept.losses);
+  for (const auto& [name, want] : kept.grads) {
+    const auto& got = recomputed.grads.at(name);
+    for (std::size_t i = 0; i < want.size(); ++i)
+      if (got[i] != want[i]) {  // the first differing element names the parameter
+        ADD_FAILURE() << name << " element " << i << ": " << got[i] << ", want " << want[i];
+        break;
+      }
+  }
+}
+
+TEST(Bf16Training, RecomputationIsBitwiseTheStepThatKeepsEveryActivation) {
+  const Recompute kMethods[] = {
+      {.granularity = RecomputeGranularity::full,
+       .method = RecomputeMethod::uniform,
+       .num_layers = 1},
+      {.granularity = RecomputeGranularity::full,
+       .method = RecomputeMethod::uniform,
+       .num_layers = 2},
+      {.granularity = RecomputeGranularity::full, .method = RecomputeMethod::block, .num_layers = 1},
+      {.granularity = RecomputeGranularity::selective, .modules = kRecomputeMlp},
+      {.granularity = RecomputeGranularity::selective,
+       .modules = kRecomputeCoreAttention | kRecomputeMlp}};
+  const ParallelPlan kPlans[] = {
+      {.micro_batch_size = 2, .global_batch_size = 4},
+      {.pipeline_parallel = 2, .micro_batch_size = 1, .global_batch_size = 4},
+      {.pipeline_parallel = 2, .virtual_pipeline = 2, .micro_batch_size = 1, .global_batch_size = 4},
+      {.tensor_parallel = 2,
+       .sequence_parallel = true,
+       .micro_batch_size = 2,
+       .global_batch_size = 4}};
+  for (const ModelConfig& base : {gpt(), llama()}) {
+    ModelConfig m = in(four_layers(base), Precision::bf16);
+    m.hidden_dropout = 0.1;
+    m.attention_dropout = 0.1;
+    for (const ParallelPlan& plan : kPlans) {
+      SCOPED_TRACE(fmt::format("{} tp{} pp{} vp{}", m.untie_embeddings_and_output_weights ? "llama"
+                                                                                       : "gpt",
+                               plan.tensor_parallel, plan.pipeline_parallel,
+                               plan.virtual_pipeline));
+      m.recompute = {};
+      const Outcome kept = run(m, plan, 2, true);
+      for (const Recompute& r : kMethods) {
+        SCOPED_TRACE(fmt::format("granularity {} method {} layers {} modules {}",
+                                 static_cast<int>(r.granularity), static_cast<int>(r.method),
+                                 r.num_layers, r.modules));
+        m.recompute = r;
+        expect_bitwise(kept, run(m, plan, 2, true));
+      }
+    }
+  }
+}
+
 // The materialised bf16 step replays as the prediction of the same bf16 step does and holds
 // what it counts: the parameters at 2 bytes, the fp32 gradients, and the fp32 main parameters
 // with the two moments as optimizer state (Megatron-LM's 2 + 4 + 12 bytes a parameter) exactly. Its
@@ -293,7 +485,7 @@ TEST(Bf16Training, RefusesWhatIsNotBuilt) {
     FAIL() << "cp2 bf16 was built";
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("context parallelism"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("tensor (and sequence) and data parallelism"),
+    EXPECT_NE(std::string(e.what()).find("tensor (and sequence), data and pipeline parallelism"),
               std::string::npos)
         << e.what();
   }
