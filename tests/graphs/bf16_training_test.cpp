@@ -289,11 +289,13 @@ struct Schedule {
   int virtual_pipeline;
 };
 
-TEST(Bf16Training, GptPp2EqualsOneDeviceUnderEverySchedule) {
-  for (const Schedule& s : {Schedule{"1f1b", 1}, Schedule{"gpipe", 1}, Schedule{"interleaved", 2},
-                            Schedule{"zb-h1", 1}, Schedule{"zb-v", 2}}) {
+// Each schedule's pp2 run against one device: two plans of the same micro-batches, one step's
+// loss and gradients, then three steps' losses.
+void expect_pp2_equals_one_device(std::initializer_list<Schedule> schedules) {
+  const ModelConfig m = in(four_layers(gpt()), Precision::bf16);
+  for (const Schedule& s : schedules) {
     SCOPED_TRACE(s.scheduler);
-    expect_equals_one_device_of_its_batches(in(four_layers(gpt()), Precision::bf16),
+    expect_equals_one_device_of_its_batches(m,
                                             {.pipeline_parallel = 2,
                                              .virtual_pipeline = s.virtual_pipeline,
                                              .pipeline_scheduler = s.scheduler,
@@ -301,6 +303,19 @@ TEST(Bf16Training, GptPp2EqualsOneDeviceUnderEverySchedule) {
                                              .global_batch_size = 4},
                                             kPipelineParallel);
   }
+}
+
+TEST(Bf16Training, GptPp2EqualsOneDeviceWith1f1bAndGpipe) {
+  expect_pp2_equals_one_device({{"1f1b", 1}, {"gpipe", 1}});
+}
+
+TEST(Bf16Training, GptPp2EqualsOneDeviceInterleaved) {
+  expect_pp2_equals_one_device({{"interleaved", 2}});
+}
+
+// The split backward keeps the products' output gradients in bf16 for W.
+TEST(Bf16Training, GptPp2EqualsOneDeviceWithZeroBubbleSchedules) {
+  expect_pp2_equals_one_device({{"zb-h1", 1}, {"zb-v", 2}});
 }
 
 // The distributed optimizer in bf16: gradients reduce-scattered in fp32, each replica's AdamW
@@ -395,46 +410,60 @@ void expect_bitwise(const Outcome& kept, const Outcome& recomputed) {
   }
 }
 
-TEST(Bf16Training, RecomputationIsBitwiseTheStepThatKeepsEveryActivation) {
-  const Recompute kMethods[] = {
-      {.granularity = RecomputeGranularity::full,
-       .method = RecomputeMethod::uniform,
-       .num_layers = 1},
-      {.granularity = RecomputeGranularity::full,
-       .method = RecomputeMethod::uniform,
-       .num_layers = 2},
-      {.granularity = RecomputeGranularity::full, .method = RecomputeMethod::block, .num_layers = 1},
-      {.granularity = RecomputeGranularity::selective, .modules = kRecomputeMlp},
-      {.granularity = RecomputeGranularity::selective,
-       .modules = kRecomputeCoreAttention | kRecomputeMlp}};
-  const ParallelPlan kPlans[] = {
-      {.micro_batch_size = 2, .global_batch_size = 4},
-      {.pipeline_parallel = 2, .micro_batch_size = 1, .global_batch_size = 4},
-      {.pipeline_parallel = 2, .virtual_pipeline = 2, .micro_batch_size = 1, .global_batch_size = 4},
-      {.tensor_parallel = 2,
-       .sequence_parallel = true,
-       .micro_batch_size = 2,
-       .global_batch_size = 4}};
-  for (const ModelConfig& base : {gpt(), llama()}) {
-    ModelConfig m = in(four_layers(base), Precision::bf16);
-    m.hidden_dropout = 0.1;
-    m.attention_dropout = 0.1;
-    for (const ParallelPlan& plan : kPlans) {
-      SCOPED_TRACE(fmt::format("{} tp{} pp{} vp{}", m.untie_embeddings_and_output_weights ? "llama"
-                                                                                       : "gpt",
-                               plan.tensor_parallel, plan.pipeline_parallel,
-                               plan.virtual_pipeline));
-      m.recompute = {};
-      const Outcome kept = run(m, plan, 2, true);
-      for (const Recompute& r : kMethods) {
-        SCOPED_TRACE(fmt::format("granularity {} method {} layers {} modules {}",
-                                 static_cast<int>(r.granularity), static_cast<int>(r.method),
-                                 r.num_layers, r.modules));
-        m.recompute = r;
-        expect_bitwise(kept, run(m, plan, 2, true));
-      }
-    }
+const Recompute kFullUniform1{
+    .granularity = RecomputeGranularity::full, .method = RecomputeMethod::uniform, .num_layers = 1};
+const Recompute kFullUniform2{
+    .granularity = RecomputeGranularity::full, .method = RecomputeMethod::uniform, .num_layers = 2};
+const Recompute kFullBlock1{
+    .granularity = RecomputeGranularity::full, .method = RecomputeMethod::block, .num_layers = 1};
+const Recompute kSelectiveMlp{.granularity = RecomputeGranularity::selective,
+                              .modules = kRecomputeMlp};
+const Recompute kSelectiveBoth{.granularity = RecomputeGranularity::selective,
+                               .modules = kRecomputeCoreAttention | kRecomputeMlp};
+
+// Both dropouts on, four layers: the recomputed forward draws the same masks.
+void expect_recomputation_bitwise(ModelConfig m, const ParallelPlan& plan,
+                                  std::initializer_list<Recompute> methods) {
+  m = in(four_layers(m), Precision::bf16);
+  m.hidden_dropout = 0.1;
+  m.attention_dropout = 0.1;
+  const Outcome kept = run(m, plan, 2, true);
+  for (const Recompute& r : methods) {
+    SCOPED_TRACE(fmt::format("{} {} layers, modules {}", r.full() ? "full" : "selective",
+                             r.method == RecomputeMethod::block ? "block" : "uniform",
+                             r.num_layers, r.modules));
+    m.recompute = r;
+    expect_bitwise(kept, run(m, plan, 2, true));
   }
+}
+
+TEST(Bf16Training, RecomputationIsBitwiseOnOneDevice) {
+  const ParallelPlan plan{.micro_batch_size = 2, .global_batch_size = 4};
+  const auto methods = {kFullUniform1, kFullUniform2, kFullBlock1, kSelectiveMlp, kSelectiveBoth};
+  expect_recomputation_bitwise(gpt(), plan, methods);
+  expect_recomputation_bitwise(llama(), plan, methods);
+}
+
+TEST(Bf16Training, RecomputationIsBitwiseUnderPp2) {
+  const auto methods = {kFullUniform1, kFullBlock1, kSelectiveMlp};
+  expect_recomputation_bitwise(
+      llama(), {.pipeline_parallel = 2, .micro_batch_size = 1, .global_batch_size = 4}, methods);
+  expect_recomputation_bitwise(llama(),
+                               {.pipeline_parallel = 2,
+                                .virtual_pipeline = 2,
+                                .micro_batch_size = 1,
+                                .global_batch_size = 4},
+                               methods);
+}
+
+// Under SP the recomputed layer gathers its norms' bf16 outputs again; a recomputed MLP alone
+// reads the gathered input it kept.
+TEST(Bf16Training, RecomputationIsBitwiseUnderTp2Sp) {
+  expect_recomputation_bitwise(
+      gpt(),
+      {.tensor_parallel = 2, .sequence_parallel = true, .micro_batch_size = 2,
+       .global_batch_size = 4},
+      {kFullUniform1, kFullUniform2, kFullBlock1, kSelectiveMlp});
 }
 
 // The materialised bf16 step replays as the prediction of the same bf16 step does and holds
