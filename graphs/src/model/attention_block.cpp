@@ -262,9 +262,9 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
     const StepShape& z = p->shape;
     if (p->bf16()) {
       if (z.sp()) round_to_bf16(p->ws().half.gathered, A.attention.ln1_16);
-      project_qkv_bf16(z.spec(layer), z.model, p->attention_parameters(layer),
-                       A.attention.ln1_16, A.attention.qkv16, p->ws().half.qkv32,
-                       context_positions(*p), A.attention.query_key);
+      project_qkv_bf16(z.spec(layer), z.model, p->attention_parameters(layer), A.attention.ln1_16,
+                       A.attention.qkv16, p->ws().half.qkv32, context_positions(*p),
+                       A.attention.query_key);
       return;
     }
     project_qkv(z.spec(layer), z.model, p->attention_parameters(layer), A.attention.ln1_full,
