@@ -264,7 +264,9 @@ void expect_equals_one_device_of_its_batches(const ModelConfig& m, const Paralle
   const Outcome a = run(m, serial, 1, false), b = run(m, plan, 1, false);
   EXPECT_LE(std::abs(b.losses[0] - a.losses[0]), tolerance.first_loss * a.losses[0]);
   // Not one device's by accident: a pipeline's boundaries round the stream.
-  if (plan.pipeline_parallel > 1) EXPECT_NE(b.losses[0], a.losses[0]);
+  if (plan.pipeline_parallel > 1) {
+    EXPECT_NE(b.losses[0], a.losses[0]);
+  }
   if (!plan.distributed_optimizer) {  // a replica keeps its shard of the reduced gradients only
     for (const auto& [name, want] : a.grads)
       EXPECT_LE(relative_difference(b.grads.at(name), want), tolerance.gradient) << name;
@@ -508,17 +510,24 @@ TEST(Bf16Training, MemoryIsThePredictionsPlusTheFp32Terms) {
       without.memory().current(0, rt::MemoryCategory::activations) + 2 * fp32_kept + conversions);
 }
 
+// The values a layer keeps in fp32 that the prediction counts at 2 bytes, as
+// MemoryIsThePredictionsPlusTheFp32Terms names them: its norms' statistics, the attention's
+// log-sum-exp, the projection's and fc2's outputs, its middle and its output.
+std::int64_t layer_fp32(const ModelConfig& m, std::int64_t T) {
+  const std::int64_t h = m.hidden_size, heads = m.num_attention_heads;
+  return 2 * T + T * heads + T * h + T * h + 2 * T + T * h + T * h;
+}
+
 // What a bf16 step keeps in fp32 and the prediction counts at 2 bytes, and the conversions'
-// workspace, as MemoryIsThePredictionsPlusTheFp32Terms names them, for a rank holding `layers`
-// layers in each of `sets` activation sets (their stage input and, with more than one chunk, the
-// gradients sent and received) and, on the last stage, one output set and the output layer's
-// workspace: the bytes its activations exceed the prediction's by.
-std::int64_t fp32_excess(const ModelConfig& m, std::int64_t T, std::int64_t layers,
+// workspace, for a rank whose activation sets (`sets` of them) each hold its layers' fp32 values
+// `layers_fp32` beside their stage input and, with more than one chunk, the gradients sent and
+// received, and, on the last stage, one output set and the output layer's workspace: the bytes
+// its activations exceed the prediction's by.
+std::int64_t fp32_excess(const ModelConfig& m, std::int64_t T, std::int64_t layers_fp32,
                          std::int64_t sets, bool chunks, bool output) {
-  const std::int64_t h = m.hidden_size, f = m.ffn_hidden_size, heads = m.num_attention_heads;
+  const std::int64_t h = m.hidden_size, f = m.ffn_hidden_size;
   const std::int64_t qkv = 3 * h, V = m.padded_vocab_size(1);
-  const std::int64_t per_layer = 2 * T + T * heads + T * h + T * h + 2 * T + T * h + T * h;
-  const std::int64_t per_set = T * h + (chunks ? 2 * T * h : 0) + layers * per_layer;
+  const std::int64_t per_set = T * h + (chunks ? 2 * T * h : 0) + layers_fp32;
   const std::int64_t outputs = output ? 2 * T + T * V + T + T * ops::kCrossEntropyPartials + T : 0;
   const std::int64_t workspace =
       4 * T * h + T * f + T * f + T * h + T * h + T * qkv + (output ? T * V + T * h : 0);
@@ -565,12 +574,54 @@ TEST(Bf16Training, PipelineAndDistributedOptimizerMemoryIsThePredictions) {
       const bool pipeline = plan.pipeline_parallel > 1;
       EXPECT_EQ(pipeline, other_shards == 0);
       const std::int64_t T = std::int64_t{m.seq_length} * plan.micro_batch_size;
-      const std::int64_t excess = fp32_excess(m, T, pipeline ? 2 : 4, real.activation_sets(r),
-                                              pipeline, !pipeline || r == 1);
+      const std::int64_t excess =
+          fp32_excess(m, T, (pipeline ? 2 : 4) * layer_fp32(m, T), real.activation_sets(r),
+                      pipeline, !pipeline || r == 1);
       EXPECT_EQ(bytes(with, rt::MemoryCategory::activations),
                 bytes(without, rt::MemoryCategory::activations) + excess)
           << "rank " << r;
     }
+  }
+}
+
+// Recomputation and --qk-layernorm in bf16 on one device: the parameters, gradients and
+// optimizer state are the prediction's exactly, the activations its plus the fp32 terms, which
+// recomputation shares as it shares the layers' state: full recomputation of one layer at a time
+// keeps one working layer's values and each layer's own output, selective recomputation of the
+// MLP one fc2 output for every layer; the qk norms keep their inputs and statistics in fp32.
+TEST(Bf16Training, RecomputationAndQkLayernormMemoryIsThePredictions) {
+  const ModelConfig base = in(four_layers(gpt()), Precision::bf16);
+  const std::int64_t T = std::int64_t{base.seq_length} * kOneDevice.micro_batch_size;
+  const std::int64_t L = base.num_layers, h = base.hidden_size, layer = layer_fp32(base, T);
+  const std::int64_t heads = base.num_attention_heads, d = base.head_dim();
+  // The queries' and keys' inputs [T, heads, 2, d] (a key a query head: no grouping) and a mean
+  // and a deviation a head.
+  const std::int64_t qk = T * heads * 2 * d + 2 * T * heads * 2;
+  struct Case {
+    const char* name;
+    Recompute recompute;
+    bool qk_layernorm;
+    std::int64_t layers_fp32;
+  };
+  const Case cases[] = {{"full uniform 1", kFullUniform1, false, (layer - T * h) + L * T * h},
+                        {"selective mlp", kSelectiveMlp, false, L * (layer - T * h) + T * h},
+                        {"qk-layernorm", {}, true, L * (layer + qk)}};
+  devices::SharedMemoryCommunicator comm;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    ModelConfig m = base;
+    m.recompute = c.recompute;
+    m.qk_layernorm = c.qk_layernorm;
+    devices::DeviceSet with(1, {.pin = false}), without(1, {.pin = false});
+    const TrainingStep real(m, kOneDevice, kOptimizer, with, comm);
+    const TrainingStep shapes(m, kOneDevice, kOptimizer, without, comm, {.materialize = false});
+    for (auto category : {rt::MemoryCategory::parameters, rt::MemoryCategory::gradients,
+                          rt::MemoryCategory::optimizer_state})
+      EXPECT_EQ(with.memory().current(0, category), without.memory().current(0, category))
+          << to_string(category);
+    EXPECT_EQ(with.memory().current(0, rt::MemoryCategory::activations),
+              without.memory().current(0, rt::MemoryCategory::activations) +
+                  fp32_excess(m, T, c.layers_fp32, 1, false, true));
   }
 }
 
