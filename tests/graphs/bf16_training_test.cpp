@@ -330,12 +330,17 @@ TEST(Bf16Training, GptPp2EqualsOneDeviceWithZeroBubbleSchedules) {
 // element-wise one: the first loss is bitwise one device's and later steps differ only where
 // the gradient norm's fp32 sum, taken shard by shard, flips a bf16 copy's rounding: dp's 1e-4.
 TEST(Bf16Training, LlamaDistributedOptimizerDp2EqualsOneDevice) {
-  expect_equals_one_device_of_its_batches(in(llama(), Precision::bf16),
-                                          {.data_parallel = 2,
-                                           .micro_batch_size = 2,
-                                           .global_batch_size = 4,
-                                           .distributed_optimizer = true},
-                                          kDataParallel);
+  const ModelConfig m = in(llama(), Precision::bf16);
+  const ParallelPlan plan{.data_parallel = 2,
+                          .micro_batch_size = 2,
+                          .global_batch_size = 4,
+                          .distributed_optimizer = true};
+  expect_equals_one_device_of_its_batches(m, plan, kDataParallel);
+  // With --overlap-param-gather each step opens with the gathers of the last update's shards,
+  // and the bf16 copies are rounded after them: the same losses, bit for bit.
+  ParallelPlan overlapped = plan;
+  overlapped.overlap_grad_reduce = overlapped.overlap_param_gather = true;
+  EXPECT_EQ(run(m, overlapped, 3, true).losses, run(m, plan, 3, true).losses);
 }
 
 // A bf16 run with the distributed optimizer saved after 2 steps and loaded into a new step
