@@ -490,6 +490,16 @@ TEST(CliFlags, HalfPrecisionTrainsInBf16AndRefusesWhatIsNotBuilt) {
   const Result bf16 = weave(fmt::format("train {} --mock-data --bf16 --train-iters 2", kTinyModel));
   EXPECT_EQ(bf16.status, 0) << bf16.out;
   EXPECT_TRUE(has(bf16.out, "bf16 mixed precision |")) << bf16.out;
+  // Pipeline and data parallelism with the distributed optimizer, full recomputation and
+  // --qk-layernorm train in bf16 too.
+  const Result pp2 = weave(fmt::format(
+      "train {} --mock-data --bf16 --train-iters 2 --devices 4 --pipeline-model-parallel-size 2 "
+      "--use-distributed-optimizer --recompute-granularity full --recompute-method uniform "
+      "--recompute-num-layers 1 --qk-layernorm --global-batch-size 8",
+      kTinyModel));
+  EXPECT_EQ(pp2.status, 0) << pp2.out;
+  EXPECT_TRUE(has(pp2.out, "bf16 mixed precision |")) << pp2.out;
+  EXPECT_TRUE(has(pp2.out, "iteration      2/2")) << pp2.out;
   const Result cp2 = weave(fmt::format(
       "train {} --mock-data --bf16 --train-iters 2 --devices 2 --context-parallel-size 2",
       kTinyModel));

@@ -128,8 +128,8 @@ TEST(SeedScript, MindSpeedsAmpipeScriptIsKnownFlagByFlag) {
                              "--max-position-embeddings 64 --train-iters 2 --mock-data";
   const weave::cli_test::Result pasted = weave("train " + scaled + " --bf16");
   EXPECT_NE(pasted.status, 0);
-  EXPECT_NE(pasted.out.find("trains in bf16 with tensor (and sequence) and data parallelism "
-                            "only"),
+  EXPECT_NE(pasted.out.find("trains in bf16 with dense layers under tensor (and sequence), data "
+                            "and pipeline parallelism"),
             std::string::npos)
       << pasted.out;
   EXPECT_NE(pasted.out.find("this run has context parallelism"), std::string::npos) << pasted.out;

@@ -1,9 +1,13 @@
 // bf16 mixed-precision training: bf16 products and saved activations, fp32 main parameters,
 // gradients, norms, softmax and loss. On one device its losses and gradients track the fp32
 // model's within bf16's rounding and the losses fall; its main parameters take an fp32 AdamW
-// step; tp2 (+ SP) and dp2 equal one device in bf16 within what their roundings allow; its
-// memory is the prediction's plus named fp32 terms; what is not built is refused by name.
+// step; tp2 (+ SP), dp2, pp2 under every schedule, the distributed optimizer and --qk-layernorm
+// equal one device in bf16 within what their roundings allow; recomputation is bitwise the run
+// that keeps every activation; a distributed optimizer's checkpoint resumes bitwise; its memory
+// is the prediction's plus named fp32 terms; what is not built is refused by name.
 #include <gtest/gtest.h>
+
+#include <fmt/format.h>
 
 #include <cmath>
 #include <map>
@@ -11,10 +15,12 @@
 #include <vector>
 
 #include "step_outcome.hpp"
+#include "temp_dir.hpp"
 #include "tiny_model.hpp"
 #include "weave/devices/device_set.hpp"
 #include "weave/devices/machine_model.hpp"
 #include "weave/devices/shared_memory_communicator.hpp"
+#include "weave/graphs/checkpoint.hpp"
 #include "weave/graphs/model_shard.hpp"
 #include "weave/graphs/training_step.hpp"
 #include "weave/ops/cross_entropy.hpp"
@@ -245,6 +251,245 @@ TEST(Bf16Training, GptDp2EqualsOneDevice) {
       {.data_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4}, kDataParallel);
 }
 
+// Four layers (two a stage under pp2, one a model chunk with two chunks a rank).
+ModelConfig four_layers(ModelConfig m) {
+  m.num_layers = 4;
+  return m;
+}
+
+// The plan against one device with the same micro-batches (so the fp32 sums over them are the
+// same), as expect_parallel_equals_one_device compares.
+void expect_equals_one_device_of_its_batches(const ModelConfig& m, const ParallelPlan& plan,
+                                             const ParallelTolerance& tolerance) {
+  const ParallelPlan serial{.micro_batch_size = plan.micro_batch_size,
+                            .global_batch_size = plan.global_batch_size};
+  const Outcome a = run(m, serial, 1, false), b = run(m, plan, 1, false);
+  EXPECT_LE(std::abs(b.losses[0] - a.losses[0]), tolerance.first_loss * a.losses[0]);
+  // Not one device's by accident: a pipeline's boundaries round the stream.
+  if (plan.pipeline_parallel > 1) {
+    EXPECT_NE(b.losses[0], a.losses[0]);
+  }
+  if (!plan.distributed_optimizer) {  // a replica keeps its shard of the reduced gradients only
+    for (const auto& [name, want] : a.grads)
+      EXPECT_LE(relative_difference(b.grads.at(name), want), tolerance.gradient) << name;
+  }
+  const Outcome a3 = run(m, serial, 3, true), b3 = run(m, plan, 3, true);
+  for (std::size_t i = 1; i < a3.losses.size(); ++i)
+    EXPECT_NEAR(b3.losses[i], a3.losses[i], tolerance.later_loss * a3.losses[i])
+        << "step " << i + 1;
+  EXPECT_LT(b3.losses.back(), b3.losses.front());
+}
+
+// Pipeline parallelism in bf16 sends the stage's output and its gradient as bf16 values, as
+// Megatron-LM's bf16 pipeline does (its pipeline_dtype is the parameters' bf16): each boundary a
+// micro-batch crosses rounds the residual stream once forward and its gradient once backward,
+// which one device keeps in fp32: r = 2 (pp2) or 6 (two chunks a rank) roundings more, each of at
+// most u of every token's value. The first loss moves with the logits' error, 2 max |dz| <=
+// 2 sqrt(r) u |z| with |z| < 0.2 (the tensor-parallel argument): 9e-4 of the loss (~4.2) for
+// r = 6, under 1e-3. A parameter's gradient sums its tokens' terms, each moved by at most u of
+// itself per rounding; the sum's partial cancellation makes its relative error larger than its
+// terms', as it does for the tensor-parallel gradients, which we bound the same: 3u (sqrt(9) u).
+// The later steps as tensor parallelism's, 1e-2.
+constexpr ParallelTolerance kPipelineParallel = kTensorParallel;
+
+struct Schedule {
+  const char* scheduler;
+  int virtual_pipeline;
+};
+
+// Each schedule's pp2 run against one device: two plans of the same micro-batches, one step's
+// loss and gradients, then three steps' losses.
+void expect_pp2_equals_one_device(std::initializer_list<Schedule> schedules) {
+  const ModelConfig m = in(four_layers(gpt()), Precision::bf16);
+  for (const Schedule& s : schedules) {
+    SCOPED_TRACE(s.scheduler);
+    expect_equals_one_device_of_its_batches(m,
+                                            {.pipeline_parallel = 2,
+                                             .virtual_pipeline = s.virtual_pipeline,
+                                             .pipeline_scheduler = s.scheduler,
+                                             .micro_batch_size = 1,
+                                             .global_batch_size = 4},
+                                            kPipelineParallel);
+  }
+}
+
+TEST(Bf16Training, GptPp2EqualsOneDeviceWith1f1b) {
+  expect_pp2_equals_one_device({{"1f1b", 1}});
+}
+
+TEST(Bf16Training, GptPp2EqualsOneDeviceWithGpipe) {
+  expect_pp2_equals_one_device({{"gpipe", 1}});
+}
+
+TEST(Bf16Training, GptPp2EqualsOneDeviceInterleaved) {
+  expect_pp2_equals_one_device({{"interleaved", 2}});
+}
+
+// The split backward keeps the products' output gradients in bf16 for W.
+TEST(Bf16Training, GptPp2EqualsOneDeviceWithZbH1) {
+  expect_pp2_equals_one_device({{"zb-h1", 1}});
+}
+
+TEST(Bf16Training, GptPp2EqualsOneDeviceWithZbV) {
+  expect_pp2_equals_one_device({{"zb-v", 2}});
+}
+
+// The distributed optimizer in bf16: gradients reduce-scattered in fp32, each replica's AdamW
+// step of its shard of the fp32 main parameters, the updated shards gathered. The sums over the
+// replicas are dp's (two fp32 addends, the same bits in either order), and the update is the
+// element-wise one: the first loss is bitwise one device's and later steps differ only where
+// the gradient norm's fp32 sum, taken shard by shard, flips a bf16 copy's rounding: dp's 1e-4.
+TEST(Bf16Training, LlamaDistributedOptimizerDp2EqualsOneDevice) {
+  const ModelConfig m = in(llama(), Precision::bf16);
+  const ParallelPlan plan{.data_parallel = 2,
+                          .micro_batch_size = 2,
+                          .global_batch_size = 4,
+                          .distributed_optimizer = true};
+  expect_equals_one_device_of_its_batches(m, plan, kDataParallel);
+  // With --overlap-param-gather each step opens with the gathers of the last update's shards,
+  // and the bf16 copies are rounded after them: the same losses, bit for bit.
+  ParallelPlan overlapped = plan;
+  overlapped.overlap_grad_reduce = overlapped.overlap_param_gather = true;
+  EXPECT_EQ(run(m, overlapped, 3, true).losses, run(m, plan, 3, true).losses);
+}
+
+// A bf16 run with the distributed optimizer saved after 2 steps and loaded into a new step
+// continues with bitwise the losses of the run that went on; the checkpoint holds the fp32 main
+// values (most fall between bf16's), not their bf16 copies.
+TEST(Bf16Training, DistributedOptimizerCheckpointResumesBitwise) {
+  const ModelConfig m = in(gpt(), Precision::bf16);
+  const ParallelPlan plan{.data_parallel = 2,
+                          .micro_batch_size = 2,
+                          .global_batch_size = 4,
+                          .distributed_optimizer = true};
+  const TempDir dir("bf16_checkpoint");
+  const std::string path = dir.prefix("step.ckpt");
+  struct Run {
+    devices::DeviceSet set{2, {.pin = false}};
+    devices::SharedMemoryCommunicator comm;
+    TrainingStep step;
+    Run(const ModelConfig& m, const ParallelPlan& plan) : step(m, plan, kOptimizer, set, comm) {}
+    double train(const ModelConfig& m, const ParallelPlan& plan, int it) {
+      fill_batches(step, m, plan, it * plan.global_batch_size);
+      step.prepare(it, kLearningRate);
+      set.executor().run(step.graph());
+      return step.result().loss;
+    }
+  };
+  Run a(m, plan);
+  for (int it = 1; it <= 2; ++it)
+    a.train(m, plan, it);
+  save_checkpoint(path, m, plan, a.step, {.iteration = 2, .consumed_samples = 8});
+  const double a3 = a.train(m, plan, 3), a4 = a.train(m, plan, 4);
+  Run b(m, plan);
+  load_checkpoint(path, m, plan, b.step);
+  std::size_t off_grid = 0, total = 0;
+  for (int r = 0; r < 2; ++r)
+    for (const Parameter& p : b.step.shard(r).parameters())
+      for (float v : p.value.to_vector()) {
+        off_grid += static_cast<float>(ops::bf16(v)) != v;
+        ++total;
+      }
+  EXPECT_GT(off_grid, total * 9 / 10);
+  EXPECT_EQ(b.train(m, plan, 3), a3);
+  EXPECT_EQ(b.train(m, plan, 4), a4);
+}
+
+// --qk-layernorm in bf16: the norms of the heads' queries and keys compute in fp32 on the QKV
+// product's widened bf16 output and round once with RoPE into the bf16 the attention reads,
+// adding no rounding to those the one-device bounds count: its gradients and losses are within
+// them of the fp32 model's, and tp2 + SP within tensor parallelism's of one device in bf16.
+ModelConfig with_qk_layernorm(ModelConfig m) {
+  m.qk_layernorm = true;
+  return m;
+}
+
+TEST(Bf16Training, QkLayernormNearFp32AndTp2SpEqualsOneDevice) {
+  expect_gradients_near_fp32(with_qk_layernorm(llama()));
+  expect_tracks_fp32(with_qk_layernorm(llama()));
+  expect_parallel_equals_one_device(in(with_qk_layernorm(llama()), Precision::bf16),
+                                    {.tensor_parallel = 2,
+                                     .sequence_parallel = true,
+                                     .micro_batch_size = 2,
+                                     .global_batch_size = 4},
+                                    kTensorParallel);
+}
+
+// Recomputation in bf16 runs the same forward again from the same kept values (the fp32 group
+// input, the MLP's bf16 input), with the same dropout masks: its losses and gradients are
+// bitwise the bf16 run's that keeps every activation, alone, under pp2 (1F1B and interleaved)
+// and under tp2 + SP; two steps, the second after an update.
+void expect_bitwise(const Outcome& kept, const Outcome& recomputed) {
+  EXPECT_EQ(recomputed.losses, kept.losses);
+  for (const auto& [name, want] : kept.grads) {
+    const auto& got = recomputed.grads.at(name);
+    for (std::size_t i = 0; i < want.size(); ++i)
+      if (got[i] != want[i]) {  // the first differing element names the parameter
+        ADD_FAILURE() << name << " element " << i << ": " << got[i] << ", want " << want[i];
+        break;
+      }
+  }
+}
+
+const Recompute kFullUniform1{
+    .granularity = RecomputeGranularity::full, .method = RecomputeMethod::uniform, .num_layers = 1};
+const Recompute kFullUniform2{
+    .granularity = RecomputeGranularity::full, .method = RecomputeMethod::uniform, .num_layers = 2};
+const Recompute kFullBlock1{
+    .granularity = RecomputeGranularity::full, .method = RecomputeMethod::block, .num_layers = 1};
+const Recompute kSelectiveMlp{.granularity = RecomputeGranularity::selective,
+                              .modules = kRecomputeMlp};
+const Recompute kSelectiveBoth{.granularity = RecomputeGranularity::selective,
+                               .modules = kRecomputeCoreAttention | kRecomputeMlp};
+
+// Both dropouts on, four layers: the recomputed forward draws the same masks.
+void expect_recomputation_bitwise(ModelConfig m, const ParallelPlan& plan,
+                                  std::initializer_list<Recompute> methods) {
+  m = in(four_layers(m), Precision::bf16);
+  m.hidden_dropout = 0.1;
+  m.attention_dropout = 0.1;
+  const Outcome kept = run(m, plan, 2, true);
+  for (const Recompute& r : methods) {
+    SCOPED_TRACE(fmt::format("{} {} layers, modules {}", r.full() ? "full" : "selective",
+                             r.method == RecomputeMethod::block ? "block" : "uniform", r.num_layers,
+                             r.modules));
+    m.recompute = r;
+    expect_bitwise(kept, run(m, plan, 2, true));
+  }
+}
+
+TEST(Bf16Training, RecomputationIsBitwiseOnOneDevice) {
+  const ParallelPlan plan{.micro_batch_size = 2, .global_batch_size = 4};
+  expect_recomputation_bitwise(gpt(), plan, {kFullUniform1, kFullBlock1, kSelectiveMlp});
+  expect_recomputation_bitwise(llama(), plan, {kFullUniform2, kSelectiveBoth});
+}
+
+TEST(Bf16Training, RecomputationIsBitwiseUnder1f1b) {
+  expect_recomputation_bitwise(
+      llama(), {.pipeline_parallel = 2, .micro_batch_size = 1, .global_batch_size = 4},
+      {kFullUniform1, kFullBlock1, kSelectiveMlp});
+}
+
+TEST(Bf16Training, RecomputationIsBitwiseInterleaved) {
+  expect_recomputation_bitwise(llama(),
+                               {.pipeline_parallel = 2,
+                                .virtual_pipeline = 2,
+                                .micro_batch_size = 1,
+                                .global_batch_size = 4},
+                               {kFullUniform1, kFullBlock1, kSelectiveMlp});
+}
+
+// Under SP the recomputed layer gathers its norms' bf16 outputs again; a recomputed MLP alone
+// reads the gathered input it kept.
+TEST(Bf16Training, RecomputationIsBitwiseUnderTp2Sp) {
+  expect_recomputation_bitwise(gpt(),
+                               {.tensor_parallel = 2,
+                                .sequence_parallel = true,
+                                .micro_batch_size = 2,
+                                .global_batch_size = 4},
+                               {kFullUniform2, kFullBlock1, kSelectiveMlp});
+}
+
 // The materialised bf16 step replays as the prediction of the same bf16 step does and holds
 // what it counts: the parameters at 2 bytes, the fp32 gradients, and the fp32 main parameters
 // with the two moments as optimizer state (Megatron-LM's 2 + 4 + 12 bytes a parameter) exactly. Its
@@ -282,6 +527,121 @@ TEST(Bf16Training, MemoryIsThePredictionsPlusTheFp32Terms) {
       without.memory().current(0, rt::MemoryCategory::activations) + 2 * fp32_kept + conversions);
 }
 
+// The values a layer keeps in fp32 that the prediction counts at 2 bytes, as
+// MemoryIsThePredictionsPlusTheFp32Terms names them: its norms' statistics, the attention's
+// log-sum-exp, the projection's and fc2's outputs, its middle and its output.
+std::int64_t layer_fp32(const ModelConfig& m, std::int64_t T) {
+  const std::int64_t h = m.hidden_size, heads = m.num_attention_heads;
+  return 2 * T + T * heads + T * h + T * h + 2 * T + T * h + T * h;
+}
+
+// What a bf16 step keeps in fp32 and the prediction counts at 2 bytes, and the conversions'
+// workspace, for a rank whose activation sets (`sets` of them) each hold its layers' fp32 values
+// `layers_fp32` beside their stage input and, with more than one chunk, the gradients sent and
+// received, and, on the last stage, one output set and the output layer's workspace: the bytes
+// its activations exceed the prediction's by.
+std::int64_t fp32_excess(const ModelConfig& m, std::int64_t T, std::int64_t layers_fp32,
+                         std::int64_t sets, bool chunks, bool output) {
+  const std::int64_t h = m.hidden_size, f = m.ffn_hidden_size;
+  const std::int64_t qkv = 3 * h, V = m.padded_vocab_size(1);
+  const std::int64_t per_set = T * h + (chunks ? 2 * T * h : 0) + layers_fp32;
+  const std::int64_t outputs = output ? 2 * T + T * V + T + T * ops::kCrossEntropyPartials + T : 0;
+  const std::int64_t workspace =
+      4 * T * h + T * f + T * f + T * h + T * h + T * qkv + (output ? T * V + T * h : 0);
+  const std::int64_t conversions = 4 * (T * h + T * qkv + T * f + T * f) +
+                                   2 * (2 * T * h + T * f + T * f + T * h + T * qkv) +
+                                   (output ? 2 * 2 * T * V : 0);
+  return 2 * (sets * per_set + outputs + workspace) + conversions;
+}
+
+// pp2 (1F1B) and the distributed optimizer over dp2 in bf16 hold what their predictions count:
+// the parameters at 2 bytes and the fp32 gradients exactly; the optimizer state exactly under
+// pp2, and with the distributed optimizer the fp32 main values of the other replicas' shards
+// (4 bytes an element), which each replica keeps whole where Megatron-LM keeps its shard's; the
+// activations by the fp32 terms above, stage by stage.
+TEST(Bf16Training, PipelineAndDistributedOptimizerMemoryIsThePredictions) {
+  const ModelConfig m = in(four_layers(gpt()), Precision::bf16);
+  devices::SharedMemoryCommunicator comm;
+  // Micro-batches of 2 sequences: a norm's statistics (T = 32 values) fill whole 64-byte lines
+  // in either precision, so the fp32 terms are exact.
+  const ParallelPlan plans[] = {
+      {.pipeline_parallel = 2, .micro_batch_size = 2, .global_batch_size = 8},
+      {.data_parallel = 2,
+       .micro_batch_size = 2,
+       .global_batch_size = 8,
+       .distributed_optimizer = true}};
+  for (const ParallelPlan& plan : plans) {
+    SCOPED_TRACE(plan.pipeline_parallel > 1 ? "pp2" : "dp2 distributed optimizer");
+    devices::DeviceSet with(2, {.pin = false}), without(2, {.pin = false});
+    TrainingStep real(m, plan, kOptimizer, with, comm);
+    const TrainingStep shapes(m, plan, kOptimizer, without, comm, {.materialize = false});
+    for (int r = 0; r < 2; ++r) {
+      const auto d = static_cast<rt::DeviceId>(r);
+      auto bytes = [d](devices::DeviceSet& set, rt::MemoryCategory c) {
+        return set.memory().current(d, c);
+      };
+      for (auto c : {rt::MemoryCategory::parameters, rt::MemoryCategory::gradients})
+        EXPECT_EQ(bytes(with, c), bytes(without, c)) << to_string(c) << " rank " << r;
+      std::int64_t other_shards = 0;
+      for (const GradientBucket& b : real.shard(r).buckets())
+        other_shards += b.values.numel() - b.shard_size;
+      EXPECT_EQ(bytes(with, rt::MemoryCategory::optimizer_state),
+                bytes(without, rt::MemoryCategory::optimizer_state) + 4 * other_shards)
+          << "rank " << r;
+      const bool pipeline = plan.pipeline_parallel > 1;
+      EXPECT_EQ(pipeline, other_shards == 0);
+      const std::int64_t T = std::int64_t{m.seq_length} * plan.micro_batch_size;
+      const std::int64_t excess =
+          fp32_excess(m, T, (pipeline ? 2 : 4) * layer_fp32(m, T), real.activation_sets(r),
+                      pipeline, !pipeline || r == 1);
+      EXPECT_EQ(bytes(with, rt::MemoryCategory::activations),
+                bytes(without, rt::MemoryCategory::activations) + excess)
+          << "rank " << r;
+    }
+  }
+}
+
+// Recomputation and --qk-layernorm in bf16 on one device: the parameters, gradients and
+// optimizer state are the prediction's exactly, the activations its plus the fp32 terms, which
+// recomputation shares as it shares the layers' state: full recomputation of one layer at a time
+// keeps one working layer's values and each layer's own output, selective recomputation of the
+// MLP one fc2 output for every layer; the qk norms keep their inputs and statistics in fp32.
+TEST(Bf16Training, RecomputationAndQkLayernormMemoryIsThePredictions) {
+  const ModelConfig base = in(four_layers(gpt()), Precision::bf16);
+  const std::int64_t T = std::int64_t{base.seq_length} * kOneDevice.micro_batch_size;
+  const std::int64_t L = base.num_layers, h = base.hidden_size, layer = layer_fp32(base, T);
+  const std::int64_t heads = base.num_attention_heads, d = base.head_dim();
+  // The queries' and keys' inputs [T, heads, 2, d] (a key a query head: no grouping) and a mean
+  // and a deviation a head.
+  const std::int64_t qk = T * heads * 2 * d + 2 * T * heads * 2;
+  struct Case {
+    const char* name;
+    Recompute recompute;
+    bool qk_layernorm;
+    std::int64_t layers_fp32;
+  };
+  const Case cases[] = {{"full uniform 1", kFullUniform1, false, (layer - T * h) + L * T * h},
+                        {"selective mlp", kSelectiveMlp, false, L * (layer - T * h) + T * h},
+                        {"qk-layernorm", {}, true, L * (layer + qk)}};
+  devices::SharedMemoryCommunicator comm;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    ModelConfig m = base;
+    m.recompute = c.recompute;
+    m.qk_layernorm = c.qk_layernorm;
+    devices::DeviceSet with(1, {.pin = false}), without(1, {.pin = false});
+    const TrainingStep real(m, kOneDevice, kOptimizer, with, comm);
+    const TrainingStep shapes(m, kOneDevice, kOptimizer, without, comm, {.materialize = false});
+    for (auto category : {rt::MemoryCategory::parameters, rt::MemoryCategory::gradients,
+                          rt::MemoryCategory::optimizer_state})
+      EXPECT_EQ(with.memory().current(0, category), without.memory().current(0, category))
+          << to_string(category);
+    EXPECT_EQ(with.memory().current(0, rt::MemoryCategory::activations),
+              without.memory().current(0, rt::MemoryCategory::activations) +
+                  fp32_excess(m, T, c.layers_fp32, 1, false, true));
+  }
+}
+
 // Combinations not built yet are refused by name, with what works.
 TEST(Bf16Training, RefusesWhatIsNotBuilt) {
   const ModelConfig m = in(gpt(), Precision::bf16);
@@ -293,7 +653,7 @@ TEST(Bf16Training, RefusesWhatIsNotBuilt) {
     FAIL() << "cp2 bf16 was built";
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("context parallelism"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("tensor (and sequence) and data parallelism"),
+    EXPECT_NE(std::string(e.what()).find("tensor (and sequence), data and pipeline parallelism"),
               std::string::npos)
         << e.what();
   }

@@ -29,6 +29,8 @@ struct AttentionActivations {
   // A bf16 run keeps the products' inputs in bf16 instead of ln1_full, qkv and attn (undefined
   // then): the norm's output, the queries, keys and values, the attention's output.
   ops::Bf16Tensor ln1_16, qkv16, attn16;
+  // A bf16 run's split backward keeps the output gradients in the bf16 its products read.
+  ops::Bf16Tensor saved_d_proj16, saved_d_qkv16;
 };
 
 // The attention's share of the backward's workspace, one per device for all its layers (the

@@ -1,4 +1,7 @@
 #include "model/attention_block.hpp"
+
+#include <algorithm>
+
 #include "model/half_precision.hpp"
 #include "model/norm.hpp"
 
@@ -29,17 +32,28 @@ void rotate_queries_and_keys(const ModelConfig& m, const Tensor& qkv,
     ops::rotary_forward<float>(spec, rotated, positions);
 }
 
-// A bf16 run's QKV product: bf16 from the norm's bf16 output, RoPE in fp32 on the widened
-// queries and keys, rounded back once.
-void project_qkv_bf16(const ModelConfig& m, const AttentionParameters& W, const ops::Bf16Tensor& x,
-                      const ops::Bf16Tensor& qkv16, const Tensor& qkv32,
-                      std::span<const std::int64_t> positions) {
+// A bf16 run's QKV product: bf16 from the norm's bf16 output; the query/key stages (the
+// --qk-layernorm norms, on the heads' widened values, as the other norms compute) and RoPE in
+// fp32 on the widened queries and keys, rounded back once.
+void project_qkv_bf16(const LayerSpec& spec, const ModelConfig& m, const AttentionParameters& W,
+                      const ops::Bf16Tensor& x, const ops::Bf16Tensor& qkv16, const Tensor& qkv32,
+                      std::span<const std::int64_t> positions,
+                      const std::vector<StageState>& state) {
   ops::linear_forward(x, W.qkv_weight->value16, value16_of(W.qkv_bias),
                       qkv16.reshape(x.shape().with(-1, qkv16.numel() / x.rows())));
-  if (m.position_embedding != PositionEmbedding::rope) return;
+  if (m.position_embedding != PositionEmbedding::rope && spec.query_key.empty()) return;
   widen_to_fp32(qkv16, qkv32);
-  rotate_queries_and_keys(m, qkv32, positions, false);
+  for (std::size_t i = 0; i < spec.query_key.size(); ++i)
+    spec.query_key[i]->forward(m, W.query_key[i], qkv32, state[i]);
+  if (m.position_embedding == PositionEmbedding::rope)
+    rotate_queries_and_keys(m, qkv32, positions, false);
   round_to_bf16(qkv32, qkv16);
+}
+
+// Whether layer l is the first of a model chunk after the first: its input came from another
+// stage (or chunk) as bf16 values.
+bool takes_stage_input(const PipelineLayout& layout, int l) {
+  return l > 0 && std::binary_search(layout.chunk_begin.begin(), layout.chunk_begin.end() - 1, l);
 }
 
 }  // namespace
@@ -154,7 +168,7 @@ void AttentionBlock::allocate(LayerActivations& A) const {
   const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h, Hl = z.Hl, d = z.d, cp = z.cp;
   const bool ampipe = z.spec(l).mlp == MlpModule::ampipe;
   const bool ring = z.spec(l).attention == AttentionCore::ring;
-  if (P->bf16()) {  // local attention, no query/key stages (check_half_precision_step)
+  if (P->bf16()) {  // local attention (check_half_precision_step)
     A.attention.ln1_16 = P->activation16({Sc, B, h});
     A.attention.ln1_mean = P->activation({Sl * B});
     A.attention.ln1_rstd = P->activation({Sl * B});
@@ -195,7 +209,10 @@ void AttentionBlock::allocate(LayerActivations& A) const {
   A.attention.query_key = allocate_query_key_stages(
       z.spec(l), [this](const ops::Shape& s) { return P->activation(s); },
       {.rows = Sc * B, .groups = z.Gl, .queries_per_group = z.qpg, .head_dim = d});
-  if (z.splits_backward) {
+  if (z.splits_backward && P->bf16()) {
+    A.attention.saved_d_proj16 = P->activation16({Sc, B, h});
+    A.attention.saved_d_qkv16 = P->activation16({Sc, B, z.qkv_width()});
+  } else if (z.splits_backward) {
     A.attention.saved_d_proj = P->activation({Sc, B, h});
     A.attention.saved_d_qkv = P->activation({Sc, B, z.qkv_width()});
   }
@@ -215,6 +232,9 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
         LayerActivations& A = p->acts(set, layer);
         const AttentionParameters& W = p->attention_parameters(layer);
         if (p->bf16()) {  // in fp32, rounded once into the bf16 input of the QKV product
+          // A stage's input arrives as the bf16 values Megatron-LM's bf16 pipeline sends
+          // (pipeline_dtype, the parameters' dtype); rounding again (recomputation) keeps them.
+          if (takes_stage_input(p->layout, layer)) round_in_place(A.x_in);
           const Tensor& y = p->ws().half.norm_out;
           norm_forward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, y, A.attention.ln1_mean,
                        A.attention.ln1_rstd);
@@ -242,8 +262,9 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
     const StepShape& z = p->shape;
     if (p->bf16()) {
       if (z.sp()) round_to_bf16(p->ws().half.gathered, A.attention.ln1_16);
-      project_qkv_bf16(z.model, p->attention_parameters(layer), A.attention.ln1_16,
-                       A.attention.qkv16, p->ws().half.qkv32, context_positions(*p));
+      project_qkv_bf16(z.spec(layer), z.model, p->attention_parameters(layer), A.attention.ln1_16,
+                       A.attention.qkv16, p->ws().half.qkv32, context_positions(*p),
+                       A.attention.query_key);
       return;
     }
     project_qkv(z.spec(layer), z.model, p->attention_parameters(layer), A.attention.ln1_full,
@@ -307,20 +328,24 @@ TaskId AttentionBlock::forward(const BuildPosition& pos, TaskId ready) const {
 
 namespace {
 
-// A bf16 run's attention backward (local attention, the projection's weight half folded in):
+// A bf16 run's attention backward (local attention, the projection's weight half folded in, or
+// with `keep` its output gradient kept for W):
 // the output gradient rounded to bf16 for the projection's products, then the bf16 attention
 // backward into d_qkv: dq in bf16 (widened), dk and dv accumulated in fp32.
 void attention_backward_bf16(RankProgram& p, const AttentionActivations& S,
                              const AttentionParameters& W, const ops::AttentionDropout& dropout,
-                             const Tensor& d_proj) {
+                             const Tensor& d_proj, bool keep) {
   const StepShape& z = p.shape;
   const std::int64_t Sc = z.Sc, B = z.B, Hl = z.Hl, d = z.d;
   BackwardWorkspace& w = p.ws();
   const HalfWorkspace& half = w.half;
   round_to_bf16(d_proj, half.d_out16);
   ops::linear_backward_input(half.d_out16, W.proj_weight->value16, half.d_attn16);
-  ops::linear_backward_weight(S.attn16.reshape({Sc, B, Hl * d}), half.d_out16, W.proj_weight->grad,
-                              Tensor{});
+  if (keep)
+    S.saved_d_proj16.copy_from(half.d_out16);
+  else
+    ops::linear_backward_weight(S.attn16.reshape({Sc, B, Hl * d}), half.d_out16,
+                                W.proj_weight->grad, Tensor{});
   w.attention.d_qkv.fill(0.f);  // attention accumulates dk and dv
   ops::attention_backward({.dropout = dropout}, query_view(S.qkv16, z), key_view(S.qkv16, z),
                           value_view(S.qkv16, z), output_view(S.attn16, z),
@@ -354,7 +379,7 @@ TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHa
     const AttentionParameters& W = p->attention_parameters(layer);
     const Tensor d_proj = sp ? w.d_mlp_full : w.d_mlp;
     if (p->bf16()) {
-      attention_backward_bf16(*p, A.attention, W, attention_dropout(*p, layer, mb), d_proj);
+      attention_backward_bf16(*p, A.attention, W, attention_dropout(*p, layer, mb), d_proj, keep);
       return;
     }
     ops::linear_backward_input(d_proj, W.proj_weight->value, w.attention.d_attn);
@@ -379,6 +404,13 @@ TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHa
       return p->compute(at + "attention_weight_grad", pos.tags(rt::Phase::weight, layer),
                         cost::projection(z), [=] {
                           LayerActivations& A = p->acts(set, layer);
+                          if (p->bf16()) {
+                            ops::linear_backward_weight(
+                                A.attention.attn16.reshape({Sc, B, Hl * d}),
+                                A.attention.saved_d_proj16,
+                                p->attention_parameters(layer).proj_weight->grad, Tensor{});
+                            return;
+                          }
                           ops::linear_backward_weight(
                               A.attention.attn.reshape({Sc, B, Hl * d}), A.attention.saved_d_proj,
                               p->attention_parameters(layer).proj_weight->grad, Tensor{});
@@ -408,6 +440,7 @@ void qkv_input_gradient(RankProgram& P, int set, int layer, bool ring, bool keep
   if (P.bf16()) {  // the gradients the QKV product takes, in bf16
     const HalfWorkspace& half = w.half;
     round_to_bf16(w.attention.d_qkv, half.d_qkv16);
+    if (keep) A.saved_d_qkv16.copy_from(half.d_qkv16.reshape({z.Sc, z.B, width}));
     ops::linear_backward_input(half.d_qkv16.reshape({z.Sc, z.B, width}),
                                P.attention_parameters(layer).qkv_weight->value16, half.out16);
     widen_to_fp32(half.out16, w.d_norm_full);
@@ -445,9 +478,11 @@ TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, We
       LayerActivations& A = p->acts(set, layer);
       const AttentionParameters& W = p->attention_parameters(layer);
       if (p->bf16()) {
-        ops::linear_backward_weight(A.attention.ln1_16,
-                                    p->ws().half.d_qkv16.reshape({Sc, B, p->shape.qkv_width()}),
-                                    W.qkv_weight->grad, grad_of(W.qkv_bias));
+        const ops::Bf16Tensor d_out16 =
+            keep ? A.attention.saved_d_qkv16
+                 : p->ws().half.d_qkv16.reshape({Sc, B, p->shape.qkv_width()});
+        ops::linear_backward_weight(A.attention.ln1_16, d_out16, W.qkv_weight->grad,
+                                    grad_of(W.qkv_bias));
         return;
       }
       const Tensor d_out = keep ? A.attention.saved_d_qkv

@@ -69,18 +69,23 @@ void dense_mlp_forward_bf16(const ModelConfig& m, const DenseMlpParameters& W,
   widen_to_fp32(half.out16, D.fc2_partial);
 }
 
-// Its backward (fc2's weight half folded in; fc1's runs after, from half.d_fc1_16): the output
-// gradient rounded to bf16 for the products, the activation's backward in fp32.
+// Its backward (fc2's weight half folded in, or with `keep` its output gradient kept for W; fc1's
+// runs after, from half.d_fc1_16 or the kept one): the output gradient rounded to bf16 for the
+// products, the activation's backward in fp32.
 void dense_mlp_backward_bf16(const ModelConfig& m, const DenseMlpParameters& W,
-                             const DenseMlpActivations& D, BackwardWorkspace& w) {
+                             const DenseMlpActivations& D, BackwardWorkspace& w, bool keep) {
   const HalfWorkspace& half = w.half;
   round_to_bf16(w.d_mlp_full, half.d_out16);
   ops::linear_backward_input(half.d_out16, W.fc2_weight->value16, half.d_act16);
-  ops::linear_backward_weight(D.act16, half.d_out16, W.fc2_weight->grad, Tensor{});
+  if (keep)
+    D.saved_d_fc2_16.copy_from(half.d_out16);
+  else
+    ops::linear_backward_weight(D.act16, half.d_out16, W.fc2_weight->grad, Tensor{});
   widen_to_fp32(D.fc1_16, half.pre32);
   widen_to_fp32(half.d_act16, half.act32);
   mlp_activation_backward(m, half.pre32, half.act32, w.dense_mlp.d_fc1);
   round_to_bf16(w.dense_mlp.d_fc1, half.d_fc1_16);
+  if (keep) D.saved_d_fc1_16.copy_from(half.d_fc1_16);
   ops::linear_backward_input(half.d_fc1_16, W.fc1_weight->value16, half.out16);
   widen_to_fp32(half.out16, w.d_norm_full);
 }
@@ -106,13 +111,16 @@ void DenseMlp::allocate(LayerActivations& A) const {
     // A recomputed MLP keeps its input (ln2_full); its products are the rank's working set,
     // which its forward fills again right before its backward.
     DenseMlpActivations& W = P->state.recomputed_dense_mlp;
-    if (!W.fc1.defined()) products(W);
+    if (!W.fc2_partial.defined()) products(W);
     D = W;
   } else {
     products(D);
   }
   A.mlp_out = z.sp() ? P->activation({Sl, B, h}) : D.fc2_partial;
-  if (z.splits_backward) {
+  if (z.splits_backward && P->bf16()) {
+    D.saved_d_fc2_16 = P->activation16({Sc, B, h});
+    D.saved_d_fc1_16 = P->activation16({Sc, B, z.f1l});
+  } else if (z.splits_backward) {
     D.saved_d_fc2 = P->activation({Sc, B, h});
     D.saved_d_fc1 = P->activation({Sc, B, z.f1l});
   }
@@ -131,10 +139,14 @@ TaskId DenseMlp::forward(const BuildPosition& pos, TaskId ready) const {
                          at + "sp_gather_mlp", tags);
   else if (z.sp())
     gathered = sp_gather(*P, ready, A.ln2, A.ln2_full, at + "sp_gather_mlp", tags);
-  const TaskId mlp = P->compute(at + "mlp", tags, cost::mlp(z, z.Sc * z.B), [p, layer, set] {
+  // Recomputed alone (selective), a bf16 run's MLP reads the bf16 input it kept (the gathered
+  // one under SP): the gather is issued again as Megatron-LM's checkpointed MLP issues it, its
+  // result unread. A whole layer recomputed has its norm's output gathered again.
+  const bool recomputing = pos.recomputing && z.model.recompute.recomputes(kRecomputeMlp);
+  const TaskId mlp = P->compute(at + "mlp", tags, cost::mlp(z, z.Sc * z.B), [=] {
     LayerActivations& A = p->acts(set, layer);
     if (p->bf16()) {
-      if (p->shape.sp()) round_to_bf16(p->ws().half.gathered, A.ln2_16);
+      if (p->shape.sp() && !recomputing) round_to_bf16(p->ws().half.gathered, A.ln2_16);
       dense_mlp_forward_bf16(p->shape.model, p->dense_mlp_parameters(layer), A.ln2_16, A.dense(),
                              p->ws().half);
       return;
@@ -167,7 +179,7 @@ TaskId DenseMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& 
     BackwardWorkspace& w = p->ws();
     const DenseMlpParameters& W = p->dense_mlp_parameters(layer);
     if (p->bf16()) {
-      dense_mlp_backward_bf16(p->shape.model, W, A.dense(), w);
+      dense_mlp_backward_bf16(p->shape.model, W, A.dense(), w, keep);
       return;
     }
     ops::linear_backward_input(w.d_mlp_full, W.fc2_weight->value, w.dense_mlp.d_act);
@@ -189,6 +201,13 @@ TaskId DenseMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& 
                         fc1 + fc2_weight, [=] {
                           LayerActivations& A = p->acts(set, layer);
                           const DenseMlpParameters& W = p->dense_mlp_parameters(layer);
+                          if (p->bf16()) {
+                            ops::linear_backward_weight(A.dense().act16, A.dense().saved_d_fc2_16,
+                                                        W.fc2_weight->grad, Tensor{});
+                            ops::linear_backward_weight(A.ln2_16, A.dense().saved_d_fc1_16,
+                                                        W.fc1_weight->grad, grad_of(W.fc1_bias));
+                            return;
+                          }
                           ops::linear_backward_weight(A.dense().act, A.dense().saved_d_fc2,
                                                       W.fc2_weight->grad, Tensor{});
                           ops::linear_backward_weight(A.ln2_full, A.dense().saved_d_fc1,

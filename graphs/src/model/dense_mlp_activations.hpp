@@ -15,6 +15,8 @@ struct DenseMlpActivations {
   Tensor saved_d_fc2, saved_d_fc1;
   // A bf16 run keeps fc1's output and the activation in bf16 instead (fc1, act undefined).
   ops::Bf16Tensor fc1_16, act16;
+  // A bf16 run's split backward keeps the output gradients in the bf16 its products read.
+  ops::Bf16Tensor saved_d_fc2_16, saved_d_fc1_16;
 };
 
 // The dense MLP's share of the backward's workspace, one per device for all its layers: the

@@ -1,6 +1,7 @@
 #include "model/model_chunk.hpp"
 
 #include "model/embedding.hpp"
+#include "model/half_precision.hpp"
 #include "model/output_loss.hpp"
 #include "model/transformer_layer.hpp"
 #include "step/gradient_buckets.hpp"
@@ -54,10 +55,15 @@ TaskId ModelChunk::backward(const BuildPosition& pos, TaskId ready, WeightHalves
   }
   halves.flush();
   if (k > 0) {
-    // The gradient of the chunk's input, for the previous stage.
+    // The gradient of the chunk's input, for the previous stage: in a bf16 run the bf16 values
+    // Megatron-LM's bf16 pipeline sends.
     const double rows = static_cast<double>(P->shape.Sl * P->shape.B * P->shape.h);
-    const TaskId out = P->compute("stage_grad_out", tags, cost::streamed(P->shape, 2 * rows),
-                                  [p, set] { p->aset(set).d_send.copy_from(p->ws().d_x); });
+    const TaskId out =
+        P->compute("stage_grad_out", tags, cost::streamed(P->shape, 2 * rows), [p, set] {
+          const Tensor& d_send = p->aset(set).d_send;
+          d_send.copy_from(p->ws().d_x);
+          if (p->bf16()) round_in_place(d_send);
+        });
     P->after(prev, out);
     P->after(d_send_read, out);
     return out;

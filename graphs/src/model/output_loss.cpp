@@ -39,7 +39,10 @@ void OutputLoss::allocate(OutputSet& O) const {
   O.row_max = P->activation({Sc * B});
   O.partials = P->activation({Sc * B, ops::kCrossEntropyPartials});
   O.lse = P->activation({Sc * B});
-  if (z.splits_backward) O.saved_d_logits = P->activation({Sc * B, z.Vl});
+  if (z.splits_backward && P->bf16())
+    O.saved_d_logits16 = P->activation16({Sc * B, z.Vl});
+  else if (z.splits_backward)
+    O.saved_d_logits = P->activation({Sc * B, z.Vl});
 }
 
 TaskId OutputLoss::forward(const BuildPosition& pos, TaskId ready) const {
@@ -130,6 +133,7 @@ TaskId OutputLoss::backward(const BuildPosition& pos, TaskId ready, WeightHalves
     if (p->bf16()) {  // the output layer's products take the gradient in bf16
       const HalfWorkspace& half = w.half;
       round_to_bf16(w.output.d_logits, half.d_logits16);
+      if (keep) X.saved_d_logits16.copy_from(half.d_logits16);
       ops::linear_backward_input(half.d_logits16, p->shard().output_weight().value16,
                                  half.out16.reshape({Sc * B, h}));
       widen_to_fp32(half.out16, w.output.d_final_full);
@@ -151,7 +155,8 @@ TaskId OutputLoss::backward(const BuildPosition& pos, TaskId ready, WeightHalves
         logits_flops, [=] {
           OutputSet& X = p->oset(out);
           if (p->bf16()) {
-            ops::linear_backward_weight(X.final16.reshape({Sc * B, h}), p->ws().half.d_logits16,
+            ops::linear_backward_weight(X.final16.reshape({Sc * B, h}),
+                                        keep ? X.saved_d_logits16 : p->ws().half.d_logits16,
                                         p->shard().output_weight().grad, Tensor{});
             return;
           }

@@ -106,6 +106,7 @@ struct OutputSet {
   Tensor row_max, partials, lse;
   std::vector<std::int32_t> targets;  // [Sc B]
   Tensor saved_d_logits;              // a split backward: the output layer's gradient, for W
+  ops::Bf16Tensor saved_d_logits16;   // the same in a bf16 run: the bf16 its products read
   ops::Bf16Tensor final16;            // a bf16 run: the final norm's output (final_ln undefined)
 };
 
