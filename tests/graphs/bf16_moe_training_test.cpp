@@ -169,6 +169,36 @@ TEST(Bf16MoeTraining, PipeExpertsSplitOverTpEqualsOneDevice) {
   expect_parallel_equals_one_device(m, plan, kTensorParallel);
 }
 
+// Ampipe (degree 2): each chunk's queries through the bf16 attention kernel and its projection,
+// each chunk's tokens routed, dispatched and combined on their own. Every value meets the same
+// roundings as on one device; what differs is the order of fp32 sums (the chunks' dk and dv
+// accumulated chunk after chunk, the data-parallel reduction), which may flip the rounding of a
+// rare bf16 value: as expert parallelism, kExpertParallel.
+TEST(Bf16MoeTraining, Ep2Ampipe2EqualsOneDevice) {
+  expect_parallel_equals_one_device(moe_model(Precision::bf16),
+                                    {.expert_parallel = 2,
+                                     .data_parallel = 2,
+                                     .micro_batch_size = 2,
+                                     .global_batch_size = 4,
+                                     .ampipe_degree = 2},
+                                    kExpertParallel);
+}
+
+// Ampipe with MindSpeed's tp-sp overlap: split experts' items pipelined over both chunks, their
+// partial sums bf16 values reduced over tp (kTensorParallel's r = 9).
+TEST(Bf16MoeTraining, Ampipe2TpSpOverlapEqualsOneDevice) {
+  ParallelPlan plan{.tensor_parallel = 2,
+                    .sequence_parallel = true,
+                    .expert_parallel = 2,
+                    .data_parallel = 2,
+                    .micro_batch_size = 1,
+                    .global_batch_size = 4,
+                    .ampipe_degree = 2,
+                    .ampipe_tp_sp_comm_overlap = true};
+  const ModelConfig m = deepspeed_moe(plan);
+  expect_parallel_equals_one_device(m, plan, kTensorParallel);
+}
+
 TEST(Bf16MoeTraining, Tp2SpEp2EqualsOneDevice) {
   expect_parallel_equals_one_device(moe_model(Precision::bf16),
                                     {.tensor_parallel = 2,

@@ -301,8 +301,8 @@ TEST(Bf16Training, RefusesWhatIsNotBuilt) {
   ModelConfig fp16 = in(gpt(), Precision::fp16);
   EXPECT_THROW(TrainingStep(fp16, kOneDevice, kOptimizer, one, comm), ConfigError);
   ModelConfig moe = in(tiny(4), Precision::bf16);
-  const ParallelPlan ampipe{.micro_batch_size = 2, .global_batch_size = 4, .ampipe_degree = 2};
-  EXPECT_THROW(TrainingStep(moe, ampipe, kOptimizer, one, comm), ConfigError);
+  const ParallelPlan pp2{.pipeline_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4};
+  EXPECT_THROW(TrainingStep(moe, pp2, kOptimizer, two, comm), ConfigError);
   // Predicted (no tensors), every combination is modelled.
   EXPECT_NO_THROW(TrainingStep(m, cp2, kOptimizer, two, comm, {.materialize = false}));
 }

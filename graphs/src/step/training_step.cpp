@@ -49,7 +49,7 @@ void check_devices(const ParallelPlan& plan, const devices::DeviceSet& set) {
 }
 
 // What a step built with tensors trains in 16 bits so far: bf16, with tensor (and sequence) and
-// data parallelism, dense and MoE layers (no Ampipe) with local attention, every activation kept.
+// data parallelism, dense and MoE layers (Ampipe too) with local attention, every activation kept.
 // The rest is modelled by a prediction only.
 void check_half_precision_step(const ModelConfig& model, const ParallelPlan& plan) {
   const auto refuse = [&](std::string_view what) {
@@ -67,7 +67,6 @@ void check_half_precision_step(const ModelConfig& model, const ParallelPlan& pla
   if (plan.context_parallel > 1) refuse("context parallelism (--context-parallel-size)");
   if (plan.pipeline_parallel > 1) refuse("pipeline parallelism (--pipeline-model-parallel-size)");
   if (plan.distributed_optimizer) refuse("--use-distributed-optimizer");
-  if (plan.ampipe_degree > 1) refuse("Ampipe (--ampipe-degree)");
   if (model.qk_layernorm) refuse("--qk-layernorm");
   if (model.recompute.granularity != RecomputeGranularity::none)
     refuse("activation recomputation (--recompute-granularity)");
