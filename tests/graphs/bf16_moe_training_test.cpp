@@ -199,6 +199,29 @@ TEST(Bf16MoeTraining, Ampipe2TpSpOverlapEqualsOneDevice) {
   expect_parallel_equals_one_device(m, plan, kTensorParallel);
 }
 
+// Context parallelism (cp2, ring attention): each key/value block's partial output comes out of
+// the bf16 attention kernel rounded to bf16 before the fp32 merge with the fp32 softmax
+// statistics, and each block's dq is rounded before the fp32 sum over blocks: per attention layer
+// one rounding more forward and one backward than one device's whole-sequence kernel, r = 2 L =
+// 4: gradients within sqrt(4) u = 0.8 %; the losses as kTensorParallel's.
+constexpr ParallelTolerance kContextParallel{1e-3, 2.0 / 256, 1e-2};
+
+TEST(Bf16MoeTraining, Cp2EqualsOneDevice) {
+  expect_parallel_equals_one_device(
+      moe_model(Precision::bf16),
+      {.context_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4}, kContextParallel);
+}
+
+TEST(Bf16MoeTraining, Cp2Ep2EqualsOneDevice) {
+  expect_parallel_equals_one_device(moe_model(Precision::bf16),
+                                    {.context_parallel = 2,
+                                     .expert_parallel = 2,
+                                     .data_parallel = 2,
+                                     .micro_batch_size = 2,
+                                     .global_batch_size = 8},
+                                    kContextParallel);
+}
+
 TEST(Bf16MoeTraining, Tp2SpEp2EqualsOneDevice) {
   expect_parallel_equals_one_device(moe_model(Precision::bf16),
                                     {.tensor_parallel = 2,

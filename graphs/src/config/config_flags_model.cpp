@@ -128,9 +128,9 @@ constexpr ConfigFlag kModel[] = {
      .values = 0,
      .help = "bf16 mixed precision, as Megatron-LM trains it: bf16 products and saved "
              "activations, fp32 main parameters, gradients (reduced in fp32), norms, softmax and "
-             "loss; the residual stream in fp32. With tensor (+ sequence), data and expert "
-             "parallelism, dense and MoE layers (the router in fp32); the other combinations are "
-             "refused, naming what works"},
+             "loss; the residual stream in fp32. With tensor (+ sequence), data, expert and "
+             "context parallelism, dense and MoE layers (the router in fp32); the other "
+             "combinations are refused, naming what works"},
     {.name = "--norm-epsilon",
      .aliases = "--layernorm-epsilon",
      .help = "The norms' epsilon",

@@ -48,23 +48,24 @@ void check_devices(const ParallelPlan& plan, const devices::DeviceSet& set) {
                     plan.pipeline_parallel, set.size()));
 }
 
-// What a step built with tensors trains in 16 bits so far: bf16, with tensor (and sequence) and
-// data parallelism, dense and MoE layers (Ampipe too) with local attention, every activation kept.
-// The rest is modelled by a prediction only.
+// What a step built with tensors trains in 16 bits so far: bf16, with tensor (and sequence),
+// data, expert and context parallelism, dense and MoE layers (Ampipe too, but not with context
+// parallelism), every activation kept. The rest is modelled by a prediction only.
 void check_half_precision_step(const ModelConfig& model, const ParallelPlan& plan) {
   const auto refuse = [&](std::string_view what) {
     throw ConfigError(fmt::format(
-        "a step built with tensors trains in {} with tensor (and sequence) and data parallelism "
-        "only, dense and MoE layers and every activation kept (bf16 mixed precision: bf16 products "
-        "and "
-        "saved activations, fp32 main parameters, gradients, norms, softmax and loss); this run "
+        "a step built with tensors trains in {} with tensor (and sequence), data, expert and "
+        "context parallelism only, dense and MoE layers and every activation kept (bf16 mixed "
+        "precision: bf16 products and saved activations, fp32 main parameters, gradients, norms, "
+        "softmax and loss); this run "
         "has {}: train it in fp32 (drop --{}), or predict the {} run (weave predict, or "
         "StepBuildOptions::materialize = false)",
         "bf16", what, precision_name(model.precision), precision_name(model.precision)));
   };
   if (model.precision == Precision::fp16)
     refuse("fp16, which needs a dynamic loss scaler weave does not have yet");
-  if (plan.context_parallel > 1) refuse("context parallelism (--context-parallel-size)");
+  if (plan.context_parallel > 1 && plan.ampipe_degree > 1)
+    refuse("Ampipe with context parallelism (--context-parallel-size, --ampipe-degree)");
   if (plan.pipeline_parallel > 1) refuse("pipeline parallelism (--pipeline-model-parallel-size)");
   if (plan.distributed_optimizer) refuse("--use-distributed-optimizer");
   if (model.qk_layernorm) refuse("--qk-layernorm");
