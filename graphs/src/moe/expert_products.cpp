@@ -111,7 +111,6 @@ void experts_backward_input(ops::ExpertActivation act, const Tensor& x,
     round_in_place(d);
     if (dx.defined()) linear_backward_input_bf16(d, expert_matrix(w.w1_16, e), dx.slice(0, r0, n));
   });
-  (void)hidden;
 }
 
 void experts_backward(ops::ExpertActivation act, const Tensor& x,
