@@ -6,7 +6,6 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <iostream>
 #include <map>
 #include <string>
 #include <vector>
@@ -42,13 +41,6 @@ double relative_difference(const std::vector<double>& got, const std::vector<dou
   return std::sqrt(diff / norm);
 }
 
-double worst_gradient_difference(const Outcome& got, const Outcome& want) {
-  double worst = 0;
-  for (const auto& [name, g] : want.grads)
-    worst = std::max(worst, relative_difference(got.grads.at(name), g));
-  return worst;
-}
-
 // Roundings on the path of the fp32 model's values that bf16 adds. Forward: the embedding and the
 // final norm's output and the logits (3), the dense layer's 8 (the attention's input, QKV, its
 // output, the projection's, fc1's input and output, the activation, fc2's output), and the MoE
@@ -72,9 +64,6 @@ TEST(Bf16MoeTraining, GradientsAndLossesTrackFp32) {
     EXPECT_LE(diff, bound) << name;
     EXPECT_GT(diff, 0) << name << ": not computed in bf16";
   }
-  std::cout << "largest relative gradient difference " << worst_gradient_difference(bf16, fp32)
-            << ", loss " << std::abs(bf16.losses[0] - fp32.losses[0]) / fp32.losses[0] << ", aux "
-            << std::abs(bf16.aux[0] - fp32.aux[0]) / fp32.aux[0] << '\n';
   // The loss moves by at most sqrt(k) u of itself (bf16_training_test's argument); the aux loss,
   // fp32 statistics of the fp32 router's probabilities of the rounded input, by as much.
   EXPECT_NEAR(bf16.losses[0], fp32.losses[0], std::sqrt(kForwardRoundings) * kU * fp32.losses[0]);
@@ -105,8 +94,6 @@ void expect_parallel_equals_one_device(const ModelConfig& m, const ParallelPlan&
   EXPECT_LE(std::abs(b.aux[0] - a.aux[0]), tolerance.first_loss * a.aux[0]);
   for (const auto& [name, want] : a.grads)
     EXPECT_LE(relative_difference(b.grads.at(name), want), tolerance.gradient) << name;
-  std::cout << "largest relative gradient difference " << worst_gradient_difference(b, a)
-            << ", first loss " << std::abs(b.losses[0] - a.losses[0]) / a.losses[0] << '\n';
   const Outcome a3 = run(m, serial, 3, true), b3 = run(m, plan, 3, true);
   for (std::size_t i = 1; i < a3.losses.size(); ++i)
     EXPECT_NEAR(b3.losses[i], a3.losses[i], tolerance.later_loss * a3.losses[i])
@@ -210,16 +197,6 @@ TEST(Bf16MoeTraining, Cp2EqualsOneDevice) {
   expect_parallel_equals_one_device(
       moe_model(Precision::bf16),
       {.context_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4}, kContextParallel);
-}
-
-TEST(Bf16MoeTraining, Cp2Ep2EqualsOneDevice) {
-  expect_parallel_equals_one_device(moe_model(Precision::bf16),
-                                    {.context_parallel = 2,
-                                     .expert_parallel = 2,
-                                     .data_parallel = 2,
-                                     .micro_batch_size = 2,
-                                     .global_batch_size = 8},
-                                    kContextParallel);
 }
 
 TEST(Bf16MoeTraining, Tp2SpEp2EqualsOneDevice) {
