@@ -1,8 +1,9 @@
 // bf16 mixed-precision training of MoE layers: the experts' products in bf16 with fp32 sums, the
 // router in fp32 on the bf16 input (Megatron-Core's --moe-router-dtype fp32, MindSpeed's gate),
 // the dispatch and combine all-to-alls carrying bf16 values, the aux and z losses in fp32. On one
-// device its gradients and losses track the fp32 model's within bf16's rounding; expert (and
-// tensor + sequence) parallelism equals one device in bf16 within what their roundings allow.
+// device its gradients and losses track the fp32 model's within bf16's rounding; expert, tensor
+// (+ sequence) and context parallelism, split and pipe experts and Ampipe equal one device in
+// bf16 within what their roundings allow; its memory is the prediction's plus named fp32 terms.
 #include <gtest/gtest.h>
 
 #include <cmath>
