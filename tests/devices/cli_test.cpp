@@ -503,11 +503,15 @@ TEST(CliFlags, HalfPrecisionTrainsInBf16AndRefusesWhatIsNotBuilt) {
   const Result cp2 = weave(fmt::format(
       "train {} --mock-data --bf16 --train-iters 2 --devices 2 --context-parallel-size 2",
       kTinyModel));
-  EXPECT_NE(cp2.status, 0);
-  EXPECT_TRUE(has(cp2.out,
-                  "this run has context parallelism (--context-parallel-size): train it "
+  EXPECT_EQ(cp2.status, 0) << cp2.out;
+  const Result pp2 = weave(fmt::format(
+      "train {} --mock-data --bf16 --train-iters 2 --devices 2 --pipeline-model-parallel-size 2",
+      kTinyModel));
+  EXPECT_NE(pp2.status, 0);
+  EXPECT_TRUE(has(pp2.out,
+                  "this run has pipeline parallelism (--pipeline-model-parallel-size): train it "
                   "in fp32 (drop --bf16)"))
-      << cp2.out;
+      << pp2.out;
 }
 
 TEST(CliFlags, AOneDashLongFlagIsRefusedNamingTheTwoDashForm) {

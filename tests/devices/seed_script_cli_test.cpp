@@ -91,7 +91,8 @@ TEST(SeedScript, TrainsAsPastedWithItsRampAndDeepSpeedFile) {
 // its core_r0.8.0 branch): GPT_ARGS, MOE_ARGS, RECOMPUTE_ARGS, OUTPUT_ARGS and DATA_ARGS' sizes as
 // pasted, --mock-data for its corpus. Every flag is known; at its published sizes weave predict
 // models it (bf16, full recomputation, 4 h wide experts); scaled down in sizes only, weave train
-// names the one limit left (a materialised bf16 step has no context parallelism) and trains the
+// names the first limit left (a materialised bf16 step has no Ampipe under context parallelism;
+// the distributed optimizer and full recomputation in bf16 are not built either) and trains the
 // same run in fp32.
 TEST(SeedScript, MindSpeedsAmpipeScriptIsKnownFlagByFlag) {
   const std::string script =
@@ -128,11 +129,12 @@ TEST(SeedScript, MindSpeedsAmpipeScriptIsKnownFlagByFlag) {
                              "--max-position-embeddings 64 --train-iters 2 --mock-data";
   const weave::cli_test::Result pasted = weave("train " + scaled + " --bf16");
   EXPECT_NE(pasted.status, 0);
-  EXPECT_NE(pasted.out.find("trains in bf16 with dense layers under tensor (and sequence), data "
-                            "and pipeline parallelism"),
+  EXPECT_NE(pasted.out.find("trains in bf16 with dense and MoE layers under tensor (and "
+                            "sequence), data, pipeline, expert and context parallelism"),
             std::string::npos)
       << pasted.out;
-  EXPECT_NE(pasted.out.find("this run has context parallelism"), std::string::npos) << pasted.out;
+  EXPECT_NE(pasted.out.find("this run has Ampipe with context parallelism"), std::string::npos)
+      << pasted.out;
   EXPECT_EQ(pasted.out.find("cannot be taken"), std::string::npos) << pasted.out;
   const weave::cli_test::Result fp32 = weave("train " + scaled);
   ASSERT_EQ(fp32.status, 0) << fp32.out;

@@ -644,26 +644,27 @@ TEST(Bf16Training, RecomputationAndQkLayernormMemoryIsThePredictions) {
 
 // Combinations not built yet are refused by name, with what works.
 TEST(Bf16Training, RefusesWhatIsNotBuilt) {
-  const ModelConfig m = in(gpt(), Precision::bf16);
   devices::SharedMemoryCommunicator comm;
-  const ParallelPlan cp2{.context_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4};
   devices::DeviceSet two(2, {.pin = false});
+  const ModelConfig moe = in(tiny(4), Precision::bf16);
+  const ParallelPlan cp2_ampipe{
+      .context_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4, .ampipe_degree = 2};
   try {
-    TrainingStep step(m, cp2, kOptimizer, two, comm);
-    FAIL() << "cp2 bf16 was built";
+    TrainingStep step(moe, cp2_ampipe, kOptimizer, two, comm);
+    FAIL() << "cp2 Ampipe 2 bf16 was built";
   } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("context parallelism"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("tensor (and sequence), data and pipeline parallelism"),
+    EXPECT_NE(std::string(e.what()).find("this run has Ampipe with context parallelism"),
+              std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("data, pipeline, expert and context parallelism"),
               std::string::npos)
         << e.what();
   }
   devices::DeviceSet one(1, {.pin = false});
   ModelConfig fp16 = in(gpt(), Precision::fp16);
   EXPECT_THROW(TrainingStep(fp16, kOneDevice, kOptimizer, one, comm), ConfigError);
-  ModelConfig moe = in(tiny(4), Precision::bf16);
-  EXPECT_THROW(TrainingStep(moe, kOneDevice, kOptimizer, one, comm), ConfigError);
   // Predicted (no tensors), every combination is modelled.
-  EXPECT_NO_THROW(TrainingStep(m, cp2, kOptimizer, two, comm, {.materialize = false}));
+  EXPECT_NO_THROW(TrainingStep(moe, cp2_ampipe, kOptimizer, two, comm, {.materialize = false}));
 }
 
 }  // namespace

@@ -128,9 +128,10 @@ constexpr ConfigFlag kModel[] = {
      .values = 0,
      .help = "bf16 mixed precision, as Megatron-LM trains it: bf16 products and saved "
              "activations, fp32 main parameters, gradients (reduced in fp32), norms, softmax and "
-             "loss; the residual stream in fp32. With tensor (+ sequence), data and pipeline "
-             "parallelism, the distributed optimizer, recomputation and dense layers; context "
-             "parallelism and MoE layers are refused with it, naming what works"},
+             "loss; the residual stream in fp32. With tensor (+ sequence), data, pipeline, "
+             "expert and context parallelism, the distributed optimizer, recomputation, dense and "
+             "MoE layers (the router in fp32); Ampipe with context parallelism is refused with "
+             "it, naming what works"},
     {.name = "--norm-epsilon",
      .aliases = "--layernorm-epsilon",
      .help = "The norms' epsilon",

@@ -168,7 +168,7 @@ void AttentionBlock::allocate(LayerActivations& A) const {
   const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h, Hl = z.Hl, d = z.d, cp = z.cp;
   const bool ampipe = z.spec(l).mlp == MlpModule::ampipe;
   const bool ring = z.spec(l).attention == AttentionCore::ring;
-  if (P->bf16()) {  // local attention (check_half_precision_step)
+  if (P->bf16()) {
     A.attention.ln1_16 = P->activation16({Sc, B, h});
     A.attention.ln1_mean = P->activation({Sl * B});
     A.attention.ln1_rstd = P->activation({Sl * B});
@@ -265,6 +265,13 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
       project_qkv_bf16(z.spec(layer), z.model, p->attention_parameters(layer), A.attention.ln1_16,
                        A.attention.qkv16, p->ws().half.qkv32, context_positions(*p),
                        A.attention.query_key);
+      if (ring) {  // the bf16 keys and values, contiguous, in the fp32 block the ring carries
+        const Tensor& wide = p->ws().half.qkv32;
+        widen_to_fp32(A.attention.qkv16, wide);
+        const std::int64_t keys = z.qpg * d;
+        A.attention.kv_local.slice(3, 0, d).copy_from(wide.slice(3, keys, d));
+        A.attention.kv_local.slice(3, d, d).copy_from(wide.slice(3, keys + d, d));
+      }
       return;
     }
     project_qkv(z.spec(layer), z.model, p->attention_parameters(layer), A.attention.ln1_full,
@@ -378,6 +385,15 @@ TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHa
     BackwardWorkspace& w = p->ws();
     const AttentionParameters& W = p->attention_parameters(layer);
     const Tensor d_proj = sp ? w.d_mlp_full : w.d_mlp;
+    if (p->bf16() && ring) {  // the projection's backward; the ring's steps run the attention's
+      const HalfWorkspace& half = w.half;
+      round_to_bf16(d_proj, half.d_out16);
+      ops::linear_backward_input(half.d_out16, W.proj_weight->value16, half.d_attn16);
+      ops::linear_backward_weight(A.attention.attn16.reshape({Sc, B, Hl * d}), half.d_out16,
+                                  W.proj_weight->grad, Tensor{});
+      w.attention.d_qkv.fill(0.f);
+      return;
+    }
     if (p->bf16()) {
       attention_backward_bf16(*p, A.attention, W, attention_dropout(*p, layer, mb), d_proj, keep);
       return;

@@ -19,8 +19,11 @@ struct RingAttentionWorkspace {
   // Ampipe under CP with --ampipe-cp-resend-kv: the other cp ranks' blocks, in the order the
   // forward's ring brings them and the backward's brings them again [(cp - 1) Sc, B, Hl, 2d].
   Tensor kv_forward, kv_backward;
-  Tensor o_part, dq_part;                          // [chunk, B, Hl, d]
-  Tensor lse_part;                                 // [B, Hl, chunk]
+  Tensor o_part, dq_part;  // [chunk, B, Hl, d]
+  Tensor lse_part;         // [B, Hl, chunk]
+  // A bf16 run: the blocks' partial outputs merged in fp32 before the one rounding into the
+  // layer's bf16 attention output [Sc, B, Hl, d].
+  Tensor merged;
   std::vector<std::int64_t> ring_send, ring_recv;  // rows to each cp rank: all to the next
 };
 

@@ -19,7 +19,9 @@ void TransformerLayer::allocate(LayerActivations& A, const Tensor& x_in) const {
   A.x_in = x_in;
   AttentionBlock(*P, l).allocate(A);
   A.x_mid = P->activation({Sl, B, h});
-  if (P->bf16())
+  // A bf16 run's MoE layer keeps its norm's bf16 output in an fp32 buffer, as every MoE row it
+  // routes and exchanges (the virtual clock charges them at 2 bytes a value).
+  if (P->bf16() && !z.spec(l).moe())
     A.ln2_16 = P->activation16({z.Sc, B, h});
   else
     A.ln2 = P->activation({Sl, B, h});
@@ -73,6 +75,12 @@ TaskId TransformerLayer::forward(const BuildPosition& pos, TaskId ready) const {
         if (p->bf16() && p->shape.tp > 1) round_in_place(A.attention.proj_out);
         p->bias_dropout_add(mb, layer, 0, A.attention.proj_out,
                             compute_value_of(W.attention.proj_bias), A.x_in, A.x_mid);
+        if (p->bf16() && mlp_module == MlpModule::moe) {  // in fp32, rounded once
+          norm_forward(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, A.ln2, A.ln2_mean,
+                       A.ln2_rstd);
+          round_in_place(A.ln2);
+          return;
+        }
         if (p->bf16()) {  // in fp32, rounded once into the bf16 input of fc1
           norm_forward(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, p->ws().half.norm_out,
                        A.ln2_mean, A.ln2_rstd);

@@ -4,6 +4,7 @@
 // in moe_split_experts.cpp and moe_split_items.cpp.
 #include <array>
 
+#include "moe/expert_products.hpp"
 #include "moe/moe_experts.hpp"
 #include "moe/moe_mlp.hpp"
 #include "moe/moe_token_dispatcher.hpp"
@@ -53,31 +54,29 @@ SlotProgress MoeMlp::experts(const BuildPosition& pos, int c, const SlotProgress
   const StepShape& z = P->shape;
   const int ep = z.ep;
   const std::int64_t h = z.h;
-  const TaskId experts =
-      P->compute(slot_prefix(c) + "experts", pos.chunk_tags(rt::Phase::forward, l, slot_chunk(c)),
-                 cost::experts(z, static_cast<double>(z.slot_tokens())), [=] {
-                   MoeSlot& A = p->slot(set, layer, c);
-                   const MoeMlpParameters& W = p->moe_parameters(layer);
-                   const ops::ExpertActivation act = expert_activation(p->shape.model);
-                   if (ep == 1) {
-                     const std::int64_t rows = A.dispatch.rows();
-                     ops::experts_forward(
-                         act, A.grouped.slice(0, 0, rows), A.dispatch.expert_begin,
-                         W.experts.fc1->value, W.experts.fc2->value, A.hidden_pre.slice(0, 0, rows),
-                         A.hidden.slice(0, 0, rows), A.expert_out.slice(0, 0, rows));
-                     return;
-                   }
-                   regroup_by_expert(p->shape, A);
-                   const auto rows = static_cast<std::int64_t>(A.source_row.size());
-                   for (std::int64_t i = 0; i < rows; ++i)
-                     std::copy_n(A.arrived.row(A.arrived_row[i]), h, A.expert_in.row(i));
-                   ops::experts_forward(act, A.expert_in.slice(0, 0, rows), A.local_begin,
-                                        W.experts.fc1->value, W.experts.fc2->value,
-                                        A.hidden_pre.slice(0, 0, rows), A.hidden.slice(0, 0, rows),
-                                        A.expert_result.slice(0, 0, rows));
-                   for (std::int64_t i = 0; i < rows; ++i)
-                     std::copy_n(A.expert_result.row(i), h, A.leaving.row(A.source_row[i]));
-                 });
+  const TaskId experts = P->compute(
+      slot_prefix(c) + "experts", pos.chunk_tags(rt::Phase::forward, l, slot_chunk(c)),
+      cost::experts(z, static_cast<double>(z.slot_tokens())), [=] {
+        MoeSlot& A = p->slot(set, layer, c);
+        const MoeMlpParameters& W = p->moe_parameters(layer);
+        const ops::ExpertActivation act = expert_activation(p->shape.model);
+        if (ep == 1) {
+          const std::int64_t rows = A.dispatch.rows();
+          graphs::experts_forward(act, A.grouped.slice(0, 0, rows), A.dispatch.expert_begin,
+                                  expert_weights(W.experts), A.hidden_pre.slice(0, 0, rows),
+                                  A.hidden.slice(0, 0, rows), A.expert_out.slice(0, 0, rows));
+          return;
+        }
+        regroup_by_expert(p->shape, A);
+        const auto rows = static_cast<std::int64_t>(A.source_row.size());
+        for (std::int64_t i = 0; i < rows; ++i)
+          std::copy_n(A.arrived.row(A.arrived_row[i]), h, A.expert_in.row(i));
+        graphs::experts_forward(act, A.expert_in.slice(0, 0, rows), A.local_begin,
+                                expert_weights(W.experts), A.hidden_pre.slice(0, 0, rows),
+                                A.hidden.slice(0, 0, rows), A.expert_result.slice(0, 0, rows));
+        for (std::int64_t i = 0; i < rows; ++i)
+          std::copy_n(A.expert_result.row(i), h, A.leaving.row(A.source_row[i]));
+      });
   P->after(routed.task, experts);
   if (ep == 1) return {experts, {}};
   return {slot_exchange(pos, c, experts, &MoeSlot::leaving, &MoeSlot::expert_out, false, "combine",
@@ -116,10 +115,9 @@ SlotProgress MoeMlp::experts_items(const BuildPosition& pos, int c,
                        rows += count;
                      }
                      const std::array<std::int64_t, 2> begin{0, rows};
-                     ops::experts_forward(
+                     graphs::experts_forward(
                          expert_activation(p->shape.model), I.expert_in.slice(0, 0, rows), begin,
-                         W.experts.fc1->value.slice(0, I.expert, 1),
-                         W.experts.fc2->value.slice(0, I.expert, 1), I.hidden_pre.slice(0, 0, rows),
+                         expert_weights(W.experts).expert(I.expert), I.hidden_pre.slice(0, 0, rows),
                          I.hidden.slice(0, 0, rows), I.expert_result.slice(0, 0, rows));
                    });
     P->after(routed.task, experts);
@@ -176,11 +174,11 @@ SlotProgress MoeMlp::experts_backward(const BuildPosition& pos, int c, const Slo
         const ExpertRows E = expert_rows(A);
         const Tensor pre = A.hidden_pre.slice(0, 0, E.rows), hid = A.hidden.slice(0, 0, E.rows);
         if (keep)  // the weight half waits for the W action
-          ops::experts_backward_input(act, E.x, E.begin, W.experts.fc1->value, W.experts.fc2->value,
-                                      pre, hid, E.dy, E.dx, A.saved_d_pre.slice(0, 0, E.rows));
+          graphs::experts_backward_input(act, E.x, E.begin, expert_weights(W.experts), pre, hid,
+                                         E.dy, E.dx, A.saved_d_pre.slice(0, 0, E.rows));
         else
-          ops::experts_backward(act, E.x, E.begin, W.experts.fc1->value, W.experts.fc2->value, pre,
-                                hid, E.dy, E.dx, W.experts.fc1->grad, W.experts.fc2->grad);
+          graphs::experts_backward(act, E.x, E.begin, expert_weights(W.experts), pre, hid, E.dy,
+                                   E.dx, W.experts.fc1->grad, W.experts.fc2->grad);
         if (ep > 1)
           for (std::size_t i = 0; i < A.source_row.size(); ++i)
             std::copy_n(A.d_expert_in.row(static_cast<std::int64_t>(i)), h,
@@ -224,10 +222,9 @@ SlotProgress MoeMlp::experts_backward_items(const BuildPosition& pos, int c,
                      for (int q = 0; q < ep; ++q)
                        rows += I.recv_rows[q];
                      const std::array<std::int64_t, 2> begin{0, rows};
-                     ops::experts_backward(
+                     graphs::experts_backward(
                          expert_activation(p->shape.model), I.expert_in.slice(0, 0, rows), begin,
-                         W.experts.fc1->value.slice(0, I.expert, 1),
-                         W.experts.fc2->value.slice(0, I.expert, 1), I.hidden_pre.slice(0, 0, rows),
+                         expert_weights(W.experts).expert(I.expert), I.hidden_pre.slice(0, 0, rows),
                          I.hidden.slice(0, 0, rows), I.d_arrived.slice(0, 0, rows),
                          I.d_expert_in.slice(0, 0, rows), W.experts.fc1->grad.slice(0, I.expert, 1),
                          W.experts.fc2->grad.slice(0, I.expert, 1));

@@ -2,6 +2,7 @@
 // dispatcher and experts: the slot's tokens, the phases that run the parts in order, and the
 // layer's forward and backward at Ampipe degree 1.
 #include "moe/moe_mlp.hpp"
+#include "model/half_precision.hpp"
 #include "moe/moe_experts.hpp"
 #include "moe/moe_router.hpp"
 #include "moe/moe_token_dispatcher.hpp"
@@ -41,6 +42,10 @@ SlotProgress MoeMlp::route(const BuildPosition& pos, int c, TaskId ready) const 
         A.moe_in.copy_from(slot_tokens(*p, c, p->acts(set, layer).ln2));
         route_slot(p->shape.model, p->moe_parameters(layer).router, A);
         permute_slot(*p, layer, A, counted);
+        // MindSpeed's gate weighs the experts' bf16 outputs with its weights cast to bf16
+        // (combine_weights.type_as(input)); Megatron-Core's fp32 router keeps them fp32.
+        if (p->bf16() && p->shape.model.moe_gate == MoeGate::deepspeed)
+          round_in_place(A.topk_weight);
       });
   P->after(ready, router);
   return dispatch(pos, c, router);
@@ -68,7 +73,7 @@ TaskId MoeMlp::router_backward(const BuildPosition& pos, int c, const SlotProgre
                                    pos.chunk_tags(rt::Phase::backward, l, slot_chunk(c)),
                                    2 * cost::router(z, tokens), [=] {
                                      MoeSlot& A = p->slot(set, layer, c);
-                                     unpermute_gradients(p->shape, A);
+                                     unpermute_gradients(p->shape, A, p->bf16());
                                      route_slot_backward(p->shape, p->moe_parameters(layer).router,
                                                          p->acts(set, layer).moe().stats_total, A);
                                    });

@@ -4,6 +4,7 @@
 // the backward of all of it. Decoding routes its token through the same route_tokens.
 #include <cmath>
 
+#include "model/half_precision.hpp"
 #include "moe/moe_expert_bias.hpp"
 #include "moe/moe_mlp.hpp"
 #include "moe/moe_router.hpp"
@@ -91,7 +92,10 @@ ops::RouterStatistics route_tokens(const ModelConfig& m, const MoeRouterParamete
 
 void route_slot(const ModelConfig& m, const MoeRouterParameters& W, MoeSlot& A) {
   const std::int64_t E = m.num_experts;
-  ops::linear_forward(A.moe_in, W.weight->value, Tensor{}, A.router_logits);
+  // A bf16 run routes in fp32 as Megatron-Core with --moe-router-dtype fp32 (and MindSpeed's
+  // gate, which casts its input and weight to fp32): the bf16 input and the weight's bf16 copy
+  // widened, their products summed in fp32, the logits, softmax and top-k in fp32.
+  ops::linear_forward(A.moe_in, compute_value(*W.weight), Tensor{}, A.router_logits);
   ops::RouterOptions options = biased_router_options(m, W);
   // The DeepSpeed-style gate takes its weights after the dispatch plan's drops (permute_slot).
   if (m.moe_gate == MoeGate::deepspeed) options.renormalize = false;
@@ -131,8 +135,13 @@ void route_slot_backward(const StepShape& z, const MoeRouterParameters& W,
   }
   ops::linear_backward_weight(A.moe_in, A.d_router_logits, W.weight->grad, Tensor{});
   // d_moe_in += d_logits W_router (d_moe is free again and holds the product).
-  ops::linear_backward_input(A.d_router_logits, W.weight->value, A.d_moe);
+  ops::linear_backward_input(A.d_router_logits, compute_value(*W.weight), A.d_moe);
+  // A bf16 run: the router's input gradient is cast to the input's bf16, and the sum of the two
+  // bf16 gradients of the bf16 input is rounded again.
+  const bool bf16 = W.weight->value16.defined();
+  if (bf16) round_in_place(A.d_moe);
   ops::accumulate(A.d_moe, A.d_moe_in);
+  if (bf16) round_in_place(A.d_moe_in);
 }
 
 TaskId MoeMlp::statistics(const BuildPosition& pos, TaskId ready) const {

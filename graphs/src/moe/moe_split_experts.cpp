@@ -4,6 +4,7 @@
 // per-expert counts, as they differ per rank when dropless) and fc2's partial sums are
 // reduce-scattered back to the rank that received them; the backward gathers the output
 // gradients and reduce-scatters fc1's input-gradient partial sums the same way.
+#include "moe/expert_products.hpp"
 #include "moe/moe_experts.hpp"
 #include "moe/moe_mlp.hpp"
 #include "moe/moe_token_dispatcher.hpp"
@@ -77,10 +78,9 @@ void run_gathered_experts(RankProgram& p, int set, int layer, int c) {
           fmt::format("split experts: tensor-parallel rank {} sent {} rows and counts for {}", j,
                       rows, begin[L]));
     A.tp_rows[static_cast<std::size_t>(j)] = rows;
-    ops::experts_forward(act, A.tp_gathered.slice(0, framed_at + H, rows), begin,
-                         W.experts.fc1->value, W.experts.fc2->value,
-                         A.hidden_pre.slice(0, row, rows), A.hidden.slice(0, row, rows),
-                         A.tp_partial.slice(0, row, rows));
+    graphs::experts_forward(act, A.tp_gathered.slice(0, framed_at + H, rows), begin,
+                            expert_weights(W.experts), A.hidden_pre.slice(0, row, rows),
+                            A.hidden.slice(0, row, rows), A.tp_partial.slice(0, row, rows));
     framed_at += H + rows;
     row += rows;
   }
@@ -135,11 +135,11 @@ void run_gathered_experts_backward(RankProgram& p, int set, int layer, int c, bo
     const Tensor dy = A.tp_d_gathered.slice(0, b.row, b.rows);
     const Tensor dx = A.tp_partial.slice(0, b.row, b.rows);
     if (keep)
-      ops::experts_backward_input(act, x, A.tp_begin[j], W.experts.fc1->value, W.experts.fc2->value,
-                                  pre, hid, dy, dx, A.saved_d_pre.slice(0, b.row, b.rows));
+      graphs::experts_backward_input(act, x, A.tp_begin[j], expert_weights(W.experts), pre, hid, dy,
+                                     dx, A.saved_d_pre.slice(0, b.row, b.rows));
     else
-      ops::experts_backward(act, x, A.tp_begin[j], W.experts.fc1->value, W.experts.fc2->value, pre,
-                            hid, dy, dx, W.experts.fc1->grad, W.experts.fc2->grad);
+      graphs::experts_backward(act, x, A.tp_begin[j], expert_weights(W.experts), pre, hid, dy, dx,
+                               W.experts.fc1->grad, W.experts.fc2->grad);
   }
 }
 

@@ -10,6 +10,8 @@
 // (the activation runs in fc1's task, so the previous item's combine hides under fc2 only).
 // Backward, items in reverse: the output gradients' gather of the next item issued before this
 // item's input half, whose input-gradient reduce-scatter runs under its weight half.
+#include "model/half_precision.hpp"
+#include "moe/expert_products.hpp"
 #include "moe/moe_experts.hpp"
 #include "moe/moe_mlp.hpp"
 #include "step/step_costs.hpp"
@@ -42,6 +44,10 @@ std::int64_t gathered_rows(const ExpertItem& I) {
 // The item's expert, this rank's share of it: fc1 [f1 local, h] or fc2 [h, f local].
 Tensor weight_of(const Parameter& p, const ExpertItem& I) {
   return p.value.slice(0, I.expert, 1).reshape({p.value.dim(1), p.value.dim(2)});
+}
+// Its bf16 copy, which a bf16 run's products read.
+ops::Bf16Tensor weight16_of(const Parameter& p, const ExpertItem& I) {
+  return p.value16.slice(0, I.expert, 1).reshape({p.value16.dim(1), p.value16.dim(2)});
 }
 Tensor grad_of(const Parameter& p, const ExpertItem& I) {
   return p.grad.slice(0, I.expert, 1).reshape({p.grad.dim(1), p.grad.dim(2)});
@@ -145,6 +151,13 @@ void item_fc1(RankProgram& p, int set, int layer, int c, std::size_t i) {
   ExpertItem& I = p.slot(set, layer, c).items[i];
   const MoeMlpParameters& W = p.moe_parameters(layer);
   const std::int64_t rows = gathered_rows(I);
+  if (p.bf16()) {  // bf16 products, the activation in fp32 rounded once
+    linear_forward_bf16(I.tp_gathered.slice(0, 0, rows), weight16_of(*W.experts.fc1, I),
+                        I.hidden_pre.slice(0, 0, rows));
+    activation_forward(p.shape.model, I.hidden_pre.slice(0, 0, rows), I.hidden.slice(0, 0, rows));
+    round_in_place(I.hidden.slice(0, 0, rows));
+    return;
+  }
   ops::linear_forward(I.tp_gathered.slice(0, 0, rows), weight_of(*W.experts.fc1, I), Tensor{},
                       I.hidden_pre.slice(0, 0, rows));
   activation_forward(p.shape.model, I.hidden_pre.slice(0, 0, rows), I.hidden.slice(0, 0, rows));
@@ -154,6 +167,12 @@ void item_fc1(RankProgram& p, int set, int layer, int c, std::size_t i) {
 void item_fc2(RankProgram& p, int set, int layer, int c, std::size_t i) {
   ExpertItem& I = p.slot(set, layer, c).items[i];
   const std::int64_t rows = gathered_rows(I);
+  if (p.bf16()) {  // bf16 partial sums, reduced over tp as bf16 values
+    linear_forward_bf16(I.hidden.slice(0, 0, rows),
+                        weight16_of(*p.moe_parameters(layer).experts.fc2, I),
+                        I.tp_partial.slice(0, 0, rows));
+    return;
+  }
   ops::linear_forward(I.hidden.slice(0, 0, rows),
                       weight_of(*p.moe_parameters(layer).experts.fc2, I), Tensor{},
                       I.tp_partial.slice(0, 0, rows));
@@ -168,6 +187,17 @@ void item_input_gradient(RankProgram& p, int set, int layer, int c, std::size_t 
   if (I.tp_d_gathered_rows != I.tp_gathered_rows)
     throw std::logic_error(
         "expert items: the output gradients gathered over tp do not match the forward's rows");
+  if (p.bf16()) {  // the output gradient in bf16; d_pre and the partial sums bf16 values
+    round_in_place(I.tp_d_gathered.slice(0, 0, rows));
+    linear_backward_input_bf16(I.tp_d_gathered.slice(0, 0, rows), weight16_of(*W.experts.fc2, I),
+                               I.d_hidden.slice(0, 0, rows));
+    activation_backward(p.shape.model, I.hidden_pre.slice(0, 0, rows), I.d_hidden.slice(0, 0, rows),
+                        I.d_pre.slice(0, 0, rows));
+    round_in_place(I.d_pre.slice(0, 0, rows));
+    linear_backward_input_bf16(I.d_pre.slice(0, 0, rows), weight16_of(*W.experts.fc1, I),
+                               I.tp_partial.slice(0, 0, rows));
+    return;
+  }
   ops::linear_backward_input(I.tp_d_gathered.slice(0, 0, rows), weight_of(*W.experts.fc2, I),
                              I.d_hidden.slice(0, 0, rows));
   activation_backward(p.shape.model, I.hidden_pre.slice(0, 0, rows), I.d_hidden.slice(0, 0, rows),
@@ -176,7 +206,8 @@ void item_input_gradient(RankProgram& p, int set, int layer, int c, std::size_t 
                              I.tp_partial.slice(0, 0, rows));
 }
 
-// The weight half: fc2's and fc1's weight gradients.
+// The weight half: fc2's and fc1's weight gradients (in a bf16 run every operand holds bf16
+// values: the fp32 kernels give gemm_bf16's products and fp32 sums).
 void item_weight_gradient(RankProgram& p, int set, int layer, int c, std::size_t i) {
   ExpertItem& I = p.slot(set, layer, c).items[i];
   const MoeMlpParameters& W = p.moe_parameters(layer);

@@ -73,6 +73,7 @@ void allocate_ring_workspace(RankProgram& P, RingAttentionWorkspace& W) {
   W.o_part = P.activation({z.chunk, B, Hl, d});
   W.dq_part = P.activation({z.chunk, B, Hl, d});
   W.lse_part = P.activation({B, Hl, z.chunk});
+  if (P.bf16()) W.merged = P.activation({Sc, B, Hl, d});
   W.ring_send.assign(static_cast<std::size_t>(cp), 0);
   W.ring_send[static_cast<std::size_t>((P.at.cp + 1) % cp)] = Sc;
   W.ring_recv.assign(static_cast<std::size_t>(cp), 0);

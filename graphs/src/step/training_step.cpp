@@ -48,24 +48,25 @@ void check_devices(const ParallelPlan& plan, const devices::DeviceSet& set) {
                     plan.pipeline_parallel, set.size()));
 }
 
-// What a step built with tensors trains in 16 bits so far: bf16 with tensor (and sequence), data
-// and pipeline parallelism (every schedule), the distributed optimizer and activation
-// recomputation, dense layers with local attention (--qk-layernorm included). fp16, context
-// parallelism and MoE layers are modelled by a prediction only.
+// What a step built with tensors trains in 16 bits so far: bf16 with dense and MoE layers under
+// tensor (and sequence), data, pipeline (every schedule), expert and context parallelism, the
+// distributed optimizer and activation recomputation (--qk-layernorm and Ampipe included, Ampipe
+// with context parallelism not). The rest is modelled by a prediction only.
 void check_half_precision_step(const ModelConfig& model, const ParallelPlan& plan) {
   const auto refuse = [&](std::string_view what) {
     throw ConfigError(fmt::format(
-        "a step built with tensors trains in {} with dense layers under tensor (and sequence), "
-        "data and pipeline parallelism, the distributed optimizer and activation recomputation "
-        "(bf16 mixed precision: bf16 products and saved activations, fp32 main parameters, "
-        "gradients, norms, softmax and loss); this run has {}: train it in fp32 (drop --{}), or "
-        "predict the {} run (weave predict, or StepBuildOptions::materialize = false)",
+        "a step built with tensors trains in {} with dense and MoE layers under tensor (and "
+        "sequence), data, pipeline, expert and context parallelism, the distributed optimizer and "
+        "activation recomputation (bf16 mixed precision: bf16 products and saved activations, "
+        "fp32 main parameters, gradients, norms, softmax and loss); this run has {}: train it in "
+        "fp32 (drop --{}), or predict the {} run (weave predict, or "
+        "StepBuildOptions::materialize = false)",
         "bf16", what, precision_name(model.precision), precision_name(model.precision)));
   };
   if (model.precision == Precision::fp16)
     refuse("fp16, which needs a dynamic loss scaler weave does not have yet");
-  if (plan.context_parallel > 1) refuse("context parallelism (--context-parallel-size)");
-  if (model.num_experts > 0) refuse("MoE layers (--num-experts)");
+  if (plan.context_parallel > 1 && plan.ampipe_degree > 1)
+    refuse("Ampipe with context parallelism (--context-parallel-size, --ampipe-degree)");
 }
 
 }  // namespace

@@ -1,0 +1,259 @@
+// bf16 mixed-precision training of MoE layers: the experts' products in bf16 with fp32 sums, the
+// router in fp32 on the bf16 input (Megatron-Core's --moe-router-dtype fp32, MindSpeed's gate),
+// the dispatch and combine all-to-alls carrying bf16 values, the aux and z losses in fp32. On one
+// device its gradients and losses track the fp32 model's within bf16's rounding; expert, tensor
+// (+ sequence) and context parallelism, split and pipe experts and Ampipe equal one device in
+// bf16 within what their roundings allow; its memory is the prediction's plus named fp32 terms.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "step_outcome.hpp"
+#include "tiny_model.hpp"
+#include "weave/devices/device_set.hpp"
+#include "weave/devices/shared_memory_communicator.hpp"
+#include "weave/graphs/training_step.hpp"
+#include "weave/ops/cross_entropy.hpp"
+
+namespace weave::graphs {
+namespace {
+
+// 2 layers, the second a MoE layer of 4 experts, top-2, with the aux and z losses.
+ModelConfig moe_model(Precision p) {
+  ModelConfig m = tiny(4);
+  m.hidden_size = 64;
+  m.ffn_hidden_size = 128;
+  m.precision = p;
+  return m;
+}
+
+constexpr double kU = 1.0 / 256;  // bf16's unit roundoff, 2^-8
+const ParallelPlan kOneDevice{.micro_batch_size = 2, .global_batch_size = 4};
+
+double relative_difference(const std::vector<double>& got, const std::vector<double>& want) {
+  double diff = 0, norm = 0;
+  for (std::size_t i = 0; i < want.size(); ++i) {
+    diff += (got[i] - want[i]) * (got[i] - want[i]);
+    norm += want[i] * want[i];
+  }
+  return std::sqrt(diff / norm);
+}
+
+// Roundings on the path of the fp32 model's values that bf16 adds. Forward: the embedding and the
+// final norm's output and the logits (3), the dense layer's 8 (the attention's input, QKV, its
+// output, the projection's, fc1's input and output, the activation, fc2's output), and the MoE
+// layer's attention half (4) and MoE half: the norm's output the router and the experts read,
+// fc1's output, the activation, fc2's output and the combined output (5): k = 20. The router
+// itself computes in fp32 on the rounded input. Backward adds, per gradient: the logits' (1), the
+// dense layer's 6 (the projection's, the attention's, QKV's, fc2's, the activation's and fc1's
+// output gradients), the MoE layer's attention half's 3 and its MoE half's: the output's, the
+// experts' outputs', fc2's input, the activation's input, fc1's input and the summed input
+// gradient's (6): k = 20 + 16 = 36. Independent roundings of either sign: a gradient differs
+// by sqrt(36) u = 2.3 % of its norm.
+constexpr double kForwardRoundings = 20, kGradientRoundings = 36;
+
+TEST(Bf16MoeTraining, GradientsAndLossesTrackFp32) {
+  const Outcome fp32 = run(moe_model(Precision::fp32), kOneDevice, 1, false);
+  const Outcome bf16 = run(moe_model(Precision::bf16), kOneDevice, 1, false);
+  ASSERT_EQ(fp32.grads.size(), bf16.grads.size());
+  const double bound = std::sqrt(kGradientRoundings) * kU;
+  for (const auto& [name, want] : fp32.grads) {
+    const double diff = relative_difference(bf16.grads.at(name), want);
+    EXPECT_LE(diff, bound) << name;
+    EXPECT_GT(diff, 0) << name << ": not computed in bf16";
+  }
+  // The loss moves by at most sqrt(k) u of itself (bf16_training_test's argument); the aux loss,
+  // fp32 statistics of the fp32 router's probabilities of the rounded input, by as much.
+  EXPECT_NEAR(bf16.losses[0], fp32.losses[0], std::sqrt(kForwardRoundings) * kU * fp32.losses[0]);
+  EXPECT_NE(bf16.losses[0], fp32.losses[0]);
+  EXPECT_NEAR(bf16.aux[0], fp32.aux[0], std::sqrt(kForwardRoundings) * kU * fp32.aux[0]);
+  // Training: each AdamW step adds at most the first step's bound (|update| <= lr per element).
+  const Outcome fp32_5 = run(moe_model(Precision::fp32), kOneDevice, 5, true);
+  const Outcome bf16_5 = run(moe_model(Precision::bf16), kOneDevice, 5, true);
+  for (std::size_t i = 0; i < fp32_5.losses.size(); ++i)
+    EXPECT_NEAR(bf16_5.losses[i], fp32_5.losses[i],
+                static_cast<double>(i + 1) * std::sqrt(kForwardRoundings) * kU * fp32_5.losses[i])
+        << "step " << i + 1;
+  EXPECT_LT(bf16_5.losses.back(), 0.9 * bf16_5.losses.front());  // it learns
+}
+
+struct ParallelTolerance {
+  double first_loss;  // relative, the first step's loss and aux loss (no update yet)
+  double gradient;    // relative in norm, every parameter's gradient of the first step
+  double later_loss;  // relative, the losses of steps 2 and 3 (with updates)
+};
+
+void expect_parallel_equals_one_device(const ModelConfig& m, const ParallelPlan& plan,
+                                       const ParallelTolerance& tolerance) {
+  const ParallelPlan serial{.micro_batch_size = plan.micro_batch_size,
+                            .global_batch_size = plan.global_batch_size};
+  const Outcome a = run(m, serial, 1, false), b = run(m, plan, 1, false);
+  EXPECT_LE(std::abs(b.losses[0] - a.losses[0]), tolerance.first_loss * a.losses[0]);
+  EXPECT_LE(std::abs(b.aux[0] - a.aux[0]), tolerance.first_loss * a.aux[0]);
+  for (const auto& [name, want] : a.grads)
+    EXPECT_LE(relative_difference(b.grads.at(name), want), tolerance.gradient) << name;
+  const Outcome a3 = run(m, serial, 3, true), b3 = run(m, plan, 3, true);
+  for (std::size_t i = 1; i < a3.losses.size(); ++i)
+    EXPECT_NEAR(b3.losses[i], a3.losses[i], tolerance.later_loss * a3.losses[i])
+        << "step " << i + 1;
+  EXPECT_LT(b3.losses.back(), b3.losses.front());
+}
+
+// Expert parallelism moves bf16 values (exactly) and changes no rounding: the experts run the
+// same rows in the same products. What differs is the order of fp32 sums (the data-parallel
+// reduction of the replicated parameters' gradients, a few additions of relative 2^-24): the
+// first loss and aux loss agree to 1e-6, the gradients to 1e-5 (an fp32 ulp flips the rounding of
+// a rare bf16 value, one u of one element), the later steps to 1e-4 (bf16_training_test's dp
+// argument).
+constexpr ParallelTolerance kExpertParallel{1e-6, 1e-5, 1e-4};
+
+// Tensor parallelism with SP adds the dense layer's and the attention half's tp roundings
+// (bf16_training_test: r = 4 L + 1 = 9 for the attention halves, the dense MLP and the output
+// layer); the MoE half runs each rank's SP shard of the tokens whole (experts not split), and
+// rounds as one device does. Gradients within sqrt(9) u; first loss 1e-3, later 1e-2 as there.
+constexpr ParallelTolerance kTensorParallel{1e-3, 3.0 / 256, 1e-2};
+
+TEST(Bf16MoeTraining, Ep2EqualsOneDevice) {
+  expect_parallel_equals_one_device(
+      moe_model(Precision::bf16),
+      {.expert_parallel = 2, .data_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4},
+      kExpertParallel);
+}
+
+// Experts split over tp (MindSpeed's deepspeed_moe, its gate in fp32): fc2's partial sums are
+// bf16 values before the reduce-scatter sums them and the sum is rounded again, and fc1's
+// input-gradient partial sums likewise: 2 roundings more than one device's in the MoE layer, on
+// top of the dense layer's, the attention halves' and the output layer's 7 (see kTensorParallel):
+// r = 9 again.
+ModelConfig deepspeed_moe(ParallelPlan& plan) {
+  plan.moe_model_type = "deepspeed_moe";
+  return moe_model(Precision::bf16);
+}
+
+TEST(Bf16MoeTraining, Tp2SpSplitExpertsEqualsOneDevice) {
+  ParallelPlan plan{.tensor_parallel = 2,
+                    .sequence_parallel = true,
+                    .micro_batch_size = 2,
+                    .global_batch_size = 4};
+  const ModelConfig m = deepspeed_moe(plan);
+  expect_parallel_equals_one_device(m, plan, kTensorParallel);
+}
+
+// --use-pipe-experts with split experts: each item's rows gathered over tp, its products and
+// partial sums as above, item by item.
+TEST(Bf16MoeTraining, PipeExpertsSplitOverTpEqualsOneDevice) {
+  ParallelPlan plan{.tensor_parallel = 2,
+                    .sequence_parallel = true,
+                    .expert_parallel = 2,
+                    .data_parallel = 2,
+                    .micro_batch_size = 1,
+                    .global_batch_size = 4,
+                    .pipe_experts = true,
+                    .pipe_experts_multi_data = 2};
+  const ModelConfig m = deepspeed_moe(plan);
+  expect_parallel_equals_one_device(m, plan, kTensorParallel);
+}
+
+// Ampipe (degree 2): each chunk's queries through the bf16 attention kernel and its projection,
+// each chunk's tokens routed, dispatched and combined on their own. Every value meets the same
+// roundings as on one device; what differs is the order of fp32 sums (the chunks' dk and dv
+// accumulated chunk after chunk, the data-parallel reduction), which may flip the rounding of a
+// rare bf16 value: as expert parallelism, kExpertParallel.
+TEST(Bf16MoeTraining, Ep2Ampipe2EqualsOneDevice) {
+  expect_parallel_equals_one_device(moe_model(Precision::bf16),
+                                    {.expert_parallel = 2,
+                                     .data_parallel = 2,
+                                     .micro_batch_size = 2,
+                                     .global_batch_size = 4,
+                                     .ampipe_degree = 2},
+                                    kExpertParallel);
+}
+
+// Ampipe with MindSpeed's tp-sp overlap: split experts' items pipelined over both chunks, their
+// partial sums bf16 values reduced over tp (kTensorParallel's r = 9).
+TEST(Bf16MoeTraining, Ampipe2TpSpOverlapEqualsOneDevice) {
+  ParallelPlan plan{.tensor_parallel = 2,
+                    .sequence_parallel = true,
+                    .expert_parallel = 2,
+                    .data_parallel = 2,
+                    .micro_batch_size = 1,
+                    .global_batch_size = 4,
+                    .ampipe_degree = 2,
+                    .ampipe_tp_sp_comm_overlap = true};
+  const ModelConfig m = deepspeed_moe(plan);
+  expect_parallel_equals_one_device(m, plan, kTensorParallel);
+}
+
+// Context parallelism (cp2, ring attention): each key/value block's partial output comes out of
+// the bf16 attention kernel rounded to bf16 before the fp32 merge with the fp32 softmax
+// statistics, and each block's dq is rounded before the fp32 sum over blocks: per attention layer
+// one rounding more forward and one backward than one device's whole-sequence kernel, r = 2 L =
+// 4: gradients within sqrt(4) u = 0.8 %; the losses as kTensorParallel's.
+constexpr ParallelTolerance kContextParallel{1e-3, 2.0 / 256, 1e-2};
+
+TEST(Bf16MoeTraining, Cp2EqualsOneDevice) {
+  expect_parallel_equals_one_device(
+      moe_model(Precision::bf16),
+      {.context_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4}, kContextParallel);
+}
+
+TEST(Bf16MoeTraining, Tp2SpEp2EqualsOneDevice) {
+  expect_parallel_equals_one_device(moe_model(Precision::bf16),
+                                    {.tensor_parallel = 2,
+                                     .sequence_parallel = true,
+                                     .expert_parallel = 2,
+                                     .micro_batch_size = 2,
+                                     .global_batch_size = 4},
+                                    kTensorParallel);
+}
+
+// The materialised bf16 MoE step holds what the prediction of the same step counts, plus named
+// fp32 terms. Parameters at 2 bytes, fp32 gradients and the fp32 main parameters with the two
+// moments as optimizer state equal exactly. Activations differ by bf16_training_test's terms
+// (what stays fp32 on the dense path, each 2 bytes more, and the conversions' workspace), the
+// dense layer's as there and the MoE layer's attention half's, and by the MoE layer's rows: a bf16
+// run keeps them as bf16 values in fp32 buffers (its norm's output, the slot's input, output and
+// their gradients, the router's logits, probabilities, top-k weights and their gradients, the
+// grouped rows, the experts' outputs and their gradients, the experts' hidden layer before and
+// after the activation), 2 bytes a value more than the prediction's count of them.
+TEST(Bf16MoeTraining, MemoryIsThePredictionsPlusTheFp32Terms) {
+  const ModelConfig m = moe_model(Precision::bf16);
+  const OptimizerConfig opt{.adamw = {.beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8}};
+  devices::SharedMemoryCommunicator comm;
+  devices::DeviceSet with(1, {.pin = false}), without(1, {.pin = false});
+  const TrainingStep real(m, kOneDevice, opt, with, comm);
+  const TrainingStep shapes(m, kOneDevice, opt, without, comm, {.materialize = false});
+  for (auto category : {rt::MemoryCategory::parameters, rt::MemoryCategory::gradients,
+                        rt::MemoryCategory::optimizer_state})
+    EXPECT_EQ(with.memory().current(0, category), without.memory().current(0, category))
+        << to_string(category);
+  const std::int64_t T = std::int64_t{m.seq_length} * kOneDevice.micro_batch_size;
+  const std::int64_t h = m.hidden_size, f = m.ffn_hidden_size, E = m.num_experts;
+  const std::int64_t k = m.moe_router_topk, heads = m.num_attention_heads, qkv = 3 * h;
+  const std::int64_t V = m.padded_vocab_size(1);
+  // As bf16_training_test counts them: a dense layer's fp32 terms, the MoE layer's attention
+  // half's (the same without fc2's output), the outputs' and the backward's workspace.
+  const std::int64_t attention_half = 2 * T + T * heads + T * h + T * h + 2 * T + T * h;
+  const std::int64_t dense_layer = attention_half + T * h;
+  const std::int64_t outputs = 2 * T + T * V + T + T * ops::kCrossEntropyPartials + T;
+  const std::int64_t workspace =
+      4 * T * h + T * f + T * f + T * h + T * h + T * qkv + T * V + T * h;
+  // The MoE layer's rows, one device, one slot of T tokens, every pick kept (capacity T k).
+  const std::int64_t moe_rows = T * h                     // the norm's output
+                                + T * h + 3 * T * h       // the output; input, its gradients
+                                + 3 * T * E + 2 * T * k   // router
+                                + 4 * T * k * h           // grouped rows, outputs, gradients
+                                + T * k * f + T * k * f;  // hidden layer (GeLU: f1 = f)
+  const std::int64_t fp32_kept = T * h + dense_layer + attention_half + outputs + workspace;
+  const std::int64_t conversions = 4 * (T * h + T * qkv + T * f + T * f) +
+                                   2 * (2 * T * h + T * f + T * f + T * h + T * qkv + 2 * T * V);
+  EXPECT_EQ(with.memory().current(0, rt::MemoryCategory::activations),
+            without.memory().current(0, rt::MemoryCategory::activations) + 2 * fp32_kept +
+                conversions + 2 * moe_rows);
+}
+
+}  // namespace
+}  // namespace weave::graphs
