@@ -317,6 +317,13 @@ constexpr ConfigFlag kOutput[] = {
              "transfers free or moving f times the bytes; compute or its attention part f times "
              "the work), joined by commas",
      .properties = kNotRepeatedByAdvice},
+    {.name = "--report",
+     .group = FlagGroup::logging,
+     .help = "Replay the step on the virtual clock and write it as one self-contained HTML page "
+             "here: every device's and stream's timeline, the graph by layer (click a node for "
+             "its tasks), the critical path, exposed communication per group, memory per device "
+             "and the configuration",
+     .properties = kNotRepeatedByAdvice},
     {.name = "--figure",
      .group = FlagGroup::logging,
      .help = "Replay the step on the virtual clock and draw it as SVG into --figure-out: ampipe "
