@@ -15,6 +15,7 @@ import fs from 'node:fs';
 import os from 'node:os';
 import path from 'node:path';
 import { createRequire } from 'node:module';
+import { pathToFileURL } from 'node:url';
 
 const [weave, playwrightDir, outDir] = process.argv.slice(2);
 if (!weave || !playwrightDir || !outDir) {
@@ -32,7 +33,7 @@ function missing(what) {
 if (!fs.existsSync(chromiumPath)) missing(chromiumPath);
 let chromium;
 try {
-  chromium = createRequire(path.join(playwrightDir, 'package.json'))('playwright-core').chromium;
+  chromium = createRequire(import.meta.url)(path.resolve(playwrightDir)).chromium;
 } catch (e) {
   missing(`playwright-core in ${playwrightDir}`);
 }
@@ -45,7 +46,7 @@ function check(ok, message) {
 
 fs.rmSync(outDir, { recursive: true, force: true });
 fs.mkdirSync(outDir, { recursive: true });
-const report = path.join(outDir, 'step.html');
+const report = path.resolve(outDir, 'step.html');
 const traceFile = path.join(outDir, 'step.trace.json');
 
 // A small step with every kind of lane: tensor-parallel, expert-parallel (Ampipe's chunks) and
@@ -65,7 +66,7 @@ const headline = cli.match(/critical path: (\d+) steps, ([0-9.]+) ms/);
 const cliRuns = [];
 for (const line of cli.split('\n')) {
   const m = line.match(
-      /^\s+([0-9.]+) ms\s+([0-9.]+) %\s+device (\d+): (\d+) tasks?, ([0-9.]+) ms compute, (-?[0-9.]+) ms other; '(.*)' \.\. '(.*)', after (\S+)$/);
+      /^\s+([0-9.]+) ms\s+([0-9.]+) %\s+device (\d+): (\d+) tasks?, ([0-9.]+) ms compute, (-?[0-9.]+) ms other; '(.*)' \.\. '(.*)', after (.+)$/);
   if (m)
     cliRuns.push({ begin: +m[1], share: +m[2], device: +m[3], tasks: +m[4], compute: +m[5],
                    other: +m[6], first: m[7], last: m[8], after: m[9] });
@@ -110,7 +111,7 @@ try {
   };
 
   // 1. It renders, with no console error.
-  await page.goto('file://' + report);
+  await page.goto(pathToFileURL(report).href);
   await page.waitForSelector('body[data-rendered="yes"]', { timeout: 10000 });
   await shot('1-rendered.png');
   check(errors.length === 0, `errors while rendering: ${errors.join('; ')}`);
@@ -187,6 +188,12 @@ try {
   const pageHidden = (await page.textContent('#critical-path-hidden')).match(/and (\d+) shorter/);
   check((pageHidden ? pageHidden[1] : null) === (cliHidden ? cliHidden[1] : null),
         `shorter stays: page ${pageHidden && pageHidden[1]}, command line ${cliHidden && cliHidden[1]}`);
+  // The exposed communication per group is the one the command line printed (groups with any).
+  const cliExposed = cli.match(/\nexposed comm +(.*) ms a device/)[1];
+  const pageExposed = (await page.$$eval('#exposed tr.exposed-group', (rs) => rs.map((r) =>
+      [r.dataset.group, r.querySelectorAll('td')[1].textContent])))
+      .filter(([, v]) => +v > 0).map(([g, v]) => `${g} ${v}`).join(', ');
+  check(pageExposed === cliExposed, `exposed: page '${pageExposed}', command line '${cliExposed}'`);
   await page.evaluate(() => document.getElementById('critical-path-summary').scrollIntoView());
   await shot('4-critical-path.png');
 

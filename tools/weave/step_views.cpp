@@ -191,8 +191,8 @@ std::string write_graph_view(const rt::Graph& graph, const StepViewRequest& requ
 std::string write_report(const std::string& path, const rt::Graph& graph, const rt::Trace& trace,
                          const graphs::StepReportInput& input) {
   const std::size_t bytes = graphs::write_step_report(path, graph, trace, input);
-  return fmt::format("report: {} tasks on {} devices, {:.1f} MB, written to {}", graph.size(),
-                     graph.tasks().device_count(), static_cast<double>(bytes) * 1e-6, path);
+  return fmt::format("report: {} tasks, {:.1f} MB, written to {}", graph.size(),
+                     static_cast<double>(bytes) * 1e-6, path);
 }
 
 }  // namespace weave::cli

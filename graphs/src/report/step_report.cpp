@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 
@@ -120,10 +121,6 @@ std::string step_report_json(const rt::Graph& graph, const rt::Trace& trace,
   j["clock"] = "virtual";
   const rt::TraceMetrics metrics = rt::measure(trace);
   j["makespan_ns"] = metrics.start + metrics.makespan;
-  nlohmann::json devices = nlohmann::json::array();
-  for (rt::DeviceId d = 0; d < tasks.device_count(); ++d)
-    devices.push_back(d);
-  j["devices"] = devices;
   nlohmann::json streams = nlohmann::json::array();
   for (rt::StreamId s = 0; s < tasks.stream_count(); ++s)
     streams.push_back(
@@ -134,10 +131,14 @@ std::string step_report_json(const rt::Graph& graph, const rt::Trace& trace,
                                       std::vector<bool>(tasks.stream_count(), false));
   for (rt::TaskId t = 0; t < tasks.size(); ++t)
     used[tasks[t].device][tasks[t].stream] = true;
-  nlohmann::json lanes = nlohmann::json::array();
-  for (rt::DeviceId d = 0; d < tasks.device_count(); ++d)
+  // The devices that hold a task: a replay that folds ranks builds only some.
+  nlohmann::json lanes = nlohmann::json::array(), devices = nlohmann::json::array();
+  for (rt::DeviceId d = 0; d < tasks.device_count(); ++d) {
     for (rt::StreamId s = 0; s < tasks.stream_count(); ++s)
       if (used[d][s]) lanes.push_back({{"device", d}, {"stream", s}});
+    if (std::find(used[d].begin(), used[d].end(), true) != used[d].end()) devices.push_back(d);
+  }
+  j["devices"] = devices;
   j["lanes"] = lanes;
   j["tasks"] = task_columns(tasks, trace);
   j["graph"] = layer_graph(graph);
