@@ -115,6 +115,27 @@ TEST(StepViewsCli, FigureWritesTheAmpipeAndPipelineFiguresOfTheReplay) {
   std::filesystem::remove_all(svg.parent_path());
 }
 
+// --report writes one page holding the step's document, and a report it cannot write or that
+// advice would have to write for many steps is refused before any work.
+TEST(StepViewsCli, ReportWritesOnePageOrIsRefusedNamingTheFlag) {
+  const auto page = scratch("step.html");
+  Result r = weave(fmt::format("{} --report {}", kPredict, page.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("report: "), std::string::npos) << r.out;
+  std::stringstream text;
+  text << std::ifstream(page).rdbuf();
+  EXPECT_EQ(text.str().rfind("<!DOCTYPE html>", 0), 0u);
+  EXPECT_NE(text.str().find("\"critical_path\":"), std::string::npos);
+  r = weave(std::string(kPredict) + " --report /nonexistent-folder/step.html");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("--report '/nonexistent-folder/step.html'"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("\nstep "), std::string::npos) << r.out;  // refused before predicting
+  r = weave(std::string(kPredict) + " --advise --report x.html");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("--report shows one step's replay"), std::string::npos) << r.out;
+  std::filesystem::remove_all(page.parent_path());
+}
+
 TEST(StepViewsCli, WrongFiguresAreRefusedNamingTheFlagAndTheFix) {
   const std::pair<const char*, const char*> cases[] = {
       {" --figure ampipe", "add --layer L, L from 0 to 1"},
