@@ -157,6 +157,14 @@ try {
   check(+want.tasks === expected.length, `node says ${want.tasks} tasks, the trace has ${expected.length}`);
   const selected = await page.$$eval('#timeline rect.selected', (r) => r.length);
   check(selected === expected.length, `${selected} tasks marked in the timeline, ${expected.length} listed`);
+  // Zoomed in, the timeline is twice as wide and keeps the node's tasks marked.
+  const width = +(await page.getAttribute('#timeline', 'width'));
+  await page.click('#zoom-in');
+  const zoomed = +(await page.getAttribute('#timeline', 'width'));
+  check(zoomed - 40 === 2 * (width - 40 - 210) + 210, `zoomed in: ${width} px wide, then ${zoomed}`);
+  const kept = await page.$$eval('#timeline rect.selected', (r) => r.length);
+  check(kept === expected.length, `zoomed in, ${kept} tasks marked, ${expected.length} before`);
+  await page.click('#zoom-reset');
   await page.locator('#node-tasks').scrollIntoViewIfNeeded();
   await page.evaluate(() => document.getElementById('graph').scrollIntoView());
   await shot('3-node-expanded.png');
