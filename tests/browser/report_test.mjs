@@ -165,8 +165,7 @@ try {
   const kept = await page.$$eval('#timeline rect.selected', (r) => r.length);
   check(kept === expected.length, `zoomed in, ${kept} tasks marked, ${expected.length} before`);
   await page.click('#zoom-reset');
-  await page.locator('#node-tasks').scrollIntoViewIfNeeded();
-  await page.evaluate(() => document.getElementById('graph').scrollIntoView());
+  await page.evaluate(() => document.getElementById('node-tasks').scrollIntoView({ block: 'end' }));
   await shot('3-node-expanded.png');
 
   // 4. The critical path the page lists is the one the command line printed.
