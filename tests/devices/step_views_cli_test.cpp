@@ -126,6 +126,17 @@ TEST(StepViewsCli, ReportWritesOnePageOrIsRefusedNamingTheFlag) {
   text << std::ifstream(page).rdbuf();
   EXPECT_EQ(text.str().rfind("<!DOCTYPE html>", 0), 0u);
   EXPECT_NE(text.str().find("\"critical_path\":"), std::string::npos);
+  // weave train writes its page once it has trained, with the memory its devices held.
+  r = weave(fmt::format(
+      "train --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --devices 2 "
+      "--tensor-model-parallel-size 2 --mock-data --train-iters 1 --report {}",
+      page.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("report: "), std::string::npos) << r.out;
+  std::stringstream trained;
+  trained << std::ifstream(page).rdbuf();
+  EXPECT_NE(trained.str().find("\"title\":\"weave train\""), std::string::npos);
+  EXPECT_NE(trained.str().find("measured: each device's tracker"), std::string::npos);
   r = weave(std::string(kPredict) + " --report /nonexistent-folder/step.html");
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.out.find("--report '/nonexistent-folder/step.html'"), std::string::npos) << r.out;

@@ -109,9 +109,8 @@ std::string recompute_text(const graphs::Recompute& r) {
 
 // Folding data-parallel replicas, tensor- and context-parallel peers and micro-batches, unless
 // --every-rank. A step shown (--trace, --dump-graph, --critical-path, --what-if, --figure,
-// --report) keeps
-// every rank of replica 0, the peers included, and every micro-batch, as a reader expects to see
-// them.
+// --report) keeps every rank of replica 0, the peers included, and every micro-batch, as a reader
+// expects to see them.
 graphs::PredictionOptions folding(const PredictOptions& o, const graphs::TrainerConfig& c,
                                   const StepViewRequest& views, const FigureRequest& figure) {
   const bool shown = !c.trace_path.empty() || views.critical_path || !views.dump_path.empty() ||
