@@ -28,8 +28,9 @@ struct StepReportInput {
 
 // The step's JSON document: `trace` must be a virtual-clock replay of `graph` (the critical path
 // is read from it). Its fields:
-//   clock, makespan_ns; devices (those holding a task); streams [{id, name, group}] (group: the process group the
-//   stream serves, "compute" for the compute stream); lanes [{device, stream}] with a task;
+//   clock, makespan_ns; devices (those holding a task); streams [{id, name, group}] (group:
+//   the process group the stream serves, "compute" for the compute stream); lanes [{device,
+//   stream}] with a task;
 //   tasks, one array per field, indexed by task id: name, device, stream, kind, layer,
 //   micro_batch, chunk, phase, start, end (ns; -1 for a task that did not run);
 //   graph {level: "layer", nodes [{device, stream, layer, phase, tasks}], edges [[from, to,
