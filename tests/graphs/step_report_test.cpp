@@ -119,6 +119,19 @@ TEST(StepReport, DocumentHoldsTheReplayedStepWhole) {
         busy += p.trace.find(id)->end - p.trace.find(id)->start;
     EXPECT_LE(ns, busy) << group;
   }
+  // At the level of a node per micro-batch, the nodes partition the tasks by micro-batch.
+  const nlohmann::json by_micro_batch = nlohmann::json::parse(
+      step_report_json(p.graph, p.trace, {.level = rt::DetailLevel::stage_micro_batch}))["graph"];
+  EXPECT_EQ(by_micro_batch["level"], "stage-micro-batch");
+  std::vector<int> counted(tasks.size(), 0);
+  for (const nlohmann::json& n : by_micro_batch["nodes"])
+    for (const rt::TaskId id : n["tasks"].get<std::vector<rt::TaskId>>()) {
+      ++counted[id];
+      EXPECT_EQ(n["micro_batch"].get<int>(), tasks[id].tags.micro_batch);
+      EXPECT_EQ(n["layer"].get<int>(), -1);
+    }
+  EXPECT_EQ(counted, std::vector<int>(tasks.size(), 1));
+
   EXPECT_EQ(j["memory"]["devices"].size(), p.memory.size());
   EXPECT_EQ(j["memory"]["shows"], "peak");
   EXPECT_EQ(j["configuration"]["plan"]["tp"], 2);

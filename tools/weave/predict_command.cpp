@@ -445,7 +445,7 @@ int run_predict(PredictOptions& o, const CLI::App& cmd) {
   const graphs::Prediction p = graphs::predict_step(c, folding(o, c, views, figure));
   auto report = [&] {
     return write_report(
-        o.train.report, p.graph, p.trace,
+        o.train.report, p.graph, p.trace, views,
         {.title = "weave predict",
          .configuration_json =
              run_record(c, "none: a prediction reads no data", o.train.no_effect).dump(),

@@ -189,7 +189,9 @@ std::string write_graph_view(const rt::Graph& graph, const StepViewRequest& requ
 }
 
 std::string write_report(const std::string& path, const rt::Graph& graph, const rt::Trace& trace,
-                         const graphs::StepReportInput& input) {
+                         const StepViewRequest& request, graphs::StepReportInput input) {
+  input.level =
+      request.level == "auto" ? rt::DetailLevel::layer : rt::parse_detail_level(request.level);
   const std::size_t bytes = graphs::write_step_report(path, graph, trace, input);
   return fmt::format("report: {} tasks, {:.1f} MB, written to {}", graph.size(),
                      static_cast<double>(bytes) * 1e-6, path);

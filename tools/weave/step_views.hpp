@@ -43,9 +43,10 @@ std::vector<rt::TaskId> print_critical_path(const rt::Graph& graph, const rt::Tr
 std::string write_graph_view(const rt::Graph& graph, const StepViewRequest& request,
                              const std::vector<rt::TaskId>& critical_path);
 
-// --report: the step (`trace` a virtual-clock replay of `graph`) as one HTML page at `path`;
-// returns what to tell the user ("report: ..., written to PATH").
+// --report: the step (`trace` a virtual-clock replay of `graph`) as one HTML page at `path`, its
+// graph at the request's level (auto: a node per layer); returns what to tell the user
+// ("report: ..., written to PATH").
 std::string write_report(const std::string& path, const rt::Graph& graph, const rt::Trace& trace,
-                         const graphs::StepReportInput& input);
+                         const StepViewRequest& request, graphs::StepReportInput input);
 
 }  // namespace weave::cli

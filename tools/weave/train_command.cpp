@@ -238,7 +238,7 @@ void write_train_report(const TrainOptions& o, graphs::Trainer& trainer,
     for (std::size_t k = 0; k < rt::kMemoryCategoryCount; ++k)
       peaks[d][k] = memory.peak(static_cast<rt::DeviceId>(d), static_cast<rt::MemoryCategory>(k));
   progress.note(write_report(
-      o.report, graph, replay_costs(graph, machine),
+      o.report, graph, replay_costs(graph, machine), step_view_request(o),
       {.title = "weave train",
        .configuration_json =
            run_record(trainer.config(), trainer.data().description, o.no_effect).dump(),

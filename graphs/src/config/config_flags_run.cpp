@@ -299,9 +299,9 @@ constexpr ConfigFlag kOutput[] = {
              "device, stream, layer, micro-batch, chunk, phase F/B/W; a key may repeat)"},
     {.name = "--graph-level",
      .group = FlagGroup::logging,
-     .help = "With --dump-graph: a node per task, layer (device, stream, layer, phase), "
-             "stage-micro-batch (device, stream, micro-batch, phase) or step (device and "
-             "stream); auto: the finest level that draws at most 400 nodes",
+     .help = "With --dump-graph or --report: a node per task, layer (device, stream, layer, "
+             "phase), stage-micro-batch (device, stream, micro-batch, phase) or step (device and "
+             "stream); auto: the finest level that draws at most 400 nodes (--report: layer)",
      .properties = kShowsDefault},
     {.name = "--critical-path",
      .group = FlagGroup::logging,

@@ -49,13 +49,14 @@ nlohmann::json task_columns(const rt::TaskTable& tasks, const rt::Trace& trace) 
           {"end", end}};
 }
 
-nlohmann::json layer_graph(const rt::Graph& graph) {
-  const rt::GraphView view = rt::view_graph(graph, {.level = rt::DetailLevel::layer});
+nlohmann::json graph_at(const rt::Graph& graph, rt::DetailLevel level) {
+  const rt::GraphView view = rt::view_graph(graph, {.level = level});
   nlohmann::json nodes = nlohmann::json::array();
   for (const rt::ViewNode& n : view.nodes)
     nodes.push_back({{"device", n.device},
                      {"stream", n.stream},
                      {"layer", n.layer},
+                     {"micro_batch", n.micro_batch},
                      {"phase", rt::to_string(n.phase)},
                      {"tasks", n.tasks}});
   nlohmann::json edges = nlohmann::json::array();
@@ -141,7 +142,7 @@ std::string step_report_json(const rt::Graph& graph, const rt::Trace& trace,
   j["devices"] = devices;
   j["lanes"] = lanes;
   j["tasks"] = task_columns(tasks, trace);
-  j["graph"] = layer_graph(graph);
+  j["graph"] = graph_at(graph, input.level);
   j["critical_path"] = critical_path_of(graph, trace);
   j["exposed"] = exposed_by_group(trace);
   j["memory"] = memory_of(input);

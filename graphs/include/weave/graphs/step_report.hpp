@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "weave/runtime/graph.hpp"
+#include "weave/runtime/graph_view.hpp"
 #include "weave/runtime/memory_tracker.hpp"
 #include "weave/runtime/trace.hpp"
 
@@ -18,6 +19,8 @@ namespace weave::graphs {
 
 struct StepReportInput {
   std::string title;  // "weave predict", shown at the top
+  // The graph's level of detail: a node per layer by default (--graph-level chooses).
+  rt::DetailLevel level = rt::DetailLevel::layer;
   // The run's configuration as a JSON object (the flag table's description of it).
   std::string configuration_json = "{}";
   // Per device, each rt::MemoryCategory's bytes at its peak, and what they are (a prediction's
@@ -33,7 +36,7 @@ struct StepReportInput {
 //   stream}] with a task;
 //   tasks, one array per field, indexed by task id: name, device, stream, kind, layer,
 //   micro_batch, chunk, phase, start, end (ns; -1 for a task that did not run);
-//   graph {level: "layer", nodes [{device, stream, layer, phase, tasks}], edges [[from, to,
+//   graph {level, nodes [{device, stream, layer, micro_batch, phase, tasks}], edges [[from, to,
 //   count]]}: every task in exactly one node;
 //   critical_path {length_ns, steps [{task, last_member, begin, end, waited_for}]};
 //   exposed [{group, ns, ms_per_device}]; memory {shows: "peak", source, categories, devices};
