@@ -6,6 +6,7 @@
 #include <fstream>
 #include <stdexcept>
 
+#include "memory_estimate.hpp"
 #include "train_options.hpp"
 #include "weave/runtime/dot_writer.hpp"
 #include "weave/runtime/virtual_clock.hpp"
@@ -193,8 +194,8 @@ std::string write_report(const std::string& path, const rt::Graph& graph, const 
   input.level =
       request.level == "auto" ? rt::DetailLevel::layer : rt::parse_detail_level(request.level);
   const std::size_t bytes = graphs::write_step_report(path, graph, trace, input);
-  return fmt::format("report: {} tasks, {:.1f} MB, written to {}", graph.size(),
-                     static_cast<double>(bytes) * 1e-6, path);
+  return fmt::format("report: {} tasks, {}, written to {}", graph.size(),
+                     bytes_text(static_cast<std::int64_t>(bytes)), path);
 }
 
 }  // namespace weave::cli
