@@ -115,6 +115,38 @@ TEST(StepViewsCli, FigureWritesTheAmpipeAndPipelineFiguresOfTheReplay) {
   std::filesystem::remove_all(svg.parent_path());
 }
 
+// --report writes one page holding the step's document, and a report it cannot write or that
+// advice would have to write for many steps is refused before any work.
+TEST(StepViewsCli, ReportWritesOnePageOrIsRefusedNamingTheFlag) {
+  const auto page = scratch("step.html");
+  Result r = weave(fmt::format("{} --report {}", kPredict, page.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("report: "), std::string::npos) << r.out;
+  std::stringstream text;
+  text << std::ifstream(page).rdbuf();
+  EXPECT_EQ(text.str().rfind("<!DOCTYPE html>", 0), 0u);
+  EXPECT_NE(text.str().find("\"critical_path\":"), std::string::npos);
+  // weave train writes its page once it has trained, with the memory its devices held.
+  r = weave(fmt::format(
+      "train --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --devices 2 "
+      "--tensor-model-parallel-size 2 --mock-data --train-iters 1 --report {}",
+      page.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("report: "), std::string::npos) << r.out;
+  std::stringstream trained;
+  trained << std::ifstream(page).rdbuf();
+  EXPECT_NE(trained.str().find("\"title\":\"weave train\""), std::string::npos);
+  EXPECT_NE(trained.str().find("measured: each device's tracker"), std::string::npos);
+  r = weave(std::string(kPredict) + " --report /nonexistent-folder/step.html");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("--report '/nonexistent-folder/step.html'"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("\nstep "), std::string::npos) << r.out;  // refused before predicting
+  r = weave(std::string(kPredict) + " --advise --report x.html");
+  EXPECT_NE(r.status, 0);
+  EXPECT_NE(r.out.find("--report shows one step's replay"), std::string::npos) << r.out;
+  std::filesystem::remove_all(page.parent_path());
+}
+
 TEST(StepViewsCli, WrongFiguresAreRefusedNamingTheFlagAndTheFix) {
   const std::pair<const char*, const char*> cases[] = {
       {" --figure ampipe", "add --layer L, L from 0 to 1"},

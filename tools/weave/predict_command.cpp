@@ -19,6 +19,7 @@
 #include "commands.hpp"
 #include "memory_estimate.hpp"
 #include "output_paths.hpp"
+#include "run_record.hpp"
 #include "step_figures.hpp"
 #include "step_views.hpp"
 #include "train_options.hpp"
@@ -107,13 +108,13 @@ std::string recompute_text(const graphs::Recompute& r) {
 }
 
 // Folding data-parallel replicas, tensor- and context-parallel peers and micro-batches, unless
-// --every-rank. A step shown (--trace, --dump-graph, --critical-path, --what-if, --figure) keeps
-// every rank of replica 0, the peers included, and every micro-batch, as a reader expects to see
-// them.
+// --every-rank. A step shown (--trace, --dump-graph, --critical-path, --what-if, --figure,
+// --report) keeps every rank of replica 0, the peers included, and every micro-batch, as a reader
+// expects to see them.
 graphs::PredictionOptions folding(const PredictOptions& o, const graphs::TrainerConfig& c,
                                   const StepViewRequest& views, const FigureRequest& figure) {
   const bool shown = !c.trace_path.empty() || views.critical_path || !views.dump_path.empty() ||
-                     !views.what_if.empty() || !figure.kind.empty();
+                     !views.what_if.empty() || !figure.kind.empty() || !o.train.report.empty();
   return {.fold_data_parallel = !o.every_rank,
           .fold_tensor_parallel = !o.every_rank && !shown,
           .fold_context_parallel = !o.every_rank && !shown,
@@ -186,6 +187,10 @@ void check_advice_flags(const PredictOptions& o) {
     throw std::invalid_argument(
         "--figure draws one step's replay and advice predicts many: run weave predict with the "
         "best's flags and --figure");
+  if (advice > 0 && !o.train.report.empty())
+    throw std::invalid_argument(
+        "--report shows one step's replay and advice predicts many: run weave predict with the "
+        "best's flags and --report");
   if (advice > 0 && !o.train.config.trace_path.empty())
     throw std::invalid_argument(
         "--trace writes one step's replay and advice predicts many: run weave predict with the "
@@ -435,12 +440,24 @@ int run_predict(PredictOptions& o, const CLI::App& cmd) {
                             .flags_without_effect = o.train.no_effect});
   const StepViewRequest views = step_view_request(o.train);
   check_writable("--dump-graph", views.dump_path);
+  check_writable("--report", o.train.report);
   const FigureRequest figure = figure_request(o.train, c);
   const graphs::Prediction p = graphs::predict_step(c, folding(o, c, views, figure));
+  auto report = [&] {
+    return write_report(
+        o.train.report, p.graph, p.trace, views,
+        {.title = "weave predict",
+         .configuration_json =
+             run_record(c, "none: a prediction reads no data", o.train.no_effect).dump(),
+         .memory = p.memory,
+         .memory_source = "predicted: what the prediction's trackers counted "
+                          "each device would hold"});
+  };
   if (o.json) {
     print_json(p, c, warnings, o.train.no_effect);
     write_trace(p, c, traced, o.trace_ranks);
     if (!figure.kind.empty()) (void)write_figure(figure, p.trace, c);
+    if (!o.train.report.empty()) (void)report();
     return 0;
   }
   print_configuration(c, accelerator);
@@ -452,6 +469,7 @@ int run_predict(PredictOptions& o, const CLI::App& cmd) {
     path = print_critical_path(p.graph, p.trace, views.what_if, p.what_if_trace);
   if (!views.dump_path.empty()) fmt::print("{}\n", write_graph_view(p.graph, views, path));
   if (!figure.kind.empty()) fmt::print("{}\n", write_figure(figure, p.trace, c));
+  if (!o.train.report.empty()) fmt::print("{}\n", report());
   return 0;
 }
 

@@ -6,6 +6,7 @@
 #include <fstream>
 #include <stdexcept>
 
+#include "memory_estimate.hpp"
 #include "train_options.hpp"
 #include "weave/runtime/dot_writer.hpp"
 #include "weave/runtime/virtual_clock.hpp"
@@ -186,6 +187,15 @@ std::string write_graph_view(const rt::Graph& graph, const StepViewRequest& requ
     throw std::runtime_error(fmt::format("--dump-graph: writing '{}' failed", request.dump_path));
   return fmt::format("graph: {} of {} tasks at {} level, written to {}", shown, graph.size(),
                      rt::to_string(options.view.level), request.dump_path);
+}
+
+std::string write_report(const std::string& path, const rt::Graph& graph, const rt::Trace& trace,
+                         const StepViewRequest& request, graphs::StepReportInput input) {
+  input.level =
+      request.level == "auto" ? rt::DetailLevel::layer : rt::parse_detail_level(request.level);
+  const std::size_t bytes = graphs::write_step_report(path, graph, trace, input);
+  return fmt::format("report: {} tasks, {}, written to {}", graph.size(),
+                     bytes_text(static_cast<std::int64_t>(bytes)), path);
 }
 
 }  // namespace weave::cli

@@ -6,6 +6,7 @@
 #include <string>
 #include <vector>
 
+#include "weave/graphs/step_report.hpp"
 #include "weave/runtime/cost_model.hpp"
 #include "weave/runtime/critical_path.hpp"
 #include "weave/runtime/graph.hpp"
@@ -41,5 +42,11 @@ std::vector<rt::TaskId> print_critical_path(const rt::Graph& graph, const rt::Tr
 // tell the user ("graph: N tasks (layer level), written to PATH").
 std::string write_graph_view(const rt::Graph& graph, const StepViewRequest& request,
                              const std::vector<rt::TaskId>& critical_path);
+
+// --report: the step (`trace` a virtual-clock replay of `graph`) as one HTML page at `path`, its
+// graph at the request's level (auto: a node per layer); returns what to tell the user
+// ("report: ..., written to PATH").
+std::string write_report(const std::string& path, const rt::Graph& graph, const rt::Trace& trace,
+                         const StepViewRequest& request, graphs::StepReportInput input);
 
 }  // namespace weave::cli

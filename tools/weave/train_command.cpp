@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
+#include <array>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -128,6 +129,7 @@ int run_train(TrainOptions o) {
     check_writable("--save", c.save_path);
     check_writable("--trace", c.trace_path);
     check_writable("--dump-graph", o.dump_graph);
+    check_writable("--report", o.report);
     (void)step_view_request(o);  // a wrong --graph-filter, --graph-level or --what-if
     (void)figure_request(o, c);  // a wrong --figure, --layer, --figure-device or --figure-out
     check_writable("--log-json", o.log_json);
@@ -223,6 +225,27 @@ void show_step(const TrainOptions& o, graphs::Trainer& trainer, ProgressReporter
     progress.note(write_graph_view(trainer.step().graph(), request, path));
 }
 
+// --report, once the run has trained: the step replayed on the virtual clock of the modelled
+// machine, with the memory each device's tracker saw at its peak over the run.
+void write_train_report(const TrainOptions& o, graphs::Trainer& trainer,
+                        ProgressReporter& progress) {
+  const devices::MachineModel machine =
+      graphs::machine_model(trainer.devices(), trainer.config().machine);
+  const rt::Graph& graph = trainer.step().graph();
+  const rt::MemoryTracker& memory = trainer.devices().memory();
+  std::vector<std::array<std::int64_t, rt::kMemoryCategoryCount>> peaks(memory.device_count());
+  for (std::size_t d = 0; d < peaks.size(); ++d)
+    for (std::size_t k = 0; k < rt::kMemoryCategoryCount; ++k)
+      peaks[d][k] = memory.peak(static_cast<rt::DeviceId>(d), static_cast<rt::MemoryCategory>(k));
+  progress.note(write_report(
+      o.report, graph, replay_costs(graph, machine), step_view_request(o),
+      {.title = "weave train",
+       .configuration_json =
+           run_record(trainer.config(), trainer.data().description, o.no_effect).dump(),
+       .memory = std::move(peaks),
+       .memory_source = "measured: each device's tracker over the run"}));
+}
+
 int run_trainer(TrainOptions& o, ProgressReporter& progress, graphs::Trainer& trainer) {
   graphs::TrainerConfig& c = o.config;
   progress.note(describe(trainer.config(), trainer.data().description));
@@ -254,6 +277,8 @@ int run_trainer(TrainOptions& o, ProgressReporter& progress, graphs::Trainer& tr
            }});
   progress.finish();
   progress.record("summary", summary_record(done, trainer.iteration()));
+  if (!o.report.empty() && trainer.processes().index() == 0)
+    write_train_report(o, trainer, progress);
   // Only a trace that is there is named (process 0 writes it).
   const bool traced = !c.trace_path.empty() && std::filesystem::exists(c.trace_path);
   if (done.seconds > 0)

@@ -69,6 +69,7 @@ constexpr ProgramFlag kProgramFlags[] = {
     {"--graph-level", [](TrainOptions& o) -> ProgramSetting { return &o.graph_level; }},
     {"--critical-path", [](TrainOptions& o) -> ProgramSetting { return &o.critical_path; }},
     {"--what-if", [](TrainOptions& o) -> ProgramSetting { return &o.what_if; }},
+    {"--report", [](TrainOptions& o) -> ProgramSetting { return &o.report; }},
     {"--figure", [](TrainOptions& o) -> ProgramSetting { return &o.figure; }},
     {"--figure-out", [](TrainOptions& o) -> ProgramSetting { return &o.figure_out; }},
     {"--layer", [](TrainOptions& o) -> ProgramSetting { return &o.figure_layer; }},

@@ -53,6 +53,7 @@ struct TrainOptions {
   bool mock_data = false;
   double valid_fraction = 0.05;
   std::string log_json, dump_graph;
+  std::string report;                                       // --report: the step as one HTML page
   std::string graph_filter, graph_level = "auto", what_if;  // --graph-filter, --graph-level
   bool critical_path = false;                               // --critical-path
   // --figure ampipe|pipeline drawn from the step's replay into --figure-out; --layer and

@@ -299,9 +299,9 @@ constexpr ConfigFlag kOutput[] = {
              "device, stream, layer, micro-batch, chunk, phase F/B/W; a key may repeat)"},
     {.name = "--graph-level",
      .group = FlagGroup::logging,
-     .help = "With --dump-graph: a node per task, layer (device, stream, layer, phase), "
-             "stage-micro-batch (device, stream, micro-batch, phase) or step (device and "
-             "stream); auto: the finest level that draws at most 400 nodes",
+     .help = "With --dump-graph or --report: a node per task, layer (device, stream, layer, "
+             "phase), stage-micro-batch (device, stream, micro-batch, phase) or step (device and "
+             "stream); auto: the finest level that draws at most 400 nodes (--report: layer)",
      .properties = kShowsDefault},
     {.name = "--critical-path",
      .group = FlagGroup::logging,
@@ -316,6 +316,13 @@ constexpr ConfigFlag kOutput[] = {
              "step time and what moved: ep=free, tp*2, compute*0.5, attention*0.5 (a stream's "
              "transfers free or moving f times the bytes; compute or its attention part f times "
              "the work), joined by commas",
+     .properties = kNotRepeatedByAdvice},
+    {.name = "--report",
+     .group = FlagGroup::logging,
+     .help = "Replay the step on the virtual clock and write it as one self-contained HTML page "
+             "here: every device's and stream's timeline, the graph by layer (click a node for "
+             "its tasks), the critical path, exposed communication per group, memory per device "
+             "and the configuration",
      .properties = kNotRepeatedByAdvice},
     {.name = "--figure",
      .group = FlagGroup::logging,

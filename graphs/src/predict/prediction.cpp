@@ -118,25 +118,6 @@ void read_throughput(const TrainerConfig& config, rt::Nanos makespan, Prediction
   p.mfu = p.flops_per_device / peak;
 }
 
-// A trace's communication streams by the process group each was made for (its CommGroup), as
-// reports name the groups: tp with its gradient stream, ep with its dispatch and combine streams,
-// both directions of every pipeline stage; an unclassified stream stands alone under its own name.
-std::vector<std::pair<std::string, std::vector<rt::StreamId>>> streams_by_group(
-    const rt::TaskTable& tasks) {
-  std::vector<std::pair<std::string, std::vector<rt::StreamId>>> groups;
-  for (rt::StreamId s = 0; s < tasks.stream_count(); ++s) {
-    if (s == rt::kComputeStream) continue;
-    const CommGroup kind = comm_group_of(tasks.stream_kind(s));
-    const std::string group(kind != CommGroup::unclassified ? to_string(kind)
-                                                            : tasks.stream_name(s));
-    auto at =
-        std::find_if(groups.begin(), groups.end(), [&](const auto& g) { return g.first == group; });
-    if (at == groups.end()) at = groups.insert(groups.end(), {group, {}});
-    at->second.push_back(s);
-  }
-  return groups;
-}
-
 // Each process group's exposed communication, summed over the replayed devices.
 void read_exposed_by_group(const rt::Trace& trace, ReplayFigures& f) {
   const auto groups = streams_by_group(trace.tasks());

@@ -6,8 +6,12 @@
 
 #include <array>
 #include <cstddef>
+#include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
+#include "weave/runtime/task_table.hpp"
 #include "weave/runtime/types.hpp"
 
 namespace weave::graphs {
@@ -44,5 +48,12 @@ inline CommGroup comm_group_of(rt::StreamKind kind) {
   return kind <= stream_kind(CommGroup::world) ? static_cast<CommGroup>(kind)
                                                : CommGroup::unclassified;
 }
+
+// A trace's communication streams by the process group each was made for (its CommGroup), as
+// reports name the groups: tp with its gradient stream, ep with its dispatch and combine streams,
+// both directions of every pipeline stage; an unclassified stream stands alone under its own name.
+// Groups in the order of their first stream.
+std::vector<std::pair<std::string, std::vector<rt::StreamId>>> streams_by_group(
+    const rt::TaskTable& tasks);
 
 }  // namespace weave::graphs

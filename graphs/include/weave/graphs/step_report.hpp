@@ -1,0 +1,55 @@
+// One training step as a page a person opens (weave train and weave predict --report): a single
+// HTML file, its script and style inlined and nothing fetched, holding one JSON document of the
+// step and the script that draws it: every device's and stream's timeline, the graph at layer
+// level whose nodes expand into their tasks, the critical path in both, exposed communication per
+// process group, memory per device by category, and the run's configuration.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "weave/runtime/graph.hpp"
+#include "weave/runtime/graph_view.hpp"
+#include "weave/runtime/memory_tracker.hpp"
+#include "weave/runtime/trace.hpp"
+
+namespace weave::graphs {
+
+struct StepReportInput {
+  std::string title;  // "weave predict", shown at the top
+  // The graph's level of detail: a node per layer by default (--graph-level chooses).
+  rt::DetailLevel level = rt::DetailLevel::layer;
+  // The run's configuration as a JSON object (the flag table's description of it).
+  std::string configuration_json = "{}";
+  // Per device, each rt::MemoryCategory's bytes at its peak, and what they are (a prediction's
+  // trackers, a run's own): the trackers keep peaks, not a history, so the page shows the peak.
+  std::vector<std::array<std::int64_t, rt::kMemoryCategoryCount>> memory;
+  std::string memory_source;
+};
+
+// The step's JSON document: `trace` must be a virtual-clock replay of `graph` (the critical path
+// is read from it). Its fields:
+//   clock, makespan_ns; devices (those holding a task); streams [{id, name, group}] (group:
+//   the process group the stream serves, "compute" for the compute stream); lanes [{device,
+//   stream}] with a task;
+//   tasks, one array per field, indexed by task id: name, device, stream, kind, layer,
+//   micro_batch, chunk, phase, start, end (ns; -1 for a task that did not run);
+//   graph {level, nodes [{device, stream, layer, micro_batch, phase, tasks}], edges [[from, to,
+//   count]]}: every task in exactly one node;
+//   critical_path {length_ns, steps [{task, last_member, begin, end, waited_for}]};
+//   exposed [{group, ns, ms_per_device}]; memory {shows: "peak", source, categories, devices};
+//   configuration; title.
+std::string step_report_json(const rt::Graph& graph, const rt::Trace& trace,
+                             const StepReportInput& input);
+
+// The page with `json` (step_report_json's) inlined.
+std::string step_report_page(const std::string& json);
+
+// Writes the page of `graph` and its replay `trace` to `path`; throws std::runtime_error naming
+// the path when it cannot be written. Returns the page's size in bytes.
+std::size_t write_step_report(const std::string& path, const rt::Graph& graph,
+                              const rt::Trace& trace, const StepReportInput& input);
+
+}  // namespace weave::graphs

@@ -1,0 +1,217 @@
+// `weave predict --report` opened in a real browser: headless Chromium (Debian's), driven by
+// playwright-core (npm, pinned by tools/dev). The page must render without a console error or a
+// request leaving the file, draw a lane for every device and stream the step's Chrome trace has,
+// list a layer node's tasks when the node is clicked (the trace's tasks of that device, stream,
+// layer and phase), and list the critical path `weave predict --critical-path` prints. Each check
+// leaves a screenshot in the output folder.
+//
+//   node report_test.mjs WEAVE PLAYWRIGHT_CORE_DIR OUT_DIR
+//
+// Without Chromium or playwright-core it exits 77 (ctest's skip) saying to run tools/dev test, or
+// fails when WEAVE_REQUIRE_BROWSER or CI is set: CI installs both, so there a skip would hide a
+// broken install.
+import { execFileSync } from 'node:child_process';
+import fs from 'node:fs';
+import os from 'node:os';
+import path from 'node:path';
+import { createRequire } from 'node:module';
+import { pathToFileURL } from 'node:url';
+
+const [weave, playwrightDir, outDir] = process.argv.slice(2);
+if (!weave || !playwrightDir || !outDir) {
+  console.error('usage: node report_test.mjs WEAVE PLAYWRIGHT_CORE_DIR OUT_DIR');
+  process.exit(2);
+}
+const chromiumPath = '/usr/bin/chromium';
+
+function missing(what) {
+  const required = process.env.WEAVE_REQUIRE_BROWSER || process.env.CI;
+  console.error(`${what} is missing: run tools/dev test, which installs Debian's chromium and ` +
+                `playwright-core from npm (CI does)${required ? '' : '; skipping the browser test'}`);
+  process.exit(required ? 1 : 77);
+}
+if (!fs.existsSync(chromiumPath)) missing(chromiumPath);
+let chromium;
+try {
+  chromium = createRequire(import.meta.url)(path.resolve(playwrightDir)).chromium;
+} catch (e) {
+  missing(`playwright-core in ${playwrightDir}`);
+}
+
+const failures = [];
+function check(ok, message) {
+  if (!ok) failures.push(message);
+  return ok;
+}
+
+fs.rmSync(outDir, { recursive: true, force: true });
+fs.mkdirSync(outDir, { recursive: true });
+const report = path.resolve(outDir, 'step.html');
+const traceFile = path.join(outDir, 'step.trace.json');
+
+// A small step with every kind of lane: tensor-parallel, expert-parallel (Ampipe's chunks) and
+// pipeline streams on 8 devices (data-parallel replicas folded into the first).
+const flags = [
+  'predict', '--num-layers', '4', '--hidden-size', '64', '--num-attention-heads', '4',
+  '--ffn-hidden-size', '128', '--seq-length', '64', '--num-experts', '4', '--moe-layer-freq', '2',
+  '--devices', '8', '--tensor-model-parallel-size', '2', '--sequence-parallel',
+  '--expert-model-parallel-size', '2', '--pipeline-model-parallel-size', '2',
+  '--ampipe-degree', '2', '--global-batch-size', '8', '--device-flops', '1e12',
+  '--link', 'nvlink4', '--critical-path', '--report', report, '--trace', traceFile];
+const cli = execFileSync(weave, flags, { encoding: 'utf8' });
+fs.writeFileSync(path.join(outDir, 'predict.txt'), cli);
+
+// What the command line says: the path's headline and its lines, one per stay on a device.
+const headline = cli.match(/critical path: (\d+) steps, ([0-9.]+) ms/);
+const cliRuns = [];
+for (const line of cli.split('\n')) {
+  const m = line.match(
+      /^\s+([0-9.]+) ms\s+([0-9.]+) %\s+device (\d+): (\d+) tasks?, ([0-9.]+) ms compute, (-?[0-9.]+) ms other; '(.*)' \.\. '(.*)', after (.+)$/);
+  if (m)
+    cliRuns.push({ begin: +m[1], share: +m[2], device: +m[3], tasks: +m[4], compute: +m[5],
+                   other: +m[6], first: m[7], last: m[8], after: m[9] });
+}
+const cliHidden = cli.match(/\n\s+and (\d+) shorter stays/);
+if (!headline || cliRuns.length === 0) {
+  console.error(`no critical path in weave's output:\n${cli}`);
+  process.exit(1);
+}
+
+// What the Chrome trace of the same replay holds: its lanes and its tasks' tags.
+const trace = JSON.parse(fs.readFileSync(traceFile, 'utf8'));
+const events = trace.traceEvents || trace;
+const streamNames = new Map();
+for (const e of events)
+  if (e.ph === 'M' && e.name === 'thread_name') streamNames.set(`${e.pid}:${e.tid}`, e.args.name);
+const traceLanes = new Set();
+const spans = events.filter((e) => e.ph === 'X');
+for (const e of spans) traceLanes.add(`${e.pid}:${streamNames.get(`${e.pid}:${e.tid}`)}`);
+
+const userData = fs.mkdtempSync(path.join(os.tmpdir(), 'weave-report-chromium-'));
+const context = await chromium.launchPersistentContext(userData, {
+  executablePath: chromiumPath,
+  headless: true,
+  args: ['--headless', '--no-sandbox', '--disable-gpu', '--disable-quic', '--no-first-run',
+         '--disable-background-networking', '--disable-component-update', '--disable-sync'],
+  viewport: { width: 1400, height: 900 },
+});
+try {
+  const page = context.pages()[0] || (await context.newPage());
+  const errors = [];
+  page.on('console', (m) => { if (m.type() === 'error') errors.push(`console: ${m.text()}`); });
+  page.on('pageerror', (e) => errors.push(`page error: ${e.message}`));
+  page.on('request', (r) => {
+    if (!r.url().startsWith('file:') && !r.url().startsWith('data:'))
+      errors.push(`request leaving the file: ${r.url()}`);
+  });
+  const shot = async (name, target) => {
+    const file = path.join(outDir, name);
+    if (target) await target.screenshot({ path: file });
+    else await page.screenshot({ path: file });
+  };
+
+  // 1. It renders, with no console error.
+  await page.goto(pathToFileURL(report).href);
+  await page.waitForSelector('body[data-rendered="yes"]', { timeout: 10000 });
+  await shot('1-rendered.png');
+  check(errors.length === 0, `errors while rendering: ${errors.join('; ')}`);
+  const size = fs.statSync(report).size;
+  console.log(`report: ${size} bytes`);
+
+  // 2. A lane for every device and stream of the trace, each with its tasks drawn.
+  const lanes = await page.$$eval('#timeline g.lane', (gs) => gs.map((g) => ({
+    key: `${g.dataset.device}:${g.dataset.stream}`,
+    rects: g.querySelectorAll('rect.task').length,
+  })));
+  const pageLanes = new Set(lanes.map((l) => l.key));
+  check(pageLanes.size === traceLanes.size && [...traceLanes].every((k) => pageLanes.has(k)),
+        `lanes: page ${[...pageLanes].sort().join(' ')} against the trace's ` +
+        `${[...traceLanes].sort().join(' ')}`);
+  for (const l of lanes) check(l.rects > 0, `lane ${l.key} draws no task`);
+  const traceDevices = [...new Set(spans.map((e) => String(e.pid)))].sort();
+  const pageDevices = [...new Set(lanes.map((l) => l.key.split(':')[0]))].sort();
+  check(JSON.stringify(pageDevices) === JSON.stringify(traceDevices) && traceDevices.length > 1,
+        `devices: page ${pageDevices}, trace ${traceDevices}`);
+  const criticalRects = await page.$$eval('#timeline rect.task.critical', (r) => r.length);
+  check(criticalRects > 0, 'no task of the timeline drawn on the critical path');
+  await shot('2-timeline-lanes.png', page.locator('#timeline'));
+
+  // 3. Clicking a layer node lists its tasks: the trace's tasks of that device, stream, layer
+  // and phase.
+  const node = page.locator('#graph g.node[data-layer="1"][data-phase="B"]').first();
+  const want = await node.evaluate((g) => ({ ...g.dataset }));
+  const stream = [...streamNames.entries()].find(
+      ([k, v]) => k.startsWith(`${want.device}:`) && v === want.stream)[0].split(':')[1];
+  const expected = spans
+      .filter((e) => String(e.pid) === want.device && String(e.tid) === stream &&
+                     e.args.layer === 1 && e.args.phase === 'B')
+      .map((e) => e.args.task).sort((a, b) => a - b);
+  check(!(await page.locator('#node-task-table').count()), 'tasks listed before any click');
+  await node.click();
+  await page.waitForSelector('#node-task-table tr.node-task');
+  const listed = (await page.$$eval('#node-task-table tr.node-task', (rs) =>
+      rs.map((r) => +r.dataset.task))).sort((a, b) => a - b);
+  check(expected.length > 1 && JSON.stringify(listed) === JSON.stringify(expected),
+        `node device ${want.device} ${want.stream} layer 1 B lists tasks ${listed} against the ` +
+        `trace's ${expected}`);
+  check(+want.tasks === expected.length, `node says ${want.tasks} tasks, the trace has ${expected.length}`);
+  const selected = await page.$$eval('#timeline rect.selected', (r) => r.length);
+  check(selected === expected.length, `${selected} tasks marked in the timeline, ${expected.length} listed`);
+  // Zoomed in, the timeline is twice as wide and keeps the node's tasks marked.
+  const width = +(await page.getAttribute('#timeline', 'width'));
+  await page.click('#zoom-in');
+  const zoomed = +(await page.getAttribute('#timeline', 'width'));
+  check(zoomed - 40 === 2 * (width - 40 - 210) + 210, `zoomed in: ${width} px wide, then ${zoomed}`);
+  const kept = await page.$$eval('#timeline rect.selected', (r) => r.length);
+  check(kept === expected.length, `zoomed in, ${kept} tasks marked, ${expected.length} before`);
+  await page.click('#zoom-reset');
+  await page.evaluate(() => document.getElementById('node-tasks').scrollIntoView({ block: 'end' }));
+  await shot('3-node-expanded.png');
+
+  // 4. The critical path the page lists is the one the command line printed.
+  const summary = await page.textContent('#critical-path-summary');
+  const pageHeadline = summary.match(/critical path: (\d+) steps, ([0-9.]+) ms/);
+  check(pageHeadline && pageHeadline[1] === headline[1] && pageHeadline[2] === headline[2],
+        `headline '${summary}' against the command line's '${headline[0]}'`);
+  const pageRuns = await page.$$eval('#critical-path-runs tr.run', (rs) => rs.map((r) => {
+    const cells = [...r.querySelectorAll('td')].map((c) => c.textContent);
+    return { begin: +cells[0], share: +cells[1], device: +r.dataset.device, tasks: +r.dataset.tasks,
+             compute: +cells[4], other: +cells[5], first: r.dataset.first, last: r.dataset.last,
+             after: r.dataset.after };
+  }));
+  check(pageRuns.length === cliRuns.length,
+        `the page lists ${pageRuns.length} stays on a device, the command line ${cliRuns.length}`);
+  // Times printed to 3 decimals by C++ and by JavaScript may round a tie apart by one digit.
+  const near = (a, b, digit) => Math.abs(a - b) <= digit * 1.01;
+  cliRuns.forEach((c, i) => {
+    const p = pageRuns[i];
+    if (!p) return;
+    check(p.device === c.device && p.tasks === c.tasks && p.first === c.first &&
+          p.last === c.last && p.after === c.after && near(p.begin, c.begin, 1e-3) &&
+          near(p.compute, c.compute, 1e-3) && near(p.other, c.other, 1e-3) &&
+          near(p.share, c.share, 0.1),
+          `stay ${i}: page ${JSON.stringify(p)} against the command line's ${JSON.stringify(c)}`);
+  });
+  const pageHidden = (await page.textContent('#critical-path-hidden')).match(/and (\d+) shorter/);
+  check((pageHidden ? pageHidden[1] : null) === (cliHidden ? cliHidden[1] : null),
+        `shorter stays: page ${pageHidden && pageHidden[1]}, command line ${cliHidden && cliHidden[1]}`);
+  // The exposed communication per group is the one the command line printed (groups with any).
+  const cliExposed = cli.match(/\nexposed comm +(.*) ms a device/)[1];
+  const pageExposed = (await page.$$eval('#exposed tr.exposed-group', (rs) => rs.map((r) =>
+      [r.dataset.group, r.querySelectorAll('td')[1].textContent])))
+      .filter(([, v]) => +v > 0).map(([g, v]) => `${g} ${v}`).join(', ');
+  check(pageExposed === cliExposed, `exposed: page '${pageExposed}', command line '${cliExposed}'`);
+  await page.evaluate(() => document.getElementById('critical-path-summary').scrollIntoView());
+  await shot('4-critical-path.png');
+
+  check(errors.length === 0, `errors: ${errors.join('; ')}`);
+} finally {
+  await context.close();
+  fs.rmSync(userData, { recursive: true, force: true });
+}
+
+if (failures.length > 0) {
+  for (const f of failures) console.error(`FAIL: ${f}`);
+  process.exit(1);
+}
+console.log(`report test passed: screenshots in ${outDir}`);
