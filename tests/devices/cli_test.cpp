@@ -504,14 +504,8 @@ TEST(CliFlags, HalfPrecisionTrainsInBf16AndRefusesWhatIsNotBuilt) {
       "train {} --mock-data --bf16 --train-iters 2 --devices 2 --context-parallel-size 2",
       kTinyModel));
   EXPECT_EQ(cp2.status, 0) << cp2.out;
-  const Result pp2 = weave(fmt::format(
-      "train {} --mock-data --bf16 --train-iters 2 --devices 2 --pipeline-model-parallel-size 2",
-      kTinyModel));
-  EXPECT_NE(pp2.status, 0);
-  EXPECT_TRUE(has(pp2.out,
-                  "this run has pipeline parallelism (--pipeline-model-parallel-size): train it "
-                  "in fp32 (drop --bf16)"))
-      << pp2.out;
+  EXPECT_TRUE(has(cp2.out, "bf16 mixed precision |")) << cp2.out;
+  // What is still refused (Ampipe with context parallelism) is named by the seed script's test.
 }
 
 TEST(CliFlags, AOneDashLongFlagIsRefusedNamingTheTwoDashForm) {

@@ -4,6 +4,7 @@
 // device its gradients and losses track the fp32 model's within bf16's rounding; expert, tensor
 // (+ sequence) and context parallelism, split and pipe experts and Ampipe equal one device in
 // bf16 within what their roundings allow; its memory is the prediction's plus named fp32 terms.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -208,6 +209,71 @@ TEST(Bf16MoeTraining, Tp2SpEp2EqualsOneDevice) {
                                      .micro_batch_size = 2,
                                      .global_batch_size = 4},
                                     kTensorParallel);
+}
+
+// A MoE model under pipeline, expert and data parallelism, as pasted MoE scripts combine them:
+// the stage boundary adds bf16_training_test's two roundings (the activation sent and its
+// gradient: its pipeline tolerance, 3u in gradient norm); expert parallelism reorders fp32 sums
+// only. With the distributed optimizer a replica's gradients are reduced in its shard only, so
+// it is held to the losses of the same plan without it: the fp32 gradients are reduce-scattered
+// in the order they are all-reduced and the updated fp32 values gathered and rounded as each
+// replica rounds its own; only the clipping norm is summed shard by shard, in another order (an
+// fp32 ulp of the update, 1e-6 of the losses at most; the aux loss of step 3 moves by 1e-9).
+constexpr ParallelTolerance kPipelineParallel{1e-3, 3.0 / 256, 1e-2};
+
+TEST(Bf16MoeTraining, Pp2Ep2EqualsOneDeviceAndTheDistributedOptimizerChangesNoLoss) {
+  ParallelPlan plan{.expert_parallel = 2,
+                    .data_parallel = 2,
+                    .pipeline_parallel = 2,
+                    .micro_batch_size = 1,
+                    .global_batch_size = 4};
+  const ModelConfig m = moe_model(Precision::bf16);
+  expect_parallel_equals_one_device(m, plan, kPipelineParallel);
+  const Outcome replicated = run(m, plan, 3, true);
+  plan.distributed_optimizer = true;
+  const Outcome sharded = run(m, plan, 3, true);
+  for (std::size_t i = 0; i < replicated.losses.size(); ++i) {
+    EXPECT_NEAR(sharded.losses[i], replicated.losses[i], 1e-6 * replicated.losses[i]) << i;
+    EXPECT_NEAR(sharded.aux[i], replicated.aux[i], 1e-6 * replicated.aux[i]) << i;
+  }
+}
+
+// Full recomputation of a MoE layer in bf16 runs its router, dispatch, experts and combine again
+// from the kept fp32 group input, with the same dropout masks: losses, aux losses and every
+// gradient are bitwise those of the run that keeps every activation, under ep2 and under pp2 with
+// ep2 and Ampipe 2; two steps, the second after an update.
+TEST(Bf16MoeTraining, RecomputationIsBitwise) {
+  ModelConfig m = moe_model(Precision::bf16);
+  m.hidden_dropout = 0.1;
+  m.attention_dropout = 0.1;
+  const ParallelPlan plans[] = {
+      {.expert_parallel = 2, .data_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4},
+      {.expert_parallel = 2,
+       .data_parallel = 2,
+       .pipeline_parallel = 2,
+       .micro_batch_size = 1,
+       .global_batch_size = 4,
+       .ampipe_degree = 2}};
+  const Recompute methods[] = {{.granularity = RecomputeGranularity::full,
+                                .method = RecomputeMethod::uniform,
+                                .num_layers = 1},
+                               {.granularity = RecomputeGranularity::full,
+                                .method = RecomputeMethod::block,
+                                .num_layers = 1}};
+  for (const ParallelPlan& plan : plans) {
+    m.recompute = {};
+    const Outcome kept = run(m, plan, 2, true);
+    for (const Recompute& r : methods) {
+      SCOPED_TRACE(fmt::format("pp {}, ampipe {}, {}", plan.pipeline_parallel, plan.ampipe_degree,
+                               r.method == RecomputeMethod::block ? "block" : "uniform"));
+      m.recompute = r;
+      const Outcome again = run(m, plan, 2, true);
+      EXPECT_EQ(again.losses, kept.losses);
+      EXPECT_EQ(again.aux, kept.aux);
+      for (const auto& [name, want] : kept.grads)
+        EXPECT_TRUE(again.grads.at(name) == want) << name;
+    }
+  }
 }
 
 // The materialised bf16 MoE step holds what the prediction of the same step counts, plus named
