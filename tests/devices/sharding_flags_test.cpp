@@ -184,28 +184,39 @@ TEST(DeepSpeedConfig, RefusesWhatWouldChangeTrainingInOneMessage) {
   EXPECT_NE(refusal(with_file(broken)).find("is not JSON"), std::string::npos);
 }
 
-TEST(ShardingFlags, MapStageOneOntoTheDistributedOptimizerAndRefuseWhatIsNotBuilt) {
+TEST(ShardingFlags, MapStagesOneAndTwoOntoTheDistributedOptimizerAndRefuseStageThree) {
   const std::vector<std::string> dp2{"--devices", "2"};
   const auto with = [&](std::vector<std::string> more) {
     more.insert(more.begin(), dp2.begin(), dp2.end());
     return more;
   };
-  EXPECT_TRUE(parsed(with({"--zero-stage", "1"})).config.plan.distributed_optimizer);
-  EXPECT_FALSE(parsed(with({"--zero-stage", "0"})).config.plan.distributed_optimizer);
-  EXPECT_TRUE(parsed(with({"--use-custom-fsdp", "--data-parallel-sharding-strategy", "optim"}))
-                  .config.plan.distributed_optimizer);
-  EXPECT_FALSE(parsed(with({"--use-megatron-fsdp"})).config.plan.distributed_optimizer);
+  const auto sharded = [&](std::vector<std::string> flags) {
+    const weave::graphs::ParallelPlan p = parsed(with(std::move(flags))).config.plan;
+    return std::pair{p.distributed_optimizer, p.shard_gradients};
+  };
+  using Sharded = std::pair<bool, bool>;
+  EXPECT_EQ(sharded({"--zero-stage", "1"}), Sharded(true, false));
+  EXPECT_EQ(sharded({"--zero-stage", "0"}), Sharded(false, false));
+  EXPECT_EQ(sharded({"--zero-stage", "2"}), Sharded(true, true));
+  EXPECT_EQ(sharded({"--use-custom-fsdp", "--data-parallel-sharding-strategy", "optim"}),
+            Sharded(true, false));
+  EXPECT_EQ(sharded({"--use-custom-fsdp", "--data-parallel-sharding-strategy", "optim_grads"}),
+            Sharded(true, true));
+  EXPECT_EQ(sharded({"--use-megatron-fsdp"}), Sharded(false, false));
+  const DeepSpeedFile stage2(R"({"zero_optimization": {"stage": 2}})");
+  EXPECT_EQ(sharded({"--deepspeed", "--deepspeed_config", stage2.path}), Sharded(true, true));
   for (const auto& flags :
-       {std::vector<std::string>{"--zero-stage", "2"},
-        std::vector<std::string>{"--zero-stage", "3"},
-        std::vector<std::string>{"--use-custom-fsdp", "--data-parallel-sharding-strategy",
-                                 "optim_grads"},
+       {std::vector<std::string>{"--zero-stage", "3"},
         std::vector<std::string>{"--use-custom-fsdp", "--data-parallel-sharding-strategy",
                                  "optim_grads_params"}}) {
     const std::string e = refusal(with(flags));
-    EXPECT_NE(e.find("is not built in weave yet"), std::string::npos) << e;
-    EXPECT_NE(e.find("--zero-stage 1"), std::string::npos) << e;
+    EXPECT_NE(e.find("is not built in weave yet (issue 27)"), std::string::npos) << e;
+    EXPECT_NE(e.find("--zero-stage 2"), std::string::npos) << e;
   }
+  EXPECT_NE(refusal(with({"--zero-stage", "2", "--use-custom-fsdp",
+                          "--data-parallel-sharding-strategy", "optim"}))
+                .find("disagree"),
+            std::string::npos);
   EXPECT_NE(refusal(with({"--zero-stage", "0", "--use-distributed-optimizer"})).find("disagree"),
             std::string::npos);
   EXPECT_NE(

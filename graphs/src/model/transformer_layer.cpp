@@ -114,6 +114,9 @@ TaskId TransformerLayer::backward(const BuildPosition& pos, TaskId ready, Weight
   const int layer = l, set = pos.set, mb = pos.micro_batch;
   const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
   const std::string at = fmt::format("L{}.", l);
+  // ZeRO stage 2: the layer's gradient slot is free (its previous layer reduced) before any of
+  // the layer's gradients are written.
+  wait_for_gradient_slot(*P, l, tags);
   // d_x (the layer output's gradient) -> d_mlp; d_x_mid starts as d_x (the residual).
   const double rows = static_cast<double>(z.Sl * z.B * z.h);
   const TaskId residual =
@@ -151,12 +154,14 @@ TaskId TransformerLayer::backward(const BuildPosition& pos, TaskId ready, Weight
     p->bias_dropout_add_backward(mb, layer, 0, w.d_x_mid, w.d_mlp, grad_of(W.attention.proj_bias));
   });
   P->after(mlp, norm);
-  if (last) reduce_buckets(*P, fmt::format("layers.{}.mlp", l), norm);
+  reduce_buckets(*P, fmt::format("layers.{}.mlp", l), norm, last);
   // With tp or cp the QKV weight half overlaps the input gradient's reduction; with neither it
   // waits for the layer below to launch its first all-to-all.
-  const WeightPlacement qkv_weights = z.tp == 1 && z.spec(l).attention == AttentionCore::local
-                                          ? halves.deferrable()
-                                          : halves.immediate();
+  // ZeRO stage 2 keeps every weight half inside its layer's backward, which holds its slot.
+  const WeightPlacement qkv_weights =
+      z.tp == 1 && z.spec(l).attention == AttentionCore::local && !z.plan.shard_gradients
+          ? halves.deferrable()
+          : halves.immediate();
   return AttentionBlock(*P, l).backward(pos, norm, halves, last, qkv_weights);
 }
 

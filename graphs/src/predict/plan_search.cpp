@@ -121,20 +121,26 @@ void add_candidates(const TrainerConfig& base, MeshSizes sizes,
   const bool moe = m.num_experts > 0;
   const std::vector<int> expert_sizes = moe ? divisors(m.num_experts) : std::vector<int>{1};
   const std::vector<int> ampipe_degrees = moe ? std::vector<int>{1, 2} : std::vector<int>{1};
+  // Asked for ZeRO stage 2, the advice weighs it against stage 1 at each layout (stage 1 being
+  // also what the layouts stage 2 is not built with can run).
+  const std::vector<bool> gradient_sharding =
+      base.plan.shard_gradients ? std::vector<bool>{false, true} : std::vector<bool>{false};
   for (const int ep : expert_sizes)
     for (const auto& [scheduler, chunks] : schedules_to_try(m, sizes.pp))
       for (const int ampipe : ampipe_degrees)
-        for (const bool full : {false, true}) {
-          TrainerConfig c = candidate(base, sizes, ep, scheduler, chunks, ampipe, full);
-          try {
-            validate(c);
-            check_flag_rules(c.plan, flags_without_effect);
-          } catch (const ConfigError& e) {
-            count_refusal(out.refused, e.what());
-            continue;
+        for (const bool full : {false, true})
+          for (const bool shard_gradients : gradient_sharding) {
+            TrainerConfig c = candidate(base, sizes, ep, scheduler, chunks, ampipe, full);
+            c.plan.shard_gradients = shard_gradients;
+            try {
+              validate(c);
+              check_flag_rules(c.plan, flags_without_effect);
+            } catch (const ConfigError& e) {
+              count_refusal(out.refused, e.what());
+              continue;
+            }
+            out.configs.push_back(std::move(c));
           }
-          out.configs.push_back(std::move(c));
-        }
 }
 
 }  // namespace
@@ -197,6 +203,7 @@ std::string plan_flags(const TrainerConfig& config) {
     flags +=
         fmt::format(" --recompute-granularity full --recompute-method {} --recompute-num-layers {}",
                     r.method == RecomputeMethod::uniform ? "uniform" : "block", r.num_layers);
+  if (p.shard_gradients) flags += " --zero-stage 2";
   flags += fmt::format(" --global-batch-size {}", p.global_batch_size);
   return flags;
 }
