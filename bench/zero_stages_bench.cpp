@@ -52,7 +52,7 @@ class Run {
   }
   double loss() const { return loss_; }
   // Device 0's peak bytes of `category` (every replica holds the same).
-  double mib(MemoryCategory category) const {
+  double mib(MemoryCategory category) {
     return static_cast<double>(set_.memory().peak(0, category)) / (1024.0 * 1024.0);
   }
 
@@ -118,7 +118,7 @@ int main(int argc, char** argv) {
   fmt::print("{:<6} {:>11} {:>11} {:>11} {:>11} {:>11} {:>12} {:>9}\n", "stage", "params MiB",
              "grads MiB", "optim MiB", "activ. MiB", "total MiB", "tokens/s", "loss");
   for (std::size_t s = 0; s < runs.size(); ++s) {
-    const Run& r = *runs[s];
+    Run& r = *runs[s];
     const std::array<double, 4> mib{
         r.mib(MemoryCategory::parameters), r.mib(MemoryCategory::gradients),
         r.mib(MemoryCategory::optimizer_state), r.mib(MemoryCategory::activations)};
