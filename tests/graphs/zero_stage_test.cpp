@@ -15,6 +15,7 @@
 #include "tiny_model.hpp"
 #include "weave/devices/device_set.hpp"
 #include "weave/devices/shared_memory_communicator.hpp"
+#include "weave/graphs/plan_search.hpp"
 #include "weave/graphs/prediction.hpp"
 #include "weave/graphs/training_step.hpp"
 
@@ -202,6 +203,34 @@ TEST(ZeroStage2Rules, RefusesWhatIsNotBuiltNamingTheIssue) {
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("issue 27"), std::string::npos) << e.what();
   }
+}
+
+// Asked for stage 2, the advice weighs it against stage 1 at every layout, and names the stage
+// each candidate runs.
+TEST(ZeroStage2Advice, WeighsStageTwoAgainstStageOneAtEachLayout) {
+  TrainerConfig base;
+  base.model = four_layers(0);
+  base.plan = {.data_parallel = 4,
+               .micro_batch_size = 1,
+               .global_batch_size = 8,
+               .distributed_optimizer = true,
+               .shard_gradients = true};
+  const PlanCandidates candidates = enumerate_plans(base);
+  int stage1 = 0, stage2 = 0;
+  for (const TrainerConfig& c : candidates.configs) {
+    const std::string flags = plan_flags(c);
+    if (c.plan.shard_gradients) {
+      ++stage2;
+      EXPECT_NE(flags.find("--zero-stage 2"), std::string::npos) << flags;
+      EXPECT_NE(c.plan.pipeline_scheduler, "zb-h1");
+    } else {
+      ++stage1;
+      EXPECT_NE(flags.find("--zero-stage 1"), std::string::npos) << flags;
+    }
+  }
+  EXPECT_GT(stage2, 0);
+  // Every stage-2 candidate has its stage-1 twin; the zero-bubble layouts have stage 1 only.
+  EXPECT_GT(stage1, stage2);
 }
 
 }  // namespace

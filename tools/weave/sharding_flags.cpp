@@ -57,8 +57,14 @@ void apply_fsdp(TrainOptions& o) {
           strategy));
     return;
   }
-  // Megatron-Core's default while the flag was --use-custom-fsdp (releases 0.12 and 0.13).
-  const std::string chosen = strategy.empty() ? "no_shard" : strategy;
+  // Megatron-Core's default while the flag was --use-custom-fsdp (releases 0.12 and 0.13), or
+  // the strategy of the --zero-stage given beside it (as --advise names the stage it chose).
+  static constexpr const char* kStrategyOfStage[] = {"no_shard", "optim", "optim_grads",
+                                                     "optim_grads_params"};
+  const std::string chosen = !strategy.empty() ? strategy
+                             : o.zero_stage >= 0 && o.zero_stage <= 3
+                                 ? kStrategyOfStage[o.zero_stage]
+                                 : "no_shard";
   if (chosen == "optim_grads_params")
     refuse(fmt::format("--use-custom-fsdp with --data-parallel-sharding-strategy {}: {}", chosen,
                        kNotBuilt));

@@ -79,6 +79,7 @@ constexpr ConfigFlag kParallelism[] = {
              "(each micro-batch's layer buckets reduce-scattered into the replica's shard); 3 "
              "(parameters sharded) is refused, not built yet",
      .check = at_least(0),
+     .properties = kChoosesPlan,
      .type_name = "N"},
     {.name = "--use-custom-fsdp",
      .aliases = "--use-megatron-fsdp",
@@ -92,7 +93,8 @@ constexpr ConfigFlag kParallelism[] = {
      .help = "With --use-custom-fsdp: no_shard (plain data parallelism), optim (optimizer state "
              "sharded: weave's distributed optimizer) or optim_grads (gradients too: ZeRO stage "
              "2); optim_grads_params is refused, not built yet",
-     .check = one_of("no_shard,optim,optim_grads,optim_grads_params")},
+     .check = one_of("no_shard,optim,optim_grads,optim_grads_params"),
+     .properties = kChoosesPlan},
     {.name = "--overlap-grad-reduce",
      .group = FlagGroup::parallelism,
      .values = 0,

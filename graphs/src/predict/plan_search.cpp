@@ -203,7 +203,9 @@ std::string plan_flags(const TrainerConfig& config) {
     flags +=
         fmt::format(" --recompute-granularity full --recompute-method {} --recompute-num-layers {}",
                     r.method == RecomputeMethod::uniform ? "uniform" : "block", r.num_layers);
-  if (p.shard_gradients) flags += " --zero-stage 2";
+  // The stage the advice chose (stage 2 is weighed against 1): named whenever the optimizer
+  // state is sharded, agreeing with --use-distributed-optimizer if that is given too.
+  if (p.distributed_optimizer) flags += fmt::format(" --zero-stage {}", p.shard_gradients ? 2 : 1);
   flags += fmt::format(" --global-batch-size {}", p.global_batch_size);
   return flags;
 }
