@@ -76,6 +76,8 @@ struct Case {
 
 class ZeroStage2 : public ::testing::TestWithParam<Case> {};
 
+void expect_equals_plain_data_parallelism(const Case& c, int stage);
+
 // Four layers, so that the two gradient slots are taken in turn, and several micro-batches per
 // replica, each reduced on its own.
 ModelConfig four_layers(int experts) {
@@ -84,14 +86,23 @@ ModelConfig four_layers(int experts) {
   return m;
 }
 
+// Stage 3 (parameters sharded too, gathered per layer before each use) as well: a gather that
+// did not move the owners' shards into the slot would show in the losses.
 TEST_P(ZeroStage2, LossesAndGradientShardsEqualPlainDataParallelism) {
-  const Case c = GetParam();
+  for (const int stage : {2, 3}) {
+    SCOPED_TRACE(::testing::Message() << "stage " << stage);
+    expect_equals_plain_data_parallelism(GetParam(), stage);
+  }
+}
+
+void expect_equals_plain_data_parallelism(const Case& c, int stage) {
   const ModelConfig m = four_layers(c.experts);
-  ParallelPlan stage2 = c.plan;
-  stage2.distributed_optimizer = true;
-  stage2.shard_gradients = true;
+  ParallelPlan sharded_plan = c.plan;
+  sharded_plan.distributed_optimizer = true;
+  sharded_plan.shard_gradients = true;
+  sharded_plan.shard_parameters = stage == 3;
   std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> ranges;
-  const Trained sharded = train(m, stage2, 4, {}, &ranges);
+  const Trained sharded = train(m, sharded_plan, 4, {}, &ranges);
   const Trained plain = train(m, c.plan, 4, ranges);
   for (std::size_t i = 0; i < plain.losses.size(); ++i)
     EXPECT_NEAR(sharded.losses[i], plain.losses[i], 1e-5 * plain.losses[i]) << "step " << i + 1;

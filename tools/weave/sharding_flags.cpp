@@ -35,7 +35,7 @@ void apply_zero_stage(TrainOptions& o, int stage, std::string_view source) {
         fmt::format("{} {} is not a ZeRO stage: give 0 (plain data parallelism), 1 (optimizer "
                     "state sharded over the data-parallel group) or 2 (gradients too)",
                     source, stage));
-  if (stage >= 3) refuse(fmt::format("{} {}: {}", source, stage, kNotBuilt));
+
   graphs::ParallelPlan& plan = o.config.plan;
   if (stage == 0 && o.gave("--use-distributed-optimizer") && plan.distributed_optimizer)
     refuse(fmt::format(
@@ -43,7 +43,8 @@ void apply_zero_stage(TrainOptions& o, int stage, std::string_view source) {
         "give one of them",
         source));
   plan.distributed_optimizer = stage >= 1;
-  plan.shard_gradients = stage == 2;
+  plan.shard_gradients = stage >= 2;
+  plan.shard_parameters = stage == 3;
 }
 
 // Megatron-Core's --use-custom-fsdp with --data-parallel-sharding-strategy.
@@ -65,11 +66,11 @@ void apply_fsdp(TrainOptions& o) {
                              : o.zero_stage >= 0 && o.zero_stage <= 3
                                  ? kStrategyOfStage[o.zero_stage]
                                  : "no_shard";
-  if (chosen == "optim_grads_params")
-    refuse(fmt::format("--use-custom-fsdp with --data-parallel-sharding-strategy {}: {}", chosen,
-                       kNotBuilt));
   // The strategy's ZeRO stage.
-  const int stage = chosen == "optim" ? 1 : chosen == "optim_grads" ? 2 : 0;
+  const int stage = chosen == "optim"                ? 1
+                    : chosen == "optim_grads"        ? 2
+                    : chosen == "optim_grads_params" ? 3
+                                                     : 0;
   if (o.zero_stage >= 0 && o.zero_stage != stage)
     refuse(fmt::format(
         "--zero-stage {} and --data-parallel-sharding-strategy {} disagree on what is sharded: "
@@ -77,7 +78,8 @@ void apply_fsdp(TrainOptions& o) {
         o.zero_stage, chosen));
   if (stage >= 1) {
     o.config.plan.distributed_optimizer = true;
-    o.config.plan.shard_gradients = stage == 2;
+    o.config.plan.shard_gradients = stage >= 2;
+    o.config.plan.shard_parameters = stage == 3;
   } else if (o.gave("--use-distributed-optimizer") && o.config.plan.distributed_optimizer)
     refuse(
         "--data-parallel-sharding-strategy no_shard (nothing sharded) and "

@@ -371,6 +371,12 @@ void check_overlaps(const ModelConfig& m, const ParallelPlan& p) {
 // write a layer's weight gradients later (zero-bubble's weight passes, Ampipe's chunks) are not
 // built with it (issue 27).
 void check_sharded_gradients(const ParallelPlan& p) {
+  if (p.shard_parameters && !p.shard_gradients)
+    refuse("sharding the parameters (ZeRO stage 3) shards the gradients too: give --zero-stage 3");
+  if (p.shard_parameters && p.overlap_param_gather)
+    refuse(
+        "--overlap-param-gather gathers the distributed optimizer's updated shards at the next "
+        "step's start; ZeRO stage 3 gathers each layer's before each use instead: drop it");
   if (!p.shard_gradients) return;
   if (!p.distributed_optimizer)
     refuse(

@@ -262,27 +262,40 @@ void ModelShard::make_buckets(const Mesh& mesh, int rank) {
       slot_elements[static_cast<std::size_t>(slot)] =
           std::max(slot_elements[static_cast<std::size_t>(slot)], elements);
     }
-    const int gradient_bytes = parameter_bytes(config_.precision).gradient;
+    const ParameterBytes bytes = parameter_bytes(config_.precision);
+    const auto slot = [this](std::int64_t elements, rt::MemoryCategory category,
+                             int element_bytes) {
+      return materialize_ ? ops::Tensor::zeros({elements}, device_, category)
+                          : ops::Tensor::shape_only({elements}, device_, category,
+                                                    static_cast<std::size_t>(element_bytes));
+    };
     for (const std::int64_t elements : slot_elements)
-      if (elements > 0)
-        gradient_slots_.push_back(
-            materialize_
-                ? ops::Tensor::zeros({elements}, device_, rt::MemoryCategory::gradients)
-                : ops::Tensor::shape_only({elements}, device_, rt::MemoryCategory::gradients,
-                                          static_cast<std::size_t>(gradient_bytes)));
+      if (elements > 0) {
+        gradient_slots_.push_back(slot(elements, rt::MemoryCategory::gradients, bytes.gradient));
+        // Stage 3: the gathered values laid out as the gradients are, slot for slot.
+        if (mesh.plan().shard_parameters)
+          parameter_slots_.push_back(
+              slot(elements, rt::MemoryCategory::parameters, bytes.parameter));
+      }
     for (std::size_t b = 0; b < planned.size(); ++b)
       if (staged_at[b] >= 0) slot_of[b] = layer_slots_.at(layer_of_bucket(planned[b].name));
   }
   for (std::size_t b = 0; b < planned.size(); ++b) {
-    ops::Tensor staged;
+    ops::Tensor staged, staged_values;
     if (staged_at[b] >= 0) {
       const std::int64_t n =
           padded_elements(planned[b].params, replicas_of(mesh, rank, *planned[b].params.front()));
-      staged = gradient_slots_[static_cast<std::size_t>(slot_of[b])].slice(0, staged_at[b], n);
+      const auto s = static_cast<std::size_t>(slot_of[b]);
+      staged = gradient_slots_[s].slice(0, staged_at[b], n);
+      if (!parameter_slots_.empty()) staged_values = parameter_slots_[s].slice(0, staged_at[b], n);
     }
     make_bucket(mesh, rank, std::move(planned[b].name), std::move(planned[b].params), staged,
-                slot_of[b]);
+                slot_of[b], staged_values);
   }
+}
+
+bool ModelShard::parameters_sharded(int l) const {
+  return !parameter_slots_.empty() && gradient_slot(l) >= 0;
 }
 
 int ModelShard::gradient_slot(int l) const {
@@ -291,7 +304,8 @@ int ModelShard::gradient_slot(int l) const {
 }
 
 void ModelShard::make_bucket(const Mesh& mesh, int rank, std::string name,
-                             std::vector<Parameter*> params, ops::Tensor staged_grads, int slot) {
+                             std::vector<Parameter*> params, ops::Tensor staged_grads, int slot,
+                             ops::Tensor staged_values) {
   GradientBucket bucket;
   bucket.name = std::move(name);
   bucket.params = std::move(params);
@@ -313,9 +327,12 @@ void ModelShard::make_bucket(const Mesh& mesh, int rank, std::string name,
   const bool bf16 = materialize_ && config_.precision == Precision::bf16;
   // A materialized bf16 run holds the fp32 main values in the optimizer and a bf16 copy as the
   // model's parameters.
-  bucket.values =
-      zeros(padded, bf16 ? rt::MemoryCategory::optimizer_state : rt::MemoryCategory::parameters,
-            bytes.parameter);
+  bucket.values_staged = staged_values.defined();
+  bucket.values = bucket.values_staged ? staged_values
+                                       : zeros(padded,
+                                               bf16 ? rt::MemoryCategory::optimizer_state
+                                                    : rt::MemoryCategory::parameters,
+                                               bytes.parameter);
   if (bf16)
     bucket.values16 = ops::Bf16Tensor::zeros({padded}, device_, rt::MemoryCategory::parameters);
   bucket.staged = staged_grads.defined();
@@ -338,6 +355,13 @@ void ModelShard::make_bucket(const Mesh& mesh, int rank, std::string name,
   bucket.shard_begin = bucket.sharded ? bucket.replica * bucket.shard_size : 0;
   if (bucket.staged)
     bucket.grad_shard = zeros(bucket.shard_size, rt::MemoryCategory::gradients, bytes.gradient);
+  // Stage 3: the replica keeps its shard of the initial values; the slot is another layer's
+  // next.
+  if (bucket.values_staged) {
+    bucket.value_shard = zeros(bucket.shard_size, rt::MemoryCategory::parameters, bytes.parameter);
+    if (materialize_)
+      bucket.value_shard.copy_from(bucket.values.slice(0, bucket.shard_begin, bucket.shard_size));
+  }
   bucket.exp_avg = zeros(bucket.shard_size, rt::MemoryCategory::optimizer_state, 4);
   bucket.exp_avg_sq = zeros(bucket.shard_size, rt::MemoryCategory::optimizer_state, 4);
   // 16-bit training: the fp32 master weights (and for fp16 the fp32 gradients) of the shard,

@@ -8,6 +8,7 @@
 #include "model/dense_mlp.hpp"
 #include "moe/moe_mlp.hpp"
 #include "step/gradient_buckets.hpp"
+#include "step/parameter_slots.hpp"
 #include "weave/ops/elementwise.hpp"
 #include "weave/ops/normalization.hpp"
 
@@ -48,6 +49,23 @@ void TransformerLayer::declare_parameters(ParameterDeclarer& declare, const Laye
 }
 
 TaskId TransformerLayer::forward(const BuildPosition& pos, TaskId ready) const {
+  const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
+  acquire_layer_parameters(*P, l, l + 1, tags);
+  const TaskId done = forward_pass(pos, ready);
+  release_layer_parameters(*P, l, tags);
+  return done;
+}
+
+TaskId TransformerLayer::backward(const BuildPosition& pos, TaskId ready, WeightHalves& halves,
+                                  bool last) const {
+  const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
+  acquire_layer_parameters(*P, l, l - 1, tags);
+  const TaskId done = backward_pass(pos, ready, halves, last);
+  release_layer_parameters(*P, l, tags);
+  return done;
+}
+
+TaskId TransformerLayer::forward_pass(const BuildPosition& pos, TaskId ready) const {
   const StepShape& z = P->shape;
   const MlpModule mlp_module = z.spec(l).mlp;
   // --overlap-param-gather: the attention half's first task waits for its parameters' gather.
@@ -104,8 +122,8 @@ TaskId TransformerLayer::forward(const BuildPosition& pos, TaskId ready) const {
   return out;
 }
 
-TaskId TransformerLayer::backward(const BuildPosition& pos, TaskId ready, WeightHalves& halves,
-                                  bool last) const {
+TaskId TransformerLayer::backward_pass(const BuildPosition& pos, TaskId ready, WeightHalves& halves,
+                                       bool last) const {
   const StepShape& z = P->shape;
   const MlpModule mlp_module = z.spec(l).mlp;
   if (mlp_module == MlpModule::ampipe) return AmpipeBlock(*P, l).backward(pos, ready, halves, last);

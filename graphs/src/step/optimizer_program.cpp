@@ -55,9 +55,8 @@ void clip_and_update(RankProgram& p) {
       for (std::int64_t i = 0; i < grads.numel(); ++i)
         g[i] *= static_cast<float>(coef);
     }
-    ops::adamw_step(o, p.inputs.iteration,
-                    bucket.values.slice(0, bucket.shard_begin, bucket.shard_size), grads,
-                    bucket.exp_avg, bucket.exp_avg_sq);
+    ops::adamw_step(o, p.inputs.iteration, bucket.shard_values(), grads, bucket.exp_avg,
+                    bucket.exp_avg_sq);
   }
 }
 
@@ -111,7 +110,8 @@ TaskId add_gradient_norm(RankProgram& P, const rt::TaskTags& tags, double gradie
 // buckets) or `expert_data` (the experts'), after `ready`; kNoTask for a bucket not sharded.
 TaskId gather_shard(GradientBucket& bucket, const GroupHandle& data, const GroupHandle& expert_data,
                     TaskId ready, const rt::TaskTags& tags) {
-  if (!bucket.sharded) return rt::kNoTask;
+  // Stage 3 gathers a layer's values before each use instead (step/parameter_slots.hpp).
+  if (!bucket.sharded || bucket.values_staged) return rt::kNoTask;
   const GroupHandle& replicas = bucket.expert ? expert_data : data;
   return replicas.all_gather(
       ready,

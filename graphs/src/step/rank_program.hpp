@@ -197,6 +197,17 @@ class RankProgram {
   // ZeRO stage 2: by gradient slot, the reductions its last layer's buckets end with, not yet
   // waited for by a later layer's backward.
   std::map<int, std::vector<TaskId>> gradient_slot_releases;
+  // ZeRO stage 3, by parameter slot: the layer whose values it holds (or is being gathered
+  // with), those gathers, and the releases since that the next gather into it waits for.
+  struct ParameterSlot {
+    int layer = -1;
+    std::vector<TaskId> gathers, releases;
+  };
+  std::map<int, ParameterSlot> parameter_slots;
+  // The next compute task waits for `tasks` too.
+  void await(const std::vector<TaskId>& tasks) {
+    awaited_gathers_.insert(awaited_gathers_.end(), tasks.begin(), tasks.end());
+  }
   // --overlap-param-gather: the step-start all-gathers of the buckets' updated shards, by the
   // point the buckets are named after ("layers.3.attention", "embedding").
   std::map<std::string, std::vector<TaskId>> parameter_gathers;

@@ -90,6 +90,14 @@ struct GradientBucket {
   ops::Tensor shard_grads() const {
     return staged ? grad_shard : grads.slice(0, shard_begin, shard_size);
   }
+  // ZeRO stage 3 (ParallelPlan::shard_parameters), a layer's sharded bucket: `values` is a view
+  // into the layer's parameter slot, filled by the gathers from every replica's `value_shard`
+  // (the replica's shard, which the optimizer updates).
+  bool values_staged = false;
+  ops::Tensor value_shard;
+  ops::Tensor shard_values() const {
+    return values_staged ? value_shard : values.slice(0, shard_begin, shard_size);
+  }
   ops::Tensor exp_avg, exp_avg_sq;  // AdamW state of [shard_begin, shard_begin + shard_size)
   // A 16-bit run predicted: the shard's fp32 master weights (and for fp16 its fp32 gradients),
   // counted only (ParameterBytes); undefined otherwise.
@@ -160,8 +168,14 @@ class ModelShard {
   // many layers' gradients are held whole while the backward runs (DeepSpeed's stage 2 bounds
   // them by its reduce bucket size instead).
   static constexpr int kGradientSlots = 2;
+  // ZeRO stage 3: the parameter slots the layers' gathered values take in turn, the units in
+  // flight: the layer computing and the next one gathered beside it.
+  static constexpr int kParameterSlots = 2;
   // The gradient slot layer l's staged buckets are written into; -1 for none.
   int gradient_slot(int l) const;
+  // ZeRO stage 3: whether layer l's parameters are kept as shards, gathered into the parameter
+  // slot of the same number as its gradient slot before each use.
+  bool parameters_sharded(int l) const;
   // A bf16 run: rounds the fp32 main parameters into their bf16 copies (nothing in fp32).
   void refresh_bf16_copies();
   // In the order the backward pass makes them ready.
@@ -177,7 +191,7 @@ class ModelShard {
   void make_buckets(const Mesh& mesh, int rank);
   // `staged_grads`: a view into a gradient slot for a staged bucket (ZeRO stage 2), else empty.
   void make_bucket(const Mesh& mesh, int rank, std::string name, std::vector<Parameter*> params,
-                   ops::Tensor staged_grads = {}, int slot = -1);
+                   ops::Tensor staged_grads = {}, int slot = -1, ops::Tensor staged_values = {});
   // std > 0: normal(0, std) draws; otherwise every element is `constant`. While !holding_, only
   // counts the parameter and returns a placeholder.
   Parameter& add(std::string name, const ops::Shape& local, std::int64_t logical_rows,
@@ -200,7 +214,7 @@ class ModelShard {
   std::deque<ModelState> states_;
   ModelState skipped_state_;
   std::vector<GradientBucket> buckets_;
-  std::vector<ops::Tensor> gradient_slots_;
+  std::vector<ops::Tensor> gradient_slots_, parameter_slots_;
   std::map<int, int> layer_slots_;  // layer -> its gradient slot (ZeRO stage 2)
   std::string current_bucket_;
   std::vector<LayerShard> layers_;
