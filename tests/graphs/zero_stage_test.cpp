@@ -196,6 +196,91 @@ TEST(ZeroStage2Memory, GradientsAreTheShardsAndTwoLayerSlots) {
   EXPECT_DOUBLE_EQ(p.step_ms, static_cast<double>(r.replay.makespan) * 1e-6);
 }
 
+// Stage 3: each device holds the embeddings' and the model end's values whole, its shard of every
+// layer's, and two parameter slots laid out as the gradient slots: parameters / dp plus the two
+// units in flight.
+TEST(ZeroStage3Memory, ParametersAreTheShardsAndTwoUnitsInFlight) {
+  TrainerConfig c;
+  c.model = four_layers(4);
+  c.plan = {.expert_parallel = 2,
+            .data_parallel = 4,
+            .micro_batch_size = 1,
+            .global_batch_size = 8,
+            .distributed_optimizer = true,
+            .shard_gradients = true};
+  c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
+  validate(c.model, c.plan);
+  const MaterialisedStep stage2 = materialised_step(c);
+  std::map<int, std::int64_t> layer_elements;
+  std::int64_t rest = 0, shards = 0;
+  {
+    devices::DeviceSet set(c.plan.devices(), {.pin = false});
+    devices::SharedMemoryCommunicator comm;
+    TrainingStep step(c.model, c.plan, {}, set, comm);
+    for (const GradientBucket& b : step.shard(0).buckets()) {
+      if (b.name.rfind("layers.", 0) != 0) {
+        rest += b.values.numel();
+        continue;
+      }
+      layer_elements[std::stoi(b.name.substr(7))] += b.values.numel();
+      shards += b.shard_size;
+    }
+  }
+  const std::int64_t in_flight = std::max(layer_elements[0], layer_elements[2]) +
+                                 std::max(layer_elements[1], layer_elements[3]);
+  c.plan.shard_parameters = true;
+  const MaterialisedStep r = materialised_step(c);
+  const auto parameters = static_cast<std::size_t>(rt::MemoryCategory::parameters);
+  const auto gradients = static_cast<std::size_t>(rt::MemoryCategory::gradients);
+  EXPECT_EQ(r.memory[0][parameters],
+            static_cast<std::int64_t>(sizeof(float)) * (rest + shards + in_flight));
+  EXPECT_LT(r.memory[0][parameters], stage2.memory[0][parameters]);
+  EXPECT_EQ(r.memory[0][gradients], stage2.memory[0][gradients]);
+  const Prediction p = predict_step(c);
+  EXPECT_EQ(p.memory, r.memory);
+  EXPECT_DOUBLE_EQ(p.step_ms, static_cast<double>(r.replay.makespan) * 1e-6);
+}
+
+// On the virtual clock with a slow link: layer 2's gather into the slot layer 0 held starts once
+// layer 0's forward is done with it (two units in flight), runs under layer 1's compute, and
+// layer 2's forward waits for it.
+TEST(ZeroStage3Overlap, TheNextLayersGatherRunsUnderTheLayersCompute) {
+  TrainerConfig c;
+  c.model = four_layers(0);
+  c.plan = {.data_parallel = 2,
+            .micro_batch_size = 1,
+            .global_batch_size = 2,
+            .distributed_optimizer = true,
+            .shard_gradients = true,
+            .shard_parameters = true};
+  c.machine = {.device_flops = 1e9, .device_memory_bandwidth = 1e10, .link = "pcie4"};
+  validate(c.model, c.plan);
+  const rt::Trace& trace = materialised_step(c).replay.trace;
+  const rt::TaskTable& tasks = trace.tasks();
+  struct Window {
+    rt::Nanos start = -1, end = -1;
+    void add(const rt::Span& s) {
+      start = start < 0 ? s.start : std::min(start, s.start);
+      end = std::max(end, s.end);
+    }
+  };
+  Window gather, layer[3];
+  for (const rt::Span& s : trace.spans()) {
+    if (tasks[s.task].device != 0 || tasks[s.task].tags.phase != rt::Phase::forward) continue;
+    const std::string_view name = tasks.name(s.task);
+    if (name.rfind("layers.2.", 0) == 0 && name.find(".gather") != std::string_view::npos)
+      gather.add(s);
+    for (int l = 0; l < 3; ++l)
+      if (name.rfind("L" + std::to_string(l) + ".", 0) == 0) layer[l].add(s);
+  }
+  ASSERT_GE(gather.start, 0);
+  ASSERT_GE(layer[1].start, 0);
+  EXPECT_GE(gather.start, layer[0].end);  // the slot is free
+  EXPECT_LT(gather.start, layer[1].end);  // under layer 1's compute
+  EXPECT_LT(std::max(gather.start, layer[1].start), std::min(gather.end, layer[1].end));
+  EXPECT_GE(layer[2].start, gather.end);  // layer 2 waits for its parameters
+}
+
 TEST(ZeroStage2Rules, RefusesWhatIsNotBuiltNamingTheIssue) {
   const ModelConfig m = four_layers(4);
   ParallelPlan without_optimizer{
