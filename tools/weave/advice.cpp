@@ -218,7 +218,8 @@ graphs::PlanRanking rank_with_progress(const graphs::PlanCandidates& candidates,
 // The fastest plans that fit, one line each.
 void print_fitting(const graphs::PlanRanking& ranking, int top) {
   const int shown = std::min(top, static_cast<int>(ranking.fitting.size()));
-  // Asked for ZeRO stage 2, the advice weighs it against stage 1: a last column names the stage.
+  // Asked for ZeRO stage 2 or 3, the advice weighs it against the stages below: a last column
+  // names each plan's stage.
   bool stages = false;
   for (const graphs::PlanOutcome& o : ranking.fitting)
     stages |= o.config.plan.shard_gradients;

@@ -19,22 +19,15 @@ using nlohmann::json;
   throw graphs::ConfigError(std::move(message));
 }
 
-// What ZeRO stage 3 and the strategy sharding parameters would need.
-constexpr std::string_view kNotBuilt =
-    "sharding the parameters over the data-parallel group (ZeRO stage 3, optim_grads_params: "
-    "fully sharded data parallelism) is not built in weave yet (issue 27); weave shards the "
-    "optimizer state and the gradients (ZeRO stage 2: --zero-stage 2, or "
-    "--data-parallel-sharding-strategy optim_grads): use that, with tensor or pipeline "
-    "parallelism to split the parameters";
-
-// --zero-stage N, or the stage from a DeepSpeed file, onto the distributed optimizer (stage 1)
-// and the gradients sharded beside it (stage 2).
+// --zero-stage N, or the stage from a DeepSpeed file, onto the distributed optimizer (stage 1),
+// the gradients sharded beside it (stage 2) and the parameters too (stage 3).
 void apply_zero_stage(TrainOptions& o, int stage, std::string_view source) {
   if (stage < 0 || stage > 3)
-    refuse(
-        fmt::format("{} {} is not a ZeRO stage: give 0 (plain data parallelism), 1 (optimizer "
-                    "state sharded over the data-parallel group) or 2 (gradients too)",
-                    source, stage));
+    refuse(fmt::format(
+        "{} {} is not a ZeRO stage: give 0 (plain data parallelism), 1 (optimizer "
+        "state sharded over the data-parallel group), 2 (gradients too) or 3 (parameters "
+        "too)",
+        source, stage));
 
   graphs::ParallelPlan& plan = o.config.plan;
   if (stage == 0 && o.gave("--use-distributed-optimizer") && plan.distributed_optimizer)

@@ -77,7 +77,7 @@ constexpr ConfigFlag kParallelism[] = {
      .help = "DeepSpeed's ZeRO stage: 0 plain data parallelism; 1 optimizer state sharded over "
              "the data-parallel group (weave's distributed optimizer); 2 gradients sharded too "
              "(each micro-batch's layer buckets reduce-scattered into the replica's shard); 3 "
-             "(parameters sharded) is refused, not built yet",
+             "parameters too (each layer's gathered before its forward and its backward)",
      .check = at_least(0),
      .properties = kChoosesPlan,
      .type_name = "N"},
@@ -91,8 +91,8 @@ constexpr ConfigFlag kParallelism[] = {
     {.name = "--data-parallel-sharding-strategy",
      .group = FlagGroup::parallelism,
      .help = "With --use-custom-fsdp: no_shard (plain data parallelism), optim (optimizer state "
-             "sharded: weave's distributed optimizer) or optim_grads (gradients too: ZeRO stage "
-             "2); optim_grads_params is refused, not built yet",
+             "sharded: weave's distributed optimizer), optim_grads (gradients too: ZeRO stage 2) "
+             "or optim_grads_params (parameters too: stage 3)",
      .check = one_of("no_shard,optim,optim_grads,optim_grads_params"),
      .properties = kChoosesPlan},
     {.name = "--overlap-grad-reduce",
