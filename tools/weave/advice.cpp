@@ -242,9 +242,11 @@ void print_fitting(const graphs::PlanRanking& ranking, int top) {
         p.data_parallel, schedule, p.ampipe_degree,
         o.config.model.recompute.full() ? "full" : "none", o.step_ms, o.tokens_per_second,
         100 * o.mfu, o.bubble,
-        stages
-            ? fmt::format("{:<17}  {}", bytes_text(o.memory_per_device), p.shard_gradients ? 2 : 1)
-            : bytes_text(o.memory_per_device));
+        stages ? fmt::format("{:<17}  {}", bytes_text(o.memory_per_device),
+                             p.shard_parameters  ? 3
+                             : p.shard_gradients ? 2
+                                                 : 1)
+               : bytes_text(o.memory_per_device));
   }
 }
 
