@@ -1,8 +1,10 @@
-// ZeRO stage 2 (--zero-stage 2, optim_grads): every micro-batch's layer gradients reduce-scattered
-// into the replica's shard as the backward completes them, the full buckets held in a few shared
-// slots only. Losses and gradient shards against plain data parallelism, alone and beside tp+sp,
-// cp, ep and pp; each device's gradient memory against the closed form, predicted and
-// materialised.
+// ZeRO stages 2 and 3. Stage 2: every micro-batch's layer gradients reduce-scattered into the
+// replica's shard as the backward completes them, the full buckets held in two shared slots only;
+// stage 3: each layer's parameters kept as shards and gathered into one of two slots before each
+// use. Losses and gradient shards against plain data parallelism, alone and beside tp+sp, cp, ep,
+// pp and full recomputation; each device's gradient and parameter memory against the closed
+// forms, predicted and materialised; the next layer's gather under the current layer's compute on
+// the virtual clock; --advise weighing the stages.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -72,9 +74,10 @@ struct Case {
   const char* name;
   int experts;
   ParallelPlan plan;
+  bool full_recompute = false;  // each layer's forward again in the backward, gathers included
 };
 
-class ZeroStage2 : public ::testing::TestWithParam<Case> {};
+class ZeroStages : public ::testing::TestWithParam<Case> {};
 
 void expect_equals_plain_data_parallelism(const Case& c, int stage);
 
@@ -88,7 +91,7 @@ ModelConfig four_layers(int experts) {
 
 // Stage 3 (parameters sharded too, gathered per layer before each use) as well: a gather that
 // did not move the owners' shards into the slot would show in the losses.
-TEST_P(ZeroStage2, LossesAndGradientShardsEqualPlainDataParallelism) {
+TEST_P(ZeroStages, LossesAndGradientShardsEqualPlainDataParallelism) {
   for (const int stage : {2, 3}) {
     SCOPED_TRACE(::testing::Message() << "stage " << stage);
     expect_equals_plain_data_parallelism(GetParam(), stage);
@@ -96,7 +99,11 @@ TEST_P(ZeroStage2, LossesAndGradientShardsEqualPlainDataParallelism) {
 }
 
 void expect_equals_plain_data_parallelism(const Case& c, int stage) {
-  const ModelConfig m = four_layers(c.experts);
+  ModelConfig m = four_layers(c.experts);
+  if (c.full_recompute)
+    m.recompute = {.granularity = RecomputeGranularity::full,
+                   .method = RecomputeMethod::uniform,
+                   .num_layers = 1};
   ParallelPlan sharded_plan = c.plan;
   sharded_plan.distributed_optimizer = true;
   sharded_plan.shard_gradients = true;
@@ -144,9 +151,13 @@ const Case kCases[] = {
     {"pp2_dp2",
      0,
      {.data_parallel = 2, .pipeline_parallel = 2, .micro_batch_size = 1, .global_batch_size = 8}},
+    {"dp2_full_recompute",
+     0,
+     {.data_parallel = 2, .micro_batch_size = 1, .global_batch_size = 4},
+     true},
 };
 
-INSTANTIATE_TEST_SUITE_P(Plans, ZeroStage2, ::testing::ValuesIn(kCases),
+INSTANTIATE_TEST_SUITE_P(Plans, ZeroStages, ::testing::ValuesIn(kCases),
                          [](const auto& info) { return std::string(info.param.name); });
 
 // Each device holds the embeddings' and the model end's buckets whole, its shard of every layer
