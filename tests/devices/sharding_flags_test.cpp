@@ -1,8 +1,8 @@
 // DeepSpeed's and Megatron-Core's sharding flags and the DeepSpeed JSON through `weave train`'s
 // parsing: the file's values set what the command line left out, DeepSpeed's batch rule is checked
 // as DeepSpeed checks it, every disagreement with the command line is refused naming both, the
-// stages and strategies weave has map onto its distributed optimizer and the others are refused
-// naming what is not built.
+// stages and strategies map onto what weave shards: the optimizer state (its distributed
+// optimizer), the gradients and the parameters.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -12,6 +12,7 @@
 #include <fstream>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "commands.hpp"
@@ -184,28 +185,42 @@ TEST(DeepSpeedConfig, RefusesWhatWouldChangeTrainingInOneMessage) {
   EXPECT_NE(refusal(with_file(broken)).find("is not JSON"), std::string::npos);
 }
 
-TEST(ShardingFlags, MapStageOneOntoTheDistributedOptimizerAndRefuseWhatIsNotBuilt) {
+TEST(ShardingFlags, MapEveryStageOntoWhatIsSharded) {
   const std::vector<std::string> dp2{"--devices", "2"};
   const auto with = [&](std::vector<std::string> more) {
     more.insert(more.begin(), dp2.begin(), dp2.end());
     return more;
   };
-  EXPECT_TRUE(parsed(with({"--zero-stage", "1"})).config.plan.distributed_optimizer);
-  EXPECT_FALSE(parsed(with({"--zero-stage", "0"})).config.plan.distributed_optimizer);
-  EXPECT_TRUE(parsed(with({"--use-custom-fsdp", "--data-parallel-sharding-strategy", "optim"}))
-                  .config.plan.distributed_optimizer);
-  EXPECT_FALSE(parsed(with({"--use-megatron-fsdp"})).config.plan.distributed_optimizer);
-  for (const auto& flags :
-       {std::vector<std::string>{"--zero-stage", "2"},
-        std::vector<std::string>{"--zero-stage", "3"},
-        std::vector<std::string>{"--use-custom-fsdp", "--data-parallel-sharding-strategy",
-                                 "optim_grads"},
-        std::vector<std::string>{"--use-custom-fsdp", "--data-parallel-sharding-strategy",
-                                 "optim_grads_params"}}) {
-    const std::string e = refusal(with(flags));
-    EXPECT_NE(e.find("is not built in weave yet"), std::string::npos) << e;
-    EXPECT_NE(e.find("--zero-stage 1"), std::string::npos) << e;
-  }
+  // Optimizer state, gradients, parameters.
+  using Sharded = std::tuple<bool, bool, bool>;
+  const auto sharded = [&](std::vector<std::string> flags) {
+    const weave::graphs::ParallelPlan p = parsed(with(std::move(flags))).config.plan;
+    return Sharded{p.distributed_optimizer, p.shard_gradients, p.shard_parameters};
+  };
+  EXPECT_EQ(sharded({"--zero-stage", "0"}), Sharded(false, false, false));
+  EXPECT_EQ(sharded({"--zero-stage", "1"}), Sharded(true, false, false));
+  EXPECT_EQ(sharded({"--zero-stage", "2"}), Sharded(true, true, false));
+  EXPECT_EQ(sharded({"--zero-stage", "3"}), Sharded(true, true, true));
+  EXPECT_EQ(sharded({"--use-megatron-fsdp"}), Sharded(false, false, false));
+  EXPECT_EQ(sharded({"--use-custom-fsdp", "--data-parallel-sharding-strategy", "optim"}),
+            Sharded(true, false, false));
+  EXPECT_EQ(sharded({"--use-custom-fsdp", "--data-parallel-sharding-strategy", "optim_grads"}),
+            Sharded(true, true, false));
+  EXPECT_EQ(
+      sharded({"--use-custom-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"}),
+      Sharded(true, true, true));
+  // The strategy of the stage given beside --use-custom-fsdp (as --advise names it).
+  EXPECT_EQ(sharded({"--use-custom-fsdp", "--zero-stage", "3"}), Sharded(true, true, true));
+  const DeepSpeedFile stage2(R"({"zero_optimization": {"stage": 2}})");
+  EXPECT_EQ(sharded({"--deepspeed", "--deepspeed_config", stage2.path}),
+            Sharded(true, true, false));
+  const DeepSpeedFile stage3(R"({"zero_optimization": {"stage": 3}})");
+  EXPECT_EQ(sharded({"--deepspeed", "--deepspeed_config", stage3.path}), Sharded(true, true, true));
+  EXPECT_NE(refusal(with({"--zero-stage", "4"})).find("is not a ZeRO stage"), std::string::npos);
+  EXPECT_NE(refusal(with({"--zero-stage", "2", "--use-custom-fsdp",
+                          "--data-parallel-sharding-strategy", "optim"}))
+                .find("disagree"),
+            std::string::npos);
   EXPECT_NE(refusal(with({"--zero-stage", "0", "--use-distributed-optimizer"})).find("disagree"),
             std::string::npos);
   EXPECT_NE(

@@ -217,11 +217,16 @@ graphs::PlanRanking rank_with_progress(const graphs::PlanCandidates& candidates,
 
 // The fastest plans that fit, one line each.
 void print_fitting(const graphs::PlanRanking& ranking, int top) {
-  fmt::print(
-      "{:>4} {:>3} {:>3} {:>3} {:>3} {:>4} {:<12} {:>6} {:>9} {:>11} {:>13} {:>6} {:>8}  {}\n",
-      "rank", "tp", "pp", "cp", "ep", "dp", "schedule", "ampipe", "recompute", "step (ms)",
-      "tokens/s", "MFU %", "bubble", "memory per device");
   const int shown = std::min(top, static_cast<int>(ranking.fitting.size()));
+  // Asked for ZeRO stage 2 or 3, the advice weighs it against the stages below: a last column
+  // names each plan's stage.
+  bool stages = false;
+  for (const graphs::PlanOutcome& o : ranking.fitting)
+    stages |= o.config.plan.shard_gradients;
+  fmt::print(
+      "{:>4} {:>3} {:>3} {:>3} {:>3} {:>4} {:<12} {:>6} {:>9} {:>11} {:>13} {:>6} {:>8}  {}{}\n",
+      "rank", "tp", "pp", "cp", "ep", "dp", "schedule", "ampipe", "recompute", "step (ms)",
+      "tokens/s", "MFU %", "bubble", "memory per device", stages ? "  ZeRO stage" : "");
   for (int i = 0; i < shown; ++i) {
     const graphs::PlanOutcome& o = ranking.fitting[static_cast<std::size_t>(i)];
     const graphs::ParallelPlan& p = o.config.plan;
@@ -236,7 +241,12 @@ void print_fitting(const graphs::PlanRanking& ranking, int top) {
         i + 1, p.tensor_parallel, p.pipeline_parallel, p.context_parallel, p.expert_parallel,
         p.data_parallel, schedule, p.ampipe_degree,
         o.config.model.recompute.full() ? "full" : "none", o.step_ms, o.tokens_per_second,
-        100 * o.mfu, o.bubble, bytes_text(o.memory_per_device));
+        100 * o.mfu, o.bubble,
+        stages ? fmt::format("{:<17}  {}", bytes_text(o.memory_per_device),
+                             p.shard_parameters  ? 3
+                             : p.shard_gradients ? 2
+                                                 : 1)
+               : bytes_text(o.memory_per_device));
   }
 }
 

@@ -19,29 +19,25 @@ using nlohmann::json;
   throw graphs::ConfigError(std::move(message));
 }
 
-// What ZeRO stages 2 and 3 and the strategies sharding gradients or parameters would need.
-constexpr std::string_view kNotBuilt =
-    "sharding gradients (ZeRO stage 2, optim_grads) and parameters (stage 3, optim_grads_params) "
-    "over the data-parallel group is not built in weave yet; weave shards the optimizer state "
-    "(ZeRO stage 1: --zero-stage 1, --data-parallel-sharding-strategy optim, or "
-    "--use-distributed-optimizer): use that, with tensor or pipeline parallelism to split the "
-    "model further";
-
-// --zero-stage N, or the stage from a DeepSpeed file, onto the distributed optimizer.
+// --zero-stage N, or the stage from a DeepSpeed file, onto the distributed optimizer (stage 1),
+// the gradients sharded beside it (stage 2) and the parameters too (stage 3).
 void apply_zero_stage(TrainOptions& o, int stage, std::string_view source) {
   if (stage < 0 || stage > 3)
-    refuse(
-        fmt::format("{} {} is not a ZeRO stage: give 0 (plain data parallelism) or 1 (optimizer "
-                    "state sharded over the data-parallel group)",
-                    source, stage));
-  if (stage >= 2) refuse(fmt::format("{} {}: {}", source, stage, kNotBuilt));
+    refuse(fmt::format(
+        "{} {} is not a ZeRO stage: give 0 (plain data parallelism), 1 (optimizer "
+        "state sharded over the data-parallel group), 2 (gradients too) or 3 (parameters "
+        "too)",
+        source, stage));
+
   graphs::ParallelPlan& plan = o.config.plan;
   if (stage == 0 && o.gave("--use-distributed-optimizer") && plan.distributed_optimizer)
     refuse(fmt::format(
         "{} 0 (plain data parallelism) and --use-distributed-optimizer (ZeRO stage 1) disagree: "
         "give one of them",
         source));
-  plan.distributed_optimizer = stage == 1;
+  plan.distributed_optimizer = stage >= 1;
+  plan.shard_gradients = stage >= 2;
+  plan.shard_parameters = stage == 3;
 }
 
 // Megatron-Core's --use-custom-fsdp with --data-parallel-sharding-strategy.
@@ -55,19 +51,29 @@ void apply_fsdp(TrainOptions& o) {
           strategy));
     return;
   }
-  // Megatron-Core's default while the flag was --use-custom-fsdp (releases 0.12 and 0.13).
-  const std::string chosen = strategy.empty() ? "no_shard" : strategy;
-  if (chosen == "optim_grads" || chosen == "optim_grads_params")
-    refuse(fmt::format("--use-custom-fsdp with --data-parallel-sharding-strategy {}: {}", chosen,
-                       kNotBuilt));
-  if (o.zero_stage >= 0 && (o.zero_stage == 1) != (chosen == "optim"))
+  // Megatron-Core's default while the flag was --use-custom-fsdp (releases 0.12 and 0.13), or
+  // the strategy of the --zero-stage given beside it (as --advise names the stage it chose).
+  static constexpr const char* kStrategyOfStage[] = {"no_shard", "optim", "optim_grads",
+                                                     "optim_grads_params"};
+  const std::string chosen = !strategy.empty() ? strategy
+                             : o.zero_stage >= 0 && o.zero_stage <= 3
+                                 ? kStrategyOfStage[o.zero_stage]
+                                 : "no_shard";
+  // The strategy's ZeRO stage.
+  const int stage = chosen == "optim"                ? 1
+                    : chosen == "optim_grads"        ? 2
+                    : chosen == "optim_grads_params" ? 3
+                                                     : 0;
+  if (o.zero_stage >= 0 && o.zero_stage != stage)
     refuse(fmt::format(
         "--zero-stage {} and --data-parallel-sharding-strategy {} disagree on what is sharded: "
         "give one of them",
         o.zero_stage, chosen));
-  if (chosen == "optim")
+  if (stage >= 1) {
     o.config.plan.distributed_optimizer = true;
-  else if (o.gave("--use-distributed-optimizer") && o.config.plan.distributed_optimizer)
+    o.config.plan.shard_gradients = stage >= 2;
+    o.config.plan.shard_parameters = stage == 3;
+  } else if (o.gave("--use-distributed-optimizer") && o.config.plan.distributed_optimizer)
     refuse(
         "--data-parallel-sharding-strategy no_shard (nothing sharded) and "
         "--use-distributed-optimizer (optimizer state sharded) disagree: give optim to shard the "

@@ -2,8 +2,8 @@
 // configuration file, onto weave's configuration: --zero-stage, --use-custom-fsdp with
 // --data-parallel-sharding-strategy, --deepspeed with --deepspeed_config FILE. weave shards the
 // optimizer state over the data-parallel group (its distributed optimizer: ZeRO stage 1, the
-// "optim" strategy); sharding gradients and parameters too (stages 2 and 3, "optim_grads",
-// "optim_grads_params") is not built, and is refused.
+// "optim" strategy), the gradients beside it (stage 2, "optim_grads") and the parameters too
+// (stage 3, "optim_grads_params").
 #pragma once
 
 #include <string>

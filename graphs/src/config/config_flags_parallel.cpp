@@ -75,9 +75,11 @@ constexpr ConfigFlag kParallelism[] = {
     {.name = "--zero-stage",
      .group = FlagGroup::parallelism,
      .help = "DeepSpeed's ZeRO stage: 0 plain data parallelism; 1 optimizer state sharded over "
-             "the data-parallel group (weave's distributed optimizer); 2 and 3 (gradients, "
-             "parameters sharded) are refused, not built yet",
+             "the data-parallel group (weave's distributed optimizer); 2 gradients sharded too "
+             "(each micro-batch's layer buckets reduce-scattered into the replica's shard); 3 "
+             "parameters too (each layer's gathered before its forward and its backward)",
      .check = at_least(0),
+     .properties = kChoosesPlan,
      .type_name = "N"},
     {.name = "--use-custom-fsdp",
      .aliases = "--use-megatron-fsdp",
@@ -88,10 +90,11 @@ constexpr ConfigFlag kParallelism[] = {
              "0.15)"},
     {.name = "--data-parallel-sharding-strategy",
      .group = FlagGroup::parallelism,
-     .help = "With --use-custom-fsdp: no_shard (plain data parallelism) or optim (optimizer state "
-             "sharded: weave's distributed optimizer); optim_grads and optim_grads_params are "
-             "refused, not built yet",
-     .check = one_of("no_shard,optim,optim_grads,optim_grads_params")},
+     .help = "With --use-custom-fsdp: no_shard (plain data parallelism), optim (optimizer state "
+             "sharded: weave's distributed optimizer), optim_grads (gradients too: ZeRO stage 2) "
+             "or optim_grads_params (parameters too: stage 3)",
+     .check = one_of("no_shard,optim,optim_grads,optim_grads_params"),
+     .properties = kChoosesPlan},
     {.name = "--overlap-grad-reduce",
      .group = FlagGroup::parallelism,
      .values = 0,

@@ -367,6 +367,34 @@ void check_overlaps(const ModelConfig& m, const ParallelPlan& p) {
         attention_backend_name(m.attention_backend));
 }
 
+// ZeRO stage 2 reduces each layer's gradients inside its backward: the schedules and blocks that
+// write a layer's weight gradients later (zero-bubble's weight passes, Ampipe's chunks) are not
+// built with it (issue 27).
+void check_sharded_gradients(const ParallelPlan& p) {
+  if (p.shard_parameters && !p.shard_gradients)
+    refuse("sharding the parameters (ZeRO stage 3) shards the gradients too: give --zero-stage 3");
+  if (p.shard_parameters && p.overlap_param_gather)
+    refuse(
+        "--overlap-param-gather gathers the distributed optimizer's updated shards at the next "
+        "step's start; ZeRO stage 3 gathers each layer's before each use instead: drop it");
+  if (!p.shard_gradients) return;
+  if (!p.distributed_optimizer)
+    refuse(
+        "sharding the gradients (ZeRO stage 2) shards the optimizer state too: add "
+        "--use-distributed-optimizer, or give --zero-stage 2");
+  if (p.ampipe_degree > 1)
+    refuse(
+        "ZeRO stage 2 (--zero-stage 2, optim_grads) with --ampipe-degree {} is not built yet "
+        "(issue 27): use --zero-stage 1, or drop --ampipe-degree",
+        p.ampipe_degree);
+  if (p.pipeline_scheduler.rfind("zb", 0) == 0)
+    refuse(
+        "ZeRO stage 2 (--zero-stage 2, optim_grads) with --pipeline-scheduler {} is not built "
+        "yet (its weight passes write a layer's gradients after the layer's backward; issue "
+        "27): use another schedule, or --zero-stage 1",
+        p.pipeline_scheduler);
+}
+
 // Ampipe's chunks need MoE layers to overlap with, and whole positions in every chunk.
 void check_ampipe(const ModelConfig& m, const ParallelPlan& p) {
   require_positive("--ampipe-degree", p.ampipe_degree);
@@ -547,6 +575,7 @@ void check_plan_rules(const ModelConfig& m, const ParallelPlan& given,
   check_pipeline(m, given, derived);
   check_ampipe(m, derived);
   check_overlaps(m, derived);
+  check_sharded_gradients(derived);
   check_pipe_experts(m, given, derived);
   check_dropout_and_norm(m);
   check_query_groups(m, derived);

@@ -538,13 +538,13 @@ TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, We
   P->after(norm_ready, ln1);
   const std::string bucket = fmt::format("layers.{}.attention", l);
   if (qkv_weights != WeightPlacement::deferred) {
-    if (last) reduce_buckets(*P, bucket, ln1);
+    reduce_buckets(*P, bucket, ln1, last);
     return ln1;
   }
   // After ln1 on the compute stream, so the bucket's every gradient is in once it is done.
   halves.place(WeightPlacement::deferred, [=] {
     const TaskId weights = weight_half();
-    if (last) reduce_buckets(*p, bucket, weights);
+    reduce_buckets(*p, bucket, weights, last);
     return weights;
   });
   return ln1;

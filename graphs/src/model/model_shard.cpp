@@ -190,6 +190,32 @@ Parameter* ModelShard::final_ln_bias() {
   return output_loss_->final_norm_bias;
 }
 
+namespace {
+
+// The layer a bucket named "layers.3.mlp/dense" belongs to; -1 for the embeddings and the end.
+int layer_of_bucket(const std::string& name) {
+  if (name.rfind("layers.", 0) != 0) return -1;
+  return std::stoi(name.substr(7));
+}
+
+// The copies of a parameter's gradient over its replicas: dp x cp, or for an expert the expert
+// data-parallel group.
+std::int64_t replicas_of(const Mesh& mesh, int rank, const Parameter& p) {
+  return mesh.group(p.expert ? GroupKind::expert_data : GroupKind::data_context, rank).size();
+}
+
+// A bucket's elements, padded so that every replica's shard is equal (and a whole number of
+// cache lines).
+std::int64_t padded_elements(const std::vector<Parameter*>& params, std::int64_t replicas) {
+  std::int64_t total = 0;
+  for (const Parameter* p : params)
+    total += p->value.numel();
+  const std::int64_t quantum = 16 * replicas;
+  return (total + quantum - 1) / quantum * quantum;
+}
+
+}  // namespace
+
 void ModelShard::make_buckets(const Mesh& mesh, int rank) {
   // Buckets in backward order: the output layer, the final norm, then each layer from the last
   // (MLP half, then attention half), then the embeddings.
@@ -199,6 +225,11 @@ void ModelShard::make_buckets(const Mesh& mesh, int rank) {
     order.push_back(fmt::format("layers.{}.attention", l));
   }
   order.push_back("embedding");
+  struct Planned {
+    std::string name;
+    std::vector<Parameter*> params;
+  };
+  std::vector<Planned> planned;
   for (const std::string& point : order)
     for (int kind = 0; kind < 3; ++kind) {
       std::vector<Parameter*> params;
@@ -208,12 +239,73 @@ void ModelShard::make_buckets(const Mesh& mesh, int rank) {
       }
       if (params.empty()) continue;
       static constexpr const char* kKind[] = {"dense", "tp_partial", "expert"};
-      make_bucket(mesh, rank, point + "/" + kKind[kind], std::move(params));
+      planned.push_back({point + "/" + kKind[kind], std::move(params)});
     }
+  // ZeRO stage 2: the layers' sharded buckets are laid out in gradient slots, layer after layer
+  // of the stage taking slot 0, 1, ... in turn; each slot as large as its largest layer.
+  std::vector<std::int64_t> staged_at(planned.size(), -1);
+  std::vector<int> slot_of(planned.size(), -1);
+  if (mesh.plan().shard_gradients && mesh.plan().distributed_optimizer) {
+    std::map<int, std::int64_t> layer_bytes;  // elements of each layer's staged buckets
+    for (std::size_t b = 0; b < planned.size(); ++b) {
+      const int l = layer_of_bucket(planned[b].name);
+      const std::int64_t replicas = replicas_of(mesh, rank, *planned[b].params.front());
+      if (l < 0 || replicas <= 1) continue;
+      staged_at[b] = layer_bytes[l];
+      layer_bytes[l] += padded_elements(planned[b].params, replicas);
+    }
+    std::vector<std::int64_t> slot_elements(kGradientSlots, 0);
+    int ordinal = 0;
+    for (const auto& [l, elements] : layer_bytes) {
+      const int slot = ordinal++ % kGradientSlots;
+      layer_slots_[l] = slot;
+      slot_elements[static_cast<std::size_t>(slot)] =
+          std::max(slot_elements[static_cast<std::size_t>(slot)], elements);
+    }
+    const ParameterBytes bytes = parameter_bytes(config_.precision);
+    const auto slot = [this](std::int64_t elements, rt::MemoryCategory category,
+                             int element_bytes) {
+      return materialize_ ? ops::Tensor::zeros({elements}, device_, category)
+                          : ops::Tensor::shape_only({elements}, device_, category,
+                                                    static_cast<std::size_t>(element_bytes));
+    };
+    for (const std::int64_t elements : slot_elements)
+      if (elements > 0) {
+        gradient_slots_.push_back(slot(elements, rt::MemoryCategory::gradients, bytes.gradient));
+        // Stage 3: the gathered values laid out as the gradients are, slot for slot.
+        if (mesh.plan().shard_parameters)
+          parameter_slots_.push_back(
+              slot(elements, rt::MemoryCategory::parameters, bytes.parameter));
+      }
+    for (std::size_t b = 0; b < planned.size(); ++b)
+      if (staged_at[b] >= 0) slot_of[b] = layer_slots_.at(layer_of_bucket(planned[b].name));
+  }
+  for (std::size_t b = 0; b < planned.size(); ++b) {
+    ops::Tensor staged, staged_values;
+    if (staged_at[b] >= 0) {
+      const std::int64_t n =
+          padded_elements(planned[b].params, replicas_of(mesh, rank, *planned[b].params.front()));
+      const auto s = static_cast<std::size_t>(slot_of[b]);
+      staged = gradient_slots_[s].slice(0, staged_at[b], n);
+      if (!parameter_slots_.empty()) staged_values = parameter_slots_[s].slice(0, staged_at[b], n);
+    }
+    make_bucket(mesh, rank, std::move(planned[b].name), std::move(planned[b].params), staged,
+                slot_of[b], staged_values);
+  }
+}
+
+bool ModelShard::parameters_sharded(int l) const {
+  return !parameter_slots_.empty() && gradient_slot(l) >= 0;
+}
+
+int ModelShard::gradient_slot(int l) const {
+  const auto found = layer_slots_.find(l);
+  return found == layer_slots_.end() ? -1 : found->second;
 }
 
 void ModelShard::make_bucket(const Mesh& mesh, int rank, std::string name,
-                             std::vector<Parameter*> params) {
+                             std::vector<Parameter*> params, ops::Tensor staged_grads, int slot,
+                             ops::Tensor staged_values) {
   GradientBucket bucket;
   bucket.name = std::move(name);
   bucket.params = std::move(params);
@@ -223,12 +315,7 @@ void ModelShard::make_bucket(const Mesh& mesh, int rank, std::string name,
   const devices::ProcessGroup& group = mesh.group(replicas, rank);
   bucket.replicas = group.size();
   bucket.replica = group.rank_of(static_cast<rt::DeviceId>(rank));
-  std::int64_t total = 0;
-  for (const Parameter* p : bucket.params)
-    total += p->value.numel();
-  // Padded so that every replica's shard is equal (and a whole number of cache lines).
-  const std::int64_t quantum = 16 * bucket.replicas;
-  const std::int64_t padded = (total + quantum - 1) / quantum * quantum;
+  const std::int64_t padded = padded_elements(bucket.params, bucket.replicas);
   // Built without tensors, each is counted at the bytes the training precision keeps it in; a
   // materialized step is fp32.
   const ParameterBytes bytes = parameter_bytes(config_.precision);
@@ -240,12 +327,18 @@ void ModelShard::make_bucket(const Mesh& mesh, int rank, std::string name,
   const bool bf16 = materialize_ && config_.precision == Precision::bf16;
   // A materialized bf16 run holds the fp32 main values in the optimizer and a bf16 copy as the
   // model's parameters.
-  bucket.values =
-      zeros(padded, bf16 ? rt::MemoryCategory::optimizer_state : rt::MemoryCategory::parameters,
-            bytes.parameter);
+  bucket.values_staged = staged_values.defined();
+  bucket.values = bucket.values_staged ? staged_values
+                                       : zeros(padded,
+                                               bf16 ? rt::MemoryCategory::optimizer_state
+                                                    : rt::MemoryCategory::parameters,
+                                               bytes.parameter);
   if (bf16)
     bucket.values16 = ops::Bf16Tensor::zeros({padded}, device_, rt::MemoryCategory::parameters);
-  bucket.grads = zeros(padded, rt::MemoryCategory::gradients, bytes.gradient);
+  bucket.staged = staged_grads.defined();
+  bucket.slot = slot;
+  bucket.grads =
+      bucket.staged ? staged_grads : zeros(padded, rt::MemoryCategory::gradients, bytes.gradient);
   std::int64_t at = 0;
   for (Parameter* p : bucket.params) {
     const ops::Tensor value =
@@ -260,6 +353,15 @@ void ModelShard::make_bucket(const Mesh& mesh, int rank, std::string name,
   bucket.sharded = mesh.plan().distributed_optimizer && bucket.replicas > 1;
   bucket.shard_size = bucket.sharded ? padded / bucket.replicas : padded;
   bucket.shard_begin = bucket.sharded ? bucket.replica * bucket.shard_size : 0;
+  if (bucket.staged)
+    bucket.grad_shard = zeros(bucket.shard_size, rt::MemoryCategory::gradients, bytes.gradient);
+  // Stage 3: the replica keeps its shard of the initial values; the slot is another layer's
+  // next.
+  if (bucket.values_staged) {
+    bucket.value_shard = zeros(bucket.shard_size, rt::MemoryCategory::parameters, bytes.parameter);
+    if (materialize_)
+      bucket.value_shard.copy_from(bucket.values.slice(0, bucket.shard_begin, bucket.shard_size));
+  }
   bucket.exp_avg = zeros(bucket.shard_size, rt::MemoryCategory::optimizer_state, 4);
   bucket.exp_avg_sq = zeros(bucket.shard_size, rt::MemoryCategory::optimizer_state, 4);
   // 16-bit training: the fp32 master weights (and for fp16 the fp32 gradients) of the shard,
@@ -277,8 +379,10 @@ void ModelShard::refresh_bf16_copies() {
 }
 
 void ModelShard::zero_grads() {
-  for (GradientBucket& b : buckets_)
+  for (GradientBucket& b : buckets_) {
     b.grads.fill(0.f);
+    if (b.staged) b.grad_shard.fill(0.f);
+  }
 }
 
 const GradientBucket& ModelShard::bucket_of(const Parameter& p) const {

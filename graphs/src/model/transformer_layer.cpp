@@ -8,6 +8,7 @@
 #include "model/dense_mlp.hpp"
 #include "moe/moe_mlp.hpp"
 #include "step/gradient_buckets.hpp"
+#include "step/parameter_slots.hpp"
 #include "weave/ops/elementwise.hpp"
 #include "weave/ops/normalization.hpp"
 
@@ -50,6 +51,23 @@ void TransformerLayer::declare_parameters(ParameterDeclarer& declare, const Laye
 }
 
 TaskId TransformerLayer::forward(const BuildPosition& pos, TaskId ready) const {
+  const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
+  acquire_layer_parameters(*P, l, l + 1, tags);
+  const TaskId done = forward_pass(pos, ready);
+  release_layer_parameters(*P, l, tags);
+  return done;
+}
+
+TaskId TransformerLayer::backward(const BuildPosition& pos, TaskId ready, WeightHalves& halves,
+                                  bool last) const {
+  const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
+  acquire_layer_parameters(*P, l, l - 1, tags);
+  const TaskId done = backward_pass(pos, ready, halves, last);
+  release_layer_parameters(*P, l, tags);
+  return done;
+}
+
+TaskId TransformerLayer::forward_pass(const BuildPosition& pos, TaskId ready) const {
   const StepShape& z = P->shape;
   const MlpModule mlp_module = z.spec(l).mlp;
   // --overlap-param-gather: the attention half's first task waits for its parameters' gather.
@@ -112,8 +130,8 @@ TaskId TransformerLayer::forward(const BuildPosition& pos, TaskId ready) const {
   return out;
 }
 
-TaskId TransformerLayer::backward(const BuildPosition& pos, TaskId ready, WeightHalves& halves,
-                                  bool last) const {
+TaskId TransformerLayer::backward_pass(const BuildPosition& pos, TaskId ready, WeightHalves& halves,
+                                       bool last) const {
   const StepShape& z = P->shape;
   const MlpModule mlp_module = z.spec(l).mlp;
   if (mlp_module == MlpModule::ampipe) return AmpipeBlock(*P, l).backward(pos, ready, halves, last);
@@ -122,6 +140,9 @@ TaskId TransformerLayer::backward(const BuildPosition& pos, TaskId ready, Weight
   const int layer = l, set = pos.set, mb = pos.micro_batch;
   const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
   const std::string at = fmt::format("L{}.", l);
+  // ZeRO stage 2: the layer's gradient slot is free (its previous layer reduced) before any of
+  // the layer's gradients are written.
+  wait_for_gradient_slot(*P, l, tags);
   // d_x (the layer output's gradient) -> d_mlp; d_x_mid starts as d_x (the residual).
   const double rows = static_cast<double>(z.Sl * z.B * z.h);
   const TaskId residual =
@@ -159,12 +180,14 @@ TaskId TransformerLayer::backward(const BuildPosition& pos, TaskId ready, Weight
     p->bias_dropout_add_backward(mb, layer, 0, w.d_x_mid, w.d_mlp, grad_of(W.attention.proj_bias));
   });
   P->after(mlp, norm);
-  if (last) reduce_buckets(*P, fmt::format("layers.{}.mlp", l), norm);
+  reduce_buckets(*P, fmt::format("layers.{}.mlp", l), norm, last);
   // With tp or cp the QKV weight half overlaps the input gradient's reduction; with neither it
   // waits for the layer below to launch its first all-to-all.
-  const WeightPlacement qkv_weights = z.tp == 1 && z.spec(l).attention == AttentionCore::local
-                                          ? halves.deferrable()
-                                          : halves.immediate();
+  // ZeRO stage 2 keeps every weight half inside its layer's backward, which holds its slot.
+  const WeightPlacement qkv_weights =
+      z.tp == 1 && z.spec(l).attention == AttentionCore::local && !z.plan.shard_gradients
+          ? halves.deferrable()
+          : halves.immediate();
   return AttentionBlock(*P, l).backward(pos, norm, halves, last, qkv_weights);
 }
 

@@ -30,6 +30,11 @@ class TransformerLayer {
                                  LayerShard& L);
 
  private:
+  // The passes themselves; forward and backward bracket them with the layer's parameter gathers
+  // and release under ZeRO stage 3.
+  TaskId forward_pass(const BuildPosition& pos, TaskId ready) const;
+  TaskId backward_pass(const BuildPosition& pos, TaskId ready, WeightHalves& halves,
+                       bool last) const;
   RankProgram* P;
   int l;
 };

@@ -121,20 +121,31 @@ void add_candidates(const TrainerConfig& base, MeshSizes sizes,
   const bool moe = m.num_experts > 0;
   const std::vector<int> expert_sizes = moe ? divisors(m.num_experts) : std::vector<int>{1};
   const std::vector<int> ampipe_degrees = moe ? std::vector<int>{1, 2} : std::vector<int>{1};
+  // Asked for ZeRO stage 2 or 3, the advice weighs it against the stages below it down to 1 at
+  // each layout (stage 1 being also what the layouts stages 2 and 3 are not built with can run).
+  const int asked = base.plan.shard_parameters ? 3 : base.plan.shard_gradients ? 2 : 1;
+  std::vector<int> zero_stages{1};
+  for (int stage = 2; stage <= asked; ++stage)
+    zero_stages.push_back(stage);
   for (const int ep : expert_sizes)
     for (const auto& [scheduler, chunks] : schedules_to_try(m, sizes.pp))
       for (const int ampipe : ampipe_degrees)
-        for (const bool full : {false, true}) {
-          TrainerConfig c = candidate(base, sizes, ep, scheduler, chunks, ampipe, full);
-          try {
-            validate(c);
-            check_flag_rules(c.plan, flags_without_effect);
-          } catch (const ConfigError& e) {
-            count_refusal(out.refused, e.what());
-            continue;
+        for (const bool full : {false, true})
+          for (const int stage : zero_stages) {
+            TrainerConfig c = candidate(base, sizes, ep, scheduler, chunks, ampipe, full);
+            if (c.plan.distributed_optimizer) {
+              c.plan.shard_gradients = stage >= 2;
+              c.plan.shard_parameters = stage == 3;
+            }
+            try {
+              validate(c);
+              check_flag_rules(c.plan, flags_without_effect);
+            } catch (const ConfigError& e) {
+              count_refusal(out.refused, e.what());
+              continue;
+            }
+            out.configs.push_back(std::move(c));
           }
-          out.configs.push_back(std::move(c));
-        }
 }
 
 }  // namespace
@@ -197,6 +208,10 @@ std::string plan_flags(const TrainerConfig& config) {
     flags +=
         fmt::format(" --recompute-granularity full --recompute-method {} --recompute-num-layers {}",
                     r.method == RecomputeMethod::uniform ? "uniform" : "block", r.num_layers);
+  // The stage the advice chose (stages 2 and 3 are weighed against those below): named whenever the
+  // optimizer state is sharded, agreeing with --use-distributed-optimizer if that is given too.
+  if (p.distributed_optimizer)
+    flags += fmt::format(" --zero-stage {}", p.shard_parameters ? 3 : p.shard_gradients ? 2 : 1);
   flags += fmt::format(" --global-batch-size {}", p.global_batch_size);
   return flags;
 }

@@ -23,14 +23,15 @@ double owned_gradient_squared_norm(RankProgram& p) {
   for (const GradientBucket& bucket : shard.buckets()) {
     if (!bucket.sharded && bucket.replica != 0) continue;
     const std::int64_t lo = bucket.shard_begin, hi = lo + bucket.shard_size;
+    // The shard's gradients: element e of the bucket at g[e - lo].
+    const float* g = bucket.shard_grads().data();
     std::int64_t at = 0;
     for (const Parameter* q : bucket.params) {
       const std::int64_t n = q->grad.numel();
       const std::int64_t from = std::max(at, lo), to = std::min(at + n, hi);
       if (from < to && q != copy && (!q->tensor_replicated || tp_first)) {
-        const float* g = bucket.grads.data();
         for (std::int64_t e = from; e < to; ++e)
-          sum += static_cast<double>(g[e]) * g[e];
+          sum += static_cast<double>(g[e - lo]) * g[e - lo];
       }
       at += n;
     }
@@ -48,15 +49,14 @@ void clip_and_update(RankProgram& p) {
   ops::AdamWOptions o = p.opt.adamw;
   o.lr = p.inputs.learning_rate;
   for (GradientBucket& bucket : p.shard().buckets()) {
-    const Tensor grads = bucket.grads.slice(0, bucket.shard_begin, bucket.shard_size);
+    const Tensor grads = bucket.shard_grads();
     if (coef < 1.0) {
       float* g = grads.data();
       for (std::int64_t i = 0; i < grads.numel(); ++i)
         g[i] *= static_cast<float>(coef);
     }
-    ops::adamw_step(o, p.inputs.iteration,
-                    bucket.values.slice(0, bucket.shard_begin, bucket.shard_size), grads,
-                    bucket.exp_avg, bucket.exp_avg_sq);
+    ops::adamw_step(o, p.inputs.iteration, bucket.shard_values(), grads, bucket.exp_avg,
+                    bucket.exp_avg_sq);
   }
 }
 
@@ -110,7 +110,8 @@ TaskId add_gradient_norm(RankProgram& P, const rt::TaskTags& tags, double gradie
 // buckets) or `expert_data` (the experts'), after `ready`; kNoTask for a bucket not sharded.
 TaskId gather_shard(GradientBucket& bucket, const GroupHandle& data, const GroupHandle& expert_data,
                     TaskId ready, const rt::TaskTags& tags) {
-  if (!bucket.sharded) return rt::kNoTask;
+  // Stage 3 gathers a layer's values before each use instead (step/parameter_slots.hpp).
+  if (!bucket.sharded || bucket.values_staged) return rt::kNoTask;
   const GroupHandle& replicas = bucket.expert ? expert_data : data;
   return replicas.all_gather(
       ready,

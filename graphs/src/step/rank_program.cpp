@@ -104,6 +104,24 @@ TaskId RankProgram::compute(const std::string& name, rt::TaskTags tags, rt::Cost
   return t;
 }
 
+TaskId RankProgram::compute_on(const std::string& stream, CommGroup group, const std::string& name,
+                               rt::TaskTags tags, rt::CostHint cost, std::function<void()> fn) {
+  rt::TaskFn work = [fn = std::move(fn)](rt::TaskContext&) { fn(); };
+  if (!materialize)
+    work = [](rt::TaskContext&) {
+      throw std::logic_error("this step was built without tensors: replay it without the work");
+    };
+  const TaskId t = graph.add({.device = static_cast<rt::DeviceId>(rank),
+                              .stream = graph.stream(stream, stream_kind(group)),
+                              .kind = rt::TaskKind::compute,
+                              .name = name,
+                              .tags = tags,
+                              .cost = cost},
+                             std::move(work));
+  track_comm(stream, t);
+  return t;
+}
+
 void RankProgram::wait_for_parameters(const std::string& point) {
   const auto found = parameter_gathers.find(point);
   if (found == parameter_gathers.end()) return;

@@ -190,7 +190,24 @@ class RankProgram {
   // Gradient buckets whose data-parallel reduction waits for the step's last backward task
   // (ParallelPlan::overlap_grad_reduce off), each with the task that completed its gradients;
   // reduce_deferred_buckets issues them.
+  // A task on `stream` (a group's communication stream), tracked as its tail.
+  TaskId compute_on(const std::string& stream, CommGroup group, const std::string& name,
+                    rt::TaskTags tags, rt::CostHint cost, std::function<void()> fn);
   std::vector<std::pair<std::size_t, TaskId>> deferred_buckets;
+  // ZeRO stage 2: by gradient slot, the reductions its last layer's buckets end with, not yet
+  // waited for by a later layer's backward.
+  std::map<int, std::vector<TaskId>> gradient_slot_releases;
+  // ZeRO stage 3, by parameter slot: the layer whose values it holds (or is being gathered
+  // with), those gathers, and the releases since that the next gather into it waits for.
+  struct ParameterSlot {
+    int layer = -1;
+    std::vector<TaskId> gathers, releases;
+  };
+  std::map<int, ParameterSlot> parameter_slots;
+  // The next compute task waits for `tasks` too.
+  void await(const std::vector<TaskId>& tasks) {
+    awaited_gathers_.insert(awaited_gathers_.end(), tasks.begin(), tasks.end());
+  }
   // --overlap-param-gather: the step-start all-gathers of the buckets' updated shards, by the
   // point the buckets are named after ("layers.3.attention", "embedding").
   std::map<std::string, std::vector<TaskId>> parameter_gathers;

@@ -8,6 +8,7 @@
 #include <map>
 #include <sstream>
 #include <stdexcept>
+#include <string_view>
 #include <utility>
 
 #include "weave/devices/machine_model.hpp"
@@ -120,6 +121,7 @@ struct Trainer::Impl {
         comm(given_comm ? *given_comm : *owned_comm),
         machine(machine_model(devices, config.machine)),
         clock(machine, {.execute = true, .record_trace = true}) {
+    if (!config.save_path.empty()) refuse_sharded_parameters("--save");
     current = &built(batch_at(0)).step;
     if (!config.load_path.empty()) load(config.load_path);
   }
@@ -280,11 +282,23 @@ struct Trainer::Impl {
     return sum / std::max(1, config.eval_iters);
   }
 
+  // ZeRO stage 3 keeps each layer's values as the replicas' shards, which checkpoints do not
+  // hold yet.
+  void refuse_sharded_parameters(std::string_view what) const {
+    if (config.plan.shard_parameters)
+      throw ConfigError(fmt::format(
+          "{} with ZeRO stage 3 (--zero-stage 3, optim_grads_params) is not built yet: "
+          "checkpoints hold whole parameters, stage 3 each replica's shard (issue 27): use "
+          "--zero-stage 2, or drop --save/--load",
+          what));
+  }
   void save(const std::string& path) {
+    refuse_sharded_parameters("saving a checkpoint");
     finish_parameter_gathers();
     save_checkpoint(path, config.model, config.plan, step(), state);
   }
   void load(const std::string& path) {
+    refuse_sharded_parameters("loading a checkpoint");
     state = load_checkpoint(path, config.model, config.plan, step());
   }
 

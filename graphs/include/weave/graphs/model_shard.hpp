@@ -12,6 +12,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -79,6 +80,24 @@ struct GradientBucket {
   bool sharded = false;          // distributed optimizer with more than one replica
   std::int64_t shard_begin = 0;  // the elements this device updates
   std::int64_t shard_size = 0;
+  // ZeRO stage 2 (ParallelPlan::shard_gradients), a layer's sharded bucket: `grads` is a view into
+  // the layer's gradient slot, shared with other layers and zeroed after each reduction, and
+  // `grad_shard` accumulates the reduced shard over the step's micro-batches. Otherwise `staged`
+  // is false and the shard is grads[shard_begin, shard_begin + shard_size).
+  bool staged = false;
+  int slot = -1;
+  ops::Tensor grad_shard;
+  ops::Tensor shard_grads() const {
+    return staged ? grad_shard : grads.slice(0, shard_begin, shard_size);
+  }
+  // ZeRO stage 3 (ParallelPlan::shard_parameters), a layer's sharded bucket: `values` is a view
+  // into the layer's parameter slot, filled by the gathers from every replica's `value_shard`
+  // (the replica's shard, which the optimizer updates).
+  bool values_staged = false;
+  ops::Tensor value_shard;
+  ops::Tensor shard_values() const {
+    return values_staged ? value_shard : values.slice(0, shard_begin, shard_size);
+  }
   ops::Tensor exp_avg, exp_avg_sq;  // AdamW state of [shard_begin, shard_begin + shard_size)
   // A 16-bit run predicted: the shard's fp32 master weights (and for fp16 its fp32 gradients),
   // counted only (ParameterBytes); undefined otherwise.
@@ -145,6 +164,18 @@ class ModelShard {
   int local_experts() const { return local_experts_; }
 
   void zero_grads();
+  // ZeRO stage 2: the gradient slots the layers' full buckets take in turn, so that at most this
+  // many layers' gradients are held whole while the backward runs (DeepSpeed's stage 2 bounds
+  // them by its reduce bucket size instead).
+  static constexpr int kGradientSlots = 2;
+  // ZeRO stage 3: the parameter slots the layers' gathered values take in turn, the units in
+  // flight: the layer computing and the next one gathered beside it.
+  static constexpr int kParameterSlots = 2;
+  // The gradient slot layer l's staged buckets are written into; -1 for none.
+  int gradient_slot(int l) const;
+  // ZeRO stage 3: whether layer l's parameters are kept as shards, gathered into the parameter
+  // slot of the same number as its gradient slot before each use.
+  bool parameters_sharded(int l) const;
   // A bf16 run: rounds the fp32 main parameters into their bf16 copies (nothing in fp32).
   void refresh_bf16_copies();
   // In the order the backward pass makes them ready.
@@ -158,7 +189,9 @@ class ModelShard {
   // Gradient buckets in the order the backward makes them ready, each parameter's value and
   // gradient moved into its bucket's flat storage.
   void make_buckets(const Mesh& mesh, int rank);
-  void make_bucket(const Mesh& mesh, int rank, std::string name, std::vector<Parameter*> params);
+  // `staged_grads`: a view into a gradient slot for a staged bucket (ZeRO stage 2), else empty.
+  void make_bucket(const Mesh& mesh, int rank, std::string name, std::vector<Parameter*> params,
+                   ops::Tensor staged_grads = {}, int slot = -1, ops::Tensor staged_values = {});
   // std > 0: normal(0, std) draws; otherwise every element is `constant`. While !holding_, only
   // counts the parameter and returns a placeholder.
   Parameter& add(std::string name, const ops::Shape& local, std::int64_t logical_rows,
@@ -181,6 +214,8 @@ class ModelShard {
   std::deque<ModelState> states_;
   ModelState skipped_state_;
   std::vector<GradientBucket> buckets_;
+  std::vector<ops::Tensor> gradient_slots_, parameter_slots_;
+  std::map<int, int> layer_slots_;  // layer -> its gradient slot (ZeRO stage 2)
   std::string current_bucket_;
   std::vector<LayerShard> layers_;
   std::unique_ptr<OutputLossParameters> output_loss_;

@@ -39,6 +39,18 @@ struct ParallelPlan {
   int micro_batch_size = 1;            // --micro-batch-size
   int global_batch_size = 1;           // --global-batch-size
   bool distributed_optimizer = false;  // --use-distributed-optimizer: shard optimizer state over dp
+  // ZeRO stage 2 (--zero-stage 2, --data-parallel-sharding-strategy optim_grads; needs
+  // distributed_optimizer): each replica keeps only its shard of the gradients. Every
+  // micro-batch's layer buckets are reduce-scattered as the backward completes them and
+  // accumulated into the shard, as DeepSpeed's stage 2 does; the full buckets are written into a
+  // few gradient slots shared by the layers in turn (ModelShard::kGradientSlots).
+  bool shard_gradients = false;
+  // ZeRO stage 3 (--zero-stage 3, optim_grads_params; needs shard_gradients): each replica keeps
+  // only its shard of the layers' parameters. A layer's are all-gathered into one of a few
+  // parameter slots before its forward and again before its backward, the next layer's gather
+  // issued (prefetched) beside them; a slot is gathered into again once the layer that held it
+  // is done with it (ModelShard::kParameterSlots units in flight).
+  bool shard_parameters = false;
   // --overlap-grad-reduce: each bucket's data-parallel gradient reduction starts once the
   // backward has produced its gradients, overlapping the rest of the backward. Without it (as in
   // Megatron-LM, whose finish_grad_sync then starts the reductions) they wait for the rank's last

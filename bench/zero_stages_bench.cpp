@@ -1,0 +1,130 @@
+// zero_stages_bench: data parallelism over 4 devices at ZeRO stages 0 to 3 side by side, the
+// same model and batches: each device's peak memory by category (parameters, gradients,
+// optimizer state, activations) as the devices' trackers count it, and training tokens/s on the
+// wall clock, the stages alternated step by step so that all see the same host load.
+//
+//   zero_stages_bench [--layers 4] [--hidden 256] [--seq 128] [--micro-batch 2]
+//                     [--micro-batches 2] [--steps 3]
+#include <fmt/format.h>
+
+#include <array>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "weave/devices/device_set.hpp"
+#include "weave/devices/shared_memory_communicator.hpp"
+#include "weave/graphs/training_step.hpp"
+
+namespace {
+
+using weave::graphs::ModelConfig;
+using weave::graphs::ParallelPlan;
+using weave::rt::MemoryCategory;
+
+constexpr int kDevices = 4;
+
+// The training step of one stage on its own devices, timed on the wall clock.
+class Run {
+ public:
+  Run(const ModelConfig& m, const ParallelPlan& plan)
+      : set_(plan.devices(), {}), step_(m, plan, {}, set_, comm_) {
+    for (int dp = 0; dp < plan.data_parallel; ++dp)
+      for (int mb = 0; mb < plan.micro_batches(); ++mb) {
+        weave::graphs::MicroBatch& b = step_.micro_batch(dp, mb);
+        for (std::size_t i = 0; i < b.tokens.size(); ++i) {
+          const std::size_t at = i + static_cast<std::size_t>((dp * 31 + mb) * 977);
+          b.tokens[i] = static_cast<std::int32_t>((at * 7919 + 13) % m.vocab_size);
+          b.targets[i] = static_cast<std::int32_t>((at * 7919 + 14) % m.vocab_size);
+        }
+      }
+  }
+  double step(int iteration) {
+    step_.prepare(iteration, 1e-4);
+    const auto t0 = std::chrono::steady_clock::now();
+    set_.executor().run(step_.graph());
+    const auto t1 = std::chrono::steady_clock::now();
+    loss_ = step_.result().loss;
+    return std::chrono::duration<double>(t1 - t0).count();
+  }
+  double loss() const { return loss_; }
+  // Device 0's peak bytes of `category` (every replica holds the same).
+  double mib(MemoryCategory category) {
+    return static_cast<double>(set_.memory().peak(0, category)) / (1024.0 * 1024.0);
+  }
+
+ private:
+  weave::devices::DeviceSet set_;
+  weave::devices::SharedMemoryCommunicator comm_;
+  weave::graphs::TrainingStep step_;
+  double loss_ = 0;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  int layers = 4, hidden = 256, seq = 128, micro_batch = 2, micro_batches = 2, steps = 3;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const int v = std::atoi(argv[i + 1]);
+    if (std::strcmp(argv[i], "--layers") == 0)
+      layers = v;
+    else if (std::strcmp(argv[i], "--hidden") == 0)
+      hidden = v;
+    else if (std::strcmp(argv[i], "--seq") == 0)
+      seq = v;
+    else if (std::strcmp(argv[i], "--micro-batch") == 0)
+      micro_batch = v;
+    else if (std::strcmp(argv[i], "--micro-batches") == 0)
+      micro_batches = v;
+    else if (std::strcmp(argv[i], "--steps") == 0)
+      steps = v;
+    else {
+      fmt::print(stderr, "unknown option {}\n", argv[i]);
+      return 2;
+    }
+  }
+  const ModelConfig m{.num_layers = layers,
+                      .hidden_size = hidden,
+                      .num_attention_heads = 8,
+                      .ffn_hidden_size = 4 * hidden,
+                      .seq_length = seq,
+                      .vocab_size = 256};
+  const int global = micro_batch * micro_batches * kDevices;
+  std::vector<std::unique_ptr<Run>> runs;
+  for (int stage = 0; stage <= 3; ++stage) {
+    ParallelPlan plan{.data_parallel = kDevices,
+                      .micro_batch_size = micro_batch,
+                      .global_batch_size = global,
+                      .distributed_optimizer = stage >= 1,
+                      .shard_gradients = stage >= 2,
+                      .shard_parameters = stage == 3};
+    plan.overlap_grad_reduce = true;
+    weave::graphs::validate(m, plan);
+    runs.push_back(std::make_unique<Run>(m, plan));
+  }
+  fmt::print(
+      "dp {}, {} layers, hidden {}, sequence {}, micro-batch {} x {} per replica, fp32, {} steps "
+      "each after one to warm up\n",
+      kDevices, layers, hidden, seq, micro_batch, micro_batches, steps);
+  std::vector<double> seconds(runs.size(), 0.0);
+  for (auto& r : runs)
+    r->step(1);
+  for (int it = 2; it < 2 + steps; ++it)
+    for (std::size_t s = 0; s < runs.size(); ++s)
+      seconds[s] += runs[s]->step(it);
+  const double tokens = static_cast<double>(seq) * global * steps;
+  fmt::print("{:<6} {:>11} {:>11} {:>11} {:>11} {:>11} {:>12} {:>9}\n", "stage", "params MiB",
+             "grads MiB", "optim MiB", "activ. MiB", "total MiB", "tokens/s", "loss");
+  for (std::size_t s = 0; s < runs.size(); ++s) {
+    Run& r = *runs[s];
+    const std::array<double, 4> mib{
+        r.mib(MemoryCategory::parameters), r.mib(MemoryCategory::gradients),
+        r.mib(MemoryCategory::optimizer_state), r.mib(MemoryCategory::activations)};
+    fmt::print("{:<6} {:>11.2f} {:>11.2f} {:>11.2f} {:>11.2f} {:>11.2f} {:>12.0f} {:>9.4f}\n", s,
+               mib[0], mib[1], mib[2], mib[3], mib[0] + mib[1] + mib[2] + mib[3],
+               tokens / seconds[s], r.loss());
+  }
+  return 0;
+}

@@ -1,0 +1,57 @@
+#include "step/parameter_slots.hpp"
+
+#include <fmt/format.h>
+
+namespace weave::graphs {
+
+namespace {
+
+// Issues layer l's gathers into its slot, after the slot's releases; returns them. A slot still
+// holding layer l's values (gathered earlier in the step, not gathered over since) is not
+// gathered again.
+const std::vector<TaskId>& gather_layer(RankProgram& P, int l, const rt::TaskTags& tags) {
+  const int slot = P.shard().gradient_slot(l);
+  RankProgram::ParameterSlot& S = P.parameter_slots[slot];
+  if (S.layer == l) return S.gathers;
+  S.layer = l;
+  S.gathers.clear();
+  const std::string prefix = fmt::format("layers.{}.", l);
+  for (GradientBucket& bucket : P.shard().buckets()) {
+    if (!bucket.values_staged || bucket.name.rfind(prefix, 0) != 0) continue;
+    const GroupHandle& replicas = bucket.expert ? P.expert_data : P.data;
+    const TaskId gather = replicas.all_gather(rt::kNoTask, read_of(bucket.value_shard),
+                                              all_of(bucket.values), bucket.name + ".gather", tags);
+    for (const TaskId release : S.releases)
+      P.after(release, gather);
+    S.gathers.push_back(gather);
+  }
+  S.releases.clear();
+  return S.gathers;
+}
+
+}  // namespace
+
+void acquire_layer_parameters(RankProgram& P, int layer, int next, const rt::TaskTags& tags) {
+  if (!P.shard().parameters_sharded(layer)) return;
+  P.await(gather_layer(P, layer, tags));
+  // The next layer's gather on the replicas' stream now, so that it runs under this layer's
+  // compute; into the other slot, which the previous layer has released.
+  if (next >= 0 && P.shard().parameters_sharded(next) &&
+      P.shard().gradient_slot(next) != P.shard().gradient_slot(layer))
+    gather_layer(P, next, tags);
+}
+
+void release_layer_parameters(RankProgram& P, int layer, const rt::TaskTags& tags) {
+  if (!P.shard().parameters_sharded(layer)) return;
+  // On the compute stream, whose tasks run in the order they were added: after every task of the
+  // layer's pass that read its values.
+  const TaskId done = P.graph.add({.device = static_cast<rt::DeviceId>(P.rank),
+                                   .stream = rt::kComputeStream,
+                                   .kind = rt::TaskKind::host,
+                                   .name = "param_slot_release",
+                                   .tags = tags},
+                                  [](rt::TaskContext&) {});
+  P.parameter_slots[P.shard().gradient_slot(layer)].releases.push_back(done);
+}
+
+}  // namespace weave::graphs

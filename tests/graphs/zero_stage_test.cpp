@@ -1,0 +1,344 @@
+// ZeRO stages 2 and 3. Stage 2: every micro-batch's layer gradients reduce-scattered into the
+// replica's shard as the backward completes them, the full buckets held in two shared slots only;
+// stage 3: each layer's parameters kept as shards and gathered into one of two slots before each
+// use. Losses and gradient shards against plain data parallelism, alone and beside tp+sp, cp, ep,
+// pp and full recomputation; each device's gradient and parameter memory against the closed
+// forms, predicted and materialised; the next layer's gather under the current layer's compute on
+// the virtual clock; --advise weighing the stages.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "materialised_step.hpp"
+#include "tiny_model.hpp"
+#include "weave/devices/device_set.hpp"
+#include "weave/devices/shared_memory_communicator.hpp"
+#include "weave/graphs/plan_search.hpp"
+#include "weave/graphs/prediction.hpp"
+#include "weave/graphs/training_step.hpp"
+
+namespace weave::graphs {
+namespace {
+
+struct Trained {
+  std::vector<double> losses;
+  // By rank and bucket: the gradient elements the stage-2 replica keeps, taken from this run's
+  // buckets over the same range.
+  std::vector<std::vector<std::vector<float>>> shards;
+};
+
+// `steps` steps of the same batch with AdamW; the gradients of the last step, over the ranges
+// `ranges` gives by rank and bucket (begin, size), or this run's own shards when empty.
+Trained train(const ModelConfig& m, ParallelPlan plan, int steps,
+              const std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>>& ranges,
+              std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>>* own = nullptr) {
+  validate(m, plan);
+  devices::DeviceSet set(plan.devices(), {.pin = false});
+  devices::SharedMemoryCommunicator comm;
+  const OptimizerConfig opt{
+      .adamw = {.beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1}, .clip_grad = 1.0};
+  TrainingStep step(m, plan, opt, set, comm);
+  Trained out;
+  for (int it = 1; it <= steps; ++it) {
+    fill_batches(step, m, plan);
+    step.prepare(it, 1e-2);
+    set.executor().run(step.graph());
+    out.losses.push_back(step.result().loss);
+  }
+  out.shards.resize(static_cast<std::size_t>(plan.devices()));
+  if (own) own->assign(out.shards.size(), {});
+  for (int r = 0; r < plan.devices(); ++r) {
+    const std::vector<GradientBucket>& buckets = step.shard(r).buckets();
+    for (std::size_t b = 0; b < buckets.size(); ++b) {
+      const GradientBucket& bucket = buckets[b];
+      std::vector<float> kept;
+      if (own) {
+        const ops::Tensor g = bucket.shard_grads();
+        kept.assign(g.data(), g.data() + g.numel());
+        (*own)[static_cast<std::size_t>(r)].emplace_back(bucket.shard_begin, bucket.shard_size);
+      } else {
+        const auto [begin, size] = ranges[static_cast<std::size_t>(r)][b];
+        kept.assign(bucket.grads.data() + begin, bucket.grads.data() + begin + size);
+      }
+      out.shards[static_cast<std::size_t>(r)].push_back(std::move(kept));
+    }
+  }
+  return out;
+}
+
+struct Case {
+  const char* name;
+  int experts;
+  ParallelPlan plan;
+  bool full_recompute = false;  // each layer's forward again in the backward, gathers included
+};
+
+class ZeroStages : public ::testing::TestWithParam<Case> {};
+
+void expect_equals_plain_data_parallelism(const Case& c, int stage);
+
+// Four layers, so that the two gradient slots are taken in turn, and several micro-batches per
+// replica, each reduced on its own.
+ModelConfig four_layers(int experts) {
+  ModelConfig m = tiny(experts);
+  m.num_layers = 4;
+  return m;
+}
+
+// Stage 3 (parameters sharded too, gathered per layer before each use) as well: a gather that
+// did not move the owners' shards into the slot would show in the losses.
+TEST_P(ZeroStages, LossesAndGradientShardsEqualPlainDataParallelism) {
+  for (const int stage : {2, 3}) {
+    SCOPED_TRACE(::testing::Message() << "stage " << stage);
+    expect_equals_plain_data_parallelism(GetParam(), stage);
+  }
+}
+
+void expect_equals_plain_data_parallelism(const Case& c, int stage) {
+  ModelConfig m = four_layers(c.experts);
+  if (c.full_recompute)
+    m.recompute = {.granularity = RecomputeGranularity::full,
+                   .method = RecomputeMethod::uniform,
+                   .num_layers = 1};
+  ParallelPlan sharded_plan = c.plan;
+  sharded_plan.distributed_optimizer = true;
+  sharded_plan.shard_gradients = true;
+  sharded_plan.shard_parameters = stage == 3;
+  std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> ranges;
+  const Trained sharded = train(m, sharded_plan, 4, {}, &ranges);
+  const Trained plain = train(m, c.plan, 4, ranges);
+  for (std::size_t i = 0; i < plain.losses.size(); ++i)
+    EXPECT_NEAR(sharded.losses[i], plain.losses[i], 1e-5 * plain.losses[i]) << "step " << i + 1;
+  bool any_sharded = false;
+  for (std::size_t r = 0; r < plain.shards.size(); ++r)
+    for (std::size_t b = 0; b < plain.shards[r].size(); ++b) {
+      const std::vector<float>& want = plain.shards[r][b];
+      const std::vector<float>& got = sharded.shards[r][b];
+      ASSERT_EQ(got.size(), want.size());
+      any_sharded |= ranges[r][b].first > 0;
+      float scale = 0;
+      for (const float v : want)
+        scale = std::max(scale, std::abs(v));
+      for (std::size_t i = 0; i < want.size(); ++i)
+        if (!(std::abs(got[i] - want[i]) <= 1e-4f * scale + 1e-9f)) {
+          ADD_FAILURE() << "rank " << r << " bucket " << b << " element " << i << ": " << got[i]
+                        << ", want " << want[i];
+          break;
+        }
+    }
+  EXPECT_TRUE(any_sharded);  // some replica kept a shard other than the first
+}
+
+const Case kCases[] = {
+    {"dp2", 0, {.data_parallel = 2, .micro_batch_size = 1, .global_batch_size = 8}},
+    {"tp2_sp_dp2",
+     0,
+     {.tensor_parallel = 2,
+      .sequence_parallel = true,
+      .data_parallel = 2,
+      .micro_batch_size = 1,
+      .global_batch_size = 4}},
+    {"cp2_dp2",
+     0,
+     {.context_parallel = 2, .data_parallel = 2, .micro_batch_size = 1, .global_batch_size = 4}},
+    {"moe_dp4_ep2",
+     4,
+     {.expert_parallel = 2, .data_parallel = 4, .micro_batch_size = 1, .global_batch_size = 8}},
+    {"pp2_dp2",
+     0,
+     {.data_parallel = 2, .pipeline_parallel = 2, .micro_batch_size = 1, .global_batch_size = 8}},
+    {"dp2_full_recompute",
+     0,
+     {.data_parallel = 2, .micro_batch_size = 1, .global_batch_size = 4},
+     true},
+};
+
+INSTANTIATE_TEST_SUITE_P(Plans, ZeroStages, ::testing::ValuesIn(kCases),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+// Each device holds the embeddings' and the model end's buckets whole, its shard of every layer
+// bucket, and two slots each as large as a layer's buckets: predicted and materialised alike.
+TEST(ZeroStage2Memory, GradientsAreTheShardsAndTwoLayerSlots) {
+  TrainerConfig c;
+  c.model = four_layers(4);
+  c.plan = {.expert_parallel = 2,
+            .data_parallel = 4,
+            .micro_batch_size = 1,
+            .global_batch_size = 8,
+            .distributed_optimizer = true};
+  c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
+  validate(c.model, c.plan);
+  // The buckets of stage 1, whose layout stage 2 keeps: elements by layer, and the rest.
+  std::map<int, std::int64_t> layer_elements;
+  std::int64_t rest = 0, sharded_layers = 0;
+  {
+    devices::DeviceSet set(c.plan.devices(), {.pin = false});
+    devices::SharedMemoryCommunicator comm;
+    TrainingStep step(c.model, c.plan, {}, set, comm);
+    for (const GradientBucket& b : step.shard(0).buckets()) {
+      if (b.name.rfind("layers.", 0) != 0) {
+        rest += b.grads.numel();
+        continue;
+      }
+      ASSERT_TRUE(b.sharded) << b.name;
+      layer_elements[std::stoi(b.name.substr(7))] += b.grads.numel();
+      sharded_layers += b.grads.numel() / b.replicas;
+    }
+  }
+  // Layers 0 and 2 take slot 0, layers 1 and 3 slot 1.
+  const std::int64_t slots = std::max(layer_elements[0], layer_elements[2]) +
+                             std::max(layer_elements[1], layer_elements[3]);
+  const auto stage1_peak =
+      materialised_step(c).memory[0][static_cast<std::size_t>(rt::MemoryCategory::gradients)];
+  c.plan.shard_gradients = true;
+  const MaterialisedStep r = materialised_step(c);
+  const std::int64_t peak = r.memory[0][static_cast<std::size_t>(rt::MemoryCategory::gradients)];
+  EXPECT_EQ(peak, static_cast<std::int64_t>(sizeof(float)) * (rest + sharded_layers + slots));
+  EXPECT_EQ(stage1_peak, static_cast<std::int64_t>(sizeof(float)) *
+                             (rest + layer_elements[0] + layer_elements[1] + layer_elements[2] +
+                              layer_elements[3]));
+  EXPECT_LT(peak, stage1_peak);
+  const Prediction p = predict_step(c);
+  EXPECT_EQ(p.memory, r.memory);
+  EXPECT_DOUBLE_EQ(p.step_ms, static_cast<double>(r.replay.makespan) * 1e-6);
+}
+
+// Stage 3: each device holds the embeddings' and the model end's values whole, its shard of every
+// layer's, and two parameter slots laid out as the gradient slots: parameters / dp plus the two
+// units in flight.
+TEST(ZeroStage3Memory, ParametersAreTheShardsAndTwoUnitsInFlight) {
+  TrainerConfig c;
+  c.model = four_layers(4);
+  c.plan = {.expert_parallel = 2,
+            .data_parallel = 4,
+            .micro_batch_size = 1,
+            .global_batch_size = 8,
+            .distributed_optimizer = true,
+            .shard_gradients = true};
+  c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
+  validate(c.model, c.plan);
+  const MaterialisedStep stage2 = materialised_step(c);
+  std::map<int, std::int64_t> layer_elements;
+  std::int64_t rest = 0, shards = 0;
+  {
+    devices::DeviceSet set(c.plan.devices(), {.pin = false});
+    devices::SharedMemoryCommunicator comm;
+    TrainingStep step(c.model, c.plan, {}, set, comm);
+    for (const GradientBucket& b : step.shard(0).buckets()) {
+      if (b.name.rfind("layers.", 0) != 0) {
+        rest += b.values.numel();
+        continue;
+      }
+      layer_elements[std::stoi(b.name.substr(7))] += b.values.numel();
+      shards += b.shard_size;
+    }
+  }
+  const std::int64_t in_flight = std::max(layer_elements[0], layer_elements[2]) +
+                                 std::max(layer_elements[1], layer_elements[3]);
+  c.plan.shard_parameters = true;
+  const MaterialisedStep r = materialised_step(c);
+  const auto parameters = static_cast<std::size_t>(rt::MemoryCategory::parameters);
+  const auto gradients = static_cast<std::size_t>(rt::MemoryCategory::gradients);
+  EXPECT_EQ(r.memory[0][parameters],
+            static_cast<std::int64_t>(sizeof(float)) * (rest + shards + in_flight));
+  EXPECT_LT(r.memory[0][parameters], stage2.memory[0][parameters]);
+  EXPECT_EQ(r.memory[0][gradients], stage2.memory[0][gradients]);
+  const Prediction p = predict_step(c);
+  EXPECT_EQ(p.memory, r.memory);
+  EXPECT_DOUBLE_EQ(p.step_ms, static_cast<double>(r.replay.makespan) * 1e-6);
+}
+
+// On the virtual clock with a slow link: layer 2's gather into the slot layer 0 held starts once
+// layer 0's forward is done with it (two units in flight), runs under layer 1's compute, and
+// layer 2's forward waits for it.
+TEST(ZeroStage3Overlap, TheNextLayersGatherRunsUnderTheLayersCompute) {
+  TrainerConfig c;
+  c.model = four_layers(0);
+  c.plan = {.data_parallel = 2,
+            .micro_batch_size = 1,
+            .global_batch_size = 2,
+            .distributed_optimizer = true,
+            .shard_gradients = true,
+            .shard_parameters = true};
+  c.machine = {.device_flops = 1e9, .device_memory_bandwidth = 1e10, .link = "pcie4"};
+  validate(c.model, c.plan);
+  const rt::Trace& trace = materialised_step(c).replay.trace;
+  const rt::TaskTable& tasks = trace.tasks();
+  struct Window {
+    rt::Nanos start = -1, end = -1;
+    void add(const rt::Span& s) {
+      start = start < 0 ? s.start : std::min(start, s.start);
+      end = std::max(end, s.end);
+    }
+  };
+  Window gather, layer[3];
+  for (const rt::Span& s : trace.spans()) {
+    if (tasks[s.task].device != 0 || tasks[s.task].tags.phase != rt::Phase::forward) continue;
+    const std::string_view name = tasks.name(s.task);
+    if (name.rfind("layers.2.", 0) == 0 && name.find(".gather") != std::string_view::npos)
+      gather.add(s);
+    for (int l = 0; l < 3; ++l)
+      if (name.rfind("L" + std::to_string(l) + ".", 0) == 0) layer[l].add(s);
+  }
+  ASSERT_GE(gather.start, 0);
+  ASSERT_GE(layer[1].start, 0);
+  EXPECT_GE(gather.start, layer[0].end);  // the slot is free
+  EXPECT_LT(gather.start, layer[1].end);  // under layer 1's compute
+  EXPECT_LT(std::max(gather.start, layer[1].start), std::min(gather.end, layer[1].end));
+  EXPECT_GE(layer[2].start, gather.end);  // layer 2 waits for its parameters
+}
+
+TEST(ZeroStage2Rules, RefusesWhatIsNotBuiltNamingTheIssue) {
+  const ModelConfig m = four_layers(4);
+  ParallelPlan without_optimizer{
+      .data_parallel = 2, .micro_batch_size = 1, .global_batch_size = 2, .shard_gradients = true};
+  EXPECT_THROW(validate(m, without_optimizer), ConfigError);
+  ParallelPlan zero_bubble{.data_parallel = 2,
+                           .pipeline_parallel = 2,
+                           .pipeline_scheduler = "zb-h1",
+                           .micro_batch_size = 1,
+                           .global_batch_size = 4,
+                           .distributed_optimizer = true,
+                           .shard_gradients = true};
+  try {
+    validate(m, zero_bubble);
+    ADD_FAILURE() << "zb-h1 with stage 2 accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("issue 27"), std::string::npos) << e.what();
+  }
+}
+
+// Asked for stage 2, the advice weighs it against stage 1 at every layout, and names the stage
+// each candidate runs.
+TEST(ZeroStage2Advice, WeighsStageTwoAgainstStageOneAtEachLayout) {
+  TrainerConfig base;
+  base.model = four_layers(0);
+  base.plan = {.data_parallel = 4,
+               .micro_batch_size = 1,
+               .global_batch_size = 8,
+               .distributed_optimizer = true,
+               .shard_gradients = true};
+  const PlanCandidates candidates = enumerate_plans(base);
+  int stage1 = 0, stage2 = 0;
+  for (const TrainerConfig& c : candidates.configs) {
+    const std::string flags = plan_flags(c);
+    if (c.plan.shard_gradients) {
+      ++stage2;
+      EXPECT_NE(flags.find("--zero-stage 2"), std::string::npos) << flags;
+      EXPECT_NE(c.plan.pipeline_scheduler, "zb-h1");
+    } else {
+      ++stage1;
+      EXPECT_NE(flags.find("--zero-stage 1"), std::string::npos) << flags;
+    }
+  }
+  EXPECT_GT(stage2, 0);
+  // Every stage-2 candidate has its stage-1 twin; the zero-bubble layouts have stage 1 only.
+  EXPECT_GT(stage1, stage2);
+}
+
+}  // namespace
+}  // namespace weave::graphs
