@@ -663,8 +663,22 @@ TEST(Bf16Training, RefusesWhatIsNotBuilt) {
   devices::DeviceSet one(1, {.pin = false});
   ModelConfig fp16 = in(gpt(), Precision::fp16);
   EXPECT_THROW(TrainingStep(fp16, kOneDevice, kOptimizer, one, comm), ConfigError);
+  const ParallelPlan stage2{.data_parallel = 2,
+                            .micro_batch_size = 2,
+                            .global_batch_size = 4,
+                            .distributed_optimizer = true,
+                            .shard_gradients = true};
+  try {
+    TrainingStep step(in(gpt(), Precision::bf16), stage2, kOptimizer, two, comm);
+    FAIL() << "ZeRO stage 2 bf16 was built";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("this run has ZeRO stage 2"), std::string::npos)
+        << e.what();
+  }
   // Predicted (no tensors), every combination is modelled.
   EXPECT_NO_THROW(TrainingStep(moe, cp2_ampipe, kOptimizer, two, comm, {.materialize = false}));
+  EXPECT_NO_THROW(TrainingStep(in(gpt(), Precision::bf16), stage2, kOptimizer, two, comm,
+                               {.materialize = false}));
 }
 
 }  // namespace

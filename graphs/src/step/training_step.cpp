@@ -50,8 +50,9 @@ void check_devices(const ParallelPlan& plan, const devices::DeviceSet& set) {
 
 // What a step built with tensors trains in 16 bits so far: bf16 with dense and MoE layers under
 // tensor (and sequence), data, pipeline (every schedule), expert and context parallelism, the
-// distributed optimizer and activation recomputation (--qk-layernorm and Ampipe included, Ampipe
-// with context parallelism not). The rest is modelled by a prediction only.
+// distributed optimizer (ZeRO stage 1) and activation recomputation (--qk-layernorm and Ampipe
+// included; Ampipe with context parallelism and ZeRO stages 2 and 3 not). The rest is modelled by
+// a prediction only.
 void check_half_precision_step(const ModelConfig& model, const ParallelPlan& plan) {
   const auto refuse = [&](std::string_view what) {
     throw ConfigError(fmt::format(
@@ -67,6 +68,10 @@ void check_half_precision_step(const ModelConfig& model, const ParallelPlan& pla
     refuse("fp16, which needs a dynamic loss scaler weave does not have yet");
   if (plan.context_parallel > 1 && plan.ampipe_degree > 1)
     refuse("Ampipe with context parallelism (--context-parallel-size, --ampipe-degree)");
+  // ZeRO stages 2 and 3 hold fp32 gradient and parameter slots; their bf16 copies are not built.
+  if (plan.shard_gradients)
+    refuse(plan.shard_parameters ? "ZeRO stage 3 (--zero-stage 3, optim_grads_params)"
+                                 : "ZeRO stage 2 (--zero-stage 2, optim_grads)");
 }
 
 }  // namespace
