@@ -75,6 +75,7 @@ TEST(SharedExperts, EqualOneDeviceUnderEachParallelism) {
        {.expert_parallel = 2, .data_parallel = 2, .micro_batch_size = 1, .global_batch_size = 2}},
       {"dp2", {.data_parallel = 2, .micro_batch_size = 1, .global_batch_size = 2}},
       {"pp2", {.pipeline_parallel = 2, .micro_batch_size = 1, .global_batch_size = 2}},
+      {"cp2", {.context_parallel = 2, .micro_batch_size = 1, .global_batch_size = 2}},
       {"tp2+sp ep2 pp2",
        {.tensor_parallel = 2,
         .sequence_parallel = true,
