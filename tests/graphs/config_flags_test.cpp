@@ -108,6 +108,7 @@ TEST(ConfigFlags, TheCheckpointsDescriptionKeepsItsKeys) {
                                           "moe_router_num_groups",
                                           "moe_router_group_topk",
                                           "moe_router_enable_expert_bias",
+                                          "moe_shared_expert_intermediate_size",
                                           "norm_epsilon",
                                           "tokenizer_type",
                                           "vocab_file",
@@ -148,7 +149,8 @@ TEST(ConfigFlags, CheckpointsSavedEarlierLackTheKeysAddedSince) {
                                           "moe_router_score_function",
                                           "moe_router_num_groups",
                                           "moe_router_group_topk",
-                                          "moe_router_enable_expert_bias"}));
+                                          "moe_router_enable_expert_bias",
+                                          "moe_shared_expert_intermediate_size"}));
 }
 
 TEST(ConfigFlags, DescriptionsHoldTheValuesTheRunUses) {

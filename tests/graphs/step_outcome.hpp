@@ -10,6 +10,7 @@
 #include <map>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "tiny_model.hpp"
@@ -90,8 +91,9 @@ inline void expect_equals_one_device(const ModelConfig& m, const ParallelPlan& p
 
 // The whole model's gradient along a random direction: analytic (the gradients the step
 // computed) and numeric (a central difference of the loss). Attention dropout stays on: its mask
-// is fixed for a step.
-inline std::pair<double, double> directional_derivative(const ModelConfig& m, ParallelPlan plan) {
+// is fixed for a step. `only`: the direction moves only the parameters whose names hold it.
+inline std::pair<double, double> directional_derivative(const ModelConfig& m, ParallelPlan plan,
+                                                        std::string_view only = "") {
   validate(m, plan);
   devices::DeviceSet set(plan.devices(), {.pin = false});
   devices::SharedMemoryCommunicator comm;
@@ -114,6 +116,7 @@ inline std::pair<double, double> directional_derivative(const ModelConfig& m, Pa
         v.resize(static_cast<std::size_t>(p.logical_rows * p.logical_cols));
         for (auto& x : v)
           x = normal(gen);
+        if (p.name.find(only) == std::string::npos) std::fill(v.begin(), v.end(), 0.0);
       }
       auto& g = grads[p.name];
       g.resize(v.size(), 0.0);

@@ -304,8 +304,13 @@ std::string moe_text(const graphs::ModelConfig& m) {
   int moe_layers = 0;
   for (int l = 0; l < m.num_layers; ++l)
     moe_layers += m.is_moe_layer(l) ? 1 : 0;
-  return fmt::format("{} experts top-{}, {} wide, in {} of {} layers", m.num_experts,
-                     m.moe_router_topk, m.expert_ffn_hidden_size(), moe_layers, m.num_layers);
+  const std::string shared =
+      m.has_shared_experts()
+          ? fmt::format(", shared experts {} wide", m.moe_shared_expert_intermediate_size)
+          : "";
+  return fmt::format("{} experts top-{}, {} wide{}, in {} of {} layers", m.num_experts,
+                     m.moe_router_topk, m.expert_ffn_hidden_size(), shared, moe_layers,
+                     m.num_layers);
 }
 
 namespace {

@@ -237,6 +237,25 @@ constexpr ConfigFlag kMoe[] = {
                                           .value = [](const TrainerConfig& c) -> DescribedValue {
                                             return std::int64_t{c.model.expert_ffn_hidden_size()};
                                           }})},
+    {.name = "--moe-shared-expert-intermediate-size",
+     .group = FlagGroup::moe,
+     .help = "Megatron-Core's shared experts: one MLP this wide (the shared experts' widths "
+             "summed; SwiGLU with --swiglu, no biases: needs --disable-bias-linear) that every "
+             "token of a MoE layer passes through, its output added to the routed experts'; "
+             "tensor-parallel like a dense MLP, replicated over expert parallelism; not with "
+             "Ampipe",
+     .field = model_field<&M::moe_shared_expert_intermediate_size>(),
+     .check = kPositive,
+     .description =
+         added_to_checkpoints(described(model, "moe_shared_expert_intermediate_size", true))},
+    {.name = "--moe-shared-expert-overlap",
+     .group = FlagGroup::moe,
+     .values = 0,
+     .help = "Megatron-Core's overlap of the shared experts with the token dispatcher's "
+             "all-to-alls (alltoall dispatcher): they wait for the layer's input only instead "
+             "of running before the router; the same numbers",
+     .field = model_field<&M::moe_shared_expert_overlap>(),
+     .description = described(model, "moe_shared_expert_overlap")},
     {.name = "--moe-router-topk",
      .group = FlagGroup::moe,
      .help = "Experts each token is routed to",

@@ -247,8 +247,6 @@ constexpr ConfigFlag kRefused[] = {
             "give --lr-warmup-iters instead (the fraction x --lr-decay-iters)"),
     refused("--noisy-gate-policy", 1, "weave's router adds no noise to its gate: drop it"),
     refused("--moe-input-jitter-eps", 1, "weave's router adds no jitter to its input: drop it"),
-    refused("--moe-shared-expert-intermediate-size", 1,
-            "weave's MoE layers have no shared expert: drop it"),
     refused(
         "--kv-channels", 1,
         "an attention head is --hidden-size / --num-attention-heads wide here: drop it and choose "

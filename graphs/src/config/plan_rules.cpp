@@ -156,6 +156,56 @@ void check_moe_model(const ModelConfig& m, const ParallelPlan& p) {
            m.moe_expert_capacity_factor);
 }
 
+// Megatron-Core's shared experts (SharedExpertMLP) and its rules (TransformerConfig's checks and
+// the module's bias assertion), plus the places weave does not run them.
+void check_shared_experts(const ModelConfig& m, const ParallelPlan& p) {
+  const int width = m.moe_shared_expert_intermediate_size;
+  if (width < 0)
+    refuse(
+        "--moe-shared-expert-intermediate-size must be >= 1 (the shared experts' widths "
+        "summed), got {}",
+        width);
+  if (width == 0) {
+    if (m.moe_shared_expert_overlap)
+      refuse(
+          "--moe-shared-expert-overlap overlaps the shared experts and the model has none: set "
+          "--moe-shared-expert-intermediate-size or drop it");
+    return;
+  }
+  if (m.num_experts == 0)
+    refuse(
+        "--moe-shared-expert-intermediate-size ({}) adds shared experts to the MoE layers and the "
+        "model has none: set --num-experts or drop it",
+        width);
+  if (m.add_bias_linear)
+    refuse(
+        "--moe-shared-expert-intermediate-size ({}): the shared experts have no biases "
+        "(Megatron-Core's rule): add --disable-bias-linear",
+        width);
+  if (width % p.tensor_parallel != 0)
+    refuse(
+        "--moe-shared-expert-intermediate-size ({}) must be divisible by "
+        "--tensor-model-parallel-size ({}): the shared experts' first linear is split by columns",
+        width, p.tensor_parallel);
+  if (m.precision != Precision::fp32)
+    refuse(
+        "--moe-shared-expert-intermediate-size trains in fp32 here: drop --bf16 (or the shared "
+        "experts)");
+  if (p.ampipe_degree > 1)
+    refuse(
+        "--moe-shared-expert-intermediate-size with --ampipe-degree {}: MindSpeed's Ampipe MoE "
+        "layer has no shared experts: drop one of them",
+        p.ampipe_degree);
+  if (p.pipe_experts)
+    refuse(
+        "--moe-shared-expert-intermediate-size with --use-pipe-experts: MindSpeed's pipe-experts "
+        "MoE layer has no shared experts: drop one of them");
+  if (m.moe_gate != MoeGate::megatron)
+    refuse(
+        "--moe-shared-expert-intermediate-size with --moe-model-type deepspeed_moe: MindSpeed's "
+        "DeepSpeed-style MoE layer has no shared experts: drop one of them");
+}
+
 // Megatron-Core's sigmoid scores, group-limited routing and expert bias: its rules
 // (TransformerConfig's checks), plus those its top-k calls would fail on.
 void check_router_routing(const ModelConfig& m) {
@@ -566,6 +616,7 @@ void check_plan_rules(const ModelConfig& m, const ParallelPlan& given,
   check_sequence_parallel(m, derived);
   check_context_parallel(m, derived);
   check_moe_model(m, derived);
+  check_shared_experts(m, derived);
   check_moe_model_type(given);
   check_moe_gate(m, derived);
   check_expert_tensor_parallel(m, derived);

@@ -67,6 +67,7 @@ struct RankDecode {
   ModelShard* shard = nullptr;
   Tensor x, emb, norm, mean, rstd, qkv, attn, lse, proj, fc1, act, mlp_out;
   Tensor router_logits, probs, top_weight, rows_in, rows_pre, rows_hidden, rows_out;
+  Tensor shared_fc1, shared_act, shared_out;  // the shared experts' (MoE layers)
   Tensor final_norm, logits_local, logits_all;
   std::vector<std::int32_t> top_index, token_id{0};
   std::vector<std::int64_t> begin;
@@ -158,6 +159,12 @@ struct Generator::Impl {
         R.rows_pre = buffer(r, {k, f1e});
         R.rows_hidden = buffer(r, {k, fe});
         R.rows_out = buffer(r, {k, h});
+      }
+      if (model.has_shared_experts()) {
+        const std::int64_t fs = model.moe_shared_expert_intermediate_size / plan.tensor_parallel;
+        R.shared_fc1 = buffer(r, {1, (model.activation == Activation::swiglu ? 2 : 1) * fs});
+        R.shared_act = buffer(r, {1, fs});
+        R.shared_out = buffer(r, {1, h});
       }
       R.final_norm = buffer(r, {1, h});
       R.logits_local = buffer(r, {1, Vl});
@@ -325,6 +332,17 @@ struct Generator::Impl {
       chain.compute(at + "experts", [r, self, l] { self->experts(*r, l); });
       chain.all_reduce(mesh.group(GroupKind::expert, R.rank), R.mlp_out, at + "experts_reduce");
       if (mesh.experts_split()) chain.all_reduce(tensor, R.mlp_out, at + "experts_tp_reduce");
+      if (model.has_shared_experts()) {
+        // The shared experts: every token's, tensor-parallel as a dense MLP, added to the routed
+        // experts' output.
+        chain.compute(at + "shared_expert", [r, self, l] {
+          dense_mlp_forward(self->model, r->shard->layer(l).moe_mlp().shared, r->norm,
+                            r->shared_fc1, r->shared_act, r->shared_out);
+        });
+        chain.all_reduce(tensor, R.shared_out, at + "shared_expert_reduce");
+        chain.compute(at + "shared_expert_add",
+                      [r] { ops::accumulate(r->shared_out, r->mlp_out); });
+      }
     } else {
       chain.compute(at + "mlp", [r, self, l] {
         dense_mlp_forward(self->model, r->shard->layer(l).dense_mlp(), r->norm, r->fc1, r->act,

@@ -103,9 +103,29 @@ struct MoeSlot : MoeRouterState, MoeDispatchState, MoeExpertsState {
   std::vector<ExpertItem> items;
 };
 
+// --moe-shared-expert-intermediate-size: what the shared experts keep for one micro-batch. Their
+// input is the norm gathered over sp (the norm itself otherwise); fc1's and the activation's
+// outputs are this rank's columns; fc2's partial sums are reduced into `out` (in place without
+// sp).
+struct SharedExpertActivations {
+  Tensor input;         // [Sc, B, h]
+  Tensor fc1, act;      // [Sc, B, f1 / tp], [Sc, B, f / tp]
+  Tensor partial, out;  // [Sc, B, h], [Sl, B, h]
+};
+
+// The shared experts' share of the backward's workspace, one per device: the output gradient
+// gathered over sp (the layer's d_mlp otherwise), the activation's and fc1's output gradients,
+// and the input gradient's partial sums and their reduction.
+struct SharedExpertWorkspace {
+  Tensor d_out;            // [Sc, B, h]
+  Tensor d_act, d_fc1;     // [Sc, B, f / tp], [Sc, B, f1 / tp]
+  Tensor d_in_full, d_in;  // [Sc, B, h], [Sl, B, h]
+};
+
 struct MoeActivations {
   std::vector<MoeSlot> slots;
-  Tensor stats_total;  // [2 E + 2]: the statistics the router's losses use
+  Tensor stats_total;              // [2 E + 2]: the statistics the router's losses use
+  SharedExpertActivations shared;  // with shared experts only
 };
 
 }  // namespace weave::graphs

@@ -1,6 +1,7 @@
 // The MoE layer's buffers for one micro-batch: each slot's router, dispatcher and experts state
 // (sized for the largest split the routing allows), and the pipe-experts items'.
 #include "moe/moe_mlp.hpp"
+#include "moe/moe_shared_experts.hpp"
 
 namespace weave::graphs {
 
@@ -147,6 +148,7 @@ void MoeMlp::allocate(LayerActivations& A) const {
   M.slots.resize(static_cast<std::size_t>(z.ampipe));
   for (int c = 0; c < z.ampipe; ++c)
     allocate_slot(*P, A, c);
+  if (z.model.has_shared_experts()) SharedExperts(*P, l).allocate(A);
 }
 
 }  // namespace weave::graphs

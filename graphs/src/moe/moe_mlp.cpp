@@ -5,8 +5,10 @@
 #include "model/half_precision.hpp"
 #include "moe/moe_experts.hpp"
 #include "moe/moe_router.hpp"
+#include "moe/moe_shared_experts.hpp"
 #include "moe/moe_token_dispatcher.hpp"
 #include "step/step_costs.hpp"
+#include "weave/ops/elementwise.hpp"
 
 namespace weave::graphs {
 
@@ -24,6 +26,8 @@ void MoeMlp::declare_parameters(ParameterDeclarer& declare, const LayerSpec&, in
   const std::string prefix = fmt::format("layers.{}.moe.", layer);
   declare_router_parameters(declare, prefix, L.router);
   declare_experts_parameters(declare, prefix, L.experts);
+  if (declare.model.has_shared_experts())
+    declare_shared_expert_parameters(declare, prefix, L.shared);
 }
 
 std::string MoeMlp::slot_prefix(int c) const {
@@ -53,15 +57,34 @@ SlotProgress MoeMlp::route(const BuildPosition& pos, int c, TaskId ready) const 
 
 TaskId MoeMlp::forward(const BuildPosition& pos, TaskId ready) const {
   const StepShape& z = P->shape;
-  const SlotProgress routed = route(pos, 0, ready);
+  const bool shared = z.model.has_shared_experts(), overlap = z.model.moe_shared_expert_overlap;
+  // Shared experts: before the router, as Megatron-Core's MoELayer runs them; overlapped, they
+  // follow the router on the compute stream and wait for the layer's input only, so they run
+  // while the dispatch all-to-all is in flight.
+  TaskId shared_out = rt::kNoTask;
+  if (shared && !overlap) shared_out = SharedExperts(*P, l).forward(pos, ready);
+  const SlotProgress routed = route(pos, 0, shared && !overlap ? shared_out : ready);
+  if (shared && overlap) shared_out = SharedExperts(*P, l).forward(pos, ready);
   const TaskId stats = statistics(pos, routed.task);
   const TaskId combined = combine(pos, 0, experts(pos, 0, routed));
   P->after(stats, combined);
-  if (z.sp() || z.tp == 1) return combined;
-  // Without SP the layer's output is replicated: gather the ranks' slices.
-  return P->tensor.all_gather(combined, read_of(P->slot(pos.set, l, 0).moe_out),
-                              all_of(P->acts(pos.set, l).mlp_out), fmt::format("L{}.moe_gather", l),
-                              pos.tags(rt::Phase::forward, l));
+  TaskId routed_out = combined;
+  if (!(z.sp() || z.tp == 1))  // Without SP the layer's output is replicated: gather the slices.
+    routed_out = P->tensor.all_gather(
+        combined, read_of(P->slot(pos.set, l, 0).moe_out), all_of(P->acts(pos.set, l).mlp_out),
+        fmt::format("L{}.moe_gather", l), pos.tags(rt::Phase::forward, l));
+  if (!shared) return routed_out;
+  RankProgram* p = P;
+  const int layer = l, set = pos.set;
+  const TaskId sum = P->compute(
+      fmt::format("L{}.shared_expert_add", l), pos.tags(rt::Phase::forward, l),
+      cost::streamed(z, 3.0 * static_cast<double>(P->acts(pos.set, l).mlp_out.numel())), [=] {
+        LayerActivations& A = p->acts(set, layer);
+        ops::accumulate(A.moe().shared.out, A.mlp_out);
+      });
+  P->after(routed_out, sum);
+  P->after(shared_out, sum);
+  return sum;
 }
 
 TaskId MoeMlp::router_backward(const BuildPosition& pos, int c, const SlotProgress& home) const {
@@ -87,7 +110,11 @@ TaskId MoeMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& ha
   RankProgram* p = P;
   const int layer = l, set = pos.set;
   const StepShape& z = P->shape;
+  const bool shared = z.model.has_shared_experts(), overlap = z.model.moe_shared_expert_overlap;
   const SlotProgress combined = combine_backward(pos, 0, ready);
+  // Overlapped shared experts: their backward while the combine's gradient is in flight.
+  TaskId shared_grad = rt::kNoTask;
+  if (shared && overlap) shared_grad = SharedExperts(*P, l).backward(pos, ready);
   halves.flush();  // the layer above's, while the combine's gradient is in flight
   const TaskId router = router_backward(pos, 0, experts_backward(pos, 0, combined, halves));
   const bool local = z.sp() || z.tp == 1;
@@ -99,11 +126,25 @@ TaskId MoeMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& ha
                      p->ws().d_norm.reshape({T, h}).copy_from(p->slot(set, layer, 0).d_moe_in);
                  });
   P->after(router, placed);
-  if (local) return placed;
   // Replicated layout: every rank needs the whole sequence's input gradient.
-  return P->tensor.all_gather(router, read_of(P->slot(set, l, 0).d_moe_in), all_of(P->ws().d_norm),
-                              fmt::format("L{}.moe_grad_gather", l),
-                              pos.tags(rt::Phase::backward, l));
+  const TaskId routed_grad =
+      local ? placed
+            : P->tensor.all_gather(router, read_of(P->slot(set, l, 0).d_moe_in),
+                                   all_of(P->ws().d_norm), fmt::format("L{}.moe_grad_gather", l),
+                                   pos.tags(rt::Phase::backward, l));
+  if (!shared) return routed_grad;
+  // Not overlapped: the shared experts' backward after the routed experts', the reverse of their
+  // forward's order.
+  if (!overlap) shared_grad = SharedExperts(*P, l).backward(pos, routed_grad);
+  const TaskId sum =
+      P->compute(fmt::format("L{}.shared_expert_grad_add", l), pos.tags(rt::Phase::backward, l),
+                 cost::streamed(z, 3.0 * static_cast<double>(P->ws().d_norm.numel())), [=] {
+                   BackwardWorkspace& w = p->ws();
+                   ops::accumulate(w.shared_expert.d_in, w.d_norm);
+                 });
+  P->after(routed_grad, sum);
+  P->after(shared_grad, sum);
+  return sum;
 }
 
 }  // namespace weave::graphs

@@ -3,6 +3,7 @@
 // declare_experts_parameters (moe_experts.cpp). The token dispatcher has none.
 #pragma once
 
+#include "model/dense_mlp_parameters.hpp"
 #include "weave/graphs/model_shard.hpp"
 
 namespace weave::graphs {
@@ -21,6 +22,10 @@ struct MoeExpertsParameters {
 struct MoeMlpParameters {
   MoeRouterParameters router;
   MoeExpertsParameters experts;
+  // --moe-shared-expert-intermediate-size: the shared experts' fc1 (column-parallel) and fc2
+  // (row-parallel), declared by declare_shared_expert_parameters (moe_shared_experts.cpp); no
+  // biases. Null without shared experts.
+  DenseMlpParameters shared;
 };
 
 }  // namespace weave::graphs

@@ -35,16 +35,20 @@ double mlp_forward_flops(const ModelConfig& m) {
 }
 
 // Forward FLOPs of layer l per token, as Megatron-LM counts them: a MoE layer's router and the
-// top-k experts each token passes through (--moe-ffn-hidden-size wide).
+// top-k experts each token passes through (--moe-ffn-hidden-size wide) and the shared experts
+// (--moe-shared-expert-intermediate-size wide).
 
 double layer_forward_flops(const ModelConfig& m, int l) {
   const double h = m.hidden_size, s = m.seq_length, d = m.head_dim();
   const double heads = m.num_attention_heads, groups = m.query_groups();
   const double attention = 2 * h * (heads + 2 * groups) * d + 4 * s * heads * d + 2 * heads * d * h;
-  const double ffn = m.is_moe_layer(l)
-                         ? 2 * h * m.num_experts +
-                               m.moe_router_topk * mlp_forward_flops(m, m.expert_ffn_hidden_size())
-                         : mlp_forward_flops(m);
+  const double ffn =
+      m.is_moe_layer(l) ? 2 * h * m.num_experts +
+                              m.moe_router_topk * mlp_forward_flops(m, m.expert_ffn_hidden_size()) +
+                              (m.has_shared_experts()
+                                   ? mlp_forward_flops(m, m.moe_shared_expert_intermediate_size)
+                                   : 0.0)
+                        : mlp_forward_flops(m);
   return attention + ffn;
 }
 

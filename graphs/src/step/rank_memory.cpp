@@ -4,6 +4,7 @@
 #include "model/output_loss.hpp"
 #include "model/transformer_layer.hpp"
 #include "moe/moe_expert_bias.hpp"
+#include "moe/moe_shared_experts.hpp"
 #include "step/rank_program.hpp"
 
 namespace weave::graphs {
@@ -121,6 +122,7 @@ void allocate_workspace(RankProgram& P, BackwardWorkspace& W, bool output_layer)
       H.d_logits16 = P.activation16({Sc * B, z.Vl});
     }
   }
+  if (z.model.has_shared_experts()) allocate_shared_expert_workspace(P, W);
 }
 
 }  // namespace

@@ -78,9 +78,10 @@ struct BackwardWorkspace {
   Tensor d_norm;               // [Sl, B, h]
   AttentionWorkspace attention;
   DenseMlpWorkspace dense_mlp;
-  RingAttentionWorkspace cp_ring;  // context parallelism only
-  OutputWorkspace output;          // the last stage only
-  HalfWorkspace half;              // bf16 runs only
+  SharedExpertWorkspace shared_expert;  // with shared experts only
+  RingAttentionWorkspace cp_ring;       // context parallelism only
+  OutputWorkspace output;               // the last stage only
+  HalfWorkspace half;                   // bf16 runs only
 };
 
 // The activations one model chunk keeps for one micro-batch, from its forward until its

@@ -135,6 +135,13 @@ struct ModelConfig {
   // --moe-ffn-hidden-size: each routed expert's hidden size; 0: --ffn-hidden-size, as
   // Megatron-Core defaults it.
   int moe_ffn_hidden_size = 0;
+  // --moe-shared-expert-intermediate-size: Megatron-Core's shared experts, one dense MLP this wide
+  // (the shared experts' widths summed) that every token of a MoE layer passes through besides
+  // its routed experts; 0: none.
+  int moe_shared_expert_intermediate_size = 0;
+  // --moe-shared-expert-overlap: the shared experts run while the dispatcher's all-to-alls are in
+  // flight (their tasks wait for the layer's input only) instead of before the router.
+  bool moe_shared_expert_overlap = false;
   int moe_router_topk = 2;                  // --moe-router-topk
   double moe_aux_loss_coeff = 0.0;          // --moe-aux-loss-coeff
   double moe_z_loss_coeff = 0.0;            // --moe-z-loss-coeff
@@ -198,6 +205,9 @@ struct ModelConfig {
   // The routed experts' hidden size (moe_ffn_hidden_size, or ffn_hidden_size when unset).
   int expert_ffn_hidden_size() const {
     return moe_ffn_hidden_size > 0 ? moe_ffn_hidden_size : ffn_hidden_size;
+  }
+  bool has_shared_experts() const {
+    return num_experts > 0 && moe_shared_expert_intermediate_size > 0;
   }
   bool is_moe_layer(int layer) const {
     if (num_experts <= 0) return false;
