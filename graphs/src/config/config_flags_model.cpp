@@ -130,6 +130,12 @@ constexpr ConfigFlag kModel[] = {
              "activations, fp32 main parameters, gradients (reduced in fp32), norms, softmax and "
              "loss; the residual stream in fp32. With tensor (+ sequence) and data parallelism "
              "and dense layers; the other combinations are refused, naming what works"},
+    {.name = "--fp16",
+     .values = 0,
+     .help = "fp16 mixed precision, as Megatron-LM trains it: as --bf16 in IEEE half (fp16 "
+             "products and saved activations, fp32 main parameters and gradients), with a loss "
+             "scaler (--loss-scale, or dynamic from --initial-loss-scale) and steps whose "
+             "gradients overflow skipped. The same combinations as --bf16"},
     {.name = "--norm-epsilon",
      .aliases = "--layernorm-epsilon",
      .help = "The norms' epsilon",

@@ -48,21 +48,20 @@ void check_devices(const ParallelPlan& plan, const devices::DeviceSet& set) {
                     plan.pipeline_parallel, set.size()));
 }
 
-// What a step built with tensors trains in 16 bits so far: bf16, with tensor (and sequence) and
-// data parallelism, dense layers with local attention, every activation kept. The rest is
-// modelled by a prediction only.
+// What a step built with tensors trains in 16 bits so far: bf16 and fp16, with tensor (and
+// sequence) and data parallelism, dense layers with local attention, every activation kept. The
+// rest is modelled by a prediction only.
 void check_half_precision_step(const ModelConfig& model, const ParallelPlan& plan) {
   const auto refuse = [&](std::string_view what) {
     throw ConfigError(fmt::format(
         "a step built with tensors trains in {} with tensor (and sequence) and data parallelism "
-        "only, dense layers and every activation kept (bf16 mixed precision: bf16 products and "
-        "saved activations, fp32 main parameters, gradients, norms, softmax and loss); this run "
-        "has {}: train it in fp32 (drop --{}), or predict the {} run (weave predict, or "
+        "only, dense layers and every activation kept (16-bit mixed precision: 16-bit products "
+        "and saved activations, fp32 main parameters, gradients, norms, softmax and loss); this "
+        "run has {}: train it in fp32 (drop --{}), or predict the {} run (weave predict, or "
         "StepBuildOptions::materialize = false)",
-        "bf16", what, precision_name(model.precision), precision_name(model.precision)));
+        precision_name(model.precision), what, precision_name(model.precision),
+        precision_name(model.precision)));
   };
-  if (model.precision == Precision::fp16)
-    refuse("fp16, which needs a dynamic loss scaler weave does not have yet");
   if (plan.context_parallel > 1) refuse("context parallelism (--context-parallel-size)");
   if (plan.pipeline_parallel > 1) refuse("pipeline parallelism (--pipeline-model-parallel-size)");
   if (plan.distributed_optimizer) refuse("--use-distributed-optimizer");
@@ -87,6 +86,10 @@ TrainingStep::Impl::Impl(const ModelConfig& model, const ParallelPlan& plan,
       processes(comm.processes()) {
   shape.splits_backward = set_plan.splits_backward;
   if (materialize && model.precision != Precision::fp32) check_half_precision_step(model, plan);
+  if (o.loss_scaling && model.precision == Precision::fp32)
+    throw ConfigError(
+        "a loss scaler (OptimizerConfig::loss_scaling) is for 16-bit runs: give --fp16 or --bf16, "
+        "or drop --loss-scale");
   inputs.batches.assign(static_cast<std::size_t>(plan.data_parallel),
                         std::vector<MicroBatch>(static_cast<std::size_t>(shape.M)));
   // A step built without tensors reads no tokens: with thousands of micro-batches of long
@@ -168,6 +171,13 @@ StepResult TrainingStep::Impl::result() const {
   }
   if (processes.size() > 1) processes.sum(terms);
   StepResult out;
+  // After its all-reduce every rank holds the same flag; each process holds a rank.
+  if (opt.loss_scaling)
+    for (const auto& program : programs)
+      if (program) {
+        out.found_inf = program->state.found_inf.data()[0] != 0.f;
+        break;
+      }
   bool norm_taken = false;
   for (int r = 0; r < ranks; ++r) {
     const double* t = terms.data() + static_cast<std::size_t>(r) * width;
@@ -209,6 +219,15 @@ void TrainingStep::prepare(std::int64_t iteration, double learning_rate) {
   if (iteration < 1) throw std::invalid_argument("iterations count from 1");
   impl_->inputs.iteration = iteration;
   impl_->inputs.learning_rate = learning_rate;
+}
+void TrainingStep::set_loss_scale(float scale) {
+  if (!(scale > 0))
+    throw std::invalid_argument(fmt::format("a loss scale must be positive, not {}", scale));
+  impl_->inputs.loss_scale = scale;
+}
+void TrainingStep::set_optimizer_step(std::int64_t step) {
+  if (step < 1) throw std::invalid_argument("AdamW's steps count from 1");
+  impl_->inputs.optimizer_step = step;
 }
 StepResult TrainingStep::result() const {
   return impl_->result();
