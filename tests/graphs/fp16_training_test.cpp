@@ -260,7 +260,9 @@ TEST(Fp16Training, DynamicScalerSkipsOverflowsAndRecovers) {
     const std::vector<float> before = optimizer_values(step);
     set.executor().run(step.graph());
     const StepResult r = step.result();
-    if (it == 1) EXPECT_TRUE(r.found_inf) << "2^40 must overflow fp16";
+    if (it == 1) {
+      EXPECT_TRUE(r.found_inf) << "2^40 must overflow fp16";
+    }
     if (r.found_inf) {
       ++skipped;
       EXPECT_EQ(optimizer_values(step), before) << "skipped step " << it << " changed the state";
