@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define WEAVE_HAVE_F16C_PATH 1
 #endif
@@ -42,11 +43,25 @@ __attribute__((target("avx,f16c"))) void to_float_f16c(const fp16* from, float* 
 }
 #endif
 
+#ifdef WEAVE_HAVE_F16C_PATH
+// CPUID leaf 1: F16C and AVX, and the OS saving the YMM registers (XGETBV), read directly:
+// clang's __builtin_cpu_supports has no "f16c".
+bool cpu_has_f16c() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
+  const bool osxsave = c & (1u << 27), avx = c & (1u << 28), f16c = c & (1u << 29);
+  if (!osxsave || !avx || !f16c) return false;
+  unsigned lo = 0, hi = 0;
+  __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (lo & 0x6u) == 0x6u;  // XMM and YMM state enabled
+}
+#endif
+
 }  // namespace
 
 bool fp16_conversions_use_f16c() {
 #ifdef WEAVE_HAVE_F16C_PATH
-  static const bool has = __builtin_cpu_supports("f16c") && __builtin_cpu_supports("avx");
+  static const bool has = cpu_has_f16c();
   return has;
 #else
   return false;

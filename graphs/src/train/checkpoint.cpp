@@ -281,8 +281,9 @@ json run_header(const ModelConfig& model, const ParallelPlan& plan, const Checkp
 // What the header holds of the run's progress; older checkpoints hold no skipped iterations
 // (none were) and no loss scaler.
 CheckpointState progress_of(const json& header) {
-  CheckpointState s{whole_number<std::int64_t>(header, "iteration"),
-                    whole_number<std::uint64_t>(header, "consumed_samples")};
+  CheckpointState s;
+  s.iteration = whole_number<std::int64_t>(header, "iteration");
+  s.consumed_samples = whole_number<std::uint64_t>(header, "consumed_samples");
   if (header.contains("skipped_iterations")) {
     s.skipped_iterations = whole_number<std::int64_t>(header, "skipped_iterations");
     s.skipped_samples = whole_number<std::uint64_t>(header, "skipped_samples");
