@@ -272,6 +272,20 @@ void expect_scaled_plan_equals_one_device(const ModelConfig& m, const ParallelPl
   EXPECT_LT(b3.losses.back(), b3.losses.front());
   const ScaledRun overflow = scaled_run(m, plan, 1, 0x1p40f);
   EXPECT_TRUE(overflow.found_inf[0]) << "2^40 must overflow fp16";
+  // Each rank (every stage, every replica) unscales its gradients and takes part in the flag's
+  // all-reduce.
+  devices::DeviceSet set(plan.devices(), {.pin = false});
+  devices::SharedMemoryCommunicator comm;
+  const TrainingStep step(m, plan, optimizer(true), set, comm, {.materialize = false});
+  const rt::TaskTable& tasks = step.graph().tasks();
+  std::vector<int> unscales(static_cast<std::size_t>(plan.devices())), reduces = unscales;
+  for (rt::TaskId t = 0; t < tasks.size(); ++t) {
+    const auto device = static_cast<std::size_t>(tasks[t].device);
+    unscales[device] += tasks.name(t) == "unscale_and_check_inf";
+    reduces[device] += tasks.name(t).find("found_inf_max") != std::string_view::npos;
+  }
+  EXPECT_EQ(unscales, std::vector<int>(unscales.size(), 1));
+  EXPECT_EQ(reduces, std::vector<int>(reduces.size(), 1));
 }
 
 // Four layers, two a stage under pp2 (one a model chunk with two chunks a rank).
