@@ -1,7 +1,8 @@
-// The experts' products in either precision: fp32, or a bf16 run's (bf16 products summed in
-// fp32 through the bf16 linear kernels, the activation in fp32 on widened values, rounded once).
-// A bf16 run's expert rows live in fp32 buffers holding bf16 values (what the all-to-alls carry
-// and the virtual clock charges at 2 bytes a value), so these take and leave fp32 tensors.
+// The experts' products in either precision: fp32, or a 16-bit run's (bf16 or fp16 products
+// summed in fp32 through the 16-bit linear kernels, the activation in fp32 on widened values,
+// rounded once). A 16-bit run's expert rows live in fp32 buffers holding 16-bit values (what the
+// all-to-alls carry and the virtual clock charges at 2 bytes a value), so these take and leave fp32
+// tensors.
 #pragma once
 
 #include <cstdint>

@@ -53,16 +53,16 @@ void permute_slot(RankProgram& P, int layer, MoeSlot& A, bool counted) {
   }
 }
 
-void unpermute_gradients(const StepShape& z, MoeSlot& A, bool bf16) {
+void unpermute_gradients(const StepShape& z, MoeSlot& A, bool half) {
   for (const ExpertItem& I : A.items)  // each item's input gradients into the slot's rows
     for (std::size_t x = 0; x < I.rows.size(); ++x)
       std::copy_n(I.d_home.row(static_cast<std::int64_t>(x)), z.h, A.d_grouped.row(I.rows[x]));
   // A bf16 run's experts' input gradients are bf16 values (a tp-split expert's reduced sum is
   // rounded here, as the bf16 reduce-scatter leaves it); the picks of a token are summed in fp32
   // and rounded once, as a bf16 tensor's gradient.
-  if (bf16) round_in_place(z.model.precision, A.d_grouped.slice(0, 0, A.dispatch.rows()));
+  if (half) round_in_place(z.model.precision, A.d_grouped.slice(0, 0, A.dispatch.rows()));
   ops::permute_tokens_backward(A.dispatch, A.d_grouped.slice(0, 0, A.dispatch.rows()), A.d_moe_in);
-  if (bf16) round_in_place(z.model.precision, A.d_moe_in);
+  if (half) round_in_place(z.model.precision, A.d_moe_in);
 }
 
 void frame_dispatch(const StepShape& z, MoeSlot& A) {
