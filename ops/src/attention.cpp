@@ -336,7 +336,8 @@ MatrixView<const T> const_view(MatrixView<T> m) {
 // The matrix with dense rows: itself, or a copy in `buffer`. A head's rows in a [b, s, h, d]
 // tensor are h d apart, and oneDNN's AMX and AVX512_BF16 matmuls (brgemm) take only dense rows;
 // its fallback for strided ones runs several times slower than the copy costs.
-MatrixView<const bf16> dense(MatrixView<const bf16> m, std::vector<bf16>& buffer) {
+template <typename Half>
+MatrixView<const Half> dense(MatrixView<const Half> m, std::vector<Half>& buffer) {
   if (m.stride == m.cols) return m;
   buffer.resize(static_cast<std::size_t>(m.rows * m.cols));
   for (std::int64_t r = 0; r < m.rows; ++r)
@@ -344,21 +345,23 @@ MatrixView<const bf16> dense(MatrixView<const bf16> m, std::vector<bf16>& buffer
   return {buffer.data(), m.rows, m.cols, m.cols};
 }
 
-void check_attention_bf16(const AttentionOptions& opt, const Bf16Tensor& q, const Bf16Tensor& k,
-                          const Bf16Tensor& v, const Bf16Tensor& o, const Tensor& lse) {
+template <typename Half>
+void check_attention_half(const AttentionOptions& opt, const BasicTensor<Half>& q,
+                          const BasicTensor<Half>& k, const BasicTensor<Half>& v,
+                          const BasicTensor<Half>& o, const Tensor& lse) {
   // The shape rules are the fp32 kernel's: checked on shape-only stand-ins.
-  auto like = [](const Bf16Tensor& t) {
+  auto like = [](const BasicTensor<Half>& t) {
     check_rows("attention tensor", t);
     return Tensor::shape_only(t.shape());
   };
   check_attention<float>(opt, like(q), like(k), like(v), like(o), lse);
 }
 
-}  // namespace
-
-void attention_forward(const AttentionOptions& opt, const Bf16Tensor& q, const Bf16Tensor& k,
-                       const Bf16Tensor& v, const Bf16Tensor& o, const Tensor& lse) {
-  check_attention_bf16(opt, q, k, v, o, lse);
+template <typename Half>
+void attention_forward_half(const AttentionOptions& opt, const BasicTensor<Half>& q,
+                            const BasicTensor<Half>& k, const BasicTensor<Half>& v,
+                            const BasicTensor<Half>& o, const Tensor& lse) {
+  check_attention_half(opt, q, k, v, o, lse);
   const std::int64_t n = q.dim(3) / k.dim(3);
   const std::int64_t B = q.dim(0), sq = q.dim(1), H = q.dim(2) * n, d = k.dim(3), sk = k.dim(1);
   const float scale = scale_of<float>(opt, d);
@@ -374,18 +377,18 @@ void attention_forward(const AttentionOptions& opt, const Bf16Tensor& q, const B
     float* lse_row = lse.data() + (b * H + h) * sq + i0;
     std::vector<float> ctx(static_cast<std::size_t>(rows * d), 0.f);
     std::vector<float> s(static_cast<std::size_t>(rows * keys));
-    std::vector<bf16> p(s.size());
+    std::vector<Half> p(s.size());
     std::vector<float> l(static_cast<std::size_t>(rows), 0.f), keep(static_cast<std::size_t>(keys));
-    std::vector<bf16> q_rows, k_rows, v_rows;
+    std::vector<Half> q_rows, k_rows, v_rows;
     if (keys > 0) {
-      gemm_bf16(Transpose::no, Transpose::yes, scale,
+      gemm_half(Transpose::no, Transpose::yes, scale,
                 dense(const_view(head_rows(q, b, g, head, d, i0, rows)), q_rows),
                 dense(const_view(head_rows(k, b, g, 0, d, 0, keys)), k_rows), 0.f,
                 MatrixView<float>{s.data(), rows, keys, keys});
     }
     for (std::int64_t i = 0; i < rows; ++i) {
       float* si = s.data() + i * keys;
-      bf16* pi = p.data() + i * keys;
+      Half* pi = p.data() + i * keys;
       const std::int64_t seen = visible_keys(opt, i0 + i, sk);
       // Eigen's vectorised exp over the keys the row sees; the rest are masked to 0.
       Eigen::Map<Eigen::ArrayXf> row(si, seen);
@@ -402,11 +405,11 @@ void attention_forward(const AttentionOptions& opt, const Bf16Tensor& q, const B
           si[j] *= keep[static_cast<std::size_t>(j)];
       }
       for (std::int64_t j = 0; j < keys; ++j)
-        pi[j] = bf16(si[j]);
+        pi[j] = Half(si[j]);
     }
     if (keys > 0) {
-      gemm_bf16(Transpose::no, Transpose::no, 1.f,
-                MatrixView<const bf16>{p.data(), rows, keys, keys},
+      gemm_half(Transpose::no, Transpose::no, 1.f,
+                MatrixView<const Half>{p.data(), rows, keys, keys},
                 dense(const_view(head_rows(v, b, g, 0, d, 0, keys)), v_rows), 0.f,
                 MatrixView<float>{ctx.data(), rows, d, d});
     }
@@ -414,17 +417,19 @@ void attention_forward(const AttentionOptions& opt, const Bf16Tensor& q, const B
       const float li = l[static_cast<std::size_t>(i)];
       for (std::int64_t c2 = 0; c2 < d; ++c2)
         out.data[i * out.stride + c2] =
-            bf16(li > 0.f ? ctx[static_cast<std::size_t>(i * d + c2)] / li : 0.f);
+            Half(li > 0.f ? ctx[static_cast<std::size_t>(i * d + c2)] / li : 0.f);
     }
   };
   rt::parallel_for(std::int64_t{0}, B * H * chunks, chunk);
 }
 
-void attention_backward(const AttentionOptions& opt, const Bf16Tensor& q, const Bf16Tensor& k,
-                        const Bf16Tensor& v, const Bf16Tensor& o, const Tensor& lse,
-                        const Bf16Tensor& d_o, const Bf16Tensor& dq, const Tensor& dk,
-                        const Tensor& dv) {
-  check_attention_bf16(opt, q, k, v, o, lse);
+template <typename Half>
+void attention_backward_half(const AttentionOptions& opt, const BasicTensor<Half>& q,
+                             const BasicTensor<Half>& k, const BasicTensor<Half>& v,
+                             const BasicTensor<Half>& o, const Tensor& lse,
+                             const BasicTensor<Half>& d_o, const BasicTensor<Half>& dq,
+                             const Tensor& dk, const Tensor& dv) {
+  check_attention_half(opt, q, k, v, o, lse);
   check_rows("attention output gradient", d_o);
   check_rows("attention query gradient", dq);
   check_bshd("key gradient", dk);
@@ -443,7 +448,7 @@ void attention_backward(const AttentionOptions& opt, const Bf16Tensor& q, const 
   auto group = [&](std::int64_t bg) {
     const std::int64_t b = bg / G, g = bg % G;
     std::vector<float> s, dp, keep;
-    std::vector<bf16> p, ds, k_rows, v_rows, q_rows, do_rows, dq_rows;
+    std::vector<Half> p, ds, k_rows, v_rows, q_rows, do_rows, dq_rows;
     // The group's keys and values with dense rows, and its key and value gradients summed
     // densely before they are added to dk and dv.
     const auto K_all = dense(const_view(head_rows(k, b, g, 0, d, 0, sk)), k_rows);
@@ -461,19 +466,19 @@ void attention_backward(const AttentionOptions& opt, const Bf16Tensor& q, const 
         const auto dQ = head_rows(dq, b, g, head, d, i0, rows);
         if (keys == 0) {
           for (std::int64_t i = 0; i < rows; ++i)
-            std::fill_n(dQ.data + i * dQ.stride, d, bf16(0.f));
+            std::fill_n(dQ.data + i * dQ.stride, d, Half(0.f));
           continue;
         }
-        const MatrixView<const bf16> K{K_all.data, keys, d, K_all.stride};
-        const MatrixView<const bf16> V{V_all.data, keys, d, V_all.stride};
+        const MatrixView<const Half> K{K_all.data, keys, d, K_all.stride};
+        const MatrixView<const Half> V{V_all.data, keys, d, V_all.stride};
         s.assign(static_cast<std::size_t>(rows * keys), 0.f);
         dp.assign(s.size(), 0.f);
         p.resize(s.size());
         ds.resize(s.size());
         keep.resize(static_cast<std::size_t>(keys));
-        gemm_bf16(Transpose::no, Transpose::yes, scale, Q, K, 0.f,
+        gemm_half(Transpose::no, Transpose::yes, scale, Q, K, 0.f,
                   MatrixView<float>{s.data(), rows, keys, keys});
-        gemm_bf16(Transpose::no, Transpose::yes, 1.f, dO, V, 0.f,
+        gemm_half(Transpose::no, Transpose::yes, 1.f, dO, V, 0.f,
                   MatrixView<float>{dp.data(), rows, keys, keys});
         for (std::int64_t i = 0; i < rows; ++i) {
           // D_i = rowsum(dO_i * O_i) in fp32: the softmax backward's correction term.
@@ -496,19 +501,19 @@ void attention_backward(const AttentionOptions& opt, const Bf16Tensor& q, const 
             const float pj = si[j];
             const float kj = mask.active() && j < sees ? keep[static_cast<std::size_t>(j)] : 1.f;
             // P's dropped form feeds V's gradient; the mask scales dP the same way.
-            p[static_cast<std::size_t>(i * keys + j)] = bf16(pj * kj);
-            ds[static_cast<std::size_t>(i * keys + j)] = bf16(pj * (dpi[j] * kj - D));
+            p[static_cast<std::size_t>(i * keys + j)] = Half(pj * kj);
+            ds[static_cast<std::size_t>(i * keys + j)] = Half(pj * (dpi[j] * kj - D));
           }
         }
-        const MatrixView<const bf16> P{p.data(), rows, keys, keys};
-        const MatrixView<const bf16> dS{ds.data(), rows, keys, keys};
-        gemm_bf16(Transpose::yes, Transpose::no, 1.f, P, dO, 1.f,
+        const MatrixView<const Half> P{p.data(), rows, keys, keys};
+        const MatrixView<const Half> dS{ds.data(), rows, keys, keys};
+        gemm_half(Transpose::yes, Transpose::no, 1.f, P, dO, 1.f,
                   MatrixView<float>{dv_sum.data(), keys, d, d});
-        gemm_bf16(Transpose::yes, Transpose::no, scale, dS, Q, 1.f,
+        gemm_half(Transpose::yes, Transpose::no, scale, dS, Q, 1.f,
                   MatrixView<float>{dk_sum.data(), keys, d, d});
         dq_rows.resize(static_cast<std::size_t>(rows * d));
-        gemm_bf16(Transpose::no, Transpose::no, scale, dS, K, 0.f,
-                  MatrixView<bf16>{dq_rows.data(), rows, d, d});
+        gemm_half(Transpose::no, Transpose::no, scale, dS, K, 0.f,
+                  MatrixView<Half>{dq_rows.data(), rows, d, d});
         for (std::int64_t i = 0; i < rows; ++i)
           std::copy_n(dq_rows.data() + i * d, d, dQ.data + i * dQ.stride);
       }
@@ -521,6 +526,29 @@ void attention_backward(const AttentionOptions& opt, const Bf16Tensor& q, const 
       }
   };
   rt::parallel_for(std::int64_t{0}, B * G, group);
+}
+
+}  // namespace
+
+void attention_forward(const AttentionOptions& opt, const Bf16Tensor& q, const Bf16Tensor& k,
+                       const Bf16Tensor& v, const Bf16Tensor& o, const Tensor& lse) {
+  attention_forward_half(opt, q, k, v, o, lse);
+}
+void attention_forward(const AttentionOptions& opt, const Fp16Tensor& q, const Fp16Tensor& k,
+                       const Fp16Tensor& v, const Fp16Tensor& o, const Tensor& lse) {
+  attention_forward_half(opt, q, k, v, o, lse);
+}
+void attention_backward(const AttentionOptions& opt, const Bf16Tensor& q, const Bf16Tensor& k,
+                        const Bf16Tensor& v, const Bf16Tensor& o, const Tensor& lse,
+                        const Bf16Tensor& d_o, const Bf16Tensor& dq, const Tensor& dk,
+                        const Tensor& dv) {
+  attention_backward_half(opt, q, k, v, o, lse, d_o, dq, dk, dv);
+}
+void attention_backward(const AttentionOptions& opt, const Fp16Tensor& q, const Fp16Tensor& k,
+                        const Fp16Tensor& v, const Fp16Tensor& o, const Tensor& lse,
+                        const Fp16Tensor& d_o, const Fp16Tensor& dq, const Tensor& dk,
+                        const Tensor& dv) {
+  attention_backward_half(opt, q, k, v, o, lse, d_o, dq, dk, dv);
 }
 
 }  // namespace weave::ops

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <mutex>
 #include <oneapi/dnnl/dnnl.hpp>
+#include <span>
 #include <type_traits>
 #include <vector>
 
@@ -47,6 +48,8 @@ template <typename T>
 constexpr dnnl::memory::data_type data_type_of() {
   if constexpr (std::is_same_v<T, float>)
     return dnnl::memory::data_type::f32;
+  else if constexpr (std::is_same_v<T, fp16>)
+    return dnnl::memory::data_type::f16;
   else
     return dnnl::memory::data_type::bf16;
 }
@@ -61,8 +64,8 @@ dnnl::memory::desc op_desc(MatrixView<const T> m, bool trans) {
 
 // One oneDNN matmul on the calling thread. oneDNN's primitive cache keeps the compiled kernel of
 // each shape, so a training step's repeated shapes are compiled once.
-template <typename Out>
-void onednn_gemm(bool ta, bool tb, float alpha, MatrixView<const bf16> a, MatrixView<const bf16> b,
+template <typename Half, typename Out>
+void onednn_gemm(bool ta, bool tb, float alpha, MatrixView<const Half> a, MatrixView<const Half> b,
                  float beta, MatrixView<Out> c) {
   run_onednn_on_this_thread_only();
   const MatrixView<const Out> cc{c.data, c.rows, c.cols, c.stride};
@@ -78,16 +81,17 @@ void onednn_gemm(bool ta, bool tb, float alpha, MatrixView<const bf16> a, Matrix
   const dnnl::matmul::primitive_desc pd({a_md, b_md, c_md}, attr, engine);
   const dnnl::matmul matmul(pd);
   dnnl::stream stream(engine);
-  dnnl::memory am(a_md, engine, const_cast<bf16*>(a.data));
-  dnnl::memory bm(b_md, engine, const_cast<bf16*>(b.data));
+  dnnl::memory am(a_md, engine, const_cast<Half*>(a.data));
+  dnnl::memory bm(b_md, engine, const_cast<Half*>(b.data));
   dnnl::memory cm(c_md, engine, c.data);
   matmul.execute(stream, {{DNNL_ARG_SRC, am}, {DNNL_ARG_WEIGHTS, bm}, {DNNL_ARG_DST, cm}});
   stream.wait();
 }
 
-// The same product without bf16 instructions: the operands widened to fp32 (exact) and
+// The same product without 16-bit instructions: the operands widened to fp32 (exact) and
 // multiplied by gemm<float>, one thread.
-std::vector<float> widened(MatrixView<const bf16> m) {
+template <typename Half>
+std::vector<float> widened(MatrixView<const Half> m) {
   std::vector<float> out(static_cast<std::size_t>(m.rows * m.cols));
   for (std::int64_t r = 0; r < m.rows; ++r)
     to_float({m.data + r * m.stride, static_cast<std::size_t>(m.cols)},
@@ -95,9 +99,16 @@ std::vector<float> widened(MatrixView<const bf16> m) {
   return out;
 }
 
-template <typename Out>
-void fallback_gemm(bool ta, bool tb, float alpha, MatrixView<const bf16> a,
-                   MatrixView<const bf16> b, float beta, MatrixView<Out> c) {
+void round_row(std::span<const float> from, std::span<bf16> to) {
+  to_bf16(from, to);
+}
+void round_row(std::span<const float> from, std::span<fp16> to) {
+  to_fp16(from, to);
+}
+
+template <typename Half, typename Out>
+void fallback_gemm(bool ta, bool tb, float alpha, MatrixView<const Half> a,
+                   MatrixView<const Half> b, float beta, MatrixView<Out> c) {
   const std::vector<float> af = widened(a), bf = widened(b);
   const MatrixView<const float> av{af.data(), a.rows, a.cols, a.cols};
   const MatrixView<const float> bv{bf.data(), b.rows, b.cols, b.cols};
@@ -107,27 +118,34 @@ void fallback_gemm(bool ta, bool tb, float alpha, MatrixView<const bf16> a,
     gemm<float>(ta_, tb_, alpha, av, bv, beta, c);
   } else {
     std::vector<float> cf(static_cast<std::size_t>(c.rows * c.cols), 0.f);
-    if (beta != 0.f) cf = widened({c.data, c.rows, c.cols, c.stride});
+    if (beta != 0.f) cf = widened<Half>({c.data, c.rows, c.cols, c.stride});
     gemm<float>(ta_, tb_, alpha, av, bv, beta, {cf.data(), c.rows, c.cols, c.cols});
     for (std::int64_t r = 0; r < c.rows; ++r)
-      to_bf16({cf.data() + r * c.cols, static_cast<std::size_t>(c.cols)},
-              {c.data + r * c.stride, static_cast<std::size_t>(c.cols)});
+      round_row({cf.data() + r * c.cols, static_cast<std::size_t>(c.cols)},
+                {c.data + r * c.stride, static_cast<std::size_t>(c.cols)});
   }
 }
 
+template <typename Half>
 void note_fallback_once() {
   static std::once_flag once;
   std::call_once(once, [] {
-    std::fputs(
-        "weave: this CPU has no AVX512_BF16 (or oneDNN was limited below it with "
-        "DNNL_MAX_CPU_ISA): bf16 matrix products run as fp32 products of the bf16 values, with "
-        "the same accuracy at fp32's speed\n",
-        stderr);
+    if constexpr (std::is_same_v<Half, bf16>)
+      std::fputs(
+          "weave: this CPU has no AVX512_BF16 (or oneDNN was limited below it with "
+          "DNNL_MAX_CPU_ISA): bf16 matrix products run as fp32 products of the bf16 values, with "
+          "the same accuracy at fp32's speed\n",
+          stderr);
+    else
+      std::fputs(
+          "weave: oneDNN has no fp16 matrix product on this CPU: fp16 matrix products run as "
+          "fp32 products of the fp16 values, with the same accuracy at fp32's speed\n",
+          stderr);
   });
 }
 
-template <typename Out>
-void serial_gemm(bool ta, bool tb, float alpha, MatrixView<const bf16> a, MatrixView<const bf16> b,
+template <typename Half, typename Out>
+void serial_gemm(bool ta, bool tb, float alpha, MatrixView<const Half> a, MatrixView<const Half> b,
                  float beta, MatrixView<Out> c, bool native) {
   if (c.rows == 0 || c.cols == 0) return;
   const std::int64_t k = ta ? a.rows : a.cols;
@@ -141,22 +159,30 @@ void serial_gemm(bool ta, bool tb, float alpha, MatrixView<const bf16> a, Matrix
     return;
   }
   if (native)
-    onednn_gemm<Out>(ta, tb, alpha, a, b, beta, c);
+    onednn_gemm<Half, Out>(ta, tb, alpha, a, b, beta, c);
   else
-    fallback_gemm<Out>(ta, tb, alpha, a, b, beta, c);
+    fallback_gemm<Half, Out>(ta, tb, alpha, a, b, beta, c);
 }
 
-template <typename Out>
-void gemm_bf16_impl(Transpose trans_a, Transpose trans_b, float alpha, MatrixView<const bf16> a,
-                    MatrixView<const bf16> b, float beta, MatrixView<Out> c) {
+bool native_kernel(bf16) {
+  return bf16_kernel() != Bf16Kernel::fp32_fallback;
+}
+bool native_kernel(fp16) {
+  return fp16_kernel() != Fp16Kernel::fp32_fallback;
+}
+
+template <typename Half, typename Out>
+void gemm_half_impl(const char* name, Transpose trans_a, Transpose trans_b, float alpha,
+                    MatrixView<const Half> a, MatrixView<const Half> b, float beta,
+                    MatrixView<Out> c) {
   const bool ta = trans_a == Transpose::yes, tb = trans_b == Transpose::yes;
-  const GemmShape shape = gemm_shape("gemm_bf16", ta, tb, a, b, c);
+  const GemmShape shape = gemm_shape(name, ta, tb, a, b, c);
   const std::int64_t m = shape.m, n = shape.n, k = shape.k;
-  const bool native = bf16_kernel() != Bf16Kernel::fp32_fallback;
+  const bool native = native_kernel(Half{});
   if (!native) {
-    note_fallback_once();
+    note_fallback_once<Half>();
     // gemm<float> splits over the arena itself.
-    serial_gemm<Out>(ta, tb, alpha, a, b, beta, c, native);
+    serial_gemm<Half, Out>(ta, tb, alpha, a, b, beta, c, native);
     return;
   }
   const int threads = tbb::this_task_arena::max_concurrency();
@@ -169,7 +195,7 @@ void gemm_bf16_impl(Transpose trans_a, Transpose trans_b, float alpha, MatrixVie
   const std::int64_t pieces =
       std::min<std::int64_t>(threads, std::max<std::int64_t>(1, extent / kMinPiece));
   if (threads <= 1 || macs < kParallelMacs || pieces <= 1) {
-    serial_gemm<Out>(ta, tb, alpha, a, b, beta, c, native);
+    serial_gemm<Half, Out>(ta, tb, alpha, a, b, beta, c, native);
     return;
   }
   // Pieces of equal size in multiples of 16 rows or columns (oneDNN's register and tile blocks).
@@ -177,11 +203,11 @@ void gemm_bf16_impl(Transpose trans_a, Transpose trans_b, float alpha, MatrixVie
   rt::parallel_for(std::int64_t{0}, (extent + step - 1) / step, [&](std::int64_t p) {
     const std::int64_t lo = p * step, hi = std::min(extent, lo + step);
     if (split_rows)
-      serial_gemm<Out>(ta, tb, alpha, op_rows(a, ta, lo, hi), b, beta,
-                       {c.data + lo * c.stride, hi - lo, c.cols, c.stride}, native);
+      serial_gemm<Half, Out>(ta, tb, alpha, op_rows(a, ta, lo, hi), b, beta,
+                             {c.data + lo * c.stride, hi - lo, c.cols, c.stride}, native);
     else
-      serial_gemm<Out>(ta, tb, alpha, a, op_cols(b, tb, lo, hi), beta,
-                       {c.data + lo, c.rows, hi - lo, c.stride}, native);
+      serial_gemm<Half, Out>(ta, tb, alpha, a, op_cols(b, tb, lo, hi), beta,
+                             {c.data + lo, c.rows, hi - lo, c.stride}, native);
   });
 }
 
@@ -215,12 +241,51 @@ std::string to_string(Bf16Kernel kernel) {
 
 void gemm_bf16(Transpose trans_a, Transpose trans_b, float alpha, MatrixView<const bf16> a,
                MatrixView<const bf16> b, float beta, MatrixView<float> c) {
-  gemm_bf16_impl<float>(trans_a, trans_b, alpha, a, b, beta, c);
+  gemm_half_impl<bf16, float>("gemm_bf16", trans_a, trans_b, alpha, a, b, beta, c);
 }
 
 void gemm_bf16(Transpose trans_a, Transpose trans_b, float alpha, MatrixView<const bf16> a,
                MatrixView<const bf16> b, float beta, MatrixView<bf16> c) {
-  gemm_bf16_impl<bf16>(trans_a, trans_b, alpha, a, b, beta, c);
+  gemm_half_impl<bf16, bf16>("gemm_bf16", trans_a, trans_b, alpha, a, b, beta, c);
+}
+
+Fp16Kernel fp16_kernel() {
+  // oneDNN says by refusing a primitive whether it has an fp16 matmul for this CPU (and
+  // DNNL_MAX_CPU_ISA): oneDNN 2.6 has none on x86, later versions use AVX512_FP16 and AMX-FP16.
+  static const Fp16Kernel kernel = [] {
+    try {
+      using dt = dnnl::memory::data_type;
+      const dnnl::memory::dims dims{16, 16};
+      const dnnl::memory::desc in(dims, dt::f16, dnnl::memory::format_tag::ab);
+      const dnnl::memory::desc out(dims, dt::f32, dnnl::memory::format_tag::ab);
+      const dnnl::matmul::primitive_desc pd({in, in, out}, cpu_engine());
+      (void)pd;
+      return Fp16Kernel::onednn_f16;
+    } catch (const dnnl::error&) {
+      return Fp16Kernel::fp32_fallback;
+    }
+  }();
+  return kernel;
+}
+
+std::string to_string(Fp16Kernel kernel) {
+  switch (kernel) {
+    case Fp16Kernel::onednn_f16:
+      return "onednn_f16";
+    case Fp16Kernel::fp32_fallback:
+      return "fp32_fallback";
+  }
+  return "unknown";
+}
+
+void gemm_fp16(Transpose trans_a, Transpose trans_b, float alpha, MatrixView<const fp16> a,
+               MatrixView<const fp16> b, float beta, MatrixView<float> c) {
+  gemm_half_impl<fp16, float>("gemm_fp16", trans_a, trans_b, alpha, a, b, beta, c);
+}
+
+void gemm_fp16(Transpose trans_a, Transpose trans_b, float alpha, MatrixView<const fp16> a,
+               MatrixView<const fp16> b, float beta, MatrixView<fp16> c) {
+  gemm_half_impl<fp16, fp16>("gemm_fp16", trans_a, trans_b, alpha, a, b, beta, c);
 }
 
 }  // namespace weave::ops

@@ -91,40 +91,46 @@ void linear_backward_weight(const BasicTensor<T>& x, const BasicTensor<T>& dy,
 WEAVE_INSTANTIATE(float)
 WEAVE_INSTANTIATE(double)
 
-void linear_forward(const Bf16Tensor& x, const Bf16Tensor& w, const Bf16Tensor& b,
-                    const Bf16Tensor& y) {
+namespace {
+
+template <typename Half>
+void linear_forward_half(const BasicTensor<Half>& x, const BasicTensor<Half>& w,
+                         const BasicTensor<Half>& b, const BasicTensor<Half>& y) {
   check_linear(x, w, y, "input", "output");
   if (b.defined()) check_shape("linear bias", b.shape(), Shape{w.dim(0)});
   const auto wm = as_const(matrix_of(w));
-  for (const auto& blk : row_blocks<bf16>({&x, &y})) {
+  for (const auto& blk : row_blocks<Half>({&x, &y})) {
     const auto ym = block_of(y, blk, 1);
     // The bias goes in as C with beta = 1: oneDNN adds it to the fp32 sums before the one
-    // rounding to bf16.
+    // rounding to 16 bits.
     if (b.defined()) {
       for (std::int64_t r = 0; r < ym.rows; ++r)
         std::copy_n(b.data(), ym.cols, ym.data + r * ym.stride);
     }
-    gemm_bf16(Transpose::no, Transpose::yes, 1.f, as_const(block_of(x, blk, 0)), wm,
+    gemm_half(Transpose::no, Transpose::yes, 1.f, as_const(block_of(x, blk, 0)), wm,
               b.defined() ? 1.f : 0.f, ym);
   }
 }
 
-void linear_backward_input(const Bf16Tensor& dy, const Bf16Tensor& w, const Bf16Tensor& dx) {
+template <typename Half>
+void linear_backward_input_half(const BasicTensor<Half>& dy, const BasicTensor<Half>& w,
+                                const BasicTensor<Half>& dx) {
   check_linear(dx, w, dy, "input gradient", "output gradient");
   const auto wm = as_const(matrix_of(w));
-  for (const auto& blk : row_blocks<bf16>({&dy, &dx}))
-    gemm_bf16(Transpose::no, Transpose::no, 1.f, as_const(block_of(dy, blk, 0)), wm, 0.f,
+  for (const auto& blk : row_blocks<Half>({&dy, &dx}))
+    gemm_half(Transpose::no, Transpose::no, 1.f, as_const(block_of(dy, blk, 0)), wm, 0.f,
               block_of(dx, blk, 1));
 }
 
-void linear_backward_weight(const Bf16Tensor& x, const Bf16Tensor& dy, const Tensor& dw,
-                            const Tensor& db) {
+template <typename Half>
+void linear_backward_weight_half(const BasicTensor<Half>& x, const BasicTensor<Half>& dy,
+                                 const Tensor& dw, const Tensor& db) {
   check_linear(x, dw, dy, "input", "output gradient");
   if (db.defined()) check_shape("linear bias gradient", db.shape(), Shape{dw.dim(0)});
   const auto dwm = matrix_of(dw);
-  for (const auto& blk : row_blocks<bf16>({&x, &dy})) {
+  for (const auto& blk : row_blocks<Half>({&x, &dy})) {
     const auto dym = as_const(block_of(dy, blk, 1));
-    gemm_bf16(Transpose::yes, Transpose::no, 1.f, dym, as_const(block_of(x, blk, 0)), 1.f, dwm);
+    gemm_half(Transpose::yes, Transpose::no, 1.f, dym, as_const(block_of(x, blk, 0)), 1.f, dwm);
     if (db.defined()) {
       // Rows in order, in fp32: the same sum whatever the thread count.
       for (std::int64_t r = 0; r < dym.rows; ++r)
@@ -132,6 +138,31 @@ void linear_backward_weight(const Bf16Tensor& x, const Bf16Tensor& dy, const Ten
           db.data()[c] += static_cast<float>(dym.data[r * dym.stride + c]);
     }
   }
+}
+
+}  // namespace
+
+void linear_forward(const Bf16Tensor& x, const Bf16Tensor& w, const Bf16Tensor& b,
+                    const Bf16Tensor& y) {
+  linear_forward_half(x, w, b, y);
+}
+void linear_forward(const Fp16Tensor& x, const Fp16Tensor& w, const Fp16Tensor& b,
+                    const Fp16Tensor& y) {
+  linear_forward_half(x, w, b, y);
+}
+void linear_backward_input(const Bf16Tensor& dy, const Bf16Tensor& w, const Bf16Tensor& dx) {
+  linear_backward_input_half(dy, w, dx);
+}
+void linear_backward_input(const Fp16Tensor& dy, const Fp16Tensor& w, const Fp16Tensor& dx) {
+  linear_backward_input_half(dy, w, dx);
+}
+void linear_backward_weight(const Bf16Tensor& x, const Bf16Tensor& dy, const Tensor& dw,
+                            const Tensor& db) {
+  linear_backward_weight_half(x, dy, dw, db);
+}
+void linear_backward_weight(const Fp16Tensor& x, const Fp16Tensor& dy, const Tensor& dw,
+                            const Tensor& db) {
+  linear_backward_weight_half(x, dy, dw, db);
 }
 
 }  // namespace weave::ops

@@ -260,8 +260,10 @@ std::vector<T> BasicTensor<T>::to_vector() const {
 template class BasicTensor<float>;
 template class BasicTensor<double>;
 template class BasicTensor<bf16>;
+template class BasicTensor<fp16>;
 template void check_rows(std::string_view, const BasicTensor<float>&);
 template void check_rows(std::string_view, const BasicTensor<double>&);
 template void check_rows(std::string_view, const BasicTensor<bf16>&);
+template void check_rows(std::string_view, const BasicTensor<fp16>&);
 
 }  // namespace weave::ops

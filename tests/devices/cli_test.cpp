@@ -460,10 +460,10 @@ TEST(CliFlags, FlagsWithoutEffectAreNamedOnceInOneLine) {
 }
 
 TEST(CliFlags, EveryUnknownAndRefusedFlagIsReportedAtOnceWithCloseSuggestionsOnly) {
-  const Result r =
-      weave(fmt::format("train {} --mock-data --num-layer 3 --fp16 --lr-warmup-fraction 0.01 "
-                        "--moe-router-fusion --expert-tensr-parallel-size 2 --frobnicate",
-                        kTinyModel));
+  const Result r = weave(
+      fmt::format("train {} --mock-data --num-layer 3 --fp8-format e4m3 --lr-warmup-fraction 0.01 "
+                  "--moe-router-fusion --expert-tensr-parallel-size 2 --frobnicate",
+                  kTinyModel));
   EXPECT_NE(r.status, 0);
   EXPECT_TRUE(has(r.out, "6 flags of `weave train`")) << r.out;
   EXPECT_TRUE(has(r.out, "unknown flag '--num-layer' (did you mean '--num-layers'?)")) << r.out;
@@ -471,7 +471,7 @@ TEST(CliFlags, EveryUnknownAndRefusedFlagIsReportedAtOnceWithCloseSuggestionsOnl
                   "unknown flag '--expert-tensr-parallel-size' (did you mean "
                   "'--expert-tensor-parallel-size'?)"))
       << r.out;
-  EXPECT_TRUE(has(r.out, "--fp16 is refused: weave trains in fp32 or bf16")) << r.out;
+  EXPECT_TRUE(has(r.out, "--fp8-format is refused: weave trains fp32, bf16")) << r.out;
   EXPECT_TRUE(has(r.out, "--lr-warmup-fraction is refused")) << r.out;
   // Not a typo of anything: no misleading guess.
   EXPECT_TRUE(has(r.out, "unknown flag '--moe-router-fusion'\n")) << r.out;
@@ -479,14 +479,16 @@ TEST(CliFlags, EveryUnknownAndRefusedFlagIsReportedAtOnceWithCloseSuggestionsOnl
   EXPECT_FALSE(has(r.out, "weave train: ")) << r.out;  // the run's first line
 }
 
-// --bf16 trains (bf16 mixed precision) where it is built and is refused by name elsewhere;
-// --fp16 is refused, pointing to --bf16.
+// --bf16 and --fp16 train (16-bit mixed precision) where it is built and are refused by name
+// elsewhere; an fp16 run shows its loss scale and skipped iterations (an initial scale of 2^40
+// overflows the first steps).
 TEST(CliFlags, HalfPrecisionTrainsInBf16AndRefusesWhatIsNotBuilt) {
-  const Result fp16 = weave(fmt::format("train {} --mock-data --fp16", kTinyModel));
-  EXPECT_NE(fp16.status, 0);
-  EXPECT_TRUE(has(fp16.out, "--fp16 is refused: weave trains in fp32 or bf16 (--bf16)"))
-      << fp16.out;
-  EXPECT_TRUE(has(fp16.out, "give --bf16 instead")) << fp16.out;
+  const Result fp16 = weave(
+      fmt::format("train {} --mock-data --fp16 --train-iters 3 --initial-loss-scale 1099511627776",
+                  kTinyModel));
+  EXPECT_EQ(fp16.status, 0) << fp16.out;
+  EXPECT_TRUE(has(fp16.out, "loss scale 1099511627776.0 | skipped 1")) << fp16.out;
+  EXPECT_TRUE(has(fp16.out, "loss scale 549755813888.0 | skipped 3")) << fp16.out;
   const Result bf16 = weave(fmt::format("train {} --mock-data --bf16 --train-iters 2", kTinyModel));
   EXPECT_EQ(bf16.status, 0) << bf16.out;
   EXPECT_TRUE(has(bf16.out, "bf16 mixed precision |")) << bf16.out;
@@ -505,7 +507,17 @@ TEST(CliFlags, HalfPrecisionTrainsInBf16AndRefusesWhatIsNotBuilt) {
       kTinyModel));
   EXPECT_EQ(cp2.status, 0) << cp2.out;
   EXPECT_TRUE(has(cp2.out, "bf16 mixed precision |")) << cp2.out;
-  // What is still refused (Ampipe with context parallelism) is named by the seed script's test.
+  // What is still refused in bf16 (Ampipe with context parallelism) is named by the seed
+  // script's test; fp16 is refused context parallelism, naming what each format trains with.
+  const Result fp16_cp2 = weave(fmt::format(
+      "train {} --mock-data --fp16 --train-iters 2 --devices 2 --context-parallel-size 2",
+      kTinyModel));
+  EXPECT_NE(fp16_cp2.status, 0) << fp16_cp2.out;
+  EXPECT_TRUE(has(fp16_cp2.out, "this fp16 run has context parallelism")) << fp16_cp2.out;
+  EXPECT_TRUE(has(fp16_cp2.out,
+                  "in fp16 with dense layers under tensor (and sequence), data and "
+                  "pipeline parallelism and the distributed optimizer only"))
+      << fp16_cp2.out;
 }
 
 TEST(CliFlags, AOneDashLongFlagIsRefusedNamingTheTwoDashForm) {

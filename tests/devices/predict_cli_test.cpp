@@ -131,9 +131,11 @@ TEST(PredictCli, ModelsHalfPrecisionVocabularyAndRecomputation) {
 }
 
 TEST(PredictCli, TrainRefusesWhatOnlyPredictModels) {
-  const Result r = weave("train --mock-data --train-iters 1 --fp16");
+  const Result r = weave(
+      "train --mock-data --train-iters 1 --fp16 --context-parallel-size 2 "
+      "--devices 2");
   EXPECT_NE(r.status, 0);
-  EXPECT_NE(r.out.find("weave predict, which models"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("predict the fp16 run (weave predict"), std::string::npos) << r.out;
 }
 
 // Megatron-LM reads --vocab-size for its NullTokenizer only: beside a tokenizer that gives the

@@ -133,7 +133,7 @@ TEST(SeedScript, MindSpeedsAmpipeScriptIsKnownFlagByFlag) {
                             "sequence), data, pipeline, expert and context parallelism"),
             std::string::npos)
       << pasted.out;
-  EXPECT_NE(pasted.out.find("this run has Ampipe with context parallelism"), std::string::npos)
+  EXPECT_NE(pasted.out.find("this bf16 run has Ampipe with context parallelism"), std::string::npos)
       << pasted.out;
   EXPECT_EQ(pasted.out.find("cannot be taken"), std::string::npos) << pasted.out;
   const weave::cli_test::Result fp32 = weave("train " + scaled);

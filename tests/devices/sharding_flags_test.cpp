@@ -167,8 +167,8 @@ TEST(DeepSpeedConfig, RefusesWhatWouldChangeTrainingInOneMessage) {
   const DeepSpeedFile f(R"({"fp16": {"enabled": true}, "curriculum_learning": {"enabled": true},
       "bf16": {"enabled": false}})");
   const std::string e = refusal(with_file(f));
-  for (const char* part :
-       {"fp16.enabled (fp16 needs a dynamic loss scaler", ", curriculum_learning. "})
+  for (const char* part : {"fp16.enabled (DeepSpeed's fp16 loss-scaler settings are not read",
+                           ", curriculum_learning. "})
     EXPECT_NE(e.find(part), std::string::npos) << e << "\n  lacks: " << part;
   // What Megatron-DeepSpeed leaves unused (it hands DeepSpeed its own optimizer and schedule) is
   // named, not refused.

@@ -653,7 +653,7 @@ TEST(Bf16Training, RefusesWhatIsNotBuilt) {
     TrainingStep step(moe, cp2_ampipe, kOptimizer, two, comm);
     FAIL() << "cp2 Ampipe 2 bf16 was built";
   } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("this run has Ampipe with context parallelism"),
+    EXPECT_NE(std::string(e.what()).find("this bf16 run has Ampipe with context parallelism"),
               std::string::npos)
         << e.what();
     EXPECT_NE(std::string(e.what()).find("data, pipeline, expert and context parallelism"),
@@ -661,8 +661,6 @@ TEST(Bf16Training, RefusesWhatIsNotBuilt) {
         << e.what();
   }
   devices::DeviceSet one(1, {.pin = false});
-  ModelConfig fp16 = in(gpt(), Precision::fp16);
-  EXPECT_THROW(TrainingStep(fp16, kOneDevice, kOptimizer, one, comm), ConfigError);
   const ParallelPlan stage2{.data_parallel = 2,
                             .micro_batch_size = 2,
                             .global_batch_size = 4,
@@ -672,7 +670,51 @@ TEST(Bf16Training, RefusesWhatIsNotBuilt) {
     TrainingStep step(in(gpt(), Precision::bf16), stage2, kOptimizer, two, comm);
     FAIL() << "ZeRO stage 2 bf16 was built";
   } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("this run has ZeRO stage 2"), std::string::npos)
+    EXPECT_NE(std::string(e.what()).find("run has ZeRO stage 2"), std::string::npos) << e.what();
+  }
+  // fp16 takes the same code path with its loss scaler, and is built only where its tests
+  // compare it with one device: each other feature is refused by name, the message saying what
+  // either format trains with.
+  struct Fp16Case {
+    const char* what;
+    ModelConfig model;
+    ParallelPlan plan;
+  };
+  ModelConfig fp16_recompute = in(gpt(), Precision::fp16), fp16_qk = fp16_recompute;
+  fp16_recompute.recompute = kFullUniform1;
+  fp16_qk.qk_layernorm = true;
+  const Fp16Case fp16_cases[] = {
+      {"MoE layers", in(tiny(4), Precision::fp16), kOneDevice},
+      {"context parallelism",
+       in(gpt(), Precision::fp16),
+       {.context_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4}},
+      {"activation recomputation", fp16_recompute, kOneDevice},
+      {"--qk-layernorm", fp16_qk, kOneDevice}};
+  for (const Fp16Case& c : fp16_cases) {
+    SCOPED_TRACE(c.what);
+    devices::DeviceSet set(c.plan.devices(), {.pin = false});
+    try {
+      TrainingStep step(c.model, c.plan, kOptimizer, set, comm);
+      FAIL() << "fp16 with " << c.what << " was built";
+    } catch (const ConfigError& e) {
+      const std::string message = e.what();
+      EXPECT_NE(message.find(std::string("this fp16 run has ") + c.what), std::string::npos)
+          << message;
+      EXPECT_NE(message.find("in fp16 with dense layers under tensor (and sequence), data and "
+                             "pipeline parallelism and the distributed optimizer only"),
+                std::string::npos)
+          << message;
+      EXPECT_NE(message.find("in bf16 with dense and MoE layers"), std::string::npos) << message;
+    }
+  }
+  // A loss scaler (bf16's --loss-scale) would leave MoE layers' auxiliary gradients unscaled.
+  OptimizerConfig scaled = kOptimizer;
+  scaled.loss_scaling = true;
+  try {
+    TrainingStep step(moe, kOneDevice, scaled, one, comm);
+    FAIL() << "a loss scaler was built with MoE layers";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("is not built with MoE layers"), std::string::npos)
         << e.what();
   }
   // Predicted (no tensors), every combination is modelled.

@@ -18,10 +18,10 @@ struct Built {
   devices::DeviceSet set;
   devices::SharedMemoryCommunicator comm;
   TrainingStep step;
-  Built(const ModelConfig& m, ParallelPlan p)
+  Built(const ModelConfig& m, ParallelPlan p, const OptimizerConfig& o = {})
       : plan((validate(m, p), p)),
         set(plan.devices(), {.pin = false}),
-        step(m, plan, {}, set, comm, {.materialize = false}) {}
+        step(m, plan, o, set, comm, {.materialize = false}) {}
 };
 
 TEST(StepCosts, NoComputeTaskIsFree) {
@@ -104,13 +104,14 @@ TEST(StepCosts, ElementWiseWorkStreamsAtTheMemoryBandwidth) {
 // The optimizer step streams AdamW's fp32 traffic (value, gradient and two moments read, three
 // written: 28 bytes an element) and, in 16-bit runs, Megatron-LM's mixed-precision copies: the
 // fp32 main parameters into the 16-bit ones (4 read, 2 written), and under fp16 the fp16
-// gradients into fp32 main gradients (2 and 4) and their unscaling (4 and 4). The elements are
-// the gradients zero_grads clears (4 bytes each in fp32).
+// gradients into fp32 main gradients (2 and 4); a loss scaler's unscaling of them (4 and 4) is
+// a task of its own. The elements are the gradients zero_grads clears (4 bytes each in fp32).
 TEST(StepCosts, TheOptimizerStreamsAdamWAndTheMixedPrecisionCopies) {
   auto bytes_of = [](Precision precision, std::string_view task) {
     ModelConfig m = tiny(0);
     m.precision = precision;
-    Built b(m, {.micro_batch_size = 2, .global_batch_size = 2});
+    Built b(m, {.micro_batch_size = 2, .global_batch_size = 2},
+            {.loss_scaling = precision == Precision::fp16});
     const rt::TaskTable& tasks = b.step.graph().tasks();
     for (rt::TaskId t = 0; t < tasks.size(); ++t)
       if (tasks.name(t) == task) return tasks[t].cost.bytes;
@@ -120,8 +121,8 @@ TEST(StepCosts, TheOptimizerStreamsAdamWAndTheMixedPrecisionCopies) {
   const double elements = bytes_of(Precision::fp32, "zero_grads") / 4;
   EXPECT_DOUBLE_EQ(bytes_of(Precision::fp32, "optimizer"), elements * 7 * 4);
   EXPECT_DOUBLE_EQ(bytes_of(Precision::bf16, "optimizer"), elements * (7 * 4 + 4 + 2));
-  EXPECT_DOUBLE_EQ(bytes_of(Precision::fp16, "optimizer"),
-                   elements * (7 * 4 + (4 + 2) + (2 + 4) + (4 + 4)));
+  EXPECT_DOUBLE_EQ(bytes_of(Precision::fp16, "optimizer"), elements * (7 * 4 + (4 + 2) + (2 + 4)));
+  EXPECT_DOUBLE_EQ(bytes_of(Precision::fp16, "unscale_and_check_inf"), elements * (4 + 4));
 }
 
 // The kernel model's inputs reach every task: over a dense one-device step the attention FLOPs

@@ -38,7 +38,7 @@ std::string MemoryEstimate::describe() const {
 MemoryEstimate estimate_memory(const graphs::TrainerConfig& config) {
   devices::DeviceSet set(config.plan.devices(), {.pin = false});
   devices::SharedMemoryCommunicator comm;
-  const graphs::TrainingStep step(config.model, config.plan, config.optimizer, set, comm,
+  const graphs::TrainingStep step(config.model, config.plan, config.step_optimizer(), set, comm,
                                   {.materialize = false});
   MemoryEstimate e;
   for (std::size_t d = 0; d < set.size(); ++d) {

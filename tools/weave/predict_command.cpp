@@ -46,8 +46,6 @@ struct PredictOptions {
   bool every_rank = false;
   bool json = false;        // --json: the prediction as one JSON object
   std::string trace_ranks;  // --trace-ranks: "0-7,64"
-  // What weave predict models beyond weave train (which refuses it).
-  bool fp16 = false;
   // --advise: search the parallel plans instead of predicting the one given.
   bool advise = false;
   int advise_top = 10;
@@ -84,12 +82,12 @@ std::string model_flags(const CLI::App& cmd) {
 // the recomputation flags); graphs::validate checks the combinations.
 void apply_predicted_training(PredictOptions& o) {
   graphs::ModelConfig& m = o.train.config.model;
-  if (o.train.bf16 && o.fp16)
+  if (o.train.bf16 && o.train.fp16)
     throw graphs::ConfigError(
         "--bf16 and --fp16 are two precisions: give one (Megatron-LM refuses both, too)");
-  m.precision = o.train.bf16 ? graphs::Precision::bf16
-                : o.fp16     ? graphs::Precision::fp16
-                             : graphs::Precision::fp32;
+  m.precision = o.train.bf16   ? graphs::Precision::bf16
+                : o.train.fp16 ? graphs::Precision::fp16
+                               : graphs::Precision::fp32;
 }
 
 std::string recompute_text(const graphs::Recompute& r) {
@@ -381,8 +379,7 @@ std::optional<ProgramSetting> predict_setting(const graphs::ConfigFlag& f, Predi
       {"--json", &o.json},
       {"--advise", &o.advise},
       {"--advise-top", &o.advise_top},
-      {"--advise-limit", &o.advise_limit},
-      {"--fp16", &o.fp16}};
+      {"--advise-limit", &o.advise_limit}};
   for (const auto& [name, setting] : settings)
     if (name == f.name) return setting;
   throw std::logic_error(fmt::format(

@@ -94,6 +94,9 @@ void ProgressReporter::iteration(const graphs::IterationMetrics& r) {
     extras += fmt::format(
         " | bubble/ideal {:.2f}{}", *bubble_,
         bubble_theory_ ? fmt::format(" (schedule {:.2f})", *bubble_theory_) : std::string());
+  // A loss scaler's scale and the iterations it skipped, as Megatron-LM logs them.
+  if (r.loss_scale)
+    extras += fmt::format(" | loss scale {:.1f} | skipped {}", *r.loss_scale, r.skipped_iterations);
   if (r.dropped_picks && r.routed_picks > 0)
     extras += fmt::format(" | dropped {:.1f}%", 100.0 * static_cast<double>(*r.dropped_picks) /
                                                     static_cast<double>(r.routed_picks));
@@ -112,6 +115,11 @@ void ProgressReporter::iteration(const graphs::IterationMetrics& r) {
     }
     if (r.exposed_comm_share) j["exposed_comm_share"] = *r.exposed_comm_share;
     if (r.pipeline_bubble) j["pipeline_bubble"] = *r.pipeline_bubble;
+    if (r.loss_scale) {
+      j["loss_scale"] = *r.loss_scale;
+      j["skipped"] = r.skipped;
+      j["skipped_iterations"] = r.skipped_iterations;
+    }
     if (r.dropped_picks) {
       j["dropped_picks"] = *r.dropped_picks;
       j["routed_picks"] = r.routed_picks;

@@ -116,8 +116,9 @@ void set_or_check(const TrainOptions& o, const Reading& r, std::string_view flag
 
 // The half-precision sections. DeepSpeed's engine and Megatron-DeepSpeed's --bf16 must agree for
 // a run to train in bf16, so an enabled bf16 section is weave's --bf16 (set where the command line
-// left it out); an explicitly disabled one beside --bf16 is a disagreement. fp16 and amp need a
-// loss scaler weave does not have, and are refused as --fp16 is.
+// left it out); an explicitly disabled one beside --bf16 is a disagreement. The fp16 and amp
+// sections carry DeepSpeed's own loss-scaler settings (loss_scale 0 for dynamic,
+// initial_scale_power), which are not mapped onto Megatron-LM's flags: refused, naming those.
 void read_precision(TrainOptions& o, Reading& r, const json& ds) {
   for (const char* section : {"bf16", "fp16", "amp"}) {
     if (!ds.contains(section)) continue;
@@ -135,8 +136,9 @@ void read_precision(TrainOptions& o, Reading& r, const json& ds) {
       }
     } else if (enabled) {
       r.refused.push_back(fmt::format(
-          "{}.enabled (fp16 needs a dynamic loss scaler weave does not have: use the bf16 "
-          "section or --bf16, or set it false)",
+          "{}.enabled (DeepSpeed's fp16 loss-scaler settings are not read: give --fp16 with "
+          "--loss-scale or --initial-loss-scale on the command line, or use the bf16 section, "
+          "or set it false)",
           section));
     }
     if (s.is_object())

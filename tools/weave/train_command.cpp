@@ -46,9 +46,11 @@ std::string describe(const graphs::TrainerConfig& c, const std::string& data) {
       "{}{}{} | micro-batch {}, global batch {} ({} micro-batches) | data: {}",
       m.num_layers, m.hidden_size, m.num_attention_heads, moe_text(m),
       m.activation == graphs::Activation::swiglu ? ", SwiGLU" : "",
-      m.precision == graphs::Precision::bf16 ? ", bf16 mixed precision" : "", plan.devices(),
-      plan.tensor_parallel, plan.sequence_parallel ? " + sp" : "", plan.context_parallel,
-      plan.expert_parallel, plan.data_parallel,
+      m.precision != graphs::Precision::fp32
+          ? fmt::format(", {} mixed precision", graphs::precision_name(m.precision))
+          : "",
+      plan.devices(), plan.tensor_parallel, plan.sequence_parallel ? " + sp" : "",
+      plan.context_parallel, plan.expert_parallel, plan.data_parallel,
       plan.ampipe_degree > 1 ? fmt::format(", ampipe {}", plan.ampipe_degree) : "",
       plan.pipeline_parallel > 1
           ? fmt::format(", pp {} ({}{})", plan.pipeline_parallel,

@@ -31,6 +31,7 @@ constexpr ProgramFlag kProgramFlags[] = {
     {"--config", [](TrainOptions& o) -> ProgramSetting { return &o.config_file; }},
     {"--swiglu", [](TrainOptions& o) -> ProgramSetting { return &o.swiglu; }},
     {"--bf16", [](TrainOptions& o) -> ProgramSetting { return &o.bf16; }},
+    {"--fp16", [](TrainOptions& o) -> ProgramSetting { return &o.fp16; }},
     {"--position-embedding-type",
      [](TrainOptions& o) -> ProgramSetting { return &o.position_embedding_type; }},
     {"--use-rotary-position-embeddings",

@@ -109,7 +109,12 @@ void derive_model(TrainOptions& o) {
   if (!o.gave("--ffn-hidden-size"))
     m.ffn_hidden_size =
         o.swiglu ? static_cast<int>(4.0 * m.hidden_size * 2 / 3 / 64) * 64 : 4 * m.hidden_size;
-  m.precision = o.bf16 ? graphs::Precision::bf16 : graphs::Precision::fp32;
+  if (o.bf16 && o.fp16)
+    throw graphs::ConfigError(
+        "--bf16 and --fp16 are two precisions: give one (Megatron-LM refuses both, too)");
+  m.precision = o.bf16   ? graphs::Precision::bf16
+                : o.fp16 ? graphs::Precision::fp16
+                         : graphs::Precision::fp32;
   if (o.position_embedding_type == "learned_absolute")
     m.position_embedding = graphs::PositionEmbedding::learned_absolute;
   else if (o.position_embedding_type == "rope")

@@ -27,6 +27,7 @@ struct TrainOptions {
   graphs::TrainerConfig config{.plan = {.global_batch_size = 0}};
   bool swiglu = false;
   bool bf16 = false;        // --bf16
+  bool fp16 = false;        // --fp16
   std::string accelerator;  // --accelerator: a preset's name or a JSON file
   // --devices-per-node, --node-link, --network: the cluster's figures over --accelerator's.
   devices::ClusterOverrides cluster;

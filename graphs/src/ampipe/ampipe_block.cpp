@@ -25,13 +25,13 @@ void chunk_residual_norm(RankProgram& p, int set, int layer, int mb, int c, cons
   // A bf16 run: the reduced projection is a bf16 value, as the bf16 collective leaves it; the
   // bias is read from its bf16 copy (widened) and the norm's output rounded once (the router's
   // and the experts' bf16 input).
-  if (p.bf16() && p.shape.tp > 1) round_in_place(proj);
+  if (p.half() && p.shape.tp > 1) round_in_place(p.precision(), proj);
   p.bias_dropout_add(mb, layer, 0, proj, compute_value_of(W.attention.proj_bias),
                      A.x_in.slice(0, first, q), A.x_mid.slice(0, first, q), first);
   norm_forward(p.shape.model, A.x_mid.slice(0, first, q), *W.ln2_weight, W.ln2_bias,
                A.ln2.slice(0, first, q), A.ln2_mean.slice(0, first * B, q * B),
                A.ln2_rstd.slice(0, first * B, q * B));
-  if (p.bf16()) round_in_place(A.ln2.slice(0, first, q));
+  if (p.half()) round_in_place(p.precision(), A.ln2.slice(0, first, q));
 }
 
 // The out-projection's partial sums of chunk c's rows of the sequence, piece after piece.
@@ -48,16 +48,17 @@ void chunk_attention_forward(RankProgram& p, int set, int layer, int mb, int c) 
   const std::int64_t q = z.piece_rows(), B = z.B, Hl = z.Hl, d = z.d;
   for (int j = 0; j < z.t_sp; ++j) {
     const std::int64_t first = z.piece_start(c, j);
-    if (p.bf16()) {  // the bf16 attention kernel and a bf16 projection into bf16 partial sums
-      ops::attention_forward({.q_offset = first, .dropout = attention_dropout(p, layer, mb)},
+    if (p.half()) {  // the bf16 attention kernel and a bf16 projection into bf16 partial sums
+      half_attention_forward(p.precision(),
+                             {.q_offset = first, .dropout = attention_dropout(p, layer, mb)},
                              query_view(A.qkv16.slice(0, first, q), z), key_view(A.qkv16, z),
                              value_view(A.qkv16, z), output_view(A.attn16.slice(0, first, q), z),
                              A.lse.slice(0, c * z.t_sp + j, 1).reshape({B, Hl, q}));
       const ops::Bf16Tensor out16 = ops::Bf16Tensor::empty({q, B, z.h});
-      ops::linear_forward(A.attn16.slice(0, first, q).reshape({q, B, Hl * d}),
+      half_linear_forward(p.precision(), A.attn16.slice(0, first, q).reshape({q, B, Hl * d}),
                           p.attention_parameters(layer).proj_weight->value16, ops::Bf16Tensor{},
                           out16);
-      widen_to_fp32(out16, chunk_partial(p, set, layer, c).slice(0, j * q, q));
+      widen_to_fp32(p.precision(), out16, chunk_partial(p, set, layer, c).slice(0, j * q, q));
       continue;
     }
     ops::attention_forward({.q_offset = first, .dropout = attention_dropout(p, layer, mb)},
@@ -127,24 +128,27 @@ void chunk_attention_backward(RankProgram& p, int set, int layer, int mb, int c)
   for (int j = 0; j < z.t_sp; ++j) {
     const std::int64_t first = z.piece_start(c, j);
     const Tensor d_proj = chunk_d_proj_rows(p, c).slice(0, j * q, q);
-    if (p.bf16()) {
+    if (p.half()) {
       // As a bf16 run's whole attention backward: the output gradient rounded to bf16 for the
       // projection's products, then the bf16 attention backward: dq in bf16 (widened into
       // d_qkv's rows), dk and dv accumulated in fp32.
       const ops::Bf16Tensor d_out16 = ops::Bf16Tensor::empty({q, B, z.h});
       const ops::Bf16Tensor d_attn16 = ops::Bf16Tensor::empty({q, B, Hl * d});
       const ops::Bf16Tensor attn16 = A.attn16.slice(0, first, q).reshape({q, B, Hl * d});
-      round_to_bf16(d_proj, d_out16);
-      ops::linear_backward_input(d_out16, W.attention.proj_weight->value16, d_attn16);
-      ops::linear_backward_weight(attn16, d_out16, W.attention.proj_weight->grad, Tensor{});
+      round_to_half(p.precision(), d_proj, d_out16);
+      half_linear_backward_input(p.precision(), d_out16, W.attention.proj_weight->value16,
+                                 d_attn16);
+      half_linear_backward_weight(p.precision(), attn16, d_out16, W.attention.proj_weight->grad,
+                                  Tensor{});
       const ops::Bf16Tensor dq16 = p.ws().half.d_qkv16.slice(0, first, q);
-      ops::attention_backward({.q_offset = first, .dropout = attention_dropout(p, layer, mb)},
-                              query_view(A.qkv16.slice(0, first, q), z), key_view(A.qkv16, z),
-                              value_view(A.qkv16, z), output_view(A.attn16.slice(0, first, q), z),
-                              A.lse.slice(0, c * z.t_sp + j, 1).reshape({B, Hl, q}),
-                              output_view(d_attn16, z), query_view(dq16, z),
-                              key_view(w.attention.d_qkv, z), value_view(w.attention.d_qkv, z));
-      widen_to_fp32(query_view(dq16, z), query_view(w.attention.d_qkv.slice(0, first, q), z));
+      half_attention_backward(
+          p.precision(), {.q_offset = first, .dropout = attention_dropout(p, layer, mb)},
+          query_view(A.qkv16.slice(0, first, q), z), key_view(A.qkv16, z), value_view(A.qkv16, z),
+          output_view(A.attn16.slice(0, first, q), z),
+          A.lse.slice(0, c * z.t_sp + j, 1).reshape({B, Hl, q}), output_view(d_attn16, z),
+          query_view(dq16, z), key_view(w.attention.d_qkv, z), value_view(w.attention.d_qkv, z));
+      widen_to_fp32(p.precision(), query_view(dq16, z),
+                    query_view(w.attention.d_qkv.slice(0, first, q), z));
       continue;
     }
     const Tensor d_attn = w.attention.d_attn.reshape({z.Sc, B, Hl * d}).slice(0, first, q);

@@ -132,6 +132,14 @@ constexpr ConfigFlag kModel[] = {
              "expert and context parallelism, the distributed optimizer, recomputation, dense and "
              "MoE layers (the router in fp32); Ampipe with context parallelism is refused with "
              "it, naming what works"},
+    {.name = "--fp16",
+     .values = 0,
+     .help = "fp16 mixed precision, as Megatron-LM trains it: as --bf16 in IEEE half (fp16 "
+             "products and saved activations, fp32 main parameters and gradients), with a loss "
+             "scaler (--loss-scale, or dynamic from --initial-loss-scale) and steps whose "
+             "gradients overflow skipped. With tensor (+ sequence), data and pipeline "
+             "parallelism, the distributed optimizer and dense layers; the other combinations are "
+             "refused, naming what works"},
     {.name = "--norm-epsilon",
      .aliases = "--layernorm-epsilon",
      .help = "The norms' epsilon",

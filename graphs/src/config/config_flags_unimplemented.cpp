@@ -31,9 +31,6 @@ constexpr ConfigFlag refused(std::string_view name, int values, std::string_view
 
 constexpr std::string_view kFusion =
     "a kernel fusion switch: weave's kernels are its own and compute the same values either way";
-constexpr std::string_view kLossScale =
-    "loss scaling is for fp16 training, which weave train refuses (--fp16); bf16 and fp32 need "
-    "none";
 constexpr std::string_view kAmpipeRule =
     "a MindSpeed memory or pipeline switch for NPUs: the run is the same without it (refused "
     "beside --ampipe-degree, as MindSpeed does)";
@@ -123,12 +120,8 @@ constexpr ConfigFlag kNoEffect[] = {
         "MindSpeed's memory saving for bf16 runs (its optimizer frees the fp32 parameter "
         "copies); weave keeps fp32 main parameters and their bf16 copies apart"),
     without_effect("--apply-query-key-layer-scaling", 0,
-                   "a guard against fp16 overflow: in fp32 the attention is the same"),
-    without_effect("--loss-scale", 1, kLossScale),
-    without_effect("--initial-loss-scale", 1, kLossScale),
-    without_effect("--min-loss-scale", 1, kLossScale),
-    without_effect("--loss-scale-window", 1, kLossScale),
-    without_effect("--hysteresis", 1, kLossScale),
+                   "a guard against fp16 overflow of the attention scores, which are fp32 in "
+                   "every precision here: the attention is the same"),
     without_effect("--use-nanopipe", 0, kAmpipeRule, kRefusedBesideAmpipe),
     without_effect("--recompute-in-bubble", 0, kAmpipeRule, kRefusedBesideAmpipe),
     without_effect("--recompute-in-advance", 0, kAmpipeRule, kRefusedBesideAmpipe),
@@ -225,24 +218,10 @@ constexpr ConfigFlag kNoEffect[] = {
                        "it"},
 };
 
-constexpr std::string_view kHalfPrecision =
-    "weave trains in fp32 or bf16 (--bf16), not fp16, which needs a dynamic loss scaler weave does "
-    "not have: give --bf16 instead, or drop the flag and the run trains in fp32, or give it to "
-    "weave predict, which models an fp16 run's memory and traffic";
-
 constexpr ConfigFlag kRefused[] = {
-    {.name = "--fp16",
-     .group = FlagGroup::not_implemented,
-     .status = FlagStatus::refused,
-     .values = 0,
-     .help = kHalfPrecision,
-     .properties = kModelledByPredict,
-     .predicted_help = "Predict an fp16 run: as --bf16 with fp16 gradients, and fp32 master "
-                       "weights, gradients and moments in the optimizer (20 bytes a parameter, 4 "
-                       "+ 16/d)"},
     refused("--fp8-format", 1,
-            "weave trains fp32 and bf16 (--bf16) runs and predicts fp16 (--fp16) ones too; fp8 is "
-            "none of them: drop it"),
+            "weave trains fp32, bf16 (--bf16) and fp16 (--fp16) runs; fp8 is none of them: drop "
+            "it"),
     refused("--lr-warmup-fraction", 1,
             "give --lr-warmup-iters instead (the fraction x --lr-decay-iters)"),
     refused("--noisy-gate-policy", 1, "weave's router adds no noise to its gate: drop it"),

@@ -39,15 +39,15 @@ void project_qkv_bf16(const LayerSpec& spec, const ModelConfig& m, const Attenti
                       const ops::Bf16Tensor& x, const ops::Bf16Tensor& qkv16, const Tensor& qkv32,
                       std::span<const std::int64_t> positions,
                       const std::vector<StageState>& state) {
-  ops::linear_forward(x, W.qkv_weight->value16, value16_of(W.qkv_bias),
+  half_linear_forward(m.precision, x, W.qkv_weight->value16, value16_of(W.qkv_bias),
                       qkv16.reshape(x.shape().with(-1, qkv16.numel() / x.rows())));
   if (m.position_embedding != PositionEmbedding::rope && spec.query_key.empty()) return;
-  widen_to_fp32(qkv16, qkv32);
+  widen_to_fp32(m.precision, qkv16, qkv32);
   for (std::size_t i = 0; i < spec.query_key.size(); ++i)
     spec.query_key[i]->forward(m, W.query_key[i], qkv32, state[i]);
   if (m.position_embedding == PositionEmbedding::rope)
     rotate_queries_and_keys(m, qkv32, positions, false);
-  round_to_bf16(qkv32, qkv16);
+  round_to_half(m.precision, qkv32, qkv16);
 }
 
 // Whether layer l is the first of a model chunk after the first: its input came from another
@@ -168,7 +168,7 @@ void AttentionBlock::allocate(LayerActivations& A) const {
   const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h, Hl = z.Hl, d = z.d, cp = z.cp;
   const bool ampipe = z.spec(l).mlp == MlpModule::ampipe;
   const bool ring = z.spec(l).attention == AttentionCore::ring;
-  if (P->bf16()) {
+  if (P->half()) {
     A.attention.ln1_16 = P->activation16({Sc, B, h});
     A.attention.ln1_mean = P->activation({Sl * B});
     A.attention.ln1_rstd = P->activation({Sl * B});
@@ -209,7 +209,7 @@ void AttentionBlock::allocate(LayerActivations& A) const {
   A.attention.query_key = allocate_query_key_stages(
       z.spec(l), [this](const ops::Shape& s) { return P->activation(s); },
       {.rows = Sc * B, .groups = z.Gl, .queries_per_group = z.qpg, .head_dim = d});
-  if (z.splits_backward && P->bf16()) {
+  if (z.splits_backward && P->half()) {
     A.attention.saved_d_proj16 = P->activation16({Sc, B, h});
     A.attention.saved_d_qkv16 = P->activation16({Sc, B, z.qkv_width()});
   } else if (z.splits_backward) {
@@ -231,18 +231,18 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
       P->compute(at + "input_norm", tags, cost::streamed(z, 2 * rows), [p, layer, set] {
         LayerActivations& A = p->acts(set, layer);
         const AttentionParameters& W = p->attention_parameters(layer);
-        if (p->bf16()) {  // in fp32, rounded once into the bf16 input of the QKV product
+        if (p->half()) {  // in fp32, rounded once into the bf16 input of the QKV product
           // A stage's input arrives as the bf16 values Megatron-LM's bf16 pipeline sends
           // (pipeline_dtype, the parameters' dtype); rounding again (recomputation) keeps them.
-          if (takes_stage_input(p->layout, layer)) round_in_place(A.x_in);
+          if (takes_stage_input(p->layout, layer)) round_in_place(p->precision(), A.x_in);
           const Tensor& y = p->ws().half.norm_out;
           norm_forward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, y, A.attention.ln1_mean,
                        A.attention.ln1_rstd);
           // Under SP the bf16 values are gathered (in fp32 buffers) before QKV keeps them.
           if (p->shape.sp())
-            round_in_place(y);
+            round_in_place(p->precision(), y);
           else
-            round_to_bf16(y, A.attention.ln1_16);
+            round_to_half(p->precision(), y, A.attention.ln1_16);
           return;
         }
         norm_forward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.attention.ln1,
@@ -251,7 +251,7 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
   P->after(ready, ln1);
   LayerActivations& A = P->acts(set, layer);
   TaskId gathered = rt::kNoTask;
-  if (z.sp() && P->bf16())
+  if (z.sp() && P->half())
     gathered =
         sp_gather(*P, ln1, P->ws().half.norm_out, P->ws().half.gathered, at + "sp_gather", tags);
   else if (z.sp())
@@ -260,14 +260,14 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
   const TaskId qkv = P->compute(at + "qkv", tags, cost, [=] {
     LayerActivations& A = p->acts(set, layer);
     const StepShape& z = p->shape;
-    if (p->bf16()) {
-      if (z.sp()) round_to_bf16(p->ws().half.gathered, A.attention.ln1_16);
+    if (p->half()) {
+      if (z.sp()) round_to_half(p->precision(), p->ws().half.gathered, A.attention.ln1_16);
       project_qkv_bf16(z.spec(layer), z.model, p->attention_parameters(layer), A.attention.ln1_16,
                        A.attention.qkv16, p->ws().half.qkv32, context_positions(*p),
                        A.attention.query_key);
       if (ring) {  // the bf16 keys and values, contiguous, in the fp32 block the ring carries
         const Tensor& wide = p->ws().half.qkv32;
-        widen_to_fp32(A.attention.qkv16, wide);
+        widen_to_fp32(p->precision(), A.attention.qkv16, wide);
         const std::int64_t keys = z.qpg * d;
         A.attention.kv_local.slice(3, 0, d).copy_from(wide.slice(3, keys, d));
         A.attention.kv_local.slice(3, d, d).copy_from(wide.slice(3, keys + d, d));
@@ -301,18 +301,18 @@ TaskId AttentionBlock::forward(const BuildPosition& pos, TaskId ready) const {
         P->compute(at + "attention", tags, cost::core_attention(z) + cost::projection(z), [=] {
           LayerActivations& A = p->acts(set, layer);
           const StepShape& z = p->shape;
-          if (p->bf16()) {
+          if (p->half()) {
             const HalfWorkspace& half = p->ws().half;
             const AttentionActivations& S = A.attention;
-            ops::attention_forward({.dropout = attention_dropout(*p, layer, mb)},
+            half_attention_forward(p->precision(), {.dropout = attention_dropout(*p, layer, mb)},
                                    query_view(S.qkv16, z), key_view(S.qkv16, z),
                                    value_view(S.qkv16, z), output_view(S.attn16, z),
                                    S.lse.reshape({B, Hl, Sc}));
             // The projection's bf16 output joins the fp32 residual stream.
-            ops::linear_forward(S.attn16.reshape({Sc, B, Hl * d}),
+            half_linear_forward(p->precision(), S.attn16.reshape({Sc, B, Hl * d}),
                                 p->attention_parameters(layer).proj_weight->value16,
                                 ops::Bf16Tensor{}, half.out16);
-            widen_to_fp32(half.out16, S.proj_partial);
+            widen_to_fp32(p->precision(), half.out16, S.proj_partial);
             return;
           }
           ops::attention_forward({.dropout = attention_dropout(*p, layer, mb)},
@@ -346,20 +346,20 @@ void attention_backward_bf16(RankProgram& p, const AttentionActivations& S,
   const std::int64_t Sc = z.Sc, B = z.B, Hl = z.Hl, d = z.d;
   BackwardWorkspace& w = p.ws();
   const HalfWorkspace& half = w.half;
-  round_to_bf16(d_proj, half.d_out16);
-  ops::linear_backward_input(half.d_out16, W.proj_weight->value16, half.d_attn16);
+  round_to_half(p.precision(), d_proj, half.d_out16);
+  half_linear_backward_input(p.precision(), half.d_out16, W.proj_weight->value16, half.d_attn16);
   if (keep)
     S.saved_d_proj16.copy_from(half.d_out16);
   else
-    ops::linear_backward_weight(S.attn16.reshape({Sc, B, Hl * d}), half.d_out16,
+    half_linear_backward_weight(p.precision(), S.attn16.reshape({Sc, B, Hl * d}), half.d_out16,
                                 W.proj_weight->grad, Tensor{});
   w.attention.d_qkv.fill(0.f);  // attention accumulates dk and dv
-  ops::attention_backward({.dropout = dropout}, query_view(S.qkv16, z), key_view(S.qkv16, z),
-                          value_view(S.qkv16, z), output_view(S.attn16, z),
+  half_attention_backward(p.precision(), {.dropout = dropout}, query_view(S.qkv16, z),
+                          key_view(S.qkv16, z), value_view(S.qkv16, z), output_view(S.attn16, z),
                           S.lse.reshape({B, Hl, Sc}), output_view(half.d_attn16, z),
                           query_view(half.d_qkv16, z), key_view(w.attention.d_qkv, z),
                           value_view(w.attention.d_qkv, z));
-  widen_to_fp32(query_view(half.d_qkv16, z), query_view(w.attention.d_qkv, z));
+  widen_to_fp32(p.precision(), query_view(half.d_qkv16, z), query_view(w.attention.d_qkv, z));
 }
 
 }  // namespace
@@ -385,16 +385,17 @@ TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHa
     BackwardWorkspace& w = p->ws();
     const AttentionParameters& W = p->attention_parameters(layer);
     const Tensor d_proj = sp ? w.d_mlp_full : w.d_mlp;
-    if (p->bf16() && ring) {  // the projection's backward; the ring's steps run the attention's
+    if (p->half() && ring) {  // the projection's backward; the ring's steps run the attention's
       const HalfWorkspace& half = w.half;
-      round_to_bf16(d_proj, half.d_out16);
-      ops::linear_backward_input(half.d_out16, W.proj_weight->value16, half.d_attn16);
-      ops::linear_backward_weight(A.attention.attn16.reshape({Sc, B, Hl * d}), half.d_out16,
-                                  W.proj_weight->grad, Tensor{});
+      round_to_half(p->precision(), d_proj, half.d_out16);
+      half_linear_backward_input(p->precision(), half.d_out16, W.proj_weight->value16,
+                                 half.d_attn16);
+      half_linear_backward_weight(p->precision(), A.attention.attn16.reshape({Sc, B, Hl * d}),
+                                  half.d_out16, W.proj_weight->grad, Tensor{});
       w.attention.d_qkv.fill(0.f);
       return;
     }
-    if (p->bf16()) {
+    if (p->half()) {
       attention_backward_bf16(*p, A.attention, W, attention_dropout(*p, layer, mb), d_proj, keep);
       return;
     }
@@ -420,9 +421,9 @@ TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHa
       return p->compute(at + "attention_weight_grad", pos.tags(rt::Phase::weight, layer),
                         cost::projection(z), [=] {
                           LayerActivations& A = p->acts(set, layer);
-                          if (p->bf16()) {
-                            ops::linear_backward_weight(
-                                A.attention.attn16.reshape({Sc, B, Hl * d}),
+                          if (p->half()) {
+                            half_linear_backward_weight(
+                                p->precision(), A.attention.attn16.reshape({Sc, B, Hl * d}),
                                 A.attention.saved_d_proj16,
                                 p->attention_parameters(layer).proj_weight->grad, Tensor{});
                             return;
@@ -453,13 +454,13 @@ void qkv_input_gradient(RankProgram& P, int set, int layer, bool ring, bool keep
   }
   project_qkv_backward(z.spec(layer), z.model, P.attention_parameters(layer), w.attention.d_qkv,
                        context_positions(P), A.query_key);
-  if (P.bf16()) {  // the gradients the QKV product takes, in bf16
+  if (P.half()) {  // the gradients the QKV product takes, in bf16
     const HalfWorkspace& half = w.half;
-    round_to_bf16(w.attention.d_qkv, half.d_qkv16);
+    round_to_half(P.precision(), w.attention.d_qkv, half.d_qkv16);
     if (keep) A.saved_d_qkv16.copy_from(half.d_qkv16.reshape({z.Sc, z.B, width}));
-    ops::linear_backward_input(half.d_qkv16.reshape({z.Sc, z.B, width}),
+    half_linear_backward_input(P.precision(), half.d_qkv16.reshape({z.Sc, z.B, width}),
                                P.attention_parameters(layer).qkv_weight->value16, half.out16);
-    widen_to_fp32(half.out16, w.d_norm_full);
+    widen_to_fp32(P.precision(), half.out16, w.d_norm_full);
     return;
   }
   const Tensor d_out = w.attention.d_qkv.reshape({z.Sc, z.B, width});
@@ -493,11 +494,11 @@ TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, We
     return p->compute(at + "qkv_weight_grad", t, cost::qkv(z), [=] {
       LayerActivations& A = p->acts(set, layer);
       const AttentionParameters& W = p->attention_parameters(layer);
-      if (p->bf16()) {
+      if (p->half()) {
         const ops::Bf16Tensor d_out16 =
             keep ? A.attention.saved_d_qkv16
                  : p->ws().half.d_qkv16.reshape({Sc, B, p->shape.qkv_width()});
-        ops::linear_backward_weight(A.attention.ln1_16, d_out16, W.qkv_weight->grad,
+        half_linear_backward_weight(p->precision(), A.attention.ln1_16, d_out16, W.qkv_weight->grad,
                                     grad_of(W.qkv_bias));
         return;
       }
@@ -530,7 +531,7 @@ TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, We
         BackwardWorkspace& w = p->ws();
         const AttentionParameters& W = p->attention_parameters(layer);
         // The reduced gradient is a bf16 value, as the bf16 collective would leave it.
-        if (p->bf16() && p->shape.tp > 1) round_in_place(w.d_norm);
+        if (p->half() && p->shape.tp > 1) round_in_place(p->precision(), w.d_norm);
         norm_backward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.attention.ln1_mean,
                       A.attention.ln1_rstd, w.d_norm, w.d_tmp);
         ops::accumulate(w.d_tmp, w.d_x);

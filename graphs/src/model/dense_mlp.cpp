@@ -61,12 +61,12 @@ namespace {
 void dense_mlp_forward_bf16(const ModelConfig& m, const DenseMlpParameters& W,
                             const ops::Bf16Tensor& x, const DenseMlpActivations& D,
                             const HalfWorkspace& half) {
-  ops::linear_forward(x, W.fc1_weight->value16, value16_of(W.fc1_bias), D.fc1_16);
-  widen_to_fp32(D.fc1_16, half.pre32);
+  half_linear_forward(m.precision, x, W.fc1_weight->value16, value16_of(W.fc1_bias), D.fc1_16);
+  widen_to_fp32(m.precision, D.fc1_16, half.pre32);
   mlp_activation_forward(m, half.pre32, half.act32);
-  round_to_bf16(half.act32, D.act16);
-  ops::linear_forward(D.act16, W.fc2_weight->value16, ops::Bf16Tensor{}, half.out16);
-  widen_to_fp32(half.out16, D.fc2_partial);
+  round_to_half(m.precision, half.act32, D.act16);
+  half_linear_forward(m.precision, D.act16, W.fc2_weight->value16, ops::Bf16Tensor{}, half.out16);
+  widen_to_fp32(m.precision, half.out16, D.fc2_partial);
 }
 
 // Its backward (fc2's weight half folded in, or with `keep` its output gradient kept for W; fc1's
@@ -75,19 +75,19 @@ void dense_mlp_forward_bf16(const ModelConfig& m, const DenseMlpParameters& W,
 void dense_mlp_backward_bf16(const ModelConfig& m, const DenseMlpParameters& W,
                              const DenseMlpActivations& D, BackwardWorkspace& w, bool keep) {
   const HalfWorkspace& half = w.half;
-  round_to_bf16(w.d_mlp_full, half.d_out16);
-  ops::linear_backward_input(half.d_out16, W.fc2_weight->value16, half.d_act16);
+  round_to_half(m.precision, w.d_mlp_full, half.d_out16);
+  half_linear_backward_input(m.precision, half.d_out16, W.fc2_weight->value16, half.d_act16);
   if (keep)
     D.saved_d_fc2_16.copy_from(half.d_out16);
   else
-    ops::linear_backward_weight(D.act16, half.d_out16, W.fc2_weight->grad, Tensor{});
-  widen_to_fp32(D.fc1_16, half.pre32);
-  widen_to_fp32(half.d_act16, half.act32);
+    half_linear_backward_weight(m.precision, D.act16, half.d_out16, W.fc2_weight->grad, Tensor{});
+  widen_to_fp32(m.precision, D.fc1_16, half.pre32);
+  widen_to_fp32(m.precision, half.d_act16, half.act32);
   mlp_activation_backward(m, half.pre32, half.act32, w.dense_mlp.d_fc1);
-  round_to_bf16(w.dense_mlp.d_fc1, half.d_fc1_16);
+  round_to_half(m.precision, w.dense_mlp.d_fc1, half.d_fc1_16);
   if (keep) D.saved_d_fc1_16.copy_from(half.d_fc1_16);
-  ops::linear_backward_input(half.d_fc1_16, W.fc1_weight->value16, half.out16);
-  widen_to_fp32(half.out16, w.d_norm_full);
+  half_linear_backward_input(m.precision, half.d_fc1_16, W.fc1_weight->value16, half.out16);
+  widen_to_fp32(m.precision, half.out16, w.d_norm_full);
 }
 
 }  // namespace
@@ -95,10 +95,10 @@ void dense_mlp_backward_bf16(const ModelConfig& m, const DenseMlpParameters& W,
 void DenseMlp::allocate(LayerActivations& A) const {
   const StepShape& z = P->shape;
   const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h;
-  if (!P->bf16()) A.ln2_full = z.sp() ? P->activation({Sc, B, h}) : A.ln2;
+  if (!P->half()) A.ln2_full = z.sp() ? P->activation({Sc, B, h}) : A.ln2;
   DenseMlpActivations& D = A.mlp.emplace<DenseMlpActivations>();
   auto products = [&](DenseMlpActivations& into) {
-    if (P->bf16()) {
+    if (P->half()) {
       into.fc1_16 = P->activation16({Sc, B, z.f1l});
       into.act16 = P->activation16({Sc, B, z.fl});
     } else {
@@ -117,7 +117,7 @@ void DenseMlp::allocate(LayerActivations& A) const {
     products(D);
   }
   A.mlp_out = z.sp() ? P->activation({Sl, B, h}) : D.fc2_partial;
-  if (z.splits_backward && P->bf16()) {
+  if (z.splits_backward && P->half()) {
     D.saved_d_fc2_16 = P->activation16({Sc, B, h});
     D.saved_d_fc1_16 = P->activation16({Sc, B, z.f1l});
   } else if (z.splits_backward) {
@@ -134,7 +134,7 @@ TaskId DenseMlp::forward(const BuildPosition& pos, TaskId ready) const {
   const std::string at = fmt::format("L{}.", l);
   LayerActivations& A = P->acts(set, l);
   TaskId gathered = rt::kNoTask;
-  if (z.sp() && P->bf16())
+  if (z.sp() && P->half())
     gathered = sp_gather(*P, ready, P->ws().half.norm_out, P->ws().half.gathered,
                          at + "sp_gather_mlp", tags);
   else if (z.sp())
@@ -145,8 +145,9 @@ TaskId DenseMlp::forward(const BuildPosition& pos, TaskId ready) const {
   const bool recomputing = pos.recomputing && z.model.recompute.recomputes(kRecomputeMlp);
   const TaskId mlp = P->compute(at + "mlp", tags, cost::mlp(z, z.Sc * z.B), [=] {
     LayerActivations& A = p->acts(set, layer);
-    if (p->bf16()) {
-      if (p->shape.sp() && !recomputing) round_to_bf16(p->ws().half.gathered, A.ln2_16);
+    if (p->half()) {
+      if (p->shape.sp() && !recomputing)
+        round_to_half(p->precision(), p->ws().half.gathered, A.ln2_16);
       dense_mlp_forward_bf16(p->shape.model, p->dense_mlp_parameters(layer), A.ln2_16, A.dense(),
                              p->ws().half);
       return;
@@ -178,7 +179,7 @@ TaskId DenseMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& 
     LayerActivations& A = p->acts(set, layer);
     BackwardWorkspace& w = p->ws();
     const DenseMlpParameters& W = p->dense_mlp_parameters(layer);
-    if (p->bf16()) {
+    if (p->half()) {
       dense_mlp_backward_bf16(p->shape.model, W, A.dense(), w, keep);
       return;
     }
@@ -197,22 +198,22 @@ TaskId DenseMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& 
   TaskId norm_ready = reduced;
   if (keep) {
     halves.place(WeightPlacement::zero_bubble, [=] {
-      return p->compute(at + "mlp_weight_grad", pos.tags(rt::Phase::weight, layer),
-                        fc1 + fc2_weight, [=] {
-                          LayerActivations& A = p->acts(set, layer);
-                          const DenseMlpParameters& W = p->dense_mlp_parameters(layer);
-                          if (p->bf16()) {
-                            ops::linear_backward_weight(A.dense().act16, A.dense().saved_d_fc2_16,
-                                                        W.fc2_weight->grad, Tensor{});
-                            ops::linear_backward_weight(A.ln2_16, A.dense().saved_d_fc1_16,
-                                                        W.fc1_weight->grad, grad_of(W.fc1_bias));
-                            return;
-                          }
-                          ops::linear_backward_weight(A.dense().act, A.dense().saved_d_fc2,
-                                                      W.fc2_weight->grad, Tensor{});
-                          ops::linear_backward_weight(A.ln2_full, A.dense().saved_d_fc1,
-                                                      W.fc1_weight->grad, grad_of(W.fc1_bias));
-                        });
+      return p->compute(
+          at + "mlp_weight_grad", pos.tags(rt::Phase::weight, layer), fc1 + fc2_weight, [=] {
+            LayerActivations& A = p->acts(set, layer);
+            const DenseMlpParameters& W = p->dense_mlp_parameters(layer);
+            if (p->half()) {
+              half_linear_backward_weight(p->precision(), A.dense().act16, A.dense().saved_d_fc2_16,
+                                          W.fc2_weight->grad, Tensor{});
+              half_linear_backward_weight(p->precision(), A.ln2_16, A.dense().saved_d_fc1_16,
+                                          W.fc1_weight->grad, grad_of(W.fc1_bias));
+              return;
+            }
+            ops::linear_backward_weight(A.dense().act, A.dense().saved_d_fc2, W.fc2_weight->grad,
+                                        Tensor{});
+            ops::linear_backward_weight(A.ln2_full, A.dense().saved_d_fc1, W.fc1_weight->grad,
+                                        grad_of(W.fc1_bias));
+          });
     });
     if (reduced == rt::kNoTask) norm_ready = mlp;
   } else {
@@ -220,9 +221,10 @@ TaskId DenseMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& 
     const TaskId weights = halves.place(WeightPlacement::immediate, [=] {
       return p->compute(at + "mlp_weight_grad", tags, fc1, [=] {
         const DenseMlpParameters& W = p->dense_mlp_parameters(layer);
-        if (p->bf16()) {
-          ops::linear_backward_weight(p->acts(set, layer).ln2_16, p->ws().half.d_fc1_16,
-                                      W.fc1_weight->grad, grad_of(W.fc1_bias));
+        if (p->half()) {
+          half_linear_backward_weight(p->precision(), p->acts(set, layer).ln2_16,
+                                      p->ws().half.d_fc1_16, W.fc1_weight->grad,
+                                      grad_of(W.fc1_bias));
           return;
         }
         ops::linear_backward_weight(p->acts(set, layer).ln2_full, p->ws().dense_mlp.d_fc1,

@@ -44,7 +44,7 @@ TaskId Embedding::forward(const BuildPosition& pos, TaskId ready) const {
     p->apply_dropout(false, mb, p->shape.model.num_layers, 2, X.x_in, X.x_in);
     // A bf16 run's embedding output is a bf16 value (the lookup of the bf16 table, up to the
     // dropout's and positions' one rounding), carried in the fp32 residual stream.
-    if (p->bf16()) round_in_place(X.x_in);
+    if (p->half()) round_in_place(p->precision(), X.x_in);
   });
   P->after(reduced, positions);
   return positions;

@@ -4,6 +4,7 @@
 #include <span>
 #include <string_view>
 
+#include "weave/ops/linear.hpp"
 #include "weave/runtime/parallel_for.hpp"
 
 namespace weave::graphs {
@@ -45,26 +46,93 @@ void convert_rows(std::string_view what, std::string_view input, std::string_vie
   });
 }
 
+ops::Fp16Tensor as_fp16(const ops::Bf16Tensor& t) {
+  return t.bits_as<ops::fp16>();
+}
+
+bool is_fp16(Precision precision) {
+  return precision == Precision::fp16;
+}
+
 }  // namespace
 
-void round_to_bf16(const ops::Tensor& from, const ops::Bf16Tensor& to) {
-  convert_rows<float, ops::bf16>("round_to_bf16", "round_to_bf16 input", "round_to_bf16 output",
+void round_to_half(Precision precision, const ops::Tensor& from, const ops::Bf16Tensor& to) {
+  if (is_fp16(precision)) {
+    convert_rows<float, ops::fp16>("round_to_half", "round_to_half input", "round_to_half output",
+                                   from, as_fp16(to), ops::to_fp16);
+    return;
+  }
+  convert_rows<float, ops::bf16>("round_to_half", "round_to_half input", "round_to_half output",
                                  from, to, ops::to_bf16);
 }
 
-void widen_to_fp32(const ops::Bf16Tensor& from, const ops::Tensor& to) {
+void widen_to_fp32(Precision precision, const ops::Bf16Tensor& from, const ops::Tensor& to) {
+  if (is_fp16(precision)) {
+    convert_rows<ops::fp16, float>("widen_to_fp32", "widen_to_fp32 input", "widen_to_fp32 output",
+                                   as_fp16(from), to, ops::to_float);
+    return;
+  }
   convert_rows<ops::bf16, float>("widen_to_fp32", "widen_to_fp32 input", "widen_to_fp32 output",
                                  from, to, ops::to_float);
 }
 
-void round_in_place(const ops::Tensor& x) {
+void round_in_place(Precision precision, const ops::Tensor& x) {
   ops::check_rows("round_in_place", x);
   const std::int64_t cols = x.dim(x.rank() - 1);
+  const bool fp16 = is_fp16(precision);
   for_rows(x.rows(), cols, [&](std::int64_t r) {
     float* row = x.row(r);
     for (std::int64_t c = 0; c < cols; ++c)
-      row[c] = static_cast<float>(ops::bf16(row[c]));
+      row[c] = fp16 ? static_cast<float>(ops::fp16(row[c])) : static_cast<float>(ops::bf16(row[c]));
   });
+}
+
+void half_linear_forward(Precision precision, const ops::Bf16Tensor& x, const ops::Bf16Tensor& w,
+                         const ops::Bf16Tensor& b, const ops::Bf16Tensor& y) {
+  if (is_fp16(precision))
+    ops::linear_forward(as_fp16(x), as_fp16(w), as_fp16(b), as_fp16(y));
+  else
+    ops::linear_forward(x, w, b, y);
+}
+
+void half_linear_backward_input(Precision precision, const ops::Bf16Tensor& dy,
+                                const ops::Bf16Tensor& w, const ops::Bf16Tensor& dx) {
+  if (is_fp16(precision))
+    ops::linear_backward_input(as_fp16(dy), as_fp16(w), as_fp16(dx));
+  else
+    ops::linear_backward_input(dy, w, dx);
+}
+
+void half_linear_backward_weight(Precision precision, const ops::Bf16Tensor& x,
+                                 const ops::Bf16Tensor& dy, const ops::Tensor& dw,
+                                 const ops::Tensor& db) {
+  if (is_fp16(precision))
+    ops::linear_backward_weight(as_fp16(x), as_fp16(dy), dw, db);
+  else
+    ops::linear_backward_weight(x, dy, dw, db);
+}
+
+void half_attention_forward(Precision precision, const ops::AttentionOptions& options,
+                            const ops::Bf16Tensor& q, const ops::Bf16Tensor& k,
+                            const ops::Bf16Tensor& v, const ops::Bf16Tensor& o,
+                            const ops::Tensor& lse) {
+  if (is_fp16(precision))
+    ops::attention_forward(options, as_fp16(q), as_fp16(k), as_fp16(v), as_fp16(o), lse);
+  else
+    ops::attention_forward(options, q, k, v, o, lse);
+}
+
+void half_attention_backward(Precision precision, const ops::AttentionOptions& options,
+                             const ops::Bf16Tensor& q, const ops::Bf16Tensor& k,
+                             const ops::Bf16Tensor& v, const ops::Bf16Tensor& o,
+                             const ops::Tensor& lse, const ops::Bf16Tensor& d_o,
+                             const ops::Bf16Tensor& dq, const ops::Tensor& dk,
+                             const ops::Tensor& dv) {
+  if (is_fp16(precision))
+    ops::attention_backward(options, as_fp16(q), as_fp16(k), as_fp16(v), as_fp16(o), lse,
+                            as_fp16(d_o), as_fp16(dq), dk, dv);
+  else
+    ops::attention_backward(options, q, k, v, o, lse, d_o, dq, dk, dv);
 }
 
 }  // namespace weave::graphs

@@ -62,7 +62,7 @@ TaskId ModelChunk::backward(const BuildPosition& pos, TaskId ready, WeightHalves
         P->compute("stage_grad_out", tags, cost::streamed(P->shape, 2 * rows), [p, set] {
           const Tensor& d_send = p->aset(set).d_send;
           d_send.copy_from(p->ws().d_x);
-          if (p->bf16()) round_in_place(d_send);
+          if (p->half()) round_in_place(p->precision(), d_send);
         });
     P->after(prev, out);
     P->after(d_send_read, out);

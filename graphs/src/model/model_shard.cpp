@@ -22,7 +22,7 @@ std::int64_t local_cols(const Parameter& p) {
 ops::Tensor compute_value(const Parameter& p) {
   if (!p.value16.defined()) return p.value;
   const ops::Tensor wide = ops::Tensor::empty(p.value16.shape());
-  widen_to_fp32(p.value16, wide);
+  widen_to_fp32(p.fp16 ? Precision::fp16 : Precision::bf16, p.value16, wide);
   return wide;
 }
 
@@ -40,9 +40,9 @@ double normal(const ops::RandomKey& key, std::int64_t row, std::int64_t col) {
   return std::sqrt(-2.0 * std::log(u1)) * std::cos(2 * std::numbers::pi * u2);
 }
 
-// A bf16 run's parameters: the bucket's fp32 main values rounded into its bf16 copy.
-void refresh(GradientBucket& bucket) {
-  round_to_bf16(bucket.values, bucket.values16);
+// A 16-bit run's parameters: the bucket's fp32 main values rounded into its 16-bit copy.
+void refresh(GradientBucket& bucket, Precision precision) {
+  round_to_half(precision, bucket.values, bucket.values16);
 }
 
 }  // namespace
@@ -324,9 +324,9 @@ void ModelShard::make_bucket(const Mesh& mesh, int rank, std::string name,
                         : ops::Tensor::shape_only({n}, device_, category,
                                                   static_cast<std::size_t>(element_bytes));
   };
-  const bool bf16 = materialize_ && config_.precision == Precision::bf16;
-  // A materialized bf16 run holds the fp32 main values in the optimizer and a bf16 copy as the
-  // model's parameters.
+  const bool bf16 = materialize_ && config_.precision != Precision::fp32;
+  // A materialized 16-bit run holds the fp32 main values in the optimizer and a 16-bit copy as
+  // the model's parameters (Bf16Tensor storage, read as fp16 in an fp16 run).
   bucket.values_staged = staged_values.defined();
   bucket.values = bucket.values_staged ? staged_values
                                        : zeros(padded,
@@ -347,6 +347,7 @@ void ModelShard::make_bucket(const Mesh& mesh, int rank, std::string name,
     p->value = value;
     p->grad = bucket.grads.slice(0, at, p->value.numel()).reshape(p->value.shape());
     if (bf16) p->value16 = bucket.values16.slice(0, at, p->value.numel()).reshape(p->value.shape());
+    p->fp16 = bf16 && config_.precision == Precision::fp16;
     p->bucket = bucket.name;
     at += p->value.numel();
   }
@@ -366,7 +367,7 @@ void ModelShard::make_bucket(const Mesh& mesh, int rank, std::string name,
   bucket.exp_avg_sq = zeros(bucket.shard_size, rt::MemoryCategory::optimizer_state, 4);
   // 16-bit training: the fp32 master weights (and for fp16 the fp32 gradients) of the shard,
   // beside the two moments.
-  if (bf16) refresh(bucket);
+  if (bf16) refresh(bucket, config_.precision);
   if (!materialize_ && bytes.optimizer_state > 8)
     bucket.master_state =
         zeros(bucket.shard_size, rt::MemoryCategory::optimizer_state, bytes.optimizer_state - 8);
@@ -375,7 +376,7 @@ void ModelShard::make_bucket(const Mesh& mesh, int rank, std::string name,
 
 void ModelShard::refresh_bf16_copies() {
   for (GradientBucket& b : buckets_)
-    if (b.values16.defined()) refresh(b);
+    if (b.values16.defined()) refresh(b, config_.precision);
 }
 
 void ModelShard::zero_grads() {

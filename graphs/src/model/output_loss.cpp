@@ -28,18 +28,18 @@ ops::VocabShard vocab_shard(RankProgram& P) {
 void OutputLoss::allocate(OutputSet& O) const {
   const StepShape& z = P->shape;
   const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h;
-  if (P->bf16())
+  if (P->half())
     O.final16 = P->activation16({Sc, B, h});
   else
     O.final_ln = P->activation({Sl, B, h});
   O.final_mean = P->activation({Sl * B});
   O.final_rstd = P->activation({Sl * B});
-  if (!P->bf16()) O.final_full = z.sp() ? P->activation({Sc, B, h}) : O.final_ln;
+  if (!P->half()) O.final_full = z.sp() ? P->activation({Sc, B, h}) : O.final_ln;
   O.logits = P->activation({Sc * B, z.Vl});
   O.row_max = P->activation({Sc * B});
   O.partials = P->activation({Sc * B, ops::kCrossEntropyPartials});
   O.lse = P->activation({Sc * B});
-  if (z.splits_backward && P->bf16())
+  if (z.splits_backward && P->half())
     O.saved_d_logits16 = P->activation16({Sc * B, z.Vl});
   else if (z.splits_backward)
     O.saved_d_logits = P->activation({Sc * B, z.Vl});
@@ -60,13 +60,13 @@ TaskId OutputLoss::forward(const BuildPosition& pos, TaskId ready) const {
     OutputSet& X = p->oset(out);
     ModelShard& W = p->shard();
     p->load_tokens(mb, X.targets, true);
-    if (p->bf16()) {  // in fp32, rounded once into the bf16 input of the output layer
+    if (p->half()) {  // in fp32, rounded once into the bf16 input of the output layer
       norm_forward(p->shape.model, p->acts(set, last_layer).x_out, W.final_ln_weight(),
                    W.final_ln_bias(), p->ws().half.norm_out, X.final_mean, X.final_rstd);
       if (p->shape.sp())  // gathered first
-        round_in_place(p->ws().half.norm_out);
+        round_in_place(p->precision(), p->ws().half.norm_out);
       else
-        round_to_bf16(p->ws().half.norm_out, X.final16);
+        round_to_half(p->precision(), p->ws().half.norm_out, X.final16);
       return;
     }
     norm_forward(p->shape.model, p->acts(set, last_layer).x_out, W.final_ln_weight(),
@@ -75,19 +75,19 @@ TaskId OutputLoss::forward(const BuildPosition& pos, TaskId ready) const {
   P->after(ready, norm);
   OutputSet& X = P->oset(out);
   TaskId gathered = rt::kNoTask;
-  if (z.sp() && P->bf16())
+  if (z.sp() && P->half())
     gathered =
         sp_gather(*P, norm, P->ws().half.norm_out, P->ws().half.gathered, "final_gather", tags);
   else if (z.sp())
     gathered = sp_gather(*P, norm, X.final_ln, X.final_full, "final_gather", tags);
   const TaskId logits = P->compute("logits", tags, cost::matmul(Sc * B, h, z.Vl), [=] {
     OutputSet& X = p->oset(out);
-    if (p->bf16()) {  // bf16 logits, widened: the loss is fp32
+    if (p->half()) {  // bf16 logits, widened: the loss is fp32
       const ops::Bf16Tensor& logits16 = p->ws().half.logits16;
-      if (p->shape.sp()) round_to_bf16(p->ws().half.gathered, X.final16);
-      ops::linear_forward(X.final16.reshape({Sc * B, h}), p->shard().output_weight().value16,
-                          ops::Bf16Tensor{}, logits16);
-      widen_to_fp32(logits16, X.logits);
+      if (p->shape.sp()) round_to_half(p->precision(), p->ws().half.gathered, X.final16);
+      half_linear_forward(p->precision(), X.final16.reshape({Sc * B, h}),
+                          p->shard().output_weight().value16, ops::Bf16Tensor{}, logits16);
+      widen_to_fp32(p->precision(), logits16, X.logits);
     } else {
       ops::linear_forward(X.final_full.reshape({Sc * B, h}), p->shard().output_weight().value,
                           Tensor{}, X.logits);
@@ -128,15 +128,17 @@ TaskId OutputLoss::backward(const BuildPosition& pos, TaskId ready, WeightHalves
   const TaskId d_logits = P->compute("loss_backward", tags, logits_flops, [=] {
     OutputSet& X = p->oset(out);
     BackwardWorkspace& w = p->ws();
-    ops::cross_entropy_backward<float>(X.logits, X.targets, vocab_shard(*p), X.lse,
-                                       cross_entropy_options(p->shape), 1.0, w.output.d_logits);
-    if (p->bf16()) {  // the output layer's products take the gradient in bf16
+    ops::cross_entropy_backward<float>(
+        X.logits, X.targets, vocab_shard(*p), X.lse, cross_entropy_options(p->shape),
+        p->opt.loss_scaling ? p->inputs.loss_scale : 1.0, w.output.d_logits);
+    if (p->half()) {  // the output layer's products take the gradient in bf16
       const HalfWorkspace& half = w.half;
-      round_to_bf16(w.output.d_logits, half.d_logits16);
+      round_to_half(p->precision(), w.output.d_logits, half.d_logits16);
       if (keep) X.saved_d_logits16.copy_from(half.d_logits16);
-      ops::linear_backward_input(half.d_logits16, p->shard().output_weight().value16,
+      half_linear_backward_input(p->precision(), half.d_logits16,
+                                 p->shard().output_weight().value16,
                                  half.out16.reshape({Sc * B, h}));
-      widen_to_fp32(half.out16, w.output.d_final_full);
+      widen_to_fp32(p->precision(), half.out16, w.output.d_final_full);
       return;
     }
     ops::linear_backward_input(w.output.d_logits, p->shard().output_weight().value,
@@ -154,8 +156,8 @@ TaskId OutputLoss::backward(const BuildPosition& pos, TaskId ready, WeightHalves
         "logits_weight_grad", pos.tags(keep ? rt::Phase::weight : rt::Phase::backward),
         logits_flops, [=] {
           OutputSet& X = p->oset(out);
-          if (p->bf16()) {
-            ops::linear_backward_weight(X.final16.reshape({Sc * B, h}),
+          if (p->half()) {
+            half_linear_backward_weight(p->precision(), X.final16.reshape({Sc * B, h}),
                                         keep ? X.saved_d_logits16 : p->ws().half.d_logits16,
                                         p->shard().output_weight().grad, Tensor{});
             return;
@@ -171,7 +173,7 @@ TaskId OutputLoss::backward(const BuildPosition& pos, TaskId ready, WeightHalves
         BackwardWorkspace& w = p->ws();
         ModelShard& W = p->shard();
         const Tensor d_in = sp ? w.d_norm : w.output.d_final_full;
-        if (p->bf16() && p->shape.tp > 1) round_in_place(d_in);
+        if (p->half() && p->shape.tp > 1) round_in_place(p->precision(), d_in);
         norm_backward(p->shape.model, p->acts(set, last_layer).x_out, W.final_ln_weight(),
                       W.final_ln_bias(), X.final_mean, X.final_rstd, d_in, w.d_x);
       });

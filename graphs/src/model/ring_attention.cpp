@@ -68,19 +68,20 @@ void RingAttention::attend_piece(int set, int mb, std::int64_t half, const Tenso
   BackwardWorkspace& w = P->ws();
   const int me = P->at.cp;
   const Tensor keys = kv.slice(0, key_half * chunk, chunk);
-  if (P->bf16()) {
+  if (P->half()) {
     // The bf16 attention kernel on the block's bf16 keys and values (carried as bf16 values in
     // fp32), its partial output rounded to bf16 and merged in fp32 with the fp32 statistics.
     const ops::AttentionOptions options{.q_offset = z.context_position(me, half * chunk),
                                         .k_offset = z.context_position(from, key_half * chunk),
                                         .dropout = attention_dropout(*P, l, mb)};
     const ops::Bf16Tensor kv16 = ops::Bf16Tensor::empty(keys.shape());
-    round_to_bf16(keys, kv16);
+    round_to_half(P->precision(), keys, kv16);
     const ops::Bf16Tensor o16 = ops::Bf16Tensor::empty(w.cp_ring.o_part.shape());
-    ops::attention_forward(options, query_view(A.attention.qkv16.slice(0, half * chunk, chunk), z),
+    half_attention_forward(P->precision(), options,
+                           query_view(A.attention.qkv16.slice(0, half * chunk, chunk), z),
                            kv16.slice(3, 0, d).transpose(0, 1), kv16.slice(3, d, d).transpose(0, 1),
                            output_view(o16, z), w.cp_ring.lse_part);
-    widen_to_fp32(o16, w.cp_ring.o_part);
+    widen_to_fp32(P->precision(), o16, w.cp_ring.o_part);
     merge_partial(w.cp_ring.merged.slice(0, half * chunk, chunk),
                   A.attention.lse.slice(0, half, 1).reshape({z.B, z.Hl, chunk}), w.cp_ring.o_part,
                   w.cp_ring.lse_part);
@@ -114,23 +115,23 @@ void RingAttention::attend_piece_backward(int set, int mb, std::int64_t half, co
   const Tensor d_attn = w.attention.d_attn.slice(0, half * chunk, chunk);
   const Tensor keys = kv.slice(0, key_half * chunk, chunk);
   const Tensor key_grads = grads.slice(0, key_half * chunk, chunk);
-  if (P->bf16()) {
+  if (P->half()) {
     // The bf16 attention backward: dq in bf16 (widened and summed over the blocks in fp32), the
     // block's dk and dv accumulated in fp32.
     const ops::AttentionOptions options{.q_offset = z.context_position(me, half * chunk),
                                         .k_offset = z.context_position(from, key_half * chunk),
                                         .dropout = attention_dropout(*P, l, mb)};
     const ops::Bf16Tensor kv16 = ops::Bf16Tensor::empty(keys.shape());
-    round_to_bf16(keys, kv16);
+    round_to_half(P->precision(), keys, kv16);
     const ops::Bf16Tensor dq16 = ops::Bf16Tensor::empty(w.cp_ring.dq_part.shape());
-    ops::attention_backward(
-        options, query_view(A.attention.qkv16.slice(0, half * chunk, chunk), z),
+    half_attention_backward(
+        P->precision(), options, query_view(A.attention.qkv16.slice(0, half * chunk, chunk), z),
         kv16.slice(3, 0, d).transpose(0, 1), kv16.slice(3, d, d).transpose(0, 1),
         output_view(A.attention.attn16.slice(0, half * chunk, chunk), z),
         A.attention.lse.slice(0, half, 1).reshape({z.B, z.Hl, chunk}),
         output_view(w.half.d_attn16.slice(0, half * chunk, chunk), z), output_view(dq16, z),
         head_view(key_grads, d, 0), head_view(key_grads, d, 1));
-    widen_to_fp32(dq16, w.cp_ring.dq_part);
+    widen_to_fp32(P->precision(), dq16, w.cp_ring.dq_part);
     ops::accumulate(w.cp_ring.dq_part.reshape({chunk, z.B, z.Gl, z.qpg * d}),
                     w.attention.d_qkv.slice(0, half * chunk, chunk).slice(3, 0, z.qpg * d));
     return;
@@ -170,29 +171,29 @@ TaskId RingAttention::forward(const BuildPosition& pos, TaskId qkv) const {
       arrived = moved;
     }
     const bool last = t == cp - 1;
-    const TaskId step =
-        P->compute(at + (last ? "attention" : "attention_step"), tags,
-                   per_step + (last ? cost::projection(z) : rt::CostHint{}), [=] {
-                     const RingAttention ring(*p, layer);
-                     LayerActivations& A = p->acts(set, layer);
-                     if (t == 0) {
-                       (p->bf16() ? p->ws().cp_ring.merged : A.attention.attn).fill(0.f);
-                       A.attention.lse.fill(-std::numeric_limits<float>::infinity());
-                     }
-                     for (std::int64_t half = 0; half < 2; ++half)
-                       ring.attend_half(set, mb, half, ring.block(set, t), ring.owner(t));
-                     if (last && p->bf16()) {  // rounded once; the projection in bf16
-                       const HalfWorkspace& half = p->ws().half;
-                       round_to_bf16(p->ws().cp_ring.merged, A.attention.attn16);
-                       ops::linear_forward(A.attention.attn16.reshape({Sc, B, Hl * d}),
-                                           p->attention_parameters(layer).proj_weight->value16,
-                                           ops::Bf16Tensor{}, half.out16);
-                       widen_to_fp32(half.out16, A.attention.proj_partial);
-                     } else if (last)
-                       ops::linear_forward(A.attention.attn.reshape({Sc, B, Hl * d}),
-                                           p->attention_parameters(layer).proj_weight->value,
-                                           Tensor{}, A.attention.proj_partial);
-                   });
+    const TaskId step = P->compute(
+        at + (last ? "attention" : "attention_step"), tags,
+        per_step + (last ? cost::projection(z) : rt::CostHint{}), [=] {
+          const RingAttention ring(*p, layer);
+          LayerActivations& A = p->acts(set, layer);
+          if (t == 0) {
+            (p->half() ? p->ws().cp_ring.merged : A.attention.attn).fill(0.f);
+            A.attention.lse.fill(-std::numeric_limits<float>::infinity());
+          }
+          for (std::int64_t half = 0; half < 2; ++half)
+            ring.attend_half(set, mb, half, ring.block(set, t), ring.owner(t));
+          if (last && p->half()) {  // rounded once; the projection in bf16
+            const HalfWorkspace& half = p->ws().half;
+            round_to_half(p->precision(), p->ws().cp_ring.merged, A.attention.attn16);
+            half_linear_forward(p->precision(), A.attention.attn16.reshape({Sc, B, Hl * d}),
+                                p->attention_parameters(layer).proj_weight->value16,
+                                ops::Bf16Tensor{}, half.out16);
+            widen_to_fp32(p->precision(), half.out16, A.attention.proj_partial);
+          } else if (last)
+            ops::linear_forward(A.attention.attn.reshape({Sc, B, Hl * d}),
+                                p->attention_parameters(layer).proj_weight->value, Tensor{},
+                                A.attention.proj_partial);
+        });
     P->after(arrived, step);
     compute_prev2 = compute_prev;
     compute_prev = step;

@@ -22,7 +22,7 @@ void TransformerLayer::allocate(LayerActivations& A, const Tensor& x_in) const {
   A.x_mid = P->activation({Sl, B, h});
   // A bf16 run's MoE layer keeps its norm's bf16 output in an fp32 buffer, as every MoE row it
   // routes and exchanges (the virtual clock charges them at 2 bytes a value).
-  if (P->bf16() && !z.spec(l).moe())
+  if (P->half() && !z.spec(l).moe())
     A.ln2_16 = P->activation16({z.Sc, B, h});
   else
     A.ln2 = P->activation({Sl, B, h});
@@ -90,22 +90,22 @@ TaskId TransformerLayer::forward_pass(const BuildPosition& pos, TaskId ready) co
         LayerActivations& A = p->acts(set, layer);
         const LayerShard& W = p->layer(layer);
         // The reduced projection is a bf16 value, as the bf16 collective would leave it.
-        if (p->bf16() && p->shape.tp > 1) round_in_place(A.attention.proj_out);
+        if (p->half() && p->shape.tp > 1) round_in_place(p->precision(), A.attention.proj_out);
         p->bias_dropout_add(mb, layer, 0, A.attention.proj_out,
                             compute_value_of(W.attention.proj_bias), A.x_in, A.x_mid);
-        if (p->bf16() && mlp_module == MlpModule::moe) {  // in fp32, rounded once
+        if (p->half() && mlp_module == MlpModule::moe) {  // in fp32, rounded once
           norm_forward(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, A.ln2, A.ln2_mean,
                        A.ln2_rstd);
-          round_in_place(A.ln2);
+          round_in_place(p->precision(), A.ln2);
           return;
         }
-        if (p->bf16()) {  // in fp32, rounded once into the bf16 input of fc1
+        if (p->half()) {  // in fp32, rounded once into the bf16 input of fc1
           norm_forward(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, p->ws().half.norm_out,
                        A.ln2_mean, A.ln2_rstd);
           if (p->shape.sp())  // gathered first, as the attention's input
-            round_in_place(p->ws().half.norm_out);
+            round_in_place(p->precision(), p->ws().half.norm_out);
           else
-            round_to_bf16(p->ws().half.norm_out, A.ln2_16);
+            round_to_half(p->precision(), p->ws().half.norm_out, A.ln2_16);
           return;
         }
         norm_forward(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, A.ln2, A.ln2_mean,
@@ -117,7 +117,7 @@ TaskId TransformerLayer::forward_pass(const BuildPosition& pos, TaskId ready) co
   const TaskId out = P->compute(at + "mlp_residual", tags, cost::streamed(z, 4 * rows), [=] {
     LayerActivations& A = p->acts(set, layer);
     const LayerShard& W = p->layer(layer);
-    if (p->bf16() && p->shape.tp > 1) round_in_place(A.mlp_out);
+    if (p->half() && p->shape.tp > 1) round_in_place(p->precision(), A.mlp_out);
     if (mlp_module == MlpModule::dense) {
       p->bias_dropout_add(mb, layer, 1, A.mlp_out, compute_value_of(W.dense_mlp().fc2_bias),
                           A.x_mid, A.x_out);
@@ -171,7 +171,7 @@ TaskId TransformerLayer::backward_pass(const BuildPosition& pos, TaskId ready, W
     LayerActivations& A = p->acts(set, layer);
     BackwardWorkspace& w = p->ws();
     const LayerShard& W = p->layer(layer);
-    if (p->bf16() && p->shape.tp > 1) round_in_place(w.d_norm);
+    if (p->half() && p->shape.tp > 1) round_in_place(p->precision(), w.d_norm);
     norm_backward(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, A.ln2_mean, A.ln2_rstd,
                   w.d_norm, w.d_tmp);
     ops::accumulate(w.d_tmp, w.d_x_mid);

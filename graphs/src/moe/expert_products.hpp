@@ -1,7 +1,8 @@
-// The experts' products in either precision: fp32, or a bf16 run's (bf16 products summed in
-// fp32 through the bf16 linear kernels, the activation in fp32 on widened values, rounded once).
-// A bf16 run's expert rows live in fp32 buffers holding bf16 values (what the all-to-alls carry
-// and the virtual clock charges at 2 bytes a value), so these take and leave fp32 tensors.
+// The experts' products in either precision: fp32, or a 16-bit run's (bf16 or fp16 products
+// summed in fp32 through the 16-bit linear kernels, the activation in fp32 on widened values,
+// rounded once). A 16-bit run's expert rows live in fp32 buffers holding 16-bit values (what the
+// all-to-alls carry and the virtual clock charges at 2 bytes a value), so these take and leave fp32
+// tensors.
 #pragma once
 
 #include <cstdint>
@@ -14,21 +15,24 @@ namespace weave::graphs {
 
 using ops::Tensor;
 
-// A rank's local experts' weights as the products read them: fp32 values, and in a bf16 run
-// their bf16 copies too (w1_16, w2_16 defined), which the products then read instead.
+// A rank's local experts' weights as the products read them: fp32 values, and in a 16-bit run
+// their 16-bit copies too (w1_16, w2_16 defined), which the products then read instead.
 struct ExpertWeights {
-  Tensor w1, w2;                 // [experts, f1, h], [experts, h, f]
-  ops::Bf16Tensor w1_16, w2_16;  // a bf16 run's copies
-  bool bf16() const { return w1_16.defined(); }
+  Tensor w1, w2;                          // [experts, f1, h], [experts, h, f]
+  ops::Bf16Tensor w1_16, w2_16;           // a 16-bit run's copies (read as fp16 in an fp16 run)
+  Precision precision = Precision::bf16;  // of the copies, when defined
+  bool half() const { return w1_16.defined(); }
   // Local expert e alone.
   ExpertWeights expert(std::int64_t e) const;
 };
 ExpertWeights expert_weights(const MoeExpertsParameters& W);
 
-// A bf16 run's product y = x w^T and input gradient dx = dy w on fp32 tensors holding bf16
-// values: through the bf16 linear kernels (fp32 sums), the result rounded to bf16 once.
-void linear_forward_bf16(const Tensor& x, const ops::Bf16Tensor& w, const Tensor& y);
-void linear_backward_input_bf16(const Tensor& dy, const ops::Bf16Tensor& w, const Tensor& dx);
+// A 16-bit run's product y = x w^T and input gradient dx = dy w on fp32 tensors holding values
+// of `precision`: through its 16-bit linear kernels (fp32 sums), the result rounded once.
+void linear_forward_half(Precision precision, const Tensor& x, const ops::Bf16Tensor& w,
+                         const Tensor& y);
+void linear_backward_input_half(Precision precision, const Tensor& dy, const ops::Bf16Tensor& w,
+                                const Tensor& dx);
 
 // As ops::experts_forward: hidden_pre, hidden and y hold bf16 values in a bf16 run (x must).
 void experts_forward(ops::ExpertActivation act, const Tensor& x,

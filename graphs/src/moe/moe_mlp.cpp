@@ -48,8 +48,8 @@ SlotProgress MoeMlp::route(const BuildPosition& pos, int c, TaskId ready) const 
         permute_slot(*p, layer, A, counted);
         // MindSpeed's gate weighs the experts' bf16 outputs with its weights cast to bf16
         // (combine_weights.type_as(input)); Megatron-Core's fp32 router keeps them fp32.
-        if (p->bf16() && p->shape.model.moe_gate == MoeGate::deepspeed)
-          round_in_place(A.topk_weight);
+        if (p->half() && p->shape.model.moe_gate == MoeGate::deepspeed)
+          round_in_place(p->precision(), A.topk_weight);
       });
   P->after(ready, router);
   return dispatch(pos, c, router);
@@ -96,7 +96,7 @@ TaskId MoeMlp::router_backward(const BuildPosition& pos, int c, const SlotProgre
                                    pos.chunk_tags(rt::Phase::backward, l, slot_chunk(c)),
                                    2 * cost::router(z, tokens), [=] {
                                      MoeSlot& A = p->slot(set, layer, c);
-                                     unpermute_gradients(p->shape, A, p->bf16());
+                                     unpermute_gradients(p->shape, A, p->half());
                                      route_slot_backward(p->shape, p->moe_parameters(layer).router,
                                                          p->acts(set, layer).moe().stats_total, A);
                                    });

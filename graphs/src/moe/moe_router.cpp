@@ -139,9 +139,9 @@ void route_slot_backward(const StepShape& z, const MoeRouterParameters& W,
   // A bf16 run: the router's input gradient is cast to the input's bf16, and the sum of the two
   // bf16 gradients of the bf16 input is rounded again.
   const bool bf16 = W.weight->value16.defined();
-  if (bf16) round_in_place(A.d_moe);
+  if (bf16) round_in_place(m.precision, A.d_moe);
   ops::accumulate(A.d_moe, A.d_moe_in);
-  if (bf16) round_in_place(A.d_moe_in);
+  if (bf16) round_in_place(m.precision, A.d_moe_in);
 }
 
 TaskId MoeMlp::statistics(const BuildPosition& pos, TaskId ready) const {

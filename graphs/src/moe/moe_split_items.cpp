@@ -151,11 +151,11 @@ void item_fc1(RankProgram& p, int set, int layer, int c, std::size_t i) {
   ExpertItem& I = p.slot(set, layer, c).items[i];
   const MoeMlpParameters& W = p.moe_parameters(layer);
   const std::int64_t rows = gathered_rows(I);
-  if (p.bf16()) {  // bf16 products, the activation in fp32 rounded once
-    linear_forward_bf16(I.tp_gathered.slice(0, 0, rows), weight16_of(*W.experts.fc1, I),
-                        I.hidden_pre.slice(0, 0, rows));
+  if (p.half()) {  // bf16 products, the activation in fp32 rounded once
+    linear_forward_half(p.precision(), I.tp_gathered.slice(0, 0, rows),
+                        weight16_of(*W.experts.fc1, I), I.hidden_pre.slice(0, 0, rows));
     activation_forward(p.shape.model, I.hidden_pre.slice(0, 0, rows), I.hidden.slice(0, 0, rows));
-    round_in_place(I.hidden.slice(0, 0, rows));
+    round_in_place(p.precision(), I.hidden.slice(0, 0, rows));
     return;
   }
   ops::linear_forward(I.tp_gathered.slice(0, 0, rows), weight_of(*W.experts.fc1, I), Tensor{},
@@ -167,8 +167,8 @@ void item_fc1(RankProgram& p, int set, int layer, int c, std::size_t i) {
 void item_fc2(RankProgram& p, int set, int layer, int c, std::size_t i) {
   ExpertItem& I = p.slot(set, layer, c).items[i];
   const std::int64_t rows = gathered_rows(I);
-  if (p.bf16()) {  // bf16 partial sums, reduced over tp as bf16 values
-    linear_forward_bf16(I.hidden.slice(0, 0, rows),
+  if (p.half()) {  // bf16 partial sums, reduced over tp as bf16 values
+    linear_forward_half(p.precision(), I.hidden.slice(0, 0, rows),
                         weight16_of(*p.moe_parameters(layer).experts.fc2, I),
                         I.tp_partial.slice(0, 0, rows));
     return;
@@ -187,15 +187,15 @@ void item_input_gradient(RankProgram& p, int set, int layer, int c, std::size_t 
   if (I.tp_d_gathered_rows != I.tp_gathered_rows)
     throw std::logic_error(
         "expert items: the output gradients gathered over tp do not match the forward's rows");
-  if (p.bf16()) {  // the output gradient in bf16; d_pre and the partial sums bf16 values
-    round_in_place(I.tp_d_gathered.slice(0, 0, rows));
-    linear_backward_input_bf16(I.tp_d_gathered.slice(0, 0, rows), weight16_of(*W.experts.fc2, I),
-                               I.d_hidden.slice(0, 0, rows));
+  if (p.half()) {  // the output gradient in bf16; d_pre and the partial sums bf16 values
+    round_in_place(p.precision(), I.tp_d_gathered.slice(0, 0, rows));
+    linear_backward_input_half(p.precision(), I.tp_d_gathered.slice(0, 0, rows),
+                               weight16_of(*W.experts.fc2, I), I.d_hidden.slice(0, 0, rows));
     activation_backward(p.shape.model, I.hidden_pre.slice(0, 0, rows), I.d_hidden.slice(0, 0, rows),
                         I.d_pre.slice(0, 0, rows));
-    round_in_place(I.d_pre.slice(0, 0, rows));
-    linear_backward_input_bf16(I.d_pre.slice(0, 0, rows), weight16_of(*W.experts.fc1, I),
-                               I.tp_partial.slice(0, 0, rows));
+    round_in_place(p.precision(), I.d_pre.slice(0, 0, rows));
+    linear_backward_input_half(p.precision(), I.d_pre.slice(0, 0, rows),
+                               weight16_of(*W.experts.fc1, I), I.tp_partial.slice(0, 0, rows));
     return;
   }
   ops::linear_backward_input(I.tp_d_gathered.slice(0, 0, rows), weight_of(*W.experts.fc2, I),

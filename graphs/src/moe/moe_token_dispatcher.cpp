@@ -53,16 +53,16 @@ void permute_slot(RankProgram& P, int layer, MoeSlot& A, bool counted) {
   }
 }
 
-void unpermute_gradients(const StepShape& z, MoeSlot& A, bool bf16) {
+void unpermute_gradients(const StepShape& z, MoeSlot& A, bool half) {
   for (const ExpertItem& I : A.items)  // each item's input gradients into the slot's rows
     for (std::size_t x = 0; x < I.rows.size(); ++x)
       std::copy_n(I.d_home.row(static_cast<std::int64_t>(x)), z.h, A.d_grouped.row(I.rows[x]));
   // A bf16 run's experts' input gradients are bf16 values (a tp-split expert's reduced sum is
   // rounded here, as the bf16 reduce-scatter leaves it); the picks of a token are summed in fp32
   // and rounded once, as a bf16 tensor's gradient.
-  if (bf16) round_in_place(A.d_grouped.slice(0, 0, A.dispatch.rows()));
+  if (half) round_in_place(z.model.precision, A.d_grouped.slice(0, 0, A.dispatch.rows()));
   ops::permute_tokens_backward(A.dispatch, A.d_grouped.slice(0, 0, A.dispatch.rows()), A.d_moe_in);
-  if (bf16) round_in_place(A.d_moe_in);
+  if (half) round_in_place(z.model.precision, A.d_moe_in);
 }
 
 void frame_dispatch(const StepShape& z, MoeSlot& A) {
@@ -229,9 +229,9 @@ TaskId MoeMlp::combine(const BuildPosition& pos, int c, const SlotProgress& comp
         // rounded here, as the bf16 reduce-scatter leaves it), weighed and summed in fp32 and
         // rounded once into the bf16 output, as Megatron-Core's unpermute with fp32 router
         // probabilities (--moe-router-dtype fp32) casts its fp32 sum back to the tokens' dtype.
-        if (p->bf16()) round_in_place(out);
+        if (p->half()) round_in_place(p->precision(), out);
         ops::combine_tokens(A.dispatch, out, A.topk_weight, A.moe_out);
-        if (p->bf16()) round_in_place(A.moe_out);
+        if (p->half()) round_in_place(p->precision(), A.moe_out);
       });
   P->after(computed.task, combined);
   for (TaskId returned : computed.items)
@@ -251,10 +251,10 @@ SlotProgress MoeMlp::combine_backward(const BuildPosition& pos, int c, TaskId re
         A.d_moe.copy_from(slot_tokens(*p, c, p->ws().d_mlp));
         const std::int64_t rows = A.dispatch.rows();
         // A bf16 run: the bf16 output's gradient is bf16, and so is the experts' outputs'.
-        if (p->bf16()) round_in_place(A.d_moe);
+        if (p->half()) round_in_place(p->precision(), A.d_moe);
         ops::combine_tokens_backward(A.dispatch, A.expert_out.slice(0, 0, rows), A.topk_weight,
                                      A.d_moe, A.d_expert_out.slice(0, 0, rows), A.d_topk);
-        if (p->bf16()) round_in_place(A.d_expert_out.slice(0, 0, rows));
+        if (p->half()) round_in_place(p->precision(), A.d_expert_out.slice(0, 0, rows));
         for (ExpertItem& I : A.items)  // each item's rows, by destination
           for (std::size_t x = 0; x < I.rows.size(); ++x)
             std::copy_n(A.d_expert_out.row(I.rows[x]), h,

@@ -12,8 +12,8 @@ namespace weave::graphs {
 // --use-pipe-experts), as layer `layer`'s spec says.
 void permute_slot(RankProgram& P, int layer, MoeSlot& A, bool counted);
 // Before the router's backward: the items' input gradients back into the slot's rows, and the
-// permutation undone into d_moe_in (a bf16 run's: bf16 values).
-void unpermute_gradients(const StepShape& z, MoeSlot& A, bool bf16);
+// permutation undone into d_moe_in (a 16-bit run's: values of its precision).
+void unpermute_gradients(const StepShape& z, MoeSlot& A, bool half);
 
 // Frames a slot's rows for the dispatch all-to-all: for each destination rank, header rows with
 // the row counts of its local experts, then the rows themselves in expert order.

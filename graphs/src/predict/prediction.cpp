@@ -204,7 +204,7 @@ ReplayFigures replay(const TrainerConfig& config, const PredictionOptions& optio
   std::vector<rt::DeviceId> ids(ranks.built.begin(), ranks.built.end());
   devices::DeviceSet set(plan.devices(), {.pin = false, .held = ids});
   devices::FoldedCommunicator comm(ranks.held);
-  TrainingStep step(config.model, plan, config.optimizer, set, comm,
+  TrainingStep step(config.model, plan, config.step_optimizer(), set, comm,
                     {.ranks = ranks.built, .materialize = false});
   step.prepare(1, config.learning_rate.at(1));
   const devices::MachineModel machine = machine_model(set, config.machine);

@@ -31,7 +31,7 @@ rt::VirtualRunResult replay_step(TrainerConfig config, const SampleSource& sampl
   validate(config);
   devices::DeviceSet set(config.plan.devices(), {.pin = false});
   devices::SharedMemoryCommunicator comm;
-  TrainingStep step(config.model, config.plan, config.optimizer, set, comm);
+  TrainingStep step(config.model, config.plan, config.step_optimizer(), set, comm);
   if (samples) fill_micro_batches(step, config.model, config.plan, samples, 0);
   step.prepare(1, config.learning_rate.at(1));
   const devices::MachineModel machine = machine_model(set, config.machine);

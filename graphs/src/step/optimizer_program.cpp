@@ -39,10 +39,28 @@ double owned_gradient_squared_norm(RankProgram& p) {
   return sum;
 }
 
+// With a loss scaler: multiplies the gradient elements this rank updates (its shard of each
+// bucket, or the whole bucket) by the inverse scale, as Megatron-LM's
+// _unscale_main_grads_and_check_for_nan does, and sets found_inf when one of them is not finite.
+void unscale_and_check(RankProgram& p) {
+  const float inverse = static_cast<float>(1.0 / static_cast<double>(p.inputs.loss_scale));
+  bool found = false;
+  for (GradientBucket& bucket : p.shard().buckets()) {
+    float* g = bucket.grads.data() + bucket.shard_begin;
+    for (std::int64_t i = 0; i < bucket.shard_size; ++i) {
+      g[i] *= inverse;
+      found |= !std::isfinite(g[i]);
+    }
+  }
+  p.state.found_inf.data()[0] = found ? 1.f : 0.f;
+}
+
 // Clips the gradients by the summed norm and runs AdamW on the elements this rank updates: its
-// shard of each bucket, or the whole bucket.
+// shard of each bucket, or the whole bucket. A step whose gradients were not finite on some rank
+// changes nothing (Megatron-LM's optimizer returns before clipping).
 void clip_and_update(RankProgram& p) {
   if (!p.inputs.update) return;
+  if (p.opt.loss_scaling && p.state.found_inf.data()[0] != 0.f) return;
   const double norm = std::sqrt(static_cast<double>(p.state.norm_sq.data()[0]));
   const double clip = p.opt.clip_grad;
   const double coef = clip > 0 ? ops::clip_coefficient(norm, clip) : 1.0;
@@ -55,8 +73,8 @@ void clip_and_update(RankProgram& p) {
       for (std::int64_t i = 0; i < grads.numel(); ++i)
         g[i] *= static_cast<float>(coef);
     }
-    ops::adamw_step(o, p.inputs.iteration, bucket.shard_values(), grads, bucket.exp_avg,
-                    bucket.exp_avg_sq);
+    ops::adamw_step(o, p.inputs.optimizer_step > 0 ? p.inputs.optimizer_step : p.inputs.iteration,
+                    bucket.shard_values(), grads, bucket.exp_avg, bucket.exp_avg_sq);
   }
 }
 
@@ -65,25 +83,53 @@ void clip_and_update(RankProgram& p) {
 // run keeps fp32 main parameters beside its 16-bit ones, as Megatron-LM's
 // Float16OptimizerWithFloat16Params does: after the update _copy_main_params_to_model_params
 // reads each fp32 value and writes its 16-bit copy (6 bytes); fp16 gradients (ParameterBytes) are
-// first copied to fp32 main gradients (_copy_model_grads_to_main_grads: 2 read, 4 written) and
-// unscaled in place with the check for inf (_unscale_main_grads_and_check_for_nan: 4 and 4);
-// bf16 gradients are accumulated in fp32 already, which .float() leaves uncopied.
+// first copied to fp32 main gradients (_copy_model_grads_to_main_grads: 2 read, 4 written); bf16
+// gradients are accumulated in fp32 already, which .float() leaves uncopied. A loss scaler's
+// unscaling with its check for inf (_unscale_main_grads_and_check_for_nan) is a task of its own
+// (kUnscaleBytesPerElement).
 double optimizer_bytes_per_element(Precision precision) {
   const double adam = 7 * 4;
   switch (precision) {
     case Precision::bf16:
       return adam + (4 + 2);
     case Precision::fp16:
-      return adam + (4 + 2) + (2 + 4) + (4 + 4);
+      return adam + (4 + 2) + (2 + 4);
     case Precision::fp32:
       break;
   }
   return adam;
 }
 
-// The rank's part of the norm, after everything its communication streams carry is in; then its
-// sum over every rank (kNoTask on one device).
-TaskId add_gradient_norm(RankProgram& P, const rt::TaskTags& tags, double gradients) {
+// A loss scaler's unscaling reads and writes each fp32 main gradient the rank updates.
+constexpr double kUnscaleBytesPerElement = 4 + 4;
+
+// With a loss scaler: the unscaling and check of the rank's gradients, after everything its
+// communication streams carry is in, then found_inf's maximum over every rank (Megatron-LM
+// all-reduces it over the model-parallel group and the data-parallel one; every rank's here).
+// Returns the last of them: the norm and the update wait for it.
+TaskId add_unscale_and_check(RankProgram& P, const rt::TaskTags& tags, double updated) {
+  RankProgram* p = &P;
+  const TaskId unscale = P.compute("unscale_and_check_inf", tags,
+                                   cost::streamed_bytes(updated, kUnscaleBytesPerElement),
+                                   [p] { unscale_and_check(*p); });
+  for (const auto& [stream, tail] : P.comm_tails())
+    P.after(tail, unscale);
+  if (P.mesh.size() <= 1) return unscale;
+  std::vector<rt::DeviceId> all(static_cast<std::size_t>(P.mesh.size()));
+  std::iota(all.begin(), all.end(), 0u);
+  const TaskId reduced = P.matcher.all_reduce(devices::ProcessGroup("world", all), P.rank,
+                                              all_of(P.state.found_inf), devices::ReduceOp::max,
+                                              {.name = "found_inf_max",
+                                               .tags = tags,
+                                               .stream = "world",
+                                               .stream_kind = stream_kind(CommGroup::world)});
+  P.after(unscale, reduced);
+  return reduced;
+}
+
+// The rank's part of the norm, after everything its communication streams carry is in (and the
+// unscaling, `ready`); then its sum over every rank (kNoTask on one device).
+TaskId add_gradient_norm(RankProgram& P, const rt::TaskTags& tags, double gradients, TaskId ready) {
   RankProgram* p = &P;
   // Every gradient read once, in the precision it is kept in.
   const rt::CostHint read_gradients =
@@ -93,6 +139,7 @@ TaskId add_gradient_norm(RankProgram& P, const rt::TaskTags& tags, double gradie
   });
   for (const auto& [stream, tail] : P.comm_tails())
     P.after(tail, norm);
+  P.after(ready, norm);
   if (P.mesh.size() <= 1) return rt::kNoTask;
   std::vector<rt::DeviceId> all(static_cast<std::size_t>(P.mesh.size()));
   std::iota(all.begin(), all.end(), 0u);
@@ -140,7 +187,8 @@ void build_optimizer(RankProgram& P) {
     gradients += static_cast<double>(b.grads.numel());
     updated += static_cast<double>(b.shard_size);
   }
-  const TaskId summed = add_gradient_norm(P, tags, gradients);
+  const TaskId checked = P.opt.loss_scaling ? add_unscale_and_check(P, tags, updated) : rt::kNoTask;
+  const TaskId summed = add_gradient_norm(P, tags, gradients, checked);
   // AdamW reads value, gradient and two moments and writes three, in fp32 whatever the training
   // precision (a 16-bit run updates its fp32 master weights).
   const TaskId step =
@@ -148,6 +196,7 @@ void build_optimizer(RankProgram& P) {
                 cost::streamed_bytes(updated, optimizer_bytes_per_element(P.shape.model.precision)),
                 [p] { clip_and_update(*p); });
   P.after(summed, step);
+  P.after(checked, step);
   if (!P.shape.plan.distributed_optimizer) return;
   if (!P.shape.plan.overlap_param_gather) {
     gather_updated_shards(P, step, tags);

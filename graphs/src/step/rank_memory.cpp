@@ -74,7 +74,7 @@ void allocate_ring_workspace(RankProgram& P, RingAttentionWorkspace& W) {
   W.o_part = P.activation({z.chunk, B, Hl, d});
   W.dq_part = P.activation({z.chunk, B, Hl, d});
   W.lse_part = P.activation({B, Hl, z.chunk});
-  if (P.bf16()) W.merged = P.activation({Sc, B, Hl, d});
+  if (P.half()) W.merged = P.activation({Sc, B, Hl, d});
   W.ring_send.assign(static_cast<std::size_t>(cp), 0);
   W.ring_send[static_cast<std::size_t>((P.at.cp + 1) % cp)] = Sc;
   W.ring_recv.assign(static_cast<std::size_t>(cp), 0);
@@ -103,7 +103,7 @@ void allocate_workspace(RankProgram& P, BackwardWorkspace& W, bool output_layer)
     W.output.d_logits = P.activation({Sc * B, z.Vl});
     W.output.d_final_full = P.activation({Sc, B, h});
   }
-  if (P.bf16()) {
+  if (P.half()) {
     HalfWorkspace& H = W.half;
     const std::int64_t qkv = z.qkv_group_width();
     H.norm_out = P.activation({Sl, B, h});
@@ -146,6 +146,7 @@ void RankProgram::allocate() {
   for (OutputSet& O : R.outputs)
     OutputLoss(*this).allocate(O);
   R.norm_sq = activation({1});
+  if (opt.loss_scaling) R.found_inf = activation({1});
   if (uses_expert_bias(z.model))
     for (int l = 0; l < z.model.num_layers; ++l)
       if (R.shard->holds_layer(l) && R.shard->layer(l).moe())

@@ -210,7 +210,7 @@ void RankProgram::build() {
   // With --overlap-param-gather the step opens with the gathers of the last update's shards.
   start_parameter_gathers(*this);
   // A bf16 run refreshes its bf16 copies from the main parameters below: from gathered ones.
-  if (bf16())
+  if (half())
     for (const auto& [point, gathers] : parameter_gathers)
       awaited_gathers_.insert(awaited_gathers_.end(), gathers.begin(), gathers.end());
   compute("zero_grads", {},
@@ -218,7 +218,7 @@ void RankProgram::build() {
             state.shard->zero_grads();
             // A bf16 run's products read the main parameters as the last update (or a loaded
             // checkpoint) left them, rounded to bf16.
-            if (bf16()) state.shard->refresh_bf16_copies();
+            if (half()) state.shard->refresh_bf16_copies();
             std::fill(state.loss.begin(), state.loss.end(), 0.0);
             std::fill(state.aux.begin(), state.aux.end(), 0.0);
             state.routed_picks = state.dropped_picks = 0;

@@ -41,6 +41,8 @@ struct StepInputs {
   std::int64_t iteration = 1;
   double learning_rate = 0;
   bool update = true;
+  float loss_scale = 1;             // OptimizerConfig::loss_scaling only
+  std::int64_t optimizer_step = 0;  // AdamW's step count; 0: the iteration
 };
 
 // This rank's side of one process group: the collectives it issues over the group run on the
@@ -227,10 +229,14 @@ class RankProgram {
                : Tensor::shape_only(s, device, rt::MemoryCategory::activations,
                                     static_cast<std::size_t>(shape.model.activation_bytes()));
   }
-  // A materialized bf16 run: products in bf16 (gemm_bf16), the parameters' bf16 copies, the
+  // A materialized 16-bit run (bf16 or fp16, the same code with the format a parameter):
+  // products in 16 bits (gemm_bf16, gemm_fp16), the parameters' 16-bit copies, the
   // products' inputs kept in bf16, the residual stream, norms, softmax and loss in fp32. A step
   // built without tensors models bf16 by its byte counts alone and takes the fp32 code paths.
-  bool bf16() const { return materialize && shape.model.precision == Precision::bf16; }
+  bool half() const { return materialize && shape.model.precision != Precision::fp32; }
+  // The run's precision: a 16-bit run's 16-bit tensors are Bf16Tensor storage, read as fp16 in
+  // an fp16 run (half_precision.hpp).
+  Precision precision() const { return shape.model.precision; }
   // A bf16 activation of a bf16 run.
   ops::Bf16Tensor activation16(const ops::Shape& s) {
     return ops::Bf16Tensor::empty(s, device, rt::MemoryCategory::activations);

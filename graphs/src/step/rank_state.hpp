@@ -125,8 +125,9 @@ struct RankState {
   DenseMlpActivations recomputed_dense_mlp;
   std::vector<OutputSet> outputs;
   BackwardWorkspace ws;
-  Tensor norm_sq;                 // [1]: this rank's share of the squared grad norm
-  std::vector<double> loss, aux;  // per micro-batch
+  Tensor norm_sq;    // [1]: this rank's share of the squared grad norm
+  Tensor found_inf;  // [1], with a loss scaler: 1 if some gradient is not finite (max over ranks)
+  std::vector<double> loss, aux;                     // per micro-batch
   std::int64_t routed_picks = 0, dropped_picks = 0;  // this rank's tokens, the whole step
   // --moe-router-enable-expert-bias: by MoE layer of the stage, [experts] picks each expert kept
   // (after drops) of this rank's tokens over the step, as Megatron-Core's local_tokens_per_expert.

@@ -51,27 +51,42 @@ void check_devices(const ParallelPlan& plan, const devices::DeviceSet& set) {
 // What a step built with tensors trains in 16 bits so far: bf16 with dense and MoE layers under
 // tensor (and sequence), data, pipeline (every schedule), expert and context parallelism, the
 // distributed optimizer (ZeRO stage 1) and activation recomputation (--qk-layernorm and Ampipe
-// included; Ampipe with context parallelism and ZeRO stages 2 and 3 not). The rest is modelled by
-// a prediction only.
+// included; Ampipe with context parallelism and ZeRO stages 2 and 3 not); fp16, the same code with
+// its loss scaler, only what its tests compare with one device and fp32: dense layers under tensor
+// (and sequence), data and pipeline parallelism and the distributed optimizer, every activation
+// kept. The rest is modelled by a prediction only.
 void check_half_precision_step(const ModelConfig& model, const ParallelPlan& plan) {
   const auto refuse = [&](std::string_view what) {
     throw ConfigError(fmt::format(
-        "a step built with tensors trains in {} with dense and MoE layers under tensor (and "
+        "a step built with tensors trains in bf16 with dense and MoE layers under tensor (and "
         "sequence), data, pipeline, expert and context parallelism, the distributed optimizer and "
-        "activation recomputation (bf16 mixed precision: bf16 products and saved activations, "
-        "fp32 main parameters, gradients, norms, softmax and loss); this run has {}: train it in "
-        "fp32 (drop --{}), or predict the {} run (weave predict, or "
+        "activation recomputation (Ampipe with context parallelism and ZeRO stages 2 and 3 "
+        "excepted), and in fp16 with "
+        "dense layers under tensor (and sequence), data and pipeline parallelism and the "
+        "distributed optimizer only, every activation kept (16-bit mixed precision: 16-bit "
+        "products and saved activations, fp32 main parameters, gradients, norms, softmax and "
+        "loss; fp16 with a loss scaler); this {} run "
+        "has {}: train it in fp32 (drop --{}), or predict the {} run (weave predict, or "
         "StepBuildOptions::materialize = false)",
-        "bf16", what, precision_name(model.precision), precision_name(model.precision)));
+        precision_name(model.precision), what, precision_name(model.precision),
+        precision_name(model.precision)));
   };
-  if (model.precision == Precision::fp16)
-    refuse("fp16, which needs a dynamic loss scaler weave does not have yet");
-  if (plan.context_parallel > 1 && plan.ampipe_degree > 1)
-    refuse("Ampipe with context parallelism (--context-parallel-size, --ampipe-degree)");
-  // ZeRO stages 2 and 3 hold fp32 gradient and parameter slots; their bf16 copies are not built.
+  // ZeRO stages 2 and 3 hold fp32 gradient and parameter slots; their 16-bit copies are not built.
   if (plan.shard_gradients)
     refuse(plan.shard_parameters ? "ZeRO stage 3 (--zero-stage 3, optim_grads_params)"
                                  : "ZeRO stage 2 (--zero-stage 2, optim_grads)");
+  if (model.precision == Precision::fp16) {
+    // MoE layers' auxiliary losses back-propagate unscaled beside the scaled loss gradient.
+    if (model.num_experts > 0) refuse("MoE layers (--num-experts)");
+    if (plan.context_parallel > 1) refuse("context parallelism (--context-parallel-size)");
+    if (plan.ampipe_degree > 1) refuse("Ampipe (--ampipe-degree)");
+    if (model.qk_layernorm) refuse("--qk-layernorm");
+    if (model.recompute.granularity != RecomputeGranularity::none)
+      refuse("activation recomputation (--recompute-granularity)");
+    return;
+  }
+  if (plan.context_parallel > 1 && plan.ampipe_degree > 1)
+    refuse("Ampipe with context parallelism (--context-parallel-size, --ampipe-degree)");
 }
 
 }  // namespace
@@ -89,6 +104,17 @@ TrainingStep::Impl::Impl(const ModelConfig& model, const ParallelPlan& plan,
       processes(comm.processes()) {
   shape.splits_backward = set_plan.splits_backward;
   if (materialize && model.precision != Precision::fp32) check_half_precision_step(model, plan);
+  if (o.loss_scaling && model.precision == Precision::fp32)
+    throw ConfigError(
+        "a loss scaler (OptimizerConfig::loss_scaling) is for 16-bit runs: give --fp16 or --bf16, "
+        "or drop --loss-scale");
+  // The auxiliary losses' gradients join the backward unscaled: the update would divide them by
+  // the scale.
+  if (materialize && o.loss_scaling && model.num_experts > 0)
+    throw ConfigError(
+        "a loss scaler (--loss-scale, or fp16's dynamic one) is not built with MoE layers yet "
+        "(their auxiliary losses' gradients are not multiplied by the scale): drop --loss-scale, "
+        "or predict the run (weave predict, or StepBuildOptions::materialize = false)");
   inputs.batches.assign(static_cast<std::size_t>(plan.data_parallel),
                         std::vector<MicroBatch>(static_cast<std::size_t>(shape.M)));
   // A step built without tensors reads no tokens: with thousands of micro-batches of long
@@ -170,6 +196,13 @@ StepResult TrainingStep::Impl::result() const {
   }
   if (processes.size() > 1) processes.sum(terms);
   StepResult out;
+  // After its all-reduce every rank holds the same flag; each process holds a rank.
+  if (opt.loss_scaling)
+    for (const auto& program : programs)
+      if (program) {
+        out.found_inf = program->state.found_inf.data()[0] != 0.f;
+        break;
+      }
   bool norm_taken = false;
   for (int r = 0; r < ranks; ++r) {
     const double* t = terms.data() + static_cast<std::size_t>(r) * width;
@@ -211,6 +244,15 @@ void TrainingStep::prepare(std::int64_t iteration, double learning_rate) {
   if (iteration < 1) throw std::invalid_argument("iterations count from 1");
   impl_->inputs.iteration = iteration;
   impl_->inputs.learning_rate = learning_rate;
+}
+void TrainingStep::set_loss_scale(float scale) {
+  if (!(scale > 0))
+    throw std::invalid_argument(fmt::format("a loss scale must be positive, not {}", scale));
+  impl_->inputs.loss_scale = scale;
+}
+void TrainingStep::set_optimizer_step(std::int64_t step) {
+  if (step < 1) throw std::invalid_argument("AdamW's steps count from 1");
+  impl_->inputs.optimizer_step = step;
 }
 StepResult TrainingStep::result() const {
   return impl_->result();

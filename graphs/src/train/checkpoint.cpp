@@ -259,12 +259,46 @@ std::uint64_t write_file(const std::string& path, const char* magic, json header
 
 json run_header(const ModelConfig& model, const ParallelPlan& plan, const CheckpointState& state) {
   // The scheduler places chunks on stages (zb-v's V): read by generation, not compared on load,
-  // as a run may resume under another schedule of the same layout.
-  return {{"model", describe(model)},
-          {"plan", describe(plan)},
-          {"pipeline_scheduler", plan.pipeline_scheduler},
-          {"iteration", state.iteration},
-          {"consumed_samples", state.consumed_samples}};
+  // as a run may resume under another schedule of the same layout. The precision is recorded,
+  // not compared: the tensors are the fp32 main parameters and moments in every precision, so a
+  // checkpoint loads exactly into a run of another one (whose 16-bit copies are rounded from
+  // them); a loss scaler's state resumes in a run that has one.
+  json header = {{"model", describe(model)},
+                 {"plan", describe(plan)},
+                 {"pipeline_scheduler", plan.pipeline_scheduler},
+                 {"precision", precision_name(model.precision)},
+                 {"iteration", state.iteration},
+                 {"consumed_samples", state.consumed_samples},
+                 {"skipped_iterations", state.skipped_iterations},
+                 {"skipped_samples", state.skipped_samples}};
+  if (state.loss_scaler)
+    header["loss_scaler"] = {{"scale", state.loss_scaler->scale},
+                             {"growth_tracker", state.loss_scaler->growth_tracker},
+                             {"hysteresis_tracker", state.loss_scaler->hysteresis_tracker}};
+  return header;
+}
+
+// What the header holds of the run's progress; older checkpoints hold no skipped iterations
+// (none were) and no loss scaler.
+CheckpointState progress_of(const json& header) {
+  CheckpointState s;
+  s.iteration = whole_number<std::int64_t>(header, "iteration");
+  s.consumed_samples = whole_number<std::uint64_t>(header, "consumed_samples");
+  if (header.contains("skipped_iterations")) {
+    s.skipped_iterations = whole_number<std::int64_t>(header, "skipped_iterations");
+    s.skipped_samples = whole_number<std::uint64_t>(header, "skipped_samples");
+  }
+  if (header.contains("loss_scaler")) {
+    const json& l = header.at("loss_scaler");
+    const json& scale = l.at("scale");
+    if (!scale.is_number())
+      throw DamagedHeader(fmt::format("'scale' is {}, not a number", scale.dump()));
+    s.loss_scaler =
+        LossScalerState{.scale = scale.get<float>(),
+                        .growth_tracker = whole_number<std::int64_t>(l, "growth_tracker"),
+                        .hysteresis_tracker = whole_number<int>(l, "hysteresis_tracker")};
+  }
+  return s;
 }
 
 // A checkpoint of a run spread over processes: each process writes the shards of its ranks to
@@ -492,8 +526,7 @@ CheckpointState load_opened(OpenedFile& f, const std::string& path, const ModelC
                                                    : read_values(f, path, entries);
   for (std::size_t i = 0; i < entries.size(); ++i)
     std::copy(data[i].begin(), data[i].end(), entries[i].tensor.data());
-  return {whole_number<std::int64_t>(header, "iteration"),
-          whole_number<std::uint64_t>(header, "consumed_samples")};
+  return progress_of(header);
 }
 
 }  // namespace
@@ -572,8 +605,7 @@ SavedConfiguration read_checkpoint_config(const std::string& path) {
     plan.data_parallel = whole_number<int>(p, "data_parallel_size");
     plan.pipeline_scheduler = f.header.value("pipeline_scheduler", std::string());
     c.processes = f.magic == kManifestMagic ? whole_number<int>(f.header, "processes") : 1;
-    c.state = {whole_number<std::int64_t>(f.header, "iteration"),
-               whole_number<std::uint64_t>(f.header, "consumed_samples")};
+    c.state = progress_of(f.header);
     return c;
   } catch (const json::exception& e) {
     throw std::runtime_error(

@@ -120,7 +120,8 @@ struct Trainer::Impl {
         owned_comm(given_comm ? nullptr : std::make_unique<devices::SharedMemoryCommunicator>()),
         comm(given_comm ? *given_comm : *owned_comm),
         machine(machine_model(devices, config.machine)),
-        clock(machine, {.execute = true, .record_trace = true}) {
+        clock(machine, {.execute = true, .record_trace = true}),
+        scaler(LossScaler::for_run(config.model.precision, config.loss_scale)) {
     if (!config.save_path.empty()) refuse_sharded_parameters("--save");
     current = &built(batch_at(0)).step;
     if (!config.load_path.empty()) load(config.load_path);
@@ -137,7 +138,7 @@ struct Trainer::Impl {
     BatchStep(const TrainerConfig& c, ParallelPlan p, devices::DeviceSet& devices,
               devices::Communicator& comm)
         : plan(std::move(p)),
-          step(c.model, plan, c.optimizer, devices, comm, held_ranks(comm, plan)),
+          step(c.model, plan, c.step_optimizer(), devices, comm, held_ranks(comm, plan)),
           flops(step_flops(step.graph())) {}
     ParallelPlan plan;
     TrainingStep step;
@@ -204,10 +205,17 @@ struct Trainer::Impl {
     fill(s, data.train, state.consumed_samples);
     const std::uint64_t consumed = state.consumed_samples + static_cast<std::uint64_t>(batch);
     // Trained by samples, the schedule counts the samples consumed with this iteration's batch.
+    // Skipped iterations do not advance it (Megatron-LM steps its scheduler on updates only).
     const double lr = config.train_samples > 0
-                          ? config.learning_rate.at_samples(static_cast<std::int64_t>(consumed))
-                          : config.learning_rate.at(it);
+                          ? config.learning_rate.at_samples(
+                                static_cast<std::int64_t>(consumed - state.skipped_samples))
+                          : config.learning_rate.at(it - state.skipped_iterations);
     step.prepare(it, lr);
+    if (scaler) {
+      step.set_loss_scale(scaler->scale());
+      // AdamW counts the updates applied: a skipped step applied none.
+      step.set_optimizer_step(it - state.skipped_iterations);
+    }
     step.set_update_parameters(true);
     // With --overlap-param-gather the step gathers the last update's shards first and leaves
     // its own ungathered (finish_parameter_gathers).
@@ -217,6 +225,15 @@ struct Trainer::Impl {
     const StepTiming timing =
         run_step(step, traced, it == config.trace_iteration ? config.trace_path : std::string());
     const StepResult r = step.result();
+    const std::optional<double> used_scale =
+        scaler ? std::optional<double>(scaler->scale()) : std::nullopt;
+    if (scaler) {
+      scaler->update(r.found_inf);
+      if (r.found_inf) {
+        state.skipped_iterations += 1;
+        state.skipped_samples += static_cast<std::uint64_t>(batch);
+      }
+    }
     state.iteration = it;
     state.consumed_samples = consumed;
     flops_done += s.flops;
@@ -229,7 +246,10 @@ struct Trainer::Impl {
                        .tokens = std::int64_t{config.model.seq_length} * batch,
                        .global_batch_size = batch,
                        .consumed_samples = consumed,
-                       .routed_picks = r.routed_picks};
+                       .routed_picks = r.routed_picks,
+                       .loss_scale = used_scale,
+                       .skipped = r.found_inf,
+                       .skipped_iterations = state.skipped_iterations};
     if (timing.exposed_comm_share) {
       m.exposed_comm_share = timing.exposed_comm_share;
       // With pipeline stages the time a stage waits for its next receive is the bubble, not
@@ -295,11 +315,15 @@ struct Trainer::Impl {
   void save(const std::string& path) {
     refuse_sharded_parameters("saving a checkpoint");
     finish_parameter_gathers();
+    state.loss_scaler = scaler ? std::optional<LossScalerState>(scaler->state()) : std::nullopt;
     save_checkpoint(path, config.model, config.plan, step(), state);
   }
   void load(const std::string& path) {
     refuse_sharded_parameters("loading a checkpoint");
     state = load_checkpoint(path, config.model, config.plan, step());
+    // A checkpoint of a run with a scaler resumes its state; one without (an fp32 or bf16 run's
+    // main parameters and moments are the same fp32 values) starts the scaler afresh.
+    if (scaler && state.loss_scaler) scaler->restore(*state.loss_scaler);
   }
 
   TrainerConfig config;
@@ -313,8 +337,9 @@ struct Trainer::Impl {
   rt::VirtualClock clock;
   std::map<int, std::unique_ptr<BatchStep>> steps;  // by global batch
   TrainingStep* current = nullptr;                  // the step holding the trained state
-  double flops_done = 0;         // the FLOPs of the iterations trained by this Trainer
-  bool gathers_pending = false;  // the last step's updated shards are not gathered yet
+  double flops_done = 0;             // the FLOPs of the iterations trained by this Trainer
+  bool gathers_pending = false;      // the last step's updated shards are not gathered yet
+  std::optional<LossScaler> scaler;  // 16-bit runs with one (LossScaler::for_run)
   CheckpointState state;
 };
 

@@ -17,8 +17,10 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
+#include "weave/graphs/loss_scaler.hpp"
 #include "weave/graphs/training_step.hpp"
 
 namespace weave::graphs {
@@ -26,6 +28,12 @@ namespace weave::graphs {
 struct CheckpointState {
   std::int64_t iteration = 0;  // iterations completed
   std::uint64_t consumed_samples = 0;
+  // Of those, the iterations a loss scaler skipped (found_inf) and their samples: the learning
+  // rate schedule and AdamW's step count advance on updates only, as in Megatron-LM.
+  std::int64_t skipped_iterations = 0;
+  std::uint64_t skipped_samples = 0;
+  // The run's loss scaler, if it has one (saved with the precision that made it).
+  std::optional<LossScalerState> loss_scaler;
 };
 
 void save_checkpoint(const std::string& path, const ModelConfig& model, const ParallelPlan& plan,

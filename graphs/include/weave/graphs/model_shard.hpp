@@ -37,7 +37,9 @@ struct Parameter {
   // A bf16 run: the bf16 copy of `value` the products read (the model's parameter, as
   // Megatron-LM's Float16Module holds it); `value` is then the fp32 main parameter the optimizer
   // updates and `grad` its fp32 main gradient. Undefined in an fp32 run.
+  // An fp16 run holds it the same way, its bits read as fp16 (ops::Tensor::bits_as): fp16 true.
   ops::Bf16Tensor value16;
+  bool fp16 = false;
   ops::Tensor exp_avg, exp_avg_sq;
   std::int64_t logical_rows = 0, logical_cols = 0;
   RowMap row_map;                  // local row -> logical row
@@ -176,7 +178,8 @@ class ModelShard {
   // ZeRO stage 3: whether layer l's parameters are kept as shards, gathered into the parameter
   // slot of the same number as its gradient slot before each use.
   bool parameters_sharded(int l) const;
-  // A bf16 run: rounds the fp32 main parameters into their bf16 copies (nothing in fp32).
+  // A 16-bit run: rounds the fp32 main parameters into their bf16 or fp16 copies (nothing in
+  // fp32).
   void refresh_bf16_copies();
   // In the order the backward pass makes them ready.
   std::vector<GradientBucket>& buckets() { return buckets_; }

@@ -59,6 +59,13 @@ struct IterationMetrics {
   // a capacity (moe_expert_capacity_factor > 0), dropless routing dropping nothing.
   std::int64_t routed_picks = 0;
   std::optional<std::int64_t> dropped_picks;
+  // With a loss scaler (16-bit runs: --fp16, or --loss-scale): the scale this iteration's loss
+  // was multiplied by, whether its gradients overflowed and the step was skipped, and the
+  // iterations skipped so far in the run (Megatron-LM's "loss scale" and "number of skipped
+  // iterations").
+  std::optional<double> loss_scale;
+  bool skipped = false;
+  std::int64_t skipped_iterations = 0;
 };
 
 // An evaluation: the mean loss over eval_iters global batches of the validation samples.

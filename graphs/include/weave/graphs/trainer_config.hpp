@@ -12,6 +12,7 @@
 #include "weave/devices/cluster.hpp"
 #include "weave/graphs/batch_rampup.hpp"
 #include "weave/graphs/learning_rate.hpp"
+#include "weave/graphs/loss_scaler.hpp"
 #include "weave/graphs/model_config.hpp"
 #include "weave/graphs/parallel_plan.hpp"
 #include "weave/graphs/training_step.hpp"
@@ -63,6 +64,15 @@ struct TrainerConfig {
   ParallelPlan plan;
   OptimizerConfig optimizer{
       .adamw = {.beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1}};
+  // --loss-scale, --initial-loss-scale, --min-loss-scale, --loss-scale-window, --hysteresis: the
+  // loss scaler of 16-bit runs (loss_scaler.hpp).
+  LossScaleConfig loss_scale;
+  // `optimizer` as the steps run it: with loss_scaling when the run has a loss scaler.
+  OptimizerConfig step_optimizer() const {
+    OptimizerConfig o = optimizer;
+    o.loss_scaling = has_loss_scaler(model.precision, loss_scale);
+    return o;
+  }
   // decay_iters 0 means train_iters (validate fills it in).
   LearningRateSchedule learning_rate{.lr = 3e-3, .min_lr = 3e-4, .warmup_iters = 10};
 

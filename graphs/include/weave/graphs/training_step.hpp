@@ -35,6 +35,11 @@ namespace weave::graphs {
 struct OptimizerConfig {
   ops::AdamWOptions adamw;  // lr is set per iteration with set_learning_rate
   double clip_grad = 1.0;   // --clip-grad; 0: no clipping
+  // A loss scaler runs (LossScaler::for_run gives one): the loss gradient is multiplied by the
+  // scale set with TrainingStep::set_loss_scale, the fp32 main gradients by its inverse before
+  // the norm and the update, and a step whose gradients hold an infinity or a NaN on any rank
+  // (an all-reduce of a found_inf flag over every rank, as Megatron-LM's) updates nothing.
+  bool loss_scaling = false;
 };
 
 // One micro-batch of one data-parallel rank, in Megatron's [sequence, batch] order: entry
@@ -53,6 +58,9 @@ struct StepResult {
   // per Ampipe chunk). Zero for dense models and dropless routing.
   std::int64_t routed_picks = 0;
   std::int64_t dropped_picks = 0;
+  // With OptimizerConfig::loss_scaling: some rank's unscaled gradients were not finite, and the
+  // step updated no parameter or moment (Megatron-LM's skipped iteration).
+  bool found_inf = false;
 };
 
 struct StepBuildOptions {
@@ -86,6 +94,11 @@ class TrainingStep {
   // Iteration number (from 1; keys dropout masks and AdamW's bias correction) and learning rate
   // for the next run.
   void prepare(std::int64_t iteration, double learning_rate);
+  // With OptimizerConfig::loss_scaling: the scale the next run multiplies the loss gradient by
+  // (1 until set), and AdamW's step count for its update: the updates applied before it plus
+  // one, as a skipped step applies none (the iteration until set).
+  void set_loss_scale(float scale);
+  void set_optimizer_step(std::int64_t step);
   // What the last run computed, over the ranks built here; with a multi-process backend, over
   // every process's ranks (a call every process makes: the terms are exchanged), bitwise what
   // one process building every rank gets.

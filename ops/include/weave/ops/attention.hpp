@@ -71,5 +71,12 @@ void attention_backward(const AttentionOptions& options, const Bf16Tensor& q, co
                         const Bf16Tensor& v, const Bf16Tensor& o, const Tensor& lse,
                         const Bf16Tensor& d_o, const Bf16Tensor& dq, const Tensor& dk,
                         const Tensor& dv);
+// The same in fp16 (gemm_fp16): fp16 runs.
+void attention_forward(const AttentionOptions& options, const Fp16Tensor& q, const Fp16Tensor& k,
+                       const Fp16Tensor& v, const Fp16Tensor& o, const Tensor& lse);
+void attention_backward(const AttentionOptions& options, const Fp16Tensor& q, const Fp16Tensor& k,
+                        const Fp16Tensor& v, const Fp16Tensor& o, const Tensor& lse,
+                        const Fp16Tensor& d_o, const Fp16Tensor& dq, const Tensor& dk,
+                        const Tensor& dv);
 
 }  // namespace weave::ops

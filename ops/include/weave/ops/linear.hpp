@@ -38,6 +38,12 @@ void linear_forward(const Bf16Tensor& x, const Bf16Tensor& w, const Bf16Tensor& 
 void linear_backward_input(const Bf16Tensor& dy, const Bf16Tensor& w, const Bf16Tensor& dx);
 // dw [out, in] += dy^T x and db [out] += the sum of dy's rows, in fp32 (the gradients the
 // optimizer's fp32 main parameters take; db may be undefined).
+// The same in fp16 (gemm_fp16): fp16 runs.
+void linear_forward(const Fp16Tensor& x, const Fp16Tensor& w, const Fp16Tensor& b,
+                    const Fp16Tensor& y);
+void linear_backward_input(const Fp16Tensor& dy, const Fp16Tensor& w, const Fp16Tensor& dx);
+void linear_backward_weight(const Fp16Tensor& x, const Fp16Tensor& dy, const Tensor& dw,
+                            const Tensor& db = {});
 void linear_backward_weight(const Bf16Tensor& x, const Bf16Tensor& dy, const Tensor& dw,
                             const Tensor& db);
 

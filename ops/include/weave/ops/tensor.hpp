@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "weave/ops/bfloat16.hpp"
+#include "weave/ops/float16.hpp"
 #include "weave/ops/shape.hpp"
 #include "weave/runtime/memory_tracker.hpp"
 
@@ -97,8 +98,23 @@ class BasicTensor {
   // the strides, so it works for views. Requires stride(-1) == 1.
   std::int64_t rows() const;
   T* row(std::int64_t r) const;
+  // The same storage, shape and strides with its elements' bits read as U, a type of T's size:
+  // a 16-bit run holds its 16-bit tensors as Bf16Tensor storage, which an fp16 run reads as
+  // fp16.
+  template <typename U>
+  BasicTensor<U> bits_as() const {
+    static_assert(sizeof(U) == sizeof(T) && alignof(U) == alignof(T));
+    BasicTensor<U> out;
+    out.storage_ = storage_;
+    out.data_ = reinterpret_cast<U*>(data_);
+    out.shape_ = shape_;
+    out.strides_ = strides_;
+    return out;
+  }
 
  private:
+  template <typename>
+  friend class BasicTensor;
   std::shared_ptr<void> storage_;
   T* data_ = nullptr;
   Shape shape_;
@@ -108,10 +124,12 @@ class BasicTensor {
 using Tensor = BasicTensor<float>;
 // 16-bit storage of parameters and activations (issue 24's bf16 training).
 using Bf16Tensor = BasicTensor<bf16>;
+using Fp16Tensor = BasicTensor<fp16>;
 
 extern template class BasicTensor<float>;
 extern template class BasicTensor<double>;
 extern template class BasicTensor<bf16>;
+extern template class BasicTensor<fp16>;
 
 // Throws std::invalid_argument unless `got` equals `want`, naming both shapes and `what`
 // (e.g. "layer_norm weight").
