@@ -419,7 +419,7 @@ void check_overlaps(const ModelConfig& m, const ParallelPlan& p) {
 
 // ZeRO stage 2 reduces each layer's gradients inside its backward: the schedules and blocks that
 // write a layer's weight gradients later (zero-bubble's weight passes, Ampipe's chunks) are not
-// built with it (issue 27).
+// built with it.
 void check_sharded_gradients(const ParallelPlan& p) {
   if (p.shard_parameters && !p.shard_gradients)
     refuse("sharding the parameters (ZeRO stage 3) shards the gradients too: give --zero-stage 3");
@@ -435,13 +435,14 @@ void check_sharded_gradients(const ParallelPlan& p) {
   if (p.ampipe_degree > 1)
     refuse(
         "ZeRO stage 2 (--zero-stage 2, optim_grads) with --ampipe-degree {} is not built yet "
-        "(issue 27): use --zero-stage 1, or drop --ampipe-degree",
+        "(its chunks write a layer's weight gradients after the layer's backward): use "
+        "--zero-stage 1, or drop --ampipe-degree",
         p.ampipe_degree);
   if (p.pipeline_scheduler.rfind("zb", 0) == 0)
     refuse(
         "ZeRO stage 2 (--zero-stage 2, optim_grads) with --pipeline-scheduler {} is not built "
-        "yet (its weight passes write a layer's gradients after the layer's backward; issue "
-        "27): use another schedule, or --zero-stage 1",
+        "yet (its weight passes write a layer's gradients after the layer's backward): "
+        "use another schedule, or --zero-stage 1",
         p.pipeline_scheduler);
 }
 

@@ -306,11 +306,11 @@ struct Trainer::Impl {
   // hold yet.
   void refuse_sharded_parameters(std::string_view what) const {
     if (config.plan.shard_parameters)
-      throw ConfigError(fmt::format(
-          "{} with ZeRO stage 3 (--zero-stage 3, optim_grads_params) is not built yet: "
-          "checkpoints hold whole parameters, stage 3 each replica's shard (issue 27): use "
-          "--zero-stage 2, or drop --save/--load",
-          what));
+      throw ConfigError(
+          fmt::format("{} with ZeRO stage 3 (--zero-stage 3, optim_grads_params) is not built yet: "
+                      "checkpoints hold whole parameters, stage 3 each replica's shard: use "
+                      "--zero-stage 2, or drop --save/--load",
+                      what));
   }
   void save(const std::string& path) {
     refuse_sharded_parameters("saving a checkpoint");
