@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "half_precision_equivalence.hpp"
 #include "step_outcome.hpp"
 #include "tiny_model.hpp"
 #include "weave/devices/device_set.hpp"
@@ -33,15 +34,6 @@ ModelConfig moe_model(Precision p) {
 
 constexpr double kU = 1.0 / 256;  // bf16's unit roundoff, 2^-8
 const ParallelPlan kOneDevice{.micro_batch_size = 2, .global_batch_size = 4};
-
-double relative_difference(const std::vector<double>& got, const std::vector<double>& want) {
-  double diff = 0, norm = 0;
-  for (std::size_t i = 0; i < want.size(); ++i) {
-    diff += (got[i] - want[i]) * (got[i] - want[i]);
-    norm += want[i] * want[i];
-  }
-  return std::sqrt(diff / norm);
-}
 
 // Roundings on the path of the fp32 model's values that bf16 adds. Forward: the embedding and the
 // final norm's output and the logits (3), the dense layer's 8 (the attention's input, QKV, its
@@ -81,28 +73,6 @@ TEST(Bf16MoeTraining, GradientsAndLossesTrackFp32) {
   EXPECT_LT(bf16_5.losses.back(), 0.9 * bf16_5.losses.front());  // it learns
 }
 
-struct ParallelTolerance {
-  double first_loss;  // relative, the first step's loss and aux loss (no update yet)
-  double gradient;    // relative in norm, every parameter's gradient of the first step
-  double later_loss;  // relative, the losses of steps 2 and 3 (with updates)
-};
-
-void expect_parallel_equals_one_device(const ModelConfig& m, const ParallelPlan& plan,
-                                       const ParallelTolerance& tolerance) {
-  const ParallelPlan serial{.micro_batch_size = plan.micro_batch_size,
-                            .global_batch_size = plan.global_batch_size};
-  const Outcome a = run(m, serial, 1, false), b = run(m, plan, 1, false);
-  EXPECT_LE(std::abs(b.losses[0] - a.losses[0]), tolerance.first_loss * a.losses[0]);
-  EXPECT_LE(std::abs(b.aux[0] - a.aux[0]), tolerance.first_loss * a.aux[0]);
-  for (const auto& [name, want] : a.grads)
-    EXPECT_LE(relative_difference(b.grads.at(name), want), tolerance.gradient) << name;
-  const Outcome a3 = run(m, serial, 3, true), b3 = run(m, plan, 3, true);
-  for (std::size_t i = 1; i < a3.losses.size(); ++i)
-    EXPECT_NEAR(b3.losses[i], a3.losses[i], tolerance.later_loss * a3.losses[i])
-        << "step " << i + 1;
-  EXPECT_LT(b3.losses.back(), b3.losses.front());
-}
-
 // Expert parallelism moves bf16 values (exactly) and changes no rounding: the experts run the
 // same rows in the same products. What differs is the order of fp32 sums (the data-parallel
 // reduction of the replicated parameters' gradients, a few additions of relative 2^-24): the
@@ -118,7 +88,7 @@ constexpr ParallelTolerance kExpertParallel{1e-6, 1e-5, 1e-4};
 constexpr ParallelTolerance kTensorParallel{1e-3, 3.0 / 256, 1e-2};
 
 TEST(Bf16MoeTraining, Ep2EqualsOneDevice) {
-  expect_parallel_equals_one_device(
+  expect_equals_one_device_of_its_batches(
       moe_model(Precision::bf16),
       {.expert_parallel = 2, .data_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4},
       kExpertParallel);
@@ -140,7 +110,7 @@ TEST(Bf16MoeTraining, Tp2SpSplitExpertsEqualsOneDevice) {
                     .micro_batch_size = 2,
                     .global_batch_size = 4};
   const ModelConfig m = deepspeed_moe(plan);
-  expect_parallel_equals_one_device(m, plan, kTensorParallel);
+  expect_equals_one_device_of_its_batches(m, plan, kTensorParallel);
 }
 
 // --use-pipe-experts with split experts: each item's rows gathered over tp, its products and
@@ -155,7 +125,7 @@ TEST(Bf16MoeTraining, PipeExpertsSplitOverTpEqualsOneDevice) {
                     .pipe_experts = true,
                     .pipe_experts_multi_data = 2};
   const ModelConfig m = deepspeed_moe(plan);
-  expect_parallel_equals_one_device(m, plan, kTensorParallel);
+  expect_equals_one_device_of_its_batches(m, plan, kTensorParallel);
 }
 
 // Ampipe (degree 2): each chunk's queries through the bf16 attention kernel and its projection,
@@ -164,13 +134,13 @@ TEST(Bf16MoeTraining, PipeExpertsSplitOverTpEqualsOneDevice) {
 // accumulated chunk after chunk, the data-parallel reduction), which may flip the rounding of a
 // rare bf16 value: as expert parallelism, kExpertParallel.
 TEST(Bf16MoeTraining, Ep2Ampipe2EqualsOneDevice) {
-  expect_parallel_equals_one_device(moe_model(Precision::bf16),
-                                    {.expert_parallel = 2,
-                                     .data_parallel = 2,
-                                     .micro_batch_size = 2,
-                                     .global_batch_size = 4,
-                                     .ampipe_degree = 2},
-                                    kExpertParallel);
+  expect_equals_one_device_of_its_batches(moe_model(Precision::bf16),
+                                          {.expert_parallel = 2,
+                                           .data_parallel = 2,
+                                           .micro_batch_size = 2,
+                                           .global_batch_size = 4,
+                                           .ampipe_degree = 2},
+                                          kExpertParallel);
 }
 
 // Ampipe with MindSpeed's tp-sp overlap: split experts' items pipelined over both chunks, their
@@ -185,7 +155,7 @@ TEST(Bf16MoeTraining, Ampipe2TpSpOverlapEqualsOneDevice) {
                     .ampipe_degree = 2,
                     .ampipe_tp_sp_comm_overlap = true};
   const ModelConfig m = deepspeed_moe(plan);
-  expect_parallel_equals_one_device(m, plan, kTensorParallel);
+  expect_equals_one_device_of_its_batches(m, plan, kTensorParallel);
 }
 
 // Context parallelism (cp2, ring attention): each key/value block's partial output comes out of
@@ -196,19 +166,19 @@ TEST(Bf16MoeTraining, Ampipe2TpSpOverlapEqualsOneDevice) {
 constexpr ParallelTolerance kContextParallel{1e-3, 2.0 / 256, 1e-2};
 
 TEST(Bf16MoeTraining, Cp2EqualsOneDevice) {
-  expect_parallel_equals_one_device(
+  expect_equals_one_device_of_its_batches(
       moe_model(Precision::bf16),
       {.context_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4}, kContextParallel);
 }
 
 TEST(Bf16MoeTraining, Tp2SpEp2EqualsOneDevice) {
-  expect_parallel_equals_one_device(moe_model(Precision::bf16),
-                                    {.tensor_parallel = 2,
-                                     .sequence_parallel = true,
-                                     .expert_parallel = 2,
-                                     .micro_batch_size = 2,
-                                     .global_batch_size = 4},
-                                    kTensorParallel);
+  expect_equals_one_device_of_its_batches(moe_model(Precision::bf16),
+                                          {.tensor_parallel = 2,
+                                           .sequence_parallel = true,
+                                           .expert_parallel = 2,
+                                           .micro_batch_size = 2,
+                                           .global_batch_size = 4},
+                                          kTensorParallel);
 }
 
 // A MoE model under pipeline, expert and data parallelism, as pasted MoE scripts combine them:
@@ -228,7 +198,7 @@ TEST(Bf16MoeTraining, Pp2Ep2EqualsOneDeviceAndTheDistributedOptimizerChangesNoLo
                     .micro_batch_size = 1,
                     .global_batch_size = 4};
   const ModelConfig m = moe_model(Precision::bf16);
-  expect_parallel_equals_one_device(m, plan, kPipelineParallel);
+  expect_equals_one_device_of_its_batches(m, plan, kPipelineParallel);
   const Outcome replicated = run(m, plan, 3, true);
   plan.distributed_optimizer = true;
   const Outcome sharded = run(m, plan, 3, true);

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "half_precision_equivalence.hpp"
 #include "step_outcome.hpp"
 #include "temp_dir.hpp"
 #include "tiny_model.hpp"
@@ -185,22 +186,6 @@ TEST(Bf16Training, MainParametersTakeAnFp32AdamWStep) {
   EXPECT_GT(off_bf16_grid, total * 9 / 10);
 }
 
-// Relative difference of two gradients in norm.
-double relative_difference(const std::vector<double>& got, const std::vector<double>& want) {
-  double diff = 0, norm = 0;
-  for (std::size_t i = 0; i < want.size(); ++i) {
-    diff += (got[i] - want[i]) * (got[i] - want[i]);
-    norm += want[i] * want[i];
-  }
-  return std::sqrt(diff / norm);
-}
-
-struct ParallelTolerance {
-  double first_loss;  // relative, the first step's loss (no update yet)
-  double gradient;    // relative in norm, every parameter's gradient of the first step
-  double later_loss;  // relative, the losses of steps 2 and 3 (with updates)
-};
-
 // Tensor parallelism in bf16 rounds where Megatron-LM's does: each rank's partial sums of a
 // row-parallel product (the projection and fc2 forward, QKV's and fc1's input gradients
 // backward) and of the output layer's input gradient are bf16 values before they are summed
@@ -217,36 +202,23 @@ constexpr ParallelTolerance kTensorParallel{1e-3, 3.0 / 256, 1e-2};  // sqrt(9) 
 // flip a bf16 copy's rounding for a rare element (probability ~2^-16 each): 1e-4.
 constexpr ParallelTolerance kDataParallel{0, 1e-6, 1e-4};
 
-void expect_parallel_equals_one_device(const ModelConfig& m, const ParallelPlan& plan,
-                                       const ParallelTolerance& tolerance) {
-  const Outcome a = run(m, kOneDevice, 1, false), b = run(m, plan, 1, false);
-  EXPECT_LE(std::abs(b.losses[0] - a.losses[0]), tolerance.first_loss * a.losses[0]);
-  for (const auto& [name, want] : a.grads)
-    EXPECT_LE(relative_difference(b.grads.at(name), want), tolerance.gradient) << name;
-  const Outcome a3 = run(m, kOneDevice, 3, true), b3 = run(m, plan, 3, true);
-  for (std::size_t i = 1; i < a3.losses.size(); ++i)
-    EXPECT_NEAR(b3.losses[i], a3.losses[i], tolerance.later_loss * a3.losses[i])
-        << "step " << i + 1;
-  EXPECT_LT(b3.losses.back(), b3.losses.front());
-}
-
 TEST(Bf16Training, LlamaTp2SpEqualsOneDevice) {
-  expect_parallel_equals_one_device(in(llama(), Precision::bf16),
-                                    {.tensor_parallel = 2,
-                                     .sequence_parallel = true,
-                                     .micro_batch_size = 2,
-                                     .global_batch_size = 4},
-                                    kTensorParallel);
+  expect_equals_one_device_of_its_batches(in(llama(), Precision::bf16),
+                                          {.tensor_parallel = 2,
+                                           .sequence_parallel = true,
+                                           .micro_batch_size = 2,
+                                           .global_batch_size = 4},
+                                          kTensorParallel);
 }
 
 TEST(Bf16Training, GptTp2EqualsOneDevice) {
-  expect_parallel_equals_one_device(
+  expect_equals_one_device_of_its_batches(
       in(gpt(), Precision::bf16),
       {.tensor_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4}, kTensorParallel);
 }
 
 TEST(Bf16Training, GptDp2EqualsOneDevice) {
-  expect_parallel_equals_one_device(
+  expect_equals_one_device_of_its_batches(
       in(gpt(), Precision::bf16),
       {.data_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4}, kDataParallel);
 }
@@ -255,29 +227,6 @@ TEST(Bf16Training, GptDp2EqualsOneDevice) {
 ModelConfig four_layers(ModelConfig m) {
   m.num_layers = 4;
   return m;
-}
-
-// The plan against one device with the same micro-batches (so the fp32 sums over them are the
-// same), as expect_parallel_equals_one_device compares.
-void expect_equals_one_device_of_its_batches(const ModelConfig& m, const ParallelPlan& plan,
-                                             const ParallelTolerance& tolerance) {
-  const ParallelPlan serial{.micro_batch_size = plan.micro_batch_size,
-                            .global_batch_size = plan.global_batch_size};
-  const Outcome a = run(m, serial, 1, false), b = run(m, plan, 1, false);
-  EXPECT_LE(std::abs(b.losses[0] - a.losses[0]), tolerance.first_loss * a.losses[0]);
-  // Not one device's by accident: a pipeline's boundaries round the stream.
-  if (plan.pipeline_parallel > 1) {
-    EXPECT_NE(b.losses[0], a.losses[0]);
-  }
-  if (!plan.distributed_optimizer) {  // a replica keeps its shard of the reduced gradients only
-    for (const auto& [name, want] : a.grads)
-      EXPECT_LE(relative_difference(b.grads.at(name), want), tolerance.gradient) << name;
-  }
-  const Outcome a3 = run(m, serial, 3, true), b3 = run(m, plan, 3, true);
-  for (std::size_t i = 1; i < a3.losses.size(); ++i)
-    EXPECT_NEAR(b3.losses[i], a3.losses[i], tolerance.later_loss * a3.losses[i])
-        << "step " << i + 1;
-  EXPECT_LT(b3.losses.back(), b3.losses.front());
 }
 
 // Pipeline parallelism in bf16 sends the stage's output and its gradient as bf16 values, as
@@ -407,12 +356,12 @@ ModelConfig with_qk_layernorm(ModelConfig m) {
 TEST(Bf16Training, QkLayernormNearFp32AndTp2SpEqualsOneDevice) {
   expect_gradients_near_fp32(with_qk_layernorm(llama()));
   expect_tracks_fp32(with_qk_layernorm(llama()));
-  expect_parallel_equals_one_device(in(with_qk_layernorm(llama()), Precision::bf16),
-                                    {.tensor_parallel = 2,
-                                     .sequence_parallel = true,
-                                     .micro_batch_size = 2,
-                                     .global_batch_size = 4},
-                                    kTensorParallel);
+  expect_equals_one_device_of_its_batches(in(with_qk_layernorm(llama()), Precision::bf16),
+                                          {.tensor_parallel = 2,
+                                           .sequence_parallel = true,
+                                           .micro_batch_size = 2,
+                                           .global_batch_size = 4},
+                                          kTensorParallel);
 }
 
 // Recomputation in bf16 runs the same forward again from the same kept values (the fp32 group

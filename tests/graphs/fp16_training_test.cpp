@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "half_precision_equivalence.hpp"
 #include "step_outcome.hpp"
 #include "tiny_model.hpp"
 #include "weave/devices/device_set.hpp"
@@ -154,19 +155,6 @@ TEST(Fp16Training, LlamaLossesTrackFp32AndFall) {
   expect_tracks_fp32(llama());
 }
 
-double relative_difference(const std::vector<double>& got, const std::vector<double>& want) {
-  double diff = 0, norm = 0;
-  for (std::size_t i = 0; i < want.size(); ++i) {
-    diff += (got[i] - want[i]) * (got[i] - want[i]);
-    norm += want[i] * want[i];
-  }
-  return std::sqrt(diff / norm);
-}
-
-struct ParallelTolerance {
-  double first_loss, gradient, later_loss;
-};
-
 // bf16's reasoning (bf16_training_test.cpp) with u = 2^-11. Tensor parallelism rounds each
 // rank's partial sum of a row-parallel product (the projection and fc2 forward, QKV's and fc1's
 // input gradients backward) and of the output layer's input gradient, and the reduced sum again:
@@ -178,31 +166,17 @@ struct ParallelTolerance {
 constexpr ParallelTolerance kTensorParallel{1.7e-4, 4.25 * kU, 1.25e-3};  // sqrt(18) < 4.25
 constexpr ParallelTolerance kDataParallel{0, 1e-6, 1e-4};
 
-void expect_parallel_equals_one_device(const ModelConfig& m, const ParallelPlan& plan,
-                                       const ParallelTolerance& tolerance) {
-  // run() (step_outcome.hpp) trains without a loss scaler: fp16 numerics alone.
-  const Outcome a = run(m, kOneDevice, 1, false), b = run(m, plan, 1, false);
-  EXPECT_LE(std::abs(b.losses[0] - a.losses[0]), tolerance.first_loss * a.losses[0]);
-  for (const auto& [name, want] : a.grads)
-    EXPECT_LE(relative_difference(b.grads.at(name), want), tolerance.gradient) << name;
-  const Outcome a3 = run(m, kOneDevice, 3, true), b3 = run(m, plan, 3, true);
-  for (std::size_t i = 1; i < a3.losses.size(); ++i)
-    EXPECT_NEAR(b3.losses[i], a3.losses[i], tolerance.later_loss * a3.losses[i])
-        << "step " << i + 1;
-  EXPECT_LT(b3.losses.back(), b3.losses.front());
-}
-
 TEST(Fp16Training, LlamaTp2SpEqualsOneDevice) {
-  expect_parallel_equals_one_device(in(llama(), Precision::fp16),
-                                    {.tensor_parallel = 2,
-                                     .sequence_parallel = true,
-                                     .micro_batch_size = 2,
-                                     .global_batch_size = 4},
-                                    kTensorParallel);
+  expect_equals_one_device_of_its_batches(in(llama(), Precision::fp16),
+                                          {.tensor_parallel = 2,
+                                           .sequence_parallel = true,
+                                           .micro_batch_size = 2,
+                                           .global_batch_size = 4},
+                                          kTensorParallel);
 }
 
 TEST(Fp16Training, GptDp2EqualsOneDevice) {
-  expect_parallel_equals_one_device(
+  expect_equals_one_device_of_its_batches(
       in(gpt(), Precision::fp16),
       {.data_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4}, kDataParallel);
 }
