@@ -30,24 +30,6 @@
 namespace weave::graphs {
 namespace {
 
-// GPT-2's decoder (LayerNorm, GELU, learned positions, biases, tied output) and Llama's (RMSNorm,
-// SwiGLU, RoPE, grouped-query attention, no biases, an untied output layer), 2 dense layers.
-ModelConfig gpt() {
-  ModelConfig m = tiny(0);
-  m.hidden_size = 64;
-  m.ffn_hidden_size = 128;
-  return m;
-}
-
-ModelConfig llama() {
-  return with_modern_decoder(gpt());
-}
-
-ModelConfig in(ModelConfig m, Precision p) {
-  m.precision = p;
-  return m;
-}
-
 const ParallelPlan kOneDevice{.micro_batch_size = 2, .global_batch_size = 4};
 const OptimizerConfig kOptimizer{
     .adamw = {.beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1}, .clip_grad = 1.0};

@@ -32,22 +32,6 @@
 namespace weave::graphs {
 namespace {
 
-ModelConfig gpt() {
-  ModelConfig m = tiny(0);
-  m.hidden_size = 64;
-  m.ffn_hidden_size = 128;
-  return m;
-}
-
-ModelConfig llama() {
-  return with_modern_decoder(gpt());
-}
-
-ModelConfig in(ModelConfig m, Precision p) {
-  m.precision = p;
-  return m;
-}
-
 const ParallelPlan kOneDevice{.micro_batch_size = 2, .global_batch_size = 4};
 constexpr double kLearningRate = 1e-2;
 

@@ -1,7 +1,7 @@
-// A 16-bit run under a parallel plan against one device running the same micro-batches: the
-// first step's loss, aux loss and every gradient, then the losses of two more steps with updates,
-// each within a tolerance the calling test derives from its format's unit roundoff and the
-// roundings the plan adds (bf16_training_test.cpp, fp16_training_test.cpp,
+// The 16-bit tests' models, and a 16-bit run under a parallel plan against one device running the
+// same micro-batches: the first step's loss, aux loss and every gradient, then the losses of two
+// more steps with updates, each within a tolerance the calling test derives from its format's
+// unit roundoff and the roundings the plan adds (bf16_training_test.cpp, fp16_training_test.cpp,
 // bf16_moe_training_test.cpp).
 #pragma once
 
@@ -11,8 +11,27 @@
 #include <vector>
 
 #include "step_outcome.hpp"
+#include "tiny_model.hpp"
 
 namespace weave::graphs {
+
+// GPT-2's decoder (LayerNorm, GELU, learned positions, biases, tied output) and Llama's (RMSNorm,
+// SwiGLU, RoPE, grouped-query attention, no biases, an untied output layer), 2 dense layers.
+inline ModelConfig gpt() {
+  ModelConfig m = tiny(0);
+  m.hidden_size = 64;
+  m.ffn_hidden_size = 128;
+  return m;
+}
+
+inline ModelConfig llama() {
+  return with_modern_decoder(gpt());
+}
+
+inline ModelConfig in(ModelConfig m, Precision p) {
+  m.precision = p;
+  return m;
+}
 
 // Relative difference of two gradients in norm.
 inline double relative_difference(const std::vector<double>& got, const std::vector<double>& want) {
