@@ -8,10 +8,10 @@
 // The model: GPT-2's decoder (LayerNorm, GELU, learned positions), 16 heads, ffn 4 x hidden, a
 // byte-level vocabulary (256), one micro-batch a step.
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include <chrono>
 #include <cstdlib>
-#include <cstring>
 #include <vector>
 
 #include "weave/devices/device_set.hpp"
@@ -58,23 +58,23 @@ class Run {
 
 int main(int argc, char** argv) {
   int layers = 4, hidden = 1024, seq = 512, micro_batch = 4, steps = 3;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const int v = std::atoi(argv[i + 1]);
-    if (std::strcmp(argv[i], "--layers") == 0)
-      layers = v;
-    else if (std::strcmp(argv[i], "--hidden") == 0)
-      hidden = v;
-    else if (std::strcmp(argv[i], "--seq") == 0)
-      seq = v;
-    else if (std::strcmp(argv[i], "--micro-batch") == 0)
-      micro_batch = v;
-    else if (std::strcmp(argv[i], "--steps") == 0)
-      steps = v;
-    else {
-      fmt::print(stderr, "unknown option {}\n", argv[i]);
-      return 2;
-    }
-  }
+  CLI::App app{"fp32 and bf16 training steps alternated in one run: tokens/s of each"};
+  app.add_option("--layers", layers, "Transformer layers")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--hidden", hidden, "Hidden size")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--seq", seq, "Sequence length")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--micro-batch", micro_batch, "Micro-batch size")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--steps", steps, "Timed steps a precision")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
   ModelConfig m{.num_layers = layers,
                 .hidden_size = hidden,
                 .num_attention_heads = 16,

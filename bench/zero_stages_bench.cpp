@@ -6,11 +6,11 @@
 //   zero_stages_bench [--layers 4] [--hidden 256] [--seq 128] [--micro-batch 2]
 //                     [--micro-batches 2] [--steps 3]
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include <array>
 #include <chrono>
 #include <cstdlib>
-#include <cstring>
 #include <memory>
 #include <vector>
 
@@ -66,25 +66,26 @@ class Run {
 
 int main(int argc, char** argv) {
   int layers = 4, hidden = 256, seq = 128, micro_batch = 2, micro_batches = 2, steps = 3;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const int v = std::atoi(argv[i + 1]);
-    if (std::strcmp(argv[i], "--layers") == 0)
-      layers = v;
-    else if (std::strcmp(argv[i], "--hidden") == 0)
-      hidden = v;
-    else if (std::strcmp(argv[i], "--seq") == 0)
-      seq = v;
-    else if (std::strcmp(argv[i], "--micro-batch") == 0)
-      micro_batch = v;
-    else if (std::strcmp(argv[i], "--micro-batches") == 0)
-      micro_batches = v;
-    else if (std::strcmp(argv[i], "--steps") == 0)
-      steps = v;
-    else {
-      fmt::print(stderr, "unknown option {}\n", argv[i]);
-      return 2;
-    }
-  }
+  CLI::App app{"Memory per device and tokens/s of dp 4 at ZeRO stages 0 to 3, side by side"};
+  app.add_option("--layers", layers, "Transformer layers")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--hidden", hidden, "Hidden size")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--seq", seq, "Sequence length")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--micro-batch", micro_batch, "Micro-batch size")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--micro-batches", micro_batches, "Micro-batches a replica, a step")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  app.add_option("--steps", steps, "Timed steps a stage")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  CLI11_PARSE(app, argc, argv);
   const ModelConfig m{.num_layers = layers,
                       .hidden_size = hidden,
                       .num_attention_heads = 8,
