@@ -52,6 +52,7 @@ TEST(MoeGradient, RoutingDigestSeesATopKFlip) {
   LineProbe probe(no_bias_moe(), kPlan, "embedding");
   const double g = probe.analytic();
   const auto [f0, routing] = probe.at(0);
+  EXPECT_NE(routing, 0u);
   EXPECT_EQ(probe.at(0).second, routing);  // the same point routes the same
   EXPECT_NE(probe.at(1e-4).second, routing);
   const double naive = (probe.at(1e-4).first - probe.at(-1e-4).first) / 2e-4;

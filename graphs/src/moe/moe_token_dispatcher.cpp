@@ -17,15 +17,17 @@ namespace weave::graphs {
 
 namespace {
 
-// A hash of one slot's routing: every pick's expert and whether it was kept, by its place in the
-// slot. Summed over slots, so the step's digest does not depend on the order they run in.
+// A hash of one slot's routing: each token's experts and whether each pick was kept, by the
+// token's place in the slot. Summed over picks (the order of a token's picks, which changes its
+// output by rounding only, does not count) and over slots (the step's digest does not depend on
+// the order they run in).
 std::uint64_t routing_digest(int layer, const ops::DispatchPlan& plan,
                              std::span<const std::int32_t> topk_index) {
   std::uint64_t sum = 0;
   for (std::size_t i = 0; i < topk_index.size(); ++i) {
-    // splitmix64's finaliser over (layer, pick, expert, kept)
-    std::uint64_t x = (static_cast<std::uint64_t>(layer) << 48) ^
-                      (static_cast<std::uint64_t>(i) << 17) ^
+    // splitmix64's finaliser over (layer, token, expert, kept)
+    const auto token = static_cast<std::uint64_t>(i / static_cast<std::size_t>(plan.top_k));
+    std::uint64_t x = (static_cast<std::uint64_t>(layer) << 48) ^ (token << 17) ^
                       (static_cast<std::uint64_t>(topk_index[i]) << 1) ^
                       static_cast<std::uint64_t>(plan.pick_row[i] >= 0);
     x += 0x9E3779B97F4A7C15ull;
