@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <optional>
 #include <random>
 #include <string>
 #include <string_view>
@@ -89,64 +90,116 @@ inline void expect_equals_one_device(const ModelConfig& m, const ParallelPlan& p
   EXPECT_LT(a10.losses.back(), a10.losses.front());  // it learns
 }
 
-// The whole model's gradient along a random direction: analytic (the gradients the step
-// computed) and numeric (a central difference of the loss). Attention dropout stays on: its mask
-// is fixed for a step. `only`: the direction moves only the parameters whose names hold it.
-inline std::pair<double, double> directional_derivative(const ModelConfig& m, ParallelPlan plan,
-                                                        std::string_view only = "") {
-  validate(m, plan);
-  devices::DeviceSet set(plan.devices(), {.pin = false});
-  devices::SharedMemoryCommunicator comm;
-  TrainingStep step(m, plan, {}, set, comm);
-  step.set_update_parameters(false);
-  fill_batches(step, m, plan);
-  step.prepare(1, 1e-2);
-  auto objective = [&] {
-    set.executor().run(step.graph());
-    return step.result().loss + step.result().aux_loss;
-  };
-  objective();
-  std::map<std::string, std::vector<double>> direction, grads;
-  std::mt19937 gen(7);
-  std::normal_distribution<double> normal;
-  for (int r = 0; r < plan.devices(); ++r)
-    for (const Parameter& p : step.shard(r).parameters()) {
-      auto& v = direction[p.name];
-      if (v.empty()) {
-        v.resize(static_cast<std::size_t>(p.logical_rows * p.logical_cols));
-        for (auto& x : v)
-          x = normal(gen);
-        if (p.name.find(only) == std::string::npos) std::fill(v.begin(), v.end(), 0.0);
-      }
-      auto& g = grads[p.name];
-      g.resize(v.size(), 0.0);
-      for (std::int64_t lr = 0; lr < local_rows(p); ++lr)
-        for (std::int64_t lc = 0; lc < local_cols(p); ++lc)
-          g[static_cast<std::size_t>(p.row_map[lr] * p.logical_cols + p.col_offset + lc)] =
-              p.grad.data()[lr * local_cols(p) + lc];
-    }
-  double along = 0;
-  for (const auto& [name, g] : grads)
-    for (std::size_t i = 0; i < g.size(); ++i)
-      along += g[i] * direction[name][i];
-  auto shift = [&](double eps) {
-    for (int r = 0; r < plan.devices(); ++r)
-      for (Parameter& p : step.shard(r).parameters()) {
-        const auto& v = direction[p.name];
+// The whole model's loss (plus aux loss) along a random direction through its parameters, and its
+// analytic derivative there (the gradients the step computed). Attention dropout stays on: its
+// mask is fixed for a step. `only`: the direction moves only the parameters whose names hold it.
+class LineProbe {
+ public:
+  LineProbe(const ModelConfig& m, ParallelPlan plan, std::string_view only = "")
+      : plan_(validated(m, plan)),
+        set_(plan_.devices(), {.pin = false}),
+        step_(m, plan_, {}, set_, comm_) {
+    step_.set_update_parameters(false);
+    fill_batches(step_, m, plan_);
+    step_.prepare(1, 1e-2);
+    objective();
+    std::mt19937 gen(7);
+    std::normal_distribution<double> normal;
+    std::map<std::string, std::vector<double>> grads;
+    for (int r = 0; r < plan_.devices(); ++r)
+      for (const Parameter& p : step_.shard(r).parameters()) {
+        auto& v = direction_[p.name];
+        if (v.empty()) {
+          v.resize(static_cast<std::size_t>(p.logical_rows * p.logical_cols));
+          for (auto& x : v)
+            x = normal(gen);
+          if (p.name.find(only) == std::string::npos) std::fill(v.begin(), v.end(), 0.0);
+        }
+        auto& g = grads[p.name];
+        g.resize(v.size(), 0.0);
         for (std::int64_t lr = 0; lr < local_rows(p); ++lr)
           for (std::int64_t lc = 0; lc < local_cols(p); ++lc)
-            p.value.data()[lr * local_cols(p) + lc] += static_cast<float>(
-                eps *
-                v[static_cast<std::size_t>(p.row_map[lr] * p.logical_cols + p.col_offset + lc)]);
+            g[logical_index(p, lr, lc)] = p.grad.data()[lr * local_cols(p) + lc];
       }
-  };
-  const double eps = 1e-4;
-  shift(eps);
-  const double up = objective();
-  shift(-2 * eps);
-  const double down = objective();
-  shift(eps);
-  return {along, (up - down) / (2 * eps)};
+    for (const auto& [name, g] : grads)
+      for (std::size_t i = 0; i < g.size(); ++i)
+        analytic_ += g[i] * direction_[name][i];
+    for (int r = 0; r < plan_.devices(); ++r)
+      for (const Parameter& p : step_.shard(r).parameters())
+        origin_[p.name + "#" + std::to_string(r)].assign(p.value.data(),
+                                                         p.value.data() + p.value.numel());
+  }
+
+  // The derivative along the direction at the origin, from the step's gradients.
+  double analytic() const { return analytic_; }
+
+  // The loss plus aux loss at origin + t * direction (the parameters are set afresh from the
+  // origin, so no rounding accumulates over calls), and the step's routing digest there.
+  std::pair<double, std::uint64_t> at(double t) {
+    for (int r = 0; r < plan_.devices(); ++r)
+      for (Parameter& p : step_.shard(r).parameters()) {
+        const auto& v = direction_[p.name];
+        const auto& o = origin_.at(p.name + "#" + std::to_string(r));
+        for (std::int64_t lr = 0; lr < local_rows(p); ++lr)
+          for (std::int64_t lc = 0; lc < local_cols(p); ++lc) {
+            const std::int64_t k = lr * local_cols(p) + lc;
+            p.value.data()[k] = static_cast<float>(o[static_cast<std::size_t>(k)] +
+                                                   t * v[logical_index(p, lr, lc)]);
+          }
+      }
+    const double f = objective();
+    return {f, step_.result().routing_digest};
+  }
+
+  // The central difference of the loss over [-eps, eps] at the largest eps of 1e-4, 1e-4 / 2,
+  // ... 1e-4 / 16 whose two points route every token as the origin does: a token's top-k choice
+  // (or an expert's drop) flipping in between makes the loss jump, and the difference is then no
+  // derivative at all. nullopt when every eps flips.
+  std::optional<double> numeric() {
+    const std::uint64_t routing = at(0).second;
+    for (double eps = 1e-4; eps > 5e-6; eps /= 2) {
+      const auto [up, up_routing] = at(eps);
+      const auto [down, down_routing] = at(-eps);
+      if (up_routing == routing && down_routing == routing) return (up - down) / (2 * eps);
+    }
+    return std::nullopt;
+  }
+
+ private:
+  static ParallelPlan validated(const ModelConfig& m, ParallelPlan plan) {
+    validate(m, plan);
+    return plan;
+  }
+  static std::size_t logical_index(const Parameter& p, std::int64_t lr, std::int64_t lc) {
+    return static_cast<std::size_t>(p.row_map[lr] * p.logical_cols + p.col_offset + lc);
+  }
+  double objective() {
+    set_.executor().run(step_.graph());
+    return step_.result().loss + step_.result().aux_loss;
+  }
+
+  ParallelPlan plan_;
+  devices::DeviceSet set_;
+  devices::SharedMemoryCommunicator comm_;
+  TrainingStep step_;
+  double analytic_ = 0;
+  std::map<std::string, std::vector<double>> direction_;
+  std::map<std::string, std::vector<float>> origin_;  // per parameter and rank
+};
+
+// The whole model's gradient along a random direction: analytic and numeric (a central difference
+// of the loss over an interval in which no MoE routing decision changes; a failure when there is
+// none).
+inline std::pair<double, double> directional_derivative(const ModelConfig& m, ParallelPlan plan,
+                                                        std::string_view only = "") {
+  LineProbe probe(m, plan, only);
+  const std::optional<double> numeric = probe.numeric();
+  if (!numeric) {
+    ADD_FAILURE() << "MoE routing changes within 6e-6 of the point along the direction: no "
+                     "central difference there measures the gradient";
+    return {probe.analytic(), std::nan("")};
+  }
+  return {probe.analytic(), *numeric};
 }
 
 }  // namespace weave::graphs

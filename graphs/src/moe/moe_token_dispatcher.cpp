@@ -3,14 +3,42 @@
 // the expert-parallel all-to-alls that carry the rows to the experts' ranks (framed with their
 // per-expert counts) and back, the regrouping by local expert, and the weighted combine into the
 // slot's output rows; forward and backward, per slot or per --use-pipe-experts item.
-#include "moe/moe_token_dispatcher.hpp"
+#include <cstdint>
+#include <span>
+
 #include "model/half_precision.hpp"
 #include "moe/moe_expert_bias.hpp"
 #include "moe/moe_mlp.hpp"
+#include "moe/moe_token_dispatcher.hpp"
 #include "step/step_costs.hpp"
 #include "weave/ops/deepspeed_gate.hpp"
 
 namespace weave::graphs {
+
+namespace {
+
+// A hash of one slot's routing: each token's experts and whether each pick was kept, by the
+// token's place in the slot. Summed over picks (the order of a token's picks, which changes its
+// output by rounding only, does not count) and over slots (the step's digest does not depend on
+// the order they run in).
+std::uint64_t routing_digest(int layer, const ops::DispatchPlan& plan,
+                             std::span<const std::int32_t> topk_index) {
+  std::uint64_t sum = 0;
+  for (std::size_t i = 0; i < topk_index.size(); ++i) {
+    // splitmix64's finaliser over (layer, token, expert, kept)
+    const auto token = static_cast<std::uint64_t>(i / static_cast<std::size_t>(plan.top_k));
+    std::uint64_t x = (static_cast<std::uint64_t>(layer) << 48) ^ (token << 17) ^
+                      (static_cast<std::uint64_t>(topk_index[i]) << 1) ^
+                      static_cast<std::uint64_t>(plan.pick_row[i] >= 0);
+    x += 0x9E3779B97F4A7C15ull;
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+    sum += x ^ (x >> 31);
+  }
+  return sum;
+}
+
+}  // namespace
 
 void permute_slot(RankProgram& P, int layer, MoeSlot& A, bool counted) {
   const StepShape& z = P.shape;
@@ -38,6 +66,9 @@ void permute_slot(RankProgram& P, int layer, MoeSlot& A, bool counted) {
   if (counted) {
     P.state.routed_picks += A.tokens * m.moe_router_topk;
     P.state.dropped_picks += A.dispatch.dropped;
+    P.state.routing_digest += routing_digest(
+        layer, A.dispatch,
+        std::span<const std::int32_t>(A.topk_index).first(A.dispatch.pick_row.size()));
     count_expert_loads(P, layer, A.dispatch);
   }
   switch (z.spec(layer).moe_mlp.dispatcher) {

@@ -222,6 +222,7 @@ void RankProgram::build() {
             std::fill(state.loss.begin(), state.loss.end(), 0.0);
             std::fill(state.aux.begin(), state.aux.end(), 0.0);
             state.routed_picks = state.dropped_picks = 0;
+            state.routing_digest = 0;
             for (auto& loads : state.expert_loads)
               loads.second.fill(0.f);
           });

@@ -129,6 +129,7 @@ struct RankState {
   Tensor found_inf;  // [1], with a loss scaler: 1 if some gradient is not finite (max over ranks)
   std::vector<double> loss, aux;                     // per micro-batch
   std::int64_t routed_picks = 0, dropped_picks = 0;  // this rank's tokens, the whole step
+  std::uint64_t routing_digest = 0;                  // StepResult::routing_digest's share
   // --moe-router-enable-expert-bias: by MoE layer of the stage, [experts] picks each expert kept
   // (after drops) of this rank's tokens over the step, as Megatron-Core's local_tokens_per_expert.
   std::map<int, Tensor> expert_loads;

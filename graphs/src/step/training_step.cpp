@@ -174,11 +174,12 @@ StepResult TrainingStep::Impl::result() const {
         "this step was built without tensors (StepBuildOptions::materialize = false) and never "
         "runs: it has no result; build it with tensors to train");
   // Every rank's terms, by rank: [built, squared norm, routed, dropped, loss per micro-batch,
-  // aux per micro-batch]; zero for ranks not built here. Over processes they are summed
-  // element-wise (each term comes from one process, so the sum is that term exactly), then
-  // added up in rank order as in one process: the same bits however the ranks are spread.
+  // aux per micro-batch, routing digest's high and low 32 bits]; zero for ranks not built here.
+  // Over processes they are summed element-wise (each term comes from one process, so the sum is
+  // that term exactly), then added up in rank order as in one process: the same bits however the
+  // ranks are spread.
   const int ranks = mesh.size(), M = shape.M;
-  const std::size_t width = 4 + 2 * static_cast<std::size_t>(M);
+  const std::size_t width = 6 + 2 * static_cast<std::size_t>(M);
   std::vector<double> terms(static_cast<std::size_t>(ranks) * width, 0.0);
   for (int r = 0; r < ranks; ++r) {
     const auto& program = programs[static_cast<std::size_t>(r)];
@@ -193,6 +194,8 @@ StepResult TrainingStep::Impl::result() const {
       t[4 + mb] = R.loss[static_cast<std::size_t>(mb)];
       t[4 + M + mb] = R.aux[static_cast<std::size_t>(mb)];
     }
+    t[4 + 2 * M] = static_cast<double>(R.routing_digest >> 32);
+    t[5 + 2 * M] = static_cast<double>(R.routing_digest & 0xFFFFFFFFull);
   }
   if (processes.size() > 1) processes.sum(terms);
   StepResult out;
@@ -209,6 +212,8 @@ StepResult TrainingStep::Impl::result() const {
     if (t[0] == 0) continue;
     out.routed_picks += static_cast<std::int64_t>(t[2]);
     out.dropped_picks += static_cast<std::int64_t>(t[3]);
+    out.routing_digest +=
+        (static_cast<std::uint64_t>(t[4 + 2 * M]) << 32) + static_cast<std::uint64_t>(t[5 + 2 * M]);
     // The summed squared norm is the same on every rank after the world all-reduce.
     if (!norm_taken) {
       out.grad_norm = std::sqrt(t[1]);

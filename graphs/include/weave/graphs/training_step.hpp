@@ -58,6 +58,10 @@ struct StepResult {
   // per Ampipe chunk). Zero for dense models and dropless routing.
   std::int64_t routed_picks = 0;
   std::int64_t dropped_picks = 0;
+  // A hash of every pick the routers made and whether it was kept (0 without MoE): it changes
+  // when a token's experts or drops change, so a finite-difference check can tell that routing,
+  // a step function of the parameters, held between the points it compares.
+  std::uint64_t routing_digest = 0;
   // With OptimizerConfig::loss_scaling: some rank's unscaled gradients were not finite, and the
   // step updated no parameter or moment (Megatron-LM's skipped iteration).
   bool found_inf = false;
