@@ -85,8 +85,14 @@ TEST(Cli, SimulateWritesTracesAndAGraph) {
 // ------------------------------------------------------------------------------ weave train
 
 std::filesystem::path scratch(const std::string& name) {
-  const auto dir = std::filesystem::temp_directory_path() / fmt::format("weave-cli-{}", ::getpid());
-  std::filesystem::create_directories(dir);
+  // Emptied the first time this process asks: a pid is reused, and a file an earlier process
+  // left must not stand in for one a test expects written, or not written.
+  static const std::filesystem::path dir = [] {
+    const auto d = std::filesystem::temp_directory_path() / fmt::format("weave-cli-{}", ::getpid());
+    std::filesystem::remove_all(d);
+    std::filesystem::create_directories(d);
+    return d;
+  }();
   return dir / name;
 }
 
