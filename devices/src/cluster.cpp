@@ -24,10 +24,11 @@ void check_link(const ClusterLink& link, std::string_view which) {
         which, link.name, p.bytes_per_second, p.latency));
 }
 
+// At the bus bandwidth collectives reach on it, not its line rate.
 ClusterLink from_network_link(const NetworkLink& link) {
   return {.name = link.name,
           .params = {.latency = static_cast<rt::Nanos>(std::llround(link.latency_us * 1e3)),
-                     .bytes_per_second = link.bytes_per_second}};
+                     .bytes_per_second = link.bytes_per_second * link.bus_efficiency}};
 }
 
 }  // namespace
