@@ -15,7 +15,7 @@ namespace weave::devices {
 
 namespace {
 
-using nlohmann::json;
+using json = nlohmann::ordered_json;  // keeps a file's order (figure_sources)
 
 double positive(const json& j, const char* key, const std::string& source) {
   if (!j.contains(key) || !j.at(key).is_number())
@@ -50,7 +50,8 @@ NetworkLink link(const json& j, const char* key, const std::string& source) {
   const std::string where = fmt::format("{} ({})", source, key);
   return {.name = text_or(l, "name", key),
           .bytes_per_second = positive(l, "bytes_per_second", where),
-          .latency_us = positive(l, "latency_us", where)};
+          .latency_us = positive(l, "latency_us", where),
+          .bus_efficiency = l.contains("bus_efficiency") ? share(l, "bus_efficiency", where) : 1.0};
 }
 
 }  // namespace
@@ -100,6 +101,15 @@ Accelerator Accelerator::parse(std::string_view text, const std::string& source)
   a.memory_bytes = static_cast<std::int64_t>(memory);
   a.memory_bandwidth = positive(j, "memory_bandwidth", source);
   a.memory_efficiency = share(j, "memory_efficiency", source);
+  if (j.contains("kernel_launch_us")) {
+    const json& k = j.at("kernel_launch_us");
+    const double us = k.is_number() ? k.get<double>() : -1;
+    if (!(us >= 0) || us > 1e3)
+      throw std::invalid_argument(fmt::format(
+          "accelerator {}: 'kernel_launch_us' must be microseconds in [0, 1000], got {}", source,
+          k.dump()));
+    a.kernel_launch_us = us;
+  }
   const double per_node = positive(j, "devices_per_node", source);
   if (per_node > 1e6 || per_node != std::floor(per_node))
     throw std::invalid_argument(
@@ -111,16 +121,24 @@ Accelerator Accelerator::parse(std::string_view text, const std::string& source)
   if (j.contains("sources") && j.at("sources").is_array())
     for (const json& s : j.at("sources"))
       if (s.is_string()) a.sources.push_back(s.get<std::string>());
+  if (j.contains("figure_sources") && j.at("figure_sources").is_object())
+    for (const auto& [field, text] : j.at("figure_sources").items())
+      if (text.is_string()) a.figure_sources.emplace_back(field, text.get<std::string>());
   a.assumed = text_or(j, "assumed", "");
   return a;
 }
 
 std::string Accelerator::to_json() const {
   auto link_json = [](const NetworkLink& l) {
-    return nlohmann::ordered_json{
-        {"name", l.name}, {"bytes_per_second", l.bytes_per_second}, {"latency_us", l.latency_us}};
+    return nlohmann::ordered_json{{"name", l.name},
+                                  {"bytes_per_second", l.bytes_per_second},
+                                  {"latency_us", l.latency_us},
+                                  {"bus_efficiency", l.bus_efficiency}};
   };
   // In the order the shipped presets are written, for a file a person reads and edits.
+  nlohmann::ordered_json figures = nlohmann::ordered_json::object();
+  for (const auto& [field, text] : figure_sources)
+    figures[field] = text;
   const nlohmann::ordered_json j = {
       {"name", name},
       {"peak_flops", peak_flops},
@@ -131,10 +149,12 @@ std::string Accelerator::to_json() const {
       {"memory_bytes", memory_bytes},
       {"memory_bandwidth", memory_bandwidth},
       {"memory_efficiency", memory_efficiency},
+      {"kernel_launch_us", kernel_launch_us},
       {"devices_per_node", devices_per_node},
       {"node_link", link_json(node_link)},
       {"network", link_json(network)},
       {"sources", sources},
+      {"figure_sources", figures},
       {"assumed", assumed}};
   return j.dump(2) + "\n";
 }

@@ -24,10 +24,15 @@ void check_link(const ClusterLink& link, std::string_view which) {
         which, link.name, p.bytes_per_second, p.latency));
 }
 
+// At the bus bandwidth collectives reach on it, not its line rate; the name says which share of
+// the line rate that is.
 ClusterLink from_network_link(const NetworkLink& link) {
-  return {.name = link.name,
+  return {.name = link.bus_efficiency < 1
+                      ? fmt::format("{}, {:g} % of its {:g} GB/s as bus bandwidth", link.name,
+                                    100 * link.bus_efficiency, link.bytes_per_second * 1e-9)
+                      : link.name,
           .params = {.latency = static_cast<rt::Nanos>(std::llround(link.latency_us * 1e3)),
-                     .bytes_per_second = link.bytes_per_second}};
+                     .bytes_per_second = link.bytes_per_second * link.bus_efficiency}};
 }
 
 }  // namespace

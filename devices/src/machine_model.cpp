@@ -42,6 +42,7 @@ void KernelRates::validate() const {
   rate("attention rate (FLOP/s)", attention_flops_per_second, false);
   rate("attention backward rate (FLOP/s)", attention_backward_flops_per_second, true);
   rate("memory bandwidth (bytes/s)", memory_bytes_per_second, true);
+  rate("per-kernel launch cost (s)", kernel_launch_seconds, true);
 }
 
 MachineModel::MachineModel(std::vector<int> numa_of_device, KernelRates kernels, LinkModel links,
@@ -103,6 +104,7 @@ rt::Nanos MachineModel::duration(const rt::TaskTable& tasks, rt::TaskId task,
                                           : k.attention_flops_per_second;
         double seconds = products / k.matmul_flops_per_second + attention / attention_rate;
         if (k.memory_bytes_per_second > 0) seconds += cost.bytes / k.memory_bytes_per_second;
+        seconds += k.kernel_launch_seconds * static_cast<double>(cost.messages);
         return static_cast<rt::Nanos>(std::llround(seconds * 1e9));
       }
       const double arithmetic = cost.flops / flops_per_second_;

@@ -33,6 +33,21 @@ TEST(Accelerator, PresetsHoldTheirPublishedFiguresAndSources) {
   EXPECT_DOUBLE_EQ(a100.matmul_overhead_dimension, 128);
   EXPECT_DOUBLE_EQ(h100.attention_efficiency, 0.55);
   EXPECT_NE(a100.assumed.find("attention_efficiency"), std::string::npos);
+  // The launch cost and the links' bus efficiencies, each figure's source beside it.
+  for (const Accelerator* a : {&a100, &h100}) {
+    EXPECT_DOUBLE_EQ(a->kernel_launch_us, 1);
+    EXPECT_GT(a->node_link.bus_efficiency, 0.5);
+    EXPECT_LT(a->node_link.bus_efficiency, 1);
+    EXPECT_LT(a->network.bus_efficiency, 1);
+    for (const char* field :
+         {"peak_flops", "matmul_efficiency", "attention_efficiency", "memory_bandwidth",
+          "kernel_launch_us", "node_link.bus_efficiency", "network.bus_efficiency"}) {
+      bool found = false;
+      for (const auto& [name, text] : a->figure_sources)
+        found = found || (name == field && !text.empty());
+      EXPECT_TRUE(found) << a->name << " gives no source for " << field;
+    }
+  }
 }
 
 // A preset written by to_json (weave calibrate's) reads back as the same accelerator.
@@ -53,7 +68,11 @@ TEST(Accelerator, ToJsonReadsBackTheSame) {
   EXPECT_EQ(b.devices_per_node, a.devices_per_node);
   EXPECT_EQ(b.node_link.name, a.node_link.name);
   EXPECT_DOUBLE_EQ(b.network.bytes_per_second, a.network.bytes_per_second);
+  EXPECT_DOUBLE_EQ(b.kernel_launch_us, a.kernel_launch_us);
+  EXPECT_DOUBLE_EQ(b.node_link.bus_efficiency, a.node_link.bus_efficiency);
+  EXPECT_DOUBLE_EQ(b.network.bus_efficiency, a.network.bus_efficiency);
   EXPECT_EQ(b.sources, a.sources);
+  EXPECT_EQ(b.figure_sources, a.figure_sources);
   EXPECT_EQ(b.assumed, a.assumed);
 }
 
@@ -72,6 +91,8 @@ TEST(Accelerator, AUsersFileLoadsAndAWrongOneIsNamed) {
   EXPECT_DOUBLE_EQ(a.attention_efficiency, 0.5);
   EXPECT_DOUBLE_EQ(a.matmul_overhead_dimension, 0);
   EXPECT_DOUBLE_EQ(a.attention_backward_efficiency, 0.5);
+  EXPECT_DOUBLE_EQ(a.kernel_launch_us, 0);        // absent: kernels cost only their work
+  EXPECT_DOUBLE_EQ(a.network.bus_efficiency, 1);  // absent: the line rate
   const std::string rest = R"("memory_bytes": 1e11, "memory_bandwidth": 4e12,
     "memory_efficiency": 1, "devices_per_node": 4,
     "node_link": {"bytes_per_second": 1e11, "latency_us": 1},
@@ -89,6 +110,8 @@ TEST(Accelerator, AUsersFileLoadsAndAWrongOneIsNamed) {
           "'matmul_overhead_dimension' must be a number of rows in [0, 10^6], got -3");
   refused(R"("matmul_overhead_dimension": "big",)", "got \"big\"");
   refused(R"("attention_efficiency": 2,)", "'attention_efficiency' is a share of the peak");
+  refused(R"("kernel_launch_us": -1,)",
+          "'kernel_launch_us' must be microseconds in [0, 1000], got -1");
   std::ofstream(good) << R"({"name": "bad", "peak_flops": 1e15, "matmul_efficiency": 1.5})";
   try {
     Accelerator::load(good);

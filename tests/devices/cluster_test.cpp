@@ -275,11 +275,17 @@ TEST(Cluster, FlagsAreCheckedWithTheRuleAndTheFix) {
   const Accelerator h100 = Accelerator::load("h100-sxm");
   const Cluster preset = Cluster::from_accelerator(h100);
   EXPECT_EQ(preset.devices_per_node(), 8);
-  EXPECT_EQ(preset.network().params.bytes_per_second, 50e9);
+  // At the bus bandwidth collectives reach: the line rate times the preset's bus efficiency.
+  EXPECT_DOUBLE_EQ(preset.network().params.bytes_per_second,
+                   h100.network.bytes_per_second * h100.network.bus_efficiency);
+  EXPECT_LT(h100.network.bus_efficiency, 1);
+  EXPECT_DOUBLE_EQ(preset.node_link().params.bytes_per_second,
+                   h100.node_link.bytes_per_second * h100.node_link.bus_efficiency);
   const Cluster custom =
       Cluster::from_accelerator(h100, {.devices_per_node = 4, .network = "25:10"});
   EXPECT_EQ(custom.devices_per_node(), 4);
-  EXPECT_EQ(custom.node_link().params.bytes_per_second, 450e9);
+  EXPECT_DOUBLE_EQ(custom.node_link().params.bytes_per_second, 450e9 * 0.8);
+  EXPECT_EQ(custom.network().params.bytes_per_second, 25e9);  // a flag's figure is the bus's
   EXPECT_EQ(custom.network().params.latency, 10'000);
   EXPECT_NE(custom.describe(16).find("4 nodes x 4 devices (16 used)"), std::string::npos)
       << custom.describe(16);

@@ -343,7 +343,23 @@ TEST(MachineModel, KernelRatesSumProductsAttentionAndStreaming) {
       EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
     }
   };
+  // Each kernel a task stands for (its hint's messages) costs the launch figure on top.
+  const MachineModel launched({0},
+                              KernelRates{.matmul_flops_per_second = 1e9,
+                                          .attention_flops_per_second = 5e8,
+                                          .memory_bytes_per_second = 1e10,
+                                          .kernel_launch_seconds = 2e-6},
+                              links);
+  rt::GraphBuilder bl;
+  const rt::TaskId three =
+      bl.add({.device = 0, .name = "three", .cost = {.flops = 1e6, .bytes = 1e6, .messages = 3}});
+  const rt::Graph gl = bl.build();
+  EXPECT_EQ(launched.duration(gl.tasks(), three), 1'000'000 + 100'000 + 3 * 2'000);
   refused({.matmul_flops_per_second = 1e9}, "attention rate (FLOP/s) must be a finite figure > 0");
+  refused({.matmul_flops_per_second = 1e9,
+           .attention_flops_per_second = 1e9,
+           .kernel_launch_seconds = -1},
+          "per-kernel launch cost (s) must be a finite figure >= 0 (got -1)");
   refused({.matmul_flops_per_second = 1e9,
            .matmul_overhead_dimension = -1,
            .attention_flops_per_second = 1e9},

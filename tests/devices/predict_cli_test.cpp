@@ -275,8 +275,10 @@ TEST(PredictCli, CalibrateWritesAHostPresetPredictReads) {
 TEST(PredictCli, PrintsTheClusterItModelled) {
   const Result preset = weave(std::string(kConfig) + " --accelerator h100-sxm");
   ASSERT_EQ(preset.status, 0) << preset.out;
+  // Its links at the bus bandwidth collectives reach, the line rate's share named.
   EXPECT_NE(preset.out.find("cluster          1 node x 8 devices (8 used); node link NVLink 4 "
-                            "(NVSwitch) (450 GB/s, 3 us); network InfiniBand NDR"),
+                            "(NVSwitch), 80 % of its 450 GB/s as bus bandwidth (360 GB/s, 3 us); "
+                            "network InfiniBand NDR"),
             std::string::npos)
       << preset.out;
   const Result custom =

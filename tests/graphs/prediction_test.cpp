@@ -232,6 +232,7 @@ TEST(Prediction, ComputeByKindAddsUpToTheComputeBusyTime) {
                .device_memory_bandwidth = 1e11,
                .attention_flops = 5e11,
                .matmul_overhead_dimension = 16,
+               .kernel_launch_seconds = 2e-6,
                .link = "nvlink4"};
   const Prediction every = predict_step(c);
   const Prediction folded = predict_step(c, {.fold_micro_batches = true});

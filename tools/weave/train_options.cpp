@@ -76,6 +76,7 @@ void derive_machine(TrainOptions& o) {
   machine.attention_flops = a.sustained_attention_flops();
   machine.attention_backward_flops = a.sustained_attention_backward_flops();
   machine.matmul_overhead_dimension = a.matmul_overhead_dimension;
+  machine.kernel_launch_seconds = a.kernel_launch_us * 1e-6;
   if (machine.link == "none")
     machine.link = fmt::format("{}:{}", a.node_link.bytes_per_second / 1e9, a.node_link.latency_us);
   machine.cluster =

@@ -378,7 +378,8 @@ TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHa
   if (sp)
     gathered = sp_gather(*P, ready, w.d_mlp, w.d_mlp_full, at + "attention_grad_gather", tags);
   const bool keep = halves.zero_bubble();
-  const rt::CostHint flops = (keep ? 1 : 2) * cost::projection(z) +
+  const rt::CostHint projection = cost::projection(z);
+  const rt::CostHint flops = (keep ? projection : projection + projection) +
                              (ring ? rt::CostHint{} : cost::core_attention_backward(z));
   const TaskId attention = P->compute(at + "attention_backward", tags, flops, [=] {
     LayerActivations& A = p->acts(set, layer);

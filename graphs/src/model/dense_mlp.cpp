@@ -175,23 +175,25 @@ TaskId DenseMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& 
   const std::int64_t rows = z.Sc * z.B;
   const rt::CostHint fc2_weight = cost::matmul(rows, z.h, z.fl),
                      fc1 = cost::matmul(rows, z.h, z.f1l);
-  const TaskId mlp = P->compute(at + "mlp_backward", tags, (keep ? 1 : 2) * fc2_weight + fc1, [=] {
-    LayerActivations& A = p->acts(set, layer);
-    BackwardWorkspace& w = p->ws();
-    const DenseMlpParameters& W = p->dense_mlp_parameters(layer);
-    if (p->half()) {
-      dense_mlp_backward_bf16(p->shape.model, W, A.dense(), w, keep);
-      return;
-    }
-    ops::linear_backward_input(w.d_mlp_full, W.fc2_weight->value, w.dense_mlp.d_act);
-    if (keep)
-      A.dense().saved_d_fc2.copy_from(w.d_mlp_full);
-    else  // fc2's weight half, folded in: nothing would overlap it
-      ops::linear_backward_weight(A.dense().act, w.d_mlp_full, W.fc2_weight->grad, Tensor{});
-    mlp_activation_backward(p->shape.model, A.dense().fc1, w.dense_mlp.d_act, w.dense_mlp.d_fc1);
-    ops::linear_backward_input(w.dense_mlp.d_fc1, W.fc1_weight->value, w.d_norm_full);
-    if (keep) A.dense().saved_d_fc1.copy_from(w.dense_mlp.d_fc1);
-  });
+  const TaskId mlp = P->compute(
+      at + "mlp_backward", tags, (keep ? fc2_weight : fc2_weight + fc2_weight) + fc1, [=] {
+        LayerActivations& A = p->acts(set, layer);
+        BackwardWorkspace& w = p->ws();
+        const DenseMlpParameters& W = p->dense_mlp_parameters(layer);
+        if (p->half()) {
+          dense_mlp_backward_bf16(p->shape.model, W, A.dense(), w, keep);
+          return;
+        }
+        ops::linear_backward_input(w.d_mlp_full, W.fc2_weight->value, w.dense_mlp.d_act);
+        if (keep)
+          A.dense().saved_d_fc2.copy_from(w.d_mlp_full);
+        else  // fc2's weight half, folded in: nothing would overlap it
+          ops::linear_backward_weight(A.dense().act, w.d_mlp_full, W.fc2_weight->grad, Tensor{});
+        mlp_activation_backward(p->shape.model, A.dense().fc1, w.dense_mlp.d_act,
+                                w.dense_mlp.d_fc1);
+        ops::linear_backward_input(w.dense_mlp.d_fc1, W.fc1_weight->value, w.d_norm_full);
+        if (keep) A.dense().saved_d_fc1.copy_from(w.dense_mlp.d_fc1);
+      });
   P->after(gathered, mlp);
   const TaskId reduced =
       reduce_partial(*P, mlp, w.d_norm_full, w.d_norm, at + "mlp_grad_reduce", tags);

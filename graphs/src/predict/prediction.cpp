@@ -153,7 +153,7 @@ std::array<rt::Nanos, kComputeKindCount> compute_by_kind(const rt::Trace& trace,
     }
     const rt::CostHint& c = t.cost;
     const double bytes = m.device_memory_bandwidth > 0 ? c.bytes / m.device_memory_bandwidth : 0;
-    double products = 0, attention = 0;
+    double products = 0, attention = 0, launch = 0;
     if (m.attention_flops > 0) {
       const bool backward =
           t.tags.phase == rt::Phase::backward || t.tags.phase == rt::Phase::weight;
@@ -163,11 +163,12 @@ std::array<rt::Nanos, kComputeKindCount> compute_by_kind(const rt::Trace& trace,
                   m.matmul_overhead_dimension * c.matmul_edges) /
                  m.device_flops;
       attention = c.attention_flops / rate;
+      launch = m.kernel_launch_seconds * static_cast<double>(c.messages);
     } else {
       products = c.flops / m.device_flops;
     }
     const double total =
-        m.attention_flops > 0 ? products + attention + bytes : std::max(products, bytes);
+        m.attention_flops > 0 ? products + attention + bytes + launch : std::max(products, bytes);
     if (!(total > 0)) {
       out[at(ComputeKind::elementwise)] += duration;
       continue;
@@ -177,9 +178,11 @@ std::array<rt::Nanos, kComputeKindCount> compute_by_kind(const rt::Trace& trace,
     const auto product_ns = static_cast<rt::Nanos>(
         std::llround(roofline ? (products >= bytes ? d : 0) : d * products / total));
     const auto attention_ns = static_cast<rt::Nanos>(std::llround(d * attention / total));
+    const auto launch_ns = static_cast<rt::Nanos>(std::llround(d * launch / total));
     out[at(ComputeKind::products)] += product_ns;
     out[at(ComputeKind::attention)] += attention_ns;
-    out[at(ComputeKind::elementwise)] += duration - product_ns - attention_ns;
+    out[at(ComputeKind::launch)] += launch_ns;
+    out[at(ComputeKind::elementwise)] += duration - product_ns - attention_ns - launch_ns;
   }
   return out;
 }
@@ -310,6 +313,8 @@ std::string_view to_string(ComputeKind kind) {
       return "elementwise";
     case ComputeKind::optimizer:
       return "optimizer";
+    case ComputeKind::launch:
+      return "launch";
   }
   return "unknown";
 }

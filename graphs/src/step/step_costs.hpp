@@ -2,7 +2,10 @@
 // and attention each task runs, from the shapes it multiplies (with the products' edges and the
 // attention's share, so a kernel model can price them apart); element-wise work (norms,
 // residuals, dropout, copies, the optimizer) by the bytes of the elements it reads and writes,
-// which the machine model prices at the device's memory bandwidth.
+// which the machine model prices at the device's memory bandwidth. Each hint counts the kernels
+// it stands for in `messages` (one a product, attention kernel or streaming pass; summed as
+// hints are, kept when one is scaled: a share of a batched kernel is still one launch), which
+// the kernel model prices at a fixed cost each.
 #pragma once
 
 #include <algorithm>
@@ -16,12 +19,12 @@ namespace weave::graphs::cost {
 // A memory-bound task that reads and writes `elements` activations in all, each of the training
 // precision's bytes (ModelConfig::activation_bytes).
 inline rt::CostHint streamed(const StepShape& z, double elements) {
-  return {.bytes = z.model.activation_bytes() * elements};
+  return {.bytes = z.model.activation_bytes() * elements, .messages = 1};
 }
 // The same over values of `element_bytes` each, whatever the precision: the gradients and the
 // optimizer's fp32 state.
 inline rt::CostHint streamed_bytes(double elements, double element_bytes) {
-  return {.bytes = element_bytes * elements};
+  return {.bytes = element_bytes * elements, .messages = 1};
 }
 
 // The rows a MoE slot's experts take on a rank when routing is balanced: its tokens' top-k
@@ -49,13 +52,16 @@ inline double matmul_edges(double rows, double in, double out) {
 inline rt::CostHint matmul(std::int64_t rows, std::int64_t in, std::int64_t out) {
   const double r = static_cast<double>(rows), i = static_cast<double>(in),
                o = static_cast<double>(out);
-  return {.flops = 2.0 * r * i * o, .matmul_edges = static_cast<float>(matmul_edges(r, i, o))};
+  return {.flops = 2.0 * r * i * o,
+          .messages = 1,
+          .matmul_edges = static_cast<float>(matmul_edges(r, i, o))};
 }
 
 // A dense MLP's two products over `rows`: [rows, h] x [h, f1] then [rows, f] x [f, h].
 inline rt::CostHint mlp(const StepShape& z, std::int64_t rows) {
   const double r = static_cast<double>(rows), h = static_cast<double>(z.h);
   return {.flops = 2.0 * r * h * static_cast<double>(z.f1l + z.fl),
+          .messages = 2,
           .matmul_edges = static_cast<float>(matmul_edges(r, h, static_cast<double>(z.f1l)) +
                                              matmul_edges(r, static_cast<double>(z.fl), h))};
 }
@@ -66,7 +72,7 @@ inline rt::CostHint mlp(const StepShape& z, std::int64_t rows) {
 inline rt::CostHint causal_attention(const StepShape& z) {
   const double flops = 2 * 2 * static_cast<double>(z.B * z.Hl * z.Sc) *
                        static_cast<double>(z.S / z.cp * z.cp) * static_cast<double>(z.d) * 0.5;
-  return {.flops = flops, .attention_flops = static_cast<float>(flops)};
+  return {.flops = flops, .messages = 1, .attention_flops = static_cast<float>(flops)};
 }
 
 // Attention backward: five products against forward's two.
@@ -91,7 +97,7 @@ inline rt::CostHint materialised_scores_forward(const StepShape& z) {
   const double scores = static_cast<double>(z.B * z.Hl * z.Sc) * static_cast<double>(z.S);
   const double a = z.model.activation_bytes();
   const double dropout = z.model.attention_dropout > 0 ? 2 * a + 1 : 0;
-  return {.bytes = scores * (2 * a + dropout)};
+  return {.bytes = scores * (2 * a + dropout), .messages = dropout > 0 ? 2u : 1u};
 }
 
 // Their backward: the dropout's reads the gradient and the mask and writes the gradient; the
@@ -100,7 +106,7 @@ inline rt::CostHint materialised_scores_backward(const StepShape& z) {
   const double scores = static_cast<double>(z.B * z.Hl * z.Sc) * static_cast<double>(z.S);
   const double a = z.model.activation_bytes();
   const double dropout = z.model.attention_dropout > 0 ? 2 * a + 1 : 0;
-  return {.bytes = scores * (3 * a + dropout)};
+  return {.bytes = scores * (3 * a + dropout), .messages = dropout > 0 ? 2u : 1u};
 }
 
 // The core attention's forward as the backend prices it: the fused kernel's causal half, or the
@@ -117,8 +123,8 @@ inline rt::CostHint core_attention(const StepShape& z) {
 // attention (its scores were not kept).
 inline rt::CostHint core_attention_backward(const StepShape& z) {
   if (!z.model.materialised_scores()) return causal_attention_backward(z);
-  const rt::CostHint backward =
-      2 * materialised_attention_products(z) + materialised_scores_backward(z);
+  const rt::CostHint products = materialised_attention_products(z);
+  const rt::CostHint backward = products + products + materialised_scores_backward(z);
   return z.model.recompute.recomputes(kRecomputeCoreAttention) ? core_attention(z) + backward
                                                                : backward;
 }
@@ -154,6 +160,7 @@ inline rt::CostHint experts(const StepShape& z, double tokens) {
   const double experts = static_cast<double>(std::max<std::int64_t>(z.local_experts(), 1));
   const double per_expert = rows / experts;
   return {.flops = 2 * tokens * static_cast<double>(z.model.moe_router_topk) * h * (f1 + f),
+          .messages = static_cast<std::uint32_t>(2 * experts),
           .matmul_edges = static_cast<float>(
               experts * (matmul_edges(per_expert, h, f1) + matmul_edges(per_expert, f, h)))};
 }
@@ -166,6 +173,7 @@ inline rt::CostHint expert_item(const StepShape& z, double tokens, std::int64_t 
   const double h = static_cast<double>(z.h), f1 = static_cast<double>(z.expert_f1()),
                f = static_cast<double>(z.fe);
   return {.flops = experts(z, tokens).flops / items,
+          .messages = 2,
           .matmul_edges = static_cast<float>(matmul_edges(rows, h, f1) + matmul_edges(rows, f, h))};
 }
 
@@ -173,6 +181,7 @@ inline rt::CostHint expert_item(const StepShape& z, double tokens, std::int64_t 
 inline rt::CostHint router(const StepShape& z, double tokens) {
   const double h = static_cast<double>(z.h), e = static_cast<double>(z.model.num_experts);
   return {.flops = 2 * tokens * h * e,
+          .messages = 1,
           .matmul_edges = static_cast<float>(matmul_edges(tokens, h, e))};
 }
 

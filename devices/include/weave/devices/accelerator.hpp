@@ -7,14 +7,19 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 namespace weave::devices {
 
 struct NetworkLink {
   std::string name;
-  double bytes_per_second = 0;  // one direction, per device
+  double bytes_per_second = 0;  // one direction, per device: the line rate
   double latency_us = 0;
+  // The share of the line rate NCCL-class collectives reach as bus bandwidth on large messages
+  // (nccl-tests' busBw over the link's rate); optional in a file, 1 when absent. The cluster
+  // prices collectives at bytes_per_second x bus_efficiency.
+  double bus_efficiency = 1;
 };
 
 struct Accelerator {
@@ -32,10 +37,17 @@ struct Accelerator {
   std::int64_t memory_bytes = 0;  // device memory
   double memory_bandwidth = 0;    // bytes/s, the datasheet's
   double memory_efficiency = 0;   // share of it streaming kernels sustain
+  // The time a kernel costs beyond its work, in microseconds: the gap between back-to-back
+  // kernels of a stream (launch, ramp-up and drain), paid once per kernel a compute task stands
+  // for (devices::KernelRates). Optional in a file, 0 when absent.
+  double kernel_launch_us = 0;
   int devices_per_node = 1;
   NetworkLink node_link;  // between the devices of a node
   NetworkLink network;    // between nodes, each device's share
   std::vector<std::string> sources;
+  // Each figure's source beside its name ("figure_sources" in a file: an object of field name to
+  // text), in the file's order; optional.
+  std::vector<std::pair<std::string, std::string>> figure_sources;
   std::string assumed;  // which figures are assumptions, not published
 
   double sustained_flops() const { return peak_flops * matmul_efficiency; }

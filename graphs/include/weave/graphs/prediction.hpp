@@ -43,9 +43,9 @@ struct ExposedCommunication {
 // What a step's compute time goes to: matrix products (their shapes' overhead included),
 // attention kernels, element-wise work in the layers (norms, softmax and dropout of
 // materialised scores, residuals, copies), and the optimizer step (zeroing the gradients, their
-// norm, the update).
-enum class ComputeKind : std::uint8_t { products, attention, elementwise, optimizer };
-inline constexpr std::size_t kComputeKindCount = 4;
+// norm, the update), and the kernels' launch cost (each kernel's fixed cost beyond its work).
+enum class ComputeKind : std::uint8_t { products, attention, elementwise, optimizer, launch };
+inline constexpr std::size_t kComputeKindCount = 5;
 std::string_view to_string(ComputeKind kind);
 
 struct Prediction {

@@ -48,6 +48,8 @@ struct ModelledMachine {
   double attention_flops = 0;
   double attention_backward_flops = 0;  // 0: attention_flops
   double matmul_overhead_dimension = 0;
+  // What each kernel a compute task stands for costs beyond its work, in the kernel model.
+  double kernel_launch_seconds = 0;
   // --link: a devices::LinkModel preset (`weave topo --links`) or "GBPS:MICROSECONDS". On the
   // wall clock a link other than "none" holds each transfer to its modelled time.
   std::string link = "none";
