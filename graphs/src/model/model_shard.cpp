@@ -261,13 +261,21 @@ void ModelShard::make_buckets(const Mesh& mesh, int rank) {
       staged_at[b] = layer_bytes[l];
       layer_bytes[l] += padded_elements(planned[b].params, replicas);
     }
-    std::vector<std::int64_t> slot_elements(kGradientSlots, 0);
+    // A zero-bubble schedule's W action writes a layer's weight gradients after the I actions of
+    // the layers below, which write their own (their norms'): each layer holds a gradient slot of
+    // its own there. The parameter slots (stage 3) are two whatever the schedule: the W actions
+    // read no values.
+    const bool weight_passes = mesh.plan().pipeline_scheduler.rfind("zb", 0) == 0;
+    const std::size_t gradient_slot_count = weight_passes ? layer_bytes.size() : kGradientSlots;
+    std::vector<std::int64_t> slot_elements(gradient_slot_count, 0),
+        parameter_slot_elements(kGradientSlots, 0);
     int ordinal = 0;
     for (const auto& [l, elements] : layer_bytes) {
-      const int slot = ordinal++ % kGradientSlots;
-      layer_slots_[l] = slot;
-      slot_elements[static_cast<std::size_t>(slot)] =
-          std::max(slot_elements[static_cast<std::size_t>(slot)], elements);
+      const auto slot = static_cast<std::size_t>(ordinal++) % gradient_slot_count;
+      layer_slots_[l] = static_cast<int>(slot);
+      slot_elements[slot] = std::max(slot_elements[slot], elements);
+      std::int64_t& values = parameter_slot_elements[slot % kGradientSlots];
+      values = std::max(values, elements);
     }
     const ParameterBytes bytes = parameter_bytes(config_.precision);
     const auto slot = [this](std::int64_t elements, rt::MemoryCategory category,
@@ -277,17 +285,19 @@ void ModelShard::make_buckets(const Mesh& mesh, int rank) {
                                                     static_cast<std::size_t>(element_bytes));
     };
     for (const std::int64_t elements : slot_elements)
-      if (elements > 0) {
+      if (elements > 0)
         gradient_slots_.push_back(slot(elements, rt::MemoryCategory::gradients, bytes.gradient));
-        // Stage 3: the gathered values laid out as the gradients are, slot for slot.
-        if (mesh.plan().shard_parameters) {
+    // Stage 3: the gathered values laid out as the gradients are, gradient slot s in parameter
+    // slot s % kGradientSlots.
+    if (mesh.plan().shard_parameters)
+      for (const std::int64_t elements : parameter_slot_elements)
+        if (elements > 0) {
           parameter_slots_.push_back(
               slot(elements, rt::MemoryCategory::parameters, bytes.parameter));
           if (materialize_ && config_.precision != Precision::fp32)
             parameter_slots16_.push_back(
                 ops::Bf16Tensor::zeros({elements}, device_, rt::MemoryCategory::parameters));
         }
-      }
     for (std::size_t b = 0; b < planned.size(); ++b)
       if (staged_at[b] >= 0) slot_of[b] = layer_slots_.at(layer_of_bucket(planned[b].name));
   }
@@ -299,9 +309,10 @@ void ModelShard::make_buckets(const Mesh& mesh, int rank) {
           padded_elements(planned[b].params, replicas_of(mesh, rank, *planned[b].params.front()));
       const auto s = static_cast<std::size_t>(slot_of[b]);
       staged = gradient_slots_[s].slice(0, staged_at[b], n);
-      if (!parameter_slots_.empty()) staged_values = parameter_slots_[s].slice(0, staged_at[b], n);
+      const std::size_t v = s % kGradientSlots;
+      if (!parameter_slots_.empty()) staged_values = parameter_slots_[v].slice(0, staged_at[b], n);
       if (!parameter_slots16_.empty())
-        staged_values16 = parameter_slots16_[s].slice(0, staged_at[b], n);
+        staged_values16 = parameter_slots16_[v].slice(0, staged_at[b], n);
     }
     make_bucket(mesh, rank, std::move(planned[b].name), std::move(planned[b].params), staged,
                 slot_of[b], staged_values, staged_values16);

@@ -180,7 +180,8 @@ TaskId TransformerLayer::backward_pass(const BuildPosition& pos, TaskId ready, W
     p->bias_dropout_add_backward(mb, layer, 0, w.d_x_mid, w.d_mlp, grad_of(W.attention.proj_bias));
   });
   P->after(mlp, norm);
-  reduce_buckets(*P, fmt::format("layers.{}.mlp", l), norm, last);
+  // A zero-bubble I action leaves the bucket to its W action, which writes the rest of it.
+  if (!halves.zero_bubble()) reduce_buckets(*P, fmt::format("layers.{}.mlp", l), norm, last);
   // With tp or cp the QKV weight half overlaps the input gradient's reduction; with neither it
   // waits for the layer below to launch its first all-to-all.
   // ZeRO stage 2 keeps every weight half inside its layer's backward, which holds its slot.

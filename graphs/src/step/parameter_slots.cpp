@@ -9,12 +9,17 @@ namespace weave::graphs {
 
 namespace {
 
+// The parameter slot layer l's values are gathered into: its gradient slot's, two in turn (a
+// zero-bubble schedule gives each layer a gradient slot of its own).
+int parameter_slot(RankProgram& P, int l) {
+  return P.shard().gradient_slot(l) % ModelShard::kGradientSlots;
+}
+
 // Issues layer l's gathers into its slot, after the slot's releases; returns them. A slot still
 // holding layer l's values (gathered earlier in the step, not gathered over since) is not
 // gathered again.
 const std::vector<TaskId>& gather_layer(RankProgram& P, int l, const rt::TaskTags& tags) {
-  const int slot = P.shard().gradient_slot(l);
-  RankProgram::ParameterSlot& S = P.parameter_slots[slot];
+  RankProgram::ParameterSlot& S = P.parameter_slots[parameter_slot(P, l)];
   if (S.layer == l) return S.gathers;
   S.layer = l;
   S.rounded = false;
@@ -45,7 +50,7 @@ void acquire_layer_parameters(RankProgram& P, int layer, int next, const rt::Tas
   P.await(gather_layer(P, layer, tags));
   // A bf16 run's products read the bf16 copies: rounded from the gathered values (exactly, they
   // were rounded before the gather) into the bf16 slot, once per gather.
-  RankProgram::ParameterSlot& S = P.parameter_slots[P.shard().gradient_slot(layer)];
+  RankProgram::ParameterSlot& S = P.parameter_slots[parameter_slot(P, layer)];
   if (P.half() && !S.rounded) {
     S.rounded = true;
     std::vector<GradientBucket*> buckets;
@@ -65,7 +70,7 @@ void acquire_layer_parameters(RankProgram& P, int layer, int next, const rt::Tas
   // The next layer's gather on the replicas' stream now, so that it runs under this layer's
   // compute; into the other slot, which the previous layer has released.
   if (next >= 0 && P.shard().parameters_sharded(next) &&
-      P.shard().gradient_slot(next) != P.shard().gradient_slot(layer))
+      parameter_slot(P, next) != parameter_slot(P, layer))
     gather_layer(P, next, tags);
 }
 
@@ -79,7 +84,7 @@ void release_layer_parameters(RankProgram& P, int layer, const rt::TaskTags& tag
                                    .name = "param_slot_release",
                                    .tags = tags},
                                   [](rt::TaskContext&) {});
-  P.parameter_slots[P.shard().gradient_slot(layer)].releases.push_back(done);
+  P.parameter_slots[parameter_slot(P, layer)].releases.push_back(done);
 }
 
 }  // namespace weave::graphs
