@@ -268,6 +268,57 @@ TEST(ZeroStage3Memory, ParametersAreTheShardsAndTwoUnitsInFlight) {
   EXPECT_DOUBLE_EQ(p.step_ms, static_cast<double>(r.replay.makespan) * 1e-6);
 }
 
+// Under a zero-bubble schedule each layer of a stage keeps a gradient slot of its own (its W
+// action writes after the I actions of the layers below) and stage 3 two parameter slots: the
+// gradients are the stage's layers whole plus the shards, the parameters the shards plus two
+// layers; predicted and materialised alike, the step's length too.
+TEST(ZeroStageMemory, ZeroBubbleKeepsASlotALayerAndPredictsAsMaterialised) {
+  TrainerConfig c;
+  c.model = four_layers(4);
+  c.plan = {.data_parallel = 2,
+            .pipeline_parallel = 2,
+            .pipeline_scheduler = "zb-h1",
+            .micro_batch_size = 1,
+            .global_batch_size = 4,
+            .distributed_optimizer = true,
+            .shard_gradients = true};
+  c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
+  validate(c.model, c.plan);
+  // Rank 0 holds layers 0 and 1 (stage 0).
+  std::map<int, std::int64_t> layer_elements;
+  std::int64_t rest = 0, shards = 0;
+  {
+    devices::DeviceSet set(c.plan.devices(), {.pin = false});
+    devices::SharedMemoryCommunicator comm;
+    TrainingStep step(c.model, c.plan, {}, set, comm);
+    for (const GradientBucket& b : step.shard(0).buckets()) {
+      if (!b.staged) {
+        rest += b.values.numel();
+        continue;
+      }
+      layer_elements[std::stoi(b.name.substr(7))] += b.values.numel();
+      shards += b.shard_size;
+    }
+  }
+  ASSERT_EQ(layer_elements.size(), 2u);
+  const auto parameters = static_cast<std::size_t>(rt::MemoryCategory::parameters);
+  const auto gradients = static_cast<std::size_t>(rt::MemoryCategory::gradients);
+  for (const bool stage3 : {false, true}) {
+    SCOPED_TRACE(stage3 ? "stage 3" : "stage 2");
+    c.plan.shard_parameters = stage3;
+    const MaterialisedStep r = materialised_step(c);
+    EXPECT_EQ(r.memory[0][gradients], static_cast<std::int64_t>(sizeof(float)) *
+                                          (rest + shards + layer_elements[0] + layer_elements[1]));
+    if (stage3)
+      EXPECT_EQ(r.memory[0][parameters],
+                static_cast<std::int64_t>(sizeof(float)) *
+                    (rest + shards + layer_elements[0] + layer_elements[1]));
+    const Prediction p = predict_step(c);
+    EXPECT_EQ(p.memory, r.memory);
+    EXPECT_DOUBLE_EQ(p.step_ms, static_cast<double>(r.replay.makespan) * 1e-6);
+  }
+}
+
 // On the virtual clock with a slow link: layer 2's gather into the slot layer 0 held starts once
 // layer 0's forward is done with it (two units in flight), runs under layer 1's compute, and
 // layer 2's forward waits for it.
