@@ -418,8 +418,8 @@ void check_overlaps(const ModelConfig& m, const ParallelPlan& p) {
 }
 
 // ZeRO stage 2 reduces each layer's gradients once the micro-batch has written them all: after
-// the layer's backward, or a zero-bubble schedule's W action; Ampipe's chunks, which write a
-// layer's weight gradients after its backward, are not built with it.
+// the layer's backward (Ampipe's too, its QKV weight half kept inside it), or a zero-bubble
+// schedule's W action.
 void check_sharded_gradients(const ParallelPlan& p) {
   if (p.shard_parameters && !p.shard_gradients)
     refuse("sharding the parameters (ZeRO stage 3) shards the gradients too: give --zero-stage 3");
@@ -432,12 +432,6 @@ void check_sharded_gradients(const ParallelPlan& p) {
     refuse(
         "sharding the gradients (ZeRO stage 2) shards the optimizer state too: add "
         "--use-distributed-optimizer, or give --zero-stage 2");
-  if (p.ampipe_degree > 1)
-    refuse(
-        "ZeRO stage 2 (--zero-stage 2, optim_grads) with --ampipe-degree {} is not built yet "
-        "(its chunks write a layer's weight gradients after the layer's backward): use "
-        "--zero-stage 1, or drop --ampipe-degree",
-        p.ampipe_degree);
 }
 
 // Ampipe's chunks need MoE layers to overlap with, and whole positions in every chunk.

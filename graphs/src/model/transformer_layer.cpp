@@ -134,15 +134,15 @@ TaskId TransformerLayer::backward_pass(const BuildPosition& pos, TaskId ready, W
                                        bool last) const {
   const StepShape& z = P->shape;
   const MlpModule mlp_module = z.spec(l).mlp;
+  // ZeRO stage 2: the layer's gradient slot is free (its previous layer reduced) before any of
+  // the layer's gradients are written.
+  wait_for_gradient_slot(*P, l, pos.tags(rt::Phase::backward, l));
   if (mlp_module == MlpModule::ampipe) return AmpipeBlock(*P, l).backward(pos, ready, halves, last);
   const bool moe = mlp_module == MlpModule::moe;
   RankProgram* p = P;
   const int layer = l, set = pos.set, mb = pos.micro_batch;
   const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
   const std::string at = fmt::format("L{}.", l);
-  // ZeRO stage 2: the layer's gradient slot is free (its previous layer reduced) before any of
-  // the layer's gradients are written.
-  wait_for_gradient_slot(*P, l, tags);
   // d_x (the layer output's gradient) -> d_mlp; d_x_mid starts as d_x (the residual).
   const double rows = static_cast<double>(z.Sl * z.B * z.h);
   const TaskId residual =
