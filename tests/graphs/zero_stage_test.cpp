@@ -2,9 +2,9 @@
 // replica's shard as the backward completes them, the full buckets held in two shared slots only;
 // stage 3: each layer's parameters kept as shards and gathered into one of two slots before each
 // use. Losses and gradient shards against plain data parallelism, alone and beside tp+sp, cp, ep,
-// pp and full recomputation; each device's gradient and parameter memory against the closed
-// forms, predicted and materialised; the next layer's gather under the current layer's compute on
-// the virtual clock; --advise weighing the stages.
+// pp (zero-bubble schedules included), Ampipe, bf16 and full recomputation; each device's gradient
+// and parameter memory against the closed forms, predicted and materialised; the next layer's
+// gather under the current layer's compute on the virtual clock; --advise weighing the stages.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -75,6 +75,7 @@ struct Case {
   int experts;
   ParallelPlan plan;
   bool full_recompute = false;  // each layer's forward again in the backward, gathers included
+  bool bf16 = false;  // fp32 main values and gradients, bf16 copies (stage 3 gathers them)
 };
 
 class ZeroStages : public ::testing::TestWithParam<Case> {};
@@ -100,6 +101,7 @@ TEST_P(ZeroStages, LossesAndGradientShardsEqualPlainDataParallelism) {
 
 void expect_equals_plain_data_parallelism(const Case& c, int stage) {
   ModelConfig m = four_layers(c.experts);
+  if (c.bf16) m.precision = Precision::bf16;
   if (c.full_recompute)
     m.recompute = {.granularity = RecomputeGranularity::full,
                    .method = RecomputeMethod::uniform,
@@ -179,6 +181,11 @@ const Case kCases[] = {
     {"dp2_full_recompute",
      0,
      {.data_parallel = 2, .micro_batch_size = 1, .global_batch_size = 4},
+     true},
+    {"moe_dp2_bf16",
+     4,
+     {.data_parallel = 2, .micro_batch_size = 1, .global_batch_size = 4},
+     false,
      true},
 };
 
@@ -326,6 +333,37 @@ TEST(ZeroStageMemory, ZeroBubbleKeepsASlotALayerAndPredictsAsMaterialised) {
     EXPECT_EQ(p.memory, r.memory);
     EXPECT_DOUBLE_EQ(p.step_ms, static_cast<double>(r.replay.makespan) * 1e-6);
   }
+}
+
+// weave predict gives the materialised step's memory and length beside Ampipe and zb-v as well.
+TEST(ZeroStageMemory, AmpipeAndZbVPredictAsMaterialised) {
+  const ParallelPlan plans[] = {{.expert_parallel = 2,
+                                 .data_parallel = 2,
+                                 .micro_batch_size = 1,
+                                 .global_batch_size = 4,
+                                 .ampipe_degree = 2},
+                                {.data_parallel = 2,
+                                 .pipeline_parallel = 2,
+                                 .virtual_pipeline = 2,
+                                 .pipeline_scheduler = "zb-v",
+                                 .micro_batch_size = 1,
+                                 .global_batch_size = 4}};
+  for (const ParallelPlan& plan : plans)
+    for (const bool stage3 : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << (plan.ampipe_degree > 1 ? "Ampipe" : "zb-v")
+                                        << (stage3 ? " stage 3" : " stage 2"));
+      TrainerConfig c;
+      c.model = four_layers(4);
+      c.plan = plan;
+      c.plan.distributed_optimizer = c.plan.shard_gradients = true;
+      c.plan.shard_parameters = stage3;
+      c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
+      validate(c.model, c.plan);
+      const MaterialisedStep r = materialised_step(c);
+      const Prediction p = predict_step(c);
+      EXPECT_EQ(p.memory, r.memory);
+      EXPECT_DOUBLE_EQ(p.step_ms, static_cast<double>(r.replay.makespan) * 1e-6);
+    }
 }
 
 // On the virtual clock with a slow link: layer 2's gather into the slot layer 0 held starts once
