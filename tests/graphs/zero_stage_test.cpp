@@ -325,10 +325,11 @@ TEST(ZeroStageMemory, ZeroBubbleKeepsASlotALayerAndPredictsAsMaterialised) {
     const MaterialisedStep r = materialised_step(c);
     EXPECT_EQ(r.memory[0][gradients], static_cast<std::int64_t>(sizeof(float)) *
                                           (rest + shards + layer_elements[0] + layer_elements[1]));
-    if (stage3)
+    if (stage3) {
       EXPECT_EQ(r.memory[0][parameters],
                 static_cast<std::int64_t>(sizeof(float)) *
                     (rest + shards + layer_elements[0] + layer_elements[1]));
+    }
     const Prediction p = predict_step(c);
     EXPECT_EQ(p.memory, r.memory);
     EXPECT_DOUBLE_EQ(p.step_ms, static_cast<double>(r.replay.makespan) * 1e-6);
