@@ -4,7 +4,7 @@
 // wall clock, the stages alternated step by step so that all see the same host load.
 //
 //   zero_stages_bench [--layers 4] [--hidden 256] [--seq 128] [--micro-batch 2]
-//                     [--micro-batches 2] [--steps 3]
+//                     [--micro-batches 2] [--steps 3] [--bf16]
 #include <fmt/format.h>
 #include <CLI/CLI.hpp>
 
@@ -85,13 +85,16 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps, "Timed steps a stage")
       ->check(CLI::PositiveNumber)
       ->capture_default_str();
+  bool bf16 = false;
+  app.add_flag("--bf16", bf16, "bf16 mixed precision (stage 3 gathering bf16 values)");
   CLI11_PARSE(app, argc, argv);
-  const ModelConfig m{.num_layers = layers,
-                      .hidden_size = hidden,
-                      .num_attention_heads = 8,
-                      .ffn_hidden_size = 4 * hidden,
-                      .seq_length = seq,
-                      .vocab_size = 256};
+  ModelConfig m{.num_layers = layers,
+                .hidden_size = hidden,
+                .num_attention_heads = 8,
+                .ffn_hidden_size = 4 * hidden,
+                .seq_length = seq,
+                .vocab_size = 256};
+  if (bf16) m.precision = weave::graphs::Precision::bf16;
   const int global = micro_batch * micro_batches * kDevices;
   std::vector<std::unique_ptr<Run>> runs;
   for (int stage = 0; stage <= 3; ++stage) {
@@ -106,9 +109,9 @@ int main(int argc, char** argv) {
     runs.push_back(std::make_unique<Run>(m, plan));
   }
   fmt::print(
-      "dp {}, {} layers, hidden {}, sequence {}, micro-batch {} x {} per replica, fp32, {} steps "
+      "dp {}, {} layers, hidden {}, sequence {}, micro-batch {} x {} per replica, {}, {} steps "
       "each after one to warm up\n",
-      kDevices, layers, hidden, seq, micro_batch, micro_batches, steps);
+      kDevices, layers, hidden, seq, micro_batch, micro_batches, bf16 ? "bf16" : "fp32", steps);
   std::vector<double> seconds(runs.size(), 0.0);
   for (auto& r : runs)
     r->step(1);

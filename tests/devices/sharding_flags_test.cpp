@@ -214,8 +214,15 @@ TEST(ShardingFlags, MapEveryStageOntoWhatIsSharded) {
   const DeepSpeedFile stage2(R"({"zero_optimization": {"stage": 2}})");
   EXPECT_EQ(sharded({"--deepspeed", "--deepspeed_config", stage2.path}),
             Sharded(true, true, false));
-  const DeepSpeedFile stage3(R"({"zero_optimization": {"stage": 3}})");
+  // Stage 3's sizes: weave gathers a layer at a time, two layers in flight, whatever DeepSpeed's
+  // prefetch and live-parameter limits say: named as without effect.
+  const DeepSpeedFile stage3(
+      R"({"zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 5e7,
+          "stage3_max_live_parameters": 1e9}})");
   EXPECT_EQ(sharded({"--deepspeed", "--deepspeed_config", stage3.path}), Sharded(true, true, true));
+  EXPECT_EQ(parsed(with({"--deepspeed", "--deepspeed_config", stage3.path})).deepspeed_unhonoured,
+            (std::vector<std::string>{"zero_optimization.stage3_max_live_parameters",
+                                      "zero_optimization.stage3_prefetch_bucket_size"}));
   EXPECT_NE(refusal(with({"--zero-stage", "4"})).find("is not a ZeRO stage"), std::string::npos);
   EXPECT_NE(refusal(with({"--zero-stage", "2", "--use-custom-fsdp",
                           "--data-parallel-sharding-strategy", "optim"}))

@@ -2,9 +2,9 @@
 // replica's shard as the backward completes them, the full buckets held in two shared slots only;
 // stage 3: each layer's parameters kept as shards and gathered into one of two slots before each
 // use. Losses and gradient shards against plain data parallelism, alone and beside tp+sp, cp, ep,
-// pp and full recomputation; each device's gradient and parameter memory against the closed
-// forms, predicted and materialised; the next layer's gather under the current layer's compute on
-// the virtual clock; --advise weighing the stages.
+// pp (zero-bubble schedules included), Ampipe, bf16 and full recomputation; each device's gradient
+// and parameter memory against the closed forms, predicted and materialised; the next layer's
+// gather under the current layer's compute on the virtual clock; --advise weighing the stages.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -75,6 +75,7 @@ struct Case {
   int experts;
   ParallelPlan plan;
   bool full_recompute = false;  // each layer's forward again in the backward, gathers included
+  bool bf16 = false;  // fp32 main values and gradients, bf16 copies (stage 3 gathers them)
 };
 
 class ZeroStages : public ::testing::TestWithParam<Case> {};
@@ -100,6 +101,7 @@ TEST_P(ZeroStages, LossesAndGradientShardsEqualPlainDataParallelism) {
 
 void expect_equals_plain_data_parallelism(const Case& c, int stage) {
   ModelConfig m = four_layers(c.experts);
+  if (c.bf16) m.precision = Precision::bf16;
   if (c.full_recompute)
     m.recompute = {.granularity = RecomputeGranularity::full,
                    .method = RecomputeMethod::uniform,
@@ -151,9 +153,39 @@ const Case kCases[] = {
     {"pp2_dp2",
      0,
      {.data_parallel = 2, .pipeline_parallel = 2, .micro_batch_size = 1, .global_batch_size = 8}},
+    // The weight passes: each micro-batch's layer buckets reduced after its W action.
+    {"pp2_dp2_zb_h1",
+     4,
+     {.data_parallel = 2,
+      .pipeline_parallel = 2,
+      .pipeline_scheduler = "zb-h1",
+      .micro_batch_size = 1,
+      .global_batch_size = 8}},
+    {"pp2_dp2_zb_v",
+     0,
+     {.data_parallel = 2,
+      .pipeline_parallel = 2,
+      .virtual_pipeline = 2,
+      .pipeline_scheduler = "zb-v",
+      .micro_batch_size = 1,
+      .global_batch_size = 8}},
+    // Ampipe's chunks: the MoE layers' buckets reduced after the chunks' backward, the QKV
+    // weight half kept inside it.
+    {"moe_dp2_ep2_ampipe2",
+     4,
+     {.expert_parallel = 2,
+      .data_parallel = 2,
+      .micro_batch_size = 1,
+      .global_batch_size = 4,
+      .ampipe_degree = 2}},
     {"dp2_full_recompute",
      0,
      {.data_parallel = 2, .micro_batch_size = 1, .global_batch_size = 4},
+     true},
+    {"moe_dp2_bf16",
+     4,
+     {.data_parallel = 2, .micro_batch_size = 1, .global_batch_size = 4},
+     false,
      true},
 };
 
@@ -252,6 +284,89 @@ TEST(ZeroStage3Memory, ParametersAreTheShardsAndTwoUnitsInFlight) {
   EXPECT_DOUBLE_EQ(p.step_ms, static_cast<double>(r.replay.makespan) * 1e-6);
 }
 
+// Under a zero-bubble schedule each layer of a stage keeps a gradient slot of its own (its W
+// action writes after the I actions of the layers below) and stage 3 two parameter slots: the
+// gradients are the stage's layers whole plus the shards, the parameters the shards plus two
+// layers; predicted and materialised alike, the step's length too.
+TEST(ZeroStageMemory, ZeroBubbleKeepsASlotALayerAndPredictsAsMaterialised) {
+  TrainerConfig c;
+  c.model = four_layers(4);
+  c.plan = {.data_parallel = 2,
+            .pipeline_parallel = 2,
+            .pipeline_scheduler = "zb-h1",
+            .micro_batch_size = 1,
+            .global_batch_size = 4,
+            .distributed_optimizer = true,
+            .shard_gradients = true};
+  c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
+  validate(c.model, c.plan);
+  // Rank 0 holds layers 0 and 1 (stage 0).
+  std::map<int, std::int64_t> layer_elements;
+  std::int64_t rest = 0, shards = 0;
+  {
+    devices::DeviceSet set(c.plan.devices(), {.pin = false});
+    devices::SharedMemoryCommunicator comm;
+    TrainingStep step(c.model, c.plan, {}, set, comm);
+    for (const GradientBucket& b : step.shard(0).buckets()) {
+      if (!b.staged) {
+        rest += b.values.numel();
+        continue;
+      }
+      layer_elements[std::stoi(b.name.substr(7))] += b.values.numel();
+      shards += b.shard_size;
+    }
+  }
+  ASSERT_EQ(layer_elements.size(), 2u);
+  const auto parameters = static_cast<std::size_t>(rt::MemoryCategory::parameters);
+  const auto gradients = static_cast<std::size_t>(rt::MemoryCategory::gradients);
+  for (const bool stage3 : {false, true}) {
+    SCOPED_TRACE(stage3 ? "stage 3" : "stage 2");
+    c.plan.shard_parameters = stage3;
+    const MaterialisedStep r = materialised_step(c);
+    EXPECT_EQ(r.memory[0][gradients], static_cast<std::int64_t>(sizeof(float)) *
+                                          (rest + shards + layer_elements[0] + layer_elements[1]));
+    if (stage3) {
+      EXPECT_EQ(r.memory[0][parameters],
+                static_cast<std::int64_t>(sizeof(float)) *
+                    (rest + shards + layer_elements[0] + layer_elements[1]));
+    }
+    const Prediction p = predict_step(c);
+    EXPECT_EQ(p.memory, r.memory);
+    EXPECT_DOUBLE_EQ(p.step_ms, static_cast<double>(r.replay.makespan) * 1e-6);
+  }
+}
+
+// weave predict gives the materialised step's memory and length beside Ampipe and zb-v as well.
+TEST(ZeroStageMemory, AmpipeAndZbVPredictAsMaterialised) {
+  const ParallelPlan plans[] = {{.expert_parallel = 2,
+                                 .data_parallel = 2,
+                                 .micro_batch_size = 1,
+                                 .global_batch_size = 4,
+                                 .ampipe_degree = 2},
+                                {.data_parallel = 2,
+                                 .pipeline_parallel = 2,
+                                 .virtual_pipeline = 2,
+                                 .pipeline_scheduler = "zb-v",
+                                 .micro_batch_size = 1,
+                                 .global_batch_size = 4}};
+  for (const ParallelPlan& plan : plans)
+    for (const bool stage3 : {false, true}) {
+      SCOPED_TRACE(::testing::Message() << (plan.ampipe_degree > 1 ? "Ampipe" : "zb-v")
+                                        << (stage3 ? " stage 3" : " stage 2"));
+      TrainerConfig c;
+      c.model = four_layers(4);
+      c.plan = plan;
+      c.plan.distributed_optimizer = c.plan.shard_gradients = true;
+      c.plan.shard_parameters = stage3;
+      c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
+      validate(c.model, c.plan);
+      const MaterialisedStep r = materialised_step(c);
+      const Prediction p = predict_step(c);
+      EXPECT_EQ(p.memory, r.memory);
+      EXPECT_DOUBLE_EQ(p.step_ms, static_cast<double>(r.replay.makespan) * 1e-6);
+    }
+}
+
 // On the virtual clock with a slow link: layer 2's gather into the slot layer 0 held starts once
 // layer 0's forward is done with it (two units in flight), runs under layer 1's compute, and
 // layer 2's forward waits for it.
@@ -292,23 +407,27 @@ TEST(ZeroStage3Overlap, TheNextLayersGatherRunsUnderTheLayersCompute) {
   EXPECT_GE(layer[2].start, gather.end);  // layer 2 waits for its parameters
 }
 
-TEST(ZeroStage2Rules, RefusesWhatIsNotBuiltNamingTheIssue) {
+TEST(ZeroStage2Rules, RefusesAStageWithoutTheOnesBelowIt) {
   const ModelConfig m = four_layers(4);
   ParallelPlan without_optimizer{
       .data_parallel = 2, .micro_batch_size = 1, .global_batch_size = 2, .shard_gradients = true};
   EXPECT_THROW(validate(m, without_optimizer), ConfigError);
-  ParallelPlan zero_bubble{.data_parallel = 2,
-                           .pipeline_parallel = 2,
-                           .pipeline_scheduler = "zb-h1",
-                           .micro_batch_size = 1,
-                           .global_batch_size = 4,
-                           .distributed_optimizer = true,
-                           .shard_gradients = true};
   try {
-    validate(m, zero_bubble);
-    ADD_FAILURE() << "zb-h1 with stage 2 accepted";
+    validate(m, without_optimizer);
   } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("is not built yet"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("shards the optimizer state too"), std::string::npos)
+        << e.what();
+  }
+  ParallelPlan parameters_alone = without_optimizer;
+  parameters_alone.distributed_optimizer = true;
+  parameters_alone.shard_gradients = false;
+  parameters_alone.shard_parameters = true;
+  try {
+    validate(m, parameters_alone);
+    ADD_FAILURE() << "parameters sharded without the gradients accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("shards the gradients too"), std::string::npos)
+        << e.what();
   }
 }
 
@@ -323,21 +442,22 @@ TEST(ZeroStage2Advice, WeighsStageTwoAgainstStageOneAtEachLayout) {
                .distributed_optimizer = true,
                .shard_gradients = true};
   const PlanCandidates candidates = enumerate_plans(base);
-  int stage1 = 0, stage2 = 0;
+  int stage1 = 0, stage2 = 0, stage2_zero_bubble = 0;
   for (const TrainerConfig& c : candidates.configs) {
     const std::string flags = plan_flags(c);
     if (c.plan.shard_gradients) {
       ++stage2;
       EXPECT_NE(flags.find("--zero-stage 2"), std::string::npos) << flags;
-      EXPECT_NE(c.plan.pipeline_scheduler, "zb-h1");
+      stage2_zero_bubble += c.plan.pipeline_scheduler == "zb-h1";
     } else {
       ++stage1;
       EXPECT_NE(flags.find("--zero-stage 1"), std::string::npos) << flags;
     }
   }
   EXPECT_GT(stage2, 0);
-  // Every stage-2 candidate has its stage-1 twin; the zero-bubble layouts have stage 1 only.
-  EXPECT_GT(stage1, stage2);
+  // Every layout in both stages, the zero-bubble ones included.
+  EXPECT_EQ(stage1, stage2);
+  EXPECT_GT(stage2_zero_bubble, 0);
 }
 
 }  // namespace

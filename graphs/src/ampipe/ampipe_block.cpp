@@ -302,9 +302,11 @@ TaskId AmpipeBlock::backward(const BuildPosition& pos, TaskId ready, WeightHalve
   for (int c = N - 1; c >= 0; --c)
     side = chunk_backward(pos, c, experts[static_cast<std::size_t>(c)], blocks);
   if (cp > 1) side = send_block_gradients_home(pos, side);
-  if (last) reduce_buckets(*P, fmt::format("layers.{}.mlp", l), side);
+  // A staged bucket (ZeRO stage 2) after every micro-batch, the others after the last.
+  reduce_buckets(*P, fmt::format("layers.{}.mlp", l), side, last);
+  // ZeRO stage 2 keeps the QKV weight half inside the layer's backward, which holds its slot.
   const WeightPlacement qkv_weights =
-      z.tp == 1 && cp == 1 ? halves.deferrable() : halves.immediate();
+      z.tp == 1 && cp == 1 && !z.plan.shard_gradients ? halves.deferrable() : halves.immediate();
   return AttentionBlock(*P, l).backward_input(pos, side, halves, last, qkv_weights);
 }
 

@@ -417,9 +417,9 @@ void check_overlaps(const ModelConfig& m, const ParallelPlan& p) {
         attention_backend_name(m.attention_backend));
 }
 
-// ZeRO stage 2 reduces each layer's gradients inside its backward: the schedules and blocks that
-// write a layer's weight gradients later (zero-bubble's weight passes, Ampipe's chunks) are not
-// built with it.
+// ZeRO stage 2 reduces each layer's gradients once the micro-batch has written them all: after
+// the layer's backward (Ampipe's too, its QKV weight half kept inside it), or a zero-bubble
+// schedule's W action.
 void check_sharded_gradients(const ParallelPlan& p) {
   if (p.shard_parameters && !p.shard_gradients)
     refuse("sharding the parameters (ZeRO stage 3) shards the gradients too: give --zero-stage 3");
@@ -432,18 +432,6 @@ void check_sharded_gradients(const ParallelPlan& p) {
     refuse(
         "sharding the gradients (ZeRO stage 2) shards the optimizer state too: add "
         "--use-distributed-optimizer, or give --zero-stage 2");
-  if (p.ampipe_degree > 1)
-    refuse(
-        "ZeRO stage 2 (--zero-stage 2, optim_grads) with --ampipe-degree {} is not built yet "
-        "(its chunks write a layer's weight gradients after the layer's backward): use "
-        "--zero-stage 1, or drop --ampipe-degree",
-        p.ampipe_degree);
-  if (p.pipeline_scheduler.rfind("zb", 0) == 0)
-    refuse(
-        "ZeRO stage 2 (--zero-stage 2, optim_grads) with --pipeline-scheduler {} is not built "
-        "yet (its weight passes write a layer's gradients after the layer's backward): "
-        "use another schedule, or --zero-stage 1",
-        p.pipeline_scheduler);
 }
 
 // Ampipe's chunks need MoE layers to overlap with, and whole positions in every chunk.

@@ -540,7 +540,8 @@ TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, We
   P->after(norm_ready, ln1);
   const std::string bucket = fmt::format("layers.{}.attention", l);
   if (qkv_weights != WeightPlacement::deferred) {
-    reduce_buckets(*P, bucket, ln1, last);
+    // A zero-bubble I action leaves the bucket to its W action, which writes the rest of it.
+    if (qkv_weights != WeightPlacement::zero_bubble) reduce_buckets(*P, bucket, ln1, last);
     return ln1;
   }
   // After ln1 on the compute stream, so the bucket's every gradient is in once it is done.

@@ -75,22 +75,29 @@ TaskId ModelChunk::backward(const BuildPosition& pos, TaskId ready, WeightHalves
 
 TaskId ModelChunk::weight_gradients(std::vector<WeightHalf> halves, bool last,
                                     TaskId& word_grad_done) const {
+  // ZeRO stage 2: the halves write into the layers' gradient slots once the micro-batch before
+  // has been reduced out of them, and the layers' staged buckets, complete now, are reduced after
+  // every micro-batch's W (reduce_buckets reduces the others on the `last` only).
+  const bool staged = P->shape.plan.shard_gradients;
+  if (staged)
+    for (int l = P->layout.end_layer(k) - 1; l >= P->layout.first_layer(k); --l)
+      wait_for_gradient_slot(*P, l, {});
   TaskId done = rt::kNoTask;
   for (const WeightHalf& emit : halves) {
     const TaskId id = emit();
     if (id != rt::kNoTask) done = id;
   }
-  if (!last) return done;
+  if (!last && !staged) return done;
   // The chunk's last weight halves: every bucket of the chunk is complete.
-  if (k + 1 == P->layout.chunks()) {
+  if (last && k + 1 == P->layout.chunks()) {
     reduce_buckets(*P, "final_norm", done);
     word_grad_done = done;
   }
   for (int l = P->layout.end_layer(k) - 1; l >= P->layout.first_layer(k); --l) {
-    reduce_buckets(*P, fmt::format("layers.{}.mlp", l), done);
-    reduce_buckets(*P, fmt::format("layers.{}.attention", l), done);
+    reduce_buckets(*P, fmt::format("layers.{}.mlp", l), done, last);
+    reduce_buckets(*P, fmt::format("layers.{}.attention", l), done, last);
   }
-  if (k == 0) word_grad_done = done;
+  if (last && k == 0) word_grad_done = done;
   return done;
 }
 

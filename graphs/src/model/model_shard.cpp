@@ -41,7 +41,14 @@ double normal(const ops::RandomKey& key, std::int64_t row, std::int64_t col) {
 }
 
 // A 16-bit run's parameters: the bucket's fp32 main values rounded into its 16-bit copy.
+// Stage 3's staged bucket: its shard rounded for the gathers, the copies rounded from the slot
+// once gathered (graphs/src/step/parameter_slots.cpp).
 void refresh(GradientBucket& bucket, Precision precision) {
+  if (bucket.values_staged) {
+    bucket.value_shard16.copy_from(bucket.value_shard);
+    round_in_place(precision, bucket.value_shard16);
+    return;
+  }
   round_to_half(precision, bucket.values, bucket.values16);
 }
 
@@ -254,13 +261,21 @@ void ModelShard::make_buckets(const Mesh& mesh, int rank) {
       staged_at[b] = layer_bytes[l];
       layer_bytes[l] += padded_elements(planned[b].params, replicas);
     }
-    std::vector<std::int64_t> slot_elements(kGradientSlots, 0);
+    // A zero-bubble schedule's W action writes a layer's weight gradients after the I actions of
+    // the layers below, which write their own (their norms'): each layer holds a gradient slot of
+    // its own there. The parameter slots (stage 3) are two whatever the schedule: the W actions
+    // read no values.
+    const bool weight_passes = mesh.plan().pipeline_scheduler.rfind("zb", 0) == 0;
+    const std::size_t gradient_slot_count = weight_passes ? layer_bytes.size() : kGradientSlots;
+    std::vector<std::int64_t> slot_elements(gradient_slot_count, 0),
+        parameter_slot_elements(kGradientSlots, 0);
     int ordinal = 0;
     for (const auto& [l, elements] : layer_bytes) {
-      const int slot = ordinal++ % kGradientSlots;
-      layer_slots_[l] = slot;
-      slot_elements[static_cast<std::size_t>(slot)] =
-          std::max(slot_elements[static_cast<std::size_t>(slot)], elements);
+      const auto slot = static_cast<std::size_t>(ordinal++) % gradient_slot_count;
+      layer_slots_[l] = static_cast<int>(slot);
+      slot_elements[slot] = std::max(slot_elements[slot], elements);
+      std::int64_t& values = parameter_slot_elements[slot % kGradientSlots];
+      values = std::max(values, elements);
     }
     const ParameterBytes bytes = parameter_bytes(config_.precision);
     const auto slot = [this](std::int64_t elements, rt::MemoryCategory category,
@@ -270,27 +285,37 @@ void ModelShard::make_buckets(const Mesh& mesh, int rank) {
                                                     static_cast<std::size_t>(element_bytes));
     };
     for (const std::int64_t elements : slot_elements)
-      if (elements > 0) {
+      if (elements > 0)
         gradient_slots_.push_back(slot(elements, rt::MemoryCategory::gradients, bytes.gradient));
-        // Stage 3: the gathered values laid out as the gradients are, slot for slot.
-        if (mesh.plan().shard_parameters)
+    // Stage 3: the gathered values laid out as the gradients are, gradient slot s in parameter
+    // slot s % kGradientSlots.
+    if (mesh.plan().shard_parameters)
+      for (const std::int64_t elements : parameter_slot_elements)
+        if (elements > 0) {
           parameter_slots_.push_back(
               slot(elements, rt::MemoryCategory::parameters, bytes.parameter));
-      }
+          if (materialize_ && config_.precision != Precision::fp32)
+            parameter_slots16_.push_back(
+                ops::Bf16Tensor::zeros({elements}, device_, rt::MemoryCategory::parameters));
+        }
     for (std::size_t b = 0; b < planned.size(); ++b)
       if (staged_at[b] >= 0) slot_of[b] = layer_slots_.at(layer_of_bucket(planned[b].name));
   }
   for (std::size_t b = 0; b < planned.size(); ++b) {
     ops::Tensor staged, staged_values;
+    ops::Bf16Tensor staged_values16;
     if (staged_at[b] >= 0) {
       const std::int64_t n =
           padded_elements(planned[b].params, replicas_of(mesh, rank, *planned[b].params.front()));
       const auto s = static_cast<std::size_t>(slot_of[b]);
       staged = gradient_slots_[s].slice(0, staged_at[b], n);
-      if (!parameter_slots_.empty()) staged_values = parameter_slots_[s].slice(0, staged_at[b], n);
+      const std::size_t v = s % kGradientSlots;
+      if (!parameter_slots_.empty()) staged_values = parameter_slots_[v].slice(0, staged_at[b], n);
+      if (!parameter_slots16_.empty())
+        staged_values16 = parameter_slots16_[v].slice(0, staged_at[b], n);
     }
     make_bucket(mesh, rank, std::move(planned[b].name), std::move(planned[b].params), staged,
-                slot_of[b], staged_values);
+                slot_of[b], staged_values, staged_values16);
   }
 }
 
@@ -305,7 +330,7 @@ int ModelShard::gradient_slot(int l) const {
 
 void ModelShard::make_bucket(const Mesh& mesh, int rank, std::string name,
                              std::vector<Parameter*> params, ops::Tensor staged_grads, int slot,
-                             ops::Tensor staged_values) {
+                             ops::Tensor staged_values, ops::Bf16Tensor staged_values16) {
   GradientBucket bucket;
   bucket.name = std::move(name);
   bucket.params = std::move(params);
@@ -334,7 +359,9 @@ void ModelShard::make_bucket(const Mesh& mesh, int rank, std::string name,
                                                     : rt::MemoryCategory::parameters,
                                                bytes.parameter);
   if (bf16)
-    bucket.values16 = ops::Bf16Tensor::zeros({padded}, device_, rt::MemoryCategory::parameters);
+    bucket.values16 = bucket.values_staged ? staged_values16
+                                           : ops::Bf16Tensor::zeros({padded}, device_,
+                                                                    rt::MemoryCategory::parameters);
   bucket.staged = staged_grads.defined();
   bucket.slot = slot;
   bucket.grads =
@@ -359,9 +386,15 @@ void ModelShard::make_bucket(const Mesh& mesh, int rank, std::string name,
   // Stage 3: the replica keeps its shard of the initial values; the slot is another layer's
   // next.
   if (bucket.values_staged) {
-    bucket.value_shard = zeros(bucket.shard_size, rt::MemoryCategory::parameters, bytes.parameter);
+    // In bf16 the fp32 main values (optimizer state, as `values` is unsharded) and their copy
+    // rounded for the gathers.
+    bucket.value_shard =
+        zeros(bucket.shard_size,
+              bf16 ? rt::MemoryCategory::optimizer_state : rt::MemoryCategory::parameters,
+              bytes.parameter);
     if (materialize_)
       bucket.value_shard.copy_from(bucket.values.slice(0, bucket.shard_begin, bucket.shard_size));
+    if (bf16) bucket.value_shard16 = zeros(bucket.shard_size, rt::MemoryCategory::parameters, 4);
   }
   bucket.exp_avg = zeros(bucket.shard_size, rt::MemoryCategory::optimizer_state, 4);
   bucket.exp_avg_sq = zeros(bucket.shard_size, rt::MemoryCategory::optimizer_state, 4);

@@ -134,15 +134,15 @@ TaskId TransformerLayer::backward_pass(const BuildPosition& pos, TaskId ready, W
                                        bool last) const {
   const StepShape& z = P->shape;
   const MlpModule mlp_module = z.spec(l).mlp;
+  // ZeRO stage 2: the layer's gradient slot is free (its previous layer reduced) before any of
+  // the layer's gradients are written.
+  wait_for_gradient_slot(*P, l, pos.tags(rt::Phase::backward, l));
   if (mlp_module == MlpModule::ampipe) return AmpipeBlock(*P, l).backward(pos, ready, halves, last);
   const bool moe = mlp_module == MlpModule::moe;
   RankProgram* p = P;
   const int layer = l, set = pos.set, mb = pos.micro_batch;
   const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
   const std::string at = fmt::format("L{}.", l);
-  // ZeRO stage 2: the layer's gradient slot is free (its previous layer reduced) before any of
-  // the layer's gradients are written.
-  wait_for_gradient_slot(*P, l, tags);
   // d_x (the layer output's gradient) -> d_mlp; d_x_mid starts as d_x (the residual).
   const double rows = static_cast<double>(z.Sl * z.B * z.h);
   const TaskId residual =
@@ -180,7 +180,8 @@ TaskId TransformerLayer::backward_pass(const BuildPosition& pos, TaskId ready, W
     p->bias_dropout_add_backward(mb, layer, 0, w.d_x_mid, w.d_mlp, grad_of(W.attention.proj_bias));
   });
   P->after(mlp, norm);
-  reduce_buckets(*P, fmt::format("layers.{}.mlp", l), norm, last);
+  // A zero-bubble I action leaves the bucket to its W action, which writes the rest of it.
+  if (!halves.zero_bubble()) reduce_buckets(*P, fmt::format("layers.{}.mlp", l), norm, last);
   // With tp or cp the QKV weight half overlaps the input gradient's reduction; with neither it
   // waits for the layer below to launch its first all-to-all.
   // ZeRO stage 2 keeps every weight half inside its layer's backward, which holds its slot.

@@ -2,25 +2,39 @@
 
 #include <fmt/format.h>
 
+#include "model/half_precision.hpp"
+#include "step/step_costs.hpp"
+
 namespace weave::graphs {
 
 namespace {
+
+// The parameter slot layer l's values are gathered into: its gradient slot's, two in turn (a
+// zero-bubble schedule gives each layer a gradient slot of its own).
+int parameter_slot(RankProgram& P, int l) {
+  return P.shard().gradient_slot(l) % ModelShard::kGradientSlots;
+}
 
 // Issues layer l's gathers into its slot, after the slot's releases; returns them. A slot still
 // holding layer l's values (gathered earlier in the step, not gathered over since) is not
 // gathered again.
 const std::vector<TaskId>& gather_layer(RankProgram& P, int l, const rt::TaskTags& tags) {
-  const int slot = P.shard().gradient_slot(l);
-  RankProgram::ParameterSlot& S = P.parameter_slots[slot];
+  RankProgram::ParameterSlot& S = P.parameter_slots[parameter_slot(P, l)];
   if (S.layer == l) return S.gathers;
   S.layer = l;
+  S.rounded = false;
   S.gathers.clear();
   const std::string prefix = fmt::format("layers.{}.", l);
   for (GradientBucket& bucket : P.shard().buckets()) {
     if (!bucket.values_staged || bucket.name.rfind(prefix, 0) != 0) continue;
     const GroupHandle& replicas = bucket.expert ? P.expert_data : P.data;
-    const TaskId gather = replicas.all_gather(rt::kNoTask, read_of(bucket.value_shard),
-                                              all_of(bucket.values), bucket.name + ".gather", tags);
+    // A bf16 run gathers the shard as rounded at the step's start, 2 bytes a value (the group's
+    // element size in a 16-bit run).
+    const bool half = P.half();
+    const TaskId gather =
+        replicas.all_gather(half ? P.step_opened : rt::kNoTask,
+                            read_of(half ? bucket.value_shard16 : bucket.value_shard),
+                            all_of(bucket.values), bucket.name + ".gather", tags);
     for (const TaskId release : S.releases)
       P.after(release, gather);
     S.gathers.push_back(gather);
@@ -34,10 +48,29 @@ const std::vector<TaskId>& gather_layer(RankProgram& P, int l, const rt::TaskTag
 void acquire_layer_parameters(RankProgram& P, int layer, int next, const rt::TaskTags& tags) {
   if (!P.shard().parameters_sharded(layer)) return;
   P.await(gather_layer(P, layer, tags));
+  // A bf16 run's products read the bf16 copies: rounded from the gathered values (exactly, they
+  // were rounded before the gather) into the bf16 slot, once per gather.
+  RankProgram::ParameterSlot& S = P.parameter_slots[parameter_slot(P, layer)];
+  if (P.half() && !S.rounded) {
+    S.rounded = true;
+    std::vector<GradientBucket*> buckets;
+    double elements = 0;
+    const std::string prefix = fmt::format("layers.{}.", layer);
+    for (GradientBucket& bucket : P.shard().buckets())
+      if (bucket.values_staged && bucket.name.rfind(prefix, 0) == 0) {
+        buckets.push_back(&bucket);
+        elements += static_cast<double>(bucket.values.numel());
+      }
+    const Precision precision = P.shape.model.precision;
+    P.compute("param_slot_to_bf16", tags, cost::streamed_bytes(elements, 6), [buckets, precision] {
+      for (GradientBucket* b : buckets)
+        round_to_half(precision, b->values, b->values16);
+    });
+  }
   // The next layer's gather on the replicas' stream now, so that it runs under this layer's
   // compute; into the other slot, which the previous layer has released.
   if (next >= 0 && P.shard().parameters_sharded(next) &&
-      P.shard().gradient_slot(next) != P.shard().gradient_slot(layer))
+      parameter_slot(P, next) != parameter_slot(P, layer))
     gather_layer(P, next, tags);
 }
 
@@ -51,7 +84,7 @@ void release_layer_parameters(RankProgram& P, int layer, const rt::TaskTags& tag
                                    .name = "param_slot_release",
                                    .tags = tags},
                                   [](rt::TaskContext&) {});
-  P.parameter_slots[P.shard().gradient_slot(layer)].releases.push_back(done);
+  P.parameter_slots[parameter_slot(P, layer)].releases.push_back(done);
 }
 
 }  // namespace weave::graphs

@@ -213,19 +213,20 @@ void RankProgram::build() {
   if (half())
     for (const auto& [point, gathers] : parameter_gathers)
       awaited_gathers_.insert(awaited_gathers_.end(), gathers.begin(), gathers.end());
-  compute("zero_grads", {},
-          cost::streamed_bytes(gradients, parameter_bytes(shape.model.precision).gradient), [this] {
-            state.shard->zero_grads();
-            // A bf16 run's products read the main parameters as the last update (or a loaded
-            // checkpoint) left them, rounded to bf16.
-            if (half()) state.shard->refresh_bf16_copies();
-            std::fill(state.loss.begin(), state.loss.end(), 0.0);
-            std::fill(state.aux.begin(), state.aux.end(), 0.0);
-            state.routed_picks = state.dropped_picks = 0;
-            state.routing_digest = 0;
-            for (auto& loads : state.expert_loads)
-              loads.second.fill(0.f);
-          });
+  step_opened = compute(
+      "zero_grads", {},
+      cost::streamed_bytes(gradients, parameter_bytes(shape.model.precision).gradient), [this] {
+        state.shard->zero_grads();
+        // A bf16 run's products read the main parameters as the last update (or a loaded
+        // checkpoint) left them, rounded to bf16.
+        if (half()) state.shard->refresh_bf16_copies();
+        std::fill(state.loss.begin(), state.loss.end(), 0.0);
+        std::fill(state.aux.begin(), state.aux.end(), 0.0);
+        state.routed_picks = state.dropped_picks = 0;
+        state.routing_digest = 0;
+        for (auto& loads : state.expert_loads)
+          loads.second.fill(0.f);
+      });
   build_pipeline(*this);
   reduce_deferred_buckets(*this);
   build_optimizer(*this);

@@ -50,8 +50,8 @@ void check_devices(const ParallelPlan& plan, const devices::DeviceSet& set) {
 
 // What a step built with tensors trains in 16 bits so far: bf16 with dense and MoE layers under
 // tensor (and sequence), data, pipeline (every schedule), expert and context parallelism, the
-// distributed optimizer (ZeRO stage 1) and activation recomputation (--qk-layernorm and Ampipe
-// included; Ampipe with context parallelism and ZeRO stages 2 and 3 not); fp16, the same code with
+// distributed optimizer (ZeRO stages 1 to 3) and activation recomputation (--qk-layernorm and
+// Ampipe included; Ampipe with context parallelism not); fp16, the same code with
 // its loss scaler, only what its tests compare with one device and fp32: dense layers under tensor
 // (and sequence), data and pipeline parallelism and the distributed optimizer, every activation
 // kept. The rest is modelled by a prediction only.
@@ -59,9 +59,8 @@ void check_half_precision_step(const ModelConfig& model, const ParallelPlan& pla
   const auto refuse = [&](std::string_view what) {
     throw ConfigError(fmt::format(
         "a step built with tensors trains in bf16 with dense and MoE layers under tensor (and "
-        "sequence), data, pipeline, expert and context parallelism, the distributed optimizer and "
-        "activation recomputation (Ampipe with context parallelism and ZeRO stages 2 and 3 "
-        "excepted), and in fp16 with "
+        "sequence), data, pipeline, expert and context parallelism, ZeRO stages 1 to 3 and "
+        "activation recomputation (Ampipe with context parallelism excepted), and in fp16 with "
         "dense layers under tensor (and sequence), data and pipeline parallelism and the "
         "distributed optimizer only, every activation kept (16-bit mixed precision: 16-bit "
         "products and saved activations, fp32 main parameters, gradients, norms, softmax and "
@@ -71,11 +70,11 @@ void check_half_precision_step(const ModelConfig& model, const ParallelPlan& pla
         precision_name(model.precision), what, precision_name(model.precision),
         precision_name(model.precision)));
   };
-  // ZeRO stages 2 and 3 hold fp32 gradient and parameter slots; their 16-bit copies are not built.
-  if (plan.shard_gradients)
-    refuse(plan.shard_parameters ? "ZeRO stage 3 (--zero-stage 3, optim_grads_params)"
-                                 : "ZeRO stage 2 (--zero-stage 2, optim_grads)");
   if (model.precision == Precision::fp16) {
+    // fp16 is built only where its tests compare it with one device: ZeRO stages 2 and 3 not.
+    if (plan.shard_gradients)
+      refuse(plan.shard_parameters ? "ZeRO stage 3 (--zero-stage 3, optim_grads_params)"
+                                   : "ZeRO stage 2 (--zero-stage 2, optim_grads)");
     // MoE layers' auxiliary losses back-propagate unscaled beside the scaled loss gradient.
     if (model.num_experts > 0) refuse("MoE layers (--num-experts)");
     if (plan.context_parallel > 1) refuse("context parallelism (--context-parallel-size)");

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <stdexcept>
 #include <type_traits>
@@ -101,9 +102,37 @@ struct Entry {
   ops::Tensor tensor;
 };
 
+// Bucket `name` of rank `device`'s shard; the replicas' shards of a checkpoint saved or loaded
+// across layouts must all be built in this process.
+GradientBucket& bucket_of_rank(TrainingStep& step, rt::DeviceId device, const std::string& name) {
+  const int rank = static_cast<int>(device);
+  if (!step.holds(rank))
+    throw std::invalid_argument(fmt::format(
+        "bucket {} is sharded over replicas that are not all in this process (rank {} is not): "
+        "a checkpoint of ZeRO stage 3 (--zero-stage 3), or one loaded with another "
+        "--use-distributed-optimizer than it was saved with, is built from every replica's shard, "
+        "so save and load it with one process",
+        name, rank));
+  for (GradientBucket& b : step.shard(rank).buckets())
+    if (b.name == name) return b;
+  throw std::logic_error(fmt::format("rank {} has no gradient bucket {}", rank, name));
+}
+
+// The tensors a checkpoint holds, and the copies that take them, once loaded, where the step
+// keeps them when that is not in the tensors themselves.
+struct Entries {
+  std::vector<Entry> list;
+  std::vector<std::pair<ops::Tensor, ops::Tensor>> after_load;  // (to, from)
+};
+
 // The tensors of the ranks built here: every rank for a checkpoint of one process, this
-// process's ranks for its part of a checkpoint of several.
-std::vector<Entry> entries_of(TrainingStep& step) {
+// process's ranks for its part of a checkpoint of several. Parameters are whole in every layout:
+// under ZeRO stage 3 each sharded bucket's values are assembled from its replicas' shards (and
+// loaded back into this replica's). The AdamW moments are each replica's shard when
+// `moments_sharded` (the distributed optimizer's layout, ZeRO stages 1 to 3), else whole (plain
+// data parallelism): converted when the step keeps them the other way, every replica's whole
+// moments being equal.
+Entries entries_of(TrainingStep& step, bool moments_sharded) {
   if (!step.materialized())
     throw std::invalid_argument(
         "a step built without tensors (StepBuildOptions::materialize = false) has no values to "
@@ -115,16 +144,60 @@ std::vector<Entry> entries_of(TrainingStep& step) {
           "a checkpoint holds every rank's shard and rank {} is not built in this step; build "
           "every rank (StepBuildOptions::ranks empty)",
           r));
-  std::vector<Entry> out;
+  Entries out;
   for (int r = 0; r < step.mesh().size(); ++r) {
     if (!step.holds(r)) continue;
-    for (Parameter& p : step.shard(r).parameters())
-      out.push_back({r, p.name, "value", p.value});
-    for (ModelState& s : step.shard(r).states())
-      out.push_back({r, s.name, "value", s.value});
+    std::map<const Parameter*, ops::Tensor> whole_values;
     for (GradientBucket& b : step.shard(r).buckets()) {
-      out.push_back({r, b.name, "exp_avg", b.exp_avg});
-      out.push_back({r, b.name, "exp_avg_sq", b.exp_avg_sq});
+      if (!b.values_staged) continue;
+      const devices::ProcessGroup& replicas =
+          step.mesh().group(b.expert ? GroupKind::expert_data : GroupKind::data_context, r);
+      const ops::Tensor whole = ops::Tensor::zeros({b.shard_size * replicas.size()});
+      for (int i = 0; i < replicas.size(); ++i)
+        whole.slice(0, i * b.shard_size, b.shard_size)
+            .copy_from(bucket_of_rank(step, replicas.device(i), b.name).value_shard);
+      out.after_load.emplace_back(b.value_shard, whole.slice(0, b.shard_begin, b.shard_size));
+      std::int64_t at = 0;
+      for (const Parameter* p : b.params) {
+        whole_values[p] = whole.slice(0, at, p->value.numel()).reshape(p->value.shape());
+        at += p->value.numel();
+      }
+    }
+    for (Parameter& p : step.shard(r).parameters()) {
+      const auto found = whole_values.find(&p);
+      out.list.push_back(
+          {r, p.name, "value", found == whole_values.end() ? p.value : found->second});
+    }
+    for (ModelState& s : step.shard(r).states())
+      out.list.push_back({r, s.name, "value", s.value});
+    for (GradientBucket& b : step.shard(r).buckets()) {
+      for (const auto& [part, moment] :
+           {std::pair<const char*, ops::Tensor*>{"exp_avg", &b.exp_avg},
+            {"exp_avg_sq", &b.exp_avg_sq}}) {
+        if (b.replicas == 1 || b.sharded == moments_sharded) {
+          out.list.push_back({r, b.name, part, *moment});
+          continue;
+        }
+        const std::int64_t padded = b.sharded ? b.shard_size * b.replicas : b.shard_size;
+        const std::int64_t shard = padded / b.replicas;
+        if (b.sharded) {
+          // Saved whole: this replica's shard of it.
+          const ops::Tensor saved = ops::Tensor::zeros({padded});
+          out.list.push_back({r, b.name, part, saved});
+          out.after_load.emplace_back(*moment, saved.slice(0, b.shard_begin, b.shard_size));
+          continue;
+        }
+        // Saved as shards: this rank's is its replica's part of every replica's whole moment.
+        const ops::Tensor saved = ops::Tensor::zeros({shard});
+        out.list.push_back({r, b.name, part, saved});
+        const devices::ProcessGroup& replicas =
+            step.mesh().group(b.expert ? GroupKind::expert_data : GroupKind::data_context, r);
+        for (int i = 0; i < replicas.size(); ++i) {
+          GradientBucket& other = bucket_of_rank(step, replicas.device(i), b.name);
+          ops::Tensor& to = std::string_view(part) == "exp_avg" ? other.exp_avg : other.exp_avg_sq;
+          out.after_load.emplace_back(to.slice(0, b.replica * shard, shard), saved);
+        }
+      }
     }
   }
   return out;
@@ -320,7 +393,8 @@ void save_parts(const std::string& path, const ModelConfig& model, const Paralle
   std::string failure;
   std::uint64_t checksum = 0;
   try {
-    checksum = write_file(part, kPartMagic, header, entries_of(step));
+    checksum =
+        write_file(part, kPartMagic, header, entries_of(step, plan.distributed_optimizer).list);
   } catch (const std::exception& e) {
     failure = e.what();
   }
@@ -371,7 +445,8 @@ void save_parts(const std::string& path, const ModelConfig& model, const Paralle
 void save_checkpoint(const std::string& path, const ModelConfig& model, const ParallelPlan& plan,
                      TrainingStep& step, const CheckpointState& state) {
   if (step.processes().size() > 1) return save_parts(path, model, plan, step, state);
-  write_file(path, kMagic, run_header(model, plan, state), entries_of(step));
+  write_file(path, kMagic, run_header(model, plan, state),
+             entries_of(step, plan.distributed_optimizer).list);
 }
 
 namespace {
@@ -512,20 +587,27 @@ CheckpointState load_opened(OpenedFile& f, const std::string& path, const ModelC
     throw std::runtime_error(fmt::format(
         "checkpoint '{}' holds another model: {}. Load it with the model flags it was saved with",
         path, diff));
-  if (const std::string diff =
-          differences(plan_with_defaults(header.value("plan", json::object())), describe(plan));
-      !diff.empty())
+  // The distributed optimizer (ZeRO stages 1 to 3) keeps each replica's shard of the moments,
+  // plain data parallelism every replica's whole ones: either loads the other's checkpoint.
+  json saved_plan = plan_with_defaults(header.value("plan", json::object())),
+       now_plan = describe(plan);
+  const bool moments_sharded = saved_plan.value("use_distributed_optimizer", false);
+  saved_plan.erase("use_distributed_optimizer");
+  now_plan.erase("use_distributed_optimizer");
+  if (const std::string diff = differences(saved_plan, now_plan); !diff.empty())
     throw std::runtime_error(fmt::format(
         "checkpoint '{}' was saved with another parallel layout: {}. Resume with the layout it was "
         "saved with",
         path, diff));
-  const std::vector<Entry> entries = entries_of(step);
+  const Entries entries = entries_of(step, moments_sharded);
   // Read everything and verify before touching the model.
-  const std::vector<std::vector<float>> data = f.magic == kManifestMagic
-                                                   ? read_part(path, header, entries, processes)
-                                                   : read_values(f, path, entries);
-  for (std::size_t i = 0; i < entries.size(); ++i)
-    std::copy(data[i].begin(), data[i].end(), entries[i].tensor.data());
+  const std::vector<std::vector<float>> data =
+      f.magic == kManifestMagic ? read_part(path, header, entries.list, processes)
+                                : read_values(f, path, entries.list);
+  for (std::size_t i = 0; i < entries.list.size(); ++i)
+    std::copy(data[i].begin(), data[i].end(), entries.list[i].tensor.data());
+  for (const auto& [to, from] : entries.after_load)
+    to.copy_from(from);
   return progress_of(header);
 }
 
@@ -548,7 +630,9 @@ CheckpointState load_checkpoint(const std::string& path, const ModelConfig& mode
 }
 
 void copy_checkpointed_state(TrainingStep& from, TrainingStep& to) {
-  const std::vector<Entry> source = entries_of(from), target = entries_of(to);
+  const std::vector<Entry> source = entries_of(from, from.mesh().plan().distributed_optimizer).list;
+  const Entries target_entries = entries_of(to, to.mesh().plan().distributed_optimizer);
+  const std::vector<Entry>& target = target_entries.list;
   const auto same = [&](std::size_t i) {
     return source[i].rank == target[i].rank && source[i].name == target[i].name &&
            source[i].part == target[i].part && source[i].tensor.numel() == target[i].tensor.numel();
@@ -560,6 +644,8 @@ void copy_checkpointed_state(TrainingStep& from, TrainingStep& to) {
           "model and parallel layout");
   for (std::size_t i = 0; i < source.size(); ++i)
     target[i].tensor.copy_from(source[i].tensor);
+  for (const auto& [into, whole] : target_entries.after_load)
+    into.copy_from(whole);
 }
 
 SavedConfiguration read_checkpoint_config(const std::string& path) {

@@ -122,7 +122,15 @@ struct Trainer::Impl {
         machine(machine_model(devices, config.machine)),
         clock(machine, {.execute = true, .record_trace = true}),
         scaler(LossScaler::for_run(config.model.precision, config.loss_scale)) {
-    if (!config.save_path.empty()) refuse_sharded_parameters("--save");
+    // A stage-3 checkpoint holds whole parameters, assembled from every replica's shard: the
+    // replicas of a run over several processes are not all in one.
+    if ((!config.save_path.empty() || !config.load_path.empty()) && config.plan.shard_parameters &&
+        comm.processes().size() > 1)
+      throw ConfigError(fmt::format(
+          "--save/--load with ZeRO stage 3 (--zero-stage 3, optim_grads_params) over {} "
+          "processes is not built yet: a checkpoint holds whole parameters and each process "
+          "holds only its replicas' shards: run it in one process, or use --zero-stage 2",
+          comm.processes().size()));
     current = &built(batch_at(0)).step;
     if (!config.load_path.empty()) load(config.load_path);
   }
@@ -302,24 +310,12 @@ struct Trainer::Impl {
     return sum / std::max(1, config.eval_iters);
   }
 
-  // ZeRO stage 3 keeps each layer's values as the replicas' shards, which checkpoints do not
-  // hold yet.
-  void refuse_sharded_parameters(std::string_view what) const {
-    if (config.plan.shard_parameters)
-      throw ConfigError(
-          fmt::format("{} with ZeRO stage 3 (--zero-stage 3, optim_grads_params) is not built yet: "
-                      "checkpoints hold whole parameters, stage 3 each replica's shard: use "
-                      "--zero-stage 2, or drop --save/--load",
-                      what));
-  }
   void save(const std::string& path) {
-    refuse_sharded_parameters("saving a checkpoint");
     finish_parameter_gathers();
     state.loss_scaler = scaler ? std::optional<LossScalerState>(scaler->state()) : std::nullopt;
     save_checkpoint(path, config.model, config.plan, step(), state);
   }
   void load(const std::string& path) {
-    refuse_sharded_parameters("loading a checkpoint");
     state = load_checkpoint(path, config.model, config.plan, step());
     // A checkpoint of a run with a scaler resumes its state; one without (an fp32 or bf16 run's
     // main parameters and moments are the same fp32 values) starts the scaler afresh.

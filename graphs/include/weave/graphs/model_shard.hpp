@@ -97,6 +97,10 @@ struct GradientBucket {
   // (the replica's shard, which the optimizer updates).
   bool values_staged = false;
   ops::Tensor value_shard;
+  // A bf16 run's stage 3: `values16` is a view into the layer's bf16 parameter slot, and
+  // `value_shard16` the shard rounded to bf16 (in fp32 storage) at the step's start: what the
+  // gathers move, at 2 bytes a value as Megatron-LM's bf16 parameter buffers are gathered.
+  ops::Tensor value_shard16;
   ops::Tensor shard_values() const {
     return values_staged ? value_shard : values.slice(0, shard_begin, shard_size);
   }
@@ -194,7 +198,8 @@ class ModelShard {
   void make_buckets(const Mesh& mesh, int rank);
   // `staged_grads`: a view into a gradient slot for a staged bucket (ZeRO stage 2), else empty.
   void make_bucket(const Mesh& mesh, int rank, std::string name, std::vector<Parameter*> params,
-                   ops::Tensor staged_grads = {}, int slot = -1, ops::Tensor staged_values = {});
+                   ops::Tensor staged_grads = {}, int slot = -1, ops::Tensor staged_values = {},
+                   ops::Bf16Tensor staged_values16 = {});
   // std > 0: normal(0, std) draws; otherwise every element is `constant`. While !holding_, only
   // counts the parameter and returns a placeholder.
   Parameter& add(std::string name, const ops::Shape& local, std::int64_t logical_rows,
@@ -218,7 +223,8 @@ class ModelShard {
   ModelState skipped_state_;
   std::vector<GradientBucket> buckets_;
   std::vector<ops::Tensor> gradient_slots_, parameter_slots_;
-  std::map<int, int> layer_slots_;  // layer -> its gradient slot (ZeRO stage 2)
+  std::vector<ops::Bf16Tensor> parameter_slots16_;  // a bf16 run's stage 3: the bf16 copies
+  std::map<int, int> layer_slots_;                  // layer -> its gradient slot (ZeRO stage 2)
   std::string current_bucket_;
   std::vector<LayerShard> layers_;
   std::unique_ptr<OutputLossParameters> output_loss_;
