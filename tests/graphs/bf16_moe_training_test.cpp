@@ -2,7 +2,8 @@
 // router in fp32 on the bf16 input (Megatron-Core's --moe-router-dtype fp32, MindSpeed's gate),
 // the dispatch and combine all-to-alls carrying bf16 values, the aux and z losses in fp32. On one
 // device its gradients and losses track the fp32 model's within bf16's rounding; expert, tensor
-// (+ sequence) and context parallelism, split and pipe experts and Ampipe equal one device in
+// (+ sequence) and context parallelism, split and pipe experts and Ampipe (with and without context
+// parallelism) equal one device in
 // bf16 within what their roundings allow; its memory is the prediction's plus named fp32 terms.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -169,6 +170,20 @@ TEST(Bf16MoeTraining, Cp2EqualsOneDevice) {
   expect_equals_one_device_of_its_batches(
       moe_model(Precision::bf16),
       {.context_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4}, kContextParallel);
+}
+
+// Ampipe (degree 2) under cp2: each chunk takes its share of the (query half, key block) products
+// through the bf16 attention kernel, every partial output rounded to bf16 before the fp32 merge,
+// and each half's merged output rounded once when its chunk completes it; each block's dq rounded
+// before the fp32 sum over blocks. The same roundings per attention layer as the cp ring's, in
+// the other order of fp32 sums (the chunks' products and dk, dv accumulated chunk after chunk,
+// the blocks' gradients summed at home), which Ampipe without cp shows to move nothing measurable
+// beyond kExpertParallel's 1e-5: kContextParallel.
+TEST(Bf16MoeTraining, Cp2Ampipe2EqualsOneDevice) {
+  expect_equals_one_device_of_its_batches(
+      moe_model(Precision::bf16),
+      {.context_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4, .ampipe_degree = 2},
+      kContextParallel);
 }
 
 TEST(Bf16MoeTraining, Tp2SpEp2EqualsOneDevice) {
