@@ -261,6 +261,50 @@ TEST(Bf16MoeTraining, RecomputationIsBitwise) {
   }
 }
 
+// A loss scaler with MoE layers (bf16's --loss-scale): the scale multiplies the loss's gradient
+// and the aux and z losses' alike (Megatron-Core's MoEAuxLossAutoScaler), and the unscaling
+// divides every main gradient by it. A power of two commutes with every bf16 rounding and fp32
+// sum (bf16 has fp32's exponent range: nothing reaches the subnormals or overflows), so two steps
+// scaled by 2^10 are bitwise the unscaled ones: losses, aux losses and every unscaled gradient,
+// on one device and under ep2. Were the aux losses' gradients left unscaled, the router's would
+// shrink by the scale.
+TEST(Bf16MoeTraining, APowerOfTwoLossScaleChangesNoBit) {
+  const ModelConfig m = moe_model(Precision::bf16);
+  const auto steps = [&m](const ParallelPlan& plan, float scale) {
+    devices::DeviceSet set(plan.devices(), {.pin = false});
+    devices::SharedMemoryCommunicator comm;
+    OptimizerConfig opt{.adamw = {.beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1},
+                        .clip_grad = 1.0,
+                        .loss_scaling = scale != 1.f};
+    TrainingStep step(m, plan, opt, set, comm);
+    Outcome out;
+    for (int it = 1; it <= 2; ++it) {
+      fill_batches(step, m, plan);
+      step.prepare(it, 1e-2);
+      if (opt.loss_scaling) step.set_loss_scale(scale);
+      set.executor().run(step.graph());
+      out.losses.push_back(step.result().loss);
+      out.aux.push_back(step.result().aux_loss);
+    }
+    for (int r = 0; r < plan.devices(); ++r)
+      for (const Parameter& p : step.shard(r).parameters()) {
+        const std::vector<float> g = p.grad.to_vector();
+        out.grads[fmt::format("{}@{}", p.name, r)].assign(g.begin(), g.end());
+      }
+    return out;
+  };
+  const ParallelPlan ep2{
+      .expert_parallel = 2, .data_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4};
+  for (const ParallelPlan& plan : {kOneDevice, ep2}) {
+    SCOPED_TRACE(plan.devices());
+    const Outcome unscaled = steps(plan, 1.f), scaled = steps(plan, 1024.f);
+    EXPECT_EQ(scaled.losses, unscaled.losses);
+    EXPECT_EQ(scaled.aux, unscaled.aux);
+    for (const auto& [name, want] : unscaled.grads)
+      EXPECT_TRUE(scaled.grads.at(name) == want) << name;
+  }
+}
+
 // The materialised bf16 MoE step holds what the prediction of the same step counts, plus named
 // fp32 terms. Parameters at 2 bytes, fp32 gradients and the fp32 main parameters with the two
 // moments as optimizer state equal exactly. Activations differ by bf16_training_test's terms
