@@ -472,10 +472,10 @@ TEST(Fp16Training, TrainerCountsSkipsAndResumesTheScalerBitwise) {
 // terms, and its graph is the prediction's: the same tasks with the same costs, the unscaling
 // and the found_inf all-reduce among them. The terms:
 //  - parameters: equal (2 bytes);
-//  - gradients and optimizer state: the prediction counts Megatron-LM's fp16 (fp16 gradients,
-//    2 bytes, and an fp32 main-gradient copy among the optimizer's 16 bytes); the step
-//    accumulates and reduces its gradients in fp32 directly, as bf16's (4 bytes), which are the
-//    main gradients the optimizer reads (12 bytes beside them): +2 and -4 bytes per element;
+//  - gradients and optimizer state: equal; the step accumulates and reduces its gradients in
+//    fp32, as bf16's (4 bytes), which are the main gradients the optimizer reads (12 bytes
+//    beside them), and the prediction counts them so (Megatron-LM's
+//    --accumulate-allreduce-grads-in-fp32), its gradient reductions moving 4 bytes an element;
 //  - activations: the fp32 terms bf16_training_test.cpp names, the same in fp16.
 TEST(Fp16Training, MemoryAndTasksAreThePredictions) {
   const ModelConfig m = in(gpt(), Precision::fp16);
@@ -489,10 +489,10 @@ TEST(Fp16Training, MemoryAndTasksAreThePredictions) {
   for (const GradientBucket& b : real.shard(0).buckets())
     elements += b.grads.numel();
   EXPECT_EQ(with.memory().current(0, C::parameters), without.memory().current(0, C::parameters));
-  EXPECT_EQ(with.memory().current(0, C::gradients),
-            without.memory().current(0, C::gradients) + 2 * elements);
+  EXPECT_EQ(with.memory().current(0, C::gradients), without.memory().current(0, C::gradients));
+  EXPECT_GE(with.memory().current(0, C::gradients), 4 * elements);
   EXPECT_EQ(with.memory().current(0, C::optimizer_state),
-            without.memory().current(0, C::optimizer_state) - 4 * elements);
+            without.memory().current(0, C::optimizer_state));
   const std::int64_t T = std::int64_t{m.seq_length} * plan.micro_batch_size;
   const std::int64_t h = m.hidden_size, f = m.ffn_hidden_size, L = m.num_layers;
   const std::int64_t heads = m.num_attention_heads, qkv = 3 * h, V = m.padded_vocab_size(1);
