@@ -489,45 +489,49 @@ std::int64_t fp32_excess(const ModelConfig& m, std::int64_t T, std::int64_t laye
 // the parameters at 2 bytes and the fp32 gradients exactly; the optimizer state exactly under
 // pp2, and with the distributed optimizer the fp32 main values of the other replicas' shards
 // (4 bytes an element), which each replica keeps whole where Megatron-LM keeps its shard's; the
-// activations by the fp32 terms above, stage by stage.
+// activations by the fp32 terms above, stage by stage. fp16, its gradients fp32 as bf16's, the
+// same.
 TEST(Bf16Training, PipelineAndDistributedOptimizerMemoryIsThePredictions) {
-  const ModelConfig m = in(four_layers(gpt()), Precision::bf16);
-  devices::SharedMemoryCommunicator comm;
-  // Micro-batches of 2 sequences: a norm's statistics (T = 32 values) fill whole 64-byte lines
-  // in either precision, so the fp32 terms are exact.
-  const ParallelPlan plans[] = {
-      {.pipeline_parallel = 2, .micro_batch_size = 2, .global_batch_size = 8},
-      {.data_parallel = 2,
-       .micro_batch_size = 2,
-       .global_batch_size = 8,
-       .distributed_optimizer = true}};
-  for (const ParallelPlan& plan : plans) {
-    SCOPED_TRACE(plan.pipeline_parallel > 1 ? "pp2" : "dp2 distributed optimizer");
-    devices::DeviceSet with(2, {.pin = false}), without(2, {.pin = false});
-    TrainingStep real(m, plan, kOptimizer, with, comm);
-    const TrainingStep shapes(m, plan, kOptimizer, without, comm, {.materialize = false});
-    for (int r = 0; r < 2; ++r) {
-      const auto d = static_cast<rt::DeviceId>(r);
-      auto bytes = [d](devices::DeviceSet& set, rt::MemoryCategory c) {
-        return set.memory().current(d, c);
-      };
-      for (auto c : {rt::MemoryCategory::parameters, rt::MemoryCategory::gradients})
-        EXPECT_EQ(bytes(with, c), bytes(without, c)) << to_string(c) << " rank " << r;
-      std::int64_t other_shards = 0;
-      for (const GradientBucket& b : real.shard(r).buckets())
-        other_shards += b.values.numel() - b.shard_size;
-      EXPECT_EQ(bytes(with, rt::MemoryCategory::optimizer_state),
-                bytes(without, rt::MemoryCategory::optimizer_state) + 4 * other_shards)
-          << "rank " << r;
-      const bool pipeline = plan.pipeline_parallel > 1;
-      EXPECT_EQ(pipeline, other_shards == 0);
-      const std::int64_t T = std::int64_t{m.seq_length} * plan.micro_batch_size;
-      const std::int64_t excess =
-          fp32_excess(m, T, (pipeline ? 2 : 4) * layer_fp32(m, T), real.activation_sets(r),
-                      pipeline, !pipeline || r == 1);
-      EXPECT_EQ(bytes(with, rt::MemoryCategory::activations),
-                bytes(without, rt::MemoryCategory::activations) + excess)
-          << "rank " << r;
+  for (const Precision precision : {Precision::bf16, Precision::fp16}) {
+    SCOPED_TRACE(precision_name(precision));
+    const ModelConfig m = in(four_layers(gpt()), precision);
+    devices::SharedMemoryCommunicator comm;
+    // Micro-batches of 2 sequences: a norm's statistics (T = 32 values) fill whole 64-byte lines
+    // in either precision, so the fp32 terms are exact.
+    const ParallelPlan plans[] = {
+        {.pipeline_parallel = 2, .micro_batch_size = 2, .global_batch_size = 8},
+        {.data_parallel = 2,
+         .micro_batch_size = 2,
+         .global_batch_size = 8,
+         .distributed_optimizer = true}};
+    for (const ParallelPlan& plan : plans) {
+      SCOPED_TRACE(plan.pipeline_parallel > 1 ? "pp2" : "dp2 distributed optimizer");
+      devices::DeviceSet with(2, {.pin = false}), without(2, {.pin = false});
+      TrainingStep real(m, plan, kOptimizer, with, comm);
+      const TrainingStep shapes(m, plan, kOptimizer, without, comm, {.materialize = false});
+      for (int r = 0; r < 2; ++r) {
+        const auto d = static_cast<rt::DeviceId>(r);
+        auto bytes = [d](devices::DeviceSet& set, rt::MemoryCategory c) {
+          return set.memory().current(d, c);
+        };
+        for (auto c : {rt::MemoryCategory::parameters, rt::MemoryCategory::gradients})
+          EXPECT_EQ(bytes(with, c), bytes(without, c)) << to_string(c) << " rank " << r;
+        std::int64_t other_shards = 0;
+        for (const GradientBucket& b : real.shard(r).buckets())
+          other_shards += b.values.numel() - b.shard_size;
+        EXPECT_EQ(bytes(with, rt::MemoryCategory::optimizer_state),
+                  bytes(without, rt::MemoryCategory::optimizer_state) + 4 * other_shards)
+            << "rank " << r;
+        const bool pipeline = plan.pipeline_parallel > 1;
+        EXPECT_EQ(pipeline, other_shards == 0);
+        const std::int64_t T = std::int64_t{m.seq_length} * plan.micro_batch_size;
+        const std::int64_t excess =
+            fp32_excess(m, T, (pipeline ? 2 : 4) * layer_fp32(m, T), real.activation_sets(r),
+                        pipeline, !pipeline || r == 1);
+        EXPECT_EQ(bytes(with, rt::MemoryCategory::activations),
+                  bytes(without, rt::MemoryCategory::activations) + excess)
+            << "rank " << r;
+      }
     }
   }
 }
