@@ -118,7 +118,8 @@ void route_slot_backward(const StepShape& z, const MoeRouterParameters& W,
   const ModelConfig& m = z.model;
   if (m.moe_gate == MoeGate::deepspeed) {
     // MindSpeed back-propagates each gate call's loss unscaled (its own loss scaler's scale is
-    // never set), and Megatron's data-parallel reduction averages the gradients.
+    // never set), and Megatron's data-parallel reduction averages the gradients. A loss scaler's
+    // scale multiplies it here as every gradient its unscaling divides.
     const double balance =
         m.moe_router_topk == 2 ? loss_scale * m.moe_aux_loss_coeff / z.plan.data_parallel : 0.0;
     ops::gate_backward<float>(A.dispatch, A.probs, A.topk_index, A.d_topk, balance,
