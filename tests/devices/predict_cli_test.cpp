@@ -131,9 +131,7 @@ TEST(PredictCli, ModelsHalfPrecisionVocabularyAndRecomputation) {
 }
 
 TEST(PredictCli, TrainRefusesWhatOnlyPredictModels) {
-  const Result r = weave(
-      "train --mock-data --train-iters 1 --fp16 --context-parallel-size 2 "
-      "--devices 2");
+  const Result r = weave("train --mock-data --train-iters 1 --fp16 --zero-stage 2 --devices 2");
   EXPECT_NE(r.status, 0);
   EXPECT_NE(r.out.find("predict the fp16 run (weave predict"), std::string::npos) << r.out;
 }

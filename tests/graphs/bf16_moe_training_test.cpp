@@ -2,7 +2,8 @@
 // router in fp32 on the bf16 input (Megatron-Core's --moe-router-dtype fp32, MindSpeed's gate),
 // the dispatch and combine all-to-alls carrying bf16 values, the aux and z losses in fp32. On one
 // device its gradients and losses track the fp32 model's within bf16's rounding; expert, tensor
-// (+ sequence) and context parallelism, split and pipe experts and Ampipe equal one device in
+// (+ sequence) and context parallelism, split and pipe experts and Ampipe (with and without context
+// parallelism) equal one device in
 // bf16 within what their roundings allow; its memory is the prediction's plus named fp32 terms.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -171,6 +172,20 @@ TEST(Bf16MoeTraining, Cp2EqualsOneDevice) {
       {.context_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4}, kContextParallel);
 }
 
+// Ampipe (degree 2) under cp2: each chunk takes its share of the (query half, key block) products
+// through the bf16 attention kernel, every partial output rounded to bf16 before the fp32 merge,
+// and each half's merged output rounded once when its chunk completes it; each block's dq rounded
+// before the fp32 sum over blocks. The same roundings per attention layer as the cp ring's, in
+// the other order of fp32 sums (the chunks' products and dk, dv accumulated chunk after chunk,
+// the blocks' gradients summed at home), which Ampipe without cp shows to move nothing measurable
+// beyond kExpertParallel's 1e-5: kContextParallel.
+TEST(Bf16MoeTraining, Cp2Ampipe2EqualsOneDevice) {
+  expect_equals_one_device_of_its_batches(
+      moe_model(Precision::bf16),
+      {.context_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4, .ampipe_degree = 2},
+      kContextParallel);
+}
+
 TEST(Bf16MoeTraining, Tp2SpEp2EqualsOneDevice) {
   expect_equals_one_device_of_its_batches(moe_model(Precision::bf16),
                                           {.tensor_parallel = 2,
@@ -243,6 +258,50 @@ TEST(Bf16MoeTraining, RecomputationIsBitwise) {
       for (const auto& [name, want] : kept.grads)
         EXPECT_TRUE(again.grads.at(name) == want) << name;
     }
+  }
+}
+
+// A loss scaler with MoE layers (bf16's --loss-scale): the scale multiplies the loss's gradient
+// and the aux and z losses' alike (Megatron-Core's MoEAuxLossAutoScaler), and the unscaling
+// divides every main gradient by it. A power of two commutes with every bf16 rounding and fp32
+// sum (bf16 has fp32's exponent range: nothing reaches the subnormals or overflows), so two steps
+// scaled by 2^10 are bitwise the unscaled ones: losses, aux losses and every unscaled gradient,
+// on one device and under ep2. Were the aux losses' gradients left unscaled, the router's would
+// shrink by the scale.
+TEST(Bf16MoeTraining, APowerOfTwoLossScaleChangesNoBit) {
+  const ModelConfig m = moe_model(Precision::bf16);
+  const auto steps = [&m](const ParallelPlan& plan, float scale) {
+    devices::DeviceSet set(plan.devices(), {.pin = false});
+    devices::SharedMemoryCommunicator comm;
+    OptimizerConfig opt{.adamw = {.beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1},
+                        .clip_grad = 1.0,
+                        .loss_scaling = scale != 1.f};
+    TrainingStep step(m, plan, opt, set, comm);
+    Outcome out;
+    for (int it = 1; it <= 2; ++it) {
+      fill_batches(step, m, plan);
+      step.prepare(it, 1e-2);
+      if (opt.loss_scaling) step.set_loss_scale(scale);
+      set.executor().run(step.graph());
+      out.losses.push_back(step.result().loss);
+      out.aux.push_back(step.result().aux_loss);
+    }
+    for (int r = 0; r < plan.devices(); ++r)
+      for (const Parameter& p : step.shard(r).parameters()) {
+        const std::vector<float> g = p.grad.to_vector();
+        out.grads[fmt::format("{}@{}", p.name, r)].assign(g.begin(), g.end());
+      }
+    return out;
+  };
+  const ParallelPlan ep2{
+      .expert_parallel = 2, .data_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4};
+  for (const ParallelPlan& plan : {kOneDevice, ep2}) {
+    SCOPED_TRACE(plan.devices());
+    const Outcome unscaled = steps(plan, 1.f), scaled = steps(plan, 1024.f);
+    EXPECT_EQ(scaled.losses, unscaled.losses);
+    EXPECT_EQ(scaled.aux, unscaled.aux);
+    for (const auto& [name, want] : unscaled.grads)
+      EXPECT_TRUE(scaled.grads.at(name) == want) << name;
   }
 }
 

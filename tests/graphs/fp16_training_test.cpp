@@ -1,8 +1,10 @@
 // fp16 mixed-precision training: bf16's code path with the 16-bit format a parameter (fp16
 // products and saved activations, fp32 main parameters and gradients) and a loss scaler. On one
-// device its losses and gradients track the fp32 model's within fp16's rounding; tp2 + SP, dp2,
-// pp2 (1F1B and ZB-V) and the distributed optimizer equal one device in fp16, the last two with
-// the loss scaler too, an overflow skipped on every stage and replica; a step whose scaled
+// device its losses and gradients track the fp32 model's within fp16's rounding, MoE layers' with
+// their aux losses scaled; tp2 + SP, dp2, pp2 (1F1B and ZB-V), the distributed optimizer, cp2,
+// --qk-layernorm, MoE layers under ep2 and Ampipe (with and without cp2) equal one device in
+// fp16, most with the loss scaler too, an overflow skipped on every stage and replica;
+// recomputation is bitwise; a step whose scaled
 // gradients overflow is skipped (parameters and Adam moments untouched), the dynamic scale
 // follows Megatron-LM's rule, computed here independently, and training recovers; a checkpoint
 // resumes the scaler bitwise; memory and tasks are the prediction's.
@@ -470,10 +472,10 @@ TEST(Fp16Training, TrainerCountsSkipsAndResumesTheScalerBitwise) {
 // terms, and its graph is the prediction's: the same tasks with the same costs, the unscaling
 // and the found_inf all-reduce among them. The terms:
 //  - parameters: equal (2 bytes);
-//  - gradients and optimizer state: the prediction counts Megatron-LM's fp16 (fp16 gradients,
-//    2 bytes, and an fp32 main-gradient copy among the optimizer's 16 bytes); the step
-//    accumulates and reduces its gradients in fp32 directly, as bf16's (4 bytes), which are the
-//    main gradients the optimizer reads (12 bytes beside them): +2 and -4 bytes per element;
+//  - gradients and optimizer state: equal; the step accumulates and reduces its gradients in
+//    fp32, as bf16's (4 bytes), which are the main gradients the optimizer reads (12 bytes
+//    beside them), and the prediction counts them so (Megatron-LM's
+//    --accumulate-allreduce-grads-in-fp32), its gradient reductions moving 4 bytes an element;
 //  - activations: the fp32 terms bf16_training_test.cpp names, the same in fp16.
 TEST(Fp16Training, MemoryAndTasksAreThePredictions) {
   const ModelConfig m = in(gpt(), Precision::fp16);
@@ -487,10 +489,10 @@ TEST(Fp16Training, MemoryAndTasksAreThePredictions) {
   for (const GradientBucket& b : real.shard(0).buckets())
     elements += b.grads.numel();
   EXPECT_EQ(with.memory().current(0, C::parameters), without.memory().current(0, C::parameters));
-  EXPECT_EQ(with.memory().current(0, C::gradients),
-            without.memory().current(0, C::gradients) + 2 * elements);
+  EXPECT_EQ(with.memory().current(0, C::gradients), without.memory().current(0, C::gradients));
+  EXPECT_GE(with.memory().current(0, C::gradients), 4 * elements);
   EXPECT_EQ(with.memory().current(0, C::optimizer_state),
-            without.memory().current(0, C::optimizer_state) - 4 * elements);
+            without.memory().current(0, C::optimizer_state));
   const std::int64_t T = std::int64_t{m.seq_length} * plan.micro_batch_size;
   const std::int64_t h = m.hidden_size, f = m.ffn_hidden_size, L = m.num_layers;
   const std::int64_t heads = m.num_attention_heads, qkv = 3 * h, V = m.padded_vocab_size(1);
@@ -519,6 +521,161 @@ TEST(Fp16Training, MemoryAndTasksAreThePredictions) {
   EXPECT_EQ(found_inf_tasks,
             "unscale_and_check_inf@0 found_inf_max[0]@0 unscale_and_check_inf@1 "
             "found_inf_max[1]@1 ");
+}
+
+// MoE layers in fp16: bf16's code path (bf16_moe_training_test.cpp), the router in fp32 on the
+// fp16 input, the experts' products in fp16. The loss scaler multiplies the aux and z losses'
+// gradients by its scale as the main loss's (Megatron-Core's MoEAuxLossAutoScaler takes the loss
+// scale over the micro-batches), and the unscaling and inf check run over every bucket, the
+// experts' included. 2 layers, the second a MoE layer of 4 experts, top-2, with both losses.
+ModelConfig moe() {
+  ModelConfig m = tiny(4);
+  m.hidden_size = 64;
+  m.ffn_hidden_size = 128;
+  return m;
+}
+
+// One device, scaled by 2^10: the unscaled fp32 main gradients against the fp32 model's within
+// bf16_moe_training_test's k = 36 roundings at u = 2^-11, sqrt(36) u = 0.29 % of their norm. A
+// router whose losses' gradients were left unscaled would be off by the scale in its gradient.
+TEST(Fp16Training, MoeGradientsNearFp32WithTheAuxLossesScaled) {
+  const auto fp32 = gradients(in(moe(), Precision::fp32));
+  const auto fp16 = gradients(in(moe(), Precision::fp16));
+  ASSERT_EQ(fp32.size(), fp16.size());
+  const double bound = std::sqrt(36.0) * kU;
+  for (const auto& [name, want] : fp32) {
+    const std::vector<float>& got = fp16.at(name);
+    double diff = 0, norm = 0;
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      diff += (double{got[i]} - want[i]) * (double{got[i]} - want[i]);
+      norm += double{want[i]} * want[i];
+    }
+    EXPECT_LE(std::sqrt(diff), bound * std::sqrt(norm)) << name;
+    EXPECT_GT(diff, 0) << name << ": not computed in fp16";
+  }
+}
+
+// Expert parallelism with Ampipe 2 moves fp16 values exactly and reorders fp32 sums only
+// (bf16_moe_training_test's kExpertParallel argument); Ampipe 2 under cp2 adds the ring's
+// roundings: a partial output of each block and each block's dq, r = 2 L = 4, gradients within
+// sqrt(4) u, the first loss within kTensorParallel's 1.7e-4 and the later ones its 1.25e-3. With
+// MoE layers the later losses are held to bf16_moe_training_test's 1e-2: once two updates have
+// moved the router, a difference of a few u can flip a near tie in a token's top-2 choice, a
+// change of the loss that does not shrink with u (1.4e-3 measured at step 3).
+constexpr ParallelTolerance kExpertParallel{1e-6, 1e-5, 1e-4};
+constexpr ParallelTolerance kContextParallel{1.7e-4, 2 * kU, 1.25e-3};
+constexpr ParallelTolerance kMoeContextParallel{1.7e-4, 2 * kU, 1e-2};
+
+TEST(Fp16Training, MoeEp2Ampipe2EqualsOneDevice) {
+  expect_scaled_plan_equals_one_device(in(moe(), Precision::fp16),
+                                       {.expert_parallel = 2,
+                                        .data_parallel = 2,
+                                        .micro_batch_size = 2,
+                                        .global_batch_size = 4,
+                                        .ampipe_degree = 2},
+                                       kExpertParallel);
+}
+
+TEST(Fp16Training, MoeCp2Ampipe2AndLlamaCp2EqualOneDevice) {
+  SCOPED_TRACE("MoE, cp2, Ampipe 2");
+  expect_scaled_plan_equals_one_device(
+      in(moe(), Precision::fp16),
+      {.context_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4, .ampipe_degree = 2},
+      kMoeContextParallel);
+  SCOPED_TRACE("Llama, cp2");
+  expect_scaled_plan_equals_one_device(
+      in(llama(), Precision::fp16),
+      {.context_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4}, kContextParallel);
+}
+
+// --qk-layernorm normalises the fp32 widened QKV output and rounds once with RoPE, as bf16 does:
+// no rounding more than one device's, tp2 + SP within tensor parallelism's tolerances.
+TEST(Fp16Training, QkLayernormTp2SpEqualsOneDevice) {
+  ModelConfig m = in(llama(), Precision::fp16);
+  m.qk_layernorm = true;
+  expect_scaled_plan_equals_one_device(m,
+                                       {.tensor_parallel = 2,
+                                        .sequence_parallel = true,
+                                        .micro_batch_size = 2,
+                                        .global_batch_size = 4},
+                                       kTensorParallel);
+}
+
+// Two scaled steps (2^10), the second after an update: losses, aux losses and every rank's
+// unscaled gradients of the second.
+Outcome scaled_outcome(const ModelConfig& m, const ParallelPlan& plan) {
+  devices::DeviceSet set(plan.devices(), {.pin = false});
+  devices::SharedMemoryCommunicator comm;
+  TrainingStep step(m, plan, optimizer(true), set, comm);
+  Outcome out;
+  for (int it = 1; it <= 2; ++it) {
+    fill_batches(step, m, plan);
+    step.prepare(it, kLearningRate);
+    step.set_loss_scale(kScale);
+    set.executor().run(step.graph());
+    EXPECT_FALSE(step.result().found_inf) << "step " << it;
+    out.losses.push_back(step.result().loss);
+    out.aux.push_back(step.result().aux_loss);
+  }
+  for (int r = 0; r < plan.devices(); ++r)
+    for (const Parameter& p : step.shard(r).parameters()) {
+      const std::vector<float> g = p.grad.to_vector();
+      out.grads[fmt::format("{}@{}", p.name, r)].assign(g.begin(), g.end());
+    }
+  return out;
+}
+
+// Recomputation in fp16 runs the same forward again from the same kept values with the same
+// dropout masks, and the scaled loss gradient meets the same products: losses, aux losses and
+// every gradient bitwise those of the run that keeps every activation, for full (uniform, block)
+// and selective recomputation under tp2 + SP and full recomputation of a MoE layer under ep2
+// with Ampipe 2. (On one device, where the QKV weight half is deferred, two fp16 runs of the same
+// step, with or without recomputation, were seen to differ in the last bits of a few fp32 sums
+// from the third layer down, 2e-8 of their norm, in one run in a few: a nondeterminism of the
+// fp16 step outside recomputation, left for its own fix.)
+TEST(Fp16Training, RecomputationIsBitwise) {
+  const Recompute full_uniform{.granularity = RecomputeGranularity::full,
+                               .method = RecomputeMethod::uniform,
+                               .num_layers = 1};
+  const Recompute full_block{
+      .granularity = RecomputeGranularity::full, .method = RecomputeMethod::block, .num_layers = 1};
+  const Recompute selective{.granularity = RecomputeGranularity::selective,
+                            .modules = kRecomputeCoreAttention | kRecomputeMlp};
+  struct Case {
+    ModelConfig model;
+    ParallelPlan plan;
+    std::vector<Recompute> methods;
+  };
+  const Case cases[] = {{four_layers(gpt()),
+                         {.tensor_parallel = 2,
+                          .sequence_parallel = true,
+                          .micro_batch_size = 2,
+                          .global_batch_size = 4},
+                         {full_uniform, full_block, selective}},
+                        {moe(),
+                         {.expert_parallel = 2,
+                          .data_parallel = 2,
+                          .micro_batch_size = 2,
+                          .global_batch_size = 4,
+                          .ampipe_degree = 2},
+                         {full_uniform}}};
+  for (const Case& c : cases) {
+    ModelConfig m = in(c.model, Precision::fp16);
+    m.hidden_dropout = 0.1;
+    m.attention_dropout = 0.1;
+    const Outcome kept = scaled_outcome(m, c.plan);
+    for (const Recompute& r : c.methods) {
+      SCOPED_TRACE(fmt::format("{} experts, {} {}", m.num_experts, r.full() ? "full" : "selective",
+                               r.method == RecomputeMethod::block ? "block" : "uniform"));
+      m.recompute = r;
+      const Outcome again = scaled_outcome(m, c.plan);
+      EXPECT_EQ(again.losses, kept.losses);
+      EXPECT_EQ(again.aux, kept.aux);
+      for (const auto& [name, want] : kept.grads)
+        EXPECT_TRUE(again.grads.at(name) == want)
+            << name << ": differs by " << relative_difference(again.grads.at(name), want);
+    }
+  }
 }
 
 }  // namespace

@@ -105,10 +105,12 @@ void ProgressReporter::iteration(const graphs::IterationMetrics& r) {
                      {"iteration", r.iteration},
                      {"loss", r.loss},
                      {"aux_loss", r.aux_loss},
-                     {"grad_norm", r.grad_norm},
                      {"lr", r.learning_rate},
                      {"seconds", r.seconds},
                      {"tokens_per_second", r.seconds > 0 ? tokens / r.seconds : 0.0}};
+    // A skipped step has no norm (Megatron-LM's optimizer returns None for it and its log line
+    // leaves the field out): its gradients were not finite and were not clipped.
+    if (!r.skipped) j["grad_norm"] = r.grad_norm;
     if (samples_) {
       j["global_batch_size"] = r.global_batch_size;
       j["consumed_samples"] = r.consumed_samples;
@@ -139,10 +141,10 @@ void ProgressReporter::iteration(const graphs::IterationMetrics& r) {
       line_open_ = false;
     }
   } else if (r.iteration % interval_ == 0 || r.iteration == total_ || r.iteration == 1) {
-    fmt::print(
-        "iteration {:>6}/{} | loss {:.4f} | aux {:.4f} | grad norm {:.3f} | lr {:.3g} | "
-        "{:.0f} tokens/s{}\n",
-        r.iteration, total_, r.loss, r.aux_loss, r.grad_norm, r.learning_rate, rate, extras);
+    const std::string norm =
+        r.skipped ? std::string() : fmt::format(" | grad norm {:.3f}", r.grad_norm);
+    fmt::print("iteration {:>6}/{} | loss {:.4f} | aux {:.4f}{} | lr {:.3g} | {:.0f} tokens/s{}\n",
+               r.iteration, total_, r.loss, r.aux_loss, norm, r.learning_rate, rate, extras);
     std::fflush(stdout);
   }
 }

@@ -107,6 +107,19 @@ void chunk_projection_backward(RankProgram& p, int set, int layer, int mb, int c
   const LayerShard& W = p.layer(layer);
   if (z.t_sp == 1) chunk_residual_backward(p, set, layer, mb, c);
   const Tensor d_proj = chunk_d_proj_rows(p, c);
+  if (p.half()) {
+    // As the ring's whole projection backward, on the half's rows: the output gradient rounded
+    // to 16 bits, the attention's output gradient in 16 bits where the half's products read it.
+    const HalfWorkspace& half = w.half;
+    const ops::Bf16Tensor d_out16 = half.d_out16.slice(0, c * n, n);
+    round_to_half(p.precision(), d_proj, d_out16);
+    half_linear_backward_input(p.precision(), d_out16, W.attention.proj_weight->value16,
+                               half.d_attn16.slice(0, c * n, n));
+    half_linear_backward_weight(p.precision(),
+                                A.attention.attn16.slice(0, c * n, n).reshape({n, B, Hl * d}),
+                                d_out16, W.attention.proj_weight->grad, Tensor{});
+    return;
+  }
   ops::linear_backward_input(d_proj, W.attention.proj_weight->value,
                              w.attention.d_attn.reshape({z.Sc, B, Hl * d}).slice(0, c * n, n));
   ops::linear_backward_weight(A.attention.attn.slice(0, c * n, n).reshape({n, B, Hl * d}), d_proj,
@@ -198,9 +211,20 @@ TaskId AmpipeBlock::chunk_attention(const BuildPosition& pos, int c, TaskId qkv)
     const TaskId attention = ring_attention(pos, c, qkv);
     const TaskId side = P->compute(chunk + "projection", tags, cost::projection(z) / N, [=] {
       const Tensor partial = chunk_partial(*p, set, layer, c);
-      ops::linear_forward(
-          p->acts(set, layer).attention.attn.slice(0, c * n, n).reshape({n, B, Hl * d}),
-          p->attention_parameters(layer).proj_weight->value, Tensor{}, partial);
+      if (p->half()) {  // the half's merged output rounded once, its projection in 16 bits
+        AttentionActivations& A = p->acts(set, layer).attention;
+        const ops::Bf16Tensor attn16 = A.attn16.slice(0, c * n, n);
+        round_to_half(p->precision(), p->ws().cp_ring.merged.slice(0, c * n, n), attn16);
+        const ops::Bf16Tensor out16 = p->ws().half.out16.slice(0, c * n, n);
+        half_linear_forward(p->precision(), attn16.reshape({n, B, Hl * d}),
+                            p->attention_parameters(layer).proj_weight->value16, ops::Bf16Tensor{},
+                            out16);
+        widen_to_fp32(p->precision(), out16, partial);
+      } else {
+        ops::linear_forward(
+            p->acts(set, layer).attention.attn.slice(0, c * n, n).reshape({n, B, Hl * d}),
+            p->attention_parameters(layer).proj_weight->value, Tensor{}, partial);
+      }
       if (p->shape.t_sp == 1) chunk_residual_norm(*p, set, layer, mb, c, partial);
     });
     P->after(attention, side);

@@ -2,7 +2,8 @@
 // and b (piece 2 cp - 1 - r), so its causal attention is 2 cp - 1 full (query half, key piece)
 // products and 2 diagonal ones: 2 cp units of a full product. Each chunk does cp units on every
 // rank, half the rank's attention; which products go to which chunk, and the backward, are
-// weave's own choice:
+// weave's own choice (in a 16-bit run the products are the 16-bit kernel's and the merged output
+// stays fp32 until its half is complete, as in RingAttention):
 //   chunk 0 runs the key/value ring and, at each step, one unit against the block in hand: a
 //     against the a pieces up to its own (its diagonal at step 0, with b's), b against the a
 //     pieces of the ranks after r; every block it brings stays in kv_store by owner;
@@ -124,7 +125,9 @@ TaskId AmpipeBlock::ring_attention(const BuildPosition& pos, int c, TaskId qkv) 
                       unit * block_units(z, me, 0, owner), [=] {
                         if (t == 0) {  // both halves start here: chunk 1 completes b
                           LayerActivations& A = p->acts(set, layer);
-                          A.attention.attn.fill(0.f);
+                          // A 16-bit run merges the blocks' partial outputs in fp32 in the
+                          // ring's workspace, each half rounded once when complete.
+                          (p->half() ? p->ws().cp_ring.merged : A.attention.attn).fill(0.f);
                           A.attention.lse.fill(-std::numeric_limits<float>::infinity());
                         }
                         attend(owner);

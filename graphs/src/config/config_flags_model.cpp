@@ -129,17 +129,15 @@ constexpr ConfigFlag kModel[] = {
      .help = "bf16 mixed precision, as Megatron-LM trains it: bf16 products and saved "
              "activations, fp32 main parameters, gradients (reduced in fp32), norms, softmax and "
              "loss; the residual stream in fp32. With tensor (+ sequence), data, pipeline, "
-             "expert and context parallelism, the distributed optimizer, recomputation, dense and "
-             "MoE layers (the router in fp32); Ampipe with context parallelism is refused with "
-             "it, naming what works"},
+             "expert and context parallelism, Ampipe, the distributed optimizer, recomputation, "
+             "dense and MoE layers (the router in fp32)"},
     {.name = "--fp16",
      .values = 0,
      .help = "fp16 mixed precision, as Megatron-LM trains it: as --bf16 in IEEE half (fp16 "
              "products and saved activations, fp32 main parameters and gradients), with a loss "
              "scaler (--loss-scale, or dynamic from --initial-loss-scale) and steps whose "
-             "gradients overflow skipped. With tensor (+ sequence), data and pipeline "
-             "parallelism, the distributed optimizer and dense layers; the other combinations are "
-             "refused, naming what works"},
+             "gradients overflow skipped. With everything --bf16 trains with but ZeRO stages 2 "
+             "and 3, MoE layers' aux losses scaled as the loss"},
     {.name = "--norm-epsilon",
      .aliases = "--layernorm-epsilon",
      .help = "The norms' epsilon",

@@ -51,8 +51,8 @@ ParameterBytes parameter_bytes(Precision p) {
   switch (p) {
     case Precision::bf16:  // bf16 weights, fp32 gradients; fp32 master weights and moments
       return {.parameter = 2, .gradient = 4, .optimizer_state = 12};
-    case Precision::fp16:  // fp16 weights and gradients; fp32 master weights, gradients, moments
-      return {.parameter = 2, .gradient = 2, .optimizer_state = 16};
+    case Precision::fp16:  // as bf16: fp32 gradients (--accumulate-allreduce-grads-in-fp32)
+      return {.parameter = 2, .gradient = 4, .optimizer_state = 12};
     case Precision::fp32:
       break;
   }

@@ -92,14 +92,15 @@ TaskId MoeMlp::router_backward(const BuildPosition& pos, int c, const SlotProgre
   const int layer = l, set = pos.set;
   const StepShape& z = P->shape;
   const double tokens = static_cast<double>(z.slot_tokens());
-  const TaskId router = P->compute(slot_prefix(c) + "router_backward",
-                                   pos.chunk_tags(rt::Phase::backward, l, slot_chunk(c)),
-                                   2 * cost::router(z, tokens), [=] {
-                                     MoeSlot& A = p->slot(set, layer, c);
-                                     unpermute_gradients(p->shape, A, p->half());
-                                     route_slot_backward(p->shape, p->moe_parameters(layer).router,
-                                                         p->acts(set, layer).moe().stats_total, A);
-                                   });
+  const TaskId router = P->compute(
+      slot_prefix(c) + "router_backward", pos.chunk_tags(rt::Phase::backward, l, slot_chunk(c)),
+      2 * cost::router(z, tokens), [=] {
+        MoeSlot& A = p->slot(set, layer, c);
+        unpermute_gradients(p->shape, A, p->half());
+        route_slot_backward(p->shape, p->moe_parameters(layer).router,
+                            p->acts(set, layer).moe().stats_total,
+                            p->opt.loss_scaling ? p->inputs.loss_scale : 1.0, A);
+      });
   P->after(home.task, router);
   for (TaskId item : home.items)
     P->after(item, router);

@@ -114,13 +114,14 @@ void route_slot(const ModelConfig& m, const MoeRouterParameters& W, MoeSlot& A) 
 }
 
 void route_slot_backward(const StepShape& z, const MoeRouterParameters& W,
-                         const Tensor& stats_total, MoeSlot& A) {
+                         const Tensor& stats_total, double loss_scale, MoeSlot& A) {
   const ModelConfig& m = z.model;
   if (m.moe_gate == MoeGate::deepspeed) {
     // MindSpeed back-propagates each gate call's loss unscaled (its own loss scaler's scale is
-    // never set), and Megatron's data-parallel reduction averages the gradients.
+    // never set), and Megatron's data-parallel reduction averages the gradients. A loss scaler's
+    // scale multiplies it here as every gradient its unscaling divides.
     const double balance =
-        m.moe_router_topk == 2 ? m.moe_aux_loss_coeff / z.plan.data_parallel : 0.0;
+        m.moe_router_topk == 2 ? loss_scale * m.moe_aux_loss_coeff / z.plan.data_parallel : 0.0;
     ops::gate_backward<float>(A.dispatch, A.probs, A.topk_index, A.d_topk, balance,
                               A.d_router_logits);
     // Back through the Sinkhorn rounds (MindSpeed's autograd takes them), rerun from the
@@ -129,7 +130,9 @@ void route_slot_backward(const StepShape& z, const MoeRouterParameters& W,
       ops::sinkhorn_backward(A.router_logits, A.d_router_logits, A.d_router_logits);
   } else {
     const ops::RouterStatistics st = unpack_stats(stats_total, m.num_experts);
-    const double scale = 1.0 / (z.M * z.plan.data_parallel);
+    // Megatron-Core's MoEAuxLossAutoScaler: the losses' gradient is the loss scale over the
+    // number of micro-batches (the data-parallel average here too).
+    const double scale = loss_scale / (z.M * z.plan.data_parallel);
     ops::router_backward<float>(router_options(m), A.router_logits, A.probs, A.topk_index,
                                 A.topk_weight, A.d_topk, st, scale, A.d_router_logits);
   }

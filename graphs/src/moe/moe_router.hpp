@@ -27,8 +27,10 @@ ops::RouterStatistics route_tokens(const ModelConfig& m, const MoeRouterParamete
 void route_slot(const ModelConfig& m, const MoeRouterParameters& W, MoeSlot& A);
 // Its backward from the top-k weights' gradient d_topk and the micro-batch's statistics
 // `stats_total` (the losses' gradients): the router's weight gradient, and the router's share of
-// the input gradient added to d_moe_in.
+// the input gradient added to d_moe_in. `loss_scale`: a loss scaler's scale (1 without one),
+// by which the losses' gradients are multiplied as the main loss's are, so that the unscaling of
+// every gradient leaves them as an unscaled run's.
 void route_slot_backward(const StepShape& z, const MoeRouterParameters& W,
-                         const Tensor& stats_total, MoeSlot& A);
+                         const Tensor& stats_total, double loss_scale, MoeSlot& A);
 
 }  // namespace weave::graphs

@@ -82,18 +82,17 @@ void clip_and_update(RankProgram& p) {
 // and two moments and writes three, in fp32 whatever the training precision (28 bytes). A 16-bit
 // run keeps fp32 main parameters beside its 16-bit ones, as Megatron-LM's
 // Float16OptimizerWithFloat16Params does: after the update _copy_main_params_to_model_params
-// reads each fp32 value and writes its 16-bit copy (6 bytes); fp16 gradients (ParameterBytes) are
-// first copied to fp32 main gradients (_copy_model_grads_to_main_grads: 2 read, 4 written); bf16
-// gradients are accumulated in fp32 already, which .float() leaves uncopied. A loss scaler's
+// reads each fp32 value and writes its 16-bit copy (6 bytes); the gradients of either 16-bit
+// format are accumulated in fp32 already (ParameterBytes), which .float() leaves uncopied. A
+// loss scaler's
 // unscaling with its check for inf (_unscale_main_grads_and_check_for_nan) is a task of its own
 // (kUnscaleBytesPerElement).
 double optimizer_bytes_per_element(Precision precision) {
   const double adam = 7 * 4;
   switch (precision) {
     case Precision::bf16:
-      return adam + (4 + 2);
     case Precision::fp16:
-      return adam + (4 + 2) + (2 + 4);
+      return adam + (4 + 2);
     case Precision::fp32:
       break;
   }

@@ -48,21 +48,18 @@ void check_devices(const ParallelPlan& plan, const devices::DeviceSet& set) {
                     plan.pipeline_parallel, set.size()));
 }
 
-// What a step built with tensors trains in 16 bits so far: bf16 with dense and MoE layers under
-// tensor (and sequence), data, pipeline (every schedule), expert and context parallelism, the
-// distributed optimizer (ZeRO stages 1 to 3) and activation recomputation (--qk-layernorm and
-// Ampipe included; Ampipe with context parallelism not); fp16, the same code with
-// its loss scaler, only what its tests compare with one device and fp32: dense layers under tensor
-// (and sequence), data and pipeline parallelism and the distributed optimizer, every activation
-// kept. The rest is modelled by a prediction only.
+// What a step built with tensors trains in 16 bits: bf16 and fp16 (the same code, the format a
+// parameter, fp16 with its loss scaler) with dense and MoE layers under tensor (and sequence),
+// data, pipeline (every schedule), expert and context parallelism, Ampipe (with context
+// parallelism too), the distributed optimizer, --qk-layernorm and activation recomputation; bf16
+// also under ZeRO stages 2 and 3. fp16's stages 2 and 3 are modelled by a prediction only.
 void check_half_precision_step(const ModelConfig& model, const ParallelPlan& plan) {
   const auto refuse = [&](std::string_view what) {
     throw ConfigError(fmt::format(
-        "a step built with tensors trains in bf16 with dense and MoE layers under tensor (and "
-        "sequence), data, pipeline, expert and context parallelism, ZeRO stages 1 to 3 and "
-        "activation recomputation (Ampipe with context parallelism excepted), and in fp16 with "
-        "dense layers under tensor (and sequence), data and pipeline parallelism and the "
-        "distributed optimizer only, every activation kept (16-bit mixed precision: 16-bit "
+        "a step built with tensors trains in bf16 and fp16 with dense and MoE layers under tensor "
+        "(and sequence), data, pipeline, expert and context parallelism, Ampipe, the distributed "
+        "optimizer and activation recomputation, and in bf16 also under ZeRO stages 2 and 3 "
+        "(16-bit mixed precision: 16-bit "
         "products and saved activations, fp32 main parameters, gradients, norms, softmax and "
         "loss; fp16 with a loss scaler); this {} run "
         "has {}: train it in fp32 (drop --{}), or predict the {} run (weave predict, or "
@@ -70,22 +67,11 @@ void check_half_precision_step(const ModelConfig& model, const ParallelPlan& pla
         precision_name(model.precision), what, precision_name(model.precision),
         precision_name(model.precision)));
   };
-  if (model.precision == Precision::fp16) {
-    // fp16 is built only where its tests compare it with one device: ZeRO stages 2 and 3 not.
-    if (plan.shard_gradients)
-      refuse(plan.shard_parameters ? "ZeRO stage 3 (--zero-stage 3, optim_grads_params)"
-                                   : "ZeRO stage 2 (--zero-stage 2, optim_grads)");
-    // MoE layers' auxiliary losses back-propagate unscaled beside the scaled loss gradient.
-    if (model.num_experts > 0) refuse("MoE layers (--num-experts)");
-    if (plan.context_parallel > 1) refuse("context parallelism (--context-parallel-size)");
-    if (plan.ampipe_degree > 1) refuse("Ampipe (--ampipe-degree)");
-    if (model.qk_layernorm) refuse("--qk-layernorm");
-    if (model.recompute.granularity != RecomputeGranularity::none)
-      refuse("activation recomputation (--recompute-granularity)");
-    return;
-  }
-  if (plan.context_parallel > 1 && plan.ampipe_degree > 1)
-    refuse("Ampipe with context parallelism (--context-parallel-size, --ampipe-degree)");
+  // fp16 under ZeRO stages 2 and 3 is not built: the stages' 16-bit slots are bf16's, and no test
+  // compares an fp16 run with its loss scaler there against one device.
+  if (model.precision == Precision::fp16 && plan.shard_gradients)
+    refuse(plan.shard_parameters ? "ZeRO stage 3 (--zero-stage 3, optim_grads_params)"
+                                 : "ZeRO stage 2 (--zero-stage 2, optim_grads)");
 }
 
 }  // namespace
@@ -107,13 +93,6 @@ TrainingStep::Impl::Impl(const ModelConfig& model, const ParallelPlan& plan,
     throw ConfigError(
         "a loss scaler (OptimizerConfig::loss_scaling) is for 16-bit runs: give --fp16 or --bf16, "
         "or drop --loss-scale");
-  // The auxiliary losses' gradients join the backward unscaled: the update would divide them by
-  // the scale.
-  if (materialize && o.loss_scaling && model.num_experts > 0)
-    throw ConfigError(
-        "a loss scaler (--loss-scale, or fp16's dynamic one) is not built with MoE layers yet "
-        "(their auxiliary losses' gradients are not multiplied by the scale): drop --loss-scale, "
-        "or predict the run (weave predict, or StepBuildOptions::materialize = false)");
   inputs.batches.assign(static_cast<std::size_t>(plan.data_parallel),
                         std::vector<MicroBatch>(static_cast<std::size_t>(shape.M)));
   // A step built without tensors reads no tokens: with thousands of micro-batches of long

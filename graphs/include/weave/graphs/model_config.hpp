@@ -53,11 +53,12 @@ const char* precision_name(Precision p);
 // Bytes per parameter in each memory category, as Megatron-LM's distributed optimizer keeps them
 // (Megatron Core's developer guide, "Distributed Optimizer": 16 bytes for fp32 parameters and
 // gradients, 8 + 8/d with the distributed optimizer; 18 for 16-bit parameters with fp32
-// gradients, 6 + 12/d; 20 for fp16 parameters with fp16 gradients, 4 + 16/d). The optimizer
-// state is what the distributed optimizer shards over the d replicas: Adam's two moments, plus
-// an fp32 master copy of the weights when they are 16-bit, plus for fp16 an fp32 copy of the
-// gradient shard (bf16 runs accumulate and reduce their gradients in fp32 already, as
-// Megatron-LM turns on --accumulate-allreduce-grads-in-fp32 with --bf16).
+// gradients, 6 + 12/d). The optimizer state is what the distributed optimizer shards over the d
+// replicas: Adam's two moments, plus an fp32 master copy of the weights when they are 16-bit.
+// Both 16-bit formats accumulate and reduce their gradients in fp32, as Megatron-LM does with
+// --accumulate-allreduce-grads-in-fp32 (which it turns on with --bf16; with --fp16 its default
+// is fp16 gradients and an fp32 copy of the shard in the optimizer, 20 bytes, 4 + 16/d), as the
+// trained step does.
 struct ParameterBytes {
   int parameter;        // the model's weights
   int gradient;         // the gradient buffer the backward accumulates into and the replicas reduce
