@@ -124,7 +124,7 @@ struct SharedExpertWorkspace {
 
 struct MoeActivations {
   std::vector<MoeSlot> slots;
-  Tensor stats_total;              // [2 E + 2]: the statistics the router's losses use
+  Tensor stats_total;  // the statistics the router's losses use (router_statistics_size)
   SharedExpertActivations shared;  // with shared experts only
 };
 

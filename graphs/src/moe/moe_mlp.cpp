@@ -44,7 +44,7 @@ SlotProgress MoeMlp::route(const BuildPosition& pos, int c, TaskId ready) const 
       slot_prefix(c) + "router", tags, cost::router(z, static_cast<double>(z.slot_tokens())), [=] {
         MoeSlot& A = p->slot(set, layer, c);
         A.moe_in.copy_from(slot_tokens(*p, c, p->acts(set, layer).ln2));
-        route_slot(p->shape.model, p->moe_parameters(layer).router, A);
+        route_slot(p->shape, p->moe_parameters(layer).router, A);
         permute_slot(*p, layer, A, counted);
         // MindSpeed's gate weighs the experts' bf16 outputs with its weights cast to bf16
         // (combine_weights.type_as(input)); Megatron-Core's fp32 router keeps them fp32.
