@@ -262,9 +262,9 @@ void check_load_balancing(const ModelConfig& m, const ParallelPlan& p) {
       m.moe_load_balancing == MoeLoadBalancing::sinkhorn ? "sinkhorn" : "seq_aux_loss";
   if (m.moe_gate != MoeGate::megatron)
     refuse(
-        "--moe-router-load-balancing-type {} is Megatron-Core's router's; MindSpeed's "
-        "deepspeed_moe gate balances by its own loss (or --moe-use-sinkhorn): drop it or use "
-        "--moe-model-type megatron",
+        "ModelConfig::moe_load_balancing {} is Megatron-Core's router's; MindSpeed's "
+        "deepspeed_moe gate balances by its own loss (or --moe-use-sinkhorn): leave aux_loss or "
+        "use MoeGate::megatron",
         type);
   if (m.moe_load_balancing != MoeLoadBalancing::sinkhorn) return;
   if (m.moe_aux_loss_coeff != 0)
