@@ -256,6 +256,14 @@ constexpr ConfigFlag kMoe[] = {
      .check = kPositive,
      .description =
          added_to_checkpoints(described(model, "moe_shared_expert_intermediate_size", true))},
+    {.name = "--moe-shared-expert-gate",
+     .group = FlagGroup::moe,
+     .values = 0,
+     .help = "Megatron-Core's shared-expert gate (SharedExpertMLP's gate, Qwen2-MoE's): the "
+             "shared experts' output multiplied by each token's sigmoid(w . x), x the MoE "
+             "layer's input and w a weight of h values replicated over tensor parallelism",
+     .field = model_field<&M::moe_shared_expert_gate>(),
+     .description = added_to_checkpoints(described(model, "moe_shared_expert_gate", true))},
     {.name = "--moe-shared-expert-overlap",
      .group = FlagGroup::moe,
      .values = 0,

@@ -170,6 +170,10 @@ void check_shared_experts(const ModelConfig& m, const ParallelPlan& p) {
       refuse(
           "--moe-shared-expert-overlap overlaps the shared experts and the model has none: set "
           "--moe-shared-expert-intermediate-size or drop it");
+    if (m.moe_shared_expert_gate)
+      refuse(
+          "--moe-shared-expert-gate gates the shared experts and the model has none: set "
+          "--moe-shared-expert-intermediate-size or drop it");
     return;
   }
   if (m.num_experts == 0)

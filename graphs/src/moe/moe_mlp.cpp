@@ -26,8 +26,10 @@ void MoeMlp::declare_parameters(ParameterDeclarer& declare, const LayerSpec&, in
   const std::string prefix = fmt::format("layers.{}.moe.", layer);
   declare_router_parameters(declare, prefix, L.router);
   declare_experts_parameters(declare, prefix, L.experts);
-  if (declare.model.has_shared_experts())
+  if (declare.model.has_shared_experts()) {
     declare_shared_expert_parameters(declare, prefix, L.shared);
+    L.shared_gate = declare_shared_expert_gate(declare, prefix);
+  }
 }
 
 std::string MoeMlp::slot_prefix(int c) const {

@@ -156,6 +156,10 @@ struct ModelConfig {
   // --moe-shared-expert-overlap: the shared experts run while the dispatcher's all-to-alls are in
   // flight (their tasks wait for the layer's input only) instead of before the router.
   bool moe_shared_expert_overlap = false;
+  // --moe-shared-expert-gate: the shared experts' output multiplied by each token's
+  // sigmoid(w . x), w a [h] weight of the layer replicated over tp (Megatron-Core's SharedExpertMLP
+  // gate, Qwen2-MoE's shared-expert gate).
+  bool moe_shared_expert_gate = false;
   int moe_router_topk = 2;                  // --moe-router-topk
   double moe_aux_loss_coeff = 0.0;          // --moe-aux-loss-coeff
   double moe_z_loss_coeff = 0.0;            // --moe-z-loss-coeff
