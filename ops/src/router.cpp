@@ -1,5 +1,7 @@
 #include "weave/ops/router.hpp"
 
+#include "weave/ops/sinkhorn.hpp"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -47,6 +49,14 @@ void check_router(const RouterOptions& o, const BasicTensor<T>& logits, const Ba
           "top-k whose groups hold at least top-k experts",
           o.top_k, o.group_topk, e / g));
   }
+  if (o.sequences < 0 || (o.sequences > 0 && t % o.sequences != 0))
+    throw std::invalid_argument(fmt::format(
+        "router: {} tokens cannot be those of {} sequences; need a multiple of the sequences", t,
+        o.sequences));
+  if (o.sinkhorn && (o.group_topk != 0 || !o.expert_bias.empty() || o.topk_scaling_factor != 1))
+    throw std::invalid_argument(
+        "router: sinkhorn routing picks by the balanced logits alone, as Megatron-Core's: route "
+        "without groups, expert bias and top-k scaling factor");
   check_rows("router probabilities", probs);
   check_shape("router probabilities", probs.shape(), logits.shape());
   check_rows("router top-k weights", weight);
@@ -56,12 +66,20 @@ void check_router(const RouterOptions& o, const BasicTensor<T>& logits, const Ba
         fmt::format("router: top-k index holds {} entries, need {} x {}", index_size, t, o.top_k));
 }
 
-void check_total(const RouterStatistics& total, std::int64_t experts) {
-  if (total.tokens <= 0 || static_cast<std::int64_t>(total.assignments.size()) != experts ||
-      static_cast<std::int64_t>(total.probability.size()) != experts)
+// The columns of the statistics: the experts, of each sequence under seq_aux_loss.
+std::int64_t statistics_columns(const RouterOptions& o, std::int64_t experts) {
+  return o.sequences > 0 ? experts * o.sequences : experts;
+}
+
+void check_total(const RouterOptions& o, const RouterStatistics& total, std::int64_t experts) {
+  const std::int64_t columns = statistics_columns(o, experts);
+  if (total.tokens <= 0 || static_cast<std::int64_t>(total.assignments.size()) != columns ||
+      static_cast<std::int64_t>(total.probability.size()) != columns ||
+      (o.sequences > 0 && total.tokens % o.sequences != 0))
     throw std::invalid_argument(fmt::format(
-        "router statistics cover {} tokens and {} experts; need > 0 tokens and {} experts",
-        total.tokens, total.assignments.size(), experts));
+        "router statistics cover {} tokens and {} columns; need > 0 tokens (a multiple of the {} "
+        "sequences) and {} columns",
+        total.tokens, total.assignments.size(), o.sequences, columns));
 }
 
 }  // namespace
@@ -131,13 +149,24 @@ RouterStatistics router_forward(const RouterOptions& o, const BasicTensor<T>& lo
   const std::int64_t t = logits.dim(0), e = logits.dim(1), k = o.top_k;
   const bool sigmoid = o.score == RouterScore::sigmoid;
   const bool grouped = o.group_topk != 0, biased = !o.expert_bias.empty();
-  RouterStatistics stats{t, std::vector<double>(e, 0.0), std::vector<double>(e, 0.0), 0.0};
+  const auto columns = static_cast<std::size_t>(statistics_columns(o, e));
+  RouterStatistics stats{t, std::vector<double>(columns, 0.0), std::vector<double>(columns, 0.0),
+                         0.0};
+  // Sinkhorn routing picks by the balanced logits of all the call's tokens at once.
+  BasicTensor<T> balanced;
+  if (o.sinkhorn) {
+    balanced = BasicTensor<T>::empty(logits.shape());
+    sinkhorn_forward(logits, balanced);
+  }
   std::vector<std::int32_t> order, plain;
   std::vector<T> key(static_cast<std::size_t>(e)), group_key, group_score(o.num_groups), scratch;
   std::vector<char> eligible;
   for (std::int64_t i = 0; i < t; ++i) {
     const T* x = logits.row(i);
     T* p = probs.row(i);
+    // The token's columns of the statistics: its sequence's under seq_aux_loss.
+    double* probability = stats.probability.data() + (o.sequences > 0 ? i % o.sequences * e : 0);
+    double* assignments = stats.assignments.data() + (o.sequences > 0 ? i % o.sequences * e : 0);
     const T m = *std::max_element(x, x + e);
     double sum = 0;
     for (std::int64_t j = 0; j < e; ++j)
@@ -149,11 +178,11 @@ RouterStatistics router_forward(const RouterOptions& o, const BasicTensor<T>& lo
       for (std::int64_t j = 0; j < e; ++j)
         score_sum += (p[j] = static_cast<T>(1 / (1 + std::exp(-static_cast<double>(x[j])))));
       for (std::int64_t j = 0; j < e; ++j)
-        stats.probability[j] += p[j] / (score_sum + kSigmoidSumEpsilon);
+        probability[j] += p[j] / (score_sum + kSigmoidSumEpsilon);
     } else {
       for (std::int64_t j = 0; j < e; ++j) {
         p[j] = static_cast<T>(p[j] / sum);
-        stats.probability[j] += p[j];
+        probability[j] += p[j];
       }
     }
     // The routing scores: the scores plus the bias. Megatron-Core's softmax routing without
@@ -161,6 +190,7 @@ RouterStatistics router_forward(const RouterOptions& o, const BasicTensor<T>& lo
     // also scores the groups by the logits.
     for (std::int64_t j = 0; j < e; ++j)
       key[j] = biased ? static_cast<T>(p[j] + o.expert_bias[j]) : p[j];
+    if (o.sinkhorn) key.assign(balanced.row(i), balanced.row(i) + e);
     if (grouped) {
       if (!sigmoid && o.renormalize) {
         group_key.assign(x, x + e);
@@ -180,7 +210,7 @@ RouterStatistics router_forward(const RouterOptions& o, const BasicTensor<T>& lo
     T chosen = 0;
     for (std::int64_t s = 0; s < k; ++s) {
       topk_index[i * k + s] = order[s];
-      stats.assignments[counted[s]] += 1;
+      assignments[counted[s]] += 1;
       chosen += (w[s] = p[order[s]]);
     }
     if (o.renormalize) {
@@ -196,17 +226,20 @@ RouterStatistics router_forward(const RouterOptions& o, const BasicTensor<T>& lo
 }
 
 double aux_loss(const RouterOptions& o, const RouterStatistics& total) {
-  const auto e = static_cast<std::int64_t>(total.assignments.size());
-  check_total(total, e);
+  const std::int64_t sequences = std::max(o.sequences, 1);
+  const auto e = static_cast<std::int64_t>(total.assignments.size()) / sequences;
+  check_total(o, total, e);
+  // Each sequence's loss over its own tokens; one "sequence" of all of them for aux_loss.
   double sum = 0;
-  const double tokens = static_cast<double>(total.tokens);
-  for (std::int64_t j = 0; j < e; ++j)
+  const double tokens = static_cast<double>(total.tokens / sequences);
+  for (std::size_t j = 0; j < total.assignments.size(); ++j)
     sum += total.assignments[j] / (tokens * o.top_k) * (total.probability[j] / tokens);
-  return o.aux_loss_coeff * static_cast<double>(e) * sum;
+  return o.aux_loss_coeff * static_cast<double>(e) * sum / static_cast<double>(sequences);
 }
 
 double z_loss(const RouterOptions& o, const RouterStatistics& total) {
-  check_total(total, static_cast<std::int64_t>(total.assignments.size()));
+  check_total(o, total,
+              static_cast<std::int64_t>(total.assignments.size()) / std::max(o.sequences, 1));
   return o.z_loss_coeff * total.squared_lse / static_cast<double>(total.tokens);
 }
 
@@ -223,13 +256,17 @@ void router_backward(const RouterOptions& o, const BasicTensor<T>& logits,
   check_shape("router logits gradient", dlogits.shape(), logits.shape());
   const std::int64_t t = logits.dim(0), e = logits.dim(1), k = o.top_k;
   const bool sigmoid = o.score == RouterScore::sigmoid;
-  check_total(total, e);
+  check_total(o, total, e);
+  const std::int64_t sequences = std::max(o.sequences, 1);
   const double tokens = static_cast<double>(total.tokens);
-  // d aux / d p[i, j] = coeff E f_j / tokens, the same for every token.
-  std::vector<T> aux_grad(static_cast<std::size_t>(e));
-  for (std::int64_t j = 0; j < e; ++j)
+  // d aux / d p[i, j] = coeff E f_j / tokens, the same for every token; under seq_aux_loss
+  // coeff E f_bj / (tokens_b B) for a token of sequence b (tokens_b = tokens / B of them).
+  const double per_sequence = tokens / static_cast<double>(sequences);
+  std::vector<T> aux_grad(total.assignments.size());
+  for (std::size_t j = 0; j < aux_grad.size(); ++j)
     aux_grad[j] = static_cast<T>(loss_scale * o.aux_loss_coeff * static_cast<double>(e) *
-                                 (total.assignments[j] / (tokens * k)) / tokens);
+                                 (total.assignments[j] / (per_sequence * k)) / per_sequence /
+                                 static_cast<double>(sequences));
   const T z_scale = static_cast<T>(loss_scale * o.z_loss_coeff * 2.0 / tokens);
   std::vector<T> dp(static_cast<std::size_t>(e));
   // The weights before the scaling factor and their gradient: w = f u, so du = f dw.
@@ -237,6 +274,7 @@ void router_backward(const RouterOptions& o, const BasicTensor<T>& logits,
   std::vector<T> unscaled(static_cast<std::size_t>(k)), d_unscaled(static_cast<std::size_t>(k));
   for (std::int64_t i = 0; i < t; ++i) {
     const T* p = probs.row(i);
+    const T* token_aux_grad = aux_grad.data() + (o.sequences > 0 ? i % o.sequences * e : 0);
     for (std::int64_t s = 0; s < k; ++s) {
       unscaled[s] = topk_weight.row(i)[s] / f;
       d_unscaled[s] = d_topk_weight.row(i)[s] * f;
@@ -248,12 +286,12 @@ void router_backward(const RouterOptions& o, const BasicTensor<T>& logits,
       T score_sum = static_cast<T>(kSigmoidSumEpsilon), weighted = 0;
       for (std::int64_t j = 0; j < e; ++j) {
         score_sum += p[j];
-        weighted += aux_grad[j] * p[j];
+        weighted += token_aux_grad[j] * p[j];
       }
       for (std::int64_t j = 0; j < e; ++j)
-        dp[j] = aux_grad[j] / score_sum - weighted / (score_sum * score_sum);
+        dp[j] = token_aux_grad[j] / score_sum - weighted / (score_sum * score_sum);
     } else {
-      std::copy(aux_grad.begin(), aux_grad.end(), dp.begin());
+      std::copy(token_aux_grad, token_aux_grad + e, dp.begin());
     }
     if (o.renormalize) {
       // w_s = p_s / sum(p_chosen): dp_s = (dw_s - sum_r dw_r w_r) / sum(p_chosen).

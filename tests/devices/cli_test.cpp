@@ -177,6 +177,18 @@ TEST(CliTrain, RouterFlagsTakeMegatronCoresAndMindSpeedsMeanings) {
   EXPECT_GT(plain["aux_loss"].get<double>(), 0);
   // none: no balancing loss whatever the coefficient.
   EXPECT_EQ(first_moe_iteration("--moe-router-load-balancing-type none")["aux_loss"], 0.0);
+  // seq_aux_loss: each of a micro-batch's two sequences balanced over its own tokens.
+  const auto sequences = first_moe_iteration("--moe-router-load-balancing-type seq_aux_loss");
+  EXPECT_GT(sequences["aux_loss"].get<double>(), 0);
+  EXPECT_NE(sequences["aux_loss"], plain["aux_loss"]);
+  // sinkhorn takes no balancing loss: a coefficient is refused, as Megatron-Core asserts.
+  const Result sinkhorn =
+      weave(fmt::format("train {} --mock-data --num-experts 4 --moe-aux-loss-coeff 0.01 "
+                        "--moe-router-load-balancing-type sinkhorn",
+                        kTinyModel));
+  EXPECT_NE(sinkhorn.status, 0);
+  EXPECT_NE(sinkhorn.out.find("--moe-aux-loss-coeff 0.01: give 0"), std::string::npos)
+      << sinkhorn.out;
   // Pre-softmax weights are not renormalised: another loss.
   EXPECT_NE(first_moe_iteration("--moe-router-pre-softmax")["loss"], plain["loss"]);
   // MindSpeed's gate: another loss (its drops at factor 1, its loss per gate call).

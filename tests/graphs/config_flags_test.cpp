@@ -109,6 +109,7 @@ TEST(ConfigFlags, TheCheckpointsDescriptionKeepsItsKeys) {
                                           "moe_router_group_topk",
                                           "moe_router_enable_expert_bias",
                                           "moe_shared_expert_intermediate_size",
+                                          "moe_shared_expert_gate",
                                           "norm_epsilon",
                                           "tokenizer_type",
                                           "vocab_file",
@@ -150,7 +151,8 @@ TEST(ConfigFlags, CheckpointsSavedEarlierLackTheKeysAddedSince) {
                                           "moe_router_num_groups",
                                           "moe_router_group_topk",
                                           "moe_router_enable_expert_bias",
-                                          "moe_shared_expert_intermediate_size"}));
+                                          "moe_shared_expert_intermediate_size",
+                                          "moe_shared_expert_gate"}));
 }
 
 TEST(ConfigFlags, DescriptionsHoldTheValuesTheRunUses) {

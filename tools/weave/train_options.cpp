@@ -91,12 +91,8 @@ void derive_load_balancing(const std::string& type, graphs::ModelConfig& m) {
     m.moe_aux_loss_coeff = 0;  // Megatron-Core adds no balancing loss whatever the coefficient
     return;
   }
-  throw graphs::ConfigError(fmt::format(
-      "--moe-router-load-balancing-type {} is not implemented here ({}): give aux_loss with "
-      "--moe-aux-loss-coeff, or none",
-      type,
-      type == "sinkhorn" ? "Megatron-Core's Sinkhorn-balanced top-1 routing"
-                         : "Megatron-Core's per-sequence balancing loss"));
+  m.moe_load_balancing = type == "sinkhorn" ? graphs::MoeLoadBalancing::sinkhorn
+                                            : graphs::MoeLoadBalancing::seq_aux_loss;
 }
 
 // The model's words (--position-embedding-type, --normalization, --moe-model-type's gate) and

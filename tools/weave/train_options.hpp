@@ -37,7 +37,7 @@ struct TrainOptions {
   bool moe_router_pre_softmax = false;
   std::string moe_layer_freq = "1";  // --moe-layer-freq: N or a pattern (moe_layer_freq.hpp)
   std::string moe_token_drop_policy = "probs";              // or position (Megatron-Core's names)
-  std::string moe_router_load_balancing_type = "aux_loss";  // or none (seq_aux_loss, sinkhorn)
+  std::string moe_router_load_balancing_type = "aux_loss";  // or seq_aux_loss, sinkhorn, none
   bool use_rotary_position_embeddings = false, no_position_embedding = false;
   bool group_query_attention = false;
   int num_query_groups = 0;

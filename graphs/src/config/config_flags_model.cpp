@@ -254,6 +254,14 @@ constexpr ConfigFlag kMoe[] = {
      .check = kPositive,
      .description =
          added_to_checkpoints(described(model, "moe_shared_expert_intermediate_size", true))},
+    {.name = "--moe-shared-expert-gate",
+     .group = FlagGroup::moe,
+     .values = 0,
+     .help = "Megatron-Core's shared-expert gate (SharedExpertMLP's gate, Qwen2-MoE's): the "
+             "shared experts' output multiplied by each token's sigmoid(w . x), x the MoE "
+             "layer's input and w a weight of h values replicated over tensor parallelism",
+     .field = model_field<&M::moe_shared_expert_gate>(),
+     .description = added_to_checkpoints(described(model, "moe_shared_expert_gate", true))},
     {.name = "--moe-shared-expert-overlap",
      .group = FlagGroup::moe,
      .values = 0,
@@ -289,9 +297,14 @@ constexpr ConfigFlag kMoe[] = {
      .properties = kShowsDefault},
     {.name = "--moe-router-load-balancing-type",
      .group = FlagGroup::moe,
-     .help = "Megatron-Core's load balancing: aux_loss (the loss weighted by --moe-aux-loss-"
-             "coeff) or none (no balancing loss, the coefficient ignored); seq_aux_loss and "
-             "sinkhorn are refused. MindSpeed's deepspeed_moe gate ignores it, as weave's does",
+     .help = "Megatron-Core's load balancing: aux_loss (the loss of the micro-batch's tokens, "
+             "weighted by --moe-aux-loss-coeff), seq_aux_loss (each sequence's loss over its own "
+             "tokens, averaged over the micro-batch's sequences), sinkhorn (in training each "
+             "token picks the top-k of its rank's Sinkhorn-balanced logits, weighed by the "
+             "softmax scores, top-1 by the sigmoid, unrenormalised; no balancing loss: needs "
+             "--moe-aux-loss-coeff 0, no capacity factor, no Ampipe) or none (no balancing loss, "
+             "the coefficient ignored). MindSpeed's deepspeed_moe gate never reads it, and "
+             "weave's ignores it too",
      .check = one_of("aux_loss,seq_aux_loss,sinkhorn,none"),
      .properties = kShowsDefault},
     {.name = "--moe-router-topk-scaling-factor",

@@ -205,8 +205,10 @@ constexpr ConfigFlag kAmpipe[] = {
      .group = FlagGroup::ampipe,
      .values = 0,
      .help = "Pipeline the split experts' tensor-parallel all-gathers and reduce-scatters over "
-             "(chunk, local expert) items (MindSpeed; needs --ampipe-degree > 1, "
-             "--sequence-parallel, --moe-model-type deepspeed_moe and EP > 1)",
+             "(chunk, local expert) items, as MindSpeed does with --sequence-parallel (needs "
+             "--ampipe-degree > 1, --sequence-parallel, --moe-model-type deepspeed_moe and EP > "
+             "1; MindSpeed without --sequence-parallel overlaps each item's tensor-parallel "
+             "all-reduce instead, which weave does not build: switched off with a warning)",
      .field = plan_field<&P::ampipe_tp_sp_comm_overlap>(),
      .description = described(plan, "ampipe_tp_sp_comm_overlap")},
     {.name = "--ampipe-cp-resend-kv",

@@ -170,6 +170,10 @@ void check_shared_experts(const ModelConfig& m, const ParallelPlan& p) {
       refuse(
           "--moe-shared-expert-overlap overlaps the shared experts and the model has none: set "
           "--moe-shared-expert-intermediate-size or drop it");
+    if (m.moe_shared_expert_gate)
+      refuse(
+          "--moe-shared-expert-gate gates the shared experts and the model has none: set "
+          "--moe-shared-expert-intermediate-size or drop it");
     return;
   }
   if (m.num_experts == 0)
@@ -251,6 +255,47 @@ void check_router_routing(const ModelConfig& m) {
         "--moe-router-topk ({}) needs at least that many experts in the {} chosen groups of {} "
         "experts: raise --moe-router-group-topk or lower --moe-router-topk",
         m.moe_router_topk, m.moe_router_group_topk, m.num_experts / groups);
+}
+
+// --moe-router-load-balancing-type seq_aux_loss and sinkhorn: Megatron-Core's router's, with its
+// rules (TopKRouter's assert, TransformerConfig's capacity check) and what its sinkhorn routing
+// never reads refused rather than ignored.
+void check_load_balancing(const ModelConfig& m, const ParallelPlan& p) {
+  if (m.num_experts == 0 || m.moe_load_balancing == MoeLoadBalancing::aux_loss) return;
+  const char* type =
+      m.moe_load_balancing == MoeLoadBalancing::sinkhorn ? "sinkhorn" : "seq_aux_loss";
+  if (m.moe_gate != MoeGate::megatron)
+    refuse(
+        "ModelConfig::moe_load_balancing {} is Megatron-Core's router's; MindSpeed's "
+        "deepspeed_moe gate balances by its own loss (or --moe-use-sinkhorn): leave aux_loss or "
+        "use MoeGate::megatron",
+        type);
+  if (m.moe_load_balancing != MoeLoadBalancing::sinkhorn) return;
+  if (m.moe_aux_loss_coeff != 0)
+    refuse(
+        "--moe-router-load-balancing-type sinkhorn takes no load-balancing loss (Megatron-Core "
+        "asserts it), got --moe-aux-loss-coeff {}: give 0",
+        m.moe_aux_loss_coeff);
+  if (m.moe_expert_capacity_factor != 0)
+    refuse(
+        "--moe-expert-capacity-factor ({}) works with the aux_loss, seq_aux_loss or none load "
+        "balancing only (Megatron-Core's rule), not sinkhorn: drop one of them",
+        m.moe_expert_capacity_factor);
+  if (m.moe_router_score_function != "softmax" || m.moe_router_group_topk != 0 ||
+      m.moe_router_enable_expert_bias || m.moe_router_topk_scaling_factor != 1 ||
+      !m.moe_router_renormalize)
+    refuse(
+        "--moe-router-load-balancing-type sinkhorn picks by the balanced logits and weighs by the "
+        "softmax (top-1: the sigmoid) alone; Megatron-Core's sinkhorn routing would ignore "
+        "--moe-router-score-function {}, --moe-router-group-topk, --moe-router-enable-expert-"
+        "bias, --moe-router-topk-scaling-factor and --moe-router-pre-softmax: drop them",
+        m.moe_router_score_function);
+  if (p.ampipe_degree > 1)
+    refuse(
+        "--moe-router-load-balancing-type sinkhorn balances each rank's tokens of a micro-batch "
+        "at once (Megatron-Core's router), and --ampipe-degree {} routes them by chunk: drop one "
+        "of them (MindSpeed's Ampipe routes by its deepspeed_moe gate, --moe-use-sinkhorn)",
+        p.ampipe_degree);
 }
 
 // The DeepSpeed-style gate's settings (MindSpeed's deepspeed_moe), and Megatron's router's.
@@ -608,6 +653,7 @@ void check_plan_rules(const ModelConfig& m, const ParallelPlan& given,
   check_shared_experts(m, derived);
   check_moe_model_type(given);
   check_moe_gate(m, derived);
+  check_load_balancing(m, derived);
   check_expert_tensor_parallel(m, derived);
   check_expert_parallel_groups(derived);
   check_global_batch(derived);

@@ -14,6 +14,7 @@
 #include "moe/moe_experts.hpp"
 #include "moe/moe_mlp.hpp"
 #include "moe/moe_router.hpp"
+#include "moe/moe_shared_experts.hpp"
 #include "weave/devices/collective_matcher.hpp"
 #include "weave/graphs/mesh.hpp"
 #include "weave/graphs/pipeline_layout.hpp"
@@ -68,6 +69,7 @@ struct RankDecode {
   Tensor x, emb, norm, mean, rstd, qkv, attn, lse, proj, fc1, act, mlp_out;
   Tensor router_logits, probs, top_weight, rows_in, rows_pre, rows_hidden, rows_out;
   Tensor shared_fc1, shared_act, shared_out;  // the shared experts' (MoE layers)
+  Tensor shared_gate;                         // --moe-shared-expert-gate's score
   Tensor final_norm, logits_local, logits_all;
   std::vector<std::int32_t> top_index, token_id{0};
   std::vector<std::int64_t> begin;
@@ -165,6 +167,7 @@ struct Generator::Impl {
         R.shared_fc1 = buffer(r, {1, (model.activation == Activation::swiglu ? 2 : 1) * fs});
         R.shared_act = buffer(r, {1, fs});
         R.shared_out = buffer(r, {1, h});
+        R.shared_gate = buffer(r, {1, 1});
       }
       R.final_norm = buffer(r, {1, h});
       R.logits_local = buffer(r, {1, Vl});
@@ -340,8 +343,13 @@ struct Generator::Impl {
                             r->shared_fc1, r->shared_act, r->shared_out);
         });
         chain.all_reduce(tensor, R.shared_out, at + "shared_expert_reduce");
-        chain.compute(at + "shared_expert_add",
-                      [r] { ops::accumulate(r->shared_out, r->mlp_out); });
+        chain.compute(at + "shared_expert_add", [r, l] {
+          // --moe-shared-expert-gate: the token's sigmoid(w . x) on their output.
+          if (const Parameter* gate = r->shard->layer(l).moe_mlp().shared_gate)
+            shared_expert_gate_forward(gate->value, r->norm, r->shared_out, Tensor{},
+                                       r->shared_gate);
+          ops::accumulate(r->shared_out, r->mlp_out);
+        });
       }
     } else {
       chain.compute(at + "mlp", [r, self, l] {

@@ -111,6 +111,10 @@ struct SharedExpertActivations {
   Tensor input;         // [Sc, B, h]
   Tensor fc1, act;      // [Sc, B, f1 / tp], [Sc, B, f / tp]
   Tensor partial, out;  // [Sc, B, h], [Sl, B, h]
+  // --moe-shared-expert-gate: the output before the gate and each token's gate score, on the
+  // norm's rows (out's).
+  Tensor ungated;  // as out
+  Tensor gate;     // [out's rows, 1]
 };
 
 // The shared experts' share of the backward's workspace, one per device: the output gradient
@@ -120,11 +124,15 @@ struct SharedExpertWorkspace {
   Tensor d_out;            // [Sc, B, h]
   Tensor d_act, d_fc1;     // [Sc, B, f / tp], [Sc, B, f1 / tp]
   Tensor d_in_full, d_in;  // [Sc, B, h], [Sl, B, h]
+  // --moe-shared-expert-gate: the gradient of the output before the gate (d_mlp times the gate),
+  // and of each token's gate logit.
+  Tensor d_gated;  // as d_mlp
+  Tensor d_logit;  // [d_mlp's rows, 1]
 };
 
 struct MoeActivations {
   std::vector<MoeSlot> slots;
-  Tensor stats_total;              // [2 E + 2]: the statistics the router's losses use
+  Tensor stats_total;  // the statistics the router's losses use (router_statistics_size)
   SharedExpertActivations shared;  // with shared experts only
 };
 

@@ -1,6 +1,7 @@
 // The MoE layer's buffers for one micro-batch: each slot's router, dispatcher and experts state
 // (sized for the largest split the routing allows), and the pipe-experts items'.
 #include "moe/moe_mlp.hpp"
+#include "moe/moe_router.hpp"
 #include "moe/moe_shared_experts.hpp"
 
 namespace weave::graphs {
@@ -58,7 +59,7 @@ void allocate_router(RankProgram& P, const MoeActivations& M, MoeSlot& S) {
   S.probs = P.activation({n, E});
   S.topk_weight = P.activation({n, k});
   S.topk_index.assign(static_cast<std::size_t>(n * k), 0);
-  S.stats = z.ampipe == 1 ? M.stats_total : P.activation({2 * E + 2});
+  S.stats = z.ampipe == 1 ? M.stats_total : P.activation({router_statistics_size(z)});
   S.d_topk = P.activation({n, k});
   S.d_router_logits = P.activation({n, E});
 }
@@ -140,9 +141,8 @@ void allocate_slot(RankProgram& P, LayerActivations& A, int c) {
 
 void MoeMlp::allocate(LayerActivations& A) const {
   const StepShape& z = P->shape;
-  const std::int64_t E = z.model.num_experts;
   MoeActivations& M = A.mlp.emplace<MoeActivations>();
-  M.stats_total = P->activation({2 * E + 2});
+  M.stats_total = P->activation({router_statistics_size(z)});
   A.mlp_out =
       z.sp() || z.tp == 1 ? P->activation({z.Sl, z.B, z.h}) : P->activation({z.Sc, z.B, z.h});
   M.slots.resize(static_cast<std::size_t>(z.ampipe));

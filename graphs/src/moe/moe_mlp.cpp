@@ -26,8 +26,10 @@ void MoeMlp::declare_parameters(ParameterDeclarer& declare, const LayerSpec&, in
   const std::string prefix = fmt::format("layers.{}.moe.", layer);
   declare_router_parameters(declare, prefix, L.router);
   declare_experts_parameters(declare, prefix, L.experts);
-  if (declare.model.has_shared_experts())
+  if (declare.model.has_shared_experts()) {
     declare_shared_expert_parameters(declare, prefix, L.shared);
+    L.shared_gate = declare_shared_expert_gate(declare, prefix);
+  }
 }
 
 std::string MoeMlp::slot_prefix(int c) const {
@@ -44,7 +46,7 @@ SlotProgress MoeMlp::route(const BuildPosition& pos, int c, TaskId ready) const 
       slot_prefix(c) + "router", tags, cost::router(z, static_cast<double>(z.slot_tokens())), [=] {
         MoeSlot& A = p->slot(set, layer, c);
         A.moe_in.copy_from(slot_tokens(*p, c, p->acts(set, layer).ln2));
-        route_slot(p->shape.model, p->moe_parameters(layer).router, A);
+        route_slot(p->shape, p->moe_parameters(layer).router, A);
         permute_slot(*p, layer, A, counted);
         // MindSpeed's gate weighs the experts' bf16 outputs with its weights cast to bf16
         // (combine_weights.type_as(input)); Megatron-Core's fp32 router keeps them fp32.

@@ -26,6 +26,8 @@ struct MoeMlpParameters {
   // (row-parallel), declared by declare_shared_expert_parameters (moe_shared_experts.cpp); no
   // biases. Null without shared experts.
   DenseMlpParameters shared;
+  // --moe-shared-expert-gate: the shared experts' gate weight [1, h], replicated; null without.
+  Parameter* shared_gate = nullptr;
 };
 
 }  // namespace weave::graphs

@@ -2,6 +2,7 @@
 // ModelConfig::moe_gate): each token's logits over the experts, its top-k picks and their
 // weights, the statistics of the routed tokens and the load-balancing and z losses from them, and
 // the backward of all of it. Decoding routes its token through the same route_tokens.
+#include <algorithm>
 #include <cmath>
 
 #include "model/half_precision.hpp"
@@ -24,6 +25,14 @@ ops::RouterOptions router_options(const ModelConfig& m) {
             .renormalize = m.moe_router_topk == 2,
             .aux_loss_coeff = m.moe_aux_loss_coeff,
             .z_loss_coeff = m.moe_z_loss_coeff};
+  // Megatron-Core's sinkhorn routing weighs the picks by their softmax scores (top-1 by its
+  // sigmoid), unrenormalised and unscaled; outside training it picks the top-k of those scores.
+  if (m.moe_load_balancing == MoeLoadBalancing::sinkhorn)
+    return {.top_k = m.moe_router_topk,
+            .score = m.moe_router_topk == 1 ? ops::RouterScore::sigmoid : ops::RouterScore::softmax,
+            .renormalize = false,
+            .aux_loss_coeff = m.moe_aux_loss_coeff,
+            .z_loss_coeff = m.moe_z_loss_coeff};
   // Megatron-Core divides sigmoid scores by the picks' sum whenever top-k > 1, pre-softmax or not.
   const bool sigmoid = m.moe_router_score_function == "sigmoid";
   return {.top_k = m.moe_router_topk,
@@ -36,11 +45,24 @@ ops::RouterOptions router_options(const ModelConfig& m) {
           .group_topk = m.moe_router_group_topk};
 }
 
+ops::RouterOptions training_router_options(const StepShape& z) {
+  ops::RouterOptions options = router_options(z.model);
+  if (z.model.moe_gate != MoeGate::megatron) return options;
+  // seq_aux_loss: the micro-batch's B sequences, whose tokens every slot holds [s, B].
+  if (z.model.moe_load_balancing == MoeLoadBalancing::seq_aux_loss)
+    options.sequences = static_cast<int>(z.B);
+  options.sinkhorn = z.model.moe_load_balancing == MoeLoadBalancing::sinkhorn;
+  return options;
+}
+
+std::int64_t router_statistics_size(const StepShape& z) {
+  return 2 * z.model.num_experts * std::max(training_router_options(z).sequences, 1) + 2;
+}
+
 namespace {
 
 // The router's options with the layer's expert bias, when it has one.
-ops::RouterOptions biased_router_options(const ModelConfig& m, const MoeRouterParameters& W) {
-  ops::RouterOptions options = router_options(m);
+ops::RouterOptions biased_router_options(ops::RouterOptions options, const MoeRouterParameters& W) {
   if (W.expert_bias != nullptr)
     options.expert_bias = {W.expert_bias->value.data(),
                            static_cast<std::size_t>(W.expert_bias->value.numel())};
@@ -57,13 +79,17 @@ double gate_losses(const ModelConfig& m, const MoeActivations& A) {
   return sum;
 }
 
-ops::RouterStatistics unpack_stats(const Tensor& stats, std::int64_t E) {
+// The statistics as a slot's tensor holds them: the counts and the probability sums (each
+// `columns` wide: the experts, of each sequence under seq_aux_loss), the squared log-sum-exps and
+// the tokens.
+ops::RouterStatistics unpack_stats(const Tensor& stats) {
+  const std::int64_t columns = (stats.numel() - 2) / 2;
   ops::RouterStatistics s;
   const float* p = stats.data();
-  s.assignments.assign(p, p + E);
-  s.probability.assign(p + E, p + 2 * E);
-  s.squared_lse = p[2 * E];
-  s.tokens = static_cast<std::int64_t>(std::llround(p[2 * E + 1]));
+  s.assignments.assign(p, p + columns);
+  s.probability.assign(p + columns, p + 2 * columns);
+  s.squared_lse = p[2 * columns];
+  s.tokens = static_cast<std::int64_t>(std::llround(p[2 * columns + 1]));
   return s;
 }
 
@@ -87,16 +113,17 @@ ops::RouterStatistics route_tokens(const ModelConfig& m, const MoeRouterParamete
   ops::linear_forward(x, W.weight->value, Tensor{}, logits);
   // MindSpeed's gate balances whatever tokens it is given: a decoded token alone too.
   if (m.moe_use_sinkhorn) ops::sinkhorn_forward(logits, logits);
-  return ops::router_forward(biased_router_options(m, W), logits, probs, topk_index, topk_weight);
+  return ops::router_forward(biased_router_options(router_options(m), W), logits, probs, topk_index,
+                             topk_weight);
 }
 
-void route_slot(const ModelConfig& m, const MoeRouterParameters& W, MoeSlot& A) {
-  const std::int64_t E = m.num_experts;
+void route_slot(const StepShape& z, const MoeRouterParameters& W, MoeSlot& A) {
+  const ModelConfig& m = z.model;
   // A bf16 run routes in fp32 as Megatron-Core with --moe-router-dtype fp32 (and MindSpeed's
   // gate, which casts its input and weight to fp32): the bf16 input and the weight's bf16 copy
   // widened, their products summed in fp32, the logits, softmax and top-k in fp32.
   ops::linear_forward(A.moe_in, compute_value(*W.weight), Tensor{}, A.router_logits);
-  ops::RouterOptions options = biased_router_options(m, W);
+  ops::RouterOptions options = biased_router_options(training_router_options(z), W);
   // The DeepSpeed-style gate takes its weights after the dispatch plan's drops (permute_slot).
   if (m.moe_gate == MoeGate::deepspeed) options.renormalize = false;
   // MindSpeed's gate with --moe-use-sinkhorn routes on the call's balanced logits.
@@ -105,12 +132,13 @@ void route_slot(const ModelConfig& m, const MoeRouterParameters& W, MoeSlot& A) 
   const ops::RouterStatistics st =
       ops::router_forward(options, routed, A.probs, std::span(A.topk_index), A.topk_weight);
   float* s = A.stats.data();
-  for (std::int64_t e = 0; e < E; ++e) {
+  const auto columns = static_cast<std::int64_t>(st.assignments.size());
+  for (std::int64_t e = 0; e < columns; ++e) {
     s[e] = static_cast<float>(st.assignments[e]);
-    s[E + e] = static_cast<float>(st.probability[e]);
+    s[columns + e] = static_cast<float>(st.probability[e]);
   }
-  s[2 * E] = static_cast<float>(st.squared_lse);
-  s[2 * E + 1] = static_cast<float>(st.tokens);
+  s[2 * columns] = static_cast<float>(st.squared_lse);
+  s[2 * columns + 1] = static_cast<float>(st.tokens);
 }
 
 void route_slot_backward(const StepShape& z, const MoeRouterParameters& W,
@@ -129,11 +157,11 @@ void route_slot_backward(const StepShape& z, const MoeRouterParameters& W,
     if (m.moe_use_sinkhorn)
       ops::sinkhorn_backward(A.router_logits, A.d_router_logits, A.d_router_logits);
   } else {
-    const ops::RouterStatistics st = unpack_stats(stats_total, m.num_experts);
+    const ops::RouterStatistics st = unpack_stats(stats_total);
     // Megatron-Core's MoEAuxLossAutoScaler: the losses' gradient is the loss scale over the
     // number of micro-batches (the data-parallel average here too).
     const double scale = loss_scale / (z.M * z.plan.data_parallel);
-    ops::router_backward<float>(router_options(m), A.router_logits, A.probs, A.topk_index,
+    ops::router_backward<float>(training_router_options(z), A.router_logits, A.probs, A.topk_index,
                                 A.topk_weight, A.d_topk, st, scale, A.d_router_logits);
   }
   ops::linear_backward_weight(A.moe_in, A.d_router_logits, W.weight->grad, Tensor{});
@@ -156,7 +184,8 @@ TaskId MoeMlp::statistics(const BuildPosition& pos, TaskId ready) const {
   const std::string at = fmt::format("L{}.", l);
   TaskId summed = ready;
   if (z.ampipe > 1) {
-    const double stats = static_cast<double>(z.ampipe + 1) * (2 * z.model.num_experts + 1);
+    const double stats =
+        static_cast<double>(z.ampipe + 1) * static_cast<double>(router_statistics_size(z) - 1);
     summed = P->compute(at + "router_statistics", tags, cost::streamed(z, stats), [p, layer, set] {
       LayerActivations& A = p->acts(set, layer);
       A.moe().stats_total.fill(0.f);
@@ -168,20 +197,21 @@ TaskId MoeMlp::statistics(const BuildPosition& pos, TaskId ready) const {
   const TaskId reduced =
       P->tensor_context.all_reduce(summed, all_of(P->acts(set, l).moe().stats_total),
                                    devices::ReduceOp::sum, at + "router_stats", tags);
-  const TaskId losses = P->compute(
-      at + "router_losses", tags, cost::streamed(z, 2.0 * z.model.num_experts + 1),
-      [p, layer, set, mb, counted] {
-        const ModelConfig& m = p->shape.model;
-        const MoeActivations& A = p->acts(set, layer).moe();
-        double aux = 0;
-        if (m.moe_gate == MoeGate::deepspeed) {
-          aux = gate_losses(m, A);  // this rank's gate calls, each on its own tokens
-        } else {
-          const ops::RouterStatistics st = unpack_stats(A.stats_total, m.num_experts);
-          aux = ops::aux_loss(router_options(m), st) + ops::z_loss(router_options(m), st);
-        }
-        if (counted) p->state.aux[static_cast<std::size_t>(mb)] += aux;
-      });
+  const TaskId losses =
+      P->compute(at + "router_losses", tags, cost::streamed(z, 2.0 * z.model.num_experts + 1),
+                 [p, layer, set, mb, counted] {
+                   const ModelConfig& m = p->shape.model;
+                   const MoeActivations& A = p->acts(set, layer).moe();
+                   double aux = 0;
+                   if (m.moe_gate == MoeGate::deepspeed) {
+                     aux = gate_losses(m, A);  // this rank's gate calls, each on its own tokens
+                   } else {
+                     const ops::RouterStatistics st = unpack_stats(A.stats_total);
+                     const ops::RouterOptions options = training_router_options(p->shape);
+                     aux = ops::aux_loss(options, st) + ops::z_loss(options, st);
+                   }
+                   if (counted) p->state.aux[static_cast<std::size_t>(mb)] += aux;
+                 });
   P->after(reduced, losses);
   P->after(summed, losses);
   return losses;

@@ -13,8 +13,14 @@
 
 namespace weave::graphs {
 
-// The router's top-k choice, renormalisation and losses, from the model's settings.
+// The router's top-k choice, renormalisation and losses, from the model's settings, as decoding
+// routes (Megatron-Core's router outside training).
 ops::RouterOptions router_options(const ModelConfig& m);
+// As training routes a slot: with seq_aux_loss's sequences (the micro-batch's) and sinkhorn's
+// balanced picks.
+ops::RouterOptions training_router_options(const StepShape& z);
+// Floats of a slot's router statistics (moe_router.cpp's layout).
+std::int64_t router_statistics_size(const StepShape& z);
 // The router's weight [experts, h], named from `prefix` ("layers.3.moe.").
 void declare_router_parameters(ParameterDeclarer& declare, const std::string& prefix,
                                MoeRouterParameters& W);
@@ -24,7 +30,7 @@ ops::RouterStatistics route_tokens(const ModelConfig& m, const MoeRouterParamete
                                    const Tensor& x, const Tensor& logits, const Tensor& probs,
                                    std::span<std::int32_t> topk_index, const Tensor& topk_weight);
 // A slot's tokens (moe_in) routed, their statistics in the slot's stats.
-void route_slot(const ModelConfig& m, const MoeRouterParameters& W, MoeSlot& A);
+void route_slot(const StepShape& z, const MoeRouterParameters& W, MoeSlot& A);
 // Its backward from the top-k weights' gradient d_topk and the micro-batch's statistics
 // `stats_total` (the losses' gradients): the router's weight gradient, and the router's share of
 // the input gradient added to d_moe_in. `loss_scale`: a loss scaler's scale (1 without one),

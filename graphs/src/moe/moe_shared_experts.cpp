@@ -1,5 +1,7 @@
 #include "moe/moe_shared_experts.hpp"
 
+#include <cmath>
+
 #include "model/dense_mlp.hpp"
 #include "model/sequence_parallel.hpp"
 #include "step/step_costs.hpp"
@@ -23,7 +25,40 @@ rt::CostHint products(const StepShape& z, std::int64_t rows) {
          cost::matmul(rows, local_width(z.model, z.tp), z.h);
 }
 
+// The gate's rows: the norm's, as the shared experts' output holds them after its reduction.
+std::int64_t gate_rows(const Tensor& x, std::int64_t h) {
+  return x.numel() / h;
+}
+
 }  // namespace
+
+Parameter* declare_shared_expert_gate(ParameterDeclarer& declare, const std::string& prefix) {
+  if (!declare.model.moe_shared_expert_gate) return nullptr;
+  const std::int64_t h = declare.model.hidden_size;
+  // Each tp rank gates the tokens of its norm: its sequence-parallel shard (the gradient a
+  // partial sum over tp), or without sp every token (the same gradient on every tp rank).
+  return &declare.replicated(declare.add(prefix + "shared_experts.gate_weight", {1, h}, 1, h,
+                                         RowMap::range(0, 1), 0, declare.std, 0),
+                             declare.mesh.plan().sequence_parallel);
+}
+
+void shared_expert_gate_forward(const Tensor& w, const Tensor& x, const Tensor& out,
+                                const Tensor& ungated, const Tensor& gate) {
+  const std::int64_t h = w.numel(), rows = gate_rows(x, h);
+  const float* wv = w.data();
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float* xr = x.data() + r * h;
+    float* o = out.data() + r * h;
+    double logit = 0;
+    for (std::int64_t j = 0; j < h; ++j)
+      logit += static_cast<double>(xr[j]) * wv[j];
+    const auto g = static_cast<float>(1 / (1 + std::exp(-logit)));
+    gate.data()[r] = g;
+    if (ungated.defined()) std::copy_n(o, h, ungated.data() + r * h);
+    for (std::int64_t j = 0; j < h; ++j)
+      o[j] *= g;
+  }
+}
 
 void declare_shared_expert_parameters(ParameterDeclarer& declare, const std::string& prefix,
                                       DenseMlpParameters& W) {
@@ -45,7 +80,12 @@ void allocate_shared_expert_workspace(RankProgram& P, BackwardWorkspace& workspa
   const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h;
   const bool sp = z.sp();
   SharedExpertWorkspace& W = workspace.shared_expert;
-  W.d_out = sp ? P.activation({Sc, B, h}) : workspace.d_mlp;
+  const bool gated = z.model.moe_shared_expert_gate;
+  if (gated) {
+    W.d_gated = P.activation(workspace.d_mlp.shape());
+    W.d_logit = P.activation({workspace.d_mlp.numel() / h, 1});
+  }
+  W.d_out = sp ? P.activation({Sc, B, h}) : gated ? W.d_gated : workspace.d_mlp;
   W.d_act = P.activation({Sc, B, local_width(z.model, z.tp)});
   W.d_fc1 = P.activation({Sc, B, local_width1(z.model, z.tp)});
   W.d_in_full = P.activation({Sc, B, h});
@@ -61,6 +101,10 @@ void SharedExperts::allocate(LayerActivations& A) const {
   S.act = P->activation({Sc, B, local_width(z.model, z.tp)});
   S.partial = P->activation({Sc, B, h});
   S.out = z.sp() ? P->activation({Sl, B, h}) : S.partial;
+  if (z.model.moe_shared_expert_gate) {
+    S.ungated = P->activation(S.out.shape());
+    S.gate = P->activation({S.out.numel() / h, 1});
+  }
 }
 
 TaskId SharedExperts::forward(const BuildPosition& pos, TaskId ready) const {
@@ -81,7 +125,20 @@ TaskId SharedExperts::forward(const BuildPosition& pos, TaskId ready) const {
   P->after(ready, mlp);
   P->after(gathered, mlp);
   const TaskId reduced = reduce_partial(*P, mlp, S.partial, S.out, at + "_reduce", tags);
-  return reduced != rt::kNoTask ? reduced : mlp;
+  const TaskId out = reduced != rt::kNoTask ? reduced : mlp;
+  if (!z.model.moe_shared_expert_gate) return out;
+  // The gate on the reduced output's rows, the norm's (every tp rank's sequence without sp).
+  const TaskId gate =
+      P->compute(at + "_gate", tags,
+                 cost::matmul(z.Sl * z.B, z.h, 1) + cost::streamed(z, 2.0 * z.Sl * z.B * z.h),
+                 [p, layer, set] {
+                   LayerActivations& A = p->acts(set, layer);
+                   const SharedExpertActivations& S = A.moe().shared;
+                   shared_expert_gate_forward(p->moe_parameters(layer).shared_gate->value, A.ln2,
+                                              S.out, S.ungated, S.gate);
+                 });
+  P->after(out, gate);
+  return gate;
 }
 
 TaskId SharedExperts::backward(const BuildPosition& pos, TaskId ready) const {
@@ -91,8 +148,33 @@ TaskId SharedExperts::backward(const BuildPosition& pos, TaskId ready) const {
   const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
   const std::string at = fmt::format("L{}.shared_expert", l);
   const SharedExpertWorkspace& W = P->ws().shared_expert;
+  const bool gated = z.model.moe_shared_expert_gate;
+  const std::int64_t rows = P->ws().d_mlp.numel() / z.h, h = z.h;
+  if (gated) {
+    // Through the gate: the ungated output's gradient d_mlp g, and each logit's g (1 - g)
+    // sum_j d_mlp u_j.
+    const TaskId gate = P->compute(
+        at + "_gate_backward", tags, cost::streamed(z, 3.0 * rows * h), [p, layer, set, rows, h] {
+          const SharedExpertActivations& S = p->acts(set, layer).moe().shared;
+          const SharedExpertWorkspace& w = p->ws().shared_expert;
+          const float* d = p->ws().d_mlp.data();
+          for (std::int64_t r = 0; r < rows; ++r) {
+            const float g = S.gate.data()[r];
+            const float* u = S.ungated.data() + r * h;
+            double dot = 0;
+            for (std::int64_t j = 0; j < h; ++j) {
+              dot += static_cast<double>(d[r * h + j]) * u[j];
+              w.d_gated.data()[r * h + j] = d[r * h + j] * g;
+            }
+            w.d_logit.data()[r] = static_cast<float>(dot * g * (1 - g));
+          }
+        });
+    P->after(ready, gate);
+    ready = gate;
+  }
+  const Tensor& d_out = gated ? W.d_gated : P->ws().d_mlp;
   TaskId gathered = rt::kNoTask;
-  if (z.sp()) gathered = sp_gather(*P, ready, P->ws().d_mlp, W.d_out, at + "_grad_gather", tags);
+  if (z.sp()) gathered = sp_gather(*P, ready, d_out, W.d_out, at + "_grad_gather", tags);
   // Both products' input and weight halves: twice the forward's.
   const TaskId mlp = P->compute(at + "_backward", tags, 2 * products(z, z.Sc * z.B), [=] {
     const SharedExpertActivations& S = p->acts(set, layer).moe().shared;
@@ -107,7 +189,26 @@ TaskId SharedExperts::backward(const BuildPosition& pos, TaskId ready) const {
   P->after(ready, mlp);
   P->after(gathered, mlp);
   const TaskId reduced = reduce_partial(*P, mlp, W.d_in_full, W.d_in, at + "_grad_reduce", tags);
-  return reduced != rt::kNoTask ? reduced : mlp;
+  const TaskId d_in = reduced != rt::kNoTask ? reduced : mlp;
+  if (!gated) return d_in;
+  // The gate's input and weight gradients from its logits': d_in += d_logit w, d_w += d_logit x.
+  const TaskId gate =
+      P->compute(at + "_gate_grad", tags, cost::matmul(rows, h, 1) * 2.0, [p, layer, set, rows, h] {
+        const SharedExpertWorkspace& w = p->ws().shared_expert;
+        Parameter& gate_weight = *p->moe_parameters(layer).shared_gate;
+        const float* x = p->acts(set, layer).ln2.data();
+        const float* wv = gate_weight.value.data();
+        float* grad = gate_weight.grad.data();
+        for (std::int64_t r = 0; r < rows; ++r) {
+          const float dl = w.d_logit.data()[r];
+          for (std::int64_t j = 0; j < h; ++j) {
+            w.d_in.data()[r * h + j] += dl * wv[j];
+            grad[j] += dl * x[r * h + j];
+          }
+        }
+      });
+  P->after(d_in, gate);
+  return gate;
 }
 
 }  // namespace weave::graphs

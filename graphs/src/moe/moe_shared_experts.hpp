@@ -41,6 +41,15 @@ class SharedExperts {
 void declare_shared_expert_parameters(ParameterDeclarer& declare, const std::string& prefix,
                                       DenseMlpParameters& W);
 
+// --moe-shared-expert-gate: the gate's weight [1, h] of layer `layer`, replicated over tp,
+// "layers.<l>.moe.shared_experts.gate_weight" (Megatron-Core's name); null without the gate.
+Parameter* declare_shared_expert_gate(ParameterDeclarer& declare, const std::string& prefix);
+
+// out [rows, h] multiplied in place by each row's gate score sigmoid(x . w) (x [rows, h] the
+// rows' MLP input), the score kept in gate [rows, 1] and, when defined, out before it in ungated.
+void shared_expert_gate_forward(const Tensor& w, const Tensor& x, const Tensor& out,
+                                const Tensor& ungated, const Tensor& gate);
+
 // The rank's backward workspace for them (in `workspace`, its d_mlp laid out first).
 void allocate_shared_expert_workspace(RankProgram& P, BackwardWorkspace& workspace);
 

@@ -47,6 +47,20 @@ enum class MoeGate {
   // choices, weights after the drops, and top-2's load-balancing loss over the call's own tokens.
   deepspeed,
 };
+
+// Megatron-Core's --moe-router-load-balancing-type with MoeGate::megatron (its "none" is aux_loss
+// with a coefficient of 0).
+enum class MoeLoadBalancing {
+  // The load-balancing loss of the micro-batch's tokens together.
+  aux_loss,
+  // The loss of each sequence of the micro-batch over its own tokens, averaged over the sequences
+  // (DeepSeek-V2/V3's sequence-wise loss).
+  seq_aux_loss,
+  // S-BASE's Sinkhorn routing: in training each token picks the top-k of the logits of all the
+  // tokens its rank routes, Sinkhorn-balanced; its weights are the picks' softmax scores (top-1's
+  // sigmoid), not renormalised. No load-balancing loss.
+  sinkhorn,
+};
 // "fp32", "bf16" or "fp16".
 const char* precision_name(Precision p);
 
@@ -143,6 +157,10 @@ struct ModelConfig {
   // --moe-shared-expert-overlap: the shared experts run while the dispatcher's all-to-alls are in
   // flight (their tasks wait for the layer's input only) instead of before the router.
   bool moe_shared_expert_overlap = false;
+  // --moe-shared-expert-gate: the shared experts' output multiplied by each token's
+  // sigmoid(w . x), w a [h] weight of the layer replicated over tp (Megatron-Core's SharedExpertMLP
+  // gate, Qwen2-MoE's shared-expert gate).
+  bool moe_shared_expert_gate = false;
   int moe_router_topk = 2;                  // --moe-router-topk
   double moe_aux_loss_coeff = 0.0;          // --moe-aux-loss-coeff
   double moe_z_loss_coeff = 0.0;            // --moe-z-loss-coeff
@@ -171,6 +189,7 @@ struct ModelConfig {
   // --moe-token-drop-policy probs (MoeGate::megatron): an expert over capacity keeps its picks of
   // the largest weight; false (position): its earliest tokens'.
   bool moe_token_drop_by_probability = false;
+  MoeLoadBalancing moe_load_balancing = MoeLoadBalancing::aux_loss;
 
   std::uint64_t seed = 1234;  // --seed
 

@@ -43,15 +43,26 @@ struct RouterOptions {
   // the scores for the choice of the experts (and of the groups) only; the weights are the scores
   // themselves. Empty: no bias.
   std::span<const float> expert_bias;
+  // Megatron-Core's --moe-router-load-balancing-type seq_aux_loss: the tokens are those of this
+  // many sequences, stored [s, sequences] (token i belongs to sequence i mod sequences), and the
+  // load-balancing loss is each sequence's own, averaged over the sequences. 0: the loss of all
+  // the tokens together (aux_loss).
+  int sequences = 0;
+  // Megatron-Core's --moe-router-load-balancing-type sinkhorn in training: each token's picks are
+  // the top-k of the Sinkhorn-balanced logits of all the tokens routed in the call (ops/
+  // sinkhorn.hpp, without gradient), its weights the picks' scores as they are (softmax over the
+  // experts, or the sigmoid when top_k is 1: the caller sets `score` and `renormalize` so).
+  bool sinkhorn = false;
 };
 
 struct RouterStatistics {
   std::int64_t tokens = 0;
-  // [experts]: picks of each expert by the plain top-k of the scores (no groups, no bias), the
-  // counts Megatron-Core's load-balancing loss takes; without groups and bias, the picks.
+  // [experts], or [sequences, experts] with RouterOptions::sequences: picks of each expert by the
+  // plain top-k of the scores (no groups, no bias), the counts Megatron-Core's load-balancing
+  // loss takes; without groups and bias, the picks.
   std::vector<double> assignments;
-  // [experts]: sum over tokens of the scores the loss takes: the softmax probabilities, or the
-  // sigmoid scores divided by their sum over the experts (plus 1e-20).
+  // Shaped as assignments: sum over tokens of the scores the loss takes: the softmax
+  // probabilities, or the sigmoid scores divided by their sum over the experts (plus 1e-20).
   std::vector<double> probability;
   double squared_lse = 0;  // sum over tokens of logsumexp(logits)^2
 
@@ -68,7 +79,9 @@ RouterStatistics router_forward(const RouterOptions& options, const BasicTensor<
                                 const BasicTensor<T>& probs, std::span<std::int32_t> topk_index,
                                 const BasicTensor<T>& topk_weight);
 
-// coeff * E * sum_e f_e P_e with f_e = assignments_e / (tokens * k), P_e = probability_e / tokens.
+// coeff * E * sum_e f_e P_e with f_e = assignments_e / (tokens * k), P_e = probability_e / tokens;
+// with RouterOptions::sequences = B, the mean over the B sequences of that loss of each sequence's
+// statistics (tokens / B tokens each), as Megatron-Core's seq_aux_loss.
 double aux_loss(const RouterOptions& options, const RouterStatistics& total);
 // coeff * squared_lse / tokens.
 double z_loss(const RouterOptions& options, const RouterStatistics& total);
