@@ -448,7 +448,8 @@ int run_predict(PredictOptions& o, const CLI::App& cmd) {
              run_record(c, "none: a prediction reads no data", o.train.no_effect).dump(),
          .memory = p.memory,
          .memory_source = "predicted: what the prediction's trackers counted "
-                          "each device would hold"});
+                          "each device would hold",
+         .memory_over_step = p.memory_over_step});
   };
   if (o.json) {
     print_json(p, c, warnings, o.train.no_effect);

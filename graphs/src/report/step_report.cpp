@@ -102,10 +102,21 @@ nlohmann::json memory_of(const StepReportInput& input) {
   nlohmann::json categories = nlohmann::json::array();
   for (std::size_t k = 0; k < rt::kMemoryCategoryCount; ++k)
     categories.push_back(rt::to_string(static_cast<rt::MemoryCategory>(k)));
+  // Columns per device: a point per allocation or release.
+  nlohmann::json over_step = nlohmann::json::array();
+  for (const std::vector<MemoryPoint>& points : input.memory_over_step.devices) {
+    nlohmann::json at = nlohmann::json::array(), bytes = nlohmann::json::array();
+    for (const MemoryPoint& p : points) {
+      at.push_back(p.at);
+      bytes.push_back(p.bytes);
+    }
+    over_step.push_back({{"at", at}, {"bytes", bytes}});
+  }
   return {{"shows", "peak"},
           {"source", input.memory_source},
           {"categories", categories},
-          {"devices", input.memory}};
+          {"devices", input.memory},
+          {"over_step", over_step}};
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "weave/graphs/memory_timeline.hpp"
 #include "weave/runtime/graph.hpp"
 #include "weave/runtime/graph_view.hpp"
 #include "weave/runtime/memory_tracker.hpp"
@@ -27,6 +28,10 @@ struct StepReportInput {
   // trackers, a run's own): the trackers keep peaks, not a history, so the page shows the peak.
   std::vector<std::array<std::int64_t, rt::kMemoryCategoryCount>> memory;
   std::string memory_source;
+  // Per device, its memory over the step by category on `trace`'s clock (memory_timeline; a
+  // prediction's memory_over_step): drawn as a chart per device under the timeline. Empty: the
+  // page shows the peaks alone.
+  MemoryTimeline memory_over_step;
 };
 
 // The step's JSON document: `trace` must be a virtual-clock replay of `graph` (the critical path
@@ -39,7 +44,8 @@ struct StepReportInput {
 //   graph {level, nodes [{device, stream, layer, micro_batch, phase, tasks}], edges [[from, to,
 //   count]]}: every task in exactly one node;
 //   critical_path {length_ns, steps [{task, last_member, begin, end, waited_for}]};
-//   exposed [{group, ns, ms_per_device}]; memory {shows: "peak", source, categories, devices};
+//   exposed [{group, ns, ms_per_device}]; memory {shows: "peak", source, categories, devices,
+//   over_step [{at [ns], bytes [[per category]]}] per device, empty without a timeline};
 //   configuration; title.
 std::string step_report_json(const rt::Graph& graph, const rt::Trace& trace,
                              const StepReportInput& input);
