@@ -1,6 +1,7 @@
 // Each device's memory over one step, by category: the allocations and releases a step's build
-// made (TrainingStep::memory_events), each placed at the start of the first task built after it,
-// the task that holds the buffer from then on, on a replay of the step's graph.
+// made (TrainingStep::memory_events), each placed on a replay of the step's graph at the start of
+// the first task built after it (for an activation set, the first task built using the set): the
+// first task that can hold the buffer.
 //
 // A step built without tensors reserves its buffers when it is built and holds them until it is
 // destroyed, as a caching allocator keeps what it was given: activation sets are laid out once and
@@ -19,7 +20,8 @@
 namespace weave::graphs {
 
 // One allocation (bytes > 0) or release (bytes < 0) a step's build made, and the number of tasks
-// built before it: the next task built is the first that can use the buffer.
+// built before it: the next task built is the first that can use the buffer (an activation
+// set's: the number built before the first task using the set).
 struct MemoryEvent {
   rt::DeviceId device = 0;
   rt::MemoryCategory category = rt::MemoryCategory::activations;
