@@ -193,6 +193,19 @@ try {
           near(p.share, c.share, 0.1),
           `stay ${i}: page ${JSON.stringify(p)} against the command line's ${JSON.stringify(c)}`);
   });
+  // Its time by kind, the pipeline's bubble apart, is the command line's "by kind".
+  const byKind = cli.split('\n  by kind:\n')[1].split('\n  by what')[0].split('\n')
+      .map((l) => l.match(/^\s+(.*\S)\s+([0-9.]+) ms\s+([0-9.]+) %$/)).filter((m) => m)
+      .map((m) => ({ what: m[1], ms: +m[2], share: +m[3] }));
+  const pageKinds = await page.$$eval('#critical-path-kinds tr.path-kind', (rs) => rs.map((r) => {
+    const cells = [...r.querySelectorAll('td')].map((c) => c.textContent);
+    return { what: cells[0], ms: +cells[1], share: +cells[2] };
+  }));
+  check(byKind.some((k) => k.what === 'pipeline bubble' && k.ms > 0) &&
+        pageKinds.length === byKind.length &&
+        byKind.every((k, i) => pageKinds[i].what === k.what && near(pageKinds[i].ms, k.ms, 1e-3) &&
+                               near(pageKinds[i].share, k.share, 0.1)),
+        `by kind: page ${JSON.stringify(pageKinds)}, command line ${JSON.stringify(byKind)}`);
   const pageHidden = (await page.textContent('#critical-path-hidden')).match(/and (\d+) shorter/);
   check((pageHidden ? pageHidden[1] : null) === (cliHidden ? cliHidden[1] : null),
         `shorter stays: page ${pageHidden && pageHidden[1]}, command line ${cliHidden && cliHidden[1]}`);

@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "step/comm_streams.hpp"
+#include "weave/graphs/path_bubble.hpp"
 #include "weave/runtime/critical_path.hpp"
 #include "weave/runtime/graph_view.hpp"
 #include "weave/runtime/trace_metrics.hpp"
@@ -65,16 +66,24 @@ nlohmann::json graph_at(const rt::Graph& graph, rt::DetailLevel level) {
   return {{"level", rt::to_string(view.level)}, {"nodes", nodes}, {"edges", edges}};
 }
 
-nlohmann::json critical_path_of(const rt::Graph& graph, const rt::Trace& trace) {
+nlohmann::json critical_path_of(const rt::Graph& graph, const rt::Trace& trace,
+                                const std::vector<int>& stages) {
   const rt::CriticalPath path = rt::critical_path(graph, trace);
+  const std::vector<rt::Nanos> bubble = bubble_of_steps(path, trace, stages);
   nlohmann::json steps = nlohmann::json::array();
-  for (const rt::CriticalStep& s : path.steps)
+  for (std::size_t i = 0; i < path.steps.size(); ++i) {
+    const rt::CriticalStep& s = path.steps[i];
     steps.push_back({{"task", s.task},
                      {"last_member", s.last_member},
                      {"begin", s.begin},
                      {"end", s.end},
-                     {"waited_for", rt::to_string(s.waited_for)}});
-  return {{"length_ns", path.length}, {"steps", steps}};
+                     {"waited_for", rt::to_string(s.waited_for)},
+                     {"bubble_ns", bubble[i]}});
+  }
+  nlohmann::json by_kind = nlohmann::json::array();
+  for (const rt::PathShare& share : summarize_with_bubble(path, trace, stages).by_kind)
+    by_kind.push_back({{"what", share.what}, {"ns", share.time}});
+  return {{"length_ns", path.length}, {"steps", steps}, {"by_kind", by_kind}};
 }
 
 // Each process group's exposed communication: summed over the devices, and a device's share.
@@ -154,7 +163,7 @@ std::string step_report_json(const rt::Graph& graph, const rt::Trace& trace,
   j["lanes"] = lanes;
   j["tasks"] = task_columns(tasks, trace);
   j["graph"] = graph_at(graph, input.level);
-  j["critical_path"] = critical_path_of(graph, trace);
+  j["critical_path"] = critical_path_of(graph, trace, input.stage_of_device);
   j["exposed"] = exposed_by_group(trace);
   j["memory"] = memory_of(input);
   try {

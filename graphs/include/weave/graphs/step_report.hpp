@@ -24,6 +24,9 @@ struct StepReportInput {
   rt::DetailLevel level = rt::DetailLevel::layer;
   // The run's configuration as a JSON object (the flag table's description of it).
   std::string configuration_json = "{}";
+  // Per device, its pipeline stage (pipeline_stage_of_devices): the critical path's bubble is
+  // told apart by it (every device stage 0 when empty).
+  std::vector<int> stage_of_device;
   // Per device, each rt::MemoryCategory's bytes at its peak, and what they are (a prediction's
   // trackers, a run's own): the trackers keep peaks, not a history, so the page shows the peak.
   std::vector<std::array<std::int64_t, rt::kMemoryCategoryCount>> memory;
@@ -43,7 +46,8 @@ struct StepReportInput {
 //   micro_batch, chunk, phase, start, end (ns; -1 for a task that did not run);
 //   graph {level, nodes [{device, stream, layer, micro_batch, phase, tasks}], edges [[from, to,
 //   count]]}: every task in exactly one node;
-//   critical_path {length_ns, steps [{task, last_member, begin, end, waited_for}]};
+//   critical_path {length_ns, steps [{task, last_member, begin, end, waited_for, bubble_ns}],
+//   by_kind [{what, ns}]} (summarize_with_bubble's);
 //   exposed [{group, ns, ms_per_device}]; memory {shows: "peak", source, categories, devices,
 //   over_step [{at [ns], bytes [[per category]]}] per device, empty without a timeline};
 //   configuration; title.
