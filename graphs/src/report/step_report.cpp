@@ -137,7 +137,14 @@ std::string step_report_json(const rt::Graph& graph, const rt::Trace& trace,
         "a step report reads a virtual-clock replay of the step: replay the graph with "
         "VirtualClock and record_trace");
   const rt::TaskTable& tasks = graph.tasks();
-  nlohmann::json j;
+  if (tasks.size() > input.most_tasks)
+    throw std::invalid_argument(fmt::format(
+        "--report: the step has {} tasks, more than the {} a report page holds (it would be "
+        "about {} MB for the browser to draw): report a smaller step of the same shape (fewer "
+        "micro-batches with --global-batch-size, fewer layers with --num-layers); for this one "
+        "--critical-path, --dump-graph with --graph-level stage-micro-batch or step, and --trace "
+        "work at any size",
+        tasks.size(), input.most_tasks, tasks.size() * 150 / 1'000'000));
   j["title"] = input.title;
   j["clock"] = "virtual";
   const rt::TraceMetrics metrics = rt::measure(trace);

@@ -18,6 +18,10 @@
 
 namespace weave::graphs {
 
+// The most tasks a page holds: each is a column entry of the document (about 150 bytes) and a
+// box the browser draws, so 100,000 make a page of some 15 MB that still opens in seconds.
+inline constexpr std::size_t kStepReportMostTasks = 100'000;
+
 struct StepReportInput {
   std::string title;  // "weave predict", shown at the top
   // The graph's level of detail: a node per layer by default (--graph-level chooses).
@@ -35,6 +39,8 @@ struct StepReportInput {
   // prediction's memory_over_step): drawn as a chart per device under the timeline. Empty: the
   // page shows the peaks alone.
   MemoryTimeline memory_over_step;
+  // A step of more tasks is refused (std::invalid_argument naming its size and what to do).
+  std::size_t most_tasks = kStepReportMostTasks;
 };
 
 // The step's JSON document: `trace` must be a virtual-clock replay of `graph` (the critical path
