@@ -145,6 +145,7 @@ std::string step_report_json(const rt::Graph& graph, const rt::Trace& trace,
         "--critical-path, --dump-graph with --graph-level stage-micro-batch or step, and --trace "
         "work at any size",
         tasks.size(), input.most_tasks, tasks.size() * 150 / 1'000'000));
+  nlohmann::json j;
   j["title"] = input.title;
   j["clock"] = "virtual";
   const rt::TraceMetrics metrics = rt::measure(trace);
