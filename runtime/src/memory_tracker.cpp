@@ -48,6 +48,7 @@ void MemoryTracker::allocated(DeviceId device, MemoryCategory category, std::int
   const auto i = static_cast<std::size_t>(category);
   raise_peak(c.peak[i], c.current[i].fetch_add(bytes, std::memory_order_relaxed) + bytes);
   raise_peak(c.total_peak, c.total.fetch_add(bytes, std::memory_order_relaxed) + bytes);
+  if (observer_) observer_(device, category, bytes);
 }
 
 void MemoryTracker::released(DeviceId device, MemoryCategory category, std::int64_t bytes) {
@@ -63,6 +64,7 @@ void MemoryTracker::released(DeviceId device, MemoryCategory category, std::int6
         "or a release in the wrong category)",
         device, -left, to_string(category)));
   }
+  if (observer_) observer_(device, category, -bytes);
 }
 
 std::int64_t MemoryTracker::current(DeviceId device, MemoryCategory category) const {

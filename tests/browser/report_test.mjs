@@ -2,8 +2,9 @@
 // playwright-core (npm, pinned by tools/dev). The page must render without a console error or a
 // request leaving the file, draw a lane for every device and stream the step's Chrome trace has,
 // list a layer node's tasks when the node is clicked (the trace's tasks of that device, stream,
-// layer and phase), and list the critical path `weave predict --critical-path` prints. Each check
-// leaves a screenshot in the output folder.
+// layer and phase), list the critical path `weave predict --critical-path` prints, and chart
+// every device's memory over the step peaking at what the command line prints. Each check leaves
+// a screenshot in the output folder.
 //
 //   node report_test.mjs WEAVE PLAYWRIGHT_CORE_DIR OUT_DIR
 //
@@ -192,6 +193,19 @@ try {
           near(p.share, c.share, 0.1),
           `stay ${i}: page ${JSON.stringify(p)} against the command line's ${JSON.stringify(c)}`);
   });
+  // Its time by kind, the pipeline's bubble apart, is the command line's "by kind".
+  const byKind = cli.split('\n  by kind:\n')[1].split('\n  by what')[0].split('\n')
+      .map((l) => l.match(/^\s+(.*\S)\s+([0-9.]+) ms\s+([0-9.]+) %$/)).filter((m) => m)
+      .map((m) => ({ what: m[1], ms: +m[2], share: +m[3] }));
+  const pageKinds = await page.$$eval('#critical-path-kinds tr.path-kind', (rs) => rs.map((r) => {
+    const cells = [...r.querySelectorAll('td')].map((c) => c.textContent);
+    return { what: cells[0], ms: +cells[1], share: +cells[2] };
+  }));
+  check(byKind.some((k) => k.what === 'pipeline bubble' && k.ms > 0) &&
+        pageKinds.length === byKind.length &&
+        byKind.every((k, i) => pageKinds[i].what === k.what && near(pageKinds[i].ms, k.ms, 1e-3) &&
+                               near(pageKinds[i].share, k.share, 0.1)),
+        `by kind: page ${JSON.stringify(pageKinds)}, command line ${JSON.stringify(byKind)}`);
   const pageHidden = (await page.textContent('#critical-path-hidden')).match(/and (\d+) shorter/);
   check((pageHidden ? pageHidden[1] : null) === (cliHidden ? cliHidden[1] : null),
         `shorter stays: page ${pageHidden && pageHidden[1]}, command line ${cliHidden && cliHidden[1]}`);
@@ -203,6 +217,38 @@ try {
   check(pageExposed === cliExposed, `exposed: page '${pageExposed}', command line '${cliExposed}'`);
   await page.evaluate(() => document.getElementById('critical-path-summary').scrollIntoView());
   await shot('4-critical-path.png');
+
+  // 5. A memory chart over the step for every device the command line counts, each drawing its
+  // categories; the largest device's peak label and category peaks are the command line's.
+  const cliMemory = cli.match(/\nmemory +(\S+ \S+) per device at most \((.*)\); (\d+) devices?:/);
+  if (check(cliMemory, `no memory line in weave's output:\n${cli}`)) {
+    const charts = await page.$$eval('#memory-chart g.memory-device', (gs) => gs.map((g) => ({
+      device: +g.dataset.device, peak: +g.dataset.peak, peaks: g.dataset.peaks.split(' ').map(Number),
+      label: g.querySelector('text.memory-peak').textContent,
+      bands: [...g.querySelectorAll('path.memory-band')].map((b) => b.dataset.category),
+    })));
+    check(charts.length === +cliMemory[3],
+          `${charts.length} memory charts, the command line counts ${cliMemory[3]} devices`);
+    charts.forEach((c, i) => check(c.device === i && c.bands.includes('parameters') &&
+                                   c.bands.includes('activations'),
+                                   `memory chart ${i}: ${JSON.stringify(c)}`));
+    // tools/weave/memory_estimate.cpp's bytes_text.
+    const bytesText = (b) => b < 1024 ? `${b} B`
+        : b < 1024 ** 2 ? `${(b / 1024).toFixed(1)} KiB`
+        : b < 1024 ** 3 ? `${(b / 1024 ** 2).toFixed(1)} MiB` : `${(b / 1024 ** 3).toFixed(2)} GiB`;
+    const largest = charts.reduce((best, c) => (c.peak > best.peak ? c : best), charts[0]);
+    check(largest && largest.label === `peak ${cliMemory[1]}`,
+          `largest device's chart says '${largest && largest.label}', the command line ` +
+          `'${cliMemory[1]} per device at most'`);
+    const categories = await page.$$eval('#memory-legend span', (s) => s.map((x) => x.textContent));
+    const pageParts = categories
+        .map((c, k) => [c.replace(/_/g, ' '), largest.peaks[k]])
+        .filter(([, b]) => b > 0).map(([c, b]) => `${c} ${bytesText(b)}`).join(', ');
+    check(pageParts === cliMemory[2],
+          `largest device's category peaks: page '${pageParts}', command line '${cliMemory[2]}'`);
+    await page.evaluate(() => document.getElementById('memory-chart').scrollIntoView());
+    await shot('5-memory.png');
+  }
 
   check(errors.length === 0, `errors: ${errors.join('; ')}`);
 } finally {

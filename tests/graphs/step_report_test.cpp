@@ -4,6 +4,8 @@
 // loading nothing.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <array>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -12,13 +14,14 @@
 #include <vector>
 
 #include "tiny_model.hpp"
+#include "weave/graphs/path_bubble.hpp"
 #include "weave/graphs/prediction.hpp"
 #include "weave/graphs/step_report.hpp"
 
 namespace weave::graphs {
 namespace {
 
-Prediction predicted_step() {
+TrainerConfig reported_config() {
   TrainerConfig c;
   c.model = tiny(4);
   c.plan = {.tensor_parallel = 2,
@@ -28,8 +31,12 @@ Prediction predicted_step() {
             .micro_batch_size = 1,
             .global_batch_size = 4};
   c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
+  return c;
+}
+
+Prediction predicted_step() {
   return predict_step(
-      c,
+      reported_config(),
       {.fold_data_parallel = false, .fold_tensor_parallel = false, .fold_context_parallel = false});
 }
 
@@ -154,6 +161,50 @@ TEST(StepReport, PageInlinesTheDocumentAndLoadsNothing) {
   EXPECT_EQ(page.find("http:"), std::string::npos);
   EXPECT_EQ(page.find("https:"), std::string::npos);
   EXPECT_THROW((void)step_report_json(p.graph, rt::Trace(), {}), std::invalid_argument);
+}
+
+// The memory charts' series peak at the prediction's figures, the path's kinds hold the pipeline's
+// bubble as path_bubble.hpp counts it, and a step past the page's size is refused by name.
+TEST(StepReport, MemoryOverTheStepBubbleAndSizeGuard) {
+  const Prediction p = predicted_step();
+  TrainerConfig c = reported_config();
+  (void)validate(c);
+  const std::vector<int> stages = pipeline_stage_of_devices(Mesh(c.plan));
+  StepReportInput input{.stage_of_device = stages,
+                        .memory = p.memory,
+                        .memory_source = "predicted",
+                        .memory_over_step = p.memory_over_step};
+  const nlohmann::json j = nlohmann::json::parse(step_report_json(p.graph, p.trace, input));
+  const nlohmann::json& over = j["memory"]["over_step"];
+  ASSERT_EQ(over.size(), p.memory.size());
+  for (std::size_t d = 0; d < over.size(); ++d) {
+    std::array<std::int64_t, rt::kMemoryCategoryCount> most{};
+    for (const nlohmann::json& row : over[d]["bytes"])
+      for (std::size_t k = 0; k < rt::kMemoryCategoryCount; ++k)
+        most[k] = std::max(most[k], row[k].get<std::int64_t>());
+    EXPECT_EQ(most, p.memory[d]) << "device " << d;
+  }
+  const rt::CriticalPath path = rt::critical_path(p.graph, p.trace);
+  const rt::Nanos bubble = pipeline_bubble(path, p.trace, stages);
+  EXPECT_GT(bubble, 0);
+  rt::Nanos listed = -1, steps = 0;
+  for (const nlohmann::json& k : j["critical_path"]["by_kind"])
+    if (k["what"] == "pipeline bubble") listed = k["ns"].get<rt::Nanos>();
+  for (const nlohmann::json& s : j["critical_path"]["steps"])
+    steps += s["bubble_ns"].get<rt::Nanos>();
+  EXPECT_EQ(listed, bubble);
+  EXPECT_EQ(steps, bubble);
+
+  input.most_tasks = p.graph.size() - 1;
+  try {
+    (void)step_report_json(p.graph, p.trace, input);
+    ADD_FAILURE() << "a step past most_tasks was reported";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find(std::to_string(p.graph.size()) + " tasks"),
+              std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("--graph-level"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

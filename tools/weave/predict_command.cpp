@@ -27,6 +27,7 @@
 #include "weave/devices/link_model.hpp"
 #include "weave/graphs/config_flags.hpp"
 #include "weave/graphs/mesh.hpp"
+#include "weave/graphs/path_bubble.hpp"
 #include "weave/graphs/prediction.hpp"
 #include "weave/runtime/chrome_trace.hpp"
 
@@ -446,9 +447,11 @@ int run_predict(PredictOptions& o, const CLI::App& cmd) {
         {.title = "weave predict",
          .configuration_json =
              run_record(c, "none: a prediction reads no data", o.train.no_effect).dump(),
+         .stage_of_device = graphs::pipeline_stage_of_devices(graphs::Mesh(c.plan)),
          .memory = p.memory,
          .memory_source = "predicted: what the prediction's trackers counted "
-                          "each device would hold"});
+                          "each device would hold",
+         .memory_over_step = p.memory_over_step});
   };
   if (o.json) {
     print_json(p, c, warnings, o.train.no_effect);
@@ -463,7 +466,8 @@ int run_predict(PredictOptions& o, const CLI::App& cmd) {
   write_trace(p, c, traced, o.trace_ranks);
   std::vector<rt::TaskId> path;
   if (views.critical_path)
-    path = print_critical_path(p.graph, p.trace, views.what_if, p.what_if_trace);
+    path = print_critical_path(p.graph, p.trace, views.what_if, p.what_if_trace,
+                               graphs::pipeline_stage_of_devices(graphs::Mesh(c.plan)));
   if (!views.dump_path.empty()) fmt::print("{}\n", write_graph_view(p.graph, views, path));
   if (!figure.kind.empty()) fmt::print("{}\n", write_figure(figure, p.trace, c));
   if (!o.train.report.empty()) fmt::print("{}\n", report());

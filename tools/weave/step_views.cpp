@@ -8,6 +8,7 @@
 
 #include "memory_estimate.hpp"
 #include "train_options.hpp"
+#include "weave/graphs/path_bubble.hpp"
 #include "weave/runtime/dot_writer.hpp"
 #include "weave/runtime/virtual_clock.hpp"
 
@@ -71,7 +72,8 @@ void print_runs(const rt::CriticalPath& path, const rt::TaskTable& tasks) {
 }
 
 void print_what_if(const rt::Graph& graph, const std::vector<rt::CostChange>& changes,
-                   const rt::Trace& changed, const rt::CriticalPath& before) {
+                   const rt::Trace& changed, const rt::CriticalPath& before,
+                   const rt::Trace& before_trace, const std::vector<int>& stages) {
   std::string spec;
   for (const rt::CostChange& c : changes)
     spec += (spec.empty() ? "" : ",") + c.describe();
@@ -79,8 +81,8 @@ void print_what_if(const rt::Graph& graph, const std::vector<rt::CostChange>& ch
   fmt::print("what-if {}: step {:.3f} ms -> {:.3f} ms ({:+.1f} %)\n", spec, ms(before.length),
              ms(after.length), percent(after.length - before.length, before.length));
   // What moved: each kind's time on the path before and after.
-  const rt::CriticalPathSummary b = rt::summarize(before, graph.tasks());
-  const rt::CriticalPathSummary a = rt::summarize(after, graph.tasks());
+  const rt::CriticalPathSummary b = graphs::summarize_with_bubble(before, before_trace, stages);
+  const rt::CriticalPathSummary a = graphs::summarize_with_bubble(after, changed, stages);
   auto time_of = [](const std::vector<rt::PathShare>& shares, const std::string& what) {
     for (const rt::PathShare& s : shares)
       if (s.what == what) return s.time;
@@ -160,15 +162,16 @@ rt::Trace replay_costs(const rt::Graph& graph, const rt::CostModel& model) {
 
 std::vector<rt::TaskId> print_critical_path(const rt::Graph& graph, const rt::Trace& trace,
                                             const std::vector<rt::CostChange>& what_if,
-                                            const rt::Trace& changed) {
+                                            const rt::Trace& changed,
+                                            const std::vector<int>& stages) {
   const rt::CriticalPath path = rt::critical_path(graph, trace);
-  const rt::CriticalPathSummary summary = rt::summarize(path, graph.tasks());
+  const rt::CriticalPathSummary summary = graphs::summarize_with_bubble(path, trace, stages);
   fmt::print("critical path: {} steps, {:.3f} ms = the step time on the virtual clock\n",
              path.steps.size(), ms(path.length));
   print_shares("by kind", summary.by_kind, path.length);
   print_shares("by what the next step waited for", summary.by_wait, path.length);
   print_runs(path, graph.tasks());
-  if (!what_if.empty()) print_what_if(graph, what_if, changed, path);
+  if (!what_if.empty()) print_what_if(graph, what_if, changed, path, trace, stages);
   return path.tasks();
 }
 

@@ -33,10 +33,12 @@ rt::Trace replay_costs(const rt::Graph& graph, const rt::CostModel& model);
 
 // Prints the critical path of `trace` (a virtual-clock replay of `graph`); with what-ifs, and
 // `changed` the replay of the same graph with those costs changed, the new step time and what
-// moved. Returns the path's tasks, for the DOT.
+// moved. `stages`: each device's pipeline stage (graphs::pipeline_stage_of_devices), by which
+// the pipeline's bubble is told apart. Returns the path's tasks, for the DOT.
 std::vector<rt::TaskId> print_critical_path(const rt::Graph& graph, const rt::Trace& trace,
                                             const std::vector<rt::CostChange>& what_if,
-                                            const rt::Trace& changed);
+                                            const rt::Trace& changed,
+                                            const std::vector<int>& stages);
 
 // Writes the view of `graph` the request chooses, the critical path drawn heavy; returns what to
 // tell the user ("graph: N tasks (layer level), written to PATH").

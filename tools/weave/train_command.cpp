@@ -27,6 +27,7 @@
 #include "train_options.hpp"
 #include "weave/devices/device_set.hpp"
 #include "weave/devices/mpi_communicator.hpp"
+#include "weave/graphs/path_bubble.hpp"
 #include "weave/graphs/pipeline_layout.hpp"
 #include "weave/graphs/pipeline_schedule_generators.hpp"
 #include "weave/graphs/token_dataset.hpp"
@@ -219,7 +220,8 @@ void show_step(const TrainOptions& o, graphs::Trainer& trainer, ProgressReporter
           request.what_if.empty()
               ? rt::Trace()
               : replay_costs(graph, rt::WhatIfCostModel(machine, request.what_if));
-      path = print_critical_path(graph, replay, request.what_if, changed);
+      path = print_critical_path(graph, replay, request.what_if, changed,
+                                 graphs::pipeline_stage_of_devices(trainer.step().mesh()));
     }
     if (!figure.kind.empty()) progress.note(write_figure(figure, replay, trainer.config()));
   }
@@ -244,6 +246,7 @@ void write_train_report(const TrainOptions& o, graphs::Trainer& trainer,
       {.title = "weave train",
        .configuration_json =
            run_record(trainer.config(), trainer.data().description, o.no_effect).dump(),
+       .stage_of_device = graphs::pipeline_stage_of_devices(trainer.step().mesh()),
        .memory = std::move(peaks),
        .memory_source = "measured: each device's tracker over the run"}));
 }

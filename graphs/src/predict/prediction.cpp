@@ -208,7 +208,7 @@ ReplayFigures replay(const TrainerConfig& config, const PredictionOptions& optio
   devices::DeviceSet set(plan.devices(), {.pin = false, .held = ids});
   devices::FoldedCommunicator comm(ranks.held);
   TrainingStep step(config.model, plan, config.step_optimizer(), set, comm,
-                    {.ranks = ranks.built, .materialize = false});
+                    {.ranks = ranks.built, .materialize = false, .record_memory = true});
   step.prepare(1, config.learning_rate.at(1));
   const devices::MachineModel machine = machine_model(set, config.machine);
   rt::VirtualClock clock(machine, {.execute = false, .record_trace = true});
@@ -224,6 +224,9 @@ ReplayFigures replay(const TrainerConfig& config, const PredictionOptions& optio
   read_exposed_by_group(run.trace, f);
   f.compute_by_kind = compute_by_kind(run.trace, config.machine);
   read_memory(set, ranks.source, f);
+  const MemoryTimeline built = memory_timeline(step.memory_events(), run.trace, set.size());
+  for (std::size_t d = 0; d < set.size(); ++d)
+    f.memory_over_step.devices.push_back(built.devices[static_cast<std::size_t>(ranks.source[d])]);
   f.trace = std::move(run.trace);
   if (!options.what_if.empty()) {
     const rt::WhatIfCostModel changed(machine, options.what_if);
@@ -296,6 +299,7 @@ Prediction prediction_of(const TrainerConfig& config, ReplayFigures f) {
   p.memory = std::move(f.memory);
   p.memory_total = std::move(f.memory_total);
   p.trace = std::move(f.trace);
+  p.memory_over_step = std::move(f.memory_over_step);
   p.graph = std::move(f.graph);
   p.what_if_trace = std::move(f.what_if_trace);
   return p;

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "weave/graphs/memory_timeline.hpp"
 #include "weave/graphs/prediction.hpp"
 #include "weave/runtime/graph.hpp"
 #include "weave/runtime/memory_tracker.hpp"
@@ -32,8 +33,9 @@ struct ReplayFigures {
   int replayed_devices = 0;
   std::vector<int> micro_batches;  // set by a fold: the counts it extrapolated from
   rt::Trace trace;
-  rt::Graph graph;          // the graph replayed
-  rt::Trace what_if_trace;  // the graph replayed with PredictionOptions::what_if's costs
+  MemoryTimeline memory_over_step;  // per device (a folded one: its source's); empty when folded
+  rt::Graph graph;                  // the graph replayed
+  rt::Trace what_if_trace;          // the graph replayed with PredictionOptions::what_if's costs
 };
 
 // The figures of a step with `steps` more periods than `first`, when `first`, `second` and `third`

@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "step/comm_streams.hpp"
+#include "weave/graphs/path_bubble.hpp"
 #include "weave/runtime/critical_path.hpp"
 #include "weave/runtime/graph_view.hpp"
 #include "weave/runtime/trace_metrics.hpp"
@@ -65,16 +66,24 @@ nlohmann::json graph_at(const rt::Graph& graph, rt::DetailLevel level) {
   return {{"level", rt::to_string(view.level)}, {"nodes", nodes}, {"edges", edges}};
 }
 
-nlohmann::json critical_path_of(const rt::Graph& graph, const rt::Trace& trace) {
+nlohmann::json critical_path_of(const rt::Graph& graph, const rt::Trace& trace,
+                                const std::vector<int>& stages) {
   const rt::CriticalPath path = rt::critical_path(graph, trace);
+  const std::vector<rt::Nanos> bubble = bubble_of_steps(path, trace, stages);
   nlohmann::json steps = nlohmann::json::array();
-  for (const rt::CriticalStep& s : path.steps)
+  for (std::size_t i = 0; i < path.steps.size(); ++i) {
+    const rt::CriticalStep& s = path.steps[i];
     steps.push_back({{"task", s.task},
                      {"last_member", s.last_member},
                      {"begin", s.begin},
                      {"end", s.end},
-                     {"waited_for", rt::to_string(s.waited_for)}});
-  return {{"length_ns", path.length}, {"steps", steps}};
+                     {"waited_for", rt::to_string(s.waited_for)},
+                     {"bubble_ns", bubble[i]}});
+  }
+  nlohmann::json by_kind = nlohmann::json::array();
+  for (const rt::PathShare& share : summarize_with_bubble(path, trace, stages).by_kind)
+    by_kind.push_back({{"what", share.what}, {"ns", share.time}});
+  return {{"length_ns", path.length}, {"steps", steps}, {"by_kind", by_kind}};
 }
 
 // Each process group's exposed communication: summed over the devices, and a device's share.
@@ -102,10 +111,21 @@ nlohmann::json memory_of(const StepReportInput& input) {
   nlohmann::json categories = nlohmann::json::array();
   for (std::size_t k = 0; k < rt::kMemoryCategoryCount; ++k)
     categories.push_back(rt::to_string(static_cast<rt::MemoryCategory>(k)));
+  // Columns per device: a point per allocation or release.
+  nlohmann::json over_step = nlohmann::json::array();
+  for (const std::vector<MemoryPoint>& points : input.memory_over_step.devices) {
+    nlohmann::json at = nlohmann::json::array(), bytes = nlohmann::json::array();
+    for (const MemoryPoint& p : points) {
+      at.push_back(p.at);
+      bytes.push_back(p.bytes);
+    }
+    over_step.push_back({{"at", at}, {"bytes", bytes}});
+  }
   return {{"shows", "peak"},
           {"source", input.memory_source},
           {"categories", categories},
-          {"devices", input.memory}};
+          {"devices", input.memory},
+          {"over_step", over_step}};
 }
 
 }  // namespace
@@ -117,6 +137,14 @@ std::string step_report_json(const rt::Graph& graph, const rt::Trace& trace,
         "a step report reads a virtual-clock replay of the step: replay the graph with "
         "VirtualClock and record_trace");
   const rt::TaskTable& tasks = graph.tasks();
+  if (tasks.size() > input.most_tasks)
+    throw std::invalid_argument(fmt::format(
+        "--report: the step has {} tasks, more than the {} a report page holds (it would be "
+        "about {} MB for the browser to draw): report a smaller step of the same shape (fewer "
+        "micro-batches with --global-batch-size, fewer layers with --num-layers); for this one "
+        "--critical-path, --dump-graph with --graph-level stage-micro-batch or step, and --trace "
+        "work at any size",
+        tasks.size(), input.most_tasks, tasks.size() * 150 / 1'000'000));
   nlohmann::json j;
   j["title"] = input.title;
   j["clock"] = "virtual";
@@ -143,7 +171,7 @@ std::string step_report_json(const rt::Graph& graph, const rt::Trace& trace,
   j["lanes"] = lanes;
   j["tasks"] = task_columns(tasks, trace);
   j["graph"] = graph_at(graph, input.level);
-  j["critical_path"] = critical_path_of(graph, trace);
+  j["critical_path"] = critical_path_of(graph, trace, input.stage_of_device);
   j["exposed"] = exposed_by_group(trace);
   j["memory"] = memory_of(input);
   try {

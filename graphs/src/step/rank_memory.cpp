@@ -140,8 +140,15 @@ void RankProgram::allocate() {
   R.shard = std::make_unique<ModelShard>(z.model, mesh, rank, device, contents, materialize);
   const auto& chunks = set_plan.set_chunks[static_cast<std::size_t>(pp)];
   R.sets.resize(chunks.size());
-  for (std::size_t i = 0; i < R.sets.size(); ++i)
+  MemoryRecording* recording = active_memory_recording();
+  for (std::size_t i = 0; i < R.sets.size(); ++i) {
+    if (recording) {
+      recording->rank = rank;
+      recording->set = static_cast<int>(i);
+    }
     allocate_set(*this, R.sets[i], chunks[i]);
+  }
+  if (recording) recording->set = -1;
   R.outputs.resize(static_cast<std::size_t>(set_plan.output_sets[static_cast<std::size_t>(pp)]));
   for (OutputSet& O : R.outputs)
     OutputLoss(*this).allocate(O);

@@ -23,6 +23,7 @@
 #include "pipeline/activation_sets.hpp"
 #include "step/build_position.hpp"
 #include "step/comm_streams.hpp"
+#include "step/memory_recording.hpp"
 #include "step/rank_state.hpp"
 #include "weave/devices/collective_matcher.hpp"
 #include "weave/devices/device.hpp"
@@ -253,7 +254,11 @@ class RankProgram {
   const AttentionParameters& attention_parameters(int l) const { return layer(l).attention; }
   const DenseMlpParameters& dense_mlp_parameters(int l) const { return layer(l).dense_mlp(); }
   const MoeMlpParameters& moe_parameters(int l) const { return layer(l).moe_mlp(); }
-  ActivationSet& aset(int set) { return state.sets[static_cast<std::size_t>(set)]; }
+  ActivationSet& aset(int set) {
+    if (MemoryRecording* r = active_memory_recording())
+      r->first_use.emplace(std::pair{rank, set}, graph.size());
+    return state.sets[static_cast<std::size_t>(set)];
+  }
   LayerActivations& acts(int set, int l) {
     const int k = set_plan.chunk_of_layer[static_cast<std::size_t>(l)];
     return aset(set).layers[static_cast<std::size_t>(l - layout.first_layer(k))];

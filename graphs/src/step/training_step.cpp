@@ -6,6 +6,7 @@
 #include <cmath>
 #include <stdexcept>
 
+#include "step/memory_recording.hpp"
 #include "step/optimizer_program.hpp"
 #include "step/rank_program.hpp"
 
@@ -33,6 +34,7 @@ struct TrainingStep::Impl {
   rt::GraphBuilder gather_builder;
   std::unique_ptr<devices::CollectiveMatcher> gather_matcher;
   rt::Graph gather_graph;
+  std::vector<MemoryEvent> memory_events;  // StepBuildOptions::record_memory
   bool materialize = true;
   devices::ProcessSet& processes;
 };
@@ -88,6 +90,28 @@ TrainingStep::Impl::Impl(const ModelConfig& model, const ParallelPlan& plan,
       materialize(options.materialize),
       processes(comm.processes()) {
   shape.splits_backward = set_plan.splits_backward;
+  // The tracker's observer and the thread's recording point into this step: cleared however the
+  // build ends.
+  MemoryRecording labels;
+  std::vector<std::pair<int, int>> event_sets;  // per event: (rank, activation set) or (-1, -1)
+  struct Recording {
+    rt::MemoryTracker* tracker = nullptr;
+    ~Recording() {
+      if (!tracker) return;
+      tracker->set_observer({});
+      active_memory_recording() = nullptr;
+    }
+  } recording;
+  if (options.record_memory) {
+    recording.tracker = &set.memory();
+    active_memory_recording() = &labels;
+    set.memory().set_observer(
+        [this, &labels, &event_sets](rt::DeviceId d, rt::MemoryCategory c, std::int64_t bytes) {
+          memory_events.push_back(
+              {.device = d, .category = c, .bytes = bytes, .tasks_built = builder.size()});
+          event_sets.emplace_back(labels.set >= 0 ? labels.rank : -1, labels.set);
+        });
+  }
   if (materialize && model.precision != Precision::fp32) check_half_precision_step(model, plan);
   if (o.loss_scaling && model.precision == Precision::fp32)
     throw ConfigError(
@@ -137,6 +161,17 @@ TrainingStep::Impl::Impl(const ModelConfig& model, const ParallelPlan& plan,
     if (complete) gather_matcher->finish();
   }
   gather_graph = gather_builder.build();
+  // An activation set's buffers count from the first task built using it.
+  for (std::size_t i = 0; i < event_sets.size(); ++i) {
+    const auto use = labels.first_use.find(event_sets[i]);
+    if (event_sets[i].second >= 0 && use != labels.first_use.end())
+      memory_events[i].tasks_built = use->second;
+  }
+}
+
+MemoryRecording*& active_memory_recording() {
+  thread_local MemoryRecording* recording = nullptr;
+  return recording;
 }
 
 RankProgram& TrainingStep::Impl::program(int rank) const {
@@ -214,6 +249,9 @@ TrainingStep::TrainingStep(const ModelConfig& model, const ParallelPlan& plan,
                            devices::Communicator& comm, const StepBuildOptions& options)
     : impl_(std::make_unique<Impl>(model, plan, optimizer, devices, comm, options)) {}
 TrainingStep::~TrainingStep() = default;
+const std::vector<MemoryEvent>& TrainingStep::memory_events() const {
+  return impl_->memory_events;
+}
 const rt::Graph& TrainingStep::graph() const {
   return impl_->graph;
 }

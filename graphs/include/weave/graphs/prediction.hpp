@@ -10,6 +10,7 @@
 #include <string_view>
 #include <vector>
 
+#include "weave/graphs/memory_timeline.hpp"
 #include "weave/graphs/mesh.hpp"
 #include "weave/graphs/trainer_config.hpp"
 #include "weave/runtime/graph.hpp"
@@ -71,6 +72,9 @@ struct Prediction {
   // extrapolated from.
   std::vector<int> micro_batches_replayed;
   rt::Trace trace;  // the replay (empty when micro-batches were folded)
+  // Each device's memory over the replayed step by category (memory_timeline), its peaks those
+  // of `memory`; empty when micro-batches were folded.
+  MemoryTimeline memory_over_step;
   rt::Graph graph;  // the graph replayed (the critical path's, a DOT's; empty when folded)
   // The same graph replayed with PredictionOptions::what_if's costs (empty when none).
   rt::Trace what_if_trace;

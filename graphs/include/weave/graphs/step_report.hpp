@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "weave/graphs/memory_timeline.hpp"
 #include "weave/runtime/graph.hpp"
 #include "weave/runtime/graph_view.hpp"
 #include "weave/runtime/memory_tracker.hpp"
@@ -17,16 +18,29 @@
 
 namespace weave::graphs {
 
+// The most tasks a page holds: each is a column entry of the document (about 150 bytes) and a
+// box the browser draws, so 100,000 make a page of some 15 MB that still opens in seconds.
+inline constexpr std::size_t kStepReportMostTasks = 100'000;
+
 struct StepReportInput {
   std::string title;  // "weave predict", shown at the top
   // The graph's level of detail: a node per layer by default (--graph-level chooses).
   rt::DetailLevel level = rt::DetailLevel::layer;
   // The run's configuration as a JSON object (the flag table's description of it).
   std::string configuration_json = "{}";
+  // Per device, its pipeline stage (pipeline_stage_of_devices): the critical path's bubble is
+  // told apart by it (every device stage 0 when empty).
+  std::vector<int> stage_of_device;
   // Per device, each rt::MemoryCategory's bytes at its peak, and what they are (a prediction's
   // trackers, a run's own): the trackers keep peaks, not a history, so the page shows the peak.
   std::vector<std::array<std::int64_t, rt::kMemoryCategoryCount>> memory;
   std::string memory_source;
+  // Per device, its memory over the step by category on `trace`'s clock (memory_timeline; a
+  // prediction's memory_over_step): drawn as a chart per device under the timeline. Empty: the
+  // page shows the peaks alone.
+  MemoryTimeline memory_over_step;
+  // A step of more tasks is refused (std::invalid_argument naming its size and what to do).
+  std::size_t most_tasks = kStepReportMostTasks;
 };
 
 // The step's JSON document: `trace` must be a virtual-clock replay of `graph` (the critical path
@@ -38,8 +52,10 @@ struct StepReportInput {
 //   micro_batch, chunk, phase, start, end (ns; -1 for a task that did not run);
 //   graph {level, nodes [{device, stream, layer, micro_batch, phase, tasks}], edges [[from, to,
 //   count]]}: every task in exactly one node;
-//   critical_path {length_ns, steps [{task, last_member, begin, end, waited_for}]};
-//   exposed [{group, ns, ms_per_device}]; memory {shows: "peak", source, categories, devices};
+//   critical_path {length_ns, steps [{task, last_member, begin, end, waited_for, bubble_ns}],
+//   by_kind [{what, ns}]} (summarize_with_bubble's);
+//   exposed [{group, ns, ms_per_device}]; memory {shows: "peak", source, categories, devices,
+//   over_step [{at [ns], bytes [[per category]]}] per device, empty without a timeline};
 //   configuration; title.
 std::string step_report_json(const rt::Graph& graph, const rt::Trace& trace,
                              const StepReportInput& input);

@@ -24,6 +24,7 @@
 
 #include "weave/devices/communicator.hpp"
 #include "weave/devices/device_set.hpp"
+#include "weave/graphs/memory_timeline.hpp"
 #include "weave/graphs/mesh.hpp"
 #include "weave/graphs/model_config.hpp"
 #include "weave/graphs/model_shard.hpp"
@@ -78,6 +79,10 @@ struct StepBuildOptions {
   // graph is the same, costs included, for the virtual clock to replay without running the work
   // (rt::VirtualClockOptions::execute = false); running its tasks fails, naming this option.
   bool materialize = true;
+  // Record every allocation and release the build makes on the device set's memory tracker, with
+  // the number of tasks built before it (TrainingStep::memory_events): what memory_timeline
+  // places on a replay of the step.
+  bool record_memory = false;
 };
 
 class TrainingStep {
@@ -92,6 +97,9 @@ class TrainingStep {
   TrainingStep& operator=(const TrainingStep&) = delete;
 
   const rt::Graph& graph() const;
+  // With StepBuildOptions::record_memory: the build's allocations and releases in the order they
+  // were made (empty otherwise).
+  const std::vector<MemoryEvent>& memory_events() const;
   const Mesh& mesh() const;
   // The batch of data-parallel rank `dp`, micro-batch `m`: fill before running the graph.
   MicroBatch& micro_batch(int dp, int m);

@@ -4,8 +4,10 @@
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string_view>
+#include <utility>
 
 #include "weave/runtime/types.hpp"
 
@@ -40,6 +42,13 @@ class MemoryTracker {
   // Peaks restart from the current values.
   void reset_peaks();
 
+  // Called after every allocation (bytes > 0) and release (bytes < 0) is counted, on the thread
+  // that made it: what a history of the memory over a step is read from. Set and clear it while
+  // no other thread allocates (a step's build, not its run); empty by default, which costs the
+  // allocation path one test.
+  using Observer = std::function<void(DeviceId, MemoryCategory, std::int64_t bytes)>;
+  void set_observer(Observer observer) { observer_ = std::move(observer); }
+
  private:
   struct alignas(64) Counters {
     std::array<std::atomic<std::int64_t>, kMemoryCategoryCount> current{};
@@ -50,6 +59,7 @@ class MemoryTracker {
   const Counters& at(DeviceId device) const;
   std::size_t devices_;
   std::unique_ptr<Counters[]> counters_;
+  Observer observer_;
 };
 
 }  // namespace weave::rt
