@@ -78,8 +78,8 @@ struct EventUse {
 
 struct GraphBuilder::Impl {
   std::shared_ptr<TaskTable> table = std::make_shared<TaskTable>();
-  detail::LargeArray<TaskFn> work;
-  detail::LargeArray<Edge> edges;
+  detail::SegmentedArray<TaskFn> work;
+  detail::SegmentedArray<Edge> edges;
   // Last task added on each (device, stream), to chain stream order as tasks arrive.
   std::vector<std::vector<TaskId>> last_on_stream;
   std::vector<std::string> event_names;
@@ -236,9 +236,11 @@ std::shared_ptr<detail::GraphData> GraphBuilder::Impl::compile() {
   g->table = table;
   g->succ_begin.assign(n + 1, 0);
   g->in_degree.assign(n, 0);
-  for (const Edge& e : edges) {
-    ++g->succ_begin[e.from];
-    ++g->in_degree[e.to];
+  for (unsigned k = 0; k < edges.segment_count(); ++k) {
+    for (const Edge& e : edges.segment(k)) {
+      ++g->succ_begin[e.from];
+      ++g->in_degree[e.to];
+    }
   }
   // Inclusive prefix sums make succ_begin[t] the end of row t; filling each row backwards
   // (walking the edges from last to first) moves it to the row's start and keeps the edges of
@@ -248,10 +250,13 @@ std::shared_ptr<detail::GraphData> GraphBuilder::Impl::compile() {
   g->succ_begin[n] = static_cast<std::uint32_t>(edges.size());
   g->succ.resize(edges.size());
   g->succ_kind.resize(edges.size());
-  for (auto e = edges.rbegin(); e != edges.rend(); ++e) {
-    const auto at = --g->succ_begin[e->from];
-    g->succ[at] = e->to;
-    g->succ_kind[at] = e->kind;
+  for (unsigned k = edges.segment_count(); k-- > 0;) {
+    const auto segment = edges.segment(k);
+    for (auto e = segment.rbegin(); e != segment.rend(); ++e) {
+      const auto at = --g->succ_begin[e->from];
+      g->succ[at] = e->to;
+      g->succ_kind[at] = e->kind;
+    }
   }
   for (TaskId t = 0; t < n; ++t) {
     if (g->in_degree[t] == 0) g->sources.push_back(t);
@@ -396,7 +401,7 @@ Graph GraphBuilder::build() {
     impl_ = std::make_unique<Impl>();
     return Graph(std::move(data));
   } catch (...) {
-    impl_->edges.resize(edges_before);
+    impl_->edges.truncate(edges_before);
     throw;
   }
 }

@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cstring>
 #include <limits>
 #include <stdexcept>
+#include <string>
 
 namespace weave::rt {
 
@@ -97,6 +99,52 @@ StreamId TaskTable::stream(std::string_view name, StreamKind kind) {
   return id;
 }
 
+// Writes the names prefix<first> .. prefix<first + count - 1> into the stream pool. Called for
+// tens of thousands of streams at once, so the pool is sized once and the name is kept in a
+// buffer whose number is counted up in place as decimal text, then copied as one fixed-size
+// block: appending and formatting each name on its own took a fifth of the 50,000-stream
+// fan-out build, mostly in calls to memcpy for a byte or two.
+void TaskTable::append_numbered_names(std::string_view prefix, std::size_t first,
+                                      std::size_t count) {
+  constexpr std::size_t kBlock = 32;
+  char name[kBlock + 24] = {};
+  const std::size_t digits_at = prefix.size();
+  const std::size_t longest = prefix.size() + std::to_string(first + count - 1).size();
+  std::string buffer;  // for prefixes too long for the block
+  char* line = name;
+  if (longest > kBlock) {
+    buffer.resize(longest + 1);
+    line = buffer.data();
+  }
+  std::copy(prefix.begin(), prefix.end(), line);
+  std::size_t size = static_cast<std::size_t>(
+      std::to_chars(line + digits_at, line + longest + 1, first).ptr - line);
+  std::size_t at = stream_text_.size();
+  // Room for whole blocks past the last name; trimmed below.
+  stream_text_.resize(at + count * longest + kBlock);
+  stream_begin_.reserve(stream_begin_.size() + count);
+  char* const text = stream_text_.data();
+  for (std::size_t i = 0; i < count; ++i) {
+    if (longest <= kBlock) {
+      std::memcpy(text + at, line, kBlock);
+    } else {
+      std::memcpy(text + at, line, size);
+    }
+    at += size;
+    stream_begin_.push_back(static_cast<std::uint32_t>(at));
+    std::size_t d = size;  // add one to the number
+    while (d > digits_at && line[d - 1] == '9')
+      line[--d] = '0';
+    if (d == digits_at) {  // 99 -> 100
+      line[digits_at] = '1';
+      line[size++] = '0';
+    } else {
+      ++line[d - 1];
+    }
+  }
+  stream_text_.resize(at);
+}
+
 StreamId TaskTable::streams(std::string_view prefix, std::size_t count, StreamKind kind) {
   if (count == 0) {
     throw std::invalid_argument(
@@ -135,13 +183,7 @@ StreamId TaskTable::streams(std::string_view prefix, std::size_t count, StreamKi
   check_stream_room(count);
   const auto first = static_cast<StreamId>(stream_count());
   numbered_.push_back({std::string(prefix), first, count});
-  stream_text_.reserve(stream_text_.size() + count * (prefix.size() + 5));
-  stream_begin_.reserve(stream_begin_.size() + count);
-  for (std::size_t i = 0; i < count; ++i) {
-    stream_text_.append(prefix);
-    append_number(stream_text_, i);
-    stream_begin_.push_back(static_cast<std::uint32_t>(stream_text_.size()));
-  }
+  append_numbered_names(prefix, 0, count);
   stream_kinds_.resize(stream_kinds_.size() + count, kind);
   return first;
 }
@@ -152,12 +194,7 @@ StreamId TaskTable::anonymous_streams(std::size_t count, StreamKind kind) {
   }
   check_stream_room(count);
   const auto first = static_cast<StreamId>(stream_count());
-  stream_begin_.reserve(stream_begin_.size() + count);
-  for (std::size_t i = 0; i < count; ++i) {
-    stream_text_.append(kAnonymousPrefix);
-    append_number(stream_text_, first + i);
-    stream_begin_.push_back(static_cast<std::uint32_t>(stream_text_.size()));
-  }
+  append_numbered_names(kAnonymousPrefix, first, count);
   stream_kinds_.resize(stream_kinds_.size() + count, kind);
   return first;
 }

@@ -7,7 +7,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "weave/runtime/huge_page_allocator.hpp"
+#include "weave/runtime/segmented_array.hpp"
 #include "weave/runtime/types.hpp"
 
 namespace weave::rt {
@@ -79,8 +79,10 @@ class TaskTable {
  private:
   void check_stream_room(std::size_t count) const;
   StreamId find_numbered(std::string_view name) const;
+  void append_numbered_names(std::string_view prefix, std::size_t first, std::size_t count);
 
-  std::vector<TaskInfo, HugePageAllocator<TaskInfo>> tasks_;
+  // Rows never move once added (SegmentedArray): the table grows without copying them.
+  detail::SegmentedArray<TaskInfo> tasks_;
   std::string names_;
   // The last name added, which a run of tasks with the same name shares (a name is kept once
   // per run, not once per task).
