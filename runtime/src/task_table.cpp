@@ -208,37 +208,27 @@ TaskId TaskTable::add(const TaskInfo& info, std::string_view name) {
   return id;
 }
 
-TaskInfo& TaskTable::append(DeviceId device, StreamId stream, std::string_view name) {
-  if (tasks_.size() >= kNoTask) [[unlikely]] {
+void TaskTable::refuse_task(StreamId stream, std::string_view name) const {
+  if (tasks_.size() >= kNoTask) {
     throw std::length_error(fmt::format("too many tasks: at most {} per graph", kNoTask - 1));
   }
-  if (stream >= stream_count()) [[unlikely]] {
-    throw std::invalid_argument(fmt::format(
-        "task '{}' is on stream {}, but only {} streams are named; get stream ids from stream()",
-        name, stream, stream_count()));
-  }
-  const auto id = static_cast<TaskId>(tasks_.size());
-  TaskInfo& t = tasks_.emplace_back();
-  t.device = device;
-  t.stream = stream;
+  throw std::invalid_argument(fmt::format(
+      "task '{}' is on stream {}, but only {} streams are named; get stream ids from stream()",
+      name, stream, stream_count()));
+}
+
+void TaskTable::name_task(TaskInfo& t, TaskId id, std::string_view name) {
   if (name.empty()) {
     t.name_offset = static_cast<std::uint32_t>(names_.size());
     names_ += "task";
     append_number(names_, id);
     t.name_size = static_cast<std::uint32_t>(names_.size() - t.name_offset);
-    has_last_name_ = false;
-  } else if (has_last_name_ && name.size() == last_name_size_ &&
-             std::string_view(names_).substr(last_name_offset_, last_name_size_) == name) {
-    t.name_offset = last_name_offset_;
-    t.name_size = last_name_size_;
+    last_name_size_ = 0;
   } else {
     t.name_offset = last_name_offset_ = static_cast<std::uint32_t>(names_.size());
     t.name_size = last_name_size_ = static_cast<std::uint32_t>(name.size());
     names_.append(name);
-    has_last_name_ = true;
   }
-  device_count_ = std::max(device_count_, device + 1);
-  return t;
 }
 
 GroupId TaskTable::add_group(std::string_view name, std::span<const TaskId> members) {
