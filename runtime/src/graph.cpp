@@ -78,8 +78,8 @@ struct EventUse {
 
 struct GraphBuilder::Impl {
   std::shared_ptr<TaskTable> table = std::make_shared<TaskTable>();
-  detail::LargeArray<TaskFn> work;
-  detail::LargeArray<Edge> edges;
+  detail::SegmentedArray<TaskFn> work;
+  detail::SegmentedArray<Edge> edges;
   // Last task added on each (device, stream), to chain stream order as tasks arrive.
   std::vector<std::vector<TaskId>> last_on_stream;
   std::vector<std::string> event_names;
@@ -236,23 +236,60 @@ std::shared_ptr<detail::GraphData> GraphBuilder::Impl::compile() {
   g->table = table;
   g->succ_begin.assign(n + 1, 0);
   g->in_degree.assign(n, 0);
-  for (const Edge& e : edges) {
-    ++g->succ_begin[e.from];
-    ++g->in_degree[e.to];
+  // Edges come in runs from one task (a fan-out) or into one (a fan-in). Counting each in
+  // memory makes every increment of a run wait for the previous one's store; a run's count is
+  // kept in a register instead and written once the run ends.
+  std::uint32_t* const out = g->succ_begin.data();
+  std::uint32_t* const in = g->in_degree.data();
+  TaskId run_from = edges.empty() ? 0 : edges[0].from, run_to = edges.empty() ? 0 : edges[0].to;
+  std::uint32_t from_count = 0, to_count = 0;
+  for (unsigned k = 0; k < edges.segment_count(); ++k) {
+    for (const Edge& e : edges.segment(k)) {
+      if (e.from != run_from) {
+        out[run_from] += from_count;
+        run_from = e.from;
+        from_count = 0;
+      }
+      if (e.to != run_to) {
+        in[run_to] += to_count;
+        run_to = e.to;
+        to_count = 0;
+      }
+      ++from_count;
+      ++to_count;
+    }
+  }
+  if (!edges.empty()) {
+    out[run_from] += from_count;
+    in[run_to] += to_count;
   }
   // Inclusive prefix sums make succ_begin[t] the end of row t; filling each row backwards
   // (walking the edges from last to first) moves it to the row's start and keeps the edges of
-  // a row in the order they were added.
+  // a row in the order they were added. The row being filled keeps its cursor in a register
+  // for the same reason as above.
   for (std::size_t t = 1; t < n; ++t)
-    g->succ_begin[t] += g->succ_begin[t - 1];
-  g->succ_begin[n] = static_cast<std::uint32_t>(edges.size());
+    out[t] += out[t - 1];
+  out[n] = static_cast<std::uint32_t>(edges.size());
   g->succ.resize(edges.size());
   g->succ_kind.resize(edges.size());
-  for (auto e = edges.rbegin(); e != edges.rend(); ++e) {
-    const auto at = --g->succ_begin[e->from];
-    g->succ[at] = e->to;
-    g->succ_kind[at] = e->kind;
+  TaskId* const succ = g->succ.data();
+  EdgeKind* const succ_kind = g->succ_kind.data();
+  TaskId row = edges.empty() ? 0 : edges.back().from;
+  std::uint32_t cursor = out[row];
+  for (unsigned k = edges.segment_count(); k-- > 0;) {
+    const auto segment = edges.segment(k);
+    for (auto e = segment.rbegin(); e != segment.rend(); ++e) {
+      if (e->from != row) {
+        out[row] = cursor;
+        row = e->from;
+        cursor = out[row];
+      }
+      const auto at = --cursor;
+      succ[at] = e->to;
+      succ_kind[at] = e->kind;
+    }
   }
+  if (!edges.empty()) out[row] = cursor;
   for (TaskId t = 0; t < n; ++t) {
     if (g->in_degree[t] == 0) g->sources.push_back(t);
     if (g->succ_begin[t + 1] == g->succ_begin[t]) ++g->sinks;
@@ -396,7 +433,7 @@ Graph GraphBuilder::build() {
     impl_ = std::make_unique<Impl>();
     return Graph(std::move(data));
   } catch (...) {
-    impl_->edges.resize(edges_before);
+    impl_->edges.truncate(edges_before);
     throw;
   }
 }

@@ -6,6 +6,7 @@
 
 #include "weave/runtime/graph.hpp"
 #include "weave/runtime/huge_page_allocator.hpp"
+#include "weave/runtime/segmented_array.hpp"
 
 namespace weave::rt::detail {
 
@@ -15,7 +16,8 @@ using LargeArray = std::vector<T, HugePageAllocator<T>>;
 
 struct GraphData {
   std::shared_ptr<TaskTable> table;
-  LargeArray<TaskFn> work;
+  // Filled as the builder adds tasks and handed over whole (never moved element by element).
+  SegmentedArray<TaskFn> work;
   // Successors in compressed rows: task t's are succ[succ_begin[t] .. succ_begin[t + 1]).
   LargeArray<std::uint32_t> succ_begin;
   LargeArray<TaskId> succ;

@@ -47,6 +47,27 @@ TEST(StreamNames, NumberedStreamsHaveConsecutiveIdsAndAreFoundByName) {
   EXPECT_EQ(t.stream_name(padded), "expert_01");
 }
 
+// The names are written by counting up decimal text in place: every carry (9 -> 10, 99 -> 100,
+// 999 -> 1000), anonymous names from an id past 9, and a prefix longer than the block the names
+// are copied in must read as fmt writes them.
+TEST(StreamNames, NumberedNamesReadAsFormattedAcrossEveryCarry) {
+  GraphBuilder b;
+  const std::string long_prefix(40, 'p');
+  const StreamId s = b.streams("s", 1'200);
+  const StreamId anon = b.anonymous_streams(95);
+  const StreamId longs = b.streams(long_prefix, 12);
+  b.add({.stream = s, .name = "t"});
+  const Graph g = b.build();
+  const TaskTable& t = g.tasks();
+  ASSERT_EQ(t.stream_count(), 2u + 1'200 + 95 + 12);
+  for (StreamId i = 0; i < 1'200; ++i)
+    ASSERT_EQ(t.stream_name(s + i), fmt::format("s{}", i));
+  for (StreamId i = 0; i < 95; ++i)
+    ASSERT_EQ(t.stream_name(anon + i), fmt::format("stream#{}", anon + i));
+  for (StreamId i = 0; i < 12; ++i)
+    ASSERT_EQ(t.stream_name(longs + i), fmt::format("{}{}", long_prefix, i));
+}
+
 TEST(StreamNames, RangesThatWouldShareNamesAreRefused) {
   GraphBuilder b;
   b.stream("s2");

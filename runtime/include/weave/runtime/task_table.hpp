@@ -7,7 +7,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "weave/runtime/huge_page_allocator.hpp"
+#include "weave/runtime/segmented_array.hpp"
 #include "weave/runtime/types.hpp"
 
 namespace weave::rt {
@@ -73,20 +73,42 @@ class TaskTable {
   // Appends a task on (device, stream) with the other fields at their defaults, for the caller
   // to fill in place: a graph builder writes each field once instead of building a TaskInfo
   // and copying it. The reference is valid until the next task is added.
-  TaskInfo& append(DeviceId device, StreamId stream, std::string_view name);
+  // Inline: a graph builder calls it once per task.
+  TaskInfo& append(DeviceId device, StreamId stream, std::string_view name) {
+    if (tasks_.size() >= kNoTask || stream >= stream_count()) [[unlikely]]
+      refuse_task(stream, name);
+    const auto id = static_cast<TaskId>(tasks_.size());
+    TaskInfo& t = tasks_.emplace_back();
+    t.device = device;
+    t.stream = stream;
+    if (!name.empty() && name.size() == last_name_size_ &&
+        std::string_view(names_).substr(last_name_offset_, last_name_size_) == name) {
+      t.name_offset = last_name_offset_;
+      t.name_size = last_name_size_;
+    } else {
+      name_task(t, id, name);
+    }
+    if (device >= device_count_) device_count_ = device + 1;
+    return t;
+  }
   GroupId add_group(std::string_view name, std::span<const TaskId> members);
 
  private:
+  [[noreturn]] void refuse_task(StreamId stream, std::string_view name) const;
+  // Keeps a task's name in the pool; a later task of the same name shares it (see append).
+  void name_task(TaskInfo& t, TaskId id, std::string_view name);
   void check_stream_room(std::size_t count) const;
   StreamId find_numbered(std::string_view name) const;
+  void append_numbered_names(std::string_view prefix, std::size_t first, std::size_t count);
 
-  std::vector<TaskInfo, HugePageAllocator<TaskInfo>> tasks_;
+  // Rows never move once added (SegmentedArray): the table grows without copying them.
+  detail::SegmentedArray<TaskInfo> tasks_;
   std::string names_;
   // The last name added, which a run of tasks with the same name shares (a name is kept once
   // per run, not once per task).
+  // (Size 0: none, as after an unnamed task.)
   std::uint32_t last_name_offset_ = 0;
   std::uint32_t last_name_size_ = 0;
-  bool has_last_name_ = false;
 
   // Stream s is called stream_text_[stream_begin_[s] .. stream_begin_[s + 1]).
   std::string stream_text_;
