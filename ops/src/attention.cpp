@@ -333,6 +333,15 @@ MatrixView<const T> const_view(MatrixView<T> m) {
   return {m.data, m.rows, m.cols, m.stride};
 }
 
+// A 16-bit kernel's fp32 scores, on whose rows Eigen's vectorised exp and sum run. Eigen starts
+// such a loop at the first packet-aligned element and takes the elements before it one at a
+// time (std::exp, a plain sum), whose bits differ from the packet ones: the result depends on
+// where the buffer starts. std::vector's storage is only 16-byte aligned, at an address that
+// varies with what the heap holds (which tasks ran alongside), so a run would not be bitwise
+// repeatable. Aligned to Eigen's largest packet, every row starts where it did in any other run,
+// as the fp32 kernel's Eigen matrices and ops' tensors do.
+using Scores = std::vector<float, Eigen::aligned_allocator<float>>;
+
 // The matrix with dense rows: itself, or a copy in `buffer`. A head's rows in a [b, s, h, d]
 // tensor are h d apart, and oneDNN's AMX and AVX512_BF16 matmuls (brgemm) take only dense rows;
 // its fallback for strided ones runs several times slower than the copy costs.
@@ -376,7 +385,7 @@ void attention_forward_half(const AttentionOptions& opt, const BasicTensor<Half>
     const auto out = head_rows(o, b, g, head, d, i0, rows);
     float* lse_row = lse.data() + (b * H + h) * sq + i0;
     std::vector<float> ctx(static_cast<std::size_t>(rows * d), 0.f);
-    std::vector<float> s(static_cast<std::size_t>(rows * keys));
+    Scores s(static_cast<std::size_t>(rows * keys));
     std::vector<Half> p(s.size());
     std::vector<float> l(static_cast<std::size_t>(rows), 0.f), keep(static_cast<std::size_t>(keys));
     std::vector<Half> q_rows, k_rows, v_rows;
@@ -447,7 +456,8 @@ void attention_backward_half(const AttentionOptions& opt, const BasicTensor<Half
   // by the group's query heads, are summed in a fixed order.
   auto group = [&](std::int64_t bg) {
     const std::int64_t b = bg / G, g = bg % G;
-    std::vector<float> s, dp, keep;
+    Scores s;
+    std::vector<float> dp, keep;
     std::vector<Half> p, ds, k_rows, v_rows, q_rows, do_rows, dq_rows;
     // The group's keys and values with dense rows, and its key and value gradients summed
     // densely before they are added to dk and dv.

@@ -6,7 +6,9 @@
 // 65520 and up to infinity). The vector (F16C) conversions are checked bit for bit against the
 // scalar rule on the same inputs. The products are checked on integer data, where every fp32
 // summation order is exact, so oneDNN's kernel and the fp32 fallback must give the same bits.
+// The fp16 attention kernels keep their bits wherever the heap puts their scratch.
 #include <gtest/gtest.h>
+#include <tbb/task_arena.h>
 
 #include <algorithm>
 #include <bit>
@@ -16,6 +18,7 @@
 #include <random>
 #include <vector>
 
+#include "weave/ops/attention.hpp"
 #include "weave/ops/float16.hpp"
 #include "weave/ops/gemm.hpp"
 #include "weave/ops/gemm_bf16.hpp"
@@ -182,6 +185,61 @@ TEST(Fp16Gemm, ProductsOfFp16ValuesSummedInFp32) {
   }
   EXPECT_GT(infinities, 0);
   RecordProperty("fp16_kernel", to_string(fp16_kernel()));
+}
+
+// The 16-bit attention kernels give the same bits wherever the heap puts their scratch. Eigen's
+// vectorised exp and sum over a row of scores start at its first packet-aligned element and
+// take the elements before it one at a time, with other bits, so scores in a buffer at an
+// address the heap chose (std::vector's 16 bytes of alignment) made a training step's gradients
+// differ between runs with what other tasks had allocated. Here the kernels run on this thread
+// alone, each time after holding one more block the size of a head's scores, so that the heap
+// hands their scratch other addresses (glibc's malloc: other 16-byte offsets from a cache line),
+// and every output must keep its bits.
+TEST(Fp16Attention, BitsDoNotDependOnTheScratchAddress) {
+  std::mt19937 gen(5);
+  std::normal_distribution<float> dist(0.f, 1.f);
+  const std::int64_t b = 1, s = 40, g = 1, n = 2, d = 16;  // one chunk of 40 x 40 scores a head
+  auto random = [&](const Shape& shape) {
+    Fp16Tensor t = Fp16Tensor::empty(shape);
+    for (std::int64_t i = 0; i < t.numel(); ++i)
+      t.data()[i] = fp16(dist(gen));
+    return t;
+  };
+  const Fp16Tensor q = random({b, s, g, n * d}), k = random({b, s, g, d}), v = random({b, s, g, d}),
+                   d_o = random({b, s, g, n * d});
+  struct Outputs {
+    std::vector<fp16> o, dq;
+    std::vector<float> lse, dk, dv;
+  };
+  auto bits = [](const std::vector<fp16>& x) {
+    std::vector<std::uint16_t> out;
+    for (const fp16 h : x)
+      out.push_back(h.bits);
+    return out;
+  };
+  std::vector<std::vector<float>> held;
+  std::vector<Outputs> runs;
+  tbb::task_arena one_thread(1);
+  for (int run = 0; run < 8; ++run) {
+    held.emplace_back(static_cast<std::size_t>(s * s));
+    const Fp16Tensor o = Fp16Tensor::empty(q.shape()), dq = Fp16Tensor::empty(q.shape());
+    const Tensor lse = Tensor::empty({b, g * n, s}), dk = Tensor::zeros(k.shape()),
+                 dv = Tensor::zeros(v.shape());
+    one_thread.execute([&] {
+      attention_forward({}, q, k, v, o, lse);
+      attention_backward({}, q, k, v, o, lse, d_o, dq, dk, dv);
+    });
+    runs.push_back(
+        {o.to_vector(), dq.to_vector(), lse.to_vector(), dk.to_vector(), dv.to_vector()});
+  }
+  for (std::size_t r = 1; r < runs.size(); ++r) {
+    SCOPED_TRACE(r);
+    EXPECT_EQ(runs[r].lse, runs[0].lse);
+    EXPECT_EQ(bits(runs[r].o), bits(runs[0].o));
+    EXPECT_EQ(bits(runs[r].dq), bits(runs[0].dq));
+    EXPECT_EQ(runs[r].dk, runs[0].dk);
+    EXPECT_EQ(runs[r].dv, runs[0].dv);
+  }
 }
 
 }  // namespace
