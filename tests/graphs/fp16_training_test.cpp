@@ -536,10 +536,10 @@ TEST(Fp16Training, MoeGradientsNearFp32WithTheAuxLossesScaled) {
 }
 
 // Expert parallelism with Ampipe 2 moves fp16 values exactly and reorders fp32 sums only
-// (bf16_moe_training_test's kExpertParallel argument); Ampipe 2 under cp2 adds the ring's
-// roundings: a partial output of each block and each block's dq, r = 2 L = 4, gradients within
-// sqrt(4) u, the first loss within kTensorParallel's 1.7e-4 and the later ones its 1.25e-3. With
-// MoE layers the later losses are held to bf16_moe_training_test's 1e-2: once two updates have
+// (kExpertParallel's argument in half_precision_equivalence.hpp); Ampipe 2 under cp2 adds the
+// ring's roundings: a partial output of each block and each block's dq, r = 2 L = 4, gradients
+// within sqrt(4) u, the first loss within kTensorParallel's 1.7e-4 and the later ones its 1.25e-3.
+// With MoE layers the later losses are held to bf16_moe_training_test's 1e-2: once two updates have
 // moved the router, a difference of a few u can flip a near tie in a token's top-2 choice, a
 // change of the loss that does not shrink with u (1.4e-3 measured at step 3).
 constexpr ParallelTolerance kContextParallel{1.7e-4, 2 * kU, 1.25e-3};
