@@ -192,6 +192,17 @@ const Case kCases[] = {
 INSTANTIATE_TEST_SUITE_P(Plans, ZeroStages, ::testing::ValuesIn(kCases),
                          [](const auto& info) { return std::string(info.param.name); });
 
+// The memory tests' configuration: four_layers(4) under `plan` on 1 TFLOP/s devices with
+// NVLink 4, validated.
+TrainerConfig memory_config(const ParallelPlan& plan) {
+  TrainerConfig c;
+  c.model = four_layers(4);
+  c.plan = plan;
+  c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
+  validate(c.model, c.plan);
+  return c;
+}
+
 // Rank 0's buckets in the step c builds, in elements: each layer's (the buckets `in_layer`
 // picks, by the layer their name starts with), the others' (the embeddings', the model end's),
 // and rank 0's shards of the layers'; and a layer bucket not sharded, if any.
@@ -236,15 +247,11 @@ void expect_predicted_as_materialised(const TrainerConfig& c, const Materialised
 // Each device holds the embeddings' and the model end's buckets whole, its shard of every layer
 // bucket, and two slots each as large as a layer's buckets: predicted and materialised alike.
 TEST(ZeroStage2Memory, GradientsAreTheShardsAndTwoLayerSlots) {
-  TrainerConfig c;
-  c.model = four_layers(4);
-  c.plan = {.expert_parallel = 2,
-            .data_parallel = 4,
-            .micro_batch_size = 1,
-            .global_batch_size = 8,
-            .distributed_optimizer = true};
-  c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
-  validate(c.model, c.plan);
+  TrainerConfig c = memory_config(ParallelPlan{.expert_parallel = 2,
+                                               .data_parallel = 4,
+                                               .micro_batch_size = 1,
+                                               .global_batch_size = 8,
+                                               .distributed_optimizer = true});
   // The buckets of stage 1, whose layout stage 2 keeps: elements by layer, and the rest (a
   // gradient bucket is as large as its values, a sharded one's shard 1 / replicas of it).
   const Rank0Buckets buckets = rank0_buckets(c, named_for_a_layer);
@@ -271,16 +278,12 @@ TEST(ZeroStage2Memory, GradientsAreTheShardsAndTwoLayerSlots) {
 // layer's, and two parameter slots laid out as the gradient slots: parameters / dp plus the two
 // units in flight.
 TEST(ZeroStage3Memory, ParametersAreTheShardsAndTwoUnitsInFlight) {
-  TrainerConfig c;
-  c.model = four_layers(4);
-  c.plan = {.expert_parallel = 2,
-            .data_parallel = 4,
-            .micro_batch_size = 1,
-            .global_batch_size = 8,
-            .distributed_optimizer = true,
-            .shard_gradients = true};
-  c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
-  validate(c.model, c.plan);
+  TrainerConfig c = memory_config(ParallelPlan{.expert_parallel = 2,
+                                               .data_parallel = 4,
+                                               .micro_batch_size = 1,
+                                               .global_batch_size = 8,
+                                               .distributed_optimizer = true,
+                                               .shard_gradients = true});
   const MaterialisedStep stage2 = materialised_step(c);
   const Rank0Buckets buckets = rank0_buckets(c, named_for_a_layer);
   std::map<int, std::int64_t> layer_elements = buckets.layers;
@@ -303,17 +306,13 @@ TEST(ZeroStage3Memory, ParametersAreTheShardsAndTwoUnitsInFlight) {
 // gradients are the stage's layers whole plus the shards, the parameters the shards plus two
 // layers; predicted and materialised alike, the step's length too.
 TEST(ZeroStageMemory, ZeroBubbleKeepsASlotALayerAndPredictsAsMaterialised) {
-  TrainerConfig c;
-  c.model = four_layers(4);
-  c.plan = {.data_parallel = 2,
-            .pipeline_parallel = 2,
-            .pipeline_scheduler = "zb-h1",
-            .micro_batch_size = 1,
-            .global_batch_size = 4,
-            .distributed_optimizer = true,
-            .shard_gradients = true};
-  c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
-  validate(c.model, c.plan);
+  TrainerConfig c = memory_config(ParallelPlan{.data_parallel = 2,
+                                               .pipeline_parallel = 2,
+                                               .pipeline_scheduler = "zb-h1",
+                                               .micro_batch_size = 1,
+                                               .global_batch_size = 4,
+                                               .distributed_optimizer = true,
+                                               .shard_gradients = true});
   // Rank 0 holds layers 0 and 1 (stage 0).
   const Rank0Buckets buckets = rank0_buckets(c, staged);
   std::map<int, std::int64_t> layer_elements = buckets.layers;
@@ -353,13 +352,10 @@ TEST(ZeroStageMemory, AmpipeAndZbVPredictAsMaterialised) {
     for (const bool stage3 : {false, true}) {
       SCOPED_TRACE(::testing::Message() << (plan.ampipe_degree > 1 ? "Ampipe" : "zb-v")
                                         << (stage3 ? " stage 3" : " stage 2"));
-      TrainerConfig c;
-      c.model = four_layers(4);
-      c.plan = plan;
-      c.plan.distributed_optimizer = c.plan.shard_gradients = true;
-      c.plan.shard_parameters = stage3;
-      c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
-      validate(c.model, c.plan);
+      ParallelPlan sharded = plan;
+      sharded.distributed_optimizer = sharded.shard_gradients = true;
+      sharded.shard_parameters = stage3;
+      const TrainerConfig c = memory_config(sharded);
       const MaterialisedStep r = materialised_step(c);
       expect_predicted_as_materialised(c, r);
     }
