@@ -74,13 +74,7 @@ TEST(Bf16MoeTraining, GradientsAndLossesTrackFp32) {
   EXPECT_LT(bf16_5.losses.back(), 0.9 * bf16_5.losses.front());  // it learns
 }
 
-// Expert parallelism moves bf16 values (exactly) and changes no rounding: the experts run the
-// same rows in the same products. What differs is the order of fp32 sums (the data-parallel
-// reduction of the replicated parameters' gradients, a few additions of relative 2^-24): the
-// first loss and aux loss agree to 1e-6, the gradients to 1e-5 (an fp32 ulp flips the rounding of
-// a rare bf16 value, one u of one element), the later steps to 1e-4 (bf16_training_test's dp
-// argument).
-constexpr ParallelTolerance kExpertParallel{1e-6, 1e-5, 1e-4};
+// Expert parallelism: kExpertParallel (half_precision_equivalence.hpp).
 
 // Tensor parallelism with SP adds the dense layer's and the attention half's tp roundings
 // (bf16_training_test: r = 4 L + 1 = 9 for the attention halves, the dense MLP and the output
@@ -135,13 +129,7 @@ TEST(Bf16MoeTraining, PipeExpertsSplitOverTpEqualsOneDevice) {
 // accumulated chunk after chunk, the data-parallel reduction), which may flip the rounding of a
 // rare bf16 value: as expert parallelism, kExpertParallel.
 TEST(Bf16MoeTraining, Ep2Ampipe2EqualsOneDevice) {
-  expect_equals_one_device_of_its_batches(moe_model(Precision::bf16),
-                                          {.expert_parallel = 2,
-                                           .data_parallel = 2,
-                                           .micro_batch_size = 2,
-                                           .global_batch_size = 4,
-                                           .ampipe_degree = 2},
-                                          kExpertParallel);
+  expect_equals_one_device_of_its_batches(moe_model(Precision::bf16), kEp2Ampipe2, kExpertParallel);
 }
 
 // Ampipe with MindSpeed's tp-sp overlap: split experts' items pipelined over both chunks, their
@@ -271,27 +259,10 @@ TEST(Bf16MoeTraining, RecomputationIsBitwise) {
 TEST(Bf16MoeTraining, APowerOfTwoLossScaleChangesNoBit) {
   const ModelConfig m = moe_model(Precision::bf16);
   const auto steps = [&m](const ParallelPlan& plan, float scale) {
-    devices::DeviceSet set(plan.devices(), {.pin = false});
-    devices::SharedMemoryCommunicator comm;
     OptimizerConfig opt{.adamw = {.beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1},
                         .clip_grad = 1.0,
                         .loss_scaling = scale != 1.f};
-    TrainingStep step(m, plan, opt, set, comm);
-    Outcome out;
-    for (int it = 1; it <= 2; ++it) {
-      fill_batches(step, m, plan);
-      step.prepare(it, 1e-2);
-      if (opt.loss_scaling) step.set_loss_scale(scale);
-      set.executor().run(step.graph());
-      out.losses.push_back(step.result().loss);
-      out.aux.push_back(step.result().aux_loss);
-    }
-    for (int r = 0; r < plan.devices(); ++r)
-      for (const Parameter& p : step.shard(r).parameters()) {
-        const std::vector<float> g = p.grad.to_vector();
-        out.grads[fmt::format("{}@{}", p.name, r)].assign(g.begin(), g.end());
-      }
-    return out;
+    return two_scaled_steps(m, plan, opt, 1e-2, scale).outcome;
   };
   const ParallelPlan ep2{
       .expert_parallel = 2, .data_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4};

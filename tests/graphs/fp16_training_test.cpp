@@ -100,18 +100,7 @@ void expect_gradients_near_fp32(const ModelConfig& m) {
   const auto fp16 = gradients(in(m, Precision::fp16));
   const double bound = gradient_tolerance(m);
   ASSERT_EQ(fp32.size(), fp16.size());
-  double worst = 0;
-  for (const auto& [name, want] : fp32) {
-    const std::vector<float>& got = fp16.at(name);
-    double diff = 0, norm = 0;
-    for (std::size_t i = 0; i < want.size(); ++i) {
-      diff += (double{got[i]} - want[i]) * (double{got[i]} - want[i]);
-      norm += double{want[i]} * want[i];
-    }
-    EXPECT_LE(std::sqrt(diff), bound * std::sqrt(norm)) << name;
-    EXPECT_GT(diff, 0) << name << ": not computed in fp16";
-    worst = std::max(worst, std::sqrt(diff / norm));
-  }
+  const double worst = expect_gradients_within(fp32, fp16, bound, "fp16");
   ::testing::Test::RecordProperty("worst_relative_gradient_error", fmt::format("{:.3g}", worst));
 }
 
@@ -543,37 +532,21 @@ TEST(Fp16Training, MoeGradientsNearFp32WithTheAuxLossesScaled) {
   const auto fp16 = gradients(in(moe(), Precision::fp16));
   ASSERT_EQ(fp32.size(), fp16.size());
   const double bound = std::sqrt(36.0) * kU;
-  for (const auto& [name, want] : fp32) {
-    const std::vector<float>& got = fp16.at(name);
-    double diff = 0, norm = 0;
-    for (std::size_t i = 0; i < want.size(); ++i) {
-      diff += (double{got[i]} - want[i]) * (double{got[i]} - want[i]);
-      norm += double{want[i]} * want[i];
-    }
-    EXPECT_LE(std::sqrt(diff), bound * std::sqrt(norm)) << name;
-    EXPECT_GT(diff, 0) << name << ": not computed in fp16";
-  }
+  expect_gradients_within(fp32, fp16, bound, "fp16");
 }
 
 // Expert parallelism with Ampipe 2 moves fp16 values exactly and reorders fp32 sums only
-// (bf16_moe_training_test's kExpertParallel argument); Ampipe 2 under cp2 adds the ring's
-// roundings: a partial output of each block and each block's dq, r = 2 L = 4, gradients within
-// sqrt(4) u, the first loss within kTensorParallel's 1.7e-4 and the later ones its 1.25e-3. With
-// MoE layers the later losses are held to bf16_moe_training_test's 1e-2: once two updates have
+// (kExpertParallel's argument in half_precision_equivalence.hpp); Ampipe 2 under cp2 adds the
+// ring's roundings: a partial output of each block and each block's dq, r = 2 L = 4, gradients
+// within sqrt(4) u, the first loss within kTensorParallel's 1.7e-4 and the later ones its 1.25e-3.
+// With MoE layers the later losses are held to bf16_moe_training_test's 1e-2: once two updates have
 // moved the router, a difference of a few u can flip a near tie in a token's top-2 choice, a
 // change of the loss that does not shrink with u (1.4e-3 measured at step 3).
-constexpr ParallelTolerance kExpertParallel{1e-6, 1e-5, 1e-4};
 constexpr ParallelTolerance kContextParallel{1.7e-4, 2 * kU, 1.25e-3};
 constexpr ParallelTolerance kMoeContextParallel{1.7e-4, 2 * kU, 1e-2};
 
 TEST(Fp16Training, MoeEp2Ampipe2EqualsOneDevice) {
-  expect_scaled_plan_equals_one_device(in(moe(), Precision::fp16),
-                                       {.expert_parallel = 2,
-                                        .data_parallel = 2,
-                                        .micro_batch_size = 2,
-                                        .global_batch_size = 4,
-                                        .ampipe_degree = 2},
-                                       kExpertParallel);
+  expect_scaled_plan_equals_one_device(in(moe(), Precision::fp16), kEp2Ampipe2, kExpertParallel);
 }
 
 TEST(Fp16Training, MoeCp2Ampipe2AndLlamaCp2EqualOneDevice) {
@@ -604,25 +577,10 @@ TEST(Fp16Training, QkLayernormTp2SpEqualsOneDevice) {
 // Two scaled steps (2^10), the second after an update: losses, aux losses and every rank's
 // unscaled gradients of the second.
 Outcome scaled_outcome(const ModelConfig& m, const ParallelPlan& plan) {
-  devices::DeviceSet set(plan.devices(), {.pin = false});
-  devices::SharedMemoryCommunicator comm;
-  TrainingStep step(m, plan, optimizer(true), set, comm);
-  Outcome out;
-  for (int it = 1; it <= 2; ++it) {
-    fill_batches(step, m, plan);
-    step.prepare(it, kLearningRate);
-    step.set_loss_scale(kScale);
-    set.executor().run(step.graph());
-    EXPECT_FALSE(step.result().found_inf) << "step " << it;
-    out.losses.push_back(step.result().loss);
-    out.aux.push_back(step.result().aux_loss);
-  }
-  for (int r = 0; r < plan.devices(); ++r)
-    for (const Parameter& p : step.shard(r).parameters()) {
-      const std::vector<float> g = p.grad.to_vector();
-      out.grads[fmt::format("{}@{}", p.name, r)].assign(g.begin(), g.end());
-    }
-  return out;
+  const ScaledSteps steps = two_scaled_steps(m, plan, optimizer(true), kLearningRate, kScale);
+  for (std::size_t i = 0; i < steps.found_inf.size(); ++i)
+    EXPECT_FALSE(steps.found_inf[i]) << "step " << i + 1;
+  return steps.outcome;
 }
 
 // Recomputation in fp16 runs the same forward again from the same kept values with the same

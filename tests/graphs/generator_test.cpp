@@ -31,23 +31,6 @@ ModelConfig llama(int experts) {
   return without_dropout(m);
 }
 
-// Mean cross-entropy of the next token over the sequence, from the logits decoding gives.
-double decoded_loss(Generator& g, const std::vector<std::int32_t>& tokens,
-                    const std::vector<std::int32_t>& targets) {
-  g.reset();
-  double sum = 0;
-  for (std::size_t s = 0; s < tokens.size(); ++s) {
-    const std::vector<float> logits = g.feed(tokens[s]);
-    double top = -INFINITY, z = 0;
-    for (float v : logits)
-      top = std::max<double>(top, v);
-    for (float v : logits)
-      z += std::exp(v - top);
-    sum += top + std::log(z) - logits[static_cast<std::size_t>(targets[s])];
-  }
-  return sum / static_cast<double>(tokens.size());
-}
-
 class KeyValueCache : public ::testing::TestWithParam<int> {};
 
 // DeepSeek-V3's shapes on the Llama-style model: a dense first layer, experts of their own width.
@@ -61,17 +44,8 @@ ModelConfig dense_first_narrow_experts() {
 TEST_P(KeyValueCache, DecodingTokenByTokenGivesTheTrainingStepsLoss) {
   std::vector<ModelConfig> models{without_dropout(tiny(GetParam())), llama(GetParam())};
   if (GetParam() > 0) models.push_back(dense_first_narrow_experts());
-  for (const ModelConfig& m : models) {
-    const ParallelPlan plan{.micro_batch_size = 1, .global_batch_size = 1};
-    Decoder decoder(m, plan);
-    decoder.step.set_update_parameters(false);
-    fill_batches(decoder.step, m, plan);
-    decoder.step.prepare(1, 0);
-    decoder.set.executor().run(decoder.step.graph());
-    const MicroBatch& batch = decoder.step.micro_batch(0, 0);
-    const double decoded = decoded_loss(decoder.generator, batch.tokens, batch.targets);
-    EXPECT_NEAR(decoded, decoder.step.result().loss, 1e-5 * decoded);
-  }
+  for (const ModelConfig& m : models)
+    expect_decoding_gives_the_steps_loss(m);
 }
 
 INSTANTIATE_TEST_SUITE_P(DenseAndMoe, KeyValueCache, ::testing::Values(0, 4));

@@ -139,27 +139,7 @@ TEST(QkLayerNorm, WholeModelGradientMatchesADirectionalDifference) {
 // Fed the training step's sequence token by token, decoding gives its loss.
 TEST(QkLayerNorm, DecodingGivesTheTrainingStepsLoss) {
   for (const Normalization norm : {Normalization::layer_norm, Normalization::rms_norm}) {
-    const ModelConfig m = without_dropout(qk_model(4, norm));
-    const ParallelPlan plan{.micro_batch_size = 1, .global_batch_size = 1};
-    Decoder decoder(m, plan);
-    decoder.step.set_update_parameters(false);
-    fill_batches(decoder.step, m, plan);
-    decoder.step.prepare(1, 0);
-    decoder.set.executor().run(decoder.step.graph());
-    const MicroBatch& batch = decoder.step.micro_batch(0, 0);
-    decoder.generator.reset();
-    double sum = 0;
-    for (std::size_t s = 0; s < batch.tokens.size(); ++s) {
-      const std::vector<float> logits = decoder.generator.feed(batch.tokens[s]);
-      double top = -INFINITY, z = 0;
-      for (float v : logits)
-        top = std::max<double>(top, v);
-      for (float v : logits)
-        z += std::exp(v - top);
-      sum += top + std::log(z) - logits[static_cast<std::size_t>(batch.targets[s])];
-    }
-    const double decoded = sum / static_cast<double>(batch.tokens.size());
-    EXPECT_NEAR(decoded, decoder.step.result().loss, 1e-5 * decoded);
+    expect_decoding_gives_the_steps_loss(without_dropout(qk_model(4, norm)));
   }
 }
 

@@ -78,36 +78,13 @@ TEST(SharedExpertGate, EqualsOneDeviceUnderEachParallelism) {
 }
 
 TEST(SharedExpertGate, DecodingGivesTheTrainingStepsLoss) {
-  const ModelConfig m = without_dropout(gated_model());
-  const ParallelPlan plan{.micro_batch_size = 1, .global_batch_size = 1};
-  Decoder one(m, plan);
-  one.step.set_update_parameters(false);
-  fill_batches(one.step, m, plan);
-  one.step.prepare(1, 0);
-  one.set.executor().run(one.step.graph());
-  const MicroBatch& batch = one.step.micro_batch(0, 0);
-  Decoder split(m, {.tensor_parallel = 2, .sequence_parallel = true, .expert_parallel = 2});
-  one.generator.reset();
-  double sum = 0;
-  for (std::size_t s = 0; s < batch.tokens.size(); ++s) {
-    const std::vector<float> logits = one.generator.feed(batch.tokens[s]);
-    const std::vector<float> other = split.generator.feed(batch.tokens[s]);
-    ASSERT_EQ(other.size(), logits.size());
-    for (std::size_t i = 0; i < logits.size(); ++i)
-      ASSERT_NEAR(other[i], logits[i], 1e-4 * (1 + std::abs(logits[i])));
-    double top = -INFINITY, z = 0;
-    for (float v : logits)
-      top = std::max<double>(top, v);
-    for (float v : logits)
-      z += std::exp(v - top);
-    sum += top + std::log(z) - logits[static_cast<std::size_t>(batch.targets[s])];
-  }
-  const double decoded = sum / static_cast<double>(batch.tokens.size());
-  EXPECT_NEAR(decoded, one.step.result().loss, 1e-5 * decoded);
+  ASSERT_NO_FATAL_FAILURE(expect_decoding_gives_the_steps_loss(
+      without_dropout(gated_model()),
+      ParallelPlan{.tensor_parallel = 2, .sequence_parallel = true, .expert_parallel = 2}));
   // A gate without shared experts is refused.
   ModelConfig none = gated_model();
   none.moe_shared_expert_intermediate_size = 0;
-  ParallelPlan none_plan = plan;
+  ParallelPlan none_plan{.micro_batch_size = 1, .global_batch_size = 1};
   EXPECT_THROW(validate(none, none_plan), ConfigError);
 }
 

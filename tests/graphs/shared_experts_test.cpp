@@ -285,32 +285,9 @@ TEST(SharedExperts, CheckpointRoundTrip) {
 // Decoding runs them too: split over tp and ep it gives the one device's logits, which give the
 // training step's loss.
 TEST(SharedExperts, DecodingGivesTheTrainingStepsLoss) {
-  const ModelConfig m = without_dropout(shared_model());
-  const ParallelPlan plan{.micro_batch_size = 1, .global_batch_size = 1};
-  Decoder one(m, plan);
-  one.step.set_update_parameters(false);
-  fill_batches(one.step, m, plan);
-  one.step.prepare(1, 0);
-  one.set.executor().run(one.step.graph());
-  const MicroBatch& batch = one.step.micro_batch(0, 0);
-  Decoder split(m, {.tensor_parallel = 2, .sequence_parallel = true, .expert_parallel = 2});
-  one.generator.reset();
-  double sum = 0;
-  for (std::size_t s = 0; s < batch.tokens.size(); ++s) {
-    const std::vector<float> logits = one.generator.feed(batch.tokens[s]);
-    const std::vector<float> other = split.generator.feed(batch.tokens[s]);
-    ASSERT_EQ(other.size(), logits.size());
-    for (std::size_t i = 0; i < logits.size(); ++i)
-      ASSERT_NEAR(other[i], logits[i], 1e-4 * (1 + std::abs(logits[i])));
-    double top = -INFINITY, z = 0;
-    for (float v : logits)
-      top = std::max<double>(top, v);
-    for (float v : logits)
-      z += std::exp(v - top);
-    sum += top + std::log(z) - logits[static_cast<std::size_t>(batch.targets[s])];
-  }
-  const double decoded = sum / static_cast<double>(batch.tokens.size());
-  EXPECT_NEAR(decoded, one.step.result().loss, 1e-5 * decoded);
+  expect_decoding_gives_the_steps_loss(
+      without_dropout(shared_model()),
+      ParallelPlan{.tensor_parallel = 2, .sequence_parallel = true, .expert_parallel = 2});
 }
 
 TEST(SharedExperts, RulesRefuseWhatCannotRun) {

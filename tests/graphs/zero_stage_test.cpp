@@ -192,35 +192,72 @@ const Case kCases[] = {
 INSTANTIATE_TEST_SUITE_P(Plans, ZeroStages, ::testing::ValuesIn(kCases),
                          [](const auto& info) { return std::string(info.param.name); });
 
+// The memory tests' configuration: four_layers(4) under `plan` on 1 TFLOP/s devices with
+// NVLink 4, validated.
+TrainerConfig memory_config(const ParallelPlan& plan) {
+  TrainerConfig c;
+  c.model = four_layers(4);
+  c.plan = plan;
+  c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
+  validate(c.model, c.plan);
+  return c;
+}
+
+// Rank 0's buckets in the step c builds, in elements: each layer's (the buckets `in_layer`
+// picks, by the layer their name starts with), the others' (the embeddings', the model end's),
+// and rank 0's shards of the layers'; and a layer bucket not sharded, if any.
+struct Rank0Buckets {
+  std::map<int, std::int64_t> layers;
+  std::int64_t rest = 0, shards = 0;
+  std::string unsharded;
+};
+
+bool named_for_a_layer(const GradientBucket& b) {
+  return b.name.rfind("layers.", 0) == 0;
+}
+
+bool staged(const GradientBucket& b) {
+  return b.staged;
+}
+
+Rank0Buckets rank0_buckets(const TrainerConfig& c, bool (*in_layer)(const GradientBucket&)) {
+  Rank0Buckets out;
+  devices::DeviceSet set(c.plan.devices(), {.pin = false});
+  devices::SharedMemoryCommunicator comm;
+  TrainingStep step(c.model, c.plan, {}, set, comm);
+  for (const GradientBucket& b : step.shard(0).buckets()) {
+    if (!in_layer(b)) {
+      out.rest += b.values.numel();
+      continue;
+    }
+    if (!b.sharded && out.unsharded.empty()) out.unsharded = b.name;
+    out.layers[std::stoi(b.name.substr(7))] += b.values.numel();
+    out.shards += b.shard_size;
+  }
+  return out;
+}
+
+// weave predict gives the materialised step's memory and length.
+void expect_predicted_as_materialised(const TrainerConfig& c, const MaterialisedStep& r) {
+  const Prediction p = predict_step(c);
+  EXPECT_EQ(p.memory, r.memory);
+  EXPECT_DOUBLE_EQ(p.step_ms, static_cast<double>(r.replay.makespan) * 1e-6);
+}
+
 // Each device holds the embeddings' and the model end's buckets whole, its shard of every layer
 // bucket, and two slots each as large as a layer's buckets: predicted and materialised alike.
 TEST(ZeroStage2Memory, GradientsAreTheShardsAndTwoLayerSlots) {
-  TrainerConfig c;
-  c.model = four_layers(4);
-  c.plan = {.expert_parallel = 2,
-            .data_parallel = 4,
-            .micro_batch_size = 1,
-            .global_batch_size = 8,
-            .distributed_optimizer = true};
-  c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
-  validate(c.model, c.plan);
-  // The buckets of stage 1, whose layout stage 2 keeps: elements by layer, and the rest.
-  std::map<int, std::int64_t> layer_elements;
-  std::int64_t rest = 0, sharded_layers = 0;
-  {
-    devices::DeviceSet set(c.plan.devices(), {.pin = false});
-    devices::SharedMemoryCommunicator comm;
-    TrainingStep step(c.model, c.plan, {}, set, comm);
-    for (const GradientBucket& b : step.shard(0).buckets()) {
-      if (b.name.rfind("layers.", 0) != 0) {
-        rest += b.grads.numel();
-        continue;
-      }
-      ASSERT_TRUE(b.sharded) << b.name;
-      layer_elements[std::stoi(b.name.substr(7))] += b.grads.numel();
-      sharded_layers += b.grads.numel() / b.replicas;
-    }
-  }
+  TrainerConfig c = memory_config(ParallelPlan{.expert_parallel = 2,
+                                               .data_parallel = 4,
+                                               .micro_batch_size = 1,
+                                               .global_batch_size = 8,
+                                               .distributed_optimizer = true});
+  // The buckets of stage 1, whose layout stage 2 keeps: elements by layer, and the rest (a
+  // gradient bucket is as large as its values, a sharded one's shard 1 / replicas of it).
+  const Rank0Buckets buckets = rank0_buckets(c, named_for_a_layer);
+  ASSERT_TRUE(buckets.unsharded.empty()) << buckets.unsharded;
+  std::map<int, std::int64_t> layer_elements = buckets.layers;
+  const std::int64_t rest = buckets.rest, sharded_layers = buckets.shards;
   // Layers 0 and 2 take slot 0, layers 1 and 3 slot 1.
   const std::int64_t slots = std::max(layer_elements[0], layer_elements[2]) +
                              std::max(layer_elements[1], layer_elements[3]);
@@ -234,41 +271,23 @@ TEST(ZeroStage2Memory, GradientsAreTheShardsAndTwoLayerSlots) {
                              (rest + layer_elements[0] + layer_elements[1] + layer_elements[2] +
                               layer_elements[3]));
   EXPECT_LT(peak, stage1_peak);
-  const Prediction p = predict_step(c);
-  EXPECT_EQ(p.memory, r.memory);
-  EXPECT_DOUBLE_EQ(p.step_ms, static_cast<double>(r.replay.makespan) * 1e-6);
+  expect_predicted_as_materialised(c, r);
 }
 
 // Stage 3: each device holds the embeddings' and the model end's values whole, its shard of every
 // layer's, and two parameter slots laid out as the gradient slots: parameters / dp plus the two
 // units in flight.
 TEST(ZeroStage3Memory, ParametersAreTheShardsAndTwoUnitsInFlight) {
-  TrainerConfig c;
-  c.model = four_layers(4);
-  c.plan = {.expert_parallel = 2,
-            .data_parallel = 4,
-            .micro_batch_size = 1,
-            .global_batch_size = 8,
-            .distributed_optimizer = true,
-            .shard_gradients = true};
-  c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
-  validate(c.model, c.plan);
+  TrainerConfig c = memory_config(ParallelPlan{.expert_parallel = 2,
+                                               .data_parallel = 4,
+                                               .micro_batch_size = 1,
+                                               .global_batch_size = 8,
+                                               .distributed_optimizer = true,
+                                               .shard_gradients = true});
   const MaterialisedStep stage2 = materialised_step(c);
-  std::map<int, std::int64_t> layer_elements;
-  std::int64_t rest = 0, shards = 0;
-  {
-    devices::DeviceSet set(c.plan.devices(), {.pin = false});
-    devices::SharedMemoryCommunicator comm;
-    TrainingStep step(c.model, c.plan, {}, set, comm);
-    for (const GradientBucket& b : step.shard(0).buckets()) {
-      if (b.name.rfind("layers.", 0) != 0) {
-        rest += b.values.numel();
-        continue;
-      }
-      layer_elements[std::stoi(b.name.substr(7))] += b.values.numel();
-      shards += b.shard_size;
-    }
-  }
+  const Rank0Buckets buckets = rank0_buckets(c, named_for_a_layer);
+  std::map<int, std::int64_t> layer_elements = buckets.layers;
+  const std::int64_t rest = buckets.rest, shards = buckets.shards;
   const std::int64_t in_flight = std::max(layer_elements[0], layer_elements[2]) +
                                  std::max(layer_elements[1], layer_elements[3]);
   c.plan.shard_parameters = true;
@@ -279,9 +298,7 @@ TEST(ZeroStage3Memory, ParametersAreTheShardsAndTwoUnitsInFlight) {
             static_cast<std::int64_t>(sizeof(float)) * (rest + shards + in_flight));
   EXPECT_LT(r.memory[0][parameters], stage2.memory[0][parameters]);
   EXPECT_EQ(r.memory[0][gradients], stage2.memory[0][gradients]);
-  const Prediction p = predict_step(c);
-  EXPECT_EQ(p.memory, r.memory);
-  EXPECT_DOUBLE_EQ(p.step_ms, static_cast<double>(r.replay.makespan) * 1e-6);
+  expect_predicted_as_materialised(c, r);
 }
 
 // Under a zero-bubble schedule each layer of a stage keeps a gradient slot of its own (its W
@@ -289,33 +306,17 @@ TEST(ZeroStage3Memory, ParametersAreTheShardsAndTwoUnitsInFlight) {
 // gradients are the stage's layers whole plus the shards, the parameters the shards plus two
 // layers; predicted and materialised alike, the step's length too.
 TEST(ZeroStageMemory, ZeroBubbleKeepsASlotALayerAndPredictsAsMaterialised) {
-  TrainerConfig c;
-  c.model = four_layers(4);
-  c.plan = {.data_parallel = 2,
-            .pipeline_parallel = 2,
-            .pipeline_scheduler = "zb-h1",
-            .micro_batch_size = 1,
-            .global_batch_size = 4,
-            .distributed_optimizer = true,
-            .shard_gradients = true};
-  c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
-  validate(c.model, c.plan);
+  TrainerConfig c = memory_config(ParallelPlan{.data_parallel = 2,
+                                               .pipeline_parallel = 2,
+                                               .pipeline_scheduler = "zb-h1",
+                                               .micro_batch_size = 1,
+                                               .global_batch_size = 4,
+                                               .distributed_optimizer = true,
+                                               .shard_gradients = true});
   // Rank 0 holds layers 0 and 1 (stage 0).
-  std::map<int, std::int64_t> layer_elements;
-  std::int64_t rest = 0, shards = 0;
-  {
-    devices::DeviceSet set(c.plan.devices(), {.pin = false});
-    devices::SharedMemoryCommunicator comm;
-    TrainingStep step(c.model, c.plan, {}, set, comm);
-    for (const GradientBucket& b : step.shard(0).buckets()) {
-      if (!b.staged) {
-        rest += b.values.numel();
-        continue;
-      }
-      layer_elements[std::stoi(b.name.substr(7))] += b.values.numel();
-      shards += b.shard_size;
-    }
-  }
+  const Rank0Buckets buckets = rank0_buckets(c, staged);
+  std::map<int, std::int64_t> layer_elements = buckets.layers;
+  const std::int64_t rest = buckets.rest, shards = buckets.shards;
   ASSERT_EQ(layer_elements.size(), 2u);
   const auto parameters = static_cast<std::size_t>(rt::MemoryCategory::parameters);
   const auto gradients = static_cast<std::size_t>(rt::MemoryCategory::gradients);
@@ -330,9 +331,7 @@ TEST(ZeroStageMemory, ZeroBubbleKeepsASlotALayerAndPredictsAsMaterialised) {
                 static_cast<std::int64_t>(sizeof(float)) *
                     (rest + shards + layer_elements[0] + layer_elements[1]));
     }
-    const Prediction p = predict_step(c);
-    EXPECT_EQ(p.memory, r.memory);
-    EXPECT_DOUBLE_EQ(p.step_ms, static_cast<double>(r.replay.makespan) * 1e-6);
+    expect_predicted_as_materialised(c, r);
   }
 }
 
@@ -353,17 +352,12 @@ TEST(ZeroStageMemory, AmpipeAndZbVPredictAsMaterialised) {
     for (const bool stage3 : {false, true}) {
       SCOPED_TRACE(::testing::Message() << (plan.ampipe_degree > 1 ? "Ampipe" : "zb-v")
                                         << (stage3 ? " stage 3" : " stage 2"));
-      TrainerConfig c;
-      c.model = four_layers(4);
-      c.plan = plan;
-      c.plan.distributed_optimizer = c.plan.shard_gradients = true;
-      c.plan.shard_parameters = stage3;
-      c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
-      validate(c.model, c.plan);
+      ParallelPlan sharded = plan;
+      sharded.distributed_optimizer = sharded.shard_gradients = true;
+      sharded.shard_parameters = stage3;
+      const TrainerConfig c = memory_config(sharded);
       const MaterialisedStep r = materialised_step(c);
-      const Prediction p = predict_step(c);
-      EXPECT_EQ(p.memory, r.memory);
-      EXPECT_DOUBLE_EQ(p.step_ms, static_cast<double>(r.replay.makespan) * 1e-6);
+      expect_predicted_as_materialised(c, r);
     }
 }
 

@@ -7,6 +7,7 @@
 #include <random>
 
 #include "gradient_check.hpp"
+#include "router_gradient.hpp"
 #include "weave/ops/experts.hpp"
 #include "weave/ops/moe_dispatch.hpp"
 #include "weave/ops/router.hpp"
@@ -16,6 +17,7 @@ namespace {
 
 using testing::dot;
 using testing::expect_gradient;
+using testing::expect_router_gradient;
 using testing::random_tensor;
 using testing::TensorD;
 
@@ -27,20 +29,7 @@ TEST_P(RouterGradient, MatchesFiniteDifferences) {
   const std::int64_t T = 6, E = 5;
   const RouterOptions opt{
       .top_k = 2, .renormalize = renormalize, .aux_loss_coeff = 0.3, .z_loss_coeff = 0.05};
-  const TensorD logits = random_tensor({T, E}, gen, -2, 2), r = random_tensor({T, 2}, gen);
-  const TensorD probs = TensorD::empty({T, E}), w = TensorD::empty({T, 2});
-  std::vector<std::int32_t> index(T * 2);
-  // L = sum(w * r) + aux + z, with the picks (and so f_e) held fixed as the perturbation is
-  // small: finite differences see the same top-k.
-  RouterStatistics stats;
-  auto loss = [&] {
-    stats = router_forward(opt, logits, probs, std::span(index), w);
-    return dot(w, r) + aux_loss(opt, stats) + z_loss(opt, stats);
-  };
-  loss();
-  const TensorD dlogits = TensorD::empty({T, E});
-  router_backward<double>(opt, logits, probs, index, w, r, stats, 1.0, dlogits);
-  expect_gradient("dlogits", logits, loss, dlogits);
+  expect_router_gradient("dlogits", opt, T, E, gen);
 }
 
 INSTANTIATE_TEST_SUITE_P(Renormalize, RouterGradient, ::testing::Bool());

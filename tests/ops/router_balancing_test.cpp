@@ -10,6 +10,7 @@
 #include <random>
 
 #include "gradient_check.hpp"
+#include "router_gradient.hpp"
 #include "weave/ops/router.hpp"
 
 namespace weave::ops {
@@ -17,6 +18,7 @@ namespace {
 
 using testing::dot;
 using testing::expect_gradient;
+using testing::expect_router_gradient;
 using testing::random_tensor;
 using testing::TensorD;
 
@@ -103,19 +105,7 @@ TEST(RouterBalancing, SeqAuxLossGradientMatchesFiniteDifferences) {
     const std::int64_t T = 8, E = 5;
     const RouterOptions opt{
         .top_k = 2, .score = score, .aux_loss_coeff = 0.3, .z_loss_coeff = 0.02, .sequences = 2};
-    const TensorD logits = random_tensor({T, E}, gen, -2, 2), r = random_tensor({T, 2}, gen);
-    const TensorD probs = TensorD::empty({T, E}), w = TensorD::empty({T, 2});
-    std::vector<std::int32_t> index(static_cast<std::size_t>(T * 2));
-    RouterStatistics stats;
-    auto loss = [&] {
-      stats = router_forward(opt, logits, probs, std::span(index), w);
-      return dot(w, r) + aux_loss(opt, stats) + z_loss(opt, stats);
-    };
-    loss();
-    const TensorD dlogits = TensorD::empty({T, E});
-    router_backward(opt, logits, probs, std::span<const std::int32_t>(index), w, r, stats, 1.0,
-                    dlogits);
-    expect_gradient(score == RouterScore::softmax ? "softmax" : "sigmoid", logits, loss, dlogits);
+    expect_router_gradient(score == RouterScore::softmax ? "softmax" : "sigmoid", opt, T, E, gen);
   }
 }
 

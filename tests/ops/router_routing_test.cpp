@@ -8,14 +8,13 @@
 #include <random>
 
 #include "gradient_check.hpp"
+#include "router_gradient.hpp"
 #include "weave/ops/router.hpp"
 
 namespace weave::ops {
 namespace {
 
-using testing::dot;
-using testing::expect_gradient;
-using testing::random_tensor;
+using testing::expect_router_gradient;
 using testing::TensorD;
 
 double sigmoid(double x) {
@@ -143,20 +142,7 @@ TEST(RouterRouting, SigmoidGradientMatchesFiniteDifferences) {
                             .num_groups = 3,
                             .group_topk = 1,
                             .expert_bias = bias};
-    const TensorD logits = random_tensor({T, E}, gen, -2, 2), r = random_tensor({T, k}, gen);
-    const TensorD probs = TensorD::empty({T, E}), w = TensorD::empty({T, k});
-    std::vector<std::int32_t> index(static_cast<std::size_t>(T * k));
-    RouterStatistics stats;
-    // The picks (and the loss's counts) held as the perturbation is small.
-    auto loss = [&] {
-      stats = router_forward(opt, logits, probs, std::span(index), w);
-      return dot(w, r) + aux_loss(opt, stats) + z_loss(opt, stats);
-    };
-    loss();
-    const TensorD dlogits = TensorD::empty({T, E});
-    router_backward(opt, logits, probs, std::span<const std::int32_t>(index), w, r, stats, 1.0,
-                    dlogits);
-    expect_gradient(k == 1 ? "top-1" : "top-2", logits, loss, dlogits);
+    expect_router_gradient(k == 1 ? "top-1" : "top-2", opt, T, E, gen);
   }
 }
 
