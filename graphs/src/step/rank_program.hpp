@@ -256,7 +256,7 @@ class RankProgram {
   const MoeMlpParameters& moe_parameters(int l) const { return layer(l).moe_mlp(); }
   ActivationSet& aset(int set) {
     if (MemoryRecording* r = active_memory_recording())
-      r->first_use.emplace(std::pair{rank, set}, graph.size());
+      r->first_use.try_emplace(std::pair{rank, set}, graph.size());
     return state.sets[static_cast<std::size_t>(set)];
   }
   LayerActivations& acts(int set, int l) {

@@ -62,8 +62,8 @@ enum class TransferPattern : std::uint8_t {
 
 // What a task costs, for the virtual clock and the link model. bytes is the volume that
 // crosses a link per member (for a collective, already scaled by its algorithm's factor), or the
-// memory a compute task streams; messages is the number of latency terms (alpha) the transfer
-// pays.
+// memory a compute task streams; messages is the number of latency terms (alpha) the task pays:
+// a transfer's messages, or the kernels a compute task stands for, each paying a launch.
 //
 // The kernel shapes let a machine model price kinds of work apart (see devices::KernelRates):
 // attention_flops is the part of `flops` in attention kernels, and matmul_edges sums over the
