@@ -110,6 +110,24 @@ const Case kCases[] = {
       .micro_batch_size = 1,
       .global_batch_size = 4,
       .distributed_optimizer = true}},
+    // Ampipe without SP: each chunk's projection all-reduced, every tp rank routing its slice
+    // of the chunk, the chunk's output gathered back.
+    {"tp2_ep2_dp2_ampipe2",
+     {.tensor_parallel = 2,
+      .expert_parallel = 2,
+      .data_parallel = 2,
+      .micro_batch_size = 1,
+      .global_batch_size = 4,
+      .ampipe_degree = 2}},
+    // --ampipe-tp-sp-comm-overlap without SP: the items' tensor-parallel reductions pipelined.
+    {"tp2_ep2_dp2_ampipe2_overlap",
+     {.tensor_parallel = 2,
+      .expert_parallel = 2,
+      .data_parallel = 2,
+      .micro_batch_size = 1,
+      .global_batch_size = 4,
+      .ampipe_degree = 2,
+      .ampipe_tp_sp_comm_overlap = true}},
     // --ampipe-tp-sp-comm-overlap: (chunk, local expert) items over every chunk.
     {"tp2_sp_ep2_dp2_ampipe2_overlap",
      {.tensor_parallel = 2,

@@ -198,8 +198,14 @@ TEST(ParallelPlan, AmpipeRules) {
   EXPECT_TRUE(mentions(refusal(moe, {.context_parallel = 2, .ampipe_degree = 4}),
                        "--ampipe-degree must be 2 with --context-parallel-size 2"));
   EXPECT_TRUE(mentions(refusal(moe, {.ampipe_degree = 0}), "--ampipe-degree must be >= 1"));
-  EXPECT_TRUE(mentions(refusal(moe, {.tensor_parallel = 2, .ampipe_degree = 2}),
-                       "with --tensor-model-parallel-size 2 needs --sequence-parallel"));
+  // Without SP (MindSpeed allows it) each tp rank routes its slice of every chunk: S % (N tp);
+  // under CP weave splits the ring's chunks as sequence-parallel pieces only.
+  EXPECT_EQ(refusal(moe, {.tensor_parallel = 2, .ampipe_degree = 2}), "accepted");
+  EXPECT_TRUE(mentions(refusal(moe, {.tensor_parallel = 2, .ampipe_degree = 16}),
+                       "--seq-length (48) must be divisible by 32"));
+  EXPECT_TRUE(
+      mentions(refusal(moe, {.tensor_parallel = 2, .context_parallel = 2, .ampipe_degree = 2}),
+               "--context-parallel-size 2 needs --sequence-parallel"));
   EXPECT_EQ(refusal(moe, {.tensor_parallel = 2, .sequence_parallel = true, .ampipe_degree = 4}),
             "accepted");
   EXPECT_EQ(refusal(moe, {.context_parallel = 2, .ampipe_degree = 2}), "accepted");

@@ -73,8 +73,8 @@ void warn_ampipe_beyond_mindspeeds_rules(const ModelConfig& m, const ParallelPla
                   p.ampipe_degree, fmt::join(broken, "; ")));
 }
 
-// It pipelines the split experts' all-gathers and reduce-scatters over (chunk, expert) items:
-// what the plan lacks for that, or "" when nothing is missing.
+// It pipelines the split experts' tensor-parallel collectives over (chunk, expert) items, with
+// or without SP: what the plan lacks for that, or "" when nothing is missing.
 std::string missing_for_ampipe_tp_sp_comm_overlap(const ParallelPlan& p) {
   if (p.ampipe_degree < 2) return "it pipelines Ampipe's chunks: set --ampipe-degree >= 2";
   if (p.expert_tensor_parallel < 2 || p.tensor_parallel < 2)
@@ -82,12 +82,6 @@ std::string missing_for_ampipe_tp_sp_comm_overlap(const ParallelPlan& p) {
            "experts are whole: set --moe-model-type deepspeed_moe (or "
            "--expert-tensor-parallel-size "
            "= --tensor-model-parallel-size) with --tensor-model-parallel-size > 1";
-  // MindSpeed without sequence parallelism overlaps the experts' tensor-parallel all-reduce
-  // instead; weave pipelines the gathers and scatters of sequence parallelism only.
-  if (!p.sequence_parallel)
-    return "weave pipelines sequence parallelism's all-gathers and reduce-scatters: add "
-           "--sequence-parallel (MindSpeed without it overlaps the experts' all-reduce, which "
-           "weave does not)";
   if (p.expert_parallel < 2)
     return "with --expert-model-parallel-size 1 there are no all-to-alls to pipeline with";
   return "";
