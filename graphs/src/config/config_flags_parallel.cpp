@@ -213,8 +213,10 @@ constexpr ConfigFlag kAmpipe[] = {
          "or all-reduce (without) with the next item's fc1; the next item's rows are "
          "all-gathered under this item's fc1. Without SP weave's tp ranks route their own slices "
          "of each chunk, so the reduction is a reduce-scatter there too and the chunk's output "
-         "is gathered after the combine (needs --ampipe-degree > 1, --moe-model-type "
-         "deepspeed_moe and EP > 1)",
+         "is gathered after the combine (needs --ampipe-degree > 1, EP > 1 and split experts: "
+         "--moe-model-type deepspeed_moe, or --expert-tensor-parallel-size = "
+         "--tensor-model-parallel-size with Megatron-Core's router, the one way without SP: "
+         "weave runs MindSpeed's gate under tp with SP only)",
      .field = plan_field<&P::ampipe_tp_sp_comm_overlap>(),
      .description = described(plan, "ampipe_tp_sp_comm_overlap")},
     {.name = "--ampipe-cp-resend-kv",
