@@ -61,7 +61,8 @@ void warn_ampipe_beyond_mindspeeds_rules(const ModelConfig& m, const ParallelPla
   if (m.num_experts > 0 && p.moe_model_type != "deepspeed_moe")
     broken.emplace_back(
         "MindSpeed's Ampipe needs --moe-model-type deepspeed_moe (its gate, experts split "
-        "over tp), weave also runs Megatron-Core's router with whole experts");
+        "over tp), weave also runs Megatron-Core's router, its experts whole or split by "
+        "--expert-tensor-parallel-size");
   if (m.add_bias_linear)
     broken.emplace_back(
         "MindSpeed's Ampipe refuses biased linear layers (add --disable-bias-linear), weave "
