@@ -147,6 +147,21 @@ TEST(Bf16MoeTraining, Ampipe2TpSpOverlapEqualsOneDevice) {
   expect_equals_one_device_of_its_batches(m, plan, kTensorParallel);
 }
 
+// The same without SP (Megatron-Core's router, the experts split by
+// --expert-tensor-parallel-size): each chunk's projection all-reduced as a bf16 value, each tp
+// rank routing its slice of the chunk, the items' partial sums reduced over tp as with SP.
+TEST(Bf16MoeTraining, Ampipe2TpOverlapWithoutSpEqualsOneDevice) {
+  const ParallelPlan plan{.tensor_parallel = 2,
+                          .expert_parallel = 2,
+                          .expert_tensor_parallel = 2,
+                          .data_parallel = 2,
+                          .micro_batch_size = 1,
+                          .global_batch_size = 4,
+                          .ampipe_degree = 2,
+                          .ampipe_tp_sp_comm_overlap = true};
+  expect_equals_one_device_of_its_batches(moe_model(Precision::bf16), plan, kTensorParallel);
+}
+
 // Context parallelism (cp2, ring attention): each key/value block's partial output comes out of
 // the bf16 attention kernel rounded to bf16 before the fp32 merge with the fp32 softmax
 // statistics, and each block's dq is rounded before the fp32 sum over blocks: per attention layer

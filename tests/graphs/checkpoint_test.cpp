@@ -289,6 +289,7 @@ TEST(Checkpoint, AHeaderSavedBeforeLaterSettingsReadsThemAsTheirDefaults) {
   EXPECT_EQ(m.expert_ffn_hidden_size(), 64);  // before --moe-ffn-hidden-size: --ffn-hidden-size
   EXPECT_EQ(m.moe_ffn_hidden_size, 0);        // unset, as a dense model must have it
   EXPECT_EQ(m.layernorm_epsilon, defaults.layernorm_epsilon);
+  EXPECT_EQ(m.moe_load_balancing, MoeLoadBalancing::aux_loss);
   EXPECT_EQ(saved.plan.tensor_parallel, 2);
   EXPECT_TRUE(saved.plan.sequence_parallel);
   EXPECT_EQ(saved.plan.data_parallel, 3);

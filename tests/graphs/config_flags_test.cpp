@@ -113,7 +113,8 @@ TEST(ConfigFlags, TheCheckpointsDescriptionKeepsItsKeys) {
                                           "norm_epsilon",
                                           "tokenizer_type",
                                           "vocab_file",
-                                          "merge_file"}));
+                                          "merge_file",
+                                          "moe_router_load_balancing_type"}));
   EXPECT_EQ(plan, (std::set<std::string>{
                       "tensor_model_parallel_size", "sequence_parallel", "context_parallel_size",
                       "expert_model_parallel_size", "expert_tensor_parallel_size",
@@ -152,7 +153,8 @@ TEST(ConfigFlags, CheckpointsSavedEarlierLackTheKeysAddedSince) {
                                           "moe_router_group_topk",
                                           "moe_router_enable_expert_bias",
                                           "moe_shared_expert_intermediate_size",
-                                          "moe_shared_expert_gate"}));
+                                          "moe_shared_expert_gate",
+                                          "moe_router_load_balancing_type"}));
 }
 
 TEST(ConfigFlags, DescriptionsHoldTheValuesTheRunUses) {

@@ -4,6 +4,7 @@
 // curve, with and without Ampipe, pipe experts and the tp-sp overlap.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "step_outcome.hpp"
@@ -110,6 +111,24 @@ const Case kCases[] = {
       .micro_batch_size = 1,
       .global_batch_size = 4,
       .distributed_optimizer = true}},
+    // Ampipe without SP: each chunk's projection all-reduced, every tp rank routing its slice
+    // of the chunk, the chunk's output gathered back.
+    {"tp2_ep2_dp2_ampipe2",
+     {.tensor_parallel = 2,
+      .expert_parallel = 2,
+      .data_parallel = 2,
+      .micro_batch_size = 1,
+      .global_batch_size = 4,
+      .ampipe_degree = 2}},
+    // --ampipe-tp-sp-comm-overlap without SP: the items' tensor-parallel reductions pipelined.
+    {"tp2_ep2_dp2_ampipe2_overlap",
+     {.tensor_parallel = 2,
+      .expert_parallel = 2,
+      .data_parallel = 2,
+      .micro_batch_size = 1,
+      .global_batch_size = 4,
+      .ampipe_degree = 2,
+      .ampipe_tp_sp_comm_overlap = true}},
     // --ampipe-tp-sp-comm-overlap: (chunk, local expert) items over every chunk.
     {"tp2_sp_ep2_dp2_ampipe2_overlap",
      {.tensor_parallel = 2,
@@ -365,6 +384,14 @@ ParallelPlan split_plan() {
           .global_batch_size = 2};
 }
 
+// When the replayed step's last task ends.
+rt::Nanos step_end(const rt::Trace& trace) {
+  rt::Nanos end = 0;
+  for (const rt::Span& s : trace.spans())
+    end = std::max(end, s.end);
+  return end;
+}
+
 bool overlap(const rt::Span& a, const rt::Span& b) {
   return a.start < b.end && b.start < a.end;
 }
@@ -389,6 +416,37 @@ TEST(SplitExperts, TpSpOverlapGathersTheNextItemUnderThisItemsFc1) {
   EXPECT_LT(exposed_with, exposed_without)
       << "exposed tp: " << exposed_with << " ns with the overlap, " << exposed_without
       << " ns without";
+}
+
+// Without SP (MindSpeed's async all-reduce of each item's output under the next item's
+// expert compute, ampipe_moe_mlp_computer.py): each item's tensor-parallel reduction runs while
+// the next item's fc1 computes, across the chunks too (chunk 0's last item under chunk 1's
+// first), and the step is shorter than without the overlap on a slow link.
+TEST(SplitExperts, TpOverlapWithoutSpReducesEachItemUnderTheNextItemsFc1) {
+  ParallelPlan plain = split_plan();
+  plain.sequence_parallel = false;
+  plain.ampipe_degree = 2;
+  ParallelPlan piped = plain;
+  piped.ampipe_tp_sp_comm_overlap = true;
+  const rt::Trace without = replay(plain), with = replay(piped);
+  // tiny's 4 experts over ep 2: items (c, i) for chunks c and local experts i in {0, 1}.
+  const std::pair<const char*, const char*> under[] = {
+      {"L0.c0.i0.experts_scatter[0]", "L0.c0.i1.fc1"},
+      {"L0.c0.i1.experts_scatter[0]", "L0.c1.i0.fc1"},
+      {"L0.c1.i0.experts_scatter[0]", "L0.c1.i1.fc1"}};
+  for (const auto& [reduce, next] : under) {
+    const rt::Span* r = with.find(reduce);
+    const rt::Span* f = with.find(next);
+    ASSERT_TRUE(r && f) << reduce << " or " << next << " is missing";
+    EXPECT_EQ(with.tasks().stream_name(with.tasks()[r->task].stream), "tp") << reduce;
+    EXPECT_TRUE(overlap(*r, *f)) << reduce << " [" << r->start << ", " << r->end << "), " << next
+                                 << " [" << f->start << ", " << f->end << ")";
+  }
+  // Without the overlap a chunk's experts reduce once, after all its local experts.
+  EXPECT_EQ(without.find("L0.c0.i0.experts_scatter[0]"), nullptr);
+  ASSERT_NE(without.find("L0.c0.experts_scatter[0]"), nullptr);
+  EXPECT_LT(step_end(with), step_end(without))
+      << step_end(with) << " ns with the overlap, " << step_end(without) << " ns without";
 }
 
 TEST(SplitExperts, MultiStreamNeverOverlapsExpertAndTensorParallelCollectives) {

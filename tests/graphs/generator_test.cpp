@@ -3,6 +3,7 @@
 // configuration reads back; bad requests are refused.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <vector>
@@ -131,6 +132,43 @@ TEST(Generator, ACheckpointNamesTheModelAndLayoutItWasSavedWith) {
   EXPECT_EQ(saved.plan.pipeline_parallel, 2);
   EXPECT_EQ(saved.plan.virtual_pipeline, 2);
   EXPECT_EQ(saved.plan.pipeline_scheduler, "interleaved");
+}
+
+// Megatron-Core's sinkhorn router balances the picks in training only: decoding, it takes the
+// top-k of the softmax scores and weighs them unrenormalised. A checkpoint keeps the
+// load-balancing type (an older one reads as aux_loss), so the model read back from a sinkhorn
+// run's checkpoint decodes what the run's model does, not with the renormalised softmax.
+TEST(Generator, ACheckpointKeepsTheLoadBalancingTypeItsRouterDecodesBy) {
+  ModelConfig m = without_dropout(tiny(4));
+  m.moe_aux_loss_coeff = 0;  // Megatron-Core's sinkhorn takes no balancing loss
+  m.moe_load_balancing = MoeLoadBalancing::sinkhorn;
+  const ParallelPlan plan{.micro_batch_size = 1, .global_batch_size = 1};
+  Decoder trained(m, plan);
+  const std::string path =
+      (std::filesystem::temp_directory_path() / "weave_generator_sinkhorn_test.ckpt").string();
+  save_checkpoint(path, m, trained.plan, trained.step, {.iteration = 1, .consumed_samples = 1});
+  const SavedConfiguration saved = read_checkpoint_config(path);
+  ASSERT_EQ(saved.model.moe_load_balancing, MoeLoadBalancing::sinkhorn);
+  Decoder loaded(saved.model, plan);
+  load_checkpoint(path, saved.model, loaded.plan, loaded.step);
+  std::filesystem::remove(path);
+  // The same parameters (the same seed) under the default router: other logits.
+  ModelConfig renormalised = m;
+  renormalised.moe_load_balancing = MoeLoadBalancing::aux_loss;
+  Decoder other(renormalised, plan);
+  double differs = 0;
+  for (int s = 0; s < 12; ++s) {
+    const std::int32_t t = token(5, s, m.vocab_size);
+    const std::vector<float> a = trained.generator.feed(t), b = loaded.generator.feed(t),
+                             c = other.generator.feed(t);
+    ASSERT_EQ(a.size(), b.size());
+    for (std::size_t i = 0; i < a.size(); ++i) {
+      ASSERT_NEAR(b[i], a[i], 1e-6 * (1 + std::abs(a[i]))) << "position " << s << " token " << i;
+      differs = std::max(differs, static_cast<double>(std::abs(c[i] - a[i])));
+    }
+  }
+  EXPECT_GT(differs, 1e-4) << "the renormalised weights must change the logits for the test to "
+                              "mean anything";
 }
 
 TEST(Generator, RefusesWhatItCannotDecode) {

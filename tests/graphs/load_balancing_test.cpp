@@ -2,8 +2,13 @@
 // changes the step, and the parallel plans give the one device's loss, aux loss and gradients
 // (seq_aux_loss under tensor + sequence + expert + data parallelism, context parallelism and
 // Ampipe; sinkhorn, which balances each rank's tokens as Megatron-Core's router does, under expert
-// + data parallelism, where every rank routes whole micro-batches).
+// + data parallelism, where every rank routes whole micro-batches, and under tp + SP, where each
+// rank balances its shard of the sequence).
 #include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
 
 #include "step_outcome.hpp"
 #include "tiny_model.hpp"
@@ -76,6 +81,42 @@ TEST(LoadBalancing, SinkhornRoutingEqualsOneDeviceUnderEpDp) {
   ModelConfig plain = m;
   plain.moe_load_balancing = MoeLoadBalancing::aux_loss;
   EXPECT_NE(run(plain, serial, 1, false).losses[0], a.losses[0]);
+}
+
+// Under tp 2 + SP each tensor-parallel rank routes its own shard of the sequence, and Megatron-
+// Core's router balances the logits it is given, the rank's [s / tp, b] tokens
+// (TopKRouter.routing -> sinkhorn_load_balancing, no gather): the step is not one device's,
+// which balances the whole sequence at once, but each half balanced apart, as tp 2 without SP
+// gives (its ranks route the same halves of the replicated sequence).
+TEST(LoadBalancing, SinkhornUnderTpSpBalancesEachRanksShardAsMegatronDoes) {
+  ModelConfig m = tiny(4);
+  m.moe_aux_loss_coeff = 0;
+  m.moe_load_balancing = MoeLoadBalancing::sinkhorn;
+  const Outcome one = run(m, {.micro_batch_size = 1, .global_batch_size = 2}, 1, false);
+  const Outcome sp = run(m,
+                         {.tensor_parallel = 2,
+                          .sequence_parallel = true,
+                          .micro_batch_size = 1,
+                          .global_batch_size = 2},
+                         1, false);
+  const Outcome halves =
+      run(m, {.tensor_parallel = 2, .micro_batch_size = 1, .global_batch_size = 2}, 1, false);
+  EXPECT_NEAR(sp.losses[0], halves.losses[0], 1e-5 * halves.losses[0]);
+  expect_same_gradients(halves, sp);
+  // Picks routed otherwise move the experts' gradients far beyond the equal-one-device tests'
+  // 1e-4 of a parameter's largest element.
+  double apart = 0;
+  for (const auto& [name, want] : one.grads) {
+    const std::vector<double>& got = sp.grads.at(name);
+    double scale = 0, most = 0;
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      scale = std::max(scale, std::abs(want[i]));
+      most = std::max(most, std::abs(got[i] - want[i]));
+    }
+    if (scale > 0) apart = std::max(apart, most / scale);
+  }
+  EXPECT_GT(apart, 1e-2) << "balancing the halves apart must route otherwise than the whole "
+                            "sequence for the test to mean anything";
 }
 
 TEST(LoadBalancing, SinkhornRefusesWhatMegatronRefusesOrIgnores) {

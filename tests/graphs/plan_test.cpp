@@ -198,8 +198,14 @@ TEST(ParallelPlan, AmpipeRules) {
   EXPECT_TRUE(mentions(refusal(moe, {.context_parallel = 2, .ampipe_degree = 4}),
                        "--ampipe-degree must be 2 with --context-parallel-size 2"));
   EXPECT_TRUE(mentions(refusal(moe, {.ampipe_degree = 0}), "--ampipe-degree must be >= 1"));
-  EXPECT_TRUE(mentions(refusal(moe, {.tensor_parallel = 2, .ampipe_degree = 2}),
-                       "with --tensor-model-parallel-size 2 needs --sequence-parallel"));
+  // Without SP (MindSpeed allows it) each tp rank routes its slice of every chunk: S % (N tp);
+  // under CP weave splits the ring's chunks as sequence-parallel pieces only.
+  EXPECT_EQ(refusal(moe, {.tensor_parallel = 2, .ampipe_degree = 2}), "accepted");
+  EXPECT_TRUE(mentions(refusal(moe, {.tensor_parallel = 2, .ampipe_degree = 16}),
+                       "--seq-length (48) must be divisible by 32"));
+  EXPECT_TRUE(
+      mentions(refusal(moe, {.tensor_parallel = 2, .context_parallel = 2, .ampipe_degree = 2}),
+               "--context-parallel-size 2 needs --sequence-parallel"));
   EXPECT_EQ(refusal(moe, {.tensor_parallel = 2, .sequence_parallel = true, .ampipe_degree = 4}),
             "accepted");
   EXPECT_EQ(refusal(moe, {.context_parallel = 2, .ampipe_degree = 2}), "accepted");
@@ -368,7 +374,7 @@ TEST(ParallelPlan, PipeExpertsFollowMindSpeedsRules) {
   EXPECT_TRUE(mentions(check({.expert_parallel = 2, .pipe_experts_multi_data = 2}).second,
                        "ignored without it"));
   // --ampipe-tp-sp-comm-overlap pipelines split experts' tensor-parallel collectives over
-  // Ampipe's chunks: whole experts, no chunks or no SP switch it off naming what is missing.
+  // Ampipe's chunks: whole experts or no chunks switch it off naming what is missing.
   EXPECT_TRUE(mentions(check({.expert_parallel = 2, .ampipe_tp_sp_comm_overlap = true}).second,
                        "set --ampipe-degree >= 2"));
   EXPECT_TRUE(mentions(
@@ -384,6 +390,11 @@ TEST(ParallelPlan, PipeExpertsFollowMindSpeedsRules) {
                        .ampipe_tp_sp_comm_overlap = true};
   EXPECT_TRUE(validate_beside_mindspeed_note(moe, overlap).empty());
   EXPECT_TRUE(overlap.ampipe_tp_sp_comm_overlap);
+  // Without SP it stays on too (MindSpeed overlaps each item's all-reduce there).
+  ParallelPlan without_sp = overlap;
+  without_sp.sequence_parallel = false;
+  EXPECT_TRUE(validate_beside_mindspeed_note(moe, without_sp).empty());
+  EXPECT_TRUE(without_sp.ampipe_tp_sp_comm_overlap);
   ModelConfig capped = moe;
   capped.moe_expert_capacity_factor = 0.1;  // ceil(0.1 x 48 x 2 / 4) = 3 picks per expert
   ParallelPlan too_many{.expert_parallel = 2,

@@ -76,6 +76,27 @@ TEST(Prediction, EqualsTheMaterialisedStepOnTheVirtualClock) {
   EXPECT_TRUE(pipeline);
 }
 
+// Ampipe's tp-sp overlap without SP (each chunk's projection all-reduced, the split experts'
+// items reduced under the next item's fc1): the prediction is the materialised step's replay.
+TEST(Prediction, EqualsTheMaterialisedStepForTheTpOverlapWithoutSp) {
+  TrainerConfig c;
+  c.model = tiny(4);
+  c.plan = {.tensor_parallel = 2,
+            .expert_parallel = 2,
+            .expert_tensor_parallel = 2,
+            .moe_model_type = "deepspeed_moe",
+            .data_parallel = 2,
+            .micro_batch_size = 1,
+            .global_batch_size = 4,
+            .ampipe_degree = 2,
+            .ampipe_tp_sp_comm_overlap = true};
+  c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
+  const Prediction p = predict_step(c);
+  const MaterialisedStep r = materialised_step(c);
+  EXPECT_DOUBLE_EQ(p.step_ms, static_cast<double>(r.replay.makespan) * 1e-6);
+  EXPECT_EQ(p.memory, r.memory);
+}
+
 // The materialised step and its prediction agree too with the options that change the graph's
 // order and prices: data-parallel reductions after the backward (no --overlap-grad-reduce) or
 // during it, the distributed optimizer's gathers after the update or at the next step's start
@@ -379,6 +400,16 @@ TEST(Prediction, FoldedTensorAndContextParallelPeersPredictWhatEveryRankDoes) {
       {"moe tp2+sp split experts ep2 ampipe 2 tp-sp overlap",
        {.tensor_parallel = 2,
         .sequence_parallel = true,
+        .expert_parallel = 2,
+        .expert_tensor_parallel = 2,
+        .moe_model_type = "deepspeed_moe",
+        .data_parallel = 2,
+        .micro_batch_size = 1,
+        .global_batch_size = 4,
+        .ampipe_degree = 2,
+        .ampipe_tp_sp_comm_overlap = true}},
+      {"moe tp2 split experts ep2 ampipe 2 tp-sp overlap without SP",
+       {.tensor_parallel = 2,
         .expert_parallel = 2,
         .expert_tensor_parallel = 2,
         .moe_model_type = "deepspeed_moe",

@@ -17,6 +17,13 @@ namespace weave::graphs {
 
 namespace {
 
+// Tensor parallelism without SP: every tp rank holds the whole sequence, so each chunk's
+// projection is all-reduced before its residual and norm, the tp ranks route their own slices
+// of the chunk, and the chunk's MoE output and input gradient are all-gathered back.
+bool replicated_over_tp(const StepShape& z) {
+  return !z.sp() && z.tp > 1;
+}
+
 // Residual and norm of this rank's rows of chunk c, from the out-projection's sum `proj`.
 void chunk_residual_norm(RankProgram& p, int set, int layer, int mb, int c, const Tensor& proj) {
   LayerActivations& A = p.acts(set, layer);
@@ -41,7 +48,7 @@ Tensor chunk_partial(RankProgram& p, int set, int layer, int c) {
 }
 
 // Without CP: chunk c's attention and out-projection, piece after piece (one piece per tp rank
-// under SP), and without SP its residual and norm.
+// under SP), and without SP or TP its residual and norm.
 void chunk_attention_forward(RankProgram& p, int set, int layer, int mb, int c) {
   AttentionActivations& A = p.acts(set, layer).attention;
   const StepShape& z = p.shape;
@@ -69,7 +76,7 @@ void chunk_attention_forward(RankProgram& p, int set, int layer, int mb, int c) 
                         p.attention_parameters(layer).proj_weight->value, Tensor{},
                         chunk_partial(p, set, layer, c).slice(0, j * q, q));
   }
-  if (z.t_sp == 1) chunk_residual_norm(p, set, layer, mb, c, chunk_partial(p, set, layer, c));
+  if (z.tp == 1) chunk_residual_norm(p, set, layer, mb, c, chunk_partial(p, set, layer, c));
 }
 
 // The norm, residual and bias backward of this rank's rows of chunk c: d_proj in d_mlp's rows.
@@ -80,7 +87,9 @@ void chunk_residual_backward(RankProgram& p, int set, int layer, int mb, int c) 
   const std::int64_t q = p.shape.piece_rows(), B = p.shape.B, first = c * q;
   const Tensor d_norm = w.d_norm.slice(0, first, q), d_tmp = w.d_tmp.slice(0, first, q);
   const Tensor d_mid = w.d_x_mid.slice(0, first, q), d_proj = w.d_mlp.slice(0, first, q);
-  d_norm.reshape({q * B, p.shape.h}).copy_from(p.slot(set, layer, c).d_moe_in);
+  // (Replicated over tp the slices' gradients are gathered into d_norm's rows already.)
+  if (!replicated_over_tp(p.shape))
+    d_norm.reshape({q * B, p.shape.h}).copy_from(p.slot(set, layer, c).d_moe_in);
   norm_backward(p.shape.model, A.x_mid.slice(0, first, q), *W.ln2_weight, W.ln2_bias,
                 A.ln2_mean.slice(0, first * B, q * B), A.ln2_rstd.slice(0, first * B, q * B),
                 d_norm, d_tmp);
@@ -242,12 +251,24 @@ TaskId AmpipeBlock::chunk_attention(const BuildPosition& pos, int c, TaskId qkv)
 
 TaskId AmpipeBlock::chunk_residual(const BuildPosition& pos, int c, TaskId side) const {
   const StepShape& z = P->shape;
-  if (!z.sp()) return side;
+  if (z.tp == 1) return side;
   RankProgram* p = P;
   const int layer = l, set = pos.set, mb = pos.micro_batch;
   const std::int64_t q = z.piece_rows();
   const rt::TaskTags tags = pos.chunk_tags(rt::Phase::forward, l, c);
   const std::string chunk = fmt::format("L{}.c{}.", l, c);
+  if (replicated_over_tp(z)) {
+    // The chunk's summed projection on every rank (the chunk's RowParallelLinear all-reduce),
+    // on the tp stream; residual and norm of the whole chunk after it.
+    const TaskId reduced =
+        P->tensor.all_reduce(side, all_of(chunk_partial(*P, set, l, c)), devices::ReduceOp::sum,
+                             chunk + "attention_reduce", tags);
+    const TaskId residual = P->compute(
+        chunk + "attention_residual", tags, cost::streamed(z, 5.0 * q * z.B * z.h),
+        [=] { chunk_residual_norm(*p, set, layer, mb, c, chunk_partial(*p, set, layer, c)); });
+    P->after(reduced, residual);
+    return residual;
+  }
   // Each rank's piece of the summed projection comes home, on the tp stream.
   const TaskId reduced =
       P->tensor.reduce_scatter(side, read_of(chunk_partial(*P, set, l, c)),
@@ -284,7 +305,12 @@ TaskId AmpipeBlock::moe_forward(const BuildPosition& pos, const std::vector<Slot
   const TaskId stats = moe.statistics(pos, rt::kNoTask);
   TaskId last = rt::kNoTask;
   for (int c = 0; c < N; ++c) {
-    const TaskId combined = moe.combine(pos, c, computed[c]);
+    TaskId combined = moe.combine(pos, c, computed[c]);
+    if (replicated_over_tp(z))  // every tp rank's slice of the chunk's output, in its rows
+      combined = P->tensor.all_gather(combined, read_of(P->slot(set, l, c).moe_out),
+                                      all_of(P->acts(set, l).mlp_out.slice(0, c * q, q)),
+                                      fmt::format("L{}.c{}.moe_gather", l, c),
+                                      pos.chunk_tags(rt::Phase::forward, l, c));
     const TaskId residual = P->compute(
         fmt::format("L{}.c{}.mlp_residual", l, c), pos.chunk_tags(rt::Phase::forward, l, c),
         cost::streamed(z, 4.0 * q * z.B * z.h), [=] {
@@ -373,6 +399,10 @@ TaskId AmpipeBlock::chunk_backward(const BuildPosition& pos, int c, const SlotPr
   const std::string chunk = fmt::format("L{}.c{}.", l, c);
   const TaskId router = MoeMlp(*P, l).router_backward(pos, c, experts);
   TaskId attention_ready = router;
+  if (replicated_over_tp(z))  // the chunk's input gradient from every tp rank's slice
+    attention_ready = P->tensor.all_gather(router, read_of(P->slot(set, l, c).d_moe_in),
+                                           all_of(P->ws().d_norm.slice(0, c * q, q)),
+                                           chunk + "moe_grad_gather", tags);
   if (z.sp()) {
     const TaskId residual = P->compute(chunk + "attention_residual_backward", tags,
                                        cost::streamed(z, 10.0 * q * z.B * z.h),

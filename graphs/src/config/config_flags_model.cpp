@@ -306,6 +306,22 @@ constexpr ConfigFlag kMoe[] = {
              "the coefficient ignored). MindSpeed's deepspeed_moe gate never reads it, and "
              "weave's ignores it too",
      .check = one_of("aux_loss,seq_aux_loss,sinkhorn,none"),
+     // Saved as the router routes (none: aux_loss), since a sinkhorn router weighs its picks
+     // otherwise when decoding.
+     .description = added_to_checkpoints({.section = model,
+                                          .key = "moe_router_load_balancing_type",
+                                          .checkpointed = true,
+                                          .value = [](const TrainerConfig& c) -> DescribedValue {
+                                            switch (c.model.moe_load_balancing) {
+                                              case MoeLoadBalancing::seq_aux_loss:
+                                                return std::string("seq_aux_loss");
+                                              case MoeLoadBalancing::sinkhorn:
+                                                return std::string("sinkhorn");
+                                              case MoeLoadBalancing::aux_loss:
+                                                break;
+                                            }
+                                            return std::string("aux_loss");
+                                          }}),
      .properties = kShowsDefault},
     {.name = "--moe-router-topk-scaling-factor",
      .group = FlagGroup::moe,

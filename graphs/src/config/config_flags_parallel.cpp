@@ -196,7 +196,9 @@ constexpr ConfigFlag kAmpipe[] = {
      .group = FlagGroup::ampipe,
      .help = "Sequence chunks pipelining attention with the MoE all-to-alls (Ampipe); what "
              "MindSpeed refuses beside it (EP 1, experts other than deepspeed_moe, biased linear "
-             "layers) runs with a warning that names it",
+             "layers) runs with a warning that names it. With tensor parallelism and no "
+             "--sequence-parallel each chunk's projection is all-reduced and each tp rank routes "
+             "its own slice of the chunk (--seq-length divisible by degree x tp)",
      .field = plan_field<&P::ampipe_degree>(),
      .check = at_least(1),
      .description = described(plan, "ampipe_degree"),
@@ -204,11 +206,17 @@ constexpr ConfigFlag kAmpipe[] = {
     {.name = "--ampipe-tp-sp-comm-overlap",
      .group = FlagGroup::ampipe,
      .values = 0,
-     .help = "Pipeline the split experts' tensor-parallel all-gathers and reduce-scatters over "
-             "(chunk, local expert) items, as MindSpeed does with --sequence-parallel (needs "
-             "--ampipe-degree > 1, --sequence-parallel, --moe-model-type deepspeed_moe and EP > "
-             "1; MindSpeed without --sequence-parallel overlaps each item's tensor-parallel "
-             "all-reduce instead, which weave does not build: switched off with a warning)",
+     .help =
+         "Pipeline the split experts' tensor-parallel collectives over (chunk, local expert) "
+         "items, each item's fc2 partial sums reduced over tp while the next item's fc1 "
+         "computes, as MindSpeed overlaps each item's reduce-scatter (with --sequence-parallel) "
+         "or all-reduce (without) with the next item's fc1; the next item's rows are "
+         "all-gathered under this item's fc1. Without SP weave's tp ranks route their own slices "
+         "of each chunk, so the reduction is a reduce-scatter there too and the chunk's output "
+         "is gathered after the combine (needs --ampipe-degree > 1, EP > 1 and split experts: "
+         "--moe-model-type deepspeed_moe, or --expert-tensor-parallel-size = "
+         "--tensor-model-parallel-size with Megatron-Core's router, the one way without SP: "
+         "weave runs MindSpeed's gate under tp with SP only)",
      .field = plan_field<&P::ampipe_tp_sp_comm_overlap>(),
      .description = described(plan, "ampipe_tp_sp_comm_overlap")},
     {.name = "--ampipe-cp-resend-kv",

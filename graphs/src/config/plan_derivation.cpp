@@ -61,7 +61,8 @@ void warn_ampipe_beyond_mindspeeds_rules(const ModelConfig& m, const ParallelPla
   if (m.num_experts > 0 && p.moe_model_type != "deepspeed_moe")
     broken.emplace_back(
         "MindSpeed's Ampipe needs --moe-model-type deepspeed_moe (its gate, experts split "
-        "over tp), weave also runs Megatron-Core's router with whole experts");
+        "over tp), weave also runs Megatron-Core's router, its experts whole or split by "
+        "--expert-tensor-parallel-size");
   if (m.add_bias_linear)
     broken.emplace_back(
         "MindSpeed's Ampipe refuses biased linear layers (add --disable-bias-linear), weave "
@@ -73,8 +74,8 @@ void warn_ampipe_beyond_mindspeeds_rules(const ModelConfig& m, const ParallelPla
                   p.ampipe_degree, fmt::join(broken, "; ")));
 }
 
-// It pipelines the split experts' all-gathers and reduce-scatters over (chunk, expert) items:
-// what the plan lacks for that, or "" when nothing is missing.
+// It pipelines the split experts' tensor-parallel collectives over (chunk, expert) items, with
+// or without SP: what the plan lacks for that, or "" when nothing is missing.
 std::string missing_for_ampipe_tp_sp_comm_overlap(const ParallelPlan& p) {
   if (p.ampipe_degree < 2) return "it pipelines Ampipe's chunks: set --ampipe-degree >= 2";
   if (p.expert_tensor_parallel < 2 || p.tensor_parallel < 2)
@@ -82,12 +83,6 @@ std::string missing_for_ampipe_tp_sp_comm_overlap(const ParallelPlan& p) {
            "experts are whole: set --moe-model-type deepspeed_moe (or "
            "--expert-tensor-parallel-size "
            "= --tensor-model-parallel-size) with --tensor-model-parallel-size > 1";
-  // MindSpeed without sequence parallelism overlaps the experts' tensor-parallel all-reduce
-  // instead; weave pipelines the gathers and scatters of sequence parallelism only.
-  if (!p.sequence_parallel)
-    return "weave pipelines sequence parallelism's all-gathers and reduce-scatters: add "
-           "--sequence-parallel (MindSpeed without it overlaps the experts' all-reduce, which "
-           "weave does not)";
   if (p.expert_parallel < 2)
     return "with --expert-model-parallel-size 1 there are no all-to-alls to pipeline with";
   return "";

@@ -491,11 +491,12 @@ void check_ampipe(const ModelConfig& m, const ParallelPlan& p) {
         "--ampipe-degree ({}) pipelines attention with MoE all-to-alls and needs MoE "
         "layers: set --num-experts",
         degree);
-  if (tp > 1 && sp == 1)
+  if (tp > 1 && sp == 1 && cp > 1)
     refuse(
-        "--ampipe-degree ({}) with --tensor-model-parallel-size {} needs --sequence-parallel: "
-        "each tensor-parallel rank routes its own piece of every chunk",
-        degree, tp);
+        "--ampipe-degree ({}) with --tensor-model-parallel-size {} and --context-parallel-size "
+        "{} needs --sequence-parallel: weave splits the ring's chunks over the tensor-parallel "
+        "ranks as sequence-parallel pieces only",
+        degree, tp, cp);
   if (cp > 1 && degree != 2)
     refuse(
         "--ampipe-degree must be 2 with --context-parallel-size {} (got {}): the two "
@@ -505,13 +506,18 @@ void check_ampipe(const ModelConfig& m, const ParallelPlan& p) {
     refuse("--ampipe-degree ({}) must not exceed --seq-length ({}): every chunk needs positions",
            degree, m.seq_length);
   // MindSpeed's rules: S % (N tp) with SP; under CP S % (2 N cp), and (S / (2 N cp)) % tp.
-  const long long unit = 1LL * (cp > 1 ? 2 * degree * cp : degree) * sp;
+  // Without SP weave's rule, S % (N tp): each tp rank routes its own slice of every chunk.
+  const int split = cp > 1 ? sp : tp;
+  const long long unit = 1LL * (cp > 1 ? 2 * degree * cp : degree) * split;
   if (m.seq_length % unit != 0)
     refuse(
         "--seq-length ({}) must be divisible by {} under --ampipe-degree {}: every "
-        "sequence chunk{} needs whole positions (MindSpeed's rule)",
+        "sequence chunk{} needs whole positions ({})",
         m.seq_length, unit, degree,
-        sp > 1 ? " is split again over the sequence-parallel ranks and" : "");
+        sp > 1   ? " is split again over the sequence-parallel ranks and"
+        : tp > 1 ? " is split again over the tensor-parallel ranks' routers and"
+                 : "",
+        sp == 1 && tp > 1 ? "weave routes each tp rank's slice of a chunk" : "MindSpeed's rule");
 }
 
 // --use-pipe-experts as given needs experts; as derived (still on), no more capacity slices

@@ -15,10 +15,11 @@ namespace weave::graphs {
 Tensor slot_tokens(const RankProgram& P, int c, const Tensor& sbh) {
   const StepShape& z = P.shape;
   const std::int64_t n = z.slot_tokens();
-  const Tensor tokens =
-      z.sp() || z.tp == 1 ? sbh.reshape({z.T, z.h})
-                          : sbh.slice(0, P.at.tp * (z.Sc / z.tp), z.Sc / z.tp).reshape({z.T, z.h});
-  return tokens.slice(0, c * n, n);
+  if (z.sp() || z.tp == 1) return sbh.reshape({z.T, z.h}).slice(0, c * n, n);
+  // Replicated: tp rank j routes slice j of every chunk, so that a chunk's slices are routed
+  // once the chunk's norm is there and gather back into the chunk's contiguous rows.
+  const std::int64_t rows = z.Sc / (z.tp * z.ampipe);
+  return sbh.slice(0, c * (z.Sc / z.ampipe) + P.at.tp * rows, rows).reshape({n, z.h});
 }
 
 void MoeMlp::declare_parameters(ParameterDeclarer& declare, const LayerSpec&, int layer,

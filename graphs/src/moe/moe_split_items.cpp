@@ -10,6 +10,9 @@
 // (the activation runs in fc1's task, so the previous item's combine hides under fc2 only).
 // Backward, items in reverse: the output gradients' gather of the next item issued before this
 // item's input half, whose input-gradient reduce-scatter runs under its weight half.
+// Without SP the items are the same: the tp ranks route their own slices of each Ampipe chunk,
+// so where MindSpeed all-reduces an item's replicated rows (ampipe_moe_mlp_computer.py,
+// async_fw_all_reduce_scatter_ampipe) the rows are gathered and reduce-scattered here.
 #include "model/half_precision.hpp"
 #include "moe/expert_products.hpp"
 #include "moe/moe_experts.hpp"

@@ -678,6 +678,10 @@ SavedConfiguration read_checkpoint_config(const std::string& path) {
     model.normalization = full.at("normalization").get<std::string>() == "RMSNorm"
                               ? Normalization::rms_norm
                               : Normalization::layer_norm;
+    const std::string balancing = full.at("moe_router_load_balancing_type").get<std::string>();
+    model.moe_load_balancing = balancing == "sinkhorn"       ? MoeLoadBalancing::sinkhorn
+                               : balancing == "seq_aux_loss" ? MoeLoadBalancing::seq_aux_loss
+                                                             : MoeLoadBalancing::aux_loss;
     const int groups = whole_number<int>(full, "num_query_groups");
     model.num_query_groups = groups == model.num_attention_heads ? 0 : groups;
     model.add_bias_linear = full.at("add_bias_linear").get<bool>();

@@ -63,8 +63,8 @@ struct ParallelPlan {
   bool overlap_param_gather = false;
   int ampipe_degree = 1;  // --ampipe-degree: sequence chunks of the attention-to-MoE region
   // --ampipe-tp-sp-comm-overlap: pipeline the split experts' tensor-parallel collectives over
-  // (chunk, local expert) items (validate() switches it off, with a warning naming what is
-  // missing, unless the experts are split, SP is on and EP > 1).
+  // (chunk, local expert) items, with or without SP (validate() switches it off, with a warning
+  // naming what is missing, unless the experts are split and EP > 1).
   bool ampipe_tp_sp_comm_overlap = false;
   // --ampipe-cp-resend-kv: under context parallelism, send the key/value blocks round the ring
   // again in backward instead of keeping every block from forward: each layer and micro-batch
