@@ -47,6 +47,7 @@ void check_data(const TrainerConfig& config, const TrainingData& data) {
 struct StepTiming {
   double seconds = 0;
   std::optional<double> exposed_comm_share, compute_bubble;
+  rt::Trace trace;  // the step's spans, when run_step was asked to keep them
 };
 
 std::int64_t steady_ns(std::chrono::steady_clock::time_point t) {
@@ -60,6 +61,14 @@ StepBuildOptions held_ranks(const devices::Communicator& comm, const ParallelPla
   for (int r = 0; r < plan.devices(); ++r)
     if (comm.holds(static_cast<rt::DeviceId>(r))) options.ranks.push_back(r);
   if (static_cast<int>(options.ranks.size()) == plan.devices()) options.ranks.clear();
+  return options;
+}
+
+// How the Trainer builds a step: the ranks held here, recording the memory when asked to.
+StepBuildOptions build_options(const TrainerConfig& c, const devices::Communicator& comm,
+                               const ParallelPlan& plan) {
+  StepBuildOptions options = held_ranks(comm, plan);
+  options.record_memory = c.record_step_memory;
   return options;
 }
 
@@ -146,7 +155,7 @@ struct Trainer::Impl {
     BatchStep(const TrainerConfig& c, ParallelPlan p, devices::DeviceSet& devices,
               devices::Communicator& comm)
         : plan(std::move(p)),
-          step(c.model, plan, c.step_optimizer(), devices, comm, held_ranks(comm, plan)),
+          step(c.model, plan, c.step_optimizer(), devices, comm, build_options(c, comm, plan)),
           flops(step_flops(step.graph())) {}
     ParallelPlan plan;
     TrainingStep step;
@@ -184,15 +193,24 @@ struct Trainer::Impl {
   }
 
   // Runs the prepared step once on the configured clock. `traced`: measure it from a trace (the
-  // virtual clock records one anyway); `trace_path`: also write that trace there.
-  StepTiming run_step(TrainingStep& step, bool traced, const std::string& trace_path) {
+  // virtual clock records one anyway); `trace_path`: also write that trace there; `keep`: return
+  // the trace too.
+  StepTiming run_step(TrainingStep& step, bool traced, const std::string& trace_path,
+                      bool keep = false) {
+    StepTiming timing = run_step_once(step, traced || keep, trace_path);
+    if (!keep) timing.trace = rt::Trace();
+    return timing;
+  }
+  StepTiming run_step_once(TrainingStep& step, bool traced, const std::string& trace_path) {
     devices::ProcessSet& processes = comm.processes();
     if (config.timing == Timing::virtual_clock) {
-      const rt::VirtualRunResult r = clock.run(step.graph());
+      rt::VirtualRunResult r = clock.run(step.graph());
       if (!trace_path.empty()) rt::write_chrome_trace(r.trace, trace_path);
       const double seconds = static_cast<double>(r.makespan) * 1e-9;
       if (!traced) return {seconds};
-      return measured(r.trace, devices, processes, seconds);
+      StepTiming timing = measured(r.trace, devices, processes, seconds);
+      timing.trace = std::move(r.trace);
+      return timing;
     }
     const auto t0 = std::chrono::steady_clock::now();
     const rt::RunResult r = devices.executor().run(
@@ -202,8 +220,13 @@ struct Trainer::Impl {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (!trace_path.empty()) write_trace(r.trace, t0, processes, trace_path);
     if (!traced) return {seconds};
-    return measured(r.trace, devices, processes, seconds);
+    StepTiming timing = measured(r.trace, devices, processes, seconds);
+    timing.trace = r.trace;
+    return timing;
   }
+
+  // The step of `iteration`'s graph and spans go to `traced` (TrainerCallbacks::traced).
+  std::function<void(std::int64_t, const rt::Graph&, const rt::Trace&)> traced_callback;
 
   IterationMetrics train_iteration() {
     const std::int64_t it = state.iteration + 1;
@@ -230,8 +253,10 @@ struct Trainer::Impl {
     gathers_pending = config.plan.distributed_optimizer && config.plan.overlap_param_gather;
     const bool traced = config.timing == Timing::virtual_clock || it == config.trace_iteration ||
                         it % config.metrics_interval == 0;
-    const StepTiming timing =
-        run_step(step, traced, it == config.trace_iteration ? config.trace_path : std::string());
+    const bool keep = traced_callback && it == config.trace_iteration;
+    const StepTiming timing = run_step(
+        step, traced, it == config.trace_iteration ? config.trace_path : std::string(), keep);
+    if (keep) traced_callback(it, step.graph(), timing.trace);
     const StepResult r = step.result();
     const std::optional<double> used_scale =
         scaler ? std::optional<double>(scaler->scale()) : std::nullopt;
@@ -419,6 +444,7 @@ TrainingSummary Trainer::run(const TrainerCallbacks& callbacks) {
   Impl& t = *impl_;
   const TrainerConfig& c = t.config;
   TrainingSummary summary;
+  t.traced_callback = callbacks.traced;
   const double flops_before = t.flops_done;
   std::int64_t saved_at = -1;
   auto save = [&](const std::string& path) {
