@@ -283,6 +283,11 @@ try {
   await checkMemory(page, cli.match(/\nmemory +(\S+ \S+) per device at most \((.*)\); (\d+) devices?:/),
                     'predict', '5-memory.png');
 
+  // A prediction's page has no path on the wall clock, and says so.
+  check((await page.textContent('#wall-path-note')).startsWith('None') &&
+        (await page.$$eval('#wall-path-runs tr.run', (rs) => rs.length)) === 0,
+        'the prediction\'s page lists a path on the wall clock');
+
   // 6. weave train's page: a memory chart per device peaking at what train measured and printed,
   // and the critical path on the wall clock as train printed it.
   await page.goto(pathToFileURL(trainReport).href);
@@ -312,7 +317,7 @@ try {
   await page.evaluate(() => document.getElementById('wall-path-summary').scrollIntoView());
   await shot('7-train-wall-path.png');
   // Only train's page has a path on the wall clock.
-  check(!(await page.textContent('#wall-path-note')).startsWith('Only'),
+  check(!(await page.textContent('#wall-path-note')).startsWith('None'),
         'train\'s page says it has no wall-clock path');
 
   check(errors.length === 0, `errors: ${errors.join('; ')}`);

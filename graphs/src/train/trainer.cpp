@@ -193,35 +193,30 @@ struct Trainer::Impl {
   }
 
   // Runs the prepared step once on the configured clock. `traced`: measure it from a trace (the
-  // virtual clock records one anyway); `trace_path`: also write that trace there; `keep`: return
-  // the trace too.
+  // virtual clock records one anyway); `trace_path`: also write that trace there; `keep`: record
+  // the trace and return it.
   StepTiming run_step(TrainingStep& step, bool traced, const std::string& trace_path,
                       bool keep = false) {
-    StepTiming timing = run_step_once(step, traced || keep, trace_path);
-    if (!keep) timing.trace = rt::Trace();
-    return timing;
-  }
-  StepTiming run_step_once(TrainingStep& step, bool traced, const std::string& trace_path) {
     devices::ProcessSet& processes = comm.processes();
     if (config.timing == Timing::virtual_clock) {
       rt::VirtualRunResult r = clock.run(step.graph());
       if (!trace_path.empty()) rt::write_chrome_trace(r.trace, trace_path);
       const double seconds = static_cast<double>(r.makespan) * 1e-9;
-      if (!traced) return {seconds};
-      StepTiming timing = measured(r.trace, devices, processes, seconds);
-      timing.trace = std::move(r.trace);
+      StepTiming timing =
+          traced ? measured(r.trace, devices, processes, seconds) : StepTiming{seconds};
+      if (keep) timing.trace = std::move(r.trace);
       return timing;
     }
     const auto t0 = std::chrono::steady_clock::now();
-    const rt::RunResult r = devices.executor().run(
-        step.graph(), {.record_trace = traced || !trace_path.empty(),
+    rt::RunResult r = devices.executor().run(
+        step.graph(), {.record_trace = traced || keep || !trace_path.empty(),
                        .link_model = machine.links().enabled() ? &machine : nullptr});
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (!trace_path.empty()) write_trace(r.trace, t0, processes, trace_path);
-    if (!traced) return {seconds};
-    StepTiming timing = measured(r.trace, devices, processes, seconds);
-    timing.trace = r.trace;
+    StepTiming timing =
+        traced ? measured(r.trace, devices, processes, seconds) : StepTiming{seconds};
+    if (keep) timing.trace = std::move(r.trace);
     return timing;
   }
 
