@@ -47,7 +47,6 @@ void check_data(const TrainerConfig& config, const TrainingData& data) {
 struct StepTiming {
   double seconds = 0;
   std::optional<double> exposed_comm_share, compute_bubble;
-  rt::Trace trace;  // the step's spans, when run_step was asked to keep them
 };
 
 std::int64_t steady_ns(std::chrono::steady_clock::time_point t) {
@@ -193,30 +192,30 @@ struct Trainer::Impl {
   }
 
   // Runs the prepared step once on the configured clock. `traced`: measure it from a trace (the
-  // virtual clock records one anyway); `trace_path`: also write that trace there; `keep`: record
-  // the trace and return it.
+  // virtual clock records one anyway); `trace_path`: also write that trace there; `kept`: when
+  // set, record the trace and move it there.
   StepTiming run_step(TrainingStep& step, bool traced, const std::string& trace_path,
-                      bool keep = false) {
+                      rt::Trace* kept = nullptr) {
     devices::ProcessSet& processes = comm.processes();
     if (config.timing == Timing::virtual_clock) {
       rt::VirtualRunResult r = clock.run(step.graph());
       if (!trace_path.empty()) rt::write_chrome_trace(r.trace, trace_path);
       const double seconds = static_cast<double>(r.makespan) * 1e-9;
-      StepTiming timing =
-          traced ? measured(r.trace, devices, processes, seconds) : StepTiming{seconds};
-      if (keep) timing.trace = std::move(r.trace);
+      const StepTiming timing =
+          traced ? measured(r.trace, devices, processes, seconds) : StepTiming{.seconds = seconds};
+      if (kept) *kept = std::move(r.trace);
       return timing;
     }
     const auto t0 = std::chrono::steady_clock::now();
     rt::RunResult r = devices.executor().run(
-        step.graph(), {.record_trace = traced || keep || !trace_path.empty(),
+        step.graph(), {.record_trace = traced || kept || !trace_path.empty(),
                        .link_model = machine.links().enabled() ? &machine : nullptr});
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (!trace_path.empty()) write_trace(r.trace, t0, processes, trace_path);
-    StepTiming timing =
-        traced ? measured(r.trace, devices, processes, seconds) : StepTiming{seconds};
-    if (keep) timing.trace = std::move(r.trace);
+    const StepTiming timing =
+        traced ? measured(r.trace, devices, processes, seconds) : StepTiming{.seconds = seconds};
+    if (kept) *kept = std::move(r.trace);
     return timing;
   }
 
@@ -249,9 +248,11 @@ struct Trainer::Impl {
     const bool traced = config.timing == Timing::virtual_clock || it == config.trace_iteration ||
                         it % config.metrics_interval == 0;
     const bool keep = traced_callback && it == config.trace_iteration;
-    const StepTiming timing = run_step(
-        step, traced, it == config.trace_iteration ? config.trace_path : std::string(), keep);
-    if (keep) traced_callback(it, step.graph(), timing.trace);
+    rt::Trace kept;
+    const StepTiming timing =
+        run_step(step, traced, it == config.trace_iteration ? config.trace_path : std::string(),
+                 keep ? &kept : nullptr);
+    if (keep) traced_callback(it, step.graph(), kept);
     const StepResult r = step.result();
     const std::optional<double> used_scale =
         scaler ? std::optional<double>(scaler->scale()) : std::nullopt;
