@@ -171,6 +171,8 @@ std::string_view to_string(CriticalLink link) {
       return "last member of a collective";
     case CriticalLink::engine:
       return "compute engine";
+    case CriticalLink::device:
+      return "previous task on its device";
   }
   return "?";
 }
@@ -203,6 +205,10 @@ CriticalPathSummary summarize(const CriticalPath& path, const TaskTable& tasks) 
         i + 1 < path.steps.size() ? path.steps[i + 1].waited_for : CriticalLink::start;
     by_wait[i + 1 < path.steps.size() ? std::string(to_string(why)) : "last task"] +=
         s.end - s.begin;
+    if (s.waited > 0) {
+      by_kind[std::string(kWallWait)] += s.waited;
+      by_wait[std::string(kWallWait)] += s.waited;
+    }
   }
   return {largest_first(by_kind), largest_first(by_wait)};
 }

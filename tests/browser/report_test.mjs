@@ -3,8 +3,11 @@
 // request leaving the file, draw a lane for every device and stream the step's Chrome trace has,
 // list a layer node's tasks when the node is clicked (the trace's tasks of that device, stream,
 // layer and phase), list the critical path `weave predict --critical-path` prints, and chart
-// every device's memory over the step peaking at what the command line prints. Each check leaves
-// a screenshot in the output folder.
+// every device's memory over the step peaking at what the command line prints. Then
+// `weave train --report` of a short run: its page charts each device's memory over the step,
+// peaking at the figures train measured and printed, and lists the critical path on the wall
+// clock that `weave train --critical-path` printed after training. Each check leaves a screenshot
+// in the output folder.
 //
 //   node report_test.mjs WEAVE PLAYWRIGHT_CORE_DIR OUT_DIR
 //
@@ -72,7 +75,28 @@ for (const line of cli.split('\n')) {
     cliRuns.push({ begin: +m[1], share: +m[2], device: +m[3], tasks: +m[4], compute: +m[5],
                    other: +m[6], first: m[7], last: m[8], after: m[9] });
 }
+// A printed path's "by kind" lines (the first path in `text`).
+const byKindOf = (text) => text.split('\n  by kind:\n')[1].split('\n  by what')[0].split('\n')
+    .map((l) => l.match(/^\s+(.*\S)\s+([0-9.]+) ms\s+([0-9.]+) %$/)).filter((m) => m)
+    .map((m) => ({ what: m[1], ms: +m[2], share: +m[3] }));
 const cliHidden = cli.match(/\n\s+and (\d+) shorter stays/);
+
+// A short run of a pipeline with tensor parallelism on 4 devices, reported, its path printed on
+// both clocks.
+const trainReport = path.resolve(outDir, 'train.html');
+const trainCli = execFileSync(weave, [
+  'train', '--num-layers', '2', '--hidden-size', '64', '--num-attention-heads', '4',
+  '--ffn-hidden-size', '128', '--seq-length', '64', '--micro-batch-size', '2',
+  '--global-batch-size', '8', '--mock-data', '--devices', '4', '--tensor-model-parallel-size', '2',
+  '--sequence-parallel', '--pipeline-model-parallel-size', '2', '--train-iters', '2',
+  '--trace-iteration', '2', '--critical-path', '--report', trainReport], { encoding: 'utf8' });
+fs.writeFileSync(path.join(outDir, 'train.txt'), trainCli);
+const wallHeadline = trainCli.match(
+    /critical path on the wall clock, iteration (\d+): (\d+) steps, ([0-9.]+) ms/);
+if (!wallHeadline) {
+  console.error(`no critical path on the wall clock in weave train's output:\n${trainCli}`);
+  process.exit(1);
+}
 if (!headline || cliRuns.length === 0) {
   console.error(`no critical path in weave's output:\n${cli}`);
   process.exit(1);
@@ -109,6 +133,44 @@ try {
     const file = path.join(outDir, name);
     if (target) await target.screenshot({ path: file });
     else await page.screenshot({ path: file });
+  };
+
+  // A memory chart over the step for every device `cliMemory` (a command line's memory line:
+  // the largest device's peak, its categories, the device count) counts, each drawing its
+  // categories; the largest device's peak label and category peaks are the command line's.
+  const checkMemory = async (page, cliMemory, label, screenshot) => {
+    if (!check(cliMemory, `no memory line in weave ${label}'s output`)) return;
+    const charts = await page.$$eval('#memory-chart g.memory-device', (gs) => gs.map((g) => ({
+      device: +g.dataset.device, peak: +g.dataset.peak, peaks: g.dataset.peaks.split(' ').map(Number),
+      label: g.querySelector('text.memory-peak').textContent,
+      bands: [...g.querySelectorAll('path.memory-band')].map((b) => b.dataset.category),
+    })));
+    check(charts.length === +cliMemory[3],
+          `${charts.length} memory charts, the command line counts ${cliMemory[3]} devices (${label})`);
+    charts.forEach((c, i) => check(c.device === i && c.bands.includes('parameters') &&
+                                   c.bands.includes('activations'),
+                                   `${label}: memory chart ${i}: ${JSON.stringify(c)}`));
+    // tools/weave/memory_estimate.cpp's bytes_text: fmt rounds an exact tie (228.25) to even.
+    const fixed = (v, digits) => {
+      const scaled = v * 10 ** digits, floor = Math.floor(scaled);
+      const n = scaled - floor === 0.5 ? (floor % 2 === 0 ? floor : floor + 1) : Math.round(scaled);
+      return (n / 10 ** digits).toFixed(digits);
+    };
+    const bytesText = (b) => b < 1024 ? `${b} B`
+        : b < 1024 ** 2 ? `${fixed(b / 1024, 1)} KiB`
+        : b < 1024 ** 3 ? `${fixed(b / 1024 ** 2, 1)} MiB` : `${fixed(b / 1024 ** 3, 2)} GiB`;
+    const largest = charts.reduce((best, c) => (c.peak > best.peak ? c : best), charts[0]);
+    check(largest && largest.label === `peak ${cliMemory[1]}`,
+          `${label}: largest device's chart says '${largest && largest.label}', the command line ` +
+          `'${cliMemory[1]} per device at most'`);
+    const categories = await page.$$eval('#memory-legend span', (s) => s.map((x) => x.textContent));
+    const pageParts = categories
+        .map((c, k) => [c.replace(/_/g, ' '), largest.peaks[k]])
+        .filter(([, b]) => b > 0).map(([c, b]) => `${c} ${bytesText(b)}`).join(', ');
+    check(pageParts === cliMemory[2],
+          `${label}: largest device's category peaks: page '${pageParts}', command line '${cliMemory[2]}'`);
+    await page.evaluate(() => document.getElementById('memory-chart').scrollIntoView());
+    await shot(screenshot);
   };
 
   // 1. It renders, with no console error.
@@ -194,9 +256,7 @@ try {
           `stay ${i}: page ${JSON.stringify(p)} against the command line's ${JSON.stringify(c)}`);
   });
   // Its time by kind, the pipeline's bubble apart, is the command line's "by kind".
-  const byKind = cli.split('\n  by kind:\n')[1].split('\n  by what')[0].split('\n')
-      .map((l) => l.match(/^\s+(.*\S)\s+([0-9.]+) ms\s+([0-9.]+) %$/)).filter((m) => m)
-      .map((m) => ({ what: m[1], ms: +m[2], share: +m[3] }));
+  const byKind = byKindOf(cli);
   const pageKinds = await page.$$eval('#critical-path-kinds tr.path-kind', (rs) => rs.map((r) => {
     const cells = [...r.querySelectorAll('td')].map((c) => c.textContent);
     return { what: cells[0], ms: +cells[1], share: +cells[2] };
@@ -220,35 +280,45 @@ try {
 
   // 5. A memory chart over the step for every device the command line counts, each drawing its
   // categories; the largest device's peak label and category peaks are the command line's.
-  const cliMemory = cli.match(/\nmemory +(\S+ \S+) per device at most \((.*)\); (\d+) devices?:/);
-  if (check(cliMemory, `no memory line in weave's output:\n${cli}`)) {
-    const charts = await page.$$eval('#memory-chart g.memory-device', (gs) => gs.map((g) => ({
-      device: +g.dataset.device, peak: +g.dataset.peak, peaks: g.dataset.peaks.split(' ').map(Number),
-      label: g.querySelector('text.memory-peak').textContent,
-      bands: [...g.querySelectorAll('path.memory-band')].map((b) => b.dataset.category),
-    })));
-    check(charts.length === +cliMemory[3],
-          `${charts.length} memory charts, the command line counts ${cliMemory[3]} devices`);
-    charts.forEach((c, i) => check(c.device === i && c.bands.includes('parameters') &&
-                                   c.bands.includes('activations'),
-                                   `memory chart ${i}: ${JSON.stringify(c)}`));
-    // tools/weave/memory_estimate.cpp's bytes_text.
-    const bytesText = (b) => b < 1024 ? `${b} B`
-        : b < 1024 ** 2 ? `${(b / 1024).toFixed(1)} KiB`
-        : b < 1024 ** 3 ? `${(b / 1024 ** 2).toFixed(1)} MiB` : `${(b / 1024 ** 3).toFixed(2)} GiB`;
-    const largest = charts.reduce((best, c) => (c.peak > best.peak ? c : best), charts[0]);
-    check(largest && largest.label === `peak ${cliMemory[1]}`,
-          `largest device's chart says '${largest && largest.label}', the command line ` +
-          `'${cliMemory[1]} per device at most'`);
-    const categories = await page.$$eval('#memory-legend span', (s) => s.map((x) => x.textContent));
-    const pageParts = categories
-        .map((c, k) => [c.replace(/_/g, ' '), largest.peaks[k]])
-        .filter(([, b]) => b > 0).map(([c, b]) => `${c} ${bytesText(b)}`).join(', ');
-    check(pageParts === cliMemory[2],
-          `largest device's category peaks: page '${pageParts}', command line '${cliMemory[2]}'`);
-    await page.evaluate(() => document.getElementById('memory-chart').scrollIntoView());
-    await shot('5-memory.png');
-  }
+  await checkMemory(page, cli.match(/\nmemory +(\S+ \S+) per device at most \((.*)\); (\d+) devices?:/),
+                    'predict', '5-memory.png');
+
+  // A prediction's page has no path on the wall clock, and says so.
+  check((await page.textContent('#wall-path-note')).startsWith('None') &&
+        (await page.$$eval('#wall-path-runs tr.run', (rs) => rs.length)) === 0,
+        'the prediction\'s page lists a path on the wall clock');
+
+  // 6. weave train's page: a memory chart per device peaking at what train measured and printed,
+  // and the critical path on the wall clock as train printed it.
+  await page.goto(pathToFileURL(trainReport).href);
+  await page.waitForSelector('body[data-rendered="yes"]', { timeout: 10000 });
+  await checkMemory(
+      page, trainCli.match(/\nmemory \(measured\): (\S+ \S+) per device at most \((.*)\); (\d+) devices?:/),
+      'train', '6-train-memory.png');
+  const wallSummary = await page.textContent('#wall-path-summary');
+  const pageWall = wallSummary.match(
+      /critical path on the wall clock, iteration (\d+): (\d+) steps, ([0-9.]+) ms/);
+  check(pageWall && pageWall[0] === wallHeadline[0],
+        `wall-clock headline '${wallSummary}' against the command line's '${wallHeadline[0]}'`);
+  const wallKinds = byKindOf(trainCli.split('critical path on the wall clock')[1]);
+  const pageWallKinds = await page.$$eval('#wall-path-kinds tr.path-kind', (rs) => rs.map((r) => {
+    const cells = [...r.querySelectorAll('td')].map((c) => c.textContent);
+    return { what: cells[0], ms: +cells[1], share: +cells[2] };
+  }));
+  check(wallKinds.some((k) => k.what === 'waits: host scheduling and launch') &&
+        pageWallKinds.length === wallKinds.length &&
+        wallKinds.every((k, i) => pageWallKinds[i].what === k.what &&
+                                  near(pageWallKinds[i].ms, k.ms, 1e-3) &&
+                                  near(pageWallKinds[i].share, k.share, 0.1)),
+        `wall-clock by kind: page ${JSON.stringify(pageWallKinds)}, command line ` +
+        `${JSON.stringify(wallKinds)}`);
+  const wallRuns = await page.$$eval('#wall-path-runs tr.run', (rs) => rs.length);
+  check(wallRuns > 0, 'the page lists no stay of the wall-clock path');
+  await page.evaluate(() => document.getElementById('wall-path-summary').scrollIntoView());
+  await shot('7-train-wall-path.png');
+  // Only train's page has a path on the wall clock.
+  check(!(await page.textContent('#wall-path-note')).startsWith('None'),
+        'train\'s page says it has no wall-clock path');
 
   check(errors.length === 0, `errors: ${errors.join('; ')}`);
 } finally {

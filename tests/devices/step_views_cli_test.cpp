@@ -147,6 +147,40 @@ TEST(StepViewsCli, ReportWritesOnePageOrIsRefusedNamingTheFlag) {
   std::filesystem::remove_all(page.parent_path());
 }
 
+// weave train --critical-path prints the modelled machine's path before training and, after it,
+// the path of iteration --trace-iteration as it ran on the wall clock, its shares by kind summing
+// to its length; a run that does not train that iteration says which to give.
+TEST(StepViewsCli, TrainPrintsThePathOnBothClocks) {
+  const std::string train =
+      "train --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 32 --devices 2 "
+      "--tensor-model-parallel-size 2 --mock-data --train-iters 2 --critical-path";
+  Result r = weave(train + " --trace-iteration 2");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("critical path: "), std::string::npos) << r.out;
+  const auto wall = r.out.find("critical path on the wall clock, iteration 2: ");
+  ASSERT_NE(wall, std::string::npos) << r.out;
+  const double length = number_after(
+      r.out, "critical path on the wall clock, iteration 2: [0-9]+ steps, ([0-9.]+) ms");
+  EXPECT_GT(length, 0);
+  // The "by kind" lines after the wall-clock headline, up to "by what".
+  const std::string kinds = r.out.substr(wall, r.out.find("  by what", wall) - wall);
+  EXPECT_NE(kinds.find("waits: host scheduling and launch"), std::string::npos) << kinds;
+  double summed = 0;
+  int lines = 0;
+  const std::regex line(R"(\n    .*\S\s+([0-9.]+) ms\s+[0-9.]+ %)");
+  for (auto it = std::sregex_iterator(kinds.begin(), kinds.end(), line);
+       it != std::sregex_iterator(); ++it, ++lines)
+    summed += std::stod((*it)[1]);
+  ASSERT_GT(lines, 1) << kinds;
+  EXPECT_NEAR(summed, length, 0.0005 * (lines + 1)) << kinds;  // each printed to 3 decimals
+  r = weave(train + " --trace-iteration 3");
+  ASSERT_EQ(r.status, 0) << r.out;
+  EXPECT_NE(r.out.find("iteration 3 (--trace-iteration) was not trained by this run: give "
+                       "--trace-iteration from 1 to 2"),
+            std::string::npos)
+      << r.out;
+}
+
 TEST(StepViewsCli, WrongFiguresAreRefusedNamingTheFlagAndTheFix) {
   const std::pair<const char*, const char*> cases[] = {
       {" --figure ampipe", "add --layer L, L from 0 to 1"},

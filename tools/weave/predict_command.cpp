@@ -118,7 +118,9 @@ graphs::PredictionOptions folding(const PredictOptions& o, const graphs::Trainer
           .fold_tensor_parallel = !o.every_rank && !shown,
           .fold_context_parallel = !o.every_rank && !shown,
           .fold_micro_batches = !o.every_rank && !shown,
-          .what_if = views.what_if};
+          .what_if = views.what_if,
+          // --report refuses a step too large for a page once it is built, before its replay.
+          .most_tasks = o.train.report.empty() ? 0 : graphs::kStepReportMostTasks};
 }
 
 // The ranks --trace-ranks names ("0-7,64"), each checked against the plan before anything is

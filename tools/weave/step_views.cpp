@@ -52,6 +52,8 @@ void print_runs(const rt::CriticalPath& path, const rt::TaskTable& tasks) {
     for (; j < path.steps.size() && tasks[path.steps[j].task].device == device; ++j)
       if (tasks[path.steps[j].task].kind == rt::TaskKind::compute)
         compute += path.steps[j].end - path.steps[j].begin;
+    // A stay's time runs from its first step's begin to its last's end, the waits between its
+    // steps (wall clock) counted as other.
     const rt::Nanos time = path.steps[j - 1].end - path.steps[i].begin;
     if (percent(time, path.length) < kShownShare) {
       ++hidden;
@@ -60,8 +62,8 @@ void print_runs(const rt::CriticalPath& path, const rt::TaskTable& tasks) {
       fmt::print(
           "    {:>10.3f} ms  {:>5.1f} %  device {}: {} task{}, {:.3f} ms compute, {:.3f} ms "
           "other; '{}' .. '{}', after {}\n",
-          ms(path.steps[i].begin), percent(time, path.length), device, j - i, j - i == 1 ? "" : "s",
-          ms(compute), ms(time - compute), tasks.name(path.steps[i].task),
+          ms(path.steps[i].begin - path.start), percent(time, path.length), device, j - i,
+          j - i == 1 ? "" : "s", ms(compute), ms(time - compute), tasks.name(path.steps[i].task),
           tasks.name(path.steps[j - 1].task), rt::to_string(path.steps[i].waited_for));
     }
     i = j;
@@ -173,6 +175,18 @@ std::vector<rt::TaskId> print_critical_path(const rt::Graph& graph, const rt::Tr
   print_runs(path, graph.tasks());
   if (!what_if.empty()) print_what_if(graph, what_if, changed, path, trace, stages);
   return path.tasks();
+}
+
+void print_wall_critical_path(const rt::CriticalPath& path, const rt::Trace& trace,
+                              std::int64_t iteration, const std::vector<int>& stages) {
+  const rt::CriticalPathSummary summary = graphs::summarize_with_bubble(path, trace, stages);
+  fmt::print(
+      "critical path on the wall clock, iteration {}: {} steps, {:.3f} ms = the step's tasks from "
+      "the first one's start to the last one's end\n",
+      iteration, path.steps.size(), ms(path.length));
+  print_shares("by kind", summary.by_kind, path.length);
+  print_shares("by what the next step waited for", summary.by_wait, path.length);
+  print_runs(path, trace.tasks());
 }
 
 std::string write_graph_view(const rt::Graph& graph, const StepViewRequest& request,

@@ -1,8 +1,9 @@
 // What `weave train` and `weave predict` show of a step's graph: its DOT view (--dump-graph,
 // --graph-filter, --graph-level) and its critical path on the virtual clock (--critical-path,
-// --what-if).
+// --what-if) and, for a step weave train ran, on the wall clock.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -39,6 +40,12 @@ std::vector<rt::TaskId> print_critical_path(const rt::Graph& graph, const rt::Tr
                                             const std::vector<rt::CostChange>& what_if,
                                             const rt::Trace& changed,
                                             const std::vector<int>& stages);
+
+// Prints `path`, the critical path on the wall clock of a step weave train ran (rt::
+// wall_critical_path of `trace`, the recorded spans of training iteration `iteration`), in
+// print_critical_path's form, the host's waits between the steps a share of their own.
+void print_wall_critical_path(const rt::CriticalPath& path, const rt::Trace& trace,
+                              std::int64_t iteration, const std::vector<int>& stages);
 
 // Writes the view of `graph` the request chooses, the critical path drawn heavy; returns what to
 // tell the user ("graph: N tasks (layer level), written to PATH").

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -33,6 +34,7 @@
 #include "weave/graphs/token_dataset.hpp"
 #include "weave/graphs/trainer.hpp"
 #include "weave/graphs/virtual_replay.hpp"
+#include "weave/runtime/critical_path.hpp"
 
 namespace weave::cli {
 
@@ -165,6 +167,8 @@ int train(TrainOptions& o, ProgressReporter& progress, ProcessRun* processes,
   graphs::TrainerConfig& c = o.config;
   const bool first = launched_rank() == 0;
   graphs::TrainingData data = training_data(o, std::move(indexed));
+  // --report charts each device's memory over the step from what the step's build allocated.
+  c.record_step_memory = !o.report.empty();
 
   std::unique_ptr<graphs::Trainer> built;
   try {
@@ -229,10 +233,42 @@ void show_step(const TrainOptions& o, graphs::Trainer& trainer, ProgressReporter
     progress.note(write_graph_view(trainer.step().graph(), request, path));
 }
 
+// The step of iteration --trace-iteration as the run recorded it on the wall clock, and the
+// critical path read from its spans: what --critical-path prints after training and --report
+// shows beside the modelled machine's.
+struct WallStep {
+  std::int64_t iteration = 0;
+  rt::Trace trace;
+  rt::CriticalPath path;
+};
+
+// --critical-path, once the run has trained: the path on the wall clock, or why there is none.
+void show_wall_path(graphs::Trainer& trainer, std::int64_t first_iteration,
+                    const std::optional<WallStep>& wall, ProgressReporter& progress) {
+  const graphs::TrainerConfig& c = trainer.config();
+  if (c.timing == graphs::Timing::virtual_clock)
+    return progress.note(
+        "critical path on the wall clock: none, the run was timed on the modelled machine "
+        "(--timing model): its path is the virtual clock's above");
+  if (trainer.processes().size() > 1)
+    return progress.note(
+        "critical path on the wall clock: none, each process records the spans of its own "
+        "devices only: run the step in one process (without mpirun) to see it");
+  if (!wall)
+    return progress.note(fmt::format(
+        "critical path on the wall clock: none, iteration {} (--trace-iteration) was not trained "
+        "by this run: give --trace-iteration from {} to {}",
+        c.trace_iteration, first_iteration, c.train_iters));
+  print_wall_critical_path(wall->path, wall->trace, wall->iteration,
+                           graphs::pipeline_stage_of_devices(trainer.step().mesh()));
+}
+
 // --report, once the run has trained: the step replayed on the virtual clock of the modelled
-// machine, with the memory each device's tracker saw at its peak over the run.
+// machine, with its memory over the step from the step's build (placed on that replay), the
+// memory each device's tracker saw at its peak over the run, and the critical path the run
+// recorded on the wall clock.
 void write_train_report(const TrainOptions& o, graphs::Trainer& trainer,
-                        ProgressReporter& progress) {
+                        const std::optional<WallStep>& wall, ProgressReporter& progress) {
   const devices::MachineModel machine =
       graphs::machine_model(trainer.devices(), trainer.config().machine);
   const rt::Graph& graph = trainer.step().graph();
@@ -241,14 +277,28 @@ void write_train_report(const TrainOptions& o, graphs::Trainer& trainer,
   for (std::size_t d = 0; d < peaks.size(); ++d)
     for (std::size_t k = 0; k < rt::kMemoryCategoryCount; ++k)
       peaks[d][k] = memory.peak(static_cast<rt::DeviceId>(d), static_cast<rt::MemoryCategory>(k));
-  progress.note(write_report(
-      o.report, graph, replay_costs(graph, machine), step_view_request(o),
-      {.title = "weave train",
-       .configuration_json =
-           run_record(trainer.config(), trainer.data().description, o.no_effect).dump(),
-       .stage_of_device = graphs::pipeline_stage_of_devices(trainer.step().mesh()),
-       .memory = std::move(peaks),
-       .memory_source = "measured: each device's tracker over the run"}));
+  // What train measured, in weave predict's words: the trackers' peaks over the run.
+  MemoryEstimate measured{.by_category = peaks};
+  for (std::size_t d = 0; d < peaks.size(); ++d)
+    measured.peak.push_back(memory.peak_total(static_cast<rt::DeviceId>(d)));
+  progress.note(fmt::format("memory (measured): {}", measured.describe()));
+  const rt::Trace replay = replay_costs(graph, machine);
+  graphs::StepReportInput input{
+      .title = "weave train",
+      .configuration_json =
+          run_record(trainer.config(), trainer.data().description, o.no_effect).dump(),
+      .stage_of_device = graphs::pipeline_stage_of_devices(trainer.step().mesh()),
+      .memory = std::move(peaks),
+      .memory_source = "measured: each device's tracker over the run",
+      .memory_over_step =
+          graphs::memory_timeline(trainer.step().memory_events(), replay, memory.device_count())};
+  // The path of the step the report shows (a batch ramp-up may have trained another since).
+  if (wall && &wall->trace.tasks() == &graph.tasks()) {
+    input.wall_critical_path = wall->path;
+    input.wall_trace = wall->trace;
+    input.wall_iteration = wall->iteration;
+  }
+  progress.note(write_report(o.report, graph, replay, step_view_request(o), std::move(input)));
 }
 
 int run_trainer(TrainOptions& o, ProgressReporter& progress, graphs::Trainer& trainer) {
@@ -264,10 +314,17 @@ int run_trainer(TrainOptions& o, ProgressReporter& progress, graphs::Trainer& tr
   const std::optional<double> theory = bubble_theory(trainer.config().plan);
   if (theory) progress.set_bubble_theory(*theory);
   progress.record("run", run_record(trainer.config(), trainer.data().description, o.no_effect));
+  // A report of too many tasks is refused before the run trains, not after.
+  if (!o.report.empty() && trainer.processes().index() == 0)
+    graphs::check_report_size(trainer.step().graph().size());
   if (trainer.processes().index() == 0) show_step(o, trainer, progress);
   if (!c.load_path.empty())
     progress.note(fmt::format("resumed from {} at iteration {}", c.load_path, trainer.iteration()));
 
+  const std::int64_t first_iteration = trainer.iteration() + 1;
+  std::optional<WallStep> wall;
+  const bool wants_wall_path = (o.critical_path || !o.report.empty()) &&
+                               trainer.processes().size() == 1 && c.timing == graphs::Timing::wall;
   const graphs::TrainingSummary done = trainer.run(
       {.iteration =
            [&](const graphs::IterationMetrics& m) {
@@ -279,11 +336,18 @@ int run_trainer(TrainOptions& o, ProgressReporter& progress, graphs::Trainer& tr
        .saved =
            [&](const std::string& path, std::int64_t iteration) {
              progress.note(fmt::format("saved {} (iteration {})", path, iteration));
+           },
+       .traced =
+           [&](std::int64_t iteration, const rt::Graph& graph, const rt::Trace& trace) {
+             if (wants_wall_path && trace.clock() == rt::ClockKind::wall)
+               wall = WallStep{iteration, trace, rt::wall_critical_path(graph, trace)};
            }});
   progress.finish();
+  if (o.critical_path && trainer.processes().index() == 0)
+    show_wall_path(trainer, first_iteration, wall, progress);
   progress.record("summary", summary_record(done, trainer.iteration()));
   if (!o.report.empty() && trainer.processes().index() == 0)
-    write_train_report(o, trainer, progress);
+    write_train_report(o, trainer, wall, progress);
   // Only a trace that is there is named (process 0 writes it).
   const bool traced = !c.trace_path.empty() && std::filesystem::exists(c.trace_path);
   if (done.seconds > 0)

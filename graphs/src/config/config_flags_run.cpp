@@ -339,7 +339,8 @@ constexpr ConfigFlag kOutput[] = {
      .values = 0,
      .help = "Replay the step on the virtual clock of --link, --device-flops or --accelerator "
              "and print the chain of tasks that sets its time, by kind and by what each waited "
-             "for (drawn heavy in --dump-graph)",
+             "for (drawn heavy in --dump-graph); weave train prints it on the wall clock too, "
+             "after training, read from the spans iteration --trace-iteration recorded",
      .properties = kNotRepeatedByAdvice},
     {.name = "--what-if",
      .group = FlagGroup::logging,
@@ -352,8 +353,10 @@ constexpr ConfigFlag kOutput[] = {
      .group = FlagGroup::logging,
      .help = "Replay the step on the virtual clock and write it as one self-contained HTML page "
              "here: every device's and stream's timeline, the graph by layer (click a node for "
-             "its tasks), the critical path, exposed communication per group, memory per device "
-             "and the configuration",
+             "its tasks), the critical path (weave train's on the wall clock too), exposed "
+             "communication per group, memory per device over the step and the configuration; a "
+             "step of more than 100,000 tasks is refused once built, before its replay or "
+             "training",
      .properties = kNotRepeatedByAdvice},
     {.name = "--figure",
      .group = FlagGroup::logging,

@@ -13,6 +13,7 @@
 #include "weave/devices/folded_communicator.hpp"
 #include "weave/graphs/mesh.hpp"
 #include "weave/graphs/pipeline_layout.hpp"
+#include "weave/graphs/step_report.hpp"
 #include "weave/graphs/training_step.hpp"
 #include "weave/graphs/virtual_replay.hpp"
 #include "weave/runtime/trace_metrics.hpp"
@@ -209,6 +210,7 @@ ReplayFigures replay(const TrainerConfig& config, const PredictionOptions& optio
   devices::FoldedCommunicator comm(ranks.held);
   TrainingStep step(config.model, plan, config.step_optimizer(), set, comm,
                     {.ranks = ranks.built, .materialize = false, .record_memory = true});
+  if (options.most_tasks > 0) check_report_size(step.graph().size(), options.most_tasks);
   step.prepare(1, config.learning_rate.at(1));
   const devices::MachineModel machine = machine_model(set, config.machine);
   rt::VirtualClock clock(machine, {.execute = false, .record_trace = true});

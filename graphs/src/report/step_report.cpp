@@ -86,6 +86,31 @@ nlohmann::json critical_path_of(const rt::Graph& graph, const rt::Trace& trace,
   return {{"length_ns", path.length}, {"steps", steps}, {"by_kind", by_kind}};
 }
 
+nlohmann::json shares(const std::vector<rt::PathShare>& list) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const rt::PathShare& share : list)
+    out.push_back({{"what", share.what}, {"ns", share.time}});
+  return out;
+}
+
+nlohmann::json wall_critical_path_of(const StepReportInput& input) {
+  const rt::CriticalPath& path = input.wall_critical_path;
+  if (path.steps.empty()) return nullptr;
+  nlohmann::json steps = nlohmann::json::array();
+  for (const rt::CriticalStep& s : path.steps)
+    steps.push_back({{"task", s.task},
+                     {"last_member", s.last_member},
+                     {"begin", s.begin},
+                     {"end", s.end},
+                     {"waited", s.waited},
+                     {"waited_for", rt::to_string(s.waited_for)}});
+  const rt::CriticalPathSummary summary =
+      summarize_with_bubble(path, input.wall_trace, input.stage_of_device);
+  return {{"iteration", input.wall_iteration},  {"start_ns", path.start},
+          {"length_ns", path.length},           {"steps", steps},
+          {"by_kind", shares(summary.by_kind)}, {"by_wait", shares(summary.by_wait)}};
+}
+
 // Each process group's exposed communication: summed over the devices, and a device's share.
 nlohmann::json exposed_by_group(const rt::Trace& trace) {
   const auto groups = streams_by_group(trace.tasks());
@@ -130,6 +155,17 @@ nlohmann::json memory_of(const StepReportInput& input) {
 
 }  // namespace
 
+void check_report_size(std::size_t tasks, std::size_t most_tasks) {
+  if (tasks > most_tasks)
+    throw std::invalid_argument(fmt::format(
+        "--report: the step has {} tasks, more than the {} a report page holds (it would be "
+        "about {} MB for the browser to draw): report a smaller step of the same shape (fewer "
+        "micro-batches with --global-batch-size, fewer layers with --num-layers); for this one "
+        "--critical-path, --dump-graph with --graph-level stage-micro-batch or step, and --trace "
+        "work at any size",
+        tasks, most_tasks, tasks * 150 / 1'000'000));
+}
+
 std::string step_report_json(const rt::Graph& graph, const rt::Trace& trace,
                              const StepReportInput& input) {
   if (trace.empty() || trace.clock() != rt::ClockKind::virtual_time)
@@ -137,14 +173,7 @@ std::string step_report_json(const rt::Graph& graph, const rt::Trace& trace,
         "a step report reads a virtual-clock replay of the step: replay the graph with "
         "VirtualClock and record_trace");
   const rt::TaskTable& tasks = graph.tasks();
-  if (tasks.size() > input.most_tasks)
-    throw std::invalid_argument(fmt::format(
-        "--report: the step has {} tasks, more than the {} a report page holds (it would be "
-        "about {} MB for the browser to draw): report a smaller step of the same shape (fewer "
-        "micro-batches with --global-batch-size, fewer layers with --num-layers); for this one "
-        "--critical-path, --dump-graph with --graph-level stage-micro-batch or step, and --trace "
-        "work at any size",
-        tasks.size(), input.most_tasks, tasks.size() * 150 / 1'000'000));
+  check_report_size(tasks.size(), input.most_tasks);
   nlohmann::json j;
   j["title"] = input.title;
   j["clock"] = "virtual";
@@ -172,6 +201,7 @@ std::string step_report_json(const rt::Graph& graph, const rt::Trace& trace,
   j["tasks"] = task_columns(tasks, trace);
   j["graph"] = graph_at(graph, input.level);
   j["critical_path"] = critical_path_of(graph, trace, input.stage_of_device);
+  j["wall_critical_path"] = wall_critical_path_of(input);
   j["exposed"] = exposed_by_group(trace);
   j["memory"] = memory_of(input);
   try {

@@ -63,6 +63,14 @@ StepBuildOptions held_ranks(const devices::Communicator& comm, const ParallelPla
   return options;
 }
 
+// How the Trainer builds a step: the ranks held here, recording the memory when asked to.
+StepBuildOptions build_options(const TrainerConfig& c, const devices::Communicator& comm,
+                               const ParallelPlan& plan) {
+  StepBuildOptions options = held_ranks(comm, plan);
+  options.record_memory = c.record_step_memory;
+  return options;
+}
+
 // What a trace of the devices held here shows, over every process: exposed communication over
 // busy time and the compute bubble, each a ratio of sums over the devices (of every process).
 StepTiming measured(const rt::Trace& trace, const devices::DeviceSet& devices,
@@ -146,7 +154,7 @@ struct Trainer::Impl {
     BatchStep(const TrainerConfig& c, ParallelPlan p, devices::DeviceSet& devices,
               devices::Communicator& comm)
         : plan(std::move(p)),
-          step(c.model, plan, c.step_optimizer(), devices, comm, held_ranks(comm, plan)),
+          step(c.model, plan, c.step_optimizer(), devices, comm, build_options(c, comm, plan)),
           flops(step_flops(step.graph())) {}
     ParallelPlan plan;
     TrainingStep step;
@@ -184,26 +192,35 @@ struct Trainer::Impl {
   }
 
   // Runs the prepared step once on the configured clock. `traced`: measure it from a trace (the
-  // virtual clock records one anyway); `trace_path`: also write that trace there.
-  StepTiming run_step(TrainingStep& step, bool traced, const std::string& trace_path) {
+  // virtual clock records one anyway); `trace_path`: also write that trace there; `kept`: when
+  // set, record the trace and move it there.
+  StepTiming run_step(TrainingStep& step, bool traced, const std::string& trace_path,
+                      rt::Trace* kept = nullptr) {
     devices::ProcessSet& processes = comm.processes();
     if (config.timing == Timing::virtual_clock) {
-      const rt::VirtualRunResult r = clock.run(step.graph());
+      rt::VirtualRunResult r = clock.run(step.graph());
       if (!trace_path.empty()) rt::write_chrome_trace(r.trace, trace_path);
       const double seconds = static_cast<double>(r.makespan) * 1e-9;
-      if (!traced) return {seconds};
-      return measured(r.trace, devices, processes, seconds);
+      const StepTiming timing =
+          traced ? measured(r.trace, devices, processes, seconds) : StepTiming{.seconds = seconds};
+      if (kept) *kept = std::move(r.trace);
+      return timing;
     }
     const auto t0 = std::chrono::steady_clock::now();
-    const rt::RunResult r = devices.executor().run(
-        step.graph(), {.record_trace = traced || !trace_path.empty(),
+    rt::RunResult r = devices.executor().run(
+        step.graph(), {.record_trace = traced || kept || !trace_path.empty(),
                        .link_model = machine.links().enabled() ? &machine : nullptr});
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (!trace_path.empty()) write_trace(r.trace, t0, processes, trace_path);
-    if (!traced) return {seconds};
-    return measured(r.trace, devices, processes, seconds);
+    const StepTiming timing =
+        traced ? measured(r.trace, devices, processes, seconds) : StepTiming{.seconds = seconds};
+    if (kept) *kept = std::move(r.trace);
+    return timing;
   }
+
+  // The step of `iteration`'s graph and spans go to `traced` (TrainerCallbacks::traced).
+  std::function<void(std::int64_t, const rt::Graph&, const rt::Trace&)> traced_callback;
 
   IterationMetrics train_iteration() {
     const std::int64_t it = state.iteration + 1;
@@ -230,8 +247,12 @@ struct Trainer::Impl {
     gathers_pending = config.plan.distributed_optimizer && config.plan.overlap_param_gather;
     const bool traced = config.timing == Timing::virtual_clock || it == config.trace_iteration ||
                         it % config.metrics_interval == 0;
+    const bool keep = traced_callback && it == config.trace_iteration;
+    rt::Trace kept;
     const StepTiming timing =
-        run_step(step, traced, it == config.trace_iteration ? config.trace_path : std::string());
+        run_step(step, traced, it == config.trace_iteration ? config.trace_path : std::string(),
+                 keep ? &kept : nullptr);
+    if (keep) traced_callback(it, step.graph(), kept);
     const StepResult r = step.result();
     const std::optional<double> used_scale =
         scaler ? std::optional<double>(scaler->scale()) : std::nullopt;
@@ -419,6 +440,7 @@ TrainingSummary Trainer::run(const TrainerCallbacks& callbacks) {
   Impl& t = *impl_;
   const TrainerConfig& c = t.config;
   TrainingSummary summary;
+  t.traced_callback = callbacks.traced;
   const double flops_before = t.flops_done;
   std::int64_t saved_at = -1;
   auto save = [&](const std::string& path) {

@@ -104,6 +104,9 @@ struct PredictionOptions {
   bool fold_micro_batches = false;
   // Also replay the step with these costs changed (rt::WhatIfCostModel) into what_if_trace.
   std::vector<rt::CostChange> what_if;
+  // Refuse a step of more tasks than this once it is built, before it is replayed
+  // (check_report_size of step_report.hpp: weave predict --report); 0: any size.
+  std::size_t most_tasks = 0;
 };
 
 // The rank whose replay stands for `rank`'s under `options` (itself when it is built).

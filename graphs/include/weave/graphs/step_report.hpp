@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "weave/graphs/memory_timeline.hpp"
+#include "weave/runtime/critical_path.hpp"
 #include "weave/runtime/graph.hpp"
 #include "weave/runtime/graph_view.hpp"
 #include "weave/runtime/memory_tracker.hpp"
@@ -21,6 +22,11 @@ namespace weave::graphs {
 // The most tasks a page holds: each is a column entry of the document (about 150 bytes) and a
 // box the browser draws, so 100,000 make a page of some 15 MB that still opens in seconds.
 inline constexpr std::size_t kStepReportMostTasks = 100'000;
+
+// Throws std::invalid_argument, naming the size and what to do instead, when a step of `tasks`
+// tasks is more than a page holds: called with the task count as soon as the step is built,
+// before it is replayed or trained, so that a step too large is refused in seconds.
+void check_report_size(std::size_t tasks, std::size_t most_tasks = kStepReportMostTasks);
 
 struct StepReportInput {
   std::string title;  // "weave predict", shown at the top
@@ -39,6 +45,12 @@ struct StepReportInput {
   // prediction's memory_over_step): drawn as a chart per device under the timeline. Empty: the
   // page shows the peaks alone.
   MemoryTimeline memory_over_step;
+  // A run's critical path on the wall clock (rt::wall_critical_path of `wall_trace`, the spans of
+  // training iteration `wall_iteration` of the same graph): shown beside the virtual clock's.
+  // Empty (no steps): the page says a prediction has none.
+  rt::CriticalPath wall_critical_path;
+  rt::Trace wall_trace;
+  std::int64_t wall_iteration = 0;
   // A step of more tasks is refused (std::invalid_argument naming its size and what to do).
   std::size_t most_tasks = kStepReportMostTasks;
 };
@@ -54,6 +66,8 @@ struct StepReportInput {
 //   count]]}: every task in exactly one node;
 //   critical_path {length_ns, steps [{task, last_member, begin, end, waited_for, bubble_ns}],
 //   by_kind [{what, ns}]} (summarize_with_bubble's);
+//   wall_critical_path (null without one) {iteration, start_ns, length_ns, steps [{task,
+//   last_member, begin, end, waited, waited_for}], by_kind, by_wait};
 //   exposed [{group, ns, ms_per_device}]; memory {shows: "peak", source, categories, devices,
 //   over_step [{at [ns], bytes [[per category]]}] per device, empty without a timeline};
 //   configuration; title.

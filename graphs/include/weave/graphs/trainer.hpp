@@ -33,6 +33,8 @@
 #include "weave/graphs/trainer_config.hpp"
 #include "weave/graphs/training_data.hpp"
 #include "weave/graphs/training_step.hpp"
+#include "weave/runtime/graph.hpp"
+#include "weave/runtime/trace.hpp"
 
 namespace weave::graphs {
 
@@ -88,6 +90,11 @@ struct TrainerCallbacks {
   std::function<void(const ValidationResult&)> validation;
   // After each checkpoint written, with the path and the iteration it holds.
   std::function<void(const std::string& path, std::int64_t iteration)> saved;
+  // After the step of iteration trace_iteration ran, with the graph it ran and the spans it
+  // recorded (on the wall clock; with Timing::virtual_clock the replay's): what a critical path
+  // on the wall clock is read from (rt::wall_critical_path).
+  std::function<void(std::int64_t iteration, const rt::Graph& graph, const rt::Trace& trace)>
+      traced;
 };
 
 // What one run() did.

@@ -111,6 +111,9 @@ struct TrainerConfig {
   std::int64_t trace_iteration = 2;
   // Pin each device's worker threads to its cores (when the Trainer builds its own DeviceSet).
   bool pin_devices = true;
+  // Build the steps with StepBuildOptions::record_memory (weave train --report charts each
+  // device's memory over the step from TrainingStep::memory_events). Changes no result.
+  bool record_step_memory = false;
 };
 
 // Checks every rule of a training run before anything runs: the plan's size rules (validate of
