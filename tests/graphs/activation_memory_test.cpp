@@ -224,6 +224,49 @@ TEST(ActivationMemory, MeasuredStepWithTensorsHoldsThePapersFigureInFp32) {
   }
 }
 
+// The step weave train --bf16 runs, measured on its device: the paper's figure in 16-bit values
+// (its own unit), the prediction's, plus what the step keeps in fp32 where the paper (and the
+// prediction) count 2 bytes, each 2 bytes more, and the conversions' workspace. T = sb rows, f =
+// 4h, V the vocabulary:
+//  - a layer's residual values: its middle (x_mid) and output (x_out), the projection's and
+//    fc2's outputs before bias-dropout-add, the two norms' statistics (2T each) and the
+//    attention's log-sum-exp (aT): 4Th + 4T + aT;
+//  - the chunk's input (the embedding's output, Th); the loss's final-norm statistics (2T), its
+//    logits (TV), row maxima (T), partial sums and log-sum-exp (T each);
+//  - the backward's fp32 workspace: d_x, d_x_mid, d_tmp, d_mlp (4Th), d_act and d_fc1 (2Tf), d_attn
+//    and d_norm (2Th), d_qkv (3Th), the logits' gradient (TV) and the final norm's (Th);
+//  - the conversions (one workspace a device): a norm's fp32 output, QKV, fc1's output and the
+//    activation widened (4 bytes each: Th, 3Th, Tf, Tf) and the bf16 operands of the products'
+//    backward, the bf16 logits and their gradient (2 bytes each: 2Th, Tf, Tf, Th, 3Th, 2TV).
+// With full recomputation a layer keeps its input only (2 bytes in the paper, a bf16 value in
+// weave's fp32 stream: 2 more; the first layer's is the chunk's input, counted above), and the
+// recomputed layer's working set holds a layer's fp32 values once.
+TEST(ActivationMemory, MeasuredStepWithTensorsHoldsThePapersFigureInBf16) {
+  const Recompute full{.granularity = RecomputeGranularity::full,
+                       .method = RecomputeMethod::uniform,
+                       .num_layers = 1};
+  auto measured = [](const TrainerConfig& c) {
+    devices::DeviceSet set(c.plan.devices(), {.pin = false});
+    devices::SharedMemoryCommunicator comm;
+    const TrainingStep step(c.model, c.plan, {}, set, comm);
+    return set.memory().peak(0, rt::MemoryCategory::activations);
+  };
+  const std::int64_t T = s * b, f = 4 * h, qkv = 3 * h;
+  const std::int64_t layer_fp32 = 4 * T * h + 4 * T + a * T;
+  const std::int64_t outside_fp32 = T * h + 2 * T + T * V + T + T * ops::kCrossEntropyPartials + T +
+                                    4 * T * h + 2 * T * f + 2 * T * h + T * qkv + T * V + T * h;
+  const std::int64_t conversions = 4 * (T * h + T * qkv + T * f + T * f) +
+                                   2 * (2 * T * h + T * f + T * f + T * h + T * qkv + 2 * T * V);
+  const std::int64_t kept = L * weave_layer(1, false) + outside_layers(1, false);
+  EXPECT_EQ(predicted_activation_bytes(gpt(1, false)), kept);  // the prediction is the paper's
+  EXPECT_EQ(measured(gpt(1, false)), kept + 2 * (L * layer_fp32 + outside_fp32) + conversions);
+  const std::int64_t working_set = weave_layer(1, false) - kBytes * s * b * h;
+  const std::int64_t recomputed = L * 2 * s * b * h + working_set + outside_layers(1, false);
+  EXPECT_EQ(predicted_activation_bytes(gpt(1, false, full)), recomputed);
+  EXPECT_EQ(measured(gpt(1, false, full)),
+            recomputed + 2 * ((L - 1) * T * h + layer_fp32 + outside_fp32) + conversions);
+}
+
 // Under a pipeline every micro-batch in flight keeps its checkpoints, and a rank holds one
 // working set whatever the number in flight: with one layer a stage and 1F1B's p - r sets on
 // stage r, full recomputation frees (sets - 1) layers' tensors beyond their inputs on each stage.
