@@ -7,6 +7,13 @@ GELU-tanh MLP), a final LayerNorm and an output projection tied to the byte embe
 PyTorch with torch.set_num_threads(cores) and OMP_WAIT_POLICY=PASSIVE (its best setting here:
 Debian's PyTorch calls OpenBLAS, whose threads otherwise spin against torch's own).
 
+Each in fp32 and in bf16 mixed precision, side by side: weave with --bf16 (bf16 products and kept
+activations, fp32 main parameters, norms, softmax and loss); PyTorch under
+torch.autocast("cpu", dtype=torch.bfloat16) (its CPU bf16 autocast: linear layers and matrix
+products in bf16, the softmax and GELU left on their bf16 outputs in bf16, as torch 1.13's autocast
+leaves them; the parameters, AdamW, the residual stream, LayerNorm and the loss in fp32).
+--precisions fp32 or bf16 runs one of them.
+
 usage: bench/pytorch_compare.py WEAVE_BINARY [--layers 4 --hidden 256 ...]
 """
 
@@ -19,13 +26,15 @@ import sys
 import time
 
 
-def weave_tokens_per_second(binary, a):
+def weave_tokens_per_second(binary, a, precision):
     cmd = [binary, "train", "--mock-data", "--devices", "1",
            "--num-layers", str(a.layers), "--hidden-size", str(a.hidden),
            "--num-attention-heads", str(a.heads), "--ffn-hidden-size", str(a.ffn),
            "--seq-length", str(a.seq), "--micro-batch-size", str(a.batch),
            "--train-iters", str(a.warmup + a.iters), "--log-interval", "1000",
            "--lr", "1e-3", "--lr-warmup-iters", "0", "--log-json", "/dev/stdout"]
+    if precision == "bf16":
+        cmd.append("--bf16")
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     rates = [json.loads(line)["tokens_per_second"] for line in out.splitlines()
              if line.startswith("{") and "tokens_per_second" in line]
@@ -34,7 +43,7 @@ def weave_tokens_per_second(binary, a):
     return len(timed) / sum(1.0 / r for r in timed)
 
 
-def torch_tokens_per_second(a):
+def torch_tokens_per_second(a, precision):
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
     import torch.nn as nn
@@ -90,8 +99,9 @@ def torch_tokens_per_second(a):
     elapsed = 0.0
     for it in range(a.warmup + a.iters):
         t0 = time.perf_counter()
-        logits = model(idx[:, :-1])
-        loss = F.cross_entropy(logits.reshape(-1, 256), idx[:, 1:].reshape(-1))
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            logits = model(idx[:, :-1])
+        loss = F.cross_entropy(logits.float().reshape(-1, 256), idx[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -113,14 +123,27 @@ def main():
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--precisions", default="fp32,bf16",
+                   help="comma-separated: fp32, bf16 (default both)")
     a = p.parse_args()
-    w = weave_tokens_per_second(a.weave, a)
-    t, version = torch_tokens_per_second(a)
+    precisions = a.precisions.split(",")
+    for precision in precisions:
+        if precision not in ("fp32", "bf16"):
+            p.error(f"--precisions takes fp32 and bf16, got {precision!r}")
+    rates = {}
+    for precision in precisions:
+        w = weave_tokens_per_second(a.weave, a, precision)
+        t, version = torch_tokens_per_second(a, precision)
+        rates[precision] = (w, t)
     print(f"model: {a.layers} layers, hidden {a.hidden}, {a.heads} heads, ffn {a.ffn}, "
-          f"seq {a.seq}, batch {a.batch}; {a.threads} threads")
-    print(f"weave        {w:10.0f} tokens/s")
-    print(f"PyTorch {version:<6} {t:10.0f} tokens/s (OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']})")
-    print(f"weave / PyTorch: {w / t:.2f}x")
+          f"seq {a.seq}, batch {a.batch}; {a.threads} threads; "
+          f"OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}")
+    print(f"{'':9} {'weave':>12} {'PyTorch ' + version:>16} {'weave / PyTorch':>16}")
+    for precision, (w, t) in rates.items():
+        print(f"{precision:9} {w:8.0f} tok/s {t:12.0f} tok/s {w / t:15.2f}x")
+    if len(rates) == 2:
+        (w32, t32), (w16, t16) = rates["fp32"], rates["bf16"]
+        print(f"bf16 / fp32: weave {w16 / w32:.2f}x, PyTorch {t16 / t32:.2f}x")
 
 
 if __name__ == "__main__":

@@ -224,6 +224,88 @@ TEST(ActivationMemory, MeasuredStepWithTensorsHoldsThePapersFigureInFp32) {
   }
 }
 
+// The step weave train --bf16 runs, measured on its devices: the paper's figure in 16-bit values
+// (its own unit), the prediction's, plus 2 bytes for each value the step keeps in fp32 where the
+// paper (and the prediction) count 2, plus the conversions' workspace, less what the prediction
+// counts that the bf16 step does not hold. T = sb rows (the products'), R = rb rows (the residual
+// stream's: R = T, or T/t under sequence parallelism), f = 4h, Vl = V/t:
+//  - a layer's fp32 values: its middle (x_mid) and output (x_out) [R], the projection's and
+//    fc2's outputs before their reduction [T] and under sequence parallelism after it [R], the
+//    two norms' statistics (4R) and the attention's log-sum-exp (aT/t);
+//  - the chunk's input (the embedding's output [R]) and under sequence parallelism the
+//    embedding's partial sums [T]; the loss's final-norm statistics (2R), logits (T Vl), row
+//    maxima (T), partial sums and log-sum-exp;
+//  - the backward's fp32 workspace: d_x, d_x_mid, d_tmp, d_mlp [R], d_norm_full [T], under
+//    sequence parallelism d_norm [R] and d_mlp_full [T]; d_act and d_fc1 (T f/t each), d_attn
+//    (T h/t), d_qkv (3T h/t), the logits' gradient (T Vl) and the final norm's [T];
+//  - the conversions (one workspace a device): a norm's fp32 output [R] and under sequence
+//    parallelism its gather [T], QKV (3T h/t), fc1's output and the activation (T f/t each), 4
+//    bytes a value; the bf16 operands of the products' backward and their results (out16,
+//    d_out16 [T], d_act16, d_fc1_16 (T f/t), d_attn16 (T h/t), d_qkv16 (3T h/t)) and the bf16
+//    logits and their gradient (T Vl each), 2 bytes a value;
+//  - not held: under sequence parallelism each norm's sharded output [R] (2 a layer and the
+//    final norm's), which the prediction counts beside the gathered one; the bf16 step keeps the
+//    gathered bf16 output only.
+// With full recomputation a layer keeps its input only (2 bytes in the paper, a bf16 value in
+// weave's fp32 stream: 2 more; the first layer's is the chunk's input, counted above), and the
+// recomputed layer's working set holds a layer's fp32 values once.
+struct Bf16Terms {
+  std::int64_t layer_fp32, outside_fp32, conversions, not_held_per_layer, not_held_outside, R;
+};
+
+Bf16Terms bf16_terms(std::int64_t t, bool sp) {
+  const std::int64_t T = s * b, R = sp ? T / t : T, f = 4 * h, Vl = V / t;
+  Bf16Terms x{};
+  x.R = R;
+  x.layer_fp32 = 2 * R * h + 2 * T * h + (sp ? 2 * R * h : 0) + 4 * R + a / t * T;
+  x.outside_fp32 = R * h + (sp ? T * h : 0) + 2 * R + T * Vl + T + T * ops::kCrossEntropyPartials +
+                   T;  // input, loss
+  x.outside_fp32 += 4 * R * h + T * h + (sp ? R * h + T * h : 0) + 2 * T * f / t + T * h / t +
+                    3 * T * h / t + T * Vl + T * h;  // backward workspace
+  x.conversions = 4 * (R * h + (sp ? T * h : 0) + 3 * T * h / t + 2 * T * f / t) +
+                  2 * (2 * T * h + 2 * T * f / t + T * h / t + 3 * T * h / t + 2 * T * Vl);
+  x.not_held_per_layer = sp ? 2 * kBytes * R * h : 0;
+  x.not_held_outside = sp ? kBytes * R * h : 0;
+  return x;
+}
+
+std::int64_t measured_bf16(const TrainerConfig& c) {
+  devices::DeviceSet set(c.plan.devices(), {.pin = false});
+  devices::SharedMemoryCommunicator comm;
+  const TrainingStep step(c.model, c.plan, {}, set, comm);
+  const std::int64_t first = set.memory().peak(0, rt::MemoryCategory::activations);
+  for (int d = 1; d < c.plan.devices(); ++d)  // every tp rank holds the same
+    EXPECT_EQ(set.memory().peak(static_cast<rt::DeviceId>(d), rt::MemoryCategory::activations),
+              first);
+  return first;
+}
+
+void expect_papers_figure_in_bf16(std::int64_t t, bool sp) {
+  const Recompute full{.granularity = RecomputeGranularity::full,
+                       .method = RecomputeMethod::uniform,
+                       .num_layers = 1};
+  const Bf16Terms x = bf16_terms(t, sp);
+  const std::int64_t kept = L * weave_layer(t, sp) + outside_layers(t, sp);
+  EXPECT_EQ(predicted_activation_bytes(gpt(static_cast<int>(t), sp)), kept);
+  EXPECT_EQ(measured_bf16(gpt(static_cast<int>(t), sp)),
+            kept + 2 * (L * x.layer_fp32 + x.outside_fp32) + x.conversions -
+                L * x.not_held_per_layer - x.not_held_outside);
+  const std::int64_t working_set = weave_layer(t, sp) - kBytes * x.R * h;
+  const std::int64_t recomputed = L * 2 * x.R * h + working_set + outside_layers(t, sp);
+  EXPECT_EQ(predicted_activation_bytes(gpt(static_cast<int>(t), sp, full)), recomputed);
+  EXPECT_EQ(measured_bf16(gpt(static_cast<int>(t), sp, full)),
+            recomputed + 2 * ((L - 1) * x.R * h + x.layer_fp32 + x.outside_fp32) + x.conversions -
+                x.not_held_per_layer - x.not_held_outside);
+}
+
+TEST(ActivationMemory, MeasuredStepWithTensorsHoldsThePapersFigureInBf16) {
+  expect_papers_figure_in_bf16(1, false);
+}
+
+TEST(ActivationMemory, MeasuredStepWithTensorsHoldsThePapersFigureInBf16WithTp2Sp) {
+  expect_papers_figure_in_bf16(2, true);
+}
+
 // Under a pipeline every micro-batch in flight keeps its checkpoints, and a rank holds one
 // working set whatever the number in flight: with one layer a stage and 1F1B's p - r sets on
 // stage r, full recomputation frees (sets - 1) layers' tensors beyond their inputs on each stage.
