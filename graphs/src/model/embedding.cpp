@@ -42,8 +42,9 @@ TaskId Embedding::forward(const BuildPosition& pos, TaskId ready) const {
             row[c] += q[c];
         }
     p->apply_dropout(false, mb, p->shape.model.num_layers, 2, X.x_in, X.x_in);
-    // A bf16 run's embedding output is a bf16 value (the lookup of the bf16 table, up to the
-    // dropout's and positions' one rounding), carried in the fp32 residual stream.
+    // A bf16 run's embedding output is a bf16 value: the fp32 main table's row plus its position,
+    // after dropout, rounded once (Megatron's Float16Module looks up the bf16 copy of the table
+    // and adds in bf16, two roundings), carried in the fp32 residual stream.
     if (p->half()) round_in_place(p->precision(), X.x_in);
   });
   P->after(reduced, positions);
