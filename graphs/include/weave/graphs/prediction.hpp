@@ -68,6 +68,9 @@ struct Prediction {
   std::vector<std::array<std::int64_t, rt::kMemoryCategoryCount>> memory;
   std::vector<std::int64_t> memory_total;  // per device (a folded replica: its first replica's)
   int replayed_devices = 0;                // the devices built and replayed
+  // The tasks of the graph built and replayed (a micro-batch fold's: its largest replay's): what
+  // the prediction's memory grows with (see prediction_tasks_bound).
+  std::int64_t tasks_built = 0;
   // The micro-batch counts replayed: the configured one, or the three a micro-batch fold
   // extrapolated from.
   std::vector<int> micro_batches_replayed;
@@ -111,6 +114,17 @@ int replayed_rank(const Mesh& mesh, int rank, const PredictionOptions& options);
 
 // Validates a copy of `config` (throws ConfigError) and predicts its step.
 Prediction predict_step(TrainerConfig config, const PredictionOptions& options = {});
+
+// What predict_step holds while it predicts, estimated before it builds anything (weave predict
+// --advise admits candidates side by side while their estimates fit a memory budget): the
+// tasks built, at most prediction_tasks_bound(config, options) (validating a copy; throws
+// ConfigError as predict_step does), at prediction_memory_bytes's count per task and device. The
+// bound is the whole step's, as a micro-batch fold falls back to the whole step when its
+// replays do not grow evenly.
+std::int64_t prediction_tasks_bound(TrainerConfig config, const PredictionOptions& options = {});
+std::int64_t prediction_memory_bytes(std::int64_t tasks, int devices);
+std::int64_t prediction_memory_bound(const TrainerConfig& config,
+                                     const PredictionOptions& options = {});
 
 // The exposed communication, summed over the devices of a training step's trace, of the process
 // groups `groups` as ExposedCommunication names them ("tp", "ep", "cp", ...): the union of every
