@@ -204,7 +204,8 @@ graphs::PlanRanking rank_with_progress(const graphs::PlanCandidates& candidates,
       .prediction = {.fold_data_parallel = options.fold,
                      .fold_tensor_parallel = options.fold,
                      .fold_context_parallel = options.fold,
-                     .fold_micro_batches = options.fold},
+                     .fold_micro_batches = options.fold,
+                     .memory_over_step = false},
       .memory_budget_bytes = options.memory_budget_bytes,
       .progress = [&](int done, int to_do) {
         const auto now = std::chrono::steady_clock::now();

@@ -112,7 +112,7 @@ std::string recompute_text(const graphs::Recompute& r) {
 // Folding data-parallel replicas, tensor- and context-parallel peers and micro-batches, unless
 // --every-rank. A step shown (--trace, --dump-graph, --critical-path, --what-if, --figure,
 // --report) keeps every rank of replica 0, the peers included, and every micro-batch, as a reader
-// expects to see them.
+// expects to see them. Each device's memory over the step is kept for --report's charts alone.
 graphs::PredictionOptions folding(const PredictOptions& o, const graphs::TrainerConfig& c,
                                   const StepViewRequest& views, const FigureRequest& figure) {
   const bool shown = !c.trace_path.empty() || views.critical_path || !views.dump_path.empty() ||
@@ -121,7 +121,8 @@ graphs::PredictionOptions folding(const PredictOptions& o, const graphs::Trainer
           .fold_tensor_parallel = !o.every_rank && !shown,
           .fold_context_parallel = !o.every_rank && !shown,
           .fold_micro_batches = !o.every_rank && !shown,
-          .what_if = views.what_if};
+          .what_if = views.what_if,
+          .memory_over_step = !o.train.report.empty()};
 }
 
 // The ranks --trace-ranks names ("0-7,64"), each checked against the plan before anything is

@@ -95,11 +95,12 @@ constexpr std::int64_t kTasksPerLayerAndStep = 4;
 constexpr std::int64_t kTasksPerStage = 16;
 // prediction_memory_bytes: what a prediction holds per task built (the graph's task, its edges
 // and name, the trace's span, the builder's and the collectives' bookkeeping) and per device
-// modelled (its memory tracker, streams and communicator state, held or folded), above the peak
-// resident memory of bench/predict_scale.py's predictions: 691,141 tasks over 3,072 devices in
-// 0.32 GiB (the 1T model), 47,416 tasks over 16,384 devices in 1.44 GiB (Llama 3 405B).
-constexpr std::int64_t kPredictionBytesPerTask = 512;
-constexpr std::int64_t kPredictionBytesPerDevice = 104 * 1024;
+// modelled (its memory tracker, streams and communicator state, held or folded), above what
+// bench/predict_scale.py's predictions were measured to hold past the program's own 14 MiB:
+// Llama 3 405B's 47,416 tasks in 30 MiB over 128 devices (630 bytes a task), 39 MiB more over
+// 4,096 devices (10 KiB a device), 187 MiB over 16,384.
+constexpr std::int64_t kPredictionBytesPerTask = 768;
+constexpr std::int64_t kPredictionBytesPerDevice = 12 * 1024;
 
 // The ranks a prediction builds, and the rank each device's figures are read from: with folding,
 // a data-parallel replica reads its first replica's, a tensor- or context-parallel rank its
@@ -250,9 +251,12 @@ ReplayFigures replay(const TrainerConfig& config, const PredictionOptions& optio
   f.compute_by_kind = compute_by_kind(run.trace, config.machine);
   read_memory(set, ranks.source, f);
   if (views == ReplayViews::dropped) return f;
-  const MemoryTimeline built = memory_timeline(step.memory_events(), run.trace, set.size());
-  for (std::size_t d = 0; d < set.size(); ++d)
-    f.memory_over_step.devices.push_back(built.devices[static_cast<std::size_t>(ranks.source[d])]);
+  if (options.memory_over_step) {
+    const MemoryTimeline built = memory_timeline(step.memory_events(), run.trace, set.size());
+    for (std::size_t d = 0; d < set.size(); ++d)
+      f.memory_over_step.devices.push_back(
+          built.devices[static_cast<std::size_t>(ranks.source[d])]);
+  }
   f.trace = std::move(run.trace);
   if (!options.what_if.empty()) {
     const rt::WhatIfCostModel changed(machine, options.what_if);
