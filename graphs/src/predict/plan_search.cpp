@@ -49,6 +49,21 @@ class MemoryBudget {
     admitted_.notify_all();
   }
 
+  // Holds `bytes` of the budget from construction to destruction.
+  class Held {
+   public:
+    Held(MemoryBudget& budget, std::int64_t bytes) : budget_(budget), bytes_(bytes) {
+      budget_.acquire(bytes_);
+    }
+    ~Held() { budget_.release(bytes_); }
+    Held(const Held&) = delete;
+    Held& operator=(const Held&) = delete;
+
+   private:
+    MemoryBudget& budget_;
+    const std::int64_t bytes_;
+  };
+
   int most_running() const { return most_running_; }
   std::int64_t most_used() const { return most_used_; }
 
@@ -296,7 +311,9 @@ PlanRanking rank_plans(const std::vector<TrainerConfig>& candidates,
       refusals[i] = e.what();
     }
     if (refusals[i].empty()) {
-      budget.acquire(estimate);
+      // Released however the prediction ends: a prediction that throws (out of memory, say)
+      // must not leave the others waiting for ever.
+      const MemoryBudget::Held held(budget, estimate);
       // Isolated: waiting inside its own parallel loops, this thread must not take up another
       // candidate's prediction, which could wait on the budget this one holds.
       tbb::this_task_arena::isolate([&] {
@@ -307,7 +324,6 @@ PlanRanking rank_plans(const std::vector<TrainerConfig>& candidates,
           refusals[i] = e.what();
         }
       });
-      budget.release(estimate);
     }
     const std::lock_guard lock(progress_mutex);
     ++done;
