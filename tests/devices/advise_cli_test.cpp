@@ -84,7 +84,7 @@ TEST(AdviseCli, StopsAtTheCandidateLimit) {
 
 // A memory budget below any candidate's estimate predicts one at a time, and advises the same.
 TEST(AdviseCli, AMemoryBudgetPredictsOneAtATimeAlike) {
-  const std::string search = std::string(kDense) + " --advise --advise-limit 12";
+  const std::string search = std::string(kDense) + " --advise --advise-limit 6";
   const Result free = weave(search);
   ASSERT_EQ(free.status, 0) << free.out;
   EXPECT_NE(free.out.find("side by side: at most "), std::string::npos) << free.out;
