@@ -82,6 +82,30 @@ TEST(AdviseCli, StopsAtTheCandidateLimit) {
   EXPECT_NE(r.out.find("not predicted (--advise-limit)"), std::string::npos) << r.out;
 }
 
+// A memory budget below any candidate's estimate predicts one at a time, and advises the same.
+TEST(AdviseCli, AMemoryBudgetPredictsOneAtATimeAlike) {
+  const std::string search = std::string(kDense) + " --advise --advise-limit 6";
+  const Result free = weave(search);
+  ASSERT_EQ(free.status, 0) << free.out;
+  EXPECT_NE(free.out.find("side by side: at most "), std::string::npos) << free.out;
+  const Result tiny = weave(search + " --advise-memory-budget 0.000001");
+  ASSERT_EQ(tiny.status, 0) << tiny.out;
+  EXPECT_NE(tiny.out.find("side by side: at most 1 predictions at once"), std::string::npos)
+      << tiny.out;
+  EXPECT_NE(tiny.out.find("(--advise-memory-budget 1.0 KiB)"), std::string::npos) << tiny.out;
+  const auto best = [](const std::string& out) {
+    const std::size_t at = out.find("best: ");
+    return at == std::string::npos ? std::string() : out.substr(at);
+  };
+  EXPECT_FALSE(best(free.out).empty()) << free.out;
+  EXPECT_EQ(best(tiny.out), best(free.out));
+  const Result alone = weave(std::string(kDense) + " --advise-memory-budget 4");
+  EXPECT_NE(alone.status, 0);
+  EXPECT_NE(alone.out.find("--advise-memory-budget shapes --advise's search: add --advise"),
+            std::string::npos)
+      << alone.out;
+}
+
 TEST(AdviseCli, RefusesWhatItCannotSearch) {
   const std::pair<const char*, const char*> cases[] = {
       {" --advise-top 3", "--advise-top shapes --advise's search: add --advise"},

@@ -95,7 +95,8 @@ TEST_F(FlagConsumers, PredictsAdviceChoosesItAsAPlanFlag) {
 // search's settings and the replay of every rank are.
 TEST_F(FlagConsumers, PredictsAdviceLeavesOutTheSearchsOwnFlags) {
   EXPECT_TRUE(cli::left_out_of_advice("--test-only-predicted-width"));
-  for (const char* flag : {"--advise", "--advise-top", "--advise-limit", "--every-rank"})
+  for (const char* flag :
+       {"--advise", "--advise-top", "--advise-limit", "--advise-memory-budget", "--every-rank"})
     EXPECT_TRUE(cli::left_out_of_advice(flag)) << flag;
   EXPECT_FALSE(cli::left_out_of_advice("--device-memory"));
   EXPECT_FALSE(cli::left_out_of_advice("--trace-ranks"));

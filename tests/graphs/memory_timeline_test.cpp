@@ -61,6 +61,23 @@ TEST(MemoryTimeline, PredictedSeriesPeakAtTheTrackersPeaks) {
   EXPECT_GT(p.memory[0][activations], 0);
 }
 
+// Without the series (PredictionOptions::memory_over_step false, as weave predict without
+// --report and --advise ask): none kept, the figures and peaks the same.
+TEST(MemoryTimeline, APredictionWithoutTheSeriesKeepsTheSameFigures) {
+  TrainerConfig c;
+  c.model = tiny(4);
+  c.plan = {
+      .data_parallel = 2, .pipeline_parallel = 2, .micro_batch_size = 1, .global_batch_size = 8};
+  c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
+  const Prediction with = predict_step(c), without = predict_step(c, {.memory_over_step = false});
+  EXPECT_EQ(with.memory_over_step.devices.size(), with.memory.size());
+  EXPECT_TRUE(without.memory_over_step.devices.empty());
+  EXPECT_EQ(without.step_ms, with.step_ms);
+  EXPECT_EQ(without.memory, with.memory);
+  EXPECT_EQ(without.memory_total, with.memory_total);
+  EXPECT_EQ(without.tasks_built, with.tasks_built);
+}
+
 TEST(MemoryTimeline, EventsLandAtTheNextTaskBuilt) {
   // Two tasks on one stream: a for 100 ns, then b for 50 ns (1 FLOP a ns).
   rt::GraphBuilder b;

@@ -3,12 +3,14 @@
 // ThreadSanitizer in CI, as the predictions share nothing but the progress callback.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <limits>
 #include <numeric>
 #include <vector>
 
 #include "tiny_model.hpp"
 #include "weave/graphs/plan_search.hpp"
+#include "weave/graphs/prediction.hpp"
 
 namespace weave::graphs {
 namespace {
@@ -58,6 +60,48 @@ TEST(PlanSearch, ConcurrentPredictionsRankAsOneAtATime) {
     EXPECT_EQ(alone.refused[i].reason, side_by_side.refused[i].reason);
     EXPECT_EQ(alone.refused[i].candidates, side_by_side.refused[i].candidates);
   }
+}
+
+// A memory budget admits predictions side by side while their estimates fit beside those
+// running: smaller than any estimate, one at a time, ranked as with no budget; two estimates'
+// worth, never their estimates past it.
+TEST(PlanSearch, AMemoryBudgetAdmitsPredictionsWhileTheyFit) {
+  const PlanCandidates candidates = enumerate_plans(dense_on_four_devices());
+  const PlanRankingOptions unlimited{.device_memory_bytes = kUnlimited,
+                                     .max_predictions = kPredicted,
+                                     .concurrent_predictions = 3};
+  const PlanRanking free = rank_plans(candidates.configs, unlimited);
+  PlanRankingOptions tiny_budget = unlimited;
+  tiny_budget.memory_budget_bytes = 1;
+  const PlanRanking alone = rank_plans(candidates.configs, tiny_budget);
+  EXPECT_EQ(alone.most_side_by_side, 1);
+  ASSERT_EQ(alone.fitting.size(), free.fitting.size());
+  ASSERT_GE(alone.fitting.size(), 4u);
+  for (std::size_t i = 0; i < alone.fitting.size(); ++i) {
+    EXPECT_EQ(plan_flags(alone.fitting[i].config), plan_flags(free.fitting[i].config));
+    EXPECT_EQ(alone.fitting[i].step_ms, free.fitting[i].step_ms);
+    EXPECT_EQ(alone.fitting[i].memory_per_device, free.fitting[i].memory_per_device);
+  }
+  EXPECT_EQ(alone.predicted, free.predicted);
+  EXPECT_EQ(alone.too_large, free.too_large);
+  ASSERT_EQ(alone.refused.size(), free.refused.size());
+  for (std::size_t i = 0; i < alone.refused.size(); ++i) {
+    EXPECT_EQ(alone.refused[i].reason, free.refused[i].reason);
+    EXPECT_EQ(alone.refused[i].candidates, free.refused[i].candidates);
+  }
+  std::int64_t largest = 0;  // of the candidates predicted
+  for (int i = 0; i < kPredicted; ++i)
+    largest =
+        std::max(largest, prediction_memory_bound(candidates.configs[static_cast<std::size_t>(i)]));
+  PlanRankingOptions two = unlimited;
+  two.memory_budget_bytes = 2 * largest;
+  const PlanRanking pairs = rank_plans(candidates.configs, two);
+  EXPECT_GE(pairs.most_side_by_side, 1);
+  EXPECT_LE(pairs.most_estimated_bytes, two.memory_budget_bytes);
+  EXPECT_EQ(pairs.predicted, free.predicted);
+  ASSERT_EQ(pairs.fitting.size(), free.fitting.size());
+  for (std::size_t i = 0; i < pairs.fitting.size(); ++i)
+    EXPECT_EQ(pairs.fitting[i].step_ms, free.fitting[i].step_ms);
 }
 
 }  // namespace

@@ -147,6 +147,28 @@ TEST(PlanSearch, CountsRefusalsBySkippedAndLimited) {
     EXPECT_LE(c.plan.tensor_parallel, 2);
 }
 
+// What --advise's memory budget counts: each candidate's estimate, made before it is built,
+// bounds what its prediction built (counted by prediction_memory_bytes, as the estimate is), and
+// stays within a few times it, dense and MoE, under every parallelism and schedule searched.
+TEST(PlanSearch, EstimatesBoundWhatEachPredictionBuilds) {
+  for (const int experts : {0, 8}) {
+    SCOPED_TRACE(experts);
+    const PredictionOptions folded{.fold_micro_batches = true};
+    const PlanRanking ranking =
+        rank_plans(enumerate_plans(base_config(experts, 4, 8)).configs,
+                   {.device_memory_bytes = kUnlimited, .prediction = folded});
+    ASSERT_GT(ranking.fitting.size(), 20u);
+    for (const PlanOutcome& o : ranking.fitting) {
+      EXPECT_GT(o.tasks_built, 0);
+      EXPECT_LE(prediction_memory_bytes(o.tasks_built, o.config.plan.devices()),
+                prediction_memory_bound(o.config, folded))
+          << plan_flags(o.config);
+      EXPECT_LE(prediction_tasks_bound(o.config, folded), 4 * o.tasks_built)
+          << plan_flags(o.config);
+    }
+  }
+}
+
 TEST(PlanSearch, FlagsNameThePlan) {
   TrainerConfig c = base_config(8, 8, 8);
   c.plan = {.tensor_parallel = 2,

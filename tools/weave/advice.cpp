@@ -204,7 +204,9 @@ graphs::PlanRanking rank_with_progress(const graphs::PlanCandidates& candidates,
       .prediction = {.fold_data_parallel = options.fold,
                      .fold_tensor_parallel = options.fold,
                      .fold_context_parallel = options.fold,
-                     .fold_micro_batches = options.fold},
+                     .fold_micro_batches = options.fold,
+                     .memory_over_step = false},
+      .memory_budget_bytes = options.memory_budget_bytes,
       .progress = [&](int done, int to_do) {
         const auto now = std::chrono::steady_clock::now();
         if (done < to_do && now - last < std::chrono::seconds(2)) return;
@@ -271,6 +273,11 @@ int advise_plans(const graphs::TrainerConfig& config, const PlanAdviceOptions& o
                  : std::string());
   for (const graphs::RefusalCount& r : ranking.refused)
     fmt::print("  refused {:>5} while building the step: {}\n", r.candidates, r.reason);
+  fmt::print("side by side: at most {} predictions at once, estimated to hold {} together{}\n",
+             ranking.most_side_by_side, bytes_text(ranking.most_estimated_bytes),
+             options.memory_budget_bytes > 0 ? fmt::format(" (--advise-memory-budget {})",
+                                                           bytes_text(options.memory_budget_bytes))
+                                             : std::string());
   if (ranking.fitting.empty())
     refuse_none_fits("predicted parallel plan", options.device_memory_bytes);
   print_fitting(ranking, options.top);

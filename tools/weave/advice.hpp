@@ -25,7 +25,9 @@ struct PlanAdviceOptions {
   std::int64_t device_memory_bytes = 0;
   int top = 10;               // --advise-top: rows printed
   int max_predictions = 500;  // --advise-limit
-  bool fold = true;           // fold replicas, tensor- and context-parallel peers, micro-batches
+  // --advise-memory-budget: what the predictions side by side may hold together (0: no budget).
+  std::int64_t memory_budget_bytes = 0;
+  bool fold = true;  // fold replicas, tensor- and context-parallel peers, micro-batches
   // The command line's flags other than the plan's, to print the best plan as a command.
   std::string model_flags;
   // The flags given that have no effect: the rules the flag table declares with them still

@@ -6,8 +6,10 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <fstream>
 #include <memory>
 #include <optional>
+#include <sstream>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -51,7 +53,8 @@ struct PredictOptions {
   bool advise = false;
   int advise_top = 10;
   int advise_limit = 500;
-  bool advise_top_given = false, advise_limit_given = false;
+  double advise_memory_budget_gib = 0;  // 0: the memory the machine has available
+  bool advise_top_given = false, advise_limit_given = false, advise_memory_budget_given = false;
 };
 
 // A word as a shell reads it back.
@@ -109,7 +112,7 @@ std::string recompute_text(const graphs::Recompute& r) {
 // Folding data-parallel replicas, tensor- and context-parallel peers and micro-batches, unless
 // --every-rank. A step shown (--trace, --dump-graph, --critical-path, --what-if, --figure,
 // --report) keeps every rank of replica 0, the peers included, and every micro-batch, as a reader
-// expects to see them.
+// expects to see them. Each device's memory over the step is kept for --report's charts alone.
 graphs::PredictionOptions folding(const PredictOptions& o, const graphs::TrainerConfig& c,
                                   const StepViewRequest& views, const FigureRequest& figure) {
   const bool shown = !c.trace_path.empty() || views.critical_path || !views.dump_path.empty() ||
@@ -120,7 +123,8 @@ graphs::PredictionOptions folding(const PredictOptions& o, const graphs::Trainer
           .fold_micro_batches = !o.every_rank && !shown,
           .what_if = views.what_if,
           // --report refuses a step too large for a page once it is built, before its replay.
-          .most_tasks = o.train.report.empty() ? 0 : graphs::kStepReportMostTasks};
+          .most_tasks = o.train.report.empty() ? 0 : graphs::kStepReportMostTasks,
+          .memory_over_step = !o.train.report.empty()};
 }
 
 // The ranks --trace-ranks names ("0-7,64"), each checked against the plan before anything is
@@ -173,6 +177,28 @@ std::vector<rt::DeviceId> parse_trace_ranks(const PredictOptions& o,
   return ranks;
 }
 
+// The memory --advise's predictions side by side may hold together: --advise-memory-budget's
+// GiB, else what the machine has available (MemAvailable: free memory and the caches the kernel
+// gives back), else no budget.
+std::int64_t advice_memory_budget(const PredictOptions& o) {
+  if (o.advise_memory_budget_given) {
+    if (o.advise_memory_budget_gib > 1e9)
+      throw std::invalid_argument(fmt::format(
+          "--advise-memory-budget {} GiB is more than any machine holds: give the GiB the "
+          "predictions side by side may take",
+          o.advise_memory_budget_gib));
+    return static_cast<std::int64_t>(o.advise_memory_budget_gib * 1024 * 1024 * 1024);
+  }
+  std::ifstream meminfo("/proc/meminfo");
+  for (std::string line; std::getline(meminfo, line);) {
+    std::istringstream words(line);
+    std::string key;
+    std::int64_t kib = 0;
+    if (words >> key >> kib && key == "MemAvailable:") return kib * 1024;
+  }
+  return 0;
+}
+
 // Advice (--advise, --ampipe-advise, --pipeline-advise) predicts many steps: one at a time, and
 // none with the single prediction's --trace.
 void check_advice_flags(const PredictOptions& o) {
@@ -180,10 +206,11 @@ void check_advice_flags(const PredictOptions& o) {
   if (advice > 1)
     throw std::invalid_argument(
         "--advise, --ampipe-advise and --pipeline-advise are three searches: give one");
-  if ((o.advise_top_given || o.advise_limit_given) && !o.advise)
-    throw std::invalid_argument(
-        fmt::format("{} shapes --advise's search: add --advise",
-                    o.advise_top_given ? "--advise-top" : "--advise-limit"));
+  if ((o.advise_top_given || o.advise_limit_given || o.advise_memory_budget_given) && !o.advise)
+    throw std::invalid_argument(fmt::format("{} shapes --advise's search: add --advise",
+                                            o.advise_top_given     ? "--advise-top"
+                                            : o.advise_limit_given ? "--advise-limit"
+                                                                   : "--advise-memory-budget"));
   if (advice > 0 && !o.train.figure.empty())
     throw std::invalid_argument(
         "--figure draws one step's replay and advice predicts many: run weave predict with the "
@@ -382,7 +409,8 @@ std::optional<ProgramSetting> predict_setting(const graphs::ConfigFlag& f, Predi
       {"--json", &o.json},
       {"--advise", &o.advise},
       {"--advise-top", &o.advise_top},
-      {"--advise-limit", &o.advise_limit}};
+      {"--advise-limit", &o.advise_limit},
+      {"--advise-memory-budget", &o.advise_memory_budget_gib}};
   for (const auto& [name, setting] : settings)
     if (name == f.name) return setting;
   throw std::logic_error(fmt::format(
@@ -435,6 +463,7 @@ int run_predict(PredictOptions& o, const CLI::App& cmd) {
     return advise_plans(c, {.device_memory_bytes = device_memory,
                             .top = o.advise_top,
                             .max_predictions = o.advise_limit,
+                            .memory_budget_bytes = advice_memory_budget(o),
                             .fold = !o.every_rank,
                             .model_flags = model_flags(cmd),
                             .flags_without_effect = o.train.no_effect});
@@ -496,6 +525,7 @@ void add_predict_command(CLI::App& app) {
     o->device_memory_given = cmd->get_option("--device-memory")->count() > 0;
     o->advise_top_given = cmd->get_option("--advise-top")->count() > 0;
     o->advise_limit_given = cmd->get_option("--advise-limit")->count() > 0;
+    o->advise_memory_budget_given = cmd->get_option("--advise-memory-budget")->count() > 0;
     throw CommandExit{run_predict(*o, *cmd)};
   });
 }

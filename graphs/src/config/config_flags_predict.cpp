@@ -65,6 +65,14 @@ constexpr ConfigFlag kPrediction[] = {
              "first; the rest are counted",
      .check = at_least(1),
      .properties = kShowsDefault | kNotRepeatedByAdvice},
+    {.name = "--advise-memory-budget",
+     .group = FlagGroup::advice,
+     .command = FlagCommand::predict,
+     .help = "With --advise: GiB the candidates predicted side by side may hold together, each "
+             "estimated before it is built from the tasks its step builds (default: the memory "
+             "this machine has available); one runs alone whatever its estimate",
+     .check = kPositive,
+     .properties = kNotRepeatedByAdvice},
 };
 
 }  // namespace

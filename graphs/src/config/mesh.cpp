@@ -3,8 +3,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <map>
+#include <cstdint>
 #include <stdexcept>
+#include <unordered_map>
+#include <vector>
 
 namespace weave::graphs {
 
@@ -46,56 +48,53 @@ Mesh::Mesh(const ParallelPlan& plan) : plan_(plan), size_(plan.devices()) {
   expert_data_ = stage / plan.expert_parallel;
   groups_.resize(kKinds);
   group_of_rank_.assign(kKinds, std::vector<int>(static_cast<std::size_t>(size_), -1));
+  // A key's coordinates, each below size_ + 1, as one number: a mesh of thousands of ranks
+  // is built for every prediction, and a key allocated per rank and kind was most of its time.
+  const std::int64_t base = std::int64_t{size_} + 1;
+  const auto encode = [base](int a, int b, int c) { return (a * base + b) * base + c; };
   for (int k = 0; k < kKinds; ++k) {
     const auto kind = static_cast<GroupKind>(k);
     // Ranks with equal keys share a group; ranks join in rank order, so ranks within a group
-    // are in mesh order.
-    std::map<std::vector<int>, std::vector<rt::DeviceId>> members;
-    std::vector<std::vector<int>> key_of(static_cast<std::size_t>(size_));
+    // are in mesh order, and groups are numbered by their first rank ("tp0" holds rank 0).
+    std::unordered_map<std::int64_t, int> index;
+    std::vector<std::vector<rt::DeviceId>> members;
     for (int r = 0; r < size_; ++r) {
       const MeshCoordinates c = coordinates(r);
-      std::vector<int> key;
+      std::int64_t key = 0;
       switch (kind) {
         case GroupKind::tensor:
-          key = {c.cp, c.dp, c.pp};
+          key = encode(c.cp, c.dp, c.pp);
           break;
         case GroupKind::context:
-          key = {c.tp, c.dp, c.pp};
+          key = encode(c.tp, c.dp, c.pp);
           break;
         case GroupKind::data:
-          key = {c.tp, c.cp, c.pp};
+          key = encode(c.tp, c.cp, c.pp);
           break;
         case GroupKind::data_context:
-          key = {c.tp, c.pp};
+          key = encode(0, c.tp, c.pp);
           break;
         case GroupKind::expert:
-          key = {c.edp, c.pp, experts_split() ? c.tp : 0};
+          key = encode(c.edp, c.pp, experts_split() ? c.tp : 0);
           break;
         case GroupKind::expert_data:
-          key = {c.ep, c.pp, experts_split() ? c.tp : 0};
+          key = encode(c.ep, c.pp, experts_split() ? c.tp : 0);
           break;
         case GroupKind::pipeline:
-          key = {c.tp, c.cp, c.dp};
+          key = encode(c.tp, c.cp, c.dp);
           break;
         case GroupKind::tensor_context:
-          key = {c.dp, c.pp};
+          key = encode(0, c.dp, c.pp);
           break;
       }
-      members[key].push_back(static_cast<rt::DeviceId>(r));
-      key_of[r] = key;
+      const auto [at, fresh] = index.try_emplace(key, static_cast<int>(members.size()));
+      if (fresh) members.emplace_back();
+      members[static_cast<std::size_t>(at->second)].push_back(static_cast<rt::DeviceId>(r));
+      group_of_rank_[k][static_cast<std::size_t>(r)] = at->second;
     }
-    std::map<std::vector<int>, int> index;
-    // Number groups by their first rank, so "tp0" holds rank 0.
-    std::vector<std::pair<rt::DeviceId, std::vector<int>>> order;
-    for (const auto& [key, devs] : members)
-      order.emplace_back(devs.front(), key);
-    std::sort(order.begin(), order.end());
-    for (const auto& [first, key] : order) {
-      index[key] = static_cast<int>(groups_[k].size());
-      groups_[k].emplace_back(fmt::format("{}{}", prefix(kind), groups_[k].size()), members[key]);
-    }
-    for (int r = 0; r < size_; ++r)
-      group_of_rank_[k][r] = index[key_of[r]];
+    groups_[k].reserve(members.size());
+    for (std::size_t g = 0; g < members.size(); ++g)
+      groups_[k].emplace_back(fmt::format("{}{}", prefix(kind), g), std::move(members[g]));
   }
 }
 

@@ -1,5 +1,7 @@
 #include "replay_figures.hpp"
 
+#include <algorithm>
+
 namespace weave::graphs {
 
 namespace {
@@ -24,6 +26,7 @@ std::optional<ReplayFigures> extrapolate(const ReplayFigures& first, const Repla
   ReplayFigures out;
   out.groups = first.groups;
   out.replayed_devices = first.replayed_devices;
+  out.tasks_built = std::max({first.tasks_built, second.tasks_built, third.tasks_built});
   bool ok = affine(first.makespan, second.makespan, third.makespan, steps, out.makespan) &&
             affine(first.compute_busy, second.compute_busy, third.compute_busy, steps,
                    out.compute_busy) &&

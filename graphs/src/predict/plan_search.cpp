@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <condition_variable>
 #include <mutex>
 #include <optional>
 #include <utility>
@@ -17,6 +18,63 @@
 namespace weave::graphs {
 
 namespace {
+
+// Admits predictions to run side by side while their estimated memory fits the budget, in the
+// order they ask (a large candidate is not overtaken for ever by small ones); one prediction runs
+// alone whatever its estimate, so every candidate is predicted.
+class MemoryBudget {
+ public:
+  explicit MemoryBudget(std::int64_t budget) : budget_(budget) {}
+
+  void acquire(std::int64_t bytes) {
+    std::unique_lock lock(mutex_);
+    const std::uint64_t ticket = next_ticket_++;
+    admitted_.wait(lock, [&] {
+      return ticket == serving_ && (running_ == 0 || budget_ <= 0 || used_ + bytes <= budget_);
+    });
+    ++serving_;
+    used_ += bytes;
+    ++running_;
+    most_running_ = std::max(most_running_, running_);
+    most_used_ = std::max(most_used_, used_);
+    admitted_.notify_all();  // the next ticket may fit beside this one
+  }
+
+  void release(std::int64_t bytes) {
+    {
+      const std::lock_guard lock(mutex_);
+      used_ -= bytes;
+      --running_;
+    }
+    admitted_.notify_all();
+  }
+
+  // Holds `bytes` of the budget from construction to destruction.
+  class Held {
+   public:
+    Held(MemoryBudget& budget, std::int64_t bytes) : budget_(budget), bytes_(bytes) {
+      budget_.acquire(bytes_);
+    }
+    ~Held() { budget_.release(bytes_); }
+    Held(const Held&) = delete;
+    Held& operator=(const Held&) = delete;
+
+   private:
+    MemoryBudget& budget_;
+    const std::int64_t bytes_;
+  };
+
+  int most_running() const { return most_running_; }
+  std::int64_t most_used() const { return most_used_; }
+
+ private:
+  std::mutex mutex_;
+  std::condition_variable admitted_;
+  const std::int64_t budget_;
+  std::int64_t used_ = 0, most_used_ = 0;
+  int running_ = 0, most_running_ = 0;
+  std::uint64_t next_ticket_ = 0, serving_ = 0;
+};
 
 std::vector<int> divisors(int n) {
   std::vector<int> out;
@@ -222,7 +280,8 @@ PlanOutcome outcome_of(const TrainerConfig& config, const Prediction& prediction
                 .step_ms = prediction.step_ms,
                 .tokens_per_second = prediction.tokens_per_second,
                 .mfu = prediction.mfu,
-                .bubble = prediction.bubble};
+                .bubble = prediction.bubble,
+                .tasks_built = prediction.tasks_built};
   for (const std::int64_t bytes : prediction.memory_total)
     o.memory_per_device = std::max(o.memory_per_device, bytes);
   o.fits = o.memory_per_device <= device_memory_bytes;
@@ -242,12 +301,29 @@ PlanRanking rank_plans(const std::vector<TrainerConfig>& candidates,
   std::vector<std::string> refusals(static_cast<std::size_t>(to_predict));
   std::mutex progress_mutex;
   int done = 0;
+  MemoryBudget budget(options.memory_budget_bytes);
   auto predict_one = [&](std::size_t i) {
     const TrainerConfig& c = candidates[i];
+    std::int64_t estimate = 0;
     try {
-      outcomes[i] = outcome_of(c, predict_step(c, options.prediction), options.device_memory_bytes);
+      estimate = prediction_memory_bound(c, options.prediction);
     } catch (const ConfigError& e) {
       refusals[i] = e.what();
+    }
+    if (refusals[i].empty()) {
+      // Released however the prediction ends: a prediction that throws (out of memory, say)
+      // must not leave the others waiting for ever.
+      const MemoryBudget::Held held(budget, estimate);
+      // Isolated: waiting inside its own parallel loops, this thread must not take up another
+      // candidate's prediction, which could wait on the budget this one holds.
+      tbb::this_task_arena::isolate([&] {
+        try {
+          outcomes[i] =
+              outcome_of(c, predict_step(c, options.prediction), options.device_memory_bytes);
+        } catch (const ConfigError& e) {
+          refusals[i] = e.what();
+        }
+      });
     }
     const std::lock_guard lock(progress_mutex);
     ++done;
@@ -260,6 +336,8 @@ PlanRanking rank_plans(const std::vector<TrainerConfig>& candidates,
       options.concurrent_predictions > 0 ? std::min(options.concurrent_predictions, cores) : cores;
   tbb::task_arena arena(concurrency);
   arena.execute([&] { rt::parallel_for(std::size_t{0}, outcomes.size(), predict_one); });
+  ranking.most_side_by_side = budget.most_running();
+  ranking.most_estimated_bytes = budget.most_used();
   for (std::size_t i = 0; i < outcomes.size(); ++i) {
     if (!outcomes[i]) {
       count_refusal(ranking.refused, refusals[i]);

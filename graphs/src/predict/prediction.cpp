@@ -84,6 +84,25 @@ double recomputed_flops_per_step(const ModelConfig& m, const ParallelPlan& plan)
 
 namespace {
 
+// prediction_tasks_bound's counts, each at least what the step's builders add (measured over the
+// candidates of tests/graphs/plan_search_test.cpp's searches, dense and MoE).
+constexpr std::int64_t kTasksPerLayer = 22;
+constexpr std::int64_t kTasksPerSequenceChunk = 8;  // each chunk past the first
+constexpr std::int64_t kTasksPerTensorParallelLayer = 12;
+constexpr std::int64_t kTasksPerMoeLayer = 8;
+constexpr std::int64_t kTasksPerLocalExpert = 1;
+constexpr std::int64_t kTasksPerStageAndMicroBatch = 8;
+constexpr std::int64_t kTasksPerLayerAndStep = 4;
+constexpr std::int64_t kTasksPerStage = 16;
+// prediction_memory_bytes: what a prediction holds per task built (the graph's task, its edges
+// and name, the trace's span, the builder's and the collectives' bookkeeping) and per device
+// modelled (its memory tracker, streams and communicator state, held or folded), above what
+// bench/predict_scale.py's predictions were measured to hold past the program's own 14 MiB:
+// Llama 3 405B's 47,416 tasks in 30 MiB over 128 devices (630 bytes a task), 39 MiB more over
+// 4,096 devices (10 KiB a device), 187 MiB over 16,384.
+constexpr std::int64_t kPredictionBytesPerTask = 768;
+constexpr std::int64_t kPredictionBytesPerDevice = 12 * 1024;
+
 // The ranks a prediction builds, and the rank each device's figures are read from: with folding,
 // a data-parallel replica reads its first replica's, a tensor- or context-parallel rank its
 // group's first.
@@ -200,8 +219,14 @@ void read_memory(devices::DeviceSet& set, const std::vector<int>& source, Replay
   }
 }
 
+// What a replay keeps besides its figures: its trace, graph and memory over the step (a single
+// prediction shows them), or nothing (a micro-batch fold extrapolates the figures alone, and
+// holding its three replays' traces and graphs at once would triple what it holds).
+enum class ReplayViews { kept, dropped };
+
 // The step of a validated `config` built without tensors and replayed on the virtual clock.
-ReplayFigures replay(const TrainerConfig& config, const PredictionOptions& options) {
+ReplayFigures replay(const TrainerConfig& config, const PredictionOptions& options,
+                     ReplayViews views = ReplayViews::kept) {
   const ParallelPlan& plan = config.plan;
   const Mesh mesh(plan);
   const ReplayedRanks ranks = ranks_to_replay(plan, mesh, options);
@@ -219,6 +244,7 @@ ReplayFigures replay(const TrainerConfig& config, const PredictionOptions& optio
   ReplayFigures f;
   f.makespan = run.makespan;
   f.replayed_devices = static_cast<int>(ranks.built.size());
+  f.tasks_built = static_cast<std::int64_t>(step.graph().size());
   const rt::TraceMetrics metrics = rt::measure(run.trace);
   f.compute_busy = metrics.total_compute();
   f.compute_idle = metrics.total_compute_idle();
@@ -226,9 +252,13 @@ ReplayFigures replay(const TrainerConfig& config, const PredictionOptions& optio
   read_exposed_by_group(run.trace, f);
   f.compute_by_kind = compute_by_kind(run.trace, config.machine);
   read_memory(set, ranks.source, f);
-  const MemoryTimeline built = memory_timeline(step.memory_events(), run.trace, set.size());
-  for (std::size_t d = 0; d < set.size(); ++d)
-    f.memory_over_step.devices.push_back(built.devices[static_cast<std::size_t>(ranks.source[d])]);
+  if (views == ReplayViews::dropped) return f;
+  if (options.memory_over_step) {
+    const MemoryTimeline built = memory_timeline(step.memory_events(), run.trace, set.size());
+    for (std::size_t d = 0; d < set.size(); ++d)
+      f.memory_over_step.devices.push_back(
+          built.devices[static_cast<std::size_t>(ranks.source[d])]);
+  }
   f.trace = std::move(run.trace);
   if (!options.what_if.empty()) {
     const rt::WhatIfCostModel changed(machine, options.what_if);
@@ -270,7 +300,7 @@ std::optional<ReplayFigures> replay_folding_micro_batches(const TrainerConfig& c
     } catch (const ConfigError&) {
       return std::nullopt;
     }
-    replays.push_back(replay(fewer, options));
+    replays.push_back(replay(fewer, options, ReplayViews::dropped));
   }
   const int period = (*counts)[1] - (*counts)[0];
   std::optional<ReplayFigures> folded = extrapolate(replays[0], replays[1], replays[2],
@@ -284,6 +314,7 @@ Prediction prediction_of(const TrainerConfig& config, ReplayFigures f) {
   Prediction p;
   read_throughput(config, f.makespan, p);
   p.replayed_devices = f.replayed_devices;
+  p.tasks_built = f.tasks_built;
   p.micro_batches_replayed =
       f.micro_batches.empty() ? std::vector<int>{config.plan.micro_batches()} : f.micro_batches;
   // As rt::TraceMetrics::compute_bubble, from the (possibly extrapolated) sums.
@@ -338,6 +369,52 @@ Prediction predict_step(TrainerConfig config, const PredictionOptions& options) 
     if (std::optional<ReplayFigures> folded = replay_folding_micro_batches(config, options))
       return prediction_of(config, std::move(*folded));
   return prediction_of(config, replay(config, options));
+}
+
+std::int64_t prediction_tasks_bound(TrainerConfig config, const PredictionOptions& options) {
+  validate(config);
+  const ModelConfig& m = config.model;
+  const ParallelPlan& plan = config.plan;
+  const Mesh mesh(plan);
+  const PipelineLayout layout = make_pipeline_layout(m, plan);
+  // A micro-batch fold replays fewer micro-batches, but falls back to the whole step when its
+  // replays do not grow evenly: bounded by the whole step.
+  const std::int64_t micro_batches = plan.micro_batches();
+  // Tasks of one layer's forward and backward for one micro-batch, at most: each further
+  // sequence chunk (context-parallel ring steps, Ampipe's chunks) repeats the attention's, tensor
+  // parallelism adds its collectives, a recomputed layer runs its forward again, an MoE layer
+  // adds its router, dispatch, local experts and combine.
+  const std::int64_t chunks = plan.context_parallel + plan.ampipe_degree - 1;
+  const std::int64_t dense_layer = kTasksPerLayer + kTasksPerSequenceChunk * (chunks - 1) +
+                                   (plan.tensor_parallel > 1 ? kTasksPerTensorParallelLayer : 0);
+  const std::int64_t local_experts =
+      m.num_experts > 0 ? std::max(1, m.num_experts / plan.expert_parallel) : 0;
+  const std::int64_t moe_layer =
+      dense_layer + (kTasksPerMoeLayer + kTasksPerLocalExpert * local_experts) * plan.ampipe_degree;
+  const bool recomputed = m.recompute.granularity != RecomputeGranularity::none;
+  std::int64_t tasks = 0;
+  for (int r = 0; r < plan.devices(); ++r) {
+    if (replayed_rank(mesh, r, options) != r) continue;
+    const StageContents stage = layout.contents(mesh.coordinates(r).pp);
+    std::int64_t per_micro_batch = kTasksPerStageAndMicroBatch, per_step = kTasksPerStage;
+    for (int l = 0; l < m.num_layers; ++l) {
+      if (!stage.layers.empty() && !stage.layers[static_cast<std::size_t>(l)]) continue;
+      const std::int64_t layer = m.is_moe_layer(l) ? moe_layer : dense_layer;
+      per_micro_batch += recomputed ? layer * 3 / 2 : layer;
+      per_step += kTasksPerLayerAndStep;
+    }
+    tasks += micro_batches * per_micro_batch + per_step;
+  }
+  return tasks;
+}
+
+std::int64_t prediction_memory_bytes(std::int64_t tasks, int devices) {
+  return tasks * kPredictionBytesPerTask + std::int64_t{devices} * kPredictionBytesPerDevice;
+}
+
+std::int64_t prediction_memory_bound(const TrainerConfig& config,
+                                     const PredictionOptions& options) {
+  return prediction_memory_bytes(prediction_tasks_bound(config, options), config.plan.devices());
 }
 
 rt::Nanos exposed_comm_of_groups(const rt::Trace& trace, std::span<const std::string_view> groups) {

@@ -31,6 +31,7 @@ struct ReplayFigures {
   std::vector<std::array<std::int64_t, rt::kMemoryCategoryCount>> memory;  // per device
   std::vector<std::int64_t> memory_total;                                  // per device
   int replayed_devices = 0;
+  std::int64_t tasks_built = 0;    // the graph's (a fold's: its largest replay's)
   std::vector<int> micro_batches;  // set by a fold: the counts it extrapolated from
   rt::Trace trace;
   MemoryTimeline memory_over_step;  // per device (a folded one: its source's); empty when folded

@@ -57,6 +57,7 @@ struct PlanOutcome {
   double mfu = 0;
   double bubble = 0;
   std::int64_t memory_per_device = 0;  // the most any device holds at its peak
+  std::int64_t tasks_built = 0;        // Prediction::tasks_built
   bool fits = false;                   // memory_per_device <= the device's capacity
 };
 
@@ -68,6 +69,11 @@ struct PlanRankingOptions {
   // 0 takes every core.
   // The ranking is the same whatever the count.
   int concurrent_predictions = 0;
+  // The memory the predictions running side by side may hold together, each's estimated before
+  // it starts (prediction_memory_bound): a candidate waits, in turn, while it would not fit
+  // beside those running; one runs alone whatever its estimate. 0: no budget. The ranking is the
+  // same whatever the budget.
+  std::int64_t memory_budget_bytes = 0;
   // Called after each prediction with the count done and the count to do (from one thread at
   // a time).
   std::function<void(int done, int total)> progress;
@@ -80,7 +86,9 @@ struct PlanRanking {
   // Refused while the step was built (rules the step's builder holds, such as recomputation
   // under a zero-bubble schedule), by reason.
   std::vector<RefusalCount> refused;
-  int not_predicted = 0;  // beyond max_predictions
+  int not_predicted = 0;                  // beyond max_predictions
+  int most_side_by_side = 0;              // the most predictions that ran at once
+  std::int64_t most_estimated_bytes = 0;  // the most their estimates added up to at once
 };
 
 // Predicts each candidate (graphs::predict_step) in order and ranks those that fit; a candidate

@@ -68,12 +68,16 @@ struct Prediction {
   std::vector<std::array<std::int64_t, rt::kMemoryCategoryCount>> memory;
   std::vector<std::int64_t> memory_total;  // per device (a folded replica: its first replica's)
   int replayed_devices = 0;                // the devices built and replayed
+  // The tasks of the graph built and replayed (a micro-batch fold's: its largest replay's): what
+  // the prediction's memory grows with (see prediction_tasks_bound).
+  std::int64_t tasks_built = 0;
   // The micro-batch counts replayed: the configured one, or the three a micro-batch fold
   // extrapolated from.
   std::vector<int> micro_batches_replayed;
   rt::Trace trace;  // the replay (empty when micro-batches were folded)
   // Each device's memory over the replayed step by category (memory_timeline), its peaks those
-  // of `memory`; empty when micro-batches were folded.
+  // of `memory`; empty when micro-batches were folded or PredictionOptions::memory_over_step is
+  // false.
   MemoryTimeline memory_over_step;
   rt::Graph graph;  // the graph replayed (the critical path's, a DOT's; empty when folded)
   // The same graph replayed with PredictionOptions::what_if's costs (empty when none).
@@ -107,6 +111,11 @@ struct PredictionOptions {
   // Refuse a step of more tasks than this once it is built, before it is replayed
   // (check_report_size of step_report.hpp: weave predict --report); 0: any size.
   std::size_t most_tasks = 0;
+  // Keep each device's memory over the step (Prediction::memory_over_step). A folded device's is
+  // a copy of its source's: over thousands of devices most of what a prediction holds and much
+  // of its time (Llama 3 405B on 16,384 H100s: 1.3 GiB of 1.44), so a caller that draws no
+  // memory chart goes without.
+  bool memory_over_step = true;
 };
 
 // The rank whose replay stands for `rank`'s under `options` (itself when it is built).
@@ -114,6 +123,17 @@ int replayed_rank(const Mesh& mesh, int rank, const PredictionOptions& options);
 
 // Validates a copy of `config` (throws ConfigError) and predicts its step.
 Prediction predict_step(TrainerConfig config, const PredictionOptions& options = {});
+
+// What predict_step holds while it predicts, estimated before it builds anything (weave predict
+// --advise admits candidates side by side while their estimates fit a memory budget): the
+// tasks built, at most prediction_tasks_bound(config, options) (validating a copy; throws
+// ConfigError as predict_step does), at prediction_memory_bytes's count per task and device. The
+// bound is the whole step's, as a micro-batch fold falls back to the whole step when its
+// replays do not grow evenly.
+std::int64_t prediction_tasks_bound(TrainerConfig config, const PredictionOptions& options = {});
+std::int64_t prediction_memory_bytes(std::int64_t tasks, int devices);
+std::int64_t prediction_memory_bound(const TrainerConfig& config,
+                                     const PredictionOptions& options = {});
 
 // The exposed communication, summed over the devices of a training step's trace, of the process
 // groups `groups` as ExposedCommunication names them ("tp", "ep", "cp", ...): the union of every
