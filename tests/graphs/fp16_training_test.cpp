@@ -274,6 +274,134 @@ TEST(Fp16Training, LlamaDistributedOptimizerDp2EqualsOneDevice) {
                                        kDataParallel);
 }
 
+// One fp16 run of the plan with the loss scaler, a step per entry of `scales`, the last without
+// an update (its unscaled gradients stay as the optimizer would read them): each step's loss and
+// found_inf, each skipped step checked to leave every rank's main values and moments untouched,
+// and the last step's unscaled main gradients each rank keeps, by rank and bucket, over the
+// ranges `ranges` gives (begin, size), or the run's own shards when `own` is given.
+struct ShardedRun {
+  std::vector<double> losses;
+  std::vector<bool> found_inf;
+  std::vector<std::vector<std::vector<float>>> grads;
+};
+using ShardRanges = std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>>;
+
+// Every rank's optimizer-owned values: its shard of the main values (stage 3's kept apart from
+// the slot the gathers fill) and both moments.
+std::vector<float> owned_optimizer_values(TrainingStep& step, int ranks) {
+  std::vector<float> out;
+  for (int r = 0; r < ranks; ++r)
+    for (const GradientBucket& b : step.shard(r).buckets())
+      for (const ops::Tensor& t : {b.shard_values(), b.exp_avg, b.exp_avg_sq}) {
+        const std::vector<float> v = t.to_vector();
+        out.insert(out.end(), v.begin(), v.end());
+      }
+  return out;
+}
+
+ShardedRun sharded_run(const ModelConfig& m, const ParallelPlan& plan,
+                       const std::vector<float>& scales, const ShardRanges& ranges,
+                       ShardRanges* own = nullptr) {
+  devices::DeviceSet set(plan.devices(), {.pin = false});
+  devices::SharedMemoryCommunicator comm;
+  TrainingStep step(m, plan, optimizer(true), set, comm);
+  ShardedRun out;
+  for (std::size_t i = 0; i < scales.size(); ++i) {
+    const int it = static_cast<int>(i) + 1;
+    fill_batches(step, m, plan);
+    step.prepare(it, kLearningRate);
+    step.set_loss_scale(scales[i]);
+    step.set_update_parameters(i + 1 < scales.size());
+    const std::vector<float> before = owned_optimizer_values(step, plan.devices());
+    set.executor().run(step.graph());
+    const StepResult r = step.result();
+    out.losses.push_back(r.loss);
+    out.found_inf.push_back(r.found_inf);
+    if (r.found_inf) {
+      EXPECT_EQ(owned_optimizer_values(step, plan.devices()), before)
+          << "skipped step " << it << " changed some replica's state";
+    }
+  }
+  if (own) own->assign(static_cast<std::size_t>(plan.devices()), {});
+  for (int r = 0; r < plan.devices(); ++r) {
+    out.grads.emplace_back();
+    for (std::size_t b = 0; b < step.shard(r).buckets().size(); ++b) {
+      const GradientBucket& bucket = step.shard(r).buckets()[b];
+      if (own) {
+        out.grads.back().push_back(bucket.shard_grads().to_vector());
+        (*own)[static_cast<std::size_t>(r)].emplace_back(bucket.shard_begin, bucket.shard_size);
+      } else {
+        const auto [begin, size] = ranges[static_cast<std::size_t>(r)][b];
+        const float* g = bucket.grads.data() + begin;
+        out.grads.back().emplace_back(g, g + size);
+      }
+    }
+  }
+  return out;
+}
+
+// ZeRO stages 2 and 3 in fp16 against plain data parallelism in fp16 over the same replicas and
+// micro-batches, the loss scaler on in both. Stage 2 reduce-scatters each micro-batch's scaled
+// fp32 gradients into the replica's shard and each replica unscales and checks its shard; stage 3
+// gathers the layers' fp16-rounded shards, which are the values plain dp rounds. A first step at
+// 2^40 overflows: found on every replica through the flag's all-reduce and skipped by each (its
+// main values and moments untouched, checked in sharded_run); then steps at 2^10 go through.
+//  - losses: the first step's forward is the same arithmetic (the values, their fp16 copies, the
+//    products), so the same bits; after updates only the order of the fp32 gradient sums
+//    differs (per micro-batch reduce-scatters against one all-reduce of the accumulated
+//    gradients), the data-parallel tolerance: 1e-4 relative;
+//  - the last step's unscaled gradients, each replica's shard against the same elements of plain
+//    dp's reduced gradients: 1e-4 of the bucket's norm (two updates from values that differ by
+//    fp32 sums' orders, and the sums' own order).
+TEST(Fp16Training, ZeroStagesTwoAndThreeDp2EqualPlainDp2AndSkipOverflowsTogether) {
+  const ModelConfig m = in(four_layers(gpt()), Precision::fp16);
+  const ParallelPlan plain{.data_parallel = 2, .micro_batch_size = 1, .global_batch_size = 4};
+  const std::vector<float> scales{0x1p40f, kScale, kScale, kScale};
+  for (const bool stage3 : {false, true}) {
+    SCOPED_TRACE(stage3 ? "stage 3" : "stage 2");
+    ParallelPlan plan = plain;
+    plan.distributed_optimizer = plan.shard_gradients = true;
+    plan.shard_parameters = stage3;
+    ShardRanges ranges;
+    const ShardedRun sharded = sharded_run(m, plan, scales, {}, &ranges);
+    const ShardedRun reference = sharded_run(m, plain, scales, ranges);
+    EXPECT_EQ(sharded.found_inf, (std::vector<bool>{true, false, false, false}));
+    EXPECT_EQ(reference.found_inf, sharded.found_inf);
+    EXPECT_EQ(sharded.losses[0], reference.losses[0]);
+    for (std::size_t i = 1; i < scales.size(); ++i)
+      EXPECT_NEAR(sharded.losses[i], reference.losses[i], 1e-4 * reference.losses[i])
+          << "step " << i + 1;
+    EXPECT_LT(sharded.losses.back(), sharded.losses[1]);  // the updates after the skip train
+    bool other_shard = false;
+    for (std::size_t r = 0; r < ranges.size(); ++r)
+      for (std::size_t b = 0; b < ranges[r].size(); ++b) {
+        other_shard |= ranges[r][b].first > 0;
+        std::vector<double> got(sharded.grads[r][b].begin(), sharded.grads[r][b].end());
+        std::vector<double> want(reference.grads[r][b].begin(), reference.grads[r][b].end());
+        ASSERT_EQ(got.size(), want.size());
+        double norm = 0;
+        for (const double v : want)
+          norm += v * v;
+        if (norm == 0) continue;  // a padded shard
+        EXPECT_LE(relative_difference(got, want), 1e-4) << "rank " << r << " bucket " << b;
+      }
+    EXPECT_TRUE(other_shard);  // some replica kept a shard other than the first
+    // Each replica unscales its shard and takes part in the flag's all-reduce, once a step.
+    devices::DeviceSet set(plan.devices(), {.pin = false});
+    devices::SharedMemoryCommunicator comm;
+    const TrainingStep step(m, plan, optimizer(true), set, comm, {.materialize = false});
+    const rt::TaskTable& tasks = step.graph().tasks();
+    std::vector<int> unscales(static_cast<std::size_t>(plan.devices())), reduces = unscales;
+    for (rt::TaskId t = 0; t < tasks.size(); ++t) {
+      const auto device = static_cast<std::size_t>(tasks[t].device);
+      unscales[device] += tasks.name(t) == "unscale_and_check_inf";
+      reduces[device] += tasks.name(t).find("found_inf_max") != std::string_view::npos;
+    }
+    EXPECT_EQ(unscales, std::vector<int>(unscales.size(), 1));
+    EXPECT_EQ(reduces, std::vector<int>(reduces.size(), 1));
+  }
+}
+
 // Megatron-LM's DynamicGradScaler.update, written again here from its source's description.
 struct ExpectedScale {
   double scale;
