@@ -3,7 +3,9 @@
 // device its losses and gradients track the fp32 model's within fp16's rounding, MoE layers' with
 // their aux losses scaled; tp2 + SP, dp2, pp2 (1F1B and ZB-V), the distributed optimizer, cp2,
 // --qk-layernorm, MoE layers under ep2 and Ampipe (with and without cp2) equal one device in
-// fp16, most with the loss scaler too, an overflow skipped on every stage and replica;
+// fp16, most with the loss scaler too, an overflow skipped on every stage and replica; ZeRO
+// stages 2 and 3 (MoE layers' expert shards too) equal plain data parallelism, every replica
+// skipping an overflow together;
 // recomputation is bitwise and the one-device step repeats bitwise; a step whose scaled
 // gradients overflow is skipped (parameters and Adam moments untouched), the dynamic scale
 // follows Megatron-LM's rule, computed here independently, and training recovers; a checkpoint
@@ -272,6 +274,148 @@ TEST(Fp16Training, LlamaDistributedOptimizerDp2EqualsOneDevice) {
                                         .global_batch_size = 4,
                                         .distributed_optimizer = true},
                                        kDataParallel);
+}
+
+// Every rank's optimizer-owned values: its shard of the main values (stage 3's kept apart from
+// the slot the gathers fill) and both moments.
+std::vector<float> owned_optimizer_values(TrainingStep& step, int ranks) {
+  std::vector<float> out;
+  for (int r = 0; r < ranks; ++r)
+    for (const GradientBucket& b : step.shard(r).buckets())
+      for (const ops::Tensor& t : {b.shard_values(), b.exp_avg, b.exp_avg_sq}) {
+        const std::vector<float> v = t.to_vector();
+        out.insert(out.end(), v.begin(), v.end());
+      }
+  return out;
+}
+
+// The elements each rank keeps of each bucket's gradients (begin, size), by rank and bucket.
+using ShardRanges = std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>>;
+
+// Four fp16 steps of the plan with the loss scaler on the same micro-batches: at 2^40 (an
+// overflow), then at 2^10 without an update, with its unscaled gradients kept, then twice at
+// 2^10 with updates. Each step's loss and found_inf; a skipped step checked to leave every rank's
+// main values and moments untouched; the second step's unscaled main gradients by rank and bucket,
+// over the ranges `ranges` gives, or each rank's own shard when `own` is given.
+struct OverflowRun {
+  std::vector<double> losses;
+  std::vector<bool> found_inf;
+  std::vector<std::vector<std::vector<float>>> grads;
+};
+
+OverflowRun overflow_run(const ModelConfig& m, const ParallelPlan& plan, const ShardRanges& ranges,
+                         ShardRanges* own = nullptr) {
+  devices::DeviceSet set(plan.devices(), {.pin = false});
+  devices::SharedMemoryCommunicator comm;
+  TrainingStep step(m, plan, optimizer(true), set, comm);
+  OverflowRun out;
+  const float scales[] = {0x1p40f, kScale, kScale, kScale};
+  for (int it = 1; it <= 4; ++it) {
+    fill_batches(step, m, plan);
+    step.prepare(it, kLearningRate);
+    step.set_loss_scale(scales[it - 1]);
+    step.set_update_parameters(it != 2);
+    const std::vector<float> before = owned_optimizer_values(step, plan.devices());
+    set.executor().run(step.graph());
+    const StepResult r = step.result();
+    out.losses.push_back(r.loss);
+    out.found_inf.push_back(r.found_inf);
+    if (r.found_inf) {
+      EXPECT_EQ(owned_optimizer_values(step, plan.devices()), before)
+          << "skipped step " << it << " changed some replica's state";
+    }
+    if (it != 2) continue;
+    if (own) own->assign(static_cast<std::size_t>(plan.devices()), {});
+    for (int rank = 0; rank < plan.devices(); ++rank) {
+      out.grads.emplace_back();
+      const std::vector<GradientBucket>& buckets = step.shard(rank).buckets();
+      for (std::size_t b = 0; b < buckets.size(); ++b) {
+        if (own) {
+          out.grads.back().push_back(buckets[b].shard_grads().to_vector());
+          (*own)[static_cast<std::size_t>(rank)].emplace_back(buckets[b].shard_begin,
+                                                              buckets[b].shard_size);
+        } else {
+          const auto [begin, size] = ranges[static_cast<std::size_t>(rank)][b];
+          const float* g = buckets[b].grads.data() + begin;
+          out.grads.back().emplace_back(g, g + size);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+// ZeRO stages 2 and 3 in fp16 against plain data parallelism in fp16 over the same replicas and
+// micro-batches, the loss scaler on in both. Stage 2 reduce-scatters each micro-batch's scaled
+// fp32 gradients into the replica's shard, and each replica unscales and checks its shard; stage
+// 3 gathers the layers' fp16-rounded shards, which are the values plain dp rounds. The first step,
+// at 2^40, overflows: found on every replica (the flag's all-reduce) and skipped by each, its
+// main values and moments untouched (checked in overflow_run); then training goes on.
+//  - losses: the first three steps run the forward on the initial values (the first skipped, the
+//    second without an update), the same arithmetic: the same bits; the fourth, after one update,
+//    differs by the order of the fp32 gradient sums only (per-micro-batch reduce-scatters against
+//    one all-reduce of the accumulated gradients), through AdamW: dp's 1e-4 of itself;
+//  - the second step's unscaled gradients, each replica's shard against the same elements of
+//    plain dp's: the same products summed in another order, dp's 1e-6 of the bucket's norm.
+void expect_zero_stages_equal_plain(const ModelConfig& m, const ParallelPlan& plain,
+                                    const std::vector<bool>& stages3, double later_loss) {
+  ShardRanges ranges;
+  std::vector<OverflowRun> sharded;
+  for (const bool stage3 : stages3) {
+    ParallelPlan plan = plain;
+    plan.distributed_optimizer = plan.shard_gradients = true;
+    plan.shard_parameters = stage3;
+    ShardRanges own;
+    sharded.push_back(overflow_run(m, plan, {}, &own));
+    if (ranges.empty()) ranges = own;
+    EXPECT_EQ(own, ranges);  // stage 3 keeps stage 2's gradient shards
+  }
+  const OverflowRun reference = overflow_run(m, plain, ranges);
+  EXPECT_EQ(reference.found_inf, (std::vector<bool>{true, false, false, false}));
+  EXPECT_LT(reference.losses[3], reference.losses[2]);
+  bool other_shard = false;
+  for (std::size_t r = 0; r < ranges.size(); ++r)
+    for (const auto& [begin, size] : ranges[r])
+      other_shard |= begin > 0;
+  EXPECT_TRUE(other_shard);  // some replica kept a shard other than the first
+  for (std::size_t s = 0; s < sharded.size(); ++s) {
+    SCOPED_TRACE(stages3[s] ? "stage 3" : "stage 2");
+    const OverflowRun& run = sharded[s];
+    EXPECT_EQ(run.found_inf, reference.found_inf);
+    for (std::size_t i = 0; i < 3; ++i)
+      EXPECT_EQ(run.losses[i], reference.losses[i]) << "step " << i + 1;
+    EXPECT_NEAR(run.losses[3], reference.losses[3], later_loss * reference.losses[3]);
+    for (std::size_t r = 0; r < ranges.size(); ++r)
+      for (std::size_t b = 0; b < ranges[r].size(); ++b) {
+        const std::vector<double> got(run.grads[r][b].begin(), run.grads[r][b].end());
+        const std::vector<double> want(reference.grads[r][b].begin(), reference.grads[r][b].end());
+        ASSERT_EQ(got.size(), want.size());
+        if (std::all_of(want.begin(), want.end(), [](double v) { return v == 0; })) continue;
+        EXPECT_LE(relative_difference(got, want), 1e-6) << "rank " << r << " bucket " << b;
+      }
+    // Each replica unscales its shard and takes part in the flag's all-reduce, once a step.
+    ParallelPlan plan = plain;
+    plan.distributed_optimizer = plan.shard_gradients = true;
+    plan.shard_parameters = stages3[s];
+    devices::DeviceSet set(plan.devices(), {.pin = false});
+    devices::SharedMemoryCommunicator comm;
+    const TrainingStep step(m, plan, optimizer(true), set, comm, {.materialize = false});
+    const rt::TaskTable& tasks = step.graph().tasks();
+    std::vector<int> unscales(static_cast<std::size_t>(plan.devices())), reduces = unscales;
+    for (rt::TaskId t = 0; t < tasks.size(); ++t) {
+      const auto device = static_cast<std::size_t>(tasks[t].device);
+      unscales[device] += tasks.name(t) == "unscale_and_check_inf";
+      reduces[device] += tasks.name(t).find("found_inf_max") != std::string_view::npos;
+    }
+    EXPECT_EQ(unscales, std::vector<int>(unscales.size(), 1));
+    EXPECT_EQ(reduces, std::vector<int>(reduces.size(), 1));
+  }
+}
+
+TEST(Fp16Training, ZeroStagesTwoAndThreeDp2EqualPlainDp2AndSkipOverflowsTogether) {
+  expect_zero_stages_equal_plain(
+      in(four_layers(gpt()), Precision::fp16),
+      {.data_parallel = 2, .micro_batch_size = 1, .global_batch_size = 4}, {false, true}, 1e-4);
 }
 
 // Megatron-LM's DynamicGradScaler.update, written again here from its source's description.
@@ -547,6 +691,18 @@ constexpr ParallelTolerance kMoeContextParallel{1.7e-4, 2 * kU, 1e-2};
 
 TEST(Fp16Training, MoeEp2Ampipe2EqualsOneDevice) {
   expect_scaled_plan_equals_one_device(in(moe(), Precision::fp16), kEp2Ampipe2, kExpertParallel);
+}
+
+// ZeRO stage 2 with MoE layers under ep2 over dp4: the experts' buckets are sharded over their
+// expert-data-parallel group of 2, the dense ones over dp4, and each replica unscales and checks
+// both kinds of shard; the flag's all-reduce over every rank holds both groups, so every rank
+// skips the overflowed step. The same comparison with plain ep2 dp4 as the dense model's, the
+// fourth loss held to 1e-2 (a near tie in a token's top-2 choice flipped by the update, as above).
+TEST(Fp16Training, MoeZeroStageTwoEp2Dp4EqualsPlainAndSkipsOverflowsTogether) {
+  expect_zero_stages_equal_plain(
+      in(moe(), Precision::fp16),
+      {.expert_parallel = 2, .data_parallel = 4, .micro_batch_size = 1, .global_batch_size = 8},
+      {false}, 1e-2);
 }
 
 TEST(Fp16Training, MoeCp2Ampipe2AndLlamaCp2EqualOneDevice) {

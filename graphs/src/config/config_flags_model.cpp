@@ -136,8 +136,9 @@ constexpr ConfigFlag kModel[] = {
      .help = "fp16 mixed precision, as Megatron-LM trains it: as --bf16 in IEEE half (fp16 "
              "products and saved activations, fp32 main parameters and gradients), with a loss "
              "scaler (--loss-scale, or dynamic from --initial-loss-scale) and steps whose "
-             "gradients overflow skipped. With everything --bf16 trains with but ZeRO stages 2 "
-             "and 3, MoE layers' aux losses scaled as the loss"},
+             "gradients overflow skipped. With everything --bf16 trains with, ZeRO stages 2 and 3 "
+             "included (each replica unscales and checks its gradient shard, the overflow flag "
+             "agreed over every rank), MoE layers' aux losses scaled as the loss"},
     {.name = "--norm-epsilon",
      .aliases = "--layernorm-epsilon",
      .help = "The norms' epsilon",

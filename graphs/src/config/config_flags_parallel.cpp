@@ -81,6 +81,16 @@ constexpr ConfigFlag kParallelism[] = {
      .check = at_least(0),
      .properties = kChoosesPlan,
      .type_name = "N"},
+    {.name = "--zero-units-in-flight",
+     .group = FlagGroup::parallelism,
+     .help = "ZeRO stage 3: the layers whose gathered parameters a device holds at once, the one "
+             "computing and the next N - 1, whose gathers run under its compute (default 2; 1 "
+             "gathers each layer once the previous one is done). DeepSpeed bounds the same by "
+             "stage3_max_live_parameters, in elements",
+     .field = plan_field<&P::zero_units_in_flight>(),
+     .check = at_least(1),
+     .properties = kPlanSize,
+     .type_name = "N"},
     {.name = "--use-custom-fsdp",
      .aliases = "--use-megatron-fsdp",
      .group = FlagGroup::parallelism,

@@ -466,6 +466,16 @@ void check_overlaps(const ModelConfig& m, const ParallelPlan& p) {
 // the layer's backward (Ampipe's too, its QKV weight half kept inside it), or a zero-bubble
 // schedule's W action.
 void check_sharded_gradients(const ParallelPlan& p) {
+  if (p.zero_units_in_flight < 1)
+    refuse(
+        "--zero-units-in-flight {}: ZeRO stage 3 holds the layer computing at least, so the units "
+        "in flight are at least 1 (2, the default, gathers the next layer under the current one)",
+        p.zero_units_in_flight);
+  if (p.zero_units_in_flight != 2 && !p.shard_parameters)
+    refuse(
+        "--zero-units-in-flight {} limits the layers whose parameters ZeRO stage 3 holds gathered "
+        "at once; this run does not shard the parameters: give --zero-stage 3, or drop it",
+        p.zero_units_in_flight);
   if (p.shard_parameters && !p.shard_gradients)
     refuse("sharding the parameters (ZeRO stage 3) shards the gradients too: give --zero-stage 3");
   if (p.shard_parameters && p.overlap_param_gather)

@@ -251,7 +251,7 @@ void ModelShard::make_buckets(const Mesh& mesh, int rank) {
   // ZeRO stage 2: the layers' sharded buckets are laid out in gradient slots, layer after layer
   // of the stage taking slot 0, 1, ... in turn; each slot as large as its largest layer.
   std::vector<std::int64_t> staged_at(planned.size(), -1);
-  std::vector<int> slot_of(planned.size(), -1);
+  std::vector<int> slot_of(planned.size(), -1), values_slot_of(planned.size(), -1);
   if (mesh.plan().shard_gradients && mesh.plan().distributed_optimizer) {
     std::map<int, std::int64_t> layer_bytes;  // elements of each layer's staged buckets
     for (std::size_t b = 0; b < planned.size(); ++b) {
@@ -263,19 +263,22 @@ void ModelShard::make_buckets(const Mesh& mesh, int rank) {
     }
     // A zero-bubble schedule's W action writes a layer's weight gradients after the I actions of
     // the layers below, which write their own (their norms'): each layer holds a gradient slot of
-    // its own there. The parameter slots (stage 3) are two whatever the schedule: the W actions
-    // read no values.
+    // its own there. The parameter slots (stage 3) are the units in flight whatever the schedule:
+    // the W actions read no values.
     const bool weight_passes = mesh.plan().pipeline_scheduler.rfind("zb", 0) == 0;
     const std::size_t gradient_slot_count = weight_passes ? layer_bytes.size() : kGradientSlots;
+    const auto units_in_flight = static_cast<std::size_t>(mesh.plan().zero_units_in_flight);
     std::vector<std::int64_t> slot_elements(gradient_slot_count, 0),
-        parameter_slot_elements(kGradientSlots, 0);
+        parameter_slot_elements(units_in_flight, 0);
     int ordinal = 0;
     for (const auto& [l, elements] : layer_bytes) {
-      const auto slot = static_cast<std::size_t>(ordinal++) % gradient_slot_count;
+      const auto at = static_cast<std::size_t>(ordinal++);
+      const std::size_t slot = at % gradient_slot_count, values_slot = at % units_in_flight;
       layer_slots_[l] = static_cast<int>(slot);
+      layer_parameter_slots_[l] = static_cast<int>(values_slot);
       slot_elements[slot] = std::max(slot_elements[slot], elements);
-      std::int64_t& values = parameter_slot_elements[slot % kGradientSlots];
-      values = std::max(values, elements);
+      parameter_slot_elements[values_slot] =
+          std::max(parameter_slot_elements[values_slot], elements);
     }
     const ParameterBytes bytes = parameter_bytes(config_.precision);
     const auto slot = [this](std::int64_t elements, rt::MemoryCategory category,
@@ -287,8 +290,8 @@ void ModelShard::make_buckets(const Mesh& mesh, int rank) {
     for (const std::int64_t elements : slot_elements)
       if (elements > 0)
         gradient_slots_.push_back(slot(elements, rt::MemoryCategory::gradients, bytes.gradient));
-    // Stage 3: the gathered values laid out as the gradients are, gradient slot s in parameter
-    // slot s % kGradientSlots.
+    // Stage 3: the gathered values laid out as the gradients are, in the layer's parameter slot
+    // (the slots taken in layer order, so an empty one is only ever last).
     if (mesh.plan().shard_parameters)
       for (const std::int64_t elements : parameter_slot_elements)
         if (elements > 0) {
@@ -299,7 +302,10 @@ void ModelShard::make_buckets(const Mesh& mesh, int rank) {
                 ops::Bf16Tensor::zeros({elements}, device_, rt::MemoryCategory::parameters));
         }
     for (std::size_t b = 0; b < planned.size(); ++b)
-      if (staged_at[b] >= 0) slot_of[b] = layer_slots_.at(layer_of_bucket(planned[b].name));
+      if (staged_at[b] >= 0) {
+        slot_of[b] = layer_slots_.at(layer_of_bucket(planned[b].name));
+        values_slot_of[b] = layer_parameter_slots_.at(layer_of_bucket(planned[b].name));
+      }
   }
   for (std::size_t b = 0; b < planned.size(); ++b) {
     ops::Tensor staged, staged_values;
@@ -309,7 +315,7 @@ void ModelShard::make_buckets(const Mesh& mesh, int rank) {
           padded_elements(planned[b].params, replicas_of(mesh, rank, *planned[b].params.front()));
       const auto s = static_cast<std::size_t>(slot_of[b]);
       staged = gradient_slots_[s].slice(0, staged_at[b], n);
-      const std::size_t v = s % kGradientSlots;
+      const auto v = static_cast<std::size_t>(values_slot_of[b]);
       if (!parameter_slots_.empty()) staged_values = parameter_slots_[v].slice(0, staged_at[b], n);
       if (!parameter_slots16_.empty())
         staged_values16 = parameter_slots16_[v].slice(0, staged_at[b], n);
@@ -321,6 +327,11 @@ void ModelShard::make_buckets(const Mesh& mesh, int rank) {
 
 bool ModelShard::parameters_sharded(int l) const {
   return !parameter_slots_.empty() && gradient_slot(l) >= 0;
+}
+
+int ModelShard::parameter_slot(int l) const {
+  const auto found = layer_parameter_slots_.find(l);
+  return found == layer_parameter_slots_.end() ? -1 : found->second;
 }
 
 int ModelShard::gradient_slot(int l) const {

@@ -194,6 +194,8 @@ void add_candidates(const TrainerConfig& base, MeshSizes sizes,
             if (c.plan.distributed_optimizer) {
               c.plan.shard_gradients = stage >= 2;
               c.plan.shard_parameters = stage == 3;
+              // The units in flight asked for are stage 3's; the stages below hold none.
+              if (stage != 3) c.plan.zero_units_in_flight = 2;
             }
             try {
               validate(c);
@@ -270,6 +272,8 @@ std::string plan_flags(const TrainerConfig& config) {
   // optimizer state is sharded, agreeing with --use-distributed-optimizer if that is given too.
   if (p.distributed_optimizer)
     flags += fmt::format(" --zero-stage {}", p.shard_parameters ? 3 : p.shard_gradients ? 2 : 1);
+  if (p.shard_parameters && p.zero_units_in_flight != 2)
+    flags += fmt::format(" --zero-units-in-flight {}", p.zero_units_in_flight);
   flags += fmt::format(" --global-batch-size {}", p.global_batch_size);
   return flags;
 }

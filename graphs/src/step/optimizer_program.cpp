@@ -42,12 +42,16 @@ double owned_gradient_squared_norm(RankProgram& p) {
 // With a loss scaler: multiplies the gradient elements this rank updates (its shard of each
 // bucket, or the whole bucket) by the inverse scale, as Megatron-LM's
 // _unscale_main_grads_and_check_for_nan does, and sets found_inf when one of them is not finite.
+// Under ZeRO stage 2 a layer's shard is its own tensor (GradientBucket::grad_shard, the step's
+// reduce-scatters summed), not a slice of the layer's gradient slot, which the next layer's
+// gradients have overwritten: the unscaling reads the shard wherever it is kept.
 void unscale_and_check(RankProgram& p) {
   const float inverse = static_cast<float>(1.0 / static_cast<double>(p.inputs.loss_scale));
   bool found = false;
   for (GradientBucket& bucket : p.shard().buckets()) {
-    float* g = bucket.grads.data() + bucket.shard_begin;
-    for (std::int64_t i = 0; i < bucket.shard_size; ++i) {
+    const Tensor shard = bucket.shard_grads();
+    float* g = shard.data();
+    for (std::int64_t i = 0; i < shard.numel(); ++i) {
       g[i] *= inverse;
       found |= !std::isfinite(g[i]);
     }

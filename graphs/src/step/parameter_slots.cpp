@@ -9,10 +9,10 @@ namespace weave::graphs {
 
 namespace {
 
-// The parameter slot layer l's values are gathered into: its gradient slot's, two in turn (a
-// zero-bubble schedule gives each layer a gradient slot of its own).
+// The parameter slot layer l's values are gathered into: the stage's layers take the units in
+// flight in turn.
 int parameter_slot(RankProgram& P, int l) {
-  return P.shard().gradient_slot(l) % ModelShard::kGradientSlots;
+  return P.shard().parameter_slot(l);
 }
 
 // Issues layer l's gathers into its slot, after the slot's releases; returns them. A slot still
@@ -67,11 +67,19 @@ void acquire_layer_parameters(RankProgram& P, int layer, int next, const rt::Tas
         round_to_half(precision, b->values, b->values16);
     });
   }
-  // The next layer's gather on the replicas' stream now, so that it runs under this layer's
-  // compute; into the other slot, which the previous layer has released.
-  if (next >= 0 && P.shard().parameters_sharded(next) &&
-      parameter_slot(P, next) != parameter_slot(P, layer))
-    gather_layer(P, next, tags);
+  // The gathers of the layers the pass reaches next, one fewer than the units in flight, on the
+  // replicas' stream now, so that they run under this layer's compute; each into a slot a layer
+  // before this one has released (with two units, the next layer into the other slot). One unit
+  // in flight prefetches nothing: the next layer's gather waits for this one's release.
+  if (next < 0) return;
+  const int direction = next - layer;
+  const int ahead = P.shape.plan.zero_units_in_flight - 1;
+  for (int k = 0, l = next; k < ahead; ++k, l += direction) {
+    if (l < 0 || !P.shard().parameters_sharded(l) ||
+        parameter_slot(P, l) == parameter_slot(P, layer))
+      break;
+    gather_layer(P, l, tags);
+  }
 }
 
 void release_layer_parameters(RankProgram& P, int layer, const rt::TaskTags& tags) {

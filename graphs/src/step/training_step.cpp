@@ -50,32 +50,6 @@ void check_devices(const ParallelPlan& plan, const devices::DeviceSet& set) {
                     plan.pipeline_parallel, set.size()));
 }
 
-// What a step built with tensors trains in 16 bits: bf16 and fp16 (the same code, the format a
-// parameter, fp16 with its loss scaler) with dense and MoE layers under tensor (and sequence),
-// data, pipeline (every schedule), expert and context parallelism, Ampipe (with context
-// parallelism too), the distributed optimizer, --qk-layernorm and activation recomputation; bf16
-// also under ZeRO stages 2 and 3. fp16's stages 2 and 3 are modelled by a prediction only.
-void check_half_precision_step(const ModelConfig& model, const ParallelPlan& plan) {
-  const auto refuse = [&](std::string_view what) {
-    throw ConfigError(fmt::format(
-        "a step built with tensors trains in bf16 and fp16 with dense and MoE layers under tensor "
-        "(and sequence), data, pipeline, expert and context parallelism, Ampipe, the distributed "
-        "optimizer and activation recomputation, and in bf16 also under ZeRO stages 2 and 3 "
-        "(16-bit mixed precision: 16-bit "
-        "products and saved activations, fp32 main parameters, gradients, norms, softmax and "
-        "loss; fp16 with a loss scaler); this {} run "
-        "has {}: train it in fp32 (drop --{}), or predict the {} run (weave predict, or "
-        "StepBuildOptions::materialize = false)",
-        precision_name(model.precision), what, precision_name(model.precision),
-        precision_name(model.precision)));
-  };
-  // fp16 under ZeRO stages 2 and 3 is not built: the stages' 16-bit slots are bf16's, and no test
-  // compares an fp16 run with its loss scaler there against one device.
-  if (model.precision == Precision::fp16 && plan.shard_gradients)
-    refuse(plan.shard_parameters ? "ZeRO stage 3 (--zero-stage 3, optim_grads_params)"
-                                 : "ZeRO stage 2 (--zero-stage 2, optim_grads)");
-}
-
 }  // namespace
 
 TrainingStep::Impl::Impl(const ModelConfig& model, const ParallelPlan& plan,
@@ -112,7 +86,6 @@ TrainingStep::Impl::Impl(const ModelConfig& model, const ParallelPlan& plan,
           event_sets.emplace_back(labels.set >= 0 ? labels.rank : -1, labels.set);
         });
   }
-  if (materialize && model.precision != Precision::fp32) check_half_precision_step(model, plan);
   if (o.loss_scaling && model.precision == Precision::fp32)
     throw ConfigError(
         "a loss scaler (OptimizerConfig::loss_scaling) is for 16-bit runs: give --fp16 or --bf16, "

@@ -174,14 +174,14 @@ class ModelShard {
   // many layers' gradients are held whole while the backward runs (DeepSpeed's stage 2 bounds
   // them by its reduce bucket size instead).
   static constexpr int kGradientSlots = 2;
-  // ZeRO stage 3: the parameter slots the layers' gathered values take in turn, the units in
-  // flight: the layer computing and the next one gathered beside it.
-  static constexpr int kParameterSlots = 2;
   // The gradient slot layer l's staged buckets are written into; -1 for none.
   int gradient_slot(int l) const;
-  // ZeRO stage 3: whether layer l's parameters are kept as shards, gathered into the parameter
-  // slot of the same number as its gradient slot before each use.
+  // ZeRO stage 3: whether layer l's parameters are kept as shards, gathered into their parameter
+  // slot before each use.
   bool parameters_sharded(int l) const;
+  // ZeRO stage 3: the parameter slot layer l's values are gathered into (the stage's layers take
+  // the ParallelPlan::zero_units_in_flight slots in turn, in layer order); -1 for none.
+  int parameter_slot(int l) const;
   // A 16-bit run: rounds the fp32 main parameters into their bf16 or fp16 copies (nothing in
   // fp32).
   void refresh_bf16_copies();
@@ -225,6 +225,7 @@ class ModelShard {
   std::vector<ops::Tensor> gradient_slots_, parameter_slots_;
   std::vector<ops::Bf16Tensor> parameter_slots16_;  // a bf16 run's stage 3: the bf16 copies
   std::map<int, int> layer_slots_;                  // layer -> its gradient slot (ZeRO stage 2)
+  std::map<int, int> layer_parameter_slots_;        // layer -> its parameter slot (ZeRO stage 3)
   std::string current_bucket_;
   std::vector<LayerShard> layers_;
   std::unique_ptr<OutputLossParameters> output_loss_;

@@ -46,11 +46,15 @@ struct ParallelPlan {
   // few gradient slots shared by the layers in turn (ModelShard::kGradientSlots).
   bool shard_gradients = false;
   // ZeRO stage 3 (--zero-stage 3, optim_grads_params; needs shard_gradients): each replica keeps
-  // only its shard of the layers' parameters. A layer's are all-gathered into one of a few
-  // parameter slots before its forward and again before its backward, the next layer's gather
-  // issued (prefetched) beside them; a slot is gathered into again once the layer that held it
-  // is done with it (ModelShard::kParameterSlots units in flight).
+  // only its shard of the layers' parameters. A layer's are all-gathered into one of
+  // zero_units_in_flight parameter slots before its forward and again before its backward, the
+  // gathers of the layers the pass reaches next issued (prefetched) beside them; a slot is
+  // gathered into again once the layer that held it is done with it.
   bool shard_parameters = false;
+  // --zero-units-in-flight (ZeRO stage 3): the layers whose gathered parameters a device holds at
+  // once, the one computing and the zero_units_in_flight - 1 next ones, whose gathers run under
+  // its compute. 1 gathers each layer only once the previous one is done with its slot.
+  int zero_units_in_flight = 2;
   // --overlap-grad-reduce: each bucket's data-parallel gradient reduction starts once the
   // backward has produced its gradients, overlapping the rest of the backward. Without it (as in
   // Megatron-LM, whose finish_grad_sync then starts the reductions) they wait for the rank's last
