@@ -116,6 +116,19 @@ constexpr ConfigFlag kParallelism[] = {
      .field = plan_field<&P::overlap_param_gather>(),
      .description = described(plan, "overlap_param_gather"),
      .properties = kRefusedBesideAmpipe},
+    {.name = "--tp-comm-overlap",
+     .group = FlagGroup::parallelism,
+     .values = 0,
+     .help = "With --sequence-parallel (Megatron-LM asserts it): the dense layers' "
+             "sequence-parallel all-gathers (before QKV's and fc1's products in forward, before "
+             "fc2's input gradient in backward) in tp pieces and the forward's reduce-scatters "
+             "(after the attention's projection and fc2) in 4, each piece pipelined with the "
+             "product's rows it feeds or that feed it, as Transformer Engine's default "
+             "userbuffer overlaps do for Megatron-Core (ring exchange and pipelined "
+             "reduce-scatter); refused with Ampipe",
+     .field = plan_field<&P::tp_comm_overlap>(),
+     .description = described(plan, "tp_comm_overlap"),
+     .properties = kRefusedBesideAmpipe},
     {.name = "--micro-batch-size",
      .group = FlagGroup::parallelism,
      .help = "Samples per micro-batch",
