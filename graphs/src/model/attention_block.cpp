@@ -347,12 +347,12 @@ TaskId AttentionBlock::qkv_in_pieces(const BuildPosition& pos, TaskId ln1) const
   const bool half = P->half();
   const Tensor shard = half ? P->ws().half.norm_out : A.attention.ln1;
   const Tensor full = half ? P->ws().half.gathered : A.attention.ln1_full;
-  const std::int64_t rows_each = tp_gather_pieces(z).rows * z.t_sp * z.B;
+  const std::int64_t B = z.B, h = z.h, width = z.qkv_width();
   // The product piece by piece (each row's QKV is the whole product's); the query/key stages and
   // RoPE once over every row after the last, as project_qkv runs them.
   return gather_in_pieces(
       *P, ln1, P->ws().tp_overlap.gather, shard, full, at + "sp_gather", at + "qkv", tags,
-      cost::matmul(rows_each, z.h, z.qkv_width()),
+      [=](std::int64_t rows) { return cost::matmul(rows * B, h, width); },
       [=](std::int64_t first, std::int64_t rows) {
         LayerActivations& A = p->acts(set, layer);
         const AttentionParameters& W = p->attention_parameters(layer);
@@ -420,11 +420,12 @@ TaskId AttentionBlock::forward_in_pieces(const BuildPosition& pos, TaskId qkv) c
   // The projection piece by piece, each piece's partial sums reduce-scattered while the next is
   // computed (tp_comm_overlap.hpp).
   LayerActivations& A = P->acts(set, layer);
-  const std::int64_t rows_each = tp_scatter_pieces(z).rows * z.t_sp * B;
+  const std::int64_t h = z.h;
   return scatter_in_pieces(
       *P, core, P->ws().tp_overlap.scatter, A.attention.proj_partial, A.attention.proj_out,
       at + "attention_projection", at + "attention_reduce", tags,
-      cost::matmul(rows_each, Hl * d, z.h), [=](std::int64_t first, std::int64_t rows) {
+      [=](std::int64_t rows) { return cost::matmul(rows * B, Hl * d, h); },
+      [=](std::int64_t first, std::int64_t rows) {
         const AttentionActivations& S = p->acts(set, layer).attention;
         const AttentionParameters& W = p->attention_parameters(layer);
         const Tensor out = S.proj_partial.slice(0, first, rows);
@@ -480,11 +481,12 @@ TaskId AttentionBlock::backward_in_pieces(const BuildPosition& pos, TaskId ready
   const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
   const std::string at = fmt::format("L{}.", l);
   BackwardWorkspace& w = P->ws();
-  const std::int64_t rows_each = tp_gather_pieces(z).rows * z.t_sp * B;
+  const std::int64_t h = z.h;
   // The projection's input gradient piece by piece as the output gradient's gather arrives.
   const TaskId projected = gather_in_pieces(
       *P, ready, w.tp_overlap.grad_gather, w.d_mlp, w.d_mlp_full, at + "attention_grad_gather",
-      at + "attention_projection_backward", tags, cost::matmul(rows_each, Hl * d, z.h),
+      at + "attention_projection_backward", tags,
+      [=](std::int64_t rows) { return cost::matmul(rows * B, h, Hl * d); },
       [=](std::int64_t first, std::int64_t rows) {
         const AttentionActivations& S = p->acts(set, layer).attention;
         BackwardWorkspace& w = p->ws();

@@ -105,10 +105,11 @@ TaskId dense_mlp_forward_in_pieces(RankProgram& P, const BuildPosition& pos, int
   const bool half = P.half();
   const Tensor shard = half ? P.ws().half.norm_out : A.ln2;
   const Tensor full = half ? P.ws().half.gathered : A.ln2_full;
-  const std::int64_t gather_rows = tp_gather_pieces(z).rows * z.t_sp * z.B;
+  const std::int64_t B = z.B, h = z.h, f = z.fl, f1 = z.f1l;
   const TaskId fc1 = gather_in_pieces(
       P, ready, P.ws().tp_overlap.gather, shard, full, at + "sp_gather_mlp", at + "mlp_fc1", tags,
-      cost::matmul(gather_rows, z.h, z.f1l), [=](std::int64_t first, std::int64_t rows) {
+      [=](std::int64_t rows) { return cost::matmul(rows * B, h, f1); },
+      [=](std::int64_t first, std::int64_t rows) {
         LayerActivations& A = p->acts(set, layer);
         const DenseMlpActivations& D = A.dense();
         const DenseMlpParameters& W = p->dense_mlp_parameters(layer);
@@ -131,10 +132,9 @@ TaskId dense_mlp_forward_in_pieces(RankProgram& P, const BuildPosition& pos, int
                             value_of(W.fc1_bias), pre);
         mlp_activation_forward(m, pre, D.act.slice(0, first, rows));
       });
-  const std::int64_t scatter_rows = tp_scatter_pieces(z).rows * z.t_sp * z.B;
   return scatter_in_pieces(
       P, fc1, P.ws().tp_overlap.scatter, A.dense().fc2_partial, A.mlp_out, at + "mlp_fc2",
-      at + "mlp_reduce", tags, cost::matmul(scatter_rows, z.fl, z.h),
+      at + "mlp_reduce", tags, [=](std::int64_t rows) { return cost::matmul(rows * B, f, h); },
       [=](std::int64_t first, std::int64_t rows) {
         const DenseMlpActivations& D = p->acts(set, layer).dense();
         const DenseMlpParameters& W = p->dense_mlp_parameters(layer);
@@ -161,9 +161,10 @@ TaskId dense_mlp_backward_in_pieces(RankProgram& P, const BuildPosition& pos, in
   const rt::TaskTags tags = pos.tags(rt::Phase::backward, layer);
   const std::string at = fmt::format("L{}.", layer);
   BackwardWorkspace& w = P.ws();
-  const std::int64_t rows_each = tp_gather_pieces(z).rows * z.t_sp * z.B;
-  const rt::CostHint piece =
-      cost::matmul(rows_each, z.h, z.fl) + cost::matmul(rows_each, z.h, z.f1l);
+  const std::int64_t B = z.B, h = z.h, f = z.fl, f1 = z.f1l;
+  const RowsCost piece = [=](std::int64_t rows) {
+    return cost::matmul(rows * B, h, f) + cost::matmul(rows * B, h, f1);
+  };
   const rt::CostHint fc2_weight = cost::matmul(z.Sc * z.B, z.h, z.fl);
   return gather_in_pieces(
       P, ready, w.tp_overlap.grad_gather, w.d_mlp, w.d_mlp_full, at + "mlp_grad_gather",

@@ -37,13 +37,20 @@ TpPieces tp_scatter_pieces(const StepShape& z) {
 
 TaskId gather_in_pieces(RankProgram& P, TaskId ready, TpOverlapStage& stage, const Tensor& shard,
                         const Tensor& full, const std::string& gather_name, const std::string& name,
-                        rt::TaskTags tags, rt::CostHint piece_cost, PieceRows rows,
+                        rt::TaskTags tags, const RowsCost& cost, PieceRows rows,
                         rt::CostHint last_cost, std::function<void()> after_last) {
   const StepShape& z = P.shape;
   const TpPieces pieces = tp_gather_pieces(z);
-  const std::int64_t q = pieces.rows, n = q * z.t_sp;
+  const std::int64_t q = pieces.rows, n = q * z.t_sp, Sl = z.Sl;
+  const std::int64_t own = P.tensor.member() * Sl;
   const Tensor staged = stage.buffer;
-  TaskId task = rt::kNoTask;
+  // The rank's own rows first: they need no gather, as a ring exchange's first step computes
+  // the rank's own chunk while the next one moves.
+  TaskId task = P.compute(fmt::format("{}.own", name), tags, cost(Sl), [=] {
+    full.slice(0, own, Sl).copy_from(shard);
+    rows(own, Sl);
+  });
+  P.after(ready, task);
   for (int c = 0; c < pieces.count; ++c) {
     const TaskId gathered = P.tensor.all_gather(ready, read_of(shard.slice(0, c * q, q)),
                                                 all_of(staged.slice(0, c * n, n)),
@@ -51,9 +58,11 @@ TaskId gather_in_pieces(RankProgram& P, TaskId ready, TpOverlapStage& stage, con
     P.after(stage.last_use, gathered);  // the stage's previous use has read it
     const bool last = c + 1 == pieces.count;
     const TaskId previous = task;
-    task = P.compute(
-        fmt::format("{}.p{}", name, c), tags, last ? piece_cost + last_cost : piece_cost, [=, &z] {
+    const rt::CostHint piece = cost(q * (z.t_sp - 1));
+    task =
+        P.compute(fmt::format("{}.p{}", name, c), tags, last ? piece + last_cost : piece, [=, &z] {
           for_each_range(z, pieces, c, [&](std::int64_t at, std::int64_t from, std::int64_t count) {
+            if (at >= own && at < own + Sl) return;  // done first
             full.slice(0, at, count).copy_from(staged.slice(0, from, count));
             rows(at, count);
           });
@@ -68,8 +77,8 @@ TaskId gather_in_pieces(RankProgram& P, TaskId ready, TpOverlapStage& stage, con
 
 TaskId scatter_in_pieces(RankProgram& P, TaskId ready, TpOverlapStage& stage, const Tensor& full,
                          const Tensor& shard, const std::string& name,
-                         const std::string& scatter_name, rt::TaskTags tags,
-                         rt::CostHint piece_cost, PieceRows rows) {
+                         const std::string& scatter_name, rt::TaskTags tags, const RowsCost& cost,
+                         PieceRows rows) {
   const StepShape& z = P.shape;
   const TpPieces pieces = tp_scatter_pieces(z);
   const std::int64_t q = pieces.rows, n = q * z.t_sp;
@@ -77,7 +86,7 @@ TaskId scatter_in_pieces(RankProgram& P, TaskId ready, TpOverlapStage& stage, co
   TaskId task = ready, reduced = rt::kNoTask;
   for (int c = 0; c < pieces.count; ++c) {
     const TaskId previous = task;
-    task = P.compute(fmt::format("{}.p{}", name, c), tags, piece_cost, [=, &z] {
+    task = P.compute(fmt::format("{}.p{}", name, c), tags, cost(n), [=, &z] {
       for_each_range(z, pieces, c, [&](std::int64_t at, std::int64_t to, std::int64_t count) {
         rows(at, count);
         staged.slice(0, to, count).copy_from(full.slice(0, at, count));

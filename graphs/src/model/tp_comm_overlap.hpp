@@ -14,8 +14,11 @@
 // does, so the step's values are those without the overlap; the weight gradients, which sum
 // over every row, stay whole.
 //
-// One difference from TE on the clock: a ring exchange's first piece is the rank's own shard and
-// waits for nothing, while the first piece here waits for its gather (1 / tp of the whole).
+// Where this differs from TE on the clock: a ring exchange's tp - 1 steps each bring one rank's
+// shard, while a piece here brings 1 / pieces of every rank's shard (the same bytes in all); and
+// TE's wgrad products of the projection and fc2 run under the ring exchange of their input
+// gradients ("external" overlap), chunk by chunk, while here they run after the last piece over
+// every row, so that the weight gradients' sums keep their order.
 #pragma once
 
 #include <cstdint>
@@ -40,27 +43,31 @@ bool tp_overlaps(const StepShape& z);
 TpPieces tp_gather_pieces(const StepShape& z);
 TpPieces tp_scatter_pieces(const StepShape& z);
 
+// A task's price for `rows` rows of the sequence (times the micro-batch's samples).
+using RowsCost = std::function<rt::CostHint(std::int64_t rows)>;
+
 // What a piece's task runs over one of its row ranges [first, first + rows) of the rank's whole
 // sequence.
 using PieceRows = std::function<void(std::int64_t first, std::int64_t rows)>;
 
 // The gather of `shard` ([Sl, ...]) into `full` ([Sc, ...]) piece by piece through `stage`
-// (named "<gather_name>.p<c>"), each piece followed by the compute task "<name>.p<c>" costing
-// `piece_cost`, which moves the piece's rows into `full` and runs `rows` over each of its row
-// ranges; the last piece's task then runs `after_last`, costing `last_cost` more. Returns the
-// last piece's task.
+// (named "<gather_name>.p<c>"). The compute task "<name>.own" first runs `rows` over the rank's
+// own shard's rows, which need no gather (as a ring exchange computes the rank's own chunk while
+// the first one moves); then each piece's task "<name>.p<c>" moves its other ranks' rows into
+// `full` and runs `rows` over each of them; the last then runs `after_last`, costing `last_cost`
+// more. A task over r rows costs cost(r). Returns the last piece's task.
 TaskId gather_in_pieces(RankProgram& P, TaskId ready, TpOverlapStage& stage, const Tensor& shard,
                         const Tensor& full, const std::string& gather_name, const std::string& name,
-                        rt::TaskTags tags, rt::CostHint piece_cost, PieceRows rows,
+                        rt::TaskTags tags, const RowsCost& cost, PieceRows rows,
                         rt::CostHint last_cost = {}, std::function<void()> after_last = {});
 
-// The compute tasks "<name>.p<c>" (after `ready`), each costing `piece_cost`, running `rows` over
+// The compute tasks "<name>.p<c>" (after `ready`), each costing cost(its rows), running `rows` over
 // its piece's row ranges and laying those rows of `full` ([Sc, ...]) out in `stage`, each
 // followed by the reduce-scatter "<scatter_name>.p<c>" of its piece into `shard`'s rows
 // ([Sl, ...]). Returns the last reduce-scatter.
 TaskId scatter_in_pieces(RankProgram& P, TaskId ready, TpOverlapStage& stage, const Tensor& full,
                          const Tensor& shard, const std::string& name,
-                         const std::string& scatter_name, rt::TaskTags tags,
-                         rt::CostHint piece_cost, PieceRows rows);
+                         const std::string& scatter_name, rt::TaskTags tags, const RowsCost& cost,
+                         PieceRows rows);
 
 }  // namespace weave::graphs
