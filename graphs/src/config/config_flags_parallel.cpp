@@ -119,13 +119,14 @@ constexpr ConfigFlag kParallelism[] = {
     {.name = "--tp-comm-overlap",
      .group = FlagGroup::parallelism,
      .values = 0,
-     .help = "With --sequence-parallel (Megatron-LM asserts it): the dense layers' "
-             "sequence-parallel all-gathers (before QKV's and fc1's products in forward, before "
-             "fc2's input gradient in backward) in tp pieces and the forward's reduce-scatters "
-             "(after the attention's projection and fc2) in 4, each piece pipelined with the "
-             "product's rows it feeds or that feed it, as Transformer Engine's default "
-             "userbuffer overlaps do for Megatron-Core (ring exchange and pipelined "
-             "reduce-scatter); refused with Ampipe",
+     .help = "With --sequence-parallel (Megatron-LM asserts it): the sequence-parallel "
+             "all-gathers before the QKV and fc1 products (forward) and before the projection's "
+             "and fc2's input gradients (backward) in tp pieces, the reduce-scatters after the "
+             "projection and fc2 (forward) in 4, each piece pipelined with the product's rows it "
+             "brings or takes, the rank's own rows first, as Transformer Engine's default "
+             "userbuffer overlaps (ring exchange, pipeline) do for Megatron-Core; the weight "
+             "gradients stay whole; local attention only "
+             "(context parallelism's ring keeps whole collectives); refused with Ampipe",
      .field = plan_field<&P::tp_comm_overlap>(),
      .description = described(plan, "tp_comm_overlap"),
      .properties = kRefusedBesideAmpipe},
