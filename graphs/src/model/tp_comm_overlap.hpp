@@ -1,9 +1,9 @@
 // --tp-comm-overlap: sequence parallelism's collectives split into pieces pipelined with the
 // products they feed or that feed them, as Megatron-Core's --tp-comm-overlap has Transformer
-// Engine's userbuffers do: the all-gather before a column-parallel product (fc1 in forward) and
-// before a row-parallel product's input gradient (fc2's in backward) by ring exchange in tp
-// pieces, the reduce-scatter after a row-parallel product in forward (fc2, the attention's
-// projection) pipelined in 4 (TE's initialize_ub defaults: num_splits is the tp size for
+// Engine's userbuffers do: the all-gathers before a column-parallel product in forward (QKV, fc1)
+// and before a row-parallel product's input gradient in backward (the projection's, fc2's) by
+// ring exchange in tp pieces, the reduce-scatters after a row-parallel product in forward (the
+// projection, fc2) pipelined in 4 (TE's initialize_ub defaults: num_splits is the tp size for
 // ring_exchange, 4 for pipeline).
 //
 // Piece c of a collective is rows [c q, (c+1) q) of every tp rank's shard (q = Sl / pieces): in
@@ -11,8 +11,9 @@
 // ranges [j Sl + c q, j Sl + (c+1) q), one per tp rank. A piece's collective moves them through a
 // staging buffer laid out in rank order (a collective's buffer is contiguous); its task runs the
 // products over those rows only. A product split by rows computes each row as the whole product
-// does, so the step's values are those without the overlap; the weight gradients, which sum
-// over every row, stay whole.
+// does (bit for bit where the pieces' rows are whole row blocks of the product kernel: multiples
+// of 8 on the host), so the step's values are those without the overlap; the weight gradients,
+// which sum over every row, stay whole.
 //
 // Where this differs from TE on the clock: a ring exchange's tp - 1 steps each bring one rank's
 // shard, while a piece here brings 1 / pieces of every rank's shard (the same bytes in all); and
