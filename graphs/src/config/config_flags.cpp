@@ -128,7 +128,6 @@ void check_flag_rules(const ParallelPlan& plan, std::span<const std::string> giv
   std::vector<std::string> named(given.begin(), given.end());
   if (plan.overlap_grad_reduce) named.emplace_back("--overlap-grad-reduce");
   if (plan.overlap_param_gather) named.emplace_back("--overlap-param-gather");
-  if (plan.tp_comm_overlap) named.emplace_back("--tp-comm-overlap");
   for (const std::string& name : named) {
     const ConfigFlag* f = find_config_flag(name);
     if (f && f->has(kRefusedBesideAmpipe))

@@ -128,8 +128,7 @@ constexpr ConfigFlag kParallelism[] = {
              "gradients stay whole; local attention only "
              "(context parallelism's ring keeps whole collectives); refused with Ampipe",
      .field = plan_field<&P::tp_comm_overlap>(),
-     .description = described(plan, "tp_comm_overlap"),
-     .properties = kRefusedBesideAmpipe},
+     .description = described(plan, "tp_comm_overlap")},
     {.name = "--micro-batch-size",
      .group = FlagGroup::parallelism,
      .help = "Samples per micro-batch",
