@@ -126,6 +126,19 @@ constexpr ConfigFlag kParallelism[] = {
      .field = plan_field<&P::overlap_param_gather>(),
      .description = described(plan, "overlap_param_gather"),
      .properties = kRefusedBesideAmpipe},
+    {.name = "--tp-comm-overlap",
+     .group = FlagGroup::parallelism,
+     .values = 0,
+     .help = "With --sequence-parallel (Megatron-LM asserts it): the sequence-parallel "
+             "all-gathers before the QKV and fc1 products (forward) and before the projection's "
+             "and fc2's input gradients (backward) in tp pieces, the reduce-scatters after the "
+             "projection and fc2 (forward) in 4, each piece pipelined with the product's rows it "
+             "brings or takes, the rank's own rows first, as Transformer Engine's default "
+             "userbuffer overlaps (ring exchange, pipeline) do for Megatron-Core; the weight "
+             "gradients stay whole; local attention only "
+             "(context parallelism's ring keeps whole collectives); refused with Ampipe",
+     .field = plan_field<&P::tp_comm_overlap>(),
+     .description = described(plan, "tp_comm_overlap")},
     {.name = "--micro-batch-size",
      .group = FlagGroup::parallelism,
      .help = "Samples per micro-batch",

@@ -175,7 +175,6 @@ constexpr ConfigFlag kNoEffect[] = {
     without_effect("--context-parallel-algo", 1, kContextParallel),
     without_effect("--use-cp-send-recv-overlap", 0,
                    "the ring's sends and receives always overlap the attention blocks"),
-    without_effect("--tp-comm-overlap", 0, kTpOverlap),
     without_effect("--async-tensor-model-parallel-allreduce", 0, kTpOverlap),
     without_effect("--no-async-tensor-model-parallel-allreduce", 0, kTpOverlap),
     without_effect("--use-mc2", 0, kTpOverlap),

@@ -454,6 +454,18 @@ void check_overlaps(const ModelConfig& m, const ParallelPlan& p) {
     refuse(
         "--overlap-param-gather needs --use-distributed-optimizer and --overlap-grad-reduce "
         "(Megatron-LM asserts both): add them or drop it");
+  if (p.tp_comm_overlap && p.tensor_parallel > 1 && !p.sequence_parallel)
+    refuse(
+        "--tp-comm-overlap overlaps sequence parallelism's all-gathers and reduce-scatters with "
+        "the products, but --sequence-parallel is off with tensor parallelism {} (Megatron-LM "
+        "asserts it): add --sequence-parallel or drop --tp-comm-overlap",
+        p.tensor_parallel);
+  if (p.tp_comm_overlap && p.ampipe_degree > 1)
+    refuse(
+        "--tp-comm-overlap splits the sequence-parallel collectives into pieces of each shard, "
+        "but --ampipe-degree {} already splits them by its chunks and weave models one of the "
+        "two: drop --tp-comm-overlap (--ampipe-tp-sp-comm-overlap is Ampipe's own overlap)",
+        p.ampipe_degree);
   if (m.materialised_scores() && (p.context_parallel > 1 || p.ampipe_degree > 1))
     refuse(
         "--attention-backend {} materialises the scores, but context parallelism's ring and "

@@ -7,6 +7,7 @@
 
 #include "model/ring_attention.hpp"
 #include "model/sequence_parallel.hpp"
+#include "model/tp_comm_overlap.hpp"
 #include "step/gradient_buckets.hpp"
 #include "step/step_costs.hpp"
 #include "weave/ops/attention.hpp"
@@ -250,6 +251,7 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
       });
   P->after(ready, ln1);
   LayerActivations& A = P->acts(set, layer);
+  if (!ring && tp_overlaps(z)) return qkv_in_pieces(pos, ln1);
   TaskId gathered = rt::kNoTask;
   if (z.sp() && P->half())
     gathered =
@@ -296,6 +298,8 @@ TaskId AttentionBlock::forward(const BuildPosition& pos, TaskId ready) const {
   const int mb = pos.micro_batch;
   const TaskId qkv = forward_input(pos, ready);
   TaskId attention;
+  if (z.spec(l).attention == AttentionCore::local && tp_overlaps(z))
+    return forward_in_pieces(pos, qkv);
   if (z.spec(l).attention == AttentionCore::local) {
     attention =
         P->compute(at + "attention", tags, cost::core_attention(z) + cost::projection(z), [=] {
@@ -333,6 +337,111 @@ TaskId AttentionBlock::forward(const BuildPosition& pos, TaskId ready) const {
   return reduced != rt::kNoTask ? reduced : attention;
 }
 
+TaskId AttentionBlock::qkv_in_pieces(const BuildPosition& pos, TaskId ln1) const {
+  RankProgram* p = P;
+  const int layer = l, set = pos.set;
+  const StepShape& z = P->shape;
+  const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
+  const std::string at = fmt::format("L{}.", l);
+  LayerActivations& A = P->acts(set, layer);
+  const bool half = P->half();
+  const Tensor shard = half ? P->ws().half.norm_out : A.attention.ln1;
+  const Tensor full = half ? P->ws().half.gathered : A.attention.ln1_full;
+  const std::int64_t B = z.B, h = z.h, width = z.qkv_width();
+  // The product piece by piece (each row's QKV is the whole product's); the query/key stages and
+  // RoPE once over every row after the last, as project_qkv runs them.
+  return gather_in_pieces(
+      *P, ln1, P->ws().tp_overlap.gather, shard, full, at + "sp_gather", at + "qkv", tags,
+      [=](std::int64_t rows) { return cost::matmul(rows * B, h, width); },
+      [=](std::int64_t first, std::int64_t rows) {
+        LayerActivations& A = p->acts(set, layer);
+        const AttentionParameters& W = p->attention_parameters(layer);
+        if (p->half()) {
+          const ops::Bf16Tensor x = A.attention.ln1_16.slice(0, first, rows),
+                                qkv = A.attention.qkv16.slice(0, first, rows);
+          round_to_half(p->precision(), p->ws().half.gathered.slice(0, first, rows), x);
+          half_linear_forward(p->precision(), x, W.qkv_weight->value16, value16_of(W.qkv_bias),
+                              qkv.reshape(x.shape().with(-1, qkv.numel() / x.rows())));
+          return;
+        }
+        const Tensor x = A.attention.ln1_full.slice(0, first, rows),
+                     qkv = A.attention.qkv.slice(0, first, rows);
+        ops::linear_forward(x, W.qkv_weight->value, value_of(W.qkv_bias),
+                            qkv.reshape(x.shape().with(-1, qkv.numel() / x.rows())));
+      },
+      query_key_stages_cost(z.spec(l), z, false),
+      [=] {
+        LayerActivations& A = p->acts(set, layer);
+        const StepShape& z = p->shape;
+        const ModelConfig& m = z.model;
+        const LayerSpec& spec = z.spec(layer);
+        const AttentionParameters& W = p->attention_parameters(layer);
+        const std::vector<std::int64_t> positions = context_positions(*p);
+        if (p->half()) {
+          if (m.position_embedding != PositionEmbedding::rope && spec.query_key.empty()) return;
+          const Tensor& wide = p->ws().half.qkv32;
+          widen_to_fp32(p->precision(), A.attention.qkv16, wide);
+          for (std::size_t i = 0; i < spec.query_key.size(); ++i)
+            spec.query_key[i]->forward(m, W.query_key[i], wide, A.attention.query_key[i]);
+          if (m.position_embedding == PositionEmbedding::rope)
+            rotate_queries_and_keys(m, wide, positions, false);
+          round_to_half(p->precision(), wide, A.attention.qkv16);
+          return;
+        }
+        for (std::size_t i = 0; i < spec.query_key.size(); ++i)
+          spec.query_key[i]->forward(m, W.query_key[i], A.attention.qkv, A.attention.query_key[i]);
+        if (m.position_embedding == PositionEmbedding::rope)
+          rotate_queries_and_keys(m, A.attention.qkv, positions, false);
+      });
+}
+
+TaskId AttentionBlock::forward_in_pieces(const BuildPosition& pos, TaskId qkv) const {
+  RankProgram* p = P;
+  const int layer = l, set = pos.set, mb = pos.micro_batch;
+  const StepShape& z = P->shape;
+  const std::int64_t Sc = z.Sc, B = z.B, Hl = z.Hl, d = z.d;
+  const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
+  const std::string at = fmt::format("L{}.", l);
+  const TaskId core = P->compute(at + "attention", tags, cost::core_attention(z), [=] {
+    const AttentionActivations& S = p->acts(set, layer).attention;
+    const StepShape& z = p->shape;
+    const ops::AttentionDropout dropout = attention_dropout(*p, layer, mb);
+    if (p->half()) {
+      half_attention_forward(p->precision(), {.dropout = dropout}, query_view(S.qkv16, z),
+                             key_view(S.qkv16, z), value_view(S.qkv16, z), output_view(S.attn16, z),
+                             S.lse.reshape({B, Hl, Sc}));
+      return;
+    }
+    ops::attention_forward({.dropout = dropout}, query_view(S.qkv, z), key_view(S.qkv, z),
+                           value_view(S.qkv, z), output_view(S.attn, z),
+                           S.lse.reshape({B, Hl, Sc}));
+  });
+  P->after(qkv, core);
+  // The projection piece by piece, each piece's partial sums reduce-scattered while the next is
+  // computed (tp_comm_overlap.hpp).
+  LayerActivations& A = P->acts(set, layer);
+  const std::int64_t h = z.h;
+  return scatter_in_pieces(
+      *P, core, P->ws().tp_overlap.scatter, A.attention.proj_partial, A.attention.proj_out,
+      at + "attention_projection", at + "attention_reduce", tags,
+      [=](std::int64_t rows) { return cost::matmul(rows * B, Hl * d, h); },
+      [=](std::int64_t first, std::int64_t rows) {
+        const AttentionActivations& S = p->acts(set, layer).attention;
+        const AttentionParameters& W = p->attention_parameters(layer);
+        const Tensor out = S.proj_partial.slice(0, first, rows);
+        if (p->half()) {
+          const ops::Bf16Tensor out16 = p->ws().half.out16.slice(0, first, rows);
+          half_linear_forward(p->precision(),
+                              S.attn16.reshape({Sc, B, Hl * d}).slice(0, first, rows),
+                              W.proj_weight->value16, ops::Bf16Tensor{}, out16);
+          widen_to_fp32(p->precision(), out16, out);
+          return;
+        }
+        ops::linear_forward(S.attn.reshape({Sc, B, Hl * d}).slice(0, first, rows),
+                            W.proj_weight->value, Tensor{}, out);
+      });
+}
+
 namespace {
 
 // A bf16 run's attention backward (local attention, the projection's weight half folded in, or
@@ -364,6 +473,76 @@ void attention_backward_bf16(RankProgram& p, const AttentionActivations& S,
 
 }  // namespace
 
+TaskId AttentionBlock::backward_in_pieces(const BuildPosition& pos, TaskId ready, bool keep) const {
+  RankProgram* p = P;
+  const int layer = l, set = pos.set, mb = pos.micro_batch;
+  const StepShape& z = P->shape;
+  const std::int64_t Sc = z.Sc, B = z.B, Hl = z.Hl, d = z.d;
+  const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
+  const std::string at = fmt::format("L{}.", l);
+  BackwardWorkspace& w = P->ws();
+  const std::int64_t h = z.h;
+  // The projection's input gradient piece by piece as the output gradient's gather arrives.
+  const TaskId projected = gather_in_pieces(
+      *P, ready, w.tp_overlap.grad_gather, w.d_mlp, w.d_mlp_full, at + "attention_grad_gather",
+      at + "attention_projection_backward", tags,
+      [=](std::int64_t rows) { return cost::matmul(rows * B, h, Hl * d); },
+      [=](std::int64_t first, std::int64_t rows) {
+        const AttentionActivations& S = p->acts(set, layer).attention;
+        BackwardWorkspace& w = p->ws();
+        const AttentionParameters& W = p->attention_parameters(layer);
+        const Tensor d_proj = w.d_mlp_full.slice(0, first, rows);
+        if (p->half()) {
+          const ops::Bf16Tensor d_out16 = w.half.d_out16.slice(0, first, rows);
+          round_to_half(p->precision(), d_proj, d_out16);
+          half_linear_backward_input(p->precision(), d_out16, W.proj_weight->value16,
+                                     w.half.d_attn16.slice(0, first, rows));
+          if (keep) S.saved_d_proj16.slice(0, first, rows).copy_from(d_out16);
+          return;
+        }
+        ops::linear_backward_input(d_proj, W.proj_weight->value,
+                                   w.attention.d_attn.slice(0, first, rows));
+        if (keep) S.saved_d_proj.slice(0, first, rows).copy_from(d_proj);
+      });
+  // The projection's weight half over every row (unless kept for W), then the core attention's
+  // backward, as the unsplit task runs them.
+  const rt::CostHint weight = keep ? rt::CostHint{} : cost::projection(z);
+  const TaskId attention =
+      P->compute(at + "attention_backward", tags, weight + cost::core_attention_backward(z), [=] {
+        const AttentionActivations& S = p->acts(set, layer).attention;
+        BackwardWorkspace& w = p->ws();
+        const AttentionParameters& W = p->attention_parameters(layer);
+        const StepShape& z = p->shape;
+        const ops::AttentionDropout dropout = attention_dropout(*p, layer, mb);
+        if (p->half()) {
+          const HalfWorkspace& half = w.half;
+          if (!keep)
+            half_linear_backward_weight(p->precision(), S.attn16.reshape({Sc, B, Hl * d}),
+                                        half.d_out16, W.proj_weight->grad, Tensor{});
+          w.attention.d_qkv.fill(0.f);  // attention accumulates dk and dv
+          half_attention_backward(p->precision(), {.dropout = dropout}, query_view(S.qkv16, z),
+                                  key_view(S.qkv16, z), value_view(S.qkv16, z),
+                                  output_view(S.attn16, z), S.lse.reshape({B, Hl, Sc}),
+                                  output_view(half.d_attn16, z), query_view(half.d_qkv16, z),
+                                  key_view(w.attention.d_qkv, z), value_view(w.attention.d_qkv, z));
+          widen_to_fp32(p->precision(), query_view(half.d_qkv16, z),
+                        query_view(w.attention.d_qkv, z));
+          return;
+        }
+        if (!keep)
+          ops::linear_backward_weight(S.attn.reshape({Sc, B, Hl * d}), w.d_mlp_full,
+                                      W.proj_weight->grad, Tensor{});
+        w.attention.d_qkv.fill(0.f);  // attention accumulates dk and dv
+        ops::attention_backward({.dropout = dropout}, query_view(S.qkv, z), key_view(S.qkv, z),
+                                value_view(S.qkv, z), output_view(S.attn, z),
+                                S.lse.reshape({B, Hl, Sc}), output_view(w.attention.d_attn, z),
+                                query_view(w.attention.d_qkv, z), key_view(w.attention.d_qkv, z),
+                                value_view(w.attention.d_qkv, z));
+      });
+  P->after(projected, attention);
+  return attention;
+}
+
 TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHalves& halves,
                                 bool last, WeightPlacement qkv_weights) const {
   RankProgram* p = P;
@@ -374,48 +553,55 @@ TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHa
   const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
   const std::string at = fmt::format("L{}.", l);
   BackwardWorkspace& w = P->ws();
-  TaskId gathered = rt::kNoTask;
-  if (sp)
-    gathered = sp_gather(*P, ready, w.d_mlp, w.d_mlp_full, at + "attention_grad_gather", tags);
   const bool keep = halves.zero_bubble();
+  const bool overlapped = !ring && tp_overlaps(z);
+  TaskId gathered = rt::kNoTask;
+  if (sp && !overlapped)
+    gathered = sp_gather(*P, ready, w.d_mlp, w.d_mlp_full, at + "attention_grad_gather", tags);
   const rt::CostHint projection = cost::projection(z);
   const rt::CostHint flops = (keep ? projection : projection + projection) +
                              (ring ? rt::CostHint{} : cost::core_attention_backward(z));
-  const TaskId attention = P->compute(at + "attention_backward", tags, flops, [=] {
-    LayerActivations& A = p->acts(set, layer);
-    BackwardWorkspace& w = p->ws();
-    const AttentionParameters& W = p->attention_parameters(layer);
-    const Tensor d_proj = sp ? w.d_mlp_full : w.d_mlp;
-    if (p->half() && ring) {  // the projection's backward; the ring's steps run the attention's
-      const HalfWorkspace& half = w.half;
-      round_to_half(p->precision(), d_proj, half.d_out16);
-      half_linear_backward_input(p->precision(), half.d_out16, W.proj_weight->value16,
-                                 half.d_attn16);
-      half_linear_backward_weight(p->precision(), A.attention.attn16.reshape({Sc, B, Hl * d}),
-                                  half.d_out16, W.proj_weight->grad, Tensor{});
-      w.attention.d_qkv.fill(0.f);
-      return;
-    }
-    if (p->half()) {
-      attention_backward_bf16(*p, A.attention, W, attention_dropout(*p, layer, mb), d_proj, keep);
-      return;
-    }
-    ops::linear_backward_input(d_proj, W.proj_weight->value, w.attention.d_attn);
-    if (keep)
-      A.attention.saved_d_proj.copy_from(d_proj);
-    else  // the projection's weight half, folded in: nothing would overlap it
-      ops::linear_backward_weight(A.attention.attn.reshape({Sc, B, Hl * d}), d_proj,
-                                  W.proj_weight->grad, Tensor{});
-    w.attention.d_qkv.fill(0.f);  // attention accumulates dk and dv
-    const StepShape& z = p->shape;
-    if (!ring)
-      ops::attention_backward({.dropout = attention_dropout(*p, layer, mb)},
-                              query_view(A.attention.qkv, z), key_view(A.attention.qkv, z),
-                              value_view(A.attention.qkv, z), output_view(A.attention.attn, z),
-                              A.attention.lse.reshape({B, Hl, Sc}),
-                              output_view(w.attention.d_attn, z), query_view(w.attention.d_qkv, z),
-                              key_view(w.attention.d_qkv, z), value_view(w.attention.d_qkv, z));
-  });
+  const TaskId attention =
+      overlapped
+          ? backward_in_pieces(pos, ready, keep)
+          : P->compute(at + "attention_backward", tags, flops, [=] {
+              LayerActivations& A = p->acts(set, layer);
+              BackwardWorkspace& w = p->ws();
+              const AttentionParameters& W = p->attention_parameters(layer);
+              const Tensor d_proj = sp ? w.d_mlp_full : w.d_mlp;
+              if (p->half() &&
+                  ring) {  // the projection's backward; the ring's steps run the attention's
+                const HalfWorkspace& half = w.half;
+                round_to_half(p->precision(), d_proj, half.d_out16);
+                half_linear_backward_input(p->precision(), half.d_out16, W.proj_weight->value16,
+                                           half.d_attn16);
+                half_linear_backward_weight(p->precision(),
+                                            A.attention.attn16.reshape({Sc, B, Hl * d}),
+                                            half.d_out16, W.proj_weight->grad, Tensor{});
+                w.attention.d_qkv.fill(0.f);
+                return;
+              }
+              if (p->half()) {
+                attention_backward_bf16(*p, A.attention, W, attention_dropout(*p, layer, mb),
+                                        d_proj, keep);
+                return;
+              }
+              ops::linear_backward_input(d_proj, W.proj_weight->value, w.attention.d_attn);
+              if (keep)
+                A.attention.saved_d_proj.copy_from(d_proj);
+              else  // the projection's weight half, folded in: nothing would overlap it
+                ops::linear_backward_weight(A.attention.attn.reshape({Sc, B, Hl * d}), d_proj,
+                                            W.proj_weight->grad, Tensor{});
+              w.attention.d_qkv.fill(0.f);  // attention accumulates dk and dv
+              const StepShape& z = p->shape;
+              if (!ring)
+                ops::attention_backward(
+                    {.dropout = attention_dropout(*p, layer, mb)}, query_view(A.attention.qkv, z),
+                    key_view(A.attention.qkv, z), value_view(A.attention.qkv, z),
+                    output_view(A.attention.attn, z), A.attention.lse.reshape({B, Hl, Sc}),
+                    output_view(w.attention.d_attn, z), query_view(w.attention.d_qkv, z),
+                    key_view(w.attention.d_qkv, z), value_view(w.attention.d_qkv, z));
+            });
   P->after(gathered, attention);
   if (keep)
     halves.place(WeightPlacement::zero_bubble, [=] {

@@ -50,6 +50,16 @@ class AttentionBlock {
                                  AttentionParameters& L);
 
  private:
+  // forward's local attention under --tp-comm-overlap: the core attention, then the projection
+  // in pieces, each reduce-scattered while the next is computed (after `qkv`).
+  TaskId forward_in_pieces(const BuildPosition& pos, TaskId qkv) const;
+  // forward_input's gather and QKV product under --tp-comm-overlap, in pieces (after `ln1`).
+  TaskId qkv_in_pieces(const BuildPosition& pos, TaskId ln1) const;
+  // backward's local attention under --tp-comm-overlap: the projection's input gradient in
+  // pieces as the output gradient's gather arrives, then its weight half (unless `keep`) and the
+  // core attention's backward. Returns the last.
+  TaskId backward_in_pieces(const BuildPosition& pos, TaskId ready, bool keep) const;
+
   RankProgram* P;
   int l;
 };

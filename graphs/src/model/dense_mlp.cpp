@@ -3,6 +3,7 @@
 #include "model/attention_block.hpp"
 #include "model/half_precision.hpp"
 #include "model/sequence_parallel.hpp"
+#include "model/tp_comm_overlap.hpp"
 #include "step/step_costs.hpp"
 #include "weave/ops/activation.hpp"
 #include "weave/ops/linear.hpp"
@@ -90,6 +91,133 @@ void dense_mlp_backward_bf16(const ModelConfig& m, const DenseMlpParameters& W,
   widen_to_fp32(m.precision, half.out16, w.d_norm_full);
 }
 
+// --tp-comm-overlap's forward (tp_comm_overlap.hpp): fc1 and the activation piece by piece as
+// the gather of the norm's output arrives, then fc2 piece by piece, each piece's partial sums
+// reduce-scattered while the next is computed. Returns the last reduce-scatter.
+TaskId dense_mlp_forward_in_pieces(RankProgram& P, const BuildPosition& pos, int layer,
+                                   TaskId ready, bool recomputing) {
+  RankProgram* p = &P;
+  const int set = pos.set;
+  const StepShape& z = P.shape;
+  const rt::TaskTags tags = pos.tags(rt::Phase::forward, layer);
+  const std::string at = fmt::format("L{}.", layer);
+  LayerActivations& A = P.acts(set, layer);
+  const bool half = P.half();
+  const Tensor shard = half ? P.ws().half.norm_out : A.ln2;
+  const Tensor full = half ? P.ws().half.gathered : A.ln2_full;
+  const std::int64_t B = z.B, h = z.h, f = z.fl, f1 = z.f1l;
+  const TaskId fc1 = gather_in_pieces(
+      P, ready, P.ws().tp_overlap.gather, shard, full, at + "sp_gather_mlp", at + "mlp_fc1", tags,
+      [=](std::int64_t rows) { return cost::matmul(rows * B, h, f1); },
+      [=](std::int64_t first, std::int64_t rows) {
+        LayerActivations& A = p->acts(set, layer);
+        const DenseMlpActivations& D = A.dense();
+        const DenseMlpParameters& W = p->dense_mlp_parameters(layer);
+        const ModelConfig& m = p->shape.model;
+        if (p->half()) {
+          const HalfWorkspace& hw = p->ws().half;
+          const Precision precision = p->precision();
+          const ops::Bf16Tensor x = A.ln2_16.slice(0, first, rows),
+                                fc1_16 = D.fc1_16.slice(0, first, rows);
+          if (!recomputing) round_to_half(precision, hw.gathered.slice(0, first, rows), x);
+          half_linear_forward(precision, x, W.fc1_weight->value16, value16_of(W.fc1_bias), fc1_16);
+          const Tensor pre = hw.pre32.slice(0, first, rows), act = hw.act32.slice(0, first, rows);
+          widen_to_fp32(precision, fc1_16, pre);
+          mlp_activation_forward(m, pre, act);
+          round_to_half(precision, act, D.act16.slice(0, first, rows));
+          return;
+        }
+        const Tensor pre = D.fc1.slice(0, first, rows);
+        ops::linear_forward(A.ln2_full.slice(0, first, rows), W.fc1_weight->value,
+                            value_of(W.fc1_bias), pre);
+        mlp_activation_forward(m, pre, D.act.slice(0, first, rows));
+      });
+  return scatter_in_pieces(
+      P, fc1, P.ws().tp_overlap.scatter, A.dense().fc2_partial, A.mlp_out, at + "mlp_fc2",
+      at + "mlp_reduce", tags, [=](std::int64_t rows) { return cost::matmul(rows * B, f, h); },
+      [=](std::int64_t first, std::int64_t rows) {
+        const DenseMlpActivations& D = p->acts(set, layer).dense();
+        const DenseMlpParameters& W = p->dense_mlp_parameters(layer);
+        const Tensor out = D.fc2_partial.slice(0, first, rows);
+        if (p->half()) {
+          const ops::Bf16Tensor out16 = p->ws().half.out16.slice(0, first, rows);
+          half_linear_forward(p->precision(), D.act16.slice(0, first, rows), W.fc2_weight->value16,
+                              ops::Bf16Tensor{}, out16);
+          widen_to_fp32(p->precision(), out16, out);
+          return;
+        }
+        ops::linear_forward(D.act.slice(0, first, rows), W.fc2_weight->value, Tensor{}, out);
+      });
+}
+
+// --tp-comm-overlap's backward input half: fc2's and fc1's input gradients piece by piece as the
+// gather of the output's gradient arrives; fc2's weight half (unless `keep`) after the last
+// piece, over every row as without the overlap. Returns the last piece's task.
+TaskId dense_mlp_backward_in_pieces(RankProgram& P, const BuildPosition& pos, int layer,
+                                    TaskId ready, bool keep) {
+  RankProgram* p = &P;
+  const int set = pos.set;
+  const StepShape& z = P.shape;
+  const rt::TaskTags tags = pos.tags(rt::Phase::backward, layer);
+  const std::string at = fmt::format("L{}.", layer);
+  BackwardWorkspace& w = P.ws();
+  const std::int64_t B = z.B, h = z.h, f = z.fl, f1 = z.f1l;
+  const RowsCost piece = [=](std::int64_t rows) {
+    return cost::matmul(rows * B, h, f) + cost::matmul(rows * B, h, f1);
+  };
+  const rt::CostHint fc2_weight = cost::matmul(z.Sc * z.B, z.h, z.fl);
+  return gather_in_pieces(
+      P, ready, w.tp_overlap.grad_gather, w.d_mlp, w.d_mlp_full, at + "mlp_grad_gather",
+      at + "mlp_backward", tags, piece,
+      [=](std::int64_t first, std::int64_t rows) {
+        const DenseMlpActivations& D = p->acts(set, layer).dense();
+        const DenseMlpParameters& W = p->dense_mlp_parameters(layer);
+        BackwardWorkspace& w = p->ws();
+        const ModelConfig& m = p->shape.model;
+        const Tensor d_out = w.d_mlp_full.slice(0, first, rows),
+                     d_fc1 = w.dense_mlp.d_fc1.slice(0, first, rows),
+                     d_in = w.d_norm_full.slice(0, first, rows);
+        if (p->half()) {
+          const HalfWorkspace& hw = w.half;
+          const Precision precision = p->precision();
+          const ops::Bf16Tensor d_out16 = hw.d_out16.slice(0, first, rows),
+                                d_act16 = hw.d_act16.slice(0, first, rows),
+                                d_fc1_16 = hw.d_fc1_16.slice(0, first, rows),
+                                d_in16 = hw.out16.slice(0, first, rows);
+          const Tensor pre = hw.pre32.slice(0, first, rows), d_act = hw.act32.slice(0, first, rows);
+          round_to_half(precision, d_out, d_out16);
+          half_linear_backward_input(precision, d_out16, W.fc2_weight->value16, d_act16);
+          if (keep) D.saved_d_fc2_16.slice(0, first, rows).copy_from(d_out16);
+          widen_to_fp32(precision, D.fc1_16.slice(0, first, rows), pre);
+          widen_to_fp32(precision, d_act16, d_act);
+          mlp_activation_backward(m, pre, d_act, d_fc1);
+          round_to_half(precision, d_fc1, d_fc1_16);
+          if (keep) D.saved_d_fc1_16.slice(0, first, rows).copy_from(d_fc1_16);
+          half_linear_backward_input(precision, d_fc1_16, W.fc1_weight->value16, d_in16);
+          widen_to_fp32(precision, d_in16, d_in);
+          return;
+        }
+        const Tensor d_act = w.dense_mlp.d_act.slice(0, first, rows);
+        ops::linear_backward_input(d_out, W.fc2_weight->value, d_act);
+        if (keep) D.saved_d_fc2.slice(0, first, rows).copy_from(d_out);
+        mlp_activation_backward(m, D.fc1.slice(0, first, rows), d_act, d_fc1);
+        ops::linear_backward_input(d_fc1, W.fc1_weight->value, d_in);
+        if (keep) D.saved_d_fc1.slice(0, first, rows).copy_from(d_fc1);
+      },
+      keep ? rt::CostHint{} : fc2_weight,
+      [=] {
+        if (keep) return;
+        const DenseMlpActivations& D = p->acts(set, layer).dense();
+        const DenseMlpParameters& W = p->dense_mlp_parameters(layer);
+        const BackwardWorkspace& w = p->ws();
+        if (p->half())
+          half_linear_backward_weight(p->precision(), D.act16, w.half.d_out16, W.fc2_weight->grad,
+                                      Tensor{});
+        else
+          ops::linear_backward_weight(D.act, w.d_mlp_full, W.fc2_weight->grad, Tensor{});
+      });
+}
+
 }  // namespace
 
 void DenseMlp::allocate(LayerActivations& A) const {
@@ -133,6 +261,8 @@ TaskId DenseMlp::forward(const BuildPosition& pos, TaskId ready) const {
   const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
   const std::string at = fmt::format("L{}.", l);
   LayerActivations& A = P->acts(set, l);
+  const bool recomputing = pos.recomputing && z.model.recompute.recomputes(kRecomputeMlp);
+  if (tp_overlaps(z)) return dense_mlp_forward_in_pieces(*P, pos, l, ready, recomputing);
   TaskId gathered = rt::kNoTask;
   if (z.sp() && P->half())
     gathered = sp_gather(*P, ready, P->ws().half.norm_out, P->ws().half.gathered,
@@ -142,7 +272,6 @@ TaskId DenseMlp::forward(const BuildPosition& pos, TaskId ready) const {
   // Recomputed alone (selective), a bf16 run's MLP reads the bf16 input it kept (the gathered
   // one under SP): the gather is issued again as Megatron-LM's checkpointed MLP issues it, its
   // result unread. A whole layer recomputed has its norm's output gathered again.
-  const bool recomputing = pos.recomputing && z.model.recompute.recomputes(kRecomputeMlp);
   const TaskId mlp = P->compute(at + "mlp", tags, cost::mlp(z, z.Sc * z.B), [=] {
     LayerActivations& A = p->acts(set, layer);
     if (p->half()) {
@@ -169,31 +298,38 @@ TaskId DenseMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& 
   const std::string at = fmt::format("L{}.", l);
   halves.flush();
   BackwardWorkspace& w = P->ws();
-  TaskId gathered = rt::kNoTask;
-  if (z.sp()) gathered = sp_gather(*P, ready, w.d_mlp, w.d_mlp_full, at + "mlp_grad_gather", tags);
   const bool keep = halves.zero_bubble();
   const std::int64_t rows = z.Sc * z.B;
   const rt::CostHint fc2_weight = cost::matmul(rows, z.h, z.fl),
                      fc1 = cost::matmul(rows, z.h, z.f1l);
-  const TaskId mlp = P->compute(
-      at + "mlp_backward", tags, (keep ? fc2_weight : fc2_weight + fc2_weight) + fc1, [=] {
-        LayerActivations& A = p->acts(set, layer);
-        BackwardWorkspace& w = p->ws();
-        const DenseMlpParameters& W = p->dense_mlp_parameters(layer);
-        if (p->half()) {
-          dense_mlp_backward_bf16(p->shape.model, W, A.dense(), w, keep);
-          return;
-        }
-        ops::linear_backward_input(w.d_mlp_full, W.fc2_weight->value, w.dense_mlp.d_act);
-        if (keep)
-          A.dense().saved_d_fc2.copy_from(w.d_mlp_full);
-        else  // fc2's weight half, folded in: nothing would overlap it
-          ops::linear_backward_weight(A.dense().act, w.d_mlp_full, W.fc2_weight->grad, Tensor{});
-        mlp_activation_backward(p->shape.model, A.dense().fc1, w.dense_mlp.d_act,
-                                w.dense_mlp.d_fc1);
-        ops::linear_backward_input(w.dense_mlp.d_fc1, W.fc1_weight->value, w.d_norm_full);
-        if (keep) A.dense().saved_d_fc1.copy_from(w.dense_mlp.d_fc1);
-      });
+  const bool overlapped = tp_overlaps(z);
+  TaskId gathered = rt::kNoTask;
+  if (z.sp() && !overlapped)
+    gathered = sp_gather(*P, ready, w.d_mlp, w.d_mlp_full, at + "mlp_grad_gather", tags);
+  const TaskId mlp =
+      overlapped
+          ? dense_mlp_backward_in_pieces(*P, pos, l, ready, keep)
+          : P->compute(
+                at + "mlp_backward", tags, (keep ? fc2_weight : fc2_weight + fc2_weight) + fc1,
+                [=] {
+                  LayerActivations& A = p->acts(set, layer);
+                  BackwardWorkspace& w = p->ws();
+                  const DenseMlpParameters& W = p->dense_mlp_parameters(layer);
+                  if (p->half()) {
+                    dense_mlp_backward_bf16(p->shape.model, W, A.dense(), w, keep);
+                    return;
+                  }
+                  ops::linear_backward_input(w.d_mlp_full, W.fc2_weight->value, w.dense_mlp.d_act);
+                  if (keep)
+                    A.dense().saved_d_fc2.copy_from(w.d_mlp_full);
+                  else  // fc2's weight half, folded in: nothing would overlap it
+                    ops::linear_backward_weight(A.dense().act, w.d_mlp_full, W.fc2_weight->grad,
+                                                Tensor{});
+                  mlp_activation_backward(p->shape.model, A.dense().fc1, w.dense_mlp.d_act,
+                                          w.dense_mlp.d_fc1);
+                  ops::linear_backward_input(w.dense_mlp.d_fc1, W.fc1_weight->value, w.d_norm_full);
+                  if (keep) A.dense().saved_d_fc1.copy_from(w.dense_mlp.d_fc1);
+                });
   P->after(gathered, mlp);
   const TaskId reduced =
       reduce_partial(*P, mlp, w.d_norm_full, w.d_norm, at + "mlp_grad_reduce", tags);

@@ -96,6 +96,11 @@ void allocate_workspace(RankProgram& P, BackwardWorkspace& W, bool output_layer)
   W.dense_mlp.d_fc1 = P.activation({Sc, B, z.f1l});
   W.d_norm_full = P.activation({Sc, B, h});
   W.d_norm = sp ? P.activation({Sl, B, h}) : W.d_norm_full;
+  if (sp && z.plan.tp_comm_overlap) {
+    W.tp_overlap.gather.buffer = P.activation({Sc, B, h});
+    W.tp_overlap.scatter.buffer = P.activation({Sc, B, h});
+    W.tp_overlap.grad_gather.buffer = P.activation({Sc, B, h});
+  }
   W.attention.d_attn = P.activation({Sc, B, Hl * d});
   W.attention.d_qkv = P.activation({Sc, B, z.Gl, z.qkv_group_width()});
   if (z.cp > 1) allocate_ring_workspace(P, W.cp_ring);

@@ -18,6 +18,7 @@
 #include "moe/moe_activations.hpp"
 #include "weave/graphs/model_shard.hpp"
 #include "weave/ops/tensor.hpp"
+#include "weave/runtime/types.hpp"
 
 namespace weave::graphs {
 
@@ -68,6 +69,20 @@ struct HalfWorkspace {
   ops::Bf16Tensor logits16, d_logits16;  // [Sc B, Vl]
 };
 
+// --tp-comm-overlap's staging buffers ([Sc, B, h] each, as the userbuffers Transformer Engine
+// registers per rank): a piece of a gather lands in rank order before its rows move to their
+// places in the whole sequence, and a piece of a reduce-scatter is laid out in rank order before
+// it is reduced. One for the forward's gathers, one for its reduce-scatters, one for the
+// backward's gathers; each remembers the last task of its latest use, which the next use waits
+// for (tp_comm_overlap.hpp).
+struct TpOverlapStage {
+  Tensor buffer;
+  rt::TaskId last_use = rt::kNoTask;
+};
+struct TpOverlapStages {
+  TpOverlapStage gather, scatter, grad_gather;
+};
+
 // Gradient workspace shared by all layers of a device: the backward runs layer after layer. The
 // layer's own (its residual stream's and norms' gradients, which its modules pass between them)
 // and each module's part.
@@ -76,6 +91,7 @@ struct BackwardWorkspace {
   Tensor d_mlp, d_mlp_full;    // [Sl, B, h], [S, B, h]
   Tensor d_norm_full;          // [S, B, h]
   Tensor d_norm;               // [Sl, B, h]
+  TpOverlapStages tp_overlap;  // --tp-comm-overlap only
   AttentionWorkspace attention;
   DenseMlpWorkspace dense_mlp;
   SharedExpertWorkspace shared_expert;  // with shared experts only

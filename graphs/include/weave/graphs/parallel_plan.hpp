@@ -65,6 +65,11 @@ struct ParallelPlan {
   // layer's forward waiting for its bucket's gather only, instead of after the update
   // (TrainingStep::parameter_gather_graph gathers them after the last step).
   bool overlap_param_gather = false;
+  // --tp-comm-overlap (with sequence parallelism): the dense layers' sequence-parallel
+  // all-gathers before a column-parallel product and reduce-scatters after a row-parallel one
+  // run in pieces, each pipelined with the product's rows it feeds or that feed it, as
+  // Transformer Engine's userbuffer overlaps do for Megatron-Core (see tp_comm_overlap.hpp).
+  bool tp_comm_overlap = false;
   int ampipe_degree = 1;  // --ampipe-degree: sequence chunks of the attention-to-MoE region
   // --ampipe-tp-sp-comm-overlap: pipeline the split experts' tensor-parallel collectives over
   // (chunk, local expert) items, with or without SP (validate() switches it off, with a warning
