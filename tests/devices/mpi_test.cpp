@@ -162,6 +162,12 @@ TEST(MpiTrain, SplitExpertsWithTheTpSpOverlapAcrossProcessesGiveTheOneProcessLos
                      "deepspeed_moe --ampipe-degree 2 --ampipe-tp-sp-comm-overlap");
 }
 
+TEST(MpiTrain, Bf16StageThreeAcrossProcessesGivesTheOneProcessLossesBitwise) {
+  WEAVE_SKIP_WITHOUT_MPI();
+  // The replicas' bf16 parameter shards gathered over MPI, two values to each element moved.
+  expect_same_losses("zero3_bf16", 2, "--devices 2 --zero-stage 3 --bf16");
+}
+
 TEST(MpiTrain, ADeviceCountTheProcessesDoNotDivideIsRefused) {
   WEAVE_SKIP_WITHOUT_MPI();
   const RunResult r =
