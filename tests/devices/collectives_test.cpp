@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -17,6 +18,7 @@
 
 #include "weave/devices/collective_matcher.hpp"
 #include "weave/devices/machine_model.hpp"
+#include "weave/devices/packed_halves.hpp"
 #include "weave/devices/shared_memory_communicator.hpp"
 #include "weave/runtime/error.hpp"
 #include "weave/runtime/executor.hpp"
@@ -670,6 +672,56 @@ TEST(Collectives, BadGroupsAreRefusedWithTheRule) {
   EXPECT_ERROR([] { ProcessGroup("none", {}); }, "process group 'none' has no devices");
   const ProcessGroup g("tp", {2, 4});
   EXPECT_ERROR([&] { g.rank_of(3); }, "device 3 is not in process group 'tp' (devices 2, 4)");
+}
+
+// bf16 values all-gathered two to an element (packed_halves), as a bf16 stage 3 gathers its
+// parameters: every rank receives the bits the fp32 all-gather of the same values widened gives
+// (bf16 is fp32's upper half), NaN payloads, subnormals, -0 and infinities included, over the
+// vector strips and their ragged tails. An odd count or a misaligned buffer is refused.
+TEST(Collectives, PackedBf16AllGatherGivesTheFp32PathsValues) {
+  Machine machine(2);
+  SharedMemoryCommunicator comm;
+  const int n = 4;
+  const ProcessGroup g = first_devices(n);
+  const std::uint16_t special[] = {0x7fc1, 0xffa5, 0x0001, 0x807f, 0x8000, 0x7f80, 0xff80, 0x3f80};
+  const auto widened = [](std::uint16_t half) {
+    return std::bit_cast<float>(static_cast<std::uint32_t>(half) << 16);
+  };
+  for (const std::size_t m : {std::size_t{2}, std::size_t{16}, std::size_t{1538}}) {
+    SCOPED_TRACE(m);
+    std::mt19937 random(static_cast<unsigned>(m));
+    std::vector<std::vector<std::uint16_t>> in(n, std::vector<std::uint16_t>(m)),
+        out(n, std::vector<std::uint16_t>(m * n, 0xdead));
+    Buffers wide_in(n, std::vector<float>(m)), wide_out(n, std::vector<float>(m * n, -1.f));
+    for (int r = 0; r < n; ++r)
+      for (std::size_t i = 0; i < m; ++i) {
+        in[r][i] = i % 7 == 3 ? special[(i + r) % std::size(special)]
+                              : static_cast<std::uint16_t>(random());
+        wide_in[r][i] = widened(in[r][i]);
+      }
+    std::vector<std::span<const float>> packed_in;
+    std::vector<std::span<float>> packed_out;
+    for (int r = 0; r < n; ++r) {
+      packed_in.push_back(packed_halves(std::span<const std::uint16_t>(in[r]), "shard"));
+      packed_out.push_back(packed_halves(std::span<std::uint16_t>(out[r]), "gathered"));
+      EXPECT_EQ(packed_in.back().size(), m / 2);
+    }
+    rt::GraphBuilder b;
+    comm.all_gather(b, g, packed_in, packed_out);
+    comm.all_gather(b, g, spans<const float>(wide_in), spans<float>(wide_out));
+    machine.run(b);
+    for (int r = 0; r < n; ++r) {
+      std::vector<float> got(m * n);
+      for (std::size_t i = 0; i < got.size(); ++i)
+        got[i] = widened(out[r][i]);
+      EXPECT_TRUE(same_bits(got, wide_out[r])) << "rank " << r;
+    }
+  }
+  std::vector<std::uint16_t> odd(3), even(6);
+  EXPECT_ERROR([&] { (void)packed_halves(std::span<std::uint16_t>(odd), "shard"); },
+               "shard: 16-bit values are moved two to a 4-byte element, so a buffer of 3");
+  EXPECT_ERROR([&] { (void)packed_halves(std::span<std::uint16_t>(even).subspan(1, 2), "slot"); },
+               "at a 4-byte aligned address");
 }
 
 TEST(Collectives, BadBuffersAreRefusedAtBuildTimeWithTheRule) {

@@ -2,7 +2,8 @@
 // every collective against its serial reference across 2 and 4 processes, sizes that differ
 // between processes and a peer that ends, each failing with weave's message naming the peer;
 // `weave train` across processes giving the one-process run's losses bitwise for every
-// strategy, its merged trace, its checkpoints per process, and its refusals (a device count
+// strategy, its merged trace, its checkpoints per process (ZeRO stage 3's equal to the
+// one-process checkpoint), and its refusals (a device count
 // the processes do not divide, a checkpoint of another process count, a killed process).
 // Skipped, saying why, when weave has no MPI backend or mpirun is missing.
 #include <gtest/gtest.h>
@@ -14,6 +15,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -160,6 +162,12 @@ TEST(MpiTrain, SplitExpertsWithTheTpSpOverlapAcrossProcessesGiveTheOneProcessLos
                      "deepspeed_moe --ampipe-degree 2 --ampipe-tp-sp-comm-overlap");
 }
 
+TEST(MpiTrain, Bf16StageThreeAcrossProcessesGivesTheOneProcessLossesBitwise) {
+  WEAVE_SKIP_WITHOUT_MPI();
+  // The replicas' bf16 parameter shards gathered over MPI, two values to each element moved.
+  expect_same_losses("zero3_bf16", 2, "--devices 2 --zero-stage 3 --bf16");
+}
+
 TEST(MpiTrain, ADeviceCountTheProcessesDoNotDivideIsRefused) {
   WEAVE_SKIP_WITHOUT_MPI();
   const RunResult r =
@@ -215,6 +223,67 @@ TEST(MpiTrain, CheckpointsArePerProcessAndResumeOnlyWithTheirProcessCount) {
   EXPECT_NE(r.status, 0) << r.out;
   EXPECT_NE(r.out.find("was saved by 2 processes and this run has one process"), std::string::npos)
       << r.out;
+}
+
+// A checkpoint's tensor list (its header's "tensors") and its values' bytes, after the magic
+// line, the header's size and the header.
+struct CheckpointFile {
+  nlohmann::json tensors;
+  std::string values;
+};
+
+CheckpointFile read_checkpoint(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::string magic(19, '\0');
+  std::uint64_t size = 0;
+  in.read(magic.data(), static_cast<std::streamsize>(magic.size()));
+  in.read(reinterpret_cast<char*>(&size), sizeof size);
+  std::string header(size, '\0');
+  in.read(header.data(), static_cast<std::streamsize>(size));
+  CheckpointFile f{nlohmann::json::parse(header).at("tensors"), {}};
+  f.values.assign(std::istreambuf_iterator<char>(in), {});
+  return f;
+}
+
+// ZeRO stage 3 over two processes, a replica each: each process's part holds its rank's tensors
+// as the one-process checkpoint does (the parameters whole, assembled from both processes'
+// shards, and the rank's shard of the moments), so the parts put end to end are that checkpoint's
+// tensors bit for bit; resumed over two processes, iterations 6 to 8 give the losses of the
+// one-process run that went on, bit for bit.
+TEST(MpiTrain, StageThreeCheckpointsAcrossProcessesEqualTheOneProcessOneAndResumeBitwise) {
+  WEAVE_SKIP_WITHOUT_MPI();
+  // The learning rate decays over 8 iterations in every run: the schedule of the run that went
+  // on.
+  const std::string flags =
+      fmt::format("{} --devices 2 --zero-stage 3 --lr-decay-iters 8", kTinyModel);
+  const auto one = scratch("zero3_one.ckpt"), many = scratch("zero3_many.ckpt");
+  const auto straight = scratch("zero3_straight.jsonl"), resumed = scratch("zero3_resumed.jsonl");
+  RunResult r = run(fmt::format("{} train {} --save {}", WEAVE_BINARY, flags, one.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  r = mpirun(2, fmt::format("{} train {} --save {}", WEAVE_BINARY, flags, many.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  const CheckpointFile whole = read_checkpoint(one);
+  CheckpointFile parts;
+  parts.tensors = nlohmann::json::array();
+  for (int p = 0; p < 2; ++p) {
+    const CheckpointFile part =
+        read_checkpoint(many.string() + fmt::format(".part{}-of-2.iter5", p));
+    for (const auto& t : part.tensors)
+      parts.tensors.push_back(t);
+    parts.values += part.values;
+  }
+  EXPECT_EQ(parts.tensors, whole.tensors);
+  ASSERT_GT(whole.values.size(), 0u);
+  EXPECT_TRUE(parts.values == whole.values) << "the parts' values differ from the one-process ones";
+  r = mpirun(2, fmt::format("{} train {} --load {} --train-iters 8 --log-json {}", WEAVE_BINARY,
+                            flags, many.string(), resumed.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  r = run(fmt::format("{} train {} --train-iters 8 --log-json {}", WEAVE_BINARY, flags,
+                      straight.string()));
+  ASSERT_EQ(r.status, 0) << r.out;
+  const std::vector<std::string> expected = losses(straight), got = losses(resumed);
+  ASSERT_EQ(expected.size(), 8u) << r.out;
+  EXPECT_EQ(got, std::vector<std::string>(expected.begin() + 5, expected.end()));
 }
 
 TEST(MpiTrain, AKilledProcessStopsTheOthersNamingIt) {

@@ -302,6 +302,56 @@ TEST(ZeroStage3Memory, ParametersAreTheShardsAndTwoUnitsInFlight) {
   expect_predicted_as_materialised(c, r);
 }
 
+// Stage 3 in bf16: the parameters a device holds are 2 bytes a value, as weave predict counts
+// them: the embeddings' and the model end's bf16 copies whole, the bf16 shard of every layer's
+// values the gathers send, and the two bf16 parameter slots they land in (each tensor padded to
+// whole 64-byte lines); nothing of the gathered values in fp32. The fp32 main values are
+// optimizer state: each layer's shard, and the other buckets whole (their shards predicted, as
+// the distributed optimizer's test in bf16_training_test.cpp counts). Below stage 0's
+// parameters, the whole model's bf16 copy.
+TEST(ZeroStage3Memory, Bf16ParametersAreTwoBytesAValueAsPredicted) {
+  TrainerConfig c = memory_config(ParallelPlan{.expert_parallel = 2,
+                                               .data_parallel = 4,
+                                               .micro_batch_size = 1,
+                                               .global_batch_size = 8,
+                                               .distributed_optimizer = true,
+                                               .shard_gradients = true,
+                                               .shard_parameters = true});
+  c.model.precision = Precision::bf16;
+  const auto lines = [](std::int64_t values) { return (2 * values + 63) / 64 * 64; };
+  std::int64_t whole = 0, shards = 0, other_shards = 0;
+  std::map<int, std::int64_t> layer_elements;
+  {
+    devices::DeviceSet set(c.plan.devices(), {.pin = false});
+    devices::SharedMemoryCommunicator comm;
+    TrainingStep step(c.model, c.plan, {}, set, comm);
+    for (const GradientBucket& b : step.shard(0).buckets()) {
+      if (b.values_staged) {
+        shards += lines(b.shard_size);
+        layer_elements[std::stoi(b.name.substr(7))] += b.values.numel();
+      } else {
+        whole += lines(b.values.numel());
+        other_shards += b.values.numel() - b.shard_size;
+      }
+    }
+  }
+  ASSERT_EQ(layer_elements.size(), 4u);
+  // Layers 0 and 2 take slot 0, layers 1 and 3 slot 1.
+  const std::int64_t slots = lines(std::max(layer_elements[0], layer_elements[2])) +
+                             lines(std::max(layer_elements[1], layer_elements[3]));
+  const auto parameters = static_cast<std::size_t>(rt::MemoryCategory::parameters);
+  const auto optimizer_state = static_cast<std::size_t>(rt::MemoryCategory::optimizer_state);
+  const MaterialisedStep r = materialised_step(c);
+  EXPECT_EQ(r.memory[0][parameters], whole + shards + slots);
+  const Prediction p = predict_step(c);
+  EXPECT_EQ(p.memory[0][parameters], r.memory[0][parameters]);
+  EXPECT_EQ(r.memory[0][optimizer_state], p.memory[0][optimizer_state] + 4 * other_shards);
+  TrainerConfig stage0 = c;
+  stage0.plan.distributed_optimizer = stage0.plan.shard_gradients = false;
+  stage0.plan.shard_parameters = false;
+  EXPECT_LT(r.memory[0][parameters], materialised_step(stage0).memory[0][parameters]);
+}
+
 // Under a zero-bubble schedule each layer of a stage keeps a gradient slot of its own (its W
 // action writes after the I actions of the layers below) and stage 3 two parameter slots: the
 // gradients are the stage's layers whole plus the shards, the parameters the shards plus two

@@ -41,12 +41,11 @@ double normal(const ops::RandomKey& key, std::int64_t row, std::int64_t col) {
 }
 
 // A 16-bit run's parameters: the bucket's fp32 main values rounded into its 16-bit copy.
-// Stage 3's staged bucket: its shard rounded for the gathers, the copies rounded from the slot
-// once gathered (graphs/src/step/parameter_slots.cpp).
+// Stage 3's staged bucket: its shard rounded for the gathers, which fill the 16-bit slot
+// (graphs/src/step/parameter_slots.cpp).
 void refresh(GradientBucket& bucket, Precision precision) {
   if (bucket.values_staged) {
-    bucket.value_shard16.copy_from(bucket.value_shard);
-    round_in_place(precision, bucket.value_shard16);
+    round_to_half(precision, bucket.value_shard, bucket.value_shard16);
     return;
   }
   round_to_half(precision, bucket.values, bucket.values16);
@@ -291,15 +290,21 @@ void ModelShard::make_buckets(const Mesh& mesh, int rank) {
       if (elements > 0)
         gradient_slots_.push_back(slot(elements, rt::MemoryCategory::gradients, bytes.gradient));
     // Stage 3: the gathered values laid out as the gradients are, in the layer's parameter slot
-    // (the slots taken in layer order, so an empty one is only ever last).
+    // (the slots taken in layer order, so an empty one is only ever last). A materialized 16-bit
+    // run gathers the 16-bit values straight into its 16-bit slots (2 bytes a value, as
+    // predicted) and keeps no fp32 copy of them: its fp32 slots are shapes only, which nothing
+    // reads.
     if (mesh.plan().shard_parameters)
       for (const std::int64_t elements : parameter_slot_elements)
         if (elements > 0) {
-          parameter_slots_.push_back(
-              slot(elements, rt::MemoryCategory::parameters, bytes.parameter));
-          if (materialize_ && config_.precision != Precision::fp32)
+          if (materialize_ && config_.precision != Precision::fp32) {
+            parameter_slots_.push_back(ops::Tensor::shape_only({elements}));
             parameter_slots16_.push_back(
                 ops::Bf16Tensor::zeros({elements}, device_, rt::MemoryCategory::parameters));
+          } else {
+            parameter_slots_.push_back(
+                slot(elements, rt::MemoryCategory::parameters, bytes.parameter));
+          }
         }
     for (std::size_t b = 0; b < planned.size(); ++b)
       if (staged_at[b] >= 0) {
@@ -377,12 +382,15 @@ void ModelShard::make_bucket(const Mesh& mesh, int rank, std::string name,
   bucket.slot = slot;
   bucket.grads =
       bucket.staged ? staged_grads : zeros(padded, rt::MemoryCategory::gradients, bytes.gradient);
+  // The initial values, laid out as the bucket's: in `values`, or, where a 16-bit stage 3 keeps
+  // no fp32 slot, in a buffer of their own that only passes them to the shard.
+  const ops::Tensor initial =
+      materialize_ && !bucket.values.has_storage() ? ops::Tensor::zeros({padded}) : bucket.values;
   std::int64_t at = 0;
   for (Parameter* p : bucket.params) {
-    const ops::Tensor value =
-        bucket.values.slice(0, at, p->value.numel()).reshape(p->value.shape());
-    if (materialize_) value.copy_from(p->value);
-    p->value = value;
+    if (materialize_)
+      initial.slice(0, at, p->value.numel()).reshape(p->value.shape()).copy_from(p->value);
+    p->value = bucket.values.slice(0, at, p->value.numel()).reshape(p->value.shape());
     p->grad = bucket.grads.slice(0, at, p->value.numel()).reshape(p->value.shape());
     if (bf16) p->value16 = bucket.values16.slice(0, at, p->value.numel()).reshape(p->value.shape());
     p->fp16 = bf16 && config_.precision == Precision::fp16;
@@ -404,8 +412,10 @@ void ModelShard::make_bucket(const Mesh& mesh, int rank, std::string name,
               bf16 ? rt::MemoryCategory::optimizer_state : rt::MemoryCategory::parameters,
               bytes.parameter);
     if (materialize_)
-      bucket.value_shard.copy_from(bucket.values.slice(0, bucket.shard_begin, bucket.shard_size));
-    if (bf16) bucket.value_shard16 = zeros(bucket.shard_size, rt::MemoryCategory::parameters, 4);
+      bucket.value_shard.copy_from(initial.slice(0, bucket.shard_begin, bucket.shard_size));
+    if (bf16)
+      bucket.value_shard16 =
+          ops::Bf16Tensor::zeros({bucket.shard_size}, device_, rt::MemoryCategory::parameters);
   }
   bucket.exp_avg = zeros(bucket.shard_size, rt::MemoryCategory::optimizer_state, 4);
   bucket.exp_avg_sq = zeros(bucket.shard_size, rt::MemoryCategory::optimizer_state, 4);

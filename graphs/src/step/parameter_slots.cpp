@@ -2,12 +2,15 @@
 
 #include <fmt/format.h>
 
-#include "model/half_precision.hpp"
-#include "step/step_costs.hpp"
+#include "weave/devices/packed_halves.hpp"
 
 namespace weave::graphs {
 
 namespace {
+
+std::span<std::uint16_t> halves_of(const ops::Bf16Tensor& t) {
+  return {reinterpret_cast<std::uint16_t*>(t.data()), static_cast<std::size_t>(t.numel())};
+}
 
 // The parameter slot layer l's values are gathered into: the stage's layers take the units in
 // flight in turn.
@@ -22,19 +25,26 @@ const std::vector<TaskId>& gather_layer(RankProgram& P, int l, const rt::TaskTag
   RankProgram::ParameterSlot& S = P.parameter_slots[parameter_slot(P, l)];
   if (S.layer == l) return S.gathers;
   S.layer = l;
-  S.rounded = false;
   S.gathers.clear();
   const std::string prefix = fmt::format("layers.{}.", l);
   for (GradientBucket& bucket : P.shard().buckets()) {
     if (!bucket.values_staged || bucket.name.rfind(prefix, 0) != 0) continue;
     const GroupHandle& replicas = bucket.expert ? P.expert_data : P.data;
-    // A bf16 run gathers the shard as rounded at the step's start, 2 bytes a value (the group's
-    // element size in a 16-bit run).
-    const bool half = P.half();
+    // A materialized bf16 run gathers the shard as rounded at the step's start straight into
+    // the 16-bit slot, two values to each 4-byte element the collective moves; predicted, the
+    // shard's shape, at the group's 2 bytes an element in a 16-bit run: the same bytes.
     const TaskId gather =
-        replicas.all_gather(half ? P.step_opened : rt::kNoTask,
-                            read_of(half ? bucket.value_shard16 : bucket.value_shard),
-                            all_of(bucket.values), bucket.name + ".gather", tags);
+        bucket.values16.has_storage()
+            ? replicas.with_element_bytes(sizeof(float))
+                  .all_gather(
+                      P.step_opened,
+                      devices::packed_halves(halves_of(bucket.value_shard16),
+                                             "a bf16 parameter shard"),
+                      devices::packed_halves(halves_of(bucket.values16), "a bf16 parameter slot"),
+                      bucket.name + ".gather", tags)
+            : replicas.all_gather(P.half() ? P.step_opened : rt::kNoTask,
+                                  read_of(bucket.value_shard), all_of(bucket.values),
+                                  bucket.name + ".gather", tags);
     for (const TaskId release : S.releases)
       P.after(release, gather);
     S.gathers.push_back(gather);
@@ -48,25 +58,6 @@ const std::vector<TaskId>& gather_layer(RankProgram& P, int l, const rt::TaskTag
 void acquire_layer_parameters(RankProgram& P, int layer, int next, const rt::TaskTags& tags) {
   if (!P.shard().parameters_sharded(layer)) return;
   P.await(gather_layer(P, layer, tags));
-  // A bf16 run's products read the bf16 copies: rounded from the gathered values (exactly, they
-  // were rounded before the gather) into the bf16 slot, once per gather.
-  RankProgram::ParameterSlot& S = P.parameter_slots[parameter_slot(P, layer)];
-  if (P.half() && !S.rounded) {
-    S.rounded = true;
-    std::vector<GradientBucket*> buckets;
-    double elements = 0;
-    const std::string prefix = fmt::format("layers.{}.", layer);
-    for (GradientBucket& bucket : P.shard().buckets())
-      if (bucket.values_staged && bucket.name.rfind(prefix, 0) == 0) {
-        buckets.push_back(&bucket);
-        elements += static_cast<double>(bucket.values.numel());
-      }
-    const Precision precision = P.shape.model.precision;
-    P.compute("param_slot_to_bf16", tags, cost::streamed_bytes(elements, 6), [buckets, precision] {
-      for (GradientBucket* b : buckets)
-        round_to_half(precision, b->values, b->values16);
-    });
-  }
   // The gathers of the layers the pass reaches next, one fewer than the units in flight, on the
   // replicas' stream now, so that they run under this layer's compute; each into a slot a layer
   // before this one has released (with two units, the next layer into the other slot). One unit

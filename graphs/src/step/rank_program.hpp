@@ -202,11 +202,9 @@ class RankProgram {
   std::map<int, std::vector<TaskId>> gradient_slot_releases;
   // ZeRO stage 3, by parameter slot: the layer whose values it holds (or is being gathered
   // with), those gathers, and the releases since that the next gather into it waits for.
-  // A bf16 run: whether its bf16 copies have been rounded from the gathered values since.
   struct ParameterSlot {
     int layer = -1;
     std::vector<TaskId> gathers, releases;
-    bool rounded = false;
   };
   std::map<int, ParameterSlot> parameter_slots;
   // The step's first task (zero_grads), which in a bf16 run rounds stage 3's shards for their

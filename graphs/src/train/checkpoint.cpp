@@ -102,20 +102,85 @@ struct Entry {
   ops::Tensor tensor;
 };
 
-// Bucket `name` of rank `device`'s shard; the replicas' shards of a checkpoint saved or loaded
-// across layouts must all be built in this process.
+// Bucket `name` of rank `device`'s shard; the replicas' moments of a checkpoint loaded across
+// layouts must all be built in this process.
 GradientBucket& bucket_of_rank(TrainingStep& step, rt::DeviceId device, const std::string& name) {
   const int rank = static_cast<int>(device);
   if (!step.holds(rank))
     throw std::invalid_argument(fmt::format(
         "bucket {} is sharded over replicas that are not all in this process (rank {} is not): "
-        "a checkpoint of ZeRO stage 3 (--zero-stage 3), or one loaded with another "
-        "--use-distributed-optimizer than it was saved with, is built from every replica's shard, "
-        "so save and load it with one process",
+        "a checkpoint saved with --use-distributed-optimizer (ZeRO stages 1 to 3) and loaded "
+        "without it puts every replica's AdamW moments end to end, so load it with one process, "
+        "or with --use-distributed-optimizer",
         name, rank));
   for (GradientBucket& b : step.shard(rank).buckets())
     if (b.name == name) return b;
   throw std::logic_error(fmt::format("rank {} has no gradient bucket {}", rank, name));
+}
+
+// ZeRO stage 3 over several processes: the parameter shards of the ranks other processes build,
+// by rank and bucket, which a checkpoint's whole parameters are assembled from. Each process
+// sends its ranks' shards to process 0, which sends them all to every process: every process
+// makes this exchange, in the same order. Empty in one process, or without stage 3.
+using ShardsElsewhere = std::map<std::pair<int, std::string>, ops::Tensor>;
+
+ShardsElsewhere parameter_shards_elsewhere(TrainingStep& step) {
+  ShardsElsewhere out;
+  devices::ProcessSet& processes = step.processes();
+  if (processes.size() == 1 || !step.mesh().plan().shard_parameters) return out;
+  std::string mine;
+  const auto put = [&mine](const void* at, std::size_t bytes) {
+    mine.append(static_cast<const char*>(at), bytes);
+  };
+  for (int r = 0; r < step.mesh().size(); ++r) {
+    if (!step.holds(r)) continue;
+    for (GradientBucket& b : step.shard(r).buckets()) {
+      if (!b.values_staged) continue;
+      const std::int64_t rank = r, name_size = static_cast<std::int64_t>(b.name.size()),
+                         count = b.value_shard.numel();
+      put(&rank, sizeof rank);
+      put(&name_size, sizeof name_size);
+      put(b.name.data(), b.name.size());
+      put(&count, sizeof count);
+      put(b.value_shard.data(), static_cast<std::size_t>(count) * sizeof(float));
+    }
+  }
+  std::string all;
+  for (const std::string& part : processes.gather(mine))
+    all += part;
+  all = processes.broadcast(all);
+  std::size_t at = 0;
+  const auto take = [&all, &at](void* to, std::size_t bytes) {
+    if (at + bytes > all.size())
+      throw std::logic_error("the processes' parameter shards ended part-way through one");
+    std::memcpy(to, all.data() + at, bytes);
+    at += bytes;
+  };
+  while (at < all.size()) {
+    std::int64_t rank = 0, name_size = 0, count = 0;
+    take(&rank, sizeof rank);
+    take(&name_size, sizeof name_size);
+    std::string name(static_cast<std::size_t>(name_size), '\0');
+    take(name.data(), name.size());
+    take(&count, sizeof count);
+    const ops::Tensor shard = ops::Tensor::zeros({count});
+    take(shard.data(), static_cast<std::size_t>(count) * sizeof(float));
+    if (!step.holds(static_cast<int>(rank)))
+      out.emplace(std::pair{static_cast<int>(rank), std::move(name)}, shard);
+  }
+  return out;
+}
+
+// Rank `device`'s parameter shard of bucket `name`: in this process's step, or as exchanged.
+ops::Tensor parameter_shard(TrainingStep& step, const ShardsElsewhere& elsewhere,
+                            rt::DeviceId device, const std::string& name) {
+  const int rank = static_cast<int>(device);
+  if (step.holds(rank)) return bucket_of_rank(step, device, name).value_shard;
+  const auto found = elsewhere.find({rank, name});
+  if (found == elsewhere.end())
+    throw std::logic_error(
+        fmt::format("no process sent rank {}'s parameter shard of bucket {}", rank, name));
+  return found->second;
 }
 
 // The tensors a checkpoint holds, and the copies that take them, once loaded, where the step
@@ -127,11 +192,11 @@ struct Entries {
 
 // The tensors of the ranks built here: every rank for a checkpoint of one process, this
 // process's ranks for its part of a checkpoint of several. Parameters are whole in every layout:
-// under ZeRO stage 3 each sharded bucket's values are assembled from its replicas' shards (and
-// loaded back into this replica's). The AdamW moments are each replica's shard when
-// `moments_sharded` (the distributed optimizer's layout, ZeRO stages 1 to 3), else whole (plain
-// data parallelism): converted when the step keeps them the other way, every replica's whole
-// moments being equal.
+// under ZeRO stage 3 each sharded bucket's values are assembled from its replicas' shards, those
+// of other processes' ranks exchanged first (and loaded back into this replica's). The AdamW
+// moments are each replica's shard when `moments_sharded` (the distributed optimizer's layout, ZeRO
+// stages 1 to 3), else whole (plain data parallelism): converted when the step keeps them the other
+// way, every replica's whole moments being equal.
 Entries entries_of(TrainingStep& step, bool moments_sharded) {
   if (!step.materialized())
     throw std::invalid_argument(
@@ -144,6 +209,7 @@ Entries entries_of(TrainingStep& step, bool moments_sharded) {
           "a checkpoint holds every rank's shard and rank {} is not built in this step; build "
           "every rank (StepBuildOptions::ranks empty)",
           r));
+  const ShardsElsewhere elsewhere = parameter_shards_elsewhere(step);
   Entries out;
   for (int r = 0; r < step.mesh().size(); ++r) {
     if (!step.holds(r)) continue;
@@ -155,7 +221,7 @@ Entries entries_of(TrainingStep& step, bool moments_sharded) {
       const ops::Tensor whole = ops::Tensor::zeros({b.shard_size * replicas.size()});
       for (int i = 0; i < replicas.size(); ++i)
         whole.slice(0, i * b.shard_size, b.shard_size)
-            .copy_from(bucket_of_rank(step, replicas.device(i), b.name).value_shard);
+            .copy_from(parameter_shard(step, elsewhere, replicas.device(i), b.name));
       out.after_load.emplace_back(b.value_shard, whole.slice(0, b.shard_begin, b.shard_size));
       std::int64_t at = 0;
       for (const Parameter* p : b.params) {

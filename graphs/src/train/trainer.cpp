@@ -130,15 +130,6 @@ struct Trainer::Impl {
         machine(machine_model(devices, config.machine)),
         clock(machine, {.execute = true, .record_trace = true}),
         scaler(LossScaler::for_run(config.model.precision, config.loss_scale)) {
-    // A stage-3 checkpoint holds whole parameters, assembled from every replica's shard: the
-    // replicas of a run over several processes are not all in one.
-    if ((!config.save_path.empty() || !config.load_path.empty()) && config.plan.shard_parameters &&
-        comm.processes().size() > 1)
-      throw ConfigError(fmt::format(
-          "--save/--load with ZeRO stage 3 (--zero-stage 3, optim_grads_params) over {} "
-          "processes is not built yet: a checkpoint holds whole parameters and each process "
-          "holds only its replicas' shards: run it in one process, or use --zero-stage 2",
-          comm.processes().size()));
     current = &built(batch_at(0)).step;
     if (!config.load_path.empty()) load(config.load_path);
   }

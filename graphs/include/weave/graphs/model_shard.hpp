@@ -97,10 +97,12 @@ struct GradientBucket {
   // (the replica's shard, which the optimizer updates).
   bool values_staged = false;
   ops::Tensor value_shard;
-  // A bf16 run's stage 3: `values16` is a view into the layer's bf16 parameter slot, and
-  // `value_shard16` the shard rounded to bf16 (in fp32 storage) at the step's start: what the
-  // gathers move, at 2 bytes a value as Megatron-LM's bf16 parameter buffers are gathered.
-  ops::Tensor value_shard16;
+  // A bf16 run's stage 3: `values16` is a view into the layer's bf16 parameter slot, which the
+  // gathers fill, and `value_shard16` the shard rounded to bf16 at the step's start: what the
+  // gathers move, 2 bytes a value, as Megatron-LM all-gathers its bf16 parameter buffers. Such a
+  // run keeps no fp32 copy of the gathered values: `values` (and its parameters' `value`) is
+  // then a shape without storage.
+  ops::Bf16Tensor value_shard16;
   ops::Tensor shard_values() const {
     return values_staged ? value_shard : values.slice(0, shard_begin, shard_size);
   }
