@@ -1,15 +1,18 @@
 // Megatron-Core's shared experts in bf16 mixed precision: their products in bf16 with fp32 sums
 // as the routed experts' (fp32 main weights, fp32 gradients), their output, its sum with the
 // routed experts' and the input gradients bf16 values. On one device they track the fp32 model
-// within bf16's rounding; under tp + sp + ep (with and without the overlap, with the gate) they
-// equal one device in bf16 within the bf16 MoE suite's tensor-parallel tolerance; the prediction
+// within bf16's rounding and read the weights' bf16 copies; under tp + sp + ep (with and without
+// the overlap, with the gate), tp without sp and cp they equal one device in bf16 within the bf16
+// MoE suite's tolerances; the prediction
 // prices the same tasks and counts their values at 2 bytes where the step built with tensors
 // holds them in fp32 buffers.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "half_precision_equivalence.hpp"
 #include "materialised_step.hpp"
@@ -64,6 +67,49 @@ TEST(Bf16SharedExperts, TrackFp32OnOneDevice) {
   EXPECT_NE(bf16.losses[0], fp32.losses[0]);
 }
 
+// One device's first step with the shared experts' fp32 main weights set to bf16 values with
+// `low` in their 16 low bits (below half a bf16 ulp: their bf16 copies are the same): the loss
+// and every gradient.
+struct FirstStep {
+  double loss;
+  std::vector<std::vector<float>> grads;
+};
+FirstStep with_low_bits(const ModelConfig& m, std::uint32_t low) {
+  devices::DeviceSet set(1, {.pin = false});
+  devices::SharedMemoryCommunicator comm;
+  TrainingStep step(m, kOneDevice, {}, set, comm);
+  int changed = 0;
+  for (Parameter& p : step.shard(0).parameters()) {
+    if (p.name.find("shared_experts.fc") == std::string::npos) continue;
+    float* v = p.value.data();
+    for (std::int64_t i = 0; i < p.value.numel(); ++i) {
+      auto bits = std::bit_cast<std::uint32_t>(v[i]);
+      v[i] = std::bit_cast<float>((bits & 0xffff0000u) | low);
+    }
+    ++changed;
+  }
+  EXPECT_EQ(changed, 2);
+  if (m.precision != Precision::fp32) step.shard(0).refresh_bf16_copies();
+  fill_batches(step, m, kOneDevice);
+  step.prepare(1, 1e-2);
+  set.executor().run(step.graph());
+  FirstStep out{step.result().loss, {}};
+  for (const Parameter& p : step.shard(0).parameters())
+    out.grads.push_back(p.grad.to_vector());
+  return out;
+}
+
+// The products read the weights' bf16 copies: main values that differ below half a bf16 ulp give
+// a bitwise identical step in bf16, where the fp32 model's loss moves.
+TEST(Bf16SharedExperts, ProductsReadTheBf16Copies) {
+  const FirstStep a = with_low_bits(shared_model(Precision::bf16), 0),
+                  b = with_low_bits(shared_model(Precision::bf16), 0x1000);
+  EXPECT_EQ(a.loss, b.loss);
+  EXPECT_TRUE(a.grads == b.grads);
+  EXPECT_NE(with_low_bits(shared_model(Precision::fp32), 0).loss,
+            with_low_bits(shared_model(Precision::fp32), 0x1000).loss);
+}
+
 // Tensor parallelism with SP and expert parallelism: the shared experts' fc2 partial sums and
 // fc1's input-gradient partial sums are bf16 values reduced over tp in fp32 and rounded again,
 // as the split experts' are (bf16_moe_training_test's kTensorParallel, r = 9, which its split
@@ -81,6 +127,19 @@ TEST(Bf16SharedExperts, Tp2SpEp2EqualsOneDeviceWithAndWithoutTheOverlap) {
     expect_equals_one_device_of_its_batches(shared_model(Precision::bf16, overlap, overlap), plan,
                                             kTensorParallel);
   }
+}
+
+// Without SP their partial sums are all-reduced (the same roundings); under context parallelism
+// each rank runs its share of the sequence through them as one device does, and the gate scores
+// its own rows: bf16_moe_training_test's tolerances for each.
+TEST(Bf16SharedExperts, Tp2WithoutSpAndCp2EqualOneDevice) {
+  expect_equals_one_device_of_its_batches(
+      shared_model(Precision::bf16, true),
+      {.tensor_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4}, kTensorParallel);
+  expect_equals_one_device_of_its_batches(
+      shared_model(Precision::bf16, true),
+      {.context_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4},
+      ParallelTolerance{1e-3, 2.0 / 256, 1e-2});
 }
 
 // The materialised bf16 step holds what the prediction counts plus named fp32 terms

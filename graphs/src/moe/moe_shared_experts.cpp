@@ -171,9 +171,8 @@ TaskId SharedExperts::forward(const BuildPosition& pos, TaskId ready) const {
                    // leaves it; the score in fp32 from the weight's 16-bit copy, as the router
                    // scores in fp32; the gated output rounded when added (MoeMlp::forward).
                    if (p->half()) round_in_place(p->precision(), S.out);
-                   shared_expert_gate_forward(
-                       compute_value(*p->moe_parameters(layer).shared_gate), A.ln2, S.out,
-                       S.ungated, S.gate);
+                   shared_expert_gate_forward(compute_value(*p->moe_parameters(layer).shared_gate),
+                                              A.ln2, S.out, S.ungated, S.gate);
                  });
   P->after(out, gate);
   return gate;
