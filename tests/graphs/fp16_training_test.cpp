@@ -679,6 +679,18 @@ TEST(Fp16Training, MoeGradientsNearFp32WithTheAuxLossesScaled) {
   expect_gradients_within(fp32, fp16, bound, "fp16");
 }
 
+// Shared experts (--moe-shared-expert-intermediate-size) in fp16, as in bf16
+// (bf16_shared_experts_test): their products in fp16 as the routed experts', k = 41 roundings.
+TEST(Fp16Training, MoeSharedExpertsGradientsNearFp32) {
+  ModelConfig m = moe();
+  m.add_bias_linear = false;
+  m.moe_shared_expert_intermediate_size = 96;
+  const auto fp32 = gradients(in(m, Precision::fp32));
+  const auto fp16 = gradients(in(m, Precision::fp16));
+  ASSERT_EQ(fp32.count("layers.0.moe.shared_experts.fc1.weight"), 1u);
+  expect_gradients_within(fp32, fp16, std::sqrt(41.0) * kU, "fp16");
+}
+
 // Expert parallelism with Ampipe 2 moves fp16 values exactly and reorders fp32 sums only
 // (kExpertParallel's argument in half_precision_equivalence.hpp); Ampipe 2 under cp2 adds the
 // ring's roundings: a partial output of each block and each block's dq, r = 2 L = 4, gradients

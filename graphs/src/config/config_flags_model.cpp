@@ -130,7 +130,7 @@ constexpr ConfigFlag kModel[] = {
              "activations, fp32 main parameters, gradients (reduced in fp32), norms, softmax and "
              "loss; the residual stream in fp32. With tensor (+ sequence), data, pipeline, "
              "expert and context parallelism, Ampipe, the distributed optimizer, recomputation, "
-             "dense and MoE layers (the router in fp32)"},
+             "dense and MoE layers (the router in fp32) and shared experts"},
     {.name = "--fp16",
      .values = 0,
      .help = "fp16 mixed precision, as Megatron-LM trains it: as --bf16 in IEEE half (fp16 "

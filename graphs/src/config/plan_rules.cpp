@@ -191,10 +191,6 @@ void check_shared_experts(const ModelConfig& m, const ParallelPlan& p) {
         "--moe-shared-expert-intermediate-size ({}) must be divisible by "
         "--tensor-model-parallel-size ({}): the shared experts' first linear is split by columns",
         width, p.tensor_parallel);
-  if (m.precision != Precision::fp32)
-    refuse(
-        "--moe-shared-expert-intermediate-size trains in fp32 here: drop --bf16 (or the shared "
-        "experts)");
   if (p.ampipe_degree > 1)
     refuse(
         "--moe-shared-expert-intermediate-size with --ampipe-degree {}: MindSpeed's Ampipe MoE "

@@ -19,15 +19,18 @@ struct ExpertItem {
   int expert = 0, slice = 0;
   std::vector<std::int64_t> rows;  // the slot's grouped rows it carries, by destination rank
   std::vector<std::int64_t> send_rows, recv_rows, framed_send_rows, framed_recv_rows;  // [ep]
-  Tensor send, arrived;  // framed: one header row (the count) per destination / source
-  Tensor expert_in, hidden_pre, hidden, expert_result;  // by source
-  Tensor back;                                          // results home, by destination
-  Tensor d_back, d_arrived, d_expert_in, d_home;        // backward
+  Tensor send, arrived;             // framed: one header row (the count) per destination / source
+  Tensor expert_in, expert_result;  // by source
+  Tensor back;                      // results home, by destination
+  Tensor d_back, d_arrived, d_expert_in, d_home;  // backward
+  // Its rows of the slot's hidden layers (hidden_pre, hidden; split, item_d_hidden and
+  // item_d_pre too): the first row, taken when its forward runs (item_rows).
+  std::int64_t hidden_at = 0;
   // Experts split over tp: this rank's rows of the item (expert_in) and every tp rank's
-  // gathered, fc2's partial sums of them (fc1's input-gradient partial sums in backward), the
-  // gathered output gradients, and the hidden layer's and the first product's gradients.
+  // gathered, fc2's partial sums of them (fc1's input-gradient partial sums in backward) and the
+  // gathered output gradients.
   std::int64_t tp_send_rows = 0;
-  Tensor tp_gathered, tp_partial, tp_d_gathered, d_hidden, d_pre;  // [tp in, ...]
+  Tensor tp_gathered, tp_partial, tp_d_gathered;                   // [tp in, h]
   std::vector<std::int64_t> tp_gathered_rows, tp_d_gathered_rows;  // [tp]
 };
 
@@ -89,6 +92,11 @@ struct MoeExpertsState {
   std::vector<std::int64_t> tp_d_gathered_rows;  // [tp]
   Tensor tp_d_in;                                // [capacity, h]
   Tensor saved_d_pre;  // a split backward: the experts' first-product gradient, for W
+  // Items (--use-pipe-experts, --ampipe-tp-sp-comm-overlap): their hidden layers are rows of
+  // hidden_pre and hidden, each item's taken in turn as its forward runs (items_hidden_rows of
+  // them so far), and split over tp their gradients rows of these.
+  std::int64_t items_hidden_rows = 0;
+  Tensor item_d_hidden, item_d_pre;  // [tp capacity, f / tp], [tp capacity, f1 / tp]
 };
 
 // One MoE slot: the tokens a rank routes at once (all of its T tokens, or one Ampipe chunk of
@@ -102,6 +110,20 @@ struct MoeSlot : MoeRouterState, MoeDispatchState, MoeExpertsState {
   // dispatcher's and the experts' rows of its own.
   std::vector<ExpertItem> items;
 };
+
+// Item I's `rows` rows of its slot's hidden-layer buffer `slot_buffer` (hidden_pre, hidden,
+// item_d_hidden, item_d_pre).
+inline Tensor item_rows(const Tensor& slot_buffer, const ExpertItem& I, std::int64_t rows) {
+  return slot_buffer.slice(0, I.hidden_at, rows);
+}
+// Item I's forward takes its `rows` rows of slot S's hidden layers, after those of the items that
+// ran before it: the slot's items together hold at most the rows the slot can receive, what the
+// slot's hidden layers are sized for. The items' forwards run one after another on the compute
+// stream, after the slot's router reset the count (permute_slot).
+inline void take_hidden_rows(MoeExpertsState& S, ExpertItem& I, std::int64_t rows) {
+  I.hidden_at = S.items_hidden_rows;
+  S.items_hidden_rows += rows;
+}
 
 // --moe-shared-expert-intermediate-size: what the shared experts keep for one micro-batch. Their
 // input is the norm gathered over sp (the norm itself otherwise); fc1's and the activation's

@@ -8,11 +8,17 @@ namespace weave::graphs {
 
 namespace {
 
-// --use-pipe-experts: the buffers of every item (local expert x capacity slice) of a slot.
+// --use-pipe-experts and --ampipe-tp-sp-comm-overlap: the buffers of every item (local expert x
+// capacity slice) of a slot. What its collectives move is the item's own, sized for the most
+// rows the item can carry (a source sends an expert at most one pick per token): the collectives
+// hold those buffers' spans from when the graph is built, while the routing that decides how a
+// slot's rows fall into its items is known only when the step runs. Its hidden layer (kept for
+// the backward) and, split over tp, its gradients are rows of the slot's (allocate_experts),
+// taken by each item as its forward runs (take_hidden_rows): together the items hold at most
+// the rows the slot can receive, as the experts without items do.
 void allocate_items(RankProgram& P, MoeSlot& slot) {
   const StepShape& z = P.shape;
   const std::int64_t n = z.slot_tokens(), k = z.model.moe_router_topk, h = z.h, ep = z.ep;
-  const std::int64_t f1 = z.expert_local_f1(), f = z.expert_local_f();
   // A source sends an expert at most one pick per token (and at most its capacity).
   const std::int64_t capacity = z.expert_capacity();
   const std::int64_t in = ep * (capacity > 0 ? std::min(n, capacity) : n);
@@ -29,8 +35,6 @@ void allocate_items(RankProgram& P, MoeSlot& slot) {
       I.send = P.activation({n * k + ep, h});
       I.arrived = P.activation({in + ep, h});
       I.expert_in = P.activation({in, h});
-      I.hidden_pre = P.activation({run, f1});
-      I.hidden = P.activation({run, f});
       I.expert_result = P.activation({in, h});
       I.back = P.activation({n * k, h});
       I.d_back = P.activation({n * k, h});
@@ -41,8 +45,6 @@ void allocate_items(RankProgram& P, MoeSlot& slot) {
         I.tp_gathered = P.activation({run, h});
         I.tp_partial = P.activation({run, h});
         I.tp_d_gathered = P.activation({run, h});
-        I.d_hidden = P.activation({run, f});
-        I.d_pre = P.activation({run, f1});
         I.tp_gathered_rows.assign(static_cast<std::size_t>(z.tp), 0);
         I.tp_d_gathered_rows.assign(static_cast<std::size_t>(z.tp), 0);
       }
@@ -69,12 +71,14 @@ void allocate_router(RankProgram& P, const MoeActivations& M, MoeSlot& S) {
 void allocate_dispatch(RankProgram& P, MoeSlot& S) {
   const StepShape& z = P.shape;
   const std::int64_t k = z.model.moe_router_topk, h = z.h, n = z.slot_tokens(), ep = z.ep;
-  // Under EP the dispatch sends `grouped` framed by header rows.
-  S.grouped = P.activation({n * k + (ep > 1 ? ep * z.header_rows() : 0), h});
+  // Under EP the dispatch sends `grouped` framed by header rows; items send their own rows.
+  if (ep == 1 || !z.expert_items())
+    S.grouped = P.activation({n * k + (ep > 1 ? ep * z.header_rows() : 0), h});
   S.expert_out = P.activation({n * k, h});
   S.d_grouped = P.activation({n * k, h});
   S.d_expert_out = P.activation({n * k, h});
-  if (ep == 1) return;
+  // Items (expert_items) send and receive in buffers of their own (allocate_items).
+  if (ep == 1 || z.expert_items()) return;
   const std::int64_t capacity = z.slot_capacity();
   S.counts_recv = P.activation({ep * z.local_experts()});
   for (auto* v : {&S.send_rows, &S.recv_rows, &S.framed_send_rows, &S.framed_recv_rows})
@@ -96,6 +100,13 @@ void allocate_experts(RankProgram& P, MoeSlot& S) {
   S.hidden = P.activation({expert_rows, z.expert_local_f()});
   if (z.splits_backward && !z.expert_items())
     S.saved_d_pre = P.activation({expert_rows, z.expert_local_f1()});
+  if (z.expert_items()) {  // the items' rows of the hidden layer's gradients (allocate_items)
+    if (z.experts_split()) {
+      S.item_d_hidden = P.activation({expert_rows, z.expert_local_f()});
+      S.item_d_pre = P.activation({expert_rows, z.expert_local_f1()});
+    }
+    return;
+  }
   if (z.ep > 1) {
     S.expert_in = P.activation({capacity, h});
     S.expert_result = P.activation({capacity, h});

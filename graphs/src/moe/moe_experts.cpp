@@ -95,31 +95,33 @@ SlotProgress MoeMlp::experts_items(const BuildPosition& pos, int c,
       cost::expert_item(z, static_cast<double>(z.slot_tokens()), z.item_slices());
   SlotProgress out{routed.task, {}};
   for (std::size_t i = 0; i < routed.items.size(); ++i) {
-    const TaskId experts =
-        P->compute(slot_prefix(c) + fmt::format("i{}.experts", i),
-                   pos.chunk_tags(rt::Phase::forward, l, slot_chunk(c)), per_item, [=] {
-                     ExpertItem& I = p->slot(set, layer, c).items[i];
-                     const MoeMlpParameters& W = p->moe_parameters(layer);
-                     std::int64_t at = 0, rows = 0;
-                     for (int q = 0; q < ep; ++q) {
-                       const std::int64_t count = I.framed_recv_rows[q] - 1;
-                       const auto announced = static_cast<std::int64_t>(I.arrived.row(at)[0]);
-                       if (announced != count)
-                         throw std::logic_error(fmt::format(
-                             "pipe experts: expert-parallel rank {} announced {} rows and sent {}",
-                             q, announced, count));
-                       I.recv_rows[q] = count;
-                       for (std::int64_t x = 0; x < count; ++x)
-                         std::copy_n(I.arrived.row(at + 1 + x), h, I.expert_in.row(rows + x));
-                       at += 1 + count;
-                       rows += count;
-                     }
-                     const std::array<std::int64_t, 2> begin{0, rows};
-                     graphs::experts_forward(
-                         expert_activation(p->shape.model), I.expert_in.slice(0, 0, rows), begin,
-                         expert_weights(W.experts).expert(I.expert), I.hidden_pre.slice(0, 0, rows),
-                         I.hidden.slice(0, 0, rows), I.expert_result.slice(0, 0, rows));
-                   });
+    const TaskId experts = P->compute(
+        slot_prefix(c) + fmt::format("i{}.experts", i),
+        pos.chunk_tags(rt::Phase::forward, l, slot_chunk(c)), per_item, [=] {
+          ExpertItem& I = p->slot(set, layer, c).items[i];
+          const MoeMlpParameters& W = p->moe_parameters(layer);
+          std::int64_t at = 0, rows = 0;
+          for (int q = 0; q < ep; ++q) {
+            const std::int64_t count = I.framed_recv_rows[q] - 1;
+            const auto announced = static_cast<std::int64_t>(I.arrived.row(at)[0]);
+            if (announced != count)
+              throw std::logic_error(
+                  fmt::format("pipe experts: expert-parallel rank {} announced {} rows and sent {}",
+                              q, announced, count));
+            I.recv_rows[q] = count;
+            for (std::int64_t x = 0; x < count; ++x)
+              std::copy_n(I.arrived.row(at + 1 + x), h, I.expert_in.row(rows + x));
+            at += 1 + count;
+            rows += count;
+          }
+          const std::array<std::int64_t, 2> begin{0, rows};
+          MoeSlot& S = p->slot(set, layer, c);
+          take_hidden_rows(S, I, rows);
+          graphs::experts_forward(expert_activation(p->shape.model), I.expert_in.slice(0, 0, rows),
+                                  begin, expert_weights(W.experts).expert(I.expert),
+                                  item_rows(S.hidden_pre, I, rows), item_rows(S.hidden, I, rows),
+                                  I.expert_result.slice(0, 0, rows));
+        });
     P->after(routed.task, experts);
     P->after(routed.items[i], experts);
     out.items.push_back(item_exchange(pos, c, static_cast<int>(i), experts,
@@ -213,22 +215,23 @@ SlotProgress MoeMlp::experts_backward_items(const BuildPosition& pos, int c,
       cost::expert_item(z, static_cast<double>(z.slot_tokens()), z.item_slices());
   SlotProgress out{arrived.task, {}};
   for (std::size_t i = 0; i < arrived.items.size(); ++i) {
-    const TaskId experts =
-        P->compute(slot_prefix(c) + fmt::format("i{}.experts_backward", i),
-                   pos.chunk_tags(rt::Phase::backward, l, slot_chunk(c)), 2 * per_item, [=] {
-                     ExpertItem& I = p->slot(set, layer, c).items[i];
-                     const MoeMlpParameters& W = p->moe_parameters(layer);
-                     std::int64_t rows = 0;
-                     for (int q = 0; q < ep; ++q)
-                       rows += I.recv_rows[q];
-                     const std::array<std::int64_t, 2> begin{0, rows};
-                     graphs::experts_backward(
-                         expert_activation(p->shape.model), I.expert_in.slice(0, 0, rows), begin,
-                         expert_weights(W.experts).expert(I.expert), I.hidden_pre.slice(0, 0, rows),
-                         I.hidden.slice(0, 0, rows), I.d_arrived.slice(0, 0, rows),
-                         I.d_expert_in.slice(0, 0, rows), W.experts.fc1->grad.slice(0, I.expert, 1),
-                         W.experts.fc2->grad.slice(0, I.expert, 1));
-                   });
+    const TaskId experts = P->compute(
+        slot_prefix(c) + fmt::format("i{}.experts_backward", i),
+        pos.chunk_tags(rt::Phase::backward, l, slot_chunk(c)), 2 * per_item, [=] {
+          ExpertItem& I = p->slot(set, layer, c).items[i];
+          const MoeMlpParameters& W = p->moe_parameters(layer);
+          std::int64_t rows = 0;
+          for (int q = 0; q < ep; ++q)
+            rows += I.recv_rows[q];
+          const std::array<std::int64_t, 2> begin{0, rows};
+          graphs::experts_backward(expert_activation(p->shape.model), I.expert_in.slice(0, 0, rows),
+                                   begin, expert_weights(W.experts).expert(I.expert),
+                                   item_rows(p->slot(set, layer, c).hidden_pre, I, rows),
+                                   item_rows(p->slot(set, layer, c).hidden, I, rows),
+                                   I.d_arrived.slice(0, 0, rows), I.d_expert_in.slice(0, 0, rows),
+                                   W.experts.fc1->grad.slice(0, I.expert, 1),
+                                   W.experts.fc2->grad.slice(0, I.expert, 1));
+        });
     P->after(arrived.task, experts);
     P->after(arrived.items[i], experts);
     out.items.push_back(item_exchange(pos, c, static_cast<int>(i), experts,

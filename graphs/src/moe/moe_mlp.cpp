@@ -83,7 +83,11 @@ TaskId MoeMlp::forward(const BuildPosition& pos, TaskId ready) const {
       fmt::format("L{}.shared_expert_add", l), pos.tags(rt::Phase::forward, l),
       cost::streamed(z, 3.0 * static_cast<double>(P->acts(pos.set, l).mlp_out.numel())), [=] {
         LayerActivations& A = p->acts(set, layer);
+        // A 16-bit run: the shared experts' reduced (or gated) output and the sum are 16-bit
+        // values, as Megatron-Core's bf16 MoELayer adds two bf16 outputs.
+        if (p->half()) round_in_place(p->precision(), A.moe().shared.out);
         ops::accumulate(A.moe().shared.out, A.mlp_out);
+        if (p->half()) round_in_place(p->precision(), A.mlp_out);
       });
   P->after(routed_out, sum);
   P->after(shared_out, sum);
@@ -144,7 +148,10 @@ TaskId MoeMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& ha
       P->compute(fmt::format("L{}.shared_expert_grad_add", l), pos.tags(rt::Phase::backward, l),
                  cost::streamed(z, 3.0 * static_cast<double>(P->ws().d_norm.numel())), [=] {
                    BackwardWorkspace& w = p->ws();
+                   // A 16-bit run: the two input gradients and their sum are 16-bit values.
+                   if (p->half()) round_in_place(p->precision(), w.shared_expert.d_in);
                    ops::accumulate(w.shared_expert.d_in, w.d_norm);
+                   if (p->half()) round_in_place(p->precision(), w.d_norm);
                  });
   P->after(routed_grad, sum);
   P->after(shared_grad, sum);

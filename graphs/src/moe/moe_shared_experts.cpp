@@ -3,7 +3,9 @@
 #include <cmath>
 
 #include "model/dense_mlp.hpp"
+#include "model/half_precision.hpp"
 #include "model/sequence_parallel.hpp"
+#include "moe/expert_products.hpp"
 #include "step/step_costs.hpp"
 #include "weave/ops/linear.hpp"
 
@@ -28,6 +30,34 @@ rt::CostHint products(const StepShape& z, std::int64_t rows) {
 // The gate's rows: the norm's, as the shared experts' output holds them after its reduction.
 std::int64_t gate_rows(const Tensor& x, std::int64_t h) {
   return x.numel() / h;
+}
+
+// A 16-bit run's forward, as the routed experts run theirs (expert_products.hpp): fc1 and fc2
+// as 16-bit products with fp32 sums into fp32 buffers holding 16-bit values, the activation in
+// fp32 on fc1's output, rounded once. The input holds 16-bit values (the rounded norm).
+void forward_half(const ModelConfig& m, Precision precision, const DenseMlpParameters& W,
+                  const SharedExpertActivations& S) {
+  linear_forward_half(precision, S.input, W.fc1_weight->value16, S.fc1);
+  mlp_activation_forward(m, S.fc1, S.act);
+  round_in_place(precision, S.act);
+  linear_forward_half(precision, S.act, W.fc2_weight->value16, S.partial);
+}
+
+// Its backward from the output's gradient dy (rounded here: a 16-bit tensor's gradient is
+// 16-bit): the input gradients as 16-bit products, rounded once; the weight gradients through
+// the fp32 kernels, whose operands all hold 16-bit values, so their products are exact and their
+// sums the fp32 sums the 16-bit kernels would give (experts_backward's argument), accumulated
+// into the fp32 main gradients.
+void backward_half(const ModelConfig& m, Precision precision, const DenseMlpParameters& W,
+                   const SharedExpertActivations& S, const SharedExpertWorkspace& w,
+                   const Tensor& dy) {
+  round_in_place(precision, dy);
+  linear_backward_input_half(precision, dy, W.fc2_weight->value16, w.d_act);
+  ops::linear_backward_weight(S.act, dy, W.fc2_weight->grad, Tensor{});
+  mlp_activation_backward(m, S.fc1, w.d_act, w.d_fc1);
+  round_in_place(precision, w.d_fc1);
+  linear_backward_input_half(precision, w.d_fc1, W.fc1_weight->value16, w.d_in_full);
+  ops::linear_backward_weight(S.input, w.d_fc1, W.fc1_weight->grad, Tensor{});
 }
 
 }  // namespace
@@ -119,8 +149,11 @@ TaskId SharedExperts::forward(const BuildPosition& pos, TaskId ready) const {
     gathered = sp_gather(*P, ready, P->acts(set, l).ln2, S.input, at + "_sp_gather", tags);
   const TaskId mlp = P->compute(at, tags, products(z, z.Sc * z.B), [p, layer, set] {
     const SharedExpertActivations& S = p->acts(set, layer).moe().shared;
-    dense_mlp_forward(p->shape.model, p->moe_parameters(layer).shared, S.input, S.fc1, S.act,
-                      S.partial);
+    const DenseMlpParameters& W = p->moe_parameters(layer).shared;
+    if (p->half())
+      forward_half(p->shape.model, p->precision(), W, S);
+    else
+      dense_mlp_forward(p->shape.model, W, S.input, S.fc1, S.act, S.partial);
   });
   P->after(ready, mlp);
   P->after(gathered, mlp);
@@ -134,8 +167,12 @@ TaskId SharedExperts::forward(const BuildPosition& pos, TaskId ready) const {
                  [p, layer, set] {
                    LayerActivations& A = p->acts(set, layer);
                    const SharedExpertActivations& S = A.moe().shared;
-                   shared_expert_gate_forward(p->moe_parameters(layer).shared_gate->value, A.ln2,
-                                              S.out, S.ungated, S.gate);
+                   // A 16-bit run: the reduced sum is a 16-bit value, as the 16-bit collective
+                   // leaves it; the score in fp32 from the weight's 16-bit copy, as the router
+                   // scores in fp32; the gated output rounded when added (MoeMlp::forward).
+                   if (p->half()) round_in_place(p->precision(), S.out);
+                   shared_expert_gate_forward(compute_value(*p->moe_parameters(layer).shared_gate),
+                                              A.ln2, S.out, S.ungated, S.gate);
                  });
   P->after(out, gate);
   return gate;
@@ -168,6 +205,8 @@ TaskId SharedExperts::backward(const BuildPosition& pos, TaskId ready) const {
             }
             w.d_logit.data()[r] = static_cast<float>(dot * g * (1 - g));
           }
+          // A 16-bit run: the gated product's gradient is a 16-bit value, the logit's fp32.
+          if (p->half()) round_in_place(p->precision(), w.d_gated);
         });
     P->after(ready, gate);
     ready = gate;
@@ -180,6 +219,16 @@ TaskId SharedExperts::backward(const BuildPosition& pos, TaskId ready) const {
     const SharedExpertActivations& S = p->acts(set, layer).moe().shared;
     const SharedExpertWorkspace& w = p->ws().shared_expert;
     const DenseMlpParameters& M = p->moe_parameters(layer).shared;
+    if (p->half()) {
+      // Rounded in place unless it is d_mlp itself, which the routed experts' backward reads.
+      Tensor dy = w.d_out;
+      if (dy.data() == p->ws().d_mlp.data()) {
+        dy = Tensor::empty(w.d_out.shape());
+        dy.copy_from(w.d_out);
+      }
+      backward_half(p->shape.model, p->precision(), M, S, w, dy);
+      return;
+    }
     ops::linear_backward_input(w.d_out, M.fc2_weight->value, w.d_act);
     ops::linear_backward_weight(S.act, w.d_out, M.fc2_weight->grad, Tensor{});
     mlp_activation_backward(p->shape.model, S.fc1, w.d_act, w.d_fc1);
@@ -197,7 +246,8 @@ TaskId SharedExperts::backward(const BuildPosition& pos, TaskId ready) const {
         const SharedExpertWorkspace& w = p->ws().shared_expert;
         Parameter& gate_weight = *p->moe_parameters(layer).shared_gate;
         const float* x = p->acts(set, layer).ln2.data();
-        const float* wv = gate_weight.value.data();
+        const Tensor weight = compute_value(gate_weight);  // a 16-bit run's 16-bit copy
+        const float* wv = weight.data();
         float* grad = gate_weight.grad.data();
         for (std::int64_t r = 0; r < rows; ++r) {
           const float dl = w.d_logit.data()[r];

@@ -5,7 +5,9 @@
 // --swiglu), fc2 row-parallel, and under sequence parallelism its input all-gathered and its
 // partial sums reduce-scattered over the tensor-parallel group (all-reduced without sp), as
 // Megatron's MLP does. Its parameters are dense ones: replicated over expert parallelism, their
-// gradients reduced over the data-parallel group that holds copies of them.
+// gradients reduced over the data-parallel group that holds copies of them. A 16-bit run computes
+// their products as the routed experts' (expert_products.hpp): 16-bit products with fp32 sums
+// into fp32 buffers holding 16-bit values, fp32 main weights and gradients.
 //
 // Shapes on a rank: the norm [Sl, B, h] -> (SP all-gather) [Sc, B, h] -> fc1 [Sc, B, f1 / tp] ->
 // activation [Sc, B, f / tp] -> fc2 partial sums [Sc, B, h] -> (reduce) out [Sl, B, h].

@@ -151,32 +151,35 @@ std::vector<TaskId> issued_dispatches(const std::vector<ItemRef>& items,
 
 // Item i of slot c, forward: fc1 and the activation on every tp rank's gathered rows.
 void item_fc1(RankProgram& p, int set, int layer, int c, std::size_t i) {
-  ExpertItem& I = p.slot(set, layer, c).items[i];
+  MoeSlot& S = p.slot(set, layer, c);
+  ExpertItem& I = S.items[i];
   const MoeMlpParameters& W = p.moe_parameters(layer);
   const std::int64_t rows = gathered_rows(I);
+  take_hidden_rows(S, I, rows);
+  const Tensor pre = item_rows(S.hidden_pre, I, rows), hidden = item_rows(S.hidden, I, rows);
   if (p.half()) {  // bf16 products, the activation in fp32 rounded once
     linear_forward_half(p.precision(), I.tp_gathered.slice(0, 0, rows),
-                        weight16_of(*W.experts.fc1, I), I.hidden_pre.slice(0, 0, rows));
-    activation_forward(p.shape.model, I.hidden_pre.slice(0, 0, rows), I.hidden.slice(0, 0, rows));
-    round_in_place(p.precision(), I.hidden.slice(0, 0, rows));
+                        weight16_of(*W.experts.fc1, I), pre);
+    activation_forward(p.shape.model, pre, hidden);
+    round_in_place(p.precision(), hidden);
     return;
   }
-  ops::linear_forward(I.tp_gathered.slice(0, 0, rows), weight_of(*W.experts.fc1, I), Tensor{},
-                      I.hidden_pre.slice(0, 0, rows));
-  activation_forward(p.shape.model, I.hidden_pre.slice(0, 0, rows), I.hidden.slice(0, 0, rows));
+  ops::linear_forward(I.tp_gathered.slice(0, 0, rows), weight_of(*W.experts.fc1, I), Tensor{}, pre);
+  activation_forward(p.shape.model, pre, hidden);
 }
 
 // fc2's partial sums of them.
 void item_fc2(RankProgram& p, int set, int layer, int c, std::size_t i) {
-  ExpertItem& I = p.slot(set, layer, c).items[i];
+  const MoeSlot& S = p.slot(set, layer, c);
+  const ExpertItem& I = S.items[i];
   const std::int64_t rows = gathered_rows(I);
   if (p.half()) {  // bf16 partial sums, reduced over tp as bf16 values
-    linear_forward_half(p.precision(), I.hidden.slice(0, 0, rows),
+    linear_forward_half(p.precision(), item_rows(S.hidden, I, rows),
                         weight16_of(*p.moe_parameters(layer).experts.fc2, I),
                         I.tp_partial.slice(0, 0, rows));
     return;
   }
-  ops::linear_forward(I.hidden.slice(0, 0, rows),
+  ops::linear_forward(item_rows(S.hidden, I, rows),
                       weight_of(*p.moe_parameters(layer).experts.fc2, I), Tensor{},
                       I.tp_partial.slice(0, 0, rows));
 }
@@ -184,40 +187,42 @@ void item_fc2(RankProgram& p, int set, int layer, int c, std::size_t i) {
 // Backward, the input half: fc2's and the activation's backward, fc1's input-gradient partial
 // sums.
 void item_input_gradient(RankProgram& p, int set, int layer, int c, std::size_t i) {
-  ExpertItem& I = p.slot(set, layer, c).items[i];
+  const MoeSlot& S = p.slot(set, layer, c);
+  const ExpertItem& I = S.items[i];
   const MoeMlpParameters& W = p.moe_parameters(layer);
   const std::int64_t rows = gathered_rows(I);
+  const Tensor pre = item_rows(S.hidden_pre, I, rows),
+               d_hidden = item_rows(S.item_d_hidden, I, rows),
+               d_pre = item_rows(S.item_d_pre, I, rows);
   if (I.tp_d_gathered_rows != I.tp_gathered_rows)
     throw std::logic_error(
         "expert items: the output gradients gathered over tp do not match the forward's rows");
   if (p.half()) {  // the output gradient in bf16; d_pre and the partial sums bf16 values
     round_in_place(p.precision(), I.tp_d_gathered.slice(0, 0, rows));
     linear_backward_input_half(p.precision(), I.tp_d_gathered.slice(0, 0, rows),
-                               weight16_of(*W.experts.fc2, I), I.d_hidden.slice(0, 0, rows));
-    activation_backward(p.shape.model, I.hidden_pre.slice(0, 0, rows), I.d_hidden.slice(0, 0, rows),
-                        I.d_pre.slice(0, 0, rows));
-    round_in_place(p.precision(), I.d_pre.slice(0, 0, rows));
-    linear_backward_input_half(p.precision(), I.d_pre.slice(0, 0, rows),
-                               weight16_of(*W.experts.fc1, I), I.tp_partial.slice(0, 0, rows));
+                               weight16_of(*W.experts.fc2, I), d_hidden);
+    activation_backward(p.shape.model, pre, d_hidden, d_pre);
+    round_in_place(p.precision(), d_pre);
+    linear_backward_input_half(p.precision(), d_pre, weight16_of(*W.experts.fc1, I),
+                               I.tp_partial.slice(0, 0, rows));
     return;
   }
   ops::linear_backward_input(I.tp_d_gathered.slice(0, 0, rows), weight_of(*W.experts.fc2, I),
-                             I.d_hidden.slice(0, 0, rows));
-  activation_backward(p.shape.model, I.hidden_pre.slice(0, 0, rows), I.d_hidden.slice(0, 0, rows),
-                      I.d_pre.slice(0, 0, rows));
-  ops::linear_backward_input(I.d_pre.slice(0, 0, rows), weight_of(*W.experts.fc1, I),
-                             I.tp_partial.slice(0, 0, rows));
+                             d_hidden);
+  activation_backward(p.shape.model, pre, d_hidden, d_pre);
+  ops::linear_backward_input(d_pre, weight_of(*W.experts.fc1, I), I.tp_partial.slice(0, 0, rows));
 }
 
 // The weight half: fc2's and fc1's weight gradients (in a bf16 run every operand holds bf16
 // values: the fp32 kernels give gemm_bf16's products and fp32 sums).
 void item_weight_gradient(RankProgram& p, int set, int layer, int c, std::size_t i) {
-  ExpertItem& I = p.slot(set, layer, c).items[i];
+  const MoeSlot& S = p.slot(set, layer, c);
+  const ExpertItem& I = S.items[i];
   const MoeMlpParameters& W = p.moe_parameters(layer);
   const std::int64_t rows = gathered_rows(I);
-  ops::linear_backward_weight(I.hidden.slice(0, 0, rows), I.tp_d_gathered.slice(0, 0, rows),
+  ops::linear_backward_weight(item_rows(S.hidden, I, rows), I.tp_d_gathered.slice(0, 0, rows),
                               grad_of(*W.experts.fc2, I), Tensor{});
-  ops::linear_backward_weight(I.tp_gathered.slice(0, 0, rows), I.d_pre.slice(0, 0, rows),
+  ops::linear_backward_weight(I.tp_gathered.slice(0, 0, rows), item_rows(S.item_d_pre, I, rows),
                               grad_of(*W.experts.fc1, I), Tensor{});
 }
 

@@ -82,6 +82,7 @@ void permute_slot(RankProgram& P, int layer, MoeSlot& A, bool counted) {
       frame_items(z, A);
       break;
   }
+  A.items_hidden_rows = 0;  // the items take their hidden rows anew (take_hidden_rows)
 }
 
 void unpermute_gradients(const StepShape& z, MoeSlot& A, bool half) {
