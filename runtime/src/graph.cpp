@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <stdexcept>
 #include <string>
 
@@ -133,6 +134,23 @@ StreamId GraphBuilder::anonymous_streams(std::size_t count, StreamKind kind) {
   return impl_->table->anonymous_streams(count, kind);
 }
 
+namespace {
+// Asks for the cache line 1 KiB past `row` for writing. add() and precede() append rows (88 bytes
+// of TaskInfo, 32 of work, 12 per edge) to arrays of megabytes whose lines are not in the cache,
+// and with only the hardware prefetcher each row's stores waited for their lines to arrive:
+// asking early took the 100,000-task chain of bench_runtime's BM_WeaveBuild from 19.5 to 15 ns
+// per task. The address may lie past the array's end; a prefetch never faults.
+template <class T>
+void prefetch_ahead(const T* row) {
+  constexpr std::uintptr_t kAhead = 1024;
+  const auto at = reinterpret_cast<std::uintptr_t>(row) + kAhead;
+  __builtin_prefetch(reinterpret_cast<const void*>(at), 1);
+  // A row longer than a line moves the address by more than a line per call: without the next
+  // line too, some lines of the 88-byte task rows would never be asked for.
+  if constexpr (sizeof(T) > 64) __builtin_prefetch(reinterpret_cast<const void*>(at + 64), 1);
+}
+}  // namespace
+
 TaskId GraphBuilder::add(const TaskSpec& spec, TaskFn work) {
   Impl& b = *impl_;
   const auto id = static_cast<TaskId>(b.table->size());
@@ -141,11 +159,15 @@ TaskId GraphBuilder::add(const TaskSpec& spec, TaskFn work) {
   info.tags = spec.tags;
   info.cost = spec.cost;
   b.work.push_back(std::move(work));
+  prefetch_ahead(&info);
+  prefetch_ahead(&b.work.back());
   if (b.last_on_stream.size() <= spec.device) b.last_on_stream.resize(spec.device + 1);
   auto& lasts = b.last_on_stream[spec.device];
   if (lasts.size() <= spec.stream) lasts.resize(b.table->stream_count(), kNoTask);
-  if (lasts[spec.stream] != kNoTask)
+  if (lasts[spec.stream] != kNoTask) {
     b.edges.push_back({lasts[spec.stream], id, EdgeKind::stream_order});
+    prefetch_ahead(&b.edges.back());
+  }
   lasts[spec.stream] = id;
   return id;
 }
@@ -158,6 +180,7 @@ void GraphBuilder::precede(TaskId before, TaskId after) {
         fmt::format("precede: task '{}' cannot depend on itself", impl_->table->name(before)));
   }
   impl_->edges.push_back({before, after, EdgeKind::explicit_dependency});
+  prefetch_ahead(&impl_->edges.back());
   if (before > after) impl_->backward_edges = true;
 }
 
