@@ -12,8 +12,8 @@
 
 namespace weave::rt {
 
-// Ordered to pack into 80 bytes (64 before cost hints placed a collective's group): graphs of
-// millions of tasks are built and replayed.
+// Ordered to pack into 88 bytes (64 before cost hints placed a collective's group and counted
+// kernels): graphs of millions of tasks are built and replayed.
 struct TaskInfo {
   CostHint cost;
   DeviceId device = 0;
@@ -24,7 +24,7 @@ struct TaskInfo {
   StreamId stream = kComputeStream;
   TaskKind kind = TaskKind::compute;
 };
-static_assert(sizeof(TaskInfo) <= 88);
+static_assert(sizeof(TaskInfo) == 88);
 
 // Tasks, stream names and rendezvous groups. Task and stream names live in pools (one string
 // each), so that adding a task or a stream allocates nothing of its own: graphs of millions of
