@@ -14,10 +14,10 @@
 // On an Intel Xeon family 6 model 207 (Emerald Rapids) these measure, per core and per cycle of
 // its clock (timed by a chain of dependent register adds, 1 a cycle): fp32 64 FLOP (2 FMA ports),
 // vdpbf16ps 32 FLOP (one instruction every 2 cycles: half the fp32 rate in FLOP, the same in
-// instructions per 2 cycles), AMX 1,024 FLOP (one tdpbf16ps every 16 cycles, the throughput
-// Intel's Optimization Reference Manual gives for TDPBF16PS; its "1,024 bf16 ops/cycle" counts
-// FLOP, i.e. 512 multiply-adds). The AMX loop keeps the same rate with its 4 tiles reloaded from
-// L1 each round, so operand loads do not lower the peak a blocked GEMM can reach.
+// instructions per 2 cycles), AMX 1,024 FLOP (one tdpbf16ps every 16 cycles: the "1,024 bf16
+// operations a cycle" quoted for AMX, counted as FLOP, i.e. 512 multiply-adds, not 1,024). The
+// AMX loop keeps the same rate with its 4 tiles reloaded from L1 each round, so operand loads do
+// not lower the peak a blocked GEMM can reach.
 //
 // Each thread times itself on its own CPU clock (CLOCK_THREAD_CPUTIME_ID), not the wall clock: on
 // a host where other processes share the cores, the wall clock counts the time the thread waited
