@@ -22,7 +22,7 @@
 // Each thread times itself on its own CPU clock (CLOCK_THREAD_CPUTIME_ID), not the wall clock: on
 // a host where other processes share the cores, the wall clock counts the time the thread waited
 // for a core, and halved the figure under a load of 2 processes a core. A product compared with
-// the peak is timed on CPU time too (see cpu_seconds()).
+// the peak is timed on CPU time too (process_cpu_seconds()).
 // Run on T threads at once (one per core), it gives the peak of T cores as they clock together.
 // A loop the CPU cannot run (no AVX512_BF16, no AMX, or the kernel refuses AMX state) gives 0.
 #pragma once
