@@ -16,9 +16,9 @@
 // The products: one layer's linear products (QKV, fc1, fc2: forward, input gradient, weight
 // gradient; with experts, fc1 and fc2 of each of the device's experts at the tokens balanced
 // routing gives it) at the shapes one device runs (its tokens, its tensor-parallel share of the
-// widths), timed alone on an arena of one device's cores, in GFLOP/s and as a share of the
-// measured peak of that many cores running together: the FMA loop for fp32, the AMX tile loop
-// for bf16 where oneDNN runs AMX kernels, the vdpbf16ps loop otherwise.
+// widths), timed alone on an arena of one device's cores on CPU time, in GFLOP/s and as a share
+// of the measured peak of that many cores running together: the FMA loop for fp32; for bf16 both
+// the vdpbf16ps loop (AVX512_BF16) and the AMX tile loop, whichever oneDNN runs.
 #include <fmt/format.h>
 #include <oneapi/tbb/task_arena.h>
 #include <CLI/CLI.hpp>
@@ -107,11 +107,14 @@ std::vector<Product> layer_products(std::int64_t tokens, std::int64_t mlp_tokens
   return list;
 }
 
-// GFLOP/s of the products, each run `reps` times after one untimed run (which lets oneDNN
-// compile its kernel for the shape), on `threads` threads of one arena.
-double products_gflops(const std::vector<Product>& list, bool bf16, int threads, int reps) {
+// Each product's GFLOP/s, run `reps` times after one untimed run (which lets oneDNN compile its
+// kernel for the shape), on `threads` threads of one arena. Timed on the process's CPU time and
+// scaled to `threads` cores (threads waiting for work count; waiting for a core, which other
+// processes on a shared host cause, does not), as the measured peak is.
+std::vector<double> products_gflops(const std::vector<Product>& list, bool bf16, int threads,
+                                    int reps) {
   tbb::task_arena arena(threads, 1);  // the calling thread and threads - 1 workers
-  double flops = 0, seconds = 0;
+  std::vector<double> rates;
   for (const Product& p : list) {
     const std::int64_t ar = p.ta ? p.k : p.m, ac = p.ta ? p.m : p.k;
     const std::int64_t br = p.tb ? p.n : p.k, bc = p.tb ? p.k : p.n;
@@ -141,14 +144,27 @@ double products_gflops(const std::vector<Product>& list, bool bf16, int threads,
       });
     };
     once();
-    const auto t0 = std::chrono::steady_clock::now();
+    const double t0 = weave::bench::process_cpu_seconds();
     for (int r = 0; r < reps; ++r)
       once();
-    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    flops +=
+    const double cpu_seconds = weave::bench::process_cpu_seconds() - t0;
+    const double flops =
         2.0 * static_cast<double>(p.m) * static_cast<double>(p.n) * static_cast<double>(p.k) * reps;
+    rates.push_back(flops / (cpu_seconds / threads) * 1e-9);
   }
-  return flops / seconds * 1e-9;
+  return rates;
+}
+
+// GFLOP/s of the whole list from each product's: its FLOP over the sum of its times.
+double overall_gflops(const std::vector<Product>& list, const std::vector<double>& rates) {
+  double flops = 0, seconds = 0;
+  for (std::size_t i = 0; i < list.size(); ++i) {
+    const double f = 2.0 * static_cast<double>(list[i].m) * static_cast<double>(list[i].n) *
+                     static_cast<double>(list[i].k);
+    flops += f;
+    seconds += f / rates[i];
+  }
+  return flops / seconds;
 }
 
 }  // namespace
@@ -236,17 +252,31 @@ int main(int argc, char** argv) {
       experts > 0 ? local_tokens * m.moe_router_topk * ep / experts : local_tokens;
   const int mlps = experts > 0 ? experts / ep : 1;
   const auto list = layer_products(local_tokens, mlp_tokens, mlps, hidden, 4 * hidden, tp);
-  const bool amx = ops::bf16_kernel() == ops::Bf16Kernel::amx;
-  const PeakKind bf16_peak_kind = amx ? PeakKind::amx_bf16 : PeakKind::bf16_dot;
   const double fp32_peak = weave::bench::measured_peak_gflops(PeakKind::fp32_fma, threads);
-  const double bf16_peak = weave::bench::measured_peak_gflops(bf16_peak_kind, threads);
-  const double fp32_gflops = products_gflops(list, false, threads, 2);
-  const double bf16_gflops = products_gflops(list, true, threads, 4);
+  const double dot_peak = weave::bench::measured_peak_gflops(PeakKind::bf16_dot, threads);
+  const double amx_peak = weave::bench::measured_peak_gflops(PeakKind::amx_bf16, threads);
+  const std::vector<double> fp32_rates = products_gflops(list, false, threads, 2);
+  const std::vector<double> bf16_rates = products_gflops(list, true, threads, 4);
   auto share = [](double gflops, double peak) { return peak > 0 ? 100.0 * gflops / peak : 0.0; };
-  fmt::print("one device's layer products on {} thread{}:\n", threads, threads > 1 ? "s" : "");
-  fmt::print("  fp32: {:7.1f} GFLOP/s, {:5.1f} % of the measured FMA peak ({:.1f} GFLOP/s)\n",
-             fp32_gflops, share(fp32_gflops, fp32_peak), fp32_peak);
-  fmt::print("  bf16: {:7.1f} GFLOP/s, {:5.1f} % of the measured {} peak ({:.1f} GFLOP/s)\n",
-             bf16_gflops, share(bf16_gflops, bf16_peak), amx ? "AMX" : "vdpbf16ps", bf16_peak);
+  fmt::print(
+      "measured peaks of {} core{} (CPU time): fp32 FMA {:.1f}, bf16 vdpbf16ps {:.1f}, bf16 AMX "
+      "{:.1f} GFLOP/s\n",
+      threads, threads > 1 ? "s" : "", fp32_peak, dot_peak, amx_peak);
+  fmt::print("one device's layer products on {} thread{} (CPU time), GFLOP/s and % of peak:\n",
+             threads, threads > 1 ? "s" : "");
+  fmt::print("  {:<16} {:>16} {:>8} {:>7} {:>8} {:>7} {:>7}\n", "product", "m x n x k", "fp32",
+             "% FMA", "bf16", "% dot", "% AMX");
+  for (std::size_t i = 0; i < list.size(); ++i) {
+    const Product& p = list[i];
+    fmt::print("  {:<16} {:>16} {:8.1f} {:7.1f} {:8.1f} {:7.1f} {:7.1f}\n", p.name,
+               fmt::format("{}x{}x{}", p.m, p.n, p.k), fp32_rates[i],
+               share(fp32_rates[i], fp32_peak), bf16_rates[i], share(bf16_rates[i], dot_peak),
+               share(bf16_rates[i], amx_peak));
+  }
+  const double fp32_gflops = overall_gflops(list, fp32_rates);
+  const double bf16_gflops = overall_gflops(list, bf16_rates);
+  fmt::print("  {:<16} {:>16} {:8.1f} {:7.1f} {:8.1f} {:7.1f} {:7.1f}\n", "all", "", fp32_gflops,
+             share(fp32_gflops, fp32_peak), bf16_gflops, share(bf16_gflops, dot_peak),
+             share(bf16_gflops, amx_peak));
   return 0;
 }

@@ -2,24 +2,38 @@
 // table of CPU models (which was wrong on every host it did not list).
 //
 // Each loop issues independent multiply-add instructions on registers only, so nothing but the
-// execution ports limits it:
-//   fp32   vfmadd231ps zmm: 16 lanes x 2 FLOP = 32 FLOP per instruction.
-//   bf16   vdpbf16ps zmm (AVX512_BF16): 16 fp32 lanes each += 2 bf16 products = 64 FLOP.
+// execution ports limits it. FLOP per instruction (a multiply-add counts 2):
+//   fp32   vfmadd231ps zmm: 16 fp32 lanes x 1 multiply-add = 32 FLOP.
+//   bf16   vdpbf16ps zmm (AVX512_BF16): 16 fp32 lanes, each += a0 b0 + a1 b1 of two bf16 pairs:
+//          32 multiply-adds = 64 FLOP.
 //   Both with 24 independent accumulators, more than latency x ports of either (12 accumulators
 //   left vdpbf16ps 20 % short of its rate on an Intel Xeon with AMX).
-//   AMX    tdpbf16ps: a 16 x 32 by 32 x 16 bf16 tile product into 16 x 16 fp32 = 16,384 FLOP;
-//          4 independent accumulator tiles.
+//   AMX    tdpbf16ps: C[16 x 16 fp32] += A[16 x 32 bf16] B[32 x 16 bf16], 16 x 16 x 32 = 8,192
+//          multiply-adds = 16,384 FLOP; 4 independent accumulator tiles (2 x 2 blocks of 2 A and
+//          2 B tiles, as a GEMM kernel holds them).
+// On an Intel Xeon family 6 model 207 (Emerald Rapids) these measure, per core and per cycle of
+// its clock (timed by a chain of dependent register adds, 1 a cycle): fp32 64 FLOP (2 FMA ports),
+// vdpbf16ps 32 FLOP (one instruction every 2 cycles: half the fp32 rate in FLOP, the same in
+// instructions per 2 cycles), AMX 1,024 FLOP (one tdpbf16ps every 16 cycles: the "1,024 bf16
+// operations a cycle" quoted for AMX, counted as FLOP, i.e. 512 multiply-adds, not 1,024). The
+// AMX loop keeps the same rate with its 4 tiles reloaded from L1 each round, so operand loads do
+// not lower the peak a blocked GEMM can reach.
+//
+// Each thread times itself on its own CPU clock (CLOCK_THREAD_CPUTIME_ID), not the wall clock: on
+// a host where other processes share the cores, the wall clock counts the time the thread waited
+// for a core, and halved the figure under a load of 2 processes a core. A product compared with
+// the peak is timed on CPU time too (process_cpu_seconds()).
 // Run on T threads at once (one per core), it gives the peak of T cores as they clock together.
 // A loop the CPU cannot run (no AVX512_BF16, no AMX, or the kernel refuses AMX state) gives 0.
 #pragma once
 
 #include <cpuid.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <thread>
 #include <vector>
@@ -28,7 +42,21 @@ namespace weave::bench {
 
 enum class PeakKind { fp32_fma, bf16_dot, amx_bf16 };
 
+// CPU seconds the whole process has run (all its threads), for timing work against the peak on
+// a shared host: threads that spin waiting count, time spent waiting for a core does not.
+inline double process_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
+
 namespace detail {
+
+inline double thread_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + 1e-9 * static_cast<double>(t.tv_nsec);
+}
 
 inline bool cpu_has(PeakKind kind) {
   unsigned a = 0, b = 0, c = 0, d = 0;
@@ -146,8 +174,9 @@ inline double rounds_of(PeakKind kind, std::int64_t rounds) {
 
 }  // namespace detail
 
-// GFLOP/s of `threads` threads running the loop together: the best of five tries of ~0.1 s each,
-// so a try that other processes on a shared host interrupted does not set the figure.
+// GFLOP/s of `threads` threads running the loop together, each on its own CPU time: the best of
+// five tries of ~0.1 s each (a try that other processes interrupted often, flushing the caches,
+// does not set the figure).
 inline double measured_peak_gflops(PeakKind kind, int threads) {
   if (!detail::cpu_has(kind)) return 0;
   if (kind == PeakKind::amx_bf16 && !detail::request_amx()) return 0;
@@ -155,23 +184,23 @@ inline double measured_peak_gflops(PeakKind kind, int threads) {
   double best = 0;
   for (int attempt = 0; attempt < 5; ++attempt) {
     std::atomic<int> ready{0};
-    std::vector<double> flops(static_cast<std::size_t>(threads));
+    std::vector<double> rate(static_cast<std::size_t>(threads));
     std::vector<std::thread> pool;
-    const auto t0 = std::chrono::steady_clock::now();
     for (int t = 0; t < threads; ++t)
       pool.emplace_back([&, t] {
         ready.fetch_add(1);
         while (ready.load() < threads) {
         }
-        flops[static_cast<std::size_t>(t)] = detail::rounds_of(kind, rounds);
+        const double t0 = detail::thread_cpu_seconds();
+        const double flops = detail::rounds_of(kind, rounds);
+        rate[static_cast<std::size_t>(t)] = flops / (detail::thread_cpu_seconds() - t0);
       });
     for (auto& th : pool)
       th.join();
-    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     double total = 0;
-    for (double f : flops)
-      total += f;
-    best = std::max(best, total / s * 1e-9);
+    for (double r : rate)
+      total += r;
+    best = std::max(best, total * 1e-9);
   }
   return best;
 }
