@@ -261,15 +261,19 @@ void ModelShard::make_buckets(const Mesh& mesh, int rank) {
       staged_at[b] = layer_bytes[l];
       layer_bytes[l] += padded_elements(planned[b].params, replicas);
     }
-    // The slots are taken in turn whatever the schedule. Under a zero-bubble one the W actions
-    // take them, a layer's W after the I actions of the layers below, which write their
-    // gradients (the norms', the biases') too: with more layers than slots, what the I actions
-    // write is held aside until the W (hold_input_pass_gradients); with no more, each layer has
-    // a slot of its own already. The parameter slots (stage 3) are the units in flight whatever
-    // the schedule: the W actions read no values.
-    const std::size_t gradient_slot_count = kGradientSlots;
-    holds_input_pass_gradients_ = mesh.plan().pipeline_scheduler.rfind("zb", 0) == 0 &&
-                                  layer_bytes.size() > gradient_slot_count;
+    // The slots are taken in turn. Under a zero-bubble schedule the W actions take them, a
+    // layer's W after the I actions of the layers below, which write their gradients (the
+    // norms', the biases') too: with more layers than slots, what the I actions write is held
+    // aside until the W (hold_input_pass_gradients). Ampipe's attention and --use-pipe-experts'
+    // items write weight gradients in the I action as well: there, as with no more layers than
+    // slots, each layer keeps a slot of its own. The parameter slots (stage 3) are the units in
+    // flight whatever the schedule: the W actions read no values.
+    const ParallelPlan& plan = mesh.plan();
+    const bool zero_bubble = plan.pipeline_scheduler.rfind("zb", 0) == 0;
+    holds_input_pass_gradients_ = zero_bubble && layer_bytes.size() > kGradientSlots &&
+                                  plan.ampipe_degree == 1 && !plan.pipe_experts;
+    const std::size_t gradient_slot_count =
+        zero_bubble && !holds_input_pass_gradients_ ? layer_bytes.size() : kGradientSlots;
     const auto units_in_flight = static_cast<std::size_t>(mesh.plan().zero_units_in_flight);
     std::vector<std::int64_t> slot_elements(gradient_slot_count, 0),
         parameter_slot_elements(units_in_flight, 0);
