@@ -77,6 +77,7 @@ struct Case {
   ParallelPlan plan;
   bool full_recompute = false;  // each layer's forward again in the backward, gathers included
   bool bf16 = false;  // fp32 main values and gradients, bf16 copies (stage 3 gathers them)
+  int layers = 4;
 };
 
 class ZeroStages : public ::testing::TestWithParam<Case> {};
@@ -102,6 +103,7 @@ TEST_P(ZeroStages, LossesAndGradientShardsEqualPlainDataParallelism) {
 
 void expect_equals_plain_data_parallelism(const Case& c, int stage) {
   ModelConfig m = four_layers(c.experts);
+  m.num_layers = c.layers;
   if (c.bf16) m.precision = Precision::bf16;
   if (c.full_recompute)
     m.recompute = {.granularity = RecomputeGranularity::full,
@@ -170,6 +172,29 @@ const Case kCases[] = {
       .pipeline_scheduler = "zb-v",
       .micro_batch_size = 1,
       .global_batch_size = 8}},
+    // More layers a stage than gradient slots: the gradients the I actions write held aside
+    // until their layer's W action takes a slot.
+    {"pp2_dp2_zb_h1_8_layers",
+     4,
+     {.data_parallel = 2,
+      .pipeline_parallel = 2,
+      .pipeline_scheduler = "zb-h1",
+      .micro_batch_size = 1,
+      .global_batch_size = 8},
+     false,
+     false,
+     8},
+    {"pp2_dp2_zb_v_8_layers",
+     0,
+     {.data_parallel = 2,
+      .pipeline_parallel = 2,
+      .virtual_pipeline = 2,
+      .pipeline_scheduler = "zb-v",
+      .micro_batch_size = 1,
+      .global_batch_size = 8},
+     false,
+     false,
+     8},
     // Ampipe's chunks: the MoE layers' buckets reduced after the chunks' backward, the QKV
     // weight half kept inside it.
     {"moe_dp2_ep2_ampipe2",
@@ -352,8 +377,9 @@ TEST(ZeroStage3Memory, Bf16ParametersAreTwoBytesAValueAsPredicted) {
   EXPECT_LT(r.memory[0][parameters], materialised_step(stage0).memory[0][parameters]);
 }
 
-// Under a zero-bubble schedule each layer of a stage keeps a gradient slot of its own (its W
-// action writes after the I actions of the layers below) and stage 3 two parameter slots: the
+// Under a zero-bubble schedule with no more layers a stage than gradient slots each layer keeps a
+// slot of its own (its W action writes after the I actions of the layers below, nothing held
+// aside) and stage 3 two parameter slots: the
 // gradients are the stage's layers whole plus the shards, the parameters the shards plus two
 // layers; predicted and materialised alike, the step's length too.
 TEST(ZeroStageMemory, ZeroBubbleKeepsASlotALayerAndPredictsAsMaterialised) {
@@ -384,6 +410,67 @@ TEST(ZeroStageMemory, ZeroBubbleKeepsASlotALayerAndPredictsAsMaterialised) {
     }
     expect_predicted_as_materialised(c, r);
   }
+}
+
+// Whether a zero-bubble I action writes parameter `name`'s gradient: the norms, the biases added
+// to the residual, the router and the shared experts; the W action writes the products'
+// weights (and the biases computed with them).
+bool written_by_input_pass(const std::string& name) {
+  const auto ends_with = [&name](const std::string& s) {
+    return name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0;
+  };
+  return name.find("norm.") != std::string::npos || ends_with("attention.proj.bias") ||
+         ends_with("mlp.fc2.bias") || name.find("router.") != std::string::npos ||
+         name.find("shared_experts.") != std::string::npos;
+}
+
+// Under zb-h1 with more layers a stage than gradient slots, stage 2 holds what it holds under
+// 1F1B (the shards and two slots, one as large as the even layers' buckets, one as the odd
+// ones') and the gradients the I actions write, held until each layer's W action: far below
+// stage 1's stage of layers whole; predicted and materialised alike.
+TEST(ZeroStageMemory, ZeroBubbleStage2HoldsTwoSlotsAndTheInputPassGradients) {
+  TrainerConfig c = memory_config(ParallelPlan{.data_parallel = 2,
+                                               .pipeline_parallel = 2,
+                                               .pipeline_scheduler = "zb-h1",
+                                               .micro_batch_size = 1,
+                                               .global_batch_size = 4,
+                                               .distributed_optimizer = true,
+                                               .shard_gradients = true});
+  c.model.num_layers = 12;  // rank 0: layers 0 to 5, MoE and dense in turn
+  validate(c.model, c.plan);
+  const Rank0Buckets buckets = rank0_buckets(c, staged);
+  std::map<int, std::int64_t> layer_elements = buckets.layers;
+  ASSERT_EQ(layer_elements.size(), 6u);
+  std::int64_t held = 0;
+  {
+    devices::DeviceSet set(c.plan.devices(), {.pin = false});
+    devices::SharedMemoryCommunicator comm;
+    TrainingStep step(c.model, c.plan, {}, set, comm);
+    for (const GradientBucket& b : step.shard(0).buckets())
+      if (b.staged)
+        for (const Parameter* p : b.params)
+          if (written_by_input_pass(p->name)) held += p->value.numel();
+  }
+  ASSERT_GT(held, 0);
+  const std::int64_t slots = std::max({layer_elements[0], layer_elements[2], layer_elements[4]}) +
+                             std::max({layer_elements[1], layer_elements[3], layer_elements[5]});
+  std::int64_t all_layers = 0;
+  for (const auto& [l, elements] : layer_elements)
+    all_layers += elements;
+  const auto gradients = static_cast<std::size_t>(rt::MemoryCategory::gradients);
+  const auto bytes = static_cast<std::int64_t>(sizeof(float));
+  const MaterialisedStep r = materialised_step(c);
+  EXPECT_EQ(r.memory[0][gradients], bytes * (buckets.rest + buckets.shards + slots + held));
+  expect_predicted_as_materialised(c, r);
+  // 1F1B's stage 2: the same but the held gradients, which its backward writes into the slot.
+  TrainerConfig one_f_one_b = c;
+  one_f_one_b.plan.pipeline_scheduler = "1f1b";
+  EXPECT_EQ(predict_step(one_f_one_b).memory[0][gradients], r.memory[0][gradients] - bytes * held);
+  // Stage 1: every layer of the stage whole.
+  c.plan.shard_gradients = false;
+  const std::int64_t stage1 = predict_step(c).memory[0][gradients];
+  EXPECT_EQ(stage1, bytes * (buckets.rest + all_layers));
+  EXPECT_LT(r.memory[0][gradients], stage1);
 }
 
 // weave predict gives the materialised step's memory and length beside Ampipe and zb-v as well.

@@ -1,5 +1,7 @@
 #include "model/model_chunk.hpp"
 
+#include <set>
+
 #include "model/embedding.hpp"
 #include "model/half_precision.hpp"
 #include "model/output_loss.hpp"
@@ -51,8 +53,10 @@ TaskId ModelChunk::backward(const BuildPosition& pos, TaskId ready, WeightHalves
       for (int j = group.begin; j < group.end; ++j)
         prev = TransformerLayer(*P, j).forward(again, prev);
     }
+    halves.at_layer(l);
     prev = TransformerLayer(*P, l).backward(pos, prev, halves, last);
   }
+  halves.at_layer(-1);
   halves.flush();
   if (k > 0) {
     // The gradient of the chunk's input, for the previous stage: in a bf16 run the bf16 values
@@ -73,31 +77,51 @@ TaskId ModelChunk::backward(const BuildPosition& pos, TaskId ready, WeightHalves
   return embedding;
 }
 
-TaskId ModelChunk::weight_gradients(std::vector<WeightHalf> halves, bool last,
+TaskId ModelChunk::weight_gradients(std::vector<LayerWeightHalf> halves, bool last,
                                     TaskId& word_grad_done) const {
-  // ZeRO stage 2: the halves write into the layers' gradient slots once the micro-batch before
-  // has been reduced out of them, and the layers' staged buckets, complete now, are reduced after
-  // every micro-batch's W (reduce_buckets reduces the others on the `last` only).
+  // ZeRO stage 2: layer by layer, the halves write into the layer's gradient slot once the layer
+  // that used it before has been reduced out of it, and the layer's staged buckets, complete
+  // now (the I action's gradients moved in from where they were held), are reduced under the
+  // next layer's halves: one slot written, one reduced. reduce_buckets reduces the buckets not
+  // staged on the `last` only, after the chunk's every half.
   const bool staged = P->shape.plan.shard_gradients;
+  TaskId done = rt::kNoTask;
+  std::set<int> reduced;
+  for (std::size_t i = 0; i < halves.size();) {
+    const int l = halves[i].layer;
+    if (staged && l >= 0) wait_for_gradient_slot(*P, l, {});
+    TaskId layer_done = rt::kNoTask;
+    for (; i < halves.size() && halves[i].layer == l; ++i) {
+      const TaskId id = halves[i].emit();
+      if (id != rt::kNoTask) layer_done = id;
+    }
+    if (layer_done != rt::kNoTask) done = layer_done;
+    if (staged && l >= 0) {
+      reduced.insert(l);
+      reduce_buckets(*P, fmt::format("layers.{}.mlp", l), done, last);
+      reduce_buckets(*P, fmt::format("layers.{}.attention", l), done, last);
+    }
+  }
+  // A layer without weight halves: its buckets hold the I action's gradients alone.
   if (staged)
     for (int l = P->layout.end_layer(k) - 1; l >= P->layout.first_layer(k); --l)
-      wait_for_gradient_slot(*P, l, {});
-  TaskId done = rt::kNoTask;
-  for (const WeightHalf& emit : halves) {
-    const TaskId id = emit();
-    if (id != rt::kNoTask) done = id;
-  }
-  if (!last && !staged) return done;
+      if (!reduced.count(l)) {
+        wait_for_gradient_slot(*P, l, {});
+        reduce_buckets(*P, fmt::format("layers.{}.mlp", l), done, last);
+        reduce_buckets(*P, fmt::format("layers.{}.attention", l), done, last);
+      }
+  if (!last) return done;
   // The chunk's last weight halves: every bucket of the chunk is complete.
-  if (last && k + 1 == P->layout.chunks()) {
+  if (k + 1 == P->layout.chunks()) {
     reduce_buckets(*P, "final_norm", done);
     word_grad_done = done;
   }
-  for (int l = P->layout.end_layer(k) - 1; l >= P->layout.first_layer(k); --l) {
-    reduce_buckets(*P, fmt::format("layers.{}.mlp", l), done, last);
-    reduce_buckets(*P, fmt::format("layers.{}.attention", l), done, last);
-  }
-  if (last && k == 0) word_grad_done = done;
+  if (!staged)
+    for (int l = P->layout.end_layer(k) - 1; l >= P->layout.first_layer(k); --l) {
+      reduce_buckets(*P, fmt::format("layers.{}.mlp", l), done, last);
+      reduce_buckets(*P, fmt::format("layers.{}.attention", l), done, last);
+    }
+  if (k == 0) word_grad_done = done;
   return done;
 }
 

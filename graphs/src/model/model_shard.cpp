@@ -260,12 +260,19 @@ void ModelShard::make_buckets(const Mesh& mesh, int rank) {
       staged_at[b] = layer_bytes[l];
       layer_bytes[l] += padded_elements(planned[b].params, replicas);
     }
-    // A zero-bubble schedule's W action writes a layer's weight gradients after the I actions of
-    // the layers below, which write their own (their norms'): each layer holds a gradient slot of
-    // its own there. The parameter slots (stage 3) are the units in flight whatever the schedule:
-    // the W actions read no values.
-    const bool weight_passes = mesh.plan().pipeline_scheduler.rfind("zb", 0) == 0;
-    const std::size_t gradient_slot_count = weight_passes ? layer_bytes.size() : kGradientSlots;
+    // The slots are taken in turn. Under a zero-bubble schedule the W actions take them, a
+    // layer's W after the I actions of the layers below, which write their gradients (the
+    // norms', the biases') too: with more layers than slots, what the I actions write is held
+    // aside until the W (hold_input_pass_gradients). Ampipe's attention and --use-pipe-experts'
+    // items write weight gradients in the I action as well: there, as with no more layers than
+    // slots, each layer keeps a slot of its own. The parameter slots (stage 3) are the units in
+    // flight whatever the schedule: the W actions read no values.
+    const ParallelPlan& plan = mesh.plan();
+    const bool zero_bubble = plan.pipeline_scheduler.rfind("zb", 0) == 0;
+    holds_input_pass_gradients_ = zero_bubble && layer_bytes.size() > kGradientSlots &&
+                                  plan.ampipe_degree == 1 && !plan.pipe_experts;
+    const std::size_t gradient_slot_count =
+        zero_bubble && !holds_input_pass_gradients_ ? layer_bytes.size() : kGradientSlots;
     const auto units_in_flight = static_cast<std::size_t>(mesh.plan().zero_units_in_flight);
     std::vector<std::int64_t> slot_elements(gradient_slot_count, 0),
         parameter_slot_elements(units_in_flight, 0);
@@ -327,7 +334,52 @@ void ModelShard::make_buckets(const Mesh& mesh, int rank) {
     }
     make_bucket(mesh, rank, std::move(planned[b].name), std::move(planned[b].params), staged,
                 slot_of[b], staged_values, staged_values16);
+    if (staged.defined() && holds_input_pass_gradients_) hold_input_pass_gradients(buckets_.back());
   }
+}
+
+namespace {
+
+// Whether a zero-bubble W action writes parameter `name`'s gradient: the products' weights (and
+// the biases computed with them), whose weight halves wait for it. The I action writes the rest:
+// the norms, the biases added to the residual, the router, the shared experts.
+bool written_by_weight_pass(const std::string& name) {
+  static const char* const kWeightPass[] = {".attention.qkv.weight",   ".attention.qkv.bias",
+                                            ".attention.proj.weight",  ".mlp.fc1.weight",
+                                            ".mlp.fc1.bias",           ".mlp.fc2.weight",
+                                            ".moe.experts.fc1.weight", ".moe.experts.fc2.weight"};
+  for (const char* suffix : kWeightPass) {
+    const std::string s = suffix;
+    if (name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0)
+      return true;
+  }
+  return false;
+}
+
+}  // namespace
+
+void ModelShard::hold_input_pass_gradients(GradientBucket& bucket) {
+  std::int64_t at = 0, held = 0;
+  for (const Parameter* p : bucket.params) {
+    const std::int64_t n = p->value.numel();
+    if (!written_by_weight_pass(p->name)) {
+      bucket.held_at.push_back({.at = at, .held = held, .size = n});
+      held += n;
+    }
+    at += n;
+  }
+  if (held == 0) return;
+  const ParameterBytes bytes = parameter_bytes(config_.precision);
+  bucket.held_grads = materialize_
+                          ? ops::Tensor::zeros({held}, device_, rt::MemoryCategory::gradients)
+                          : ops::Tensor::shape_only({held}, device_, rt::MemoryCategory::gradients,
+                                                    static_cast<std::size_t>(bytes.gradient));
+  std::size_t i = 0;
+  for (Parameter* p : bucket.params)
+    if (!written_by_weight_pass(p->name)) {
+      const GradientBucket::HeldRange& r = bucket.held_at[i++];
+      p->grad = bucket.held_grads.slice(0, r.held, r.size).reshape(p->value.shape());
+    }
 }
 
 bool ModelShard::parameters_sharded(int l) const {
@@ -437,6 +489,7 @@ void ModelShard::zero_grads() {
   for (GradientBucket& b : buckets_) {
     b.grads.fill(0.f);
     if (b.staged) b.grad_shard.fill(0.f);
+    if (b.held_grads.defined()) b.held_grads.fill(0.f);
   }
 }
 

@@ -135,8 +135,10 @@ TaskId TransformerLayer::backward_pass(const BuildPosition& pos, TaskId ready, W
   const StepShape& z = P->shape;
   const MlpModule mlp_module = z.spec(l).mlp;
   // ZeRO stage 2: the layer's gradient slot is free (its previous layer reduced) before any of
-  // the layer's gradients are written.
-  wait_for_gradient_slot(*P, l, pos.tags(rt::Phase::backward, l));
+  // the layer's gradients are written; a zero-bubble I action whose gradients are held aside
+  // writes none into it (its W action takes the slot, ModelChunk::weight_gradients).
+  if (!halves.zero_bubble() || !P->shard().holds_input_pass_gradients())
+    wait_for_gradient_slot(*P, l, pos.tags(rt::Phase::backward, l));
   if (mlp_module == MlpModule::ampipe) return AmpipeBlock(*P, l).backward(pos, ready, halves, last);
   const bool moe = mlp_module == MlpModule::moe;
   RankProgram* p = P;

@@ -98,7 +98,7 @@ struct PipelineWalk {
   // Per chunk, the last full backward or weight-gradient half (rank, index in the rank's list):
   // the chunk's gradient buckets are complete after it.
   std::vector<ScheduledAction> last_backward;
-  std::map<StageMicroBatch, std::vector<WeightHalf>> pending;
+  std::map<StageMicroBatch, std::vector<LayerWeightHalf>> pending;
   std::map<StageMicroBatch, TaskId> forward_out, activations_in, gradient_in;
   std::vector<std::vector<TaskId>> free_after;
   std::vector<TaskId> last_send;

@@ -20,6 +20,23 @@ void reduce_bucket(RankProgram& P, GradientBucket& bucket, TaskId ready) {
   auto chain = [&ready](TaskId reduced) {
     if (reduced != rt::kNoTask) ready = reduced;
   };
+  if (bucket.held_grads.defined()) {
+    // Stage 2 under a zero-bubble schedule: the I actions' gradients, held aside until the bucket
+    // took its slot, moved in (and the held ones zeroed for the next I), on the compute stream
+    // behind the tasks that completed the bucket.
+    GradientBucket* b = &bucket;
+    const TaskId moved = P.compute(
+        bucket.name + ".held", tags,
+        cost::streamed_bytes(3 * static_cast<double>(bucket.held_grads.numel()),
+                             static_cast<double>(gradient_bytes)),
+        [b] {
+          for (const GradientBucket::HeldRange& r : b->held_at)
+            b->grads.slice(0, r.at, r.size).copy_from(b->held_grads.slice(0, r.held, r.size));
+          b->held_grads.fill(0.f);
+        });
+    P.after(ready, moved);
+    ready = moved;
+  }
   if (bucket.reduction == GradientReduction::tensor_partial)
     chain(tensor.all_reduce(ready, all_of(bucket.grads), devices::ReduceOp::sum,
                             bucket.name + ".tp", tags));

@@ -23,6 +23,13 @@ enum class WeightPlacement { immediate, deferred, zero_bubble };
 // Emits a weight half's tasks and returns the last of them.
 using WeightHalf = std::function<rt::TaskId()>;
 
+// A weight half held for the W action, with the layer it writes the gradients of (-1 for none):
+// under ZeRO stage 2 the W action takes that layer's gradient slot for it.
+struct LayerWeightHalf {
+  int layer = -1;
+  WeightHalf emit;
+};
+
 // The weight halves of one backward action, held where the caller put them.
 class WeightHalves {
  public:
@@ -48,7 +55,7 @@ class WeightHalves {
         deferred_.push_back(std::move(half));
         break;
       case WeightPlacement::zero_bubble:
-        for_w_.push_back(std::move(half));
+        for_w_.push_back({layer_, std::move(half)});
         break;
     }
     return rt::kNoTask;
@@ -60,12 +67,16 @@ class WeightHalves {
     for (const WeightHalf& emit : due)
       emit();
   }
-  // The halves the W action emits.
-  std::vector<WeightHalf> take_for_w() { return std::exchange(for_w_, {}); }
+  // The layer whose backward places the halves from now on (-1: none, the model's ends).
+  void at_layer(int layer) { layer_ = layer; }
+  // The halves the W action emits, in the order they were placed.
+  std::vector<LayerWeightHalf> take_for_w() { return std::exchange(for_w_, {}); }
 
  private:
   bool zero_bubble_;
-  std::vector<WeightHalf> deferred_, for_w_;
+  int layer_ = -1;
+  std::vector<WeightHalf> deferred_;
+  std::vector<LayerWeightHalf> for_w_;
 };
 
 }  // namespace weave::graphs

@@ -92,6 +92,15 @@ struct GradientBucket {
   ops::Tensor shard_grads() const {
     return staged ? grad_shard : grads.slice(0, shard_begin, shard_size);
   }
+  // Stage 2 under a zero-bubble schedule: the gradients of the parameters the I action writes
+  // (norms, biases, the router; not the weights its W action writes), kept here between the two
+  // so that the bucket takes its slot at the W action only; moved into the slot at
+  // held_at[i] (bucket offset, held offset, elements) before each reduction. Else undefined.
+  ops::Tensor held_grads;
+  struct HeldRange {
+    std::int64_t at = 0, held = 0, size = 0;
+  };
+  std::vector<HeldRange> held_at;
   // ZeRO stage 3 (ParallelPlan::shard_parameters), a layer's sharded bucket: `values` is a view
   // into the layer's parameter slot, filled by the gathers from every replica's `value_shard`
   // (the replica's shard, which the optimizer updates).
@@ -174,10 +183,15 @@ class ModelShard {
   void zero_grads();
   // ZeRO stage 2: the gradient slots the layers' full buckets take in turn, so that at most this
   // many layers' gradients are held whole while the backward runs (DeepSpeed's stage 2 bounds
-  // them by its reduce bucket size instead).
+  // them by its reduce bucket size instead): one written, one reduced. Under a zero-bubble
+  // schedule the W actions take them, the gradients the I actions write held aside per bucket
+  // (GradientBucket::held_grads).
   static constexpr int kGradientSlots = 2;
   // The gradient slot layer l's staged buckets are written into; -1 for none.
   int gradient_slot(int l) const;
+  // Stage 2 under a zero-bubble schedule with more layers than slots: the gradients a layer's I
+  // action writes are held aside (GradientBucket::held_grads), its slot taken at its W only.
+  bool holds_input_pass_gradients() const { return holds_input_pass_gradients_; }
   // ZeRO stage 3: whether layer l's parameters are kept as shards, gathered into their parameter
   // slot before each use.
   bool parameters_sharded(int l) const;
@@ -198,6 +212,9 @@ class ModelShard {
   // Gradient buckets in the order the backward makes them ready, each parameter's value and
   // gradient moved into its bucket's flat storage.
   void make_buckets(const Mesh& mesh, int rank);
+  // Stage 2 under a zero-bubble schedule: the gradients of `bucket`'s parameters the I action
+  // writes moved into GradientBucket::held_grads.
+  void hold_input_pass_gradients(GradientBucket& bucket);
   // `staged_grads`: a view into a gradient slot for a staged bucket (ZeRO stage 2), else empty.
   void make_bucket(const Mesh& mesh, int rank, std::string name, std::vector<Parameter*> params,
                    ops::Tensor staged_grads = {}, int slot = -1, ops::Tensor staged_values = {},
@@ -226,8 +243,9 @@ class ModelShard {
   std::vector<GradientBucket> buckets_;
   std::vector<ops::Tensor> gradient_slots_, parameter_slots_;
   std::vector<ops::Bf16Tensor> parameter_slots16_;  // a bf16 run's stage 3: the bf16 copies
-  std::map<int, int> layer_slots_;                  // layer -> its gradient slot (ZeRO stage 2)
-  std::map<int, int> layer_parameter_slots_;        // layer -> its parameter slot (ZeRO stage 3)
+  bool holds_input_pass_gradients_ = false;
+  std::map<int, int> layer_slots_;            // layer -> its gradient slot (ZeRO stage 2)
+  std::map<int, int> layer_parameter_slots_;  // layer -> its parameter slot (ZeRO stage 3)
   std::string current_bucket_;
   std::vector<LayerShard> layers_;
   std::unique_ptr<OutputLossParameters> output_loss_;
