@@ -108,6 +108,11 @@ TEST_P(DeepSpeedGateReplicated, EqualsOneDeviceWithTheWholeChunks) {
   ASSERT_GT(a.aux[0], 0);
   EXPECT_NEAR(b.aux[0], a.aux[0], 1e-5 * a.aux[0]);
   expect_same_gradients(a_grads, b);
+  // Updated by the same gradients, the curves stay the one device's.
+  const ModelConfig& serial_model = c.plan.data_parallel > 1 ? averaged : m;
+  const Outcome a4 = run(serial_model, c.serial, 4, true), b4 = run(m, c.plan, 4, true);
+  for (std::size_t i = 0; i < a4.losses.size(); ++i)
+    EXPECT_NEAR(b4.losses[i], a4.losses[i], 1e-4 * a4.losses[i]) << "step " << i + 1;
 }
 
 const ReplicatedCase kReplicatedCases[] = {
