@@ -533,7 +533,9 @@ void check_ampipe(const ModelConfig& m, const ParallelPlan& p) {
         sp > 1   ? " is split again over the sequence-parallel ranks and"
         : slices ? " is split again over the tensor-parallel ranks' routers and"
                  : "",
-        slices ? "weave routes each tp rank's slice of a chunk" : "MindSpeed's rule");
+        slices             ? "weave routes each tp rank's slice of a chunk"
+        : sp > 1 || cp > 1 ? "MindSpeed's rule"
+                           : "the chunks are equal");
 }
 
 // --use-pipe-experts as given needs experts; as derived (still on), no more capacity slices
