@@ -2,7 +2,9 @@
 // deepspeed_moe layout, tp 2 + SP, ep 2): degree 1, degree 2, degree 2 with
 // --ampipe-tp-sp-comm-overlap and with pipe experts (multi-data 2 and 4, multi-stream on and
 // off, and weave's separate dispatch/combine streams); then tp 2 without SP at degree 1, 2 and
-// 2 with the overlap. For each: the step time and the exposed
+// 2 with the overlap, under Megatron-Core's router (each tp rank routing its slice of a chunk)
+// and under MindSpeed's gate (every tp rank routing the whole chunk, the experts' partial sums
+// all-reduced). For each: the step time and the exposed
 // tensor- and expert-parallel communication per device on the virtual clock (8 devices), and
 // tokens/s on the wall clock (4 devices on this host, the link slowed as far as the host's
 // compute is from the modelled accelerator's). Then the same under context parallelism 2 on the
@@ -38,6 +40,7 @@ using weave::graphs::ParallelPlan;
 struct Variant {
   const char* name;
   ParallelPlan plan;
+  weave::graphs::MoeGate gate = weave::graphs::MoeGate::megatron;
 };
 
 std::vector<Variant> variants(int data_parallel, int global_batch) {
@@ -82,7 +85,22 @@ std::vector<Variant> variants(int data_parallel, int global_batch) {
   out.push_back({"no SP: degree 2", r});
   r.ampipe_tp_sp_comm_overlap = true;
   out.push_back({"no SP: degree 2 + tp-sp overlap", r});
+  // Without SP under MindSpeed's gate: every tp rank routes the whole chunk, the split experts'
+  // partial sums all-reduced over tp (per item under the overlap).
+  constexpr auto gate = weave::graphs::MoeGate::deepspeed;
+  ParallelPlan g = base;
+  g.sequence_parallel = false;
+  out.push_back({"no SP, MindSpeed's gate: degree 1", g, gate});
+  g.ampipe_degree = 2;
+  out.push_back({"no SP, MindSpeed's gate: degree 2", g, gate});
+  g.ampipe_tp_sp_comm_overlap = true;
+  out.push_back({"no SP, MindSpeed's gate: degree 2 + tp-sp overlap", g, gate});
   return out;
+}
+
+ModelConfig with_gate(ModelConfig m, weave::graphs::MoeGate gate) {
+  m.moe_gate = gate;
+  return m;
 }
 
 ModelConfig model(int seq_length) {
@@ -129,14 +147,15 @@ int main(int argc, char** argv) {
         "hidden 512, 8 experts top-2, 2048 positions, {:.3g} FLOP/s, {}; kernels skipped, "
         "all-to-alls and expert gathers timed for balanced routing\n",
         flops, links.describe());
-    fmt::print("{:<46} {:>10} {:>16} {:>16} {:>9}\n", "", "step (ms)", "exposed tp (ms)",
+    fmt::print("{:<52} {:>10} {:>16} {:>16} {:>9}\n", "", "step (ms)", "exposed tp (ms)",
                "exposed ep (ms)", "speed-up");
     double baseline = 0;
     for (Variant v : variants(4, 4)) {
-      const auto warnings = weave::graphs::validate(m, v.plan);
+      const ModelConfig gm = with_gate(m, v.gate);
+      const auto warnings = weave::graphs::validate(gm, v.plan);
       weave::devices::DeviceSet set(v.plan.devices(), {.pin = false});
       weave::devices::SharedMemoryCommunicator comm;
-      const weave::graphs::TrainingStep step(m, v.plan, {}, set, comm, {.materialize = false});
+      const weave::graphs::TrainingStep step(gm, v.plan, {}, set, comm, {.materialize = false});
       const weave::devices::MachineModel machine(std::vector<int>(set.size(), 0), flops, links);
       weave::rt::VirtualClock clock(machine, {.execute = false});
       const weave::rt::VirtualRunResult r = clock.run(step.graph());
@@ -144,7 +163,7 @@ int main(int argc, char** argv) {
       if (v.plan.ampipe_degree == 1) baseline = ms;  // each layout against its degree 1
       const double per_device = 1e-6 / static_cast<double>(set.size());
       fmt::print(
-          "{:<46} {:>10.3f} {:>16.3f} {:>16.3f} {:>8.2f}x\n", v.name, ms,
+          "{:<52} {:>10.3f} {:>16.3f} {:>16.3f} {:>8.2f}x\n", v.name, ms,
           static_cast<double>(weave::graphs::exposed_comm_of_groups(r.trace, kTensor)) * per_device,
           static_cast<double>(weave::graphs::exposed_comm_of_groups(r.trace, kExpert)) * per_device,
           baseline / ms);
@@ -168,7 +187,7 @@ int main(int argc, char** argv) {
     fmt::print(
         "\nvirtual clock, 8 devices (tp 2 + SP, cp 2, ep 2, dp 2, experts split over tp), "
         "4 MoE layers, 4096 positions, otherwise as above\n");
-    fmt::print("{:<46} {:>10} {:>16} {:>16} {:>9} {:>18}\n", "", "step (ms)", "exposed cp (ms)",
+    fmt::print("{:<52} {:>10} {:>16} {:>16} {:>9} {:>18}\n", "", "step (ms)", "exposed cp (ms)",
                "exposed ep (ms)", "speed-up", "activations (MiB)");
     const ParallelPlan base{.tensor_parallel = 2,
                             .sequence_parallel = true,
@@ -200,7 +219,7 @@ int main(int argc, char** argv) {
       if (baseline == 0) baseline = ms;
       const double per_device = 1e-6 / static_cast<double>(set.size());
       fmt::print(
-          "{:<46} {:>10.3f} {:>16.3f} {:>16.3f} {:>8.2f}x {:>18.1f}\n", v.name, ms,
+          "{:<52} {:>10.3f} {:>16.3f} {:>16.3f} {:>8.2f}x {:>18.1f}\n", v.name, ms,
           static_cast<double>(weave::graphs::exposed_comm_of_groups(r.trace, kContext)) *
               per_device,
           static_cast<double>(weave::graphs::exposed_comm_of_groups(r.trace, kExpert)) * per_device,
@@ -222,16 +241,17 @@ int main(int argc, char** argv) {
         "\nwall clock, 4 devices (tp 2 + SP unless named, ep 2, dp 2), 1024 positions, link {}, "
         "3 steps\n",
         links.describe());
-    fmt::print("{:<46} {:>12} {:>9}\n", "", "tokens/s", "speed-up");
+    fmt::print("{:<52} {:>12} {:>9}\n", "", "tokens/s", "speed-up");
     double baseline = 0;
     for (Variant v : variants(2, 2)) {
       if (std::string(v.name).find("pipe experts") != std::string::npos &&
           std::string(v.name) != "degree 2 + pipe experts md4")
         continue;
-      weave::graphs::validate(m, v.plan);
+      const ModelConfig gm = with_gate(m, v.gate);
+      weave::graphs::validate(gm, v.plan);
       weave::devices::DeviceSet set(v.plan.devices());
       weave::devices::SharedMemoryCommunicator comm;
-      weave::graphs::TrainingStep step(m, v.plan, {}, set, comm);
+      weave::graphs::TrainingStep step(gm, v.plan, {}, set, comm);
       const weave::devices::MachineModel machine(std::vector<int>(set.size(), 0), 1e11, links);
       double seconds = 0;
       for (int it = 1; it <= 3; ++it) {
@@ -244,7 +264,7 @@ int main(int argc, char** argv) {
       const double tokens =
           3.0 * static_cast<double>(m.seq_length) * v.plan.global_batch_size / seconds;
       if (v.plan.ampipe_degree == 1) baseline = tokens;
-      fmt::print("{:<46} {:>12.0f} {:>8.2f}x\n", v.name, tokens, tokens / baseline);
+      fmt::print("{:<52} {:>12.0f} {:>8.2f}x\n", v.name, tokens, tokens / baseline);
     }
   }
   return 0;

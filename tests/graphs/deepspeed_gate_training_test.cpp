@@ -81,6 +81,71 @@ const Case kCases[] = {
 INSTANTIATE_TEST_SUITE_P(Plans, DeepSpeedGateTraining, ::testing::ValuesIn(kCases),
                          [](const auto& info) { return std::string(info.param.name); });
 
+// Under tensor parallelism without SP every tp rank gates its micro-batch's whole Ampipe chunk,
+// the same tokens on each (MindSpeed's layout), its experts split over tp and their outputs
+// all-reduced: one device with the same chunks makes the same gate calls, so the same drops (a
+// capacity per whole chunk: per tp slice it would differ), loss, aux loss and gradients (the
+// router's counted once, not summed over the tp ranks). MindSpeed averages each call's
+// load-balancing gradient over the data-parallel replicas: the one device's gradients are
+// compared with its coefficient divided by dp, its aux loss with the coefficient as given.
+struct ReplicatedCase {
+  const char* name;
+  ParallelPlan serial, plan;
+};
+
+class DeepSpeedGateReplicated : public ::testing::TestWithParam<ReplicatedCase> {};
+
+TEST_P(DeepSpeedGateReplicated, EqualsOneDeviceWithTheWholeChunks) {
+  const ReplicatedCase c = GetParam();
+  const ModelConfig m = gate_model(2);
+  ModelConfig averaged = m;
+  averaged.moe_aux_loss_coeff /= c.plan.data_parallel;
+  const Outcome a = run(m, c.serial, 1, false), b = run(m, c.plan, 1, false);
+  const Outcome a_grads = c.plan.data_parallel > 1 ? run(averaged, c.serial, 1, false) : a;
+  ASSERT_GT(a.dropped[0], 0);
+  EXPECT_EQ(b.dropped[0], a.dropped[0]);
+  EXPECT_NEAR(b.losses[0], a.losses[0], 1e-5 * a.losses[0]);
+  ASSERT_GT(a.aux[0], 0);
+  EXPECT_NEAR(b.aux[0], a.aux[0], 1e-5 * a.aux[0]);
+  expect_same_gradients(a_grads, b);
+  // Updated by the same gradients, the curves stay the one device's.
+  const ModelConfig& serial_model = c.plan.data_parallel > 1 ? averaged : m;
+  const Outcome a4 = run(serial_model, c.serial, 4, true), b4 = run(m, c.plan, 4, true);
+  for (std::size_t i = 0; i < a4.losses.size(); ++i)
+    EXPECT_NEAR(b4.losses[i], a4.losses[i], 1e-4 * a4.losses[i]) << "step " << i + 1;
+}
+
+const ReplicatedCase kReplicatedCases[] = {
+    {"tp2",
+     {.micro_batch_size = 2, .global_batch_size = 4},
+     {.tensor_parallel = 2,
+      .moe_model_type = "deepspeed_moe",
+      .micro_batch_size = 2,
+      .global_batch_size = 4}},
+    {"tp2_ep2_dp2_ampipe2",
+     {.micro_batch_size = 1, .global_batch_size = 4, .ampipe_degree = 2},
+     {.tensor_parallel = 2,
+      .expert_parallel = 2,
+      .moe_model_type = "deepspeed_moe",
+      .data_parallel = 2,
+      .micro_batch_size = 1,
+      .global_batch_size = 4,
+      .ampipe_degree = 2}},
+    {"tp2_ep2_dp2_ampipe2_tp_sp_overlap",
+     {.micro_batch_size = 1, .global_batch_size = 4, .ampipe_degree = 2},
+     {.tensor_parallel = 2,
+      .expert_parallel = 2,
+      .moe_model_type = "deepspeed_moe",
+      .data_parallel = 2,
+      .micro_batch_size = 1,
+      .global_batch_size = 4,
+      .ampipe_degree = 2,
+      .ampipe_tp_sp_comm_overlap = true}},
+};
+
+INSTANTIATE_TEST_SUITE_P(Plans, DeepSpeedGateReplicated, ::testing::ValuesIn(kReplicatedCases),
+                         [](const auto& info) { return std::string(info.param.name); });
+
 TEST(DeepSpeedGate, NoDropKeepsEveryPickAndTheCapacityFactorSetsTheDrops) {
   ModelConfig m = gate_model(2);
   const ParallelPlan plan{.micro_batch_size = 2, .global_batch_size = 2};
@@ -106,7 +171,7 @@ TEST(DeepSpeedGate, SettingsMindSpeedRefusesAreRefused) {
   m = gate_model(2);
   m.moe_expert_capacity_factor = 1.0;
   refused(m, one);
-  m = gate_model(2);
+  m = gate_model(2);  // under tp without SP its experts are split over tp
   refused(m, {.tensor_parallel = 2, .micro_batch_size = 1, .global_batch_size = 1});
   m.moe_no_drop = true;
   refused(m, {.pipeline_parallel = 2, .micro_batch_size = 1, .global_batch_size = 2});

@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <iterator>
+#include <string>
 
 #include "step_outcome.hpp"
 #include "tiny_model.hpp"
@@ -351,10 +353,12 @@ INSTANTIATE_TEST_SUITE_P(Plans, SplitExperts, ::testing::ValuesIn(kCases),
                          [](const auto& info) { return std::string(info.param.name); });
 
 // One step of a one-layer MoE model (tp 2 + SP, ep 2, dp 2, split experts) on the virtual
-// clock, with the kernels run, on links where an expert's all-gather costs about what its fc1
-// does.
-rt::Trace replay(ParallelPlan plan) {
+// clock, with the kernels run (or skipped: `execute`), on links where an expert's all-gather costs
+// about what its fc1 does.
+rt::Trace replay(ParallelPlan plan, MoeGate gate = MoeGate::megatron, bool execute = true) {
   ModelConfig m = tiny(4);
+  m.moe_gate = gate;
+  if (gate == MoeGate::deepspeed) m.moe_z_loss_coeff = 0;  // MindSpeed's gate has none
   m.num_layers = 1;
   m.moe_layer_freq = 1;
   m.hidden_size = 256;
@@ -371,7 +375,7 @@ rt::Trace replay(ParallelPlan plan) {
   step.prepare(1, 1e-3);
   const devices::MachineModel model(std::vector<int>(set.size(), 0), 1e12,
                                     devices::LinkModel::preset("ampipe-20gbps"));
-  rt::VirtualClock clock(model, {.execute = true});
+  rt::VirtualClock clock(model, {.execute = execute});
   return clock.run(step.graph()).trace;
 }
 
@@ -445,6 +449,43 @@ TEST(SplitExperts, TpOverlapWithoutSpReducesEachItemUnderTheNextItemsFc1) {
   // Without the overlap a chunk's experts reduce once, after all its local experts.
   EXPECT_EQ(without.find("L0.c0.i0.experts_scatter[0]"), nullptr);
   ASSERT_NE(without.find("L0.c0.experts_scatter[0]"), nullptr);
+  EXPECT_LT(step_end(with), step_end(without))
+      << step_end(with) << " ns with the overlap, " << step_end(without) << " ns without";
+}
+
+// MindSpeed's gate without SP: every tp rank holds each item's rows, so fc2's partial sums are
+// all-reduced (async_fw_all_reduce_scatter_ampipe), each item's all-reduce on the tp stream while
+// the next item's fc1 computes, its combine issued after that fc1; the step is shorter than
+// without the overlap on a slow link.
+TEST(SplitExperts, GateRoutedOnEveryTpRankAllReducesEachItemUnderTheNextItemsFc1) {
+  ParallelPlan plain = split_plan();
+  plain.sequence_parallel = false;
+  plain.ampipe_degree = 2;
+  ParallelPlan piped = plain;
+  piped.ampipe_tp_sp_comm_overlap = true;
+  // The kernels skipped (the all-to-alls timed for balanced routing): the order is the graph's.
+  const rt::Trace without = replay(plain, MoeGate::deepspeed, false);
+  const rt::Trace with = replay(piped, MoeGate::deepspeed, false);
+  const char* const items[] = {"L0.c0.i0.", "L0.c0.i1.", "L0.c1.i0.", "L0.c1.i1."};
+  for (std::size_t k = 0; k + 1 < std::size(items); ++k) {
+    const std::string reduce = std::string(items[k]) + "experts_reduce[0]";
+    const std::string next = std::string(items[k + 1]) + "fc1";
+    const std::string combine = std::string(items[k]) + "combine[0]";
+    const rt::Span* r = with.find(reduce);
+    const rt::Span* f = with.find(next);
+    const rt::Span* a = with.find(combine);
+    ASSERT_TRUE(r && f && a) << reduce << ", " << next << " or " << combine << " is missing";
+    EXPECT_EQ(with.tasks().stream_name(with.tasks()[r->task].stream), "tp") << reduce;
+    EXPECT_TRUE(overlap(*r, *f)) << reduce << " [" << r->start << ", " << r->end << "), " << next
+                                 << " [" << f->start << ", " << f->end << ")";
+    EXPECT_GE(a->start, f->start) << combine << " starts before " << next;
+  }
+  // No gather or scatter: the rows are every tp rank's already.
+  EXPECT_EQ(with.find("L0.c0.i0.experts_gather[0]"), nullptr);
+  EXPECT_EQ(with.find("L0.c0.i0.experts_scatter[0]"), nullptr);
+  // Without the overlap a chunk's experts all-reduce once, after all its local experts.
+  EXPECT_EQ(without.find("L0.c0.i0.experts_reduce[0]"), nullptr);
+  ASSERT_NE(without.find("L0.c0.experts_reduce[0]"), nullptr);
   EXPECT_LT(step_end(with), step_end(without))
       << step_end(with) << " ns with the overlap, " << step_end(without) << " ns without";
 }

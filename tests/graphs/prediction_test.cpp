@@ -97,6 +97,32 @@ TEST(Prediction, EqualsTheMaterialisedStepForTheTpOverlapWithoutSp) {
   EXPECT_EQ(p.memory, r.memory);
 }
 
+// MindSpeed's gate under tp without SP (every tp rank routing the whole chunk, the split experts'
+// partial sums all-reduced, per item under the tp-sp overlap): the prediction is the
+// materialised step's replay, with and without the overlap.
+TEST(Prediction, EqualsTheMaterialisedStepForTheGateRoutedOnEveryTpRank) {
+  for (const bool overlap : {false, true}) {
+    SCOPED_TRACE(overlap ? "tp-sp overlap" : "no overlap");
+    TrainerConfig c;
+    c.model = tiny(4);
+    c.model.moe_gate = MoeGate::deepspeed;
+    c.model.moe_z_loss_coeff = 0;
+    c.plan = {.tensor_parallel = 2,
+              .expert_parallel = 2,
+              .moe_model_type = "deepspeed_moe",
+              .data_parallel = 2,
+              .micro_batch_size = 1,
+              .global_batch_size = 4,
+              .ampipe_degree = 2,
+              .ampipe_tp_sp_comm_overlap = overlap};
+    c.machine = {.device_flops = 1e12, .device_memory_bandwidth = 1e11, .link = "nvlink4"};
+    const Prediction p = predict_step(c);
+    const MaterialisedStep r = materialised_step(c);
+    EXPECT_DOUBLE_EQ(p.step_ms, static_cast<double>(r.replay.makespan) * 1e-6);
+    EXPECT_EQ(p.memory, r.memory);
+  }
+}
+
 // The materialised step and its prediction agree too with the options that change the graph's
 // order and prices: data-parallel reductions after the backward (no --overlap-grad-reduce) or
 // during it, the distributed optimizer's gathers after the update or at the next step's start

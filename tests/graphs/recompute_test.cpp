@@ -17,8 +17,10 @@ namespace weave::graphs {
 namespace {
 
 // Four layers, every second MoE when `experts` > 0, both dropouts on.
-ModelConfig model(int experts) {
+ModelConfig model(int experts, MoeGate gate = MoeGate::megatron) {
   ModelConfig m = tiny(experts);
+  m.moe_gate = gate;
+  if (gate == MoeGate::deepspeed) m.moe_z_loss_coeff = 0;  // MindSpeed's gate has none
   m.num_layers = 4;
   m.attention_dropout = 0.1;
   return m;
@@ -32,6 +34,7 @@ struct Case {
   const char* name;
   int experts;
   ParallelPlan plan;
+  MoeGate gate = MoeGate::megatron;
 };
 
 const Case kCases[] = {
@@ -61,6 +64,18 @@ const Case kCases[] = {
       .global_batch_size = 4,
       .ampipe_degree = 2,
       .ampipe_tp_sp_comm_overlap = true}},
+    // MindSpeed's gate without SP: every tp rank routes the whole chunk, each item all-reduced.
+    {"ampipe2_tp2_ep2_deepspeed_gate_overlap",
+     4,
+     {.tensor_parallel = 2,
+      .expert_parallel = 2,
+      .moe_model_type = "deepspeed_moe",
+      .data_parallel = 2,
+      .micro_batch_size = 1,
+      .global_batch_size = 4,
+      .ampipe_degree = 2,
+      .ampipe_tp_sp_comm_overlap = true},
+     MoeGate::deepspeed},
     {"ampipe2_cp2_ep2",
      4,
      {.context_parallel = 2,
@@ -125,7 +140,7 @@ class Recomputation : public ::testing::TestWithParam<Case> {};
 // and the dropout masks of another iteration.
 TEST_P(Recomputation, IsBitwiseTheStepThatKeepsEveryActivation) {
   const Case& c = GetParam();
-  ModelConfig m = model(c.experts);
+  ModelConfig m = model(c.experts, c.gate);
   const Outcome kept = run(m, c.plan, 2, true);
   for (const Recompute& r : kMethods) {
     SCOPED_TRACE(method_name(r));
@@ -164,7 +179,7 @@ TEST_P(Recomputation, MeasuredActivationMemoryIsThePredictedOne) {
       bytes.push_back(device[static_cast<std::size_t>(rt::MemoryCategory::activations)]);
     return bytes;
   };
-  ModelConfig m = model(c.experts);
+  ModelConfig m = model(c.experts, c.gate);
   const std::vector<std::int64_t> kept = measured(m);
   EXPECT_EQ(kept, predicted(m));
   for (const Recompute& r : kMethods) {

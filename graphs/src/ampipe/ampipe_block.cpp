@@ -18,8 +18,10 @@ namespace weave::graphs {
 namespace {
 
 // Tensor parallelism without SP: every tp rank holds the whole sequence, so each chunk's
-// projection is all-reduced before its residual and norm, the tp ranks route their own slices
-// of the chunk, and the chunk's MoE output and input gradient are all-gathered back.
+// projection is all-reduced before its residual and norm. Megatron-Core's router: the tp ranks
+// route their own slices of the chunk (StepShape::routes_tp_slices), and the chunk's MoE output
+// and input gradient are all-gathered back; MindSpeed's gate routes the whole chunk on every tp
+// rank, its output and input gradient whole there already.
 bool replicated_over_tp(const StepShape& z) {
   return !z.sp() && z.tp > 1;
 }
@@ -87,8 +89,8 @@ void chunk_residual_backward(RankProgram& p, int set, int layer, int mb, int c) 
   const std::int64_t q = p.shape.piece_rows(), B = p.shape.B, first = c * q;
   const Tensor d_norm = w.d_norm.slice(0, first, q), d_tmp = w.d_tmp.slice(0, first, q);
   const Tensor d_mid = w.d_x_mid.slice(0, first, q), d_proj = w.d_mlp.slice(0, first, q);
-  // (Replicated over tp the slices' gradients are gathered into d_norm's rows already.)
-  if (!replicated_over_tp(p.shape))
+  // (Routed in slices over tp, the slices' gradients are gathered into d_norm's rows already.)
+  if (!p.shape.routes_tp_slices())
     d_norm.reshape({q * B, p.shape.h}).copy_from(p.slot(set, layer, c).d_moe_in);
   norm_backward(p.shape.model, A.x_mid.slice(0, first, q), *W.ln2_weight, W.ln2_bias,
                 A.ln2_mean.slice(0, first * B, q * B), A.ln2_rstd.slice(0, first * B, q * B),
@@ -306,7 +308,7 @@ TaskId AmpipeBlock::moe_forward(const BuildPosition& pos, const std::vector<Slot
   TaskId last = rt::kNoTask;
   for (int c = 0; c < N; ++c) {
     TaskId combined = moe.combine(pos, c, computed[c]);
-    if (replicated_over_tp(z))  // every tp rank's slice of the chunk's output, in its rows
+    if (z.routes_tp_slices())  // every tp rank's slice of the chunk's output, in its rows
       combined = P->tensor.all_gather(combined, read_of(P->slot(set, l, c).moe_out),
                                       all_of(P->acts(set, l).mlp_out.slice(0, c * q, q)),
                                       fmt::format("L{}.c{}.moe_gather", l, c),
@@ -399,7 +401,7 @@ TaskId AmpipeBlock::chunk_backward(const BuildPosition& pos, int c, const SlotPr
   const std::string chunk = fmt::format("L{}.c{}.", l, c);
   const TaskId router = MoeMlp(*P, l).router_backward(pos, c, experts);
   TaskId attention_ready = router;
-  if (replicated_over_tp(z))  // the chunk's input gradient from every tp rank's slice
+  if (z.routes_tp_slices())  // the chunk's input gradient from every tp rank's slice
     attention_ready = P->tensor.all_gather(router, read_of(P->slot(set, l, c).d_moe_in),
                                            all_of(P->ws().d_norm.slice(0, c * q, q)),
                                            chunk + "moe_grad_gather", tags);

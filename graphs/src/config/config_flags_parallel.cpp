@@ -63,7 +63,9 @@ constexpr ConfigFlag kParallelism[] = {
      .group = FlagGroup::parallelism,
      .help = "megatron_moe (MindSpeed's default; weave also reads megatron: Megatron-Core's "
              "router, experts whole) or deepspeed_moe (MindSpeed's: its gate, and experts split "
-             "over the tensor-parallel group with expert-parallel groups of one tp rank)",
+             "over the tensor-parallel group with expert-parallel groups of one tp rank; without "
+             "--sequence-parallel every tp rank gates the whole sequence, dispatches the same "
+             "tokens and all-reduces its experts' partial sums over tp, as MindSpeed does)",
      .field = plan_field<&P::moe_model_type>(),
      .description = described(plan, "moe_model_type")},
     {.name = "--use-distributed-optimizer",
@@ -220,8 +222,10 @@ constexpr ConfigFlag kAmpipe[] = {
      .help = "Sequence chunks pipelining attention with the MoE all-to-alls (Ampipe); what "
              "MindSpeed refuses beside it (EP 1, experts other than deepspeed_moe, biased linear "
              "layers) runs with a warning that names it. With tensor parallelism and no "
-             "--sequence-parallel each chunk's projection is all-reduced and each tp rank routes "
-             "its own slice of the chunk (--seq-length divisible by degree x tp)",
+             "--sequence-parallel each chunk's projection is all-reduced; MindSpeed's gate "
+             "(--moe-model-type deepspeed_moe) routes the whole chunk on every tp rank, as "
+             "MindSpeed does, Megatron-Core's router each tp rank's own slice of it (--seq-length "
+             "divisible by degree x tp)",
      .field = plan_field<&P::ampipe_degree>(),
      .check = at_least(1),
      .description = described(plan, "ampipe_degree"),
@@ -234,12 +238,14 @@ constexpr ConfigFlag kAmpipe[] = {
          "items, each item's fc2 partial sums reduced over tp while the next item's fc1 "
          "computes, as MindSpeed overlaps each item's reduce-scatter (with --sequence-parallel) "
          "or all-reduce (without) with the next item's fc1; the next item's rows are "
-         "all-gathered under this item's fc1. Without SP weave's tp ranks route their own slices "
-         "of each chunk, so the reduction is a reduce-scatter there too and the chunk's output "
-         "is gathered after the combine (needs --ampipe-degree > 1, EP > 1 and split experts: "
+         "all-gathered under this item's fc1. Without SP MindSpeed's gate routes the whole "
+         "chunk on every tp rank, so each item's rows are there already and its fc2 partial sums "
+         "are all-reduced under the next item's fc1, its combine issued after that fc1, as "
+         "MindSpeed does; Megatron-Core's router there routes each tp rank's slice of the "
+         "chunk, so its items are gathered and reduce-scattered and the chunk's output gathered "
+         "after the combine (needs --ampipe-degree > 1, EP > 1 and split experts: "
          "--moe-model-type deepspeed_moe, or --expert-tensor-parallel-size = "
-         "--tensor-model-parallel-size with Megatron-Core's router, the one way without SP: "
-         "weave runs MindSpeed's gate under tp with SP only)",
+         "--tensor-model-parallel-size with Megatron-Core's router)",
      .field = plan_field<&P::ampipe_tp_sp_comm_overlap>(),
      .description = described(plan, "ampipe_tp_sp_comm_overlap")},
     {.name = "--ampipe-cp-resend-kv",

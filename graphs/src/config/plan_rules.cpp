@@ -5,6 +5,7 @@
 #include <cmath>
 #include <utility>
 
+#include "config/layer_spec.hpp"
 #include "config/plan_derivation.hpp"
 #include "weave/graphs/config_flags.hpp"
 #include "weave/graphs/pipeline_layout.hpp"
@@ -342,12 +343,15 @@ void check_moe_gate(const ModelConfig& m, const ParallelPlan& p) {
     refuse(
         "--moe-no-drop is not compatible with pipeline parallelism (MindSpeed's rule): drop "
         "it, or set --pipeline-model-parallel-size 1");
-  if (p.tensor_parallel > 1 && !p.sequence_parallel)
+  // Without SP MindSpeed's gate routes the same tokens on every tp rank, its experts split over
+  // them: whole experts would run them tp times, their gradients counted tp times.
+  if (p.tensor_parallel > 1 && !p.sequence_parallel && !plan_splits_experts(p))
     refuse(
-        "--moe-model-type deepspeed_moe with --tensor-model-parallel-size {} needs "
-        "--sequence-parallel here: without it each MindSpeed rank gates all of the group's "
-        "tokens, and weave's ranks each route a share",
-        p.tensor_parallel);
+        "MindSpeed's deepspeed_moe gate with --tensor-model-parallel-size {} and no "
+        "--sequence-parallel routes the same tokens on every tensor-parallel rank and splits "
+        "every expert over them: set --moe-model-type deepspeed_moe (or "
+        "--expert-tensor-parallel-size {})",
+        p.tensor_parallel, p.tensor_parallel);
 }
 
 // --moe-model-type as given: deepspeed_moe splits the experts, so a different split contradicts
@@ -524,8 +528,10 @@ void check_ampipe(const ModelConfig& m, const ParallelPlan& p) {
     refuse("--ampipe-degree ({}) must not exceed --seq-length ({}): every chunk needs positions",
            degree, m.seq_length);
   // MindSpeed's rules: S % (N tp) with SP; under CP S % (2 N cp), and (S / (2 N cp)) % tp.
-  // Without SP weave's rule, S % (N tp): each tp rank routes its own slice of every chunk.
-  const int split = cp > 1 ? sp : tp;
+  // Without SP weave's rule, S % (N tp): each tp rank routes its own slice of every chunk
+  // (Megatron-Core's router); MindSpeed's gate routes every chunk whole on each tp rank.
+  const bool slices = sp == 1 && tp > 1 && m.moe_gate != MoeGate::deepspeed;
+  const int split = cp > 1 ? sp : slices ? tp : sp;
   const long long unit = 1LL * (cp > 1 ? 2 * degree * cp : degree) * split;
   if (m.seq_length % unit != 0)
     refuse(
@@ -533,9 +539,11 @@ void check_ampipe(const ModelConfig& m, const ParallelPlan& p) {
         "sequence chunk{} needs whole positions ({})",
         m.seq_length, unit, degree,
         sp > 1   ? " is split again over the sequence-parallel ranks and"
-        : tp > 1 ? " is split again over the tensor-parallel ranks' routers and"
+        : slices ? " is split again over the tensor-parallel ranks' routers and"
                  : "",
-        sp == 1 && tp > 1 ? "weave routes each tp rank's slice of a chunk" : "MindSpeed's rule");
+        slices             ? "weave routes each tp rank's slice of a chunk"
+        : sp > 1 || cp > 1 ? "MindSpeed's rule"
+                           : "the chunks are equal");
 }
 
 // --use-pipe-experts as given needs experts; as derived (still on), no more capacity slices

@@ -30,10 +30,11 @@ StepShape::StepShape(const ModelConfig& m, const ParallelPlan& p) : model(m), pl
   f1l = m.activation == Activation::swiglu ? 2 * fl : fl;
   fe = m.expert_ffn_hidden_size();
   Vl = m.padded_vocab_size(tp) / tp;
-  T = Sc / tp * B;
+  routes_replicated = plan_routes_replicated(m, p);
+  T = routes_replicated ? Sc * B : Sc / tp * B;
   for (int l = 0; l < m.num_layers; ++l)
     layers.push_back(resolve_layer_spec(m, p, l));
-  if (m.num_experts > 0 && tp > 1 && Sc % tp != 0)
+  if (m.num_experts > 0 && tp > 1 && !routes_replicated && Sc % tp != 0)
     throw ConfigError(fmt::format(
         "--seq-length ({}) must be divisible by --tensor-model-parallel-size x "
         "--context-parallel-size ({}) in a MoE model: each tensor-parallel rank routes its "

@@ -7,7 +7,7 @@
 //   Gl   key/value heads (query groups) of a tp rank, each shared by qpg query heads
 //   f1l  the first MLP linear's local outputs (2 fl for SwiGLU)   Vl  vocabulary rows of a tp rank
 //   fe   a routed expert's hidden size (--moe-ffn-hidden-size)
-//   T    the tokens a rank routes through a MoE layer (Sc / tp x B)
+//   T    the tokens a rank routes through a MoE layer (Sc / tp x B; Sc x B routed replicated)
 //   M    micro-batches a data-parallel rank runs per step
 #pragma once
 
@@ -19,6 +19,14 @@
 #include "weave/graphs/parallel_plan.hpp"
 
 namespace weave::graphs {
+
+// MindSpeed's deepspeed_moe gate under tensor parallelism without SP: every tp rank holds the
+// whole sequence and gates all of it, the same tokens on each (its router's gradient the same
+// there, not summed), its split experts' partial sums all-reduced over tp.
+inline bool plan_routes_replicated(const ModelConfig& m, const ParallelPlan& p) {
+  return m.num_experts > 0 && m.moe_gate == MoeGate::deepspeed && p.tensor_parallel > 1 &&
+         !p.sequence_parallel;
+}
 
 struct StepShape {
   StepShape(const ModelConfig& model, const ParallelPlan& plan);
@@ -37,6 +45,11 @@ struct StepShape {
   const LayerSpec& spec(int layer) const { return layers.at(static_cast<std::size_t>(layer)); }
 
   bool sp() const { return t_sp > 1; }
+  // plan_routes_replicated: every tp rank routes all of its T = Sc B tokens.
+  bool routes_replicated = false;
+  // Megatron-Core's router under tp without SP: each tp rank routes its 1/tp slice of the
+  // sequence (of every Ampipe chunk), the slices' outputs and input gradients gathered back.
+  bool routes_tp_slices() const { return tp > 1 && !sp() && !routes_replicated; }
   // A QKV row of a key/value group: its qpg query heads, its key and its value.
   std::int64_t qkv_group_width() const { return (qpg + 2) * d; }
   // The QKV projection's local outputs: (Hl + 2 Gl) d.
@@ -64,7 +77,8 @@ struct StepShape {
   }
   // Rows of h floats that hold one destination's per-local-expert counts in the dispatch.
   std::int64_t header_rows() const { return (local_experts() + h - 1) / h; }
-  // The tokens one MoE slot routes: a rank's T, or one Ampipe chunk of them.
+  // The tokens one MoE slot routes: a rank's T, or one Ampipe chunk of them (routed replicated
+  // the whole chunk, so the deepspeed_moe gate's capacity is the chunk's, as MindSpeed's).
   std::int64_t slot_tokens() const { return T / ampipe; }
   // The picks an expert takes from one source's MoE slot (plan_dispatch's ceil(f n k / E)), or 0
   // when dropless.

@@ -23,8 +23,9 @@ void allocate_items(RankProgram& P, MoeSlot& slot) {
   const std::int64_t capacity = z.expert_capacity();
   const std::int64_t in = ep * (capacity > 0 ? std::min(n, capacity) : n);
   const int slices = z.item_slices();
-  // Split experts run every tensor-parallel rank's rows of the item.
-  const std::int64_t run = z.experts_split() ? z.tp * in : in;
+  // Split experts run every tensor-parallel rank's rows of the item (routed replicated, the rows
+  // every tp rank holds alike).
+  const std::int64_t run = z.experts_split() && !z.routes_replicated ? z.tp * in : in;
   for (int e = 0; e < z.local_experts(); ++e)
     for (int j = 0; j < slices; ++j) {
       ExpertItem& I = slot.items.emplace_back();
@@ -94,8 +95,10 @@ void allocate_dispatch(RankProgram& P, MoeSlot& S) {
 void allocate_experts(RankProgram& P, MoeSlot& S) {
   const StepShape& z = P.shape;
   const std::int64_t h = z.h, capacity = z.slot_capacity();
-  // Split experts run every tensor-parallel rank's rows on this rank's share of the hidden layer.
-  const std::int64_t expert_rows = z.experts_split() ? z.tp * capacity : capacity;
+  // Split experts run every tensor-parallel rank's rows on this rank's share of the hidden layer
+  // (routed replicated, the rows every tp rank holds alike).
+  const std::int64_t expert_rows =
+      z.experts_split() && !z.routes_replicated ? z.tp * capacity : capacity;
   S.hidden_pre = P.activation({expert_rows, z.expert_local_f1()});
   S.hidden = P.activation({expert_rows, z.expert_local_f()});
   if (z.splits_backward && !z.expert_items())
@@ -113,7 +116,7 @@ void allocate_experts(RankProgram& P, MoeSlot& S) {
     S.d_expert_in = P.activation({capacity, h});
     S.d_expert_result = P.activation({capacity, h});
   }
-  if (!z.experts_split() || z.expert_items()) return;
+  if (!z.experts_split() || z.expert_items() || z.routes_replicated) return;
   const std::int64_t H = z.header_rows();
   S.tp_send = P.activation({H + capacity, h});
   S.tp_gathered = P.activation({z.tp * (H + capacity), h});
@@ -136,10 +139,10 @@ void allocate_slot(RankProgram& P, LayerActivations& A, int c) {
   const std::int64_t n = z.slot_tokens(), h = z.h;
   S.tokens = n;
   S.moe_in = P.activation({n, h});
-  // The slot's output: its rows of the layer's MLP output, or (tensor parallelism without SP)
-  // this rank's tokens before the all-gather.
+  // The slot's output: its rows of the layer's MLP output, or (tensor parallelism without SP,
+  // each tp rank routing a slice) this rank's tokens before the all-gather.
   S.moe_out =
-      (z.sp() || z.tp == 1) ? A.mlp_out.reshape({z.T, h}).slice(0, c * n, n) : P.activation({n, h});
+      z.routes_tp_slices() ? P.activation({n, h}) : A.mlp_out.reshape({z.T, h}).slice(0, c * n, n);
   S.d_moe = P.activation({n, h});
   S.d_moe_in = P.activation({n, h});
   allocate_router(P, A.moe(), S);
@@ -154,8 +157,7 @@ void MoeMlp::allocate(LayerActivations& A) const {
   const StepShape& z = P->shape;
   MoeActivations& M = A.mlp.emplace<MoeActivations>();
   M.stats_total = P->activation({router_statistics_size(z)});
-  A.mlp_out =
-      z.sp() || z.tp == 1 ? P->activation({z.Sl, z.B, z.h}) : P->activation({z.Sc, z.B, z.h});
+  A.mlp_out = P->activation({z.routes_tp_slices() ? z.Sc : z.Sl, z.B, z.h});
   M.slots.resize(static_cast<std::size_t>(z.ampipe));
   for (int c = 0; c < z.ampipe; ++c)
     allocate_slot(*P, A, c);

@@ -15,7 +15,7 @@ namespace weave::graphs {
 Tensor slot_tokens(const RankProgram& P, int c, const Tensor& sbh) {
   const StepShape& z = P.shape;
   const std::int64_t n = z.slot_tokens();
-  if (z.sp() || z.tp == 1) return sbh.reshape({z.T, z.h}).slice(0, c * n, n);
+  if (!z.routes_tp_slices()) return sbh.reshape({z.T, z.h}).slice(0, c * n, n);
   // Replicated: tp rank j routes slice j of every chunk, so that a chunk's slices are routed
   // once the chunk's norm is there and gather back into the chunk's contiguous rows.
   const std::int64_t rows = z.Sc / (z.tp * z.ampipe);
@@ -72,7 +72,7 @@ TaskId MoeMlp::forward(const BuildPosition& pos, TaskId ready) const {
   const TaskId combined = combine(pos, 0, experts(pos, 0, routed));
   P->after(stats, combined);
   TaskId routed_out = combined;
-  if (!(z.sp() || z.tp == 1))  // Without SP the layer's output is replicated: gather the slices.
+  if (z.routes_tp_slices())  // Without SP the layer's output is replicated: gather the slices.
     routed_out = P->tensor.all_gather(
         combined, read_of(P->slot(pos.set, l, 0).moe_out), all_of(P->acts(pos.set, l).mlp_out),
         fmt::format("L{}.moe_gather", l), pos.tags(rt::Phase::forward, l));
@@ -125,7 +125,8 @@ TaskId MoeMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& ha
   if (shared && overlap) shared_grad = SharedExperts(*P, l).backward(pos, ready);
   halves.flush();  // the layer above's, while the combine's gradient is in flight
   const TaskId router = router_backward(pos, 0, experts_backward(pos, 0, combined, halves));
-  const bool local = z.sp() || z.tp == 1;
+  // Routed replicated, every tp rank's input gradient is the whole sequence's already.
+  const bool local = !z.routes_tp_slices();
   const std::int64_t T = z.T, h = z.h;
   const TaskId placed =
       P->compute(fmt::format("L{}.moe_input_grad", l), pos.tags(rt::Phase::backward, l),

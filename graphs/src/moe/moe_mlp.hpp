@@ -120,7 +120,8 @@ class MoeMlp {
 };
 
 // This rank's tokens of MoE slot c: [n, h] rows of the layer's [Sl or Sc, B, h] activations
-// (its SP shard, or its 1/tp slice of a replicated sequence, and within that the Ampipe chunk).
+// (its SP shard, or its 1/tp slice of a replicated sequence under Megatron-Core's router, the
+// whole sequence under MindSpeed's gate, and within that the Ampipe chunk).
 Tensor slot_tokens(const RankProgram& P, int c, const Tensor& sbh);
 
 }  // namespace weave::graphs

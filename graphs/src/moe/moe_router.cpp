@@ -100,10 +100,13 @@ void declare_router_parameters(ParameterDeclarer& declare, const std::string& pr
   const ModelConfig& m = declare.model;
   const std::int64_t h = m.hidden_size, E = m.num_experts;
   // The MoE layer routes this rank's share of the tokens: with tp > 1 the router's gradient is a
-  // partial sum over the tensor-parallel ranks.
+  // partial sum over the tensor-parallel ranks. MindSpeed's gate under tp without SP routes the
+  // same tokens on every tp rank: its gradient is the same there, not summed (the weight's
+  // sequence_parallel attribute is the run's --sequence-parallel, which Megatron's tp all-reduce
+  // of such weights reads).
   W.weight = &declare.replicated(
       declare.add(prefix + "router.weight", {E, h}, E, h, RowMap::range(0, E), 0, declare.std, 0),
-      true);
+      !plan_routes_replicated(m, declare.mesh.plan()));
   if (uses_expert_bias(m)) W.expert_bias = &declare.state(prefix + "router.expert_bias", {E});
 }
 

@@ -4,6 +4,10 @@
 // per-expert counts, as they differ per rank when dropless) and fc2's partial sums are
 // reduce-scattered back to the rank that received them; the backward gathers the output
 // gradients and reduce-scatters fc1's input-gradient partial sums the same way.
+// Routed replicated (MindSpeed's deepspeed_moe gate under tp without SP) every tp rank holds the
+// same rows: each runs them on its share of the experts and fc2's partial sums are all-reduced
+// over tp (the experts' RowParallelLinear), as fc1's input-gradient partial sums are backward
+// (their ColumnParallelLinear).
 #include "moe/expert_products.hpp"
 #include "moe/moe_experts.hpp"
 #include "moe/moe_mlp.hpp"
@@ -171,6 +175,89 @@ void unframe_input_gradients(RankProgram& p, int set, int layer, int c) {
                 A.d_leaving.row(A.source_row[i]));
 }
 
+// Replicated routing: the rows this rank's local experts run (the same on every tp rank),
+// grouped by expert, with their outputs and gradients; under EP regrouped from their sources.
+struct ReplicatedRows {
+  Tensor x, y, dy, dx;
+  std::span<const std::int64_t> begin;
+  std::int64_t rows;
+};
+
+ReplicatedRows replicated_rows(const StepShape& z, MoeSlot& A) {
+  if (z.ep == 1) {
+    const std::int64_t rows = A.dispatch.rows();
+    return {A.grouped.slice(0, 0, rows),      A.expert_out,
+            A.d_expert_out.slice(0, 0, rows), A.d_grouped,
+            A.dispatch.expert_begin,          rows};
+  }
+  const auto rows = static_cast<std::int64_t>(A.source_row.size());
+  return {A.expert_in.slice(0, 0, rows),
+          A.expert_result,
+          A.d_expert_result.slice(0, 0, rows),
+          A.d_expert_in,
+          A.local_begin,
+          rows};
+}
+
+// fc1 and fc2 on this rank's share of every local expert: fc2's partial sums in y's first rows,
+// its other rows zero, as the all-reduce sums the whole buffer.
+void run_replicated_experts(RankProgram& p, int set, int layer, int c) {
+  const StepShape& z = p.shape;
+  MoeSlot& A = p.slot(set, layer, c);
+  if (z.ep > 1) {
+    regroup_by_expert(z, A);
+    for (std::size_t i = 0; i < A.source_row.size(); ++i)
+      std::copy_n(A.arrived.row(A.arrived_row[i]), z.h,
+                  A.expert_in.row(static_cast<std::int64_t>(i)));
+  }
+  const ReplicatedRows R = replicated_rows(z, A);
+  graphs::experts_forward(
+      expert_activation(z.model), R.x, R.begin, expert_weights(p.moe_parameters(layer).experts),
+      A.hidden_pre.slice(0, 0, R.rows), A.hidden.slice(0, 0, R.rows), R.y.slice(0, 0, R.rows));
+  R.y.slice(0, R.rows, R.y.dim(0) - R.rows).fill(0.f);
+}
+
+// The experts' backward on the same rows: fc1's input-gradient partial sums in dx's first rows
+// (the rest zero); `keep`: the weight half waits for the W action.
+void run_replicated_experts_backward(RankProgram& p, int set, int layer, int c, bool keep) {
+  const StepShape& z = p.shape;
+  MoeSlot& A = p.slot(set, layer, c);
+  if (z.ep > 1)  // the gradient rows arrived by source: regroup them by expert
+    for (std::size_t i = 0; i < A.source_row.size(); ++i)
+      std::copy_n(A.d_arrived.row(A.source_row[i]), z.h,
+                  A.d_expert_result.row(static_cast<std::int64_t>(i)));
+  const ReplicatedRows R = replicated_rows(z, A);
+  const MoeMlpParameters& W = p.moe_parameters(layer);
+  const ops::ExpertActivation act = expert_activation(z.model);
+  const Tensor pre = A.hidden_pre.slice(0, 0, R.rows), hid = A.hidden.slice(0, 0, R.rows);
+  const Tensor dx = R.dx.slice(0, 0, R.rows);
+  if (keep)
+    graphs::experts_backward_input(act, R.x, R.begin, expert_weights(W.experts), pre, hid, R.dy, dx,
+                                   A.saved_d_pre.slice(0, 0, R.rows));
+  else
+    graphs::experts_backward(act, R.x, R.begin, expert_weights(W.experts), pre, hid, R.dy, dx,
+                             W.experts.fc1->grad, W.experts.fc2->grad);
+  R.dx.slice(0, R.rows, R.dx.dim(0) - R.rows).fill(0.f);
+}
+
+void replicated_experts_weight_grad(RankProgram& p, int set, int layer, int c) {
+  MoeSlot& A = p.slot(set, layer, c);
+  const MoeMlpParameters& W = p.moe_parameters(layer);
+  const ReplicatedRows R = replicated_rows(p.shape, A);
+  ops::experts_backward_weight(R.x, R.begin, A.hidden.slice(0, 0, R.rows), R.dy,
+                               A.saved_d_pre.slice(0, 0, R.rows), W.experts.fc1->grad,
+                               W.experts.fc2->grad);
+}
+
+// Under EP the reduced rows of the slot back in their sources' order, for the all-to-all.
+void replicated_rows_leave(RankProgram& p, int set, int layer, int c, bool backward) {
+  MoeSlot& A = p.slot(set, layer, c);
+  const Tensor& from = backward ? A.d_expert_in : A.expert_result;
+  const Tensor& to = backward ? A.d_leaving : A.leaving;
+  for (std::size_t i = 0; i < A.source_row.size(); ++i)
+    std::copy_n(from.row(static_cast<std::int64_t>(i)), p.shape.h, to.row(A.source_row[i]));
+}
+
 }  // namespace
 
 SlotProgress MoeMlp::split_experts(const BuildPosition& pos, int c,
@@ -181,6 +268,24 @@ SlotProgress MoeMlp::split_experts(const BuildPosition& pos, int c,
   const std::int64_t h = z.h, H = z.header_rows();
   const rt::TaskTags tags = pos.chunk_tags(rt::Phase::forward, l, slot_chunk(c));
   const std::string at = slot_prefix(c);
+  if (z.routes_replicated) {
+    const TaskId experts =
+        P->compute(at + "experts", tags, cost::experts(z, static_cast<double>(z.slot_tokens())),
+                   [=] { run_replicated_experts(*p, set, layer, c); });
+    P->after(routed.task, experts);
+    MoeSlot& S = P->slot(set, l, c);
+    const TaskId reduced =
+        P->tensor.all_reduce(experts, all_of(z.ep == 1 ? S.expert_out : S.expert_result),
+                             devices::ReduceOp::sum, at + "experts_reduce", tags);
+    if (z.ep == 1) return {reduced, {}};
+    const TaskId out =
+        P->compute(at + "experts_out", tags, cost::streamed(z, cost::regrouped_elements(z)),
+                   [=] { replicated_rows_leave(*p, set, layer, c, false); });
+    P->after(reduced, out);
+    return {slot_exchange(pos, c, out, &MoeSlot::leaving, &MoeSlot::expert_out, false, "combine",
+                          false, rt::Phase::forward),
+            {}};
+  }
   const TaskId framed =
       P->compute(at + "experts_frame", tags, cost::streamed(z, cost::regrouped_elements(z)),
                  [=] { frame_received_rows(*p, set, layer, c); });
@@ -226,6 +331,32 @@ SlotProgress MoeMlp::split_experts_backward(const BuildPosition& pos, int c,
   const std::int64_t h = z.h;
   const rt::TaskTags tags = pos.chunk_tags(rt::Phase::backward, l, slot_chunk(c));
   const std::string at = slot_prefix(c);
+  if (z.routes_replicated) {
+    const bool keep = halves.zero_bubble();
+    const rt::CostHint flops = cost::experts(z, static_cast<double>(z.slot_tokens()));
+    const TaskId experts = P->compute(at + "experts_backward", tags, (keep ? 1 : 2) * flops, [=] {
+      run_replicated_experts_backward(*p, set, layer, c, keep);
+    });
+    P->after(arrived.task, experts);
+    if (keep)
+      halves.place(WeightPlacement::zero_bubble, [=, chunk = slot_chunk(c)] {
+        return p->compute(at + "experts_weight_grad",
+                          pos.chunk_tags(rt::Phase::weight, layer, chunk), flops,
+                          [=] { replicated_experts_weight_grad(*p, set, layer, c); });
+      });
+    MoeSlot& S = P->slot(set, l, c);
+    const TaskId reduced =
+        P->tensor.all_reduce(experts, all_of(z.ep == 1 ? S.d_grouped : S.d_expert_in),
+                             devices::ReduceOp::sum, at + "experts_grad_reduce", tags);
+    if (z.ep == 1) return {reduced, {}};
+    const TaskId out = P->compute(at + "experts_backward_out", tags,
+                                  cost::streamed(z, cost::regrouped_elements(z)),
+                                  [=] { replicated_rows_leave(*p, set, layer, c, true); });
+    P->after(reduced, out);
+    return {slot_exchange(pos, c, out, &MoeSlot::d_leaving, &MoeSlot::d_grouped, false,
+                          "dispatch_backward", false, rt::Phase::backward),
+            {}};
+  }
   const TaskId grouped = P->compute(at + "experts_backward_frame", tags,
                                     cost::streamed(z, cost::regrouped_elements(z)),
                                     [=] { group_output_gradients(*p, set, layer, c); });

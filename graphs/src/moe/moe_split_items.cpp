@@ -10,9 +10,15 @@
 // (the activation runs in fc1's task, so the previous item's combine hides under fc2 only).
 // Backward, items in reverse: the output gradients' gather of the next item issued before this
 // item's input half, whose input-gradient reduce-scatter runs under its weight half.
-// Without SP the items are the same: the tp ranks route their own slices of each Ampipe chunk,
-// so where MindSpeed all-reduces an item's replicated rows (ampipe_moe_mlp_computer.py,
-// async_fw_all_reduce_scatter_ampipe) the rows are gathered and reduce-scattered here.
+// Without SP and Megatron-Core's router the items are the same: the tp ranks route their own
+// slices of each Ampipe chunk, so the rows are gathered and reduce-scattered. With MindSpeed's
+// deepspeed_moe gate every tp rank routes the whole chunk and holds the item's rows already: as
+// MindSpeed (ampipe_moe_mlp_computer.py, async_fw_all_reduce_scatter_ampipe) fc2's partial sums
+// are all-reduced, each item's all-reduce issued after its fc2 and running under the next
+// item's fc1, after which its combine is issued; backward fc1's input-gradient partial sums are
+// all-reduced before the item's dispatch backward.
+//   tp stream:  ... AR(k-1) ~~~~~~~~~~~~~~~~~ AR(k) ~~~~~~~~~~~~~~~~~~~ ...
+//   compute:    fc1(k) | fc2(k) | fc1(k+1) | fc2(k+1) ...
 #include "model/half_precision.hpp"
 #include "moe/expert_products.hpp"
 #include "moe/moe_experts.hpp"
@@ -71,6 +77,25 @@ void activation_backward(const ModelConfig& m, const Tensor& pre, const Tensor& 
     ops::gelu_backward(ops::GeluForm::tanh, pre, d_out, d_pre);
 }
 
+// Routed replicated, fc2's partial sums go to the item's result and fc1's input-gradient partial
+// sums to its input gradient, each all-reduced in place; otherwise both to tp_partial, reduce-
+// scattered from there.
+Tensor item_output_partial(const StepShape& z, const ExpertItem& I) {
+  return z.routes_replicated ? I.expert_result : I.tp_partial;
+}
+Tensor item_input_grad_partial(const StepShape& z, const ExpertItem& I) {
+  return z.routes_replicated ? I.d_expert_in : I.tp_partial;
+}
+// The output gradients of every row the item ran: routed replicated the rows that came back.
+Tensor item_output_grad(const StepShape& z, const ExpertItem& I) {
+  return z.routes_replicated ? I.d_arrived : I.tp_d_gathered;
+}
+
+// The all-reduce sums the whole buffer: the rows past the item's zero.
+void zero_tail(const Tensor& t, std::int64_t rows) {
+  t.slice(0, rows, t.dim(0) - rows).fill(0.f);
+}
+
 // Balanced routing, for the cost hints: the picks one item carries on this rank.
 std::int64_t expected_item_rows(const StepShape& z) {
   return z.slot_tokens() * z.model.moe_router_topk / (z.local_experts() * z.item_slices());
@@ -103,6 +128,9 @@ TaskId MoeMlp::gather_item(const BuildPosition& pos, int c, int i, TaskId dispat
   const TaskId unpacked =
       P->compute(at + "experts_frame", tags, cost::streamed(P->shape, share), [=] {
         ExpertItem& I = p->slot(set, layer, c).items[static_cast<std::size_t>(i)];
+        // Routed replicated the rows are every tp rank's already: fc1 runs them as gathered.
+        const bool replicated = p->shape.routes_replicated;
+        const Tensor& into = replicated ? I.tp_gathered : I.expert_in;
         std::int64_t framed = 0, rows = 0;
         for (int q = 0; q < ep; ++q) {
           const std::int64_t count = I.framed_recv_rows[q] - 1;
@@ -113,13 +141,18 @@ TaskId MoeMlp::gather_item(const BuildPosition& pos, int c, int i, TaskId dispat
                             q, announced, count));
           I.recv_rows[q] = count;
           for (std::int64_t x = 0; x < count; ++x)
-            std::copy_n(I.arrived.row(framed + 1 + x), h, I.expert_in.row(rows + x));
+            std::copy_n(I.arrived.row(framed + 1 + x), h, into.row(rows + x));
           framed += 1 + count;
           rows += count;
         }
         I.tp_send_rows = rows;
+        if (replicated) {
+          std::fill(I.tp_gathered_rows.begin(), I.tp_gathered_rows.end(), 0);
+          I.tp_gathered_rows[0] = rows;
+        }
       });
   P->after(dispatched, unpacked);
+  if (P->shape.routes_replicated) return unpacked;
   ExpertItem& I = P->slot(set, l, c).items[static_cast<std::size_t>(i)];
   return P->tensor.all_gather_v(unpacked,
                                 {.send = read_of(I.expert_in),
@@ -173,15 +206,17 @@ void item_fc2(RankProgram& p, int set, int layer, int c, std::size_t i) {
   const MoeSlot& S = p.slot(set, layer, c);
   const ExpertItem& I = S.items[i];
   const std::int64_t rows = gathered_rows(I);
+  const Tensor partial = item_output_partial(p.shape, I);
+  if (p.shape.routes_replicated) zero_tail(partial, rows);
   if (p.half()) {  // bf16 partial sums, reduced over tp as bf16 values
     linear_forward_half(p.precision(), item_rows(S.hidden, I, rows),
                         weight16_of(*p.moe_parameters(layer).experts.fc2, I),
-                        I.tp_partial.slice(0, 0, rows));
+                        partial.slice(0, 0, rows));
     return;
   }
   ops::linear_forward(item_rows(S.hidden, I, rows),
                       weight_of(*p.moe_parameters(layer).experts.fc2, I), Tensor{},
-                      I.tp_partial.slice(0, 0, rows));
+                      partial.slice(0, 0, rows));
 }
 
 // Backward, the input half: fc2's and the activation's backward, fc1's input-gradient partial
@@ -194,23 +229,24 @@ void item_input_gradient(RankProgram& p, int set, int layer, int c, std::size_t 
   const Tensor pre = item_rows(S.hidden_pre, I, rows),
                d_hidden = item_rows(S.item_d_hidden, I, rows),
                d_pre = item_rows(S.item_d_pre, I, rows);
-  if (I.tp_d_gathered_rows != I.tp_gathered_rows)
+  if (!p.shape.routes_replicated && I.tp_d_gathered_rows != I.tp_gathered_rows)
     throw std::logic_error(
         "expert items: the output gradients gathered over tp do not match the forward's rows");
+  const Tensor dy = item_output_grad(p.shape, I).slice(0, 0, rows);
+  const Tensor partial = item_input_grad_partial(p.shape, I);
+  if (p.shape.routes_replicated) zero_tail(partial, rows);
   if (p.half()) {  // the output gradient in bf16; d_pre and the partial sums bf16 values
-    round_in_place(p.precision(), I.tp_d_gathered.slice(0, 0, rows));
-    linear_backward_input_half(p.precision(), I.tp_d_gathered.slice(0, 0, rows),
-                               weight16_of(*W.experts.fc2, I), d_hidden);
+    round_in_place(p.precision(), dy);
+    linear_backward_input_half(p.precision(), dy, weight16_of(*W.experts.fc2, I), d_hidden);
     activation_backward(p.shape.model, pre, d_hidden, d_pre);
     round_in_place(p.precision(), d_pre);
     linear_backward_input_half(p.precision(), d_pre, weight16_of(*W.experts.fc1, I),
-                               I.tp_partial.slice(0, 0, rows));
+                               partial.slice(0, 0, rows));
     return;
   }
-  ops::linear_backward_input(I.tp_d_gathered.slice(0, 0, rows), weight_of(*W.experts.fc2, I),
-                             d_hidden);
+  ops::linear_backward_input(dy, weight_of(*W.experts.fc2, I), d_hidden);
   activation_backward(p.shape.model, pre, d_hidden, d_pre);
-  ops::linear_backward_input(d_pre, weight_of(*W.experts.fc1, I), I.tp_partial.slice(0, 0, rows));
+  ops::linear_backward_input(d_pre, weight_of(*W.experts.fc1, I), partial.slice(0, 0, rows));
 }
 
 // The weight half: fc2's and fc1's weight gradients (in a bf16 run every operand holds bf16
@@ -220,7 +256,8 @@ void item_weight_gradient(RankProgram& p, int set, int layer, int c, std::size_t
   const ExpertItem& I = S.items[i];
   const MoeMlpParameters& W = p.moe_parameters(layer);
   const std::int64_t rows = gathered_rows(I);
-  ops::linear_backward_weight(item_rows(S.hidden, I, rows), I.tp_d_gathered.slice(0, 0, rows),
+  ops::linear_backward_weight(item_rows(S.hidden, I, rows),
+                              item_output_grad(p.shape, I).slice(0, 0, rows),
                               grad_of(*W.experts.fc2, I), Tensor{});
   ops::linear_backward_weight(I.tp_gathered.slice(0, 0, rows), item_rows(S.item_d_pre, I, rows),
                               grad_of(*W.experts.fc1, I), Tensor{});
@@ -290,12 +327,15 @@ std::vector<SlotProgress> MoeMlp::split_item_pipeline(const BuildPosition& pos,
     const TaskId second = P->compute(at + "fc2", tags(c), per_item * f / (f1 + f),
                                      [=] { item_fc2(*p, set, layer, c, i); });
     ExpertItem& I = P->slot(set, l, c).items[i];
-    reduced[k] = P->tensor.reduce_scatter_v(second,
-                                            {.send = read_of(I.tp_partial),
-                                             .rows = &I.tp_gathered_rows,
-                                             .recv = all_of(I.expert_result),
-                                             .expected_rows = expected},
-                                            h, at + "experts_scatter", tags(c));
+    reduced[k] = z.routes_replicated
+                     ? P->tensor.all_reduce(second, all_of(I.expert_result), devices::ReduceOp::sum,
+                                            at + "experts_reduce", tags(c))
+                     : P->tensor.reduce_scatter_v(second,
+                                                  {.send = read_of(I.tp_partial),
+                                                   .rows = &I.tp_gathered_rows,
+                                                   .recv = all_of(I.expert_result),
+                                                   .expected_rows = expected},
+                                                  h, at + "experts_scatter", tags(c));
     chain.link(reduced[k]);
   }
   if (!items.empty()) combine(items.size() - 1);
@@ -337,6 +377,10 @@ std::vector<SlotProgress> MoeMlp::split_item_pipeline_backward(
                                              false, "combine_backward", rt::Phase::backward)
                              : from.items[static_cast<std::size_t>(ref.item)];
     chain.link(ready);
+    if (z.routes_replicated) {  // the item's output gradients are every tp rank's already
+      gathered[k] = ready;
+      return;
+    }
     gathered[k] = chain.link(P->tensor.all_gather_v(
         ready,
         {.send = read_of(I.d_arrived),
@@ -366,12 +410,15 @@ std::vector<SlotProgress> MoeMlp::split_item_pipeline_backward(
     P->after(gathered[k], input);
     ExpertItem& I = P->slot(set, l, c).items[i];
     const TaskId reduced =
-        chain.link(P->tensor.reduce_scatter_v(input,
-                                              {.send = read_of(I.tp_partial),
-                                               .rows = &I.tp_gathered_rows,
-                                               .recv = all_of(I.d_expert_in),
-                                               .expected_rows = expected},
-                                              h, at + "experts_grad_scatter", tags(c)));
+        z.routes_replicated
+            ? P->tensor.all_reduce(input, all_of(I.d_expert_in), devices::ReduceOp::sum,
+                                   at + "experts_grad_reduce", tags(c))
+            : chain.link(P->tensor.reduce_scatter_v(input,
+                                                    {.send = read_of(I.tp_partial),
+                                                     .rows = &I.tp_gathered_rows,
+                                                     .recv = all_of(I.d_expert_in),
+                                                     .expected_rows = expected},
+                                                    h, at + "experts_grad_scatter", tags(c)));
     // The weight half runs while the input gradient is reduce-scattered (or waits for W).
     halves.place(halves.immediate(), [=, chunk = slot_chunk(c)] {
       return p->compute(

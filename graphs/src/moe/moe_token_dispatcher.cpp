@@ -44,7 +44,7 @@ void permute_slot(RankProgram& P, int layer, MoeSlot& A, bool counted) {
   const StepShape& z = P.shape;
   const ModelConfig& m = z.model;
   // Capacity applies per slot: per rank and Ampipe chunk, where each gate call of MindSpeed's
-  // sees its tokens.
+  // sees its tokens (under tp without SP the whole chunk, on every tp rank).
   if (m.moe_gate == MoeGate::deepspeed) {
     const std::int64_t capacity =
         m.moe_no_drop ? 0
@@ -62,8 +62,9 @@ void permute_slot(RankProgram& P, int layer, MoeSlot& A, bool counted) {
         A.topk_index, A.tokens, m.moe_router_topk, m.num_experts,
         {.capacity_factor = m.moe_expert_capacity_factor, .pick_priority = priority});
   }
-  // Every rank routes different tokens (its SP shard, tp slice, cp chunks, dp batch).
-  if (counted) {
+  // Every rank routes different tokens (its SP shard, tp slice, cp chunks, dp batch); routed
+  // replicated, the tp ranks route the same ones, counted once.
+  if (counted && (!z.routes_replicated || P.at.tp == 0)) {
     P.state.routed_picks += A.tokens * m.moe_router_topk;
     P.state.dropped_picks += A.dispatch.dropped;
     P.state.routing_digest += routing_digest(

@@ -155,8 +155,11 @@ inline rt::CostHint qkv(const StepShape& z) {
 // for `tokens` routed tokens: each local expert multiplies its share of the rows.
 inline rt::CostHint experts(const StepShape& z, double tokens) {
   const double rows = tokens * static_cast<double>(z.model.moe_router_topk);
-  const double h = static_cast<double>(z.h), f1 = static_cast<double>(z.expert_f1()),
-               f = static_cast<double>(z.fe);
+  // Split experts run every tp rank's rows on the rank's share of the hidden layer, the slot's
+  // tokens' whole products; routed replicated the rows are the slot's own, on the share alone.
+  const double share = z.routes_replicated ? static_cast<double>(z.etp) : 1.0;
+  const double h = static_cast<double>(z.h), f1 = static_cast<double>(z.expert_f1()) / share,
+               f = static_cast<double>(z.fe) / share;
   const double experts = static_cast<double>(std::max<std::int64_t>(z.local_experts(), 1));
   const double per_expert = rows / experts;
   return {.flops = 2 * tokens * static_cast<double>(z.model.moe_router_topk) * h * (f1 + f),
@@ -170,8 +173,9 @@ inline rt::CostHint experts(const StepShape& z, double tokens) {
 inline rt::CostHint expert_item(const StepShape& z, double tokens, std::int64_t slices) {
   const double items = static_cast<double>(z.local_experts() * slices);
   const double rows = tokens * static_cast<double>(z.model.moe_router_topk) / items;
-  const double h = static_cast<double>(z.h), f1 = static_cast<double>(z.expert_f1()),
-               f = static_cast<double>(z.fe);
+  const double share = z.routes_replicated ? static_cast<double>(z.etp) : 1.0;  // as experts()
+  const double h = static_cast<double>(z.h), f1 = static_cast<double>(z.expert_f1()) / share,
+               f = static_cast<double>(z.fe) / share;
   return {.flops = experts(z, tokens).flops / items,
           .messages = 2,
           .matmul_edges = static_cast<float>(matmul_edges(rows, h, f1) + matmul_edges(rows, f, h))};
