@@ -1,5 +1,7 @@
 #include "weave/runtime/critical_path.hpp"
 
+#include "trace_times.hpp"
+
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -13,33 +15,22 @@ namespace {
 // The replay's times per task, the graph's predecessors and, per device, compute tasks by end.
 class PathWalk {
  public:
-  PathWalk(const Graph& graph, const Trace& trace)
-      : tasks_(graph.tasks()),
-        start_(tasks_.size(), -1),
-        end_(tasks_.size(), -1),
-        preds_(tasks_.size()) {
+  PathWalk(const Graph& graph, const Trace& trace) : tasks_(graph.tasks()) {
     if (trace.clock() != ClockKind::virtual_time || trace.tasks().size() != tasks_.size())
       throw std::invalid_argument(fmt::format(
           "critical path: the trace has {} tasks on the {} clock and the graph {} tasks: give the "
           "virtual-clock trace of this graph's replay (VirtualClock with record_trace)",
           trace.tasks().size(), trace.clock() == ClockKind::virtual_time ? "virtual" : "wall",
           tasks_.size()));
-    for (const Span& s : trace.spans()) {
-      start_[s.task] = s.start;
-      end_[s.task] = s.end;
-    }
+    times_ = read_trace_times(graph, trace);
     for (TaskId t = 0; t < tasks_.size(); ++t) {
-      if (end_[t] < 0)
+      if (!times_.ran(t))
         throw std::invalid_argument(fmt::format(
             "critical path: task '{}' has no span in the trace: give the trace of a replay that "
             "ran every task",
             tasks_.name(t)));
-      const auto succ = graph.successors(t);
-      const auto kinds = graph.successor_kinds(t);
-      for (std::size_t i = 0; i < succ.size(); ++i)
-        preds_[succ[i]].push_back({t, kinds[i]});
       if (tasks_[t].kind == TaskKind::compute && tasks_[t].group == kNoGroup)
-        compute_by_end_[tasks_[t].device].emplace_back(end_[t], t);
+        compute_by_end_[tasks_[t].device].emplace_back(times_.end[t], t);
     }
     for (auto& [device, ends] : compute_by_end_)
       std::sort(ends.begin(), ends.end());
@@ -49,9 +40,9 @@ class PathWalk {
     CriticalPath path;
     TaskId current = kNoTask;
     for (TaskId t = 0; t < tasks_.size(); ++t)
-      if (current == kNoTask || end_[t] > end_[current]) current = t;
+      if (current == kNoTask || times_.end[t] > times_.end[current]) current = t;
     if (current == kNoTask) return path;
-    path.length = end_[current];
+    path.length = times_.end[current];
     on_path_.assign(tasks_.size(), false);
     while (current != kNoTask) {
       if (on_path_[current])
@@ -67,42 +58,25 @@ class PathWalk {
   }
 
  private:
-  struct Pred {
-    TaskId task;
-    EdgeKind kind;
-  };
-
-  static CriticalLink link_of(EdgeKind kind) {
-    switch (kind) {
-      case EdgeKind::explicit_dependency:
-        return CriticalLink::dependency;
-      case EdgeKind::stream_order:
-        return CriticalLink::stream_order;
-      case EdgeKind::event:
-        return CriticalLink::event;
-    }
-    return CriticalLink::dependency;
-  }
-
   // Adds the step for `t` and returns the task it waited for (kNoTask at the step's start). The
   // step's `waited_for` is set by the walk when it adds the step after it in time.
   TaskId step_back(TaskId t, std::vector<CriticalStep>& steps) {
-    CriticalStep step{.task = t, .last_member = t, .begin = start_[t], .end = end_[t]};
+    CriticalStep step{.task = t, .last_member = t, .begin = times_.start[t], .end = times_.end[t]};
     TaskId from = t;  // whose readiness started the step
     if (const GroupId g = tasks_[t].group; g != kNoGroup) {
       for (TaskId m : tasks_.members(g))
-        if (start_[m] > start_[from]) from = m;
+        if (times_.start[m] > times_.start[from]) from = m;
       step.last_member = from;
-      step.begin = start_[from];
+      step.begin = times_.start[from];
     }
     if (!steps.empty() && steps.back().waited_for == CriticalLink::start)
       steps.back().waited_for = pending_link_;
     steps.push_back(step);
-    if (step.begin == 0 && preds_[from].empty()) return kNoTask;
+    if (step.begin == 0 && times_.predecessors[from].empty()) return kNoTask;
     // A predecessor that ended as the step began, a data dependency before stream order.
-    const Pred* best = nullptr;
-    for (const Pred& p : preds_[from])
-      if (end_[p.task] == step.begin &&
+    const TracedPredecessor* best = nullptr;
+    for (const TracedPredecessor& p : times_.predecessors[from])
+      if (times_.end[p.task] == step.begin &&
           (!best || (best->kind == EdgeKind::stream_order && p.kind != EdgeKind::stream_order)))
         best = &p;
     if (best) {
@@ -124,8 +98,8 @@ class PathWalk {
       for (auto it = std::lower_bound(ends.begin(), ends.end(), std::pair{time, TaskId{0}});
            it != ends.end() && it->first == time; ++it) {
         const TaskId h = it->second;
-        if (h != t && !on_path_[h] && start_[h] <= start_[t] &&
-            (holder == kNoTask || start_[h] > start_[holder]))
+        if (h != t && !on_path_[h] && times_.start[h] <= times_.start[t] &&
+            (holder == kNoTask || times_.start[h] > times_.start[holder]))
           holder = h;
       }
     }
@@ -138,9 +112,7 @@ class PathWalk {
   }
 
   const TaskTable& tasks_;
-  std::vector<Nanos> start_;
-  std::vector<Nanos> end_;
-  std::vector<std::vector<Pred>> preds_;
+  TraceTimes times_;
   std::map<DeviceId, std::vector<std::pair<Nanos, TaskId>>> compute_by_end_;
   std::vector<bool> on_path_;
   CriticalLink pending_link_ = CriticalLink::start;

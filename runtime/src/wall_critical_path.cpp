@@ -7,34 +7,24 @@
 
 #include "weave/runtime/critical_path.hpp"
 
+#include "trace_times.hpp"
+
 namespace weave::rt {
 
 namespace {
 
 class WallWalk {
  public:
-  WallWalk(const Graph& graph, const Trace& trace)
-      : tasks_(graph.tasks()),
-        start_(tasks_.size(), -1),
-        end_(tasks_.size(), -1),
-        preds_(tasks_.size()) {
+  WallWalk(const Graph& graph, const Trace& trace) : tasks_(graph.tasks()) {
     if (trace.clock() != ClockKind::wall || trace.tasks().size() != tasks_.size())
       throw std::invalid_argument(fmt::format(
           "wall-clock critical path: the trace has {} tasks on the {} clock and the graph {} "
           "tasks: give the wall-clock trace of a run of this graph (RunOptions::record_trace)",
           trace.tasks().size(), trace.clock() == ClockKind::virtual_time ? "virtual" : "wall",
           tasks_.size()));
-    for (const Span& s : trace.spans()) {
-      start_[s.task] = s.start;
-      end_[s.task] = s.end;
-    }
-    for (TaskId t = 0; t < tasks_.size(); ++t) {
-      const auto succ = graph.successors(t);
-      const auto kinds = graph.successor_kinds(t);
-      for (std::size_t i = 0; i < succ.size(); ++i)
-        preds_[succ[i]].push_back({t, kinds[i]});
-      if (ran(t)) by_end_[tasks_[t].device].emplace_back(end_[t], t);
-    }
+    times_ = read_trace_times(graph, trace);
+    for (TaskId t = 0; t < tasks_.size(); ++t)
+      if (ran(t)) by_end_[tasks_[t].device].emplace_back(times_.end[t], t);
     for (auto& [device, ends] : by_end_)
       std::sort(ends.begin(), ends.end());
   }
@@ -44,30 +34,30 @@ class WallWalk {
     path.clock = ClockKind::wall;
     TaskId current = kNoTask;
     for (TaskId t = 0; t < tasks_.size(); ++t)
-      if (ran(t) && (current == kNoTask || end_[t] > end_[current])) current = t;
+      if (ran(t) && (current == kNoTask || times_.end[t] > times_.end[current])) current = t;
     if (current == kNoTask) return path;
-    Nanos first = end_[current];
+    Nanos first = times_.end[current];
     for (TaskId t = 0; t < tasks_.size(); ++t)
-      if (ran(t)) first = std::min(first, start_[t]);
+      if (ran(t)) first = std::min(first, times_.start[t]);
     path.start = first;
-    path.length = end_[current] - first;
+    path.length = times_.end[current] - first;
     on_path_.assign(tasks_.size(), false);
-    Nanos next_begin = end_[current];  // where the step after the one added next begins
+    Nanos next_begin = times_.end[current];  // where the step after the one added next begins
     while (current != kNoTask) {
       on_path_[current] = true;
-      CriticalStep step{.task = current, .last_member = current, .begin = start_[current]};
+      CriticalStep step{.task = current, .last_member = current, .begin = times_.start[current]};
       // Ends where the step after it begins: a clock read on another core may put a task's end a
       // tick past its successor's start.
-      step.end = std::min(end_[current], next_begin);
+      step.end = std::min(times_.end[current], next_begin);
       TaskId from = current;  // whose readiness started the step
       if (const GroupId g = tasks_[current].group; g != kNoGroup) {
         for (TaskId m : tasks_.members(g))
-          if (ran(m) && start_[m] > start_[from]) from = m;
+          if (ran(m) && times_.start[m] > times_.start[from]) from = m;
         step.last_member = from;
-        step.begin = std::min(start_[from], step.end);
+        step.begin = std::min(times_.start[from], step.end);
       }
       const auto [before, how] = latest_before(from, step.begin);
-      const Nanos ended = before == kNoTask ? first : std::min(end_[before], step.begin);
+      const Nanos ended = before == kNoTask ? first : std::min(times_.end[before], step.begin);
       step.waited = step.begin - ended;
       step.waited_for = how;
       path.steps.push_back(step);
@@ -79,24 +69,7 @@ class WallWalk {
   }
 
  private:
-  struct Pred {
-    TaskId task;
-    EdgeKind kind;
-  };
-
-  bool ran(TaskId t) const { return end_[t] >= 0; }
-
-  static CriticalLink link_of(EdgeKind kind) {
-    switch (kind) {
-      case EdgeKind::explicit_dependency:
-        return CriticalLink::dependency;
-      case EdgeKind::stream_order:
-        return CriticalLink::stream_order;
-      case EdgeKind::event:
-        return CriticalLink::event;
-    }
-    return CriticalLink::dependency;
-  }
+  bool ran(TaskId t) const { return times_.ran(t); }
 
   // What `t`, ready at `begin`, waited for: of its graph predecessors that ran and the task that
   // ran before it on its device (ended by `begin`, started no later than `t`), the one that ended
@@ -112,13 +85,13 @@ class WallWalk {
     };
     auto consider = [&](TaskId p, CriticalLink l) {
       if (on_path_[p] || !ran(p)) return;
-      if (best == kNoTask || end_[p] > end_[best] ||
-          (end_[p] == end_[best] && rank(l) < rank(how))) {
+      if (best == kNoTask || times_.end[p] > times_.end[best] ||
+          (times_.end[p] == times_.end[best] && rank(l) < rank(how))) {
         best = p;
         how = l;
       }
     };
-    for (const Pred& p : preds_[t])
+    for (const TracedPredecessor& p : times_.predecessors[t])
       consider(p.task, link_of(p.kind));
     const auto found = by_end_.find(tasks_[t].device);
     if (found != by_end_.end()) {
@@ -128,8 +101,9 @@ class WallWalk {
       while (it != ends.begin()) {
         --it;
         const TaskId h = it->second;
-        if (best != kNoTask && it->first < end_[best]) break;
-        if (h != t && !on_path_[h] && start_[h] <= start_[t] && start_[h] <= begin) {
+        if (best != kNoTask && it->first < times_.end[best]) break;
+        if (h != t && !on_path_[h] && times_.start[h] <= times_.start[t] &&
+            times_.start[h] <= begin) {
           consider(h, CriticalLink::device);
           break;
         }
@@ -139,9 +113,7 @@ class WallWalk {
   }
 
   const TaskTable& tasks_;
-  std::vector<Nanos> start_;
-  std::vector<Nanos> end_;
-  std::vector<std::vector<Pred>> preds_;
+  TraceTimes times_;
   std::map<DeviceId, std::vector<std::pair<Nanos, TaskId>>> by_end_;
   std::vector<bool> on_path_;
 };
