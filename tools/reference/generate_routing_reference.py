@@ -71,8 +71,11 @@ def deepspeed_gate(logits, k, factor, aux_coef):
     first = order[:, 0]
     first_mask = torch.nn.functional.one_hot(first, E)
     # Buffer locations: the running count of each expert's first choices; second choices after
-    # all of the expert's first choices. Top-1 without random token selection (use_rts off):
-    # the expert keeps its earliest tokens, which is the same location rule.
+    # all of the expert's first choices. Top-1: MindSpeed's parser leaves random token selection
+    # off (--no-use-rts is store_false onto a default of False), and an expert over capacity then
+    # keeps the tokens torch.topk of its 0/1 column returns, an order among equal values PyTorch
+    # leaves unspecified (torch 1.13 on CPU keeps neither the earliest nor the latest). The
+    # reference keeps the earliest, the order the gate's own buffer locations count in.
     loc1 = (torch.cumsum(first_mask, 0) - 1).gather(1, first[:, None])[:, 0]
     kept1 = loc1 < capacity
     me = p.mean(0)
