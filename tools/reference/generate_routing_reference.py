@@ -222,6 +222,8 @@ def cases():
              num_groups=4, group_topk=2, expert_bias=True, scaling_factor=2.5),
         dict(mc, name="megatron_sigmoid_top1", top_k=1, score="sigmoid"),
         dict(mc, name="megatron_softmax_top2_ampipe2", top_k=2, chunks=2),
+        dict(mc, name="megatron_softmax_top2_drop_probs_ampipe2", top_k=2, capacity_factor=1.0,
+             drop_policy="probs", skew=1.5, chunks=2),
         dict(mc, name="megatron_sigmoid_top2_groups_bias_ampipe4", top_k=2, score="sigmoid",
              num_groups=4, group_topk=2, expert_bias=True, chunks=4),
     ]
