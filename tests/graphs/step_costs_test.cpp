@@ -131,8 +131,9 @@ TEST(StepCosts, TheOptimizerStreamsAdamWAndTheMixedPrecisionCopies) {
 // [S B, V/t] logits in fp32: the widening from bf16 (2 read, 4 written) and the maxima (4) with
 // the output layer, subtraction (4 + 4), exp (4 + 4) and sums (4), the softmax's division (4 + 4)
 // with the loss, and backward the scaling (4 + 4) and the narrowing to bf16 (4 read, 2 written);
-// in fp32 neither widening nor narrowing.
-TEST(StepCosts, TheLossStreamsMegatronsCrossEntropyPasses) {
+// in fp32 neither widening nor narrowing. The word embedding's backward streams, beyond its
+// rows, Megatron's dense weight gradient and its addition into the fp32 main gradient.
+TEST(StepCosts, TheLossAndEmbeddingStreamMegatronsVocabularyPasses) {
   for (const Precision precision : {Precision::fp32, Precision::bf16}) {
     for (const int tp : {1, 2}) {
       SCOPED_TRACE(testing::Message() << "bf16 " << (precision == Precision::bf16) << " tp " << tp);
@@ -150,6 +151,9 @@ TEST(StepCosts, TheLossStreamsMegatronsCrossEntropyPasses) {
           {"loss_partials", logits * (8 + 8 + 4)},
           {"loss", logits * 8 + 3 * rows * a},
           {"loss_backward", logits * (8 + half * (4 + 2))},
+          // The rows' gradients (read twice, written once), then the dense [V/t, h] weight
+          // gradient written and added into the fp32 main gradient.
+          {"embedding_backward", 3 * rows * 32 * a + 64.0 / tp * 32 * (a + a + 4 + 4)},
       };
       const rt::TaskTable& tasks = b.step.graph().tasks();
       int seen = 0;
@@ -159,7 +163,7 @@ TEST(StepCosts, TheLossStreamsMegatronsCrossEntropyPasses) {
             EXPECT_DOUBLE_EQ(tasks[t].cost.bytes, bytes) << name;
             ++seen;
           }
-      EXPECT_EQ(seen, 4);
+      EXPECT_EQ(seen, 5);
     }
   }
 }

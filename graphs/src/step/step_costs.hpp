@@ -85,6 +85,19 @@ inline rt::CostHint cross_entropy_backward(const StepShape& z) {
   return widens_logits(z) ? scaled + streamed_bytes(n, 4 + 2) : scaled;
 }
 
+// The word embedding's weight gradient as Megatron-Core takes it, whatever few rows the tokens
+// touch: F.embedding's backward writes a dense [V/t, h] gradient in the weight's precision
+// (VocabParallelEmbedding, megatron/core/tensor_parallel/layers.py), and the data-parallel
+// wrapper's gradient hook adds it into the fp32 main gradient (param.main_grad.add_(param.grad)
+// in megatron/core/distributed/distributed_data_parallel.py: the embedding is no layer whose
+// weight-gradient product accumulates into main_grad itself), reading both and writing the sum:
+// every micro-batch, a + (a + 4 + 4) bytes an element.
+inline rt::CostHint embedding_weight_gradient(const StepShape& z) {
+  const double n = static_cast<double>(z.Vl) * static_cast<double>(z.h);
+  const double a = z.model.activation_bytes();
+  return streamed_bytes(n, a) + streamed_bytes(n, a + 4 + 4);
+}
+
 // A [rows, in] x [in, out] product.
 inline rt::CostHint matmul(std::int64_t rows, std::int64_t in, std::int64_t out) {
   const double r = static_cast<double>(rows), i = static_cast<double>(in),
