@@ -50,7 +50,8 @@ KORTHIKANTI_STACK = "--attention-backend unfused --attention-dropout 0.1 --hidde
 # untied embeddings (the parameter counts the table's names give: 24 x 12 x 2048^2 + 2 x 131072
 # x 2048 = 1.74B), the distributed optimizer (Megatron refuses --overlap-param-gather without it),
 # sequence parallelism where tp > 1 (--tp-comm-overlap requires it), flash attention (Transformer
-# Engine's default backend), no dropout.
+# Engine's default backend), no dropout, the unfused cross-entropy (Megatron's default without
+# --cross-entropy-loss-fusion; weave prices the loss that way).
 MEGATRON_README = [
     # model, heads, hidden, layers, tp, pp, dp, GPUs, gbs, TFLOP/s per GPU
     ("1.7B", 16, 2048, 24, 1, 1, 48, 48, 192, 408.8),

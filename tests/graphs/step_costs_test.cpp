@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <string_view>
+#include <utility>
 
 #include "tiny_model.hpp"
 #include "weave/devices/shared_memory_communicator.hpp"
@@ -123,6 +125,47 @@ TEST(StepCosts, TheOptimizerStreamsAdamWAndTheMixedPrecisionCopies) {
   EXPECT_DOUBLE_EQ(bytes_of(Precision::bf16, "optimizer"), elements * (7 * 4 + 4 + 2));
   EXPECT_DOUBLE_EQ(bytes_of(Precision::fp16, "optimizer"), elements * (7 * 4 + 4 + 2));
   EXPECT_DOUBLE_EQ(bytes_of(Precision::fp16, "unscale_and_check_inf"), elements * (4 + 4));
+}
+
+// The loss streams the passes Megatron-Core's vocab-parallel cross-entropy makes over a rank's
+// [S B, V/t] logits in fp32: the widening from bf16 (2 read, 4 written) and the maxima (4) with
+// the output layer, subtraction (4 + 4), exp (4 + 4) and sums (4), the softmax's division (4 + 4)
+// with the loss, and backward the scaling (4 + 4) and the narrowing to bf16 (4 read, 2 written);
+// in fp32 neither widening nor narrowing. The word embedding's backward streams, beyond its
+// rows, Megatron's dense weight gradient and its addition into the fp32 main gradient.
+TEST(StepCosts, TheLossAndEmbeddingStreamMegatronsVocabularyPasses) {
+  for (const Precision precision : {Precision::fp32, Precision::bf16}) {
+    for (const int tp : {1, 2}) {
+      SCOPED_TRACE(testing::Message() << "bf16 " << (precision == Precision::bf16) << " tp " << tp);
+      ModelConfig m = tiny(0);
+      m.precision = precision;
+      const int B = 2;
+      Built b(m, {.tensor_parallel = tp,
+                  .sequence_parallel = tp > 1,
+                  .micro_batch_size = B,
+                  .global_batch_size = B});
+      const double rows = m.seq_length * B, logits = rows * 64 / tp;  // the padded vocabulary, 64
+      const double a = precision == Precision::bf16 ? 2 : 4, half = a == 2 ? 1 : 0;
+      const std::pair<std::string_view, double> expected[] = {
+          {"logits", logits * (half * (2 + 4) + 4)},
+          {"loss_partials", logits * (8 + 8 + 4)},
+          {"loss", logits * 8 + 3 * rows * a},
+          {"loss_backward", logits * (8 + half * (4 + 2))},
+          // The rows' gradients (read twice, written once), then the dense [V/t, h] weight
+          // gradient written and added into the fp32 main gradient.
+          {"embedding_backward", 3 * rows * 32 * a + 64.0 / tp * 32 * (a + a + 4 + 4)},
+      };
+      const rt::TaskTable& tasks = b.step.graph().tasks();
+      int seen = 0;
+      for (rt::TaskId t = 0; t < tasks.size(); ++t)
+        for (const auto& [name, bytes] : expected)
+          if (tasks.name(t) == name && tasks[t].device == 0) {
+            EXPECT_DOUBLE_EQ(tasks[t].cost.bytes, bytes) << name;
+            ++seen;
+          }
+      EXPECT_EQ(seen, 5);
+    }
+  }
 }
 
 // The kernel model's inputs reach every task: over a dense one-device step the attention FLOPs

@@ -76,15 +76,17 @@ TaskId Embedding::backward(const BuildPosition& pos, TaskId ready) const {
   if (sp)
     gathered =
         sp_gather(*P, positions, P->ws().d_x, P->ws().d_norm_full, "embedding_grad_gather", tags);
-  const TaskId words =
-      P->compute("embedding_backward", tags, cost::streamed(z, 3.0 * z.Sc * B * h), [p, set, sp] {
-        BackwardWorkspace& w = p->ws();
-        const Tensor d = sp ? w.d_norm_full : w.d_x;
-        ops::embedding_backward<float>(
-            p->aset(set).tokens, d,
-            {p->shard().vocab_start(), p->shape.model.padded_vocab_size(p->shape.tp)},
-            p->shard().embedding().grad);
-      });
+  // The rows' gradients, then the dense weight gradient added into the main one (step_costs.hpp).
+  const rt::CostHint words_cost =
+      cost::streamed(z, 3.0 * z.Sc * B * h) + cost::embedding_weight_gradient(z);
+  const TaskId words = P->compute("embedding_backward", tags, words_cost, [p, set, sp] {
+    BackwardWorkspace& w = p->ws();
+    const Tensor d = sp ? w.d_norm_full : w.d_x;
+    ops::embedding_backward<float>(
+        p->aset(set).tokens, d,
+        {p->shard().vocab_start(), p->shape.model.padded_vocab_size(p->shape.tp)},
+        p->shard().embedding().grad);
+  });
   P->after(gathered, words);
   return words;
 }

@@ -80,7 +80,9 @@ TaskId OutputLoss::forward(const BuildPosition& pos, TaskId ready) const {
         sp_gather(*P, norm, P->ws().half.norm_out, P->ws().half.gathered, "final_gather", tags);
   else if (z.sp())
     gathered = sp_gather(*P, norm, X.final_ln, X.final_full, "final_gather", tags);
-  const TaskId logits = P->compute("logits", tags, cost::matmul(Sc * B, h, z.Vl), [=] {
+  // The products, then the loss's passes as Megatron's cross-entropy makes them (step_costs.hpp).
+  const rt::CostHint logits_cost = cost::matmul(Sc * B, h, z.Vl) + cost::cross_entropy_maxima(z);
+  const TaskId logits = P->compute("logits", tags, logits_cost, [=] {
     OutputSet& X = p->oset(out);
     if (p->half()) {  // bf16 logits, widened: the loss is fp32
       const ops::Bf16Tensor& logits16 = p->ws().half.logits16;
@@ -97,16 +99,16 @@ TaskId OutputLoss::forward(const BuildPosition& pos, TaskId ready) const {
   P->after(gathered, logits);
   const TaskId maxima =
       P->tensor.all_reduce(logits, all_of(X.row_max), devices::ReduceOp::max, "loss_max", tags);
-  const TaskId sums =
-      P->compute("loss_partials", tags, cost::streamed(z, 1.0 * Sc * B * z.Vl), [p, out] {
-        OutputSet& X = p->oset(out);
-        ops::cross_entropy_partial_sums<float>(X.logits, X.targets, vocab_shard(*p), X.row_max,
-                                               X.partials);
-      });
+  const TaskId sums = P->compute("loss_partials", tags, cost::cross_entropy_exp_sums(z), [p, out] {
+    OutputSet& X = p->oset(out);
+    ops::cross_entropy_partial_sums<float>(X.logits, X.targets, vocab_shard(*p), X.row_max,
+                                           X.partials);
+  });
   P->after(maxima, sums);
   const TaskId reduced =
       P->tensor.all_reduce(sums, all_of(X.partials), devices::ReduceOp::sum, "loss_sum", tags);
-  const TaskId loss = P->compute("loss", tags, cost::streamed(z, 3.0 * Sc * B), [p, out, mb] {
+  const rt::CostHint loss_cost = cost::streamed(z, 3.0 * Sc * B) + cost::cross_entropy_softmax(z);
+  const TaskId loss = P->compute("loss", tags, loss_cost, [p, out, mb] {
     OutputSet& X = p->oset(out);
     p->state.loss[static_cast<std::size_t>(mb)] = ops::cross_entropy_loss<float>(
         X.row_max, X.partials, X.targets, p->shape.model.padded_vocab_size(p->shape.tp),
@@ -125,7 +127,8 @@ TaskId OutputLoss::backward(const BuildPosition& pos, TaskId ready, WeightHalves
   const int last_layer = z.model.num_layers - 1;
   const rt::TaskTags tags = pos.tags(rt::Phase::backward);
   const rt::CostHint logits_flops = cost::matmul(Sc * B, h, z.Vl);
-  const TaskId d_logits = P->compute("loss_backward", tags, logits_flops, [=] {
+  const rt::CostHint d_logits_cost = logits_flops + cost::cross_entropy_backward(z);
+  const TaskId d_logits = P->compute("loss_backward", tags, d_logits_cost, [=] {
     OutputSet& X = p->oset(out);
     BackwardWorkspace& w = p->ws();
     ops::cross_entropy_backward<float>(

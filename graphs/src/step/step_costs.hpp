@@ -48,6 +48,56 @@ inline double matmul_edges(double rows, double in, double out) {
   return 2 * (rows * in + in * out + rows * out);
 }
 
+// The loss over a rank's [rows, V/t] logits as Megatron-Core's vocab-parallel cross-entropy
+// computes it (megatron/core/tensor_parallel/cross_entropy.py; its unfused path, the default
+// without --cross-entropy-loss-fusion): every pass one kernel over the whole fp32 tensor, so a
+// small model's loss at a 131,072 vocabulary streams gigabytes a micro-batch. Under bf16/fp16 the
+// logits are widened to fp32 first (.float(): 2 bytes read, 4 written) and the gradient narrowed
+// back for the output layer's products (4 read, 2 written).
+inline double logits_elements(const StepShape& z) {
+  return static_cast<double>(z.Sc * z.B) * static_cast<double>(z.Vl);
+}
+inline bool widens_logits(const StepShape& z) {
+  return z.model.activation_bytes() < 4;
+}
+// Forward, before the maxima's all-reduce: the widening and the row maxima (4 bytes read).
+inline rt::CostHint cross_entropy_maxima(const StepShape& z) {
+  const double n = logits_elements(z);
+  const rt::CostHint maxima = streamed_bytes(n, 4);
+  return widens_logits(z) ? streamed_bytes(n, 2 + 4) + maxima : maxima;
+}
+// Between the two all-reduces: the maxima subtracted in place (4 + 4), exp in place (4 + 4) and
+// the row sums (4).
+inline rt::CostHint cross_entropy_exp_sums(const StepShape& z) {
+  const double n = logits_elements(z);
+  return streamed_bytes(n, 8) + streamed_bytes(n, 8) + streamed_bytes(n, 4);
+}
+// After the sums' all-reduce: the softmax kept for the backward, exp divided by the sums in
+// place (4 + 4).
+inline rt::CostHint cross_entropy_softmax(const StepShape& z) {
+  return streamed_bytes(logits_elements(z), 8);
+}
+// Backward: the softmax minus the one-hot targets (one element a row), scaled by the loss's
+// gradient in place (4 + 4), narrowed for the products under bf16/fp16.
+inline rt::CostHint cross_entropy_backward(const StepShape& z) {
+  const double n = logits_elements(z);
+  const rt::CostHint scaled = streamed_bytes(n, 8);
+  return widens_logits(z) ? scaled + streamed_bytes(n, 4 + 2) : scaled;
+}
+
+// The word embedding's weight gradient as Megatron-Core takes it, whatever few rows the tokens
+// touch: F.embedding's backward writes a dense [V/t, h] gradient in the weight's precision
+// (VocabParallelEmbedding, megatron/core/tensor_parallel/layers.py), and the data-parallel
+// wrapper's gradient hook adds it into the fp32 main gradient (param.main_grad.add_(param.grad)
+// in megatron/core/distributed/distributed_data_parallel.py: the embedding is no layer whose
+// weight-gradient product accumulates into main_grad itself), reading both and writing the sum:
+// every micro-batch, a + (a + 4 + 4) bytes an element.
+inline rt::CostHint embedding_weight_gradient(const StepShape& z) {
+  const double n = static_cast<double>(z.Vl) * static_cast<double>(z.h);
+  const double a = z.model.activation_bytes();
+  return streamed_bytes(n, a) + streamed_bytes(n, a + 4 + 4);
+}
+
 // A [rows, in] x [in, out] product.
 inline rt::CostHint matmul(std::int64_t rows, std::int64_t in, std::int64_t out) {
   const double r = static_cast<double>(rows), i = static_cast<double>(in),
