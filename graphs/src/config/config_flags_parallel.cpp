@@ -269,8 +269,8 @@ constexpr ConfigFlag kAmpipe[] = {
      .help = "With --use-pipe-experts: the items' all-to-alls and tensor-parallel all-gathers "
              "and reduce-scatters in one strict order, so expert- and tensor-parallel traffic "
              "never share the links; needs --sequence-parallel and --moe-model-type "
-             "deepspeed_moe (MindSpeed chains them so without Ampipe only; weave under Ampipe "
-             "too)",
+             "deepspeed_moe (under Ampipe the dispatches stay out of the order, each waiting "
+             "for its chunk's router only, as MindSpeed's Ampipe issues them)",
      .field = plan_field<&P::pipe_experts_multi_stream>(),
      .description = described(plan, "pipe_experts_multi_stream")},
     {.name = "--pipe-experts-separate-streams",

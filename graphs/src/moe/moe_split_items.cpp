@@ -101,10 +101,16 @@ std::int64_t expected_item_rows(const StepShape& z) {
   return z.slot_tokens() * z.model.moe_router_topk / (z.local_experts() * z.item_slices());
 }
 
-// With --pipe-experts-multi-stream each collective waits for the one before it.
+// With --pipe-experts-multi-stream each collective waits for the one before it. Under Ampipe
+// the dispatches (the forward's, and the output gradients' trip back) stay out of the chain, as
+// in MindSpeed: its Ampipe issues them (ampipe_async_communication.py,
+// _pipe_expert_comm_before_moe_mlp_fwd and _bwd) waiting on ag_events entries still unset
+// (ampipe.py, _init_fwd_comm_list), so only their own gathers wait for them; outside Ampipe
+// (pipe_experts.py, fw_bw_ag_after_first_a2a_when_multi_stream) each waits for the gather before.
 struct Chain {
   RankProgram* P;
   bool on;
+  bool dispatches = true;
   TaskId tail = rt::kNoTask;
   TaskId link(TaskId t) {
     if (!on || t == rt::kNoTask) return t;
@@ -112,6 +118,7 @@ struct Chain {
     tail = t;
     return t;
   }
+  TaskId link_dispatch(TaskId t) { return dispatches ? link(t) : t; }
 };
 
 }  // namespace
@@ -289,13 +296,13 @@ std::vector<SlotProgress> MoeMlp::split_item_pipeline(const BuildPosition& pos,
       cost::expert_item(z, static_cast<double>(z.slot_tokens()), z.item_slices());
   const double f1 = static_cast<double>(z.expert_f1()), f = static_cast<double>(z.fe);
   const std::int64_t expected = expected_item_rows(z);
-  Chain chain{P, z.plan.pipe_experts_multi_stream};
+  Chain chain{P, z.plan.pipe_experts_multi_stream, z.plan.ampipe_degree <= 1};
   // Under the chain every dispatch waits for the gather before it, so gathers are issued in
   // order ahead of every item's GEMMs; otherwise one item ahead.
   std::vector<TaskId> gathered(items.size(), rt::kNoTask);
   auto gather = [&](std::size_t k) {
     if (gathered[k] != rt::kNoTask) return;
-    chain.link(dispatched(k));
+    chain.link_dispatch(dispatched(k));
     gathered[k] = chain.link(gather_item(pos, items[k].slot, items[k].item, dispatched(k)));
   };
   if (!items.empty()) gathered[0] = first_gathered;
@@ -362,7 +369,7 @@ std::vector<SlotProgress> MoeMlp::split_item_pipeline_backward(
       cost::expert_item(z, static_cast<double>(z.slot_tokens()), z.item_slices());
   const std::int64_t expected = expected_item_rows(z);
   const bool keep = halves.zero_bubble();
-  Chain chain{P, z.plan.pipe_experts_multi_stream};
+  Chain chain{P, z.plan.pipe_experts_multi_stream, z.plan.ampipe_degree <= 1};
   std::vector<TaskId> gathered(items.size(), rt::kNoTask);
   auto gather = [&](std::size_t k) {
     if (gathered[k] != rt::kNoTask) return;
@@ -376,7 +383,7 @@ std::vector<SlotProgress> MoeMlp::split_item_pipeline_backward(
                                              &ExpertItem::d_back, &ExpertItem::d_arrived, true,
                                              false, "combine_backward", rt::Phase::backward)
                              : from.items[static_cast<std::size_t>(ref.item)];
-    chain.link(ready);
+    chain.link_dispatch(ready);
     if (z.routes_replicated) {  // the item's output gradients are every tp rank's already
       gathered[k] = ready;
       return;
