@@ -570,5 +570,41 @@ TEST(SplitExperts, MultiStreamChainsDispatchesAfterGathersOutsideAmpipeOnly) {
   EXPECT_EQ(backward_ampipe, 0);
 }
 
+// Pipe experts under Ampipe run their items expert-major, as MindSpeed's PipeExpert does: each
+// local expert's capacity slices of both chunks before the next expert's, forward in chunk order
+// and backward with the chunks reversed.
+TEST(SplitExperts, PipeExpertsUnderAmpipeRunTheItemsExpertMajor) {
+  ModelConfig m = tiny(4);  // 4 experts over ep 2: local experts 0 and 1
+  m.num_layers = 1;
+  m.moe_layer_freq = 1;
+  ParallelPlan plan = split_plan();
+  plan.moe_model_type = "deepspeed_moe";
+  plan.ampipe_degree = 2;
+  plan.pipe_experts = true;
+  plan.pipe_experts_multi_data = 4;       // 2 slices a chunk: items i0, i1 (expert 0), i2, i3
+  plan.ampipe_tp_sp_comm_overlap = true;  // MindSpeed splits Ampipe's all-to-alls by expert so
+  validate(m, plan);
+  devices::DeviceSet set(plan.devices(), {.pin = false});
+  devices::SharedMemoryCommunicator comm;
+  const TrainingStep step(m, plan, {}, set, comm);
+  const rt::Graph& g = step.graph();
+  auto order = [&](std::string_view suffix) {
+    std::vector<std::string> names;
+    for (rt::TaskId t = 0; t < g.size(); ++t) {
+      const std::string_view name = g.tasks().name(t);
+      if (g.tasks()[t].device == 0 && name.size() > suffix.size() &&
+          name.substr(name.size() - suffix.size()) == suffix)
+        names.emplace_back(name.substr(0, name.size() - suffix.size()));
+    }
+    return names;
+  };
+  const std::vector<std::string> forward = {"L0.c0.i0.", "L0.c0.i1.", "L0.c1.i0.", "L0.c1.i1.",
+                                            "L0.c0.i2.", "L0.c0.i3.", "L0.c1.i2.", "L0.c1.i3."};
+  const std::vector<std::string> backward = {"L0.c1.i0.", "L0.c1.i1.", "L0.c0.i0.", "L0.c0.i1.",
+                                             "L0.c1.i2.", "L0.c1.i3.", "L0.c0.i2.", "L0.c0.i3."};
+  EXPECT_EQ(order("fc1"), forward);
+  EXPECT_EQ(order("experts_backward"), backward);
+}
+
 }  // namespace
 }  // namespace weave::graphs

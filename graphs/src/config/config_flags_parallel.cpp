@@ -282,7 +282,10 @@ constexpr ConfigFlag kAmpipe[] = {
      .description = described(plan, "pipe_experts_separate_streams")},
     {.name = "--pipe-experts-multi-data",
      .group = FlagGroup::ampipe,
-     .help = "With --use-pipe-experts: capacity slices per expert (divided among Ampipe chunks)",
+     .help = "With --use-pipe-experts: capacity slices per expert (divided among Ampipe chunks; "
+             "under Ampipe, split experts run every chunk's items in one pipeline, "
+             "expert-major: each local expert's slices of every chunk before the next "
+             "expert's, as MindSpeed's PipeExpert runs them)",
      .field = plan_field<&P::pipe_experts_multi_data>(),
      .check = at_least(1),
      .description = described(plan, "pipe_experts_multi_data"),

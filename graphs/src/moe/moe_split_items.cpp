@@ -35,11 +35,27 @@ struct ItemRef {
   int slot, item;
 };
 
+// The slots' items in the order their GEMMs run. A slot's items are (local expert, capacity
+// slice), expert-major. With pipe experts the slots' items run expert-major as well, each local
+// expert's items of every slot (Ampipe chunk) before the next expert's, as MindSpeed's PipeExpert
+// runs them under Ampipe (pipe_experts.py: expert i, then multi_data index j, where
+// ampipe_async_communication.py puts chunk c's slices of expert i at i * multi_data + c *
+// multi_data / degree; the backward's chunks reversed, as `slots` comes here). Without them
+// (the tp-sp overlap alone) chunk-major, as its ampipe_experts_forward loops chunk, then expert.
 std::vector<ItemRef> items_of(RankProgram& P, int set, int l, const std::vector<int>& slots) {
   std::vector<ItemRef> out;
-  for (int c : slots)
-    for (std::size_t i = 0; i < P.slot(set, l, c).items.size(); ++i)
-      out.push_back({c, static_cast<int>(i)});
+  if (!P.shape.pipe_experts()) {
+    for (int c : slots)
+      for (std::size_t i = 0; i < P.slot(set, l, c).items.size(); ++i)
+        out.push_back({c, static_cast<int>(i)});
+    return out;
+  }
+  const int slices = P.shape.item_slices();
+  const auto experts = static_cast<int>(P.shape.local_experts());
+  for (int e = 0; e < experts; ++e)
+    for (int c : slots)
+      for (int j = 0; j < slices; ++j)
+        out.push_back({c, e * slices + j});
   return out;
 }
 
