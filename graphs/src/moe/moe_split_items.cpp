@@ -2,7 +2,7 @@
 // its own all-to-alls and its own tensor-parallel all-gather and reduce-scatter, pipelined so
 // that the collectives of one item run under another item's GEMMs: MindSpeed's
 // --ampipe-tp-sp-comm-overlap (items of every Ampipe chunk) and pipe experts with tensor-
-// parallel experts (items of one slot).
+// parallel experts (items of one slot, or under Ampipe of every chunk, expert-major).
 //
 // Forward, item k:   gather(k+1) issued | fc1 + act(k) | combine(k-1) issued | fc2(k) | RS(k)
 //   tp stream:  ... AG(k+1) ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~ RS(k) ~~~ AG(k+2) ...
