@@ -214,6 +214,24 @@ TEST(CliTrain, MindSpeedsRulesOverFlagsWithoutEffectAreKept) {
       "--moe-no-drop --moe-dynamic-padding",
       kTinyModel));
   EXPECT_EQ(both.status, 0) << both.out;
+  // MindSpeed's Ampipe under CP asserts megatron_cp_algo (its default is ulysses_cp_algo).
+  const std::string ampipe_cp = fmt::format(
+      "train {} --mock-data --train-iters 1 --num-experts 4 --ampipe-degree 2 "
+      "--context-parallel-size 2",
+      kTinyModel);
+  const Result ulysses = weave(ampipe_cp + " --context-parallel-algo ulysses_cp_algo");
+  EXPECT_NE(ulysses.status, 0);
+  EXPECT_NE(ulysses.out.find("needs --context-parallel-algo megatron_cp_algo (MindSpeed's rule"),
+            std::string::npos)
+      << ulysses.out;
+  EXPECT_NE(ulysses.out.find("got ulysses_cp_algo"), std::string::npos) << ulysses.out;
+  const Result unknown = weave(ampipe_cp + " --context-parallel-algo ring");
+  EXPECT_NE(unknown.status, 0);
+  EXPECT_NE(unknown.out.find("--context-parallel-algo ring is not one of MindSpeed's"),
+            std::string::npos)
+      << unknown.out;
+  const Result ring = weave(ampipe_cp + " --context-parallel-algo megatron_cp_algo");
+  EXPECT_EQ(ring.status, 0) << ring.out;
 }
 
 TEST(CliTrain, UnknownFlagsAndKeysGetASuggestion) {

@@ -517,5 +517,94 @@ TEST(SplitExperts, MultiStreamNeverOverlapsExpertAndTensorParallelCollectives) {
   EXPECT_EQ(clashes(chained), 0);
 }
 
+// Explicit edges from a task whose name holds `from` to one whose name holds `to` (and not
+// `not_to`), over the step's graph.
+int edges_between(const rt::Graph& g, std::string_view from, std::string_view to,
+                  std::string_view not_to) {
+  int count = 0;
+  for (rt::TaskId t = 0; t < g.size(); ++t) {
+    if (g.tasks().name(t).find(from) == std::string_view::npos) continue;
+    const auto succ = g.successors(t);
+    const auto kinds = g.successor_kinds(t);
+    for (std::size_t i = 0; i < succ.size(); ++i) {
+      const std::string_view name = g.tasks().name(succ[i]);
+      if (kinds[i] == rt::EdgeKind::explicit_dependency &&
+          name.find(to) != std::string_view::npos && name.find(not_to) == std::string_view::npos)
+        ++count;
+    }
+  }
+  return count;
+}
+
+// MindSpeed chains each item's dispatch after the gather before it outside Ampipe
+// (pipe_experts.py) and leaves Ampipe's dispatches unchained (their ag_events still unset):
+// so does the graph, forward and backward.
+TEST(SplitExperts, MultiStreamChainsDispatchesAfterGathersOutsideAmpipeOnly) {
+  auto graph_edges = [](int degree) {
+    ModelConfig m = tiny(4);
+    m.num_layers = 1;
+    m.moe_layer_freq = 1;
+    ParallelPlan plan = split_plan();
+    plan.moe_model_type = "deepspeed_moe";
+    plan.ampipe_degree = degree;
+    plan.pipe_experts = true;
+    plan.pipe_experts_multi_stream = true;
+    plan.pipe_experts_multi_data = 2;
+    validate(m, plan);
+    devices::DeviceSet set(plan.devices(), {.pin = false});
+    devices::SharedMemoryCommunicator comm;
+    const TrainingStep step(m, plan, {}, set, comm);
+    const rt::Graph& g = step.graph();
+    // Under Ampipe the gathers stay chained, one after another (MindSpeed's all-gather stream).
+    if (degree > 1) {
+      EXPECT_GT(edges_between(g, "experts_gather", "experts_gather", "grad"), 0);
+    }
+    return std::pair{edges_between(g, "experts_gather", ".dispatch", "dispatch_backward"),
+                     edges_between(g, "experts_grad_gather", "combine_backward", "~")};
+  };
+  const auto [forward_alone, backward_alone] = graph_edges(1);
+  EXPECT_GT(forward_alone, 0);
+  EXPECT_GT(backward_alone, 0);
+  const auto [forward_ampipe, backward_ampipe] = graph_edges(2);
+  EXPECT_EQ(forward_ampipe, 0);
+  EXPECT_EQ(backward_ampipe, 0);
+}
+
+// Pipe experts under Ampipe run their items expert-major, as MindSpeed's PipeExpert does: each
+// local expert's capacity slices of both chunks before the next expert's, forward in chunk order
+// and backward with the chunks reversed.
+TEST(SplitExperts, PipeExpertsUnderAmpipeRunTheItemsExpertMajor) {
+  ModelConfig m = tiny(4);  // 4 experts over ep 2: local experts 0 and 1
+  m.num_layers = 1;
+  m.moe_layer_freq = 1;
+  ParallelPlan plan = split_plan();
+  plan.moe_model_type = "deepspeed_moe";
+  plan.ampipe_degree = 2;
+  plan.pipe_experts = true;
+  plan.pipe_experts_multi_data = 4;       // 2 slices a chunk: items i0, i1 (expert 0), i2, i3
+  plan.ampipe_tp_sp_comm_overlap = true;  // MindSpeed splits Ampipe's all-to-alls by expert so
+  validate(m, plan);
+  devices::DeviceSet set(plan.devices(), {.pin = false});
+  devices::SharedMemoryCommunicator comm;
+  const TrainingStep step(m, plan, {}, set, comm);
+  const rt::Graph& g = step.graph();
+  auto order = [&](std::string_view suffix) {
+    std::vector<std::string> names;
+    for (rt::TaskId t = 0; t < g.size(); ++t) {
+      const std::string_view name = g.tasks().name(t);
+      if (g.tasks()[t].device == 0 && name.size() > suffix.size() &&
+          name.substr(name.size() - suffix.size()) == suffix)
+        names.emplace_back(name.substr(0, name.size() - suffix.size()));
+    }
+    return names;
+  };
+  const std::vector<std::string> forward = {"L0.c0.i0.", "L0.c0.i1.", "L0.c1.i0.", "L0.c1.i1.",
+                                            "L0.c0.i2.", "L0.c0.i3.", "L0.c1.i2.", "L0.c1.i3."};
+  const std::vector<std::string> backward = {"L0.c1.i0.", "L0.c1.i1.", "L0.c0.i0.", "L0.c0.i1.",
+                                             "L0.c1.i2.", "L0.c1.i3.", "L0.c0.i2.", "L0.c0.i3."};
+  EXPECT_EQ(order("fc1"), forward);
+  EXPECT_EQ(order("experts_backward"), backward);
+}
+
 }  // namespace
 }  // namespace weave::graphs

@@ -169,9 +169,11 @@ CLI::Option* add_without_effect(CLI::App& cmd, const ConfigFlag& f, TrainOptions
   CLI::Option* opt = f.values == 0 ? cmd.add_flag(name)
                                    : cmd.add_option(name)->expected(f.values)->type_name("VALUE");
   opt->description(std::string(f.help));
-  opt->each([&o, name](const std::string&) {
+  const bool valued = f.values > 0;
+  opt->each([&o, name, valued](const std::string& value) {
     if (std::find(o.no_effect.begin(), o.no_effect.end(), name) == o.no_effect.end())
       o.no_effect.push_back(name);
+    if (valued) o.no_effect_values[name] = value;
   });
   return opt;
 }

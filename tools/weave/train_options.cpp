@@ -1,6 +1,7 @@
 #include "train_options.hpp"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cctype>
@@ -317,6 +318,32 @@ std::string moe_text(const graphs::ModelConfig& m) {
 
 namespace {
 
+// --context-parallel-algo names MindSpeed's algorithm; weave's context parallelism is always the
+// ring (its megatron_cp_algo), so the value changes nothing, but MindSpeed's choices and its
+// Ampipe rule (arguments.py: with --context-parallel-size > 1 Ampipe asserts megatron_cp_algo)
+// stop a MindSpeed run, so they stop this one. Left out, weave's algorithm is the ring;
+// MindSpeed's default is ulysses_cp_algo.
+void check_context_parallel_algo(const TrainOptions& o) {
+  const auto given = o.no_effect_values.find("--context-parallel-algo");
+  if (given == o.no_effect_values.end()) return;
+  const std::string& algo = given->second;
+  constexpr std::string_view kChoices[] = {"ulysses_cp_algo", "megatron_cp_algo", "hybrid_cp_algo",
+                                           "adaptive_cp_algo", "hybrid_adaptive_cp_algo"};
+  if (std::find(std::begin(kChoices), std::end(kChoices), algo) == std::end(kChoices))
+    throw graphs::ConfigError(fmt::format(
+        "--context-parallel-algo {} is not one of MindSpeed's algorithms ({}): weave runs the "
+        "ring (megatron_cp_algo) whichever is named",
+        algo, fmt::join(kChoices, ", ")));
+  const graphs::ParallelPlan& p = o.config.plan;
+  if (p.ampipe_degree > 1 && p.context_parallel > 1 && algo != "megatron_cp_algo")
+    throw graphs::ConfigError(fmt::format(
+        "--ampipe-degree {} with --context-parallel-size {} needs --context-parallel-algo "
+        "megatron_cp_algo (MindSpeed's rule: Ampipe's two chunks are the ring's load-balanced "
+        "halves), got {}: give megatron_cp_algo, or drop the flag (weave's context parallelism "
+        "is that ring)",
+        p.ampipe_degree, p.context_parallel, algo));
+}
+
 // MindSpeed's rules over flags weave accepts without effect (mindspeed/arguments.py): they would
 // stop a MindSpeed run, so they stop this one.
 void check_mindspeed_flag_rules(const TrainOptions& o) {
@@ -332,6 +359,7 @@ void check_mindspeed_flag_rules(const TrainOptions& o) {
     if (given(flag) && m.num_experts > 0)
       throw graphs::ConfigError(
           fmt::format("{} is not compatible with MoE models (MindSpeed's rule): drop it", flag));
+  check_context_parallel_algo(o);
 }
 
 }  // namespace

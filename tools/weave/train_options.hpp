@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -86,6 +87,8 @@ struct TrainOptions {
   std::vector<std::string> deepspeed_unhonoured;
   // The flags given that are accepted without effect (graphs/config_flags.hpp), each once.
   std::vector<std::string> no_effect;
+  // The last value given to each of them that takes one: MindSpeed's rules read some.
+  std::map<std::string, std::string, std::less<>> no_effect_values;
 };
 
 // Where a flag of the table without a field of its own writes its value: a setting the program

@@ -189,6 +189,13 @@ void chunk_attention_backward(RankProgram& p, int set, int layer, int mb, int c)
   }
 }
 
+// Split experts' items of every chunk run in one pipeline under the tp-sp overlap, and under
+// pipe experts, whose items MindSpeed's PipeExpert runs expert-major across the chunks
+// (pipe_experts.py).
+bool items_in_one_pipeline(const StepShape& z) {
+  return z.tp_sp_overlap() || (z.pipe_experts() && z.experts_split());
+}
+
 }  // namespace
 
 TaskId AmpipeBlock::forward(const BuildPosition& pos, TaskId ready) const {
@@ -295,7 +302,7 @@ TaskId AmpipeBlock::moe_forward(const BuildPosition& pos, const std::vector<Slot
   const int N = z.ampipe;
   const MoeMlp moe(*P, l);
   std::vector<SlotProgress> computed(static_cast<std::size_t>(N));
-  if (z.tp_sp_overlap()) {  // every chunk's items in one pipeline
+  if (items_in_one_pipeline(z)) {  // every chunk's items in one pipeline
     std::vector<int> chunks(static_cast<std::size_t>(N));
     std::iota(chunks.begin(), chunks.end(), 0);
     computed = moe.split_item_pipeline(pos, chunks, routed, first_gathered);
@@ -371,8 +378,8 @@ std::vector<SlotProgress> AmpipeBlock::moe_backward(const BuildPosition& pos, Ta
       experts(static_cast<std::size_t>(N));
   for (int c = N - 1; c >= 0; --c)
     combined[c] = moe.combine_backward(pos, c, start);
-  halves.flush();           // the layer above's, while the combines' gradients are in flight
-  if (z.tp_sp_overlap()) {  // every chunk's items in one pipeline, the chunks in reverse
+  halves.flush();                  // the layer above's, while the combines' gradients are in flight
+  if (items_in_one_pipeline(z)) {  // every chunk's items in one pipeline, the chunks in reverse
     std::vector<int> chunks;
     std::vector<SlotProgress> arrived;
     for (int c = N - 1; c >= 0; --c) {

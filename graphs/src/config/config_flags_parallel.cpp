@@ -269,8 +269,8 @@ constexpr ConfigFlag kAmpipe[] = {
      .help = "With --use-pipe-experts: the items' all-to-alls and tensor-parallel all-gathers "
              "and reduce-scatters in one strict order, so expert- and tensor-parallel traffic "
              "never share the links; needs --sequence-parallel and --moe-model-type "
-             "deepspeed_moe (MindSpeed chains them so without Ampipe only; weave under Ampipe "
-             "too)",
+             "deepspeed_moe (under Ampipe the dispatches stay out of the order, each waiting "
+             "for its chunk's router only, as MindSpeed's Ampipe issues them)",
      .field = plan_field<&P::pipe_experts_multi_stream>(),
      .description = described(plan, "pipe_experts_multi_stream")},
     {.name = "--pipe-experts-separate-streams",
@@ -282,7 +282,10 @@ constexpr ConfigFlag kAmpipe[] = {
      .description = described(plan, "pipe_experts_separate_streams")},
     {.name = "--pipe-experts-multi-data",
      .group = FlagGroup::ampipe,
-     .help = "With --use-pipe-experts: capacity slices per expert (divided among Ampipe chunks)",
+     .help = "With --use-pipe-experts: capacity slices per expert (divided among Ampipe chunks; "
+             "under Ampipe, split experts run every chunk's items in one pipeline, "
+             "expert-major: each local expert's slices of every chunk before the next "
+             "expert's, as MindSpeed's PipeExpert runs them)",
      .field = plan_field<&P::pipe_experts_multi_data>(),
      .check = at_least(1),
      .description = described(plan, "pipe_experts_multi_data"),

@@ -63,6 +63,10 @@ constexpr std::string_view kMoeOverlap =
 constexpr std::string_view kContextParallel =
     "context parallelism is ring attention, key/value blocks passed round the ring by send and "
     "receive (Megatron's p2p, MindSpeed's megatron_cp_algo)";
+constexpr std::string_view kContextParallelAlgo =
+    "context parallelism is ring attention whichever algorithm is named (MindSpeed's "
+    "megatron_cp_algo); MindSpeed's rules are kept: one of its five algorithms, and "
+    "megatron_cp_algo with --ampipe-degree > 1 under --context-parallel-size > 1";
 constexpr std::string_view kDeterministic =
     "weave's runs are always deterministic: the same flags give bitwise the same losses";
 constexpr std::string_view kPython = "Python memory management: weave has none to tune";
@@ -172,7 +176,7 @@ constexpr ConfigFlag kNoEffect[] = {
     without_effect("--moe-token-dispatcher-type", 1,
                    "tokens always reach their experts by all-to-all (Megatron's alltoall)"),
     without_effect("--cp-comm-type", 1, kContextParallel),
-    without_effect("--context-parallel-algo", 1, kContextParallel),
+    without_effect("--context-parallel-algo", 1, kContextParallelAlgo),
     without_effect("--use-cp-send-recv-overlap", 0,
                    "the ring's sends and receives always overlap the attention blocks"),
     without_effect("--async-tensor-model-parallel-allreduce", 0, kTpOverlap),

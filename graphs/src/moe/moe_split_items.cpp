@@ -2,7 +2,7 @@
 // its own all-to-alls and its own tensor-parallel all-gather and reduce-scatter, pipelined so
 // that the collectives of one item run under another item's GEMMs: MindSpeed's
 // --ampipe-tp-sp-comm-overlap (items of every Ampipe chunk) and pipe experts with tensor-
-// parallel experts (items of one slot).
+// parallel experts (items of one slot, or under Ampipe of every chunk, expert-major).
 //
 // Forward, item k:   gather(k+1) issued | fc1 + act(k) | combine(k-1) issued | fc2(k) | RS(k)
 //   tp stream:  ... AG(k+1) ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~ RS(k) ~~~ AG(k+2) ...
@@ -35,11 +35,27 @@ struct ItemRef {
   int slot, item;
 };
 
+// The slots' items in the order their GEMMs run. A slot's items are (local expert, capacity
+// slice), expert-major. With pipe experts the slots' items run expert-major as well, each local
+// expert's items of every slot (Ampipe chunk) before the next expert's, as MindSpeed's PipeExpert
+// runs them under Ampipe (pipe_experts.py: expert i, then multi_data index j, where
+// ampipe_async_communication.py puts chunk c's slices of expert i at i * multi_data + c *
+// multi_data / degree; the backward's chunks reversed, as `slots` comes here). Without them
+// (the tp-sp overlap alone) chunk-major, as its ampipe_experts_forward loops chunk, then expert.
 std::vector<ItemRef> items_of(RankProgram& P, int set, int l, const std::vector<int>& slots) {
   std::vector<ItemRef> out;
-  for (int c : slots)
-    for (std::size_t i = 0; i < P.slot(set, l, c).items.size(); ++i)
-      out.push_back({c, static_cast<int>(i)});
+  if (!P.shape.pipe_experts()) {
+    for (int c : slots)
+      for (std::size_t i = 0; i < P.slot(set, l, c).items.size(); ++i)
+        out.push_back({c, static_cast<int>(i)});
+    return out;
+  }
+  const int slices = P.shape.item_slices();
+  const auto experts = static_cast<int>(P.shape.local_experts());
+  for (int e = 0; e < experts; ++e)
+    for (int c : slots)
+      for (int j = 0; j < slices; ++j)
+        out.push_back({c, e * slices + j});
   return out;
 }
 
@@ -101,10 +117,16 @@ std::int64_t expected_item_rows(const StepShape& z) {
   return z.slot_tokens() * z.model.moe_router_topk / (z.local_experts() * z.item_slices());
 }
 
-// With --pipe-experts-multi-stream each collective waits for the one before it.
+// With --pipe-experts-multi-stream each collective waits for the one before it. Under Ampipe
+// the dispatches (the forward's, and the output gradients' trip back) stay out of the chain, as
+// in MindSpeed: its Ampipe issues them (ampipe_async_communication.py,
+// _pipe_expert_comm_before_moe_mlp_fwd and _bwd) waiting on ag_events entries still unset
+// (ampipe.py, _init_fwd_comm_list), so only their own gathers wait for them; outside Ampipe
+// (pipe_experts.py, fw_bw_ag_after_first_a2a_when_multi_stream) each waits for the gather before.
 struct Chain {
   RankProgram* P;
   bool on;
+  bool dispatches = true;
   TaskId tail = rt::kNoTask;
   TaskId link(TaskId t) {
     if (!on || t == rt::kNoTask) return t;
@@ -112,6 +134,7 @@ struct Chain {
     tail = t;
     return t;
   }
+  TaskId link_dispatch(TaskId t) { return dispatches ? link(t) : t; }
 };
 
 }  // namespace
@@ -289,13 +312,13 @@ std::vector<SlotProgress> MoeMlp::split_item_pipeline(const BuildPosition& pos,
       cost::expert_item(z, static_cast<double>(z.slot_tokens()), z.item_slices());
   const double f1 = static_cast<double>(z.expert_f1()), f = static_cast<double>(z.fe);
   const std::int64_t expected = expected_item_rows(z);
-  Chain chain{P, z.plan.pipe_experts_multi_stream};
+  Chain chain{P, z.plan.pipe_experts_multi_stream, z.plan.ampipe_degree <= 1};
   // Under the chain every dispatch waits for the gather before it, so gathers are issued in
   // order ahead of every item's GEMMs; otherwise one item ahead.
   std::vector<TaskId> gathered(items.size(), rt::kNoTask);
   auto gather = [&](std::size_t k) {
     if (gathered[k] != rt::kNoTask) return;
-    chain.link(dispatched(k));
+    chain.link_dispatch(dispatched(k));
     gathered[k] = chain.link(gather_item(pos, items[k].slot, items[k].item, dispatched(k)));
   };
   if (!items.empty()) gathered[0] = first_gathered;
@@ -362,7 +385,7 @@ std::vector<SlotProgress> MoeMlp::split_item_pipeline_backward(
       cost::expert_item(z, static_cast<double>(z.slot_tokens()), z.item_slices());
   const std::int64_t expected = expected_item_rows(z);
   const bool keep = halves.zero_bubble();
-  Chain chain{P, z.plan.pipe_experts_multi_stream};
+  Chain chain{P, z.plan.pipe_experts_multi_stream, z.plan.ampipe_degree <= 1};
   std::vector<TaskId> gathered(items.size(), rt::kNoTask);
   auto gather = [&](std::size_t k) {
     if (gathered[k] != rt::kNoTask) return;
@@ -376,7 +399,7 @@ std::vector<SlotProgress> MoeMlp::split_item_pipeline_backward(
                                              &ExpertItem::d_back, &ExpertItem::d_arrived, true,
                                              false, "combine_backward", rt::Phase::backward)
                              : from.items[static_cast<std::size_t>(ref.item)];
-    chain.link(ready);
+    chain.link_dispatch(ready);
     if (z.routes_replicated) {  // the item's output gradients are every tp rank's already
       gathered[k] = ready;
       return;
