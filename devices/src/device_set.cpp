@@ -73,8 +73,7 @@ DeviceSet::DeviceSet(Topology topology, int count, DeviceSetOptions options)
   // The devices not held share one idle arena: a prediction's thousands of folded devices
   // would each cost an arena's set-up and tear-down (most of the time of predicting Llama 3
   // 405B on 16,384 H100s).
-  if (layout_.size() < devices_.size())
-    absent_.push_back(std::make_unique<tbb::task_arena>(1, 0));
+  if (layout_.size() < devices_.size()) absent_.push_back(std::make_unique<tbb::task_arena>(1, 0));
   executor_ = std::make_unique<rt::Executor>(arenas());
 }
 

@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "../ops/hashed_uniform.hpp"
 #include "tiny_model.hpp"
 #include "weave/devices/device_set.hpp"
 #include "weave/devices/shared_memory_communicator.hpp"
@@ -36,20 +37,11 @@ const nlohmann::json& reference() {
   return data;
 }
 
-// The initial value of logical element (row, col) of parameter `name`: a + s v with v uniform in
-// [-1, 1) from a hash of the three (splitmix64 of the name's FNV-1a plus the row and column, each
-// times an odd constant); norm weights 1 + 0.1 v, biases 0.05 v, the rest 0.1 v. The generator
-// computes the same function.
+// The initial value of logical element (row, col) of parameter `name`: a + s v with v the hash of
+// the three (hashed_uniform.hpp); norm weights 1 + 0.1 v, biases 0.05 v, the rest 0.1 v, as the
+// generator's init_value.
 float init_value(const std::string& name, std::int64_t row, std::int64_t col) {
-  std::uint64_t key = 0xCBF29CE484222325ull;
-  for (const char ch : name)
-    key = (key ^ static_cast<unsigned char>(ch)) * 0x100000001B3ull;
-  std::uint64_t x = key + static_cast<std::uint64_t>(row) * 0x9E3779B97F4A7C15ull +
-                    static_cast<std::uint64_t>(col) * 0xC2B2AE3D27D4EB4Full;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  x ^= x >> 31;
-  const double v = 2.0 * (static_cast<double>(x >> 40) / static_cast<double>(1 << 24)) - 1.0;
+  const double v = ops::hashed_uniform(name, row, col);
   const auto ends_with = [&](const std::string& tail) {
     return name.size() >= tail.size() &&
            name.compare(name.size() - tail.size(), tail.size(), tail) == 0;

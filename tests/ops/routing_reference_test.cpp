@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "hashed_uniform.hpp"
 #include "weave/ops/deepspeed_gate.hpp"
 #include "weave/ops/moe_dispatch.hpp"
 #include "weave/ops/router.hpp"
@@ -34,20 +35,11 @@ const nlohmann::json& reference() {
   return data;
 }
 
-// Element (row, col) of the values named `name`: scale v (+ skew on column 0), v uniform in
-// [-1, 1) from splitmix64 of the name's FNV-1a plus the row and column times odd constants. The
-// generator computes the same function.
+// Element (row, col) of the values named `name`: scale v (+ skew on column 0), v the hash of the
+// three (hashed_uniform.hpp), as the generator's hashed.
 float hashed(const std::string& name, std::int64_t row, std::int64_t col, double scale,
              double skew) {
-  std::uint64_t key = 0xCBF29CE484222325ull;
-  for (const char ch : name)
-    key = (key ^ static_cast<unsigned char>(ch)) * 0x100000001B3ull;
-  std::uint64_t x = key + static_cast<std::uint64_t>(row) * 0x9E3779B97F4A7C15ull +
-                    static_cast<std::uint64_t>(col) * 0xC2B2AE3D27D4EB4Full;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  x ^= x >> 31;
-  const double v = 2.0 * (static_cast<double>(x >> 40) / static_cast<double>(1 << 24)) - 1.0;
+  const double v = hashed_uniform(name, row, col);
   return static_cast<float>(scale * v + (col == 0 ? skew : 0.0));
 }
 

@@ -18,22 +18,7 @@ import os
 
 import torch
 
-MASK64 = (1 << 64) - 1
-
-
-def splitmix64(x):
-    x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & MASK64
-    x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & MASK64
-    return x ^ (x >> 31)
-
-
-def fnv1a64(text):
-    h = 0xCBF29CE484222325
-    for byte in text.encode():
-        h = ((h ^ byte) * 0x100000001B3) & MASK64
-    return h
+from hashed_values import fnv1a64, uniform
 
 
 def hashed(name, rows, cols, scale, skew=0.0):
@@ -43,8 +28,7 @@ def hashed(name, rows, cols, scale, skew=0.0):
     out = []
     for r in range(rows):
         for c in range(cols):
-            x = splitmix64((key + r * 0x9E3779B97F4A7C15 + c * 0xC2B2AE3D27D4EB4F) & MASK64)
-            v = 2.0 * ((x >> 40) / float(1 << 24)) - 1.0
+            v = uniform(key, r, c)
             out.append(scale * v + (skew if c == 0 else 0.0))
     return torch.tensor(out, dtype=torch.float32).reshape(rows, cols)
 

@@ -54,6 +54,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from hashed_values import MASK64, fnv1a64, uniform
+
 CONFIG = {
     "num_layers": 2,
     "hidden_size": 32,
@@ -71,22 +73,6 @@ CONFIG = {
     "layernorm_epsilon": 1e-5,
 }
 STEPS = 20
-MASK64 = (1 << 64) - 1
-
-
-def splitmix64(x):
-    x ^= x >> 30
-    x = (x * 0xBF58476D1CE4E5B9) & MASK64
-    x ^= x >> 27
-    x = (x * 0x94D049BB133111EB) & MASK64
-    return x ^ (x >> 31)
-
-
-def fnv1a64(text):
-    h = 0xCBF29CE484222325
-    for byte in text.encode():
-        h = ((h ^ byte) * 0x100000001B3) & MASK64
-    return h
 
 
 def init_value(name, rows, cols):
@@ -101,8 +87,7 @@ def init_value(name, rows, cols):
     out = []
     for r in range(rows):
         for c in range(cols):
-            x = splitmix64((key + r * 0x9E3779B97F4A7C15 + c * 0xC2B2AE3D27D4EB4F) & MASK64)
-            v = 2.0 * ((x >> 40) / float(1 << 24)) - 1.0
+            v = uniform(key, r, c)
             out.append(a + s * v)
     return torch.tensor(out, dtype=torch.float32).reshape(rows, cols)
 

@@ -23,7 +23,8 @@ class ModelChunk {
                   TaskId& word_grad_done, TaskId d_send_read = rt::kNoTask) const;
   // The W action: the weight halves the chunk's I left, after which the set is free; after the
   // chunk's last W its buckets are reduced.
-  TaskId weight_gradients(std::vector<LayerWeightHalf> halves, bool last, TaskId& word_grad_done) const;
+  TaskId weight_gradients(std::vector<LayerWeightHalf> halves, bool last,
+                          TaskId& word_grad_done) const;
 
  private:
   RankProgram* P;
