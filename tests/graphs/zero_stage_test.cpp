@@ -116,8 +116,21 @@ void expect_equals_plain_data_parallelism(const Case& c, int stage) {
   std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> ranges;
   const Trained sharded = train(m, sharded_plan, 4, {}, &ranges);
   const Trained plain = train(m, c.plan, 4, ranges);
-  for (std::size_t i = 0; i < plain.losses.size(); ++i)
-    EXPECT_NEAR(sharded.losses[i], plain.losses[i], 1e-5 * plain.losses[i]) << "step " << i + 1;
+  // fp32: the shards' reductions and the gradient norm sum in another order, which moves the
+  // values by a few fp32 units (1e-9 of the loss seen). bf16 starts the same, but the fp32 main
+  // values that differ by those units round to bf16 copies one bf16 unit (2^-8) apart wherever a
+  // value lies that close to a rounding tie; from the first update on, the losses may differ by
+  // what a few such weights move (2e-5 of the loss seen on an AVX2 host by step 4), so the bound
+  // after the first update is a quarter of a bf16 unit. The first step's loss, before any
+  // update, keeps the fp32 bound.
+  constexpr double kBf16Unit = 1.0 / 256;
+  for (std::size_t i = 0; i < plain.losses.size(); ++i) {
+    const double bound = c.bf16 && i >= 1 ? kBf16Unit / 4 : 1e-5;
+    EXPECT_NEAR(sharded.losses[i], plain.losses[i], bound * plain.losses[i]) << "step " << i + 1;
+  }
+  // The gradients after the last step: fp32 within 1e-4 of the bucket's largest; bf16, whose
+  // weights may sit a bf16 unit apart by then, within 2.5 bf16 units of it.
+  const float grad_bound = c.bf16 ? 2.5f * static_cast<float>(kBf16Unit) : 1e-4f;
   bool any_sharded = false;
   for (std::size_t r = 0; r < plain.shards.size(); ++r)
     for (std::size_t b = 0; b < plain.shards[r].size(); ++b) {
@@ -129,7 +142,7 @@ void expect_equals_plain_data_parallelism(const Case& c, int stage) {
       for (const float v : want)
         scale = std::max(scale, std::abs(v));
       for (std::size_t i = 0; i < want.size(); ++i)
-        if (!(std::abs(got[i] - want[i]) <= 1e-4f * scale + 1e-9f)) {
+        if (!(std::abs(got[i] - want[i]) <= grad_bound * scale + 1e-9f)) {
           ADD_FAILURE() << "rank " << r << " bucket " << b << " element " << i << ": " << got[i]
                         << ", want " << want[i];
           break;
