@@ -171,21 +171,21 @@ void AttentionBlock::allocate(LayerActivations& A) const {
   const bool ring = z.spec(l).attention == AttentionCore::ring;
   if (P->half()) {
     A.attention.ln1_16 = P->activation16({Sc, B, h});
-    A.attention.ln1_mean = P->activation({Sl * B});
-    A.attention.ln1_rstd = P->activation({Sl * B});
+    A.attention.ln1_mean = P->activation32({Sl * B});
+    A.attention.ln1_rstd = P->activation32({Sl * B});
     A.attention.qkv16 = P->activation16({Sc, B, z.Gl, z.qkv_group_width()});
     A.attention.attn16 = P->activation16({Sc, B, Hl, d});
   } else {
     A.attention.ln1 = P->activation({Sl, B, h});
-    A.attention.ln1_mean = P->activation({Sl * B});
-    A.attention.ln1_rstd = P->activation({Sl * B});
+    A.attention.ln1_mean = P->activation32({Sl * B});
+    A.attention.ln1_rstd = P->activation32({Sl * B});
     A.attention.ln1_full = z.sp() ? P->activation({Sc, B, h}) : A.attention.ln1;
     A.attention.qkv = P->activation({Sc, B, z.Gl, z.qkv_group_width()});
     A.attention.attn = P->activation({Sc, B, Hl, d});
   }
   // Ampipe without CP: one [B, Hl, q] block per (chunk, piece); under CP one per half.
-  A.attention.lse = ampipe && !ring ? P->activation({z.ampipe * z.t_sp, B, Hl, z.piece_rows()})
-                                    : P->activation({ring ? 2 : 1, B, Hl, z.chunk});
+  A.attention.lse = ampipe && !ring ? P->activation32({z.ampipe * z.t_sp, B, Hl, z.piece_rows()})
+                                    : P->activation32({ring ? 2 : 1, B, Hl, z.chunk});
   A.attention.proj_partial = P->activation({Sc, B, h});
   if (ring && ampipe && !z.plan.ampipe_cp_resend_kv) {
     A.attention.kv_store = P->activation({cp * Sc, B, z.Gl, 2 * d});

@@ -26,8 +26,8 @@ void TransformerLayer::allocate(LayerActivations& A, const Tensor& x_in) const {
     A.ln2_16 = P->activation16({z.Sc, B, h});
   else
     A.ln2 = P->activation({Sl, B, h});
-  A.ln2_mean = P->activation({Sl * B});
-  A.ln2_rstd = P->activation({Sl * B});
+  A.ln2_mean = P->activation32({Sl * B});
+  A.ln2_rstd = P->activation32({Sl * B});
   if (z.spec(l).moe())
     MoeMlp(*P, l).allocate(A);
   else

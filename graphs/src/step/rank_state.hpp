@@ -66,7 +66,7 @@ struct HalfWorkspace {
   ops::Bf16Tensor out16, d_out16;        // [Sc, B, h]
   ops::Bf16Tensor d_act16, d_fc1_16;     // [Sc, B, fl], [Sc, B, f1l]
   ops::Bf16Tensor d_attn16, d_qkv16;     // [Sc, B, Hl d], [Sc, B, Gl, qkv group width]
-  ops::Bf16Tensor logits16, d_logits16;  // [Sc B, Vl]
+  ops::Bf16Tensor logits16, d_logits16;  // [Sc B, Vl]; logits16 counted by a prediction too
 };
 
 // --tp-comm-overlap's staging buffers ([Sc, B, h] each, as the userbuffers Transformer Engine
