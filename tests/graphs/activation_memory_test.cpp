@@ -245,13 +245,13 @@ TEST(ActivationMemory, MeasuredStepWithTensorsHoldsThePapersFigureInFp32) {
 //  - the chunk's input (the embedding's output [R]) and under sequence parallelism the
 //    embedding's partial sums [T];
 //  - the backward's fp32 workspace: d_x, d_x_mid, d_tmp, d_mlp [R], d_norm_full [T], under
-//    sequence parallelism d_norm [R] and d_mlp_full [T]; d_act and d_fc1 (T f/t each), d_attn
-//    (T h/t), d_qkv (3T h/t) and the final norm's gradient [T];
-//  - the conversions (one workspace a device): a norm's fp32 output [R] and under sequence
-//    parallelism its gather [T], QKV (3T h/t), fc1's output and the activation (T f/t each), 4
-//    bytes a value; the bf16 operands of the products' backward and their results (out16,
-//    d_out16 [T], d_act16, d_fc1_16 (T f/t), d_attn16 (T h/t), d_qkv16 (3T h/t)), 2 bytes a
-//    value;
+//    sequence parallelism d_norm [R] and d_mlp_full [T]; d_qkv (3T h/t) and the final norm's
+//    gradient [T] (the activation's, fc1's and the attention output's gradients are the bf16
+//    ones the products read, d_act16, d_fc1_16 and d_attn16, which the prediction counts);
+//  - the conversions (one workspace a device): under sequence parallelism a norm's fp32 output
+//    [R] and its gather [T] (without it the norms write their bf16 outputs straight), QKV
+//    (3T h/t), 4 bytes a value; the bf16 operands of the products' backward and their results
+//    (out16, d_out16 [T], d_qkv16 (3T h/t)), 2 bytes a value;
 //  - not held: under sequence parallelism each norm's sharded output [R] (2 a layer and the
 //    final norm's), which the prediction counts beside the gathered one; the bf16 step keeps the
 //    gathered bf16 output only.
@@ -263,15 +263,14 @@ struct Bf16Terms {
 };
 
 Bf16Terms bf16_terms(std::int64_t t, bool sp) {
-  const std::int64_t T = s * b, R = sp ? T / t : T, f = 4 * h;
+  const std::int64_t T = s * b, R = sp ? T / t : T;
   Bf16Terms x{};
   x.R = R;
   x.layer_fp32 = 2 * R * h + 2 * T * h + (sp ? 2 * R * h : 0);
   x.outside_fp32 = R * h + (sp ? T * h : 0);  // input
-  x.outside_fp32 += 4 * R * h + T * h + (sp ? R * h + T * h : 0) + 2 * T * f / t + T * h / t +
-                    3 * T * h / t + T * h;  // backward workspace
-  x.conversions = 4 * (R * h + (sp ? T * h : 0) + 3 * T * h / t + 2 * T * f / t) +
-                  2 * (2 * T * h + 2 * T * f / t + T * h / t + 3 * T * h / t);
+  x.outside_fp32 +=
+      4 * R * h + T * h + (sp ? R * h + T * h : 0) + 3 * T * h / t + T * h;  // backward workspace
+  x.conversions = 4 * ((sp ? R * h + T * h : 0) + 3 * T * h / t) + 2 * (2 * T * h + 3 * T * h / t);
   x.not_held_per_layer = sp ? 2 * kBytes * R * h : 0;
   x.not_held_outside = sp ? kBytes * R * h : 0;
   return x;

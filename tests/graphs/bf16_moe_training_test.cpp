@@ -317,7 +317,7 @@ TEST(Bf16MoeTraining, MemoryIsThePredictionsPlusTheFp32Terms) {
   // half's (the same without fc2's output) and the backward's workspace.
   const std::int64_t attention_half = T * h + T * h + T * h;
   const std::int64_t dense_layer = attention_half + T * h;
-  const std::int64_t workspace = 4 * T * h + T * f + T * f + T * h + T * h + T * qkv + T * h;
+  const std::int64_t workspace = 4 * T * h + T * h + T * qkv + T * h;
   // The MoE layer's rows, one device, one slot of T tokens, every pick kept (capacity T k).
   const std::int64_t moe_rows = T * h                     // the norm's output
                                 + T * h + 3 * T * h       // the output; input, its gradients
@@ -325,8 +325,7 @@ TEST(Bf16MoeTraining, MemoryIsThePredictionsPlusTheFp32Terms) {
                                 + 4 * T * k * h           // grouped rows, outputs, gradients
                                 + T * k * f + T * k * f;  // hidden layer (GeLU: f1 = f)
   const std::int64_t fp32_kept = T * h + dense_layer + attention_half + workspace;
-  const std::int64_t conversions =
-      4 * (T * h + T * qkv + T * f + T * f) + 2 * (2 * T * h + T * f + T * f + T * h + T * qkv);
+  const std::int64_t conversions = 4 * T * qkv + 2 * (2 * T * h + T * qkv);
   EXPECT_EQ(with.memory().current(0, rt::MemoryCategory::activations),
             without.memory().current(0, rt::MemoryCategory::activations) + 2 * fp32_kept +
                 conversions + 2 * moe_rows);

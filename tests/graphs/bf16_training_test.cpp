@@ -438,14 +438,15 @@ TEST(Bf16Training, RecomputationIsBitwiseUnderTp2Sp) {
 // activations differ by two named terms, computed here from the model's sizes:
 //  - what stays fp32 in the step where the prediction counts 2 bytes: the residual stream (the
 //    chunk's input, each layer's middle and output), the projection's and fc2's outputs, and the
-//    backward's fp32 gradient workspace but the logits' (16-bit, its fp32 values written over
-//    the fp32 logits): 2 more bytes each. The prediction counts in fp32 what Megatron-LM keeps
-//    so (the norms' statistics, the loss's logits, maxima, partial sums and log-sum-exp) and the
-//    attention's log-sum-exp, and the bf16 logits and their gradient at 2 bytes, as the step
-//    holds them;
-//  - the conversions' workspace, one per device (HalfWorkspace): a norm's fp32 output, QKV,
-//    fc1's output and the activation widened for RoPE and the activation's fp32 kernels, and
-//    the bf16 operands of the products' backward.
+//    backward's fp32 gradient workspace but the gradients the products read in bf16 (the
+//    logits', the activation's, fc1's and the attention output's; the logits' fp32 values are
+//    written over the fp32 logits): 2 more bytes each. The prediction counts in fp32 what
+//    Megatron-LM keeps so (the norms' statistics, the loss's logits, maxima, partial sums and
+//    log-sum-exp) and the attention's log-sum-exp, and the bf16 logits and their gradient at 2
+//    bytes, as the step holds them;
+//  - the conversions' workspace, one per device (HalfWorkspace): QKV widened for RoPE and the
+//    qk norms, and the bf16 operands of the products' backward (the norms write their bf16
+//    outputs and the activation reads and writes bf16 straight, a few rows at a time).
 // (The squared gradient norm, one value, fills its 64-byte line in either precision.)
 TEST(Bf16Training, MemoryIsThePredictionsPlusTheFp32Terms) {
   const ModelConfig m = in(gpt(), Precision::bf16);
@@ -458,13 +459,12 @@ TEST(Bf16Training, MemoryIsThePredictionsPlusTheFp32Terms) {
     EXPECT_EQ(with.memory().current(0, category), without.memory().current(0, category))
         << to_string(category);
   const std::int64_t T = std::int64_t{m.seq_length} * kOneDevice.micro_batch_size;
-  const std::int64_t h = m.hidden_size, f = m.ffn_hidden_size, L = m.num_layers;
+  const std::int64_t h = m.hidden_size, L = m.num_layers;
   const std::int64_t qkv = 3 * h;
   const std::int64_t per_layer = T * h + T * h + T * h + T * h;
-  const std::int64_t workspace = 4 * T * h + T * f + T * f + T * h + T * h + T * qkv + T * h;
+  const std::int64_t workspace = 4 * T * h + T * h + T * qkv + T * h;
   const std::int64_t fp32_kept = T * h + L * per_layer + workspace;
-  const std::int64_t conversions =
-      4 * (T * h + T * qkv + T * f + T * f) + 2 * (2 * T * h + T * f + T * f + T * h + T * qkv);
+  const std::int64_t conversions = 4 * T * qkv + 2 * (2 * T * h + T * qkv);
   EXPECT_EQ(
       with.memory().current(0, rt::MemoryCategory::activations),
       without.memory().current(0, rt::MemoryCategory::activations) + 2 * fp32_kept + conversions);
@@ -485,13 +485,11 @@ std::int64_t layer_fp32(const ModelConfig& m, std::int64_t T) {
 // its activations exceed the prediction's by.
 std::int64_t fp32_excess(const ModelConfig& m, std::int64_t T, std::int64_t layers_fp32,
                          std::int64_t sets, bool chunks, bool output) {
-  const std::int64_t h = m.hidden_size, f = m.ffn_hidden_size;
+  const std::int64_t h = m.hidden_size;
   const std::int64_t qkv = 3 * h;
   const std::int64_t per_set = T * h + (chunks ? 2 * T * h : 0) + layers_fp32;
-  const std::int64_t workspace =
-      4 * T * h + T * f + T * f + T * h + T * h + T * qkv + (output ? T * h : 0);
-  const std::int64_t conversions =
-      4 * (T * h + T * qkv + T * f + T * f) + 2 * (2 * T * h + T * f + T * f + T * h + T * qkv);
+  const std::int64_t workspace = 4 * T * h + T * h + T * qkv + (output ? T * h : 0);
+  const std::int64_t conversions = 4 * T * qkv + 2 * (2 * T * h + T * qkv);
   return 2 * (sets * per_set + workspace) + conversions;
 }
 

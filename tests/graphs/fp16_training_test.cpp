@@ -626,13 +626,12 @@ TEST(Fp16Training, MemoryAndTasksAreThePredictions) {
   EXPECT_EQ(with.memory().current(0, C::optimizer_state),
             without.memory().current(0, C::optimizer_state));
   const std::int64_t T = std::int64_t{m.seq_length} * plan.micro_batch_size;
-  const std::int64_t h = m.hidden_size, f = m.ffn_hidden_size, L = m.num_layers;
+  const std::int64_t h = m.hidden_size, L = m.num_layers;
   const std::int64_t qkv = 3 * h;
   const std::int64_t per_layer = T * h + T * h + T * h + T * h;
-  const std::int64_t workspace = 4 * T * h + T * f + T * f + T * h + T * h + T * qkv + T * h;
+  const std::int64_t workspace = 4 * T * h + T * h + T * qkv + T * h;
   const std::int64_t fp32_kept = T * h + L * per_layer + workspace;
-  const std::int64_t conversions =
-      4 * (T * h + T * qkv + T * f + T * f) + 2 * (2 * T * h + T * f + T * f + T * h + T * qkv);
+  const std::int64_t conversions = 4 * T * qkv + 2 * (2 * T * h + T * qkv);
   EXPECT_EQ(
       with.memory().current(0, rt::MemoryCategory::activations),
       without.memory().current(0, rt::MemoryCategory::activations) + 2 * fp32_kept + conversions);

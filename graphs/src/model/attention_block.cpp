@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "model/half_norm.hpp"
 #include "model/half_precision.hpp"
 #include "model/norm.hpp"
 
@@ -236,14 +237,16 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
           // A stage's input arrives as the bf16 values Megatron-LM's bf16 pipeline sends
           // (pipeline_dtype, the parameters' dtype); rounding again (recomputation) keeps them.
           if (takes_stage_input(p->layout, layer)) round_in_place(p->precision(), A.x_in);
+          if (!p->shape.sp()) {
+            norm_forward_to_half(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias,
+                                 A.attention.ln1_16, A.attention.ln1_mean, A.attention.ln1_rstd);
+            return;
+          }
+          // Under SP the bf16 values are gathered (in fp32 buffers) before QKV keeps them.
           const Tensor& y = p->ws().half.norm_out;
           norm_forward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, y, A.attention.ln1_mean,
                        A.attention.ln1_rstd);
-          // Under SP the bf16 values are gathered (in fp32 buffers) before QKV keeps them.
-          if (p->shape.sp())
-            round_in_place(p->precision(), y);
-          else
-            round_to_half(p->precision(), y, A.attention.ln1_16);
+          round_in_place(p->precision(), y);
           return;
         }
         norm_forward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.attention.ln1,

@@ -1,4 +1,5 @@
 #include "model/output_loss.hpp"
+#include "model/half_norm.hpp"
 #include "model/half_precision.hpp"
 #include "model/norm.hpp"
 
@@ -60,13 +61,15 @@ TaskId OutputLoss::forward(const BuildPosition& pos, TaskId ready) const {
     OutputSet& X = p->oset(out);
     ModelShard& W = p->shard();
     p->load_tokens(mb, X.targets, true);
-    if (p->half()) {  // in fp32, rounded once into the bf16 input of the output layer
+    if (p->half() && !p->shape.sp()) {  // in fp32, rounded once into the output layer's input
+      norm_forward_to_half(p->shape.model, p->acts(set, last_layer).x_out, W.final_ln_weight(),
+                           W.final_ln_bias(), X.final16, X.final_mean, X.final_rstd);
+      return;
+    }
+    if (p->half()) {  // gathered first
       norm_forward(p->shape.model, p->acts(set, last_layer).x_out, W.final_ln_weight(),
                    W.final_ln_bias(), p->ws().half.norm_out, X.final_mean, X.final_rstd);
-      if (p->shape.sp())  // gathered first
-        round_in_place(p->precision(), p->ws().half.norm_out);
-      else
-        round_to_half(p->precision(), p->ws().half.norm_out, X.final16);
+      round_in_place(p->precision(), p->ws().half.norm_out);
       return;
     }
     norm_forward(p->shape.model, p->acts(set, last_layer).x_out, W.final_ln_weight(),

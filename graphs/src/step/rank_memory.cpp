@@ -92,8 +92,12 @@ void allocate_workspace(RankProgram& P, BackwardWorkspace& W, bool output_layer)
   W.d_tmp = P.activation({Sl, B, h});
   W.d_mlp = P.activation({Sl, B, h});
   W.d_mlp_full = sp ? P.activation({Sc, B, h}) : W.d_mlp;
-  W.dense_mlp.d_act = P.activation({Sc, B, z.fl});
-  W.dense_mlp.d_fc1 = P.activation({Sc, B, z.f1l});
+  // A 16-bit run's activation and fc1 gradients are the bf16 ones its products read (d_act16,
+  // d_fc1_16): the activation's backward writes the latter straight.
+  if (!P.half()) {
+    W.dense_mlp.d_act = P.activation({Sc, B, z.fl});
+    W.dense_mlp.d_fc1 = P.activation({Sc, B, z.f1l});
+  }
   W.d_norm_full = P.activation({Sc, B, h});
   W.d_norm = sp ? P.activation({Sl, B, h}) : W.d_norm_full;
   if (sp && z.plan.tp_comm_overlap) {
@@ -101,7 +105,8 @@ void allocate_workspace(RankProgram& P, BackwardWorkspace& W, bool output_layer)
     W.tp_overlap.scatter.buffer = P.activation({Sc, B, h});
     W.tp_overlap.grad_gather.buffer = P.activation({Sc, B, h});
   }
-  W.attention.d_attn = P.activation({Sc, B, Hl * d});
+  // A 16-bit run's attention-output gradient is the bf16 one its products read (d_attn16).
+  if (!P.half()) W.attention.d_attn = P.activation({Sc, B, Hl * d});
   W.attention.d_qkv = P.activation({Sc, B, z.Gl, z.qkv_group_width()});
   if (z.cp > 1) allocate_ring_workspace(P, W.cp_ring);
   // The logits' gradient: in fp32 in an fp32 run; a 16-bit run's is the bf16 one the output
@@ -117,11 +122,10 @@ void allocate_workspace(RankProgram& P, BackwardWorkspace& W, bool output_layer)
   if (P.half()) {
     HalfWorkspace& H = W.half;
     const std::int64_t qkv = z.qkv_group_width();
-    H.norm_out = P.activation({Sl, B, h});
+    // Without SP the norms write their bf16 outputs straight (norm_forward_to_half).
+    if (sp) H.norm_out = P.activation({Sl, B, h});
     if (sp) H.gathered = P.activation({Sc, B, h});
     H.qkv32 = P.activation({Sc, B, z.Gl, qkv});
-    H.pre32 = P.activation({Sc, B, z.f1l});
-    H.act32 = P.activation({Sc, B, z.fl});
     H.out16 = P.activation16({Sc, B, h});
     H.d_out16 = P.activation16({Sc, B, h});
     H.d_act16 = P.activation16({Sc, B, z.fl});
