@@ -239,7 +239,7 @@ TEST(ActivationMemory, MeasuredStepWithTensorsHoldsThePapersFigureInFp32) {
 // counts that the bf16 step does not hold. The values both keep in fp32 (the norms' statistics,
 // the attention's log-sum-exp, the loss's logits and row figures) and the 16-bit logits and
 // their gradient are counted alike by both. T = sb rows (the products'), R = rb rows (the
-// residual stream's: R = T, or T/t under sequence parallelism), f = 4h:
+// residual stream's: R = T, or T/t under sequence parallelism):
 //  - a layer's fp32 values: its middle (x_mid) and output (x_out) [R], the projection's and
 //    fc2's outputs before their reduction [T] and under sequence parallelism after it [R];
 //  - the chunk's input (the embedding's output [R]) and under sequence parallelism the
