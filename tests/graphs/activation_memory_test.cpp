@@ -8,7 +8,9 @@
 // weave's kernels are not Megatron-LM's, so each test states weave's figure as the paper's terms
 // minus what weave does not keep and plus what it keeps besides, each term named for its tensor,
 // and fails if either side moves. The embedding's, the loss's and the backward workspace's
-// tensors, which the paper leaves out of its per-layer count, are added explicitly.
+// tensors, which the paper leaves out of its per-layer count, are added explicitly. What a 16-bit
+// run keeps in fp32 as Megatron-LM does (the norms' statistics, the cross-entropy's logits and
+// row figures) and weave's attention's log-sum-exp are counted at 4 bytes a value.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -29,6 +31,7 @@ namespace {
 // norm buffer.
 constexpr std::int64_t s = 256, b = 2, h = 256, a = 8, L = 2, V = 512;
 constexpr std::int64_t kBytes = 2;  // bf16
+constexpr std::int64_t kFp32 = 4;   // what every run keeps in fp32
 
 TrainerConfig gpt(int t, bool sp, const Recompute& recompute = {}) {
   TrainerConfig c;
@@ -65,8 +68,9 @@ std::int64_t paper_layer(std::int64_t t, bool sp) {
 }
 
 // weave's figure per layer, from the paper's: what it does not keep and what it keeps besides.
-// r: the residual stream's rows on a rank (s, or s/t under sequence parallelism).
-std::int64_t weave_layer(std::int64_t t, bool sp) {
+// r: the residual stream's rows on a rank (s, or s/t under sequence parallelism); e: the bytes of
+// a value the paper counts at 2 (kBytes in a 16-bit run, 4 in an fp32 one).
+std::int64_t weave_layer(std::int64_t t, bool sp, std::int64_t e = kBytes) {
   const std::int64_t r = sp ? s / t : s;
   std::int64_t bytes = paper_layer(t, sp);
   // Not kept: the two dropout masks (attention output and MLP output, 1 byte an element each):
@@ -75,8 +79,6 @@ std::int64_t weave_layer(std::int64_t t, bool sp) {
   // Not kept: the scores, softmax and attention-dropout output and mask (5as^2b/t): the
   // blockwise attention keeps no s x s tensor and recomputes its scores in backward...
   bytes -= 5 * a * s * s * b / t;
-  // ...but keeps the softmax's log-sum-exp per query row and head: [b, a/t, s].
-  bytes += kBytes * b * (a / t) * s;
   // Kept besides: the attention projection's output before bias-dropout-add (proj_partial,
   // [s, b, h] partial sums), and under sequence parallelism its reduce-scattered rows (proj_out).
   bytes += kBytes * s * b * h;
@@ -85,42 +87,49 @@ std::int64_t weave_layer(std::int64_t t, bool sp) {
   // sequence parallelism its reduce-scattered rows (mlp_out).
   bytes += kBytes * s * b * h;
   if (sp) bytes += kBytes * r * b * h;
-  // Kept besides: the two norms' means and reciprocal standard deviations, one per row.
-  bytes += 4 * kBytes * r * b;
   // Under sequence parallelism weave keeps each norm's all-gathered output [s, b, h] (ln1_full,
   // ln2_full) that the QKV and fc1 products read, where Megatron-LM keeps the sharded one (counted
   // by the paper) and gathers it again in backward.
   if (sp) bytes += 2 * kBytes * s * b * h;
+  bytes = bytes / kBytes * e;
+  // Kept besides, in fp32 whatever the precision: the softmax's log-sum-exp per query row and
+  // head [b, a/t, s] (the blockwise attention's), and the two norms' means and reciprocal
+  // standard deviations, one per row (as Megatron-LM's norms return them).
+  bytes += kFp32 * b * (a / t) * s;
+  bytes += 4 * kFp32 * r * b;
   return bytes;
 }
 
 // What the rank holds besides its layers: the chunk's input and output, the loss's tensors and
 // the backward's workspace. The paper's per-layer figure counts each layer's input; the last
-// layer's output (the final norm's input) is one residual stream more.
-std::int64_t outside_layers(std::int64_t t, bool sp) {
+// layer's output (the final norm's input) is one residual stream more. e as in weave_layer.
+std::int64_t outside_layers(std::int64_t t, bool sp, std::int64_t e = kBytes) {
   const std::int64_t r = sp ? s / t : s;
-  const std::int64_t stream = kBytes * r * b * h;  // a residual stream [r, b, h]
-  const std::int64_t whole = kBytes * s * b * h;   // [s, b, h]
+  const std::int64_t stream = e * r * b * h;  // a residual stream [r, b, h]
+  const std::int64_t whole = e * s * b * h;   // [s, b, h]
   const std::int64_t Vl = V / t;
   std::int64_t bytes = 0;
   bytes += stream;         // the last layer's output (x_out), the final norm's input
   if (sp) bytes += whole;  // the embedding's partial sums before their reduce-scatter
-  // The loss (OutputSet): the final norm's output and its row statistics, its all-gathered
-  // output under sequence parallelism, the vocabulary shard's logits, and the cross-entropy's
-  // row maxima, partial sums and log-sum-exp.
-  bytes += stream + 2 * kBytes * r * b;
+  // The loss (OutputSet): the final norm's output and its row statistics (fp32), its
+  // all-gathered output under sequence parallelism, the vocabulary shard's logits, and the
+  // cross-entropy's row maxima, partial sums and log-sum-exp, all fp32 as Megatron-LM's
+  // cross-entropy keeps them; a 16-bit run's output product writes its logits in 16 bits first.
+  bytes += stream + 2 * kFp32 * r * b;
   if (sp) bytes += whole;
-  bytes += kBytes * s * b * Vl;
-  bytes += kBytes * s * b * (2 + ops::kCrossEntropyPartials);
+  bytes += kFp32 * s * b * Vl;
+  bytes += kFp32 * s * b * (2 + ops::kCrossEntropyPartials);
+  if (e == kBytes) bytes += kBytes * s * b * Vl;
   // The backward's workspace (BackwardWorkspace), shared by every layer: the residual stream's
   // gradients d_x, d_x_mid, d_tmp, d_mlp and the norm's d_norm (sharded under sequence
   // parallelism, d_norm then beside the whole d_norm_full; without it d_norm is d_norm_full), the
   // whole d_mlp_full under sequence parallelism, the MLP's d_act and d_fc1 (4h/t wide each), the
-  // attention's d_attn (h/t) and d_qkv (3h/t), the logits' gradient and the final norm's.
+  // attention's d_attn (h/t) and d_qkv (3h/t), the logits' gradient (in 16 bits in a 16-bit run,
+  // its fp32 values written over the fp32 logits) and the final norm's.
   bytes += 4 * stream + whole;
   if (sp) bytes += stream + whole;
-  bytes += kBytes * s * b * (4 * h / t + 4 * h / t + h / t + 3 * h / t);
-  bytes += kBytes * s * b * Vl + whole;
+  bytes += e * s * b * (4 * h / t + 4 * h / t + h / t + 3 * h / t);
+  bytes += e * s * b * Vl + whole;
   bytes += 64;  // the squared gradient norm: one element, one 64-byte line
   return bytes;
 }
@@ -196,7 +205,8 @@ TEST(ActivationMemory, KorthikantiWithFullRecomputation) {
 
 // The step weave train runs (fp32, with tensors) holds the paper's figure too, measured on its
 // devices: every term above at 4 bytes where it counted 2 (the 1-element norm buffer still one
-// 64-byte line), with every activation kept and with full recomputation.
+// 64-byte line, the fp32 terms the same, the 16-bit logits absent), with every activation kept
+// and with full recomputation.
 TEST(ActivationMemory, MeasuredStepWithTensorsHoldsThePapersFigureInFp32) {
   const Recompute full{.granularity = RecomputeGranularity::full,
                        .method = RecomputeMethod::uniform,
@@ -213,36 +223,35 @@ TEST(ActivationMemory, MeasuredStepWithTensorsHoldsThePapersFigureInFp32) {
                 first);
     return first;
   };
-  auto in_fp32 = [](std::int64_t bf16_bytes) { return 2 * (bf16_bytes - 64) + 64; };
   for (const auto& [t, sp] : {std::pair{1, false}, std::pair{2, true}}) {
     SCOPED_TRACE(testing::Message() << "t " << t << (sp ? " sp" : ""));
     const std::int64_t r = sp ? s / t : s;
-    EXPECT_EQ(measured(gpt(t, sp)), in_fp32(L * weave_layer(t, sp) + outside_layers(t, sp)));
-    const std::int64_t working_set = weave_layer(t, sp) - kBytes * r * b * h;
+    EXPECT_EQ(measured(gpt(t, sp)), L * weave_layer(t, sp, 4) + outside_layers(t, sp, 4));
+    const std::int64_t working_set = weave_layer(t, sp, 4) - 4 * r * b * h;
     EXPECT_EQ(measured(gpt(t, sp, full)),
-              in_fp32(L * 2 * r * b * h + working_set + outside_layers(t, sp)));
+              L * 4 * r * b * h + working_set + outside_layers(t, sp, 4));
   }
 }
 
 // The step weave train --bf16 runs, measured on its devices: the paper's figure in 16-bit values
 // (its own unit), the prediction's, plus 2 bytes for each value the step keeps in fp32 where the
 // paper (and the prediction) count 2, plus the conversions' workspace, less what the prediction
-// counts that the bf16 step does not hold. T = sb rows (the products'), R = rb rows (the residual
-// stream's: R = T, or T/t under sequence parallelism), f = 4h, Vl = V/t:
+// counts that the bf16 step does not hold. The values both keep in fp32 (the norms' statistics,
+// the attention's log-sum-exp, the loss's logits and row figures) and the 16-bit logits and
+// their gradient are counted alike by both. T = sb rows (the products'), R = rb rows (the
+// residual stream's: R = T, or T/t under sequence parallelism):
 //  - a layer's fp32 values: its middle (x_mid) and output (x_out) [R], the projection's and
-//    fc2's outputs before their reduction [T] and under sequence parallelism after it [R], the
-//    two norms' statistics (4R) and the attention's log-sum-exp (aT/t);
+//    fc2's outputs before their reduction [T] and under sequence parallelism after it [R];
 //  - the chunk's input (the embedding's output [R]) and under sequence parallelism the
-//    embedding's partial sums [T]; the loss's final-norm statistics (2R), logits (T Vl), row
-//    maxima (T), partial sums and log-sum-exp;
+//    embedding's partial sums [T];
 //  - the backward's fp32 workspace: d_x, d_x_mid, d_tmp, d_mlp [R], d_norm_full [T], under
-//    sequence parallelism d_norm [R] and d_mlp_full [T]; d_act and d_fc1 (T f/t each), d_attn
-//    (T h/t), d_qkv (3T h/t), the logits' gradient (T Vl) and the final norm's [T];
-//  - the conversions (one workspace a device): a norm's fp32 output [R] and under sequence
-//    parallelism its gather [T], QKV (3T h/t), fc1's output and the activation (T f/t each), 4
-//    bytes a value; the bf16 operands of the products' backward and their results (out16,
-//    d_out16 [T], d_act16, d_fc1_16 (T f/t), d_attn16 (T h/t), d_qkv16 (3T h/t)) and the bf16
-//    logits and their gradient (T Vl each), 2 bytes a value;
+//    sequence parallelism d_norm [R] and d_mlp_full [T]; d_qkv (3T h/t) and the final norm's
+//    gradient [T] (the activation's, fc1's and the attention output's gradients are the bf16
+//    ones the products read, d_act16, d_fc1_16 and d_attn16, which the prediction counts);
+//  - the conversions (one workspace a device): under sequence parallelism a norm's fp32 output
+//    [R] and its gather [T] (without it the norms write their bf16 outputs straight), QKV
+//    (3T h/t), 4 bytes a value; the bf16 operands of the products' backward and their results
+//    (out16, d_out16 [T], d_qkv16 (3T h/t)), 2 bytes a value;
 //  - not held: under sequence parallelism each norm's sharded output [R] (2 a layer and the
 //    final norm's), which the prediction counts beside the gathered one; the bf16 step keeps the
 //    gathered bf16 output only.
@@ -254,16 +263,14 @@ struct Bf16Terms {
 };
 
 Bf16Terms bf16_terms(std::int64_t t, bool sp) {
-  const std::int64_t T = s * b, R = sp ? T / t : T, f = 4 * h, Vl = V / t;
+  const std::int64_t T = s * b, R = sp ? T / t : T;
   Bf16Terms x{};
   x.R = R;
-  x.layer_fp32 = 2 * R * h + 2 * T * h + (sp ? 2 * R * h : 0) + 4 * R + a / t * T;
-  x.outside_fp32 = R * h + (sp ? T * h : 0) + 2 * R + T * Vl + T + T * ops::kCrossEntropyPartials +
-                   T;  // input, loss
-  x.outside_fp32 += 4 * R * h + T * h + (sp ? R * h + T * h : 0) + 2 * T * f / t + T * h / t +
-                    3 * T * h / t + T * Vl + T * h;  // backward workspace
-  x.conversions = 4 * (R * h + (sp ? T * h : 0) + 3 * T * h / t + 2 * T * f / t) +
-                  2 * (2 * T * h + 2 * T * f / t + T * h / t + 3 * T * h / t + 2 * T * Vl);
+  x.layer_fp32 = 2 * R * h + 2 * T * h + (sp ? 2 * R * h : 0);
+  x.outside_fp32 = R * h + (sp ? T * h : 0);  // input
+  x.outside_fp32 +=
+      4 * R * h + T * h + (sp ? R * h + T * h : 0) + 3 * T * h / t + T * h;  // backward workspace
+  x.conversions = 4 * ((sp ? R * h + T * h : 0) + 3 * T * h / t) + 2 * (2 * T * h + 3 * T * h / t);
   x.not_held_per_layer = sp ? 2 * kBytes * R * h : 0;
   x.not_held_outside = sp ? kBytes * R * h : 0;
   return x;
@@ -415,7 +422,8 @@ TEST(ActivationMemory, ParameterBytesAreMegatronsTable) {
 // A prediction counts each category in Megatron-LM's bytes: parameters 2 (bf16, fp16) or 4
 // (fp32), gradients 4 (fp32 in every precision), and the optimizer state the distributed
 // optimizer shards over the d replicas, 8 (fp32: two moments) or 12 (bf16, fp16: and fp32 master
-// weights) per parameter of the shard; activations 2 bytes in 16 bits.
+// weights) per parameter of the shard; activations 2 bytes in 16 bits, but for what a 16-bit run
+// keeps in fp32 (4 bytes in either precision) and the output layer's 16-bit logits beside them.
 TEST(ActivationMemory, EachCategoryInItsPrecisionsBytes) {
   auto categories = [](Precision precision) {
     TrainerConfig c = gpt(2, true);
@@ -441,7 +449,16 @@ TEST(ActivationMemory, EachCategoryInItsPrecisionsBytes) {
   EXPECT_NEAR(at(fp16, C::optimizer_state), at(fp32, C::optimizer_state) * 12 / 8, line);
   // The sharded state per parameter: 8/d of the fp32 parameters' 4 bytes.
   EXPECT_NEAR(at(fp32, C::optimizer_state), at(fp32, C::parameters) * 8 / 4 / 2, line);
-  EXPECT_NEAR(at(bf16, C::activations), at(fp32, C::activations) / 2, line);
+  // t = 2 with sequence parallelism: the norms' statistics [s/2 b] (two a layer and the final
+  // norm's), the attention's log-sum-exp [b, a/2, s], the logits [s b, V/2] and the loss's row
+  // figures [s b, 2 + partials].
+  const std::int64_t r = s / 2, Vl = V / 2;
+  const std::int64_t kept_fp32 = L * (4 * r * b + b * (a / 2) * s) + 2 * r * b + s * b * Vl +
+                                 s * b * (2 + ops::kCrossEntropyPartials);
+  const std::int64_t logits16 = s * b * Vl;
+  for (const auto& half : {bf16, fp16})
+    EXPECT_NEAR(at(half, C::activations),
+                at(fp32, C::activations) / 2 + 2 * kept_fp32 + 2 * logits16, line);
 }
 
 }  // namespace

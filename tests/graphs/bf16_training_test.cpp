@@ -25,7 +25,6 @@
 #include "weave/graphs/checkpoint.hpp"
 #include "weave/graphs/model_shard.hpp"
 #include "weave/graphs/training_step.hpp"
-#include "weave/ops/cross_entropy.hpp"
 #include "weave/runtime/virtual_clock.hpp"
 
 namespace weave::graphs {
@@ -437,13 +436,17 @@ TEST(Bf16Training, RecomputationIsBitwiseUnderTp2Sp) {
 // what it counts: the parameters at 2 bytes, the fp32 gradients, and the fp32 main parameters
 // with the two moments as optimizer state (Megatron-LM's 2 + 4 + 12 bytes a parameter) exactly. Its
 // activations differ by two named terms, computed here from the model's sizes:
-//  - what stays fp32 in the step (the prediction counts every activation at 2 bytes): the
-//    residual stream (the chunk's input, each layer's middle and output), the norms' statistics,
-//    the attention's log-sum-exp, the projection's and fc2's outputs, the loss's logits, maxima,
-//    partial sums and log-sum-exp, and the backward's fp32 gradient workspace: 2 more bytes each;
-//  - the conversions' workspace, one per device (HalfWorkspace): a norm's fp32 output, QKV,
-//    fc1's output and the activation widened for RoPE and the activation's fp32 kernels, and
-//    the bf16 operands of the products' backward and the bf16 logits and their gradient.
+//  - what stays fp32 in the step where the prediction counts 2 bytes: the residual stream (the
+//    chunk's input, each layer's middle and output), the projection's and fc2's outputs, and the
+//    backward's fp32 gradient workspace but the gradients the products read in bf16 (the
+//    logits', the activation's, fc1's and the attention output's; the logits' fp32 values are
+//    written over the fp32 logits): 2 more bytes each. The prediction counts in fp32 what
+//    Megatron-LM keeps so (the norms' statistics, the loss's logits, maxima, partial sums and
+//    log-sum-exp) and the attention's log-sum-exp, and the bf16 logits and their gradient at 2
+//    bytes, as the step holds them;
+//  - the conversions' workspace, one per device (HalfWorkspace): QKV widened for RoPE and the
+//    qk norms, and the bf16 operands of the products' backward (the norms write their bf16
+//    outputs and the activation reads and writes bf16 straight, a few rows at a time).
 // (The squared gradient norm, one value, fills its 64-byte line in either precision.)
 TEST(Bf16Training, MemoryIsThePredictionsPlusTheFp32Terms) {
   const ModelConfig m = in(gpt(), Precision::bf16);
@@ -456,26 +459,23 @@ TEST(Bf16Training, MemoryIsThePredictionsPlusTheFp32Terms) {
     EXPECT_EQ(with.memory().current(0, category), without.memory().current(0, category))
         << to_string(category);
   const std::int64_t T = std::int64_t{m.seq_length} * kOneDevice.micro_batch_size;
-  const std::int64_t h = m.hidden_size, f = m.ffn_hidden_size, L = m.num_layers;
-  const std::int64_t heads = m.num_attention_heads, qkv = 3 * h, V = m.padded_vocab_size(1);
-  const std::int64_t per_layer = 2 * T + T * heads + T * h + T * h + 2 * T + T * h + T * h;
-  const std::int64_t outputs = 2 * T + T * V + T + T * ops::kCrossEntropyPartials + T;
-  const std::int64_t workspace =
-      4 * T * h + T * f + T * f + T * h + T * h + T * qkv + T * V + T * h;
-  const std::int64_t fp32_kept = T * h + L * per_layer + outputs + workspace;
-  const std::int64_t conversions = 4 * (T * h + T * qkv + T * f + T * f) +
-                                   2 * (2 * T * h + T * f + T * f + T * h + T * qkv + 2 * T * V);
+  const std::int64_t h = m.hidden_size, L = m.num_layers;
+  const std::int64_t qkv = 3 * h;
+  const std::int64_t per_layer = T * h + T * h + T * h + T * h;
+  const std::int64_t workspace = 4 * T * h + T * h + T * qkv + T * h;
+  const std::int64_t fp32_kept = T * h + L * per_layer + workspace;
+  const std::int64_t conversions = 4 * T * qkv + 2 * (2 * T * h + T * qkv);
   EXPECT_EQ(
       with.memory().current(0, rt::MemoryCategory::activations),
       without.memory().current(0, rt::MemoryCategory::activations) + 2 * fp32_kept + conversions);
 }
 
 // The values a layer keeps in fp32 that the prediction counts at 2 bytes, as
-// MemoryIsThePredictionsPlusTheFp32Terms names them: its norms' statistics, the attention's
-// log-sum-exp, the projection's and fc2's outputs, its middle and its output.
+// MemoryIsThePredictionsPlusTheFp32Terms names them: the projection's and fc2's outputs, its
+// middle and its output.
 std::int64_t layer_fp32(const ModelConfig& m, std::int64_t T) {
-  const std::int64_t h = m.hidden_size, heads = m.num_attention_heads;
-  return 2 * T + T * heads + T * h + T * h + 2 * T + T * h + T * h;
+  const std::int64_t h = m.hidden_size;
+  return T * h + T * h + T * h + T * h;
 }
 
 // What a bf16 step keeps in fp32 and the prediction counts at 2 bytes, and the conversions'
@@ -485,16 +485,12 @@ std::int64_t layer_fp32(const ModelConfig& m, std::int64_t T) {
 // its activations exceed the prediction's by.
 std::int64_t fp32_excess(const ModelConfig& m, std::int64_t T, std::int64_t layers_fp32,
                          std::int64_t sets, bool chunks, bool output) {
-  const std::int64_t h = m.hidden_size, f = m.ffn_hidden_size;
-  const std::int64_t qkv = 3 * h, V = m.padded_vocab_size(1);
+  const std::int64_t h = m.hidden_size;
+  const std::int64_t qkv = 3 * h;
   const std::int64_t per_set = T * h + (chunks ? 2 * T * h : 0) + layers_fp32;
-  const std::int64_t outputs = output ? 2 * T + T * V + T + T * ops::kCrossEntropyPartials + T : 0;
-  const std::int64_t workspace =
-      4 * T * h + T * f + T * f + T * h + T * h + T * qkv + (output ? T * V + T * h : 0);
-  const std::int64_t conversions = 4 * (T * h + T * qkv + T * f + T * f) +
-                                   2 * (2 * T * h + T * f + T * f + T * h + T * qkv) +
-                                   (output ? 2 * 2 * T * V : 0);
-  return 2 * (sets * per_set + outputs + workspace) + conversions;
+  const std::int64_t workspace = 4 * T * h + T * h + T * qkv + (output ? T * h : 0);
+  const std::int64_t conversions = 4 * T * qkv + 2 * (2 * T * h + T * qkv);
+  return 2 * (sets * per_set + workspace) + conversions;
 }
 
 // pp2 (1F1B) and the distributed optimizer over dp2 in bf16 hold what their predictions count:

@@ -31,7 +31,6 @@
 #include "weave/graphs/model_shard.hpp"
 #include "weave/graphs/trainer.hpp"
 #include "weave/graphs/training_step.hpp"
-#include "weave/ops/cross_entropy.hpp"
 
 namespace weave::graphs {
 namespace {
@@ -627,15 +626,12 @@ TEST(Fp16Training, MemoryAndTasksAreThePredictions) {
   EXPECT_EQ(with.memory().current(0, C::optimizer_state),
             without.memory().current(0, C::optimizer_state));
   const std::int64_t T = std::int64_t{m.seq_length} * plan.micro_batch_size;
-  const std::int64_t h = m.hidden_size, f = m.ffn_hidden_size, L = m.num_layers;
-  const std::int64_t heads = m.num_attention_heads, qkv = 3 * h, V = m.padded_vocab_size(1);
-  const std::int64_t per_layer = 2 * T + T * heads + T * h + T * h + 2 * T + T * h + T * h;
-  const std::int64_t outputs = 2 * T + T * V + T + T * ops::kCrossEntropyPartials + T;
-  const std::int64_t workspace =
-      4 * T * h + T * f + T * f + T * h + T * h + T * qkv + T * V + T * h;
-  const std::int64_t fp32_kept = T * h + L * per_layer + outputs + workspace;
-  const std::int64_t conversions = 4 * (T * h + T * qkv + T * f + T * f) +
-                                   2 * (2 * T * h + T * f + T * f + T * h + T * qkv + 2 * T * V);
+  const std::int64_t h = m.hidden_size, L = m.num_layers;
+  const std::int64_t qkv = 3 * h;
+  const std::int64_t per_layer = T * h + T * h + T * h + T * h;
+  const std::int64_t workspace = 4 * T * h + T * h + T * qkv + T * h;
+  const std::int64_t fp32_kept = T * h + L * per_layer + workspace;
+  const std::int64_t conversions = 4 * T * qkv + 2 * (2 * T * h + T * qkv);
   EXPECT_EQ(
       with.memory().current(0, rt::MemoryCategory::activations),
       without.memory().current(0, rt::MemoryCategory::activations) + 2 * fp32_kept + conversions);

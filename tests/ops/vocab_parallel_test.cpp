@@ -81,5 +81,29 @@ TEST(VocabParallelCrossEntropy, FourDevicesThroughAllReducesEqualTheWholeVocabul
   }
 }
 
+// A 16-bit run writes the logits' gradient over its fp32 logits (the only fp32 copy it keeps):
+// in place, on a vocabulary shard with label smoothing and an ignored row, the gradient is
+// bitwise the one written beside the logits.
+TEST(VocabParallelCrossEntropy, TheGradientWrittenOverTheLogitsIsTheOneWrittenBeside) {
+  constexpr int kLocal = 31, kTokens = 7;
+  std::mt19937 gen(5);
+  std::normal_distribution<float> dist(0.f, 2.f);
+  const Tensor logits = Tensor::empty({kTokens, kLocal});
+  for (std::int64_t i = 0; i < logits.numel(); ++i)
+    logits.data()[i] = dist(gen);
+  const std::vector<std::int32_t> targets{3, 40, -100, 30, 31, 0, 61};
+  const CrossEntropyOptions options{.label_smoothing = 0.1};
+  const VocabShard shard{31, 62};
+  const Tensor lse = Tensor::empty({kTokens});
+  for (int r = 0; r < kTokens; ++r)  // any finite log-sum-exp: the gradient reads it only
+    lse.data()[r] = 1.5f + 0.25f * static_cast<float>(r);
+  const Tensor beside = Tensor::empty(logits.shape());
+  cross_entropy_backward<float>(logits, targets, shard, lse, options, 3.0, beside);
+  const Tensor over = logits.clone();
+  cross_entropy_backward<float>(over, targets, shard, lse, options, 3.0, over);
+  for (std::int64_t i = 0; i < logits.numel(); ++i)
+    ASSERT_EQ(over.data()[i], beside.data()[i]) << i;
+}
+
 }  // namespace
 }  // namespace weave::ops

@@ -34,7 +34,8 @@ struct AttentionActivations {
 };
 
 // The attention's share of the backward's workspace, one per device for all its layers (the
-// backward runs layer after layer): the attention output's and QKV's gradients.
+// backward runs layer after layer): the attention output's and QKV's gradients. A 16-bit run
+// has no d_attn: its gradient is the bf16 one the products read (HalfWorkspace::d_attn16).
 struct AttentionWorkspace {
   Tensor d_attn, d_qkv;  // [S, B, Hl d], [S, B, Hl, 3d]
 };

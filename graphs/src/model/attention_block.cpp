@@ -2,6 +2,7 @@
 
 #include <algorithm>
 
+#include "model/half_norm.hpp"
 #include "model/half_precision.hpp"
 #include "model/norm.hpp"
 
@@ -171,21 +172,21 @@ void AttentionBlock::allocate(LayerActivations& A) const {
   const bool ring = z.spec(l).attention == AttentionCore::ring;
   if (P->half()) {
     A.attention.ln1_16 = P->activation16({Sc, B, h});
-    A.attention.ln1_mean = P->activation({Sl * B});
-    A.attention.ln1_rstd = P->activation({Sl * B});
+    A.attention.ln1_mean = P->activation32({Sl * B});
+    A.attention.ln1_rstd = P->activation32({Sl * B});
     A.attention.qkv16 = P->activation16({Sc, B, z.Gl, z.qkv_group_width()});
     A.attention.attn16 = P->activation16({Sc, B, Hl, d});
   } else {
     A.attention.ln1 = P->activation({Sl, B, h});
-    A.attention.ln1_mean = P->activation({Sl * B});
-    A.attention.ln1_rstd = P->activation({Sl * B});
+    A.attention.ln1_mean = P->activation32({Sl * B});
+    A.attention.ln1_rstd = P->activation32({Sl * B});
     A.attention.ln1_full = z.sp() ? P->activation({Sc, B, h}) : A.attention.ln1;
     A.attention.qkv = P->activation({Sc, B, z.Gl, z.qkv_group_width()});
     A.attention.attn = P->activation({Sc, B, Hl, d});
   }
   // Ampipe without CP: one [B, Hl, q] block per (chunk, piece); under CP one per half.
-  A.attention.lse = ampipe && !ring ? P->activation({z.ampipe * z.t_sp, B, Hl, z.piece_rows()})
-                                    : P->activation({ring ? 2 : 1, B, Hl, z.chunk});
+  A.attention.lse = ampipe && !ring ? P->activation32({z.ampipe * z.t_sp, B, Hl, z.piece_rows()})
+                                    : P->activation32({ring ? 2 : 1, B, Hl, z.chunk});
   A.attention.proj_partial = P->activation({Sc, B, h});
   if (ring && ampipe && !z.plan.ampipe_cp_resend_kv) {
     A.attention.kv_store = P->activation({cp * Sc, B, z.Gl, 2 * d});
@@ -236,14 +237,16 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
           // A stage's input arrives as the bf16 values Megatron-LM's bf16 pipeline sends
           // (pipeline_dtype, the parameters' dtype); rounding again (recomputation) keeps them.
           if (takes_stage_input(p->layout, layer)) round_in_place(p->precision(), A.x_in);
+          if (!p->shape.sp()) {
+            norm_forward_to_half(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias,
+                                 A.attention.ln1_16, A.attention.ln1_mean, A.attention.ln1_rstd);
+            return;
+          }
+          // Under SP the bf16 values are gathered (in fp32 buffers) before QKV keeps them.
           const Tensor& y = p->ws().half.norm_out;
           norm_forward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, y, A.attention.ln1_mean,
                        A.attention.ln1_rstd);
-          // Under SP the bf16 values are gathered (in fp32 buffers) before QKV keeps them.
-          if (p->shape.sp())
-            round_in_place(p->precision(), y);
-          else
-            round_to_half(p->precision(), y, A.attention.ln1_16);
+          round_in_place(p->precision(), y);
           return;
         }
         norm_forward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.attention.ln1,

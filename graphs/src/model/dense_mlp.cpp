@@ -1,5 +1,7 @@
 #include "model/dense_mlp.hpp"
 
+#include <algorithm>
+
 #include "model/attention_block.hpp"
 #include "model/half_precision.hpp"
 #include "model/sequence_parallel.hpp"
@@ -7,6 +9,7 @@
 #include "step/step_costs.hpp"
 #include "weave/ops/activation.hpp"
 #include "weave/ops/linear.hpp"
+#include "weave/runtime/parallel_for.hpp"
 
 namespace weave::graphs {
 
@@ -57,15 +60,62 @@ void mlp_activation_backward(const ModelConfig& m, const Tensor& pre, const Tens
 
 namespace {
 
+// A 16-bit run's activation reads fc1's 16-bit output and writes 16-bit values, computing in
+// fp32 in between, as Megatron-LM's fused bias-GeLU and SwiGLU do
+// (megatron/core/fusions/fused_bias_gelu.py, fused_bias_swiglu.py: elementwise kernels on the
+// 16-bit tensors, which keep their 16-bit input for the backward): no fp32 tensor of the
+// activation's size is held. weave widens a block of a few rows at a time into a scratch of the
+// block's size (a kernel's working set, not an activation) and computes there; each value is
+// computed as on the whole tensor, so the result is bitwise the same.
+constexpr std::int64_t kActivationBlockRows = 8;  // rows of the [S, B, f] layout
+
+// fn(first, rows) for every block of rows of `rows`, over the cores of the caller's arena.
+template <typename Fn>
+void for_row_blocks(std::int64_t rows, Fn&& fn) {
+  const std::int64_t blocks = (rows + kActivationBlockRows - 1) / kActivationBlockRows;
+  rt::parallel_for(std::int64_t{0}, blocks, [&](std::int64_t b) {
+    const std::int64_t first = b * kActivationBlockRows;
+    fn(first, std::min(kActivationBlockRows, rows - first));
+  });
+}
+
+// act16 = the activation of fc1's 16-bit output pre16, in fp32, rounded once.
+void half_activation_forward(const ModelConfig& m, const ops::Bf16Tensor& pre16,
+                             const ops::Bf16Tensor& act16) {
+  for_row_blocks(pre16.dim(0), [&](std::int64_t first, std::int64_t rows) {
+    const ops::Bf16Tensor pre_rows = pre16.slice(0, first, rows),
+                          act_rows = act16.slice(0, first, rows);
+    const Tensor pre = Tensor::empty(pre_rows.shape()), act = Tensor::empty(act_rows.shape());
+    widen_to_fp32(m.precision, pre_rows, pre);
+    mlp_activation_forward(m, pre, act);
+    round_to_half(m.precision, act, act_rows);
+  });
+}
+
+// d_pre16 = the activation's backward at pre16 of the 16-bit output gradient d_act16, in fp32,
+// rounded once: the 16-bit gradient fc1's products read, as autograd's bf16 gradient is.
+void half_activation_backward(const ModelConfig& m, const ops::Bf16Tensor& pre16,
+                              const ops::Bf16Tensor& d_act16, const ops::Bf16Tensor& d_pre16) {
+  for_row_blocks(pre16.dim(0), [&](std::int64_t first, std::int64_t rows) {
+    const ops::Bf16Tensor pre_rows = pre16.slice(0, first, rows),
+                          d_act_rows = d_act16.slice(0, first, rows),
+                          d_pre_rows = d_pre16.slice(0, first, rows);
+    const Tensor pre = Tensor::empty(pre_rows.shape()), d_act = Tensor::empty(d_act_rows.shape()),
+                 d_pre = Tensor::empty(d_pre_rows.shape());
+    widen_to_fp32(m.precision, pre_rows, pre);
+    widen_to_fp32(m.precision, d_act_rows, d_act);
+    mlp_activation_backward(m, pre, d_act, d_pre);
+    round_to_half(m.precision, d_pre, d_pre_rows);
+  });
+}
+
 // A bf16 run's MLP forward: fc1 and fc2 as bf16 products, the activation in fp32 on fc1's
 // widened output, rounded once; fc2's bf16 output joins the fp32 residual stream.
 void dense_mlp_forward_bf16(const ModelConfig& m, const DenseMlpParameters& W,
                             const ops::Bf16Tensor& x, const DenseMlpActivations& D,
                             const HalfWorkspace& half) {
   half_linear_forward(m.precision, x, W.fc1_weight->value16, value16_of(W.fc1_bias), D.fc1_16);
-  widen_to_fp32(m.precision, D.fc1_16, half.pre32);
-  mlp_activation_forward(m, half.pre32, half.act32);
-  round_to_half(m.precision, half.act32, D.act16);
+  half_activation_forward(m, D.fc1_16, D.act16);
   half_linear_forward(m.precision, D.act16, W.fc2_weight->value16, ops::Bf16Tensor{}, half.out16);
   widen_to_fp32(m.precision, half.out16, D.fc2_partial);
 }
@@ -82,10 +132,7 @@ void dense_mlp_backward_bf16(const ModelConfig& m, const DenseMlpParameters& W,
     D.saved_d_fc2_16.copy_from(half.d_out16);
   else
     half_linear_backward_weight(m.precision, D.act16, half.d_out16, W.fc2_weight->grad, Tensor{});
-  widen_to_fp32(m.precision, D.fc1_16, half.pre32);
-  widen_to_fp32(m.precision, half.d_act16, half.act32);
-  mlp_activation_backward(m, half.pre32, half.act32, w.dense_mlp.d_fc1);
-  round_to_half(m.precision, w.dense_mlp.d_fc1, half.d_fc1_16);
+  half_activation_backward(m, D.fc1_16, half.d_act16, half.d_fc1_16);
   if (keep) D.saved_d_fc1_16.copy_from(half.d_fc1_16);
   half_linear_backward_input(m.precision, half.d_fc1_16, W.fc1_weight->value16, half.out16);
   widen_to_fp32(m.precision, half.out16, w.d_norm_full);
@@ -121,10 +168,7 @@ TaskId dense_mlp_forward_in_pieces(RankProgram& P, const BuildPosition& pos, int
                                 fc1_16 = D.fc1_16.slice(0, first, rows);
           if (!recomputing) round_to_half(precision, hw.gathered.slice(0, first, rows), x);
           half_linear_forward(precision, x, W.fc1_weight->value16, value16_of(W.fc1_bias), fc1_16);
-          const Tensor pre = hw.pre32.slice(0, first, rows), act = hw.act32.slice(0, first, rows);
-          widen_to_fp32(precision, fc1_16, pre);
-          mlp_activation_forward(m, pre, act);
-          round_to_half(precision, act, D.act16.slice(0, first, rows));
+          half_activation_forward(m, fc1_16, D.act16.slice(0, first, rows));
           return;
         }
         const Tensor pre = D.fc1.slice(0, first, rows);
@@ -175,7 +219,6 @@ TaskId dense_mlp_backward_in_pieces(RankProgram& P, const BuildPosition& pos, in
         BackwardWorkspace& w = p->ws();
         const ModelConfig& m = p->shape.model;
         const Tensor d_out = w.d_mlp_full.slice(0, first, rows),
-                     d_fc1 = w.dense_mlp.d_fc1.slice(0, first, rows),
                      d_in = w.d_norm_full.slice(0, first, rows);
         if (p->half()) {
           const HalfWorkspace& hw = w.half;
@@ -184,20 +227,17 @@ TaskId dense_mlp_backward_in_pieces(RankProgram& P, const BuildPosition& pos, in
                                 d_act16 = hw.d_act16.slice(0, first, rows),
                                 d_fc1_16 = hw.d_fc1_16.slice(0, first, rows),
                                 d_in16 = hw.out16.slice(0, first, rows);
-          const Tensor pre = hw.pre32.slice(0, first, rows), d_act = hw.act32.slice(0, first, rows);
           round_to_half(precision, d_out, d_out16);
           half_linear_backward_input(precision, d_out16, W.fc2_weight->value16, d_act16);
           if (keep) D.saved_d_fc2_16.slice(0, first, rows).copy_from(d_out16);
-          widen_to_fp32(precision, D.fc1_16.slice(0, first, rows), pre);
-          widen_to_fp32(precision, d_act16, d_act);
-          mlp_activation_backward(m, pre, d_act, d_fc1);
-          round_to_half(precision, d_fc1, d_fc1_16);
+          half_activation_backward(m, D.fc1_16.slice(0, first, rows), d_act16, d_fc1_16);
           if (keep) D.saved_d_fc1_16.slice(0, first, rows).copy_from(d_fc1_16);
           half_linear_backward_input(precision, d_fc1_16, W.fc1_weight->value16, d_in16);
           widen_to_fp32(precision, d_in16, d_in);
           return;
         }
-        const Tensor d_act = w.dense_mlp.d_act.slice(0, first, rows);
+        const Tensor d_act = w.dense_mlp.d_act.slice(0, first, rows),
+                     d_fc1 = w.dense_mlp.d_fc1.slice(0, first, rows);
         ops::linear_backward_input(d_out, W.fc2_weight->value, d_act);
         if (keep) D.saved_d_fc2.slice(0, first, rows).copy_from(d_out);
         mlp_activation_backward(m, D.fc1.slice(0, first, rows), d_act, d_fc1);

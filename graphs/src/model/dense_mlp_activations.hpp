@@ -20,7 +20,8 @@ struct DenseMlpActivations {
 };
 
 // The dense MLP's share of the backward's workspace, one per device for all its layers: the
-// activation's and fc1's output gradients.
+// activation's and fc1's output gradients (an fp32 run's; a 16-bit run's are the bf16 ones its
+// products read, HalfWorkspace::d_act16 and d_fc1_16).
 struct DenseMlpWorkspace {
   Tensor d_act, d_fc1;  // [S, B, f], [S, B, f1]
 };

@@ -1,4 +1,5 @@
 #include "model/output_loss.hpp"
+#include "model/half_norm.hpp"
 #include "model/half_precision.hpp"
 #include "model/norm.hpp"
 
@@ -32,13 +33,13 @@ void OutputLoss::allocate(OutputSet& O) const {
     O.final16 = P->activation16({Sc, B, h});
   else
     O.final_ln = P->activation({Sl, B, h});
-  O.final_mean = P->activation({Sl * B});
-  O.final_rstd = P->activation({Sl * B});
+  O.final_mean = P->activation32({Sl * B});
+  O.final_rstd = P->activation32({Sl * B});
   if (!P->half()) O.final_full = z.sp() ? P->activation({Sc, B, h}) : O.final_ln;
-  O.logits = P->activation({Sc * B, z.Vl});
-  O.row_max = P->activation({Sc * B});
-  O.partials = P->activation({Sc * B, ops::kCrossEntropyPartials});
-  O.lse = P->activation({Sc * B});
+  O.logits = P->activation32({Sc * B, z.Vl});
+  O.row_max = P->activation32({Sc * B});
+  O.partials = P->activation32({Sc * B, ops::kCrossEntropyPartials});
+  O.lse = P->activation32({Sc * B});
   if (z.splits_backward && P->half())
     O.saved_d_logits16 = P->activation16({Sc * B, z.Vl});
   else if (z.splits_backward)
@@ -60,13 +61,15 @@ TaskId OutputLoss::forward(const BuildPosition& pos, TaskId ready) const {
     OutputSet& X = p->oset(out);
     ModelShard& W = p->shard();
     p->load_tokens(mb, X.targets, true);
-    if (p->half()) {  // in fp32, rounded once into the bf16 input of the output layer
+    if (p->half() && !p->shape.sp()) {  // in fp32, rounded once into the output layer's input
+      norm_forward_to_half(p->shape.model, p->acts(set, last_layer).x_out, W.final_ln_weight(),
+                           W.final_ln_bias(), X.final16, X.final_mean, X.final_rstd);
+      return;
+    }
+    if (p->half()) {  // gathered first
       norm_forward(p->shape.model, p->acts(set, last_layer).x_out, W.final_ln_weight(),
                    W.final_ln_bias(), p->ws().half.norm_out, X.final_mean, X.final_rstd);
-      if (p->shape.sp())  // gathered first
-        round_in_place(p->precision(), p->ws().half.norm_out);
-      else
-        round_to_half(p->precision(), p->ws().half.norm_out, X.final16);
+      round_in_place(p->precision(), p->ws().half.norm_out);
       return;
     }
     norm_forward(p->shape.model, p->acts(set, last_layer).x_out, W.final_ln_weight(),
@@ -131,12 +134,15 @@ TaskId OutputLoss::backward(const BuildPosition& pos, TaskId ready, WeightHalves
   const TaskId d_logits = P->compute("loss_backward", tags, d_logits_cost, [=] {
     OutputSet& X = p->oset(out);
     BackwardWorkspace& w = p->ws();
-    ops::cross_entropy_backward<float>(
-        X.logits, X.targets, vocab_shard(*p), X.lse, cross_entropy_options(p->shape),
-        p->opt.loss_scaling ? p->inputs.loss_scale : 1.0, w.output.d_logits);
+    // A 16-bit run computes the fp32 gradient in place over its fp32 logits, as Megatron-LM's
+    // cross-entropy does over its fp32 softmax, and rounds it into the bf16 its products read.
+    const Tensor d_logits = p->half() ? X.logits : w.output.d_logits;
+    ops::cross_entropy_backward<float>(X.logits, X.targets, vocab_shard(*p), X.lse,
+                                       cross_entropy_options(p->shape),
+                                       p->opt.loss_scaling ? p->inputs.loss_scale : 1.0, d_logits);
     if (p->half()) {  // the output layer's products take the gradient in bf16
       const HalfWorkspace& half = w.half;
-      round_to_half(p->precision(), w.output.d_logits, half.d_logits16);
+      round_to_half(p->precision(), d_logits, half.d_logits16);
       if (keep) X.saved_d_logits16.copy_from(half.d_logits16);
       half_linear_backward_input(p->precision(), half.d_logits16,
                                  p->shard().output_weight().value16,

@@ -112,7 +112,6 @@ void RingAttention::attend_piece_backward(int set, int mb, std::int64_t half, co
   LayerActivations& A = P->acts(set, l);
   BackwardWorkspace& w = P->ws();
   const int me = P->at.cp;
-  const Tensor d_attn = w.attention.d_attn.slice(0, half * chunk, chunk);
   const Tensor keys = kv.slice(0, key_half * chunk, chunk);
   const Tensor key_grads = grads.slice(0, key_half * chunk, chunk);
   if (P->half()) {
@@ -138,6 +137,7 @@ void RingAttention::attend_piece_backward(int set, int mb, std::int64_t half, co
   }
   // With the full (merged) output and log-sum-exp, each block's probabilities are the final
   // ones, so its gradients are exact parts of the whole.
+  const Tensor d_attn = w.attention.d_attn.slice(0, half * chunk, chunk);
   ops::attention_backward(
       {.q_offset = z.context_position(me, half * chunk),
        .k_offset = z.context_position(from, key_half * chunk),

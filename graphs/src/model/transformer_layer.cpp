@@ -1,4 +1,5 @@
 #include "model/transformer_layer.hpp"
+#include "model/half_norm.hpp"
 #include "model/half_precision.hpp"
 #include "model/norm.hpp"
 #include "step/step_costs.hpp"
@@ -26,8 +27,8 @@ void TransformerLayer::allocate(LayerActivations& A, const Tensor& x_in) const {
     A.ln2_16 = P->activation16({z.Sc, B, h});
   else
     A.ln2 = P->activation({Sl, B, h});
-  A.ln2_mean = P->activation({Sl * B});
-  A.ln2_rstd = P->activation({Sl * B});
+  A.ln2_mean = P->activation32({Sl * B});
+  A.ln2_rstd = P->activation32({Sl * B});
   if (z.spec(l).moe())
     MoeMlp(*P, l).allocate(A);
   else
@@ -99,13 +100,15 @@ TaskId TransformerLayer::forward_pass(const BuildPosition& pos, TaskId ready) co
           round_in_place(p->precision(), A.ln2);
           return;
         }
-        if (p->half()) {  // in fp32, rounded once into the bf16 input of fc1
+        if (p->half() && !p->shape.sp()) {  // in fp32, rounded once into the bf16 input of fc1
+          norm_forward_to_half(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, A.ln2_16,
+                               A.ln2_mean, A.ln2_rstd);
+          return;
+        }
+        if (p->half()) {  // gathered first, as the attention's input
           norm_forward(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, p->ws().half.norm_out,
                        A.ln2_mean, A.ln2_rstd);
-          if (p->shape.sp())  // gathered first, as the attention's input
-            round_in_place(p->precision(), p->ws().half.norm_out);
-          else
-            round_to_half(p->precision(), p->ws().half.norm_out, A.ln2_16);
+          round_in_place(p->precision(), p->ws().half.norm_out);
           return;
         }
         norm_forward(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, A.ln2, A.ln2_mean,

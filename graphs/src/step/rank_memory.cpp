@@ -73,7 +73,7 @@ void allocate_ring_workspace(RankProgram& P, RingAttentionWorkspace& W) {
   }
   W.o_part = P.activation({z.chunk, B, Hl, d});
   W.dq_part = P.activation({z.chunk, B, Hl, d});
-  W.lse_part = P.activation({B, Hl, z.chunk});
+  W.lse_part = P.activation32({B, Hl, z.chunk});
   if (P.half()) W.merged = P.activation({Sc, B, Hl, d});
   W.ring_send.assign(static_cast<std::size_t>(cp), 0);
   W.ring_send[static_cast<std::size_t>((P.at.cp + 1) % cp)] = Sc;
@@ -92,8 +92,12 @@ void allocate_workspace(RankProgram& P, BackwardWorkspace& W, bool output_layer)
   W.d_tmp = P.activation({Sl, B, h});
   W.d_mlp = P.activation({Sl, B, h});
   W.d_mlp_full = sp ? P.activation({Sc, B, h}) : W.d_mlp;
-  W.dense_mlp.d_act = P.activation({Sc, B, z.fl});
-  W.dense_mlp.d_fc1 = P.activation({Sc, B, z.f1l});
+  // A 16-bit run's activation and fc1 gradients are the bf16 ones its products read (d_act16,
+  // d_fc1_16): the activation's backward writes the latter straight.
+  if (!P.half()) {
+    W.dense_mlp.d_act = P.activation({Sc, B, z.fl});
+    W.dense_mlp.d_fc1 = P.activation({Sc, B, z.f1l});
+  }
   W.d_norm_full = P.activation({Sc, B, h});
   W.d_norm = sp ? P.activation({Sl, B, h}) : W.d_norm_full;
   if (sp && z.plan.tp_comm_overlap) {
@@ -101,32 +105,39 @@ void allocate_workspace(RankProgram& P, BackwardWorkspace& W, bool output_layer)
     W.tp_overlap.scatter.buffer = P.activation({Sc, B, h});
     W.tp_overlap.grad_gather.buffer = P.activation({Sc, B, h});
   }
-  W.attention.d_attn = P.activation({Sc, B, Hl * d});
+  // A 16-bit run's attention-output gradient is the bf16 one its products read (d_attn16).
+  if (!P.half()) W.attention.d_attn = P.activation({Sc, B, Hl * d});
   W.attention.d_qkv = P.activation({Sc, B, z.Gl, z.qkv_group_width()});
   if (z.cp > 1) allocate_ring_workspace(P, W.cp_ring);
+  // The logits' gradient: in fp32 in an fp32 run; a 16-bit run's is the bf16 one the output
+  // layer's products read (HalfWorkspace::d_logits16, counted here at 2 bytes when the step is not
+  // materialized), the loss writing its fp32 values over its fp32 logits first, as Megatron-LM's
+  // cross-entropy computes its gradient in place in the fp32 softmax it kept
+  // (megatron/core/tensor_parallel/cross_entropy.py), the cast to bf16 making the one it returns.
+  const bool sixteen_bit = z.model.precision != Precision::fp32;
   if (output_layer) {
-    W.output.d_logits = P.activation({Sc * B, z.Vl});
+    if (!P.half()) W.output.d_logits = P.activation({Sc * B, z.Vl});
     W.output.d_final_full = P.activation({Sc, B, h});
   }
   if (P.half()) {
     HalfWorkspace& H = W.half;
     const std::int64_t qkv = z.qkv_group_width();
-    H.norm_out = P.activation({Sl, B, h});
+    // Without SP the norms write their bf16 outputs straight (norm_forward_to_half).
+    if (sp) H.norm_out = P.activation({Sl, B, h});
     if (sp) H.gathered = P.activation({Sc, B, h});
     H.qkv32 = P.activation({Sc, B, z.Gl, qkv});
-    H.pre32 = P.activation({Sc, B, z.f1l});
-    H.act32 = P.activation({Sc, B, z.fl});
     H.out16 = P.activation16({Sc, B, h});
     H.d_out16 = P.activation16({Sc, B, h});
     H.d_act16 = P.activation16({Sc, B, z.fl});
     H.d_fc1_16 = P.activation16({Sc, B, z.f1l});
     H.d_attn16 = P.activation16({Sc, B, Hl * d});
     H.d_qkv16 = P.activation16({Sc, B, z.Gl, qkv});
-    if (output_layer) {
-      H.logits16 = P.activation16({Sc * B, z.Vl});
-      H.d_logits16 = P.activation16({Sc * B, z.Vl});
-    }
+    if (output_layer) H.d_logits16 = P.activation16({Sc * B, z.Vl});
   }
+  // A 16-bit run's output product writes bf16 logits, which the loss widens into its fp32 ones:
+  // both are held at once, as Megatron-LM's .float() of the output layer's bf16 logits
+  // (megatron/core/tensor_parallel/cross_entropy.py) holds them. Counted by a prediction too.
+  if (output_layer && sixteen_bit) W.half.logits16 = P.activation16({Sc * B, z.Vl});
   if (z.model.has_shared_experts()) allocate_shared_expert_workspace(P, W);
 }
 

@@ -241,9 +241,21 @@ class RankProgram {
   // The run's precision: a 16-bit run's 16-bit tensors are Bf16Tensor storage, read as fp16 in
   // an fp16 run (half_precision.hpp).
   Precision precision() const { return shape.model.precision; }
-  // A bf16 activation of a bf16 run.
+  // A tensor a 16-bit run keeps in fp32 as Megatron-LM's --bf16 does, counted at 4 bytes a value
+  // whatever the precision: the layers' and the final norm's statistics (TE's and Megatron's own
+  // norms return them in fp32, megatron/core/transformer/custom_layers/batch_invariant_kernels.py),
+  // the attention's log-sum-exp (weave's attention kernels take and keep it in fp32), and the
+  // cross-entropy's logits and row figures (megatron/core/tensor_parallel/cross_entropy.py widens
+  // the logits with .float() and keeps their fp32 softmax for the backward).
+  Tensor activation32(const ops::Shape& s) {
+    return materialize ? Tensor::empty(s, device, rt::MemoryCategory::activations)
+                       : Tensor::shape_only(s, device, rt::MemoryCategory::activations);
+  }
+  // A 16-bit activation of a 16-bit run; a shape counted at 2 bytes a value when the step is not
+  // materialized.
   ops::Bf16Tensor activation16(const ops::Shape& s) {
-    return ops::Bf16Tensor::empty(s, device, rt::MemoryCategory::activations);
+    return materialize ? ops::Bf16Tensor::empty(s, device, rt::MemoryCategory::activations)
+                       : ops::Bf16Tensor::shape_only(s, device, rt::MemoryCategory::activations);
   }
 
   ModelShard& shard() { return *state.shard; }

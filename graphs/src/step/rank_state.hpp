@@ -53,20 +53,19 @@ struct LayerActivations {
   }
 };
 
-// A bf16 run's conversions: fp32 values on their way into bf16 (a norm's output, the activation,
-// RoPE's rotation, the gradients the products take) and the bf16 results of products on their
+// A bf16 run's conversions: fp32 values on their way into bf16 (a norm's output under SP, RoPE's
+// rotation, the gradients the products take) and the bf16 results of products on their
 // way into the fp32 residual stream and loss. Shared by every layer of the device; each tensor
 // is used within one task but for d_fc1_16, d_qkv16 and d_logits16, which carry the output
 // gradients to the weight halves as d_fc1, d_qkv and d_logits do.
 struct HalfWorkspace {
-  Tensor norm_out;                       // [Sl, B, h]
+  Tensor norm_out;                       // sequence parallelism: a norm's output [Sl, B, h]
   Tensor gathered;                       // sequence parallelism: norm_out's gather [Sc, B, h]
   Tensor qkv32;                          // [Sc, B, Gl, qkv group width]
-  Tensor pre32, act32;                   // [Sc, B, f1l], [Sc, B, fl]
   ops::Bf16Tensor out16, d_out16;        // [Sc, B, h]
   ops::Bf16Tensor d_act16, d_fc1_16;     // [Sc, B, fl], [Sc, B, f1l]
   ops::Bf16Tensor d_attn16, d_qkv16;     // [Sc, B, Hl d], [Sc, B, Gl, qkv group width]
-  ops::Bf16Tensor logits16, d_logits16;  // [Sc B, Vl]
+  ops::Bf16Tensor logits16, d_logits16;  // [Sc B, Vl]; logits16 counted by a prediction too
 };
 
 // --tp-comm-overlap's staging buffers ([Sc, B, h] each, as the userbuffers Transformer Engine

@@ -57,7 +57,8 @@ double cross_entropy_loss(const BasicTensor<T>& global_max, const BasicTensor<T>
 
 // dlogits [n, v_local] = loss_scale / denominator * (softmax - (1 - eps) onehot - eps / V),
 // zero on ignored rows. loss_scale is the gradient arriving at the mean loss (1 for a plain
-// backward).
+// backward). dlogits may be logits itself: each value is read before its gradient is written
+// over it (a 16-bit run keeps no other fp32 copy of the logits).
 template <typename T>
 void cross_entropy_backward(const BasicTensor<T>& logits, std::span<const std::int32_t> targets,
                             const VocabShard& shard, const BasicTensor<T>& lse,
