@@ -49,9 +49,11 @@ KORTHIKANTI_STACK = "--attention-backend unfused --attention-dropout 0.1 --hidde
 # Assumed: bf16, micro-batch 1, no virtual stages, no recomputation, FFN 4h with GeLU and
 # untied embeddings (the parameter counts the table's names give: 24 x 12 x 2048^2 + 2 x 131072
 # x 2048 = 1.74B), the distributed optimizer (Megatron refuses --overlap-param-gather without it),
-# sequence parallelism where tp > 1 (--tp-comm-overlap requires it), flash attention (Transformer
-# Engine's default backend), no dropout, the unfused cross-entropy (Megatron's default without
-# --cross-entropy-loss-fusion; weave prices the loss that way).
+# sequence parallelism where tp > 1 (--tp-comm-overlap requires it), no dropout, the unfused
+# cross-entropy (Megatron's default without --cross-entropy-loss-fusion), and the attention kernel
+# Transformer Engine chooses (--attention-backend auto; the run of July 2024 predates the flag):
+# cuDNN's fused attention, which Transformer Engine prefers over FlashAttention on Hopper
+# (get_attention_backend in its dot_product_attention/utils.py, attention.py before).
 MEGATRON_README = [
     # model, heads, hidden, layers, tp, pp, dp, GPUs, gbs, TFLOP/s per GPU
     ("1.7B", 16, 2048, 24, 1, 1, 48, 48, 192, 408.8),
@@ -65,7 +67,7 @@ MEGATRON_README = [
     ("462B", 144, 18432, 112, 8, 16, 48, 6144, 3072, 459.9),
 ]
 MEGATRON_README_STACK = ("--bf16 --use-distributed-optimizer --overlap-grad-reduce "
-                         "--overlap-param-gather --tp-comm-overlap --attention-backend flash "
+                         "--overlap-param-gather --tp-comm-overlap --attention-backend auto "
                          "--untie-embeddings-and-output-weights")
 
 # Table 3: MindSpeed's Ampipe (docs/features/ampipe.md). Stated: 16 Ascend NPUs, sequence 128k,
@@ -97,12 +99,17 @@ AMPIPE = [
 # norms and activations. Assumed: SwiGLU, RoPE, RMSNorm, QK-norm, untied embeddings, vocabulary
 # 151,936 (Qwen3's), sequence parallelism, the distributed optimizer with overlapped gradient
 # reduction and parameter gathers, the first and last model chunk one layer short (94 = 2 + 30 x
-# 3 + 2 over the 8 x 4 chunks), flash attention, and, where weave cannot follow the run: 32 heads of 128 instead of 64 (weave's
-# heads are --hidden-size / heads wide and it refuses --kv-channels; the real 64 x 128 queries
-# are twice the hidden size), so the attention's products are those of 32 heads, and the experts
+# 3 + 2 over the 8 x 4 chunks), and, where weave cannot follow the run: 32 heads of 128 instead
+# of 64 (weave's heads are --hidden-size / heads wide and it refuses --kv-channels; the real
+# 64 x 128 queries are twice the hidden size), so the attention's products are those of 32
+# heads, and the experts
 # --ffn-hidden-size wide (every layer is MoE: weave's experts take that width), and no
 # recomputation (weave recomputes neither norms nor activations alone: the run's recomputed norms
 # and SwiGLU are element-wise work this prediction leaves out).
+# Stated by the model's file: --cross-entropy-loss-fusion --cross-entropy-fusion-impl te, and no
+# --attention-backend (Megatron-Core's auto: Transformer Engine's choice, cuDNN's fused attention on
+# Hopper, priced at the kernel's rate for 128-wide heads; the run's 4 query groups are not in that
+# measurement).
 QWEN3 = ("--accelerator h100-sxm --num-layers 94 --hidden-size 4096 --num-attention-heads 32 "
          "--group-query-attention --num-query-groups 4 --ffn-hidden-size 1536 "
          "--num-experts 128 --moe-router-topk 8 --moe-layer-freq 1 "
@@ -114,7 +121,7 @@ QWEN3 = ("--accelerator h100-sxm --num-layers 94 --hidden-size 4096 --num-attent
          "--decoder-last-pipeline-num-layers 2 "
          "--expert-model-parallel-size 32 --micro-batch-size 1 --global-batch-size 2048 --bf16 "
          "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather "
-         "--attention-backend flash")
+         "--attention-backend auto --cross-entropy-loss-fusion --cross-entropy-fusion-impl te")
 # The overlap (Megatron-Core's --overlap-moe-expert-parallel-comm, which weave does not take) is
 # predicted with MindSpeed's --moe-alltoall-overlap-comm, which weave accepts without effect: its
 # all-to-alls already overlap whatever the data allows, so the row shows what the 1F1B overlap's

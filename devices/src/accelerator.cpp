@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -54,7 +55,70 @@ NetworkLink link(const json& j, const char* key, const std::string& source) {
           .bus_efficiency = l.contains("bus_efficiency") ? share(l, "bus_efficiency", where) : 1.0};
 }
 
+// One direction of a kernel's table: {"head dim": {"sequence": TFLOP/s, ...}, ...}.
+std::vector<AttentionRateTable::Row> rate_rows(const json& j, const std::string& where) {
+  std::vector<AttentionRateTable::Row> rows;
+  if (!j.is_object())
+    throw std::invalid_argument(fmt::format(
+        "accelerator {} must map head dimensions to {{sequence length: TFLOP/s}} objects", where));
+  auto number = [&](const std::string& key, const char* what) {
+    std::size_t used = 0;
+    double v = -1;
+    try {
+      v = std::stod(key, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used != key.size() || !(v > 0) || !std::isfinite(v))
+      throw std::invalid_argument(fmt::format(
+          "accelerator {}: '{}' is not a {} (a number > 0 as a key)", where, key, what));
+    return v;
+  };
+  for (const auto& [dim, points] : j.items()) {
+    AttentionRateTable::Row row{.head_dim = number(dim, "head dimension"), .points = {}};
+    if (!points.is_object() || points.empty())
+      throw std::invalid_argument(fmt::format(
+          "accelerator {}: head dimension {} must map sequence lengths to TFLOP/s", where, dim));
+    for (const auto& [sequence, tflops] : points.items()) {
+      const double rate = tflops.is_number() ? tflops.get<double>() : -1;
+      if (!(rate > 0) || !std::isfinite(rate))
+        throw std::invalid_argument(
+            fmt::format("accelerator {}: head dimension {} at sequence {} must be TFLOP/s > 0, "
+                        "got {}",
+                        where, dim, sequence, tflops.dump()));
+      row.points.emplace_back(number(sequence, "sequence length"), rate * 1e12);
+    }
+    std::sort(row.points.begin(), row.points.end());
+    rows.push_back(std::move(row));
+  }
+  std::sort(rows.begin(), rows.end(),
+            [](const auto& a, const auto& b) { return a.head_dim < b.head_dim; });
+  return rows;
+}
+
+json rate_rows_json(const std::vector<AttentionRateTable::Row>& rows) {
+  json j = json::object();
+  for (const AttentionRateTable::Row& row : rows) {
+    json points = json::object();
+    for (const auto& [sequence, rate] : row.points)
+      points[fmt::format("{}", sequence)] = rate / 1e12;
+    j[fmt::format("{}", row.head_dim)] = points;
+  }
+  return j;
+}
+
 }  // namespace
+
+double Accelerator::sustained_attention_flops(const std::string& backend, double head_dim,
+                                              double sequence, bool backward) const {
+  const std::string& kernel = backend == "auto" ? attention_auto : backend;
+  for (const auto& [name, table] : attention_kernels)
+    if (name == kernel) {
+      const double rate = table.rate(head_dim, sequence, backward);
+      if (rate > 0) return rate * power_limited_clock_share;
+    }
+  return backward ? sustained_attention_backward_flops() : sustained_attention_flops();
+}
 
 std::vector<std::string> Accelerator::preset_names() {
   std::vector<std::string> names;
@@ -83,6 +147,33 @@ Accelerator Accelerator::parse(std::string_view text, const std::string& source)
   a.attention_backward_efficiency = j.contains("attention_backward_efficiency")
                                         ? share(j, "attention_backward_efficiency", source)
                                         : a.attention_efficiency;
+  if (j.contains("attention_kernels")) {
+    const json& kernels = j.at("attention_kernels");
+    if (!kernels.is_object())
+      throw std::invalid_argument(fmt::format(
+          "accelerator {}: 'attention_kernels' must map backend names (flash, fused) to tables",
+          source));
+    for (const auto& [backend, k] : kernels.items()) {
+      const std::string where = fmt::format("{} (attention_kernels.{})", source, backend);
+      if (!k.is_object() || !k.contains("forward"))
+        throw std::invalid_argument(fmt::format(
+            "accelerator {} must be an object with kernel, forward and backward", where));
+      AttentionRateTable table{.kernel = text_or(k, "kernel", backend),
+                               .forward = rate_rows(k.at("forward"), where + " forward"),
+                               .backward = {}};
+      if (k.contains("backward")) table.backward = rate_rows(k.at("backward"), where + " backward");
+      a.attention_kernels.emplace_back(backend, std::move(table));
+    }
+  }
+  a.attention_auto = text_or(j, "attention_auto", "");
+  if (!a.attention_auto.empty() &&
+      std::none_of(a.attention_kernels.begin(), a.attention_kernels.end(),
+                   [&](const auto& k) { return k.first == a.attention_auto; }))
+    throw std::invalid_argument(fmt::format(
+        "accelerator {}: 'attention_auto' names '{}', which 'attention_kernels' does not hold",
+        source, a.attention_auto));
+  if (j.contains("power_limited_clock_share"))
+    a.power_limited_clock_share = share(j, "power_limited_clock_share", source);
   if (j.contains("matmul_overhead_dimension")) {
     const json& d = j.at("matmul_overhead_dimension");
     const double rows = d.is_number() ? d.get<double>() : -1;
@@ -139,6 +230,11 @@ std::string Accelerator::to_json() const {
   nlohmann::ordered_json figures = nlohmann::ordered_json::object();
   for (const auto& [field, text] : figure_sources)
     figures[field] = text;
+  nlohmann::ordered_json kernels = nlohmann::ordered_json::object();
+  for (const auto& [backend, table] : attention_kernels)
+    kernels[backend] = {{"kernel", table.kernel},
+                        {"forward", rate_rows_json(table.forward)},
+                        {"backward", rate_rows_json(table.backward)}};
   const nlohmann::ordered_json j = {
       {"name", name},
       {"peak_flops", peak_flops},
@@ -146,6 +242,9 @@ std::string Accelerator::to_json() const {
       {"matmul_overhead_dimension", matmul_overhead_dimension},
       {"attention_efficiency", attention_efficiency},
       {"attention_backward_efficiency", attention_backward_efficiency},
+      {"attention_kernels", kernels},
+      {"attention_auto", attention_auto},
+      {"power_limited_clock_share", power_limited_clock_share},
       {"memory_bytes", memory_bytes},
       {"memory_bandwidth", memory_bandwidth},
       {"memory_efficiency", memory_efficiency},

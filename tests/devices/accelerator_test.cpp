@@ -74,6 +74,66 @@ TEST(Accelerator, ToJsonReadsBackTheSame) {
   EXPECT_EQ(b.sources, a.sources);
   EXPECT_EQ(b.figure_sources, a.figure_sources);
   EXPECT_EQ(b.assumed, a.assumed);
+  // The measured attention kernels and the power-limited clock read back the same.
+  EXPECT_DOUBLE_EQ(b.power_limited_clock_share, a.power_limited_clock_share);
+  EXPECT_EQ(b.attention_auto, a.attention_auto);
+  ASSERT_EQ(b.attention_kernels.size(), a.attention_kernels.size());
+  for (const char* backend : {"flash", "fused", "auto"})
+    for (const double sequence : {300.0, 3000.0, 4096.0, 1e5})
+      for (const bool backward : {false, true})
+        EXPECT_DOUBLE_EQ(b.sustained_attention_flops(backend, 128, sequence, backward),
+                         a.sustained_attention_flops(backend, 128, sequence, backward))
+            << backend << " " << sequence;
+}
+
+// A measured kernel's rate: the nearest head dimension's row (by ratio), linear in log2 of the
+// sequence length between measured lengths, the end's rate beyond them.
+TEST(AttentionRates, InterpolateInLogSequenceAndTakeTheNearestHeadDimension) {
+  const AttentionRateTable t{.kernel = "test",
+                             .forward = {{.head_dim = 64, .points = {{1024, 100}, {4096, 300}}},
+                                         {.head_dim = 128, .points = {{1024, 200}, {4096, 400}}}},
+                             .backward = {{.head_dim = 128, .points = {{1024, 50}}}}};
+  EXPECT_DOUBLE_EQ(t.rate(128, 1024, false), 200);
+  EXPECT_DOUBLE_EQ(t.rate(128, 2048, false), 300);  // halfway in log2
+  EXPECT_DOUBLE_EQ(t.rate(128, 4096, false), 400);
+  EXPECT_DOUBLE_EQ(t.rate(128, 512, false), 200);    // below the measured lengths: the first
+  EXPECT_DOUBLE_EQ(t.rate(128, 65536, false), 400);  // above: the last
+  EXPECT_DOUBLE_EQ(t.rate(80, 2048, false), 200);    // 80 is nearer 64 than 128 by ratio
+  EXPECT_DOUBLE_EQ(t.rate(100, 2048, false), 300);   // 100 nearer 128
+  EXPECT_DOUBLE_EQ(t.rate(256, 4096, false), 400);
+  EXPECT_DOUBLE_EQ(t.rate(64, 4096, true), 50);  // the backward's own rows
+  EXPECT_DOUBLE_EQ(AttentionRateTable{}.rate(128, 4096, false), 0);
+}
+
+// The H100 preset prices each attention backend at its measured kernel (the FlashAttention-3
+// paper's figures at head dimension 128, scaled to the power-limited clock), auto at the kernel
+// Transformer Engine picks on Hopper (cuDNN's), and a backend without a measured kernel at the
+// flat efficiencies.
+TEST(AttentionRates, TheH100PresetPricesEachBackendAtItsKernel) {
+  const Accelerator h100 = Accelerator::load("h100-sxm");
+  const double clock = h100.power_limited_clock_share;
+  EXPECT_GT(clock, 0.5);
+  EXPECT_LT(clock, 1);
+  EXPECT_DOUBLE_EQ(h100.sustained_attention_flops("fused", 128, 4096, false), 518e12 * clock);
+  EXPECT_DOUBLE_EQ(h100.sustained_attention_flops("fused", 128, 4096, true), 499e12 * clock);
+  EXPECT_DOUBLE_EQ(h100.sustained_attention_flops("flash", 128, 4096, false), 319e12 * clock);
+  EXPECT_DOUBLE_EQ(h100.sustained_attention_flops("flash", 128, 4096, true), 310e12 * clock);
+  EXPECT_DOUBLE_EQ(h100.sustained_attention_flops("auto", 128, 4096, false),
+                   h100.sustained_attention_flops("fused", 128, 4096, false));
+  EXPECT_DOUBLE_EQ(h100.sustained_attention_flops("unfused", 128, 4096, false),
+                   h100.sustained_attention_flops());
+  // Shorter sequences run slower on every kernel.
+  for (const char* backend : {"flash", "fused"})
+    EXPECT_LT(h100.sustained_attention_flops(backend, 128, 1024, false),
+              h100.sustained_attention_flops(backend, 128, 8192, false))
+        << backend;
+  // The products' rate is the power-limited clock's share of the measured one.
+  EXPECT_DOUBLE_EQ(h100.sustained_flops(), h100.peak_flops * h100.matmul_efficiency * clock);
+  // A preset without tables (A100's) prices every backend at its efficiencies, at full clock.
+  const Accelerator a100 = Accelerator::load("a100-80gb");
+  EXPECT_DOUBLE_EQ(a100.power_limited_clock_share, 1);
+  EXPECT_DOUBLE_EQ(a100.sustained_attention_flops("auto", 128, 4096, true),
+                   a100.sustained_attention_backward_flops());
 }
 
 TEST(Accelerator, AUsersFileLoadsAndAWrongOneIsNamed) {
@@ -110,6 +170,13 @@ TEST(Accelerator, AUsersFileLoadsAndAWrongOneIsNamed) {
           "'matmul_overhead_dimension' must be a number of rows in [0, 10^6], got -3");
   refused(R"("matmul_overhead_dimension": "big",)", "got \"big\"");
   refused(R"("attention_efficiency": 2,)", "'attention_efficiency' is a share of the peak");
+  refused(R"("attention_kernels": {"fused": {"forward": {"128": {"4096": -5}}}},)",
+          "head dimension 128 at sequence 4096 must be TFLOP/s > 0, got -5");
+  refused(R"("attention_kernels": {"fused": {"forward": {"wide": {"4096": 5}}}},)",
+          "'wide' is not a head dimension");
+  refused(R"("attention_auto": "fused",)",
+          "'attention_auto' names 'fused', which 'attention_kernels' does not hold");
+  refused(R"("power_limited_clock_share": 1.5,)", "'power_limited_clock_share' is a share");
   refused(R"("kernel_launch_us": -1,)",
           "'kernel_launch_us' must be microseconds in [0, 1000], got -1");
   std::ofstream(good) << R"({"name": "bad", "peak_flops": 1e15, "matmul_efficiency": 1.5})";

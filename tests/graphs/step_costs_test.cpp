@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
+#include <string>
 #include <string_view>
 #include <utility>
 
@@ -164,6 +166,51 @@ TEST(StepCosts, TheLossAndEmbeddingStreamMegatronsVocabularyPasses) {
             ++seen;
           }
       EXPECT_EQ(seen, 5);
+    }
+  }
+}
+
+// --cross-entropy-loss-fusion prices the loss at its fused passes: native (Megatron-Core's
+// jit-fused functions) widens and takes the maxima in one pass (2 read, 4 written in bf16),
+// subtracts, exponentiates and sums in one (4 + 4), divides in one (4 + 4) and backward narrows
+// the scaled gradient to bf16 in one (4 + 2); te (Transformer Engine's kernels) reads the bf16
+// logits for the online softmax (2), reads them again writing the gradient over them (2 + 2),
+// and backward scales it in place (2 + 2). Each task keeps its rows' work beside the passes.
+TEST(StepCosts, AFusedLossStreamsItsFewerPasses) {
+  for (const int tp : {1, 2}) {
+    SCOPED_TRACE(testing::Message() << "tp " << tp);
+    const int B = 2;
+    auto bytes = [&](CrossEntropyFusion fusion) {
+      ModelConfig m = tiny(0);
+      m.precision = Precision::bf16;
+      m.cross_entropy_fusion = fusion;
+      Built b(m, {.tensor_parallel = tp,
+                  .sequence_parallel = tp > 1,
+                  .micro_batch_size = B,
+                  .global_batch_size = B});
+      std::map<std::string, double> by_name;
+      const rt::TaskTable& tasks = b.step.graph().tasks();
+      for (rt::TaskId t = 0; t < tasks.size(); ++t)
+        if (tasks[t].device == 0) by_name[std::string(tasks.name(t))] = tasks[t].cost.bytes;
+      return by_name;
+    };
+    const auto unfused = bytes(CrossEntropyFusion::unfused);
+    const auto native = bytes(CrossEntropyFusion::native);
+    const auto te = bytes(CrossEntropyFusion::te);
+    const double logits = 16.0 * B * 64 / tp;  // rows x the padded vocabulary's shard
+    // Against the unfused passes (52 bytes an element in bf16): the difference is the logits'.
+    const std::pair<std::string, double> per_element[] = {
+        {"logits", 2 + 4}, {"loss_partials", 8}, {"loss", 8}, {"loss_backward", 4 + 2}};
+    const std::pair<std::string, double> te_per_element[] = {
+        {"logits", 2}, {"loss_partials", 2 + 2}, {"loss", 0}, {"loss_backward", 2 + 2}};
+    const std::pair<std::string, double> unfused_per_element[] = {
+        {"logits", 2 + 4 + 4}, {"loss_partials", 20}, {"loss", 8}, {"loss_backward", 8 + 6}};
+    for (int i = 0; i < 4; ++i) {
+      const std::string& name = per_element[i].first;
+      ASSERT_TRUE(unfused.contains(name)) << name;
+      const double rest = unfused.at(name) - logits * unfused_per_element[i].second;
+      EXPECT_DOUBLE_EQ(native.at(name), rest + logits * per_element[i].second) << name;
+      EXPECT_DOUBLE_EQ(te.at(name), rest + logits * te_per_element[i].second) << name;
     }
   }
 }

@@ -61,6 +61,22 @@ devices::Cluster cluster_or_refuse(Build build) {
   }
 }
 
+// The attention's rates on --accelerator for the run's backend, head dimension and the sequence a
+// kernel call sees (a context-parallel rank's chunk against a chunk of keys at a time): the
+// backend's measured kernel where the preset has one (Accelerator::sustained_attention_flops).
+void derive_attention_rates(TrainOptions& o) {
+  if (o.accelerator.empty()) return;
+  const devices::Accelerator a = devices::Accelerator::load(o.accelerator);
+  const graphs::ModelConfig& m = o.config.model;
+  const std::string backend = graphs::attention_backend_name(m.attention_backend);
+  const double sequence =
+      static_cast<double>(m.seq_length) / std::max(o.config.plan.context_parallel, 1);
+  graphs::ModelledMachine& machine = o.config.machine;
+  machine.attention_flops = a.sustained_attention_flops(backend, m.head_dim(), sequence, false);
+  machine.attention_backward_flops =
+      a.sustained_attention_flops(backend, m.head_dim(), sequence, true);
+}
+
 // --accelerator's rates, link and cluster, or the cluster the flags give, into the machine.
 void derive_machine(TrainOptions& o) {
   graphs::ModelledMachine& machine = o.config.machine;
@@ -132,6 +148,14 @@ void derive_model(TrainOptions& o) {
     throw graphs::ConfigError(fmt::format(
         "--normalization must be LayerNorm or RMSNorm (spelt as Megatron-LM spells them), got '{}'",
         o.normalization));
+  if (o.cross_entropy_fusion_impl != "native" && o.cross_entropy_fusion_impl != "te")
+    throw graphs::ConfigError(fmt::format(
+        "--cross-entropy-fusion-impl must be native or te (Megatron-Core's choices), got '{}'",
+        o.cross_entropy_fusion_impl));
+  m.cross_entropy_fusion = !o.cross_entropy_loss_fusion ? graphs::CrossEntropyFusion::unfused
+                           : o.cross_entropy_fusion_impl == "te"
+                               ? graphs::CrossEntropyFusion::te
+                               : graphs::CrossEntropyFusion::native;
   using graphs::AttentionBackend;
   const std::pair<std::string_view, AttentionBackend> backends[] = {
       {"flash", AttentionBackend::flash},
@@ -368,6 +392,7 @@ void derive_config(TrainOptions& o) {
   graphs::TrainerConfig& c = o.config;
   derive_machine(o);
   derive_model(o);
+  derive_attention_rates(o);
   derive_recompute(o);
   derive_batch(o);
   derive_sample_training(o);

@@ -35,6 +35,8 @@ struct TrainOptions {
   std::string position_embedding_type = "learned_absolute";  // or rope, none
   std::string normalization = "LayerNorm";                   // or RMSNorm
   std::string attention_backend = "flash";  // or fused, unfused, local, auto (Megatron-Core's)
+  bool cross_entropy_loss_fusion = false;   // --cross-entropy-loss-fusion
+  std::string cross_entropy_fusion_impl = "native";  // or te (Megatron-Core's names)
   bool moe_router_pre_softmax = false;
   std::string moe_layer_freq = "1";  // --moe-layer-freq: N or a pattern (moe_layer_freq.hpp)
   std::string moe_token_drop_policy = "probs";              // or position (Megatron-Core's names)

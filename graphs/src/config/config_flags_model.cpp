@@ -91,6 +91,22 @@ constexpr ConfigFlag kModel[] = {
                      }},
      .properties = kShowsDefault,
      .type_name = "flash|fused|unfused|local|auto"},
+    {.name = "--cross-entropy-loss-fusion",
+     .values = 0,
+     .help = "The loss over the vocabulary as Megatron-Core's fused cross-entropy "
+             "(--cross-entropy-fusion-impl): fewer passes over the logits, priced by their memory "
+             "traffic; weave computes the same loss either way",
+     .description = {.section = model,
+                     .key = "cross_entropy_fusion",
+                     .value = [](const TrainerConfig& c) -> DescribedValue {
+                       return std::string(cross_entropy_fusion_name(c.model.cross_entropy_fusion));
+                     }}},
+    {.name = "--cross-entropy-fusion-impl",
+     .help = "With --cross-entropy-loss-fusion: native (Megatron-Core's jit-fused steps over fp32 "
+             "logits) or te (Transformer Engine's online-softmax kernels over the logits in their "
+             "own precision)",
+     .properties = kShowsDefault,
+     .type_name = "native|te"},
     {.name = "--use-rotary-position-embeddings",
      .values = 0,
      .help = "Megatron's older spelling of --position-embedding-type rope"},

@@ -106,7 +106,6 @@ constexpr ConfigFlag kNoEffect[] = {
     without_effect("--no-bias-swiglu-fusion", 0, kFusion),
     without_effect("--no-rope-fusion", 0, kFusion),
     without_effect("--no-gradient-accumulation-fusion", 0, kFusion),
-    without_effect("--cross-entropy-loss-fusion", 0, kFusion),
     without_effect("--moe-grouped-gemm", 0, kFusion),
     without_effect("--moe-permute-fusion", 0, kFusion),
     without_effect("--use-fused-rmsnorm", 0, kFusion),

@@ -35,6 +35,18 @@ const char* attention_backend_name(AttentionBackend b) {
   return "auto";
 }
 
+const char* cross_entropy_fusion_name(CrossEntropyFusion f) {
+  switch (f) {
+    case CrossEntropyFusion::native:
+      return "native";
+    case CrossEntropyFusion::te:
+      return "te";
+    case CrossEntropyFusion::unfused:
+      break;
+  }
+  return "unfused";
+}
+
 const char* precision_name(Precision p) {
   switch (p) {
     case Precision::bf16:

@@ -48,39 +48,75 @@ inline double matmul_edges(double rows, double in, double out) {
   return 2 * (rows * in + in * out + rows * out);
 }
 
-// The loss over a rank's [rows, V/t] logits as Megatron-Core's vocab-parallel cross-entropy
-// computes it (megatron/core/tensor_parallel/cross_entropy.py; its unfused path, the default
-// without --cross-entropy-loss-fusion): every pass one kernel over the whole fp32 tensor, so a
-// small model's loss at a 131,072 vocabulary streams gigabytes a micro-batch. Under bf16/fp16 the
-// logits are widened to fp32 first (.float(): 2 bytes read, 4 written) and the gradient narrowed
-// back for the output layer's products (4 read, 2 written).
+// The loss over a rank's [rows, V/t] logits, as Megatron-Core runs it (CrossEntropyFusion).
+// Unfused (megatron/core/tensor_parallel/cross_entropy.py, the default without
+// --cross-entropy-loss-fusion): every step one kernel over the whole fp32 tensor, so a small
+// model's loss at a 131,072 vocabulary streams gigabytes a micro-batch. Under bf16/fp16 the logits
+// are widened to fp32 first (.float(): 2 bytes read, 4 written) and the gradient narrowed back for
+// the output layer's products (4 read, 2 written). Native (megatron/core/fusions/
+// fused_cross_entropy.py): the same steps in four jit-fused functions, one pass each. te
+// (Transformer Engine's parallel_cross_entropy, transformer_engine/pytorch/triton/
+// cross_entropy.py, the version of 2025): an online softmax reads the logits in their own
+// precision for the rows' maxima and sums, a second kernel reads them again and writes the
+// gradient in their place, and the backward scales it in place by the per-token loss gradient.
 inline double logits_elements(const StepShape& z) {
   return static_cast<double>(z.Sc * z.B) * static_cast<double>(z.Vl);
 }
 inline bool widens_logits(const StepShape& z) {
   return z.model.activation_bytes() < 4;
 }
-// Forward, before the maxima's all-reduce: the widening and the row maxima (4 bytes read).
+// Forward, before the maxima's all-reduce: unfused the widening and the row maxima (4 bytes
+// read); native both in one pass (the logits read, the fp32 copy written); te the online
+// softmax's read of the logits.
 inline rt::CostHint cross_entropy_maxima(const StepShape& z) {
-  const double n = logits_elements(z);
+  const double n = logits_elements(z), a = z.model.activation_bytes();
+  switch (z.model.cross_entropy_fusion) {
+    case CrossEntropyFusion::te:
+      return streamed_bytes(n, a);
+    case CrossEntropyFusion::native:
+      return streamed_bytes(n, widens_logits(z) ? a + 4 : 4);
+    case CrossEntropyFusion::unfused:
+      break;
+  }
   const rt::CostHint maxima = streamed_bytes(n, 4);
   return widens_logits(z) ? streamed_bytes(n, 2 + 4) + maxima : maxima;
 }
-// Between the two all-reduces: the maxima subtracted in place (4 + 4), exp in place (4 + 4) and
-// the row sums (4).
+// Between the two all-reduces: unfused the maxima subtracted in place (4 + 4), exp in place
+// (4 + 4) and the row sums (4); native the three in one pass (4 + 4); te the second kernel, which
+// reads the logits and writes the gradient over them.
 inline rt::CostHint cross_entropy_exp_sums(const StepShape& z) {
-  const double n = logits_elements(z);
+  const double n = logits_elements(z), a = z.model.activation_bytes();
+  switch (z.model.cross_entropy_fusion) {
+    case CrossEntropyFusion::te:
+      return streamed_bytes(n, 2 * a);
+    case CrossEntropyFusion::native:
+      return streamed_bytes(n, 8);
+    case CrossEntropyFusion::unfused:
+      break;
+  }
   return streamed_bytes(n, 8) + streamed_bytes(n, 8) + streamed_bytes(n, 4);
 }
-// After the sums' all-reduce: the softmax kept for the backward, exp divided by the sums in
-// place (4 + 4).
+// After the sums' all-reduce: the softmax kept for the backward, exp divided by the sums in place
+// (4 + 4), unfused and native alike; te has nothing left to do over the logits.
 inline rt::CostHint cross_entropy_softmax(const StepShape& z) {
+  if (z.model.cross_entropy_fusion == CrossEntropyFusion::te) return {};
   return streamed_bytes(logits_elements(z), 8);
 }
-// Backward: the softmax minus the one-hot targets (one element a row), scaled by the loss's
-// gradient in place (4 + 4), narrowed for the products under bf16/fp16.
+// Backward: unfused the softmax minus the one-hot targets (one element a row), scaled by the
+// loss's gradient in place (4 + 4), narrowed for the products under bf16/fp16 (4 + 2); native
+// the three in one pass, which narrows to bf16 whatever the precision (4 + 2); te the gradient
+// scaled in place in the logits' precision (Megatron-Core's loss gradient is per token, so
+// Transformer Engine's skip for a gradient of 1.0 does not apply).
 inline rt::CostHint cross_entropy_backward(const StepShape& z) {
-  const double n = logits_elements(z);
+  const double n = logits_elements(z), a = z.model.activation_bytes();
+  switch (z.model.cross_entropy_fusion) {
+    case CrossEntropyFusion::te:
+      return streamed_bytes(n, 2 * a);
+    case CrossEntropyFusion::native:
+      return streamed_bytes(n, 4 + 2);
+    case CrossEntropyFusion::unfused:
+      break;
+  }
   const rt::CostHint scaled = streamed_bytes(n, 8);
   return widens_logits(z) ? scaled + streamed_bytes(n, 4 + 2) : scaled;
 }

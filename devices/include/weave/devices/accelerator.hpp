@@ -10,6 +10,8 @@
 #include <utility>
 #include <vector>
 
+#include "weave/devices/attention_rates.hpp"
+
 namespace weave::devices {
 
 struct NetworkLink {
@@ -34,6 +36,19 @@ struct Accelerator {
   double attention_efficiency = 0;
   // The same for the attention's backward; optional, attention_efficiency when absent.
   double attention_backward_efficiency = 0;
+  // Fused attention kernels' measured rates by the backend name that runs them ("flash", "fused":
+  // Megatron-Core's --attention-backend), by head dimension and sequence length
+  // ("attention_kernels" in a file, TFLOP/s); optional. A backend without one is priced at
+  // attention_efficiency.
+  std::vector<std::pair<std::string, AttentionRateTable>> attention_kernels;
+  // The kernel backend "auto" runs on this device (Transformer Engine's choice); optional, empty:
+  // auto is priced at attention_efficiency.
+  std::string attention_auto;
+  // The share of a kernel benchmark's clock a device keeps through a training step, every kernel
+  // back to back at its power limit: a benchmark of one kernel times it at the boost clock, a step
+  // runs where the power cap holds it. Scales the products' and the attention's rates (not the
+  // memory bandwidth); optional, 1 when absent (the efficiencies are then a step's own).
+  double power_limited_clock_share = 1;
   std::int64_t memory_bytes = 0;  // device memory
   double memory_bandwidth = 0;    // bytes/s, the datasheet's
   double memory_efficiency = 0;   // share of it streaming kernels sustain
@@ -50,11 +65,21 @@ struct Accelerator {
   std::vector<std::pair<std::string, std::string>> figure_sources;
   std::string assumed;  // which figures are assumptions, not published
 
-  double sustained_flops() const { return peak_flops * matmul_efficiency; }
-  double sustained_attention_flops() const { return peak_flops * attention_efficiency; }
-  double sustained_attention_backward_flops() const {
-    return peak_flops * attention_backward_efficiency;
+  double sustained_flops() const {
+    return peak_flops * matmul_efficiency * power_limited_clock_share;
   }
+  double sustained_attention_flops() const {
+    return peak_flops * attention_efficiency * power_limited_clock_share;
+  }
+  double sustained_attention_backward_flops() const {
+    return peak_flops * attention_backward_efficiency * power_limited_clock_share;
+  }
+  // The attention's sustained FLOP/s under a backend ("flash", "fused", "auto", ...) at a head
+  // dimension and the sequence length a kernel call sees: the backend's measured kernel
+  // (attention_kernels; auto's is attention_auto) at the power-limited clock, or without one the
+  // flat efficiencies above.
+  double sustained_attention_flops(const std::string& backend, double head_dim, double sequence,
+                                   bool backward) const;
   double sustained_memory_bandwidth() const { return memory_bandwidth * memory_efficiency; }
 
   static std::vector<std::string> preset_names();

@@ -31,6 +31,17 @@ enum class AttentionBackend { flash, fused, unfused, local, automatic };
 // "flash", "fused", "unfused", "local" or "auto", as the flag spells them.
 const char* attention_backend_name(AttentionBackend b);
 
+// --cross-entropy-loss-fusion with --cross-entropy-fusion-impl: how Megatron-Core runs the loss
+// over the vocabulary (compute_language_model_loss in
+// megatron/core/models/common/language_module/language_module.py). unfused: its vocab-parallel
+// cross-entropy, one kernel a step over fp32 logits (the default); native: the same steps grouped
+// into jit-fused functions (megatron/core/fusions/fused_cross_entropy.py); te: Transformer Engine's
+// online-softmax kernels over the logits in their own precision. weave computes the same loss
+// either way; the choice sets the passes' memory traffic (step_costs.hpp).
+enum class CrossEntropyFusion { unfused, native, te };
+// "unfused", "native" or "te".
+const char* cross_entropy_fusion_name(CrossEntropyFusion f);
+
 // The precision a run trains in (--bf16, --fp16; fp32 without either). weave's kernels compute in
 // fp32, so a step built with tensors is fp32; a prediction (built without tensors) counts the
 // bytes a half-precision run holds and moves, as Megatron-LM keeps them.
@@ -140,6 +151,8 @@ struct ModelConfig {
   AttentionBackend attention_backend = AttentionBackend::flash;  // --attention-backend
   double hidden_dropout = 0.0;                                   // --hidden-dropout
   double init_method_std = 0.02;                                 // --init-method-std
+  // --cross-entropy-loss-fusion and --cross-entropy-fusion-impl
+  CrossEntropyFusion cross_entropy_fusion = CrossEntropyFusion::unfused;
 
   // Mixture of Experts
   int num_experts = 0;     // --num-experts; 0: dense MLPs everywhere
