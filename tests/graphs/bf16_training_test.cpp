@@ -281,7 +281,7 @@ TEST(Bf16Training, LlamaDistributedOptimizerDp2EqualsOneDevice) {
 
 // ZeRO stages 2 and 3 in bf16: the fp32 gradients of every micro-batch reduce-scattered into the
 // replica's fp32 shard (stage 2), and each layer's fp32 main values kept as the replicas' shards,
-// rounded to bf16 at the step's start and gathered as such (2 bytes a value), the bf16 copies
+// rounded to bf16 after each update and gathered as such (2 bytes a value), the bf16 copies
 // the products read rounded from them exactly (stage 3). Data parallelism's sums in another
 // order and nothing else: dp's tolerances, four layers taking the two slots in turn, two
 // micro-batches a replica.
