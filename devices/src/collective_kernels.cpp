@@ -77,6 +77,14 @@ void reduce_direct(std::span<const float* const> sources, std::size_t source_off
       store(y + 3 * kLanes, a3);
     }
   }
+  if (copy_only) {  // bytes moved, never read as floats (collective_kernels.hpp)
+    for (float* d : destinations) {
+      float* y = d + destination_offset + i;
+      const float* x = sources[0] + source_offset + i;
+      if (y != x) std::memcpy(y, x, (count - i) * sizeof(float));
+    }
+    return;
+  }
   for (; i < count; ++i) {
     float a = sources[0][source_offset + i];
     for (std::size_t s = 1; s < sources.size(); ++s)
@@ -167,16 +175,16 @@ void copy_floats(float* to, const float* from, std::size_t count, bool streaming
 #if defined(__SSE2__)
   if (streaming) {
     std::size_t i = 0;
-    for (; i < count && reinterpret_cast<std::uintptr_t>(to + i) % 16 != 0; ++i)
-      to[i] = from[i];
+    while (i < count && reinterpret_cast<std::uintptr_t>(to + i) % 16 != 0)
+      ++i;
+    std::memcpy(to, from, i * sizeof(float));
     for (; i + 16 <= count; i += 16) {
       _mm_stream_ps(to + i, _mm_loadu_ps(from + i));
       _mm_stream_ps(to + i + 4, _mm_loadu_ps(from + i + 4));
       _mm_stream_ps(to + i + 8, _mm_loadu_ps(from + i + 8));
       _mm_stream_ps(to + i + 12, _mm_loadu_ps(from + i + 12));
     }
-    for (; i < count; ++i)
-      to[i] = from[i];
+    std::memcpy(to + i, from + i, (count - i) * sizeof(float));
     // Non-temporal stores are weakly ordered: fence them before the task's completion
     // publishes the data to the other members.
     _mm_sfence();

@@ -1,5 +1,8 @@
 // The data movement inside the shared-memory collectives: element-wise reductions over the
-// ranks' buffers and copies, bandwidth-bound and bitwise deterministic.
+// ranks' buffers and copies, bandwidth-bound and bitwise deterministic. A copy (one source, or
+// copy_floats) moves the elements' bytes (memcpy, or the vector loads and stores, which may
+// alias anything) and never reads an element as a float: its buffers may hold 4 bytes of any
+// kind, as an all-gather of packed 16-bit values gives (weave/devices/packed_halves.hpp).
 #pragma once
 
 #include <cstddef>
@@ -25,7 +28,7 @@ void reduce_to_all(ReduceOp op, std::span<const float* const> sources, std::size
                    std::span<float* const> destinations, std::size_t destination_offset,
                    std::size_t count, bool streaming);
 
-// Copies count floats between buffers that do not overlap (or are the same buffer).
+// Copies count 4-byte elements between buffers that do not overlap (or are the same buffer).
 void copy_floats(float* to, const float* from, std::size_t count, bool streaming);
 
 }  // namespace weave::devices::detail

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstring>
 #include <stdexcept>
 
 #include "collective_kernels.hpp"
@@ -560,8 +561,9 @@ class SpanningAllGather final : public SpanningCollective {
       if (!one) {
         packed_.resize(local_.size() * m_);
         for (std::size_t i = 0; i < local_.size(); ++i) {
+          // Bytes (an all-gather's elements may be packed 16-bit values, packed_halves.hpp).
           const float* in = c_.members[static_cast<std::size_t>(local_[i])].input.data();
-          std::copy(in, in + m_, packed_.begin() + static_cast<std::ptrdiff_t>(i * m_));
+          std::memcpy(packed_.data() + i * m_, in, m_ * sizeof(float));
         }
         mine = packed_.data();
       }

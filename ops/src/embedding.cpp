@@ -5,15 +5,17 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "weave/ops/bfloat16.hpp"
+#include "weave/ops/float16.hpp"
 #include "weave/runtime/parallel_for.hpp"
 
 namespace weave::ops {
 
 namespace {
 
-template <typename T>
+template <typename T, typename Y>
 std::int64_t check_embedding(std::span<const std::int32_t> ids, const BasicTensor<T>& table,
-                             const EmbeddingShard& shard, const BasicTensor<T>& y,
+                             const EmbeddingShard& shard, const BasicTensor<Y>& y,
                              const char* y_name) {
   check_rows("embedding table", table);
   check_rows(y_name, y);
@@ -54,6 +56,22 @@ void embedding_forward(std::span<const std::int32_t> ids, const BasicTensor<T>& 
   }
 }
 
+template <typename Half>
+void embedding_forward_widened(std::span<const std::int32_t> ids, const BasicTensor<Half>& table,
+                               const EmbeddingShard& shard, const BasicTensor<float>& y) {
+  check_embedding(ids, table, shard, y, "embedding output");
+  const std::int64_t h = table.dim(1), rows = table.dim(0);
+  for (std::int64_t r = 0; r < y.rows(); ++r) {
+    const std::int64_t local = ids[static_cast<std::size_t>(r)] - shard.vocab_start;
+    float* yr = y.row(r);
+    if (local >= 0 && local < rows)
+      std::transform(table.row(local), table.row(local) + h, yr,
+                     [](Half v) { return static_cast<float>(v); });
+    else
+      std::fill_n(yr, h, 0.f);
+  }
+}
+
 template <typename T>
 void embedding_backward(std::span<const std::int32_t> ids, const BasicTensor<T>& dy,
                         const EmbeddingShard& shard, const BasicTensor<T>& dtable) {
@@ -85,6 +103,10 @@ template void embedding_forward(std::span<const std::int32_t>, const BasicTensor
                                 const EmbeddingShard&, const BasicTensor<float>&);
 template void embedding_forward(std::span<const std::int32_t>, const BasicTensor<double>&,
                                 const EmbeddingShard&, const BasicTensor<double>&);
+template void embedding_forward_widened(std::span<const std::int32_t>, const BasicTensor<bf16>&,
+                                        const EmbeddingShard&, const BasicTensor<float>&);
+template void embedding_forward_widened(std::span<const std::int32_t>, const BasicTensor<fp16>&,
+                                        const EmbeddingShard&, const BasicTensor<float>&);
 template void embedding_backward(std::span<const std::int32_t>, const BasicTensor<float>&,
                                  const EmbeddingShard&, const BasicTensor<float>&);
 template void embedding_backward(std::span<const std::int32_t>, const BasicTensor<double>&,

@@ -676,8 +676,9 @@ TEST(Collectives, BadGroupsAreRefusedWithTheRule) {
 
 // bf16 values all-gathered two to an element (packed_halves), as a bf16 stage 3 gathers its
 // parameters: every rank receives the bits the fp32 all-gather of the same values widened gives
-// (bf16 is fp32's upper half), NaN payloads, subnormals, -0 and infinities included, over the
-// vector strips and their ragged tails. An odd count or a misaligned buffer is refused.
+// (bf16 is fp32's upper half), NaN payloads, subnormals, -0 and infinities included (and pairs
+// that make signalling NaNs as floats), over the vector strips and their ragged tails, into
+// separate buffers and in place. An odd count or a misaligned buffer is refused.
 TEST(Collectives, PackedBf16AllGatherGivesTheFp32PathsValues) {
   Machine machine(2);
   SharedMemoryCommunicator comm;
@@ -702,8 +703,10 @@ TEST(Collectives, PackedBf16AllGatherGivesTheFp32PathsValues) {
     std::vector<std::span<const float>> packed_in;
     std::vector<std::span<float>> packed_out;
     for (int r = 0; r < n; ++r) {
-      packed_in.push_back(packed_halves(std::span<const std::uint16_t>(in[r]), "shard"));
-      packed_out.push_back(packed_halves(std::span<std::uint16_t>(out[r]), "gathered"));
+      packed_in.push_back(
+          gathered_elements(packed_halves(std::span<const std::uint16_t>(in[r]), "shard")));
+      packed_out.push_back(
+          gathered_elements(packed_halves(std::span<std::uint16_t>(out[r]), "gathered")));
       EXPECT_EQ(packed_in.back().size(), m / 2);
     }
     rt::GraphBuilder b;
@@ -716,6 +719,24 @@ TEST(Collectives, PackedBf16AllGatherGivesTheFp32PathsValues) {
         got[i] = widened(out[r][i]);
       EXPECT_TRUE(same_bits(got, wide_out[r])) << "rank " << r;
     }
+    // In place, as the distributed optimizer gathers the replicas' rounded shards: each rank's
+    // input its own block of the output, which it keeps; the others' blocks arrive bit for bit.
+    std::vector<std::vector<std::uint16_t>> inplace(n, std::vector<std::uint16_t>(m * n, 0xbeef));
+    std::vector<std::span<const float>> own;
+    std::vector<std::span<float>> whole;
+    for (int r = 0; r < n; ++r) {
+      std::copy(in[r].begin(), in[r].end(),
+                inplace[r].begin() + static_cast<std::ptrdiff_t>(r * m));
+      const std::span<std::uint16_t> all(inplace[r]);
+      own.push_back(gathered_elements(
+          packed_halves(std::span<const std::uint16_t>(all.subspan(r * m, m)), "own")));
+      whole.push_back(gathered_elements(packed_halves(all, "whole")));
+    }
+    rt::GraphBuilder in_place;
+    comm.all_gather(in_place, g, own, whole);
+    machine.run(in_place);
+    for (int r = 0; r < n; ++r)
+      EXPECT_EQ(inplace[r], out[r]) << "rank " << r << " in place";
   }
   std::vector<std::uint16_t> odd(3), even(6);
   EXPECT_ERROR([&] { (void)packed_halves(std::span<std::uint16_t>(odd), "shard"); },

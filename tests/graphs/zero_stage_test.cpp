@@ -343,10 +343,10 @@ TEST(ZeroStage3Memory, ParametersAreTheShardsAndTwoUnitsInFlight) {
 // Stage 3 in bf16: the parameters a device holds are 2 bytes a value, as weave predict counts
 // them: the embeddings' and the model end's bf16 copies whole, the bf16 shard of every layer's
 // values the gathers send, and the two bf16 parameter slots they land in (each tensor padded to
-// whole 64-byte lines); nothing of the gathered values in fp32. The fp32 main values are
-// optimizer state: each layer's shard, and the other buckets whole (their shards predicted, as
-// the distributed optimizer's test in bf16_training_test.cpp counts). Below stage 0's
-// parameters, the whole model's bf16 copy.
+// whole 64-byte lines); nothing of the gathered values in fp32. The optimizer state is the fp32
+// main values of the replica's shard of every bucket, as Megatron-LM's distributed optimizer
+// keeps them, and the two moments: 3 fp32 tensors of the shard's size a bucket, as predicted.
+// Below stage 0's parameters, the whole model's bf16 copy. The step's length is the prediction's.
 TEST(ZeroStage3Memory, Bf16ParametersAreTwoBytesAValueAsPredicted) {
   TrainerConfig c = memory_config(ParallelPlan{.expert_parallel = 2,
                                                .data_parallel = 4,
@@ -357,19 +357,21 @@ TEST(ZeroStage3Memory, Bf16ParametersAreTwoBytesAValueAsPredicted) {
                                                .shard_parameters = true});
   c.model.precision = Precision::bf16;
   const auto lines = [](std::int64_t values) { return (2 * values + 63) / 64 * 64; };
-  std::int64_t whole = 0, shards = 0, other_shards = 0;
+  const auto fp32_lines = [](std::int64_t values) { return (4 * values + 63) / 64 * 64; };
+  std::int64_t whole = 0, shards = 0, main_and_moments = 0;
   std::map<int, std::int64_t> layer_elements;
   {
     devices::DeviceSet set(c.plan.devices(), {.pin = false});
     devices::SharedMemoryCommunicator comm;
     TrainingStep step(c.model, c.plan, {}, set, comm);
     for (const GradientBucket& b : step.shard(0).buckets()) {
+      ASSERT_TRUE(b.sharded) << b.name;
+      main_and_moments += 3 * fp32_lines(b.shard_size);
       if (b.values_staged) {
         shards += lines(b.shard_size);
         layer_elements[std::stoi(b.name.substr(7))] += b.values.numel();
       } else {
         whole += lines(b.values.numel());
-        other_shards += b.values.numel() - b.shard_size;
       }
     }
   }
@@ -383,7 +385,11 @@ TEST(ZeroStage3Memory, Bf16ParametersAreTwoBytesAValueAsPredicted) {
   EXPECT_EQ(r.memory[0][parameters], whole + shards + slots);
   const Prediction p = predict_step(c);
   EXPECT_EQ(p.memory[0][parameters], r.memory[0][parameters]);
-  EXPECT_EQ(r.memory[0][optimizer_state], p.memory[0][optimizer_state] + 4 * other_shards);
+  // The same graph, gathers and all (MoE layers' expert buckets over their own replicas): the
+  // same step time.
+  EXPECT_DOUBLE_EQ(p.step_ms, static_cast<double>(r.replay.makespan) * 1e-6);
+  EXPECT_EQ(r.memory[0][optimizer_state], main_and_moments);
+  EXPECT_EQ(p.memory[0][optimizer_state], r.memory[0][optimizer_state]);
   TrainerConfig stage0 = c;
   stage0.plan.distributed_optimizer = stage0.plan.shard_gradients = false;
   stage0.plan.shard_parameters = false;

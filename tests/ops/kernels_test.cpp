@@ -10,10 +10,12 @@
 #include "gradient_check.hpp"
 #include "weave/ops/activation.hpp"
 #include "weave/ops/attention.hpp"
+#include "weave/ops/bfloat16.hpp"
 #include "weave/ops/cross_entropy.hpp"
 #include "weave/ops/dropout.hpp"
 #include "weave/ops/elementwise.hpp"
 #include "weave/ops/embedding.hpp"
+#include "weave/ops/float16.hpp"
 #include "weave/ops/linear.hpp"
 #include "weave/ops/normalization.hpp"
 #include "weave/ops/softmax.hpp"
@@ -243,6 +245,36 @@ TEST(Embedding, VocabShardsSumToTheWholeLookup) {
     accumulate(part, sum);
   }
   EXPECT_EQ(sum.to_vector(), whole.to_vector());
+}
+
+// A 16-bit table's lookup widened into fp32 (a 16-bit model's embedding): each row the fp32
+// lookup of the table widened beforehand, bit for bit, in bf16 and fp16, a vocabulary shard's rows
+// outside it zeros.
+TEST(Embedding, WidenedLookupIsTheWidenedTablesLookup) {
+  std::mt19937 gen(13);
+  std::uniform_real_distribution<float> value(-2.f, 2.f);
+  const std::vector<std::int32_t> ids{7, 0, 4, 3, 5, 4};
+  const Tensor wide = Tensor::empty({8, 5});
+  const Bf16Tensor table16 = Bf16Tensor::empty({8, 5});
+  const Fp16Tensor table_fp16 = Fp16Tensor::empty({8, 5});
+  const Tensor wide_fp16 = Tensor::empty({8, 5});
+  for (std::int64_t i = 0; i < 40; ++i) {
+    const float v = value(gen);
+    table16.data()[i] = bf16(v);
+    wide.data()[i] = static_cast<float>(bf16(v));
+    table_fp16.data()[i] = fp16(v);
+    wide_fp16.data()[i] = static_cast<float>(fp16(v));
+  }
+  for (int rank = 0; rank < 2; ++rank) {
+    const EmbeddingShard shard{4 * rank, 8};
+    const Tensor want = Tensor::empty({6, 5}), got = Tensor::empty({6, 5});
+    embedding_forward<float>(ids, wide.slice(0, 4 * rank, 4), shard, want);
+    embedding_forward_widened(ids, table16.slice(0, 4 * rank, 4), shard, got);
+    EXPECT_EQ(got.to_vector(), want.to_vector()) << "bf16, rank " << rank;
+    embedding_forward<float>(ids, wide_fp16.slice(0, 4 * rank, 4), shard, want);
+    embedding_forward_widened(ids, table_fp16.slice(0, 4 * rank, 4), shard, got);
+    EXPECT_EQ(got.to_vector(), want.to_vector()) << "fp16, rank " << rank;
+  }
 }
 
 TEST(Embedding, OutOfRangeIdNamesItsPosition) {

@@ -20,10 +20,10 @@ bf16 mixed precision, as Megatron-LM's Float16Module with fp32 main parameters r
 computes with bf16 copies of the fp32 parameters (rounded to nearest even before each step), the
 optimizer updates the fp32 ones. Each product takes bf16 operands and sums in fp32 (products of
 bf16 values are exact in fp32, so the sum is computed here in fp32 on the widened values) and its
-result is rounded once to bf16. Rounded to bf16 are: the embedding's output (word plus position,
-fp32, rounded once), the norms' outputs (computed in fp32 with the bf16 weights widened), the
-products' outputs (QKV and fc1 with their bias inside the product), the GELU's output; the
-attention's probabilities as an operand of P V (unnormalised, divided by the fp32 row sum
+result is rounded once to bf16. Rounded to bf16 are: the embedding's output (the bf16 copies'
+word and position rows, summed, rounded once), the norms' outputs (computed in fp32 with the bf16
+weights widened), the products' outputs (QKV and fc1 with their bias inside the product), the
+GELU's output; the attention's probabilities as an operand of P V (unnormalised, divided by the fp32 row sum
 after) and its output. The residual stream, the residual biases' additions, the softmax, the norms
 and the loss are fp32. Backward, each product takes its output's gradient rounded to bf16 and
 rounds the input gradient it returns; weight gradients are summed in fp32 into the fp32 main
@@ -229,7 +229,8 @@ class Model:
 
     def loss(self, tokens, targets):
         P = self.params
-        x = self.r(P["embedding.word"][tokens] + P["embedding.position"][: tokens.shape[1]])
+        words, positions = self.w("embedding.word"), self.w("embedding.position")
+        x = self.r(words[tokens] + positions[: tokens.shape[1]])
         for l in range(self.c["num_layers"]):
             p = f"layers.{l}."
             qkv = self.linear(self.norm(x, p + "input_norm"), p + "attention.qkv.weight",

@@ -20,10 +20,16 @@ TaskId Embedding::forward(const BuildPosition& pos, TaskId ready) const {
       P->compute("embedding", tags, cost::streamed(z, 2.0 * z.Sc * B * h), [p, set, mb] {
         ActivationSet& X = p->aset(set);
         p->load_tokens(mb, X.tokens, false);
-        ops::embedding_forward<float>(
-            X.tokens, p->shard().embedding().value,
-            {p->shard().vocab_start(), p->shape.model.padded_vocab_size(p->shape.tp)},
-            X.emb_partial);
+        const ops::EmbeddingShard vocab{p->shard().vocab_start(),
+                                        p->shape.model.padded_vocab_size(p->shape.tp)};
+        // A 16-bit run looks up the table's 16-bit copy, as Megatron-LM's Float16Module does:
+        // the distributed optimizer keeps the fp32 main table as the replicas' shards.
+        if (p->half())
+          half_embedding_forward(p->precision(), X.tokens, p->shard().embedding().value16, vocab,
+                                 X.emb_partial);
+        else
+          ops::embedding_forward<float>(X.tokens, p->shard().embedding().value, vocab,
+                                        X.emb_partial);
       });
   P->after(ready, lookup);
   ActivationSet& X = P->aset(set);
@@ -37,14 +43,19 @@ TaskId Embedding::forward(const BuildPosition& pos, TaskId ready) const {
       for (std::int64_t s = 0; s < Sl; ++s)
         for (std::int64_t bi = 0; bi < B; ++bi) {
           float* row = X.x_in.data() + (s * B + bi) * h;
-          const float* q = p->shard().positions().value.row(p->position(s));
+          const Parameter& table = p->shard().positions();
+          if (p->half()) {
+            add_widened(p->precision(), table.value16.row(p->position(s)), row, h);
+            continue;
+          }
+          const float* q = table.value.row(p->position(s));
           for (std::int64_t c = 0; c < h; ++c)
             row[c] += q[c];
         }
     p->apply_dropout(false, mb, p->shape.model.num_layers, 2, X.x_in, X.x_in);
-    // A bf16 run's embedding output is a bf16 value: the fp32 main table's row plus its position,
-    // after dropout, rounded once (Megatron's Float16Module looks up the bf16 copy of the table
-    // and adds in bf16, two roundings), carried in the fp32 residual stream.
+    // A bf16 run's embedding output is a bf16 value: the bf16 copies' row and position, summed in
+    // fp32 and after dropout rounded once (Megatron-LM's Float16Module adds the two in bf16, the
+    // same rounding of their sum, and drops out in bf16), carried in the fp32 residual stream.
     if (p->half()) round_in_place(p->precision(), X.x_in);
   });
   P->after(reduced, positions);

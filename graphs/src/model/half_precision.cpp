@@ -87,6 +87,26 @@ void round_in_place(Precision precision, const ops::Tensor& x) {
   });
 }
 
+void add_widened(Precision precision, const ops::bf16* from, float* to, std::int64_t n) {
+  if (is_fp16(precision)) {
+    for (std::int64_t c = 0; c < n; ++c)
+      to[c] += static_cast<float>(ops::fp16::from_bits(from[c].bits));
+    return;
+  }
+  for (std::int64_t c = 0; c < n; ++c)
+    to[c] += static_cast<float>(from[c]);
+}
+
+void half_embedding_forward(Precision precision, std::span<const std::int32_t> ids,
+                            const ops::Bf16Tensor& table, const ops::EmbeddingShard& shard,
+                            const ops::Tensor& y) {
+  if (is_fp16(precision)) {
+    ops::embedding_forward_widened(ids, as_fp16(table), shard, y);
+    return;
+  }
+  ops::embedding_forward_widened(ids, table, shard, y);
+}
+
 void half_linear_forward(Precision precision, const ops::Bf16Tensor& x, const ops::Bf16Tensor& w,
                          const ops::Bf16Tensor& b, const ops::Bf16Tensor& y) {
   if (is_fp16(precision))

@@ -5,8 +5,12 @@
 // (ops::BasicTensor::bits_as).
 #pragma once
 
+#include <cstdint>
+#include <span>
 #include "weave/graphs/model_config.hpp"
+
 #include "weave/ops/attention.hpp"
+#include "weave/ops/embedding.hpp"
 #include "weave/ops/tensor.hpp"
 
 namespace weave::graphs {
@@ -18,6 +22,13 @@ void round_to_half(Precision precision, const ops::Tensor& from, const ops::Bf16
 void widen_to_fp32(Precision precision, const ops::Bf16Tensor& from, const ops::Tensor& to);
 // x = x rounded to `precision` and kept in fp32: the value a 16-bit tensor would hold.
 void round_in_place(Precision precision, const ops::Tensor& x);
+// to[c] += from[c] widened to fp32, c < n: a row of a 16-bit table added into an fp32 row.
+void add_widened(Precision precision, const ops::bf16* from, float* to, std::int64_t n);
+
+// ops::embedding_forward on a 16-bit table, its rows widened into the fp32 output.
+void half_embedding_forward(Precision precision, std::span<const std::int32_t> ids,
+                            const ops::Bf16Tensor& table, const ops::EmbeddingShard& shard,
+                            const ops::Tensor& y);
 
 // ops::linear_* and ops::attention_* on the 16-bit tensors in `precision`.
 void half_linear_forward(Precision precision, const ops::Bf16Tensor& x, const ops::Bf16Tensor& w,

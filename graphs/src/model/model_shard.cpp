@@ -40,18 +40,22 @@ double normal(const ops::RandomKey& key, std::int64_t row, std::int64_t col) {
   return std::sqrt(-2.0 * std::log(u1)) * std::cos(2 * std::numbers::pi * u2);
 }
 
-// A 16-bit run's parameters: the bucket's fp32 main values rounded into its 16-bit copy.
-// Stage 3's staged bucket: its shard rounded for the gathers, which fill the 16-bit slot
-// (graphs/src/step/parameter_slots.cpp).
+// A 16-bit run's parameters: the bucket's fp32 main values rounded into its 16-bit copy. A
+// sharded bucket's copy is the optimizer's rounding of its shard (round_shard_to_half) and the
+// gathers (step/optimizer_program.cpp, step/parameter_slots.cpp).
 void refresh(GradientBucket& bucket, Precision precision) {
-  if (bucket.values_staged) {
-    round_to_half(precision, bucket.value_shard, bucket.value_shard16);
-    return;
-  }
+  if (bucket.main_values_sharded || bucket.values_staged) return;
   round_to_half(precision, bucket.values, bucket.values16);
 }
 
 }  // namespace
+
+void GradientBucket::round_shard_to_half(Precision precision) const {
+  if (main_values_sharded)
+    round_to_half(precision, value_shard, values16.slice(0, shard_begin, shard_size));
+  else if (values_staged && value_shard16.has_storage())
+    round_to_half(precision, value_shard, value_shard16);
+}
 
 Parameter& ModelShard::add(std::string name, const ops::Shape& local, std::int64_t logical_rows,
                            std::int64_t logical_cols, RowMap row_map, std::int64_t col_offset,
@@ -418,14 +422,22 @@ void ModelShard::make_bucket(const Mesh& mesh, int rank, std::string name,
                                                   static_cast<std::size_t>(element_bytes));
   };
   const bool bf16 = materialize_ && config_.precision != Precision::fp32;
+  bucket.sharded = mesh.plan().distributed_optimizer && bucket.replicas > 1;
+  bucket.shard_size = bucket.sharded ? padded / bucket.replicas : padded;
+  bucket.shard_begin = bucket.sharded ? bucket.replica * bucket.shard_size : 0;
   // A materialized 16-bit run holds the fp32 main values in the optimizer and a 16-bit copy as
-  // the model's parameters (Bf16Tensor storage, read as fp16 in an fp16 run).
+  // the model's parameters (Bf16Tensor storage, read as fp16 in an fp16 run); sharded, the main
+  // values of its shard only (GradientBucket::main_values_sharded).
   bucket.values_staged = staged_values.defined();
-  bucket.values = bucket.values_staged ? staged_values
-                                       : zeros(padded,
-                                               bf16 ? rt::MemoryCategory::optimizer_state
-                                                    : rt::MemoryCategory::parameters,
-                                               bytes.parameter);
+  bucket.main_values_sharded = bf16 && bucket.sharded && !bucket.values_staged;
+  if (bucket.values_staged)
+    bucket.values = staged_values;
+  else if (bucket.main_values_sharded)
+    bucket.values = ops::Tensor::shape_only({padded});
+  else
+    bucket.values =
+        zeros(padded, bf16 ? rt::MemoryCategory::optimizer_state : rt::MemoryCategory::parameters,
+              bytes.parameter);
   if (bf16)
     bucket.values16 = bucket.values_staged ? staged_values16
                                            : ops::Bf16Tensor::zeros({padded}, device_,
@@ -434,8 +446,9 @@ void ModelShard::make_bucket(const Mesh& mesh, int rank, std::string name,
   bucket.slot = slot;
   bucket.grads =
       bucket.staged ? staged_grads : zeros(padded, rt::MemoryCategory::gradients, bytes.gradient);
-  // The initial values, laid out as the bucket's: in `values`, or, where a 16-bit stage 3 keeps
-  // no fp32 slot, in a buffer of their own that only passes them to the shard.
+  // The initial values, laid out as the bucket's: in `values`, or, where a 16-bit run keeps no
+  // fp32 values whole, in a buffer of their own that only passes them to the shard (and to the
+  // 16-bit copy).
   const ops::Tensor initial =
       materialize_ && !bucket.values.has_storage() ? ops::Tensor::zeros({padded}) : bucket.values;
   std::int64_t at = 0;
@@ -449,23 +462,20 @@ void ModelShard::make_bucket(const Mesh& mesh, int rank, std::string name,
     p->bucket = bucket.name;
     at += p->value.numel();
   }
-  bucket.sharded = mesh.plan().distributed_optimizer && bucket.replicas > 1;
-  bucket.shard_size = bucket.sharded ? padded / bucket.replicas : padded;
-  bucket.shard_begin = bucket.sharded ? bucket.replica * bucket.shard_size : 0;
   if (bucket.staged)
     bucket.grad_shard = zeros(bucket.shard_size, rt::MemoryCategory::gradients, bytes.gradient);
-  // Stage 3: the replica keeps its shard of the initial values; the slot is another layer's
-  // next.
-  if (bucket.values_staged) {
-    // In bf16 the fp32 main values (optimizer state, as `values` is unsharded) and their copy
-    // rounded for the gathers.
+  // Stage 3, or a 16-bit run's sharded main values: the replica keeps its shard of the initial
+  // values; a stage 3 slot is another layer's next.
+  if (bucket.values_staged || bucket.main_values_sharded) {
+    // In bf16 the fp32 main values (optimizer state, as `values` is unsharded) and, at stage 3,
+    // their copy rounded for the gathers.
     bucket.value_shard =
         zeros(bucket.shard_size,
               bf16 ? rt::MemoryCategory::optimizer_state : rt::MemoryCategory::parameters,
               bytes.parameter);
     if (materialize_)
       bucket.value_shard.copy_from(initial.slice(0, bucket.shard_begin, bucket.shard_size));
-    if (bf16)
+    if (bf16 && bucket.values_staged)
       bucket.value_shard16 =
           ops::Bf16Tensor::zeros({bucket.shard_size}, device_, rt::MemoryCategory::parameters);
   }
@@ -473,7 +483,12 @@ void ModelShard::make_bucket(const Mesh& mesh, int rank, std::string name,
   bucket.exp_avg_sq = zeros(bucket.shard_size, rt::MemoryCategory::optimizer_state, 4);
   // 16-bit training: the fp32 master weights (and for fp16 the fp32 gradients) of the shard,
   // beside the two moments.
-  if (bf16) refresh(bucket, config_.precision);
+  if (bucket.main_values_sharded)  // every replica's shard as the gathers would bring it
+    round_to_half(config_.precision, initial, bucket.values16);
+  else if (bucket.values_staged && bf16)  // what the first step's gathers send
+    bucket.round_shard_to_half(config_.precision);
+  else if (bf16)
+    refresh(bucket, config_.precision);
   if (!materialize_ && bytes.optimizer_state > 8)
     bucket.master_state =
         zeros(bucket.shard_size, rt::MemoryCategory::optimizer_state, bytes.optimizer_state - 8);

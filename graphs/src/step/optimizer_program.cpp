@@ -79,6 +79,10 @@ void clip_and_update(RankProgram& p) {
     }
     ops::adamw_step(o, p.inputs.optimizer_step > 0 ? p.inputs.optimizer_step : p.inputs.iteration,
                     bucket.shard_values(), grads, bucket.exp_avg, bucket.exp_avg_sq);
+    // A 16-bit run's sharded bucket: the updated shard's 16-bit copy, which the gathers send
+    // (Megatron-LM's distributed optimizer: _copy_main_params_to_model_params, then the
+    // parameters' all-gather), after this update or before the next step's layers (stage 3).
+    if (p.half()) bucket.round_shard_to_half(p.precision());
   }
 }
 
@@ -163,6 +167,13 @@ TaskId gather_shard(GradientBucket& bucket, const GroupHandle& data, const Group
   // Stage 3 gathers a layer's values before each use instead (step/parameter_slots.hpp).
   if (!bucket.sharded || bucket.values_staged) return rt::kNoTask;
   const GroupHandle& replicas = bucket.expert ? expert_data : data;
+  // A materialized 16-bit run's main values are shards (GradientBucket::main_values_sharded):
+  // the gathers move the 16-bit copies, the updated shard's rounded by the optimizer, in place;
+  // predicted, the shard's shape at the group's 2 bytes an element: the same bytes.
+  if (bucket.main_values_sharded)
+    return replicas.all_gather_halves(
+        ready, bucket.values16.slice(0, bucket.shard_begin, bucket.shard_size), bucket.values16,
+        bucket.name + ".gather", tags);
   return replicas.all_gather(
       ready,
       {bucket.values.data() + bucket.shard_begin, static_cast<std::size_t>(bucket.shard_size)},

@@ -2,15 +2,9 @@
 
 #include <fmt/format.h>
 
-#include "weave/devices/packed_halves.hpp"
-
 namespace weave::graphs {
 
 namespace {
-
-std::span<std::uint16_t> halves_of(const ops::Bf16Tensor& t) {
-  return {reinterpret_cast<std::uint16_t*>(t.data()), static_cast<std::size_t>(t.numel())};
-}
 
 // The parameter slot layer l's values are gathered into: the stage's layers take the units in
 // flight in turn.
@@ -30,20 +24,15 @@ const std::vector<TaskId>& gather_layer(RankProgram& P, int l, const rt::TaskTag
   for (GradientBucket& bucket : P.shard().buckets()) {
     if (!bucket.values_staged || bucket.name.rfind(prefix, 0) != 0) continue;
     const GroupHandle& replicas = bucket.expert ? P.expert_data : P.data;
-    // A materialized bf16 run gathers the shard as rounded at the step's start straight into
-    // the 16-bit slot, two values to each 4-byte element the collective moves; predicted, the
-    // shard's shape, at the group's 2 bytes an element in a 16-bit run: the same bytes.
+    // A materialized bf16 run gathers the shard as the last update rounded it (or as built or
+    // loaded) straight into the 16-bit slot, two values to each 4-byte element the collective
+    // moves; predicted, the shard's shape, at the group's 2 bytes an element in a 16-bit run: the
+    // same bytes. Nothing at the step's start precedes a gather, in either: the one graph.
     const TaskId gather =
         bucket.values16.has_storage()
-            ? replicas.with_element_bytes(sizeof(float))
-                  .all_gather(
-                      P.step_opened,
-                      devices::packed_halves(halves_of(bucket.value_shard16),
-                                             "a bf16 parameter shard"),
-                      devices::packed_halves(halves_of(bucket.values16), "a bf16 parameter slot"),
-                      bucket.name + ".gather", tags)
-            : replicas.all_gather(P.half() ? P.step_opened : rt::kNoTask,
-                                  read_of(bucket.value_shard), all_of(bucket.values),
+            ? replicas.all_gather_halves(rt::kNoTask, bucket.value_shard16, bucket.values16,
+                                         bucket.name + ".gather", tags)
+            : replicas.all_gather(rt::kNoTask, read_of(bucket.value_shard), all_of(bucket.values),
                                   bucket.name + ".gather", tags);
     for (const TaskId release : S.releases)
       P.after(release, gather);

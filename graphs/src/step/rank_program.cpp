@@ -7,6 +7,7 @@
 #include "step/gradient_buckets.hpp"
 #include "step/optimizer_program.hpp"
 #include "step/step_costs.hpp"
+#include "weave/devices/packed_halves.hpp"
 #include "weave/ops/dropout.hpp"
 #include "weave/ops/elementwise.hpp"
 
@@ -38,6 +39,27 @@ TaskId GroupHandle::issue(TaskId ready, const devices::CollectiveCall& call,
   (*tails_)[std::string(options.stream)] = t;
   if (ready != rt::kNoTask) graph_->precede(ready, t);
   return t;
+}
+
+namespace {
+
+std::span<std::uint16_t> halves_of(const ops::Bf16Tensor& t) {
+  return {reinterpret_cast<std::uint16_t*>(t.data()), static_cast<std::size_t>(t.numel())};
+}
+
+}  // namespace
+
+TaskId GroupHandle::all_gather_halves(TaskId ready, const ops::Bf16Tensor& input,
+                                      const ops::Bf16Tensor& output, const std::string& name,
+                                      rt::TaskTags tags) const {
+  GroupHandle packed = with_element_bytes(sizeof(float));
+  return packed.issue(
+      ready, {.op = devices::CollectiveOp::all_gather},
+      {.input = devices::gathered_elements(devices::packed_halves(
+           std::span<const std::uint16_t>(halves_of(input)), (name + " input").c_str())),
+       .output = devices::gathered_elements(
+           devices::packed_halves(halves_of(output), (name + " output").c_str()))},
+      name, tags);
 }
 
 namespace {
@@ -208,25 +230,22 @@ void RankProgram::build() {
   for (const GradientBucket& b : shard().buckets())
     gradients += static_cast<double>(b.grads.numel());
   // With --overlap-param-gather the step opens with the gathers of the last update's shards.
+  // (They move a 16-bit run's 16-bit copies, which the refresh below leaves to them: nothing
+  // waits for them but the parts of the forward that read their values.)
   start_parameter_gathers(*this);
-  // A bf16 run refreshes its bf16 copies from the main parameters below: from gathered ones.
-  if (half())
-    for (const auto& [point, gathers] : parameter_gathers)
-      awaited_gathers_.insert(awaited_gathers_.end(), gathers.begin(), gathers.end());
-  step_opened = compute(
-      "zero_grads", {},
-      cost::streamed_bytes(gradients, parameter_bytes(shape.model.precision).gradient), [this] {
-        state.shard->zero_grads();
-        // A bf16 run's products read the main parameters as the last update (or a loaded
-        // checkpoint) left them, rounded to bf16.
-        if (half()) state.shard->refresh_bf16_copies();
-        std::fill(state.loss.begin(), state.loss.end(), 0.0);
-        std::fill(state.aux.begin(), state.aux.end(), 0.0);
-        state.routed_picks = state.dropped_picks = 0;
-        state.routing_digest = 0;
-        for (auto& loads : state.expert_loads)
-          loads.second.fill(0.f);
-      });
+  compute("zero_grads", {},
+          cost::streamed_bytes(gradients, parameter_bytes(shape.model.precision).gradient), [this] {
+            state.shard->zero_grads();
+            // A bf16 run's products read the main parameters as the last update (or a loaded
+            // checkpoint) left them, rounded to bf16; sharded ones as the optimizer rounded them.
+            if (half()) state.shard->refresh_bf16_copies();
+            std::fill(state.loss.begin(), state.loss.end(), 0.0);
+            std::fill(state.aux.begin(), state.aux.end(), 0.0);
+            state.routed_picks = state.dropped_picks = 0;
+            state.routing_digest = 0;
+            for (auto& loads : state.expert_loads)
+              loads.second.fill(0.f);
+          });
   build_pipeline(*this);
   reduce_deferred_buckets(*this);
   build_optimizer(*this);

@@ -90,6 +90,13 @@ class GroupHandle {
     return issue(ready, {.op = devices::CollectiveOp::all_gather},
                  {.input = input, .output = output}, name, tags);
   }
+  // 16-bit values (a materialized 16-bit run's parameters) gathered two to each 4-byte element
+  // the collective moves (devices/packed_halves.hpp), costed at the elements' 4 bytes: 2 bytes a
+  // value, as the prediction costs the same gather of 16-bit values. `input` may be this
+  // member's block of `output` (in place).
+  TaskId all_gather_halves(TaskId ready, const ops::Bf16Tensor& input,
+                           const ops::Bf16Tensor& output, const std::string& name,
+                           rt::TaskTags tags) const;
   TaskId reduce_scatter(TaskId ready, std::span<const float> input, std::span<float> output,
                         const std::string& name, rt::TaskTags tags) const {
     return issue(ready, {.op = devices::CollectiveOp::reduce_scatter},
@@ -207,9 +214,6 @@ class RankProgram {
     std::vector<TaskId> gathers, releases;
   };
   std::map<int, ParameterSlot> parameter_slots;
-  // The step's first task (zero_grads), which in a bf16 run rounds stage 3's shards for their
-  // gathers.
-  TaskId step_opened = rt::kNoTask;
   // The next compute task waits for `tasks` too.
   void await(const std::vector<TaskId>& tasks) {
     awaited_gathers_.insert(awaited_gathers_.end(), tasks.begin(), tasks.end());

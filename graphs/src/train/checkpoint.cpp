@@ -19,6 +19,7 @@
 #include <variant>
 #include <vector>
 
+#include "model/half_precision.hpp"
 #include "weave/graphs/config_flags.hpp"
 #include "weave/graphs/moe_layer_freq.hpp"
 
@@ -118,16 +119,28 @@ GradientBucket& bucket_of_rank(TrainingStep& step, rt::DeviceId device, const st
   throw std::logic_error(fmt::format("rank {} has no gradient bucket {}", rank, name));
 }
 
-// ZeRO stage 3 over several processes: the parameter shards of the ranks other processes build,
-// by rank and bucket, which a checkpoint's whole parameters are assembled from. Each process
-// sends its ranks' shards to process 0, which sends them all to every process: every process
-// makes this exchange, in the same order. Empty in one process, or without stage 3.
+// Whether the step keeps parameters as the replicas' shards (GradientBucket::value_shard): ZeRO
+// stage 3's layers, and a 16-bit run's every bucket under the distributed optimizer (its fp32
+// main values). The same in every process.
+bool keeps_parameter_shards(TrainingStep& step) {
+  const ParallelPlan& plan = step.mesh().plan();
+  if (plan.shard_parameters) return true;
+  if (!plan.distributed_optimizer) return false;
+  for (int r = 0; r < step.mesh().size(); ++r)
+    if (step.holds(r)) return step.shard(r).config().precision != Precision::fp32;
+  return false;
+}
+
+// Parameters kept as shards over several processes: the parameter shards of the ranks other
+// processes build, by rank and bucket, which a checkpoint's whole parameters are assembled from.
+// Each process sends its ranks' shards to process 0, which sends them all to every process:
+// every process makes this exchange, in the same order. Empty in one process, or without shards.
 using ShardsElsewhere = std::map<std::pair<int, std::string>, ops::Tensor>;
 
 ShardsElsewhere parameter_shards_elsewhere(TrainingStep& step) {
   ShardsElsewhere out;
   devices::ProcessSet& processes = step.processes();
-  if (processes.size() == 1 || !step.mesh().plan().shard_parameters) return out;
+  if (processes.size() == 1 || !keeps_parameter_shards(step)) return out;
   std::string mine;
   const auto put = [&mine](const void* at, std::size_t bytes) {
     mine.append(static_cast<const char*>(at), bytes);
@@ -135,7 +148,7 @@ ShardsElsewhere parameter_shards_elsewhere(TrainingStep& step) {
   for (int r = 0; r < step.mesh().size(); ++r) {
     if (!step.holds(r)) continue;
     for (GradientBucket& b : step.shard(r).buckets()) {
-      if (!b.values_staged) continue;
+      if (!b.value_shard.defined()) continue;
       const std::int64_t rank = r, name_size = static_cast<std::int64_t>(b.name.size()),
                          count = b.value_shard.numel();
       put(&rank, sizeof rank);
@@ -188,12 +201,23 @@ ops::Tensor parameter_shard(TrainingStep& step, const ShardsElsewhere& elsewhere
 struct Entries {
   std::vector<Entry> list;
   std::vector<std::pair<ops::Tensor, ops::Tensor>> after_load;  // (to, from)
+  // (to, from): a 16-bit copy rounded from the values loaded, where the step keeps no fp32 values
+  // whole (GradientBucket::main_values_sharded, and stage 3's value_shard16); in `precision`.
+  std::vector<std::pair<ops::Bf16Tensor, ops::Tensor>> rounded_after_load;
+  Precision precision = Precision::fp32;
+  void apply_after_load() const {
+    for (const auto& [to, from] : after_load)
+      to.copy_from(from);
+    for (const auto& [to, from] : rounded_after_load)
+      round_to_half(precision, from, to);
+  }
 };
 
 // The tensors of the ranks built here: every rank for a checkpoint of one process, this
 // process's ranks for its part of a checkpoint of several. Parameters are whole in every layout:
-// under ZeRO stage 3 each sharded bucket's values are assembled from its replicas' shards, those
-// of other processes' ranks exchanged first (and loaded back into this replica's). The AdamW
+// where the step keeps them as shards (keeps_parameter_shards) each sharded bucket's values are
+// assembled from its replicas' shards, those of other processes' ranks exchanged first (and
+// loaded back into this replica's, and into a 16-bit run's whole 16-bit copy). The AdamW
 // moments are each replica's shard when `moments_sharded` (the distributed optimizer's layout, ZeRO
 // stages 1 to 3), else whole (plain data parallelism): converted when the step keeps them the other
 // way, every replica's whole moments being equal.
@@ -214,8 +238,9 @@ Entries entries_of(TrainingStep& step, bool moments_sharded) {
   for (int r = 0; r < step.mesh().size(); ++r) {
     if (!step.holds(r)) continue;
     std::map<const Parameter*, ops::Tensor> whole_values;
+    out.precision = step.shard(r).config().precision;
     for (GradientBucket& b : step.shard(r).buckets()) {
-      if (!b.values_staged) continue;
+      if (!b.value_shard.defined()) continue;
       const devices::ProcessGroup& replicas =
           step.mesh().group(b.expert ? GroupKind::expert_data : GroupKind::data_context, r);
       const ops::Tensor whole = ops::Tensor::zeros({b.shard_size * replicas.size()});
@@ -223,6 +248,10 @@ Entries entries_of(TrainingStep& step, bool moments_sharded) {
         whole.slice(0, i * b.shard_size, b.shard_size)
             .copy_from(parameter_shard(step, elsewhere, replicas.device(i), b.name));
       out.after_load.emplace_back(b.value_shard, whole.slice(0, b.shard_begin, b.shard_size));
+      if (b.main_values_sharded) out.rounded_after_load.emplace_back(b.values16, whole);
+      if (b.value_shard16.has_storage())  // stage 3's: what the next gathers send
+        out.rounded_after_load.emplace_back(b.value_shard16,
+                                            whole.slice(0, b.shard_begin, b.shard_size));
       std::int64_t at = 0;
       for (const Parameter* p : b.params) {
         whole_values[p] = whole.slice(0, at, p->value.numel()).reshape(p->value.shape());
@@ -672,8 +701,7 @@ CheckpointState load_opened(OpenedFile& f, const std::string& path, const ModelC
                                 : read_values(f, path, entries.list);
   for (std::size_t i = 0; i < entries.list.size(); ++i)
     std::copy(data[i].begin(), data[i].end(), entries.list[i].tensor.data());
-  for (const auto& [to, from] : entries.after_load)
-    to.copy_from(from);
+  entries.apply_after_load();
   return progress_of(header);
 }
 
@@ -710,8 +738,7 @@ void copy_checkpointed_state(TrainingStep& from, TrainingStep& to) {
           "model and parallel layout");
   for (std::size_t i = 0; i < source.size(); ++i)
     target[i].tensor.copy_from(source[i].tensor);
-  for (const auto& [into, whole] : target_entries.after_load)
-    into.copy_from(whole);
+  target_entries.apply_after_load();
 }
 
 SavedConfiguration read_checkpoint_config(const std::string& path) {

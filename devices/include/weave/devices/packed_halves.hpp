@@ -1,12 +1,14 @@
-// 16-bit values (bf16, or fp16's bits) through the collectives that only copy what they are given
-// (all-gather, broadcast, all-to-all, send/recv): two values packed in each 4-byte element, whose
-// bits every backend moves unchanged (the shared-memory kernels' loads and stores, MPI's
-// transfers between processes of one host). A collective over n 16-bit values then moves n / 2
-// elements, 2 bytes a value, and costs that at the elements' 4 bytes
-// (CollectiveOptions::element_bytes). Reductions must not be given packed values: they would add
-// the pairs as floats.
+// 16-bit values (bf16, or fp16's bits) through an all-gather: two values packed in each 4-byte
+// element the collective moves. The values are handed over as bytes (std::byte, which may view
+// storage of any type) and the all-gather moves its elements' bytes without reading any of them
+// as a float (devices/src/collective_kernels.hpp; MPI's transfers between processes of one host
+// move bytes too), so the bits arrive unchanged, NaN payloads included. A collective over n
+// 16-bit values then moves n / 2 elements, 2 bytes a value, and costs that at the elements' 4
+// bytes (CollectiveOptions::element_bytes). Reductions must not be given packed values: they
+// would add the pairs as floats.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <stdexcept>
@@ -28,16 +30,26 @@ void check(std::span<Half> halves, const char* what) {
 
 }  // namespace packed_halves_detail
 
-// `halves`' values as the 4-byte elements a collective moves; `what` names the buffer in the
-// error an odd count or a misaligned address gets.
-inline std::span<float> packed_halves(std::span<std::uint16_t> halves, const char* what) {
+// `halves`' bytes, which make whole 4-byte elements; `what` names the buffer in the error an odd
+// count or a misaligned address gets.
+inline std::span<std::byte> packed_halves(std::span<std::uint16_t> halves, const char* what) {
   packed_halves_detail::check(halves, what);
-  return {reinterpret_cast<float*>(halves.data()), halves.size() / 2};
+  return std::as_writable_bytes(halves);
 }
-inline std::span<const float> packed_halves(std::span<const std::uint16_t> halves,
-                                            const char* what) {
+inline std::span<const std::byte> packed_halves(std::span<const std::uint16_t> halves,
+                                                const char* what) {
   packed_halves_detail::check(halves, what);
-  return {reinterpret_cast<const float*>(halves.data()), halves.size() / 2};
+  return std::as_bytes(halves);
+}
+
+// An all-gather member's buffer given as packed bytes: the span of 4-byte elements the member
+// gives the collective (CollectiveMember, Communicator::all_gather). Only the address and the
+// count are taken: the all-gather copies the elements as bytes and never reads one as a float.
+inline std::span<float> gathered_elements(std::span<std::byte> bytes) {
+  return {reinterpret_cast<float*>(bytes.data()), bytes.size() / sizeof(float)};
+}
+inline std::span<const float> gathered_elements(std::span<const std::byte> bytes) {
+  return {reinterpret_cast<const float*>(bytes.data()), bytes.size() / sizeof(float)};
 }
 
 }  // namespace weave::devices

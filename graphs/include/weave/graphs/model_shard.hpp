@@ -112,8 +112,20 @@ struct GradientBucket {
   // run keeps no fp32 copy of the gathered values: `values` (and its parameters' `value`) is
   // then a shape without storage.
   ops::Bf16Tensor value_shard16;
+  // A materialized 16-bit run's sharded bucket that is not staged (the distributed optimizer's
+  // embeddings, final norm and output layer, and every bucket below stage 3): the fp32 main
+  // values are the replica's shard alone, `value_shard`, as Megatron-LM's distributed optimizer
+  // keeps them (shard_fp32_from_float16_groups), and `values` a shape without storage. The
+  // optimizer rounds the updated shard into its range of `values16`, and the gathers fill the
+  // rest of `values16` from the other replicas, 2 bytes a value.
+  bool main_values_sharded = false;
+  // A materialized 16-bit run's sharded bucket (main_values_sharded, or values_staged): the fp32
+  // shard rounded into the 16-bit values the gathers send (the shard's range of `values16`, or
+  // `value_shard16`), as the optimizer does after each update (Megatron-LM's
+  // _copy_main_params_to_model_params); nothing for another bucket.
+  void round_shard_to_half(Precision precision) const;
   ops::Tensor shard_values() const {
-    return values_staged ? value_shard : values.slice(0, shard_begin, shard_size);
+    return value_shard.defined() ? value_shard : values.slice(0, shard_begin, shard_size);
   }
   ops::Tensor exp_avg, exp_avg_sq;  // AdamW state of [shard_begin, shard_begin + shard_size)
   // A 16-bit run predicted: the shard's fp32 master weights (and for fp16 its fp32 gradients),
@@ -199,8 +211,10 @@ class ModelShard {
   // the ParallelPlan::zero_units_in_flight slots in turn, in layer order); -1 for none.
   int parameter_slot(int l) const;
   // A 16-bit run: rounds the fp32 main parameters into their bf16 or fp16 copies (nothing in
-  // fp32).
+  // fp32). A sharded bucket (GradientBucket::main_values_sharded, values_staged) is left as the
+  // optimizer's rounding of its shard and the gathers made it.
   void refresh_bf16_copies();
+  const ModelConfig& config() const { return config_; }
   // In the order the backward pass makes them ready.
   std::vector<GradientBucket>& buckets() { return buckets_; }
   // The bucket that holds parameter `p`'s gradient.

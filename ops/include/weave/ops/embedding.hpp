@@ -22,6 +22,12 @@ template <typename T>
 void embedding_forward(std::span<const std::int32_t> ids, const BasicTensor<T>& table,
                        const EmbeddingShard& shard, const BasicTensor<T>& y);
 
+// The same with a 16-bit table (Half: bf16, or fp16), each row widened to fp32 (exactly) into y:
+// a 16-bit model's lookup, whose output the model keeps in fp32.
+template <typename Half>
+void embedding_forward_widened(std::span<const std::int32_t> ids, const BasicTensor<Half>& table,
+                               const EmbeddingShard& shard, const BasicTensor<float>& y);
+
 // dtable += the rows of dy scattered to their ids, in position order (deterministic).
 template <typename T>
 void embedding_backward(std::span<const std::int32_t> ids, const BasicTensor<T>& dy,
