@@ -242,8 +242,8 @@ TEST(SharedExperts, PredictionCountsThemAndEqualsTheMaterialisedStep) {
 // Under zb-h1 their weight gradients wait for the W action as the dense MLP's do: two stages of
 // two layers (the first of each a MoE layer), with and without the overlap, equal one device;
 // so does ZeRO stage 2 over two replicas with four layers a stage, more than its two gradient
-// slots, where the gradients the I actions write are held aside until the W (their fc1 and fc2
-// must not be among them: a W writing into the held buffer after it moved in would be lost).
+// slots, where the gradients the I actions write (their gate's) are held aside until the W
+// (ZeroStageMemory.ZeroBubbleStage2HoldsTwoSlotsAndTheInputPassGradients counts what is held).
 TEST(SharedExperts, ZeroBubbleEqualsOneDevice) {
   ModelConfig m = shared_model();
   m.num_layers = 4;
