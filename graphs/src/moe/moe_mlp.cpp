@@ -138,13 +138,13 @@ TaskId MoeMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& ha
   const SlotProgress combined = combine_backward(pos, 0, ready);
   // Overlapped shared experts: the mirror of their forward, in the order autograd runs
   // Megatron-Core's (it runs the ready node of the highest sequence number first, and
-  // SharedExpertMLP sets those numbers): their output gradient's sp all-gather first (the
-  // reduce-scatter's backward, numbered last); fc2's backward once the combine's gradient
-  // all-to-all is launched (that all-to-all numbered last as well), so while it is in flight;
-  // the activation's and fc1's backward after the routed experts' (numbered just below the
-  // dispatch all-to-all, whose backward is launched first, and _BackwardStreamWait holding their
-  // stream behind the routed experts' backward), while the dispatch's gradient all-to-all is in
-  // flight; then their input gradient's reduce-scatter (pre_forward_comm's backward).
+  // SharedExpertMLP sets those numbers): the gate's backward and their output gradient's sp
+  // all-gather first (the reduce-scatter's backward, numbered last); fc2's backward once the
+  // combine's gradient all-to-all is launched (that all-to-all numbered last as well), so while it
+  // is in flight; the activation's and fc1's backward after the routed experts' (numbered just
+  // below the dispatch all-to-all, whose backward is launched first, and _BackwardStreamWait
+  // holding their stream behind the routed experts' backward), while the dispatch's gradient
+  // all-to-all is in flight; then their input gradient's reduction (pre_forward_comm's backward).
   TaskId shared_fc2 = rt::kNoTask, shared_grad = rt::kNoTask;
   if (shared && overlap) shared_fc2 = shared_experts.fc2_backward(pos, ready, halves);
   halves.flush();  // the layer above's, while the combine's gradient is in flight

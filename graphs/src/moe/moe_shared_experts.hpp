@@ -29,7 +29,8 @@ class SharedExperts {
   // with post_forward_comm): the input's sp all-gather from the layer's MLP norm in ln2 (after
   // `ready`; kNoTask without sp); fc1 and the activation (after `ready` and the gather); fc2, its
   // partial sums' reduction and the gate (after fc1), returning the task after which the MoE
-  // activations' shared.out holds their output.
+  // activations' shared.out holds their output. (Megatron-Core scores the gate in
+  // pre_forward_comm; here it is scored after the reduction, from the same input.)
   TaskId gather_input(const BuildPosition& pos, TaskId ready) const;
   TaskId fc1_forward(const BuildPosition& pos, TaskId ready, TaskId gathered) const;
   TaskId fc2_forward(const BuildPosition& pos, TaskId fc1) const;
