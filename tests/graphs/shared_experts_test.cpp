@@ -1,8 +1,9 @@
 // Megatron-Core's shared experts (--moe-shared-expert-intermediate-size): a dense MLP beside the
 // routed experts of every MoE layer. Its backward against a central difference of the loss; the
 // step under tensor (+ sequence), expert, data and pipeline parallelism equal to one device;
-// --moe-shared-expert-overlap running it under the dispatch all-to-all on the virtual clock with
-// bitwise the same numbers; the prediction's FLOPs and parameter bytes against closed forms and
+// --moe-shared-expert-overlap running fc1 under the dispatch all-to-all and fc2 under the
+// combine on the virtual clock with bitwise the same numbers; under zb-h1 their weight
+// gradients in the W action; the prediction's FLOPs and parameter bytes against closed forms and
 // equal to the materialised step; checkpoints and decoding; the rules that refuse it.
 #include <gtest/gtest.h>
 
@@ -149,7 +150,7 @@ const rt::Span* on_device(const rt::Trace& trace, rt::DeviceId d, std::string_vi
   return nullptr;
 }
 
-TEST(SharedExperts, OverlapRunsThemUnderTheDispatchWithTheSameNumbers) {
+TEST(SharedExperts, OverlapRunsFc1UnderTheDispatchAndFc2UnderTheCombine) {
   const Replayed before = replay(false), under = replay(true);
   ASSERT_EQ(under.trace.tasks().device_count(), 2u);  // ep folds over tp
   for (rt::DeviceId d = 0; d < 2; ++d) {
@@ -159,19 +160,32 @@ TEST(SharedExperts, OverlapRunsThemUnderTheDispatchWithTheSameNumbers) {
       EXPECT_NE(s, nullptr) << name;
       return s ? *s : rt::Span{};
     };
+    auto expect_under = [](const rt::Span& task, const rt::Span& comm, std::string_view what) {
+      EXPECT_TRUE(overlap(task, comm))
+          << what << ": task [" << task.start << ", " << task.end << "), all-to-all [" << comm.start
+          << ", " << comm.end << ")";
+    };
     // Megatron-Core's order without the flag: the shared experts before the router.
-    EXPECT_LE(span(before, "L0.shared_expert").end, span(before, "L0.router").start);
-    EXPECT_FALSE(overlap(span(before, "L0.shared_expert"), span(before, "L0.dispatch", true)));
-    // With it: after the router, while the dispatch all-to-all is in flight; their backward
-    // while the combine's gradient is.
-    const rt::Span shared = span(under, "L0.shared_expert"),
-                   dispatch = span(under, "L0.dispatch", true);
-    EXPECT_GE(shared.start, span(under, "L0.router").end);
-    EXPECT_TRUE(overlap(shared, dispatch))
-        << "shared [" << shared.start << ", " << shared.end << "), dispatch [" << dispatch.start
-        << ", " << dispatch.end << ")";
-    EXPECT_TRUE(overlap(span(under, "L0.shared_expert_backward"),
-                        span(under, "L0.combine_backward", true)));
+    EXPECT_LE(span(before, "L0.shared_expert_fc2").end, span(before, "L0.router").start);
+    EXPECT_FALSE(overlap(span(before, "L0.shared_expert_fc1"), span(before, "L0.dispatch", true)));
+    // With it, as its alltoall dispatcher calls them: the input's gather and fc1 after the
+    // router, while the dispatch all-to-all is in flight; fc2 after the routed experts, while the
+    // combine all-to-all is (before, fc2 ran right after fc1, under the dispatch).
+    const rt::Span fc1 = span(under, "L0.shared_expert_fc1"),
+                   fc2 = span(under, "L0.shared_expert_fc2");
+    EXPECT_GE(span(under, "L0.shared_expert_sp_gather", true).start, span(under, "L0.router").end);
+    EXPECT_GE(fc1.start, span(under, "L0.router").end);
+    expect_under(fc1, span(under, "L0.dispatch", true), "fc1 under the dispatch");
+    EXPECT_GE(fc2.start, span(under, "L0.experts").end);
+    expect_under(fc2, span(under, "L0.combine", true), "fc2 under the combine");
+    EXPECT_FALSE(overlap(fc2, span(under, "L0.dispatch", true)));
+    // Backward, the mirror: fc2's while the combine's gradient is in flight, the activation's and
+    // fc1's after the routed experts' while the dispatch's gradient is.
+    const rt::Span fc2_back = span(under, "L0.shared_expert_fc2_backward"),
+                   fc1_back = span(under, "L0.shared_expert_fc1_backward");
+    expect_under(fc2_back, span(under, "L0.combine_backward", true), "fc2 backward");
+    EXPECT_GE(fc1_back.start, span(under, "L0.experts_backward").end);
+    expect_under(fc1_back, span(under, "L0.dispatch_backward", true), "fc1 backward");
   }
   EXPECT_LT(under.step, before.step);  // what the overlap hides
   EXPECT_EQ(under.loss, before.loss);
@@ -223,6 +237,98 @@ TEST(SharedExperts, PredictionCountsThemAndEqualsTheMaterialisedStep) {
   EXPECT_DOUBLE_EQ(with.step_ms, static_cast<double>(r.replay.makespan) * 1e-6);
   EXPECT_EQ(with.memory, r.memory);
   EXPECT_GT(with.step_ms, without.step_ms);
+}
+
+// Under zb-h1 their weight gradients wait for the W action as the dense MLP's do: two stages of
+// two layers (the first of each a MoE layer), with and without the overlap, equal one device;
+// so does ZeRO stage 2 over two replicas with four layers a stage, more than its two gradient
+// slots, where the gradients the I actions write (their gate's) are held aside until the W
+// (ZeroStageMemory.ZeroBubbleStage2HoldsTwoSlotsAndTheInputPassGradients counts what is held).
+TEST(SharedExperts, ZeroBubbleEqualsOneDevice) {
+  ModelConfig m = shared_model();
+  m.num_layers = 4;
+  const ParallelPlan zb{.pipeline_parallel = 2,
+                        .pipeline_scheduler = "zb-h1",
+                        .micro_batch_size = 1,
+                        .global_batch_size = 4};
+  for (const bool overlap : {false, true}) {
+    SCOPED_TRACE(overlap ? "overlapped" : "before the router");
+    m.moe_shared_expert_overlap = overlap;
+    expect_equals_one_device(m, zb);
+    ParallelPlan tp_sp_ep = zb;
+    tp_sp_ep.tensor_parallel = tp_sp_ep.expert_parallel = 2;
+    tp_sp_ep.sequence_parallel = true;
+    SCOPED_TRACE("tp2+sp ep2");
+    const ParallelPlan serial{.micro_batch_size = 1, .global_batch_size = 4};
+    const Outcome a = run(m, serial, 1, false), b = run(m, tp_sp_ep, 1, false);
+    EXPECT_NEAR(b.losses[0], a.losses[0], 1e-5 * a.losses[0]);
+    expect_same_gradients(a, b);
+  }
+  m.num_layers = 8;
+  m.moe_shared_expert_gate = true;  // its weight's gradient is the I action's, held
+  expect_equals_one_device(m, {.data_parallel = 2,
+                               .pipeline_parallel = 2,
+                               .pipeline_scheduler = "zb-h1",
+                               .micro_batch_size = 1,
+                               .global_batch_size = 4,
+                               .distributed_optimizer = true,
+                               .shard_gradients = true});
+}
+
+// The structure: under zb-h1 each MoE layer's micro-batch has one weight-gradient task of the
+// shared experts, in the W action (weight phase), and their backward's tasks in the I action
+// carry no weight product (half the FLOPs of 1F1B's); under 1F1B there is none. weave predict
+// equals the materialised step (the I actions' kept output gradients counted alike).
+TEST(SharedExperts, ZeroBubbleRunsTheirWeightGradientsInW) {
+  for (const bool overlap : {false, true}) {
+    SCOPED_TRACE(overlap ? "overlapped" : "before the router");
+    TrainerConfig c = predicted(kShared);
+    c.model.moe_shared_expert_overlap = overlap;
+    c.plan.pipeline_scheduler = "zb-h1";
+    c.plan.global_batch_size = 4;
+    TrainerConfig one_f_one_b = c;
+    one_f_one_b.plan.pipeline_scheduler = "1f1b";
+    const Prediction zb = predict_step(c), plain = predict_step(one_f_one_b);
+    // Per device: FLOPs of the shared experts' backward tasks by phase, and the W tasks' count.
+    struct Seen {
+      double input = 0, weight = 0;
+      int weight_tasks = 0;
+    };
+    auto seen = [](const Prediction& p) {
+      std::map<rt::DeviceId, Seen> out;
+      const rt::TaskTable& tasks = p.trace.tasks();
+      for (const rt::Span& span : p.trace.spans()) {
+        const rt::TaskInfo& t = tasks[span.task];
+        const std::string_view name = tasks.name(span.task);
+        if (name.find("shared_expert") == std::string_view::npos) continue;
+        Seen& s = out[t.device];
+        if (name.ends_with("shared_expert_weight_grad")) {
+          EXPECT_EQ(t.tags.phase, rt::Phase::weight) << name;
+          s.weight += t.cost.flops;
+          ++s.weight_tasks;
+        } else if (name.ends_with("_fc1_backward") || name.ends_with("_fc2_backward")) {
+          EXPECT_EQ(t.tags.phase, rt::Phase::backward) << name;
+          s.input += t.cost.flops;
+        }
+      }
+      return out;
+    };
+    const std::map<rt::DeviceId, Seen> split = seen(zb), folded = seen(plain);
+    // Each stage holds one MoE layer (the prediction replays one tp rank of each).
+    ASSERT_GE(split.size(), 2u);
+    ASSERT_EQ(folded.size(), split.size());
+    for (const auto& [device, s] : split) {
+      SCOPED_TRACE(fmt::format("device {}", device));
+      EXPECT_EQ(s.weight_tasks, 4);  // one per micro-batch
+      EXPECT_GT(s.input, 0);
+      EXPECT_DOUBLE_EQ(s.weight, s.input);
+      EXPECT_EQ(folded.at(device).weight_tasks, 0);
+      EXPECT_DOUBLE_EQ(folded.at(device).input, s.input + s.weight);
+    }
+    const MaterialisedStep r = materialised_step(c);
+    EXPECT_DOUBLE_EQ(zb.step_ms, static_cast<double>(r.replay.makespan) * 1e-6);
+    EXPECT_EQ(zb.memory, r.memory);
+  }
 }
 
 std::string temp_path(const char* name) {

@@ -440,7 +440,7 @@ bool written_by_input_pass(const std::string& name) {
   };
   return name.find("norm.") != std::string::npos || ends_with("attention.proj.bias") ||
          ends_with("mlp.fc2.bias") || name.find("router.") != std::string::npos ||
-         name.find("shared_experts.") != std::string::npos;
+         ends_with("shared_experts.gate_weight");
 }
 
 // Under zb-h1 with more layers a stage than gradient slots, stage 2 holds what it holds under
@@ -455,41 +455,52 @@ TEST(ZeroStageMemory, ZeroBubbleStage2HoldsTwoSlotsAndTheInputPassGradients) {
                                                .global_batch_size = 4,
                                                .distributed_optimizer = true,
                                                .shard_gradients = true});
-  c.model.num_layers = 12;  // rank 0: layers 0 to 5, MoE and dense in turn
-  validate(c.model, c.plan);
-  const Rank0Buckets buckets = rank0_buckets(c, staged);
-  std::map<int, std::int64_t> layer_elements = buckets.layers;
-  ASSERT_EQ(layer_elements.size(), 6u);
-  std::int64_t held = 0;
-  {
-    devices::DeviceSet set(c.plan.devices(), {.pin = false});
-    devices::SharedMemoryCommunicator comm;
-    TrainingStep step(c.model, c.plan, {}, set, comm);
-    for (const GradientBucket& b : step.shard(0).buckets())
-      if (b.staged)
-        for (const Parameter* p : b.params)
-          if (written_by_input_pass(p->name)) held += p->value.numel();
+  // Megatron-Core's shared experts in the MoE layers too (their gate's gradient the I action's,
+  // their fc1's and fc2's the W action's, as the dense MLP's).
+  const bool biases = c.model.add_bias_linear;
+  for (const int shared : {0, 48}) {
+    SCOPED_TRACE(::testing::Message() << "shared experts " << shared);
+    c.model.moe_shared_expert_intermediate_size = shared;
+    c.model.moe_shared_expert_gate = shared > 0;
+    c.model.add_bias_linear = biases && shared == 0;  // they have none
+    c.plan.shard_gradients = true;
+    c.model.num_layers = 12;  // rank 0: layers 0 to 5, MoE and dense in turn
+    validate(c.model, c.plan);
+    const Rank0Buckets buckets = rank0_buckets(c, staged);
+    std::map<int, std::int64_t> layer_elements = buckets.layers;
+    ASSERT_EQ(layer_elements.size(), 6u);
+    std::int64_t held = 0;
+    {
+      devices::DeviceSet set(c.plan.devices(), {.pin = false});
+      devices::SharedMemoryCommunicator comm;
+      TrainingStep step(c.model, c.plan, {}, set, comm);
+      for (const GradientBucket& b : step.shard(0).buckets())
+        if (b.staged)
+          for (const Parameter* p : b.params)
+            if (written_by_input_pass(p->name)) held += p->value.numel();
+    }
+    ASSERT_GT(held, 0);
+    const std::int64_t slots = std::max({layer_elements[0], layer_elements[2], layer_elements[4]}) +
+                               std::max({layer_elements[1], layer_elements[3], layer_elements[5]});
+    std::int64_t all_layers = 0;
+    for (const auto& [l, elements] : layer_elements)
+      all_layers += elements;
+    const auto gradients = static_cast<std::size_t>(rt::MemoryCategory::gradients);
+    const auto bytes = static_cast<std::int64_t>(sizeof(float));
+    const MaterialisedStep r = materialised_step(c);
+    EXPECT_EQ(r.memory[0][gradients], bytes * (buckets.rest + buckets.shards + slots + held));
+    expect_predicted_as_materialised(c, r);
+    // 1F1B's stage 2: the same but the held gradients, which its backward writes into the slot.
+    TrainerConfig one_f_one_b = c;
+    one_f_one_b.plan.pipeline_scheduler = "1f1b";
+    EXPECT_EQ(predict_step(one_f_one_b).memory[0][gradients],
+              r.memory[0][gradients] - bytes * held);
+    // Stage 1: every layer of the stage whole.
+    c.plan.shard_gradients = false;
+    const std::int64_t stage1 = predict_step(c).memory[0][gradients];
+    EXPECT_EQ(stage1, bytes * (buckets.rest + all_layers));
+    EXPECT_LT(r.memory[0][gradients], stage1);
   }
-  ASSERT_GT(held, 0);
-  const std::int64_t slots = std::max({layer_elements[0], layer_elements[2], layer_elements[4]}) +
-                             std::max({layer_elements[1], layer_elements[3], layer_elements[5]});
-  std::int64_t all_layers = 0;
-  for (const auto& [l, elements] : layer_elements)
-    all_layers += elements;
-  const auto gradients = static_cast<std::size_t>(rt::MemoryCategory::gradients);
-  const auto bytes = static_cast<std::int64_t>(sizeof(float));
-  const MaterialisedStep r = materialised_step(c);
-  EXPECT_EQ(r.memory[0][gradients], bytes * (buckets.rest + buckets.shards + slots + held));
-  expect_predicted_as_materialised(c, r);
-  // 1F1B's stage 2: the same but the held gradients, which its backward writes into the slot.
-  TrainerConfig one_f_one_b = c;
-  one_f_one_b.plan.pipeline_scheduler = "1f1b";
-  EXPECT_EQ(predict_step(one_f_one_b).memory[0][gradients], r.memory[0][gradients] - bytes * held);
-  // Stage 1: every layer of the stage whole.
-  c.plan.shard_gradients = false;
-  const std::int64_t stage1 = predict_step(c).memory[0][gradients];
-  EXPECT_EQ(stage1, bytes * (buckets.rest + all_layers));
-  EXPECT_LT(r.memory[0][gradients], stage1);
 }
 
 // weave predict gives the materialised step's memory and length beside Ampipe and zb-v as well.

@@ -283,8 +283,10 @@ constexpr ConfigFlag kMoe[] = {
      .group = FlagGroup::moe,
      .values = 0,
      .help = "Megatron-Core's overlap of the shared experts with the token dispatcher's "
-             "all-to-alls (alltoall dispatcher): they wait for the layer's input only instead "
-             "of running before the router; the same numbers",
+             "all-to-alls (alltoall dispatcher): instead of running before the router, their "
+             "input's sp gather and fc1 run while the dispatch all-to-all is in flight, fc2 and "
+             "its reduction while the combine's is (the backward mirrored: fc2's under the "
+             "combine's gradient, fc1's under the dispatch's); the same numbers",
      .field = model_field<&M::moe_shared_expert_overlap>(),
      .description = described(model, "moe_shared_expert_overlap")},
     {.name = "--moe-router-topk",

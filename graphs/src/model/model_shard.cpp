@@ -346,12 +346,18 @@ namespace {
 
 // Whether a zero-bubble W action writes parameter `name`'s gradient: the products' weights (and
 // the biases computed with them), whose weight halves wait for it. The I action writes the rest:
-// the norms, the biases added to the residual, the router, the shared experts.
+// the norms, the biases added to the residual, the router, the shared experts' gate.
 bool written_by_weight_pass(const std::string& name) {
-  static const char* const kWeightPass[] = {".attention.qkv.weight",   ".attention.qkv.bias",
-                                            ".attention.proj.weight",  ".mlp.fc1.weight",
-                                            ".mlp.fc1.bias",           ".mlp.fc2.weight",
-                                            ".moe.experts.fc1.weight", ".moe.experts.fc2.weight"};
+  static const char* const kWeightPass[] = {".attention.qkv.weight",
+                                            ".attention.qkv.bias",
+                                            ".attention.proj.weight",
+                                            ".mlp.fc1.weight",
+                                            ".mlp.fc1.bias",
+                                            ".mlp.fc2.weight",
+                                            ".moe.experts.fc1.weight",
+                                            ".moe.experts.fc2.weight",
+                                            ".moe.shared_experts.fc1.weight",
+                                            ".moe.shared_experts.fc2.weight"};
   for (const char* suffix : kWeightPass) {
     const std::string s = suffix;
     if (name.size() >= s.size() && name.compare(name.size() - s.size(), s.size(), s) == 0)

@@ -137,6 +137,10 @@ struct SharedExpertActivations {
   // norm's rows (out's).
   Tensor ungated;  // as out
   Tensor gate;     // [out's rows, 1]
+  // A zero-bubble schedule's I action: the output gradients the W action's weight gradients read
+  // (fc2's output, gathered over sp, and fc1's), kept as the workspace is reused meanwhile.
+  Tensor saved_d_out;  // [Sc, B, h]
+  Tensor saved_d_fc1;  // [Sc, B, f1 / tp]
 };
 
 // The shared experts' share of the backward's workspace, one per device: the output gradient

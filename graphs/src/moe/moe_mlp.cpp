@@ -38,12 +38,16 @@ std::string MoeMlp::slot_prefix(int c) const {
 }
 
 SlotProgress MoeMlp::route(const BuildPosition& pos, int c, TaskId ready) const {
+  return dispatch(pos, c, router(pos, c, ready));
+}
+
+TaskId MoeMlp::router(const BuildPosition& pos, int c, TaskId ready) const {
   RankProgram* p = P;
   const int layer = l, set = pos.set;
   const bool counted = !pos.recomputing;
   const StepShape& z = P->shape;
   const rt::TaskTags tags = pos.chunk_tags(rt::Phase::forward, l, slot_chunk(c));
-  const TaskId router = P->compute(
+  const TaskId routed = P->compute(
       slot_prefix(c) + "router", tags, cost::router(z, static_cast<double>(z.slot_tokens())), [=] {
         MoeSlot& A = p->slot(set, layer, c);
         A.moe_in.copy_from(slot_tokens(*p, c, p->acts(set, layer).ln2));
@@ -54,22 +58,33 @@ SlotProgress MoeMlp::route(const BuildPosition& pos, int c, TaskId ready) const 
         if (p->half() && p->shape.model.moe_gate == MoeGate::deepspeed)
           round_in_place(p->precision(), A.topk_weight);
       });
-  P->after(ready, router);
-  return dispatch(pos, c, router);
+  P->after(ready, routed);
+  return routed;
 }
 
 TaskId MoeMlp::forward(const BuildPosition& pos, TaskId ready) const {
   const StepShape& z = P->shape;
   const bool shared = z.model.has_shared_experts(), overlap = z.model.moe_shared_expert_overlap;
-  // Shared experts: before the router, as Megatron-Core's MoELayer runs them; overlapped, they
-  // follow the router on the compute stream and wait for the layer's input only, so they run
-  // while the dispatch all-to-all is in flight.
+  const SharedExperts shared_experts(*P, l);
+  // Shared experts: before the router, as Megatron-Core's MoELayer runs them. Overlapped, in the
+  // places Megatron-Core's alltoall dispatcher calls them from: the input's sp all-gather
+  // (pre_forward_comm) once the router has run and fc1 with the activation
+  // (linear_fc1_forward_and_act) once the tokens are permuted, both while the dispatch
+  // all-to-all is in flight (the router's task permutes; the compute stream runs fc1 after it,
+  // before the experts that wait for the dispatch); fc2 and its reduction (linear_fc2_forward,
+  // post_forward_comm) once the experts have run, while the combine all-to-all is in flight.
   TaskId shared_out = rt::kNoTask;
-  if (shared && !overlap) shared_out = SharedExperts(*P, l).forward(pos, ready);
-  const SlotProgress routed = route(pos, 0, shared && !overlap ? shared_out : ready);
-  if (shared && overlap) shared_out = SharedExperts(*P, l).forward(pos, ready);
+  if (shared && !overlap) shared_out = shared_experts.forward(pos, ready);
+  const TaskId permuted = router(pos, 0, shared && !overlap ? shared_out : ready);
+  const SlotProgress routed = dispatch(pos, 0, permuted);
+  TaskId shared_fc1 = rt::kNoTask;
+  if (shared && overlap)
+    shared_fc1 =
+        shared_experts.fc1_forward(pos, permuted, shared_experts.gather_input(pos, permuted));
   const TaskId stats = statistics(pos, routed.task);
-  const TaskId combined = combine(pos, 0, experts(pos, 0, routed));
+  const SlotProgress computed = experts(pos, 0, routed);
+  if (shared && overlap) shared_out = shared_experts.fc2_forward(pos, shared_fc1);
+  const TaskId combined = combine(pos, 0, computed);
   P->after(stats, combined);
   TaskId routed_out = combined;
   if (z.routes_tp_slices())  // Without SP the layer's output is replicated: gather the slices.
@@ -119,12 +134,23 @@ TaskId MoeMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& ha
   const int layer = l, set = pos.set;
   const StepShape& z = P->shape;
   const bool shared = z.model.has_shared_experts(), overlap = z.model.moe_shared_expert_overlap;
+  const SharedExperts shared_experts(*P, l);
   const SlotProgress combined = combine_backward(pos, 0, ready);
-  // Overlapped shared experts: their backward while the combine's gradient is in flight.
-  TaskId shared_grad = rt::kNoTask;
-  if (shared && overlap) shared_grad = SharedExperts(*P, l).backward(pos, ready);
+  // Overlapped shared experts: the mirror of their forward, in the order autograd runs
+  // Megatron-Core's (it runs the ready node of the highest sequence number first, and
+  // SharedExpertMLP sets those numbers): the gate's backward and their output gradient's sp
+  // all-gather first (the reduce-scatter's backward, numbered last); fc2's backward once the
+  // combine's gradient all-to-all is launched (that all-to-all numbered last as well), so while it
+  // is in flight; the activation's and fc1's backward after the routed experts' (numbered just
+  // below the dispatch all-to-all, whose backward is launched first, and _BackwardStreamWait
+  // holding their stream behind the routed experts' backward), while the dispatch's gradient
+  // all-to-all is in flight; then their input gradient's reduction (pre_forward_comm's backward).
+  TaskId shared_fc2 = rt::kNoTask, shared_grad = rt::kNoTask;
+  if (shared && overlap) shared_fc2 = shared_experts.fc2_backward(pos, ready, halves);
   halves.flush();  // the layer above's, while the combine's gradient is in flight
-  const TaskId router = router_backward(pos, 0, experts_backward(pos, 0, combined, halves));
+  const SlotProgress dispatched = experts_backward(pos, 0, combined, halves);
+  if (shared && overlap) shared_grad = shared_experts.fc1_backward(pos, shared_fc2, halves);
+  const TaskId router = router_backward(pos, 0, dispatched);
   // Routed replicated, every tp rank's input gradient is the whole sequence's already.
   const bool local = !z.routes_tp_slices();
   const std::int64_t T = z.T, h = z.h;
@@ -144,7 +170,7 @@ TaskId MoeMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& ha
   if (!shared) return routed_grad;
   // Not overlapped: the shared experts' backward after the routed experts', the reverse of their
   // forward's order.
-  if (!overlap) shared_grad = SharedExperts(*P, l).backward(pos, routed_grad);
+  if (!overlap) shared_grad = shared_experts.backward(pos, routed_grad, halves);
   const TaskId sum =
       P->compute(fmt::format("L{}.shared_expert_grad_add", l), pos.tags(rt::Phase::backward, l),
                  cost::streamed(z, 3.0 * static_cast<double>(P->ws().d_norm.numel())), [=] {

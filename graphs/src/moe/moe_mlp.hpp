@@ -46,6 +46,8 @@ class MoeMlp {
 
   // The phases of slot c.
   SlotProgress route(const BuildPosition& pos, int c, TaskId ready) const;
+  // route's first task: the router's scores, the dispatch plan and the permutation.
+  TaskId router(const BuildPosition& pos, int c, TaskId ready) const;
   // The dispatcher's launch of slot c's dispatch all-to-all(s) once the slot is permuted (none
   // without expert parallelism, none yet when the item pipeline chains them).
   SlotProgress dispatch(const BuildPosition& pos, int c, TaskId permuted) const;

@@ -22,9 +22,11 @@ std::int64_t local_width1(const ModelConfig& m, int tp) {
 }
 
 // fc1's and fc2's products over `rows` rows.
-rt::CostHint products(const StepShape& z, std::int64_t rows) {
-  return cost::matmul(rows, z.h, local_width1(z.model, z.tp)) +
-         cost::matmul(rows, local_width(z.model, z.tp), z.h);
+rt::CostHint fc1_products(const StepShape& z, std::int64_t rows) {
+  return cost::matmul(rows, z.h, local_width1(z.model, z.tp));
+}
+rt::CostHint fc2_products(const StepShape& z, std::int64_t rows) {
+  return cost::matmul(rows, local_width(z.model, z.tp), z.h);
 }
 
 // The gate's rows: the norm's, as the shared experts' output holds them after its reduction.
@@ -32,33 +34,13 @@ std::int64_t gate_rows(const Tensor& x, std::int64_t h) {
   return x.numel() / h;
 }
 
-// A 16-bit run's forward, as the routed experts run theirs (expert_products.hpp): fc1 and fc2
-// as 16-bit products with fp32 sums into fp32 buffers holding 16-bit values, the activation in
-// fp32 on fc1's output, rounded once. The input holds 16-bit values (the rounded norm).
-void forward_half(const ModelConfig& m, Precision precision, const DenseMlpParameters& W,
-                  const SharedExpertActivations& S) {
-  linear_forward_half(precision, S.input, W.fc1_weight->value16, S.fc1);
-  mlp_activation_forward(m, S.fc1, S.act);
-  round_in_place(precision, S.act);
-  linear_forward_half(precision, S.act, W.fc2_weight->value16, S.partial);
-}
-
-// Its backward from the output's gradient dy (rounded here: a 16-bit tensor's gradient is
-// 16-bit): the input gradients as 16-bit products, rounded once; the weight gradients through
-// the fp32 kernels, whose operands all hold 16-bit values, so their products are exact and their
-// sums the fp32 sums the 16-bit kernels would give (experts_backward's argument), accumulated
-// into the fp32 main gradients.
-void backward_half(const ModelConfig& m, Precision precision, const DenseMlpParameters& W,
-                   const SharedExpertActivations& S, const SharedExpertWorkspace& w,
-                   const Tensor& dy) {
-  round_in_place(precision, dy);
-  linear_backward_input_half(precision, dy, W.fc2_weight->value16, w.d_act);
-  ops::linear_backward_weight(S.act, dy, W.fc2_weight->grad, Tensor{});
-  mlp_activation_backward(m, S.fc1, w.d_act, w.d_fc1);
-  round_in_place(precision, w.d_fc1);
-  linear_backward_input_half(precision, w.d_fc1, W.fc1_weight->value16, w.d_in_full);
-  ops::linear_backward_weight(S.input, w.d_fc1, W.fc1_weight->grad, Tensor{});
-}
+// A 16-bit run's products are the routed experts' (expert_products.hpp): 16-bit products with
+// fp32 sums into fp32 buffers holding 16-bit values, the activation in fp32 on fc1's output,
+// rounded once. The input holds 16-bit values (the rounded norm). In the backward a 16-bit
+// tensor's gradient is 16-bit (rounded); the input gradients are 16-bit products, rounded once;
+// the weight gradients run through the fp32 kernels, whose operands all hold 16-bit values, so
+// their products are exact and their sums the fp32 sums the 16-bit kernels would give
+// (experts_backward's argument), accumulated into the fp32 main gradients.
 
 }  // namespace
 
@@ -135,30 +117,60 @@ void SharedExperts::allocate(LayerActivations& A) const {
     S.ungated = P->activation(S.out.shape());
     S.gate = P->activation({S.out.numel() / h, 1});
   }
+  if (z.splits_backward) {  // the I action keeps the output gradients the W action reads
+    S.saved_d_out = P->activation({Sc, B, h});
+    S.saved_d_fc1 = P->activation({Sc, B, local_width1(z.model, z.tp)});
+  }
 }
 
-TaskId SharedExperts::forward(const BuildPosition& pos, TaskId ready) const {
+TaskId SharedExperts::gather_input(const BuildPosition& pos, TaskId ready) const {
+  if (!P->shape.sp()) return rt::kNoTask;
+  return sp_gather(*P, ready, P->acts(pos.set, l).ln2, P->acts(pos.set, l).moe().shared.input,
+                   fmt::format("L{}.shared_expert_sp_gather", l), pos.tags(rt::Phase::forward, l));
+}
+
+TaskId SharedExperts::fc1_forward(const BuildPosition& pos, TaskId ready, TaskId gathered) const {
+  RankProgram* p = P;
+  const int layer = l, set = pos.set;
+  const StepShape& z = P->shape;
+  const TaskId fc1 =
+      P->compute(fmt::format("L{}.shared_expert_fc1", l), pos.tags(rt::Phase::forward, l),
+                 fc1_products(z, z.Sc * z.B), [p, layer, set] {
+                   const SharedExpertActivations& S = p->acts(set, layer).moe().shared;
+                   const DenseMlpParameters& W = p->moe_parameters(layer).shared;
+                   const ModelConfig& m = p->shape.model;
+                   if (p->half()) {
+                     linear_forward_half(p->precision(), S.input, W.fc1_weight->value16, S.fc1);
+                     mlp_activation_forward(m, S.fc1, S.act);
+                     round_in_place(p->precision(), S.act);
+                     return;
+                   }
+                   ops::linear_forward(S.input, W.fc1_weight->value, Tensor{}, S.fc1);
+                   mlp_activation_forward(m, S.fc1, S.act);
+                 });
+  P->after(ready, fc1);
+  P->after(gathered, fc1);
+  return fc1;
+}
+
+TaskId SharedExperts::fc2_forward(const BuildPosition& pos, TaskId fc1) const {
   RankProgram* p = P;
   const int layer = l, set = pos.set;
   const StepShape& z = P->shape;
   const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
   const std::string at = fmt::format("L{}.shared_expert", l);
   const SharedExpertActivations& S = P->acts(set, l).moe().shared;
-  TaskId gathered = rt::kNoTask;
-  if (z.sp())
-    gathered = sp_gather(*P, ready, P->acts(set, l).ln2, S.input, at + "_sp_gather", tags);
-  const TaskId mlp = P->compute(at, tags, products(z, z.Sc * z.B), [p, layer, set] {
+  const TaskId fc2 = P->compute(at + "_fc2", tags, fc2_products(z, z.Sc * z.B), [p, layer, set] {
     const SharedExpertActivations& S = p->acts(set, layer).moe().shared;
     const DenseMlpParameters& W = p->moe_parameters(layer).shared;
     if (p->half())
-      forward_half(p->shape.model, p->precision(), W, S);
+      linear_forward_half(p->precision(), S.act, W.fc2_weight->value16, S.partial);
     else
-      dense_mlp_forward(p->shape.model, W, S.input, S.fc1, S.act, S.partial);
+      ops::linear_forward(S.act, W.fc2_weight->value, Tensor{}, S.partial);
   });
-  P->after(ready, mlp);
-  P->after(gathered, mlp);
-  const TaskId reduced = reduce_partial(*P, mlp, S.partial, S.out, at + "_reduce", tags);
-  const TaskId out = reduced != rt::kNoTask ? reduced : mlp;
+  P->after(fc1, fc2);
+  const TaskId reduced = reduce_partial(*P, fc2, S.partial, S.out, at + "_reduce", tags);
+  const TaskId out = reduced != rt::kNoTask ? reduced : fc2;
   if (!z.model.moe_shared_expert_gate) return out;
   // The gate on the reduced output's rows, the norm's (every tp rank's sequence without sp).
   const TaskId gate =
@@ -178,14 +190,19 @@ TaskId SharedExperts::forward(const BuildPosition& pos, TaskId ready) const {
   return gate;
 }
 
-TaskId SharedExperts::backward(const BuildPosition& pos, TaskId ready) const {
+TaskId SharedExperts::forward(const BuildPosition& pos, TaskId ready) const {
+  return fc2_forward(pos, fc1_forward(pos, ready, gather_input(pos, ready)));
+}
+
+TaskId SharedExperts::fc2_backward(const BuildPosition& pos, TaskId ready,
+                                   const WeightHalves& halves) const {
   RankProgram* p = P;
   const int layer = l, set = pos.set;
   const StepShape& z = P->shape;
   const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
   const std::string at = fmt::format("L{}.shared_expert", l);
   const SharedExpertWorkspace& W = P->ws().shared_expert;
-  const bool gated = z.model.moe_shared_expert_gate;
+  const bool gated = z.model.moe_shared_expert_gate, keep = halves.zero_bubble();
   const std::int64_t rows = P->ws().d_mlp.numel() / z.h, h = z.h;
   if (gated) {
     // Through the gate: the ungated output's gradient d_mlp g, and each logit's g (1 - g)
@@ -214,31 +231,84 @@ TaskId SharedExperts::backward(const BuildPosition& pos, TaskId ready) const {
   const Tensor& d_out = gated ? W.d_gated : P->ws().d_mlp;
   TaskId gathered = rt::kNoTask;
   if (z.sp()) gathered = sp_gather(*P, ready, d_out, W.d_out, at + "_grad_gather", tags);
-  // Both products' input and weight halves: twice the forward's.
-  const TaskId mlp = P->compute(at + "_backward", tags, 2 * products(z, z.Sc * z.B), [=] {
-    const SharedExpertActivations& S = p->acts(set, layer).moe().shared;
-    const SharedExpertWorkspace& w = p->ws().shared_expert;
-    const DenseMlpParameters& M = p->moe_parameters(layer).shared;
-    if (p->half()) {
-      // Rounded in place unless it is d_mlp itself, which the routed experts' backward reads.
-      Tensor dy = w.d_out;
-      if (dy.data() == p->ws().d_mlp.data()) {
-        dy = Tensor::empty(w.d_out.shape());
-        dy.copy_from(w.d_out);
-      }
-      backward_half(p->shape.model, p->precision(), M, S, w, dy);
-      return;
-    }
-    ops::linear_backward_input(w.d_out, M.fc2_weight->value, w.d_act);
-    ops::linear_backward_weight(S.act, w.d_out, M.fc2_weight->grad, Tensor{});
-    mlp_activation_backward(p->shape.model, S.fc1, w.d_act, w.d_fc1);
-    ops::linear_backward_input(w.d_fc1, M.fc1_weight->value, w.d_in_full);
-    ops::linear_backward_weight(S.input, w.d_fc1, M.fc1_weight->grad, Tensor{});
-  });
-  P->after(ready, mlp);
-  P->after(gathered, mlp);
-  const TaskId reduced = reduce_partial(*P, mlp, W.d_in_full, W.d_in, at + "_grad_reduce", tags);
-  const TaskId d_in = reduced != rt::kNoTask ? reduced : mlp;
+  const rt::CostHint products = fc2_products(z, z.Sc * z.B);
+  // fc2's input half, with its weight half folded in unless the W action runs it.
+  const TaskId fc2 =
+      P->compute(at + "_fc2_backward", tags, keep ? products : products + products, [=] {
+        const SharedExpertActivations& S = p->acts(set, layer).moe().shared;
+        const SharedExpertWorkspace& w = p->ws().shared_expert;
+        const DenseMlpParameters& M = p->moe_parameters(layer).shared;
+        if (!p->half()) {
+          ops::linear_backward_input(w.d_out, M.fc2_weight->value, w.d_act);
+          if (keep)
+            S.saved_d_out.copy_from(w.d_out);
+          else
+            ops::linear_backward_weight(S.act, w.d_out, M.fc2_weight->grad, Tensor{});
+          return;
+        }
+        // The output gradient rounded: in place unless it is d_mlp itself, which the routed
+        // experts' backward reads, or the W action needs it kept.
+        Tensor dy = w.d_out;
+        if (keep) {
+          dy = S.saved_d_out;
+          dy.copy_from(w.d_out);
+        } else if (dy.data() == p->ws().d_mlp.data()) {
+          dy = Tensor::empty(w.d_out.shape());
+          dy.copy_from(w.d_out);
+        }
+        round_in_place(p->precision(), dy);
+        linear_backward_input_half(p->precision(), dy, M.fc2_weight->value16, w.d_act);
+        if (!keep) ops::linear_backward_weight(S.act, dy, M.fc2_weight->grad, Tensor{});
+      });
+  P->after(ready, fc2);
+  P->after(gathered, fc2);
+  return fc2;
+}
+
+TaskId SharedExperts::fc1_backward(const BuildPosition& pos, TaskId fc2,
+                                   WeightHalves& halves) const {
+  RankProgram* p = P;
+  const int layer = l, set = pos.set;
+  const StepShape& z = P->shape;
+  const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
+  const std::string at = fmt::format("L{}.shared_expert", l);
+  const SharedExpertWorkspace& W = P->ws().shared_expert;
+  const bool gated = z.model.moe_shared_expert_gate, keep = halves.zero_bubble();
+  const std::int64_t rows = P->ws().d_mlp.numel() / z.h, h = z.h;
+  const rt::CostHint products = fc1_products(z, z.Sc * z.B);
+  // The activation's and fc1's input halves, fc1's weight half folded in unless the W action
+  // runs it.
+  const TaskId fc1 =
+      P->compute(at + "_fc1_backward", tags, keep ? products : products + products, [=] {
+        const SharedExpertActivations& S = p->acts(set, layer).moe().shared;
+        const SharedExpertWorkspace& w = p->ws().shared_expert;
+        const DenseMlpParameters& M = p->moe_parameters(layer).shared;
+        mlp_activation_backward(p->shape.model, S.fc1, w.d_act, w.d_fc1);
+        if (p->half()) {
+          round_in_place(p->precision(), w.d_fc1);
+          linear_backward_input_half(p->precision(), w.d_fc1, M.fc1_weight->value16, w.d_in_full);
+        } else {
+          ops::linear_backward_input(w.d_fc1, M.fc1_weight->value, w.d_in_full);
+        }
+        if (keep)
+          S.saved_d_fc1.copy_from(w.d_fc1);
+        else
+          ops::linear_backward_weight(S.input, w.d_fc1, M.fc1_weight->grad, Tensor{});
+      });
+  P->after(fc2, fc1);
+  if (keep)
+    halves.place(WeightPlacement::zero_bubble, [=] {
+      return p->compute(
+          at + "_weight_grad", pos.tags(rt::Phase::weight, layer),
+          fc1_products(z, z.Sc * z.B) + fc2_products(z, z.Sc * z.B), [=] {
+            const SharedExpertActivations& S = p->acts(set, layer).moe().shared;
+            const DenseMlpParameters& M = p->moe_parameters(layer).shared;
+            ops::linear_backward_weight(S.act, S.saved_d_out, M.fc2_weight->grad, Tensor{});
+            ops::linear_backward_weight(S.input, S.saved_d_fc1, M.fc1_weight->grad, Tensor{});
+          });
+    });
+  const TaskId reduced = reduce_partial(*P, fc1, W.d_in_full, W.d_in, at + "_grad_reduce", tags);
+  const TaskId d_in = reduced != rt::kNoTask ? reduced : fc1;
   if (!gated) return d_in;
   // The gate's input and weight gradients from its logits': d_in += d_logit w, d_w += d_logit x.
   const TaskId gate =
@@ -259,6 +329,10 @@ TaskId SharedExperts::backward(const BuildPosition& pos, TaskId ready) const {
       });
   P->after(d_in, gate);
   return gate;
+}
+
+TaskId SharedExperts::backward(const BuildPosition& pos, TaskId ready, WeightHalves& halves) const {
+  return fc1_backward(pos, fc2_backward(pos, ready, halves), halves);
 }
 
 }  // namespace weave::graphs

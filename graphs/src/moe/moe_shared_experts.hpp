@@ -16,6 +16,7 @@
 #include "model/parameter_declarer.hpp"
 #include "moe/moe_parameters.hpp"
 #include "step/rank_program.hpp"
+#include "step/weight_halves.hpp"
 
 namespace weave::graphs {
 
@@ -23,13 +24,30 @@ class SharedExperts {
  public:
   SharedExperts(RankProgram& rank, int layer) : P(&rank), l(layer) {}
 
-  // From the layer's MLP norm in ln2 (after `ready`); returns the task after which the MoE
-  // activations' shared.out holds the shared experts' output.
+  // The forward in the stages --moe-shared-expert-overlap places apart, as Megatron-Core's
+  // SharedExpertMLP splits it (pre_forward_comm, linear_fc1_forward_and_act, linear_fc2_forward
+  // with post_forward_comm): the input's sp all-gather from the layer's MLP norm in ln2 (after
+  // `ready`; kNoTask without sp); fc1 and the activation (after `ready` and the gather); fc2, its
+  // partial sums' reduction and the gate (after fc1), returning the task after which the MoE
+  // activations' shared.out holds their output. (Megatron-Core scores the gate in
+  // pre_forward_comm; here it is scored after the reduction, from the same input.)
+  TaskId gather_input(const BuildPosition& pos, TaskId ready) const;
+  TaskId fc1_forward(const BuildPosition& pos, TaskId ready, TaskId gathered) const;
+  TaskId fc2_forward(const BuildPosition& pos, TaskId fc1) const;
+  // The three in a row.
   TaskId forward(const BuildPosition& pos, TaskId ready) const;
-  // From the MLP output's gradient in the workspace's d_mlp (after `ready`), its weights'
-  // gradients accumulated; returns the task after which shared_expert.d_in holds the gradient of
-  // the MLP's input through them.
-  TaskId backward(const BuildPosition& pos, TaskId ready) const;
+
+  // The backward in two stages, the mirror of the forward's: from the MLP output's gradient in
+  // the workspace's d_mlp (after `ready`), through the gate, the gradient's sp all-gather and fc2
+  // (its input gradient in the workspace's d_act); then (after `fc2`) the activation, fc1, the
+  // input gradient's reduction and the gate's input and weight gradients, returning the task
+  // after which shared_expert.d_in holds the gradient of the MLP's input through them. fc1's and
+  // fc2's weight gradients are folded into their stages, or under a zero-bubble schedule's I
+  // action (halves.zero_bubble()) held for its W action, as the dense MLP's are.
+  TaskId fc2_backward(const BuildPosition& pos, TaskId ready, const WeightHalves& halves) const;
+  TaskId fc1_backward(const BuildPosition& pos, TaskId fc2, WeightHalves& halves) const;
+  // The two in a row.
+  TaskId backward(const BuildPosition& pos, TaskId ready, WeightHalves& halves) const;
 
   // Lays out what they keep for one micro-batch (the MoE MLP's activations laid out first).
   void allocate(LayerActivations& A) const;

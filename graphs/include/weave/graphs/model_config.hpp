@@ -168,7 +168,7 @@ struct ModelConfig {
   // its routed experts; 0: none.
   int moe_shared_expert_intermediate_size = 0;
   // --moe-shared-expert-overlap: the shared experts run while the dispatcher's all-to-alls are in
-  // flight (their tasks wait for the layer's input only) instead of before the router.
+  // flight instead of before the router: fc1 under the dispatch, fc2 under the combine.
   bool moe_shared_expert_overlap = false;
   // --moe-shared-expert-gate: the shared experts' output multiplied by each token's
   // sigmoid(w . x), w a [h] weight of the layer replicated over tp (Megatron-Core's SharedExpertMLP
