@@ -33,11 +33,16 @@ ops::RouterOptions router_options(const ModelConfig& m) {
             .renormalize = false,
             .aux_loss_coeff = m.moe_aux_loss_coeff,
             .z_loss_coeff = m.moe_z_loss_coeff};
-  // Megatron-Core divides sigmoid scores by the picks' sum whenever top-k > 1, pre-softmax or not.
-  const bool sigmoid = m.moe_router_score_function == "sigmoid";
+  // Megatron-Core divides sigmoid and sqrtsoftplus scores by the picks' sum whenever top-k > 1,
+  // pre-softmax or not (topk_routing_with_score_function).
+  const ops::RouterScore score =
+      m.moe_router_score_function == "sigmoid"        ? ops::RouterScore::sigmoid
+      : m.moe_router_score_function == "sqrtsoftplus" ? ops::RouterScore::sqrtsoftplus
+                                                      : ops::RouterScore::softmax;
+  const bool per_expert = score != ops::RouterScore::softmax;
   return {.top_k = m.moe_router_topk,
-          .score = sigmoid ? ops::RouterScore::sigmoid : ops::RouterScore::softmax,
-          .renormalize = sigmoid ? m.moe_router_topk > 1 : m.moe_router_renormalize,
+          .score = score,
+          .renormalize = per_expert ? m.moe_router_topk > 1 : m.moe_router_renormalize,
           .aux_loss_coeff = m.moe_aux_loss_coeff,
           .z_loss_coeff = m.moe_z_loss_coeff,
           .topk_scaling_factor = m.moe_router_topk_scaling_factor,
