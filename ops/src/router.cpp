@@ -117,11 +117,10 @@ double expert_score(RouterScore score, double x) {
   return std::sqrt(x > kSoftplusThreshold ? x : std::log1p(std::exp(x)));
 }
 
-// Its derivative, from the logit x and the score p: sigmoid's p (1 - p); sqrtsoftplus's
-// sigmoid(x) / (2 p) (1 / (2 p) above the threshold), 0 where softplus underflowed to p = 0, the
-// limit as x falls (p ~ e^(x/2) there).
-double expert_score_derivative(RouterScore score, double x, double p) {
-  if (score == RouterScore::sigmoid) return p * (1 - p);
+// The derivative of sqrt(softplus(x)) from x and the score p: sigmoid(x) / (2 p) (1 / (2 p)
+// above the threshold), 0 where softplus underflowed to p = 0, the limit as x falls (p ~ e^(x/2)
+// there).
+double sqrtsoftplus_derivative(double x, double p) {
   if (p == 0) return 0;
   const double softplus_slope = x > kSoftplusThreshold ? 1.0 : 1 / (1 + std::exp(-x));
   return softplus_slope / (2 * p);
@@ -343,7 +342,7 @@ void router_backward(const RouterOptions& o, const BasicTensor<T>& logits,
                z_scale * lse * static_cast<T>(std::exp(static_cast<double>(x[j]) - lse));
     } else if (per_expert) {
       for (std::int64_t j = 0; j < e; ++j)
-        g[j] = dp[j] * static_cast<T>(expert_score_derivative(o.score, static_cast<double>(x[j]),
+        g[j] = dp[j] * static_cast<T>(sqrtsoftplus_derivative(static_cast<double>(x[j]),
                                                               static_cast<double>(p[j]))) +
                z_scale * lse * static_cast<T>(std::exp(static_cast<double>(x[j]) - lse));
     } else {
