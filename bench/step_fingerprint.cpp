@@ -178,6 +178,24 @@ std::vector<Configuration> configurations() {
                   .global_batch_size = 4,
                   .ampipe_degree = 2,
                   .ampipe_tp_sp_comm_overlap = true}});
+  // MindSpeed's gate and layout with pipe experts under Ampipe, multi-stream: every chunk's items
+  // expert-major, their all-to-alls and tp gathers and scatters in one order.
+  ModelConfig gated = small_model(4);
+  gated.moe_gate = weave::graphs::MoeGate::deepspeed;
+  gated.moe_z_loss_coeff = 0;  // MindSpeed's deepspeed_moe layer has none
+  out.push_back({"moe deepspeed_moe tp2 sp ep2 dp2 ampipe2 pipe-experts multi-stream",
+                 gated,
+                 {.tensor_parallel = 2,
+                  .sequence_parallel = true,
+                  .expert_parallel = 2,
+                  .moe_model_type = "deepspeed_moe",
+                  .data_parallel = 2,
+                  .micro_batch_size = 1,
+                  .global_batch_size = 4,
+                  .ampipe_degree = 2,
+                  .pipe_experts = true,
+                  .pipe_experts_multi_stream = true,
+                  .pipe_experts_multi_data = 4}});
   return out;
 }
 

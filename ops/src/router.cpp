@@ -29,10 +29,10 @@ void check_router(const RouterOptions& o, const BasicTensor<T>& logits, const Ba
   if (o.top_k < 1 || o.top_k > e)
     throw std::invalid_argument(fmt::format(
         "router top-k must be between 1 and the number of experts ({}), got {}", e, o.top_k));
-  if (!o.expert_bias.empty() && o.score != RouterScore::sigmoid)
+  if (!o.expert_bias.empty() && o.score == RouterScore::softmax)
     throw std::invalid_argument(
-        "router expert bias needs sigmoid scores, as Megatron-Core's: route with sigmoid scores "
-        "or without the bias");
+        "router expert bias needs sigmoid or sqrtsoftplus scores, as Megatron-Core's: route with "
+        "one of them or without the bias");
   if (!o.expert_bias.empty() && static_cast<std::int64_t>(o.expert_bias.size()) != e)
     throw std::invalid_argument(fmt::format(
         "router expert bias holds {} values, need one per expert ({})", o.expert_bias.size(), e));
@@ -103,8 +103,28 @@ RouterStatistics& RouterStatistics::operator+=(const RouterStatistics& other) {
 
 namespace {
 
-// Megatron-Core adds this to the sum of the chosen sigmoid scores before dividing by it.
+// Megatron-Core adds this to the sum of the chosen sigmoid (sqrtsoftplus) scores before dividing
+// by it.
 constexpr double kSigmoidSumEpsilon = 1e-20;
+
+// PyTorch's softplus (beta 1, threshold 20), which Megatron-Core's sqrtsoftplus takes: log(1 +
+// e^x), and x itself above the threshold.
+constexpr double kSoftplusThreshold = 20;
+
+// An expert's own score of its logit: sigmoid(x) or sqrt(softplus(x)), in double.
+double expert_score(RouterScore score, double x) {
+  if (score == RouterScore::sigmoid) return 1 / (1 + std::exp(-x));
+  return std::sqrt(x > kSoftplusThreshold ? x : std::log1p(std::exp(x)));
+}
+
+// The derivative of sqrt(softplus(x)) from x and the score p: sigmoid(x) / (2 p) (1 / (2 p)
+// above the threshold), 0 where softplus underflowed to p = 0, the limit as x falls (p ~ e^(x/2)
+// there).
+double sqrtsoftplus_derivative(double x, double p) {
+  if (p == 0) return 0;
+  const double softplus_slope = x > kSoftplusThreshold ? 1.0 : 1 / (1 + std::exp(-x));
+  return softplus_slope / (2 * p);
+}
 
 // The k experts of the largest keys among those with eligible[j] (all when empty), largest
 // first, ties to the lower index, into order[0, k).
@@ -147,7 +167,8 @@ RouterStatistics router_forward(const RouterOptions& o, const BasicTensor<T>& lo
                                 const BasicTensor<T>& topk_weight) {
   check_router(o, logits, probs, topk_index.size(), topk_weight);
   const std::int64_t t = logits.dim(0), e = logits.dim(1), k = o.top_k;
-  const bool sigmoid = o.score == RouterScore::sigmoid;
+  // Per-expert scores (sigmoid, sqrtsoftplus) rather than the softmax over the experts.
+  const bool per_expert = o.score != RouterScore::softmax;
   const bool grouped = o.group_topk != 0, biased = !o.expert_bias.empty();
   const auto columns = static_cast<std::size_t>(statistics_columns(o, e));
   RouterStatistics stats{t, std::vector<double>(columns, 0.0), std::vector<double>(columns, 0.0),
@@ -173,10 +194,10 @@ RouterStatistics router_forward(const RouterOptions& o, const BasicTensor<T>& lo
       sum += (p[j] = std::exp(x[j] - m));
     const double lse = static_cast<double>(m) + std::log(sum);
     stats.squared_lse += lse * lse;
-    if (sigmoid) {
+    if (per_expert) {
       double score_sum = 0;
       for (std::int64_t j = 0; j < e; ++j)
-        score_sum += (p[j] = static_cast<T>(1 / (1 + std::exp(-static_cast<double>(x[j])))));
+        score_sum += (p[j] = static_cast<T>(expert_score(o.score, static_cast<double>(x[j]))));
       for (std::int64_t j = 0; j < e; ++j)
         probability[j] += p[j] / (score_sum + kSigmoidSumEpsilon);
     } else {
@@ -192,7 +213,7 @@ RouterStatistics router_forward(const RouterOptions& o, const BasicTensor<T>& lo
       key[j] = biased ? static_cast<T>(p[j] + o.expert_bias[j]) : p[j];
     if (o.sinkhorn) key.assign(balanced.row(i), balanced.row(i) + e);
     if (grouped) {
-      if (!sigmoid && o.renormalize) {
+      if (!per_expert && o.renormalize) {
         group_key.assign(x, x + e);
         eligible_groups(o, group_key, eligible, group_score, scratch);
       } else {
@@ -214,7 +235,7 @@ RouterStatistics router_forward(const RouterOptions& o, const BasicTensor<T>& lo
       chosen += (w[s] = p[order[s]]);
     }
     if (o.renormalize) {
-      const T divisor = sigmoid ? static_cast<T>(chosen + kSigmoidSumEpsilon) : chosen;
+      const T divisor = per_expert ? static_cast<T>(chosen + kSigmoidSumEpsilon) : chosen;
       for (std::int64_t s = 0; s < k; ++s)
         w[s] /= divisor;
     }
@@ -255,7 +276,7 @@ void router_backward(const RouterOptions& o, const BasicTensor<T>& logits,
   check_rows("router logits gradient", dlogits);
   check_shape("router logits gradient", dlogits.shape(), logits.shape());
   const std::int64_t t = logits.dim(0), e = logits.dim(1), k = o.top_k;
-  const bool sigmoid = o.score == RouterScore::sigmoid;
+  const bool per_expert = o.score != RouterScore::softmax;
   check_total(o, total, e);
   const std::int64_t sequences = std::max(o.sequences, 1);
   const double tokens = static_cast<double>(total.tokens);
@@ -281,7 +302,7 @@ void router_backward(const RouterOptions& o, const BasicTensor<T>& logits,
     }
     const T* w = unscaled.data();
     const T* dw = d_unscaled.data();
-    if (sigmoid) {
+    if (per_expert) {
       // The loss takes q_j = p_j / S, S = sum_j p_j + 1e-20: dp_j = a_j / S - sum_r a_r p_r / S^2.
       T score_sum = static_cast<T>(kSigmoidSumEpsilon), weighted = 0;
       for (std::int64_t j = 0; j < e; ++j) {
@@ -295,7 +316,7 @@ void router_backward(const RouterOptions& o, const BasicTensor<T>& logits,
     }
     if (o.renormalize) {
       // w_s = p_s / sum(p_chosen): dp_s = (dw_s - sum_r dw_r w_r) / sum(p_chosen).
-      T chosen = sigmoid ? static_cast<T>(kSigmoidSumEpsilon) : T{0}, dot = 0;
+      T chosen = per_expert ? static_cast<T>(kSigmoidSumEpsilon) : T{0}, dot = 0;
       for (std::int64_t s = 0; s < k; ++s) {
         chosen += p[topk_index[i * k + s]];
         dot += dw[s] * w[s];
@@ -314,10 +335,15 @@ void router_backward(const RouterOptions& o, const BasicTensor<T>& logits,
       sum += std::exp(static_cast<double>(x[j] - m));
     const T lse = static_cast<T>(static_cast<double>(m) + std::log(sum));
     T* g = dlogits.row(i);
-    if (sigmoid) {
+    if (o.score == RouterScore::sigmoid) {
       // d sigmoid_j / d logit_j = p_j (1 - p_j).
       for (std::int64_t j = 0; j < e; ++j)
         g[j] = dp[j] * p[j] * (1 - p[j]) +
+               z_scale * lse * static_cast<T>(std::exp(static_cast<double>(x[j]) - lse));
+    } else if (per_expert) {
+      for (std::int64_t j = 0; j < e; ++j)
+        g[j] = dp[j] * static_cast<T>(sqrtsoftplus_derivative(static_cast<double>(x[j]),
+                                                              static_cast<double>(p[j]))) +
                z_scale * lse * static_cast<T>(std::exp(static_cast<double>(x[j]) - lse));
     } else {
       T inner = 0;

@@ -1,7 +1,8 @@
 // MindSpeed's deepspeed_moe gate (ModelConfig::moe_gate = deepspeed) in training: a parallel plan
 // whose ranks' gate calls see the same tokens as one device's gives that device's loss, dropped
-// picks and every gradient. The gate's capacity comes from each call's own tokens, so the one
-// device is given the Ampipe chunks that make its calls the parallel ranks' calls: a
+// picks, every gradient and aux loss (the sum of the calls' losses: each sequence-parallel rank's
+// calls count, not tp rank 0's alone). The gate's capacity comes from each call's own tokens, so
+// the one device is given the Ampipe chunks that make its calls the parallel ranks' calls: a
 // sequence-parallel rank's shard is one of its chunks. Its load-balancing loss is back-propagated
 // unscaled per call and averaged over data-parallel replicas (MindSpeed's), so cases with data
 // parallelism route top-1, whose loss MindSpeed discards.
@@ -39,6 +40,11 @@ TEST_P(DeepSpeedGateTraining, EqualsOneDeviceWithTheSameGateCalls) {
   ASSERT_GT(a.dropped[0], 0);
   EXPECT_EQ(b.dropped[0], a.dropped[0]);
   EXPECT_NEAR(b.losses[0], a.losses[0], 1e-5 * a.losses[0]);
+  // Top-2's calls report their loss (top-1's is discarded, 0 on both).
+  if (c.top_k == 2) {
+    ASSERT_GT(a.aux[0], 0);
+  }
+  EXPECT_NEAR(b.aux[0], a.aux[0], 1e-5 * a.aux[0]);
   expect_same_gradients(a, b);
 }
 

@@ -570,6 +570,18 @@ TEST(SplitExperts, MultiStreamChainsDispatchesAfterGathersOutsideAmpipeOnly) {
   EXPECT_EQ(backward_ampipe, 0);
 }
 
+// The prefixes of device 0's tasks whose names end with `suffix`, in the order they were built.
+std::vector<std::string> task_order(const rt::Graph& g, std::string_view suffix) {
+  std::vector<std::string> names;
+  for (rt::TaskId t = 0; t < g.size(); ++t) {
+    const std::string_view name = g.tasks().name(t);
+    if (g.tasks()[t].device == 0 && name.size() > suffix.size() &&
+        name.substr(name.size() - suffix.size()) == suffix)
+      names.emplace_back(name.substr(0, name.size() - suffix.size()));
+  }
+  return names;
+}
+
 // Pipe experts under Ampipe run their items expert-major, as MindSpeed's PipeExpert does: each
 // local expert's capacity slices of both chunks before the next expert's, forward in chunk order
 // and backward with the chunks reversed.
@@ -588,22 +600,48 @@ TEST(SplitExperts, PipeExpertsUnderAmpipeRunTheItemsExpertMajor) {
   devices::SharedMemoryCommunicator comm;
   const TrainingStep step(m, plan, {}, set, comm);
   const rt::Graph& g = step.graph();
-  auto order = [&](std::string_view suffix) {
-    std::vector<std::string> names;
-    for (rt::TaskId t = 0; t < g.size(); ++t) {
-      const std::string_view name = g.tasks().name(t);
-      if (g.tasks()[t].device == 0 && name.size() > suffix.size() &&
-          name.substr(name.size() - suffix.size()) == suffix)
-        names.emplace_back(name.substr(0, name.size() - suffix.size()));
-    }
-    return names;
-  };
   const std::vector<std::string> forward = {"L0.c0.i0.", "L0.c0.i1.", "L0.c1.i0.", "L0.c1.i1.",
                                             "L0.c0.i2.", "L0.c0.i3.", "L0.c1.i2.", "L0.c1.i3."};
   const std::vector<std::string> backward = {"L0.c1.i0.", "L0.c1.i1.", "L0.c0.i0.", "L0.c0.i1.",
                                              "L0.c1.i2.", "L0.c1.i3.", "L0.c0.i2.", "L0.c0.i3."};
-  EXPECT_EQ(order("fc1"), forward);
-  EXPECT_EQ(order("experts_backward"), backward);
+  EXPECT_EQ(task_order(g, "fc1"), forward);
+  EXPECT_EQ(task_order(g, "experts_backward"), backward);
+}
+
+// Whole experts (tp 1, MindSpeed's deepspeed_moe layout) with pipe experts under Ampipe: each
+// chunk's items in turn, the backward's chunks reversed. MindSpeed runs them expert-major only
+// under --ampipe-tp-sp-comm-overlap (which weave switches off for whole experts) and fails
+// without it; the plan's warning names that (plan_test's
+// AmpipeNamesMindSpeedsFailureWithWholePipeExperts).
+TEST(WholeExperts, PipeExpertsUnderAmpipeRunEachChunksItemsInTurn) {
+  ModelConfig m = tiny(4);  // 4 experts over ep 2: local experts 0 and 1
+  m.num_layers = 1;
+  m.moe_layer_freq = 1;
+  ParallelPlan plan{.expert_parallel = 2,
+                    .moe_model_type = "deepspeed_moe",
+                    .data_parallel = 2,
+                    .micro_batch_size = 1,
+                    .global_batch_size = 2,
+                    .ampipe_degree = 2,
+                    .pipe_experts = true,
+                    .pipe_experts_multi_data = 4};  // 2 slices a chunk: items i0, i1, i2, i3
+  const std::vector<std::string> warnings = validate(m, plan);
+  ASSERT_TRUE(plan.pipe_experts);
+  ASSERT_FALSE(plan.ampipe_tp_sp_comm_overlap);
+  devices::DeviceSet set(plan.devices(), {.pin = false});
+  devices::SharedMemoryCommunicator comm;
+  const TrainingStep step(m, plan, {}, set, comm);
+  const rt::Graph& g = step.graph();
+  const std::vector<std::string> forward = {"L0.c0.i0.", "L0.c0.i1.", "L0.c0.i2.", "L0.c0.i3.",
+                                            "L0.c1.i0.", "L0.c1.i1.", "L0.c1.i2.", "L0.c1.i3."};
+  const std::vector<std::string> backward = {"L0.c1.i0.", "L0.c1.i1.", "L0.c1.i2.", "L0.c1.i3.",
+                                             "L0.c0.i0.", "L0.c0.i1.", "L0.c0.i2.", "L0.c0.i3."};
+  EXPECT_EQ(task_order(g, "experts"), forward);
+  EXPECT_EQ(task_order(g, "experts_backward"), backward);
+  ASSERT_FALSE(warnings.empty());
+  EXPECT_NE(warnings[0].find("weave runs each chunk's items in turn, chunk-major"),
+            std::string::npos)
+      << warnings[0];
 }
 
 }  // namespace

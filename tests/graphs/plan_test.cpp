@@ -101,8 +101,10 @@ TEST(ParallelPlan, EverySizeRuleIsRefusedWithItsNumbers) {
   groups.moe_router_group_topk = 1;
   EXPECT_TRUE(mentions(refusal(groups, {}), "--moe-router-topk (2) needs at least"));
   ModelConfig score = m;
+  score.moe_router_score_function = "tanh";
+  EXPECT_TRUE(mentions(refusal(score, {}), "must be softmax, sigmoid or sqrtsoftplus, got 'tanh'"));
   score.moe_router_score_function = "sqrtsoftplus";
-  EXPECT_TRUE(mentions(refusal(score, {}), "softmax or sigmoid, got 'sqrtsoftplus'"));
+  EXPECT_EQ(refusal(score, {}), "accepted");
   ModelConfig dtype = m;
   dtype.moe_router_dtype = "fp64";
   EXPECT_TRUE(mentions(refusal(dtype, {}), "--moe-router-dtype fp64: weave's router computes"));
@@ -110,8 +112,10 @@ TEST(ParallelPlan, EverySizeRuleIsRefusedWithItsNumbers) {
   bias.moe_router_enable_expert_bias = true;
   EXPECT_TRUE(mentions(refusal(bias, {}),
                        "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
-                       "(Megatron-Core's rule), got softmax"));
+                       "or sqrtsoftplus (Megatron-Core's rule), got softmax"));
   bias.moe_router_score_function = "sigmoid";
+  EXPECT_EQ(refusal(bias, {}), "accepted");
+  bias.moe_router_score_function = "sqrtsoftplus";
   EXPECT_EQ(refusal(bias, {}), "accepted");
   EXPECT_TRUE(
       mentions(refusal(m, {.data_parallel = 2, .micro_batch_size = 2, .global_batch_size = 6}),
@@ -291,6 +295,60 @@ TEST(ParallelPlan, AmpipeNamesWhereMindSpeedStops) {
   ParallelPlan plain = megatrons;
   plain.ampipe_degree = 1;
   EXPECT_TRUE(validate(small_moe(), plain).empty());
+}
+
+// Pipe experts beside Ampipe with whole experts (MindSpeed's deepspeed_moe at tp 1): MindSpeed
+// splits Ampipe's all-to-alls into PipeExpert's (expert, slice) items only under
+// --ampipe-tp-sp-comm-overlap; without it its PipeExpert indexes the chunks' whole all-to-alls as
+// items and fails, and the note names that and weave's chunk-major order.
+TEST(ParallelPlan, AmpipeNamesMindSpeedsFailureWithWholePipeExperts) {
+  ModelConfig unbiased = small_moe();
+  unbiased.add_bias_linear = false;
+  ParallelPlan whole{.expert_parallel = 2,
+                     .moe_model_type = "deepspeed_moe",
+                     .data_parallel = 2,
+                     .global_batch_size = 2,
+                     .ampipe_degree = 2,
+                     .pipe_experts = true,
+                     .pipe_experts_multi_data = 4};
+  const auto warnings = validate(unbiased, whole);
+  ASSERT_EQ(warnings.size(), 1u);
+  EXPECT_TRUE(mentions(warnings[0], "where MindSpeed's Ampipe stops")) << warnings[0];
+  EXPECT_TRUE(mentions(warnings[0],
+                       "--use-pipe-experts with whole experts (tp 1 under MindSpeed's "
+                       "deepspeed_moe): MindSpeed's PipeExpert runs them expert-major only under "
+                       "--ampipe-tp-sp-comm-overlap"))
+      << warnings[0];
+  EXPECT_TRUE(mentions(warnings[0], "stops with an IndexError after 2 of its 4 slices"))
+      << warnings[0];
+  EXPECT_TRUE(mentions(warnings[0], "weave runs each chunk's items in turn, chunk-major"))
+      << warnings[0];
+  EXPECT_TRUE(whole.pipe_experts);
+  // The overlap flag does not keep the note away: weave switches it off for whole experts.
+  ParallelPlan overlap = whole;
+  overlap.ampipe_tp_sp_comm_overlap = true;
+  const auto with_overlap = validate(unbiased, overlap);
+  ASSERT_EQ(with_overlap.size(), 2u);
+  EXPECT_TRUE(mentions(with_overlap[0], "stops with an IndexError")) << with_overlap[0];
+  EXPECT_TRUE(mentions(with_overlap[1], "--ampipe-tp-sp-comm-overlap is switched off"))
+      << with_overlap[1];
+  // Pipe experts switched off (multi-data = the degree without multi-stream): nothing to say.
+  ParallelPlan off = whole;
+  off.pipe_experts_multi_data = 2;
+  const auto switched_off = validate(unbiased, off);
+  ASSERT_EQ(switched_off.size(), 1u);
+  EXPECT_TRUE(mentions(switched_off[0], "--use-pipe-experts is switched off")) << switched_off[0];
+  // Split experts (tp 2 with SP): MindSpeed's items, expert-major as weave runs them.
+  ParallelPlan split{.tensor_parallel = 2,
+                     .sequence_parallel = true,
+                     .expert_parallel = 2,
+                     .moe_model_type = "deepspeed_moe",
+                     .data_parallel = 2,
+                     .global_batch_size = 2,
+                     .ampipe_degree = 2,
+                     .pipe_experts = true,
+                     .pipe_experts_multi_data = 4};
+  EXPECT_TRUE(validate(unbiased, split).empty());
 }
 
 TEST(ParallelPlan, ResendingKeyValueBlocksNeedsAmpipeUnderContextParallelism) {

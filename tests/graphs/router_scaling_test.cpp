@@ -1,6 +1,6 @@
-// Megatron-Core's --moe-router-topk-scaling-factor, sigmoid scores and group-limited routing in
-// training: each changes the step, and tensor + sequence + expert + data parallelism gives the one
-// device's loss, aux loss and every gradient with them.
+// Megatron-Core's --moe-router-topk-scaling-factor, sigmoid and sqrtsoftplus scores and
+// group-limited routing in training: each changes the step, and tensor + sequence + expert + data
+// parallelism gives the one device's loss, aux loss and every gradient with them.
 #include <gtest/gtest.h>
 
 #include "step_outcome.hpp"
@@ -56,6 +56,32 @@ TEST(RouterScaling, SigmoidGroupLimitedRoutingEqualsOneDeviceUnderTpSpEpDp) {
   ModelConfig softmax = m;
   softmax.moe_router_score_function = "softmax";
   EXPECT_NE(run(softmax, serial, 1, false).losses[0], a.losses[0]);
+}
+
+TEST(RouterScaling, SqrtSoftplusGroupLimitedRoutingEqualsOneDeviceUnderTpSpEpDp) {
+  // As the sigmoid case, with sqrt(softplus) scores: normalised over the picks, then scaled.
+  ModelConfig m = tiny(8);
+  m.moe_router_topk = 3;
+  m.moe_router_score_function = "sqrtsoftplus";
+  m.moe_router_num_groups = 4;
+  m.moe_router_group_topk = 2;
+  m.moe_router_topk_scaling_factor = 2.5;
+  const ParallelPlan plan{.tensor_parallel = 2,
+                          .sequence_parallel = true,
+                          .expert_parallel = 2,
+                          .data_parallel = 2,
+                          .micro_batch_size = 1,
+                          .global_batch_size = 4};
+  const ParallelPlan serial{.micro_batch_size = 1, .global_batch_size = 4};
+  const Outcome a = run(m, serial, 1, false);
+  const Outcome b = run(m, plan, 1, false);
+  EXPECT_NEAR(b.losses[0], a.losses[0], 1e-5 * a.losses[0]);
+  EXPECT_NEAR(b.aux[0], a.aux[0], 1e-5 * a.aux[0]);
+  expect_same_gradients(a, b);
+  // The score function changes the step: sigmoid's differs.
+  ModelConfig sigmoid = m;
+  sigmoid.moe_router_score_function = "sigmoid";
+  EXPECT_NE(run(sigmoid, serial, 1, false).losses[0], a.losses[0]);
 }
 
 }  // namespace

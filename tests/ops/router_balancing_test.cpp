@@ -100,12 +100,16 @@ TEST(RouterBalancing, SeqAuxLossIsTheMeanOfEachSequencesSwitchLoss) {
 }
 
 TEST(RouterBalancing, SeqAuxLossGradientMatchesFiniteDifferences) {
-  for (const RouterScore score : {RouterScore::softmax, RouterScore::sigmoid}) {
+  for (const RouterScore score :
+       {RouterScore::softmax, RouterScore::sigmoid, RouterScore::sqrtsoftplus}) {
     std::mt19937 gen(11);
     const std::int64_t T = 8, E = 5;
     const RouterOptions opt{
         .top_k = 2, .score = score, .aux_loss_coeff = 0.3, .z_loss_coeff = 0.02, .sequences = 2};
-    expect_router_gradient(score == RouterScore::softmax ? "softmax" : "sigmoid", opt, T, E, gen);
+    expect_router_gradient(score == RouterScore::softmax   ? "softmax"
+                           : score == RouterScore::sigmoid ? "sigmoid"
+                                                           : "sqrtsoftplus",
+                           opt, T, E, gen);
   }
 }
 

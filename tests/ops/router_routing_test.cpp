@@ -1,11 +1,13 @@
-// Megatron-Core's DeepSeek-V3 style routing in the router: sigmoid scores (normalised over the
-// picks when top-k > 1), group-limited top-k and the aux-loss-free expert bias, checked against
-// picks and weights worked out here from Megatron-Core's rules, and the sigmoid router's gradient
-// against finite differences.
+// Megatron-Core's DeepSeek-V3 style routing in the router: sigmoid and sqrtsoftplus scores
+// (normalised over the picks when top-k > 1), group-limited top-k and the aux-loss-free expert
+// bias, checked against picks and weights worked out here from Megatron-Core's rules, and the
+// router's gradient with those scores against finite differences.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <random>
+#include <span>
+#include <vector>
 
 #include "gradient_check.hpp"
 #include "router_gradient.hpp"
@@ -19,6 +21,11 @@ using testing::TensorD;
 
 double sigmoid(double x) {
   return 1 / (1 + std::exp(-x));
+}
+
+// Megatron-Core's sqrtsoftplus: sqrt of PyTorch's softplus, log(1 + e^x), x itself above 20.
+double sqrtsoftplus(double x) {
+  return std::sqrt(x > 20 ? x : std::log(1 + std::exp(x)));
 }
 
 struct Routed {
@@ -56,6 +63,41 @@ TEST(RouterRouting, SigmoidScoresAreNormalisedOverThePicksThenScaled) {
   const Routed one = route({.top_k = 1, .score = RouterScore::sigmoid, .renormalize = false}, x);
   EXPECT_EQ(one.index, (std::vector<std::int32_t>{3}));
   EXPECT_NEAR(one.weight(0, 0), s3, 1e-12);
+}
+
+TEST(RouterRouting, SqrtSoftplusScoresAreNormalisedOverThePicksThenScaled) {
+  // 25 is past softplus's threshold: its score is sqrt(25) = 5 exactly.
+  const std::vector<double> x{0.0, 1.0, -3.0, 25.0, 2.0};
+  const RouterOptions two{.top_k = 2,
+                          .score = RouterScore::sqrtsoftplus,
+                          .renormalize = true,
+                          .topk_scaling_factor = 2.5};
+  const Routed r = route(two, x);
+  EXPECT_EQ(r.index, (std::vector<std::int32_t>{3, 4}));
+  const double s3 = sqrtsoftplus(25.0), s4 = sqrtsoftplus(2.0);
+  EXPECT_EQ(s3, 5.0);
+  EXPECT_NEAR(r.weight(0, 0), 2.5 * s3 / (s3 + s4), 1e-12);
+  EXPECT_NEAR(r.weight(0, 1), 2.5 * s4 / (s3 + s4), 1e-12);
+  // The loss's scores are the sqrtsoftplus scores over their sum over every expert.
+  double all = 0;
+  for (double v : x)
+    all += sqrtsoftplus(v);
+  for (std::size_t j = 0; j < x.size(); ++j)
+    EXPECT_NEAR(r.stats.probability[j], sqrtsoftplus(x[j]) / all, 1e-12);
+  // Top-1 keeps the score itself, which exceeds 1 here (no sigmoid's bound).
+  const Routed one =
+      route({.top_k = 1, .score = RouterScore::sqrtsoftplus, .renormalize = false}, x);
+  EXPECT_EQ(one.index, (std::vector<std::int32_t>{3}));
+  EXPECT_NEAR(one.weight(0, 0), 5.0, 1e-12);
+  // The expert bias chooses with sqrtsoftplus scores too (Megatron-Core's rule), without
+  // weighing: 0.5 lifts expert 1 (1.1460 + 0.5) over expert 4 (1.4584).
+  const std::vector<float> bias{0.f, 0.5f, 0.f, 0.f, 0.f};
+  const Routed biased = route(
+      {.top_k = 2, .score = RouterScore::sqrtsoftplus, .renormalize = true, .expert_bias = bias},
+      x);
+  EXPECT_EQ(biased.index, (std::vector<std::int32_t>{3, 1}));
+  const double s1 = sqrtsoftplus(1.0);
+  EXPECT_NEAR(biased.weight(0, 1), s1 / (s3 + s1), 1e-12);
 }
 
 TEST(RouterRouting, GroupsAreScoredByTheSumOfTheirTopScores) {
@@ -144,6 +186,35 @@ TEST(RouterRouting, SigmoidGradientMatchesFiniteDifferences) {
                             .expert_bias = bias};
     expect_router_gradient(k == 1 ? "top-1" : "top-2", opt, T, E, gen);
   }
+}
+
+TEST(RouterRouting, SqrtSoftplusGradientMatchesFiniteDifferences) {
+  const std::vector<float> bias{0.05f, -0.1f, 0.f, 0.2f, -0.05f, 0.1f};
+  for (const int k : {1, 2}) {
+    std::mt19937 gen(17 + k);
+    const std::int64_t T = 5, E = 6;
+    const RouterOptions opt{.top_k = k,
+                            .score = RouterScore::sqrtsoftplus,
+                            .renormalize = k > 1,
+                            .aux_loss_coeff = 0.2,
+                            .z_loss_coeff = 0.03,
+                            .topk_scaling_factor = 2.5,
+                            .num_groups = 3,
+                            .group_topk = 1,
+                            .expert_bias = bias};
+    expect_router_gradient(k == 1 ? "top-1" : "top-2", opt, T, E, gen);
+  }
+  // Past softplus's threshold (logit > 20) the score is sqrt(x): d/dx = 1 / (2 sqrt(x)).
+  const RouterOptions one{.top_k = 1, .score = RouterScore::sqrtsoftplus, .renormalize = false};
+  const TensorD logits = TensorD::from(std::vector<double>{25.0, 0.0}, {1, 2}),
+                probs = TensorD::empty({1, 2});
+  const TensorD w = TensorD::empty({1, 1}), dlogits = TensorD::empty({1, 2});
+  std::vector<std::int32_t> index(1);
+  const RouterStatistics stats = router_forward(one, logits, probs, std::span(index), w);
+  router_backward(one, logits, probs, std::span<const std::int32_t>(index), w,
+                  TensorD::from(std::vector<double>{1.0}, {1, 1}), stats, 1.0, dlogits);
+  EXPECT_NEAR(dlogits(0, 0), 1 / (2 * 5.0), 1e-12);
+  EXPECT_EQ(dlogits(0, 1), 0.0);
 }
 
 }  // namespace

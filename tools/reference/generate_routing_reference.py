@@ -1,8 +1,8 @@
 #!/usr/bin/python3
 """Routing reference for weave's MoE gates, written from the semantics of MindSpeed's deepspeed_moe
 gate (core_r0.8.0 mindspeed/moe/gate.py: top1gating, top2gating, _capacity) and Megatron-Core's
-TopKRouter (megatron/core/transformer/moe/router.py and moe_utils.py: softmax or sigmoid top-k,
-group-limited top-k, expert bias, top-k scaling factor, switch load-balancing loss, z-loss,
+TopKRouter (megatron/core/transformer/moe/router.py and moe_utils.py: softmax, sigmoid or
+sqrtsoftplus top-k, group-limited top-k, expert bias, top-k scaling factor, switch load-balancing loss, z-loss,
 capacity with drop policy probs or position), with and without Ampipe chunks.
 
 Each case's logits [tokens, experts] come from a hash of (case name, token, expert) that
@@ -96,7 +96,12 @@ def megatron_router(logits, c, bias):
         weight = torch.softmax(top_logits, dim=1)
         aux_scores = torch.softmax(x, dim=1)
     else:
-        scores = torch.sigmoid(x)
+        # sigmoid, or sqrtsoftplus: the square root of softplus (PyTorch's: beta 1, threshold 20);
+        # both routed alike from there.
+        if c["score"] == "sigmoid":
+            scores = torch.sigmoid(x)
+        else:
+            scores = torch.nn.functional.softplus(x).sqrt()
         routing = scores + bias.double() if bias is not None else scores
         if c["group_topk"]:
             G = c["num_groups"]
@@ -210,6 +215,13 @@ def cases():
              drop_policy="probs", skew=1.5, chunks=2),
         dict(mc, name="megatron_sigmoid_top2_groups_bias_ampipe4", top_k=2, score="sigmoid",
              num_groups=4, group_topk=2, expert_bias=True, chunks=4),
+        dict(mc, name="megatron_sqrtsoftplus_top2_groups_bias_scaling", top_k=2,
+             score="sqrtsoftplus", num_groups=4, group_topk=2, expert_bias=True,
+             scaling_factor=2.5),
+        dict(mc, name="megatron_sqrtsoftplus_top1_groups_bias", top_k=1, score="sqrtsoftplus",
+             num_groups=4, group_topk=1, expert_bias=True),
+        dict(mc, name="megatron_sqrtsoftplus_top2_drop_probs_ampipe2", top_k=2,
+             score="sqrtsoftplus", capacity_factor=1.0, drop_policy="probs", skew=1.5, chunks=2),
     ]
 
 

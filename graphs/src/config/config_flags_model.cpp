@@ -352,12 +352,13 @@ constexpr ConfigFlag kMoe[] = {
      .properties = kShowsDefault},
     {.name = "--moe-router-score-function",
      .group = FlagGroup::moe,
-     .help = "Megatron-Core's router scores: softmax over the experts, or each expert's sigmoid "
-             "(DeepSeek-V3's), divided by the picks' sum when top-k > 1 (--moe-router-pre-softmax "
-             "then has no effect), and by the sum over every expert for the load-balancing loss. "
-             "MindSpeed's deepspeed_moe gate takes softmax only",
+     .help = "Megatron-Core's router scores: softmax over the experts, or each expert's own "
+             "score, sigmoid (DeepSeek-V3's) or sqrtsoftplus (sqrt(softplus(logit))), divided by "
+             "the picks' sum when top-k > 1 (--moe-router-pre-softmax then has no effect), and by "
+             "the sum over every expert for the load-balancing loss. MindSpeed's deepspeed_moe "
+             "gate takes softmax only",
      .field = model_field<&M::moe_router_score_function>(),
-     .check = one_of("softmax,sigmoid"),
+     .check = one_of("softmax,sigmoid,sqrtsoftplus"),
      .description = added_to_checkpoints(described(model, "moe_router_score_function", true)),
      .properties = kShowsDefault},
     {.name = "--moe-router-num-groups",
@@ -378,10 +379,10 @@ constexpr ConfigFlag kMoe[] = {
     {.name = "--moe-router-enable-expert-bias",
      .group = FlagGroup::moe,
      .values = 0,
-     .help = "Megatron-Core's aux-loss-free load balancing (sigmoid scores only): a per-expert "
-             "bias added to the scores to choose the experts, not to weigh them, moved after "
-             "every step by --moe-router-bias-update-rate towards the mean load of the step's "
-             "tokens over every replica; saved in checkpoints",
+     .help = "Megatron-Core's aux-loss-free load balancing (sigmoid or sqrtsoftplus scores): a "
+             "per-expert bias added to the scores to choose the experts, not to weigh them, moved "
+             "after every step by --moe-router-bias-update-rate towards the mean load of the "
+             "step's tokens over every replica; saved in checkpoints",
      .field = model_field<&M::moe_router_enable_expert_bias>(),
      .description = added_to_checkpoints(described(model, "moe_router_enable_expert_bias", true))},
     {.name = "--moe-router-bias-update-rate",

@@ -285,7 +285,9 @@ constexpr ConfigFlag kAmpipe[] = {
      .help = "With --use-pipe-experts: capacity slices per expert (divided among Ampipe chunks; "
              "under Ampipe, split experts run every chunk's items in one pipeline, "
              "expert-major: each local expert's slices of every chunk before the next "
-             "expert's, as MindSpeed's PipeExpert runs them)",
+             "expert's, as MindSpeed's PipeExpert runs them; whole experts run each chunk's "
+             "items in turn, with a warning: MindSpeed's PipeExpert fails on them without "
+             "--ampipe-tp-sp-comm-overlap)",
      .field = plan_field<&P::pipe_experts_multi_data>(),
      .check = at_least(1),
      .description = described(plan, "pipe_experts_multi_data"),

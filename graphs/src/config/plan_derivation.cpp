@@ -48,8 +48,21 @@ void drop_scheduler_without_pipeline(ParallelPlan& p, Warnings& warnings) {
   p.pipeline_scheduler.clear();
 }
 
-// MindSpeed's arguments.py asserts these beside Ampipe; weave's chunks are exact without them, so
-// a run that breaks them is kept and the difference named, in one warning.
+std::string why_pipe_experts_cannot_apply(const ModelConfig& m, const ParallelPlan& p);
+
+// Whether --use-pipe-experts stays on beside Ampipe with whole experts (tp 1 under MindSpeed's
+// layout), where the multi-stream option is switched off (it needs SP and split experts).
+bool pipes_whole_experts_under_ampipe(const ModelConfig& m, const ParallelPlan& p) {
+  const bool whole = p.expert_tensor_parallel < 2 || p.tensor_parallel < 2;
+  if (!p.pipe_experts || !whole || m.num_experts < 1 || p.expert_parallel < 1) return false;
+  ParallelPlan single_stream = p;
+  single_stream.pipe_experts_multi_stream = false;
+  return why_pipe_experts_cannot_apply(m, single_stream).empty();
+}
+
+// MindSpeed's arguments.py asserts these beside Ampipe, and its code fails where it hands whole
+// experts to PipeExpert; weave's chunks are exact without them, so a run that breaks them is
+// kept and the difference named, in one warning.
 void warn_ampipe_beyond_mindspeeds_rules(const ModelConfig& m, const ParallelPlan& p,
                                          Warnings& warnings) {
   if (p.ampipe_degree <= 1) return;
@@ -67,6 +80,18 @@ void warn_ampipe_beyond_mindspeeds_rules(const ModelConfig& m, const ParallelPla
     broken.emplace_back(
         "MindSpeed's Ampipe refuses biased linear layers (add --disable-bias-linear), weave "
         "runs them");
+  // ampipe_moe_mlp_computer.py hands PipeExpert the items when --pipe-experts-multi-data exceeds
+  // the degree; ampipe_async_communication.py splits the all-to-alls into (expert, slice) items
+  // only under --ampipe-tp-sp-comm-overlap, which weave keeps for split experts only.
+  if (pipes_whole_experts_under_ampipe(m, p))
+    broken.emplace_back(fmt::format(
+        "--use-pipe-experts with whole experts (tp 1 under MindSpeed's deepspeed_moe): "
+        "MindSpeed's PipeExpert runs them expert-major only under --ampipe-tp-sp-comm-overlap "
+        "(which weave switches off for whole experts); without it MindSpeed hands PipeExpert "
+        "each chunk's whole all-to-all, runs its first local expert on every local expert's "
+        "rows and stops with an IndexError after {} of its {} slices; weave runs each chunk's "
+        "items in turn, chunk-major",
+        p.ampipe_degree, p.pipe_experts_multi_data));
   if (broken.empty()) return;
   warnings.push_back(
       fmt::format("--ampipe-degree {} where MindSpeed's Ampipe stops (the chunks "

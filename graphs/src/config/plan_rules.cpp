@@ -207,18 +207,18 @@ void check_shared_experts(const ModelConfig& m, const ParallelPlan& p) {
         "DeepSpeed-style MoE layer has no shared experts: drop one of them");
 }
 
-// Megatron-Core's sigmoid scores, group-limited routing and expert bias: its rules
-// (TransformerConfig's checks), plus those its top-k calls would fail on.
+// Megatron-Core's sigmoid and sqrtsoftplus scores, group-limited routing and expert bias: its
+// rules (TransformerConfig's checks), plus those its top-k calls would fail on.
 void check_router_routing(const ModelConfig& m) {
-  const bool sigmoid = m.moe_router_score_function == "sigmoid";
-  if (!sigmoid && m.moe_router_score_function != "softmax")
-    refuse("--moe-router-score-function must be softmax or sigmoid, got '{}'",
-           m.moe_router_score_function);
-  if (m.moe_router_enable_expert_bias && !sigmoid)
+  const std::string& score = m.moe_router_score_function;
+  const bool per_expert = score == "sigmoid" || score == "sqrtsoftplus";
+  if (!per_expert && score != "softmax")
+    refuse("--moe-router-score-function must be softmax, sigmoid or sqrtsoftplus, got '{}'", score);
+  if (m.moe_router_enable_expert_bias && !per_expert)
     refuse(
-        "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid "
-        "(Megatron-Core's rule), got {}: add --moe-router-score-function sigmoid or drop the bias",
-        m.moe_router_score_function);
+        "--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid or "
+        "sqrtsoftplus (Megatron-Core's rule), got {}: add one of them or drop the bias",
+        score);
   if (!(m.moe_router_bias_update_rate >= 0) || !std::isfinite(m.moe_router_bias_update_rate))
     refuse("--moe-router-bias-update-rate must be a finite number >= 0, got {}",
            m.moe_router_bias_update_rate);

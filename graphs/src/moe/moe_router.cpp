@@ -33,11 +33,16 @@ ops::RouterOptions router_options(const ModelConfig& m) {
             .renormalize = false,
             .aux_loss_coeff = m.moe_aux_loss_coeff,
             .z_loss_coeff = m.moe_z_loss_coeff};
-  // Megatron-Core divides sigmoid scores by the picks' sum whenever top-k > 1, pre-softmax or not.
-  const bool sigmoid = m.moe_router_score_function == "sigmoid";
+  // Megatron-Core divides sigmoid and sqrtsoftplus scores by the picks' sum whenever top-k > 1,
+  // pre-softmax or not (topk_routing_with_score_function).
+  const ops::RouterScore score =
+      m.moe_router_score_function == "sigmoid"        ? ops::RouterScore::sigmoid
+      : m.moe_router_score_function == "sqrtsoftplus" ? ops::RouterScore::sqrtsoftplus
+                                                      : ops::RouterScore::softmax;
+  const bool per_expert = score != ops::RouterScore::softmax;
   return {.top_k = m.moe_router_topk,
-          .score = sigmoid ? ops::RouterScore::sigmoid : ops::RouterScore::softmax,
-          .renormalize = sigmoid ? m.moe_router_topk > 1 : m.moe_router_renormalize,
+          .score = score,
+          .renormalize = per_expert ? m.moe_router_topk > 1 : m.moe_router_renormalize,
           .aux_loss_coeff = m.moe_aux_loss_coeff,
           .z_loss_coeff = m.moe_z_loss_coeff,
           .topk_scaling_factor = m.moe_router_topk_scaling_factor,
@@ -100,10 +105,11 @@ void declare_router_parameters(ParameterDeclarer& declare, const std::string& pr
   const ModelConfig& m = declare.model;
   const std::int64_t h = m.hidden_size, E = m.num_experts;
   // The MoE layer routes this rank's share of the tokens: with tp > 1 the router's gradient is a
-  // partial sum over the tensor-parallel ranks. MindSpeed's gate under tp without SP routes the
-  // same tokens on every tp rank: its gradient is the same there, not summed (the weight's
-  // sequence_parallel attribute is the run's --sequence-parallel, which Megatron's tp all-reduce
-  // of such weights reads).
+  // partial sum over the tensor-parallel ranks, summed. MindSpeed's gate under tp without SP
+  // routes the same tokens on every tp rank: its gradient is the same there, not summed. (Under
+  // SP MindSpeed's gate sets sequence_parallel on its Linear module, not on the weight, whose
+  // attribute Megatron's tp all-reduce of sequence-parallel gradients reads: MindSpeed never sums
+  // that gradient and its tp ranks' copies drift apart; weave sums it and keeps them equal.)
   W.weight = &declare.replicated(
       declare.add(prefix + "router.weight", {E, h}, E, h, RowMap::range(0, E), 0, declare.std, 0),
       !plan_routes_replicated(m, declare.mesh.plan()));

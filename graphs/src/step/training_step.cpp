@@ -192,6 +192,16 @@ StepResult TrainingStep::Impl::result() const {
         out.found_inf = program->state.found_inf.data()[0] != 0.f;
         break;
       }
+  // The MoE losses: Megatron-Core's router reduces its statistics over the tp and cp ranks, so
+  // every one of them holds the micro-batch's losses and tp 0, cp 0 gives them. MindSpeed's
+  // deepspeed_moe gate gates each rank's own tokens (its SP shard, its cp share; under tp without
+  // SP the same tokens on every tp rank) and back-propagates each call's loss; weave sums the
+  // router's gradient over those ranks, so the step trains the sum of their calls' losses, which
+  // is reported (one device making the same gate calls reports the same). MindSpeed itself logs
+  // no figure for that gate: its SwitchMLP wrapper drops the loss the layer returns.
+  const bool gated_per_rank = shape.model.moe_gate == MoeGate::deepspeed;
+  const int aux_tp = gated_per_rank && !shape.routes_replicated ? shape.tp : 1;
+  const int aux_cp = gated_per_rank ? shape.cp : 1;
   bool norm_taken = false;
   for (int r = 0; r < ranks; ++r) {
     const double* t = terms.data() + static_cast<std::size_t>(r) * width;
@@ -206,12 +216,11 @@ StepResult TrainingStep::Impl::result() const {
       norm_taken = true;
     }
     const MeshCoordinates at = mesh.coordinates(r);
-    if (at.tp != 0) continue;  // tensor-parallel ranks hold the same losses
     for (int mb = 0; mb < M; ++mb) {
-      // Context-parallel ranks hold different tokens' losses.
-      out.loss += t[4 + mb];
-      // The MoE losses are statistics of whole micro-batches, the same on every cp rank.
-      if (at.cp == 0) out.aux_loss += t[4 + M + mb] / (M * shape.plan.data_parallel);
+      // Tensor-parallel ranks hold the same losses; context-parallel ranks different tokens'.
+      if (at.tp == 0) out.loss += t[4 + mb];
+      if (at.tp < aux_tp && at.cp < aux_cp)
+        out.aux_loss += t[4 + M + mb] / (M * shape.plan.data_parallel);
     }
   }
   return out;

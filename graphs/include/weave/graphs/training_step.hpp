@@ -51,8 +51,11 @@ struct MicroBatch {
 };
 
 struct StepResult {
-  double loss = 0;       // language-model loss, mean over the global batch's tokens
-  double aux_loss = 0;   // MoE load-balancing plus z-loss, mean over micro-batches
+  double loss = 0;  // language-model loss, mean over the global batch's tokens
+  // MoE load-balancing plus z-loss, mean over micro-batches and data-parallel replicas; with
+  // MindSpeed's deepspeed_moe gate the sum of the micro-batch's gate calls' losses over the ranks
+  // that gate different tokens (SP shards, cp shares), the loss whose gradient the step applies.
+  double aux_loss = 0;
   double grad_norm = 0;  // before clipping
   // MoE routing over the step (all layers and micro-batches): the token-to-expert picks the
   // routers made and those a full expert dropped (--moe-expert-capacity-factor; capacity is

@@ -1,7 +1,7 @@
-// Mixture-of-Experts router: scores over experts (softmax, or Megatron-Core's sigmoid), then
-// top-k (optionally limited to the best groups of experts, and chosen by the scores plus a
-// per-expert bias), with the Switch/GShard auxiliary load-balancing loss and the optional router
-// z-loss, as Megatron-Core's TopKRouter routes.
+// Mixture-of-Experts router: scores over experts (softmax, or Megatron-Core's sigmoid or
+// sqrtsoftplus), then top-k (optionally limited to the best groups of experts, and chosen by the
+// scores plus a per-expert bias), with the Switch/GShard auxiliary load-balancing loss and the
+// optional router z-loss, as Megatron-Core's TopKRouter routes.
 //
 // Both losses are functions of statistics summed over tokens (expert assignment counts,
 // probability sums, squared log-sum-exps). router_forward returns this call's statistics;
@@ -18,15 +18,19 @@
 
 namespace weave::ops {
 
-// How a token's logits become its scores: softmax over the experts, or each expert's sigmoid
-// (DeepSeek-V3's, Megatron-Core's --moe-router-score-function sigmoid).
-enum class RouterScore { softmax, sigmoid };
+// How a token's logits become its scores: softmax over the experts, or each expert's own score
+// of its logit: sigmoid (DeepSeek-V3's, Megatron-Core's --moe-router-score-function sigmoid) or
+// sqrt(softplus) (Megatron-Core's sqrtsoftplus; softplus as PyTorch's, the logit itself above
+// 20). The two per-expert scores are routed alike: divided by the picks' sum (plus 1e-20) when
+// the caller renormalises, by the sum over every expert (plus 1e-20) for the load-balancing loss.
+enum class RouterScore { softmax, sigmoid, sqrtsoftplus };
 
 struct RouterOptions {
   int top_k = 2;
   RouterScore score = RouterScore::softmax;
-  // Divide the top-k scores by their sum (Mixtral, DeepSeek). Megatron-Core's sigmoid scores are
-  // divided by their sum plus 1e-20 whenever top_k > 1: the caller sets it so.
+  // Divide the top-k scores by their sum (Mixtral, DeepSeek). Megatron-Core's sigmoid and
+  // sqrtsoftplus scores are divided by their sum plus 1e-20 whenever top_k > 1: the caller sets
+  // it so.
   bool renormalize = true;
   double aux_loss_coeff = 0;  // Megatron's --moe-aux-loss-coeff
   double z_loss_coeff = 0;    // Megatron's --moe-z-loss-coeff
@@ -39,9 +43,9 @@ struct RouterOptions {
   // experts of its group_topk best groups can be picked. group_topk = 0: no groups.
   int num_groups = 0;
   int group_topk = 0;
-  // Megatron-Core's aux-loss-free expert bias (sigmoid scores only): [experts] values added to
-  // the scores for the choice of the experts (and of the groups) only; the weights are the scores
-  // themselves. Empty: no bias.
+  // Megatron-Core's aux-loss-free expert bias (sigmoid or sqrtsoftplus scores): [experts] values
+  // added to the scores for the choice of the experts (and of the groups) only; the weights are
+  // the scores themselves. Empty: no bias.
   std::span<const float> expert_bias;
   // Megatron-Core's --moe-router-load-balancing-type seq_aux_loss: the tokens are those of this
   // many sequences, stored [s, sequences] (token i belongs to sequence i mod sequences), and the
@@ -62,7 +66,8 @@ struct RouterStatistics {
   // loss takes; without groups and bias, the picks.
   std::vector<double> assignments;
   // Shaped as assignments: sum over tokens of the scores the loss takes: the softmax
-  // probabilities, or the sigmoid scores divided by their sum over the experts (plus 1e-20).
+  // probabilities, or the sigmoid (sqrtsoftplus) scores divided by their sum over the experts
+  // (plus 1e-20).
   std::vector<double> probability;
   double squared_lse = 0;  // sum over tokens of logsumexp(logits)^2
 
@@ -70,8 +75,8 @@ struct RouterStatistics {
   RouterStatistics& operator+=(const RouterStatistics& other);
 };
 
-// logits [t, e] -> probs [t, e] (every expert's score, softmax or sigmoid, kept for the
-// backward), topk_index [t * k] (experts of token i at [i*k, i*k + k), highest routing score
+// logits [t, e] -> probs [t, e] (every expert's score, softmax, sigmoid or sqrtsoftplus, kept for
+// the backward), topk_index [t * k] (experts of token i at [i*k, i*k + k), highest routing score
 // first, ties to the lower index), topk_weight [t, k] (the picks' scores, renormalised or not,
 // then scaled by topk_scaling_factor).
 template <typename T>
