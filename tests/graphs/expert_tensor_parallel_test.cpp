@@ -2,6 +2,7 @@
 // configuration gives the one-device model's loss, aux loss and every gradient (in the logical
 // layout, so each rank's expert slices land where the whole experts have them), and its loss
 // curve, with and without Ampipe, pipe experts and the tp-sp overlap.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -12,6 +13,8 @@
 #include "step_outcome.hpp"
 #include "tiny_model.hpp"
 #include "weave/devices/machine_model.hpp"
+#include "weave/graphs/prediction.hpp"
+#include "weave/ops/deepspeed_gate.hpp"
 #include "weave/runtime/trace_metrics.hpp"
 #include "weave/runtime/virtual_clock.hpp"
 
@@ -355,8 +358,9 @@ INSTANTIATE_TEST_SUITE_P(Plans, SplitExperts, ::testing::ValuesIn(kCases),
 // One step of a one-layer MoE model (tp 2 + SP, ep 2, dp 2, split experts) on the virtual
 // clock, with the kernels run (or skipped: `execute`), on links where an expert's all-gather costs
 // about what its fc1 does.
-rt::Trace replay(ParallelPlan plan, MoeGate gate = MoeGate::megatron, bool execute = true) {
-  ModelConfig m = tiny(4);
+rt::Trace replay(ParallelPlan plan, MoeGate gate = MoeGate::megatron, bool execute = true,
+                 int experts = 4) {
+  ModelConfig m = tiny(experts);
   m.moe_gate = gate;
   if (gate == MoeGate::deepspeed) m.moe_z_loss_coeff = 0;  // MindSpeed's gate has none
   m.num_layers = 1;
@@ -488,6 +492,91 @@ TEST(SplitExperts, GateRoutedOnEveryTpRankAllReducesEachItemUnderTheNextItemsFc1
   ASSERT_NE(without.find("L0.c0.experts_reduce[0]"), nullptr);
   EXPECT_LT(step_end(with), step_end(without))
       << step_end(with) << " ns with the overlap, " << step_end(without) << " ns without";
+}
+
+// A step of ampipe_tp_bench's MoE layer (hidden 512, 8 experts top-2, 2048 positions; one layer,
+// tp 2 without SP, ep 2, dp 2) under MindSpeed's gate at Ampipe degree 2, built without tensors
+// and replayed on the virtual clock at 1.2e13 FLOP/s on ampipe-20gbps, where a device's
+// communication and compute are about equally busy: the step time and the exposed tp time.
+std::pair<rt::Nanos, rt::Nanos> bench_layer_step(bool overlap) {
+  ModelConfig m = tiny(8);
+  m.moe_gate = MoeGate::deepspeed;
+  m.moe_z_loss_coeff = 0;  // MindSpeed's gate has none
+  m.num_layers = 1;
+  m.moe_layer_freq = 1;
+  m.hidden_size = 512;
+  m.num_attention_heads = 8;
+  m.ffn_hidden_size = 1024;
+  m.seq_length = 2048;
+  m.vocab_size = 256;
+  ParallelPlan plan = split_plan();
+  plan.sequence_parallel = false;
+  plan.moe_model_type = "deepspeed_moe";
+  plan.ampipe_degree = 2;
+  plan.ampipe_tp_sp_comm_overlap = overlap;
+  validate(m, plan);
+  devices::DeviceSet set(plan.devices(), {.pin = false});
+  devices::SharedMemoryCommunicator comm;
+  const TrainingStep step(m, plan, {}, set, comm, {.materialize = false});
+  const devices::MachineModel model(std::vector<int>(set.size(), 0), 1.2e13,
+                                    devices::LinkModel::preset("ampipe-20gbps"));
+  rt::VirtualClock clock(model, {.execute = false});
+  const rt::VirtualRunResult r = clock.run(step.graph());
+  constexpr std::string_view kTensor[] = {"tp", "tp_cp"};
+  return {r.makespan, exposed_comm_of_groups(r.trace, kTensor)};
+}
+
+// MindSpeed's gate keeps at most C = ceil(n k / E x factor) picks per expert of a gate call (a
+// chunk's n tokens), and its experts run dense [ep, C, h] tensors: the tensor-parallel
+// all-reduce of an item (a local expert of a chunk) moves ep C rows, and a chunk's items
+// together what the chunk's single all-reduce moves without the overlap (E C rows), forward and
+// backward. With 8 experts over ep 2 (4 local experts, more than top-2) buffers sized for
+// dropless routing made each item's all-reduce 4 times MindSpeed's and the items' together twice
+// the chunk's, so on ampipe_tp_bench's layer the overlap lengthened the step and exposed more tp
+// time; sized by the capacity it shortens the step and hides tp time.
+TEST(SplitExperts, GateRoutedOnEveryTpRankAllReducesTheGatesCapacityTensors) {
+  constexpr int kExperts = 8, kTopK = 2, kTp = 2, kEp = 2, kHidden = 256, kPositions = 256;
+  ParallelPlan plain = split_plan();
+  plain.sequence_parallel = false;
+  plain.ampipe_degree = 2;
+  ParallelPlan piped = plain;
+  piped.ampipe_tp_sp_comm_overlap = true;
+  const rt::Trace without = replay(plain, MoeGate::deepspeed, false, kExperts);
+  const rt::Trace with = replay(piped, MoeGate::deepspeed, false, kExperts);
+  // Every tp rank routes its whole chunk: n = 256 / 2 tokens a gate call.
+  const std::int64_t capacity = ops::gate_capacity(kPositions / 2, kExperts, kTopK, 1.0);
+  ASSERT_LT(capacity, kPositions / 2) << "the test needs a capacity below the chunk's tokens";
+  // A ring all-reduce's member sends and receives 2 (p - 1) / p of the buffer, 4 bytes a value.
+  auto ring_bytes = [](std::int64_t rows) {
+    return 2.0 * (kTp - 1) / kTp * static_cast<double>(rows) * kHidden * 4;
+  };
+  auto bytes_on_device0 = [](const rt::Trace& trace, const std::string& name) {
+    const rt::TaskTable& tasks = trace.tasks();
+    for (rt::TaskId t = 0; t < tasks.size(); ++t)
+      if (tasks[t].device == 0 && tasks.name(t) == name) return tasks[t].cost.bytes;
+    ADD_FAILURE() << "no task " << name << " on device 0";
+    return 0.0;
+  };
+  for (const char* reduce : {"experts_reduce[0]", "experts_grad_reduce[0]"}) {
+    for (const char* chunk : {"L0.c0.", "L0.c1."}) {
+      SCOPED_TRACE(std::string(chunk) + reduce);
+      double items = 0;
+      for (int i = 0; i < kExperts / kEp; ++i) {
+        const double item = bytes_on_device0(with, fmt::format("{}i{}.{}", chunk, i, reduce));
+        EXPECT_DOUBLE_EQ(item, ring_bytes(kEp * capacity)) << "item " << i;
+        items += item;
+      }
+      const double whole = bytes_on_device0(without, std::string(chunk) + reduce);
+      EXPECT_DOUBLE_EQ(whole, ring_bytes(kExperts * capacity));
+      EXPECT_DOUBLE_EQ(items, whole);
+    }
+  }
+  const auto [step_without, tp_without] = bench_layer_step(false);
+  const auto [step_with, tp_with] = bench_layer_step(true);
+  EXPECT_LT(step_with, step_without)
+      << step_with << " ns with the overlap, " << step_without << " ns without";
+  EXPECT_LT(tp_with, tp_without) << "exposed tp: " << tp_with << " ns with the overlap, "
+                                 << tp_without << " ns without";
 }
 
 TEST(SplitExperts, MultiStreamNeverOverlapsExpertAndTensorParallelCollectives) {

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "weave/ops/deepspeed_gate.hpp"
+
 namespace weave::graphs {
 
 StepShape::StepShape(const ModelConfig& m, const ParallelPlan& p) : model(m), plan(p) {
@@ -43,6 +45,14 @@ StepShape::StepShape(const ModelConfig& m, const ParallelPlan& p) : model(m), pl
 }
 
 std::int64_t StepShape::expert_capacity() const {
+  // MindSpeed's gate drops each gate call's picks beyond its capacity (unless --moe-no-drop), so
+  // a source sends an expert at most that many: the buffers the experts' collectives move are
+  // sized by it, as MindSpeed's [ep, capacity, h] tensors are.
+  if (model.num_experts > 0 && model.moe_gate == MoeGate::deepspeed)
+    return model.moe_no_drop
+               ? 0
+               : ops::gate_capacity(slot_tokens(), model.num_experts, model.moe_router_topk,
+                                    model.moe_train_capacity_factor);
   if (model.moe_expert_capacity_factor <= 0) return 0;
   const std::int64_t n = slot_tokens(), k = model.moe_router_topk;
   return static_cast<std::int64_t>(

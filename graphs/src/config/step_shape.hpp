@@ -80,8 +80,8 @@ struct StepShape {
   // The tokens one MoE slot routes: a rank's T, or one Ampipe chunk of them (routed replicated
   // the whole chunk, so the deepspeed_moe gate's capacity is the chunk's, as MindSpeed's).
   std::int64_t slot_tokens() const { return T / ampipe; }
-  // The picks an expert takes from one source's MoE slot (plan_dispatch's ceil(f n k / E)), or 0
-  // when dropless.
+  // The picks an expert takes from one source's MoE slot (plan_dispatch's ceil(f n k / E), or
+  // MindSpeed's gate's capacity per gate call), or 0 when dropless.
   std::int64_t expert_capacity() const;
   // Rows a rank's MoE slot may receive: dropless, every pick of every source's n tokens; with a
   // capacity factor, at most each local expert's capacity from each source.
