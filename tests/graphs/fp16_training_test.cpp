@@ -135,11 +135,16 @@ TEST(Fp16Training, LlamaLossesTrackFp32AndFall) {
 // rank's partial sum of a row-parallel product (the projection and fc2 forward, QKV's and fc1's
 // input gradients backward) and of the output layer's input gradient, and the reduced sum again:
 // r = 2 (4 L + 1) = 18 roundings one device does not make, so the gradients differ by sqrt(18) u
-// (0.21 %) of their norm, and the first loss by 2 sqrt(r) u |z| < 1.7e-4 of itself (|z| < 0.2);
-// the later steps are allowed 1e-2 / 8, AdamW's amplification of those differences over two
-// steps. Data parallelism only reorders fp32 sums: the first loss is the same bits, the
-// gradients agree to 1e-6, the later losses to 1e-4 (a rare fp16 copy rounding the other way).
-constexpr ParallelTolerance kTensorParallel{1.7e-4, 4.25 * kU, 1.25e-3};  // sqrt(18) < 4.25
+// (0.21 %) of their norm, and the first loss by 2 sqrt(r) u |z| < 1.7e-4 of itself (|z| < 0.2).
+// The later steps are allowed a quarter of bf16's 1e-2, not the eighth u's ratio would give:
+// AdamW's normalised update moves an element by about lr however small its gradient, so the
+// later losses move with the elements whose update changes, and those are not 8 times fewer in
+// fp16 (gradients near zero change sign in either format). With the embedding read from its fp16
+// copy, as Megatron-LM's Float16Module reads it, the third losses were measured 2.1e-3 (tp 2 +
+// sp) and 2.2e-3 (cp 2) apart. Data parallelism only reorders fp32 sums: the first loss is the same
+// bits, the gradients agree to 1e-6, the later losses to 1e-4 (a rare fp16 copy rounding the other
+// way).
+constexpr ParallelTolerance kTensorParallel{1.7e-4, 4.25 * kU, 2.5e-3};  // sqrt(18) < 4.25
 constexpr ParallelTolerance kDataParallel{0, 1e-6, 1e-4};
 
 TEST(Fp16Training, LlamaTp2SpEqualsOneDevice) {
@@ -157,15 +162,18 @@ TEST(Fp16Training, GptDp2EqualsOneDevice) {
       {.data_parallel = 2, .micro_batch_size = 2, .global_batch_size = 4}, kDataParallel);
 }
 
-// Every value the optimizer owns on every rank: main parameters and both moments.
+// Every value the optimizer owns on every rank: main parameters (the shard's alone where the
+// distributed optimizer keeps only those) and both moments.
 std::vector<float> all_optimizer_values(TrainingStep& step, int ranks) {
   std::vector<float> out;
   for (int r = 0; r < ranks; ++r)
-    for (const GradientBucket& b : step.shard(r).buckets())
-      for (const ops::Tensor* t : {&b.values, &b.exp_avg, &b.exp_avg_sq}) {
+    for (const GradientBucket& b : step.shard(r).buckets()) {
+      const ops::Tensor main = b.main_values_sharded ? b.shard_values() : b.values;
+      for (const ops::Tensor* t : {&main, &b.exp_avg, &b.exp_avg_sq}) {
         const std::vector<float> v = t->to_vector();
         out.insert(out.end(), v.begin(), v.end());
       }
+    }
   return out;
 }
 
@@ -689,13 +697,16 @@ TEST(Fp16Training, MoeSharedExpertsGradientsNearFp32) {
 
 // Expert parallelism with Ampipe 2 moves fp16 values exactly and reorders fp32 sums only
 // (kExpertParallel's argument in half_precision_equivalence.hpp); Ampipe 2 under cp2 adds the
-// ring's roundings: a partial output of each block and each block's dq, r = 2 L = 4, gradients
-// within sqrt(4) u, the first loss within kTensorParallel's 1.7e-4 and the later ones its 1.25e-3.
+// ring's roundings: a partial output of each block and each block's dq, r = 2 L = 4. A flip there
+// moves the values the layer's later fp16 roundings take (the projection, the norm, fc1, the
+// activation, fc2, and their input gradients), which may flip in turn: counted as tensor
+// parallelism counts them, r = 4 L + 1 = 9, gradients within sqrt(9) u (2.2 u measured); the first
+// loss within kTensorParallel's 1.7e-4 and the later ones its 2.5e-3.
 // With MoE layers the later losses are held to bf16_moe_training_test's 1e-2: once two updates have
 // moved the router, a difference of a few u can flip a near tie in a token's top-2 choice, a
 // change of the loss that does not shrink with u (1.4e-3 measured at step 3).
-constexpr ParallelTolerance kContextParallel{1.7e-4, 2 * kU, 1.25e-3};
-constexpr ParallelTolerance kMoeContextParallel{1.7e-4, 2 * kU, 1e-2};
+constexpr ParallelTolerance kContextParallel{1.7e-4, 3 * kU, 2.5e-3};
+constexpr ParallelTolerance kMoeContextParallel{1.7e-4, 3 * kU, 1e-2};
 
 TEST(Fp16Training, MoeEp2Ampipe2EqualsOneDevice) {
   expect_scaled_plan_equals_one_device(in(moe(), Precision::fp16), kEp2Ampipe2, kExpertParallel);
