@@ -181,9 +181,9 @@ struct ModelConfig {
   bool moe_router_renormalize = true;
   double moe_router_topk_scaling_factor = 1.0;  // --moe-router-topk-scaling-factor (1: none)
   // Megatron-Core's DeepSeek-V3 style routing (MoeGate::megatron): --moe-router-score-function
-  // (softmax, sigmoid or sqrtsoftplus), group-limited top-k (--moe-router-num-groups, --moe-router-group-topk;
-  // group_topk 0: no groups) and the aux-loss-free expert bias (--moe-router-enable-expert-bias,
-  // moved by --moe-router-bias-update-rate after every step).
+  // (softmax, sigmoid or sqrtsoftplus), group-limited top-k (--moe-router-num-groups,
+  // --moe-router-group-topk; group_topk 0: no groups) and the aux-loss-free expert bias
+  // (--moe-router-enable-expert-bias, moved by --moe-router-bias-update-rate after every step).
   std::string moe_router_score_function = "softmax";
   int moe_router_num_groups = 0;
   int moe_router_group_topk = 0;
