@@ -39,37 +39,35 @@ std::int64_t check_embedding(std::span<const std::int32_t> ids, const BasicTenso
   return vocab;
 }
 
+// y's rows: each token's row of the table (converted to Out), zeros for a token outside it.
+template <typename In, typename Out>
+void gather_rows(std::span<const std::int32_t> ids, const BasicTensor<In>& table,
+                 const EmbeddingShard& shard, const BasicTensor<Out>& y) {
+  check_embedding(ids, table, shard, y, "embedding output");
+  const std::int64_t h = table.dim(1), rows = table.dim(0);
+  for (std::int64_t r = 0; r < y.rows(); ++r) {
+    const std::int64_t local = ids[static_cast<std::size_t>(r)] - shard.vocab_start;
+    Out* yr = y.row(r);
+    if (local >= 0 && local < rows)
+      std::transform(table.row(local), table.row(local) + h, yr,
+                     [](In v) { return static_cast<Out>(v); });
+    else
+      std::fill_n(yr, h, Out(0));
+  }
+}
+
 }  // namespace
 
 template <typename T>
 void embedding_forward(std::span<const std::int32_t> ids, const BasicTensor<T>& table,
                        const EmbeddingShard& shard, const BasicTensor<T>& y) {
-  check_embedding(ids, table, shard, y, "embedding output");
-  const std::int64_t h = table.dim(1), rows = table.dim(0);
-  for (std::int64_t r = 0; r < y.rows(); ++r) {
-    const std::int64_t local = ids[static_cast<std::size_t>(r)] - shard.vocab_start;
-    T* yr = y.row(r);
-    if (local >= 0 && local < rows)
-      std::copy_n(table.row(local), h, yr);
-    else
-      std::fill_n(yr, h, T(0));
-  }
+  gather_rows(ids, table, shard, y);
 }
 
 template <typename Half>
 void embedding_forward_widened(std::span<const std::int32_t> ids, const BasicTensor<Half>& table,
                                const EmbeddingShard& shard, const BasicTensor<float>& y) {
-  check_embedding(ids, table, shard, y, "embedding output");
-  const std::int64_t h = table.dim(1), rows = table.dim(0);
-  for (std::int64_t r = 0; r < y.rows(); ++r) {
-    const std::int64_t local = ids[static_cast<std::size_t>(r)] - shard.vocab_start;
-    float* yr = y.row(r);
-    if (local >= 0 && local < rows)
-      std::transform(table.row(local), table.row(local) + h, yr,
-                     [](Half v) { return static_cast<float>(v); });
-    else
-      std::fill_n(yr, h, 0.f);
-  }
+  gather_rows(ids, table, shard, y);
 }
 
 template <typename T>
