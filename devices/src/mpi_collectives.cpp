@@ -562,6 +562,8 @@ class SpanningAllGather final : public SpanningCollective {
         packed_.resize(local_.size() * m_);
         for (std::size_t i = 0; i < local_.size(); ++i) {
           // Bytes (an all-gather's elements may be packed 16-bit values, packed_halves.hpp).
+          // An empty input's data() may be null, which memcpy must not be given even for 0 bytes.
+          if (m_ == 0) break;
           const float* in = c_.members[static_cast<std::size_t>(local_[i])].input.data();
           std::memcpy(packed_.data() + i * m_, in, m_ * sizeof(float));
         }
