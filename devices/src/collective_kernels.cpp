@@ -19,6 +19,9 @@ namespace {
 // source and written once to each destination, with nothing staged in between.
 constexpr std::size_t kLanes = 16;
 using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
+// Without AVX-512, GCC notes that passing such a vector by value changes the calling convention.
+// Every function taking one here has internal linkage, so no caller outside this file sees it.
+#pragma GCC diagnostic ignored "-Wpsabi"
 constexpr std::size_t kStrip = 4 * kLanes;
 
 // Streaming stores go through an L1-sized staging block: the reduction of a block is finished

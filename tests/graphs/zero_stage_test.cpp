@@ -128,14 +128,20 @@ void expect_equals_plain_data_parallelism(const Case& c, int stage) {
     const double bound = c.bf16 && i >= 1 ? kBf16Unit / 4 : 1e-5;
     EXPECT_NEAR(sharded.losses[i], plain.losses[i], bound * plain.losses[i]) << "step " << i + 1;
   }
-  // The gradients after the last step: fp32 within 1e-4 of the bucket's largest; bf16, whose
-  // weights may sit a bf16 unit apart by then, within 2.5 bf16 units of it.
-  const float grad_bound = c.bf16 ? 2.5f * static_cast<float>(kBf16Unit) : 1e-4f;
+  // The gradients, within 1e-4 of the bucket's largest: fp32's after the last step. bf16's after
+  // the first step, while both runs still hold the same bf16 copies: once a copy sits a bf16 unit
+  // apart, a token whose two best experts score that close may go to the other one, which moves
+  // gradients by far more than any rounding bound (10 % of an element, seen at step 4 in a build
+  // at another optimisation level), so later gradients are not comparable element by element.
+  std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> first_ranges;
+  const Trained sharded_grads = c.bf16 ? train(m, sharded_plan, 1, {}, &first_ranges) : sharded;
+  const Trained plain_grads = c.bf16 ? train(m, c.plan, 1, first_ranges) : plain;
+  const float grad_bound = 1e-4f;
   bool any_sharded = false;
-  for (std::size_t r = 0; r < plain.shards.size(); ++r)
-    for (std::size_t b = 0; b < plain.shards[r].size(); ++b) {
-      const std::vector<float>& want = plain.shards[r][b];
-      const std::vector<float>& got = sharded.shards[r][b];
+  for (std::size_t r = 0; r < plain_grads.shards.size(); ++r)
+    for (std::size_t b = 0; b < plain_grads.shards[r].size(); ++b) {
+      const std::vector<float>& want = plain_grads.shards[r][b];
+      const std::vector<float>& got = sharded_grads.shards[r][b];
       ASSERT_EQ(got.size(), want.size());
       any_sharded |= ranges[r][b].first > 0;
       float scale = 0;
