@@ -54,6 +54,14 @@ KORTHIKANTI_STACK = "--attention-backend unfused --attention-dropout 0.1 --hidde
 # Transformer Engine chooses (--attention-backend auto; the run of July 2024 predates the flag):
 # cuDNN's fused attention, which Transformer Engine prefers over FlashAttention on Hopper
 # (get_attention_backend in its dot_product_attention/utils.py, attention.py before).
+# What follows from Megatron-LM's code of July 2024 (the table's commit) for these flags, not
+# chosen: gradients reduced in fp32 (arguments.py turns --accumulate-allreduce-grads-in-fp32 on
+# whenever --bf16; --grad-reduce-in-bf16 came later), reduce-scattered only in the last
+# micro-batch's backward (no_sync over the others) and the bf16 parameters gathered in the next
+# step's first forward; learned absolute positions, LayerNorm, biases and the fused bias-GeLU
+# (Megatron's GPT defaults). Dropout (Megatron's default 0.1) is left out: weave prices none
+# inside the fused attention kernel (no published H100 figure with it) nor in the fused
+# bias-dropout-add, so the rows' predictions are the same with it.
 MEGATRON_README = [
     # model, heads, hidden, layers, tp, pp, dp, GPUs, gbs, TFLOP/s per GPU
     ("1.7B", 16, 2048, 24, 1, 1, 48, 48, 192, 408.8),

@@ -170,6 +170,49 @@ TEST(StepCosts, TheLossAndEmbeddingStreamMegatronsVocabularyPasses) {
   }
 }
 
+// The dense MLP's activation streams between its products as Megatron-Core's fused bias-GeLU (or
+// bias-SwiGLU) kernel does: forward fc1's output read (f1 wide, 2f when gated) and the activation
+// written (f); backward the activation's gradient and fc1's output read and fc1's output gradient
+// written, and with a bias that gradient read once more for the bias's sum over the rows. The
+// same bytes whether the MLP runs whole or, under --tp-comm-overlap, in pieces of rows.
+TEST(StepCosts, TheDenseMlpStreamsItsActivation) {
+  for (const Precision precision : {Precision::fp32, Precision::bf16})
+    for (const bool modern : {false, true})
+      for (const int tp : {1, 2})
+        for (const bool overlap : {false, true}) {
+          if (overlap && tp == 1) continue;
+          SCOPED_TRACE(testing::Message()
+                       << "bf16 " << (precision == Precision::bf16) << " swiglu, no bias " << modern
+                       << " tp " << tp << " overlap " << overlap);
+          ModelConfig m = modern ? with_modern_decoder(tiny(0)) : tiny(0);
+          m.precision = precision;
+          m.hidden_dropout = 0;
+          const int B = 2;
+          Built b(m, {.tensor_parallel = tp,
+                      .sequence_parallel = tp > 1,
+                      .micro_batch_size = B,
+                      .global_batch_size = B,
+                      .tp_comm_overlap = overlap});
+          const double rows = m.seq_length * B, a = precision == Precision::bf16 ? 2 : 4;
+          const double f = 64.0 / tp, f1 = modern ? 2 * f : f;
+          const double forward = rows * (f1 + f) * a;
+          const double backward = rows * (f + 2 * f1 + (modern ? 0 : f1)) * a;
+          // The MLP's products stream nothing of their own: its compute tasks' bytes are the
+          // activation's, forward (fc1's tasks) and backward (the input gradients' tasks).
+          double forward_bytes = 0, backward_bytes = 0;
+          const rt::TaskTable& tasks = b.step.graph().tasks();
+          for (rt::TaskId t = 0; t < tasks.size(); ++t) {
+            if (tasks[t].device != 0 || tasks[t].kind != rt::TaskKind::compute) continue;
+            const std::string_view name = tasks.name(t);
+            if (name == "L0.mlp" || name.starts_with("L0.mlp_fc1"))
+              forward_bytes += tasks[t].cost.bytes;
+            if (name.starts_with("L0.mlp_backward")) backward_bytes += tasks[t].cost.bytes;
+          }
+          EXPECT_DOUBLE_EQ(forward_bytes, forward);
+          EXPECT_DOUBLE_EQ(backward_bytes, backward);
+        }
+}
+
 // --cross-entropy-loss-fusion prices the loss at its fused passes: native (Megatron-Core's
 // jit-fused functions) widens and takes the maxima in one pass (2 read, 4 written in bf16),
 // subtracts, exponentiates and sums in one (4 + 4), divides in one (4 + 4) and backward narrows

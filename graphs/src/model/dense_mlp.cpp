@@ -153,9 +153,12 @@ TaskId dense_mlp_forward_in_pieces(RankProgram& P, const BuildPosition& pos, int
   const Tensor shard = half ? P.ws().half.norm_out : A.ln2;
   const Tensor full = half ? P.ws().half.gathered : A.ln2_full;
   const std::int64_t B = z.B, h = z.h, f = z.fl, f1 = z.f1l;
+  const rt::CostHint activation_row = cost::mlp_activation(z, 1);  // a row's, scaled by rows
   const TaskId fc1 = gather_in_pieces(
       P, ready, P.ws().tp_overlap.gather, shard, full, at + "sp_gather_mlp", at + "mlp_fc1", tags,
-      [=](std::int64_t rows) { return cost::matmul(rows * B, h, f1); },
+      [=](std::int64_t rows) {
+        return cost::matmul(rows * B, h, f1) + static_cast<double>(rows * B) * activation_row;
+      },
       [=](std::int64_t first, std::int64_t rows) {
         LayerActivations& A = p->acts(set, layer);
         const DenseMlpActivations& D = A.dense();
@@ -206,8 +209,10 @@ TaskId dense_mlp_backward_in_pieces(RankProgram& P, const BuildPosition& pos, in
   const std::string at = fmt::format("L{}.", layer);
   BackwardWorkspace& w = P.ws();
   const std::int64_t B = z.B, h = z.h, f = z.fl, f1 = z.f1l;
+  const rt::CostHint activation_row = cost::mlp_activation_backward(z, 1);  // scaled by rows
   const RowsCost piece = [=](std::int64_t rows) {
-    return cost::matmul(rows * B, h, f) + cost::matmul(rows * B, h, f1);
+    return cost::matmul(rows * B, h, f) + static_cast<double>(rows * B) * activation_row +
+           cost::matmul(rows * B, h, f1);
   };
   const rt::CostHint fc2_weight = cost::matmul(z.Sc * z.B, z.h, z.fl);
   return gather_in_pieces(
@@ -312,7 +317,8 @@ TaskId DenseMlp::forward(const BuildPosition& pos, TaskId ready) const {
   // Recomputed alone (selective), a bf16 run's MLP reads the bf16 input it kept (the gathered
   // one under SP): the gather is issued again as Megatron-LM's checkpointed MLP issues it, its
   // result unread. A whole layer recomputed has its norm's output gathered again.
-  const TaskId mlp = P->compute(at + "mlp", tags, cost::mlp(z, z.Sc * z.B), [=] {
+  const rt::CostHint work = cost::mlp(z, z.Sc * z.B) + cost::mlp_activation(z, z.Sc * z.B);
+  const TaskId mlp = P->compute(at + "mlp", tags, work, [=] {
     LayerActivations& A = p->acts(set, layer);
     if (p->half()) {
       if (p->shape.sp() && !recomputing)
@@ -350,7 +356,9 @@ TaskId DenseMlp::backward(const BuildPosition& pos, TaskId ready, WeightHalves& 
       overlapped
           ? dense_mlp_backward_in_pieces(*P, pos, l, ready, keep)
           : P->compute(
-                at + "mlp_backward", tags, (keep ? fc2_weight : fc2_weight + fc2_weight) + fc1,
+                at + "mlp_backward", tags,
+                (keep ? fc2_weight : fc2_weight + fc2_weight) +
+                    cost::mlp_activation_backward(z, rows) + fc1,
                 [=] {
                   LayerActivations& A = p->acts(set, layer);
                   BackwardWorkspace& w = p->ws();

@@ -152,6 +152,24 @@ inline rt::CostHint mlp(const StepShape& z, std::int64_t rows) {
                                              matmul_edges(r, static_cast<double>(z.fl), h))};
 }
 
+// The dense MLP's activation between its two products, over `rows`, as Megatron-Core's MLP runs
+// it (megatron/core/transformer/mlp.py; fc1 returns its bias apart, skip_bias_add): one fused
+// element-wise kernel (bias_gelu_impl, megatron/core/fusions/fused_bias_gelu.py, or
+// bias_swiglu_impl under SwiGLU; the unfused path streams the same tensors) that reads fc1's
+// output (f1 wide: 2f when gated) and writes the activation (f wide).
+inline rt::CostHint mlp_activation(const StepShape& z, std::int64_t rows) {
+  return streamed(z, static_cast<double>(rows) * static_cast<double>(z.f1l + z.fl));
+}
+
+// Its backward: reads the activation's gradient and fc1's output and writes fc1's output
+// gradient. With a bias, GeLUFunction.backward returns that gradient for the bias as well, which
+// autograd sums over the rows (one more read of it, a kernel of its own).
+inline rt::CostHint mlp_activation_backward(const StepShape& z, std::int64_t rows) {
+  const double r = static_cast<double>(rows);
+  const rt::CostHint pass = streamed(z, r * static_cast<double>(z.fl + 2 * z.f1l));
+  return z.model.add_bias_linear ? pass + streamed(z, r * static_cast<double>(z.f1l)) : pass;
+}
+
 // Causal attention of a rank's Sc query rows (B sequences, Hl heads) against the whole
 // sequence's keys: the scores and the weighted values, over half of the (query, key) pairs on
 // average.
