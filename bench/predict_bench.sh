@@ -52,4 +52,4 @@ for entry in "${configs[@]}"; do
 done
 printf '%s\n' "${errors[@]}" | tr -d '-' | sort -g |
   awk '{ v[NR] = $1 } END { med = NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2;
-        printf "\nmedian |error| %.1f %%, largest %.1f %% (target: median at most 10 %%, none above 20 %%)\n", med, v[NR] }'
+        printf "\nmedian |error| %.1f %%, largest %.1f %% (target: median at most 5 %%, none above 10 %%)\n", med, v[NR] }'

@@ -2,6 +2,7 @@
 // their FLOPs, element-wise work (norms, residuals, dropout, copies, the optimizer) by the memory
 // it streams at the device's bandwidth, whichever is longer; with kernel rates, each kind of work
 // at its own rate, products by their shapes.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -337,6 +338,86 @@ TEST(StepCosts, MaterialisedScoresArePricedAsProductsAndTraffic) {
     }
     EXPECT_TRUE(seen_forward && seen_backward);
   }
+}
+
+// A MoE layer's routing streams the rows it moves, beyond the router's product: forward the
+// slot's tokens copied in (2 T h), the scores' pass over the logits (2 T E) and every pick's row
+// permuted into expert order (2 k T h); backward the picks' gradient rows summed back into the
+// tokens' ((k T + T) h), the scores' backward (3 T E) and the router's input gradient added in
+// (3 T h). With expert parallelism the experts' task also regroups the arrived rows and their
+// results (2 x 2 k T h), forward and backward. Twice the tokens stream twice the bytes, and the
+// step built with tensors carries the same costs as the one built without.
+TEST(StepCosts, MoeRoutingStreamsTheRowsItMoves) {
+  const ModelConfig m = tiny(4);
+  const double h = m.hidden_size, E = m.num_experts, k = m.moe_router_topk, a = 4;
+  auto build_costs = [&](const ParallelPlan& plan, bool materialize) {
+    devices::DeviceSet set(plan.devices(), {.pin = false});
+    devices::SharedMemoryCommunicator comm;
+    const TrainingStep step(m, plan, {}, set, comm, {.materialize = materialize});
+    std::map<std::string, rt::CostHint, std::less<>> costs;
+    const rt::TaskTable& tasks = step.graph().tasks();
+    for (rt::TaskId t = 0; t < tasks.size(); ++t)
+      if (tasks[t].device == 0 && tasks[t].kind == rt::TaskKind::compute)
+        costs[std::string(tasks.name(t))] = tasks[t].cost;
+    return costs;
+  };
+  for (const int ep : {1, 2}) {
+    std::map<int, double> router_bytes;
+    for (const int B : {2, 4}) {
+      SCOPED_TRACE(fmt::format("ep {}, micro-batch {}", ep, B));
+      const ParallelPlan plan{.expert_parallel = ep,
+                              .data_parallel = ep,
+                              .micro_batch_size = B,
+                              .global_batch_size = B * ep};
+      const auto predicted = build_costs(plan, false);
+      const double T = static_cast<double>(m.seq_length) * B;
+      const double products = 2 * 2 * k * T * h * m.ffn_hidden_size;
+      const double regrouping = ep > 1 ? a * 2 * 2 * k * T * h : 0;
+      const rt::CostHint& router = predicted.at("L0.router");
+      EXPECT_DOUBLE_EQ(router.flops, 2 * T * h * E);
+      EXPECT_DOUBLE_EQ(router.bytes, a * (2 * T * h + 2 * T * E + 2 * k * T * h));
+      EXPECT_DOUBLE_EQ(predicted.at("L0.router_backward").bytes,
+                       a * ((k * T + T) * h + 3 * T * E + 3 * T * h));
+      EXPECT_DOUBLE_EQ(predicted.at("L0.experts").flops, products);
+      EXPECT_DOUBLE_EQ(predicted.at("L0.experts").bytes, regrouping);
+      EXPECT_DOUBLE_EQ(predicted.at("L0.experts_backward").bytes, regrouping);
+      router_bytes[B] = router.bytes;
+      // The materialised step: every compute task of device 0 at the same price.
+      const auto materialised = build_costs(plan, true);
+      ASSERT_EQ(materialised.size(), predicted.size());
+      for (const auto& [name, cost] : predicted) {
+        ASSERT_TRUE(materialised.contains(name)) << name;
+        EXPECT_EQ(materialised.at(name).bytes, cost.bytes) << name;
+        EXPECT_EQ(materialised.at(name).flops, cost.flops) << name;
+        EXPECT_EQ(materialised.at(name).messages, cost.messages) << name;
+      }
+    }
+    EXPECT_DOUBLE_EQ(router_bytes[4], 2 * router_bytes[2]);
+  }
+}
+
+// On the virtual clock the router's task lasts its product's time and its streaming's: the
+// routing's bytes at the memory bandwidth, whatever rates the products have.
+TEST(StepCosts, TheRoutersRowsAreTimedAtTheMemoryBandwidth) {
+  const ModelConfig m = tiny(4);
+  Built b(m, {.micro_batch_size = 2, .global_batch_size = 2});
+  const ModelledMachine modelled{.device_flops = 2e11,
+                                 .device_memory_bandwidth = 1e10,
+                                 .attention_flops = 5e10,
+                                 .matmul_overhead_dimension = 16};
+  const devices::MachineModel machine = machine_model(b.set, modelled);
+  const rt::TaskTable& tasks = b.step.graph().tasks();
+  bool seen = false;
+  for (rt::TaskId t = 0; t < tasks.size(); ++t) {
+    if (tasks.name(t) != "L0.router") continue;
+    // [T, h] x [h, E] = [32, 32] x [32, 4] with T = 16 x 2 tokens, then the routing's bytes.
+    const double T = 32, h = 32, E = 4, k = 2;
+    const double product = 2 * T * h * E * (1 + 16 / T + 16 / h + 16 / E) / 2e11;
+    const double streaming = 4 * (2 * T * h + 2 * T * E + 2 * k * T * h) / 1e10;
+    EXPECT_NEAR(static_cast<double>(machine.duration(tasks, t)), (product + streaming) * 1e9, 1.0);
+    seen = true;
+  }
+  EXPECT_TRUE(seen);
 }
 
 // With kernel rates a task's time is its products' time (slowed by their small dimensions), its

@@ -54,9 +54,10 @@ SlotProgress MoeMlp::experts(const BuildPosition& pos, int c, const SlotProgress
   const StepShape& z = P->shape;
   const int ep = z.ep;
   const std::int64_t h = z.h;
+  const rt::CostHint products = cost::experts(z, static_cast<double>(z.slot_tokens()));
   const TaskId experts = P->compute(
       slot_prefix(c) + "experts", pos.chunk_tags(rt::Phase::forward, l, slot_chunk(c)),
-      cost::experts(z, static_cast<double>(z.slot_tokens())), [=] {
+      ep > 1 ? products + cost::expert_regrouping(z) : products, [=] {
         MoeSlot& A = p->slot(set, layer, c);
         const MoeMlpParameters& W = p->moe_parameters(layer);
         const ops::ExpertActivation act = expert_activation(p->shape.model);
@@ -91,8 +92,11 @@ SlotProgress MoeMlp::experts_items(const BuildPosition& pos, int c,
   const StepShape& z = P->shape;
   const int ep = z.ep;
   const std::int64_t h = z.h;
+  // Each item's arrived rows are copied into its experts' input (read and written) first.
   const rt::CostHint per_item =
-      cost::expert_item(z, static_cast<double>(z.slot_tokens()), z.item_slices());
+      cost::expert_item(z, static_cast<double>(z.slot_tokens()), z.item_slices()) +
+      cost::streamed(z, cost::regrouped_elements(z) /
+                            static_cast<double>(z.local_experts() * z.item_slices()));
   SlotProgress out{routed.task, {}};
   for (std::size_t i = 0; i < routed.items.size(); ++i) {
     const TaskId experts = P->compute(
@@ -163,9 +167,10 @@ SlotProgress MoeMlp::experts_backward(const BuildPosition& pos, int c, const Slo
   const bool keep = halves.zero_bubble();
   const rt::CostHint experts_flops = cost::experts(z, static_cast<double>(z.slot_tokens()));
   const std::string at = slot_prefix(c);
+  const rt::CostHint backward_products = (keep ? 1 : 2) * experts_flops;
   const TaskId experts = P->compute(
       at + "experts_backward", pos.chunk_tags(rt::Phase::backward, l, slot_chunk(c)),
-      (keep ? 1 : 2) * experts_flops, [=] {
+      ep > 1 ? backward_products + cost::expert_regrouping(z) : backward_products, [=] {
         MoeSlot& A = p->slot(set, layer, c);
         const MoeMlpParameters& W = p->moe_parameters(layer);
         const ops::ExpertActivation act = expert_activation(p->shape.model);

@@ -47,17 +47,19 @@ TaskId MoeMlp::router(const BuildPosition& pos, int c, TaskId ready) const {
   const bool counted = !pos.recomputing;
   const StepShape& z = P->shape;
   const rt::TaskTags tags = pos.chunk_tags(rt::Phase::forward, l, slot_chunk(c));
-  const TaskId routed = P->compute(
-      slot_prefix(c) + "router", tags, cost::router(z, static_cast<double>(z.slot_tokens())), [=] {
-        MoeSlot& A = p->slot(set, layer, c);
-        A.moe_in.copy_from(slot_tokens(*p, c, p->acts(set, layer).ln2));
-        route_slot(p->shape, p->moe_parameters(layer).router, A);
-        permute_slot(*p, layer, A, counted);
-        // MindSpeed's gate weighs the experts' bf16 outputs with its weights cast to bf16
-        // (combine_weights.type_as(input)); Megatron-Core's fp32 router keeps them fp32.
-        if (p->half() && p->shape.model.moe_gate == MoeGate::deepspeed)
-          round_in_place(p->precision(), A.topk_weight);
-      });
+  // The logits' product, and the tokens' copy, scores and permutation that stream around it.
+  const rt::CostHint price =
+      cost::router(z, static_cast<double>(z.slot_tokens())) + cost::routing(z);
+  const TaskId routed = P->compute(slot_prefix(c) + "router", tags, price, [=] {
+    MoeSlot& A = p->slot(set, layer, c);
+    A.moe_in.copy_from(slot_tokens(*p, c, p->acts(set, layer).ln2));
+    route_slot(p->shape, p->moe_parameters(layer).router, A);
+    permute_slot(*p, layer, A, counted);
+    // MindSpeed's gate weighs the experts' bf16 outputs with its weights cast to bf16
+    // (combine_weights.type_as(input)); Megatron-Core's fp32 router keeps them fp32.
+    if (p->half() && p->shape.model.moe_gate == MoeGate::deepspeed)
+      round_in_place(p->precision(), A.topk_weight);
+  });
   P->after(ready, routed);
   return routed;
 }
@@ -116,7 +118,7 @@ TaskId MoeMlp::router_backward(const BuildPosition& pos, int c, const SlotProgre
   const double tokens = static_cast<double>(z.slot_tokens());
   const TaskId router = P->compute(
       slot_prefix(c) + "router_backward", pos.chunk_tags(rt::Phase::backward, l, slot_chunk(c)),
-      2 * cost::router(z, tokens), [=] {
+      2 * cost::router(z, tokens) + cost::routing_backward(z), [=] {
         MoeSlot& A = p->slot(set, layer, c);
         unpermute_gradients(p->shape, A, p->half());
         route_slot_backward(p->shape, p->moe_parameters(layer).router,

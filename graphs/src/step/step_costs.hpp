@@ -41,6 +41,50 @@ inline double combine_elements(const StepShape& z) {
   return (routed_rows(z) + static_cast<double>(z.slot_tokens())) * static_cast<double>(z.h);
 }
 
+// The router's work beyond its product, by the elements it streams, one pass each: the slot's
+// tokens copied into the layer's MoE input (read and written; Megatron-Core's router takes a
+// view), the scores' pass over the [tokens, E] logits (read, the probabilities written), and
+// the permutation of every pick's row into expert order (each row read and written, as
+// Megatron-Core's permute gathers them with index_select; framed for the all-to-all alike).
+inline rt::CostHint routing(const StepShape& z) {
+  const double n = static_cast<double>(z.slot_tokens()), h = static_cast<double>(z.h);
+  const double e = static_cast<double>(z.model.num_experts);
+  return streamed(z, 2 * n * h) + streamed(z, 2 * n * e) + streamed(z, regrouped_elements(z));
+}
+// Its backward beyond the router's two products: the picks' gradient rows summed back into
+// their tokens' rows (each pick's row read, each token's row written: the backward of
+// Megatron-Core's permute, a scatter-add), the scores' backward over the logits (the probabilities
+// and their gradient read, the logits' gradient written) and the router's own input gradient added
+// into the tokens' (two read, one written). With --use-pipe-experts or the tp-sp overlap the
+// items' gradient rows are copied into the slot's rows first (read and written).
+inline rt::CostHint routing_backward(const StepShape& z) {
+  const double n = static_cast<double>(z.slot_tokens()), h = static_cast<double>(z.h);
+  const double e = static_cast<double>(z.model.num_experts);
+  rt::CostHint cost =
+      streamed(z, (routed_rows(z) + n) * h) + streamed(z, 3 * n * e) + streamed(z, 3 * n * h);
+  if (z.expert_items()) cost = cost + streamed(z, regrouped_elements(z));
+  return cost;
+}
+// Expert parallelism's regrouping around the local experts (ep > 1): the rows that arrived,
+// grouped by source, copied into expert order before the experts' products and their results
+// copied back into source order after them (each row read and written, twice), as
+// Megatron-Core's sort_chunks_by_idxs permutes them when a rank holds several experts (weave's
+// task copies with one too). Their gradients take the same two copies backward.
+inline rt::CostHint expert_regrouping(const StepShape& z) {
+  return streamed(z, regrouped_elements(z)) + streamed(z, regrouped_elements(z));
+}
+// With --use-pipe-experts or the tp-sp overlap the combine first copies the items' returned rows
+// into the slot's rows (read and written), and its backward copies the gradient rows out to the
+// items; the combine itself then runs as the slot's.
+inline rt::CostHint combine(const StepShape& z) {
+  const rt::CostHint combine = streamed(z, combine_elements(z));
+  return z.expert_items() ? combine + streamed(z, regrouped_elements(z)) : combine;
+}
+inline rt::CostHint combine_backward(const StepShape& z) {
+  const rt::CostHint combine = streamed(z, 2 * combine_elements(z));
+  return z.expert_items() ? combine + streamed(z, regrouped_elements(z)) : combine;
+}
+
 // 2 (mn + nk + mk) of an [m, k] x [k, n] product: what its overhead grows with when a
 // dimension is small (rt::CostHint::matmul_edges). The same for the product's transposes, so a
 // backward's two products have the forward's.
