@@ -203,11 +203,12 @@ TEST(Bf16MoeTraining, Tp2SpEp2EqualsOneDevice) {
 // A MoE model under pipeline, expert and data parallelism, as pasted MoE scripts combine them:
 // the stage boundary sends the bf16 stream's values and gradients, rounding nothing one device
 // does not (bf16_training_test's pipeline tolerance, 3u in gradient norm, holds it); expert
-// parallelism reorders fp32 sums only. With the distributed optimizer a replica's gradients are reduced in its shard only, so
-// it is held to the losses of the same plan without it: the fp32 gradients are reduce-scattered
-// in the order they are all-reduced and the updated fp32 values gathered and rounded as each
-// replica rounds its own; only the clipping norm is summed shard by shard, in another order (an
-// fp32 ulp of the update, 1e-6 of the losses at most; the aux loss of step 3 moves by 1e-9).
+// parallelism reorders fp32 sums only. With the distributed optimizer a replica's gradients are
+// reduced in its shard only, so it is held to the losses of the same plan without it: the fp32
+// gradients are reduce-scattered in the order they are all-reduced and the updated fp32 values
+// gathered and rounded as each replica rounds its own; only the clipping norm is summed shard by
+// shard, in another order (an fp32 ulp of the update, 1e-6 of the losses at most; the aux loss of
+// step 3 moves by 1e-9).
 constexpr ParallelTolerance kPipelineParallel{1e-3, 3.0 / 256, 1e-2};
 
 TEST(Bf16MoeTraining, Pp2Ep2EqualsOneDeviceAndTheDistributedOptimizerChangesNoLoss) {

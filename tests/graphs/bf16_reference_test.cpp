@@ -160,9 +160,19 @@ TEST(TrainingReference, Fp32LossCurveIsPyTorchs) {
 // Later steps: a different gradient moves AdamW's update, and early on, where the second moment
 // is small, the update divides by it: the curves part by far more than step 1's difference (the
 // reference's own curve, its products' sums taken in float64 or in two halves, parts from itself
-// by up to 5.6e-3 by step 5). The reference commits those two curves; weave's sums are a third
-// order, so step i allows twice the largest distance of either from the reference up to step i:
-// weave is then as close to PyTorch as PyTorch is to itself under another order of its sums.
+// by up to 3.6e-3 by step 5 with an fp32 residual stream). The reference commits those two
+// curves; weave's sums are a third order, so step i allows twice the largest distance of either
+// from the reference up to step i: weave is then as close to PyTorch as PyTorch is to itself under
+// another order of its sums.
+//
+// With the bf16 residual stream most flips do not reach the loss: a flip moves a branch's value by
+// one of its bf16 steps, and the stream's rounding of its sum with the larger stream value takes
+// the same grid point unless the sum lies at a rounding boundary. The reference's other orders then
+// part from it by nothing at all up to step 3, and twice nothing allows nothing of what weave's
+// values differ by besides flips: its fp32 values (the norms, softmax, loss and update) computed in
+// another order, which the fp32 curve's own allowance bounds (fp32_tolerance). Step i allows the
+// larger of the two.
+
 // weave's bf16 curve against the reference's curve `key` and the two curves `key`_other_sums of
 // the same model, as argued above.
 void expect_bf16_curve_within_rounding(const std::vector<double>& weave, const std::string& key) {
@@ -181,7 +191,9 @@ void expect_bf16_curve_within_rounding(const std::vector<double>& weave, const s
   for (std::size_t i = 1; i < weave.size(); ++i) {
     for (const nlohmann::json& other : others)
       spread = std::max(spread, std::abs(other.at(i).get<double>() - ref.at(i).get<double>()));
-    EXPECT_NEAR(weave[i], ref.at(i).get<double>(), 2 * spread) << "step " << i + 1;
+    const double allowed =
+        std::max(2 * spread, fp32_tolerance(static_cast<int>(i + 1), ref.at(i).get<double>()));
+    EXPECT_NEAR(weave[i], ref.at(i).get<double>(), allowed) << "step " << i + 1;
   }
   EXPECT_LT(weave.back(), 0.2 * weave.front());  // it learns the batch
   fmt::print(
