@@ -45,12 +45,12 @@ ModelConfig shared_model(Precision p, bool gate = false, bool overlap = false) {
 constexpr double kU = 1.0 / 256;  // bf16's unit roundoff
 const ParallelPlan kOneDevice{.micro_batch_size = 2, .global_batch_size = 4};
 
-// bf16_moe_training_test's roundings (20 forward, 36 per gradient) plus the shared experts':
+// bf16_moe_training_test's roundings (24 forward, 45 per gradient) plus the shared experts':
 // forward their fc1's output, the activation, fc2's output and the sum with the routed output
 // (4); backward their output's gradient, fc2's and the activation's input gradients, fc1's
 // input gradient and its sum with the routed path's (5). Independent roundings of either sign:
 // sqrt(k) u of a norm.
-constexpr double kForwardRoundings = 24, kGradientRoundings = 41;
+constexpr double kForwardRoundings = 28, kGradientRoundings = 50;
 
 TEST(Bf16SharedExperts, TrackFp32OnOneDevice) {
   const Outcome fp32 = run(shared_model(Precision::fp32), kOneDevice, 1, false);
@@ -113,8 +113,13 @@ TEST(Bf16SharedExperts, ProductsReadTheBf16Copies) {
 // Tensor parallelism with SP and expert parallelism: the shared experts' fc2 partial sums and
 // fc1's input-gradient partial sums are bf16 values reduced over tp in fp32 and rounded again,
 // as the split experts' are (bf16_moe_training_test's kTensorParallel, r = 9, which its split
-// experts meet with the same two roundings more).
-constexpr ParallelTolerance kTensorParallel{1e-3, 3.0 / 256, 1e-2};
+// experts meet with the same two roundings more: r = 11). With the bf16 residual stream a value
+// tp has moved no longer takes the rounding one device's takes at each rounding of the stream
+// it meets after: forward the two residual ends of each layer, backward the stream's gradient
+// after each layer's two norms and the final norm's, 2 L + 2 L + 1 = 9 roundings the two runs do
+// not share for L = 2. r = 11 + 9 = 20: a gradient differs by sqrt(20) u < 4.5 u of its norm.
+// The losses' bounds are bf16_moe_training_test's.
+constexpr ParallelTolerance kTensorParallel{1e-3, 4.5 / 256, 1e-2};
 
 TEST(Bf16SharedExperts, Tp2SpEp2EqualsOneDeviceWithAndWithoutTheOverlap) {
   const ParallelPlan plan{.tensor_parallel = 2,

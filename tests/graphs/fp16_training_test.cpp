@@ -45,20 +45,20 @@ OptimizerConfig optimizer(bool loss_scaling) {
 }
 
 // fp16 keeps 11 significant bits: a rounded value is off by at most u = 2^-11 of itself (bf16's
-// 2^-8, eight times less). The roundings are where bf16's are (bf16_training_test.cpp): k = 2 +
-// 8 L + 1 = 19 on the way from the embedding to the loss, and 19 + 6 L + 1 = 32 on the way to a
-// gradient, for L = 2 layers; independent and of either sign, they move a value by sqrt(k) u of
-// itself. fp16's narrow range costs nothing more here: with a loss scale of 2^10 the scaled
-// gradients stay far from 65504 (the loss gradient is at most 1/64 per logit, 2^4 scaled) and
-// above the subnormals for all but a negligible share.
+// 2^-8, eight times less). The roundings are where bf16's are (bf16_training_test.cpp), the fp16
+// residual stream's included: k = 2 + 10 L + 1 = 23 on the way from the embedding to the loss,
+// and 23 + 8 L + 2 = 41 on the way to a gradient, for L = 2 layers; independent and of either
+// sign, they move a value by sqrt(k) u of itself. fp16's narrow range costs nothing more here: with
+// a loss scale of 2^10 the scaled gradients stay far from 65504 (the loss gradient is at most 1/64
+// per logit, 2^4 scaled) and above the subnormals for all but a negligible share.
 constexpr double kU = 0x1p-11;
 constexpr float kScale = 1024.f;
 
 double loss_tolerance(const ModelConfig& m, int step) {
-  return step * std::sqrt(2.0 + 8 * m.num_layers + 1) * kU;
+  return step * std::sqrt(2.0 + 10 * m.num_layers + 1) * kU;
 }
 double gradient_tolerance(const ModelConfig& m) {
-  return std::sqrt(19.0 + 6 * m.num_layers + 1) * kU;
+  return std::sqrt(23.0 + 8 * m.num_layers + 2) * kU;
 }
 
 std::vector<double> losses(const ModelConfig& m, int steps) {
@@ -253,8 +253,10 @@ ModelConfig four_layers(ModelConfig m) {
 }
 
 // Pipeline parallelism in fp16 sends the stage's output and its gradient as fp16 values, as
-// bf16's pipeline sends bf16 ones (bf16_training_test.cpp): r = 2 roundings more (6 with two
-// chunks a rank), which tensor parallelism's tolerances cover with u = 2^-11. The scaled
+// bf16's pipeline sends bf16 ones (bf16_training_test.cpp): the fp16 residual stream's values
+// and gradients already, so the boundary rounds nothing one device does not (the zero-bubble
+// schedules' split backward sums in another order), well inside tensor parallelism's
+// tolerances with u = 2^-11. The scaled
 // gradient crosses the stages scaled (2^10 keeps it far inside fp16's range) and each stage
 // unscales its own main gradients.
 TEST(Fp16Training, GptPp2EqualsOneDeviceWith1f1bAndZbV) {
@@ -544,9 +546,13 @@ std::vector<IterationMetrics> train(Trainer& trainer) {
 // 16th loss of a run resumed here from iteration 5, or 12, differs in its last bits from the
 // uninterrupted run's while the scales, skips and rates still match; `weave train --fp16`
 // resumed from iteration 5 matches the uninterrupted run's 20 losses bitwise. Not explained
-// yet.)
+// yet.) The run keeps its residual stream in fp32 (--fp32-residual-connection), the skips these
+// 15 iterations were laid out for: seven, three updates, three, two updates. With the fp16
+// stream its gradient, an fp16 tensor then, overflows 2^19 and 2^18 at iterations 14 and 15 too,
+// leaving three updates; the scaler's bookkeeping is the same either way.
 TEST(Fp16Training, TrainerCountsSkipsAndResumesTheScalerBitwise) {
-  const TrainerConfig c = fp16_config(15);
+  TrainerConfig c = fp16_config(15);
+  c.model.fp32_residual_connection = true;
   auto data = [&] { return TrainingData::from(TokenDataset::mock(c.model.seq_length, 1)); };
   Trainer whole(c, data());
   const std::vector<IterationMetrics> all = train(whole);
@@ -673,18 +679,18 @@ ModelConfig moe() {
 }
 
 // One device, scaled by 2^10: the unscaled fp32 main gradients against the fp32 model's within
-// bf16_moe_training_test's k = 36 roundings at u = 2^-11, sqrt(36) u = 0.29 % of their norm. A
+// bf16_moe_training_test's k = 45 roundings at u = 2^-11, sqrt(45) u = 0.33 % of their norm. A
 // router whose losses' gradients were left unscaled would be off by the scale in its gradient.
 TEST(Fp16Training, MoeGradientsNearFp32WithTheAuxLossesScaled) {
   const auto fp32 = gradients(in(moe(), Precision::fp32));
   const auto fp16 = gradients(in(moe(), Precision::fp16));
   ASSERT_EQ(fp32.size(), fp16.size());
-  const double bound = std::sqrt(36.0) * kU;
+  const double bound = std::sqrt(45.0) * kU;
   expect_gradients_within(fp32, fp16, bound, "fp16");
 }
 
 // Shared experts (--moe-shared-expert-intermediate-size) in fp16, as in bf16
-// (bf16_shared_experts_test): their products in fp16 as the routed experts', k = 41 roundings.
+// (bf16_shared_experts_test): their products in fp16 as the routed experts', k = 50 roundings.
 TEST(Fp16Training, MoeSharedExpertsGradientsNearFp32) {
   ModelConfig m = moe();
   m.add_bias_linear = false;
@@ -692,7 +698,7 @@ TEST(Fp16Training, MoeSharedExpertsGradientsNearFp32) {
   const auto fp32 = gradients(in(m, Precision::fp32));
   const auto fp16 = gradients(in(m, Precision::fp16));
   ASSERT_EQ(fp32.count("layers.0.moe.shared_experts.fc1.weight"), 1u);
-  expect_gradients_within(fp32, fp16, std::sqrt(41.0) * kU, "fp16");
+  expect_gradients_within(fp32, fp16, std::sqrt(50.0) * kU, "fp16");
 }
 
 // Expert parallelism with Ampipe 2 moves fp16 values exactly and reorders fp32 sums only

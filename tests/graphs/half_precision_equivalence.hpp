@@ -131,9 +131,11 @@ inline void expect_equals_one_device_of_its_batches(const ModelConfig& m, const 
   const Outcome a = run(m, serial, 1, false), b = run(m, plan, 1, false);
   EXPECT_LE(std::abs(b.losses[0] - a.losses[0]), tolerance.first_loss * a.losses[0]);
   EXPECT_LE(std::abs(b.aux[0] - a.aux[0]), tolerance.first_loss * a.aux[0]);
-  // Not one device's by accident: a pipeline's boundaries round the stream.
-  if (plan.pipeline_parallel > 1) {
-    EXPECT_NE(b.losses[0], a.losses[0]);
+  // A pipeline alone: its boundaries send the 16-bit stream's values (fp32 ones with
+  // --fp32-residual-connection), which one device holds as they are, so the first loss, a
+  // forward's, is one device's bit for bit.
+  if (plan.pipeline_parallel > 1 && plan.devices() == plan.pipeline_parallel) {
+    EXPECT_EQ(b.losses[0], a.losses[0]);
   }
   if (!plan.distributed_optimizer) {  // a replica keeps its shard of the reduced gradients only
     for (const auto& [name, want] : a.grads)

@@ -23,15 +23,23 @@ bf16 values are exact in fp32, so the sum is computed here in fp32 on the widene
 result is rounded once to bf16. Rounded to bf16 are: the embedding's output (the bf16 copies'
 word and position rows, summed, rounded once), the norms' outputs (computed in fp32 with the bf16
 weights widened), the products' outputs (QKV and fc1 with their bias inside the product), the
-GELU's output; the attention's probabilities as an operand of P V (unnormalised, divided by the fp32 row sum
-after) and its output. The residual stream, the residual biases' additions, the softmax, the norms
+GELU's output; the attention's probabilities as an operand of P V (unnormalised, divided by the
+fp32 row sum after) and its output; and the residual stream, bf16 as Megatron-LM keeps it under
+--bf16 by default: each residual end (the stream plus the product's output and its bias, as its
+fused bias-dropout-add computes them) is summed in fp32 and rounded once. The softmax, the norms
 and the loss are fp32. Backward, each product takes its output's gradient rounded to bf16 and
-rounds the input gradient it returns; weight gradients are summed in fp32 into the fp32 main
-gradients. The attention's backward is flash-attention's: P from the saved log-sum-exp, D =
-rowsum(dO O), dS = P (dP - D); P and dS rounded as operands, dQ rounded, dK and dV in fp32.
+rounds the input gradient it returns; the stream's gradient, summed over the stream value's
+readers (the next residual end and the norm), is rounded once, as autograd sums the bf16
+gradients of a bf16 tensor; weight gradients are summed in fp32 into the fp32 main gradients. The
+attention's backward is flash-attention's: P from the saved log-sum-exp, D = rowsum(dO O),
+dS = P (dP - D); P and dS rounded as operands, dQ rounded, dK and dV in fp32.
 torch.autocast("cpu", dtype=torch.bfloat16) rounds elsewhere (under torch 1.13 the softmax runs
 in bf16 on the bf16 scores, and the weight gradients are bf16 products, rounded before they are
 widened into the fp32 parameters' gradients), so the casts are explicit.
+
+The bf16_fp32_residual curves are the same bf16 model with Megatron-LM's
+--fp32-residual-connection: the residual stream and its gradient stay fp32 (nothing rounded at
+the residual ends).
 
 Keys:
   generator   string: this script and the torch version that ran it
@@ -45,6 +53,8 @@ Keys:
               two more bf16 curves, the same roundings with the linear products' fp32 sums taken
               in other orders (in float64; in two halves of the inner dimension): how far the
               order of fp32 sums alone moves the bf16 curve
+  bf16_fp32_residual, bf16_fp32_residual_other_sums
+              the same two for the bf16 model with an fp32 residual stream
 """
 
 import json
@@ -188,8 +198,9 @@ def product(x, w, b, sums):
 
 
 class Model:
-    def __init__(self, c, bf16, sums="fp32"):
+    def __init__(self, c, bf16, sums="fp32", fp32_residual=False):
         self.c, self.bf16, self.sums = c, bf16, sums
+        self.residual16 = bf16 and not fp32_residual
         self.params = {}
         for name, rows, cols in parameter_shapes(c):
             value = init_value(name, rows, cols)
@@ -208,6 +219,15 @@ class Model:
         y = product(RoundGradient.apply(x), self.w(name), None if bias is None else self.w(bias),
                     self.sums)
         return RoundGradient.apply(self.r(y))
+
+    def stream(self, x):
+        """A value of the residual stream: with a bf16 stream, a bf16 tensor (rounded) whose
+        gradient, summed over its readers, is a bf16 tensor too (rounded once)."""
+        return RoundGradient.apply(RoundValue.apply(x)) if self.residual16 else x
+
+    def residual(self, x, y, bias):
+        """A residual end: x + (y + b) in fp32, a value of the stream."""
+        return self.stream(x + (y + self.w(bias)))
 
     def norm(self, x, prefix):
         h = self.c["hidden_size"]
@@ -230,22 +250,22 @@ class Model:
     def loss(self, tokens, targets):
         P = self.params
         words, positions = self.w("embedding.word"), self.w("embedding.position")
-        x = self.r(words[tokens] + positions[: tokens.shape[1]])
+        x = self.stream(self.r(words[tokens] + positions[: tokens.shape[1]]))
         for l in range(self.c["num_layers"]):
             p = f"layers.{l}."
             qkv = self.linear(self.norm(x, p + "input_norm"), p + "attention.qkv.weight",
                               p + "attention.qkv.bias")
             y = self.linear(self.attention(qkv), p + "attention.proj.weight")
-            x = x + (y + self.w(p + "attention.proj.bias"))
+            x = self.residual(x, y, p + "attention.proj.bias")
             a = self.linear(self.norm(x, p + "mlp_norm"), p + "mlp.fc1.weight", p + "mlp.fc1.bias")
             y = self.linear(self.r(F.gelu(a, approximate="tanh")), p + "mlp.fc2.weight")
-            x = x + (y + self.w(p + "mlp.fc2.bias"))
+            x = self.residual(x, y, p + "mlp.fc2.bias")
         logits = self.linear(self.norm(x, "final_norm"), "embedding.word")
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-def losses(c, bf16, sums="fp32"):
-    model = Model(c, bf16, sums)
+def losses(c, bf16, sums="fp32", fp32_residual=False):
+    model = Model(c, bf16, sums, fp32_residual)
     params = list(model.params.values())
     opt = torch.optim.AdamW(params, lr=c["lr"], betas=(c["beta1"], c["beta2"]), eps=c["eps"],
                             weight_decay=c["weight_decay"])
@@ -274,6 +294,10 @@ def main():
         "fp32": losses(CONFIG, False),
         "bf16": losses(CONFIG, True),
         "bf16_other_sums": [losses(CONFIG, True, sums) for sums in ("fp64", "halves")],
+        "bf16_fp32_residual": losses(CONFIG, True, fp32_residual=True),
+        "bf16_fp32_residual_other_sums": [
+            losses(CONFIG, True, sums, fp32_residual=True) for sums in ("fp64", "halves")
+        ],
     }
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = os.path.join(root, "tests", "data", "training_reference.json")

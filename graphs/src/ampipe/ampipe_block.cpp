@@ -96,6 +96,7 @@ void chunk_residual_backward(RankProgram& p, int set, int layer, int mb, int c) 
                 A.ln2_mean.slice(0, first * B, q * B), A.ln2_rstd.slice(0, first * B, q * B),
                 d_norm, d_tmp);
   ops::accumulate(d_tmp, d_mid);
+  if (p.rounds_residual_stream()) round_in_place(p.precision(), d_mid);  // a 16-bit stream's
   w.d_x.slice(0, first, q).copy_from(d_mid);  // the residual path to the layer input
   p.bias_dropout_add_backward(mb, layer, 0, d_mid, d_proj, grad_of(W.attention.proj_bias), first);
 }
@@ -328,6 +329,8 @@ TaskId AmpipeBlock::moe_forward(const BuildPosition& pos, const std::vector<Slot
           const Tensor y = A.mlp_out.slice(0, first, q);
           p->apply_dropout(false, mb, layer, 1, y, y, first);
           ops::add(A.x_mid.slice(0, first, q), y, A.x_out.slice(0, first, q));
+          if (p->rounds_residual_stream())
+            round_in_place(p->precision(), A.x_out.slice(0, first, q));
         });
     P->after(combined, residual);
     P->after(stats, residual);

@@ -144,7 +144,8 @@ constexpr ConfigFlag kModel[] = {
      .values = 0,
      .help = "bf16 mixed precision, as Megatron-LM trains it: bf16 products and saved "
              "activations, fp32 main parameters, gradients (reduced in fp32), norms, softmax and "
-             "loss; the residual stream in fp32. With tensor (+ sequence), data, pipeline, "
+             "loss; the residual stream in bf16 (fp32 with --fp32-residual-connection). With "
+             "tensor (+ sequence), data, pipeline, "
              "expert and context parallelism, Ampipe, the distributed optimizer, recomputation, "
              "dense and MoE layers (the router in fp32) and shared experts"},
     {.name = "--fp16",
@@ -155,6 +156,13 @@ constexpr ConfigFlag kModel[] = {
              "gradients overflow skipped. With everything --bf16 trains with, ZeRO stages 2 and 3 "
              "included (each replica unscales and checks its gradient shard, the overflow flag "
              "agreed over every rank), MoE layers' aux losses scaled as the loss"},
+    {.name = "--fp32-residual-connection",
+     .values = 0,
+     .help = "With --bf16 or --fp16: the residual stream and its gradient in fp32, as "
+             "Megatron-LM's flag keeps them (the layers add the residual in fp32 and the pipeline "
+             "sends fp32); without it they are 16-bit tensors, each residual end rounded once. "
+             "Refused in fp32 runs, as Megatron-LM refuses it",
+     .field = model_field<&M::fp32_residual_connection>()},
     {.name = "--norm-epsilon",
      .aliases = "--layernorm-epsilon",
      .help = "The norms' epsilon",

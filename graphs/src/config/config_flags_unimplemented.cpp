@@ -116,8 +116,6 @@ constexpr ConfigFlag kNoEffect[] = {
                    "the softmax computes in fp32 in every precision here"),
     without_effect("--accumulate-allreduce-grads-in-fp32", 0,
                    "gradients are accumulated and reduced in fp32 in every precision here"),
-    without_effect("--fp32-residual-connection", 0,
-                   "the residual stream is fp32 in every precision here"),
     without_effect(
         "--reuse-fp32-param", 0,
         "MindSpeed's memory saving for bf16 runs (its optimizer frees the fp32 parameter "

@@ -570,6 +570,15 @@ void check_dropout_and_norm(const ModelConfig& m) {
   if (!(m.layernorm_epsilon > 0)) refuse("--norm-epsilon must be > 0, got {}", m.layernorm_epsilon);
 }
 
+// --fp32-residual-connection widens a 16-bit run's residual stream: an fp32 run's is fp32 already,
+// and Megatron-LM asserts --fp16 or --bf16 with it (megatron/training/arguments.py).
+void check_residual_precision(const ModelConfig& m) {
+  if (m.fp32_residual_connection && m.precision == Precision::fp32)
+    refuse(
+        "--fp32-residual-connection keeps a 16-bit run's residual stream in fp32, and this run is "
+        "fp32: give --bf16 or --fp16 with it, or leave it out (Megatron-LM refuses it too)");
+}
+
 // Grouped-query attention: whole key/value heads per query group and per tensor-parallel rank.
 void check_query_groups(const ModelConfig& m, const ParallelPlan& p) {
   if (m.num_query_groups < 0 ||
@@ -696,6 +705,7 @@ void check_plan_rules(const ModelConfig& m, const ParallelPlan& given,
   check_sharded_gradients(derived);
   check_pipe_experts(m, given, derived);
   check_dropout_and_norm(m);
+  check_residual_precision(m);
   check_query_groups(m, derived);
   require_positive("--vocab-size", m.vocab_size);
   check_recomputation(m, derived);

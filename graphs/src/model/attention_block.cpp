@@ -235,8 +235,11 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
         const AttentionParameters& W = p->attention_parameters(layer);
         if (p->half()) {  // in fp32, rounded once into the bf16 input of the QKV product
           // A stage's input arrives as the bf16 values Megatron-LM's bf16 pipeline sends
-          // (pipeline_dtype, the parameters' dtype); rounding again (recomputation) keeps them.
-          if (takes_stage_input(p->layout, layer)) round_in_place(p->precision(), A.x_in);
+          // (pipeline_dtype, the parameters' dtype; the stream's values already, so rounding
+          // again, or again under recomputation, keeps them); with --fp32-residual-connection
+          // it sends fp32.
+          if (p->rounds_residual_stream() && takes_stage_input(p->layout, layer))
+            round_in_place(p->precision(), A.x_in);
           if (!p->shape.sp()) {
             norm_forward_to_half(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias,
                                  A.attention.ln1_16, A.attention.ln1_mean, A.attention.ln1_rstd);
@@ -725,6 +728,8 @@ TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, We
         norm_backward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.attention.ln1_mean,
                       A.attention.ln1_rstd, w.d_norm, w.d_tmp);
         ops::accumulate(w.d_tmp, w.d_x);
+        // The gradient of a 16-bit stream value, summed over its two readers, is 16-bit too.
+        if (p->rounds_residual_stream()) round_in_place(p->precision(), w.d_x);
       });
   P->after(norm_ready, ln1);
   const std::string bucket = fmt::format("layers.{}.attention", l);

@@ -60,13 +60,14 @@ TaskId ModelChunk::backward(const BuildPosition& pos, TaskId ready, WeightHalves
   halves.flush();
   if (k > 0) {
     // The gradient of the chunk's input, for the previous stage: in a bf16 run the bf16 values
-    // Megatron-LM's bf16 pipeline sends.
+    // Megatron-LM's bf16 pipeline sends (the 16-bit stream's gradient already), fp32 with
+    // --fp32-residual-connection.
     const double rows = static_cast<double>(P->shape.Sl * P->shape.B * P->shape.h);
     const TaskId out =
         P->compute("stage_grad_out", tags, cost::streamed(P->shape, 2 * rows), [p, set] {
           const Tensor& d_send = p->aset(set).d_send;
           d_send.copy_from(p->ws().d_x);
-          if (p->half()) round_in_place(p->precision(), d_send);
+          if (p->rounds_residual_stream()) round_in_place(p->precision(), d_send);
         });
     P->after(prev, out);
     P->after(d_send_read, out);

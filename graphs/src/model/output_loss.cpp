@@ -185,6 +185,8 @@ TaskId OutputLoss::backward(const BuildPosition& pos, TaskId ready, WeightHalves
         if (p->half() && p->shape.tp > 1) round_in_place(p->precision(), d_in);
         norm_backward(p->shape.model, p->acts(set, last_layer).x_out, W.final_ln_weight(),
                       W.final_ln_bias(), X.final_mean, X.final_rstd, d_in, w.d_x);
+        // The gradient of the 16-bit stream's last value (the final norm its only reader).
+        if (p->rounds_residual_stream()) round_in_place(p->precision(), w.d_x);
       });
   P->after(reduced, norm);
   return norm;

@@ -20,7 +20,7 @@ void TransformerLayer::allocate(LayerActivations& A, const Tensor& x_in) const {
   const std::int64_t Sl = z.Sl, B = z.B, h = z.h;
   A.x_in = x_in;
   AttentionBlock(*P, l).allocate(A);
-  A.x_mid = P->activation({Sl, B, h});
+  A.x_mid = P->stream_activation({Sl, B, h});
   // A bf16 run's MoE layer keeps its norm's bf16 output in an fp32 buffer, as every MoE row it
   // routes and exchanges (the virtual clock charges them at 2 bytes a value).
   if (P->half() && !z.spec(l).moe())
@@ -33,7 +33,7 @@ void TransformerLayer::allocate(LayerActivations& A, const Tensor& x_in) const {
     MoeMlp(*P, l).allocate(A);
   else
     DenseMlp(*P, l).allocate(A);
-  A.x_out = P->activation({Sl, B, h});
+  A.x_out = P->stream_activation({Sl, B, h});
 }
 
 void TransformerLayer::declare_parameters(ParameterDeclarer& declare, const LayerSpec& spec,
@@ -127,6 +127,7 @@ TaskId TransformerLayer::forward_pass(const BuildPosition& pos, TaskId ready) co
     } else {
       p->apply_dropout(false, mb, layer, 1, A.mlp_out, A.mlp_out);
       ops::add(A.x_mid, A.mlp_out, A.x_out);
+      if (p->rounds_residual_stream()) round_in_place(p->precision(), A.x_out);
     }
   });
   P->after(mlp, out);
@@ -180,6 +181,8 @@ TaskId TransformerLayer::backward_pass(const BuildPosition& pos, TaskId ready, W
     norm_backward(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, A.ln2_mean, A.ln2_rstd,
                   w.d_norm, w.d_tmp);
     ops::accumulate(w.d_tmp, w.d_x_mid);
+    // The gradient of a 16-bit stream value, summed over its two readers, is a 16-bit tensor.
+    if (p->rounds_residual_stream()) round_in_place(p->precision(), w.d_x_mid);
     // Attention half: d_x_mid -> d_proj_out (in d_mlp), and the residual's d_x.
     w.d_x.copy_from(w.d_x_mid);
     p->bias_dropout_add_backward(mb, layer, 0, w.d_x_mid, w.d_mlp, grad_of(W.attention.proj_bias));

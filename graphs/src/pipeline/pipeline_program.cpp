@@ -60,7 +60,7 @@ TransferEnds transfer(RankProgram& P, const StageTransfer& t, TaskId produced, c
       .tags = transfer_tags(t),
       .stream = stream,
       .stream_kind = stream_kind(CommGroup::pipeline),
-      .element_bytes = static_cast<std::size_t>(P.shape.model.activation_bytes())};
+      .element_bytes = static_cast<std::size_t>(P.shape.model.residual_stream_bytes())};
   if (me == t.from_rank) {
     const TaskId send = P.matcher.send(static_cast<rt::DeviceId>(P.rank), peer(t.to_rank),
                                        read_of(source), options);

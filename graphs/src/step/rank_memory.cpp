@@ -18,11 +18,11 @@ void allocate_set(RankProgram& P, ActivationSet& X, int k) {
   const StageContents& holds = P.state.shard->contents();
   // Sets shared by chunks serve every one of them: the first chunk's embedding, a later
   // chunk's transfers.
-  X.x_in = P.activation({Sl, B, h});
+  X.x_in = P.stream_activation({Sl, B, h});
   if (holds.input_embedding) X.emb_partial = z.sp() ? P.activation({Sc, B, h}) : X.x_in;
   if (P.layout.chunks() > 1) {
-    X.d_send = P.activation({Sl, B, h});
-    X.d_recv = P.activation({Sl, B, h});
+    X.d_send = P.stream_activation({Sl, B, h});
+    X.d_recv = P.stream_activation({Sl, B, h});
   }
   Tensor x = X.x_in;
   const int first = P.layout.first_layer(k);
@@ -45,9 +45,9 @@ void allocate_set(RankProgram& P, ActivationSet& X, int k) {
       A = W;
       A.x_in = x;
       if (l + 1 == group.end) {
-        A.x_out = P.activation({Sl, B, h});
+        A.x_out = P.stream_activation({Sl, B, h});
       } else {
-        if (!W.x_out.defined()) W.x_out = P.activation({Sl, B, h});
+        if (!W.x_out.defined()) W.x_out = P.stream_activation({Sl, B, h});
         A.x_out = W.x_out;
       }
     }
@@ -87,8 +87,8 @@ void allocate_workspace(RankProgram& P, BackwardWorkspace& W, bool output_layer)
   const StepShape& z = P.shape;
   const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h, Hl = z.Hl, d = z.d;
   const bool sp = z.sp();
-  W.d_x = P.activation({Sl, B, h});
-  W.d_x_mid = P.activation({Sl, B, h});
+  W.d_x = P.stream_activation({Sl, B, h});
+  W.d_x_mid = P.stream_activation({Sl, B, h});
   W.d_tmp = P.activation({Sl, B, h});
   W.d_mlp = P.activation({Sl, B, h});
   W.d_mlp_full = sp ? P.activation({Sc, B, h}) : W.d_mlp;

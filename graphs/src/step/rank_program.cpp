@@ -2,6 +2,7 @@
 // outline of its step (zero the gradients, the schedule's actions, the optimizer).
 #include "step/rank_program.hpp"
 
+#include "model/half_precision.hpp"
 #include "moe/moe_expert_bias.hpp"
 #include "pipeline/pipeline_program.hpp"
 #include "step/gradient_buckets.hpp"
@@ -210,6 +211,7 @@ void RankProgram::bias_dropout_add(int mb, int layer, int site, const Tensor& y,
     }
   apply_dropout(false, mb, layer, site, y, y, first_row);
   ops::add(x_in, y, x_out);
+  if (rounds_residual_stream()) round_in_place(precision(), x_out);
 }
 
 void RankProgram::bias_dropout_add_backward(int mb, int layer, int site, const Tensor& d_out,

@@ -242,6 +242,18 @@ class RankProgram {
   // products' inputs kept in bf16, the residual stream, norms, softmax and loss in fp32. A step
   // built without tensors models bf16 by its byte counts alone and takes the fp32 code paths.
   bool half() const { return materialize && shape.model.precision != Precision::fp32; }
+  // A materialized 16-bit run whose residual stream is 16-bit (no --fp32-residual-connection),
+  // as Megatron-LM's is: each residual end's sum and each sum of the stream's gradient is
+  // rounded once, held in the fp32 buffers as the 16-bit value.
+  bool rounds_residual_stream() const { return half() && !shape.model.fp32_residual_connection; }
+  // A residual stream tensor or its gradient: counted at residual_stream_bytes() when the step is
+  // not materialized (fp32 storage when it is).
+  Tensor stream_activation(const ops::Shape& s) {
+    return materialize
+               ? Tensor::empty(s, device, rt::MemoryCategory::activations)
+               : Tensor::shape_only(s, device, rt::MemoryCategory::activations,
+                                    static_cast<std::size_t>(shape.model.residual_stream_bytes()));
+  }
   // The run's precision: a 16-bit run's 16-bit tensors are Bf16Tensor storage, read as fp16 in
   // an fp16 run (half_precision.hpp).
   Precision precision() const { return shape.model.precision; }
@@ -299,7 +311,9 @@ class RankProgram {
   }
   void apply_dropout(bool backward, int mb, int layer, int site, const Tensor& in,
                      const Tensor& out, std::int64_t first_row = 0) const;
-  // x_out = x_in + dropout(y + bias): the residual branch's end, on [Sl, B, h] rows.
+  // x_out = x_in + dropout(y + bias): the residual branch's end, on [Sl, B, h] rows, in fp32;
+  // with a 16-bit stream (rounds_residual_stream) rounded once, as Megatron-LM's fused
+  // bias-dropout-add leaves a 16-bit tensor.
   void bias_dropout_add(int mb, int layer, int site, const Tensor& y, const Tensor& bias,
                         const Tensor& x_in, const Tensor& x_out, std::int64_t first_row = 0) const;
   // Its backward: d_y = dropout'(d_out); d_bias += rows of d_y.

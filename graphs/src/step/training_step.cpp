@@ -276,6 +276,16 @@ ModelShard& TrainingStep::shard(int rank) {
 int TrainingStep::activation_sets(int rank) const {
   return static_cast<int>(impl_->program(rank).state.sets.size());
 }
+TrainingStep::ResidualStream TrainingStep::residual_stream(int rank, int layer, int set) {
+  RankProgram& p = impl_->program(rank);
+  if (layer < 0 || layer >= p.shape.model.num_layers ||
+      p.layout.rank_of(p.set_plan.chunk_of_layer[static_cast<std::size_t>(layer)]) != p.at.pp ||
+      set < 0 || set >= static_cast<int>(p.state.sets.size()))
+    throw std::out_of_range(
+        fmt::format("rank {} holds no layer {} in an activation set {}", rank, layer, set));
+  const LayerActivations& A = p.acts(set, layer);
+  return {A.x_mid, A.x_out};
+}
 void TrainingStep::set_update_parameters(bool update) {
   impl_->inputs.update = update;
 }

@@ -213,10 +213,18 @@ struct ModelConfig {
   std::string vocab_file, merge_file;
 
   Precision precision = Precision::fp32;  // --bf16, --fp16 (predicted only: see Precision)
-  Recompute recompute;                    // --recompute-granularity and the flags it takes
+  // --fp32-residual-connection: a 16-bit run's residual stream (and its gradient) in fp32, as
+  // Megatron-LM's fp32_residual_connection keeps it; without it the stream is a 16-bit tensor,
+  // as Megatron-LM's is under --bf16 and --fp16. Refused in an fp32 run, as Megatron-LM does.
+  bool fp32_residual_connection = false;
+  Recompute recompute;  // --recompute-granularity and the flags it takes
 
   // Bytes of one activation, communicated value or element-wise operand in this precision.
   int activation_bytes() const { return precision == Precision::fp32 ? 4 : 2; }
+  // Bytes of one value of the residual stream, its gradient and what the pipeline's stages send
+  // each other (Megatron-LM's pipeline_dtype): a 16-bit run's are 16-bit values but with
+  // --fp32-residual-connection.
+  int residual_stream_bytes() const { return fp32_residual_connection ? 4 : activation_bytes(); }
 
   int positions() const {
     return max_position_embeddings > 0 ? max_position_embeddings : seq_length;

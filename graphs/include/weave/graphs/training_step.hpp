@@ -130,6 +130,14 @@ class TrainingStep {
   // many per model chunk as the pipeline schedule has micro-batches of that chunk in flight at
   // once (1F1B: p - r on stage r; GPipe: every micro-batch; 1 without pipelining).
   int activation_sets(int rank) const;
+  // The residual stream layer `layer` of rank `rank` left in activation set `set` by the last run
+  // of a materialized step: the layer's middle (after its attention's residual end) and its
+  // output, for checks of what precision the stream's values have. Throws std::out_of_range for a
+  // rank not built here or a layer it does not hold.
+  struct ResidualStream {
+    ops::Tensor middle, output;
+  };
+  ResidualStream residual_stream(int rank, int layer, int set = 0);
   // When false, the graph skips the optimizer step (for gradient checks).
   void set_update_parameters(bool update);
   // With --overlap-param-gather (and the distributed optimizer) a step opens with the
