@@ -2,12 +2,9 @@
 // as Megatron-LM's hidden states are under --bf16 and --fp16: every value a layer leaves in the
 // stream is exactly a bf16 (fp16) value, and the pipeline's stages, which send the stream's
 // values, add no rounding to it. --fp32-residual-connection keeps the stream and its gradient in
-// fp32: the step is the one weave trained before the stream became 16-bit, loss for loss and bit
-// for bit, its pipeline sends fp32 and its prediction counts the stream at 4 bytes a value. An fp32
+// fp32: its pipeline sends fp32 and its prediction counts the stream at 4 bytes a value. An fp32
 // run refuses the flag, as Megatron-LM does.
 #include <gtest/gtest.h>
-
-#include <fmt/format.h>
 
 #include <cmath>
 #include <cstdint>
@@ -99,63 +96,46 @@ TEST(ResidualStream, IsSixteenBitByDefaultAndFp32WithTheFlag) {
   }
 }
 
-// The losses (and MoE aux losses) of three steps with updates, as hexadecimal floats.
-std::vector<std::string> hex_losses(const ModelConfig& m, const ParallelPlan& plan) {
+// The losses (and MoE aux losses) of three steps with updates.
+std::vector<double> losses(const ModelConfig& m, const ParallelPlan& plan) {
   const Outcome o = run(m, plan, 3, true);
-  std::vector<std::string> out;
-  for (double l : o.losses)
-    out.push_back(fmt::format("{:a}", l));
-  if (m.num_experts > 0)
-    for (double a : o.aux)
-      out.push_back(fmt::format("aux {:a}", a));
+  std::vector<double> out(o.losses.begin(), o.losses.end());
+  if (m.num_experts > 0) out.insert(out.end(), o.aux.begin(), o.aux.end());
   return out;
 }
 
-// --fp32-residual-connection is the step as weave trained it when its residual stream was fp32 in
-// every precision: these are that step's losses (and MoE aux losses) of three steps with updates,
-// printed with the same configurations before the 16-bit stream was built (no flag then). Any
-// rounding of the stream the flag let through, or any other change to its arithmetic, changes
-// them. On one device, under tp2 with SP, and under expert parallelism with Ampipe (its own
-// residual ends). (Not the pipeline: with the flag it sends fp32, where it sent bf16 before.)
-TEST(ResidualStream, Fp32ResidualConnectionIsTheFp32StreamStepBitwise) {
+// --fp32-residual-connection changes the step (its stream is not rounded) on one device, under
+// tp2 with SP, and under expert parallelism with Ampipe (whose residual ends are its own). That
+// the flag's step keeps the stream in fp32 is the count above; that it is the fp32-stream model's
+// step is the PyTorch reference's bf16_fp32_residual curve (bf16_reference_test.cpp). Losses
+// captured from one build are not compared: the bf16 products differ by host (oneDNN's bf16
+// kernels where the CPU has AVX512_BF16, fp32 products of bf16 values elsewhere).
+TEST(ResidualStream, Fp32ResidualConnectionChangesTheStep) {
   struct Case {
     const char* name;
     ModelConfig model;
     ParallelPlan plan;
-    std::vector<std::string> losses;
   };
   const Case cases[] = {
-      {"gpt bf16",
-       in(gpt(), Precision::bf16),
-       kOneDevice,
-       {"0x1.0bc4acb5df72ap+2", "0x1.de8350c4a412fp+1", "0x1.cc3dcb3c4f9f2p+1"}},
-      {"llama fp16",
-       in(llama(), Precision::fp16),
-       kOneDevice,
-       {"0x1.0b105582b3d26p+2", "0x1.cbf8146a29f58p+1", "0x1.ca7654177fadcp+1"}},
-      {"moe bf16",
-       in(tiny(4), Precision::bf16),
-       kOneDevice,
-       {"0x1.0b3b3140f7092p+2", "0x1.f217dbe0a9fd6p+1", "0x1.d8e4cf84dce55p+1",
-        "aux 0x1.8a070d7f7cedap-7", "aux 0x1.8fc73ee45a1ccp-7", "aux 0x1.8bcec1645a1cbp-7"}},
+      {"gpt bf16", in(gpt(), Precision::bf16), kOneDevice},
+      {"llama fp16", in(llama(), Precision::fp16), kOneDevice},
+      {"moe bf16", in(tiny(4), Precision::bf16), kOneDevice},
       {"gpt bf16 tp2 sp",
        in(gpt(), Precision::bf16),
        {.tensor_parallel = 2,
         .sequence_parallel = true,
         .micro_batch_size = 2,
-        .global_batch_size = 4},
-       {"0x1.0bc45d022f60bp+2", "0x1.deae237cfe19cp+1", "0x1.cd88ed3ae17d4p+1"}},
-      {"moe bf16 ep2 dp2 ampipe2",
-       in(tiny(4), Precision::bf16),
-       kEp2Ampipe2,
-       {"0x1.0b3b3140f7092p+2", "0x1.f217dbe0a9fd6p+1", "0x1.d8e4cefa69d0ep+1",
-        "aux 0x1.8a070da041894p-7", "aux 0x1.8fc73f083126fp-7", "aux 0x1.8bcec1cfdf3b6p-7"}},
+        .global_batch_size = 4}},
+      {"moe bf16 ep2 dp2 ampipe2", in(tiny(4), Precision::bf16), kEp2Ampipe2},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.name);
-    EXPECT_EQ(hex_losses(with_fp32_residual(c.model), c.plan), c.losses);
-    // And the default's 16-bit stream is another step.
-    EXPECT_NE(hex_losses(c.model, c.plan), c.losses);
+    const std::vector<double> sixteen = losses(c.model, c.plan);
+    const std::vector<double> wide = losses(with_fp32_residual(c.model), c.plan);
+    ASSERT_EQ(sixteen.size(), wide.size());
+    EXPECT_NE(sixteen, wide);
+    // Both train the same model: the first losses agree to the stream's rounding (2^-8 of it).
+    EXPECT_NEAR(sixteen[0], wide[0], sixteen[0] / 256);
   }
 }
 
