@@ -396,16 +396,19 @@ TEST(StepCosts, MoeRoutingStreamsTheRowsItMoves) {
   }
 }
 
+// Kernel rates for the timing tests: products at 200 GFLOP/s slowed by dimensions near 16,
+// attention at 50 GFLOP/s, streaming at 10 GB/s.
+const ModelledMachine kKernelRates{.device_flops = 2e11,
+                                   .device_memory_bandwidth = 1e10,
+                                   .attention_flops = 5e10,
+                                   .matmul_overhead_dimension = 16};
+
 // On the virtual clock the router's task lasts its product's time and its streaming's: the
 // routing's bytes at the memory bandwidth, whatever rates the products have.
 TEST(StepCosts, TheRoutersRowsAreTimedAtTheMemoryBandwidth) {
   const ModelConfig m = tiny(4);
   Built b(m, {.micro_batch_size = 2, .global_batch_size = 2});
-  const ModelledMachine modelled{.device_flops = 2e11,
-                                 .device_memory_bandwidth = 1e10,
-                                 .attention_flops = 5e10,
-                                 .matmul_overhead_dimension = 16};
-  const devices::MachineModel machine = machine_model(b.set, modelled);
+  const devices::MachineModel machine = machine_model(b.set, kKernelRates);
   const rt::TaskTable& tasks = b.step.graph().tasks();
   bool seen = false;
   for (rt::TaskId t = 0; t < tasks.size(); ++t) {
@@ -425,11 +428,7 @@ TEST(StepCosts, TheRoutersRowsAreTimedAtTheMemoryBandwidth) {
 TEST(StepCosts, KernelRatesPriceEachKindOfWork) {
   const ModelConfig m = tiny(0);
   Built b(m, {.micro_batch_size = 2, .global_batch_size = 2});
-  const ModelledMachine modelled{.device_flops = 2e11,
-                                 .device_memory_bandwidth = 1e10,
-                                 .attention_flops = 5e10,
-                                 .matmul_overhead_dimension = 16};
-  const devices::MachineModel machine = machine_model(b.set, modelled);
+  const devices::MachineModel machine = machine_model(b.set, kKernelRates);
   ASSERT_TRUE(machine.kernels().has_value());
   const rt::TaskTable& tasks = b.step.graph().tasks();
   bool seen_qkv = false, seen_attention = false, seen_norm = false;
