@@ -47,8 +47,11 @@ Executor::~Executor() {
   while (!queues_->quiescent())
     std::this_thread::yield();
   // Drainers enqueued but not yet started hold the queues; let them run and leave, so nothing
-  // outlives the executor. Bounded: an arena no worker ever visits again must not hang us.
-  const Nanos deadline = detail::steady_now() + 1'000'000'000;
+  // outlives the executor. Bounded: an arena no worker ever visits again must not hang us. The
+  // bound is generous because a host loaded several times over its cores (a sanitized suite run
+  // in parallel) can take over a second to bring a worker into an arena, and a drainer the arena
+  // never runs is never destroyed either: its hold on the queues would leak.
+  const Nanos deadline = detail::steady_now() + 10'000'000'000;
   while (queues_->drainers_pending() && detail::steady_now() < deadline)
     std::this_thread::yield();
   timer_.reset();

@@ -174,10 +174,8 @@ TaskId gather_shard(GradientBucket& bucket, const GroupHandle& data, const Group
     return replicas.all_gather_halves(
         ready, bucket.values16.slice(0, bucket.shard_begin, bucket.shard_size), bucket.values16,
         bucket.name + ".gather", tags);
-  return replicas.all_gather(
-      ready,
-      {bucket.values.data() + bucket.shard_begin, static_cast<std::size_t>(bucket.shard_size)},
-      all_of(bucket.values), bucket.name + ".gather", tags);
+  return replicas.all_gather(ready, part_of(bucket.values, bucket.shard_begin, bucket.shard_size),
+                             all_of(bucket.values), bucket.name + ".gather", tags);
 }
 
 // Distributed optimizer: each replica updated its shard; gather the whole values back.

@@ -145,6 +145,12 @@ inline std::span<float> all_of(const Tensor& t) {
 inline std::span<const float> read_of(const Tensor& t) {
   return {t.data(), static_cast<std::size_t>(t.numel())};
 }
+// Elements [begin, begin + n) of t. A tensor built without storage (a prediction) has a null
+// data pointer, which may not be offset: its part is a null span of the same size, which the
+// collectives only count.
+inline std::span<float> part_of(const Tensor& t, std::int64_t begin, std::int64_t n) {
+  return {t.data() ? t.data() + begin : nullptr, static_cast<std::size_t>(n)};
+}
 
 class RankProgram {
  public:
