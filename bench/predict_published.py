@@ -58,8 +58,22 @@ KORTHIKANTI_STACK = "--attention-backend unfused --attention-dropout 0.1 --hidde
 # chosen: gradients reduced in fp32 (arguments.py turns --accumulate-allreduce-grads-in-fp32 on
 # whenever --bf16; --grad-reduce-in-bf16 came later), reduce-scattered only in the last
 # micro-batch's backward (no_sync over the others) and the bf16 parameters gathered in the next
-# step's first forward; learned absolute positions, LayerNorm, biases and the fused bias-GeLU
-# (Megatron's GPT defaults). Dropout (Megatron's default 0.1) is left out: weave prices none
+# step's first forward; each bucket checked for NaN (its norm) and scaled by 1 / 48 on the compute
+# stream before its reduce-scatter (start_grad_sync; --check-for-nan-in-loss-and-grad is on by
+# default); on the pipeline stages after the first every reduction started after the stage's last
+# backward (--delay-grad-reduce's default, and those stages' single bucket); learned absolute
+# positions, LayerNorm, biases and the fused bias-GeLU (Megatron's GPT defaults).
+# The 32B row cannot be reached under these settings whatever the kernels' rates: tp 8 leaves one
+# member of each 48-wide data-parallel group a node, so each GPU's own 400 Gb/s NIC carries 47/48
+# of its 3.94B parameters' fp32 gradients (15.4 GB) and bf16 values (7.7 GB) a step: 0.46 s at
+# the line rate. With 4 micro-batches of 1 only the last backward (1/6 of the compute) can hide the
+# reduce-scatter and the first forward (1/12) the gather, so the step is at least 5/6 C + 0.31 s
+# + (0.15 s - C/12) = 3/4 C + 0.46 s; the published 0.892 s step (459.6 TFLOP/s) needs a compute
+# time C of 0.57 s, 716 TFLOP/s of model FLOPs: about the products' sustained rate (722 in the
+# h100-sxm preset), as if attention, element-wise work and the tensor-parallel collectives were
+# free (weave's C is 0.75 s). A micro-batch of 2 (not stated;
+# 413.8 TFLOP/s predicted) or gradients reduced in bf16 (impossible in Megatron-LM of July 2024)
+# would each make it reachable. Dropout (Megatron's default 0.1) is left out: weave prices none
 # inside the fused attention kernel (no published H100 figure with it) nor in the fused
 # bias-dropout-add, so the rows' predictions are the same with it.
 MEGATRON_README = [

@@ -200,6 +200,59 @@ TEST(Prediction, GradientReductionsWaitForTheBackwardWithoutOverlapGradReduce) {
   }
 }
 
+// Under 1F1B with --overlap-grad-reduce only the first pipeline stage starts reductions while its
+// backward runs; the second starts every one after its last backward compute task (Megatron-LM's
+// default --delay-grad-reduce: the later stages reduce in the bubble). Each reduction starts after
+// its bucket's NaN check and scaling on the compute stream. Read on the virtual clock, device by
+// device (the stage holding the embedding is the first).
+TEST(Prediction, LaterPipelineStagesReduceInTheBubble) {
+  TrainerConfig c;
+  c.model = tiny(0);
+  c.model.num_layers = 4;
+  c.plan = {.data_parallel = 2,
+            .pipeline_parallel = 2,
+            .micro_batch_size = 1,
+            .global_batch_size = 8,
+            .distributed_optimizer = true};
+  c.plan.overlap_grad_reduce = true;
+  c.machine = {.device_flops = 1e11, .device_memory_bandwidth = 1e10, .link = "nvlink4"};
+  const Prediction p = predict_step(c, {.fold_data_parallel = false});
+  const rt::TaskTable& tasks = p.trace.tasks();
+  int first_stage = 0, later_stage = 0;
+  for (rt::DeviceId device = 0; device < 4; ++device) {
+    rt::Nanos backward_end = 0, first_reduction = std::numeric_limits<rt::Nanos>::max();
+    rt::Nanos first_check_end = std::numeric_limits<rt::Nanos>::max();
+    bool holds_embedding = false;
+    int reductions = 0;
+    for (const rt::Span& span : p.trace.spans()) {
+      const rt::TaskInfo& t = tasks[span.task];
+      if (t.device != device) continue;
+      const std::string_view name = tasks.name(span.task);
+      holds_embedding |= name == "embedding";
+      if (t.kind == rt::TaskKind::compute && t.tags.micro_batch >= 0 &&
+          (t.tags.phase == rt::Phase::backward || t.tags.phase == rt::Phase::weight))
+        backward_end = std::max(backward_end, span.end);
+      if (t.kind == rt::TaskKind::compute && name.ends_with(".check"))
+        first_check_end = std::min(first_check_end, span.end);
+      if (t.kind == rt::TaskKind::comm && name.find(".dp[") != std::string_view::npos) {
+        first_reduction = std::min(first_reduction, span.start);
+        ++reductions;
+      }
+    }
+    EXPECT_GT(reductions, 2) << device;
+    EXPECT_GE(first_reduction, first_check_end) << device;
+    if (holds_embedding) {
+      ++first_stage;
+      EXPECT_LT(first_reduction, backward_end) << device;
+    } else {
+      ++later_stage;
+      EXPECT_GE(first_reduction, backward_end) << device;
+    }
+  }
+  EXPECT_EQ(first_stage, 2);
+  EXPECT_EQ(later_stage, 2);
+}
+
 // The distributed optimizer's parameter gathers: without --overlap-param-gather they follow the
 // shards' update, where the step ends; with it they open the step (gathering the last update),
 // each layer's forward waits for its own bucket's gather only, and the step ends after the

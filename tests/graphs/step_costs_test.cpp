@@ -464,5 +464,76 @@ TEST(StepCosts, KernelRatesPriceEachKindOfWork) {
   EXPECT_GT(with.run(b.step.graph()).makespan, without.run(b.step.graph()).makespan);
 }
 
+// Before each bucket's data-parallel collective Megatron-Core's start_grad_sync checks the bucket
+// for NaN (a norm: every gradient read) and scales it by 1 / replicas in place (read and
+// written), on the compute stream: a ".check" task per bucket streaming 3 x 4 bytes of each fp32
+// gradient, every gradient once (zero_grads clears them all, 4 bytes each). A loss scaler owns
+// overflows (Megatron-LM turns the check off under dynamic loss scaling): only the scaling's 2 x
+// 4. With one replica there is no collective and neither pass.
+TEST(StepCosts, ABucketIsCheckedAndScaledBeforeItsDataParallelReduction) {
+  auto bytes_of = [](Precision precision, int replicas) {
+    ModelConfig m = tiny(0);
+    m.precision = precision;
+    Built b(m,
+            {.data_parallel = replicas,
+             .micro_batch_size = 2,
+             .global_batch_size = 2 * replicas,
+             .distributed_optimizer = true,
+             .overlap_grad_reduce = true},
+            {.loss_scaling = precision == Precision::fp16});
+    const rt::TaskTable& tasks = b.step.graph().tasks();
+    double checks = 0, cleared = 0;
+    int reductions = 0, checked = 0;
+    for (rt::TaskId t = 0; t < tasks.size(); ++t) {
+      if (tasks[t].device != 0) continue;
+      const std::string_view name = tasks.name(t);
+      if (name == "zero_grads") cleared = tasks[t].cost.bytes;
+      if (name.ends_with(".check")) {
+        checks += tasks[t].cost.bytes;
+        ++checked;
+      }
+      // A bucket's reduction over its replicas: "<bucket>.dp", with the collective's index.
+      if (name.find(".dp") != std::string_view::npos && tasks[t].kind != rt::TaskKind::compute)
+        ++reductions;
+    }
+    EXPECT_EQ(checked, reductions) << "one check per bucket reduced";
+    return std::pair{checks, cleared};
+  };
+  const auto [fp32, fp32_cleared] = bytes_of(Precision::fp32, 2);
+  EXPECT_GT(fp32_cleared, 0);
+  EXPECT_DOUBLE_EQ(fp32, 3 * fp32_cleared);
+  const auto [bf16, bf16_cleared] = bytes_of(Precision::bf16, 2);
+  EXPECT_DOUBLE_EQ(bf16, 3 * bf16_cleared);
+  const auto [fp16, fp16_cleared] = bytes_of(Precision::fp16, 2);
+  EXPECT_DOUBLE_EQ(fp16, 2 * fp16_cleared);
+  EXPECT_EQ(bytes_of(Precision::fp32, 1).first, 0);
+}
+
+// Megatron-LM's default --delay-grad-reduce under the 1F1B schedule: only the first pipeline
+// stage reduces its buckets as the last backward completes them; the later stages start every
+// reduction after their last backward (weave's "grad_sync_start" marks that point, as without
+// --overlap-grad-reduce on every rank). With virtual stages every rank overlaps.
+TEST(StepCosts, LaterPipelineStagesReduceAfterTheirLastBackward) {
+  auto delayed_ranks = [](bool overlap, int virtual_stages) {
+    ModelConfig m = tiny(0);
+    m.num_layers = 4;
+    Built b(m, {.data_parallel = 2,
+                .pipeline_parallel = 2,
+                .virtual_pipeline = virtual_stages,
+                .micro_batch_size = 1,
+                .global_batch_size = 8,
+                .distributed_optimizer = true,
+                .overlap_grad_reduce = overlap});
+    const rt::TaskTable& tasks = b.step.graph().tasks();
+    std::map<rt::DeviceId, int> marks;
+    for (rt::TaskId t = 0; t < tasks.size(); ++t)
+      if (tasks.name(t) == "grad_sync_start") ++marks[tasks[t].device];
+    return marks.size();
+  };
+  EXPECT_EQ(delayed_ranks(true, 1), 2u);   // the second stage's two replicas
+  EXPECT_EQ(delayed_ranks(false, 1), 4u);  // every rank without the overlap
+  EXPECT_EQ(delayed_ranks(true, 2), 0u);   // the interleaved schedule overlaps on every stage
+}
+
 }  // namespace
 }  // namespace weave::graphs

@@ -13,6 +13,7 @@
 #include "weave/devices/machine_model.hpp"
 #include "weave/devices/shared_memory_communicator.hpp"
 #include "weave/graphs/training_step.hpp"
+#include "weave/runtime/error.hpp"
 #include "weave/runtime/trace_metrics.hpp"
 #include "weave/runtime/virtual_clock.hpp"
 
@@ -672,6 +673,33 @@ TEST(TrainingStep, TwoRunsAreBitwiseIdentical) {
                        .global_batch_size = 4};
   const Outcome a = run(m, p, 3, true), b = run(m, p, 3, true);
   EXPECT_EQ(a.losses, b.losses);
+}
+
+// Megatron-Core checks each bucket for NaN before its data-parallel collective and stops the run
+// there (start_grad_sync's check_for_nan_in_grad): weights of 1e30 overflow the attention scores,
+// the loss and every gradient turn NaN, and the step fails in the bucket's ".check" task, before
+// any reduction, naming the bucket.
+TEST(TrainingStepChecks, ANonFiniteGradientStopsTheStepBeforeItsReduction) {
+  ModelConfig m = tiny(0);
+  m.init_method_std = 1e30;
+  ParallelPlan plan{.data_parallel = 2,
+                    .micro_batch_size = 2,
+                    .global_batch_size = 4,
+                    .distributed_optimizer = true,
+                    .overlap_grad_reduce = true};
+  validate(m, plan);
+  devices::DeviceSet set(plan.devices(), {.pin = false});
+  devices::SharedMemoryCommunicator comm;
+  TrainingStep step(m, plan, {}, set, comm);
+  fill_batches(step, m, plan);
+  step.prepare(1, 1e-2);
+  try {
+    set.executor().run(step.graph());
+    ADD_FAILURE() << "a NaN gradient went through the reductions";
+  } catch (const rt::TaskError& e) {
+    EXPECT_TRUE(e.task_name().ends_with(".check")) << e.task_name();
+    EXPECT_NE(std::string(e.what()).find("non-finite gradient"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace

@@ -111,9 +111,11 @@ constexpr ConfigFlag kParallelism[] = {
      .group = FlagGroup::parallelism,
      .values = 0,
      .help = "Reduce each bucket's data-parallel gradients as soon as the backward has produced "
-             "them, overlapping the rest of the backward; without it they are reduced after the "
-             "step's last backward task, as Megatron-LM does by default (refused with Ampipe, as "
-             "MindSpeed does)",
+             "them, overlapping the rest of the backward (under the 1F1B schedule without "
+             "virtual stages on the first pipeline stage only: the later ones reduce after their "
+             "last backward, as Megatron-LM's default --delay-grad-reduce has them); without it "
+             "they are reduced after the step's last backward task, as Megatron-LM does by "
+             "default (refused with Ampipe, as MindSpeed does)",
      .field = plan_field<&P::overlap_grad_reduce>(),
      .description = described(plan, "overlap_grad_reduce"),
      .properties = kRefusedBesideAmpipe},

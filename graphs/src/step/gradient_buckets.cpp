@@ -1,11 +1,44 @@
 #include "step/gradient_buckets.hpp"
 
+#include <fmt/format.h>
+
+#include <cmath>
+#include <stdexcept>
+
 #include "step/step_costs.hpp"
 #include "weave/ops/elementwise.hpp"
 
 namespace weave::graphs {
 
 namespace {
+
+// Before a bucket's data-parallel collective, on the compute stream: its gradients checked for
+// NaN and infinities, then scaled by 1 / the replicas (cost::pre_reduction_passes). The check is
+// real: a non-finite gradient stops the step here, as Megatron-Core's assert does, unless a loss
+// scaler owns overflows (it skips such steps; Megatron-LM turns the check off under dynamic loss
+// scaling). weave's gradients are averaged elsewhere, so only the scaling's price is Megatron's.
+TaskId add_pre_reduction_passes(RankProgram& P, GradientBucket& bucket, int replicas,
+                                double gradient_bytes, TaskId ready) {
+  const bool checked = !P.opt.loss_scaling;
+  GradientBucket* b = &bucket;
+  const TaskId passes = P.compute(
+      bucket.name + ".check", {.phase = rt::Phase::backward},
+      cost::pre_reduction_passes(static_cast<double>(bucket.grads.numel()), gradient_bytes, checked,
+                                 replicas),
+      [b, checked] {
+        if (!checked) return;
+        const float* g = b->grads.data();
+        for (std::int64_t i = 0; i < b->grads.numel(); ++i)
+          if (!std::isfinite(g[i]))
+            throw std::runtime_error(fmt::format(
+                "gradient bucket '{}' holds a non-finite gradient ({}) before its data-parallel "
+                "reduction (Megatron-Core's check_for_nan_in_grad stops the run here): lower "
+                "the learning rate, or train with a loss scaler (--fp16), which skips such steps",
+                b->name, g[i]));
+      });
+  P.after(ready, passes);
+  return passes;
+}
 
 // Reduces bucket b of this rank's shard after `ready`: its sequence-parallel partials over tp,
 // then its replicas.
@@ -20,6 +53,7 @@ void reduce_bucket(RankProgram& P, GradientBucket& bucket, TaskId ready) {
   auto chain = [&ready](TaskId reduced) {
     if (reduced != rt::kNoTask) ready = reduced;
   };
+  const GroupHandle& replicas = bucket.expert ? expert_data : data;
   if (bucket.held_grads.defined()) {
     // Stage 2 under a zero-bubble schedule: the I actions' gradients, held aside until the bucket
     // took its slot, moved in (and the held ones zeroed for the next I), on the compute stream
@@ -37,10 +71,12 @@ void reduce_bucket(RankProgram& P, GradientBucket& bucket, TaskId ready) {
     P.after(ready, moved);
     ready = moved;
   }
+  if (!bucket.staged && replicas.size() > 1)
+    ready = add_pre_reduction_passes(P, bucket, replicas.size(),
+                                     static_cast<double>(gradient_bytes), ready);
   if (bucket.reduction == GradientReduction::tensor_partial)
     chain(tensor.all_reduce(ready, all_of(bucket.grads), devices::ReduceOp::sum,
                             bucket.name + ".tp", tags));
-  const GroupHandle& replicas = bucket.expert ? expert_data : data;
   if (!bucket.sharded) {
     replicas.all_reduce(ready, all_of(bucket.grads), devices::ReduceOp::sum, bucket.name + ".dp",
                         tags);
@@ -70,6 +106,19 @@ void reduce_bucket(RankProgram& P, GradientBucket& bucket, TaskId ready) {
   P.gradient_slot_releases[bucket.slot].push_back(accumulated);
 }
 
+// Megatron-LM's default --delay-grad-reduce (its --no-delay-grad-reduce turns it off; weave has
+// no such switch): under the 1F1B schedule without virtual stages only the first pipeline stage
+// starts its buckets' reductions as the last micro-batch's backward completes them; the later
+// stages start them all after their last backward (grad_sync_func, after the cooldown's sends),
+// in the bubble while the earlier stages finish theirs. megatron/training/training.py lines
+// 1001-1002 and megatron/core/pipeline_parallel/schedules.py lines 1460-1464 and 1480-1503 at
+// core_v0.8.0 ("Other pipeline stages do grad reduction during pipeline bubble").
+bool delays_reduction(const RankProgram& P) {
+  const ParallelPlan& plan = P.shape.plan;
+  const bool one_f_one_b = plan.pipeline_scheduler.empty() || plan.pipeline_scheduler == "1f1b";
+  return plan.pipeline_parallel > 1 && plan.virtual_pipeline == 1 && one_f_one_b && P.at.pp != 0;
+}
+
 }  // namespace
 
 void reduce_buckets(RankProgram& P, const std::string& point, TaskId after, bool last) {
@@ -87,7 +136,9 @@ void reduce_buckets(RankProgram& P, const std::string& point, TaskId after, bool
     const GroupHandle& replicas = bucket.expert ? P.expert_data : P.data;
     // Without --overlap-grad-reduce a bucket that has replicas to reduce with waits, with its
     // tensor-parallel partials, for the end of the backward (Megatron-LM's finish_grad_sync).
-    if (!P.shape.plan.overlap_grad_reduce && replicas.size() > 1)
+    // So does it with the overlap on a pipeline stage after the first under the 1F1B schedule
+    // (delays_reduction).
+    if ((!P.shape.plan.overlap_grad_reduce || delays_reduction(P)) && replicas.size() > 1)
       P.deferred_buckets.emplace_back(b, after);
     else
       reduce_bucket(P, bucket, after);

@@ -165,6 +165,23 @@ inline rt::CostHint cross_entropy_backward(const StepShape& z) {
   return widens_logits(z) ? scaled + streamed_bytes(n, 4 + 2) : scaled;
 }
 
+// What Megatron-Core runs over a gradient bucket on the compute stream before its data-parallel
+// collective (start_grad_sync in megatron/core/distributed/param_and_grad_buffer.py, lines
+// 111-123 at core_v0.8.0, the release the Megatron-LM README's H100 table was measured with;
+// check_grads and the same scaling at lines 345-352 and 655-667 of 2026's main): with
+// check_for_nan_in_grad (--check-for-nan-in-loss-and-grad, on by default; arguments.py turns it
+// off under dynamic loss scaling) the bucket's norm, one read of every gradient, and, the
+// replicas' average being taken before a summing collective (gradient_scaling_factor = 1 /
+// replicas in distributed_data_parallel.py, without --ddp-average-in-collective), the bucket
+// scaled in place, a read and a write. Each is one kernel over `elements` of `element_bytes`.
+inline rt::CostHint pre_reduction_passes(double elements, double element_bytes, bool checked,
+                                         int replicas) {
+  rt::CostHint cost{};
+  if (checked) cost = cost + streamed_bytes(elements, element_bytes);
+  if (replicas > 1) cost = cost + streamed_bytes(elements, 2 * element_bytes);
+  return cost;
+}
+
 // The word embedding's weight gradient as Megatron-Core takes it, whatever few rows the tokens
 // touch: F.embedding's backward writes a dense [V/t, h] gradient in the weight's precision
 // (VocabParallelEmbedding, megatron/core/tensor_parallel/layers.py), and the data-parallel

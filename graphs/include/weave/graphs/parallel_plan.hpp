@@ -56,7 +56,9 @@ struct ParallelPlan {
   // its compute. 1 gathers each layer only once the previous one is done with its slot.
   int zero_units_in_flight = 2;
   // --overlap-grad-reduce: each bucket's data-parallel gradient reduction starts once the
-  // backward has produced its gradients, overlapping the rest of the backward. Without it (as in
+  // backward has produced its gradients, overlapping the rest of the backward (under 1F1B without
+  // virtual stages on the first pipeline stage only, as Megatron-LM's default --delay-grad-reduce
+  // has it: the later stages reduce after their last backward). Without it (as in
   // Megatron-LM, whose finish_grad_sync then starts the reductions) they wait for the rank's last
   // backward task.
   bool overlap_grad_reduce = false;
