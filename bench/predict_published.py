@@ -80,12 +80,22 @@ MEGATRON_README_STACK = ("--bf16 --use-distributed-optimizer --overlap-grad-redu
 
 # Table 3: MindSpeed's Ampipe (docs/features/ampipe.md). Stated: 16 Ascend NPUs, sequence 128k,
 # 2 layers, 4 experts top-2, hidden 12288, full recomputation (block), ep 2, tp 8, dp 1, cp 2,
-# pp 1, SP. Assumed: 96 heads (128-wide, as the 12288-wide GPT-3 175B), expert FFN 4h, bf16,
-# micro-batch 1, global batch 1, the alltoall dispatcher, flash attention (MindSpeed's fused
-# attention), 131,072 positions (128k).
+# pp 1, SP. What MindSpeed's code (branch 2.0.0_core_r0.8.0) requires of every row, not chosen:
+# its deepspeed_moe layer (arguments.py asserts it for Ampipe; --use-pipe-experts is that layer's,
+# mindspeed/moe/moe_layer.py), whose experts are split over the tp group (each expert's
+# ColumnParallelLinear all-gathers its rows over tp, its RowParallelLinear reduce-scatters them),
+# and no bias in the linear layers (arguments.py asserts not --add-bias-linear under Ampipe).
+# Assumed: 96 heads (128-wide, as the 12288-wide GPT-3 175B), expert FFN 4h, bf16, micro-batch 1,
+# global batch 1, flash attention (MindSpeed's fused attention) and rotary positions, as
+# MindSpeed's own 128k scripts of this model run it (tests_extend/system_tests/gpt/
+# pretrain_gpt_deepspeed_moe_128k.sh: hidden 12288, 96 heads, 2 layers, deepspeed_moe top-2,
+# --position-embedding-type rope); a learned table of 131,072 positions would add 1.6e9
+# parameters whose gradient no such script has.
 AMPIPE_MODEL = ("--accelerator ascend-910b --num-layers 2 --hidden-size 12288 "
                 "--num-attention-heads 96 --ffn-hidden-size 49152 --seq-length 131072 "
-                "--max-position-embeddings 131072 --num-experts 4 --moe-router-topk 2 "
+                "--max-position-embeddings 131072 --position-embedding-type rope "
+                "--num-experts 4 --moe-router-topk 2 --moe-model-type deepspeed_moe "
+                "--disable-bias-linear "
                 "--moe-layer-freq 1 --devices 16 --tensor-model-parallel-size 8 "
                 "--sequence-parallel --context-parallel-size 2 --expert-model-parallel-size 2 "
                 "--micro-batch-size 1 --global-batch-size 1 --bf16 --recompute-granularity full "
