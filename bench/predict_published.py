@@ -90,7 +90,11 @@ MEGATRON_README_STACK = ("--bf16 --use-distributed-optimizer --overlap-grad-redu
 # MindSpeed's own 128k scripts of this model run it (tests_extend/system_tests/gpt/
 # pretrain_gpt_deepspeed_moe_128k.sh: hidden 12288, 96 heads, 2 layers, deepspeed_moe top-2,
 # --position-embedding-type rope); a learned table of 131,072 positions would add 1.6e9
-# parameters whose gradient no such script has.
+# parameters whose gradient no such script has. The doc names no --enable-token-rearrange-opt, so
+# the gate dispatches and combines by MindSpeed's default dense einsums (moe_layer.py; Ampipe's
+# gating and post-MLP computers), which Ampipe's chunks halve. The preset prices the HCCS mesh at
+# its links' line rate (no HCCL bus bandwidth measurement of the 910B was found): the tp
+# collectives' time is a lower bound, and with it the gains the pipelines' hiding brings.
 AMPIPE_MODEL = ("--accelerator ascend-910b --num-layers 2 --hidden-size 12288 "
                 "--num-attention-heads 96 --ffn-hidden-size 49152 --seq-length 131072 "
                 "--max-position-embeddings 131072 --position-embedding-type rope "
