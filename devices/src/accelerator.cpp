@@ -49,10 +49,21 @@ NetworkLink link(const json& j, const char* key, const std::string& source) {
         key));
   const json& l = j.at(key);
   const std::string where = fmt::format("{} ({})", source, key);
+  bool full_mesh = false;
+  if (l.contains("full_mesh")) {
+    if (!l.at("full_mesh").is_boolean() ||
+        (l.at("full_mesh").get<bool>() && std::string_view(key) != "node_link"))
+      throw std::invalid_argument(fmt::format(
+          "accelerator {}: 'full_mesh' is true or false, and true only for the node_link (each "
+          "device joined to every other of its node by a link of its own), got {}",
+          where, l.at("full_mesh").dump()));
+    full_mesh = l.at("full_mesh").get<bool>();
+  }
   return {.name = text_or(l, "name", key),
           .bytes_per_second = positive(l, "bytes_per_second", where),
           .latency_us = positive(l, "latency_us", where),
-          .bus_efficiency = l.contains("bus_efficiency") ? share(l, "bus_efficiency", where) : 1.0};
+          .bus_efficiency = l.contains("bus_efficiency") ? share(l, "bus_efficiency", where) : 1.0,
+          .full_mesh = full_mesh};
 }
 
 // One direction of a kernel's table: {"head dim": {"sequence": TFLOP/s, ...}, ...}.
@@ -224,7 +235,8 @@ std::string Accelerator::to_json() const {
     return nlohmann::ordered_json{{"name", l.name},
                                   {"bytes_per_second", l.bytes_per_second},
                                   {"latency_us", l.latency_us},
-                                  {"bus_efficiency", l.bus_efficiency}};
+                                  {"bus_efficiency", l.bus_efficiency},
+                                  {"full_mesh", l.full_mesh}};
   };
   // In the order the shipped presets are written, for a file a person reads and edits.
   nlohmann::ordered_json figures = nlohmann::ordered_json::object();

@@ -32,7 +32,22 @@ ClusterLink from_network_link(const NetworkLink& link) {
                                     100 * link.bus_efficiency, link.bytes_per_second * 1e-9)
                       : link.name,
           .params = {.latency = static_cast<rt::Nanos>(std::llround(link.latency_us * 1e3)),
-                     .bytes_per_second = link.bytes_per_second * link.bus_efficiency}};
+                     .bytes_per_second = link.bytes_per_second * link.bus_efficiency},
+          .full_mesh = link.full_mesh};
+}
+
+// The patterns whose members exchange with every other member at once: over a full mesh each
+// peer's share takes its own link.
+bool exchanges_with_every_member(rt::TransferPattern pattern) {
+  switch (pattern) {
+    case rt::TransferPattern::all_reduce:
+    case rt::TransferPattern::all_gather:
+    case rt::TransferPattern::reduce_scatter:
+    case rt::TransferPattern::all_to_all:
+      return true;
+    default:
+      return false;
+  }
 }
 
 }  // namespace
@@ -119,14 +134,18 @@ GroupPlacement Cluster::place(std::vector<std::uint32_t> ranks) const {
 
 rt::Nanos Cluster::collective_duration(rt::TransferPattern pattern, double payload,
                                        const GroupPlacement& group) const {
-  const double seconds = detail::transfer_algorithm(pattern).cluster_seconds(
-      payload, group, node_link_.params, network_.params);
+  LinkParams intra = node_link_.params;
+  if (node_link_.full_mesh && exchanges_with_every_member(pattern))
+    intra.bytes_per_second *= std::max(1, group.per_node - 1);
+  const double seconds =
+      detail::transfer_algorithm(pattern).cluster_seconds(payload, group, intra, network_.params);
   return static_cast<rt::Nanos>(std::llround(seconds * 1e9));
 }
 
 std::string Cluster::describe(int devices) const {
   auto one = [](const ClusterLink& l) {
-    return fmt::format("{} ({:g} GB/s, {:g} us)", l.name, l.params.bytes_per_second * 1e-9,
+    return fmt::format("{} ({:g} GB/s{}, {:g} us)", l.name, l.params.bytes_per_second * 1e-9,
+                       l.full_mesh ? " a link, a full mesh" : "",
                        static_cast<double>(l.params.latency) * 1e-3);
   };
   const int nodes = nodes_for(devices);

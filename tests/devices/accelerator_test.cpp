@@ -27,7 +27,14 @@ TEST(Accelerator, PresetsHoldTheirPublishedFiguresAndSources) {
   EXPECT_EQ(a100.memory_bytes, std::int64_t{80} << 30);
   EXPECT_DOUBLE_EQ(h100.peak_flops, 989.4e12);
   EXPECT_DOUBLE_EQ(h100.memory_bandwidth, 3.35e12);
-  EXPECT_DOUBLE_EQ(Accelerator::load("ascend-910b").memory_bandwidth, 1.6e12);
+  const Accelerator ascend = Accelerator::load("ascend-910b");
+  EXPECT_DOUBLE_EQ(ascend.memory_bandwidth, 1.6e12);
+  // The Atlas 800T A2's chips are a full mesh of HCCS links, one link's rate given; switched
+  // nodes give a device's share.
+  EXPECT_TRUE(ascend.node_link.full_mesh);
+  EXPECT_DOUBLE_EQ(ascend.node_link.bytes_per_second, 56e9);
+  EXPECT_FALSE(a100.node_link.full_mesh);
+  EXPECT_FALSE(h100.node_link.full_mesh);
   // The kernel model's figures, each stated with its source or as an assumption.
   EXPECT_DOUBLE_EQ(a100.attention_efficiency, 0.6);
   EXPECT_DOUBLE_EQ(a100.matmul_overhead_dimension, 128);
@@ -71,6 +78,9 @@ TEST(Accelerator, ToJsonReadsBackTheSame) {
   EXPECT_DOUBLE_EQ(b.kernel_launch_us, a.kernel_launch_us);
   EXPECT_DOUBLE_EQ(b.node_link.bus_efficiency, a.node_link.bus_efficiency);
   EXPECT_DOUBLE_EQ(b.network.bus_efficiency, a.network.bus_efficiency);
+  EXPECT_FALSE(b.node_link.full_mesh);
+  Accelerator mesh = Accelerator::load("ascend-910b");
+  EXPECT_TRUE(Accelerator::parse(mesh.to_json(), "a mesh copy").node_link.full_mesh);
   EXPECT_EQ(b.sources, a.sources);
   EXPECT_EQ(b.figure_sources, a.figure_sources);
   EXPECT_EQ(b.assumed, a.assumed);
@@ -179,6 +189,24 @@ TEST(Accelerator, AUsersFileLoadsAndAWrongOneIsNamed) {
   refused(R"("power_limited_clock_share": 1.5,)", "'power_limited_clock_share' is a share");
   refused(R"("kernel_launch_us": -1,)",
           "'kernel_launch_us' must be microseconds in [0, 1000], got -1");
+  // A full mesh is a node's links, a true or false.
+  auto links_refused = [&](const std::string& node_link, const std::string& network,
+                           const std::string& expected) {
+    try {
+      Accelerator::parse(R"({"peak_flops": 1e15, "matmul_efficiency": 0.5, "memory_bytes": 1e11,
+        "memory_bandwidth": 4e12, "memory_efficiency": 1, "devices_per_node": 4, "node_link": )" +
+                             node_link + R"(, "network": )" + network + "}",
+                         "test");
+      ADD_FAILURE() << node_link << " " << network;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+  };
+  links_refused(R"({"bytes_per_second": 1e11, "latency_us": 1})",
+                R"({"bytes_per_second": 1e10, "latency_us": 4, "full_mesh": true})",
+                "'full_mesh' is true or false, and true only for the node_link");
+  links_refused(R"({"bytes_per_second": 1e11, "latency_us": 1, "full_mesh": "yes"})",
+                R"({"bytes_per_second": 1e10, "latency_us": 4})", "got \"yes\"");
   std::ofstream(good) << R"({"name": "bad", "peak_flops": 1e15, "matmul_efficiency": 1.5})";
   try {
     Accelerator::load(good);

@@ -24,8 +24,9 @@ constexpr double kNetworkBandwidth = 25e9, kNetworkLatency = 5e-6;
 constexpr int kDevicesPerNode = 8;
 constexpr int kDevices = 32;  // four nodes
 
-Cluster test_cluster() {
-  return Cluster(kDevicesPerNode, {.name = "node link", .params = {2'000, kNodeBandwidth}},
+Cluster test_cluster(bool full_mesh = false) {
+  return Cluster(kDevicesPerNode,
+                 {.name = "node link", .params = {2'000, kNodeBandwidth}, .full_mesh = full_mesh},
                  {.name = "network", .params = {5'000, kNetworkBandwidth}});
 }
 
@@ -45,7 +46,7 @@ double ceil_log2(int n) {
 enum class Op { all_reduce, all_gather, reduce_scatter, all_to_all, send_recv, broadcast, barrier };
 
 double replay(Op op, const std::vector<rt::DeviceId>& ranks, std::size_t floats, bool with_cluster,
-              std::vector<bool> held = {}) {
+              std::vector<bool> held = {}, bool full_mesh = false) {
   if (held.empty()) held.assign(kDevices, true);
   FoldedCommunicator comm(held);
   rt::GraphBuilder b;
@@ -88,8 +89,9 @@ double replay(Op op, const std::vector<rt::DeviceId>& ranks, std::size_t floats,
   }
   const rt::Graph g = b.build();
   const LinkModel one_link = LinkModel::accelerator({2'000, kNodeBandwidth});
-  const MachineModel machine(std::vector<int>(kDevices, 0), 1e12, one_link, 0,
-                             with_cluster ? std::optional<Cluster>(test_cluster()) : std::nullopt);
+  const MachineModel machine(
+      std::vector<int>(kDevices, 0), 1e12, one_link, 0,
+      with_cluster ? std::optional<Cluster>(test_cluster(full_mesh)) : std::nullopt);
   rt::VirtualClock clock(machine, {.execute = false, .record_trace = false});
   return static_cast<double>(clock.run(g).makespan) * 1e-9;
 }
@@ -179,6 +181,38 @@ TEST(Cluster, AllToAllMessagesAreInFlightTogether) {
   EXPECT_NEAR(replay(Op::all_to_all, ranks(0, 1, 16), floats, true), across, kNs);
   // Across 4 nodes, one member each: every message over the network.
   EXPECT_NEAR(replay(Op::all_to_all, ranks(2, 8, 4), floats, true), net(1, 3.0 / 4 * s), kNs);
+}
+
+// A node whose devices each have a link of their own to every other (HCCS on an Atlas 800T A2),
+// the node link's figures one link's: a collective among k devices of a node exchanges over its
+// k - 1 links at once (HCCL's Mesh algorithm), the ring's formula at k - 1 times the bandwidth;
+// one pair uses one link.
+TEST(Cluster, AFullMeshNodeExchangesOverEveryLinkAtOnce) {
+  const double floats = 256.0 * 1024, s = floats * 4;
+  auto mesh = [](int links, double messages, double bytes) {
+    return messages * kNodeLatency + bytes / (links * kNodeBandwidth);
+  };
+  const std::vector<bool> all(kDevices, true);
+  EXPECT_NEAR(replay(Op::all_gather, ranks(0, 1, 8), floats, true, all, true),
+              mesh(7, 7, 7.0 / 8 * s * 8), kNs);
+  EXPECT_NEAR(replay(Op::reduce_scatter, ranks(0, 1, 4), floats, true, all, true),
+              mesh(3, 3, 3.0 / 4 * s * 4), kNs);
+  const double big = 64 * floats;  // bandwidth-bound: the ring's two passes, over 7 links
+  ASSERT_LT(mesh(7, 2 * 7, 2 * 7.0 / 8 * big * 4), mesh(7, 2 * 3, 2 * big * 4));
+  EXPECT_NEAR(replay(Op::all_reduce, ranks(0, 1, 8), big, true, all, true),
+              mesh(7, 2 * 7, 2 * 7.0 / 8 * big * 4), kNs);
+  EXPECT_NEAR(replay(Op::all_to_all, ranks(0, 1, 8), floats, true, all, true),
+              mesh(7, 1, 7.0 / 8 * s), kNs);
+  // Across two nodes the mesh carries the node's level, the network the rest.
+  EXPECT_NEAR(replay(Op::all_gather, ranks(0, 1, 16), floats, true, all, true),
+              mesh(7, 7, 7.0 / 8 * s * 16) + net(1, 0.5 * s * 16 / 8), kNs);
+  EXPECT_NEAR(replay(Op::send_recv, {6, 7}, floats, true, all, true), node(1, s), kNs);
+  EXPECT_NEAR(replay(Op::broadcast, ranks(0, 1, 8), floats, true, all, true), node(7, s), kNs);
+  // On a switched node link of that bandwidth a device, the same latencies and 7 times the
+  // time moving the bytes.
+  const double switched = replay(Op::all_gather, ranks(0, 1, 8), floats, true);
+  const double meshed = replay(Op::all_gather, ranks(0, 1, 8), floats, true, all, true);
+  EXPECT_NEAR(switched - 7 * kNodeLatency, 7 * (meshed - 7 * kNodeLatency), 8 * kNs);
 }
 
 TEST(Cluster, SendRecvBetweenNodesPaysTheNetwork) {

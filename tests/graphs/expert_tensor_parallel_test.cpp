@@ -370,7 +370,7 @@ rt::Trace replay(ParallelPlan plan, MoeGate gate = MoeGate::megatron, bool execu
   m.ffn_hidden_size = 512;
   m.seq_length = 256;
   m.hidden_dropout = 0;
-  plan.moe_model_type = "deepspeed_moe";
+  if (plan.moe_model_type.empty()) plan.moe_model_type = "deepspeed_moe";
   validate(m, plan);
   devices::DeviceSet set(plan.devices(), {.pin = false});
   devices::SharedMemoryCommunicator comm;
@@ -577,6 +577,41 @@ TEST(SplitExperts, GateRoutedOnEveryTpRankAllReducesTheGatesCapacityTensors) {
       << step_with << " ns with the overlap, " << step_without << " ns without";
   EXPECT_LT(tp_with, tp_without) << "exposed tp: " << tp_with << " ns with the overlap, "
                                  << tp_without << " ns without";
+}
+
+// MindSpeed's deepspeed_moe experts are tensor-parallel linears: their backward (Megatron-LM's
+// LinearWithGradAccumulationAndAsyncCommunication) launches fc1's input-gradient reduce-scatter
+// (all-reduce when every tp rank routes the rows) and computes the weight gradients while it runs.
+// On the virtual clock the collective overlaps the weight half, which starts once the input half
+// is done, and the step is shorter than with Megatron-Core's experts split by
+// --expert-tensor-parallel-size, whose dispatcher reduces only after their whole backward.
+TEST(SplitExperts, Fc1InputGradientReducesUnderTheWeightGradient) {
+  for (const bool sp : {true, false}) {
+    ParallelPlan plan = split_plan();
+    plan.sequence_parallel = sp;
+    const MoeGate gate = sp ? MoeGate::megatron : MoeGate::deepspeed;
+    const rt::Trace t = replay(plan, gate);
+    const std::string reduce = sp ? "L0.experts_grad_scatter[0]" : "L0.experts_grad_reduce[0]";
+    const rt::Span* r = t.find(reduce);
+    const rt::Span* input = t.find("L0.experts_backward");
+    const rt::Span* weights = t.find("L0.experts_weight_grad");
+    ASSERT_TRUE(r && input && weights) << reduce << ", the input or the weight half is missing";
+    EXPECT_EQ(t.tasks().stream_name(t.tasks()[r->task].stream), "tp") << reduce;
+    EXPECT_GE(weights->start, input->end) << "the weight half starts before the input half ends";
+    EXPECT_GE(r->start, input->end) << reduce << " starts before the input gradient is complete";
+    EXPECT_TRUE(overlap(*r, *weights))
+        << reduce << " [" << r->start << ", " << r->end << "), weights [" << weights->start << ", "
+        << weights->end << ")";
+  }
+  ParallelPlan megatron = split_plan();
+  megatron.moe_model_type = "megatron";
+  megatron.expert_tensor_parallel = 2;
+  const rt::Trace core = replay(megatron), mindspeed = replay(split_plan());
+  EXPECT_EQ(core.find("L0.experts_weight_grad"), nullptr)
+      << "Megatron-Core's split experts computed their weight gradients apart";
+  EXPECT_LT(step_end(mindspeed), step_end(core))
+      << step_end(mindspeed) << " ns with the reduce-scatter under the weight gradients, "
+      << step_end(core) << " ns after them";
 }
 
 TEST(SplitExperts, MultiStreamNeverOverlapsExpertAndTensorParallelCollectives) {

@@ -14,6 +14,7 @@
 #include "tiny_model.hpp"
 #include "weave/devices/shared_memory_communicator.hpp"
 #include "weave/graphs/virtual_replay.hpp"
+#include "weave/ops/deepspeed_gate.hpp"
 
 namespace weave::graphs {
 namespace {
@@ -394,6 +395,60 @@ TEST(StepCosts, MoeRoutingStreamsTheRowsItMoves) {
     }
     EXPECT_DOUBLE_EQ(router_bytes[4], 2 * router_bytes[2]);
   }
+}
+
+// MindSpeed's deepspeed_moe gate without --enable-token-rearrange-opt dispatches by the einsum
+// "sec,sm->ecm" and combines by "sec,ecm->sm" over a gate call's one-hot [T, E, C] tensors
+// (mindspeed/moe/moe_layer.py): dense products of 2 E C T h each, forward; backward the dispatch's
+// input gradient and the combine's two. With the flag (index_select) the same step carries none.
+// The capacity grows with the gate call's tokens, so twice the tokens take four times the
+// einsums' work: what Ampipe's chunks, each gated apart, halve. The step built with tensors
+// carries the same costs.
+TEST(StepCosts, MindSpeedsGateDispatchesAndCombinesByDenseEinsums) {
+  ModelConfig m = tiny(4);
+  m.moe_gate = MoeGate::deepspeed;
+  m.moe_z_loss_coeff = 0;  // MindSpeed's gate has none
+  const double h = m.hidden_size, E = m.num_experts;
+  auto build_costs = [&](const ModelConfig& model, int B, bool materialize) {
+    ParallelPlan plan{.micro_batch_size = B, .global_batch_size = B};
+    plan.moe_model_type = "deepspeed_moe";
+    validate(model, plan);
+    devices::DeviceSet set(plan.devices(), {.pin = false});
+    devices::SharedMemoryCommunicator comm;
+    const TrainingStep step(model, plan, {}, set, comm, {.materialize = materialize});
+    std::map<std::string, rt::CostHint, std::less<>> costs;
+    const rt::TaskTable& tasks = step.graph().tasks();
+    for (rt::TaskId t = 0; t < tasks.size(); ++t)
+      if (tasks[t].device == 0 && tasks[t].kind == rt::TaskKind::compute)
+        costs[std::string(tasks.name(t))] = tasks[t].cost;
+    return costs;
+  };
+  ModelConfig rearranged = m;
+  rearranged.moe_token_rearrange = true;
+  std::map<int, double> einsums;
+  for (const int B : {2, 4}) {
+    SCOPED_TRACE(fmt::format("micro-batch {}", B));
+    const double T = static_cast<double>(m.seq_length) * B;
+    const double C =
+        static_cast<double>(ops::gate_capacity(static_cast<std::int64_t>(T), m.num_experts,
+                                               m.moe_router_topk, m.moe_train_capacity_factor));
+    const double einsum = 2 * E * C * T * h;
+    const auto dense = build_costs(m, B, false), index = build_costs(rearranged, B, false);
+    EXPECT_DOUBLE_EQ(dense.at("L0.router").flops - index.at("L0.router").flops, einsum);
+    EXPECT_DOUBLE_EQ(dense.at("L0.combine").flops - index.at("L0.combine").flops, einsum);
+    EXPECT_DOUBLE_EQ(dense.at("L0.router_backward").flops - index.at("L0.router_backward").flops,
+                     einsum);
+    EXPECT_DOUBLE_EQ(dense.at("L0.combine_backward").flops - index.at("L0.combine_backward").flops,
+                     2 * einsum);
+    EXPECT_EQ(dense.at("L0.combine").messages, index.at("L0.combine").messages + 1);
+    einsums[B] = einsum;
+    const auto materialised = build_costs(m, B, true);
+    for (const auto& [name, cost] : dense) {
+      ASSERT_TRUE(materialised.contains(name)) << name;
+      EXPECT_EQ(materialised.at(name).flops, cost.flops) << name;
+    }
+  }
+  EXPECT_DOUBLE_EQ(einsums[4], 4 * einsums[2]);
 }
 
 // Kernel rates for the timing tests: products at 200 GFLOP/s slowed by dimensions near 16,

@@ -443,6 +443,16 @@ constexpr ConfigFlag kMoe[] = {
              "taken back through every round",
      .field = model_field<&M::moe_use_sinkhorn>(),
      .description = described(model, "moe_use_sinkhorn")},
+    {.name = "--enable-token-rearrange-opt",
+     .group = FlagGroup::moe,
+     .values = 0,
+     .help = "With --moe-model-type deepspeed_moe (MindSpeed's gate): dispatch and combine by "
+             "index_select, each picked row copied, instead of MindSpeed's default dense einsums "
+             "over the one-hot [tokens, experts, capacity] tensors (products the virtual clock "
+             "prices); the same rows and weights. Megatron-Core's router takes no such einsums: "
+             "no effect there",
+     .field = model_field<&M::moe_token_rearrange>(),
+     .description = described(model, "moe_token_rearrange")},
 };
 
 }  // namespace

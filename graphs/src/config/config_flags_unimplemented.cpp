@@ -191,9 +191,6 @@ constexpr ConfigFlag kNoEffect[] = {
         "with --moe-no-drop, MindSpeed pads each expert's buffer to a capacity it "
         "estimates over a sliding window; nothing is dropped either way, and weave sends "
         "only the routed rows (it needs --moe-no-drop, MindSpeed's rule)"),
-    without_effect("--enable-token-rearrange-opt", 0,
-                   "MindSpeed's index_select layout of the same dispatch and combine: the same "
-                   "tokens reach the same experts with the same weights"),
     without_effect("--no-use-rts", 0,
                    "MindSpeed's parser leaves random token selection off with or without it "
                    "(store_false onto a default of False); weave's top-1 gate keeps each expert's "

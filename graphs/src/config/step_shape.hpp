@@ -69,6 +69,15 @@ struct StepShape {
   // Whether a MoE slot's expert work runs as items with their own all-to-alls, and the
   // capacity slices per local expert it is cut into.
   bool expert_items() const { return pipe_experts() || tp_sp_overlap(); }
+  // MindSpeed's deepspeed_moe experts are tensor-parallel linears whose backward (Megatron-LM's
+  // LinearWithGradAccumulationAndAsyncCommunication) launches fc1's input-gradient reduce-scatter
+  // (all-reduce without SP) asynchronously and computes the weight gradients under it. Megatron-
+  // Core's experts split by --expert-tensor-parallel-size leave that collective to the token
+  // dispatcher, after their whole backward. A zero-bubble schedule holds the weight half for W.
+  bool experts_reduce_under_weight_gradient() const {
+    return model.num_experts > 0 && experts_split() && !expert_items() && !splits_backward &&
+           plan.moe_model_type == "deepspeed_moe";
+  }
   int item_slices() const { return pipe_experts() ? plan.pipe_experts_slices() : 1; }
   // --pipe-experts-multi-stream with split experts: every item collective in one chain, each
   // all-to-all issued where the chain reaches it (not all at once after the router).

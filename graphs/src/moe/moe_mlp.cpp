@@ -48,8 +48,8 @@ TaskId MoeMlp::router(const BuildPosition& pos, int c, TaskId ready) const {
   const StepShape& z = P->shape;
   const rt::TaskTags tags = pos.chunk_tags(rt::Phase::forward, l, slot_chunk(c));
   // The logits' product, and the tokens' copy, scores and permutation that stream around it.
-  const rt::CostHint price =
-      cost::router(z, static_cast<double>(z.slot_tokens())) + cost::routing(z);
+  const rt::CostHint price = cost::router(z, static_cast<double>(z.slot_tokens())) +
+                             cost::routing(z) + cost::einsum_dispatch(z);
   const TaskId routed = P->compute(slot_prefix(c) + "router", tags, price, [=] {
     MoeSlot& A = p->slot(set, layer, c);
     A.moe_in.copy_from(slot_tokens(*p, c, p->acts(set, layer).ln2));
@@ -118,7 +118,8 @@ TaskId MoeMlp::router_backward(const BuildPosition& pos, int c, const SlotProgre
   const double tokens = static_cast<double>(z.slot_tokens());
   const TaskId router = P->compute(
       slot_prefix(c) + "router_backward", pos.chunk_tags(rt::Phase::backward, l, slot_chunk(c)),
-      2 * cost::router(z, tokens) + cost::routing_backward(z), [=] {
+      2 * cost::router(z, tokens) + cost::routing_backward(z) + cost::einsum_dispatch_backward(z),
+      [=] {
         MoeSlot& A = p->slot(set, layer, c);
         unpermute_gradients(p->shape, A, p->half());
         route_slot_backward(p->shape, p->moe_parameters(layer).router,

@@ -119,8 +119,14 @@ void group_output_gradients(RankProgram& p, int set, int layer, int c) {
   A.tp_d_send_rows = rows;
 }
 
+// The first product's gradient a split backward keeps for its weight half: the slot's own under
+// a zero-bubble schedule (the weight half waits for W), else the workspace's (it runs next).
+Tensor kept_d_pre(RankProgram& p, MoeSlot& A) {
+  return p.shape.splits_backward ? A.saved_d_pre : p.ws().experts_d_pre;
+}
+
 // The experts' backward on every tp rank's block of slot c, fc1's input-gradient partial sums
-// into tp_partial; `keep`: the weight half waits for the W action (its gradient kept).
+// into tp_partial; `keep`: the weight half runs apart (its gradient kept).
 void run_gathered_experts_backward(RankProgram& p, int set, int layer, int c, bool keep) {
   const std::int64_t H = p.shape.header_rows();
   MoeSlot& A = p.slot(set, layer, c);
@@ -140,7 +146,7 @@ void run_gathered_experts_backward(RankProgram& p, int set, int layer, int c, bo
     const Tensor dx = A.tp_partial.slice(0, b.row, b.rows);
     if (keep)
       graphs::experts_backward_input(act, x, A.tp_begin[j], expert_weights(W.experts), pre, hid, dy,
-                                     dx, A.saved_d_pre.slice(0, b.row, b.rows));
+                                     dx, kept_d_pre(p, A).slice(0, b.row, b.rows));
     else
       graphs::experts_backward(act, x, A.tp_begin[j], expert_weights(W.experts), pre, hid, dy, dx,
                                W.experts.fc1->grad, W.experts.fc2->grad);
@@ -158,7 +164,7 @@ void gathered_experts_weight_grad(RankProgram& p, int set, int layer, int c) {
     ops::experts_backward_weight(
         A.tp_gathered.slice(0, b.framed_at + H, b.rows), A.tp_begin[j],
         A.hidden.slice(0, b.row, b.rows), A.tp_d_gathered.slice(0, b.row, b.rows),
-        A.saved_d_pre.slice(0, b.row, b.rows), W.experts.fc1->grad, W.experts.fc2->grad);
+        kept_d_pre(p, A).slice(0, b.row, b.rows), W.experts.fc1->grad, W.experts.fc2->grad);
   }
 }
 
@@ -233,7 +239,7 @@ void run_replicated_experts_backward(RankProgram& p, int set, int layer, int c, 
   const Tensor dx = R.dx.slice(0, 0, R.rows);
   if (keep)
     graphs::experts_backward_input(act, R.x, R.begin, expert_weights(W.experts), pre, hid, R.dy, dx,
-                                   A.saved_d_pre.slice(0, 0, R.rows));
+                                   kept_d_pre(p, A).slice(0, 0, R.rows));
   else
     graphs::experts_backward(act, R.x, R.begin, expert_weights(W.experts), pre, hid, R.dy, dx,
                              W.experts.fc1->grad, W.experts.fc2->grad);
@@ -245,7 +251,7 @@ void replicated_experts_weight_grad(RankProgram& p, int set, int layer, int c) {
   const MoeMlpParameters& W = p.moe_parameters(layer);
   const ReplicatedRows R = replicated_rows(p.shape, A);
   ops::experts_backward_weight(R.x, R.begin, A.hidden.slice(0, 0, R.rows), R.dy,
-                               A.saved_d_pre.slice(0, 0, R.rows), W.experts.fc1->grad,
+                               kept_d_pre(p, A).slice(0, 0, R.rows), W.experts.fc1->grad,
                                W.experts.fc2->grad);
 }
 
@@ -331,23 +337,30 @@ SlotProgress MoeMlp::split_experts_backward(const BuildPosition& pos, int c,
   const std::int64_t h = z.h;
   const rt::TaskTags tags = pos.chunk_tags(rt::Phase::backward, l, slot_chunk(c));
   const std::string at = slot_prefix(c);
+  // The weight half apart: waiting for W, or (deepspeed_moe) right after the input half, under
+  // fc1's input-gradient collective.
+  const bool keep = halves.zero_bubble() || z.experts_reduce_under_weight_gradient();
+  const WeightPlacement weights = halves.immediate();
+  const rt::CostHint flops = cost::experts(z, static_cast<double>(z.slot_tokens()));
+  auto weight_tags = [=, chunk = slot_chunk(c)] {
+    return pos.chunk_tags(
+        weights == WeightPlacement::zero_bubble ? rt::Phase::weight : rt::Phase::backward, layer,
+        chunk);
+  };
   if (z.routes_replicated) {
-    const bool keep = halves.zero_bubble();
-    const rt::CostHint flops = cost::experts(z, static_cast<double>(z.slot_tokens()));
     const TaskId experts = P->compute(at + "experts_backward", tags, (keep ? 1 : 2) * flops, [=] {
       run_replicated_experts_backward(*p, set, layer, c, keep);
     });
     P->after(arrived.task, experts);
-    if (keep)
-      halves.place(WeightPlacement::zero_bubble, [=, chunk = slot_chunk(c)] {
-        return p->compute(at + "experts_weight_grad",
-                          pos.chunk_tags(rt::Phase::weight, layer, chunk), flops,
-                          [=] { replicated_experts_weight_grad(*p, set, layer, c); });
-      });
     MoeSlot& S = P->slot(set, l, c);
     const TaskId reduced =
         P->tensor.all_reduce(experts, all_of(z.ep == 1 ? S.d_grouped : S.d_expert_in),
                              devices::ReduceOp::sum, at + "experts_grad_reduce", tags);
+    if (keep)
+      halves.place(weights, [=] {
+        return p->compute(at + "experts_weight_grad", weight_tags(), flops,
+                          [=] { replicated_experts_weight_grad(*p, set, layer, c); });
+      });
     if (z.ep == 1) return {reduced, {}};
     const TaskId out = P->compute(at + "experts_backward_out", tags,
                                   cost::streamed(z, cost::regrouped_elements(z)),
@@ -372,23 +385,21 @@ SlotProgress MoeMlp::split_experts_backward(const BuildPosition& pos, int c,
                               .recv_rows = std::span<std::int64_t>(S.tp_d_gathered_rows),
                               .expected_rows = expected},
                              h, at + "experts_grad_gather", tags);
-  const bool keep = halves.zero_bubble();
-  const rt::CostHint flops = cost::experts(z, static_cast<double>(z.slot_tokens()));
   const TaskId experts = P->compute(at + "experts_backward", tags, (keep ? 1 : 2) * flops, [=] {
     run_gathered_experts_backward(*p, set, layer, c, keep);
   });
   P->after(gathered, experts);
-  if (keep)
-    halves.place(WeightPlacement::zero_bubble, [=, chunk = slot_chunk(c)] {
-      return p->compute(at + "experts_weight_grad", pos.chunk_tags(rt::Phase::weight, layer, chunk),
-                        flops, [=] { gathered_experts_weight_grad(*p, set, layer, c); });
-    });
   const TaskId reduced = P->tensor.reduce_scatter_v(experts,
                                                     {.send = read_of(S.tp_partial),
                                                      .rows = &S.tp_rows,
                                                      .recv = all_of(S.tp_d_in),
                                                      .expected_rows = expected},
                                                     h, at + "experts_grad_scatter", tags);
+  if (keep)
+    halves.place(weights, [=] {
+      return p->compute(at + "experts_weight_grad", weight_tags(), flops,
+                        [=] { gathered_experts_weight_grad(*p, set, layer, c); });
+    });
   const TaskId out =
       P->compute(at + "experts_backward_out", tags, cost::streamed(z, cost::regrouped_elements(z)),
                  [=] { unframe_input_gradients(*p, set, layer, c); });

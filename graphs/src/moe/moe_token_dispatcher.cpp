@@ -252,7 +252,7 @@ TaskId MoeMlp::combine(const BuildPosition& pos, int c, const SlotProgress& comp
   const std::int64_t h = P->shape.h;
   const TaskId combined = P->compute(
       slot_prefix(c) + "combine", pos.chunk_tags(rt::Phase::forward, l, slot_chunk(c)),
-      cost::combine(P->shape), [=] {
+      cost::combine(P->shape) + cost::einsum_combine(P->shape), [=] {
         MoeSlot& A = p->slot(set, layer, c);
         for (const ExpertItem& I : A.items)  // the items' results back into the slot's rows
           for (std::size_t x = 0; x < I.rows.size(); ++x)
@@ -278,7 +278,7 @@ SlotProgress MoeMlp::combine_backward(const BuildPosition& pos, int c, TaskId re
   const std::int64_t h = P->shape.h;
   const TaskId combined = P->compute(
       slot_prefix(c) + "combine_backward", pos.chunk_tags(rt::Phase::backward, l, slot_chunk(c)),
-      cost::combine_backward(P->shape), [=] {
+      cost::combine_backward(P->shape) + cost::einsum_combine_backward(P->shape), [=] {
         MoeSlot& A = p->slot(set, layer, c);
         // This slot's tokens' output gradient.
         A.d_moe.copy_from(slot_tokens(*p, c, p->ws().d_mlp));

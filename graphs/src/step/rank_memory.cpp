@@ -139,6 +139,10 @@ void allocate_workspace(RankProgram& P, BackwardWorkspace& W, bool output_layer)
   // (megatron/core/tensor_parallel/cross_entropy.py) holds them. Counted by a prediction too.
   if (output_layer && sixteen_bit) W.half.logits16 = P.activation16({Sc * B, z.Vl});
   if (z.model.has_shared_experts()) allocate_shared_expert_workspace(P, W);
+  if (z.experts_reduce_under_weight_gradient()) {
+    const std::int64_t rows = z.routes_replicated ? z.slot_capacity() : z.tp * z.slot_capacity();
+    W.experts_d_pre = P.activation({rows, z.expert_local_f1()});
+  }
 }
 
 }  // namespace

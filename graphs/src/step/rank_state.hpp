@@ -97,6 +97,11 @@ struct BackwardWorkspace {
   RingAttentionWorkspace cp_ring;       // context parallelism only
   OutputWorkspace output;               // the last stage only
   HalfWorkspace half;                   // bf16 runs only
+  // StepShape::experts_reduce_under_weight_gradient: the gradient of the experts' first product,
+  // kept from the backward's input half for its weight half, which runs next while fc1's input
+  // gradient is reduced over tp (one slot's rows at a time: [tp capacity, expert f1 / tp], or
+  // routed replicated [capacity, expert f1 / tp]).
+  Tensor experts_d_pre;
 };
 
 // The activations one model chunk keeps for one micro-batch, from its forward until its

@@ -354,4 +354,38 @@ inline rt::CostHint router(const StepShape& z, double tokens) {
           .matmul_edges = static_cast<float>(matmul_edges(tokens, h, e))};
 }
 
+// MindSpeed's deepspeed_moe gate without --enable-token-rearrange-opt dispatches and combines by
+// dense einsums over a gate call's one-hot [s, E, C] tensors (mindspeed/moe/moe_layer.py; under
+// Ampipe ampipe_moe_gating_computer.py and ampipe_post_mlp_computer.py, per chunk): the dispatch
+// "sec,sm->ecm" is an [E C, s] x [s, h] product, the combine "sec,ecm->sm" an [s, E C] x [E C, h]
+// one, whatever few of their terms are nonzero. Backward the dispatch's input gradient (its mask
+// takes none) and the combine's two, the experts' outputs' and the gate weights'. C is the gate
+// call's capacity (balanced picks when dropless); s the slot's tokens.
+inline bool dense_einsum_dispatch(const StepShape& z) {
+  return z.model.num_experts > 0 && z.model.moe_gate == MoeGate::deepspeed &&
+         !z.model.moe_token_rearrange;
+}
+inline std::int64_t gate_buffer_rows(const StepShape& z) {  // E C
+  const std::int64_t e = z.model.num_experts, s = z.slot_tokens(), k = z.model.moe_router_topk;
+  const std::int64_t c = z.expert_capacity() > 0 ? z.expert_capacity() : (s * k + e - 1) / e;
+  return e * c;
+}
+inline rt::CostHint einsum_dispatch(const StepShape& z) {
+  if (!dense_einsum_dispatch(z)) return {};
+  return matmul(gate_buffer_rows(z), z.slot_tokens(), z.h);
+}
+inline rt::CostHint einsum_dispatch_backward(const StepShape& z) {
+  if (!dense_einsum_dispatch(z)) return {};
+  return matmul(z.slot_tokens(), gate_buffer_rows(z), z.h);
+}
+inline rt::CostHint einsum_combine(const StepShape& z) {
+  if (!dense_einsum_dispatch(z)) return {};
+  return matmul(z.slot_tokens(), gate_buffer_rows(z), z.h);
+}
+inline rt::CostHint einsum_combine_backward(const StepShape& z) {
+  if (!dense_einsum_dispatch(z)) return {};
+  return matmul(gate_buffer_rows(z), z.slot_tokens(), z.h) +
+         matmul(z.slot_tokens(), z.h, gate_buffer_rows(z));
+}
+
 }  // namespace weave::graphs::cost

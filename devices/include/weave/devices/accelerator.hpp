@@ -22,6 +22,10 @@ struct NetworkLink {
   // (nccl-tests' busBw over the link's rate); optional in a file, 1 when absent. The cluster
   // prices collectives at bytes_per_second x bus_efficiency.
   double bus_efficiency = 1;
+  // A node link only: every device of the node has a link of its own to each other one (HCCS in
+  // an Atlas 800T A2), bytes_per_second being one link's. Optional in a file, false when absent:
+  // one switched link a device (NVLink through NVSwitch). See Cluster.
+  bool full_mesh = false;
 };
 
 struct Accelerator {

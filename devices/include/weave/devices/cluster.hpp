@@ -12,6 +12,12 @@
 //   - all-to-all with every message in flight at once: the largest volume any one link of the
 //     member carries (node link or NIC) over that link's bandwidth, plus one latency;
 //   - point to point: the node link inside a node, the network across.
+// A node link that is a full mesh (every device joined to each other one by a link of its own,
+// as HCCS joins the 8 chips of an Atlas 800T A2) gives one link's figures: HCCL runs a node's
+// collectives there by its Mesh algorithm, each member exchanging with every other at once, so
+// an all-reduce, all-gather, reduce-scatter or all-to-all among k devices of a node moves over
+// k - 1 links together (the formulas above with k - 1 times the link's bandwidth); point to
+// point and the broadcast's chain use one link.
 // The closed forms are in the transfer patterns' table (devices/src/transfer_algorithms.cpp),
 // beside each pattern's ring over one link, and checked in tests/devices/cluster_test.cpp.
 #pragma once
@@ -30,6 +36,8 @@ namespace weave::devices {
 struct ClusterLink {
   std::string name;
   LinkParams params;  // per device: a node link's share, or the device's NIC
+  // A node link only: params are one link's of a full mesh (NetworkLink::full_mesh).
+  bool full_mesh = false;
 };
 
 // Where a collective's group sits: how many nodes it spans and how many of its members share
@@ -45,7 +53,7 @@ struct GroupPlacement {
 // accelerator preset's node, or give without one. Unset fields keep the preset's.
 struct ClusterOverrides {
   int devices_per_node = 0;  // 0: not given
-  std::string node_link;     // "GBPS:MICROSECONDS" or ""
+  std::string node_link;     // "GBPS:MICROSECONDS" or "": a device's share, never a full mesh
   std::string network;       // "GBPS:MICROSECONDS" or ""
   bool any() const { return devices_per_node != 0 || !node_link.empty() || !network.empty(); }
 };

@@ -199,6 +199,10 @@ struct ModelConfig {
   bool moe_no_drop = false;                // --moe-no-drop (MoeGate::deepspeed): capacity unbounded
   // --moe-use-sinkhorn (MoeGate::deepspeed): the gate routes on Sinkhorn-balanced logits.
   bool moe_use_sinkhorn = false;
+  // --enable-token-rearrange-opt (MoeGate::deepspeed): MindSpeed dispatches and combines by
+  // index_select; without it by dense einsums over the gate's one-hot [tokens, experts,
+  // capacity] tensors. The same rows and weights either way: only the time differs.
+  bool moe_token_rearrange = false;
   // --moe-token-drop-policy probs (MoeGate::megatron): an expert over capacity keeps its picks of
   // the largest weight; false (position): its earliest tokens'.
   bool moe_token_drop_by_probability = false;
