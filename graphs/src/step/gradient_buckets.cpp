@@ -14,9 +14,10 @@ namespace {
 
 // Before a bucket's data-parallel collective, on the compute stream: its gradients checked for
 // NaN and infinities, then scaled by 1 / the replicas (cost::pre_reduction_passes). The check is
-// real: a non-finite gradient stops the step here, as Megatron-Core's assert does, unless a loss
-// scaler owns overflows (it skips such steps; Megatron-LM turns the check off under dynamic loss
-// scaling). weave's gradients are averaged elsewhere, so only the scaling's price is Megatron's.
+// real: a non-finite gradient stops the step here, as Megatron-Core's check_grads does on its
+// main branch (NaN and infinity; core_v0.8.0 asserted on NaN only), unless a loss scaler owns
+// overflows (it skips such steps; Megatron-LM turns the check off under dynamic loss scaling).
+// weave's gradients are averaged elsewhere, so only the scaling's price is Megatron's.
 TaskId add_pre_reduction_passes(RankProgram& P, GradientBucket& bucket, int replicas,
                                 double gradient_bytes, TaskId ready) {
   const bool checked = !P.opt.loss_scaling;
