@@ -30,6 +30,22 @@ struct Built {
         step(m, plan, o, set, comm, {.materialize = false}) {}
 };
 
+// Device 0's compute tasks' costs by name, of a step built with tensors or without: the tests
+// below compare the two, which must carry the same costs.
+std::map<std::string, rt::CostHint, std::less<>> device0_compute_costs(const ModelConfig& m,
+                                                                       const ParallelPlan& plan,
+                                                                       bool materialize) {
+  devices::DeviceSet set(plan.devices(), {.pin = false});
+  devices::SharedMemoryCommunicator comm;
+  const TrainingStep step(m, plan, {}, set, comm, {.materialize = materialize});
+  std::map<std::string, rt::CostHint, std::less<>> costs;
+  const rt::TaskTable& tasks = step.graph().tasks();
+  for (rt::TaskId t = 0; t < tasks.size(); ++t)
+    if (tasks[t].device == 0 && tasks[t].kind == rt::TaskKind::compute)
+      costs[std::string(tasks.name(t))] = tasks[t].cost;
+  return costs;
+}
+
 TEST(StepCosts, NoComputeTaskIsFree) {
   const ModelConfig m = tiny(4);
   const ParallelPlan plans[] = {
@@ -352,15 +368,7 @@ TEST(StepCosts, MoeRoutingStreamsTheRowsItMoves) {
   const ModelConfig m = tiny(4);
   const double h = m.hidden_size, E = m.num_experts, k = m.moe_router_topk, a = 4;
   auto build_costs = [&](const ParallelPlan& plan, bool materialize) {
-    devices::DeviceSet set(plan.devices(), {.pin = false});
-    devices::SharedMemoryCommunicator comm;
-    const TrainingStep step(m, plan, {}, set, comm, {.materialize = materialize});
-    std::map<std::string, rt::CostHint, std::less<>> costs;
-    const rt::TaskTable& tasks = step.graph().tasks();
-    for (rt::TaskId t = 0; t < tasks.size(); ++t)
-      if (tasks[t].device == 0 && tasks[t].kind == rt::TaskKind::compute)
-        costs[std::string(tasks.name(t))] = tasks[t].cost;
-    return costs;
+    return device0_compute_costs(m, plan, materialize);
   };
   for (const int ep : {1, 2}) {
     std::map<int, double> router_bytes;
@@ -413,15 +421,7 @@ TEST(StepCosts, MindSpeedsGateDispatchesAndCombinesByDenseEinsums) {
     ParallelPlan plan{.micro_batch_size = B, .global_batch_size = B};
     plan.moe_model_type = "deepspeed_moe";
     validate(model, plan);
-    devices::DeviceSet set(plan.devices(), {.pin = false});
-    devices::SharedMemoryCommunicator comm;
-    const TrainingStep step(model, plan, {}, set, comm, {.materialize = materialize});
-    std::map<std::string, rt::CostHint, std::less<>> costs;
-    const rt::TaskTable& tasks = step.graph().tasks();
-    for (rt::TaskId t = 0; t < tasks.size(); ++t)
-      if (tasks[t].device == 0 && tasks[t].kind == rt::TaskKind::compute)
-        costs[std::string(tasks.name(t))] = tasks[t].cost;
-    return costs;
+    return device0_compute_costs(model, plan, materialize);
   };
   ModelConfig rearranged = m;
   rearranged.moe_token_rearrange = true;
