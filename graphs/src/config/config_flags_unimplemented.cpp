@@ -136,8 +136,8 @@ constexpr ConfigFlag kNoEffect[] = {
         "parameters are always initialised on the host, by a seeded counter-based generator"),
     without_effect("--check-for-nan-in-loss-and-grad", 0,
                    "weave always stops at a loss that is not finite, and at a gradient that is "
-                   "not before its bucket's data-parallel reduction (unless a loss scaler skips "
-                   "the step)"),
+                   "not finite before its bucket's data-parallel reduction (unless a loss scaler "
+                   "skips the step)"),
     without_effect("--deterministic-mode", 0, kDeterministic),
     without_effect("--npu-deterministic", 0, kDeterministic),
     without_effect("--manual-gc", 0, kPython),
