@@ -3,6 +3,7 @@
 #include "moe/moe_mlp.hpp"
 #include "moe/moe_router.hpp"
 #include "moe/moe_shared_experts.hpp"
+#include "step/working_set.hpp"
 
 namespace weave::graphs {
 
@@ -100,7 +101,11 @@ void allocate_experts(RankProgram& P, MoeSlot& S) {
   const std::int64_t expert_rows =
       z.experts_split() && !z.routes_replicated ? z.tp * capacity : capacity;
   S.hidden_pre = P.activation({expert_rows, z.expert_local_f1()});
-  S.hidden = P.activation({expert_rows, z.expert_local_f()});
+  // --recompute-modules moe_act: the rank's one hidden layer, computed again where read.
+  S.hidden = kept_or_shared(z.model.recompute.recomputes(kRecomputeMoeActivation),
+                            P.state.recomputed_expert_hidden, [&] {
+                              return P.activation({expert_rows, z.expert_local_f()});
+                            });
   if (z.splits_backward && !z.expert_items())
     S.saved_d_pre = P.activation({expert_rows, z.expert_local_f1()});
   if (z.expert_items()) {  // the items' rows of the hidden layer's gradients (allocate_items)
