@@ -112,6 +112,15 @@ const Case kCases[] = {
       .data_parallel = 2,
       .micro_batch_size = 1,
       .global_batch_size = 4}},
+    // --use-pipe-experts without Ampipe: the MoE layer's items recomputed with it (moe).
+    {"ep2_pipe_experts",
+     4,
+     {.expert_parallel = 2,
+      .data_parallel = 2,
+      .micro_batch_size = 1,
+      .global_batch_size = 4,
+      .pipe_experts = true,
+      .pipe_experts_multi_data = 2}},
     {"pp2_interleaved_tp2_sp",
      0,
      {.tensor_parallel = 2,
@@ -126,8 +135,8 @@ Recompute selective(unsigned modules) {
   return {.granularity = RecomputeGranularity::selective, .modules = modules};
 }
 
-constexpr unsigned kEveryModuleDone =
-    kRecomputeCoreAttention | kRecomputeMlp | kRecomputeLayerNorm | kRecomputeMoeActivation;
+constexpr unsigned kEveryModule = kRecomputeCoreAttention | kRecomputeMlp | kRecomputeLayerNorm |
+                                  kRecomputeMoeActivation | kRecomputeMoe;
 
 // Each full method with groups of one and of two layers (a chunk of one layer under interleaving
 // makes the group of two one layer: Megatron-LM's last group is what remains of the chunk); the
@@ -137,7 +146,7 @@ const Recompute kMethods[] = {
     full(RecomputeMethod::block, 1),   selective(0),
     selective(kRecomputeMlp),          selective(kRecomputeCoreAttention | kRecomputeMlp),
     selective(kRecomputeLayerNorm),    selective(kRecomputeMoeActivation),
-    selective(kEveryModuleDone)};
+    selective(kRecomputeMoe),          selective(kEveryModule)};
 
 // Whether the plan rules take `m` with `plan` (a module refused with a plan is tested by its
 // refusal below).
@@ -240,7 +249,7 @@ TEST_P(Recomputation, MeasuredActivationMemoryIsThePredictedOne) {
     // working set is what it frees).
     if ((r.recomputes(kRecomputeCoreAttention) && r.modules == 0) ||
         r.modules == kRecomputeCoreAttention ||
-        (r.modules == kRecomputeMoeActivation && c.experts == 0)) {
+        ((r.modules == kRecomputeMoeActivation || r.modules == kRecomputeMoe) && c.experts == 0)) {
       EXPECT_EQ(recomputed, kept);
     } else if (r.method != RecomputeMethod::block) {
       EXPECT_LT(std::accumulate(recomputed.begin(), recomputed.end(), std::int64_t{0}),
@@ -308,6 +317,15 @@ TEST(SelectiveRecomputation, FreesExactlyTheRecomputedTensors) {
   const std::int64_t capacity = S * B * moe.moe_router_topk, f = moe.ffn_hidden_size;
   EXPECT_EQ(freed(moe, one, kRecomputeMoeActivation),
             std::vector<std::int64_t>{(2 - 1) * capacity * f * a});
+  // moe: each MoE layer's whole MoE state (router, dispatch and experts rows, statistics,
+  // output) but its input, the norm's output; one for the rank when recomputed. Two MoE layers of
+  // four free one layer's state; four of four free three times as much.
+  ModelConfig every = moe;
+  every.moe_layer_freq = 1;
+  const std::vector<std::int64_t> two = freed(moe, one, kRecomputeMoe),
+                                  four = freed(every, one, kRecomputeMoe);
+  EXPECT_GT(two[0], capacity * f * a);  // more than the experts' activation alone
+  EXPECT_EQ(four, std::vector<std::int64_t>{3 * two[0]});
   // Both on the MoE model: the norms of its dense and MoE layers alike, and the activation.
   EXPECT_EQ(freed(moe, one, kRecomputeLayerNorm | kRecomputeMoeActivation),
             std::vector<std::int64_t>{(L - 1) * 2 * norm * a + capacity * f * a});
@@ -317,7 +335,8 @@ TEST(SelectiveRecomputation, FreesExactlyTheRecomputedTensors) {
 // prediction (the prediction replays the same graph without tensors): one device, two
 // micro-batches, each layer's two norms again (read the input, write the output: 2 S B h values
 // each) and each MoE layer's experts' activation again (read fc1's output, write the hidden
-// layer: top-k S B rows of f1 + f). No product runs again: the FLOPs are unchanged.
+// layer: top-k S B rows of f1 + f). No product runs again: the FLOPs are unchanged. A MoE
+// layer recomputed whole (moe) adds its forward's every task once more.
 TEST(SelectiveRecomputation, PricesTheRecomputedNormsAndActivation) {
   const ModelConfig base = model(4);
   const ParallelPlan plan{.micro_batch_size = 2, .global_batch_size = 4};
@@ -352,13 +371,41 @@ TEST(SelectiveRecomputation, PricesTheRecomputedNormsAndActivation) {
   EXPECT_EQ(act_norms, 0);
   EXPECT_DOUBLE_EQ(act_flops, flops);
   EXPECT_DOUBLE_EQ(act_bytes - bytes, M * moe_layers * (k * S * B) * (f + f) * a);
+  // moe: the MoE layer's forward again, its every task priced as in the forward (the tasks
+  // between the attention's residual and the MLP's, collectives included).
+  const auto [moe_flops, moe_bytes, moe_norms] = totals(kRecomputeMoe);
+  EXPECT_EQ(moe_norms, 0);
+  double forward_flops = 0, forward_bytes = 0;
+  {
+    ParallelPlan p = plan;
+    validate(base, p);
+    devices::DeviceSet set(p.devices(), {.pin = false});
+    devices::SharedMemoryCommunicator comm;
+    const TrainingStep step(base, p, {}, set, comm, {.materialize = false});
+    const rt::TaskTable& tasks = step.graph().tasks();
+    bool inside = false;
+    for (rt::TaskId t = 0; t < tasks.size(); ++t) {
+      const std::string name(tasks.name(t));
+      const bool moe_layer = name.rfind("L0.", 0) == 0 || name.rfind("L2.", 0) == 0;
+      if (moe_layer && name.ends_with(".mlp_residual")) inside = false;
+      if (inside) {
+        forward_flops += tasks[t].cost.flops;
+        forward_bytes += tasks[t].cost.bytes;
+      }
+      if (moe_layer && name.ends_with(".attention_residual")) inside = true;
+    }
+  }
+  EXPECT_GT(forward_flops, 0);
+  EXPECT_DOUBLE_EQ(moe_flops - flops, forward_flops);
+  EXPECT_DOUBLE_EQ(moe_bytes - bytes, forward_bytes);
 }
 
 // What selective recomputation does not do is refused by name, with the rule's reason and its
-// fix: the MLP's and the norms' under a zero-bubble schedule (their W actions read a working set
-// the next recomputation writes), the norms' under Ampipe, the experts' activation with expert
-// items, and moe (the whole MoE layer) anywhere; core_attn and moe_act are taken under zero
-// bubble, and modules without selective granularity are refused as before.
+// fix: the MLP's, the norms' and the MoE layer's under a zero-bubble schedule (their W actions
+// read a working set the next recomputation writes), the norms' and the MoE layer's under
+// Ampipe, the experts' activation with expert items; core_attn and moe_act are taken under zero
+// bubble, every module together under 1F1B, and modules without selective granularity are
+// refused as before.
 TEST(SelectiveRecomputationRefusal, NamesWhatIsNotDone) {
   auto refusal = [](const Recompute& r, ParallelPlan plan) -> std::string {
     ModelConfig m = model(4);
@@ -389,7 +436,7 @@ TEST(SelectiveRecomputationRefusal, NamesWhatIsNotDone) {
   EXPECT_EQ(refusal(selective(kRecomputeCoreAttention), zb), "accepted");
   EXPECT_EQ(refusal(selective(kRecomputeMoeActivation), zb), "accepted");
   EXPECT_EQ(refusal(selective(kRecomputeMoeActivation), ampipe), "accepted");
-  EXPECT_EQ(refusal(selective(kEveryModuleDone), one_f_one_b), "accepted");
+  EXPECT_EQ(refusal(selective(kEveryModule), one_f_one_b), "accepted");
   EXPECT_PRED_FORMAT2(::testing::IsSubstring,
                       "--recompute-modules mlp is not done with --pipeline-scheduler zb-h1",
                       refusal(selective(kRecomputeMlp), zb));
@@ -407,12 +454,15 @@ TEST(SelectiveRecomputationRefusal, NamesWhatIsNotDone) {
   EXPECT_PRED_FORMAT2(::testing::IsSubstring,
                       "--recompute-modules moe_act is not done with --use-pipe-experts", act_items);
   EXPECT_PRED_FORMAT2(::testing::IsSubstring, "leave out --use-pipe-experts", act_items);
-  for (const unsigned with : {0u, unsigned{kRecomputeMlp}, unsigned{kRecomputeMoeActivation}}) {
-    const std::string moe = refusal(selective(kRecomputeMoe | with), one_f_one_b);
-    EXPECT_PRED_FORMAT2(::testing::IsSubstring, "--recompute-modules moe (", moe);
-    EXPECT_PRED_FORMAT2(::testing::IsSubstring, "is not done here", moe);
-    EXPECT_PRED_FORMAT2(::testing::IsSubstring, "moe_act", moe);
-  }
+  const std::string moe_zb = refusal(selective(kRecomputeMoe), zb);
+  EXPECT_PRED_FORMAT2(::testing::IsSubstring,
+                      "--recompute-modules moe is not done with --pipeline-scheduler zb-h1",
+                      moe_zb);
+  EXPECT_PRED_FORMAT2(::testing::IsSubstring, "or drop moe", moe_zb);
+  const std::string moe_ampipe = refusal(selective(kRecomputeMoe), ampipe);
+  EXPECT_PRED_FORMAT2(::testing::IsSubstring,
+                      "--recompute-modules moe is not done with --ampipe-degree 2", moe_ampipe);
+  EXPECT_PRED_FORMAT2(::testing::IsSubstring, "--recompute-granularity full", moe_ampipe);
   EXPECT_PRED_FORMAT2(::testing::IsSubstring, "--recompute-modules names what",
                       refusal({.modules = kRecomputeMlp}, one_f_one_b));
 }

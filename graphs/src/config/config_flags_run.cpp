@@ -180,7 +180,8 @@ constexpr ConfigFlag kTraining[] = {
              "anyway), mlp (each dense MLP keeps its input and runs its forward again before its "
              "backward), layernorm (the input and pre-MLP norms' outputs are recomputed before "
              "their modules' backward), moe_act (the MoE experts' activation is recomputed for "
-             "fc2's weight gradient); moe is refused",
+             "fc2's weight gradient), moe (each MoE layer keeps its input and runs its forward "
+             "again before its backward)",
      .check = one_of("core_attn,mlp,moe,moe_act,layernorm"),
      .properties = kChoosesPlan,
      .type_name = "MODULE ..."},

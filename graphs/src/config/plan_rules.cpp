@@ -600,14 +600,23 @@ void check_query_groups(const ModelConfig& m, const ParallelPlan& p) {
 // next recomputation of the same module writes again: what reads it must run before that.
 void check_selective_recomputation(const ModelConfig& m, const ParallelPlan& p) {
   const Recompute& r = m.recompute;
-  if (r.recomputes(kRecomputeMoe))
-    refuse(
-        "--recompute-modules moe (Megatron-Core checkpoints the whole MoE layer: router, "
-        "dispatch, experts and combine run again in backward) is not done here: drop it, and "
-        "recompute the experts' activation with moe_act, or whole layers, MoE ones too, with "
-        "--recompute-granularity full");
   const ScheduleKind kind = pipeline_schedule_kind(p);
   const bool zero_bubble = kind == ScheduleKind::ZeroBubbleH1 || kind == ScheduleKind::ZeroBubbleV;
+  if (r.recomputes(kRecomputeMoe) && zero_bubble)
+    refuse(
+        "--recompute-modules moe is not done with --pipeline-scheduler {}: its W actions compute "
+        "the experts' weight gradients after the input gradients, from the MoE state the next "
+        "recomputed MoE layer has written over by then. Choose --pipeline-scheduler 1f1b or "
+        "interleaved, or drop moe",
+        schedule_name(kind));
+  if (r.recomputes(kRecomputeMoe) && p.ampipe_degree > 1)
+    refuse(
+        "--recompute-modules moe is not done with --ampipe-degree {}: Ampipe pipelines its MoE "
+        "layers' chunks with their attention, which a recomputed MoE layer alone cannot run "
+        "again. Drop moe (recompute whole layers with --recompute-granularity full), or set "
+        "--ampipe-degree 1",
+        p.ampipe_degree);
+
   if (r.recomputes(kRecomputeMlp) && zero_bubble)
     refuse(
         "--recompute-modules mlp is not done with --pipeline-scheduler {}: its W actions compute "

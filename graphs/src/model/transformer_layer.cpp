@@ -220,6 +220,14 @@ TaskId TransformerLayer::backward_pass(const BuildPosition& pos, TaskId ready, W
     again.recomputing = true;
     mlp_ready = DenseMlp(*P, l).forward(again, mlp_ready);
   }
+  if (moe && z.model.recompute.recomputes(kRecomputeMoe)) {
+    // The MoE layer's forward again from its kept input: router, dispatch, experts and combine
+    // with their all-to-alls, and its shared experts, as Megatron-Core's checkpointed MoELayer
+    // runs them (its totals, the aux losses and picks, counted once).
+    BuildPosition again = pos;
+    again.recomputing = true;
+    mlp_ready = MoeMlp(*P, l).forward(again, mlp_ready);
+  }
   const TaskId mlp = moe ? MoeMlp(*P, l).backward(pos, mlp_ready, halves)
                          : DenseMlp(*P, l).backward(pos, mlp_ready, halves);
   // The norm's backward, the residual's sum, the copy and the bias-dropout backward.

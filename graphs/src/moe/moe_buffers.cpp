@@ -160,6 +160,25 @@ void allocate_slot(RankProgram& P, LayerActivations& A, int c) {
 
 void MoeMlp::allocate(LayerActivations& A) const {
   const StepShape& z = P->shape;
+  if (z.model.recompute.recomputes(kRecomputeMoe)) {
+    // Recomputed whole: the layer's MoE state is the rank's working set (laid out by the first
+    // MoE layer that takes it); only the layer's norm output, its input, is its own.
+    LayerActivations& W = P->state.recomputed_moe_layer;
+    if (!W.mlp_out.defined()) {
+      W.ln2 = A.ln2;
+      allocate_state(W);
+    }
+    A.mlp = W.mlp;
+    A.mlp_out = W.mlp_out;
+    // Without SP the shared experts read the norm's output itself: this layer's.
+    if (z.model.has_shared_experts() && !z.sp()) A.moe().shared.input = A.ln2;
+    return;
+  }
+  allocate_state(A);
+}
+
+void MoeMlp::allocate_state(LayerActivations& A) const {
+  const StepShape& z = P->shape;
   MoeActivations& M = A.mlp.emplace<MoeActivations>();
   M.stats_total = P->activation({router_statistics_size(z)});
   A.mlp_out = P->activation({z.routes_tp_slices() ? z.Sc : z.Sl, z.B, z.h});

@@ -161,6 +161,11 @@ struct RankState {
   Tensor recomputed_expert_hidden;
   // --recompute-modules layernorm: the input norm's and the pre-MLP norm's working sets.
   RecomputedNorm recomputed_input_norm, recomputed_mlp_norm;
+  // Selective recomputation of the MoE layer (--recompute-modules moe): everything a MoE layer's
+  // MLP holds (its slot's router, dispatcher and experts state, its router statistics, its
+  // shared experts' state) and its output, shared by every MoE layer of the rank; each keeps its
+  // input (the pre-MLP norm's output) and runs its forward again right before its backward.
+  LayerActivations recomputed_moe_layer;
   std::vector<OutputSet> outputs;
   BackwardWorkspace ws;
   Tensor norm_sq;    // [1]: this rank's share of the squared grad norm
