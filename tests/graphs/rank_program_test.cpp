@@ -96,8 +96,8 @@ const Case kCases[] = {
      {.granularity = RecomputeGranularity::full,
       .method = RecomputeMethod::block,
       .num_layers = 2}},
-    // Selective recomputation: the norms' and the experts' activation's recomputed tasks, their
-    // gathers and the working sets (with the MLP's and the core attention's).
+    // Selective recomputation: the norms', the experts' activation's and the MoE layers'
+    // recomputed tasks, their collectives and the working sets (with the MLP's).
     {"tp2_sp_ep2_dp2_recompute_selective",
      4,
      {.tensor_parallel = 2,
@@ -107,8 +107,8 @@ const Case kCases[] = {
       .micro_batch_size = 1,
       .global_batch_size = 4},
      {.granularity = RecomputeGranularity::selective,
-      .modules =
-          kRecomputeCoreAttention | kRecomputeMlp | kRecomputeLayerNorm | kRecomputeMoeActivation}},
+      .modules = kRecomputeCoreAttention | kRecomputeMlp | kRecomputeLayerNorm |
+                 kRecomputeMoeActivation | kRecomputeMoe}},
     {"ampipe2_tp2_sp_ep2_recompute_moe_act",
      4,
      {.tensor_parallel = 2,
