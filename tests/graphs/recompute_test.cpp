@@ -398,6 +398,20 @@ TEST(SelectiveRecomputation, PricesTheRecomputedNormsAndActivation) {
   EXPECT_GT(forward_flops, 0);
   EXPECT_DOUBLE_EQ(moe_flops - flops, forward_flops);
   EXPECT_DOUBLE_EQ(moe_bytes - bytes, forward_bytes);
+  // The prediction's recomputed model FLOPs, as Megatron-LM counts them: per token of the batch,
+  // a MoE layer's router logits (2 h E) and its top-k experts' two products (2 x 2 h f each);
+  // the norms and the activation run no product.
+  auto recomputed_flops = [&](unsigned modules) {
+    TrainerConfig config;
+    config.model = base;
+    config.model.recompute = selective(modules);
+    config.plan = plan;
+    return predict_step(config).flops_recomputed;
+  };
+  const double E = base.num_experts, tokens = plan.global_batch_size * S;
+  EXPECT_EQ(recomputed_flops(kRecomputeLayerNorm | kRecomputeMoeActivation), 0);
+  EXPECT_DOUBLE_EQ(recomputed_flops(kRecomputeMoe),
+                   tokens * moe_layers * (2 * h * E + k * 2 * 2 * h * f));
 }
 
 // What selective recomputation does not do is refused by name, with the rule's reason and its
