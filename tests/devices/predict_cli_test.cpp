@@ -112,6 +112,22 @@ TEST(PredictCli, ModelsHalfPrecisionVocabularyAndRecomputation) {
   ASSERT_EQ(mlp.status, 0) << mlp.out;
   EXPECT_NE(mlp.out.find("selective recomputation of the MLPs"), std::string::npos) << mlp.out;
   EXPECT_NE(mlp.out.find("with this run's"), std::string::npos) << mlp.out;
+  // The norms and the experts' activation run no product again: named, no FLOPs added; a MoE
+  // layer recomputed whole adds its router's and experts' products.
+  const Result light = weave(std::string(kConfig) +
+                             " --recompute-granularity selective --recompute-modules layernorm "
+                             "moe_act");
+  ASSERT_EQ(light.status, 0) << light.out;
+  EXPECT_NE(light.out.find("selective recomputation of the experts' activations, the norms"),
+            std::string::npos)
+      << light.out;
+  EXPECT_EQ(light.out.find("with this run's"), std::string::npos) << light.out;
+  const Result moe =
+      weave(std::string(kConfig) + " --recompute-granularity selective --recompute-modules moe");
+  ASSERT_EQ(moe.status, 0) << moe.out;
+  EXPECT_NE(moe.out.find("selective recomputation of the MoE layers"), std::string::npos)
+      << moe.out;
+  EXPECT_NE(moe.out.find("with this run's"), std::string::npos) << moe.out;
   const Result core = weave(std::string(kConfig) + " --recompute-activations");
   ASSERT_EQ(core.status, 0) << core.out;
   EXPECT_EQ(core.out.find("with this run's"), std::string::npos) << core.out;

@@ -596,7 +596,7 @@ void check_query_groups(const ModelConfig& m, const ParallelPlan& p) {
 
 // The modules weave recomputes selectively, by Megatron-Core's names (TransformerConfig's
 // recompute_modules): core_attn (which its blockwise attention recomputes in every backward
-// already), mlp, layernorm and moe_act; not moe. Each shares one working set per rank, which the
+// already), mlp, layernorm, moe_act and moe. Each shares one working set per rank, which the
 // next recomputation of the same module writes again: what reads it must run before that.
 void check_selective_recomputation(const ModelConfig& m, const ParallelPlan& p) {
   const Recompute& r = m.recompute;
@@ -616,7 +616,6 @@ void check_selective_recomputation(const ModelConfig& m, const ParallelPlan& p) 
         "again. Drop moe (recompute whole layers with --recompute-granularity full), or set "
         "--ampipe-degree 1",
         p.ampipe_degree);
-
   if (r.recomputes(kRecomputeMlp) && zero_bubble)
     refuse(
         "--recompute-modules mlp is not done with --pipeline-scheduler {}: its W actions compute "
