@@ -179,9 +179,9 @@ TEST(PredictCli, VocabularySizeHasNoEffectInTrainingAndSizesAPrediction) {
   EXPECT_NEAR(flops("256000") - flops("1000"), 6.0 * 8 * 512 * 256 * (256000 - 1024), 1e9);
 }
 
-// weave train recomputes layers in full and MLPs selectively: the losses are those of the run
-// keeping every activation, and the memory estimate holds fewer activations; the modules not
-// done are refused by name.
+// weave train recomputes layers in full, MLPs and norms selectively: the losses are those of the
+// run keeping every activation, and the memory estimate holds fewer activations; what is not
+// done is refused by name.
 TEST(PredictCli, TrainRecomputesLayersInFull) {
   const std::string run =
       "train --mock-data --train-iters 2 --num-layers 4 --hidden-size 64 --num-attention-heads 4 "
@@ -211,10 +211,25 @@ TEST(PredictCli, TrainRecomputesLayersInFull) {
   ASSERT_TRUE(std::regex_search(kept.out, a, activations)) << kept.out;
   ASSERT_TRUE(std::regex_search(mlp.out, b, activations)) << mlp.out;
   EXPECT_LT(std::stod(b[1]), std::stod(a[1]));
-  const Result moe = weave(run + " --recompute-granularity selective --recompute-modules moe");
-  EXPECT_NE(moe.status, 0);
-  EXPECT_NE(moe.out.find("moe, moe_act and layernorm are not done here"), std::string::npos)
-      << moe.out;
+  const Result norms =
+      weave(run + " --recompute-granularity selective --recompute-modules layernorm");
+  ASSERT_EQ(norms.status, 0) << norms.out;
+  ASSERT_TRUE(std::regex_search(kept.out, a, done)) << kept.out;
+  ASSERT_TRUE(std::regex_search(norms.out, b, done)) << norms.out;
+  EXPECT_EQ(a.str(), b.str());
+  ASSERT_TRUE(std::regex_search(kept.out, a, activations)) << kept.out;
+  ASSERT_TRUE(std::regex_search(norms.out, b, activations)) << norms.out;
+  EXPECT_LT(std::stod(b[1]), std::stod(a[1]));
+  const Result zero_bubble = weave(
+      "train --mock-data --train-iters 2 --num-layers 4 --hidden-size 64 --num-attention-heads 4 "
+      "--seq-length 64 --micro-batch-size 1 --global-batch-size 4 --pipeline-model-parallel-size 2 "
+      "--pipeline-scheduler zb-h1 --devices 2 --recompute-granularity selective "
+      "--recompute-modules layernorm");
+  EXPECT_NE(zero_bubble.status, 0);
+  EXPECT_NE(zero_bubble.out.find(
+                "--recompute-modules layernorm is not done with --pipeline-scheduler zb-h1"),
+            std::string::npos)
+      << zero_bubble.out;
 }
 
 TEST(PredictCli, AnAcceleratorPresetSetsTheMachine) {
