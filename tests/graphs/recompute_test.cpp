@@ -112,6 +112,17 @@ const Case kCases[] = {
       .data_parallel = 2,
       .micro_batch_size = 1,
       .global_batch_size = 4}},
+    // MindSpeed's deepspeed_moe experts split over tp, routed replicated: their weight half runs
+    // apart, under fc1's input-gradient all-reduce, and computes the activation again (moe_act).
+    {"tp2_ep2_deepspeed_moe",
+     4,
+     {.tensor_parallel = 2,
+      .expert_parallel = 2,
+      .moe_model_type = "deepspeed_moe",
+      .data_parallel = 2,
+      .micro_batch_size = 1,
+      .global_batch_size = 4},
+     MoeGate::deepspeed},
     // --use-pipe-experts without Ampipe: the MoE layer's items recomputed with it (moe).
     {"ep2_pipe_experts",
      4,
