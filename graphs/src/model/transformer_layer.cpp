@@ -223,7 +223,7 @@ TaskId TransformerLayer::backward_pass(const BuildPosition& pos, TaskId ready, W
   if (moe && z.model.recompute.recomputes(kRecomputeMoe)) {
     // The MoE layer's forward again from its kept input: router, dispatch, experts and combine
     // with their all-to-alls, and its shared experts, as Megatron-Core's checkpointed MoELayer
-    // runs them (its totals, the aux losses and picks, counted once).
+    // runs them; `recomputing` keeps the step's totals (aux losses, picks) counted once.
     BuildPosition again = pos;
     again.recomputing = true;
     mlp_ready = MoeMlp(*P, l).forward(again, mlp_ready);
