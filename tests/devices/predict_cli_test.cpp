@@ -112,6 +112,22 @@ TEST(PredictCli, ModelsHalfPrecisionVocabularyAndRecomputation) {
   ASSERT_EQ(mlp.status, 0) << mlp.out;
   EXPECT_NE(mlp.out.find("selective recomputation of the MLPs"), std::string::npos) << mlp.out;
   EXPECT_NE(mlp.out.find("with this run's"), std::string::npos) << mlp.out;
+  // The norms and the experts' activation run no product again: named, no FLOPs added; a MoE
+  // layer recomputed whole adds its router's and experts' products.
+  const Result light = weave(std::string(kConfig) +
+                             " --recompute-granularity selective --recompute-modules layernorm "
+                             "moe_act");
+  ASSERT_EQ(light.status, 0) << light.out;
+  EXPECT_NE(light.out.find("selective recomputation of the experts' activations, the norms"),
+            std::string::npos)
+      << light.out;
+  EXPECT_EQ(light.out.find("with this run's"), std::string::npos) << light.out;
+  const Result moe =
+      weave(std::string(kConfig) + " --recompute-granularity selective --recompute-modules moe");
+  ASSERT_EQ(moe.status, 0) << moe.out;
+  EXPECT_NE(moe.out.find("selective recomputation of the MoE layers"), std::string::npos)
+      << moe.out;
+  EXPECT_NE(moe.out.find("with this run's"), std::string::npos) << moe.out;
   const Result core = weave(std::string(kConfig) + " --recompute-activations");
   ASSERT_EQ(core.status, 0) << core.out;
   EXPECT_EQ(core.out.find("with this run's"), std::string::npos) << core.out;
@@ -163,9 +179,9 @@ TEST(PredictCli, VocabularySizeHasNoEffectInTrainingAndSizesAPrediction) {
   EXPECT_NEAR(flops("256000") - flops("1000"), 6.0 * 8 * 512 * 256 * (256000 - 1024), 1e9);
 }
 
-// weave train recomputes layers in full and MLPs selectively: the losses are those of the run
-// keeping every activation, and the memory estimate holds fewer activations; the modules not
-// done are refused by name.
+// weave train recomputes layers in full, MLPs and norms selectively: the losses are those of the
+// run keeping every activation, and the memory estimate holds fewer activations; what is not
+// done is refused by name.
 TEST(PredictCli, TrainRecomputesLayersInFull) {
   const std::string run =
       "train --mock-data --train-iters 2 --num-layers 4 --hidden-size 64 --num-attention-heads 4 "
@@ -195,10 +211,25 @@ TEST(PredictCli, TrainRecomputesLayersInFull) {
   ASSERT_TRUE(std::regex_search(kept.out, a, activations)) << kept.out;
   ASSERT_TRUE(std::regex_search(mlp.out, b, activations)) << mlp.out;
   EXPECT_LT(std::stod(b[1]), std::stod(a[1]));
-  const Result moe = weave(run + " --recompute-granularity selective --recompute-modules moe");
-  EXPECT_NE(moe.status, 0);
-  EXPECT_NE(moe.out.find("moe, moe_act and layernorm are not done here"), std::string::npos)
-      << moe.out;
+  const Result norms =
+      weave(run + " --recompute-granularity selective --recompute-modules layernorm");
+  ASSERT_EQ(norms.status, 0) << norms.out;
+  ASSERT_TRUE(std::regex_search(kept.out, a, done)) << kept.out;
+  ASSERT_TRUE(std::regex_search(norms.out, b, done)) << norms.out;
+  EXPECT_EQ(a.str(), b.str());
+  ASSERT_TRUE(std::regex_search(kept.out, a, activations)) << kept.out;
+  ASSERT_TRUE(std::regex_search(norms.out, b, activations)) << norms.out;
+  EXPECT_LT(std::stod(b[1]), std::stod(a[1]));
+  const Result zero_bubble = weave(
+      "train --mock-data --train-iters 2 --num-layers 4 --hidden-size 64 --num-attention-heads 4 "
+      "--seq-length 64 --micro-batch-size 1 --global-batch-size 4 --pipeline-model-parallel-size 2 "
+      "--pipeline-scheduler zb-h1 --devices 2 --recompute-granularity selective "
+      "--recompute-modules layernorm");
+  EXPECT_NE(zero_bubble.status, 0);
+  EXPECT_NE(zero_bubble.out.find(
+                "--recompute-modules layernorm is not done with --pipeline-scheduler zb-h1"),
+            std::string::npos)
+      << zero_bubble.out;
 }
 
 TEST(PredictCli, AnAcceleratorPresetSetsTheMachine) {

@@ -398,6 +398,11 @@ const Recompute kSelectiveMlp{.granularity = RecomputeGranularity::selective,
                               .modules = kRecomputeMlp};
 const Recompute kSelectiveBoth{.granularity = RecomputeGranularity::selective,
                                .modules = kRecomputeCoreAttention | kRecomputeMlp};
+// The norms alone, and with the MLP, which then reads the recomputed norm's bf16 output.
+const Recompute kSelectiveNorms{.granularity = RecomputeGranularity::selective,
+                                .modules = kRecomputeLayerNorm};
+const Recompute kSelectiveNormsAndMlp{.granularity = RecomputeGranularity::selective,
+                                      .modules = kRecomputeLayerNorm | kRecomputeMlp};
 
 // Both dropouts on, four layers: the recomputed forward draws the same masks.
 void expect_recomputation_bitwise(ModelConfig m, const ParallelPlan& plan,
@@ -417,14 +422,16 @@ void expect_recomputation_bitwise(ModelConfig m, const ParallelPlan& plan,
 
 TEST(Bf16Training, RecomputationIsBitwiseOnOneDevice) {
   const ParallelPlan plan{.micro_batch_size = 2, .global_batch_size = 4};
-  expect_recomputation_bitwise(gpt(), plan, {kFullUniform1, kFullBlock1, kSelectiveMlp});
-  expect_recomputation_bitwise(llama(), plan, {kFullUniform2, kSelectiveBoth});
+  expect_recomputation_bitwise(gpt(), plan,
+                               {kFullUniform1, kFullBlock1, kSelectiveMlp, kSelectiveNorms});
+  expect_recomputation_bitwise(llama(), plan,
+                               {kFullUniform2, kSelectiveBoth, kSelectiveNormsAndMlp});
 }
 
 TEST(Bf16Training, RecomputationIsBitwiseUnder1f1b) {
   expect_recomputation_bitwise(
       llama(), {.pipeline_parallel = 2, .micro_batch_size = 1, .global_batch_size = 4},
-      {kFullUniform1, kFullBlock1, kSelectiveMlp});
+      {kFullUniform1, kFullBlock1, kSelectiveMlp, kSelectiveNormsAndMlp});
 }
 
 TEST(Bf16Training, RecomputationIsBitwiseInterleaved) {
@@ -437,14 +444,16 @@ TEST(Bf16Training, RecomputationIsBitwiseInterleaved) {
 }
 
 // Under SP the recomputed layer gathers its norms' bf16 outputs again; a recomputed MLP alone
-// reads the gathered input it kept.
+// reads the gathered input it kept; recomputed norms gather their bf16 outputs again and round
+// them into the products' inputs.
 TEST(Bf16Training, RecomputationIsBitwiseUnderTp2Sp) {
-  expect_recomputation_bitwise(gpt(),
-                               {.tensor_parallel = 2,
-                                .sequence_parallel = true,
-                                .micro_batch_size = 2,
-                                .global_batch_size = 4},
-                               {kFullUniform2, kFullBlock1, kSelectiveMlp});
+  expect_recomputation_bitwise(
+      gpt(),
+      {.tensor_parallel = 2,
+       .sequence_parallel = true,
+       .micro_batch_size = 2,
+       .global_batch_size = 4},
+      {kFullUniform2, kFullBlock1, kSelectiveMlp, kSelectiveNorms, kSelectiveNormsAndMlp});
 }
 
 // The materialised bf16 step replays as the prediction of the same bf16 step does and holds

@@ -2,6 +2,7 @@
 // graph built without tensors: time, throughput, model FLOP/s and MFU, exposed communication
 // per process group, the pipeline's bubble and each device's memory.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <nlohmann/json.hpp>
 
@@ -100,9 +101,18 @@ std::string recompute_text(const graphs::Recompute& r) {
       return fmt::format(", full recomputation ({} {})",
                          r.method == graphs::RecomputeMethod::uniform ? "uniform" : "block",
                          r.num_layers);
-    case graphs::RecomputeGranularity::selective:
-      return r.recomputes(graphs::kRecomputeMlp) ? ", selective recomputation of the MLPs"
-                                                 : ", selective recomputation";
+    case graphs::RecomputeGranularity::selective: {
+      // The modules that recompute more than the blockwise attention does anyway.
+      std::vector<std::string> what;
+      if (r.recomputes(graphs::kRecomputeMlp)) what.emplace_back("the MLPs");
+      if (r.recomputes(graphs::kRecomputeMoe)) what.emplace_back("the MoE layers");
+      if (r.recomputes(graphs::kRecomputeMoeActivation))
+        what.emplace_back("the experts' activations");
+      if (r.recomputes(graphs::kRecomputeLayerNorm)) what.emplace_back("the norms");
+      return what.empty()
+                 ? ", selective recomputation"
+                 : ", selective recomputation of " + fmt::format("{}", fmt::join(what, ", "));
+    }
     case graphs::RecomputeGranularity::none:
       break;
   }

@@ -178,7 +178,10 @@ constexpr ConfigFlag kTraining[] = {
      .help = "With --recompute-granularity selective, Megatron-Core's modules: core_attn (the "
              "default; weave's blockwise attention recomputes its scores in every backward "
              "anyway), mlp (each dense MLP keeps its input and runs its forward again before its "
-             "backward); moe, moe_act and layernorm are refused",
+             "backward), layernorm (the input and pre-MLP norms' outputs are recomputed before "
+             "their modules' backward), moe_act (the MoE experts' activation is recomputed for "
+             "fc2's weight gradient), moe (each MoE layer keeps its input and runs its forward "
+             "again before its backward)",
      .check = one_of("core_attn,mlp,moe,moe_act,layernorm"),
      .properties = kChoosesPlan,
      .type_name = "MODULE ..."},

@@ -594,23 +594,55 @@ void check_query_groups(const ModelConfig& m, const ParallelPlan& p) {
         m.query_groups(), p.tensor_parallel);
 }
 
-// The modules weave recomputes selectively: core_attn (which its blockwise attention recomputes
-// in every backward already) and mlp, without the zero-bubble schedules.
-void check_selective_recomputation(const Recompute& r, const ParallelPlan& p) {
-  const unsigned not_done = kRecomputeMoe | kRecomputeMoeActivation | kRecomputeLayerNorm;
-  if ((r.modules & not_done) != 0)
-    refuse(
-        "--recompute-modules moe, moe_act and layernorm are not done here (weave recomputes "
-        "core_attn and mlp): drop them, or use --recompute-granularity full, which recomputes "
-        "whole layers, MoE ones too");
+// The modules weave recomputes selectively, by Megatron-Core's names (TransformerConfig's
+// recompute_modules): core_attn (which its blockwise attention recomputes in every backward
+// already), mlp, layernorm, moe_act and moe. Each shares one working set per rank, which the
+// next recomputation of the same module writes again: what reads it must run before that.
+void check_selective_recomputation(const ModelConfig& m, const ParallelPlan& p) {
+  const Recompute& r = m.recompute;
   const ScheduleKind kind = pipeline_schedule_kind(p);
-  if (r.recomputes(kRecomputeMlp) &&
-      (kind == ScheduleKind::ZeroBubbleH1 || kind == ScheduleKind::ZeroBubbleV))
+  const bool zero_bubble = kind == ScheduleKind::ZeroBubbleH1 || kind == ScheduleKind::ZeroBubbleV;
+  if (r.recomputes(kRecomputeMoe) && zero_bubble)
+    refuse(
+        "--recompute-modules moe is not done with --pipeline-scheduler {}: its W actions compute "
+        "the experts' weight gradients after the input gradients, from the MoE state the next "
+        "recomputed MoE layer has written over by then. Choose --pipeline-scheduler 1f1b or "
+        "interleaved, or drop moe",
+        schedule_name(kind));
+  if (r.recomputes(kRecomputeMoe) && p.ampipe_degree > 1)
+    refuse(
+        "--recompute-modules moe is not done with --ampipe-degree {}: Ampipe pipelines its MoE "
+        "layers' chunks with their attention, which a recomputed MoE layer alone cannot run "
+        "again. Drop moe (recompute whole layers with --recompute-granularity full), or set "
+        "--ampipe-degree 1",
+        p.ampipe_degree);
+  if (r.recomputes(kRecomputeMlp) && zero_bubble)
     refuse(
         "--recompute-modules mlp is not done with --pipeline-scheduler {}: its W actions compute "
         "the MLP's weight gradients after its input gradient, from activations the recomputed "
         "MLP hands to the next one. Choose --pipeline-scheduler 1f1b or interleaved, or drop mlp",
         schedule_name(kind));
+  if (r.recomputes(kRecomputeLayerNorm) && zero_bubble)
+    refuse(
+        "--recompute-modules layernorm is not done with --pipeline-scheduler {}: its W actions "
+        "compute QKV's and fc1's weight gradients after the input gradients, from the norms' "
+        "outputs, which the next layer's recomputed norm has written over by then. Choose "
+        "--pipeline-scheduler 1f1b or interleaved, or drop layernorm",
+        schedule_name(kind));
+  if (r.recomputes(kRecomputeLayerNorm) && p.ampipe_degree > 1)
+    refuse(
+        "--recompute-modules layernorm is not done with --ampipe-degree {}: Ampipe computes its "
+        "layers' norms chunk by chunk inside its pipelined attention and MLP, which keep them. "
+        "Drop layernorm, or set --ampipe-degree 1",
+        p.ampipe_degree);
+  if (r.recomputes(kRecomputeMoeActivation) && (plan_pipes_experts(p) || plan_overlaps_tp_sp(p)))
+    refuse(
+        "--recompute-modules moe_act is not done with {}: its expert items run their activation "
+        "and fc2 in tasks of their own (on streams of their own with "
+        "--pipe-experts-separate-streams), each keeping its rows of the hidden layer for the "
+        "next. Drop moe_act, or leave out {}",
+        plan_pipes_experts(p) ? "--use-pipe-experts" : "--ampipe-tp-sp-comm-overlap",
+        plan_pipes_experts(p) ? "--use-pipe-experts" : "--ampipe-tp-sp-comm-overlap");
 }
 
 // Megatron-LM's rules for activation recomputation (TransformerConfig's checks): full needs a
@@ -636,7 +668,7 @@ void check_recomputation(const ModelConfig& m, const ParallelPlan& p) {
             "--recompute-granularity selective recomputes the core attention of every layer and "
             "takes no --recompute-method or --recompute-num-layers (Megatron-LM's rule): drop "
             "them, or use --recompute-granularity full");
-      check_selective_recomputation(r, p);
+      check_selective_recomputation(m, p);
       return;
     case RecomputeGranularity::full:
       break;

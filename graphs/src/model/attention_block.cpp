@@ -11,6 +11,7 @@
 #include "model/tp_comm_overlap.hpp"
 #include "step/gradient_buckets.hpp"
 #include "step/step_costs.hpp"
+#include "step/working_set.hpp"
 #include "weave/ops/attention.hpp"
 #include "weave/ops/elementwise.hpp"
 #include "weave/ops/linear.hpp"
@@ -170,17 +171,27 @@ void AttentionBlock::allocate(LayerActivations& A) const {
   const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h, Hl = z.Hl, d = z.d, cp = z.cp;
   const bool ampipe = z.spec(l).mlp == MlpModule::ampipe;
   const bool ring = z.spec(l).attention == AttentionCore::ring;
+  // Recomputed (--recompute-modules layernorm), the norm's output (its gather under SP) and
+  // statistics are the rank's working set.
+  const bool again = z.model.recompute.recomputes(kRecomputeLayerNorm);
+  RecomputedNorm& shared = P->state.recomputed_input_norm;
+  A.attention.ln1_mean =
+      kept_or_shared(again, shared.mean, [&] { return P->activation32({Sl * B}); });
+  A.attention.ln1_rstd =
+      kept_or_shared(again, shared.rstd, [&] { return P->activation32({Sl * B}); });
   if (P->half()) {
-    A.attention.ln1_16 = P->activation16({Sc, B, h});
-    A.attention.ln1_mean = P->activation32({Sl * B});
-    A.attention.ln1_rstd = P->activation32({Sl * B});
+    A.attention.ln1_16 = kept_or_shared(again, shared.out16, [&] {
+      return P->activation16({Sc, B, h});
+    });
     A.attention.qkv16 = P->activation16({Sc, B, z.Gl, z.qkv_group_width()});
     A.attention.attn16 = P->activation16({Sc, B, Hl, d});
   } else {
-    A.attention.ln1 = P->activation({Sl, B, h});
-    A.attention.ln1_mean = P->activation32({Sl * B});
-    A.attention.ln1_rstd = P->activation32({Sl * B});
-    A.attention.ln1_full = z.sp() ? P->activation({Sc, B, h}) : A.attention.ln1;
+    A.attention.ln1 = kept_or_shared(again, shared.out, [&] { return P->activation({Sl, B, h}); });
+    A.attention.ln1_full = z.sp() ? kept_or_shared(again, shared.full,
+                                                   [&] {
+                                                     return P->activation({Sc, B, h});
+                                                   })
+                                  : A.attention.ln1;
     A.attention.qkv = P->activation({Sc, B, z.Gl, z.qkv_group_width()});
     A.attention.attn = P->activation({Sc, B, Hl, d});
   }
@@ -220,6 +231,67 @@ void AttentionBlock::allocate(LayerActivations& A) const {
   }
 }
 
+namespace {
+
+// The input norm of layer `layer` for set `set`: into ln1 (fp32), or a bf16 run's ln1_16, or
+// under SP the bf16 run's workspace (norm_out) that the gather reads.
+void input_norm_forward(RankProgram& P, int set, int layer) {
+  RankProgram* p = &P;
+  LayerActivations& A = p->acts(set, layer);
+  const AttentionParameters& W = p->attention_parameters(layer);
+  if (p->half()) {  // in fp32, rounded once into the bf16 input of the QKV product
+    // A stage's input arrives as the bf16 values Megatron-LM's bf16 pipeline sends
+    // (pipeline_dtype, the parameters' dtype; the stream's values already, so rounding
+    // again, or again under recomputation, keeps them); with --fp32-residual-connection
+    // it sends fp32.
+    if (p->rounds_residual_stream() && takes_stage_input(p->layout, layer))
+      round_in_place(p->precision(), A.x_in);
+    if (!p->shape.sp()) {
+      norm_forward_to_half(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.attention.ln1_16,
+                           A.attention.ln1_mean, A.attention.ln1_rstd);
+      return;
+    }
+    // Under SP the bf16 values are gathered (in fp32 buffers) before QKV keeps them.
+    const Tensor& y = p->ws().half.norm_out;
+    norm_forward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, y, A.attention.ln1_mean,
+                 A.attention.ln1_rstd);
+    round_in_place(p->precision(), y);
+    return;
+  }
+  norm_forward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.attention.ln1,
+               A.attention.ln1_mean, A.attention.ln1_rstd);
+}
+
+}  // namespace
+
+TaskId AttentionBlock::input_norm_again(const BuildPosition& pos, TaskId ready) const {
+  if (!P->shape.model.recompute.recomputes(kRecomputeLayerNorm)) return rt::kNoTask;
+  RankProgram* p = P;
+  const int layer = l, set = pos.set;
+  const StepShape& z = P->shape;
+  const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
+  const std::string at = fmt::format("L{}.", l);
+  const double rows = static_cast<double>(z.Sl * z.B * z.h);
+  const TaskId norm = P->compute(at + "input_norm_again", tags, cost::streamed(z, 2 * rows),
+                                 [p, layer, set] { input_norm_forward(*p, set, layer); });
+  P->after(ready, norm);
+  if (!z.sp()) return norm;
+  if (!P->half())
+    return sp_gather(*P, norm, P->acts(set, l).attention.ln1, P->acts(set, l).attention.ln1_full,
+                     at + "sp_gather_again", tags);
+  // A bf16 run gathers the workspace's bf16 values and rounds them into its kept input, as the
+  // QKV task does in forward (read 1, write 1 at the gathered size).
+  const TaskId gathered = sp_gather(*P, norm, P->ws().half.norm_out, P->ws().half.gathered,
+                                    at + "sp_gather_again", tags);
+  const TaskId kept = P->compute(
+      at + "input_norm_again_round", tags,
+      cost::streamed(z, 2.0 * static_cast<double>(z.Sc * z.B * z.h)), [p, layer, set] {
+        round_to_half(p->precision(), p->ws().half.gathered, p->acts(set, layer).attention.ln1_16);
+      });
+  P->after(gathered, kept);
+  return kept;
+}
+
 TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) const {
   RankProgram* p = P;
   const int layer = l, set = pos.set;
@@ -229,32 +301,8 @@ TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) con
   const rt::TaskTags tags = pos.tags(rt::Phase::forward, l);
   const std::string at = fmt::format("L{}.", l);
   const double rows = static_cast<double>(z.Sl * B * z.h);
-  const TaskId ln1 =
-      P->compute(at + "input_norm", tags, cost::streamed(z, 2 * rows), [p, layer, set] {
-        LayerActivations& A = p->acts(set, layer);
-        const AttentionParameters& W = p->attention_parameters(layer);
-        if (p->half()) {  // in fp32, rounded once into the bf16 input of the QKV product
-          // A stage's input arrives as the bf16 values Megatron-LM's bf16 pipeline sends
-          // (pipeline_dtype, the parameters' dtype; the stream's values already, so rounding
-          // again, or again under recomputation, keeps them); with --fp32-residual-connection
-          // it sends fp32.
-          if (p->rounds_residual_stream() && takes_stage_input(p->layout, layer))
-            round_in_place(p->precision(), A.x_in);
-          if (!p->shape.sp()) {
-            norm_forward_to_half(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias,
-                                 A.attention.ln1_16, A.attention.ln1_mean, A.attention.ln1_rstd);
-            return;
-          }
-          // Under SP the bf16 values are gathered (in fp32 buffers) before QKV keeps them.
-          const Tensor& y = p->ws().half.norm_out;
-          norm_forward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, y, A.attention.ln1_mean,
-                       A.attention.ln1_rstd);
-          round_in_place(p->precision(), y);
-          return;
-        }
-        norm_forward(p->shape.model, A.x_in, *W.ln1_weight, W.ln1_bias, A.attention.ln1,
-                     A.attention.ln1_mean, A.attention.ln1_rstd);
-      });
+  const TaskId ln1 = P->compute(at + "input_norm", tags, cost::streamed(z, 2 * rows),
+                                [p, layer, set] { input_norm_forward(*p, set, layer); });
   P->after(ready, ln1);
   LayerActivations& A = P->acts(set, layer);
   if (!ring && tp_overlaps(z)) return qkv_in_pieces(pos, ln1);
@@ -561,6 +609,7 @@ TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHa
   BackwardWorkspace& w = P->ws();
   const bool keep = halves.zero_bubble();
   const bool overlapped = !ring && tp_overlaps(z);
+  const TaskId norm_again = input_norm_again(pos, ready);
   TaskId gathered = rt::kNoTask;
   if (sp && !overlapped)
     gathered = sp_gather(*P, ready, w.d_mlp, w.d_mlp_full, at + "attention_grad_gather", tags);
@@ -628,7 +677,7 @@ TaskId AttentionBlock::backward(const BuildPosition& pos, TaskId ready, WeightHa
     });
   TaskId kv_grads = attention;
   if (ring) kv_grads = RingAttention(*P, l).backward(pos, attention);
-  return backward_input(pos, kv_grads, halves, last, qkv_weights);
+  return backward_input(pos, kv_grads, halves, last, qkv_weights, norm_again);
 }
 
 namespace {
@@ -664,7 +713,8 @@ void qkv_input_gradient(RankProgram& P, int set, int layer, bool ring, bool keep
 }  // namespace
 
 TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, WeightHalves& halves,
-                                      bool last, WeightPlacement qkv_weights) const {
+                                      bool last, WeightPlacement qkv_weights,
+                                      TaskId norm_again) const {
   RankProgram* p = P;
   const int layer = l, set = pos.set;
   const StepShape& z = P->shape;
@@ -684,7 +734,7 @@ TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, We
   // workspace otherwise (it runs before the layer below reuses it).
   const WeightHalf weight_half = [=] {
     const rt::TaskTags t = pos.tags(keep ? rt::Phase::weight : rt::Phase::backward, layer);
-    return p->compute(at + "qkv_weight_grad", t, cost::qkv(z), [=] {
+    const TaskId weights = p->compute(at + "qkv_weight_grad", t, cost::qkv(z), [=] {
       LayerActivations& A = p->acts(set, layer);
       const AttentionParameters& W = p->attention_parameters(layer);
       if (p->half()) {
@@ -700,6 +750,8 @@ TaskId AttentionBlock::backward_input(const BuildPosition& pos, TaskId ready, We
       ops::linear_backward_weight(A.attention.ln1_full, d_out, W.qkv_weight->grad,
                                   grad_of(W.qkv_bias));
     });
+    p->after(norm_again, weights);  // the recomputed norm's output, gathered
+    return weights;
   };
   TaskId norm_ready = reduced;
   switch (qkv_weights) {

@@ -38,8 +38,16 @@ class AttentionBlock {
   // The backward of forward_input from the QKV gradient in d_qkv: QKV input gradient (with the
   // ring's key/value gradients under CP), its reduction over tp, the QKV weight half (placed as
   // `qkv_weights` says) and the input norm; then the attention bucket's reduction.
+  // `norm_again`: the input norm's recomputation (input_norm_again), which the QKV weight half
+  // reads.
   TaskId backward_input(const BuildPosition& pos, TaskId ready, WeightHalves& halves, bool last,
-                        WeightPlacement qkv_weights) const;
+                        WeightPlacement qkv_weights, TaskId norm_again = rt::kNoTask) const;
+  // --recompute-modules layernorm: the input norm's forward again from the layer's kept input
+  // (its SP gather too, and a bf16 run's rounding into the QKV product's input), into the rank's
+  // working set, after `ready`; as Megatron-Core's TransformerLayer recomputes input_layernorm
+  // when the attention's output gradient arrives. Returns its last task (kNoTask when the norm
+  // is kept).
+  TaskId input_norm_again(const BuildPosition& pos, TaskId ready) const;
 
   // Lays out what the block keeps for one micro-batch (Ampipe's chunked log-sum-exps and, under
   // CP, its store of every rank's key/value block on a MoE layer).

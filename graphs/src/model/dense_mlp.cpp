@@ -7,6 +7,7 @@
 #include "model/sequence_parallel.hpp"
 #include "model/tp_comm_overlap.hpp"
 #include "step/step_costs.hpp"
+#include "step/working_set.hpp"
 #include "weave/ops/activation.hpp"
 #include "weave/ops/linear.hpp"
 #include "weave/runtime/parallel_for.hpp"
@@ -268,7 +269,13 @@ TaskId dense_mlp_backward_in_pieces(RankProgram& P, const BuildPosition& pos, in
 void DenseMlp::allocate(LayerActivations& A) const {
   const StepShape& z = P->shape;
   const std::int64_t Sl = z.Sl, Sc = z.Sc, B = z.B, h = z.h;
-  if (!P->half()) A.ln2_full = z.sp() ? P->activation({Sc, B, h}) : A.ln2;
+  if (!P->half())
+    A.ln2_full = z.sp() ? kept_or_shared(z.model.recompute.recomputes(kRecomputeLayerNorm),
+                                         P->state.recomputed_mlp_norm.full,
+                                         [&] {
+                                           return P->activation({Sc, B, h});
+                                         })
+                        : A.ln2;
   DenseMlpActivations& D = A.mlp.emplace<DenseMlpActivations>();
   auto products = [&](DenseMlpActivations& into) {
     if (P->half()) {

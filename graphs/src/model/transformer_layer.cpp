@@ -3,10 +3,12 @@
 #include "model/half_precision.hpp"
 #include "model/norm.hpp"
 #include "step/step_costs.hpp"
+#include "step/working_set.hpp"
 
 #include "ampipe/ampipe_block.hpp"
 #include "model/attention_block.hpp"
 #include "model/dense_mlp.hpp"
+#include "model/sequence_parallel.hpp"
 #include "moe/moe_mlp.hpp"
 #include "step/gradient_buckets.hpp"
 #include "step/parameter_slots.hpp"
@@ -22,13 +24,16 @@ void TransformerLayer::allocate(LayerActivations& A, const Tensor& x_in) const {
   AttentionBlock(*P, l).allocate(A);
   A.x_mid = P->stream_activation({Sl, B, h});
   // A bf16 run's MoE layer keeps its norm's bf16 output in an fp32 buffer, as every MoE row it
-  // routes and exchanges (the virtual clock charges them at 2 bytes a value).
+  // routes and exchanges (the virtual clock charges them at 2 bytes a value). Recomputed
+  // (--recompute-modules layernorm), the norm's output and statistics are the rank's working set.
+  const bool again = z.model.recompute.recomputes(kRecomputeLayerNorm);
+  RecomputedNorm& shared = P->state.recomputed_mlp_norm;
   if (P->half() && !z.spec(l).moe())
-    A.ln2_16 = P->activation16({z.Sc, B, h});
+    A.ln2_16 = kept_or_shared(again, shared.out16, [&] { return P->activation16({z.Sc, B, h}); });
   else
-    A.ln2 = P->activation({Sl, B, h});
-  A.ln2_mean = P->activation32({Sl * B});
-  A.ln2_rstd = P->activation32({Sl * B});
+    A.ln2 = kept_or_shared(again, shared.out, [&] { return P->activation({Sl, B, h}); });
+  A.ln2_mean = kept_or_shared(again, shared.mean, [&] { return P->activation32({Sl * B}); });
+  A.ln2_rstd = kept_or_shared(again, shared.rstd, [&] { return P->activation32({Sl * B}); });
   if (z.spec(l).moe())
     MoeMlp(*P, l).allocate(A);
   else
@@ -68,6 +73,65 @@ TaskId TransformerLayer::backward(const BuildPosition& pos, TaskId ready, Weight
   return done;
 }
 
+namespace {
+
+// The pre-MLP norm of layer `layer` for set `set`, from x_mid: into ln2 (fp32, and a 16-bit
+// run's MoE layer's), a bf16 run's ln2_16, or under SP the bf16 run's workspace (norm_out) that
+// the MLP's gather reads.
+void mlp_norm_forward(RankProgram& P, int set, int layer) {
+  RankProgram* p = &P;
+  LayerActivations& A = p->acts(set, layer);
+  const LayerShard& W = p->layer(layer);
+  if (p->half() && p->shape.spec(layer).mlp == MlpModule::moe) {  // in fp32, rounded once
+    norm_forward(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, A.ln2, A.ln2_mean, A.ln2_rstd);
+    round_in_place(p->precision(), A.ln2);
+    return;
+  }
+  if (p->half() && !p->shape.sp()) {  // in fp32, rounded once into the bf16 input of fc1
+    norm_forward_to_half(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, A.ln2_16, A.ln2_mean,
+                         A.ln2_rstd);
+    return;
+  }
+  if (p->half()) {  // gathered first, as the attention's input
+    norm_forward(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, p->ws().half.norm_out,
+                 A.ln2_mean, A.ln2_rstd);
+    round_in_place(p->precision(), p->ws().half.norm_out);
+    return;
+  }
+  norm_forward(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, A.ln2, A.ln2_mean, A.ln2_rstd);
+}
+
+}  // namespace
+
+TaskId TransformerLayer::mlp_norm_again(const BuildPosition& pos, TaskId ready) const {
+  RankProgram* p = P;
+  const int layer = l, set = pos.set;
+  const StepShape& z = P->shape;
+  const rt::TaskTags tags = pos.tags(rt::Phase::backward, l);
+  const std::string at = fmt::format("L{}.", l);
+  const double rows = static_cast<double>(z.Sl * z.B * z.h);
+  const TaskId norm = P->compute(at + "mlp_norm_again", tags, cost::streamed(z, 2 * rows),
+                                 [p, layer, set] { mlp_norm_forward(*p, set, layer); });
+  P->after(ready, norm);
+  // A MoE layer routes its own rows (its shared experts gather and keep theirs): nothing to
+  // gather. A dense layer's MLP reads the gathered norm under SP.
+  if (!z.sp() || z.spec(l).mlp == MlpModule::moe) return norm;
+  if (!P->half())
+    return sp_gather(*P, norm, P->acts(set, l).ln2, P->acts(set, l).ln2_full,
+                     at + "sp_gather_mlp_again", tags);
+  // A bf16 run gathers the workspace's bf16 values and rounds them into fc1's kept input, as
+  // the MLP's task does in forward.
+  const TaskId gathered = sp_gather(*P, norm, P->ws().half.norm_out, P->ws().half.gathered,
+                                    at + "sp_gather_mlp_again", tags);
+  const TaskId kept =
+      P->compute(at + "mlp_norm_again_round", tags,
+                 cost::streamed(z, 2.0 * static_cast<double>(z.Sc * z.B * z.h)), [p, layer, set] {
+                   round_to_half(p->precision(), p->ws().half.gathered, p->acts(set, layer).ln2_16);
+                 });
+  P->after(gathered, kept);
+  return kept;
+}
+
 TaskId TransformerLayer::forward_pass(const BuildPosition& pos, TaskId ready) const {
   const StepShape& z = P->shape;
   const MlpModule mlp_module = z.spec(l).mlp;
@@ -94,25 +158,7 @@ TaskId TransformerLayer::forward_pass(const BuildPosition& pos, TaskId ready) co
         if (p->half() && p->shape.tp > 1) round_in_place(p->precision(), A.attention.proj_out);
         p->bias_dropout_add(mb, layer, 0, A.attention.proj_out,
                             compute_value_of(W.attention.proj_bias), A.x_in, A.x_mid);
-        if (p->half() && mlp_module == MlpModule::moe) {  // in fp32, rounded once
-          norm_forward(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, A.ln2, A.ln2_mean,
-                       A.ln2_rstd);
-          round_in_place(p->precision(), A.ln2);
-          return;
-        }
-        if (p->half() && !p->shape.sp()) {  // in fp32, rounded once into the bf16 input of fc1
-          norm_forward_to_half(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, A.ln2_16,
-                               A.ln2_mean, A.ln2_rstd);
-          return;
-        }
-        if (p->half()) {  // gathered first, as the attention's input
-          norm_forward(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, p->ws().half.norm_out,
-                       A.ln2_mean, A.ln2_rstd);
-          round_in_place(p->precision(), p->ws().half.norm_out);
-          return;
-        }
-        norm_forward(p->shape.model, A.x_mid, *W.ln2_weight, W.ln2_bias, A.ln2, A.ln2_mean,
-                     A.ln2_rstd);
+        mlp_norm_forward(*p, set, layer);
       });
   P->after(attention, residual);
   const TaskId mlp = mlp_module == MlpModule::moe ? MoeMlp(*P, l).forward(pos, residual)
@@ -163,14 +209,26 @@ TaskId TransformerLayer::backward_pass(const BuildPosition& pos, TaskId ready, W
       });
   P->after(ready, residual);
   TaskId mlp_ready = residual;
+  // Selective recomputation of the norm: its output again before the MLP's backward (and before
+  // the MLP's own recomputation, which reads it), as Megatron-Core recomputes pre_mlp_layernorm
+  // when the MLP's output gradient arrives.
+  if (z.model.recompute.recomputes(kRecomputeLayerNorm)) mlp_ready = mlp_norm_again(pos, residual);
   if (!moe && z.model.recompute.recomputes(kRecomputeMlp)) {
     // Selective recomputation: the MLP's forward again from its kept input (its SP gather and
     // its reduction included, as Megatron-LM's checkpointed MLP runs them), into the working set.
     BuildPosition again = pos;
     again.recomputing = true;
-    mlp_ready = DenseMlp(*P, l).forward(again, residual);
+    mlp_ready = DenseMlp(*P, l).forward(again, mlp_ready);
   }
-  const TaskId mlp = moe ? MoeMlp(*P, l).backward(pos, residual, halves)
+  if (moe && z.model.recompute.recomputes(kRecomputeMoe)) {
+    // The MoE layer's forward again from its kept input: router, dispatch, experts and combine
+    // with their all-to-alls, and its shared experts, as Megatron-Core's checkpointed MoELayer
+    // runs them; `recomputing` keeps the step's totals (aux losses, picks) counted once.
+    BuildPosition again = pos;
+    again.recomputing = true;
+    mlp_ready = MoeMlp(*P, l).forward(again, mlp_ready);
+  }
+  const TaskId mlp = moe ? MoeMlp(*P, l).backward(pos, mlp_ready, halves)
                          : DenseMlp(*P, l).backward(pos, mlp_ready, halves);
   // The norm's backward, the residual's sum, the copy and the bias-dropout backward.
   const TaskId norm = P->compute(at + "mlp_norm_backward", tags, cost::streamed(z, 10 * rows), [=] {
@@ -193,10 +251,13 @@ TaskId TransformerLayer::backward_pass(const BuildPosition& pos, TaskId ready, W
   // With tp or cp the QKV weight half overlaps the input gradient's reduction; with neither it
   // waits for the layer below to launch its first all-to-all.
   // ZeRO stage 2 keeps every weight half inside its layer's backward, which holds its slot.
-  const WeightPlacement qkv_weights =
-      z.tp == 1 && z.spec(l).attention == AttentionCore::local && !z.plan.shard_gradients
-          ? halves.deferrable()
-          : halves.immediate();
+  // Recomputed, the input norm's output is the rank's working set, which the layer below
+  // recomputes into: the QKV weight half reading it runs within its layer.
+  const WeightPlacement qkv_weights = z.tp == 1 && z.spec(l).attention == AttentionCore::local &&
+                                              !z.plan.shard_gradients &&
+                                              !z.model.recompute.recomputes(kRecomputeLayerNorm)
+                                          ? halves.deferrable()
+                                          : halves.immediate();
   return AttentionBlock(*P, l).backward(pos, norm, halves, last, qkv_weights);
 }
 

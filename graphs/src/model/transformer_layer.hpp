@@ -35,6 +35,10 @@ class TransformerLayer {
   TaskId forward_pass(const BuildPosition& pos, TaskId ready) const;
   TaskId backward_pass(const BuildPosition& pos, TaskId ready, WeightHalves& halves,
                        bool last) const;
+  // --recompute-modules layernorm: the pre-MLP norm's forward again from the kept x_mid (a
+  // dense layer's SP gather too, and a bf16 run's rounding into fc1's input), into the rank's
+  // working set, after `ready`. Returns its last task.
+  TaskId mlp_norm_again(const BuildPosition& pos, TaskId ready) const;
   RankProgram* P;
   int l;
 };

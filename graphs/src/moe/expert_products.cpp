@@ -97,6 +97,16 @@ void experts_forward(ops::ExpertActivation act, const Tensor& x,
   });
 }
 
+void experts_activation_again(ops::ExpertActivation act, std::span<const std::int64_t> begin,
+                              const ExpertWeights& w, const Tensor& hidden_pre,
+                              const Tensor& hidden) {
+  for_experts(begin, [&](std::int64_t, std::int64_t r0, std::int64_t n) {
+    const Tensor hid = hidden.slice(0, r0, n);
+    activation_forward(act, hidden_pre.slice(0, r0, n), hid);
+    if (w.half()) round_in_place(w.precision, hid);
+  });
+}
+
 void experts_backward_input(ops::ExpertActivation act, const Tensor& x,
                             std::span<const std::int64_t> begin, const ExpertWeights& w,
                             const Tensor& hidden_pre, const Tensor& hidden, const Tensor& dy,

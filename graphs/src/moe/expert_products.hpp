@@ -44,6 +44,13 @@ void experts_backward_input(ops::ExpertActivation act, const Tensor& x,
                             std::span<const std::int64_t> begin, const ExpertWeights& w,
                             const Tensor& hidden_pre, const Tensor& hidden, const Tensor& dy,
                             const Tensor& dx, const Tensor& d_pre);
+// --recompute-modules moe_act: the experts' activation again from their kept first product
+// hidden_pre into hidden, expert by expert as experts_forward computed it (in a 16-bit run
+// rounded once), so its values are bitwise the forward's. Megatron-Core's experts recompute
+// the same function (bias_act_func under CheckpointWithoutOutput) before fc2's backward.
+void experts_activation_again(ops::ExpertActivation act, std::span<const std::int64_t> begin,
+                              const ExpertWeights& w, const Tensor& hidden_pre,
+                              const Tensor& hidden);
 // As ops::experts_backward: dw1, dw2 (fp32) accumulated.
 void experts_backward(ops::ExpertActivation act, const Tensor& x,
                       std::span<const std::int64_t> begin, const ExpertWeights& w,

@@ -3,6 +3,7 @@
 #include "moe/moe_mlp.hpp"
 #include "moe/moe_router.hpp"
 #include "moe/moe_shared_experts.hpp"
+#include "step/working_set.hpp"
 
 namespace weave::graphs {
 
@@ -100,7 +101,11 @@ void allocate_experts(RankProgram& P, MoeSlot& S) {
   const std::int64_t expert_rows =
       z.experts_split() && !z.routes_replicated ? z.tp * capacity : capacity;
   S.hidden_pre = P.activation({expert_rows, z.expert_local_f1()});
-  S.hidden = P.activation({expert_rows, z.expert_local_f()});
+  // --recompute-modules moe_act: the rank's one hidden layer, computed again where read.
+  S.hidden = kept_or_shared(z.model.recompute.recomputes(kRecomputeMoeActivation),
+                            P.state.recomputed_expert_hidden, [&] {
+                              return P.activation({expert_rows, z.expert_local_f()});
+                            });
   if (z.splits_backward && !z.expert_items())
     S.saved_d_pre = P.activation({expert_rows, z.expert_local_f1()});
   if (z.expert_items()) {  // the items' rows of the hidden layer's gradients (allocate_items)
@@ -154,6 +159,25 @@ void allocate_slot(RankProgram& P, LayerActivations& A, int c) {
 }  // namespace
 
 void MoeMlp::allocate(LayerActivations& A) const {
+  const StepShape& z = P->shape;
+  if (z.model.recompute.recomputes(kRecomputeMoe)) {
+    // Recomputed whole: the layer's MoE state is the rank's working set (laid out by the first
+    // MoE layer that takes it); only the layer's norm output, its input, is its own.
+    LayerActivations& W = P->state.recomputed_moe_layer;
+    if (!W.mlp_out.defined()) {
+      W.ln2 = A.ln2;
+      allocate_state(W);
+    }
+    A.mlp = W.mlp;
+    A.mlp_out = W.mlp_out;
+    // Without SP the shared experts read the norm's output itself: this layer's.
+    if (z.model.has_shared_experts() && !z.sp()) A.moe().shared.input = A.ln2;
+    return;
+  }
+  allocate_state(A);
+}
+
+void MoeMlp::allocate_state(LayerActivations& A) const {
   const StepShape& z = P->shape;
   MoeActivations& M = A.mlp.emplace<MoeActivations>();
   M.stats_total = P->activation({router_statistics_size(z)});

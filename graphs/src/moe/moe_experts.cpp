@@ -165,9 +165,15 @@ SlotProgress MoeMlp::experts_backward(const BuildPosition& pos, int c, const Slo
             A.d_expert_in.slice(0, 0, rows), A.local_begin, rows};
   };
   const bool keep = halves.zero_bubble();
+  // --recompute-modules moe_act: the task that reads the hidden layer for fc2's weight gradient
+  // (this one, or the W action's) computes it again first.
+  const bool again = z.model.recompute.recomputes(kRecomputeMoeActivation);
   const rt::CostHint experts_flops = cost::experts(z, static_cast<double>(z.slot_tokens()));
+  const rt::CostHint activation_again =
+      again ? cost::expert_activation(z, static_cast<double>(z.slot_tokens())) : rt::CostHint{};
   const std::string at = slot_prefix(c);
-  const rt::CostHint backward_products = (keep ? 1 : 2) * experts_flops;
+  const rt::CostHint backward_products =
+      keep ? experts_flops : 2 * experts_flops + activation_again;
   const TaskId experts = P->compute(
       at + "experts_backward", pos.chunk_tags(rt::Phase::backward, l, slot_chunk(c)),
       ep > 1 ? backward_products + cost::expert_regrouping(z) : backward_products, [=] {
@@ -183,9 +189,11 @@ SlotProgress MoeMlp::experts_backward(const BuildPosition& pos, int c, const Slo
         if (keep)  // the weight half waits for the W action
           graphs::experts_backward_input(act, E.x, E.begin, expert_weights(W.experts), pre, hid,
                                          E.dy, E.dx, A.saved_d_pre.slice(0, 0, E.rows));
-        else
+        else {
+          if (again) experts_activation_again(act, E.begin, expert_weights(W.experts), pre, hid);
           graphs::experts_backward(act, E.x, E.begin, expert_weights(W.experts), pre, hid, E.dy,
                                    E.dx, W.experts.fc1->grad, W.experts.fc2->grad);
+        }
         if (ep > 1)
           for (std::size_t i = 0; i < A.source_row.size(); ++i)
             std::copy_n(A.d_expert_in.row(static_cast<std::int64_t>(i)), h,
@@ -195,10 +203,15 @@ SlotProgress MoeMlp::experts_backward(const BuildPosition& pos, int c, const Slo
   if (keep)
     halves.place(WeightPlacement::zero_bubble, [=, chunk = slot_chunk(c)] {
       return p->compute(at + "experts_weight_grad", pos.chunk_tags(rt::Phase::weight, layer, chunk),
-                        experts_flops, [=] {
+                        experts_flops + activation_again, [=] {
                           MoeSlot& A = p->slot(set, layer, c);
                           const MoeMlpParameters& W = p->moe_parameters(layer);
                           const ExpertRows E = expert_rows(A);
+                          if (again)
+                            experts_activation_again(expert_activation(p->shape.model), E.begin,
+                                                     expert_weights(W.experts),
+                                                     A.hidden_pre.slice(0, 0, E.rows),
+                                                     A.hidden.slice(0, 0, E.rows));
                           ops::experts_backward_weight(E.x, E.begin, A.hidden.slice(0, 0, E.rows),
                                                        E.dy, A.saved_d_pre.slice(0, 0, E.rows),
                                                        W.experts.fc1->grad, W.experts.fc2->grad);

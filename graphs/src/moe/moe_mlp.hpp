@@ -85,7 +85,8 @@ class MoeMlp {
   TaskId gather_item(const BuildPosition& pos, int c, int i, TaskId dispatched) const;
 
   // Lays out what the MLP keeps for one micro-batch: its output, the router's statistics and a
-  // slot per Ampipe chunk (moe_buffers.cpp).
+  // slot per Ampipe chunk (moe_buffers.cpp); with --recompute-modules moe, views of the rank's
+  // working set.
   void allocate(LayerActivations& A) const;
 
   // Declares the router and this rank's experts of layer `layer` into `L`.
@@ -98,6 +99,8 @@ class MoeMlp {
   int slot_chunk(int c) const { return P->shape.ampipe > 1 ? c : -1; }
 
  private:
+  // allocate's layout, into `A` (the layer's, or the rank's working set).
+  void allocate_state(LayerActivations& A) const;
   SlotProgress experts_items(const BuildPosition& pos, int c, const SlotProgress& routed) const;
   // Experts split over the tensor-parallel group (moe_split_experts.cpp): the received rows
   // gathered over tp around the experts and the results reduce-scattered back, forward and

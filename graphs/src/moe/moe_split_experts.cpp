@@ -119,6 +119,12 @@ void group_output_gradients(RankProgram& p, int set, int layer, int c) {
   A.tp_d_send_rows = rows;
 }
 
+// --recompute-modules moe_act: the task reading the hidden layer for fc2's weight gradient
+// computes it again first (experts_activation_again).
+bool activation_again(const RankProgram& p) {
+  return p.shape.model.recompute.recomputes(kRecomputeMoeActivation);
+}
+
 // The first product's gradient a split backward keeps for its weight half: the slot's own under
 // a zero-bubble schedule (the weight half waits for W), else the workspace's (it runs next).
 Tensor kept_d_pre(RankProgram& p, MoeSlot& A) {
@@ -144,12 +150,15 @@ void run_gathered_experts_backward(RankProgram& p, int set, int layer, int c, bo
     const Tensor hid = A.hidden.slice(0, b.row, b.rows);
     const Tensor dy = A.tp_d_gathered.slice(0, b.row, b.rows);
     const Tensor dx = A.tp_partial.slice(0, b.row, b.rows);
-    if (keep)
+    if (keep) {
       graphs::experts_backward_input(act, x, A.tp_begin[j], expert_weights(W.experts), pre, hid, dy,
                                      dx, kept_d_pre(p, A).slice(0, b.row, b.rows));
-    else
+    } else {
+      if (activation_again(p))
+        experts_activation_again(act, A.tp_begin[j], expert_weights(W.experts), pre, hid);
       graphs::experts_backward(act, x, A.tp_begin[j], expert_weights(W.experts), pre, hid, dy, dx,
                                W.experts.fc1->grad, W.experts.fc2->grad);
+    }
   }
 }
 
@@ -161,6 +170,10 @@ void gathered_experts_weight_grad(RankProgram& p, int set, int layer, int c) {
   const std::vector<Block> blocks = blocks_of(p.shape, A);
   for (std::size_t j = 0; j < blocks.size(); ++j) {
     const Block& b = blocks[j];
+    if (activation_again(p))
+      experts_activation_again(expert_activation(p.shape.model), A.tp_begin[j],
+                               expert_weights(W.experts), A.hidden_pre.slice(0, b.row, b.rows),
+                               A.hidden.slice(0, b.row, b.rows));
     ops::experts_backward_weight(
         A.tp_gathered.slice(0, b.framed_at + H, b.rows), A.tp_begin[j],
         A.hidden.slice(0, b.row, b.rows), A.tp_d_gathered.slice(0, b.row, b.rows),
@@ -237,12 +250,15 @@ void run_replicated_experts_backward(RankProgram& p, int set, int layer, int c, 
   const ops::ExpertActivation act = expert_activation(z.model);
   const Tensor pre = A.hidden_pre.slice(0, 0, R.rows), hid = A.hidden.slice(0, 0, R.rows);
   const Tensor dx = R.dx.slice(0, 0, R.rows);
-  if (keep)
+  if (keep) {
     graphs::experts_backward_input(act, R.x, R.begin, expert_weights(W.experts), pre, hid, R.dy, dx,
                                    kept_d_pre(p, A).slice(0, 0, R.rows));
-  else
+  } else {
+    if (activation_again(p))
+      experts_activation_again(act, R.begin, expert_weights(W.experts), pre, hid);
     graphs::experts_backward(act, R.x, R.begin, expert_weights(W.experts), pre, hid, R.dy, dx,
                              W.experts.fc1->grad, W.experts.fc2->grad);
+  }
   R.dx.slice(0, R.rows, R.dx.dim(0) - R.rows).fill(0.f);
 }
 
@@ -250,6 +266,9 @@ void replicated_experts_weight_grad(RankProgram& p, int set, int layer, int c) {
   MoeSlot& A = p.slot(set, layer, c);
   const MoeMlpParameters& W = p.moe_parameters(layer);
   const ReplicatedRows R = replicated_rows(p.shape, A);
+  if (activation_again(p))
+    experts_activation_again(expert_activation(p.shape.model), R.begin, expert_weights(W.experts),
+                             A.hidden_pre.slice(0, 0, R.rows), A.hidden.slice(0, 0, R.rows));
   ops::experts_backward_weight(R.x, R.begin, A.hidden.slice(0, 0, R.rows), R.dy,
                                kept_d_pre(p, A).slice(0, 0, R.rows), W.experts.fc1->grad,
                                W.experts.fc2->grad);
@@ -342,13 +361,19 @@ SlotProgress MoeMlp::split_experts_backward(const BuildPosition& pos, int c,
   const bool keep = halves.zero_bubble() || z.experts_reduce_under_weight_gradient();
   const WeightPlacement weights = halves.immediate();
   const rt::CostHint flops = cost::experts(z, static_cast<double>(z.slot_tokens()));
+  const rt::CostHint again = activation_again(*P)
+                                 ? cost::expert_activation(z, static_cast<double>(z.slot_tokens()))
+                                 : rt::CostHint{};
+  // The input half's price, and the weight half's apart (each with the activation again where
+  // moe_act computes it).
+  const rt::CostHint input_half = keep ? flops : 2 * flops + again, weight_half = flops + again;
   auto weight_tags = [=, chunk = slot_chunk(c)] {
     return pos.chunk_tags(
         weights == WeightPlacement::zero_bubble ? rt::Phase::weight : rt::Phase::backward, layer,
         chunk);
   };
   if (z.routes_replicated) {
-    const TaskId experts = P->compute(at + "experts_backward", tags, (keep ? 1 : 2) * flops, [=] {
+    const TaskId experts = P->compute(at + "experts_backward", tags, input_half, [=] {
       run_replicated_experts_backward(*p, set, layer, c, keep);
     });
     P->after(arrived.task, experts);
@@ -358,7 +383,7 @@ SlotProgress MoeMlp::split_experts_backward(const BuildPosition& pos, int c,
                              devices::ReduceOp::sum, at + "experts_grad_reduce", tags);
     if (keep)
       halves.place(weights, [=] {
-        return p->compute(at + "experts_weight_grad", weight_tags(), flops,
+        return p->compute(at + "experts_weight_grad", weight_tags(), weight_half,
                           [=] { replicated_experts_weight_grad(*p, set, layer, c); });
       });
     if (z.ep == 1) return {reduced, {}};
@@ -385,7 +410,7 @@ SlotProgress MoeMlp::split_experts_backward(const BuildPosition& pos, int c,
                               .recv_rows = std::span<std::int64_t>(S.tp_d_gathered_rows),
                               .expected_rows = expected},
                              h, at + "experts_grad_gather", tags);
-  const TaskId experts = P->compute(at + "experts_backward", tags, (keep ? 1 : 2) * flops, [=] {
+  const TaskId experts = P->compute(at + "experts_backward", tags, input_half, [=] {
     run_gathered_experts_backward(*p, set, layer, c, keep);
   });
   P->after(gathered, experts);
@@ -397,7 +422,7 @@ SlotProgress MoeMlp::split_experts_backward(const BuildPosition& pos, int c,
                                                     h, at + "experts_grad_scatter", tags);
   if (keep)
     halves.place(weights, [=] {
-      return p->compute(at + "experts_weight_grad", weight_tags(), flops,
+      return p->compute(at + "experts_weight_grad", weight_tags(), weight_half,
                         [=] { gathered_experts_weight_grad(*p, set, layer, c); });
     });
   const TaskId out =

@@ -39,17 +39,19 @@ double mlp_forward_flops(const ModelConfig& m) {
 // top-k experts each token passes through (--moe-ffn-hidden-size wide) and the shared experts
 // (--moe-shared-expert-intermediate-size wide).
 
+// A MoE layer's MLP per token: the router's logits, its top-k experts and its shared experts.
+double moe_forward_flops(const ModelConfig& m) {
+  return 2.0 * m.hidden_size * m.num_experts +
+         m.moe_router_topk * mlp_forward_flops(m, m.expert_ffn_hidden_size()) +
+         (m.has_shared_experts() ? mlp_forward_flops(m, m.moe_shared_expert_intermediate_size)
+                                 : 0.0);
+}
+
 double layer_forward_flops(const ModelConfig& m, int l) {
   const double h = m.hidden_size, s = m.seq_length, d = m.head_dim();
   const double heads = m.num_attention_heads, groups = m.query_groups();
   const double attention = 2 * h * (heads + 2 * groups) * d + 4 * s * heads * d + 2 * heads * d * h;
-  const double ffn =
-      m.is_moe_layer(l) ? 2 * h * m.num_experts +
-                              m.moe_router_topk * mlp_forward_flops(m, m.expert_ffn_hidden_size()) +
-                              (m.has_shared_experts()
-                                   ? mlp_forward_flops(m, m.moe_shared_expert_intermediate_size)
-                                   : 0.0)
-                        : mlp_forward_flops(m);
+  const double ffn = m.is_moe_layer(l) ? moe_forward_flops(m) : mlp_forward_flops(m);
   return attention + ffn;
 }
 
@@ -74,6 +76,7 @@ double recomputed_flops_per_step(const ModelConfig& m, const ParallelPlan& plan)
       continue;
     }
     if (!m.is_moe_layer(l) && m.recompute.recomputes(kRecomputeMlp)) layers += mlp_forward_flops(m);
+    if (m.is_moe_layer(l) && m.recompute.recomputes(kRecomputeMoe)) layers += moe_forward_flops(m);
     // Materialised scores recomputed: QK^T and the product with V over the square, as
     // Megatron-LM counts them.
     if (m.materialised_scores() && m.recompute.recomputes(kRecomputeCoreAttention))

@@ -131,6 +131,17 @@ struct OutputSet {
   ops::Bf16Tensor final16;            // a bf16 run: the final norm's output (final_ln undefined)
 };
 
+// Selective recomputation of the norms (--recompute-modules layernorm): a norm's output (fp32,
+// under SP its gather too, or a 16-bit run's bf16 one) and its statistics, shared by the same
+// norm of every layer and set of the rank. Its forward writes them for the module it feeds
+// (QKV, the MLP) to read at once; its backward computes them again right before that module's
+// backward, whose weight gradient and the norm's own backward read them. A field is allocated
+// when some layer first takes it (a 16-bit run's MoE layers keep their norm's output in fp32).
+struct RecomputedNorm {
+  Tensor out, full, mean, rstd;
+  ops::Bf16Tensor out16;
+};
+
 struct RankState {
   std::unique_ptr<ModelShard> shard;
   std::vector<ActivationSet> sets;
@@ -143,6 +154,18 @@ struct RankState {
   // activation and fc2's partial sums, shared by every recomputed MLP of the rank (one is
   // recomputed at a time, right before its backward).
   DenseMlpActivations recomputed_dense_mlp;
+  // Selective recomputation of the experts' activation (--recompute-modules moe_act): the hidden
+  // layer after the activation [slot rows, expert f / etp], shared by every MoE slot of the rank.
+  // A slot's forward writes it and fc2 reads it within one task; the task that reads it for fc2's
+  // weight gradient computes it again first from the kept first product.
+  Tensor recomputed_expert_hidden;
+  // --recompute-modules layernorm: the input norm's and the pre-MLP norm's working sets.
+  RecomputedNorm recomputed_input_norm, recomputed_mlp_norm;
+  // Selective recomputation of the MoE layer (--recompute-modules moe): everything a MoE layer's
+  // MLP holds (its slot's router, dispatcher and experts state, its router statistics, its
+  // shared experts' state) and its output, shared by every MoE layer of the rank; each keeps its
+  // input (the pre-MLP norm's output) and runs its forward again right before its backward.
+  LayerActivations recomputed_moe_layer;
   std::vector<OutputSet> outputs;
   BackwardWorkspace ws;
   Tensor norm_sq;    // [1]: this rank's share of the squared grad norm

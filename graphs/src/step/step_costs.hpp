@@ -333,6 +333,15 @@ inline rt::CostHint experts(const StepShape& z, double tokens) {
               experts * (matmul_edges(per_expert, h, f1) + matmul_edges(per_expert, f, h)))};
 }
 
+// The experts' activation over a slot's expected rows (as experts() counts them): one
+// element-wise pass reading their first product (f1 wide) and writing the hidden layer (f
+// wide), which --recompute-modules moe_act runs again before fc2's weight gradient.
+inline rt::CostHint expert_activation(const StepShape& z, double tokens) {
+  const double rows = tokens * static_cast<double>(z.model.moe_router_topk);
+  const double share = z.routes_replicated ? static_cast<double>(z.etp) : 1.0;
+  return streamed(z, rows * static_cast<double>(z.expert_f1() + z.fe) / share);
+}
+
 // One item of a slot's experts (pipe experts, Ampipe's tp-sp overlap): one local expert's rows
 // in `slices` capacity slices, so its products are that much skinnier.
 inline rt::CostHint expert_item(const StepShape& z, double tokens, std::int64_t slices) {
