@@ -252,8 +252,8 @@ TEST(Checkpoint, RecordsTheDecodersArchitecture) {
 }
 
 // A checkpoint saved before the settings added since existed (RoPE, the norms, query groups,
-// biases, the heads' width, virtual and uneven pipeline stages): its header lacks them, and they read as their
-// defaults.
+// biases, the heads' width, virtual and uneven pipeline stages): its header lacks them, and they
+// read as their defaults.
 TEST(Checkpoint, AHeaderSavedBeforeLaterSettingsReadsThemAsTheirDefaults) {
   const std::string header = R"({"model": {"num_layers": 4, "hidden_size": 32,
       "num_attention_heads": 4, "ffn_hidden_size": 64, "seq_length": 16,

@@ -76,10 +76,10 @@ json with_defaults(json saved, const ModelConfig& m) {
   // Before --kv-channels every head was hidden / heads wide: the saved ones'.
   if (saved.is_object() && !saved.contains("kv_channels") && saved.contains("hidden_size") &&
       saved["hidden_size"].is_number_integer()) {
-    const int heads = saved.contains("num_attention_heads") &&
-                              saved["num_attention_heads"].is_number_integer()
-                          ? saved["num_attention_heads"].get<int>()
-                          : m.num_attention_heads;
+    const int heads =
+        saved.contains("num_attention_heads") && saved["num_attention_heads"].is_number_integer()
+            ? saved["num_attention_heads"].get<int>()
+            : m.num_attention_heads;
     if (heads > 0) saved["kv_channels"] = saved["hidden_size"].get<int>() / heads;
   }
   return with_defaults(std::move(saved), DescribedSection::model, defaults);
