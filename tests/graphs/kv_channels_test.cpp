@@ -2,10 +2,10 @@
 // heads x kv_channels wide and the keys and values groups x kv_channels, wider or narrower than
 // the hidden size (Qwen3-235B-A22B's 64 heads of 128 over a hidden size of 4096). With grouped-
 // query attention, RoPE and QK-norm, such a model under tensor (+ sequence, + the tp overlap),
-// context, pipeline and Ampipe parallelism equals one device; its gradient matches a directional
-// difference; decoding gives the training step's loss; the prediction equals the step built
-// with tensors; a checkpoint records the width; the rules refuse what cannot run; and the width
-// hidden / heads given is the run without the flag, bit for bit.
+// context, pipeline and Ampipe parallelism equals one device (in bf16 within its roundings); its
+// gradient matches a directional difference; decoding gives the training step's loss; the
+// prediction equals the step built with tensors; a checkpoint records the width; the rules refuse
+// what cannot run; and the width hidden / heads given is the run without the flag, bit for bit.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -17,6 +17,7 @@
 #include <unistd.h>
 
 #include "decoder.hpp"
+#include "half_precision_equivalence.hpp"
 #include "materialised_step.hpp"
 #include "step_outcome.hpp"
 #include "tiny_model.hpp"
@@ -93,6 +94,16 @@ const Case kCases[] = {
      kNarrow,
      0,
      {.tensor_parallel = 2, .pipeline_parallel = 2, .micro_batch_size = 1, .global_batch_size = 4}},
+    // Zero-bubble H1: the projection's and QKV's output gradients kept for the W actions.
+    {"pp2_zb_h1_tp2_sp_narrow",
+     kNarrow,
+     0,
+     {.tensor_parallel = 2,
+      .sequence_parallel = true,
+      .pipeline_parallel = 2,
+      .pipeline_scheduler = "zb-h1",
+      .micro_batch_size = 1,
+      .global_batch_size = 4}},
     {"ampipe2_tp2_sp_ep2_wide",
      kWide,
      4,
@@ -114,6 +125,30 @@ const Case kCases[] = {
 
 INSTANTIATE_TEST_SUITE_P(Plans, KvChannels, ::testing::ValuesIn(kCases),
                          [](const auto& info) { return std::string(info.param.name); });
+
+// In bf16 the heads' products, their rounded context and its gradients take the width too: tp2
+// + sp and pp2 (zero-bubble H1, whose split backward keeps the projection's and QKV's output
+// gradients for W) equal one device within bf16_training_test's tensor- and pipeline-parallel
+// bounds (sqrt(9) u of the gradients, 1e-3 of the first loss, 1e-2 of the later ones).
+TEST(KvChannels, Bf16EqualsOneDevice) {
+  const ParallelTolerance tolerance{1e-3, 3.0 / 256, 1e-2};
+  for (const int kv : {kWide, kNarrow}) {
+    SCOPED_TRACE(kv);
+    const ModelConfig m = in(kv_model(kv), Precision::bf16);
+    expect_equals_one_device_of_its_batches(m,
+                                            {.tensor_parallel = 2,
+                                             .sequence_parallel = true,
+                                             .micro_batch_size = 2,
+                                             .global_batch_size = 4},
+                                            tolerance);
+    expect_equals_one_device_of_its_batches(m,
+                                            {.pipeline_parallel = 2,
+                                             .pipeline_scheduler = "zb-h1",
+                                             .micro_batch_size = 1,
+                                             .global_batch_size = 4},
+                                            tolerance);
+  }
+}
 
 // The QKV weight maps h to (heads + 2 groups) x kv_channels, the output projection heads x
 // kv_channels back to h, the QK-norms are kv_channels wide: the widths Megatron-Core's
