@@ -130,24 +130,22 @@ AMPIPE = [
 ]
 
 # Table 4: Qwen3-235B-A22B (yanring/Megatron-MoE-ModelZoo). Stated: 94 layers, hidden 4096, 64
-# heads, 4 query groups, 128 experts top-8, expert FFN 1536, 256 H100, bf16, tp 2, pp 8, virtual
-# stages 4, ep 32, dp 16, micro-batch 1, global batch 2048, sequence 4096, recomputation of the
-# norms and activations. Assumed: SwiGLU, RoPE, RMSNorm, QK-norm, untied embeddings, vocabulary
-# 151,936 (Qwen3's), sequence parallelism, the distributed optimizer with overlapped gradient
-# reduction and parameter gathers, the first and last model chunk one layer short (94 = 2 + 30 x
-# 3 + 2 over the 8 x 4 chunks), and, where weave cannot follow the run: 32 heads of 128 instead
-# of 64 (weave's heads are --hidden-size / heads wide and it refuses --kv-channels; the real
-# 64 x 128 queries are twice the hidden size), so the attention's products are those of 32
-# heads, and the experts
-# --ffn-hidden-size wide (every layer is MoE: weave's experts take that width), and no
-# recomputation (weave recomputes neither norms nor activations alone: the run's recomputed norms
-# and SwiGLU are element-wise work this prediction leaves out).
+# heads of 128 (--kv-channels 128: queries 8192 wide, twice the hidden size), 4 query groups, 128
+# experts top-8, expert FFN 1536, 256 H100, bf16, tp 2, pp 8, virtual stages 4, ep 32, dp 16,
+# micro-batch 1, global batch 2048, sequence 4096, recomputation of the norms and activations.
+# Assumed: SwiGLU, RoPE, RMSNorm, QK-norm, untied embeddings, vocabulary 151,936 (Qwen3's),
+# sequence parallelism, the distributed optimizer with overlapped gradient reduction and parameter
+# gathers, the first and last model chunk one layer short (94 = 2 + 30 x 3 + 2 over the 8 x 4
+# chunks), and, where weave cannot follow the run: the experts --ffn-hidden-size wide (every
+# layer is MoE: weave's experts take that width), and no recomputation (weave recomputes neither
+# norms nor activations alone: the run's recomputed norms and SwiGLU are element-wise work this
+# prediction leaves out).
 # Stated by the model's file: --cross-entropy-loss-fusion --cross-entropy-fusion-impl te, and no
 # --attention-backend (Megatron-Core's auto: Transformer Engine's choice, cuDNN's fused attention on
 # Hopper, priced at the kernel's rate for 128-wide heads; the run's 4 query groups are not in that
 # measurement).
-QWEN3 = ("--accelerator h100-sxm --num-layers 94 --hidden-size 4096 --num-attention-heads 32 "
-         "--group-query-attention --num-query-groups 4 --ffn-hidden-size 1536 "
+QWEN3 = ("--accelerator h100-sxm --num-layers 94 --hidden-size 4096 --num-attention-heads 64 "
+         "--kv-channels 128 --group-query-attention --num-query-groups 4 --ffn-hidden-size 1536 "
          "--num-experts 128 --moe-router-topk 8 --moe-layer-freq 1 "
          "--swiglu --position-embedding-type rope --normalization RMSNorm --qk-layernorm "
          "--disable-bias-linear --untie-embeddings-and-output-weights --vocab-size 151936 "

@@ -252,8 +252,8 @@ TEST(Checkpoint, RecordsTheDecodersArchitecture) {
 }
 
 // A checkpoint saved before the settings added since existed (RoPE, the norms, query groups,
-// biases, virtual and uneven pipeline stages): its header lacks them, and they read as their
-// defaults.
+// biases, the heads' width, virtual and uneven pipeline stages): its header lacks them, and they
+// read as their defaults.
 TEST(Checkpoint, AHeaderSavedBeforeLaterSettingsReadsThemAsTheirDefaults) {
   const std::string header = R"({"model": {"num_layers": 4, "hidden_size": 32,
       "num_attention_heads": 4, "ffn_hidden_size": 64, "seq_length": 16,
@@ -283,6 +283,7 @@ TEST(Checkpoint, AHeaderSavedBeforeLaterSettingsReadsThemAsTheirDefaults) {
   EXPECT_EQ(m.rotary_base, defaults.rotary_base);
   EXPECT_EQ(m.normalization, defaults.normalization);
   EXPECT_EQ(m.num_query_groups, 0);
+  EXPECT_EQ(m.kv_channels, 0);  // before --kv-channels: hidden / heads, read back as unset
   EXPECT_EQ(m.untie_embeddings_and_output_weights, false);
   EXPECT_EQ(m.add_bias_linear, true);
   EXPECT_EQ(m.moe_router_topk, defaults.moe_router_topk);

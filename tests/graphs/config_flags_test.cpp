@@ -100,6 +100,7 @@ TEST(ConfigFlags, TheCheckpointsDescriptionKeepsItsKeys) {
                                           "rotary_base",
                                           "normalization",
                                           "num_query_groups",
+                                          "kv_channels",
                                           "qk_layernorm",
                                           "untie_embeddings_and_output_weights",
                                           "add_bias_linear",
@@ -136,6 +137,7 @@ TEST(ConfigFlags, CheckpointsSavedEarlierLackTheKeysAddedSince) {
                                           "rotary_base",
                                           "normalization",
                                           "num_query_groups",
+                                          "kv_channels",
                                           "qk_layernorm",
                                           "untie_embeddings_and_output_weights",
                                           "add_bias_linear",
@@ -172,6 +174,9 @@ TEST(ConfigFlags, DescriptionsHoldTheValuesTheRunUses) {
   EXPECT_EQ(value("max_position_embeddings"), DescribedValue{std::int64_t{c.model.seq_length}});
   // Unset, the experts are --ffn-hidden-size wide, as Megatron-Core defaults them.
   EXPECT_EQ(value("moe_ffn_hidden_size"), DescribedValue{std::int64_t{c.model.ffn_hidden_size}});
+  // Unset, each head is hidden / heads wide, as Megatron-LM defaults kv_channels.
+  EXPECT_EQ(value("kv_channels"),
+            DescribedValue{std::int64_t{c.model.hidden_size / c.model.num_attention_heads}});
   EXPECT_EQ(value("padded_vocab_size"), DescribedValue{std::int64_t{c.model.padded_vocab_size(2)}});
   EXPECT_EQ(value("tensor_model_parallel_size"), DescribedValue{std::int64_t{2}});
   EXPECT_EQ(value("seed"), DescribedValue{c.model.seed});

@@ -26,6 +26,8 @@ CLI::Validator positive();
 // The model's MLPs as a run's first line names them: "dense", or "8 experts top-2, 512 wide, in
 // 3 of 4 layers".
 std::string moe_text(const graphs::ModelConfig& m);
+// The heads' width after their count when --kv-channels sets it (" of 128"), else "".
+std::string heads_width_text(const graphs::ModelConfig& m);
 
 void add_topo_command(CLI::App& app);
 void add_simulate_command(CLI::App& app);

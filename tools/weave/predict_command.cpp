@@ -264,13 +264,14 @@ void print_configuration(const graphs::TrainerConfig& c, const std::string& acce
   const graphs::ModelConfig& m = c.model;
   const graphs::ParallelPlan& plan = c.plan;
   fmt::print(
-      "weave predict: {} layers, hidden {}, {} heads, {}, vocabulary {} (padded {}), {}{} | {} "
+      "weave predict: {} layers, hidden {}, {} heads{}, {}, vocabulary {} (padded {}), {}{} | {} "
       "devices: tp {}{}, cp {}, ep {}, dp {}, pp {} | global batch {} x {} tokens\n",
-      m.num_layers, m.hidden_size, m.num_attention_heads, moe_text(m), m.vocab_size,
-      m.padded_vocab_size(c.plan.tensor_parallel), graphs::precision_name(m.precision),
-      recompute_text(m.recompute), plan.devices(), plan.tensor_parallel,
-      plan.sequence_parallel ? " + sp" : "", plan.context_parallel, plan.expert_parallel,
-      plan.data_parallel, plan.pipeline_parallel, plan.global_batch_size, m.seq_length);
+      m.num_layers, m.hidden_size, m.num_attention_heads, heads_width_text(m), moe_text(m),
+      m.vocab_size, m.padded_vocab_size(c.plan.tensor_parallel),
+      graphs::precision_name(m.precision), recompute_text(m.recompute), plan.devices(),
+      plan.tensor_parallel, plan.sequence_parallel ? " + sp" : "", plan.context_parallel,
+      plan.expert_parallel, plan.data_parallel, plan.pipeline_parallel, plan.global_batch_size,
+      m.seq_length);
   const std::string kernels =
       c.machine.attention_flops > 0
           ? fmt::format(

@@ -45,9 +45,9 @@ std::string describe(const graphs::TrainerConfig& c, const std::string& data) {
   const graphs::ModelConfig& m = c.model;
   const graphs::ParallelPlan& plan = c.plan;
   return fmt::format(
-      "weave train: {} layers, hidden {}, {} heads, {}{}{} | {} devices: tp {}{}, cp {}, ep {}, dp "
-      "{}{}{} | micro-batch {}, global batch {} ({} micro-batches) | data: {}",
-      m.num_layers, m.hidden_size, m.num_attention_heads, moe_text(m),
+      "weave train: {} layers, hidden {}, {} heads{}, {}{}{} | {} devices: tp {}{}, cp {}, ep {}, "
+      "dp {}{}{} | micro-batch {}, global batch {} ({} micro-batches) | data: {}",
+      m.num_layers, m.hidden_size, m.num_attention_heads, heads_width_text(m), moe_text(m),
       m.activation == graphs::Activation::swiglu ? ", SwiGLU" : "",
       m.precision != graphs::Precision::fp32
           ? fmt::format(", {} mixed precision", graphs::precision_name(m.precision))

@@ -326,6 +326,10 @@ void derive_sample_training(TrainOptions& o) {
 
 }  // namespace
 
+std::string heads_width_text(const graphs::ModelConfig& m) {
+  return m.kv_channels > 0 ? fmt::format(" of {}", m.kv_channels) : std::string();
+}
+
 std::string moe_text(const graphs::ModelConfig& m) {
   if (m.num_experts == 0) return "dense";
   int moe_layers = 0;

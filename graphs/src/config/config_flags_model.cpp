@@ -25,7 +25,7 @@ constexpr ConfigFlag kModel[] = {
      .description = described(model, "hidden_size", true),
      .properties = kShowsDefault},
     {.name = "--num-attention-heads",
-     .help = "Attention heads, each --hidden-size / heads wide",
+     .help = "Attention heads, each --hidden-size / heads wide (or --kv-channels)",
      .field = model_field<&M::num_attention_heads>(),
      .check = at_least(1),
      .description = described(model, "num_attention_heads", true),
@@ -182,6 +182,19 @@ constexpr ConfigFlag kModel[] = {
                                           .checkpointed = true,
                                           .value = [](const TrainerConfig& c) -> DescribedValue {
                                             return std::int64_t{c.model.query_groups()};
+                                          }})},
+    {.name = "--kv-channels",
+     .help = "Each attention head's width, as Megatron-LM's: the QKV projection maps --hidden-size "
+             "to heads x this queries and groups x this keys and values, the output projection "
+             "heads x this back; default --hidden-size / --num-attention-heads, which need not "
+             "divide when it is given",
+     .field = model_field<&M::kv_channels>(),
+     .check = at_least(1),
+     .description = added_to_checkpoints({.section = model,
+                                          .key = "kv_channels",
+                                          .checkpointed = true,
+                                          .value = [](const TrainerConfig& c) -> DescribedValue {
+                                            return std::int64_t{c.model.head_dim()};
                                           }})},
     {.name = "--untie-embeddings-and-output-weights",
      .values = 0,

@@ -226,10 +226,6 @@ constexpr ConfigFlag kRefused[] = {
     refused("--noisy-gate-policy", 1, "weave's router adds no noise to its gate: drop it"),
     refused("--moe-input-jitter-eps", 1, "weave's router adds no jitter to its input: drop it"),
     refused(
-        "--kv-channels", 1,
-        "an attention head is --hidden-size / --num-attention-heads wide here: drop it and choose "
-        "those two"),
-    refused(
         "--no-load-optim", 0,
         "--load resumes the optimizer state with the weights, as an uninterrupted run would have "
         "it: drop it"),

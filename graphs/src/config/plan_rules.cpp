@@ -38,6 +38,9 @@ void check_sizes_are_positive(const ModelConfig& m, const ParallelPlan& p) {
   require_positive("--micro-batch-size", p.micro_batch_size);
   require_positive("--global-batch-size", p.global_batch_size);
   require_positive("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by);
+  if (m.kv_channels < 0)
+    refuse("--kv-channels must be >= 1 (or unset: --hidden-size / --num-attention-heads), got {}",
+           m.kv_channels);
 }
 
 // The device count and the padded vocabulary stay small enough to multiply in an int.
@@ -65,10 +68,12 @@ void check_sizes_fit(const ModelConfig& m, const ParallelPlan& p) {
 // Tensor parallelism splits heads and the MLP's first linear.
 void check_tensor_parallel(const ModelConfig& m, const ParallelPlan& p) {
   const int tp = p.tensor_parallel;
-  if (m.hidden_size % m.num_attention_heads != 0)
+  // Megatron-LM asks for the division only when it derives the heads' width from it.
+  if (m.kv_channels == 0 && m.hidden_size % m.num_attention_heads != 0)
     refuse(
-        "--hidden-size ({}) must be divisible by --num-attention-heads ({}): every head has "
-        "hidden / heads dimensions",
+        "--hidden-size ({}) must be divisible by --num-attention-heads ({}): without "
+        "--kv-channels every head has hidden / heads dimensions. Give --kv-channels (each "
+        "head's width) or choose sizes that divide",
         m.hidden_size, m.num_attention_heads);
   if (m.num_attention_heads % tp != 0)
     refuse(
@@ -707,9 +712,10 @@ void check_rotary_embedding(const ModelConfig& m) {
   if (!(m.rotary_base > 0)) refuse("--rotary-base must be > 0, got {}", m.rotary_base);
   if (m.rotary_dims() < 2)
     refuse(
-        "--rotary-percent {} of a head's {} dimensions rotates {}: RoPE needs at least 2 "
-        "(raise --rotary-percent)",
-        m.rotary_percent, m.head_dim(), m.rotary_dims());
+        "--rotary-percent {} of a head's {} dimensions{} rotates {}: RoPE needs at least 2 "
+        "(raise --rotary-percent{})",
+        m.rotary_percent, m.head_dim(), m.kv_channels > 0 ? " (--kv-channels)" : "",
+        m.rotary_dims(), m.kv_channels > 0 ? " or --kv-channels" : "");
 }
 
 }  // namespace

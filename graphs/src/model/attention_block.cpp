@@ -158,7 +158,9 @@ void AttentionBlock::declare_parameters(ParameterDeclarer& declare, const LayerS
         &declare.add(prefix + "attention.qkv.bias", {qkv_local}, qkv_logical, 1, qkv_rows, 0, 0, 0);
   for (const QueryKeyStage* stage : spec.query_key)
     L.query_key.push_back(stage->declare_parameters(declare, spec, prefix + "attention."));
-  L.proj_weight = &declare.add(prefix + "attention.proj.weight", {h, heads_local * d}, h, h,
+  // [h, heads d]: the context (every head's values side by side, Megatron-Core's
+  // query_projection_size wide) back to h, split over tp by its columns, whole heads each.
+  L.proj_weight = &declare.add(prefix + "attention.proj.weight", {h, heads_local * d}, h, heads * d,
                                RowMap::range(0, h), t * heads_local * d, declare.out_std, 0);
   if (m.add_bias_linear)
     L.proj_bias = &declare.replicated(

@@ -73,6 +73,15 @@ json with_defaults(json saved, const ModelConfig& m) {
   if (saved.is_object() && !saved.contains("moe_ffn_hidden_size") &&
       saved.contains("ffn_hidden_size") && saved["ffn_hidden_size"].is_number_integer())
     defaults.model.ffn_hidden_size = saved["ffn_hidden_size"].get<int>();
+  // Before --kv-channels every head was hidden / heads wide: the saved ones'.
+  if (saved.is_object() && !saved.contains("kv_channels") && saved.contains("hidden_size") &&
+      saved["hidden_size"].is_number_integer()) {
+    const int heads =
+        saved.contains("num_attention_heads") && saved["num_attention_heads"].is_number_integer()
+            ? saved["num_attention_heads"].get<int>()
+            : m.num_attention_heads;
+    if (heads > 0) saved["kv_channels"] = saved["hidden_size"].get<int>() / heads;
+  }
   return with_defaults(std::move(saved), DescribedSection::model, defaults);
 }
 
@@ -775,6 +784,10 @@ SavedConfiguration read_checkpoint_config(const std::string& path) {
     model.moe_load_balancing = balancing == "sinkhorn"       ? MoeLoadBalancing::sinkhorn
                                : balancing == "seq_aux_loss" ? MoeLoadBalancing::seq_aux_loss
                                                              : MoeLoadBalancing::aux_loss;
+    // The header records each head's width as used: hidden / heads reads back as unset.
+    if (model.num_attention_heads > 0 && model.hidden_size % model.num_attention_heads == 0 &&
+        model.kv_channels == model.hidden_size / model.num_attention_heads)
+      model.kv_channels = 0;
     const int groups = whole_number<int>(full, "num_query_groups");
     model.num_query_groups = groups == model.num_attention_heads ? 0 : groups;
     model.add_bias_linear = full.at("add_bias_linear").get<bool>();

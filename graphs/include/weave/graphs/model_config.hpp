@@ -145,6 +145,12 @@ struct ModelConfig {
   // --num-query-groups with --group-query-attention: key/value heads, each shared by
   // num_attention_heads / num_query_groups query heads; 0: one per query head.
   int num_query_groups = 0;
+  // --kv-channels: each attention head's width, Megatron-LM's kv_channels; 0: --hidden-size /
+  // --num-attention-heads, Megatron-LM's default. The QKV projection maps h to heads x kv_channels
+  // queries and groups x kv_channels keys and values, the output projection heads x kv_channels
+  // back to h (Megatron-Core's query_projection_size and kv_projection_size), so the attention's
+  // context may be wider or narrower than h.
+  int kv_channels = 0;
   bool untie_embeddings_and_output_weights = false;  // an output layer of its own
   bool add_bias_linear = true;                       // false: --disable-bias-linear
   double attention_dropout = 0.0;                    // --attention-dropout, on the probabilities
@@ -233,7 +239,8 @@ struct ModelConfig {
   int positions() const {
     return max_position_embeddings > 0 ? max_position_embeddings : seq_length;
   }
-  int head_dim() const { return hidden_size / num_attention_heads; }
+  // Each attention head's width: --kv-channels, or hidden / heads without it.
+  int head_dim() const { return kv_channels > 0 ? kv_channels : hidden_size / num_attention_heads; }
   // The core attention holds its s x s scores (AttentionBackend unfused or local).
   bool materialised_scores() const {
     return attention_backend == AttentionBackend::unfused ||
