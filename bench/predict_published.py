@@ -132,14 +132,15 @@ AMPIPE = [
 # Table 4: Qwen3-235B-A22B (yanring/Megatron-MoE-ModelZoo). Stated: 94 layers, hidden 4096, 64
 # heads of 128 (--kv-channels 128: queries 8192 wide, twice the hidden size), 4 query groups, 128
 # experts top-8, expert FFN 1536, 256 H100, bf16, tp 2, pp 8, virtual stages 4, ep 32, dp 16,
-# micro-batch 1, global batch 2048, sequence 4096, recomputation of the norms and activations.
-# Assumed: SwiGLU, RoPE, RMSNorm, QK-norm, untied embeddings, vocabulary 151,936 (Qwen3's),
+# micro-batch 1, global batch 2048, sequence 4096, recomputation of the norms and activations
+# (best_practice/qwen3/run_h100_235b.sh: --recompute-granularity selective --recompute-modules
+# moe_act layernorm). Assumed: SwiGLU, RoPE, RMSNorm, QK-norm, untied embeddings, vocabulary 151,936 (Qwen3's),
 # sequence parallelism, the distributed optimizer with overlapped gradient reduction and parameter
 # gathers, the first and last model chunk one layer short (94 = 2 + 30 x 3 + 2 over the 8 x 4
 # chunks), and, where weave cannot follow the run: the experts --ffn-hidden-size wide (every
-# layer is MoE: weave's experts take that width), and no recomputation (weave recomputes neither
-# norms nor activations alone: the run's recomputed norms and SwiGLU are element-wise work this
-# prediction leaves out).
+# layer is MoE: weave's experts take that width), the all-to-all dispatcher for the run's DeepEP
+# one, and routing as it falls for the run's --moe-router-force-load-balancing (weave prices a
+# balanced dispatch either way).
 # Stated by the model's file: --cross-entropy-loss-fusion --cross-entropy-fusion-impl te, and no
 # --attention-backend (Megatron-Core's auto: Transformer Engine's choice, cuDNN's fused attention on
 # Hopper, priced at the kernel's rate for 128-wide heads; the run's 4 query groups are not in that
@@ -155,7 +156,8 @@ QWEN3 = ("--accelerator h100-sxm --num-layers 94 --hidden-size 4096 --num-attent
          "--decoder-last-pipeline-num-layers 2 "
          "--expert-model-parallel-size 32 --micro-batch-size 1 --global-batch-size 2048 --bf16 "
          "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather "
-         "--attention-backend auto --cross-entropy-loss-fusion --cross-entropy-fusion-impl te")
+         "--attention-backend auto --cross-entropy-loss-fusion --cross-entropy-fusion-impl te "
+         "--recompute-granularity selective --recompute-modules moe_act layernorm")
 # The overlap (Megatron-Core's --overlap-moe-expert-parallel-comm, which weave does not take) is
 # predicted with MindSpeed's --moe-alltoall-overlap-comm, which weave accepts without effect: its
 # all-to-alls already overlap whatever the data allows, so the row shows what the 1F1B overlap's
