@@ -5,6 +5,7 @@
 #include "model/half_norm.hpp"
 #include "model/half_precision.hpp"
 #include "model/norm.hpp"
+#include "model/recomputed_norm.hpp"
 
 #include "model/ring_attention.hpp"
 #include "model/sequence_parallel.hpp"
@@ -277,21 +278,9 @@ TaskId AttentionBlock::input_norm_again(const BuildPosition& pos, TaskId ready) 
   const TaskId norm = P->compute(at + "input_norm_again", tags, cost::streamed(z, 2 * rows),
                                  [p, layer, set] { input_norm_forward(*p, set, layer); });
   P->after(ready, norm);
-  if (!z.sp()) return norm;
-  if (!P->half())
-    return sp_gather(*P, norm, P->acts(set, l).attention.ln1, P->acts(set, l).attention.ln1_full,
-                     at + "sp_gather_again", tags);
-  // A bf16 run gathers the workspace's bf16 values and rounds them into its kept input, as the
-  // QKV task does in forward (read 1, write 1 at the gathered size).
-  const TaskId gathered = sp_gather(*P, norm, P->ws().half.norm_out, P->ws().half.gathered,
-                                    at + "sp_gather_again", tags);
-  const TaskId kept = P->compute(
-      at + "input_norm_again_round", tags,
-      cost::streamed(z, 2.0 * static_cast<double>(z.Sc * z.B * z.h)), [p, layer, set] {
-        round_to_half(p->precision(), p->ws().half.gathered, p->acts(set, layer).attention.ln1_16);
-      });
-  P->after(gathered, kept);
-  return kept;
+  const AttentionActivations& A = P->acts(set, l).attention;
+  return gather_recomputed_norm(*P, norm, tags, at + "sp_gather_again",
+                                at + "input_norm_again_round", A.ln1, A.ln1_full, A.ln1_16);
 }
 
 TaskId AttentionBlock::forward_input(const BuildPosition& pos, TaskId ready) const {

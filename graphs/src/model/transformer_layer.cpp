@@ -2,6 +2,7 @@
 #include "model/half_norm.hpp"
 #include "model/half_precision.hpp"
 #include "model/norm.hpp"
+#include "model/recomputed_norm.hpp"
 #include "step/step_costs.hpp"
 #include "step/working_set.hpp"
 
@@ -115,21 +116,10 @@ TaskId TransformerLayer::mlp_norm_again(const BuildPosition& pos, TaskId ready) 
   P->after(ready, norm);
   // A MoE layer routes its own rows (its shared experts gather and keep theirs): nothing to
   // gather. A dense layer's MLP reads the gathered norm under SP.
-  if (!z.sp() || z.spec(l).mlp == MlpModule::moe) return norm;
-  if (!P->half())
-    return sp_gather(*P, norm, P->acts(set, l).ln2, P->acts(set, l).ln2_full,
-                     at + "sp_gather_mlp_again", tags);
-  // A bf16 run gathers the workspace's bf16 values and rounds them into fc1's kept input, as
-  // the MLP's task does in forward.
-  const TaskId gathered = sp_gather(*P, norm, P->ws().half.norm_out, P->ws().half.gathered,
-                                    at + "sp_gather_mlp_again", tags);
-  const TaskId kept =
-      P->compute(at + "mlp_norm_again_round", tags,
-                 cost::streamed(z, 2.0 * static_cast<double>(z.Sc * z.B * z.h)), [p, layer, set] {
-                   round_to_half(p->precision(), p->ws().half.gathered, p->acts(set, layer).ln2_16);
-                 });
-  P->after(gathered, kept);
-  return kept;
+  if (z.spec(l).mlp == MlpModule::moe) return norm;
+  const LayerActivations& A = P->acts(set, l);
+  return gather_recomputed_norm(*P, norm, tags, at + "sp_gather_mlp_again",
+                                at + "mlp_norm_again_round", A.ln2, A.ln2_full, A.ln2_16);
 }
 
 TaskId TransformerLayer::forward_pass(const BuildPosition& pos, TaskId ready) const {
