@@ -109,9 +109,8 @@ std::string recompute_text(const graphs::Recompute& r) {
       if (r.recomputes(graphs::kRecomputeMoeActivation))
         what.emplace_back("the experts' activations");
       if (r.recomputes(graphs::kRecomputeLayerNorm)) what.emplace_back("the norms");
-      return what.empty()
-                 ? ", selective recomputation"
-                 : ", selective recomputation of " + fmt::format("{}", fmt::join(what, ", "));
+      return what.empty() ? ", selective recomputation"
+                          : fmt::format(", selective recomputation of {}", fmt::join(what, ", "));
     }
     case graphs::RecomputeGranularity::none:
       break;

@@ -97,16 +97,6 @@ void experts_forward(ops::ExpertActivation act, const Tensor& x,
   });
 }
 
-void experts_activation_again(ops::ExpertActivation act, std::span<const std::int64_t> begin,
-                              const ExpertWeights& w, const Tensor& hidden_pre,
-                              const Tensor& hidden) {
-  for_experts(begin, [&](std::int64_t, std::int64_t r0, std::int64_t n) {
-    const Tensor hid = hidden.slice(0, r0, n);
-    activation_forward(act, hidden_pre.slice(0, r0, n), hid);
-    if (w.half()) round_in_place(w.precision, hid);
-  });
-}
-
 void experts_backward_input(ops::ExpertActivation act, const Tensor& x,
                             std::span<const std::int64_t> begin, const ExpertWeights& w,
                             const Tensor& hidden_pre, const Tensor& hidden, const Tensor& dy,
@@ -127,10 +117,25 @@ void experts_backward_input(ops::ExpertActivation act, const Tensor& x,
   });
 }
 
+namespace {
+
+// The activation's output again from the kept first product (--recompute-modules moe_act).
+void activation_again(ops::ExpertActivation act, std::span<const std::int64_t> begin,
+                      const ExpertWeights& w, const Tensor& hidden_pre, const Tensor& hidden) {
+  for_experts(begin, [&](std::int64_t, std::int64_t r0, std::int64_t n) {
+    const Tensor hid = hidden.slice(0, r0, n);
+    activation_forward(act, hidden_pre.slice(0, r0, n), hid);
+    if (w.half()) round_in_place(w.precision, hid);
+  });
+}
+
+}  // namespace
+
 void experts_backward(ops::ExpertActivation act, const Tensor& x,
                       std::span<const std::int64_t> begin, const ExpertWeights& w,
                       const Tensor& hidden_pre, const Tensor& hidden, const Tensor& dy,
-                      const Tensor& dx, const Tensor& dw1, const Tensor& dw2) {
+                      const Tensor& dx, const Tensor& dw1, const Tensor& dw2, bool hidden_again) {
+  if (hidden_again) activation_again(act, begin, w, hidden_pre, hidden);
   if (!w.half()) {
     ops::experts_backward(act, x, begin, w.w1, w.w2, hidden_pre, hidden, dy, dx, dw1, dw2);
     return;
@@ -140,6 +145,15 @@ void experts_backward(ops::ExpertActivation act, const Tensor& x,
   // Every operand holds bf16 (or fp16) values, so the fp32 kernels' products (16 or 22
   // significant bits) are the 16-bit products exactly and their sums are fp32 sums: the weight
   // gradients gemm_bf16 (gemm_fp16) would give, in fp32.
+  ops::experts_backward_weight(x, begin, hidden, dy, d_pre, dw1, dw2);
+}
+
+void experts_backward_weight(ops::ExpertActivation act, const Tensor& x,
+                             std::span<const std::int64_t> begin, const ExpertWeights& w,
+                             const Tensor& hidden_pre, const Tensor& hidden, const Tensor& dy,
+                             const Tensor& d_pre, const Tensor& dw1, const Tensor& dw2,
+                             bool hidden_again) {
+  if (hidden_again) activation_again(act, begin, w, hidden_pre, hidden);
   ops::experts_backward_weight(x, begin, hidden, dy, d_pre, dw1, dw2);
 }
 

@@ -44,17 +44,22 @@ void experts_backward_input(ops::ExpertActivation act, const Tensor& x,
                             std::span<const std::int64_t> begin, const ExpertWeights& w,
                             const Tensor& hidden_pre, const Tensor& hidden, const Tensor& dy,
                             const Tensor& dx, const Tensor& d_pre);
-// --recompute-modules moe_act: the experts' activation again from their kept first product
-// hidden_pre into hidden, expert by expert as experts_forward computed it (in a 16-bit run
-// rounded once), so its values are bitwise the forward's. Megatron-Core's experts recompute
+// As ops::experts_backward: dw1, dw2 (fp32) accumulated. With `hidden_again`
+// (--recompute-modules moe_act) the activation's output `hidden` is first computed again from
+// the kept first product hidden_pre, expert by expert as experts_forward computed it (in a 16-bit
+// run rounded once), so its values are bitwise the forward's: Megatron-Core's experts recompute
 // the same function (bias_act_func under CheckpointWithoutOutput) before fc2's backward.
-void experts_activation_again(ops::ExpertActivation act, std::span<const std::int64_t> begin,
-                              const ExpertWeights& w, const Tensor& hidden_pre,
-                              const Tensor& hidden);
-// As ops::experts_backward: dw1, dw2 (fp32) accumulated.
 void experts_backward(ops::ExpertActivation act, const Tensor& x,
                       std::span<const std::int64_t> begin, const ExpertWeights& w,
                       const Tensor& hidden_pre, const Tensor& hidden, const Tensor& dy,
-                      const Tensor& dx, const Tensor& dw1, const Tensor& dw2);
+                      const Tensor& dx, const Tensor& dw1, const Tensor& dw2,
+                      bool hidden_again = false);
+// As ops::experts_backward_weight (the weight half of a split backward, d_pre kept by its input
+// half), with experts_backward's `hidden_again`.
+void experts_backward_weight(ops::ExpertActivation act, const Tensor& x,
+                             std::span<const std::int64_t> begin, const ExpertWeights& w,
+                             const Tensor& hidden_pre, const Tensor& hidden, const Tensor& dy,
+                             const Tensor& d_pre, const Tensor& dw1, const Tensor& dw2,
+                             bool hidden_again);
 
 }  // namespace weave::graphs

@@ -189,11 +189,9 @@ SlotProgress MoeMlp::experts_backward(const BuildPosition& pos, int c, const Slo
         if (keep)  // the weight half waits for the W action
           graphs::experts_backward_input(act, E.x, E.begin, expert_weights(W.experts), pre, hid,
                                          E.dy, E.dx, A.saved_d_pre.slice(0, 0, E.rows));
-        else {
-          if (again) experts_activation_again(act, E.begin, expert_weights(W.experts), pre, hid);
+        else
           graphs::experts_backward(act, E.x, E.begin, expert_weights(W.experts), pre, hid, E.dy,
-                                   E.dx, W.experts.fc1->grad, W.experts.fc2->grad);
-        }
+                                   E.dx, W.experts.fc1->grad, W.experts.fc2->grad, again);
         if (ep > 1)
           for (std::size_t i = 0; i < A.source_row.size(); ++i)
             std::copy_n(A.d_expert_in.row(static_cast<std::int64_t>(i)), h,
@@ -207,14 +205,11 @@ SlotProgress MoeMlp::experts_backward(const BuildPosition& pos, int c, const Slo
                           MoeSlot& A = p->slot(set, layer, c);
                           const MoeMlpParameters& W = p->moe_parameters(layer);
                           const ExpertRows E = expert_rows(A);
-                          if (again)
-                            experts_activation_again(expert_activation(p->shape.model), E.begin,
-                                                     expert_weights(W.experts),
-                                                     A.hidden_pre.slice(0, 0, E.rows),
-                                                     A.hidden.slice(0, 0, E.rows));
-                          ops::experts_backward_weight(E.x, E.begin, A.hidden.slice(0, 0, E.rows),
-                                                       E.dy, A.saved_d_pre.slice(0, 0, E.rows),
-                                                       W.experts.fc1->grad, W.experts.fc2->grad);
+                          graphs::experts_backward_weight(
+                              expert_activation(p->shape.model), E.x, E.begin,
+                              expert_weights(W.experts), A.hidden_pre.slice(0, 0, E.rows),
+                              A.hidden.slice(0, 0, E.rows), E.dy, A.saved_d_pre.slice(0, 0, E.rows),
+                              W.experts.fc1->grad, W.experts.fc2->grad, again);
                         });
     });
   if (ep == 1) return {experts, {}};

@@ -120,7 +120,7 @@ void group_output_gradients(RankProgram& p, int set, int layer, int c) {
 }
 
 // --recompute-modules moe_act: the task reading the hidden layer for fc2's weight gradient
-// computes it again first (experts_activation_again).
+// computes it again first (experts_backward's and experts_backward_weight's hidden_again).
 bool activation_again(const RankProgram& p) {
   return p.shape.model.recompute.recomputes(kRecomputeMoeActivation);
 }
@@ -154,10 +154,8 @@ void run_gathered_experts_backward(RankProgram& p, int set, int layer, int c, bo
       graphs::experts_backward_input(act, x, A.tp_begin[j], expert_weights(W.experts), pre, hid, dy,
                                      dx, kept_d_pre(p, A).slice(0, b.row, b.rows));
     } else {
-      if (activation_again(p))
-        experts_activation_again(act, A.tp_begin[j], expert_weights(W.experts), pre, hid);
       graphs::experts_backward(act, x, A.tp_begin[j], expert_weights(W.experts), pre, hid, dy, dx,
-                               W.experts.fc1->grad, W.experts.fc2->grad);
+                               W.experts.fc1->grad, W.experts.fc2->grad, activation_again(p));
     }
   }
 }
@@ -170,14 +168,12 @@ void gathered_experts_weight_grad(RankProgram& p, int set, int layer, int c) {
   const std::vector<Block> blocks = blocks_of(p.shape, A);
   for (std::size_t j = 0; j < blocks.size(); ++j) {
     const Block& b = blocks[j];
-    if (activation_again(p))
-      experts_activation_again(expert_activation(p.shape.model), A.tp_begin[j],
-                               expert_weights(W.experts), A.hidden_pre.slice(0, b.row, b.rows),
-                               A.hidden.slice(0, b.row, b.rows));
-    ops::experts_backward_weight(
-        A.tp_gathered.slice(0, b.framed_at + H, b.rows), A.tp_begin[j],
+    graphs::experts_backward_weight(
+        expert_activation(p.shape.model), A.tp_gathered.slice(0, b.framed_at + H, b.rows),
+        A.tp_begin[j], expert_weights(W.experts), A.hidden_pre.slice(0, b.row, b.rows),
         A.hidden.slice(0, b.row, b.rows), A.tp_d_gathered.slice(0, b.row, b.rows),
-        kept_d_pre(p, A).slice(0, b.row, b.rows), W.experts.fc1->grad, W.experts.fc2->grad);
+        kept_d_pre(p, A).slice(0, b.row, b.rows), W.experts.fc1->grad, W.experts.fc2->grad,
+        activation_again(p));
   }
 }
 
@@ -254,10 +250,8 @@ void run_replicated_experts_backward(RankProgram& p, int set, int layer, int c, 
     graphs::experts_backward_input(act, R.x, R.begin, expert_weights(W.experts), pre, hid, R.dy, dx,
                                    kept_d_pre(p, A).slice(0, 0, R.rows));
   } else {
-    if (activation_again(p))
-      experts_activation_again(act, R.begin, expert_weights(W.experts), pre, hid);
     graphs::experts_backward(act, R.x, R.begin, expert_weights(W.experts), pre, hid, R.dy, dx,
-                             W.experts.fc1->grad, W.experts.fc2->grad);
+                             W.experts.fc1->grad, W.experts.fc2->grad, activation_again(p));
   }
   R.dx.slice(0, R.rows, R.dx.dim(0) - R.rows).fill(0.f);
 }
@@ -266,12 +260,11 @@ void replicated_experts_weight_grad(RankProgram& p, int set, int layer, int c) {
   MoeSlot& A = p.slot(set, layer, c);
   const MoeMlpParameters& W = p.moe_parameters(layer);
   const ReplicatedRows R = replicated_rows(p.shape, A);
-  if (activation_again(p))
-    experts_activation_again(expert_activation(p.shape.model), R.begin, expert_weights(W.experts),
-                             A.hidden_pre.slice(0, 0, R.rows), A.hidden.slice(0, 0, R.rows));
-  ops::experts_backward_weight(R.x, R.begin, A.hidden.slice(0, 0, R.rows), R.dy,
-                               kept_d_pre(p, A).slice(0, 0, R.rows), W.experts.fc1->grad,
-                               W.experts.fc2->grad);
+  graphs::experts_backward_weight(expert_activation(p.shape.model), R.x, R.begin,
+                                  expert_weights(W.experts), A.hidden_pre.slice(0, 0, R.rows),
+                                  A.hidden.slice(0, 0, R.rows), R.dy,
+                                  kept_d_pre(p, A).slice(0, 0, R.rows), W.experts.fc1->grad,
+                                  W.experts.fc2->grad, activation_again(p));
 }
 
 // Under EP the reduced rows of the slot back in their sources' order, for the all-to-all.
