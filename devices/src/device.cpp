@@ -36,8 +36,21 @@ constexpr std::size_t kAlignment = 64;
 
 }  // namespace
 
-// Pins the arena's worker threads to the device's cores as they enter it. The thread that
-// calls run() also enters arenas to help; it keeps its own affinity.
+// The affinity a thread that is not the arena's worker (the one that calls run() and helps the
+// devices) had before it entered a device's arena, restored when it leaves.
+struct HelperBinding {
+  hwloc_bitmap_t saved = hwloc_bitmap_alloc();
+  bool restore = false;
+  ~HelperBinding() { hwloc_bitmap_free(saved); }
+};
+thread_local HelperBinding t_helper;
+
+// Pins the arena's worker threads to the device's cores as they enter it, and the thread that
+// calls run() while it helps the device: it takes the arena's free slot, so the device's work runs
+// on it. Left where it was, it ran one device's tasks on another device's core (the scheduler
+// places it anywhere its own affinity allows): two devices on one core while the other idled.
+// Measured with 2 devices on 2 cores: the helper ran 45 % of the work, and one device's products
+// took 1.5 times the other's. It gets its own affinity back when it leaves the arena.
 struct Device::Pinning : tbb::task_scheduler_observer {
   Pinning(tbb::task_arena& arena, hwloc_topology_t topology, hwloc_const_cpuset_t cpuset)
       : tbb::task_scheduler_observer(arena),
@@ -54,14 +67,29 @@ struct Device::Pinning : tbb::task_scheduler_observer {
     hwloc_bitmap_free(cpuset_);
   }
   void on_scheduler_entry(bool is_worker) override {
-    if (!is_worker) return;
+    if (!is_worker) {
+      bind_helper();
+      return;
+    }
     rt::accept_handoff(this);
     bind_this_thread();
     // For the destructor, which frees cpuset_ once libtbb says this call is over.
     rt::announce_handoff(this);
   }
+  void on_scheduler_exit(bool is_worker) override {
+    if (is_worker || !t_helper.restore) return;
+    t_helper.restore = false;
+    hwloc_set_cpubind(topology_, t_helper.saved, HWLOC_CPUBIND_THREAD);
+  }
 
  private:
+  // The helper enters one arena at a time (an arena's task never waits for a run).
+  void bind_helper() {
+    if (t_helper.restore) return;
+    if (hwloc_get_cpubind(topology_, t_helper.saved, HWLOC_CPUBIND_THREAD) != 0) return;
+    if (hwloc_bitmap_isequal(t_helper.saved, cpuset_)) return;
+    t_helper.restore = hwloc_set_cpubind(topology_, cpuset_, HWLOC_CPUBIND_THREAD) == 0;
+  }
   void bind_this_thread() {
     if (t_binding.bound && hwloc_bitmap_isequal(t_binding.cpuset, cpuset_)) return;
     if (hwloc_set_cpubind(topology_, cpuset_, HWLOC_CPUBIND_THREAD) == 0) {

@@ -6,8 +6,10 @@
 #include <tbb/global_control.h>
 
 #include <atomic>
+#include <chrono>
 #include <set>
 #include <thread>
+#include <vector>
 
 #include "weave/devices/device_set.hpp"
 #include "weave/devices/link_model.hpp"
@@ -144,6 +146,48 @@ TEST(Device, WorkersArePinnedAndTheCallerIsNot) {
     b.add({.device = d, .name = "t"});
   set.executor().run(b.build());
   EXPECT_EQ(cpus_of_this_thread(), before);
+}
+
+// The thread that calls run() takes a device's free arena slot to help and runs that device's
+// tasks: while it does, it is bound to the device's cores like the device's own worker, so no
+// device's work runs on another device's cores; after the run it has its own affinity back.
+TEST(Device, EveryTaskRunsOnItsDevicesCoresWhicheverThreadRunsIt) {
+  const auto before = cpus_of_this_thread();
+  DeviceSet set(2);
+  std::vector<std::set<int>> expected(set.size());
+  for (rt::DeviceId d = 0; d < set.size(); ++d)
+    for (int c : set.layout()[d].cores)
+      for (int pu : set.topology().core_list()[c].pus)
+        expected[d].insert(pu);
+  constexpr int kTasks = 200;
+  // Each task writes its own slot: where it ran and whether the calling thread ran it.
+  std::vector<std::set<int>> ran_on(set.size() * kTasks);
+  std::vector<char> by_caller(ran_on.size(), 0);
+  const std::thread::id caller = std::this_thread::get_id();
+  rt::GraphBuilder b;
+  for (rt::DeviceId d = 0; d < set.size(); ++d)
+    for (int i = 0; i < kTasks; ++i) {
+      const std::size_t slot = d * kTasks + static_cast<std::size_t>(i);
+      b.add({.device = d, .name = "t"}, [&, slot](rt::TaskContext&) {
+        // A little work, so that the run lasts long enough for the caller to help.
+        const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(50);
+        while (std::chrono::steady_clock::now() < until) {
+        }
+        ran_on[slot] = cpus_of_this_thread();
+        by_caller[slot] = std::this_thread::get_id() == caller;
+      });
+    }
+  set.executor().run(b.build());
+  int helped = 0;
+  for (rt::DeviceId d = 0; d < set.size(); ++d)
+    for (int i = 0; i < kTasks; ++i) {
+      const std::size_t slot = d * kTasks + static_cast<std::size_t>(i);
+      EXPECT_EQ(ran_on[slot], expected[d]) << "device " << d << ", task " << i
+                                           << (by_caller[slot] ? ", run by the caller" : "");
+      helped += by_caller[slot];
+    }
+  EXPECT_EQ(cpus_of_this_thread(), before);
+  RecordProperty("tasks_run_by_the_caller", helped);
 }
 
 TEST(Device, AllocationsAreAlignedAndTracked) {

@@ -36,8 +36,8 @@ int run_calibrate(const CalibrateOptions& o) {
     fmt::print("{:<10} {:<70} {:>12.4f} {:>12.4f} {:>6.1f}%\n", m.kernel, m.shape, 1e3 * m.seconds,
                1e3 * m.modelled_seconds, 100 * (m.modelled_seconds - m.seconds) / m.seconds);
   fmt::print(
-      "matrix products {:.4g} FLOP/s, half that at {:.1f} rows; attention {:.4g} FLOP/s; "
-      "streaming {:.4g} B/s\n",
+      "matrix products {:.4g} FLOP/s, half that at {:.1f} rows; attention {:.4g} FLOP/s over "
+      "the shapes (the preset's table by head width and sequence); streaming {:.4g} B/s\n",
       a.sustained_flops(), a.matmul_overhead_dimension, a.sustained_attention_flops(),
       a.sustained_memory_bandwidth());
   std::ofstream out(o.output, std::ios::binary | std::ios::trunc);

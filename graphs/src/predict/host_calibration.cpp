@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "step/step_costs.hpp"
+#include "weave/devices/attention_rates.hpp"
 #include "weave/devices/device_set.hpp"
 #include "weave/ops/attention.hpp"
 #include "weave/ops/elementwise.hpp"
@@ -201,8 +202,9 @@ KernelFactory attention_kernel(AttentionShape a, bool backward) {
       buffers->push_back({filled(shape, 0.01f), filled(shape, 0.f),
                           filled({a.b, a.heads, a.s}, 0.f), filled(shape, 0.f), filled(shape, 0.f),
                           filled(shape, 0.f)});
-    for (AttentionBuffers& x : *buffers)  // o and lse, which the backward reads
-      ops::attention_forward(ops::AttentionOptions{}, x.q, x.q, x.q, x.o, x.lse);
+    if (backward)  // o and lse, which the backward reads
+      for (AttentionBuffers& x : *buffers)
+        ops::attention_forward(ops::AttentionOptions{}, x.q, x.q, x.q, x.o, x.lse);
     auto next = std::make_shared<int>(0);
     return std::function<void()>([=] {
       AttentionBuffers& x = (*buffers)[static_cast<std::size_t>((*next)++ % sets)];
@@ -216,43 +218,71 @@ KernelFactory attention_kernel(AttentionShape a, bool backward) {
 }
 
 struct AttentionRates {
-  double forward, backward;  // flop/s
+  double forward, backward;  // flop/s over every shape measured: the flat rates
+  devices::AttentionRateTable table;
   std::size_t shapes;
 };
 
-// Attention: the blockwise kernel's forward and backward apart (a step runs them in tasks of
-// their own), causal, at two shapes, cold.
+// Attention: the blockwise kernel's forward and backward apart (a step runs them in tasks of their
+// own), causal, cold, at the head dimensions and sequence lengths of the models a host trains. Its
+// rate moves with both more than a flat share can say: each score's exponential, maximum and sum
+// cost the same whatever the head dimension, so narrow heads run slower per FLOP (heads of 32 and
+// of 64 differ by a third here), and a short sequence gives each block of queries few keys. The
+// measurements become the preset's table of this kernel by head dimension and sequence length
+// (devices::AttentionRateTable), which prices a run at its own heads and the sequence its kernel
+// calls see; their totals give the flat rates other backends fall back to.
 AttentionRates calibrate_attention(devices::DeviceSet& set, double seconds, Measurements& out) {
-  double forward_flops = 0, forward_seconds = 0, backward_flops = 0, backward_seconds = 0;
-  struct AttentionSample {
+  struct Sample {
     AttentionShape shape;
     double flops, forward, backward;
   };
-  std::vector<AttentionSample> attention;
-  for (const AttentionShape a : {AttentionShape{4, 256, 8, 32}, AttentionShape{1, 512, 8, 64}}) {
-    const double forward = time_on_devices(set, seconds, attention_kernel(a, false));
-    const double backward = time_on_devices(set, seconds, attention_kernel(a, true));
-    // cost::causal_attention's count for the whole sequence on one rank: 2 b h s^2 d forward,
-    // 2.5 times that backward.
-    const double flops =
-        2 * static_cast<double>(a.b * a.heads * a.s) * static_cast<double>(a.s * a.d);
-    forward_flops += flops, forward_seconds += forward;
-    backward_flops += 2.5 * flops, backward_seconds += backward;
-    attention.push_back({a, flops, forward, backward});
+  std::vector<Sample> samples;
+  AttentionRates rates{
+      .forward = 0,
+      .backward = 0,
+      .table = {.kernel = "weave's blockwise causal attention on this host (weave calibrate)"},
+      .shapes = 0};
+  double forward_flops = 0, forward_seconds = 0, backward_flops = 0, backward_seconds = 0;
+  for (const std::int64_t d : {16, 32, 64, 128}) {
+    devices::AttentionRateTable::Row forward_row{.head_dim = static_cast<double>(d)};
+    devices::AttentionRateTable::Row backward_row{.head_dim = static_cast<double>(d)};
+    for (const std::int64_t s : {128, 256, 512, 1024}) {
+      // About 2^28 FLOPs a forward call (a few milliseconds), in heads of one sequence.
+      const std::int64_t heads =
+          std::clamp<std::int64_t>((std::int64_t{1} << 27) / (s * s * d), 1, 64);
+      const AttentionShape a{1, s, heads, d};
+      const double forward = time_on_devices(set, seconds, attention_kernel(a, false));
+      const double backward = time_on_devices(set, seconds, attention_kernel(a, true));
+      // cost::causal_attention's count for the whole sequence on one rank: 2 b h s^2 d forward,
+      // 2.5 times that backward.
+      const double flops =
+          2 * static_cast<double>(a.b * a.heads * a.s) * static_cast<double>(a.s * a.d);
+      forward_flops += flops, forward_seconds += forward;
+      backward_flops += 2.5 * flops, backward_seconds += backward;
+      forward_row.points.emplace_back(static_cast<double>(s), flops / forward);
+      backward_row.points.emplace_back(static_cast<double>(s), 2.5 * flops / backward);
+      samples.push_back({a, flops, forward, backward});
+    }
+    rates.table.forward.push_back(std::move(forward_row));
+    rates.table.backward.push_back(std::move(backward_row));
   }
-  const AttentionRates rates{forward_flops / forward_seconds, backward_flops / backward_seconds,
-                             attention.size()};
-  for (const AttentionSample& x : attention) {
+  rates.forward = forward_flops / forward_seconds;
+  rates.backward = backward_flops / backward_seconds;
+  rates.shapes = samples.size();
+  // What the preset prices each measured shape at: the table's rate of its head dimension and
+  // sequence length.
+  for (const Sample& x : samples) {
     const std::string shape = fmt::format("causal, {} x {} positions, {} heads of {}", x.shape.b,
                                           x.shape.s, x.shape.heads, x.shape.d);
+    const auto d = static_cast<double>(x.shape.d), s = static_cast<double>(x.shape.s);
     out.push_back({.kernel = "attention",
                    .shape = shape + ", forward",
                    .seconds = x.forward,
-                   .modelled_seconds = x.flops / rates.forward});
+                   .modelled_seconds = x.flops / rates.table.rate(d, s, false)});
     out.push_back({.kernel = "attention",
                    .shape = shape + ", backward",
                    .seconds = x.backward,
-                   .modelled_seconds = 2.5 * x.flops / rates.backward});
+                   .modelled_seconds = 2.5 * x.flops / rates.table.rate(d, s, true)});
   }
   return rates;
 }
@@ -335,6 +365,11 @@ devices::Accelerator host_preset(const CalibrationOptions& options, int cores,
   a.matmul_overhead_dimension = products.overhead;
   a.attention_efficiency = attention.forward / a.peak_flops;
   a.attention_backward_efficiency = attention.backward / a.peak_flops;
+  // The backends that run the blockwise kernel on this host (unfused and local materialise the
+  // scores: products and streaming), and the one auto chooses.
+  for (const char* backend : {"flash", "fused"})
+    a.attention_kernels.emplace_back(backend, attention.table);
+  a.attention_auto = "flash";
   a.memory_bandwidth = streaming.bandwidth;
   a.memory_efficiency = 1;
   a.memory_bytes = static_cast<std::int64_t>(1) << 30;
@@ -344,7 +379,8 @@ devices::Accelerator host_preset(const CalibrationOptions& options, int cores,
   a.network = a.node_link;
   a.sources = {fmt::format(
       "weave calibrate: matrix products over {} shapes (forward and both backward halves), "
-      "blockwise attention forward and backward at {} shapes, a step's streaming (norms, residual "
+      "blockwise attention forward and backward at {} shapes (4 head dimensions by 4 sequence "
+      "lengths: attention_kernels' table), a step's streaming (norms, residual "
       "adds, AdamW, the gradient norm) at {} sizes, all from memory beyond the cache, on {} "
       "device(s) side by side",
       products.shapes, attention.shapes, streaming.sizes, options.devices)};

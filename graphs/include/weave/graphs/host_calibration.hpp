@@ -9,7 +9,10 @@
 // streaming task is charged. From them:
 //   matrix products: t = (2mnk + d0 x 2(mn + nk + mk)) / R, least squares over the shapes on
 //                    relative error (devices::KernelRates), R and d0 >= 0;
-//   attention:       forward and backward FLOPs over their time, at the shapes measured;
+//   attention:       forward and backward FLOPs over their time at 4 head dimensions (16 to
+//                    128) by 4 sequence lengths (128 to 1024), the preset's table for the
+//                    backends that run the blockwise kernel here (flash, fused, auto), and
+//                    over all of them the flat rates the others fall back to;
 //   streaming:       the norms', residual adds' and AdamW's bytes over their time.
 #pragma once
 
