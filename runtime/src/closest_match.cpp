@@ -24,17 +24,24 @@ std::size_t edit_distance(std::string_view a, std::string_view b) {
 }  // namespace
 
 std::string closest_match(std::string_view word, const std::vector<std::string>& candidates) {
+  // A typo changes a few characters; beyond a third of the word it is another word.
+  const std::size_t within = std::max<std::size_t>(2, word.size() / 3);
   std::string best;
   std::size_t best_distance = std::string::npos;
   for (const std::string& c : candidates) {
+    // The distance is at least the lengths' difference: a candidate that cannot come nearer than
+    // the best so far, or within reach at all, needs no table (the command line's several hundred
+    // flag names, for every unknown one).
+    const std::size_t apart =
+        c.size() > word.size() ? c.size() - word.size() : word.size() - c.size();
+    if (apart >= best_distance || apart > within) continue;
     const std::size_t d = edit_distance(word, c);
     if (d < best_distance) {
       best_distance = d;
       best = c;
     }
   }
-  // A typo changes a few characters; beyond a third of the word it is another word.
-  return best_distance <= std::max<std::size_t>(2, word.size() / 3) ? best : "";
+  return best_distance <= within ? best : "";
 }
 
 }  // namespace weave::rt

@@ -140,7 +140,7 @@ TEST(Device, WorkersArePinnedAndTheCallerIsNot) {
     }
     EXPECT_EQ(seen, expected) << "device " << d;
   }
-  // The calling thread helps run graphs but keeps its own affinity.
+  // The calling thread helps run graphs and has its own affinity after the run.
   rt::GraphBuilder b;
   for (rt::DeviceId d = 0; d < set.size(); ++d)
     b.add({.device = d, .name = "t"});
@@ -182,8 +182,8 @@ TEST(Device, EveryTaskRunsOnItsDevicesCoresWhicheverThreadRunsIt) {
   for (rt::DeviceId d = 0; d < set.size(); ++d)
     for (int i = 0; i < kTasks; ++i) {
       const std::size_t slot = d * kTasks + static_cast<std::size_t>(i);
-      EXPECT_EQ(ran_on[slot], expected[d]) << "device " << d << ", task " << i
-                                           << (by_caller[slot] ? ", run by the caller" : "");
+      EXPECT_EQ(ran_on[slot], expected[d])
+          << "device " << d << ", task " << i << (by_caller[slot] ? ", run by the caller" : "");
       helped += by_caller[slot];
     }
   EXPECT_EQ(cpus_of_this_thread(), before);

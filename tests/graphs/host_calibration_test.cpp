@@ -21,7 +21,8 @@ TEST(HostCalibration, AttentionIsPricedByTheRateMeasuredAtItsHeadWidthAndSequenc
   const devices::AttentionRateTable& table = a.attention_kernels[0].second;
   ASSERT_EQ(table.forward.size(), 4u);
   ASSERT_EQ(table.backward.size(), 4u);
-  for (const auto& row : table.forward) EXPECT_EQ(row.points.size(), 4u) << row.head_dim;
+  for (const auto& row : table.forward)
+    EXPECT_EQ(row.points.size(), 4u) << row.head_dim;
   // Every measured shape is one of the table's points: the preset prices it as it ran.
   int attention = 0;
   for (const KernelMeasurement& m : c.measurements) {
