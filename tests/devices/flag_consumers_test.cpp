@@ -11,6 +11,7 @@
 
 #include "commands.hpp"
 #include "run_record.hpp"
+#include "train_command_line.hpp"
 #include "train_options.hpp"
 #include "weave/graphs/config_flags.hpp"
 
@@ -19,16 +20,10 @@ namespace {
 using namespace weave;
 
 // Parses `weave train FLAGS` as the program does, a --config file reading as `config`.
+// Built anew for each parse: the tests add flags to the table between parses.
 cli::TrainOptions parse(const std::vector<std::string>& flags, const std::string& config = "{}") {
-  cli::TrainOptions o;
-  CLI::App app{"", "weave"};
-  cli::add_train_flags(*app.add_subcommand("train"), o);
-  std::vector<std::string> args{"train"};
-  args.insert(args.end(), flags.begin(), flags.end());
-  args = cli::prepare_arguments(app, args, [&](const std::string&) { return config; });
-  std::reverse(args.begin(), args.end());
-  app.parse(args);
-  return o;
+  return cli::TrainCommandLine().parse(flags,
+                                       [&](const std::string&) { return std::optional(config); });
 }
 
 class FlagConsumers : public ::testing::Test {

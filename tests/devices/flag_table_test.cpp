@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "commands.hpp"
+#include "train_command_line.hpp"
 #include "train_options.hpp"
 #include "weave/graphs/config_flags.hpp"
 
@@ -80,37 +81,12 @@ std::vector<Row> table() {
   return rows;
 }
 
-// `weave train`'s command line, built once for all the rows a test parses. Building it adds
-// several hundred flags, each checked against those added before it: per row, that was most of
-// these tests' time, many times over under the sanitizers' unoptimised command-line code. Each
-// parse starts from new options and a cleared command line, as a new run does; every flag binds
-// to the options, so nothing of an earlier row is left.
-class TrainParser {
- public:
-  TrainParser() { weave::cli::add_train_flags(*app_.add_subcommand("train"), options_); }
-
-  // Parses `weave train FLAGS` as the program does (a --config file reads as {}), without
-  // running.
-  TrainOptions parse(const std::vector<std::string>& flags) {
-    options_ = TrainOptions{};
-    app_.clear();
-    std::vector<std::string> args{"train"};
-    args.insert(args.end(), flags.begin(), flags.end());
-    args = weave::cli::prepare_arguments(
-        app_, args, [](const std::string&) { return std::optional<std::string>("{}"); });
-    std::reverse(args.begin(), args.end());
-    app_.parse(args);
-    return options_;
-  }
-
- private:
-  CLI::App app_{"", "weave"};
-  TrainOptions options_;
-};
-
+// Parses `weave train FLAGS` as the program does (a --config file reads as {}), without running:
+// one command line for every row, since building it costs far more than a parse.
 void parse(const std::vector<std::string>& flags, TrainOptions& o) {
-  static TrainParser parser;
-  o = parser.parse(flags);
+  static weave::cli::TrainCommandLine command_line;
+  o = command_line.parse(flags,
+                         [](const std::string&) { return std::optional<std::string>("{}"); });
 }
 
 // Thrown once `weave predict`'s command line is parsed and checked, before it predicts.

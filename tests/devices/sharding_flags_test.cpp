@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "commands.hpp"
+#include "train_command_line.hpp"
 #include "train_options.hpp"
 
 namespace {
@@ -36,14 +37,9 @@ struct DeepSpeedFile {
 };
 
 // `weave train FLAGS` parsed and derived as the program does, without running.
-TrainOptions parsed(std::vector<std::string> flags) {
-  TrainOptions o;
-  CLI::App app{"", "weave"};
-  weave::cli::add_train_flags(*app.add_subcommand("train"), o);
-  flags.insert(flags.begin(), "train");
-  std::vector<std::string> args = weave::cli::prepare_arguments(app, flags);
-  std::reverse(args.begin(), args.end());
-  app.parse(args);
+TrainOptions parsed(const std::vector<std::string>& flags) {
+  static weave::cli::TrainCommandLine command_line;
+  TrainOptions o = command_line.parse(flags);
   weave::cli::derive_config(o);
   return o;
 }

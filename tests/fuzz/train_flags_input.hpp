@@ -7,45 +7,15 @@
 // input with: CLI::Error (CLI11's parse errors) or std::invalid_argument naming the rule.
 #pragma once
 
-#include <CLI/CLI.hpp>
-
-#include <algorithm>
 #include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
 
-#include "commands.hpp"
-#include "train_options.hpp"
+#include "train_command_line.hpp"
 #include "weave/graphs/trainer_config.hpp"
 
 namespace weave::fuzz {
-
-// `weave train`'s command line, built once for every input: building it adds several hundred
-// flags, each checked against those added before it, which took most of an input's time (a few
-// hundred inputs a minute under the sanitizers). Each parse starts from new options and a cleared
-// command line, as a new run does; every flag binds to the options, so nothing of an earlier input
-// is left.
-class TrainCommandLine {
- public:
-  TrainCommandLine() { cli::add_train_flags(*app_.add_subcommand("train"), options_); }
-
-  graphs::TrainerConfig parse(std::vector<std::string> args, const std::string& config) {
-    options_ = cli::TrainOptions{};
-    app_.clear();
-    args = cli::prepare_arguments(
-        app_, args, [&](const std::string&) { return std::optional<std::string>(config); });
-    std::reverse(args.begin(), args.end());  // CLI11 takes them last first
-    app_.parse(args);
-    cli::derive_config(options_);
-    graphs::validate(options_.config);
-    return options_.config;
-  }
-
- private:
-  CLI::App app_;
-  cli::TrainOptions options_;
-};
 
 inline graphs::TrainerConfig parse_train_flags(std::string_view input) {
   std::string config;
@@ -54,15 +24,20 @@ inline graphs::TrainerConfig parse_train_flags(std::string_view input) {
     config = input.substr(0, nul);
     flags = input.substr(nul + 1);
   }
-  std::vector<std::string> args{"train"};
+  std::vector<std::string> args;
   for (std::size_t begin = 0; begin < flags.size();) {
     std::size_t end = flags.find('\n', begin);
     if (end == std::string_view::npos) end = flags.size();
     args.emplace_back(flags.substr(begin, end - begin));
     begin = end + 1;
   }
-  static TrainCommandLine command_line;
-  return command_line.parse(std::move(args), config);
+  // One command line for every input: building it costs far more than a parse.
+  static cli::TrainCommandLine command_line;
+  cli::TrainOptions options = command_line.parse(
+      args, [&](const std::string&) { return std::optional<std::string>(config); });
+  cli::derive_config(options);
+  graphs::validate(options.config);
+  return options.config;
 }
 
 }  // namespace weave::fuzz
